@@ -1,0 +1,87 @@
+/* The interceptor chain: gRPC-style unary interceptors around a method handler.
+ *
+ * An interceptor either answers the call itself (short-circuit: replay, reject) or calls
+ * idem_call_next() and may then inspect the response. The last "next" is the handler.
+ * Interceptors know nothing of the transport: an idem_call is the decoded request plus
+ * the response being built. */
+#ifndef IDEMRPC_CHAIN_H
+#define IDEMRPC_CHAIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct idem_call idem_call;
+typedef struct idem_chain idem_chain;
+
+/* Where the chain continues. A value type: pass it on unchanged. */
+typedef struct idem_next {
+    const idem_chain *chain;
+    size_t pos;
+} idem_next;
+
+/* Returns the call's final code, which must equal idem_call_code(call). */
+typedef idem_code (*idem_interceptor_fn)(idem_call *call, idem_next next, void *arg);
+
+/* Runs the rest of the chain (eventually the handler) and returns its code. */
+IDEM_API idem_code idem_call_next(idem_call *call, idem_next next);
+
+/* Where the effective idempotency key came from. */
+typedef enum idem_key_source {
+    IDEM_KEY_NONE = 0,
+    IDEM_KEY_FIELD,     /* Request.idempotency_key */
+    IDEM_KEY_METADATA,  /* metadata "idempotency-key" */
+    IDEM_KEY_EXTRACTED, /* the method's registered extractor */
+    IDEM_KEY_TOKEN,     /* the one-time submit token */
+} idem_key_source;
+
+/* ---- the request (read-only; strings are NUL-terminated and valid for the call) ---- */
+IDEM_API const char *idem_call_method(const idem_call *call);
+IDEM_API const char *idem_call_caller(const idem_call *call);
+IDEM_API const char *idem_call_request_id(const idem_call *call);
+IDEM_API const char *idem_call_token(const idem_call *call);
+IDEM_API const void *idem_call_payload(const idem_call *call, size_t *len);
+IDEM_API uint32_t idem_call_attempt(const idem_call *call);
+IDEM_API uint64_t idem_call_deadline_ms(const idem_call *call); /* 0 = none */
+/* NULL when absent. */
+IDEM_API const char *idem_call_metadata(const idem_call *call, const char *name);
+IDEM_API size_t idem_call_metadata_count(const idem_call *call);
+IDEM_API void idem_call_metadata_at(const idem_call *call, size_t i, const char **name,
+                                    const char **value);
+/* The resolved idempotency key (unscoped), or NULL before request_id ran / when none. */
+IDEM_API const char *idem_call_key(const idem_call *call);
+IDEM_API idem_key_source idem_call_key_source(const idem_call *call);
+
+/* ---- the response ---- */
+/* Sets the response code and payload (copied). Returns code, so a handler can end with
+ * `return idem_call_reply(call, IDEM_OK, buf, n);`. */
+IDEM_API idem_code idem_call_reply(idem_call *call, idem_code code, const void *payload,
+                                   size_t len);
+/* Sets an error code and a human-readable message (printf-style, truncated to 1 KiB);
+ * clears any payload. Returns code. */
+IDEM_API idem_code idem_call_fail(idem_call *call, idem_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Adds (or replaces) response metadata; both strings are copied. Returns IDEM_OK or
+ * IDEM_RESOURCE_EXHAUSTED beyond the metadata bounds. */
+IDEM_API idem_code idem_call_set_response_metadata(idem_call *call, const char *name,
+                                                   const char *value);
+IDEM_API idem_code idem_call_code(const idem_call *call);
+IDEM_API const char *idem_call_message(const idem_call *call);
+IDEM_API const void *idem_call_response_payload(const idem_call *call, size_t *len);
+IDEM_API const char *idem_call_response_metadata(const idem_call *call, const char *name);
+/* True when the response is a stored first result. */
+IDEM_API bool idem_call_replayed(const idem_call *call);
+
+/* Per-call user pointer for interceptors that pass state to the handler. */
+IDEM_API void idem_call_set_user(idem_call *call, void *user);
+IDEM_API void *idem_call_user(const idem_call *call);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

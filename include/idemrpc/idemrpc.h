@@ -1,0 +1,11 @@
+/* idemrpc umbrella header. */
+#ifndef IDEMRPC_H
+#define IDEMRPC_H
+
+#include "status.h"
+#include "chain.h"
+#include "store.h"
+#include "server.h"
+#include "client.h"
+
+#endif

@@ -1,0 +1,108 @@
+/* idem_server: an nng rep0 server that runs every call through the interceptor chain.
+ *
+ * Life cycle: idem_server_opts_init → set fields → idem_server_create → register methods
+ * (and interceptors) → idem_server_listen (one or more URLs) → ... → idem_server_destroy.
+ * Registration must happen before the first listen; the server is then read-only except
+ * for its own internal state. */
+#ifndef IDEMRPC_SERVER_H
+#define IDEMRPC_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chain.h"
+#include "status.h"
+#include "store.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct idem_server idem_server;
+
+/* A method handler: reads the request through idem_call_*(), answers with
+ * idem_call_reply()/idem_call_fail() and returns the code. Runs on an idemrpc worker
+ * thread; it may block. */
+typedef idem_code (*idem_handler_fn)(idem_call *call, void *arg);
+
+/* Derives a business key from the request (e.g. out_trade_no + channel of a payment
+ * callback). Writes a NUL-terminated key of at most cap-1 bytes into buf and returns
+ * true, or returns false when the payload carries none. */
+typedef bool (*idem_key_extractor_fn)(const idem_call *call, char *buf, size_t cap, void *arg);
+
+enum idem_method_flags {
+    /* Claim-before-run through the result cache; results replayed to duplicates. */
+    IDEM_METHOD_CACHED = 1u << 0,
+    /* Calls without an idempotency key are rejected with INVALID_ARGUMENT. */
+    IDEM_METHOD_KEY_REQUIRED = 1u << 1,
+    /* Calls need a one-time token from idem.Token/Issue; the token becomes the key.
+     * Implies IDEM_METHOD_CACHED. */
+    IDEM_METHOD_TOKEN_REQUIRED = 1u << 2,
+};
+
+typedef struct idem_method_opts {
+    unsigned flags;                  /* idem_method_flags */
+    idem_key_extractor_fn extractor; /* optional */
+    void *extractor_arg;
+    uint64_t result_ttl_ms;  /* 0 = server default (24 h) */
+    uint64_t lease_ms;       /* 0 = server default (30 s): max expected handler time */
+    uint32_t transient_mask; /* codes released instead of stored; 0 = IDEM_TRANSIENT_CODES */
+} idem_method_opts;
+
+typedef struct idem_server_opts {
+    size_t contexts;        /* concurrent calls (nng contexts); 0 = 2 x cores */
+    size_t workers;         /* handler threads; 0 = contexts */
+    size_t max_frame;       /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
+    const char *db_path;    /* LMDB directory, created if missing; ignored if store set */
+    size_t map_size;        /* LMDB map size; 0 = 1 GiB */
+    idem_store *store;      /* optional shared store, not owned by the server */
+    uint64_t result_ttl_ms; /* 0 = 24 h */
+    uint64_t lease_ms;      /* 0 = 30 s */
+    uint64_t token_ttl_ms;  /* 0 = 10 min */
+    uint64_t max_wait_ms;   /* duplicate wait when the request has no deadline; 0 = 10 s */
+    uint64_t sweep_interval_ms; /* 0 = 60 s */
+    size_t sweep_batch;         /* records deleted per write txn; 0 = 1000 */
+    /* true (default): the chain starts request_id → token → result_cache, and
+     * interceptors added with idem_server_use() run after them, around the handler.
+     * false: the chain is exactly what idem_server_use()/idem_server_use_builtin() add. */
+    bool default_chain;
+} idem_server_opts;
+
+typedef enum idem_builtin {
+    IDEM_BUILTIN_REQUEST_ID,
+    IDEM_BUILTIN_TOKEN,
+    IDEM_BUILTIN_RESULT_CACHE,
+} idem_builtin;
+
+IDEM_API void idem_server_opts_init(idem_server_opts *opts);
+
+/* Functions returning idem_code below return IDEM_OK or an error whose detail is in
+ * idem_errmsg() (status.h). */
+IDEM_API idem_code idem_server_create(idem_server **out, const idem_server_opts *opts);
+
+/* Name is "package.Service/Method" (copied). opts may be NULL (plain, uncached). */
+IDEM_API idem_code idem_server_register(idem_server *srv, const char *method, idem_handler_fn fn,
+                                  void *arg, const idem_method_opts *opts);
+
+/* Appends an interceptor; name is for logs (copied). */
+IDEM_API idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn,
+                             void *arg);
+IDEM_API idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which);
+
+/* Starts serving on url (tcp://, ipc://, inproc://). May be called more than once. */
+IDEM_API idem_code idem_server_listen(idem_server *srv, const char *url);
+
+/* For tcp:// with port 0: the port actually bound by the first tcp listener. */
+IDEM_API int idem_server_port(const idem_server *srv);
+
+/* Stops receiving, lets running handlers finish (their replies are dropped if the
+ * socket is gone), drops queued calls without running them, frees everything. */
+IDEM_API void idem_server_destroy(idem_server *srv);
+
+/* The store the server uses (its own or opts.store). */
+IDEM_API idem_store *idem_server_store(idem_server *srv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

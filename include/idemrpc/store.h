@@ -1,0 +1,133 @@
+/* idem_store: durable idempotency records and one-time tokens.
+ *
+ * A record is keyed by the effective key (caller, method, key) and moves
+ *   absent --claim--> IN_PROGRESS(owner, lease) --complete--> COMPLETED(response, expiry)
+ *                                         \--release--> absent
+ * The claim is one atomic write: of concurrent claimers exactly one acquires. A lease
+ * that has expired (its owner crashed or hung) may be taken over by the next claim.
+ * LMDB is the embedded backend; the interface is what the interceptors use. */
+#ifndef IDEMRPC_STORE_H
+#define IDEMRPC_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct idem_store idem_store;
+
+#define IDEM_MAX_CALLER 127
+#define IDEM_MAX_METHOD 127
+#define IDEM_MAX_KEY 255
+#define IDEM_FINGERPRINT_LEN 32 /* SHA-256 */
+
+typedef struct idem_key_ref {
+    const char *caller; /* "" when the request named none */
+    const char *method;
+    const char *key;
+} idem_key_ref;
+
+typedef enum idem_record_state {
+    IDEM_REC_IN_PROGRESS = 1,
+    IDEM_REC_COMPLETED = 2,
+} idem_record_state;
+
+/* A record as read from the store. response is a malloc'd copy of the stored
+ * serialized idem.v1.Response (COMPLETED only); free with idem_record_clear(). */
+typedef struct idem_record {
+    idem_record_state state;
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
+    uint64_t owner;
+    uint64_t lease_until_ms; /* IN_PROGRESS */
+    uint64_t first_at_ms;    /* when the first execution claimed it */
+    uint64_t expires_ms;     /* when the sweeper may delete it */
+    void *response;
+    size_t response_len;
+} idem_record;
+
+typedef struct idem_claim_req {
+    idem_key_ref key;
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
+    uint64_t owner; /* nonzero, unique per claim */
+    uint64_t now_ms;
+    uint64_t lease_until_ms;
+    uint64_t expires_ms; /* sweep time of an abandoned IN_PROGRESS record */
+    /* Optional: a one-time token consumed in the same transaction when the claim
+     * acquires a new record; scoped to key.caller. */
+    const char *token;
+} idem_claim_req;
+
+typedef enum idem_claim_outcome {
+    IDEM_CLAIM_ACQUIRED = 1,  /* new record; caller runs the handler */
+    IDEM_CLAIM_TAKEN_OVER,    /* expired lease re-claimed; caller runs the handler */
+    IDEM_CLAIM_COMPLETED,     /* record holds the first result (in *rec) */
+    IDEM_CLAIM_IN_PROGRESS,   /* another owner holds a live lease (in *rec) */
+    IDEM_CLAIM_MISMATCH,      /* same key, other fingerprint: nothing changed */
+} idem_claim_outcome;
+
+typedef struct idem_store_stats {
+    size_t records, in_progress, completed, tokens;
+    size_t map_size, map_used; /* bytes */
+} idem_store_stats;
+
+enum idem_store_flags {
+    /* MDB_NOSYNC: commits are not fsynced; a machine crash may lose the newest records
+     * (a process crash does not). For benchmarks and caches, never for money. */
+    IDEM_STORE_NOSYNC = 1u << 0,
+    IDEM_STORE_READONLY = 1u << 1,
+};
+
+/* Opens (creating the directory if missing) an LMDB store. map_size 0 = 1 GiB. One
+ * store per directory per process: share it (idem_server_opts.store) instead of opening
+ * the same directory twice. */
+IDEM_API idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size,
+                                        unsigned flags);
+IDEM_API void idem_store_close(idem_store *st);
+
+/* All functions return IDEM_OK or: IDEM_INVALID_ARGUMENT (bad key), IDEM_RESOURCE_EXHAUSTED
+ * (store full; nothing was written), IDEM_INTERNAL (storage error); detail in
+ * idem_errmsg(). */
+
+/* With req->token set and the record absent the token is consumed atomically with the
+ * claim; an unknown or expired token gives IDEM_FAILED_PRECONDITION, one issued to
+ * another caller IDEM_PERMISSION_DENIED, and nothing is written. rec may be NULL; when
+ * not, it is always initialised and must be cleared with idem_record_clear(). */
+IDEM_API idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
+                                    idem_claim_outcome *outcome, idem_record *rec);
+
+/* IN_PROGRESS(owner) → COMPLETED. IDEM_ABORTED when the record is no longer owned by
+ * owner (its lease expired and another claim took it over). */
+IDEM_API idem_code idem_store_complete(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                       const void *response, size_t len, uint64_t expires_ms);
+
+/* IN_PROGRESS(owner) → absent. IDEM_ABORTED when not owned by owner. */
+IDEM_API idem_code idem_store_release(idem_store *st, const idem_key_ref *key, uint64_t owner);
+
+/* IDEM_NOT_FOUND when absent. */
+IDEM_API idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_record *rec);
+
+/* Unconditional delete (operator tool). IDEM_NOT_FOUND when absent. */
+IDEM_API idem_code idem_store_delete(idem_store *st, const idem_key_ref *key);
+
+/* Deletes at most max records and tokens whose expiry is <= now_ms, in one write txn. */
+IDEM_API idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max,
+                                    size_t *deleted);
+
+IDEM_API idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
+                                        uint64_t expires_ms);
+/* Atomic delete-if-valid; codes as for a claim with a token. */
+IDEM_API idem_code idem_store_token_consume(idem_store *st, const char *token,
+                                            const char *scope, uint64_t now_ms);
+
+IDEM_API idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out);
+
+IDEM_API void idem_record_clear(idem_record *rec);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,190 @@
+/* result_cache: claim before run, replay the first result to every duplicate.
+ *
+ *   read (replay fast path) → claim (one write txn) → run → complete | release
+ *
+ * Only the claimer runs the handler. A duplicate that finds the record IN_PROGRESS waits
+ * for it (up to its own deadline, else the server's max wait) and replays the result; if
+ * the wait runs out it gets ABORTED "in progress" with metadata retry-after-ms. Final
+ * codes are stored with the result TTL; transient codes release the claim. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "call.h"
+
+#define POLL_MS 20          /* re-read the store this often while waiting (other processes) */
+#define RETRY_AFTER_MS 100u /* hint given with ABORTED "in progress" */
+
+void idem__waitset_init(idem_waitset *w)
+{
+    pthread_condattr_t ca;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_REALTIME);
+    pthread_cond_init(&w->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    w->gen = 0;
+}
+
+void idem__waitset_fini(idem_waitset *w)
+{
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+}
+
+void idem__waitset_notify(idem_waitset *w)
+{
+    pthread_mutex_lock(&w->mu);
+    w->gen++;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+uint64_t idem__waitset_gen(idem_waitset *w)
+{
+    pthread_mutex_lock(&w->mu);
+    uint64_t g = w->gen;
+    pthread_mutex_unlock(&w->mu);
+    return g;
+}
+
+void idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms)
+{
+    struct timespec ts;
+    idem__abs_timespec(&ts, wait_ms);
+    pthread_mutex_lock(&w->mu);
+    while (w->gen == seen_gen) {
+        if (pthread_cond_timedwait(&w->cv, &w->mu, &ts) != 0) {
+            break;
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+}
+
+static idem_code replay(idem_call *call, const idem_record *rec)
+{
+    char first_at[24];
+    idem_code code = idem__load_call_response(call, rec->response, rec->response_len);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "replay: %s", idem_errmsg());
+    }
+    snprintf(first_at, sizeof(first_at), "%" PRIu64, rec->first_at_ms);
+    idem_call_set_response_metadata(call, "idem-first-at", first_at);
+    call->replayed = true;
+    return call->code;
+}
+
+static idem_code reject_mismatch(idem_call *call)
+{
+    return idem_call_fail(call, IDEM_INVALID_ARGUMENT,
+                          "idempotency key reused with a different request");
+}
+
+static idem_code answer_in_progress(idem_call *call)
+{
+    char hint[16];
+    idem_call_fail(call, IDEM_ABORTED, "in progress: the first call with this key has not "
+                                       "finished; retry with the same key");
+    snprintf(hint, sizeof(hint), "%u", RETRY_AFTER_MS);
+    idem_call_set_response_metadata(call, "retry-after-ms", hint);
+    return IDEM_ABORTED;
+}
+
+/* Runs the handler as the claim owner and records the outcome. */
+static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
+                           const idem_key_ref *key, uint64_t owner)
+{
+    const idem_method_opts *o = &call->method->opts;
+    uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
+    idem_code code = idem_call_next(call, next);
+    idem_code st;
+
+    if (IDEM_CODE_BIT(code) & transient) {
+        st = idem_store_release(rt->store, key, owner);
+    } else {
+        uint8_t *buf;
+        size_t len;
+        uint64_t ttl = o->result_ttl_ms ? o->result_ttl_ms : rt->result_ttl_ms;
+        st = idem__encode_call_response(call, false, &buf, &len);
+        if (st == IDEM_OK) {
+            st = idem_store_complete(rt->store, key, owner, buf, len, idem__now_ms() + ttl);
+            free(buf);
+        }
+    }
+    idem__waitset_notify(&rt->waits);
+    if (st != IDEM_OK) {
+        /* The handler ran; its answer stands. The record stays IN_PROGRESS until its
+         * lease ends, then a retry may run again (documented at-least-once edge). */
+        fprintf(stderr, "idemrpc: result_cache: %s %s: recording outcome failed: %s\n",
+                call->method->name, call->request_id, idem_errmsg());
+    }
+    return code;
+}
+
+idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *arg)
+{
+    idem_runtime *rt = arg;
+    const idem_method *m = call->method;
+    if (m == NULL || !(m->opts.flags & (IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED)) ||
+        call->key_source == IDEM_KEY_NONE) {
+        return idem_call_next(call, next);
+    }
+    idem_key_ref key = {idem_call_caller(call), m->name, call->key};
+    uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : rt->lease_ms;
+    uint64_t deadline = idem_call_deadline_ms(call);
+    size_t plen;
+    const void *payload = idem_call_payload(call, &plen);
+    idem_claim_req req = {.key = key, .token = call->token_to_consume};
+    idem_claim_outcome outcome;
+    idem_record rec;
+
+    if (deadline == 0) {
+        deadline = idem__now_ms() + rt->max_wait_ms;
+    }
+    idem__fingerprint(m->name, payload, plen, req.fingerprint);
+    for (;;) {
+        uint64_t gen = idem__waitset_gen(&rt->waits);
+        idem_code code = idem_store_get(rt->store, &key, &rec);
+        uint64_t now = idem__now_ms();
+        if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
+            bool same = memcmp(rec.fingerprint, req.fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+            code = same ? replay(call, &rec) : reject_mismatch(call);
+            idem_record_clear(&rec);
+            return code;
+        }
+        idem_record_clear(&rec);
+        if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+            return idem_call_fail(call, code, "result cache: %s", idem_errmsg());
+        }
+        req.owner = idem__random_u64();
+        req.now_ms = now;
+        req.lease_until_ms = now + lease;
+        req.expires_ms = req.lease_until_ms + rt->result_ttl_ms;
+        code = idem_store_claim(rt->store, &req, &outcome, &rec);
+        if (code != IDEM_OK) {
+            return idem_call_fail(call, code, "%s", idem_errmsg());
+        }
+        switch (outcome) {
+        case IDEM_CLAIM_ACQUIRED:
+        case IDEM_CLAIM_TAKEN_OVER:
+            call->token_to_consume = NULL;
+            return run_owned(call, next, rt, &key, req.owner);
+        case IDEM_CLAIM_COMPLETED:
+            code = replay(call, &rec);
+            idem_record_clear(&rec);
+            return code;
+        case IDEM_CLAIM_MISMATCH:
+            return reject_mismatch(call);
+        case IDEM_CLAIM_IN_PROGRESS:
+            idem_record_clear(&rec);
+            break;
+        }
+        now = idem__now_ms();
+        if (now >= deadline) {
+            return answer_in_progress(call);
+        }
+        uint64_t left = deadline - now;
+        idem__waitset_wait(&rt->waits, gen, left < POLL_MS ? left : POLL_MS);
+    }
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install idemrpc's build and test dependencies from Debian. Idempotent: packages
+# already present are left alone, and nothing runs when all are there.
+set -euo pipefail
+
+PKGS=(build-essential meson ninja-build pkg-config cmake
+      libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
+      liblmdb-dev lmdb-utils libcriterion-dev)
+
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+SUDO=
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -1,0 +1,241 @@
+/* The interceptor chain and the idem_call accessors. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "call.h"
+
+idem_code idem_call_next(idem_call *call, idem_next next)
+{
+    if (next.chain != NULL && next.pos < next.chain->n) {
+        const idem_interceptor *it = &next.chain->items[next.pos];
+        return it->fn(call, (idem_next){next.chain, next.pos + 1}, it->arg);
+    }
+    if (call->method == NULL) {
+        return idem_call_fail(call, IDEM_UNIMPLEMENTED, "unknown method \"%s\"",
+                              idem_call_method(call));
+    }
+    idem_code code = call->method->fn(call, call->method->arg);
+    if (code != call->code) {
+        /* A handler that returned one code and replied another: the return wins. */
+        call->code = code;
+    }
+    return code;
+}
+
+void idem__call_init(idem_call *call, const Idem__V1__Request *req, const idem_method *m,
+                     idem_runtime *rt)
+{
+    memset(call, 0, sizeof(*call));
+    call->req = req;
+    call->method = m;
+    call->rt = rt;
+}
+
+void idem__call_reset_response(idem_call *call)
+{
+    free(call->message);
+    free(call->payload);
+    for (size_t i = 0; i < call->meta_count; i++) {
+        free(call->meta[i].name);
+        free(call->meta[i].value);
+    }
+    free(call->meta);
+    call->message = NULL;
+    call->payload = NULL;
+    call->payload_len = 0;
+    call->meta = NULL;
+    call->meta_count = 0;
+    call->code = IDEM_OK;
+    call->replayed = false;
+}
+
+void idem__call_fini(idem_call *call)
+{
+    idem__call_reset_response(call);
+}
+
+const char *idem_call_method(const idem_call *call)
+{
+    return call->req->method;
+}
+
+const char *idem_call_caller(const idem_call *call)
+{
+    return call->req->caller;
+}
+
+const char *idem_call_request_id(const idem_call *call)
+{
+    return call->request_id;
+}
+
+const char *idem_call_token(const idem_call *call)
+{
+    return call->req->token;
+}
+
+const void *idem_call_payload(const idem_call *call, size_t *len)
+{
+    *len = call->req->payload.len;
+    return call->req->payload.data;
+}
+
+uint32_t idem_call_attempt(const idem_call *call)
+{
+    return call->req->attempt;
+}
+
+uint64_t idem_call_deadline_ms(const idem_call *call)
+{
+    return call->req->deadline_unix_ms;
+}
+
+const char *idem_call_metadata(const idem_call *call, const char *name)
+{
+    for (size_t i = 0; i < call->req->n_metadata; i++) {
+        if (strcmp(call->req->metadata[i]->key, name) == 0) {
+            return call->req->metadata[i]->value;
+        }
+    }
+    return NULL;
+}
+
+size_t idem_call_metadata_count(const idem_call *call)
+{
+    return call->req->n_metadata;
+}
+
+void idem_call_metadata_at(const idem_call *call, size_t i, const char **name,
+                           const char **value)
+{
+    *name = i < call->req->n_metadata ? call->req->metadata[i]->key : NULL;
+    *value = i < call->req->n_metadata ? call->req->metadata[i]->value : NULL;
+}
+
+const char *idem_call_key(const idem_call *call)
+{
+    return call->key_source != IDEM_KEY_NONE ? call->key : NULL;
+}
+
+idem_key_source idem_call_key_source(const idem_call *call)
+{
+    return call->key_source;
+}
+
+idem_code idem_call_reply(idem_call *call, idem_code code, const void *payload, size_t len)
+{
+    uint8_t *copy = NULL;
+    if (len > 0 && (copy = malloc(len)) == NULL) {
+        return idem_call_fail(call, IDEM_RESOURCE_EXHAUSTED, "out of memory for reply");
+    }
+    if (len > 0) {
+        memcpy(copy, payload, len);
+    }
+    free(call->payload);
+    call->payload = copy;
+    call->payload_len = len;
+    call->code = code;
+    return code;
+}
+
+idem_code idem__call_set_message(idem_call *call, const char *msg)
+{
+    char *copy = idem__strdup(msg);
+    if (copy == NULL) {
+        return IDEM_RESOURCE_EXHAUSTED;
+    }
+    free(call->message);
+    call->message = copy;
+    return IDEM_OK;
+}
+
+idem_code idem_call_fail(idem_call *call, idem_code code, const char *fmt, ...)
+{
+    char buf[IDEM_MAX_MESSAGE + 1];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    free(call->payload);
+    call->payload = NULL;
+    call->payload_len = 0;
+    call->code = code;
+    idem__call_set_message(call, buf); /* on ENOMEM the code alone still tells */
+    return code;
+}
+
+idem_code idem_call_set_response_metadata(idem_call *call, const char *name, const char *value)
+{
+    if (strlen(name) > IDEM_MAX_METADATA_NAME || strlen(value) > IDEM_MAX_METADATA_VALUE) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "metadata entry too long");
+    }
+    char *v = idem__strdup(value);
+    if (v == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    for (size_t i = 0; i < call->meta_count; i++) {
+        if (strcmp(call->meta[i].name, name) == 0) {
+            free(call->meta[i].value);
+            call->meta[i].value = v;
+            return IDEM_OK;
+        }
+    }
+    idem_kv *grown = NULL;
+    char *n = NULL;
+    if (call->meta_count >= IDEM_MAX_METADATA ||
+        (grown = realloc(call->meta, (call->meta_count + 1) * sizeof(*grown))) == NULL ||
+        (n = idem__strdup(name)) == NULL) {
+        if (grown != NULL) {
+            call->meta = grown;
+        }
+        free(v);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "response metadata limit (%d)",
+                         IDEM_MAX_METADATA);
+    }
+    call->meta = grown;
+    call->meta[call->meta_count++] = (idem_kv){n, v};
+    return IDEM_OK;
+}
+
+idem_code idem_call_code(const idem_call *call)
+{
+    return call->code;
+}
+
+const char *idem_call_message(const idem_call *call)
+{
+    return call->message != NULL ? call->message : "";
+}
+
+const void *idem_call_response_payload(const idem_call *call, size_t *len)
+{
+    *len = call->payload_len;
+    return call->payload;
+}
+
+const char *idem_call_response_metadata(const idem_call *call, const char *name)
+{
+    for (size_t i = 0; i < call->meta_count; i++) {
+        if (strcmp(call->meta[i].name, name) == 0) {
+            return call->meta[i].value;
+        }
+    }
+    return NULL;
+}
+
+bool idem_call_replayed(const idem_call *call)
+{
+    return call->replayed;
+}
+
+void idem_call_set_user(idem_call *call, void *user)
+{
+    call->user = user;
+}
+
+void *idem_call_user(const idem_call *call)
+{
+    return call->user;
+}

@@ -1,0 +1,373 @@
+/* idem_client: req0 socket, one nng context per logical call, Feign-style retries.
+ *
+ * nng's own REQ resend is switched off: the retryer resends instead, so that every
+ * attempt carries attempt+1 and the per-attempt timeout and backoff are ours. */
+#include <math.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "idemrpc.pb-c.h"
+#include "internal.h"
+
+#define DEFAULT_MAX_FRAME (((size_t)4 << 20) + ((size_t)64 << 10))
+
+struct idem_client {
+    nng_socket sock;
+    idem_client_opts opts;
+    char *caller;
+};
+
+void idem_client_opts_init(idem_client_opts *opts)
+{
+    memset(opts, 0, sizeof(*opts));
+}
+
+static void retry_defaults(idem_retry_policy *p)
+{
+    p->max_attempts = p->max_attempts ? p->max_attempts : 5;
+    p->period_ms = p->period_ms ? p->period_ms : 100;
+    p->max_period_ms = p->max_period_ms ? p->max_period_ms : 1000;
+    p->multiplier = p->multiplier > 0 ? p->multiplier : 1.5;
+    p->jitter = p->jitter == 0 ? 0.2 : (p->jitter < 0 ? 0 : p->jitter);
+}
+
+uint32_t idem_backoff_ms(const idem_retry_policy *policy, uint32_t retry, double rnd)
+{
+    idem_retry_policy p = *policy;
+    retry_defaults(&p);
+    double d = p.period_ms * pow(p.multiplier, retry > 0 ? retry - 1 : 0);
+    if (d > p.max_period_ms) {
+        d = p.max_period_ms;
+    }
+    d *= 1.0 + p.jitter * (2.0 * rnd - 1.0);
+    return d < 0 ? 0 : (uint32_t)d;
+}
+
+idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
+                           const idem_client_opts *opts)
+{
+    idem_client *c;
+    int rv;
+
+    *out = NULL;
+    if (n == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "no server URL");
+    }
+    if ((c = calloc(1, sizeof(*c))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    if (opts != NULL) {
+        c->opts = *opts;
+    }
+    retry_defaults(&c->opts.retry);
+    c->opts.attempt_timeout_ms = c->opts.attempt_timeout_ms ? c->opts.attempt_timeout_ms : 2000;
+    c->opts.deadline_ms = c->opts.deadline_ms ? c->opts.deadline_ms : 10000;
+    c->opts.max_frame = c->opts.max_frame ? c->opts.max_frame : DEFAULT_MAX_FRAME;
+    if ((c->caller = idem__strdup(c->opts.caller)) == NULL) {
+        free(c);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    c->opts.caller = c->caller;
+    if ((rv = nng_req0_open(&c->sock)) != 0) {
+        free(c->caller);
+        free(c);
+        return idem__err(IDEM_UNAVAILABLE, "nng_req0_open: %s", nng_strerror(rv));
+    }
+    if ((rv = nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE)) != 0 ||
+        (rv = nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, c->opts.max_frame)) != 0) {
+        idem_client_close(c);
+        return idem__err(IDEM_INTERNAL, "client socket options: %s", nng_strerror(rv));
+    }
+    for (size_t i = 0; i < n; i++) {
+        if ((rv = nng_dial(c->sock, urls[i], NULL, NNG_FLAG_NONBLOCK)) != 0) {
+            idem_client_close(c);
+            return idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s", urls[i], nng_strerror(rv));
+        }
+    }
+    *out = c;
+    return IDEM_OK;
+}
+
+void idem_client_close(idem_client *c)
+{
+    if (c != NULL) {
+        nng_close(c->sock);
+        free(c->caller);
+        free(c);
+    }
+}
+
+/* Encodes the request for one attempt into a new nng message. */
+static idem_code build_msg(const idem_request *r, const char *caller, const char *key,
+                           uint32_t attempt, uint64_t deadline, nng_msg **out)
+{
+    Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
+    Idem__V1__Request__MetadataEntry entries[64], *ptrs[64];
+    nng_msg *msg;
+
+    if (r->metadata_count > IDEM_ARRAY_LEN(entries)) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "at most 64 metadata entries");
+    }
+    for (size_t i = 0; i < r->metadata_count; i++) {
+        idem__v1__request__metadata_entry__init(&entries[i]);
+        entries[i].key = (char *)r->metadata[i].name;
+        entries[i].value = (char *)r->metadata[i].value;
+        ptrs[i] = &entries[i];
+    }
+    m.method = (char *)r->method;
+    m.idempotency_key = (char *)key;
+    m.request_id = (char *)(r->request_id ? r->request_id : "");
+    m.token = (char *)(r->token ? r->token : "");
+    m.caller = (char *)caller;
+    m.n_metadata = r->metadata_count;
+    m.metadata = ptrs;
+    m.payload.data = (uint8_t *)r->payload;
+    m.payload.len = r->payload_len;
+    m.attempt = attempt;
+    m.deadline_unix_ms = deadline;
+    size_t len = idem__v1__request__get_packed_size(&m);
+    if (nng_msg_alloc(&msg, len) != 0) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    idem__v1__request__pack(&m, nng_msg_body(msg));
+    *out = msg;
+    return IDEM_OK;
+}
+
+static char *dup_bytes(const void *p, size_t n)
+{
+    char *s = malloc(n + 1);
+    if (s != NULL) {
+        if (n > 0) {
+            memcpy(s, p, n);
+        }
+        s[n] = '\0';
+    }
+    return s;
+}
+
+static idem_code result_fill(idem_result *out, const Idem__V1__Response *r)
+{
+    out->code = (idem_code)r->code;
+    out->replayed = r->replayed;
+    out->message = idem__strdup(r->message);
+    out->request_id = idem__strdup(r->request_id);
+    out->payload = dup_bytes(r->payload.data, r->payload.len);
+    out->payload_len = r->payload.len;
+    out->metadata = calloc(r->n_metadata + 1, sizeof(idem_metadata_kv));
+    if (out->message == NULL || out->request_id == NULL || out->payload == NULL ||
+        out->metadata == NULL) {
+        return IDEM_RESOURCE_EXHAUSTED;
+    }
+    for (size_t i = 0; i < r->n_metadata; i++) {
+        char *k = idem__strdup(r->metadata[i]->key), *v = idem__strdup(r->metadata[i]->value);
+        out->metadata[out->metadata_count++] = (idem_metadata_kv){k, v};
+        if (k == NULL || v == NULL) {
+            return IDEM_RESOURCE_EXHAUSTED;
+        }
+    }
+    return IDEM_OK;
+}
+
+/* One attempt: send, wait up to timeout_ms for the reply. Returns the transport
+ * outcome; on IDEM_OK *resp holds the decoded response. */
+static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
+                              Idem__V1__Response **resp)
+{
+    nng_ctx ctx;
+    nng_aio *aio;
+    int rv;
+    idem_code code = IDEM_OK;
+
+    if ((rv = nng_ctx_open(&ctx, c->sock)) != 0) {
+        nng_msg_free(msg);
+        return idem__err(IDEM_UNAVAILABLE, "nng_ctx_open: %s", nng_strerror(rv));
+    }
+    if ((rv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
+        nng_msg_free(msg);
+        nng_ctx_close(ctx);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "nng_aio_alloc: %s", nng_strerror(rv));
+    }
+    nng_aio_set_timeout(aio, (nng_duration)timeout_ms);
+    nng_aio_set_msg(aio, msg);
+    nng_ctx_send(ctx, aio);
+    nng_aio_wait(aio);
+    if ((rv = nng_aio_result(aio)) == 0) {
+        nng_ctx_recv(ctx, aio);
+        nng_aio_wait(aio);
+        rv = nng_aio_result(aio);
+    } else {
+        nng_msg_free(nng_aio_get_msg(aio));
+    }
+    if (rv == 0) {
+        nng_msg *reply = nng_aio_get_msg(aio);
+        *resp = idem__v1__response__unpack(NULL, nng_msg_len(reply), nng_msg_body(reply));
+        nng_msg_free(reply);
+        if (*resp == NULL) {
+            code = idem__err(IDEM_DATA_LOSS, "reply is not a valid idem.v1.Response");
+        }
+    } else if (rv == NNG_ETIMEDOUT) {
+        code = idem__err(IDEM_DEADLINE_EXCEEDED, "no reply within %u ms", timeout_ms);
+    } else {
+        code = idem__err(IDEM_UNAVAILABLE, "transport: %s", nng_strerror(rv));
+    }
+    nng_aio_free(aio);
+    nng_ctx_close(ctx);
+    return code;
+}
+
+static bool retryable(idem_code code)
+{
+    return code == IDEM_UNAVAILABLE || code == IDEM_DEADLINE_EXCEEDED || code == IDEM_ABORTED;
+}
+
+static uint32_t retry_after_hint(const Idem__V1__Response *r)
+{
+    for (size_t i = 0; r != NULL && i < r->n_metadata; i++) {
+        if (strcmp(r->metadata[i]->key, "retry-after-ms") == 0) {
+            unsigned long v = strtoul(r->metadata[i]->value, NULL, 10);
+            return v > 60000 ? 60000 : (uint32_t)v;
+        }
+    }
+    return 0;
+}
+
+static void sleep_ms(uint64_t ms)
+{
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out)
+{
+    const char *caller = req->caller != NULL ? req->caller : c->caller;
+    uint32_t total_ms = req->deadline_ms ? req->deadline_ms : c->opts.deadline_ms;
+    uint64_t start = idem__mono_ms(), end = start + total_ms;
+    uint64_t deadline_unix = idem__now_ms() + total_ms;
+    idem_code code = IDEM_OK;
+
+    memset(out, 0, sizeof(*out));
+    if (req->method == NULL) {
+        return out->code = idem__err(IDEM_INVALID_ARGUMENT, "method is required");
+    }
+    /* The key is fixed here, once, for every attempt of this logical call. */
+    if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
+        if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
+            return out->code = idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
+        }
+        strcpy(out->key, req->idempotency_key);
+    } else {
+        uint8_t rnd[16];
+        if (!idem__random(rnd, sizeof(rnd))) {
+            return out->code = idem__err(IDEM_INTERNAL, "getrandom failed");
+        }
+        idem__hex(out->key, rnd, sizeof(rnd));
+    }
+    for (uint32_t attempt = 1;; attempt++) {
+        Idem__V1__Response *resp = NULL;
+        nng_msg *msg;
+        uint64_t now = idem__mono_ms();
+        if (now >= end) {
+            code = idem__err(IDEM_DEADLINE_EXCEEDED, "call deadline of %u ms passed", total_ms);
+            break;
+        }
+        uint64_t left = end - now;
+        uint32_t timeout = left < c->opts.attempt_timeout_ms ? (uint32_t)left
+                                                              : c->opts.attempt_timeout_ms;
+        if ((code = build_msg(req, caller, out->key, attempt, deadline_unix, &msg)) != IDEM_OK) {
+            break;
+        }
+        out->attempts = attempt;
+        code = attempt_once(c, msg, timeout, &resp);
+        if (code == IDEM_OK) {
+            code = (idem_code)resp->code;
+        }
+        bool again = retryable(code) && attempt < c->opts.retry.max_attempts;
+        if (!again) {
+            if (resp != NULL) {
+                idem_code fill = result_fill(out, resp);
+                idem__v1__response__free_unpacked(resp, NULL);
+                if (fill != IDEM_OK) {
+                    idem_result_clear(out);
+                    code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+                }
+            }
+            break;
+        }
+        uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
+        uint32_t hint = retry_after_hint(resp);
+        if (resp != NULL) {
+            idem__v1__response__free_unpacked(resp, NULL);
+        }
+        wait = hint > wait ? hint : wait;
+        now = idem__mono_ms();
+        if (now + wait >= end) {
+            wait = end > now ? (uint32_t)(end - now) : 0;
+        }
+        sleep_ms(wait);
+    }
+    if (out->message == NULL && code != IDEM_OK) {
+        out->message = idem__strdup(idem_errmsg());
+    }
+    out->code = code;
+    return code;
+}
+
+idem_code idem_client_issue_token(idem_client *c, const char *caller, char *buf, size_t cap,
+                                  uint64_t *expires_unix_ms)
+{
+    idem_request req = {.method = "idem.Token/Issue", .caller = caller};
+    idem_result res;
+    idem_code code = idem_client_call(c, &req, &res);
+    if (code == IDEM_OK) {
+        Idem__V1__IssueTokenResponse *t =
+            idem__v1__issue_token_response__unpack(NULL, res.payload_len, res.payload);
+        if (t == NULL) {
+            code = idem__err(IDEM_DATA_LOSS, "token reply does not decode");
+        } else if (strlen(t->token) + 1 > cap) {
+            code = idem__err(IDEM_INVALID_ARGUMENT, "token buffer too small");
+        } else {
+            strcpy(buf, t->token);
+            if (expires_unix_ms != NULL) {
+                *expires_unix_ms = t->expires_unix_ms;
+            }
+        }
+        if (t != NULL) {
+            idem__v1__issue_token_response__free_unpacked(t, NULL);
+        }
+    } else {
+        idem__err(code, "issue token: %s", res.message ? res.message : "");
+    }
+    idem_result_clear(&res);
+    return code;
+}
+
+const char *idem_result_metadata(const idem_result *r, const char *name)
+{
+    for (size_t i = 0; i < r->metadata_count; i++) {
+        if (r->metadata[i].name != NULL && strcmp(r->metadata[i].name, name) == 0) {
+            return r->metadata[i].value;
+        }
+    }
+    return NULL;
+}
+
+void idem_result_clear(idem_result *r)
+{
+    for (size_t i = 0; i < r->metadata_count; i++) {
+        free((char *)r->metadata[i].name);
+        free((char *)r->metadata[i].value);
+    }
+    free(r->metadata);
+    free(r->message);
+    free(r->payload);
+    free(r->request_id);
+    r->metadata = NULL;
+    r->metadata_count = 0;
+    r->message = r->payload = r->request_id = NULL;
+    r->payload_len = 0;
+}

@@ -1,0 +1,154 @@
+/* protobuf-c glue: decode and validate Requests, encode Responses. protobuf-c checks
+ * the wire format; the bounds and UTF-8 rules of the envelope are checked here, so
+ * every later layer may treat the strings as bounded, NUL-free C strings. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "call.h"
+
+static idem_code check_string(const char *field, const char *s, size_t max, bool required)
+{
+    size_t len = strlen(s);
+    if (required && len == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "%s is required", field);
+    }
+    if (len > max) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "%s too long (%zu bytes, max %zu)", field, len,
+                         max);
+    }
+    if (!idem__utf8_valid(s, len)) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "%s is not valid UTF-8", field);
+    }
+    return IDEM_OK;
+}
+
+/* "package.Service/Method": printable ASCII, one '/', neither side empty. */
+static idem_code check_method(const char *m)
+{
+    idem_code code = check_string("method", m, IDEM_MAX_METHOD, true);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    const char *slash = strchr(m, '/');
+    bool ok = slash != NULL && slash != m && slash[1] != '\0' && strchr(slash + 1, '/') == NULL;
+    for (const char *p = m; ok && *p; p++) {
+        ok = *p > ' ' && *p < 0x7f;
+    }
+    return ok ? IDEM_OK
+              : idem__err(IDEM_INVALID_ARGUMENT,
+                          "method must look like \"package.Service/Method\"");
+}
+
+static idem_code check_request(const Idem__V1__Request *r)
+{
+    idem_code code;
+    if ((code = check_method(r->method)) != IDEM_OK ||
+        (code = check_string("idempotency_key", r->idempotency_key, IDEM_MAX_KEY, false)) !=
+            IDEM_OK ||
+        (code = check_string("request_id", r->request_id, IDEM_MAX_REQUEST_ID, false)) !=
+            IDEM_OK ||
+        (code = check_string("token", r->token, IDEM_MAX_TOKEN, false)) != IDEM_OK ||
+        (code = check_string("caller", r->caller, IDEM_MAX_CALLER, false)) != IDEM_OK) {
+        return code;
+    }
+    if (r->n_metadata > IDEM_MAX_METADATA) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "too many metadata entries (%zu, max %d)",
+                         r->n_metadata, IDEM_MAX_METADATA);
+    }
+    for (size_t i = 0; i < r->n_metadata; i++) {
+        if ((code = check_string("metadata name", r->metadata[i]->key, IDEM_MAX_METADATA_NAME,
+                                 true)) != IDEM_OK ||
+            (code = check_string("metadata value", r->metadata[i]->value,
+                                 IDEM_MAX_METADATA_VALUE, false)) != IDEM_OK) {
+            return code;
+        }
+    }
+    return IDEM_OK;
+}
+
+idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **out)
+{
+    *out = NULL;
+    if (len == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "empty frame: expected an idem.v1.Request");
+    }
+    Idem__V1__Request *r = idem__v1__request__unpack(NULL, len, buf);
+    if (r == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
+    }
+    idem_code code = check_request(r);
+    if (code != IDEM_OK) {
+        idem__v1__request__free_unpacked(r, NULL);
+        return code;
+    }
+    *out = r;
+    return IDEM_OK;
+}
+
+void idem__free_request(Idem__V1__Request *req)
+{
+    if (req != NULL) {
+        idem__v1__request__free_unpacked(req, NULL);
+    }
+}
+
+idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8_t **out,
+                                     size_t *len)
+{
+    Idem__V1__Response r = IDEM__V1__RESPONSE__INIT;
+    Idem__V1__Response__MetadataEntry entries[IDEM_MAX_METADATA];
+    Idem__V1__Response__MetadataEntry *ptrs[IDEM_MAX_METADATA];
+
+    r.code = (Idem__V1__Code)call->code;
+    r.message = call->message != NULL ? call->message : "";
+    r.payload.data = call->payload;
+    r.payload.len = call->payload_len;
+    for (size_t i = 0; i < call->meta_count && i < IDEM_MAX_METADATA; i++) {
+        idem__v1__response__metadata_entry__init(&entries[i]);
+        entries[i].key = call->meta[i].name;
+        entries[i].value = call->meta[i].value;
+        ptrs[i] = &entries[i];
+    }
+    r.n_metadata = call->meta_count;
+    r.metadata = ptrs;
+    if (for_wire) {
+        r.replayed = call->replayed;
+        r.request_id = (char *)call->request_id;
+    }
+    *len = idem__v1__response__get_packed_size(&r);
+    if ((*out = malloc(*len ? *len : 1)) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory encoding response");
+    }
+    idem__v1__response__pack(&r, *out);
+    return IDEM_OK;
+}
+
+idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len)
+{
+    Idem__V1__Response *r = idem__v1__response__unpack(NULL, len, buf);
+    if (r == NULL) {
+        return idem__err(IDEM_DATA_LOSS, "stored response does not decode");
+    }
+    idem__call_reset_response(call);
+    idem_code code = idem_call_reply(call, (idem_code)r->code, r->payload.data, r->payload.len);
+    if (code == (idem_code)r->code && r->message[0] != '\0') {
+        code = idem__call_set_message(call, r->message) == IDEM_OK ? code
+                                                                   : IDEM_RESOURCE_EXHAUSTED;
+    }
+    for (size_t i = 0; i < r->n_metadata && code == (idem_code)r->code; i++) {
+        if (idem_call_set_response_metadata(call, r->metadata[i]->key, r->metadata[i]->value) !=
+            IDEM_OK) {
+            code = IDEM_RESOURCE_EXHAUSTED;
+        }
+    }
+    bool ok = code == (idem_code)r->code;
+    idem__v1__response__free_unpacked(r, NULL);
+    return ok ? IDEM_OK : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory loading response");
+}
+
+void idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32])
+{
+    const void *parts[] = {method, "", payload != NULL ? payload : ""};
+    const size_t lens[] = {strlen(method), 1, len};
+    idem__sha256(parts, lens, 3, out);
+}

@@ -1,0 +1,42 @@
+/* Internal helpers shared by src/ and interceptors/. Never installed; the symbols are
+ * hidden (-fvisibility=hidden), only IDEM_API functions are exported. */
+#ifndef IDEMRPC_INTERNAL_H
+#define IDEMRPC_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "idemrpc/idemrpc.h"
+
+#define IDEM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* Records detail for idem_errmsg() and returns code. */
+idem_code idem__err(idem_code code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void idem__err_clear(void);
+
+uint64_t idem__now_ms(void);     /* CLOCK_REALTIME, unix ms: stored in records */
+uint64_t idem__mono_ms(void);    /* CLOCK_MONOTONIC: for waits and timeouts */
+void idem__abs_timespec(struct timespec *ts, uint64_t wait_ms); /* REALTIME now + wait */
+
+/* Fills buf from getrandom(2) (the kernel CSPRNG). Returns false only if the kernel
+ * refuses, which callers treat as IDEM_INTERNAL. */
+bool idem__random(void *buf, size_t len);
+uint64_t idem__random_u64(void);
+double idem__random_unit(void); /* [0,1), for jitter; not for secrets */
+
+/* Lowercase hex of len bytes into out (2*len+1). */
+void idem__hex(char *out, const void *bytes, size_t len);
+/* Unpadded base64url of len bytes into out (4*ceil(len/3)+1). */
+void idem__base64url(char *out, const void *bytes, size_t len);
+
+bool idem__utf8_valid(const char *s, size_t len);
+
+/* SHA-256. */
+void idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
+
+/* strdup that returns NULL only on ENOMEM; NULL in → "". */
+char *idem__strdup(const char *s);
+
+#endif

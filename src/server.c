@@ -1,0 +1,549 @@
+/* idem_server: nng rep0 contexts feeding idemrpc's worker threads.
+ *
+ * Each context is one in-flight call with ONE callback whose switch is its whole life:
+ *
+ *   INIT → RECV ──frame──▶ QUEUED (worker decodes, runs the chain, encodes) → SEND → RECV
+ *
+ * The nng callback never blocks: it only hands a received frame to the work queue and
+ * re-arms the receive after a send. Handlers, LMDB writes and duplicate waits run on the
+ * workers. The number of contexts bounds in-flight work; nng holds further requests in
+ * its pipes (back-pressure). */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <nng/supplemental/util/platform.h>
+#include <nng/transport/tcp/tcp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "call.h"
+
+#define DEFAULT_MAX_FRAME ((size_t)4 << 20)
+#define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
+
+typedef enum work_state { WORK_INIT, WORK_RECV, WORK_QUEUED, WORK_SEND } work_state;
+
+typedef struct work {
+    work_state state;
+    nng_aio *aio;
+    nng_ctx ctx;
+    nng_msg *msg;
+    idem_server *srv;
+    struct work *next; /* queue link */
+} work;
+
+struct idem_server {
+    nng_socket sock;
+    bool sock_open, started;
+    idem_server_opts opts;
+    idem_runtime rt;
+    bool owns_store;
+
+    idem_method *methods; /* sorted by name */
+    size_t n_methods;
+    idem_chain chain;
+
+    work *works;
+    size_t n_works;
+    pthread_t *threads;
+    size_t n_threads;
+    pthread_t sweeper;
+    bool sweeper_started;
+
+    pthread_mutex_t mu; /* guards queue, stopping */
+    pthread_cond_t cv;  /* queue non-empty, or stopping */
+    pthread_cond_t sweep_cv; /* stopping (wakes the sweeper early) */
+    work *head, *tail;
+    bool stopping;
+    int port;
+};
+
+static void work_cb(void *arg);
+
+void idem_server_opts_init(idem_server_opts *opts)
+{
+    memset(opts, 0, sizeof(*opts));
+    opts->default_chain = true;
+}
+
+static void opts_defaults(idem_server_opts *o)
+{
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    if (o->contexts == 0) {
+        o->contexts = (size_t)(cores > 0 ? cores : 1) * 2;
+    }
+    if (o->workers == 0) {
+        o->workers = o->contexts;
+    }
+    o->max_frame = o->max_frame ? o->max_frame : DEFAULT_MAX_FRAME;
+    o->result_ttl_ms = o->result_ttl_ms ? o->result_ttl_ms : 24 * 3600 * 1000ull;
+    o->lease_ms = o->lease_ms ? o->lease_ms : 30 * 1000ull;
+    o->token_ttl_ms = o->token_ttl_ms ? o->token_ttl_ms : 10 * 60 * 1000ull;
+    o->max_wait_ms = o->max_wait_ms ? o->max_wait_ms : 10 * 1000ull;
+    o->sweep_interval_ms = o->sweep_interval_ms ? o->sweep_interval_ms : 60 * 1000ull;
+    o->sweep_batch = o->sweep_batch ? o->sweep_batch : 1000;
+}
+
+static idem_code nng_fail(int rv, const char *what)
+{
+    return idem__err(rv == NNG_ENOMEM ? IDEM_RESOURCE_EXHAUSTED : IDEM_UNAVAILABLE, "%s: %s",
+                     what, nng_strerror(rv));
+}
+
+static int method_cmp(const void *a, const void *b)
+{
+    return strcmp(((const idem_method *)a)->name, ((const idem_method *)b)->name);
+}
+
+static const idem_method *method_find(const idem_server *srv, const char *name)
+{
+    idem_method probe = {.name = (char *)name};
+    return bsearch(&probe, srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
+}
+
+idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_fn fn,
+                               void *arg, const idem_method_opts *opts)
+{
+    if (srv->started) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "register before the first listen");
+    }
+    if (name == NULL || fn == NULL || strlen(name) > IDEM_MAX_METHOD || !strchr(name, '/')) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "method name must be \"pkg.Svc/Method\"");
+    }
+    if (method_find(srv, name) != NULL) {
+        return idem__err(IDEM_ALREADY_EXISTS, "method %s already registered", name);
+    }
+    idem_method *grown = realloc(srv->methods, (srv->n_methods + 1) * sizeof(*grown));
+    if (grown == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    srv->methods = grown;
+    idem_method m = {.name = strdup(name), .fn = fn, .arg = arg};
+    if (m.name == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    if (opts != NULL) {
+        m.opts = *opts;
+    }
+    srv->methods[srv->n_methods++] = m;
+    qsort(srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
+    return IDEM_OK;
+}
+
+idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn, void *arg)
+{
+    if (srv->started) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "add interceptors before the first listen");
+    }
+    idem_interceptor *grown =
+        realloc(srv->chain.items, (srv->chain.n + 1) * sizeof(idem_interceptor));
+    if (grown == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    srv->chain.items = grown;
+    char *copy = idem__strdup(name);
+    if (copy == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg};
+    if (fn == idem__result_cache_interceptor) {
+        srv->rt.has_result_cache = true;
+    }
+    return IDEM_OK;
+}
+
+idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
+{
+    switch (which) {
+    case IDEM_BUILTIN_REQUEST_ID:
+        return idem_server_use(srv, "request_id", idem__request_id_interceptor, &srv->rt);
+    case IDEM_BUILTIN_TOKEN:
+        return idem_server_use(srv, "token", idem__token_interceptor, &srv->rt);
+    case IDEM_BUILTIN_RESULT_CACHE:
+        return idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->rt);
+    }
+    return idem__err(IDEM_INVALID_ARGUMENT, "unknown built-in interceptor %d", (int)which);
+}
+
+/* ---- one call: frame in, frame out ---- */
+
+/* Encodes the call's response; falls back to a bare INTERNAL answer on ENOMEM and to
+ * NULL (no reply: the client times out and retries) when even that fails. */
+static nng_msg *response_msg(idem_call *call)
+{
+    uint8_t *buf;
+    size_t len;
+    nng_msg *msg;
+    if (call->request_id[0] == '\0') {
+        uint8_t rnd[16];
+        idem__random(rnd, sizeof(rnd));
+        idem__hex(call->request_id, rnd, sizeof(rnd));
+    }
+    if (idem_call_set_response_metadata(call, "request-id", call->request_id) != IDEM_OK ||
+        idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
+        idem__call_reset_response(call);
+        idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
+        if (idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
+            return NULL;
+        }
+    }
+    if (nng_msg_alloc(&msg, 0) != 0 || nng_msg_append(msg, buf, len) != 0) {
+        free(buf);
+        return NULL; /* nng_msg_alloc failing leaves msg unset; append failing frees nothing */
+    }
+    free(buf);
+    return msg;
+}
+
+static nng_msg *serve_frame(idem_server *srv, const void *frame, size_t len)
+{
+    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
+    Idem__V1__Request *req = NULL;
+    idem_call call;
+    idem_code code;
+
+    if (len > srv->opts.max_frame) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
+                         len, srv->opts.max_frame);
+    } else {
+        code = idem__decode_request(frame, len, &req);
+    }
+    if (code != IDEM_OK) {
+        idem__call_init(&call, &empty, NULL, &srv->rt);
+        idem_call_fail(&call, code, "%s", idem_errmsg());
+    } else {
+        idem__call_init(&call, req, method_find(srv, req->method), &srv->rt);
+        idem_call_next(&call, (idem_next){&srv->chain, 0});
+    }
+    nng_msg *out = response_msg(&call);
+    idem__call_fini(&call);
+    idem__free_request(req);
+    return out;
+}
+
+/* ---- the work queue and the context state machine ---- */
+
+static void queue_push(idem_server *srv, work *w)
+{
+    pthread_mutex_lock(&srv->mu);
+    w->next = NULL;
+    if (srv->tail != NULL) {
+        srv->tail->next = w;
+    } else {
+        srv->head = w;
+    }
+    srv->tail = w;
+    pthread_cond_signal(&srv->cv);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+/* NULL when stopping (queued calls are then dropped, not run). */
+static work *queue_pop(idem_server *srv)
+{
+    work *w = NULL;
+    pthread_mutex_lock(&srv->mu);
+    while (!srv->stopping && srv->head == NULL) {
+        pthread_cond_wait(&srv->cv, &srv->mu);
+    }
+    if (!srv->stopping) {
+        w = srv->head;
+        srv->head = w->next;
+        if (srv->head == NULL) {
+            srv->tail = NULL;
+        }
+    }
+    pthread_mutex_unlock(&srv->mu);
+    return w;
+}
+
+static bool is_stopping(idem_server *srv)
+{
+    pthread_mutex_lock(&srv->mu);
+    bool s = srv->stopping;
+    pthread_mutex_unlock(&srv->mu);
+    return s;
+}
+
+static void work_recv(work *w)
+{
+    w->state = WORK_RECV;
+    nng_ctx_recv(w->ctx, w->aio);
+}
+
+static void work_cb(void *arg)
+{
+    work *w = arg;
+    int rv;
+
+    switch (w->state) {
+    case WORK_INIT:
+        work_recv(w);
+        break;
+    case WORK_RECV:
+        if ((rv = nng_aio_result(w->aio)) != 0) {
+            if (rv != NNG_ECLOSED && rv != NNG_ECANCELED && !is_stopping(w->srv)) {
+                work_recv(w); /* a transient receive error: keep serving */
+            }
+            break;
+        }
+        w->msg = nng_aio_get_msg(w->aio);
+        w->state = WORK_QUEUED;
+        queue_push(w->srv, w);
+        break;
+    case WORK_SEND:
+        if (nng_aio_result(w->aio) != 0) {
+            nng_msg_free(nng_aio_get_msg(w->aio)); /* a failed send leaves us the msg */
+        }
+        if (!is_stopping(w->srv)) {
+            work_recv(w);
+        }
+        break;
+    case WORK_QUEUED:
+        break; /* no aio is outstanding in this state */
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    idem_server *srv = arg;
+    work *w;
+    while ((w = queue_pop(srv)) != NULL) {
+        nng_msg *reply = serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg));
+        nng_msg_free(w->msg);
+        w->msg = NULL;
+        if (reply == NULL) {
+            work_recv(w);
+            continue;
+        }
+        w->state = WORK_SEND;
+        nng_aio_set_msg(w->aio, reply);
+        nng_ctx_send(w->ctx, w->aio);
+    }
+    return NULL;
+}
+
+/* Deletes expired records in bounded batches every sweep_interval_ms. */
+static void *sweeper_main(void *arg)
+{
+    idem_server *srv = arg;
+    pthread_mutex_lock(&srv->mu);
+    while (!srv->stopping) {
+        struct timespec ts;
+        idem__abs_timespec(&ts, srv->opts.sweep_interval_ms);
+        pthread_cond_timedwait(&srv->sweep_cv, &srv->mu, &ts);
+        if (srv->stopping) {
+            break;
+        }
+        pthread_mutex_unlock(&srv->mu);
+        size_t deleted;
+        do {
+            if (idem_store_sweep(srv->rt.store, idem__now_ms(), srv->opts.sweep_batch,
+                                 &deleted) != IDEM_OK) {
+                fprintf(stderr, "idemrpc: sweep: %s\n", idem_errmsg());
+                break;
+            }
+        } while (deleted == srv->opts.sweep_batch && !is_stopping(srv));
+        pthread_mutex_lock(&srv->mu);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    return NULL;
+}
+
+/* ---- life cycle ---- */
+
+static idem_code server_open_socket(idem_server *srv)
+{
+    int rv;
+    if ((rv = nng_rep0_open(&srv->sock)) != 0) {
+        return nng_fail(rv, "nng_rep0_open");
+    }
+    srv->sock_open = true;
+    if ((rv = nng_socket_set_size(srv->sock, NNG_OPT_RECVMAXSZ,
+                                  srv->opts.max_frame + FRAME_SLACK)) != 0) {
+        return nng_fail(rv, "set NNG_OPT_RECVMAXSZ");
+    }
+    srv->works = calloc(srv->opts.contexts, sizeof(work));
+    if (srv->works == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    for (size_t i = 0; i < srv->opts.contexts; i++) {
+        work *w = &srv->works[i];
+        w->srv = srv;
+        if ((rv = nng_aio_alloc(&w->aio, work_cb, w)) != 0) {
+            return nng_fail(rv, "nng_aio_alloc");
+        }
+        srv->n_works++;
+        if ((rv = nng_ctx_open(&w->ctx, srv->sock)) != 0) {
+            return nng_fail(rv, "nng_ctx_open");
+        }
+    }
+    return IDEM_OK;
+}
+
+static idem_code server_default_setup(idem_server *srv)
+{
+    idem_code code;
+    idem_method_opts issue = {0};
+    if ((code = idem_server_register(srv, IDEM_TOKEN_ISSUE_METHOD, idem__token_issue_handler,
+                                     &srv->rt, &issue)) != IDEM_OK) {
+        return code;
+    }
+    if (!srv->opts.default_chain) {
+        return IDEM_OK;
+    }
+    if ((code = idem_server_use_builtin(srv, IDEM_BUILTIN_REQUEST_ID)) != IDEM_OK ||
+        (code = idem_server_use_builtin(srv, IDEM_BUILTIN_TOKEN)) != IDEM_OK) {
+        return code;
+    }
+    return idem_server_use_builtin(srv, IDEM_BUILTIN_RESULT_CACHE);
+}
+
+idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
+{
+    idem_server *srv;
+    idem_code code;
+
+    *out = NULL;
+    if ((srv = calloc(1, sizeof(*srv))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    srv->opts = *opts;
+    opts_defaults(&srv->opts);
+    srv->opts.db_path = NULL; /* not retained */
+    pthread_mutex_init(&srv->mu, NULL);
+    pthread_cond_init(&srv->cv, NULL);
+    pthread_cond_init(&srv->sweep_cv, NULL);
+    idem__waitset_init(&srv->rt.waits);
+    srv->rt.result_ttl_ms = srv->opts.result_ttl_ms;
+    srv->rt.lease_ms = srv->opts.lease_ms;
+    srv->rt.token_ttl_ms = srv->opts.token_ttl_ms;
+    srv->rt.max_wait_ms = srv->opts.max_wait_ms;
+    srv->rt.store = opts->store;
+    if (srv->rt.store == NULL) {
+        code = idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size, 0);
+        if (code != IDEM_OK) {
+            goto fail;
+        }
+        srv->owns_store = true;
+    }
+    if ((code = server_default_setup(srv)) != IDEM_OK ||
+        (code = server_open_socket(srv)) != IDEM_OK) {
+        goto fail;
+    }
+    *out = srv;
+    return IDEM_OK;
+fail:;
+    char keep[512];
+    snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+    idem_server_destroy(srv);
+    return idem__err(code, "%s", keep);
+}
+
+static idem_code server_start(idem_server *srv)
+{
+    srv->threads = calloc(srv->opts.workers, sizeof(pthread_t));
+    if (srv->threads == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    for (size_t i = 0; i < srv->opts.workers; i++) {
+        if (pthread_create(&srv->threads[i], NULL, worker_main, srv) != 0) {
+            return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start worker thread");
+        }
+        srv->n_threads++;
+    }
+    if (pthread_create(&srv->sweeper, NULL, sweeper_main, srv) != 0) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start sweeper thread");
+    }
+    srv->sweeper_started = true;
+    for (size_t i = 0; i < srv->n_works; i++) {
+        work_cb(&srv->works[i]); /* INIT → RECV */
+    }
+    srv->started = true;
+    return IDEM_OK;
+}
+
+idem_code idem_server_listen(idem_server *srv, const char *url)
+{
+    nng_listener l;
+    int rv;
+    if ((rv = nng_listener_create(&l, srv->sock, url)) != 0) {
+        return nng_fail(rv, url);
+    }
+    if ((rv = nng_listener_start(l, 0)) != 0) {
+        nng_listener_close(l);
+        return nng_fail(rv, url);
+    }
+    if (srv->port == 0 && strncmp(url, "tcp", 3) == 0) {
+        int port = 0;
+        if (nng_listener_get_int(l, NNG_OPT_TCP_BOUND_PORT, &port) == 0) {
+            srv->port = port;
+        }
+    }
+    if (!srv->started) {
+        idem_code code = server_start(srv);
+        if (code != IDEM_OK) {
+            return code;
+        }
+    }
+    return IDEM_OK;
+}
+
+int idem_server_port(const idem_server *srv)
+{
+    return srv->port;
+}
+
+idem_store *idem_server_store(idem_server *srv)
+{
+    return srv->rt.store;
+}
+
+void idem_server_destroy(idem_server *srv)
+{
+    if (srv == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&srv->mu);
+    srv->stopping = true;
+    pthread_cond_broadcast(&srv->cv);
+    pthread_cond_broadcast(&srv->sweep_cv);
+    pthread_mutex_unlock(&srv->mu);
+    if (srv->sock_open) {
+        nng_close(srv->sock); /* fails every pending recv/send with NNG_ECLOSED */
+    }
+    for (size_t i = 0; i < srv->n_threads; i++) {
+        pthread_join(srv->threads[i], NULL); /* running handlers finish */
+    }
+    if (srv->sweeper_started) {
+        pthread_join(srv->sweeper, NULL);
+    }
+    for (size_t i = 0; i < srv->n_works; i++) {
+        nng_aio_stop(srv->works[i].aio); /* waits for a callback in progress */
+    }
+    for (work *w = srv->head; w != NULL; w = w->next) {
+        nng_msg_free(w->msg); /* queued, never run */
+    }
+    for (size_t i = 0; i < srv->n_works; i++) {
+        nng_aio_free(srv->works[i].aio);
+    }
+    for (size_t i = 0; i < srv->n_methods; i++) {
+        free(srv->methods[i].name);
+    }
+    for (size_t i = 0; i < srv->chain.n; i++) {
+        free(srv->chain.items[i].name);
+    }
+    if (srv->owns_store) {
+        idem_store_close(srv->rt.store);
+    }
+    idem__waitset_fini(&srv->rt.waits);
+    pthread_cond_destroy(&srv->sweep_cv);
+    pthread_cond_destroy(&srv->cv);
+    pthread_mutex_destroy(&srv->mu);
+    free(srv->methods);
+    free(srv->chain.items);
+    free(srv->works);
+    free(srv->threads);
+    free(srv);
+}

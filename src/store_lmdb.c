@@ -1,0 +1,667 @@
+/* LMDB backend of idem_store.
+ *
+ * Databases in one env:
+ *   records  effective key → rec_hdr + serialized idem.v1.Response (COMPLETED only)
+ *   tokens   token         → tok_hdr + scope
+ *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
+ * Every record and token has exactly one expiry entry; they change in the same write
+ * txn. LMDB allows one write txn at a time per env across all processes: that is the
+ * unique constraint that makes a claim atomic. */
+#include <errno.h>
+#include <lmdb.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "internal.h"
+#include "store_lmdb.h"
+
+#define REC_MAGIC 0x69640001u /* "id" v1 */
+#define TOKEN_MAX 128
+#define INDEX_KEY_LEN 24
+#define DEFAULT_MAP_SIZE ((size_t)1 << 30)
+
+enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't' };
+
+typedef struct rec_hdr {
+    uint32_t magic;
+    uint8_t state;
+    uint8_t pad[3];
+    uint64_t owner;
+    uint64_t lease_until_ms;
+    uint64_t first_at_ms;
+    uint64_t expires_ms;
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
+} rec_hdr;
+
+typedef struct tok_hdr {
+    uint64_t expires_ms;
+} tok_hdr;
+
+struct idem_store {
+    MDB_env *env;
+    MDB_dbi records, tokens, expiry;
+};
+
+/* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
+ * maximum key size, by the IDEM_MAX_* bounds. */
+typedef struct rec_key {
+    uint8_t bytes[IDEM_MAX_CALLER + IDEM_MAX_METHOD + IDEM_MAX_KEY + 2];
+    size_t len;
+} rec_key;
+
+static idem_code lmdb_code(int rc, const char *what)
+{
+    if (rc == MDB_MAP_FULL || rc == MDB_TXN_FULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (%s): %s", what, mdb_strerror(rc));
+    }
+    return idem__err(IDEM_INTERNAL, "%s: %s", what, mdb_strerror(rc));
+}
+
+static idem_code rec_key_make(rec_key *k, const idem_key_ref *ref)
+{
+    const char *caller = ref->caller != NULL ? ref->caller : "";
+    size_t lc = strlen(caller);
+    size_t lm = ref->method != NULL ? strlen(ref->method) : 0;
+    size_t lk = ref->key != NULL ? strlen(ref->key) : 0;
+    if (lc > IDEM_MAX_CALLER || lm == 0 || lm > IDEM_MAX_METHOD || lk == 0 ||
+        lk > IDEM_MAX_KEY) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "key out of bounds (caller %zu/%d, method %zu/%d, key %zu/%d bytes)",
+                         lc, IDEM_MAX_CALLER, lm, IDEM_MAX_METHOD, lk, IDEM_MAX_KEY);
+    }
+    memcpy(k->bytes, caller, lc);
+    k->bytes[lc] = 0;
+    memcpy(k->bytes + lc + 1, ref->method, lm);
+    k->bytes[lc + 1 + lm] = 0;
+    memcpy(k->bytes + lc + lm + 2, ref->key, lk);
+    k->len = lc + lm + lk + 2;
+    return IDEM_OK;
+}
+
+static void index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name,
+                      size_t len)
+{
+    uint8_t digest[32];
+    for (int i = 0; i < 8; i++) {
+        out[i] = (uint8_t)(expires >> (56 - 8 * i));
+    }
+    idem__sha256((const void *const[]){name}, (const size_t[]){len}, 1, digest);
+    memcpy(out + 8, digest, INDEX_KEY_LEN - 8);
+}
+
+static int index_put(idem_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
+                     const void *name, size_t len)
+{
+    uint8_t kb[INDEX_KEY_LEN];
+    index_key(kb, expires, name, len);
+    MDB_val k = {INDEX_KEY_LEN, kb}, v = {len + 1, NULL};
+    int rc = mdb_put(txn, st->expiry, &k, &v, MDB_RESERVE);
+    if (rc == 0) {
+        ((uint8_t *)v.mv_data)[0] = type;
+        memcpy((uint8_t *)v.mv_data + 1, name, len);
+    }
+    return rc;
+}
+
+static int index_del(idem_store *st, MDB_txn *txn, uint64_t expires, const void *name,
+                     size_t len)
+{
+    uint8_t kb[INDEX_KEY_LEN];
+    index_key(kb, expires, name, len);
+    MDB_val k = {INDEX_KEY_LEN, kb};
+    int rc = mdb_del(txn, st->expiry, &k, NULL);
+    return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
+/* Decodes a stored record; copies the response only when want_response. */
+static idem_code rec_decode(const MDB_val *v, idem_record *rec, bool want_response)
+{
+    rec_hdr h;
+    if (v->mv_size < sizeof(h)) {
+        return idem__err(IDEM_DATA_LOSS, "record truncated (%zu bytes)", v->mv_size);
+    }
+    memcpy(&h, v->mv_data, sizeof(h));
+    if (h.magic != REC_MAGIC ||
+        (h.state != IDEM_REC_IN_PROGRESS && h.state != IDEM_REC_COMPLETED)) {
+        return idem__err(IDEM_DATA_LOSS, "record has unknown format %#x/%u", h.magic, h.state);
+    }
+    if (rec == NULL) {
+        return IDEM_OK;
+    }
+    memset(rec, 0, sizeof(*rec));
+    rec->state = (idem_record_state)h.state;
+    memcpy(rec->fingerprint, h.fingerprint, sizeof(h.fingerprint));
+    rec->owner = h.owner;
+    rec->lease_until_ms = h.lease_until_ms;
+    rec->first_at_ms = h.first_at_ms;
+    rec->expires_ms = h.expires_ms;
+    size_t n = v->mv_size - sizeof(h);
+    if (want_response && n > 0) {
+        if ((rec->response = malloc(n)) == NULL) {
+            return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        }
+        memcpy(rec->response, (const uint8_t *)v->mv_data + sizeof(h), n);
+        rec->response_len = n;
+    }
+    return IDEM_OK;
+}
+
+static int rec_put(idem_store *st, MDB_txn *txn, const rec_key *key, const rec_hdr *h,
+                   const void *response, size_t len)
+{
+    MDB_val k = {key->len, (void *)key->bytes}, v = {sizeof(*h) + len, NULL};
+    int rc = mdb_put(txn, st->records, &k, &v, MDB_RESERVE);
+    if (rc == 0) {
+        memcpy(v.mv_data, h, sizeof(*h));
+        if (len > 0) {
+            memcpy((uint8_t *)v.mv_data + sizeof(*h), response, len);
+        }
+    }
+    return rc;
+}
+
+static idem_code txn_commit(MDB_txn *txn)
+{
+    int rc = mdb_txn_commit(txn);
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "commit");
+}
+
+idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size,
+                               unsigned flags)
+{
+    idem_store *st;
+    MDB_txn *txn = NULL;
+    int rc;
+    bool ro = (flags & IDEM_STORE_READONLY) != 0;
+
+    *out = NULL;
+    if (dir == NULL || *dir == '\0') {
+        return idem__err(IDEM_INVALID_ARGUMENT, "store directory not set");
+    }
+    if (!ro && mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        return idem__err(IDEM_UNAVAILABLE, "mkdir %s: %s", dir, strerror(errno));
+    }
+    if ((st = calloc(1, sizeof(*st))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    unsigned env_flags = MDB_NOTLS | (ro ? MDB_RDONLY : 0) |
+                         ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
+    if ((rc = mdb_env_create(&st->env)) != 0 ||
+        (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
+        (rc = mdb_env_set_maxreaders(st->env, 512)) != 0 ||
+        (rc = mdb_env_set_mapsize(st->env, map_size ? map_size : DEFAULT_MAP_SIZE)) != 0 ||
+        (rc = mdb_env_open(st->env, dir, env_flags, 0600)) != 0) {
+        idem_code c = idem__err(IDEM_UNAVAILABLE, "open LMDB store %s: %s", dir, mdb_strerror(rc));
+        if (st->env != NULL) {
+            mdb_env_close(st->env);
+        }
+        free(st);
+        return c;
+    }
+    int dead;
+    mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
+    unsigned dbi_flags = ro ? 0 : MDB_CREATE;
+    if ((rc = mdb_txn_begin(st->env, NULL, ro ? MDB_RDONLY : 0, &txn)) != 0) {
+        goto fail;
+    }
+    if ((rc = mdb_dbi_open(txn, "records", dbi_flags, &st->records)) != 0 ||
+        (rc = mdb_dbi_open(txn, "tokens", dbi_flags, &st->tokens)) != 0 ||
+        (rc = mdb_dbi_open(txn, "expiry", dbi_flags, &st->expiry)) != 0) {
+        mdb_txn_abort(txn);
+        goto fail;
+    }
+    if ((rc = mdb_txn_commit(txn)) != 0) { /* commit frees txn even when it fails */
+        goto fail;
+    }
+    *out = st;
+    return IDEM_OK;
+fail:;
+    idem_code c = lmdb_code(rc, "open databases");
+    mdb_env_close(st->env);
+    free(st);
+    return c;
+}
+
+void idem_store_close(idem_store *st)
+{
+    if (st != NULL) {
+        mdb_env_close(st->env);
+        free(st);
+    }
+}
+
+MDB_env *idem__store_lmdb_env(idem_store *st)
+{
+    return st->env;
+}
+
+void idem_record_clear(idem_record *rec)
+{
+    if (rec != NULL) {
+        free(rec->response);
+        rec->response = NULL;
+        rec->response_len = 0;
+    }
+}
+
+/* Consumes token inside txn: it must exist, be unexpired and be scoped to scope. */
+static idem_code token_take(idem_store *st, MDB_txn *txn, const char *token, const char *scope,
+                            uint64_t now_ms)
+{
+    size_t tl = strlen(token);
+    if (tl == 0 || tl > TOKEN_MAX) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
+    }
+    MDB_val k = {tl, (void *)token}, v;
+    int rc = mdb_get(txn, st->tokens, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "token unknown or already used");
+    } else if (rc != 0) {
+        return lmdb_code(rc, "token get");
+    } else if (v.mv_size < sizeof(tok_hdr)) {
+        return idem__err(IDEM_DATA_LOSS, "token record truncated");
+    }
+    tok_hdr h;
+    memcpy(&h, v.mv_data, sizeof(h));
+    const char *s = scope != NULL ? scope : "";
+    size_t sl = v.mv_size - sizeof(h);
+    if (sl != strlen(s) || memcmp((const uint8_t *)v.mv_data + sizeof(h), s, sl) != 0) {
+        return idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
+    }
+    if (h.expires_ms <= now_ms) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "token expired");
+    }
+    if ((rc = mdb_del(txn, st->tokens, &k, NULL)) != 0 ||
+        (rc = index_del(st, txn, h.expires_ms, token, tl)) != 0) {
+        return lmdb_code(rc, "token delete");
+    }
+    return IDEM_OK;
+}
+
+/* Writes a fresh IN_PROGRESS record (replacing `old` when it is not NULL). */
+static int claim_write(idem_store *st, MDB_txn *txn, const rec_key *key,
+                       const idem_claim_req *req, const rec_hdr *old)
+{
+    rec_hdr h = {.magic = REC_MAGIC, .state = IDEM_REC_IN_PROGRESS, .owner = req->owner,
+                 .lease_until_ms = req->lease_until_ms, .first_at_ms = req->now_ms,
+                 .expires_ms = req->expires_ms};
+    memcpy(h.fingerprint, req->fingerprint, sizeof(h.fingerprint));
+    int rc;
+    if (old != NULL && (rc = index_del(st, txn, old->expires_ms, key->bytes, key->len)) != 0) {
+        return rc;
+    }
+    if ((rc = rec_put(st, txn, key, &h, NULL, 0)) != 0) {
+        return rc;
+    }
+    return index_put(st, txn, h.expires_ms, TYPE_RECORD, key->bytes, key->len);
+}
+
+idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
+                           idem_claim_outcome *outcome, idem_record *rec)
+{
+    rec_key key;
+    MDB_txn *txn;
+    MDB_val k, v;
+    rec_hdr old;
+    bool have_old = false;
+    idem_code code;
+    int rc;
+
+    if (rec != NULL) {
+        memset(rec, 0, sizeof(*rec));
+    }
+    if ((code = rec_key_make(&key, &req->key)) != IDEM_OK) {
+        return code;
+    }
+    if (req->owner == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "claim owner must be nonzero");
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
+        return lmdb_code(rc, "claim begin");
+    }
+    k = (MDB_val){key.len, key.bytes};
+    rc = mdb_get(txn, st->records, &k, &v);
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        code = lmdb_code(rc, "claim get");
+        goto abort;
+    }
+    if (rc == 0) {
+        if ((code = rec_decode(&v, NULL, false)) != IDEM_OK) {
+            goto abort;
+        }
+        memcpy(&old, v.mv_data, sizeof(old));
+        have_old = true;
+        bool expired = old.state == IDEM_REC_COMPLETED && old.expires_ms <= req->now_ms;
+        if (!expired) {
+            if (memcmp(old.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
+                *outcome = IDEM_CLAIM_MISMATCH;
+                code = rec != NULL ? rec_decode(&v, rec, false) : IDEM_OK;
+                goto abort;
+            }
+            if (old.state == IDEM_REC_COMPLETED || old.lease_until_ms > req->now_ms) {
+                *outcome = old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
+                                                           : IDEM_CLAIM_IN_PROGRESS;
+                code = rec != NULL ? rec_decode(&v, rec, true) : IDEM_OK;
+                goto abort;
+            }
+            /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
+        }
+    }
+    /* A token guards only the first execution; a takeover re-runs the same call. */
+    if (req->token != NULL && !(have_old && old.state == IDEM_REC_IN_PROGRESS) &&
+        (code = token_take(st, txn, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+        goto abort;
+    }
+    if ((rc = claim_write(st, txn, &key, req, have_old ? &old : NULL)) != 0) {
+        code = lmdb_code(rc, "claim put");
+        goto abort;
+    }
+    if ((code = txn_commit(txn)) != IDEM_OK) {
+        return code;
+    }
+    *outcome = have_old && old.state == IDEM_REC_IN_PROGRESS ? IDEM_CLAIM_TAKEN_OVER
+                                                             : IDEM_CLAIM_ACQUIRED;
+    if (rec != NULL) {
+        memset(rec, 0, sizeof(*rec));
+        rec->state = IDEM_REC_IN_PROGRESS;
+        rec->owner = req->owner;
+        rec->first_at_ms = req->now_ms;
+        rec->lease_until_ms = req->lease_until_ms;
+        rec->expires_ms = req->expires_ms;
+        memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
+    }
+    return IDEM_OK;
+abort:
+    mdb_txn_abort(txn);
+    return code;
+}
+
+/* Reads the record for key in txn and checks that owner holds it. */
+static idem_code owned_get(idem_store *st, MDB_txn *txn, const rec_key *key, uint64_t owner,
+                           rec_hdr *h)
+{
+    MDB_val k = {key->len, (void *)key->bytes}, v;
+    int rc = mdb_get(txn, st->records, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_ABORTED, "claim lost: record is gone");
+    } else if (rc != 0) {
+        return lmdb_code(rc, "get");
+    }
+    idem_code code = rec_decode(&v, NULL, false);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    memcpy(h, v.mv_data, sizeof(*h));
+    if (h->state != IDEM_REC_IN_PROGRESS || h->owner != owner) {
+        return idem__err(IDEM_ABORTED, "claim lost: lease expired and taken over");
+    }
+    return IDEM_OK;
+}
+
+idem_code idem__store_complete_txn(idem_store *st, MDB_txn *txn, const idem_key_ref *ref,
+                                   uint64_t owner, const void *response, size_t len,
+                                   uint64_t expires_ms)
+{
+    rec_key key;
+    rec_hdr h;
+    idem_code code;
+    int rc;
+    if ((code = rec_key_make(&key, ref)) != IDEM_OK ||
+        (code = owned_get(st, txn, &key, owner, &h)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = index_del(st, txn, h.expires_ms, key.bytes, key.len)) != 0) {
+        return lmdb_code(rc, "complete index");
+    }
+    h.state = IDEM_REC_COMPLETED;
+    h.expires_ms = expires_ms;
+    if ((rc = rec_put(st, txn, &key, &h, response, len)) != 0 ||
+        (rc = index_put(st, txn, expires_ms, TYPE_RECORD, key.bytes, key.len)) != 0) {
+        return lmdb_code(rc, "complete put");
+    }
+    return IDEM_OK;
+}
+
+idem_code idem_store_complete(idem_store *st, const idem_key_ref *ref, uint64_t owner,
+                              const void *response, size_t len, uint64_t expires_ms)
+{
+    MDB_txn *txn;
+    int rc = mdb_txn_begin(st->env, NULL, 0, &txn);
+    if (rc != 0) {
+        return lmdb_code(rc, "complete begin");
+    }
+    idem_code code = idem__store_complete_txn(st, txn, ref, owner, response, len, expires_ms);
+    if (code != IDEM_OK) {
+        mdb_txn_abort(txn);
+        return code;
+    }
+    return txn_commit(txn);
+}
+
+/* Deletes the record at key and its index entry; rc-style. */
+static int rec_delete(idem_store *st, MDB_txn *txn, const rec_key *key, uint64_t expires_ms)
+{
+    MDB_val k = {key->len, (void *)key->bytes};
+    int rc = mdb_del(txn, st->records, &k, NULL);
+    return rc != 0 ? rc : index_del(st, txn, expires_ms, key->bytes, key->len);
+}
+
+idem_code idem_store_release(idem_store *st, const idem_key_ref *ref, uint64_t owner)
+{
+    rec_key key;
+    rec_hdr h;
+    MDB_txn *txn;
+    idem_code code;
+    int rc;
+    if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
+        return lmdb_code(rc, "release begin");
+    }
+    if ((code = owned_get(st, txn, &key, owner, &h)) != IDEM_OK) {
+        mdb_txn_abort(txn);
+        return code;
+    }
+    if ((rc = rec_delete(st, txn, &key, h.expires_ms)) != 0) {
+        mdb_txn_abort(txn);
+        return lmdb_code(rc, "release delete");
+    }
+    return txn_commit(txn);
+}
+
+idem_code idem_store_get(idem_store *st, const idem_key_ref *ref, idem_record *rec)
+{
+    rec_key key;
+    MDB_txn *txn;
+    MDB_val k, v;
+    idem_code code;
+    int rc;
+    memset(rec, 0, sizeof(*rec));
+    if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, MDB_RDONLY, &txn)) != 0) {
+        return lmdb_code(rc, "get begin");
+    }
+    k = (MDB_val){key.len, key.bytes};
+    rc = mdb_get(txn, st->records, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        code = idem__err(IDEM_NOT_FOUND, "no record");
+    } else if (rc != 0) {
+        code = lmdb_code(rc, "get");
+    } else {
+        code = rec_decode(&v, rec, true);
+    }
+    mdb_txn_abort(txn);
+    return code;
+}
+
+idem_code idem_store_delete(idem_store *st, const idem_key_ref *ref)
+{
+    rec_key key;
+    MDB_txn *txn;
+    MDB_val k, v;
+    idem_code code;
+    int rc;
+    if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
+        return lmdb_code(rc, "delete begin");
+    }
+    k = (MDB_val){key.len, key.bytes};
+    rc = mdb_get(txn, st->records, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        mdb_txn_abort(txn);
+        return idem__err(IDEM_NOT_FOUND, "no record");
+    }
+    rec_hdr h;
+    if (rc != 0 || (code = rec_decode(&v, NULL, false)) != IDEM_OK) {
+        mdb_txn_abort(txn);
+        return rc != 0 ? lmdb_code(rc, "delete get") : code;
+    }
+    memcpy(&h, v.mv_data, sizeof(h));
+    if ((rc = rec_delete(st, txn, &key, h.expires_ms)) != 0) {
+        mdb_txn_abort(txn);
+        return lmdb_code(rc, "delete");
+    }
+    return txn_commit(txn);
+}
+
+/* Deletes what one expiry entry points at; the cursor stays on the entry. */
+static int sweep_one(idem_store *st, MDB_txn *txn, const MDB_val *iv)
+{
+    const uint8_t *p = iv->mv_data;
+    if (iv->mv_size < 2) {
+        return 0; /* malformed entry: dropping it below is all we can do */
+    }
+    MDB_val k = {iv->mv_size - 1, (void *)(p + 1)};
+    MDB_dbi dbi = p[0] == TYPE_TOKEN ? st->tokens : st->records;
+    int rc = mdb_del(txn, dbi, &k, NULL);
+    return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
+idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted)
+{
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val ik, iv;
+    size_t n = 0;
+    int rc;
+
+    *deleted = 0;
+    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
+        return lmdb_code(rc, "sweep begin");
+    }
+    if ((rc = mdb_cursor_open(txn, st->expiry, &cur)) != 0) {
+        mdb_txn_abort(txn);
+        return lmdb_code(rc, "sweep cursor");
+    }
+    for (rc = mdb_cursor_get(cur, &ik, &iv, MDB_FIRST); rc == 0 && n < max;
+         rc = mdb_cursor_get(cur, &ik, &iv, MDB_NEXT)) {
+        uint64_t exp = 0;
+        for (size_t i = 0; i < 8 && i < ik.mv_size; i++) {
+            exp = exp << 8 | ((const uint8_t *)ik.mv_data)[i];
+        }
+        if (exp > now_ms) {
+            break; /* the index is ordered by expiry: nothing further is due */
+        }
+        if ((rc = sweep_one(st, txn, &iv)) != 0 || (rc = mdb_cursor_del(cur, 0)) != 0) {
+            break;
+        }
+        n++;
+    }
+    mdb_cursor_close(cur);
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        mdb_txn_abort(txn);
+        return lmdb_code(rc, "sweep");
+    }
+    idem_code code = txn_commit(txn);
+    if (code == IDEM_OK) {
+        *deleted = n;
+    }
+    return code;
+}
+
+idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
+                               uint64_t expires_ms)
+{
+    const char *s = scope != NULL ? scope : "";
+    size_t tl = token != NULL ? strlen(token) : 0, sl = strlen(s);
+    if (tl == 0 || tl > TOKEN_MAX || sl > IDEM_MAX_CALLER) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "token or scope out of bounds");
+    }
+    MDB_txn *txn;
+    int rc = mdb_txn_begin(st->env, NULL, 0, &txn);
+    if (rc != 0) {
+        return lmdb_code(rc, "token begin");
+    }
+    tok_hdr h = {.expires_ms = expires_ms};
+    MDB_val k = {tl, (void *)token}, v = {sizeof(h) + sl, NULL};
+    if ((rc = mdb_put(txn, st->tokens, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE)) == 0) {
+        memcpy(v.mv_data, &h, sizeof(h));
+        memcpy((uint8_t *)v.mv_data + sizeof(h), s, sl);
+        rc = index_put(st, txn, expires_ms, TYPE_TOKEN, token, tl);
+    }
+    if (rc != 0) {
+        mdb_txn_abort(txn);
+        return rc == MDB_KEYEXIST ? idem__err(IDEM_ALREADY_EXISTS, "token exists")
+                                  : lmdb_code(rc, "token put");
+    }
+    return txn_commit(txn);
+}
+
+idem_code idem_store_token_consume(idem_store *st, const char *token, const char *scope,
+                                   uint64_t now_ms)
+{
+    MDB_txn *txn;
+    int rc = mdb_txn_begin(st->env, NULL, 0, &txn);
+    if (rc != 0) {
+        return lmdb_code(rc, "token begin");
+    }
+    idem_code code = token_take(st, txn, token != NULL ? token : "", scope, now_ms);
+    if (code != IDEM_OK) {
+        mdb_txn_abort(txn);
+        return code;
+    }
+    return txn_commit(txn);
+}
+
+idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
+{
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    MDB_stat ms;
+    MDB_envinfo info;
+    int rc;
+
+    memset(out, 0, sizeof(*out));
+    if ((rc = mdb_txn_begin(st->env, NULL, MDB_RDONLY, &txn)) != 0) {
+        return lmdb_code(rc, "stats begin");
+    }
+    if ((rc = mdb_stat(txn, st->tokens, &ms)) != 0 ||
+        (rc = mdb_cursor_open(txn, st->records, &cur)) != 0) {
+        mdb_txn_abort(txn);
+        return lmdb_code(rc, "stats");
+    }
+    out->tokens = ms.ms_entries;
+    while ((rc = mdb_cursor_get(cur, &k, &v, out->records ? MDB_NEXT : MDB_FIRST)) == 0) {
+        out->records++;
+        rec_hdr h;
+        if (v.mv_size >= sizeof(h)) {
+            memcpy(&h, v.mv_data, sizeof(h));
+            out->in_progress += h.state == IDEM_REC_IN_PROGRESS;
+            out->completed += h.state == IDEM_REC_COMPLETED;
+        }
+    }
+    mdb_cursor_close(cur);
+    mdb_txn_abort(txn);
+    mdb_env_info(st->env, &info);
+    mdb_env_stat(st->env, &ms);
+    out->map_size = info.me_mapsize;
+    out->map_used = (info.me_last_pgno + 1) * (size_t)ms.ms_psize;
+    return rc == MDB_NOTFOUND ? IDEM_OK : lmdb_code(rc, "stats scan");
+}

@@ -1,0 +1,140 @@
+/* idemrpc-demo: a server whose Counter/Add is deliberately NOT idempotent (it adds to
+ * an in-memory total), so that the result cache is the only thing standing between a
+ * retried call and a double add.
+ *
+ *   demo.Counter/Add     payload "N" → new total; cached, key required
+ *   demo.Counter/Get     → total; plain (read-only: nothing to dedupe)
+ *   demo.Order/Submit    → "ORD-000001"...; needs a token from idem.Token/Issue */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <idemrpc/idemrpc.h>
+
+typedef struct demo {
+    pthread_mutex_t mu;
+    long long total;
+    unsigned long orders;
+    long delay_ms; /* --delay-ms: makes Add slow, to show duplicates waiting */
+} demo;
+
+static bool parse_ll(const void *p, size_t n, long long *out)
+{
+    char buf[32];
+    if (n == 0 || n >= sizeof(buf)) {
+        return false;
+    }
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    char *end;
+    errno = 0;
+    *out = strtoll(buf, &end, 10);
+    return errno == 0 && *end == '\0';
+}
+
+static idem_code reply_number(idem_call *call, long long v)
+{
+    char out[32];
+    int n = snprintf(out, sizeof(out), "%lld", v);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+static idem_code counter_add(idem_call *call, void *arg)
+{
+    demo *d = arg;
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    long long delta;
+    if (!parse_ll(p, n, &delta)) {
+        return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "payload must be a decimal integer");
+    }
+    if (d->delay_ms > 0) {
+        struct timespec ts = {d->delay_ms / 1000, (d->delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    pthread_mutex_lock(&d->mu);
+    long long total = d->total += delta;
+    pthread_mutex_unlock(&d->mu);
+    return reply_number(call, total);
+}
+
+static idem_code counter_get(idem_call *call, void *arg)
+{
+    demo *d = arg;
+    pthread_mutex_lock(&d->mu);
+    long long total = d->total;
+    pthread_mutex_unlock(&d->mu);
+    return reply_number(call, total);
+}
+
+static idem_code order_submit(idem_call *call, void *arg)
+{
+    demo *d = arg;
+    char out[32];
+    pthread_mutex_lock(&d->mu);
+    unsigned long no = ++d->orders;
+    pthread_mutex_unlock(&d->mu);
+    int n = snprintf(out, sizeof(out), "ORD-%06lu", no);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+static int usage(void)
+{
+    fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--db DIR] [--delay-ms N]\n"
+                    "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
+                    "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
+                    "  --delay-ms N   make demo.Counter/Add take N ms\n");
+    return 2;
+}
+
+int main(int argc, char **argv)
+{
+    const char *listen = "tcp://127.0.0.1:7700", *db = "./idemrpc-data";
+    demo d = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--listen") == 0 && i + 1 < argc) {
+            listen = argv[++i];
+        } else if (strcmp(argv[i], "--db") == 0 && i + 1 < argc) {
+            db = argv[++i];
+        } else if (strcmp(argv[i], "--delay-ms") == 0 && i + 1 < argc) {
+            d.delay_ms = strtol(argv[++i], NULL, 10);
+        } else {
+            return usage();
+        }
+    }
+
+    /* Block the stop signals before any thread starts; main waits for them below. */
+    sigset_t stop;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop, NULL);
+
+    idem_server_opts opts;
+    idem_server_opts_init(&opts);
+    opts.db_path = db;
+    idem_server *srv;
+    idem_method_opts add = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    if (idem_server_create(&srv, &opts) != IDEM_OK ||
+        idem_server_register(srv, "demo.Counter/Add", counter_add, &d, &add) != IDEM_OK ||
+        idem_server_register(srv, "demo.Counter/Get", counter_get, &d, NULL) != IDEM_OK ||
+        idem_server_register(srv, "demo.Order/Submit", order_submit, &d, &submit) != IDEM_OK ||
+        idem_server_listen(srv, listen) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return 1;
+    }
+    printf("idemrpc-demo listening on %s (store %s)\n", listen, db);
+    fflush(stdout);
+
+    int sig;
+    sigwait(&stop, &sig);
+    fprintf(stderr, "idemrpc-demo: signal %d, shutting down\n", sig);
+    idem_server_destroy(srv);
+    return 0;
+}
