@@ -15,6 +15,7 @@
 
 #define POLL_MS 20          /* re-read the store this often while waiting (other processes) */
 #define RETRY_AFTER_MS 100u /* hint given with ABORTED "in progress" */
+#define REPLY_MARGIN_MS 50u /* stop waiting this long (at most 10%) before the deadline */
 
 void idem__waitset_init(idem_waitset *w)
 {
@@ -139,8 +140,13 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
     idem_claim_outcome outcome;
     idem_record rec;
 
-    if (deadline == 0) {
-        deadline = idem__now_ms() + rt->max_wait_ms;
+    uint64_t start = idem__now_ms();
+    if (deadline == 0 || deadline > start + rt->max_wait_ms) {
+        deadline = start + rt->max_wait_ms;
+    } else if (deadline > start) {
+        /* Answer a little before the caller's deadline so the answer can still reach it. */
+        uint64_t margin = (deadline - start) / 10;
+        deadline -= margin < REPLY_MARGIN_MS ? margin : REPLY_MARGIN_MS;
     }
     idem__fingerprint(m->name, payload, plen, req.fingerprint);
     for (;;) {

@@ -278,7 +278,14 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         uint64_t left = end - now;
         uint32_t timeout = left < c->opts.attempt_timeout_ms ? (uint32_t)left
                                                               : c->opts.attempt_timeout_ms;
-        if ((code = build_msg(req, caller, out->key, attempt, deadline_unix, &msg)) != IDEM_OK) {
+        /* The attempt's own deadline: a duplicate waiting on the server answers ABORTED
+         * "in progress" before this attempt gives up, instead of after. */
+        uint64_t attempt_deadline = idem__now_ms() + timeout;
+        if (attempt_deadline > deadline_unix) {
+            attempt_deadline = deadline_unix;
+        }
+        if ((code = build_msg(req, caller, out->key, attempt, attempt_deadline, &msg)) !=
+            IDEM_OK) {
             break;
         }
         out->attempts = attempt;

@@ -59,7 +59,7 @@ typedef struct idem_server_opts {
     uint64_t result_ttl_ms; /* 0 = 24 h */
     uint64_t lease_ms;      /* 0 = 30 s */
     uint64_t token_ttl_ms;  /* 0 = 10 min */
-    uint64_t max_wait_ms;   /* duplicate wait when the request has no deadline; 0 = 10 s */
+    uint64_t max_wait_ms;   /* longest duplicate wait (the request deadline may cut it); 0 = 10 s */
     uint64_t sweep_interval_ms; /* 0 = 60 s */
     size_t sweep_batch;         /* records deleted per write txn; 0 = 1000 */
     /* true (default): the chain starts request_id → token → result_cache, and

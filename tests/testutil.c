@@ -1,0 +1,131 @@
+#include "testutil.h"
+
+#include <criterion/criterion.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+char *tu_tempdir(const char *tag)
+{
+    const char *base = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    char *path;
+    cr_assert(asprintf(&path, "%s/idemrpc-%s-XXXXXX", base, tag) > 0);
+    cr_assert_not_null(mkdtemp(path), "mkdtemp %s", path);
+    return path;
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+void tu_rmtree(char *dir)
+{
+    if (dir != NULL) {
+        nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        free(dir);
+    }
+}
+
+void tu_server_create(tu_server *ts, idem_server_opts *opts)
+{
+    idem_server_opts local;
+    memset(ts, 0, sizeof(*ts));
+    if (opts == NULL) {
+        idem_server_opts_init(&local);
+        opts = &local;
+    }
+    if (opts->store == NULL) {
+        ts->dir = tu_tempdir("srv");
+        opts->db_path = ts->dir;
+    }
+    idem_code code = idem_server_create(&ts->srv, opts);
+    cr_assert_eq(code, IDEM_OK, "idem_server_create: %s", idem_errmsg());
+}
+
+void tu_server_listen(tu_server *ts)
+{
+    idem_code code = idem_server_listen(ts->srv, "tcp://127.0.0.1:0");
+    cr_assert_eq(code, IDEM_OK, "listen: %s", idem_errmsg());
+    cr_assert_gt(idem_server_port(ts->srv), 0);
+    snprintf(ts->url, sizeof(ts->url), "tcp://127.0.0.1:%d", idem_server_port(ts->srv));
+}
+
+void tu_server_destroy(tu_server *ts, bool keep_dir)
+{
+    idem_server_destroy(ts->srv);
+    ts->srv = NULL;
+    if (!keep_dir) {
+        tu_rmtree(ts->dir);
+        ts->dir = NULL;
+    }
+}
+
+idem_client *tu_client(const char *url, unsigned attempt_timeout_ms)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.attempt_timeout_ms = attempt_timeout_ms;
+    o.retry.period_ms = 20;
+    o.retry.max_period_ms = 100;
+    idem_code code = idem_client_open(&c, &url, 1, &o);
+    cr_assert_eq(code, IDEM_OK, "client open: %s", idem_errmsg());
+    return c;
+}
+
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+
+#include "idemrpc.pb-c.h"
+
+Idem__V1__Response *tu_raw_call(const char *url, const void *frame, size_t len,
+                                unsigned timeout_ms)
+{
+    nng_socket s;
+    nng_msg *m;
+    Idem__V1__Response *r = NULL;
+    cr_assert_eq(nng_req0_open(&s), 0);
+    cr_assert_eq(nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, (nng_duration)timeout_ms), 0);
+    cr_assert_eq(nng_socket_set_ms(s, NNG_OPT_SENDTIMEO, (nng_duration)timeout_ms), 0);
+    cr_assert_eq(nng_socket_set_size(s, NNG_OPT_RECVMAXSZ, 0), 0);
+    cr_assert_eq(nng_dial(s, url, NULL, 0), 0, "dial %s", url);
+    cr_assert_eq(nng_msg_alloc(&m, 0), 0);
+    cr_assert_eq(nng_msg_append(m, frame, len), 0);
+    if (nng_sendmsg(s, m, 0) != 0) {
+        nng_msg_free(m);
+    } else if (nng_recvmsg(s, &m, 0) == 0) {
+        r = idem__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
+        cr_assert_not_null(r, "reply is not an idem.v1.Response");
+        nng_msg_free(m);
+    }
+    nng_close(s);
+    return r;
+}
+
+void tu_response_free(Idem__V1__Response *r)
+{
+    if (r != NULL) {
+        idem__v1__response__free_unpacked(r, NULL);
+    }
+}
+
+void *tu_pack_request(const char *method, const char *key, const char *caller,
+                      const char *payload, size_t *len)
+{
+    Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
+    q.method = (char *)(method ? method : "");
+    q.idempotency_key = (char *)(key ? key : "");
+    q.caller = (char *)(caller ? caller : "");
+    q.payload.data = (uint8_t *)payload;
+    q.payload.len = payload ? strlen(payload) : 0;
+    q.attempt = 1;
+    *len = idem__v1__request__get_packed_size(&q);
+    void *buf = malloc(*len ? *len : 1);
+    cr_assert_not_null(buf);
+    idem__v1__request__pack(&q, buf);
+    return buf;
+}

@@ -1,0 +1,43 @@
+/* Shared test helpers: throwaway LMDB directories and servers on free ports. */
+#ifndef IDEMRPC_TESTUTIL_H
+#define IDEMRPC_TESTUTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include <idemrpc/idemrpc.h>
+
+/* mkdtemp under $TMPDIR (or /tmp); returns a malloc'd path. Aborts on failure. */
+char *tu_tempdir(const char *tag);
+/* Removes dir and everything in it, then frees the path. */
+void tu_rmtree(char *dir);
+
+/* A server on tcp://127.0.0.1:<free port>, store in a fresh temp dir. */
+typedef struct tu_server {
+    idem_server *srv;
+    char *dir;
+    char url[64];
+} tu_server;
+
+/* opts may be NULL; db_path is set by the helper unless opts->store is given. The server
+ * is not listening yet: register methods, then call tu_server_listen(). */
+void tu_server_create(tu_server *ts, idem_server_opts *opts);
+void tu_server_listen(tu_server *ts);
+/* Destroys the server; keeps the directory when keep_dir (for restart tests). */
+void tu_server_destroy(tu_server *ts, bool keep_dir);
+
+/* A client to url with fast retries for tests. */
+idem_client *tu_client(const char *url, unsigned attempt_timeout_ms);
+
+/* Sends one raw frame on a fresh req0 socket and returns the reply frame decoded as an
+ * idem.v1.Response (free with tu_response_free), or NULL when no reply arrived within
+ * timeout_ms. */
+struct Idem__V1__Response;
+struct Idem__V1__Response *tu_raw_call(const char *url, const void *frame, size_t len,
+                                       unsigned timeout_ms);
+void tu_response_free(struct Idem__V1__Response *r);
+/* Packs a Request with the given fields (NULL = unset) into a malloc'd frame. */
+void *tu_pack_request(const char *method, const char *key, const char *caller,
+                      const char *payload, size_t *len);
+
+#endif
