@@ -260,6 +260,8 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             return out->code = idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
         }
         strcpy(out->key, req->idempotency_key);
+    } else if (req->token != NULL && req->token[0] != '\0') {
+        out->key[0] = '\0'; /* the server makes the one-time token the key */
     } else {
         uint8_t rnd[16];
         if (!idem__random(rnd, sizeof(rnd))) {

@@ -66,6 +66,66 @@ static idem_code check_request(const Idem__V1__Request *r)
     return IDEM_OK;
 }
 
+static bool read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v)
+{
+    *v = 0;
+    for (int shift = 0; *p < end && shift < 64; shift += 7) {
+        uint8_t b = *(*p)++;
+        *v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* protobuf-c hands strings over as C strings, so a string with an embedded NUL would be
+ * cut short silently (and "a\0b" would collide with "a"). This walks the wire form and
+ * reports a NUL in any field whose number is in string_fields; map_field's entries are
+ * nested messages whose fields 1 and 2 (key, value) are strings. */
+static bool wire_strings_have_nul(const uint8_t *p, const uint8_t *end, uint32_t string_fields,
+                                  uint32_t map_field)
+{
+    while (p < end) {
+        uint64_t tag, n;
+        if (!read_varint(&p, end, &tag)) {
+            return true;
+        }
+        uint64_t field = tag >> 3;
+        switch (tag & 7) {
+        case 0:
+            if (!read_varint(&p, end, &n)) {
+                return true;
+            }
+            break;
+        case 1:
+        case 5:
+            n = (tag & 7) == 1 ? 8 : 4;
+            if ((uint64_t)(end - p) < n) {
+                return true;
+            }
+            p += n;
+            break;
+        case 2:
+            if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+                return true;
+            }
+            if (field < 32 && (string_fields & (1u << field)) && memchr(p, 0, n) != NULL) {
+                return true;
+            }
+            if (field == map_field &&
+                wire_strings_have_nul(p, p + n, (1u << 1) | (1u << 2), 0)) {
+                return true;
+            }
+            p += n;
+            break;
+        default:
+            return true; /* groups are not part of proto3 */
+        }
+    }
+    return false;
+}
+
 idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **out)
 {
     *out = NULL;
@@ -76,7 +136,13 @@ idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **
     if (r == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
     }
+    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
+     * metadata (5) is a map<string,string>. */
+    const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
     idem_code code = check_request(r);
+    if (code == IDEM_OK && wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5)) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
+    }
     if (code != IDEM_OK) {
         idem__v1__request__free_unpacked(r, NULL);
         return code;

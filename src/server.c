@@ -100,6 +100,9 @@ static int method_cmp(const void *a, const void *b)
 static const idem_method *method_find(const idem_server *srv, const char *name)
 {
     idem_method probe = {.name = (char *)name};
+    if (srv->n_methods == 0) {
+        return NULL;
+    }
     return bsearch(&probe, srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
 }
 

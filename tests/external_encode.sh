@@ -17,7 +17,7 @@ grep -q listening "$work/demo.log" || { cat "$work/demo.log"; exit 1; }
 proto_dir=$(dirname "$IDEMRPC_PROTO")
 call() { # text-format Request → text-format Response
     printf '%s' "$1" | protoc -I"$proto_dir" --encode=idem.v1.Request idemrpc.proto >"$work/req"
-    nngcat --req --dial "$sock" --file "$work/req" --raw --recv-timeout 5 --count 1 >"$work/resp"
+    timeout 10 nngcat --req --dial "$sock" --file "$work/req" --raw --recv-timeout 5 >"$work/resp"
     protoc -I"$proto_dir" --decode=idem.v1.Response idemrpc.proto <"$work/resp"
 }
 expect() { # $1 = response text, $2 = grep pattern
@@ -39,7 +39,7 @@ expect "$r" 'code: INVALID_ARGUMENT'
 r=$(call 'method: "nope.X/Y"')
 expect "$r" 'code: UNIMPLEMENTED'
 printf 'not a protobuf' >"$work/req"
-nngcat --req --dial "$sock" --file "$work/req" --raw --recv-timeout 5 --count 1 >"$work/resp"
+timeout 10 nngcat --req --dial "$sock" --file "$work/req" --raw --recv-timeout 5 >"$work/resp"
 r=$(protoc -I"$proto_dir" --decode=idem.v1.Response idemrpc.proto <"$work/resp")
 expect "$r" 'code: INVALID_ARGUMENT'
 echo "external_encode: all checks passed"

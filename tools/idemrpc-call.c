@@ -81,7 +81,7 @@ int main(int argc, char **argv)
             printf("message: %s\n", res.message);
         }
         print_payload(res.payload, res.payload_len);
-        printf("key: %s\nattempts: %u\n", res.key, res.attempts);
+        printf("key: %s\nattempts: %u\n", res.key[0] ? res.key : "(the token)", res.attempts);
         idem_result_clear(&res);
         status = code == IDEM_OK ? 0 : 1;
     }

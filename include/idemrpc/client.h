@@ -45,7 +45,7 @@ typedef struct idem_metadata_kv {
 /* Per-call request fields; all optional except method. Strings are not retained. */
 typedef struct idem_request {
     const char *method;
-    const char *idempotency_key; /* NULL = generated once for this call */
+    const char *idempotency_key; /* NULL = the token if given, else generated once */
     const char *token;
     const char *caller;     /* NULL = the client's default */
     const char *request_id; /* NULL = server generates */
@@ -66,7 +66,8 @@ typedef struct idem_result {
     size_t metadata_count;
     bool replayed;
     char *request_id;
-    char key[IDEM_CLIENT_KEY_MAX + 1]; /* the idempotency key every attempt carried */
+    /* The idempotency key every attempt carried; "" when a token stood in for it. */
+    char key[IDEM_CLIENT_KEY_MAX + 1];
     uint32_t attempts;
 } idem_result;
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds idemrpc and runs the whole test suite (unit + integration against live servers).
+#   bash scripts/test.sh           # normal build in build/
+#   bash scripts/test.sh --asan    # ASan+UBSan build in build-asan/
+# Exits non-zero when any test fails. The last lines are the criterion totals over all
+# test programs and a plain "N passed, N failed" line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/bootstrap.sh
+
+builddir=build
+setup_args=()
+if [ "${1:-}" = "--asan" ]; then
+    builddir=build-asan
+    setup_args=(-Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debug)
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+fi
+[ -f "$builddir/build.ninja" ] || meson setup "$builddir" "${setup_args[@]}"
+meson compile -C "$builddir"
+
+status=0
+meson test -C "$builddir" --print-errorlogs --num-processes 2 || status=$?
+
+# Criterion prints one "Synthesis" line per test program into the meson log; add them up.
+python3 - "$builddir/meson-logs/testlog.json" <<'PY'
+import json, re, sys
+tot = dict(Tested=0, Passing=0, Failing=0, Crashing=0)
+progs = 0
+for line in open(sys.argv[1]):
+    t = json.loads(line)
+    out = (t.get("stdout") or "") + (t.get("stderr") or "")
+    for m in re.finditer(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+) \| Crashing: (\d+)", out):
+        progs += 1
+        for k, v in zip(tot, m.groups()):
+            tot[k] += int(v)
+    if "Synthesis" not in out:  # a script test (e.g. external_encode): counts as one
+        progs += 1
+        ok = t.get("result") == "OK"
+        tot["Tested"] += 1; tot["Passing"] += ok; tot["Failing"] += (not ok)
+print(f"[====] Synthesis: Tested: {tot['Tested']} | Passing: {tot['Passing']} | "
+      f"Failing: {tot['Failing']} | Crashing: {tot['Crashing']} ")
+print(f"{tot['Passing']} passed, {tot['Failing'] + tot['Crashing']} failed")
+PY
+exit $status
