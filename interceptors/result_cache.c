@@ -50,16 +50,26 @@ uint64_t idem__waitset_gen(idem_waitset *w)
     return g;
 }
 
-void idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms)
+bool idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms)
 {
     struct timespec ts;
     idem__abs_timespec(&ts, wait_ms);
     pthread_mutex_lock(&w->mu);
-    while (w->gen == seen_gen) {
+    while (w->gen == seen_gen && !w->stopping) {
         if (pthread_cond_timedwait(&w->cv, &w->mu, &ts) != 0) {
             break;
         }
     }
+    bool go_on = !w->stopping;
+    pthread_mutex_unlock(&w->mu);
+    return go_on;
+}
+
+void idem__waitset_stop(idem_waitset *w)
+{
+    pthread_mutex_lock(&w->mu);
+    w->stopping = true;
+    pthread_cond_broadcast(&w->cv);
     pthread_mutex_unlock(&w->mu);
 }
 
@@ -92,34 +102,68 @@ static idem_code answer_in_progress(idem_call *call)
     return IDEM_ABORTED;
 }
 
+/* Stores the call's response as the COMPLETED record: in the handler's own transaction
+ * (committing its business writes with it) when it has one, else on its own. */
+static idem_code record_result(idem_call *call, idem_runtime *rt, const idem_key_ref *key,
+                               uint64_t owner, idem_txn *txn)
+{
+    const idem_method_opts *o = &call->method->opts;
+    uint64_t expires = idem__now_ms() + (o->result_ttl_ms ? o->result_ttl_ms : rt->result_ttl_ms);
+    uint8_t *buf;
+    size_t len;
+    idem_code st = idem__encode_call_response(call, false, &buf, &len);
+    if (st != IDEM_OK) {
+        if (txn != NULL) {
+            idem__store_txn_abort(txn);
+        }
+        return st;
+    }
+    st = txn != NULL ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires)
+                     : idem_store_complete(rt->store, key, owner, buf, len, expires);
+    free(buf);
+    return st;
+}
+
 /* Runs the handler as the claim owner and records the outcome. */
 static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
                            const idem_key_ref *key, uint64_t owner)
 {
     const idem_method_opts *o = &call->method->opts;
     uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
-    idem_code code = idem_call_next(call, next);
-    idem_code st;
+    bool transactional = (o->flags & IDEM_METHOD_TRANSACTIONAL) != 0;
+    idem_txn *txn = NULL;
+    idem_code code, st;
 
+    if (transactional && (st = idem__store_txn_begin(rt->store, &txn)) != IDEM_OK) {
+        idem_store_release(rt->store, key, owner);
+        idem__waitset_notify(&rt->waits);
+        return idem_call_fail(call, st, "%s", idem_errmsg());
+    }
+    call->txn = txn;
+    code = idem_call_next(call, next);
+    call->txn = NULL;
     if (IDEM_CODE_BIT(code) & transient) {
+        if (txn != NULL) {
+            idem__store_txn_abort(txn); /* business writes vanish with the claim */
+        }
         st = idem_store_release(rt->store, key, owner);
     } else {
-        uint8_t *buf;
-        size_t len;
-        uint64_t ttl = o->result_ttl_ms ? o->result_ttl_ms : rt->result_ttl_ms;
-        st = idem__encode_call_response(call, false, &buf, &len);
-        if (st == IDEM_OK) {
-            st = idem_store_complete(rt->store, key, owner, buf, len, idem__now_ms() + ttl);
-            free(buf);
-        }
+        st = record_result(call, rt, key, owner, txn);
     }
     idem__waitset_notify(&rt->waits);
-    if (st != IDEM_OK) {
-        /* The handler ran; its answer stands. The record stays IN_PROGRESS until its
-         * lease ends, then a retry may run again (documented at-least-once edge). */
-        fprintf(stderr, "idemrpc: result_cache: %s %s: recording outcome failed: %s\n",
-                call->method->name, call->request_id, idem_errmsg());
+    if (st == IDEM_OK) {
+        return code;
     }
+    if (transactional) {
+        /* Nothing committed: not the effect, not the record. Say so, and free the key. */
+        idem_store_release(rt->store, key, owner);
+        idem__waitset_notify(&rt->waits);
+        return idem_call_fail(call, st, "not committed: %s", idem_errmsg());
+    }
+    /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
+     * ends, then a retry may run again (the documented at-least-once edge). */
+    fprintf(stderr, "idemrpc: result_cache: %s %s: recording outcome failed: %s\n",
+            call->method->name, call->request_id, idem_errmsg());
     return code;
 }
 
@@ -127,7 +171,8 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
 {
     idem_runtime *rt = arg;
     const idem_method *m = call->method;
-    if (m == NULL || !(m->opts.flags & (IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED)) ||
+    const unsigned cached = IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_TRANSACTIONAL;
+    if (m == NULL || !(m->opts.flags & cached) ||
         call->key_source == IDEM_KEY_NONE) {
         return idem_call_next(call, next);
     }
@@ -191,6 +236,8 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
             return answer_in_progress(call);
         }
         uint64_t left = deadline - now;
-        idem__waitset_wait(&rt->waits, gen, left < POLL_MS ? left : POLL_MS);
+        if (!idem__waitset_wait(&rt->waits, gen, left < POLL_MS ? left : POLL_MS)) {
+            return idem_call_fail(call, IDEM_UNAVAILABLE, "server shutting down");
+        }
     }
 }

@@ -33,6 +33,7 @@ typedef struct idem_waitset {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint64_t gen;
+    bool stopping; /* server shutdown: waiters give up at once */
 } idem_waitset;
 
 /* Shared by the built-in interceptors; owned by the server. */
@@ -65,6 +66,7 @@ struct idem_call {
     size_t meta_count;
     bool replayed;
     void *user;
+    idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
 };
 
 /* The chain: interceptors in order, then the method handler. */
@@ -110,7 +112,8 @@ void idem__waitset_init(idem_waitset *w);
 void idem__waitset_fini(idem_waitset *w);
 void idem__waitset_notify(idem_waitset *w);
 uint64_t idem__waitset_gen(idem_waitset *w);
-/* Waits until gen changes or wait_ms passes. */
-void idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms);
+/* Waits until gen changes or wait_ms passes. Returns false when the server is stopping. */
+bool idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms);
+void idem__waitset_stop(idem_waitset *w);
 
 #endif

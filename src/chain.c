@@ -239,3 +239,8 @@ void *idem_call_user(const idem_call *call)
 {
     return call->user;
 }
+
+idem_txn *idem_call_txn(idem_call *call)
+{
+    return call->txn;
+}

@@ -39,4 +39,11 @@ void idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_
 /* strdup that returns NULL only on ENOMEM; NULL in → "". */
 char *idem__strdup(const char *s);
 
+/* Handler transactions (txn.h), backend-neutral: begin; then either abort, or write the COMPLETED
+ * record into the same txn and commit both (the txn is freed either way). */
+idem_code idem__store_txn_begin(idem_store *st, idem_txn **out);
+void idem__store_txn_abort(idem_txn *t);
+idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                          const void *response, size_t len, uint64_t expires_ms);
+
 #endif

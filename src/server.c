@@ -513,14 +513,17 @@ void idem_server_destroy(idem_server *srv)
     pthread_cond_broadcast(&srv->cv);
     pthread_cond_broadcast(&srv->sweep_cv);
     pthread_mutex_unlock(&srv->mu);
-    if (srv->sock_open) {
-        nng_close(srv->sock); /* fails every pending recv/send with NNG_ECLOSED */
-    }
+    idem__waitset_stop(&srv->rt.waits);
+    /* Workers first: a running handler finishes and sends its reply while the socket is
+     * still open (nng must not see a send on a context that nng_close is tearing down). */
     for (size_t i = 0; i < srv->n_threads; i++) {
-        pthread_join(srv->threads[i], NULL); /* running handlers finish */
+        pthread_join(srv->threads[i], NULL);
     }
     if (srv->sweeper_started) {
         pthread_join(srv->sweeper, NULL);
+    }
+    if (srv->sock_open) {
+        nng_close(srv->sock); /* fails every pending recv/send with NNG_ECLOSED */
     }
     for (size_t i = 0; i < srv->n_works; i++) {
         nng_aio_stop(srv->works[i].aio); /* waits for a callback in progress */

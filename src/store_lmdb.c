@@ -9,6 +9,7 @@
  * unique constraint that makes a claim atomic. */
 #include <errno.h>
 #include <lmdb.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -664,4 +665,156 @@ idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
     out->map_size = info.me_mapsize;
     out->map_used = (info.me_last_pgno + 1) * (size_t)ms.ms_psize;
     return rc == MDB_NOTFOUND ? IDEM_OK : lmdb_code(rc, "stats scan");
+}
+
+/* ---- transactional handlers (txn.h) ---- */
+
+struct idem_txn {
+    idem_store *st;
+    MDB_txn *txn;
+};
+
+idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
+{
+    idem_txn *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    int rc = mdb_txn_begin(st->env, NULL, 0, &t->txn);
+    if (rc != 0) {
+        free(t);
+        return lmdb_code(rc, "handler txn begin");
+    }
+    t->st = st;
+    *out = t;
+    return IDEM_OK;
+}
+
+void idem__store_txn_abort(idem_txn *t)
+{
+    mdb_txn_abort(t->txn);
+    free(t);
+}
+
+idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                          const void *response, size_t len, uint64_t expires_ms)
+{
+    idem_code code = idem__store_complete_txn(t->st, t->txn, ref, owner, response, len,
+                                              expires_ms);
+    if (code != IDEM_OK) {
+        idem__store_txn_abort(t);
+        return code;
+    }
+    code = txn_commit(t->txn);
+    free(t);
+    return code;
+}
+
+static idem_code app_dbi(MDB_txn *txn, const char *db, unsigned flags, MDB_dbi *dbi)
+{
+    char name[IDEM_MAX_DB_NAME + 5];
+    size_t n = db != NULL ? strlen(db) : 0;
+    if (n == 0 || n > IDEM_MAX_DB_NAME) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "database name must be 1..%d bytes",
+                         IDEM_MAX_DB_NAME);
+    }
+    snprintf(name, sizeof(name), "app.%s", db);
+    int rc = mdb_dbi_open(txn, name, flags, dbi);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no database %s", db);
+    }
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "open database");
+}
+
+static idem_code app_key(const void *key, size_t klen, MDB_val *k)
+{
+    if (klen == 0 || klen > 511) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "key must be 1..511 bytes");
+    }
+    *k = (MDB_val){klen, (void *)key};
+    return IDEM_OK;
+}
+
+idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
+                       const void **val, size_t *vlen)
+{
+    MDB_dbi dbi;
+    MDB_val k, v;
+    idem_code code;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
+        (code = app_dbi(t->txn, db, MDB_CREATE, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_get(t->txn, dbi, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no such key");
+    } else if (rc != 0) {
+        return lmdb_code(rc, "get");
+    }
+    *val = v.mv_data;
+    *vlen = v.mv_size;
+    return IDEM_OK;
+}
+
+idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
+                       const void *val, size_t vlen)
+{
+    MDB_dbi dbi;
+    MDB_val k, v = {vlen, (void *)val};
+    idem_code code;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
+        (code = app_dbi(t->txn, db, MDB_CREATE, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_put(t->txn, dbi, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "put");
+}
+
+idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen)
+{
+    MDB_dbi dbi;
+    MDB_val k;
+    idem_code code;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
+        (code = app_dbi(t->txn, db, MDB_CREATE, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_del(t->txn, dbi, &k, NULL);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no such key");
+    }
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "del");
+}
+
+idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, size_t klen,
+                             void **val, size_t *vlen)
+{
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k, v;
+    idem_code code;
+    int rc;
+    *val = NULL;
+    *vlen = 0;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, MDB_RDONLY, &txn)) != 0) {
+        return lmdb_code(rc, "read begin");
+    }
+    if ((code = app_dbi(txn, db, 0, &dbi)) == IDEM_OK) {
+        rc = mdb_get(txn, dbi, &k, &v);
+        if (rc == MDB_NOTFOUND) {
+            code = idem__err(IDEM_NOT_FOUND, "no such key");
+        } else if (rc != 0) {
+            code = lmdb_code(rc, "get");
+        } else if ((*val = malloc(v.mv_size ? v.mv_size : 1)) == NULL) {
+            code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        } else {
+            memcpy(*val, v.mv_data, v.mv_size);
+            *vlen = v.mv_size;
+        }
+    }
+    mdb_txn_abort(txn);
+    return code;
 }

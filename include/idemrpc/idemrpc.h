@@ -7,5 +7,6 @@
 #include "store.h"
 #include "server.h"
 #include "client.h"
+#include "txn.h"
 
 #endif

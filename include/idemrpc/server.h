@@ -38,6 +38,9 @@ enum idem_method_flags {
     /* Calls need a one-time token from idem.Token/Issue; the token becomes the key.
      * Implies IDEM_METHOD_CACHED. */
     IDEM_METHOD_TOKEN_REQUIRED = 1u << 2,
+    /* The handler runs inside the store's write transaction (txn.h): its business
+     * writes and the result record commit atomically. Implies IDEM_METHOD_CACHED. */
+    IDEM_METHOD_TRANSACTIONAL = 1u << 3,
 };
 
 typedef struct idem_method_opts {
@@ -95,8 +98,9 @@ IDEM_API idem_code idem_server_listen(idem_server *srv, const char *url);
 /* For tcp:// with port 0: the port actually bound by the first tcp listener. */
 IDEM_API int idem_server_port(const idem_server *srv);
 
-/* Stops receiving, lets running handlers finish (their replies are dropped if the
- * socket is gone), drops queued calls without running them, frees everything. */
+/* Lets running handlers finish and send their replies, answers waiting duplicates
+ * UNAVAILABLE, drops queued calls without running them (their clients retry), closes
+ * the socket and frees everything. */
 IDEM_API void idem_server_destroy(idem_server *srv);
 
 /* The store the server uses (its own or opts.store). */
