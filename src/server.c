@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "call.h"
+#include "server_internal.h"
 
 #define DEFAULT_MAX_FRAME ((size_t)4 << 20)
 #define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
@@ -200,7 +201,7 @@ static nng_msg *response_msg(idem_call *call)
     return msg;
 }
 
-static nng_msg *serve_frame(idem_server *srv, const void *frame, size_t len)
+nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t len)
 {
     static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
     Idem__V1__Request *req = NULL;
@@ -313,7 +314,7 @@ static void *worker_main(void *arg)
     idem_server *srv = arg;
     work *w;
     while ((w = queue_pop(srv)) != NULL) {
-        nng_msg *reply = serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg));
+        nng_msg *reply = idem__server_serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg));
         nng_msg_free(w->msg);
         w->msg = NULL;
         if (reply == NULL) {
