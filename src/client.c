@@ -219,9 +219,12 @@ static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
     return code;
 }
 
-static bool retryable(idem_code code)
+/* RESOURCE_EXHAUSTED is retried only as server back-pressure (it then carries
+ * retry-after-ms); "store full" and "frame too large" would fail again. */
+static bool retryable(idem_code code, uint32_t retry_after)
 {
-    return code == IDEM_UNAVAILABLE || code == IDEM_DEADLINE_EXCEEDED || code == IDEM_ABORTED;
+    return code == IDEM_UNAVAILABLE || code == IDEM_DEADLINE_EXCEEDED || code == IDEM_ABORTED ||
+           (code == IDEM_RESOURCE_EXHAUSTED && retry_after > 0);
 }
 
 static uint32_t retry_after_hint(const Idem__V1__Response *r)
@@ -295,7 +298,8 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (code == IDEM_OK) {
             code = (idem_code)resp->code;
         }
-        bool again = retryable(code) && attempt < c->opts.retry.max_attempts;
+        uint32_t hint = retry_after_hint(resp);
+        bool again = retryable(code, hint) && attempt < c->opts.retry.max_attempts;
         if (!again) {
             if (resp != NULL) {
                 idem_code fill = result_fill(out, resp);
@@ -308,7 +312,6 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             break;
         }
         uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
-        uint32_t hint = retry_after_hint(resp);
         if (resp != NULL) {
             idem__v1__response__free_unpacked(resp, NULL);
         }

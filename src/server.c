@@ -57,6 +57,7 @@ struct idem_server {
     pthread_cond_t cv;  /* queue non-empty, or stopping */
     pthread_cond_t sweep_cv; /* stopping (wakes the sweeper early) */
     work *head, *tail;
+    size_t n_queued;
     bool stopping;
     int port;
 };
@@ -229,9 +230,14 @@ nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t le
 
 /* ---- the work queue and the context state machine ---- */
 
-static void queue_push(idem_server *srv, work *w)
+/* Returns false, queueing nothing, when max_queue calls already wait for a worker. */
+static bool queue_push(idem_server *srv, work *w)
 {
     pthread_mutex_lock(&srv->mu);
+    if (srv->opts.max_queue > 0 && srv->n_queued >= srv->opts.max_queue) {
+        pthread_mutex_unlock(&srv->mu);
+        return false;
+    }
     w->next = NULL;
     if (srv->tail != NULL) {
         srv->tail->next = w;
@@ -239,8 +245,24 @@ static void queue_push(idem_server *srv, work *w)
         srv->head = w;
     }
     srv->tail = w;
+    srv->n_queued++;
     pthread_cond_signal(&srv->cv);
     pthread_mutex_unlock(&srv->mu);
+    return true;
+}
+
+/* The answer to a call that found the queue full: cheap enough for the nng callback. */
+static nng_msg *busy_msg(idem_server *srv)
+{
+    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
+    idem_call call;
+    idem__call_init(&call, &empty, NULL, &srv->rt);
+    idem_call_fail(&call, IDEM_RESOURCE_EXHAUSTED, "server busy: %zu calls queued; retry later",
+                   srv->opts.max_queue);
+    idem_call_set_response_metadata(&call, "retry-after-ms", "100");
+    nng_msg *out = response_msg(&call);
+    idem__call_fini(&call);
+    return out;
 }
 
 /* NULL when stopping (queued calls are then dropped, not run). */
@@ -254,6 +276,7 @@ static work *queue_pop(idem_server *srv)
     if (!srv->stopping) {
         w = srv->head;
         srv->head = w->next;
+        srv->n_queued--;
         if (srv->head == NULL) {
             srv->tail = NULL;
         }
@@ -276,6 +299,20 @@ static void work_recv(work *w)
     nng_ctx_recv(w->ctx, w->aio);
 }
 
+/* Frees the request and sends reply (NULL: no reply possible, receive the next). */
+static void work_reply(work *w, nng_msg *reply)
+{
+    nng_msg_free(w->msg);
+    w->msg = NULL;
+    if (reply == NULL) {
+        work_recv(w);
+        return;
+    }
+    w->state = WORK_SEND;
+    nng_aio_set_msg(w->aio, reply);
+    nng_ctx_send(w->ctx, w->aio);
+}
+
 static void work_cb(void *arg)
 {
     work *w = arg;
@@ -294,7 +331,9 @@ static void work_cb(void *arg)
         }
         w->msg = nng_aio_get_msg(w->aio);
         w->state = WORK_QUEUED;
-        queue_push(w->srv, w);
+        if (!queue_push(w->srv, w)) {
+            work_reply(w, busy_msg(w->srv));
+        }
         break;
     case WORK_SEND:
         if (nng_aio_result(w->aio) != 0) {
@@ -314,16 +353,7 @@ static void *worker_main(void *arg)
     idem_server *srv = arg;
     work *w;
     while ((w = queue_pop(srv)) != NULL) {
-        nng_msg *reply = idem__server_serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg));
-        nng_msg_free(w->msg);
-        w->msg = NULL;
-        if (reply == NULL) {
-            work_recv(w);
-            continue;
-        }
-        w->state = WORK_SEND;
-        nng_aio_set_msg(w->aio, reply);
-        nng_ctx_send(w->ctx, w->aio);
+        work_reply(w, idem__server_serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg)));
     }
     return NULL;
 }

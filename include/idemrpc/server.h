@@ -55,6 +55,10 @@ typedef struct idem_method_opts {
 typedef struct idem_server_opts {
     size_t contexts;        /* concurrent calls (nng contexts); 0 = 2 x cores */
     size_t workers;         /* handler threads; 0 = contexts */
+    /* Back-pressure: a call received while this many wait for a worker is answered
+     * RESOURCE_EXHAUSTED "server busy" (with retry-after-ms) at once. 0 = no limit
+     * beyond contexts. */
+    size_t max_queue;
     size_t max_frame;       /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
     const char *db_path;    /* LMDB directory, created if missing; ignored if store set */
     size_t map_size;        /* LMDB map size; 0 = 1 GiB */

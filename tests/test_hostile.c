@@ -1,0 +1,302 @@
+/* Hostile input and resource bounds: every bad frame gets a clear code, nothing runs,
+ * and the server keeps serving. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idemrpc.pb-c.h"
+#include "testutil.h"
+
+static tu_server S;
+static atomic_int executions;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static bool gate_open;
+static int entered;
+
+static idem_code h_echo(idem_call *call, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    atomic_fetch_add(&executions, 1);
+    return idem_call_reply(call, IDEM_OK, p, n);
+}
+
+static idem_code h_gated(idem_call *call, void *arg)
+{
+    pthread_mutex_lock(&mu);
+    entered++;
+    pthread_cond_broadcast(&cv);
+    while (!gate_open) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    return h_echo(call, arg);
+}
+
+/* Transactional, with a response big enough to fill a tiny map quickly. */
+static idem_code h_big(idem_call *call, void *arg)
+{
+    (void)arg;
+    static char blob[16 * 1024];
+    size_t n;
+    const void *key = idem_call_payload(call, &n);
+    idem_code code = idem_txn_put(idem_call_txn(call), "blobs", key, n, blob, sizeof(blob));
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    atomic_fetch_add(&executions, 1);
+    return idem_call_reply(call, IDEM_OK, blob, sizeof(blob));
+}
+
+static void start(size_t workers, size_t max_queue, size_t map_size)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.contexts = 16;
+    o.workers = workers;
+    o.max_queue = max_queue;
+    o.map_size = map_size;
+    atomic_store(&executions, 0);
+    gate_open = false;
+    entered = 0;
+    tu_server_create(&S, &o);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(S.srv, "t.Echo/Add", h_echo, NULL, &cached), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Gate/Wait", h_gated, NULL, NULL), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Big/Put", h_big, NULL, &tx), IDEM_OK);
+    tu_server_listen(&S);
+}
+
+static void setup(void)
+{
+    start(4, 0, 0);
+}
+
+static void teardown(void)
+{
+    pthread_mutex_lock(&mu);
+    gate_open = true;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+    tu_server_destroy(&S, false);
+}
+
+TestSuite(hostile, .init = setup, .fini = teardown, .timeout = 60);
+
+/* Sends a frame and expects code, no execution, and a server that still answers. */
+static void expect_rejected(const void *frame, size_t len, int code, const char *what)
+{
+    Idem__V1__Response *r = tu_raw_call(S.url, frame, len, 5000);
+    cr_assert_not_null(r, "%s: no answer", what);
+    cr_expect_eq(r->code, code, "%s: got %d (%s)", what, r->code, r->message);
+    cr_expect_gt(strlen(r->message), 0, "%s: the error says why", what);
+    cr_expect_gt(strlen(r->request_id), 0, "%s: the error carries a request id", what);
+    tu_response_free(r);
+    cr_expect_eq(atomic_load(&executions), 0, "%s: nothing ran", what);
+
+    size_t n;
+    void *ok = tu_pack_request("t.Echo/Add", "still-serving", NULL, "1", &n);
+    r = tu_raw_call(S.url, ok, n, 5000);
+    cr_assert_not_null(r, "%s: server stopped serving", what);
+    cr_expect_eq(r->code, IDEM__V1__CODE__OK, "%s: a good call afterwards", what);
+    tu_response_free(r);
+    free(ok);
+    atomic_store(&executions, 0);
+}
+
+static void *pack(Idem__V1__Request *q, size_t *len)
+{
+    *len = idem__v1__request__get_packed_size(q);
+    void *buf = malloc(*len ? *len : 1);
+    idem__v1__request__pack(q, buf);
+    return buf;
+}
+
+#define BAD IDEM__V1__CODE__INVALID_ARGUMENT
+
+Test(hostile, truncated_protobuf)
+{
+    size_t len;
+    void *frame = tu_pack_request("t.Echo/Add", "truncated", "caller", "payload", &len);
+    expect_rejected(frame, len - 3, BAD, "truncated");
+    free(frame);
+}
+
+Test(hostile, key_longer_than_255_bytes)
+{
+    char key[257];
+    memset(key, 'k', 256);
+    key[256] = '\0';
+    size_t len;
+    void *frame = tu_pack_request("t.Echo/Add", key, NULL, "1", &len);
+    expect_rejected(frame, len, BAD, "256-byte key");
+    free(frame);
+}
+
+Test(hostile, ten_thousand_metadata_entries)
+{
+    enum { N = 10000 };
+    Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
+    Idem__V1__Request__MetadataEntry *e = calloc(N, sizeof(*e)), **p = calloc(N, sizeof(*p));
+    char(*names)[16] = calloc(N, 16);
+    for (int i = 0; i < N; i++) {
+        idem__v1__request__metadata_entry__init(&e[i]);
+        snprintf(names[i], 16, "m%d", i);
+        e[i].key = names[i];
+        e[i].value = "v";
+        p[i] = &e[i];
+    }
+    q.method = "t.Echo/Add";
+    q.idempotency_key = "meta";
+    q.n_metadata = N;
+    q.metadata = p;
+    size_t len;
+    void *frame = pack(&q, &len);
+    expect_rejected(frame, len, BAD, "10k metadata entries");
+    free(frame);
+    free(names);
+    free(p);
+    free(e);
+}
+
+Test(hostile, invalid_utf8_in_each_string_field)
+{
+    static const char bad[] = "\xc3\x28 \xed\xa0\x80";
+    Idem__V1__Request__MetadataEntry m = IDEM__V1__REQUEST__METADATA_ENTRY__INIT, *mp = &m;
+    for (int field = 0; field < 5; field++) {
+        Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
+        q.method = field == 0 ? (char *)bad : "t.Echo/Add";
+        q.idempotency_key = field == 1 ? (char *)bad : "utf8";
+        q.caller = field == 2 ? (char *)bad : "";
+        q.request_id = field == 3 ? (char *)bad : "";
+        m.key = "x-note";
+        m.value = field == 4 ? (char *)bad : "fine";
+        q.n_metadata = 1;
+        q.metadata = &mp;
+        size_t len;
+        void *frame = pack(&q, &len);
+        char what[32];
+        snprintf(what, sizeof(what), "invalid UTF-8 in field #%d", field);
+        expect_rejected(frame, len, BAD, what);
+        free(frame);
+    }
+}
+
+Test(hostile, method_name_garbage)
+{
+    static const char *const garbage[] = {"", "NoSlash", "/Method", "pkg.Svc/", "a/b/c",
+                                          "pkg Svc/Method", "pkg.Svc/Me\tthod",
+                                          "pkg.Svc/\x7f"};
+    for (size_t i = 0; i < sizeof(garbage) / sizeof(*garbage); i++) {
+        size_t len;
+        void *frame = tu_pack_request(garbage[i], "k", NULL, "1", &len);
+        expect_rejected(frame, len, BAD, garbage[i]);
+        free(frame);
+    }
+    char longname[200];
+    memset(longname, 'm', sizeof(longname) - 1);
+    longname[sizeof(longname) - 1] = '\0';
+    longname[5] = '/';
+    size_t len;
+    void *frame = tu_pack_request(longname, "k", NULL, "1", &len);
+    expect_rejected(frame, len, BAD, "199-byte method");
+    free(frame);
+}
+
+struct raw_arg {
+    const char *url;
+    int code;
+};
+
+static void *raw_gate_call(void *p)
+{
+    struct raw_arg *a = p;
+    size_t len;
+    void *frame = tu_pack_request("t.Gate/Wait", NULL, NULL, "x", &len);
+    Idem__V1__Response *r = tu_raw_call(a->url, frame, len, 10000);
+    a->code = r != NULL ? (int)r->code : -1;
+    tu_response_free(r);
+    free(frame);
+    return NULL;
+}
+
+Test(hostile, full_queue_answers_resource_exhausted_at_once, .init = NULL)
+{
+    start(1, 2, 0); /* one worker, two may wait: the rest is turned away */
+    enum { CALLS = 8 };
+    pthread_t t[CALLS];
+    struct raw_arg a[CALLS];
+    a[0].url = S.url;
+    pthread_create(&t[0], NULL, raw_gate_call, &a[0]);
+    pthread_mutex_lock(&mu); /* the only worker is busy */
+    while (entered < 1) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    for (int i = 1; i < CALLS; i++) {
+        a[i].url = S.url;
+        pthread_create(&t[i], NULL, raw_gate_call, &a[i]);
+    }
+    /* The turned-away calls answer without the gate opening: join them first. */
+    int busy = 0, ok = 0;
+    bool done[CALLS] = {false};
+    while (busy < CALLS - 3) {
+        for (int i = 1; i < CALLS; i++) {
+            if (!done[i] && pthread_tryjoin_np(t[i], NULL) == 0) {
+                done[i] = true;
+                cr_expect_eq(a[i].code, IDEM__V1__CODE__RESOURCE_EXHAUSTED);
+                busy++;
+            }
+        }
+        sched_yield();
+    }
+    pthread_mutex_lock(&mu);
+    gate_open = true;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < CALLS; i++) {
+        if (!done[i]) {
+            pthread_join(t[i], NULL);
+            ok += a[i].code == IDEM__V1__CODE__OK;
+        }
+    }
+    cr_expect_eq(busy, CALLS - 3, "five calls turned away");
+    cr_expect_eq(ok, 3, "the running call and the two queued ones complete");
+}
+
+Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact, .init = NULL)
+{
+    start(2, 0, 1 << 20); /* 1 MiB map */
+    idem_client *c = tu_client(S.url, 5000);
+    int stored = 0;
+    idem_code code = IDEM_OK;
+    char key[32];
+    idem_result r;
+    for (int i = 0; i < 200 && code == IDEM_OK; i++) {
+        snprintf(key, sizeof(key), "blob-%d", i);
+        idem_request q = {.method = "t.Big/Put", .idempotency_key = key, .payload = key,
+                          .payload_len = strlen(key)};
+        code = idem_client_call(c, &q, &r);
+        stored += code == IDEM_OK;
+        idem_result_clear(&r);
+    }
+    cr_assert_eq(code, IDEM_RESOURCE_EXHAUSTED, "a 1 MiB map fills up");
+    cr_assert_gt(stored, 0);
+    cr_expect_eq(atomic_load(&executions), stored + 1, "the last handler ran, not committed");
+    for (int i = 0; i < stored; i++) { /* every committed record still replays */
+        snprintf(key, sizeof(key), "blob-%d", i);
+        idem_request q = {.method = "t.Big/Put", .idempotency_key = key, .payload = key,
+                          .payload_len = strlen(key)};
+        cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s: %s", key, r.message);
+        cr_expect(r.replayed);
+        cr_expect_eq(r.payload_len, 16 * 1024);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+}
