@@ -1,0 +1,275 @@
+/* libFuzzer target: one request frame through the whole server path.
+ *
+ * Every input goes through idem__server_serve_frame(): decoder and envelope checks,
+ * request id and key resolution, token, result cache (claim, replay, mismatch, wait),
+ * a handler, response encoding. One server lives for the whole run, so an input that
+ * repeats an earlier one replays or mismatches as on a live server. The answer must
+ * be a decodable idem.v1.Response with a non-empty request_id and a code in 0..16;
+ * anything else abort()s, and so does any ASan/UBSan report.
+ *
+ * Run it:
+ *   bash scripts/fuzz.sh              # 60 s, seeds from tests/fuzz/corpus
+ *   bash scripts/fuzz.sh 3600         # an hour
+ * Longer or parallel runs by hand, once fuzz.sh has built build-fuzz:
+ *   build-fuzz/tests/fuzz/fuzz_envelope -jobs=2 -workers=2 -max_total_time=3600 \
+ *       -max_len=70000 -timeout=10 build-fuzz/corpus-work tests/fuzz/corpus
+ * Reproduce a crash: build-fuzz/tests/fuzz/fuzz_envelope CRASH_FILE
+ *
+ * The store is a scratch LMDB directory under $TMPDIR (else /tmp), opened with
+ * IDEM_STORE_NOSYNC (speed; durability is not under test), re-created when it is 3/4
+ * full so that cached methods keep running instead of answering "store full", and
+ * removed at exit. A crash leaves it behind (libFuzzer _exits). */
+#include <ftw.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "call.h"
+#include "idemrpc.pb-c.h"
+#include "server_internal.h"
+
+#define FUZZ_MAP_SIZE ((size_t)64 << 20)
+#define FUZZ_MAX_FRAME ((size_t)64 << 10)
+#define FUZZ_MAX_WAIT_MS 20  /* a duplicate of a stuck claim must not hit -timeout */
+#define FUZZ_CHECK_EVERY 512 /* inputs between two store-fill checks */
+#define FUZZ_TXN_DB "fuzz.balances"
+
+/* Tokens a seed can use without calling idem.Token/Issue first (issued tokens are
+ * random, the fuzzer could never guess one). Re-put before every input. */
+static const struct {
+    const char *token, *caller;
+    uint64_t expires_ms; /* 0: far future */
+} seed_tokens[] = {
+    {"fuzz-token-anon", "", 0},
+    {"fuzz-token-svc", "svc.checkout", 0},
+    {"fuzz-token-expired", "", 1},
+};
+
+static struct {
+    char dir[256];
+    idem_store *store;
+    idem_server *srv;
+    unsigned long inputs;
+} fz;
+
+static void die(const char *what, const char *detail)
+{
+    fprintf(stderr, "fuzz_envelope: %s: %s\n", what, detail);
+    abort();
+}
+
+/* ---- handlers ---- */
+
+/* The first payload byte chooses the outcome when it is a code (final codes are stored,
+ * transient ones release the claim); any other payload answers OK with an echo. */
+static idem_code payload_code(const idem_call *call)
+{
+    size_t n;
+    const uint8_t *p = idem_call_payload(call, &n);
+    return n > 0 && p[0] < IDEM_CODE_COUNT ? (idem_code)p[0] : IDEM_OK;
+}
+
+/* Request metadata becomes response metadata: fills the response up to its bounds. */
+static void echo_metadata(idem_call *call)
+{
+    for (size_t i = 0; i < idem_call_metadata_count(call); i++) {
+        const char *name, *value;
+        idem_call_metadata_at(call, i, &name, &value);
+        idem_call_set_response_metadata(call, name, value);
+    }
+}
+
+static idem_code answer(idem_call *call)
+{
+    idem_code code = payload_code(call);
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    echo_metadata(call);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "fuzz handler answers %s", idem_code_name(code));
+    }
+    return idem_call_reply(call, IDEM_OK, p, n);
+}
+
+static idem_code plain_handler(idem_call *call, void *arg)
+{
+    (void)arg;
+    return answer(call);
+}
+
+/* Keeps the payload per key in its own database, in the claim's write transaction. */
+static idem_code transfer_handler(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_txn *txn = idem_call_txn(call);
+    const char *key = idem_call_key(call);
+    const void *old;
+    size_t old_len, n;
+    const void *p = idem_call_payload(call, &n);
+    idem_code code;
+
+    if (txn == NULL || key == NULL) {
+        /* No key, no claim, no transaction: result_cache passed the call through. */
+        return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "transfer needs a key");
+    }
+    code = idem_txn_get(txn, FUZZ_TXN_DB, key, strlen(key), &old, &old_len);
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    if ((code = idem_txn_put(txn, FUZZ_TXN_DB, key, strlen(key), p, n)) != IDEM_OK) {
+        return idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    return answer(call);
+}
+
+/* "<payload up to a NUL>@alipay", like out_trade_no + channel of a payment callback. */
+static bool payload_extractor(const idem_call *call, char *buf, size_t cap, void *arg)
+{
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    if (n == 0) {
+        return false;
+    }
+    snprintf(buf, cap, "%.*s@%s", (int)(n < cap ? n : cap), p, (const char *)arg);
+    return true;
+}
+
+/* ---- the server ---- */
+
+static void put_seed_tokens(void)
+{
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(seed_tokens); i++) {
+        uint64_t exp = seed_tokens[i].expires_ms ? seed_tokens[i].expires_ms : UINT64_MAX / 2;
+        /* ALREADY_EXISTS while unused; re-created once a call has consumed it. */
+        idem_store_token_put(fz.store, seed_tokens[i].token, seed_tokens[i].caller, exp);
+    }
+}
+
+static void register_methods(idem_server *srv)
+{
+    static const idem_method_opts charge = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    static const idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    static const idem_method_opts transfer = {.flags = IDEM_METHOD_TRANSACTIONAL};
+    static const idem_method_opts callback = {
+        .flags = IDEM_METHOD_CACHED, .extractor = payload_extractor, .extractor_arg = "alipay"};
+    /* Records expire at once and a NOT_FOUND releases: the TTL and release paths. */
+    static const idem_method_opts shortlived = {.flags = IDEM_METHOD_CACHED,
+                                                .result_ttl_ms = 1,
+                                                .lease_ms = 1,
+                                                .transient_mask = IDEM_CODE_BIT(IDEM_NOT_FOUND) |
+                                                                  IDEM_CODE_BIT(IDEM_UNAVAILABLE)};
+    static const struct {
+        const char *name;
+        idem_handler_fn fn;
+        const idem_method_opts *opts;
+    } methods[] = {
+        {"fuzz.Ledger/Charge", plain_handler, &charge},
+        {"fuzz.Counter/Get", plain_handler, NULL},
+        {"fuzz.Order/Submit", plain_handler, &submit},
+        {"fuzz.Account/Transfer", transfer_handler, &transfer},
+        {"fuzz.Pay/Callback", plain_handler, &callback},
+        {"fuzz.Cache/ShortLived", plain_handler, &shortlived},
+    };
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(methods); i++) {
+        if (idem_server_register(srv, methods[i].name, methods[i].fn, NULL, methods[i].opts) !=
+            IDEM_OK) {
+            die("register", idem_errmsg());
+        }
+    }
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static void server_stop(void)
+{
+    idem_server_destroy(fz.srv);
+    idem_store_close(fz.store);
+    fz.srv = NULL;
+    fz.store = NULL;
+    if (fz.dir[0] != '\0') {
+        nftw(fz.dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    }
+}
+
+/* Opens a fresh store in fz.dir (created here the first time) and a server on it. */
+static void server_start(void)
+{
+    if (fz.dir[0] == '\0') {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(fz.dir, sizeof(fz.dir), "%s/idemrpc-fuzz.XXXXXX",
+                 tmp != NULL && *tmp != '\0' ? tmp : "/tmp");
+        if (mkdtemp(fz.dir) == NULL) {
+            die("mkdtemp", fz.dir);
+        }
+        atexit(server_stop);
+    }
+    if (idem_store_open_lmdb(&fz.store, fz.dir, FUZZ_MAP_SIZE, IDEM_STORE_NOSYNC) != IDEM_OK) {
+        die("open store", idem_errmsg());
+    }
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.db_path = fz.dir; /* ignored: o.store is set */
+    o.store = fz.store;
+    o.map_size = FUZZ_MAP_SIZE;
+    o.max_frame = FUZZ_MAX_FRAME;
+    o.contexts = 1;
+    o.workers = 1;
+    o.max_wait_ms = FUZZ_MAX_WAIT_MS;
+    if (idem_server_create(&fz.srv, &o) != IDEM_OK) {
+        die("create server", idem_errmsg());
+    }
+    register_methods(fz.srv);
+}
+
+/* A full store answers every cached call RESOURCE_EXHAUSTED: start over before that. */
+static void server_refresh_if_full(void)
+{
+    idem_store_stats st;
+    fz.inputs++;
+    if (fz.inputs % FUZZ_CHECK_EVERY != 0 || idem_store_stats_get(fz.store, &st) != IDEM_OK ||
+        st.map_used < st.map_size / 4 * 3) {
+        return;
+    }
+    server_stop();
+    server_start();
+}
+
+/* ---- the target ---- */
+
+static void check_response(nng_msg *out)
+{
+    if (out == NULL) {
+        die("serve_frame", "no response message");
+    }
+    Idem__V1__Response *r = idem__v1__response__unpack(NULL, nng_msg_len(out), nng_msg_body(out));
+    if (r == NULL) {
+        die("response", "does not decode as idem.v1.Response");
+    }
+    if (r->request_id == NULL || r->request_id[0] == '\0') {
+        die("response", "request_id is empty");
+    }
+    if ((int)r->code < 0 || (int)r->code >= IDEM_CODE_COUNT) {
+        die("response", "code outside 0..16");
+    }
+    idem__v1__response__free_unpacked(r, NULL);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (fz.srv == NULL) {
+        server_start();
+    }
+    server_refresh_if_full();
+    put_seed_tokens();
+    nng_msg *out = idem__server_serve_frame(fz.srv, data, size);
+    check_response(out);
+    nng_msg_free(out);
+    return 0;
+}
