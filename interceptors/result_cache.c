@@ -81,7 +81,7 @@ static idem_code replay(idem_call *call, const idem_record *rec)
         return idem_call_fail(call, code, "replay: %s", idem_errmsg());
     }
     snprintf(first_at, sizeof(first_at), "%" PRIu64, rec->first_at_ms);
-    idem_call_set_response_metadata(call, "idem-first-at", first_at);
+    idem__call_set_meta(call, "idem-first-at", first_at);
     call->replayed = true;
     return call->code;
 }
@@ -98,7 +98,7 @@ static idem_code answer_in_progress(idem_call *call)
     idem_call_fail(call, IDEM_ABORTED, "in progress: the first call with this key has not "
                                        "finished; retry with the same key");
     snprintf(hint, sizeof(hint), "%u", RETRY_AFTER_MS);
-    idem_call_set_response_metadata(call, "retry-after-ms", hint);
+    idem__call_set_meta(call, "retry-after-ms", hint);
     return IDEM_ABORTED;
 }
 

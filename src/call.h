@@ -10,6 +10,9 @@
 #include "internal.h"
 
 #define IDEM_MAX_METADATA 64        /* entries per request or response */
+/* Response entries kept for the library (request-id, idem-first-at, retry-after-ms):
+ * handlers may set IDEM_MAX_METADATA - IDEM_RESERVED_METADATA. */
+#define IDEM_RESERVED_METADATA 4
 #define IDEM_MAX_METADATA_NAME 128  /* bytes */
 #define IDEM_MAX_METADATA_VALUE 4096
 #define IDEM_MAX_REQUEST_ID 128
@@ -85,6 +88,8 @@ void idem__call_init(idem_call *call, const Idem__V1__Request *req, const idem_m
                      idem_runtime *rt);
 void idem__call_reset_response(idem_call *call);
 void idem__call_fini(idem_call *call);
+/* Response metadata for the library's own entries: may use the reserved slots. */
+idem_code idem__call_set_meta(idem_call *call, const char *name, const char *value);
 /* Sets the response message only (code unchanged). */
 idem_code idem__call_set_message(idem_call *call, const char *msg);
 

@@ -166,7 +166,8 @@ idem_code idem_call_fail(idem_call *call, idem_code code, const char *fmt, ...)
     return code;
 }
 
-idem_code idem_call_set_response_metadata(idem_call *call, const char *name, const char *value)
+/* Adds or replaces an entry while the response holds fewer than limit entries. */
+static idem_code set_meta(idem_call *call, const char *name, const char *value, size_t limit)
 {
     if (strlen(name) > IDEM_MAX_METADATA_NAME || strlen(value) > IDEM_MAX_METADATA_VALUE) {
         return idem__err(IDEM_INVALID_ARGUMENT, "metadata entry too long");
@@ -184,19 +185,30 @@ idem_code idem_call_set_response_metadata(idem_call *call, const char *name, con
     }
     idem_kv *grown = NULL;
     char *n = NULL;
-    if (call->meta_count >= IDEM_MAX_METADATA ||
+    if (call->meta_count >= limit ||
         (grown = realloc(call->meta, (call->meta_count + 1) * sizeof(*grown))) == NULL ||
         (n = idem__strdup(name)) == NULL) {
         if (grown != NULL) {
             call->meta = grown;
         }
         free(v);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "response metadata limit (%d)",
-                         IDEM_MAX_METADATA);
+        return call->meta_count >= limit
+                   ? idem__err(IDEM_RESOURCE_EXHAUSTED, "response metadata limit (%zu)", limit)
+                   : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     call->meta = grown;
     call->meta[call->meta_count++] = (idem_kv){n, v};
     return IDEM_OK;
+}
+
+idem_code idem_call_set_response_metadata(idem_call *call, const char *name, const char *value)
+{
+    return set_meta(call, name, value, IDEM_MAX_METADATA - IDEM_RESERVED_METADATA);
+}
+
+idem_code idem__call_set_meta(idem_call *call, const char *name, const char *value)
+{
+    return set_meta(call, name, value, IDEM_MAX_METADATA);
 }
 
 idem_code idem_call_code(const idem_call *call)

@@ -202,7 +202,7 @@ idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len)
                                                                    : IDEM_RESOURCE_EXHAUSTED;
     }
     for (size_t i = 0; i < r->n_metadata && code == (idem_code)r->code; i++) {
-        if (idem_call_set_response_metadata(call, r->metadata[i]->key, r->metadata[i]->value) !=
+        if (idem__call_set_meta(call, r->metadata[i]->key, r->metadata[i]->value) !=
             IDEM_OK) {
             code = IDEM_RESOURCE_EXHAUSTED;
         }

@@ -132,6 +132,9 @@ idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_
     if (opts != NULL) {
         m.opts = *opts;
     }
+    if (m.opts.flags & IDEM_METHOD_TRANSACTIONAL) {
+        m.opts.flags |= IDEM_METHOD_KEY_REQUIRED; /* no key, no claim, no transaction */
+    }
     srv->methods[srv->n_methods++] = m;
     qsort(srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
     return IDEM_OK;
@@ -186,7 +189,7 @@ static nng_msg *response_msg(idem_call *call)
         idem__random(rnd, sizeof(rnd));
         idem__hex(call->request_id, rnd, sizeof(rnd));
     }
-    if (idem_call_set_response_metadata(call, "request-id", call->request_id) != IDEM_OK ||
+    if (idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
         idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
         idem__call_reset_response(call);
         idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
@@ -259,7 +262,7 @@ static nng_msg *busy_msg(idem_server *srv)
     idem__call_init(&call, &empty, NULL, &srv->rt);
     idem_call_fail(&call, IDEM_RESOURCE_EXHAUSTED, "server busy: %zu calls queued; retry later",
                    srv->opts.max_queue);
-    idem_call_set_response_metadata(&call, "retry-after-ms", "100");
+    idem__call_set_meta(&call, "retry-after-ms", "100");
     nng_msg *out = response_msg(&call);
     idem__call_fini(&call);
     return out;
@@ -475,6 +478,19 @@ fail:;
     return idem__err(code, "%s", keep);
 }
 
+/* The registrations must be servable by the chain that was built. */
+static idem_code server_check(const idem_server *srv)
+{
+    for (size_t i = 0; i < srv->n_methods; i++) {
+        if ((srv->methods[i].opts.flags & IDEM_METHOD_TRANSACTIONAL) && !srv->rt.has_result_cache) {
+            return idem__err(IDEM_FAILED_PRECONDITION,
+                             "%s is transactional but the chain has no result_cache",
+                             srv->methods[i].name);
+        }
+    }
+    return IDEM_OK;
+}
+
 static idem_code server_start(idem_server *srv)
 {
     srv->threads = calloc(srv->opts.workers, sizeof(pthread_t));
@@ -502,6 +518,10 @@ idem_code idem_server_listen(idem_server *srv, const char *url)
 {
     nng_listener l;
     int rv;
+    idem_code code;
+    if (!srv->started && (code = server_check(srv)) != IDEM_OK) {
+        return code;
+    }
     if ((rv = nng_listener_create(&l, srv->sock, url)) != 0) {
         return nng_fail(rv, url);
     }
@@ -515,13 +535,7 @@ idem_code idem_server_listen(idem_server *srv, const char *url)
             srv->port = port;
         }
     }
-    if (!srv->started) {
-        idem_code code = server_start(srv);
-        if (code != IDEM_OK) {
-            return code;
-        }
-    }
-    return IDEM_OK;
+    return srv->started ? IDEM_OK : server_start(srv);
 }
 
 int idem_server_port(const idem_server *srv)

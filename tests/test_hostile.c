@@ -300,3 +300,16 @@ Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact, .init
     }
     idem_client_close(c);
 }
+
+Test(hostile, transactional_method_needs_result_cache_in_the_chain, .init = NULL)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.default_chain = false;
+    tu_server_create(&S, &o);
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL};
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Big/Put", h_big, NULL, &tx), IDEM_OK);
+    cr_expect_eq(idem_server_listen(S.srv, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
+    cr_expect_neq(strstr(idem_errmsg(), "no result_cache"), NULL, "%s", idem_errmsg());
+}

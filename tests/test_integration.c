@@ -44,6 +44,23 @@ static idem_code h_echo(idem_call *call, void *arg)
     return reply_execution(call);
 }
 
+/* Fills the handler's share of response metadata (60 entries) and tries one more. */
+static idem_code h_meta(idem_call *call, void *arg)
+{
+    (void)arg;
+    char name[16];
+    for (int i = 0; i < 60; i++) {
+        snprintf(name, sizeof(name), "m%d", i);
+        if (idem_call_set_response_metadata(call, name, "v") != IDEM_OK) {
+            return idem_call_fail(call, IDEM_INTERNAL, "entry %d refused", i);
+        }
+    }
+    if (idem_call_set_response_metadata(call, "one-too-many", "v") != IDEM_RESOURCE_EXHAUSTED) {
+        return idem_call_fail(call, IDEM_INTERNAL, "entry 61 accepted");
+    }
+    return reply_execution(call);
+}
+
 static idem_code h_flaky(idem_call *call, void *arg)
 {
     (void)arg;
@@ -116,6 +133,7 @@ static void setup(void)
     cr_assert_eq(idem_server_register(S.srv, "test.Echo/Add", h_echo, NULL, &cached), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Echo/Plain", h_echo, NULL, NULL), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Flaky/Do", h_flaky, NULL, &cached), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "test.Meta/Many", h_meta, NULL, &cached), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Reject/Do", h_reject, NULL, &cached),
                  IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Slow/Do", h_slow, NULL, &cached), IDEM_OK);
@@ -414,4 +432,53 @@ Test(integration, duplicate_that_outwaits_its_deadline_gets_aborted_in_progress)
     cr_expect_eq(first.code, IDEM_OK);
     idem_result_clear(&first.r);
     idem_client_close(c);
+}
+
+struct token_arg {
+    const char *token;
+    idem_result r;
+    idem_code code;
+};
+
+static void *submit_with_token(void *p)
+{
+    struct token_arg *a = p;
+    idem_request q = {.method = "test.Order/Submit", .token = a->token, .caller = "shop"};
+    a->code = idem_client_call(C, &q, &a->r);
+    return NULL;
+}
+
+Test(integration, one_token_submitted_64_times_at_once_runs_once)
+{
+    enum { N = 64 };
+    char tok[64];
+    pthread_t t[N];
+    struct token_arg a[N];
+    cr_assert_eq(idem_client_issue_token(C, "shop", tok, sizeof(tok), NULL), IDEM_OK);
+    for (int i = 0; i < N; i++) {
+        a[i].token = tok;
+        pthread_create(&t[i], NULL, submit_with_token, &a[i]);
+    }
+    int replayed = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(t[i], NULL);
+        cr_expect_eq(a[i].code, IDEM_OK, "%s", a[i].r.message);
+        replayed += a[i].r.replayed;
+        idem_result_clear(&a[i].r);
+    }
+    cr_expect_eq(atomic_load(&H.executions), 1, "exactly one submit consumed the token");
+    cr_expect_eq(replayed, N - 1, "the other 63 replay its result");
+}
+
+Test(integration, full_handler_metadata_still_leaves_room_for_the_library)
+{
+    idem_result r;
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(call("test.Meta/Many", "meta", "", &r), IDEM_OK, "%s", r.message);
+        cr_expect_eq(r.replayed, i == 1);
+        cr_expect_str_eq(idem_result_metadata(&r, "request-id"), r.request_id);
+        cr_expect_str_eq(idem_result_metadata(&r, "m59"), "v");
+        cr_expect_eq(idem_result_metadata(&r, "idem-first-at") != NULL, i == 1);
+        idem_result_clear(&r);
+    }
 }

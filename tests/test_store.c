@@ -2,6 +2,8 @@
  * one-time tokens, key bounds, a full map and persistence. Every test gets a fresh store
  * in its own temp dir and runs on a fake clock (T0 + offsets), never on sleeps. */
 #include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -369,6 +371,32 @@ Test(store, token_is_consumed_exactly_once)
     cr_expect_eq(idem_store_token_consume(st, "tok1", CALLER, T0), IDEM_OK);
     cr_expect_eq(idem_store_token_consume(st, "tok1", CALLER, T0), IDEM_FAILED_PRECONDITION);
     cr_expect_eq(stats().tokens, 0);
+}
+
+static atomic_int token_winners;
+
+static void *consume_token(void *arg)
+{
+    (void)arg;
+    if (idem_store_token_consume(st, "contested", CALLER, T0) == IDEM_OK) {
+        atomic_fetch_add(&token_winners, 1);
+    }
+    return NULL;
+}
+
+Test(store, token_has_exactly_one_winner_among_64_concurrent_consumers)
+{
+    enum { N = 64 };
+    pthread_t t[N];
+    atomic_store(&token_winners, 0);
+    cr_assert_eq(idem_store_token_put(st, "contested", CALLER, T0 + 1000), IDEM_OK);
+    for (int i = 0; i < N; i++) {
+        pthread_create(&t[i], NULL, consume_token, NULL);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(t[i], NULL);
+    }
+    cr_expect_eq(atomic_load(&token_winners), 1);
 }
 
 Test(store, unknown_token_is_failed_precondition)

@@ -66,8 +66,10 @@ IDEM_API idem_code idem_call_reply(idem_call *call, idem_code code, const void *
  * clears any payload. Returns code. */
 IDEM_API idem_code idem_call_fail(idem_call *call, idem_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* Adds (or replaces) response metadata; both strings are copied. Returns IDEM_OK or
- * IDEM_RESOURCE_EXHAUSTED beyond the metadata bounds. */
+/* Adds (or replaces) response metadata; both strings are copied. At most 60 entries
+ * (64 minus 4 kept for the library's request-id, idem-first-at, retry-after-ms), names
+ * up to 128 bytes, values up to 4 KiB. Returns IDEM_OK, IDEM_INVALID_ARGUMENT for a
+ * too-long entry or IDEM_RESOURCE_EXHAUSTED beyond the count. */
 IDEM_API idem_code idem_call_set_response_metadata(idem_call *call, const char *name,
                                                    const char *value);
 IDEM_API idem_code idem_call_code(const idem_call *call);

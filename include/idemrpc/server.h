@@ -39,7 +39,8 @@ enum idem_method_flags {
      * Implies IDEM_METHOD_CACHED. */
     IDEM_METHOD_TOKEN_REQUIRED = 1u << 2,
     /* The handler runs inside the store's write transaction (txn.h): its business
-     * writes and the result record commit atomically. Implies IDEM_METHOD_CACHED. */
+     * writes and the result record commit atomically. Implies IDEM_METHOD_CACHED and
+     * IDEM_METHOD_KEY_REQUIRED; listen fails when the chain has no result_cache. */
     IDEM_METHOD_TRANSACTIONAL = 1u << 3,
 };
 

@@ -1,0 +1,163 @@
+/* idemrpc-soak: many distinct keys through a live server with a short result TTL, to
+ * show the sweeper keeping the store bounded. Prints, every interval, the calls done,
+ * the process RSS, the records in the store and the LMDB pages in use.
+ *
+ *   idemrpc-soak [--keys N] [--clients K] [--ttl-ms T] [--seconds S] [--every-ms E]
+ *   defaults:      1000000   8            2000         600           2000
+ *
+ * Bounded: stops after N keys or S seconds, whichever comes first. Runs on
+ * tcp://127.0.0.1:<free port> with a non-durable (MDB_NOSYNC) store: this measures
+ * boundedness, not fsync. */
+#include <ftw.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <idemrpc/idemrpc.h>
+
+static struct {
+    long keys, clients, ttl_ms, seconds, every_ms;
+} cfg = {1000000, 8, 2000, 600, 2000};
+
+static atomic_long next_key, done, failed;
+static atomic_bool stop;
+static char url[64];
+
+static idem_code h_put(idem_call *call, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    return idem_call_reply(call, IDEM_OK, p, n);
+}
+
+static void *client_main(void *arg)
+{
+    (void)arg;
+    idem_client *c;
+    const char *u = url;
+    if (idem_client_open(&c, &u, 1, NULL) != IDEM_OK) {
+        return NULL;
+    }
+    char key[32], payload[64];
+    memset(payload, 'p', sizeof(payload));
+    while (!atomic_load(&stop)) {
+        long k = atomic_fetch_add(&next_key, 1);
+        if (k >= cfg.keys) {
+            break;
+        }
+        snprintf(key, sizeof(key), "soak-%ld", k);
+        idem_request q = {.method = "soak.Store/Put", .idempotency_key = key,
+                          .payload = payload, .payload_len = sizeof(payload)};
+        idem_result r;
+        atomic_fetch_add(idem_client_call(c, &q, &r) == IDEM_OK ? &done : &failed, 1);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    return NULL;
+}
+
+static long rss_kib(void)
+{
+    long pages = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f != NULL) {
+        if (fscanf(f, "%ld %ld", &pages, &resident) != 2) {
+            resident = 0;
+        }
+        fclose(f);
+    }
+    return resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(p);
+}
+
+static void parse(int argc, char **argv)
+{
+    for (int i = 1; i + 1 < argc; i += 2) {
+        long v = atol(argv[i + 1]);
+        if (strcmp(argv[i], "--keys") == 0) {
+            cfg.keys = v;
+        } else if (strcmp(argv[i], "--clients") == 0) {
+            cfg.clients = v > 0 ? v : 1;
+        } else if (strcmp(argv[i], "--ttl-ms") == 0) {
+            cfg.ttl_ms = v;
+        } else if (strcmp(argv[i], "--seconds") == 0) {
+            cfg.seconds = v;
+        } else if (strcmp(argv[i], "--every-ms") == 0) {
+            cfg.every_ms = v > 0 ? v : 1000;
+        }
+    }
+}
+
+int main(int argc, char **argv)
+{
+    parse(argc, argv);
+    char dir[] = "/tmp/idemrpc-soak-XXXXXX";
+    idem_store *st;
+    idem_server *srv;
+    idem_server_opts o;
+    if (mkdtemp(dir) == NULL || idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC) != IDEM_OK) {
+        fprintf(stderr, "soak: store: %s\n", idem_errmsg());
+        return 1;
+    }
+    idem_server_opts_init(&o);
+    o.store = st;
+    o.result_ttl_ms = (uint64_t)cfg.ttl_ms;
+    o.sweep_interval_ms = 200;
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
+                          .lease_ms = 5000};
+    if (idem_server_create(&srv, &o) != IDEM_OK ||
+        idem_server_register(srv, "soak.Store/Put", h_put, NULL, &m) != IDEM_OK ||
+        idem_server_listen(srv, "tcp://127.0.0.1:0") != IDEM_OK) {
+        fprintf(stderr, "soak: server: %s\n", idem_errmsg());
+        return 1;
+    }
+    snprintf(url, sizeof(url), "tcp://127.0.0.1:%d", idem_server_port(srv));
+    printf("soak: %ld keys, %ld clients, ttl %ld ms, sweep every 200 ms, limit %ld s\n",
+           cfg.keys, cfg.clients, cfg.ttl_ms, cfg.seconds);
+    printf("%8s %10s %8s %10s %10s %10s\n", "t_s", "calls", "failed", "rss_kib", "records",
+           "map_kib");
+    pthread_t *t = calloc((size_t)cfg.clients, sizeof(pthread_t));
+    for (long i = 0; i < cfg.clients; i++) {
+        pthread_create(&t[i], NULL, client_main, NULL);
+    }
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    size_t max_records = 0;
+    for (;;) {
+        struct timespec ts = {cfg.every_ms / 1000, (cfg.every_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL); /* sampling period of a report, not synchronisation */
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double el = (double)(now.tv_sec - start.tv_sec) + (now.tv_nsec - start.tv_nsec) / 1e9;
+        idem_store_stats s;
+        idem_store_stats_get(st, &s);
+        max_records = s.records > max_records ? s.records : max_records;
+        printf("%8.1f %10ld %8ld %10ld %10zu %10zu\n", el, atomic_load(&done),
+               atomic_load(&failed), rss_kib(), s.records, s.map_used / 1024);
+        fflush(stdout);
+        bool finished = atomic_load(&done) + atomic_load(&failed) >= cfg.keys;
+        if (finished || el >= (double)cfg.seconds) {
+            break;
+        }
+    }
+    atomic_store(&stop, true);
+    for (long i = 0; i < cfg.clients; i++) {
+        pthread_join(t[i], NULL);
+    }
+    free(t);
+    idem_server_destroy(srv);
+    idem_store_close(st);
+    nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+    printf("soak: %ld calls, %ld failed, at most %zu records in the store at once\n",
+           atomic_load(&done), atomic_load(&failed), max_records);
+    return atomic_load(&failed) == 0 ? 0 : 1;
+}
