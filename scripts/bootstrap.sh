@@ -5,7 +5,8 @@ set -euo pipefail
 
 PKGS=(build-essential meson ninja-build pkg-config cmake
       libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
-      liblmdb-dev lmdb-utils libcriterion-dev)
+      liblmdb-dev lmdb-utils libcriterion-dev
+      clang libclang-rt-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -73,6 +73,13 @@ static void start(size_t workers, size_t max_queue, size_t map_size)
     tu_server_listen(&S);
 }
 
+/* Replaces the suite's default server with one of other limits. */
+static void restart(size_t workers, size_t max_queue, size_t map_size)
+{
+    tu_server_destroy(&S, false);
+    start(workers, max_queue, map_size);
+}
+
 static void setup(void)
 {
     start(4, 0, 0);
@@ -226,9 +233,9 @@ static void *raw_gate_call(void *p)
     return NULL;
 }
 
-Test(hostile, full_queue_answers_resource_exhausted_at_once, .init = NULL)
+Test(hostile, full_queue_answers_resource_exhausted_at_once)
 {
-    start(1, 2, 0); /* one worker, two may wait: the rest is turned away */
+    restart(1, 2, 0); /* one worker, two may wait: the rest is turned away */
     enum { CALLS = 8 };
     pthread_t t[CALLS];
     struct raw_arg a[CALLS];
@@ -270,9 +277,9 @@ Test(hostile, full_queue_answers_resource_exhausted_at_once, .init = NULL)
     cr_expect_eq(ok, 3, "the running call and the two queued ones complete");
 }
 
-Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact, .init = NULL)
+Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact)
 {
-    start(2, 0, 1 << 20); /* 1 MiB map */
+    restart(2, 0, 1 << 20); /* 1 MiB map */
     idem_client *c = tu_client(S.url, 5000);
     int stored = 0;
     idem_code code = IDEM_OK;
@@ -301,8 +308,9 @@ Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact, .init
     idem_client_close(c);
 }
 
-Test(hostile, transactional_method_needs_result_cache_in_the_chain, .init = NULL)
+Test(hostile, transactional_method_needs_result_cache_in_the_chain)
 {
+    tu_server_destroy(&S, false);
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.default_chain = false;
