@@ -459,7 +459,8 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     srv->rt.max_wait_ms = srv->opts.max_wait_ms;
     srv->rt.store = opts->store;
     if (srv->rt.store == NULL) {
-        code = idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size, 0);
+        code = idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size,
+                                    opts->store_flags);
         if (code != IDEM_OK) {
             goto fail;
         }

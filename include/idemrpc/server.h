@@ -63,6 +63,7 @@ typedef struct idem_server_opts {
     size_t max_frame;       /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
     const char *db_path;    /* LMDB directory, created if missing; ignored if store set */
     size_t map_size;        /* LMDB map size; 0 = 1 GiB */
+    unsigned store_flags;   /* idem_store_flags for the store opened from db_path */
     idem_store *store;      /* optional shared store, not owned by the server */
     uint64_t result_ttl_ms; /* 0 = 24 h */
     uint64_t lease_ms;      /* 0 = 30 s */

@@ -79,6 +79,10 @@ enum idem_store_flags {
      * (a process crash does not). For benchmarks and caches, never for money. */
     IDEM_STORE_NOSYNC = 1u << 0,
     IDEM_STORE_READONLY = 1u << 1,
+    /* Group commit is on by default: concurrent claims, completions and releases share
+     * one write transaction and one fsync; each caller returns only after the commit
+     * that holds its write. This flag makes every write its own transaction. */
+    IDEM_STORE_NO_GROUP_COMMIT = 1u << 2,
 };
 
 /* Opens (creating the directory if missing) an LMDB store. map_size 0 = 1 GiB. One
