@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "group_commit.h"
 #include "internal.h"
 #include "store_lmdb.h"
 
@@ -21,6 +22,7 @@
 #define TOKEN_MAX 128
 #define INDEX_KEY_LEN 24
 #define DEFAULT_MAP_SIZE ((size_t)1 << 30)
+#define GROUP_COMMIT_BATCH 256 /* writes per shared txn at most */
 
 enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't' };
 
@@ -42,6 +44,7 @@ typedef struct tok_hdr {
 struct idem_store {
     MDB_env *env;
     MDB_dbi records, tokens, expiry;
+    idem_group_commit gc;
 };
 
 /* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
@@ -215,6 +218,7 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((rc = mdb_txn_commit(txn)) != 0) { /* commit frees txn even when it fails */
         goto fail;
     }
+    idem__gc_init(&st->gc, st->env, !(flags & IDEM_STORE_NO_GROUP_COMMIT), GROUP_COMMIT_BATCH);
     *out = st;
     return IDEM_OK;
 fail:;
@@ -227,6 +231,7 @@ fail:;
 void idem_store_close(idem_store *st)
 {
     if (st != NULL) {
+        idem__gc_fini(&st->gc);
         mdb_env_close(st->env);
         free(st);
     }
@@ -298,16 +303,84 @@ static int claim_write(idem_store *st, MDB_txn *txn, const rec_key *key,
     return index_put(st, txn, h.expires_ms, TYPE_RECORD, key->bytes, key->len);
 }
 
-idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
-                           idem_claim_outcome *outcome, idem_record *rec)
+typedef struct claim_ctx {
+    idem_store *st;
+    const idem_claim_req *req;
+    const rec_key *key;
+    idem_claim_outcome *outcome;
+    idem_record *rec; /* may be NULL */
+} claim_ctx;
+
+/* Sets the outcome of a claim that acquired (or took over) the record. */
+static void claim_acquired(const claim_ctx *c, bool took_over)
 {
-    rec_key key;
-    MDB_txn *txn;
-    MDB_val k, v;
+    *c->outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
+    if (c->rec != NULL) {
+        c->rec->state = IDEM_REC_IN_PROGRESS;
+        c->rec->owner = c->req->owner;
+        c->rec->first_at_ms = c->req->now_ms;
+        c->rec->lease_until_ms = c->req->lease_until_ms;
+        c->rec->expires_ms = c->req->expires_ms;
+        memcpy(c->rec->fingerprint, c->req->fingerprint, IDEM_FINGERPRINT_LEN);
+    }
+}
+
+static idem_code claim_apply(MDB_txn *txn, void *arg)
+{
+    const claim_ctx *c = arg;
+    const idem_claim_req *req = c->req;
+    MDB_val k = {c->key->len, (void *)c->key->bytes}, v;
     rec_hdr old;
     bool have_old = false;
     idem_code code;
     int rc;
+
+    if (c->rec != NULL) { /* this may be a re-run after a failed batch */
+        idem_record_clear(c->rec);
+        memset(c->rec, 0, sizeof(*c->rec));
+    }
+    rc = mdb_get(txn, c->st->records, &k, &v);
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        return lmdb_code(rc, "claim get");
+    }
+    if (rc == 0) {
+        if ((code = rec_decode(&v, NULL, false)) != IDEM_OK) {
+            return code;
+        }
+        memcpy(&old, v.mv_data, sizeof(old));
+        have_old = true;
+        bool expired = old.state == IDEM_REC_COMPLETED && old.expires_ms <= req->now_ms;
+        if (!expired) {
+            if (memcmp(old.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
+                *c->outcome = IDEM_CLAIM_MISMATCH;
+                return c->rec != NULL ? rec_decode(&v, c->rec, false) : IDEM_OK;
+            }
+            if (old.state == IDEM_REC_COMPLETED || old.lease_until_ms > req->now_ms) {
+                *c->outcome = old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
+                                                              : IDEM_CLAIM_IN_PROGRESS;
+                return c->rec != NULL ? rec_decode(&v, c->rec, true) : IDEM_OK;
+            }
+            /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
+        }
+    }
+    bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
+    /* A token guards only the first execution; a takeover re-runs the same call. */
+    if (req->token != NULL && !took_over &&
+        (code = token_take(c->st, txn, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = claim_write(c->st, txn, c->key, req, have_old ? &old : NULL)) != 0) {
+        return lmdb_code(rc, "claim put");
+    }
+    claim_acquired(c, took_over);
+    return IDEM_OK;
+}
+
+idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
+                           idem_claim_outcome *outcome, idem_record *rec)
+{
+    rec_key key;
+    idem_code code;
 
     if (rec != NULL) {
         memset(rec, 0, sizeof(*rec));
@@ -318,63 +391,11 @@ idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
     if (req->owner == 0) {
         return idem__err(IDEM_INVALID_ARGUMENT, "claim owner must be nonzero");
     }
-    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
-        return lmdb_code(rc, "claim begin");
+    claim_ctx c = {st, req, &key, outcome, rec};
+    code = idem__gc_write(&st->gc, claim_apply, &c);
+    if (code != IDEM_OK) {
+        idem_record_clear(rec); /* e.g. the commit failed after a replay was read */
     }
-    k = (MDB_val){key.len, key.bytes};
-    rc = mdb_get(txn, st->records, &k, &v);
-    if (rc != 0 && rc != MDB_NOTFOUND) {
-        code = lmdb_code(rc, "claim get");
-        goto abort;
-    }
-    if (rc == 0) {
-        if ((code = rec_decode(&v, NULL, false)) != IDEM_OK) {
-            goto abort;
-        }
-        memcpy(&old, v.mv_data, sizeof(old));
-        have_old = true;
-        bool expired = old.state == IDEM_REC_COMPLETED && old.expires_ms <= req->now_ms;
-        if (!expired) {
-            if (memcmp(old.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
-                *outcome = IDEM_CLAIM_MISMATCH;
-                code = rec != NULL ? rec_decode(&v, rec, false) : IDEM_OK;
-                goto abort;
-            }
-            if (old.state == IDEM_REC_COMPLETED || old.lease_until_ms > req->now_ms) {
-                *outcome = old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
-                                                           : IDEM_CLAIM_IN_PROGRESS;
-                code = rec != NULL ? rec_decode(&v, rec, true) : IDEM_OK;
-                goto abort;
-            }
-            /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
-        }
-    }
-    /* A token guards only the first execution; a takeover re-runs the same call. */
-    if (req->token != NULL && !(have_old && old.state == IDEM_REC_IN_PROGRESS) &&
-        (code = token_take(st, txn, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
-        goto abort;
-    }
-    if ((rc = claim_write(st, txn, &key, req, have_old ? &old : NULL)) != 0) {
-        code = lmdb_code(rc, "claim put");
-        goto abort;
-    }
-    if ((code = txn_commit(txn)) != IDEM_OK) {
-        return code;
-    }
-    *outcome = have_old && old.state == IDEM_REC_IN_PROGRESS ? IDEM_CLAIM_TAKEN_OVER
-                                                             : IDEM_CLAIM_ACQUIRED;
-    if (rec != NULL) {
-        memset(rec, 0, sizeof(*rec));
-        rec->state = IDEM_REC_IN_PROGRESS;
-        rec->owner = req->owner;
-        rec->first_at_ms = req->now_ms;
-        rec->lease_until_ms = req->lease_until_ms;
-        rec->expires_ms = req->expires_ms;
-        memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
-    }
-    return IDEM_OK;
-abort:
-    mdb_txn_abort(txn);
     return code;
 }
 
@@ -424,20 +445,30 @@ idem_code idem__store_complete_txn(idem_store *st, MDB_txn *txn, const idem_key_
     return IDEM_OK;
 }
 
+/* The arguments of one record or token write, for the group committer. */
+typedef struct write_args {
+    idem_store *st;
+    const idem_key_ref *ref;
+    rec_key key;
+    uint64_t owner;
+    const void *response;
+    size_t len;
+    uint64_t ms; /* expiry, or now for a token consume */
+    const char *token, *scope;
+} write_args;
+
+static idem_code complete_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    return idem__store_complete_txn(w->st, txn, w->ref, w->owner, w->response, w->len, w->ms);
+}
+
 idem_code idem_store_complete(idem_store *st, const idem_key_ref *ref, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms)
 {
-    MDB_txn *txn;
-    int rc = mdb_txn_begin(st->env, NULL, 0, &txn);
-    if (rc != 0) {
-        return lmdb_code(rc, "complete begin");
-    }
-    idem_code code = idem__store_complete_txn(st, txn, ref, owner, response, len, expires_ms);
-    if (code != IDEM_OK) {
-        mdb_txn_abort(txn);
-        return code;
-    }
-    return txn_commit(txn);
+    write_args w = {.st = st, .ref = ref, .owner = owner, .response = response, .len = len,
+                    .ms = expires_ms};
+    return idem__gc_write(&st->gc, complete_apply, &w);
 }
 
 /* Deletes the record at key and its index entry; rc-style. */
@@ -448,28 +479,23 @@ static int rec_delete(idem_store *st, MDB_txn *txn, const rec_key *key, uint64_t
     return rc != 0 ? rc : index_del(st, txn, expires_ms, key->bytes, key->len);
 }
 
+static idem_code release_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    rec_hdr h;
+    idem_code code = owned_get(w->st, txn, &w->key, w->owner, &h);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = rec_delete(w->st, txn, &w->key, h.expires_ms);
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "release delete");
+}
+
 idem_code idem_store_release(idem_store *st, const idem_key_ref *ref, uint64_t owner)
 {
-    rec_key key;
-    rec_hdr h;
-    MDB_txn *txn;
-    idem_code code;
-    int rc;
-    if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
-        return code;
-    }
-    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
-        return lmdb_code(rc, "release begin");
-    }
-    if ((code = owned_get(st, txn, &key, owner, &h)) != IDEM_OK) {
-        mdb_txn_abort(txn);
-        return code;
-    }
-    if ((rc = rec_delete(st, txn, &key, h.expires_ms)) != 0) {
-        mdb_txn_abort(txn);
-        return lmdb_code(rc, "release delete");
-    }
-    return txn_commit(txn);
+    write_args w = {.st = st, .owner = owner};
+    idem_code code = rec_key_make(&w.key, ref);
+    return code != IDEM_OK ? code : idem__gc_write(&st->gc, release_apply, &w);
 }
 
 idem_code idem_store_get(idem_store *st, const idem_key_ref *ref, idem_record *rec)
@@ -499,36 +525,30 @@ idem_code idem_store_get(idem_store *st, const idem_key_ref *ref, idem_record *r
     return code;
 }
 
-idem_code idem_store_delete(idem_store *st, const idem_key_ref *ref)
+static idem_code delete_apply(MDB_txn *txn, void *arg)
 {
-    rec_key key;
-    MDB_txn *txn;
-    MDB_val k, v;
+    const write_args *w = arg;
+    MDB_val k = {w->key.len, (void *)w->key.bytes}, v;
+    rec_hdr h;
     idem_code code;
-    int rc;
-    if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
+    int rc = mdb_get(txn, w->st->records, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no record");
+    } else if (rc != 0) {
+        return lmdb_code(rc, "delete get");
+    } else if ((code = rec_decode(&v, NULL, false)) != IDEM_OK) {
         return code;
     }
-    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
-        return lmdb_code(rc, "delete begin");
-    }
-    k = (MDB_val){key.len, key.bytes};
-    rc = mdb_get(txn, st->records, &k, &v);
-    if (rc == MDB_NOTFOUND) {
-        mdb_txn_abort(txn);
-        return idem__err(IDEM_NOT_FOUND, "no record");
-    }
-    rec_hdr h;
-    if (rc != 0 || (code = rec_decode(&v, NULL, false)) != IDEM_OK) {
-        mdb_txn_abort(txn);
-        return rc != 0 ? lmdb_code(rc, "delete get") : code;
-    }
     memcpy(&h, v.mv_data, sizeof(h));
-    if ((rc = rec_delete(st, txn, &key, h.expires_ms)) != 0) {
-        mdb_txn_abort(txn);
-        return lmdb_code(rc, "delete");
-    }
-    return txn_commit(txn);
+    rc = rec_delete(w->st, txn, &w->key, h.expires_ms);
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "delete");
+}
+
+idem_code idem_store_delete(idem_store *st, const idem_key_ref *ref)
+{
+    write_args w = {.st = st};
+    idem_code code = rec_key_make(&w.key, ref);
+    return code != IDEM_OK ? code : idem__gc_write(&st->gc, delete_apply, &w);
 }
 
 /* Deletes what one expiry entry points at; the cursor stays on the entry. */
@@ -586,48 +606,47 @@ idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max, size_t *
     return code;
 }
 
+static idem_code token_put_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    size_t tl = strlen(w->token), sl = strlen(w->scope);
+    tok_hdr h = {.expires_ms = w->ms};
+    MDB_val k = {tl, (void *)w->token}, v = {sizeof(h) + sl, NULL};
+    int rc = mdb_put(txn, w->st->tokens, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE);
+    if (rc == MDB_KEYEXIST) {
+        return idem__err(IDEM_ALREADY_EXISTS, "token exists");
+    }
+    if (rc == 0) {
+        memcpy(v.mv_data, &h, sizeof(h));
+        memcpy((uint8_t *)v.mv_data + sizeof(h), w->scope, sl);
+        rc = index_put(w->st, txn, w->ms, TYPE_TOKEN, w->token, tl);
+    }
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "token put");
+}
+
 idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
                                uint64_t expires_ms)
 {
-    const char *s = scope != NULL ? scope : "";
-    size_t tl = token != NULL ? strlen(token) : 0, sl = strlen(s);
-    if (tl == 0 || tl > TOKEN_MAX || sl > IDEM_MAX_CALLER) {
+    write_args w = {.st = st, .token = token, .scope = scope != NULL ? scope : "",
+                    .ms = expires_ms};
+    size_t tl = token != NULL ? strlen(token) : 0;
+    if (tl == 0 || tl > TOKEN_MAX || strlen(w.scope) > IDEM_MAX_CALLER) {
         return idem__err(IDEM_INVALID_ARGUMENT, "token or scope out of bounds");
     }
-    MDB_txn *txn;
-    int rc = mdb_txn_begin(st->env, NULL, 0, &txn);
-    if (rc != 0) {
-        return lmdb_code(rc, "token begin");
-    }
-    tok_hdr h = {.expires_ms = expires_ms};
-    MDB_val k = {tl, (void *)token}, v = {sizeof(h) + sl, NULL};
-    if ((rc = mdb_put(txn, st->tokens, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE)) == 0) {
-        memcpy(v.mv_data, &h, sizeof(h));
-        memcpy((uint8_t *)v.mv_data + sizeof(h), s, sl);
-        rc = index_put(st, txn, expires_ms, TYPE_TOKEN, token, tl);
-    }
-    if (rc != 0) {
-        mdb_txn_abort(txn);
-        return rc == MDB_KEYEXIST ? idem__err(IDEM_ALREADY_EXISTS, "token exists")
-                                  : lmdb_code(rc, "token put");
-    }
-    return txn_commit(txn);
+    return idem__gc_write(&st->gc, token_put_apply, &w);
+}
+
+static idem_code token_consume_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    return token_take(w->st, txn, w->token, w->scope, w->ms);
 }
 
 idem_code idem_store_token_consume(idem_store *st, const char *token, const char *scope,
                                    uint64_t now_ms)
 {
-    MDB_txn *txn;
-    int rc = mdb_txn_begin(st->env, NULL, 0, &txn);
-    if (rc != 0) {
-        return lmdb_code(rc, "token begin");
-    }
-    idem_code code = token_take(st, txn, token != NULL ? token : "", scope, now_ms);
-    if (code != IDEM_OK) {
-        mdb_txn_abort(txn);
-        return code;
-    }
-    return txn_commit(txn);
+    write_args w = {.st = st, .token = token != NULL ? token : "", .scope = scope, .ms = now_ms};
+    return idem__gc_write(&st->gc, token_consume_apply, &w);
 }
 
 idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
@@ -662,6 +681,10 @@ idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
     mdb_txn_abort(txn);
     mdb_env_info(st->env, &info);
     mdb_env_stat(st->env, &ms);
+    pthread_mutex_lock(&st->gc.mu);
+    out->commits = st->gc.commits;
+    out->writes = st->gc.writes;
+    pthread_mutex_unlock(&st->gc.mu);
     out->map_size = info.me_mapsize;
     out->map_used = (info.me_last_pgno + 1) * (size_t)ms.ms_psize;
     return rc == MDB_NOTFOUND ? IDEM_OK : lmdb_code(rc, "stats scan");

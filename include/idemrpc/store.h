@@ -72,6 +72,7 @@ typedef enum idem_claim_outcome {
 typedef struct idem_store_stats {
     size_t records, in_progress, completed, tokens;
     size_t map_size, map_used; /* bytes */
+    uint64_t commits, writes;  /* write txns and the writes they held, since open */
 } idem_store_stats;
 
 enum idem_store_flags {
