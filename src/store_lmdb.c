@@ -9,6 +9,7 @@
  * unique constraint that makes a claim atomic. */
 #include <errno.h>
 #include <lmdb.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@
 #define INDEX_KEY_LEN 24
 #define DEFAULT_MAP_SIZE ((size_t)1 << 30)
 #define GROUP_COMMIT_BATCH 256 /* writes per shared txn at most */
+#define READ_POOL 64           /* reset read txns kept (each holds a reader slot) */
 
 enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't' };
 
@@ -41,10 +43,24 @@ typedef struct tok_hdr {
     uint64_t expires_ms;
 } tok_hdr;
 
+#define APP_DB_NAME (IDEM_MAX_DB_NAME + 5) /* "app." + name + NUL */
+
+typedef struct app_db {
+    char name[APP_DB_NAME];
+    MDB_dbi dbi;
+} app_db;
+
 struct idem_store {
     MDB_env *env;
     MDB_dbi records, tokens, expiry;
     idem_group_commit gc;
+    pthread_mutex_t db_mu; /* guards dbs */
+    app_db dbs[IDEM_LMDB_MAX_DBS];
+    size_t n_dbs;
+    /* Reset read txns kept for reuse: mdb_txn_renew is far cheaper than a begin. */
+    pthread_mutex_t rpool_mu;
+    MDB_txn *rpool[READ_POOL];
+    size_t rpool_n;
 };
 
 /* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
@@ -171,6 +187,34 @@ static idem_code txn_commit(MDB_txn *txn)
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "commit");
 }
 
+static int read_begin(idem_store *st, MDB_txn **txn)
+{
+    pthread_mutex_lock(&st->rpool_mu);
+    *txn = st->rpool_n > 0 ? st->rpool[--st->rpool_n] : NULL;
+    pthread_mutex_unlock(&st->rpool_mu);
+    if (*txn != NULL) {
+        if (mdb_txn_renew(*txn) == 0) {
+            return 0;
+        }
+        mdb_txn_abort(*txn);
+    }
+    return mdb_txn_begin(st->env, NULL, MDB_RDONLY, txn);
+}
+
+static void read_end(idem_store *st, MDB_txn *txn)
+{
+    mdb_txn_reset(txn);
+    pthread_mutex_lock(&st->rpool_mu);
+    if (st->rpool_n < READ_POOL) {
+        st->rpool[st->rpool_n++] = txn;
+        txn = NULL;
+    }
+    pthread_mutex_unlock(&st->rpool_mu);
+    if (txn != NULL) {
+        mdb_txn_abort(txn);
+    }
+}
+
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size,
                                unsigned flags)
 {
@@ -219,6 +263,8 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
         goto fail;
     }
     idem__gc_init(&st->gc, st->env, !(flags & IDEM_STORE_NO_GROUP_COMMIT), GROUP_COMMIT_BATCH);
+    pthread_mutex_init(&st->rpool_mu, NULL);
+    pthread_mutex_init(&st->db_mu, NULL);
     *out = st;
     return IDEM_OK;
 fail:;
@@ -231,6 +277,11 @@ fail:;
 void idem_store_close(idem_store *st)
 {
     if (st != NULL) {
+        for (size_t i = 0; i < st->rpool_n; i++) {
+            mdb_txn_abort(st->rpool[i]);
+        }
+        pthread_mutex_destroy(&st->rpool_mu);
+        pthread_mutex_destroy(&st->db_mu);
         idem__gc_fini(&st->gc);
         mdb_env_close(st->env);
         free(st);
@@ -509,7 +560,7 @@ idem_code idem_store_get(idem_store *st, const idem_key_ref *ref, idem_record *r
     if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
         return code;
     }
-    if ((rc = mdb_txn_begin(st->env, NULL, MDB_RDONLY, &txn)) != 0) {
+    if ((rc = read_begin(st, &txn)) != 0) {
         return lmdb_code(rc, "get begin");
     }
     k = (MDB_val){key.len, key.bytes};
@@ -521,7 +572,7 @@ idem_code idem_store_get(idem_store *st, const idem_key_ref *ref, idem_record *r
     } else {
         code = rec_decode(&v, rec, true);
     }
-    mdb_txn_abort(txn);
+    read_end(st, txn);
     return code;
 }
 
@@ -692,10 +743,113 @@ idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
 
 /* ---- transactional handlers (txn.h) ---- */
 
+/* Business databases ("app.<name>") of transactional handlers.
+ *
+ * LMDB forbids mdb_dbi_open in concurrent txns, and a handle opened in a txn that aborts
+ * dies with it. So handles are opened only in write txns (which LMDB serialises), and
+ * enter the store's cache only once such a txn has committed; readers use the cache. */
+#define TXN_NEW_DBS 8 /* databases one handler txn may create before it commits */
+
 struct idem_txn {
     idem_store *st;
     MDB_txn *txn;
+    app_db opened[TXN_NEW_DBS]; /* opened here: cached if this txn commits */
+    size_t n_opened;
 };
+
+static idem_code app_db_name(const char *db, char name[APP_DB_NAME])
+{
+    size_t n = db != NULL ? strlen(db) : 0;
+    if (n == 0 || n > IDEM_MAX_DB_NAME) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "database name must be 1..%d bytes",
+                         IDEM_MAX_DB_NAME);
+    }
+    snprintf(name, APP_DB_NAME, "app.%s", db);
+    return IDEM_OK;
+}
+
+static bool app_db_cached(idem_store *st, const char *name, MDB_dbi *dbi)
+{
+    bool found = false;
+    pthread_mutex_lock(&st->db_mu);
+    for (size_t i = 0; i < st->n_dbs && !found; i++) {
+        if (strcmp(st->dbs[i].name, name) == 0) {
+            *dbi = st->dbs[i].dbi;
+            found = true;
+        }
+    }
+    pthread_mutex_unlock(&st->db_mu);
+    return found;
+}
+
+static void app_db_cache(idem_store *st, const app_db *db)
+{
+    MDB_dbi ignored;
+    if (app_db_cached(st, db->name, &ignored)) {
+        return;
+    }
+    pthread_mutex_lock(&st->db_mu);
+    if (st->n_dbs < IDEM_ARRAY_LEN(st->dbs)) {
+        st->dbs[st->n_dbs++] = *db;
+    }
+    pthread_mutex_unlock(&st->db_mu);
+}
+
+/* The handle of a business database inside a handler's write txn. */
+static idem_code txn_dbi(idem_txn *t, const char *db, MDB_dbi *dbi)
+{
+    char name[APP_DB_NAME];
+    idem_code code = app_db_name(db, name);
+    if (code != IDEM_OK || app_db_cached(t->st, name, dbi)) {
+        return code;
+    }
+    for (size_t i = 0; i < t->n_opened; i++) {
+        if (strcmp(t->opened[i].name, name) == 0) {
+            *dbi = t->opened[i].dbi;
+            return IDEM_OK;
+        }
+    }
+    if (t->n_opened == TXN_NEW_DBS) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d new databases per transaction",
+                         TXN_NEW_DBS);
+    }
+    int rc = mdb_dbi_open(t->txn, name, MDB_CREATE, dbi);
+    if (rc != 0) {
+        return lmdb_code(rc, "open database");
+    }
+    app_db *o = &t->opened[t->n_opened++];
+    snprintf(o->name, sizeof(o->name), "%s", name);
+    o->dbi = *dbi;
+    return IDEM_OK;
+}
+
+typedef struct dbi_open_args {
+    idem_store *st;
+    app_db db;
+} dbi_open_args;
+
+static idem_code dbi_open_apply(MDB_txn *txn, void *arg)
+{
+    dbi_open_args *a = arg;
+    int rc = mdb_dbi_open(txn, a->db.name, MDB_CREATE, &a->db.dbi);
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "open database");
+}
+
+/* The handle of a business database for a reader: created by a write of its own. */
+static idem_code store_dbi(idem_store *st, const char *db, MDB_dbi *dbi)
+{
+    dbi_open_args a = {.st = st};
+    idem_code code = app_db_name(db, a.db.name);
+    if (code != IDEM_OK || app_db_cached(st, a.db.name, dbi)) {
+        return code;
+    }
+    if ((code = idem__gc_write(&st->gc, dbi_open_apply, &a)) != IDEM_OK) {
+        return code;
+    }
+    app_db_cache(st, &a.db);
+    *dbi = a.db.dbi;
+    return IDEM_OK;
+}
 
 idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
 {
@@ -729,24 +883,11 @@ idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, 
         return code;
     }
     code = txn_commit(t->txn);
+    for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
+        app_db_cache(t->st, &t->opened[i]);
+    }
     free(t);
     return code;
-}
-
-static idem_code app_dbi(MDB_txn *txn, const char *db, unsigned flags, MDB_dbi *dbi)
-{
-    char name[IDEM_MAX_DB_NAME + 5];
-    size_t n = db != NULL ? strlen(db) : 0;
-    if (n == 0 || n > IDEM_MAX_DB_NAME) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "database name must be 1..%d bytes",
-                         IDEM_MAX_DB_NAME);
-    }
-    snprintf(name, sizeof(name), "app.%s", db);
-    int rc = mdb_dbi_open(txn, name, flags, dbi);
-    if (rc == MDB_NOTFOUND) {
-        return idem__err(IDEM_NOT_FOUND, "no database %s", db);
-    }
-    return rc == 0 ? IDEM_OK : lmdb_code(rc, "open database");
 }
 
 static idem_code app_key(const void *key, size_t klen, MDB_val *k)
@@ -765,7 +906,7 @@ idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen
     MDB_val k, v;
     idem_code code;
     if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = app_dbi(t->txn, db, MDB_CREATE, &dbi)) != IDEM_OK) {
+        (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_get(t->txn, dbi, &k, &v);
@@ -786,7 +927,7 @@ idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen
     MDB_val k, v = {vlen, (void *)val};
     idem_code code;
     if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = app_dbi(t->txn, db, MDB_CREATE, &dbi)) != IDEM_OK) {
+        (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_put(t->txn, dbi, &k, &v, 0);
@@ -799,7 +940,7 @@ idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen
     MDB_val k;
     idem_code code;
     if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = app_dbi(t->txn, db, MDB_CREATE, &dbi)) != IDEM_OK) {
+        (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_del(t->txn, dbi, &k, NULL);
@@ -819,25 +960,24 @@ idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, si
     int rc;
     *val = NULL;
     *vlen = 0;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK) {
+    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
+        (code = store_dbi(st, db, &dbi)) != IDEM_OK) {
         return code;
     }
-    if ((rc = mdb_txn_begin(st->env, NULL, MDB_RDONLY, &txn)) != 0) {
+    if ((rc = read_begin(st, &txn)) != 0) {
         return lmdb_code(rc, "read begin");
     }
-    if ((code = app_dbi(txn, db, 0, &dbi)) == IDEM_OK) {
-        rc = mdb_get(txn, dbi, &k, &v);
-        if (rc == MDB_NOTFOUND) {
-            code = idem__err(IDEM_NOT_FOUND, "no such key");
-        } else if (rc != 0) {
-            code = lmdb_code(rc, "get");
-        } else if ((*val = malloc(v.mv_size ? v.mv_size : 1)) == NULL) {
-            code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-        } else {
-            memcpy(*val, v.mv_data, v.mv_size);
-            *vlen = v.mv_size;
-        }
+    rc = mdb_get(txn, dbi, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        code = idem__err(IDEM_NOT_FOUND, "no such key");
+    } else if (rc != 0) {
+        code = lmdb_code(rc, "get");
+    } else if ((*val = malloc(v.mv_size ? v.mv_size : 1)) == NULL) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    } else {
+        memcpy(*val, v.mv_data, v.mv_size);
+        *vlen = v.mv_size;
     }
-    mdb_txn_abort(txn);
+    read_end(st, txn);
     return code;
 }

@@ -636,3 +636,51 @@ Test(store, stats_count_records_by_state_and_tokens)
     cr_expect_gt(s.map_used, 0);
     cr_expect_leq(s.map_used, s.map_size);
 }
+
+/* A handler txn: claim key, then begin the business txn the record will commit in. */
+static idem_txn *begin_handler_txn(const char *key, idem_claim_req *r)
+{
+    *r = (idem_claim_req){.key = {CALLER, METHOD, key}, .owner = 42, .now_ms = T0,
+                          .lease_until_ms = T0 + LEASE_MS, .expires_ms = T0 + TTL_MS};
+    idem_claim_outcome out;
+    cr_assert_eq(idem_store_claim(st, r, &out, NULL), IDEM_OK);
+    idem_txn *t;
+    cr_assert_eq(idem__store_txn_begin(st, &t), IDEM_OK);
+    return t;
+}
+
+Test(store, business_write_of_an_aborted_handler_txn_is_gone_and_the_db_still_works)
+{
+    idem_claim_req r;
+    idem_txn *t = begin_handler_txn("tx-1", &r);
+    cr_assert_eq(idem_txn_put(t, "ledger", "a", 1, "100", 3), IDEM_OK);
+    idem__store_txn_abort(t); /* e.g. the handler answered UNAVAILABLE */
+    void *v;
+    size_t n;
+    cr_expect_eq(idem_store_app_get(st, "ledger", "a", 1, &v, &n), IDEM_NOT_FOUND);
+
+    t = begin_handler_txn("tx-2", &r);
+    cr_assert_eq(idem_txn_put(t, "ledger", "a", 1, "200", 3), IDEM_OK);
+    cr_assert_eq(idem__store_txn_complete_commit(t, &r.key, r.owner, "ok", 2, T0 + TTL_MS),
+                 IDEM_OK);
+    cr_assert_eq(idem_store_app_get(st, "ledger", "a", 1, &v, &n), IDEM_OK);
+    cr_expect_eq(n, 3);
+    cr_expect_eq(memcmp(v, "200", 3), 0);
+    free(v);
+    idem_record rec;
+    cr_assert_eq(idem_store_get(st, &r.key, &rec), IDEM_OK);
+    cr_expect_eq(rec.state, IDEM_REC_COMPLETED, "effect and record committed together");
+    idem_record_clear(&rec);
+}
+
+Test(store, handler_txn_that_lost_its_claim_commits_nothing)
+{
+    idem_claim_req r;
+    idem_txn *t = begin_handler_txn("tx-3", &r);
+    cr_assert_eq(idem_txn_put(t, "ledger", "b", 1, "1", 1), IDEM_OK);
+    cr_expect_eq(idem__store_txn_complete_commit(t, &r.key, r.owner + 1, "ok", 2, T0 + TTL_MS),
+                 IDEM_ABORTED);
+    void *v;
+    size_t n;
+    cr_expect_eq(idem_store_app_get(st, "ledger", "b", 1, &v, &n), IDEM_NOT_FOUND);
+}
