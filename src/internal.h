@@ -43,6 +43,8 @@ char *idem__strdup(const char *s);
  * record into the same txn and commit both (the txn is freed either way). */
 idem_code idem__store_txn_begin(idem_store *st, idem_txn **out);
 void idem__store_txn_abort(idem_txn *t);
+/* Commits the business writes alone (no idempotency record); frees t. */
+idem_code idem__store_txn_commit(idem_txn *t);
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                           const void *response, size_t len, uint64_t expires_ms);
 

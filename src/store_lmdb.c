@@ -873,6 +873,16 @@ void idem__store_txn_abort(idem_txn *t)
     free(t);
 }
 
+idem_code idem__store_txn_commit(idem_txn *t)
+{
+    idem_code code = txn_commit(t->txn);
+    for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
+        app_db_cache(t->st, &t->opened[i]);
+    }
+    free(t);
+    return code;
+}
+
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                           const void *response, size_t len, uint64_t expires_ms)
 {
@@ -882,12 +892,7 @@ idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, 
         idem__store_txn_abort(t);
         return code;
     }
-    code = txn_commit(t->txn);
-    for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
-        app_db_cache(t->st, &t->opened[i]);
-    }
-    free(t);
-    return code;
+    return idem__store_txn_commit(t);
 }
 
 static idem_code app_key(const void *key, size_t klen, MDB_val *k)
