@@ -46,17 +46,17 @@ static idem_code resolve_key(idem_call *call)
     if (meta != NULL) {
         return set_key(call, meta, IDEM_KEY_METADATA)
                    ? IDEM_OK
-                   : idem_call_fail(call, IDEM_INVALID_ARGUMENT,
-                                    "metadata idempotency-key must be 1..%d bytes of UTF-8",
-                                    IDEM_MAX_KEY);
+                   : idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
+                                  "metadata idempotency-key must be 1..%d bytes of UTF-8",
+                                  IDEM_MAX_KEY);
     }
     if (m != NULL && m->opts.extractor != NULL) {
         char buf[IDEM_MAX_KEY + 2] = {0};
         if (m->opts.extractor(call, buf, sizeof(buf), m->opts.extractor_arg) &&
             !set_key(call, buf, IDEM_KEY_EXTRACTED)) {
-            return idem_call_fail(call, IDEM_INVALID_ARGUMENT,
-                                  "extracted business key must be 1..%d bytes of UTF-8",
-                                  IDEM_MAX_KEY);
+            return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
+                                "extracted business key must be 1..%d bytes of UTF-8",
+                                IDEM_MAX_KEY);
         }
         if (call->key_source != IDEM_KEY_NONE) {
             return IDEM_OK;
@@ -77,10 +77,10 @@ idem_code idem__request_id_interceptor(idem_call *call, idem_next next, void *ar
     const idem_method *m = call->method;
     if (m != NULL && (m->opts.flags & IDEM_METHOD_KEY_REQUIRED) &&
         call->key_source == IDEM_KEY_NONE) {
-        return idem_call_fail(call, IDEM_INVALID_ARGUMENT,
-                              "method %s requires an idempotency key (idempotency_key field "
-                              "or metadata idempotency-key)",
-                              m->name);
+        return idem__reject(call, IDEM_REASON_KEY_REQUIRED, IDEM_INVALID_ARGUMENT,
+                            "method %s requires an idempotency key (idempotency_key field "
+                            "or metadata idempotency-key)",
+                            m->name);
     }
     return idem_call_next(call, next);
 }

@@ -88,15 +88,16 @@ static idem_code replay(idem_call *call, const idem_record *rec)
 
 static idem_code reject_mismatch(idem_call *call)
 {
-    return idem_call_fail(call, IDEM_INVALID_ARGUMENT,
-                          "idempotency key reused with a different request");
+    return idem__reject(call, IDEM_REASON_KEY_REUSED, IDEM_INVALID_ARGUMENT,
+                        "idempotency key reused with a different request");
 }
 
 static idem_code answer_in_progress(idem_call *call)
 {
     char hint[16];
-    idem_call_fail(call, IDEM_ABORTED, "in progress: the first call with this key has not "
-                                       "finished; retry with the same key");
+    idem__reject(call, IDEM_REASON_IN_PROGRESS, IDEM_ABORTED,
+                 "in progress: the first call with this key has not finished; retry with the "
+                 "same key");
     snprintf(hint, sizeof(hint), "%u", RETRY_AFTER_MS);
     idem__call_set_meta(call, "retry-after-ms", hint);
     return IDEM_ABORTED;
@@ -137,7 +138,7 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
     if (transactional && (st = idem__store_txn_begin(rt->store, &txn)) != IDEM_OK) {
         idem_store_release(rt->store, key, owner);
         idem__waitset_notify(&rt->waits);
-        return idem_call_fail(call, st, "%s", idem_errmsg());
+        return idem__reject(call, IDEM_REASON_STORE, st, "%s", idem_errmsg());
     }
     call->txn = txn;
     code = idem_call_next(call, next);
@@ -158,12 +159,13 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
         /* Nothing committed: not the effect, not the record. Say so, and free the key. */
         idem_store_release(rt->store, key, owner);
         idem__waitset_notify(&rt->waits);
-        return idem_call_fail(call, st, "not committed: %s", idem_errmsg());
+        return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", idem_errmsg());
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
-    fprintf(stderr, "idemrpc: result_cache: %s %s: recording outcome failed: %s\n",
-            call->method->name, call->request_id, idem_errmsg());
+    idem__log(rt->obs, IDEM_LOG_ERROR,
+              "request_id=%s method=\"%s\" msg=\"recording the outcome failed: %s\"",
+              call->request_id, call->method->name, idem_errmsg());
     return code;
 }
 
@@ -206,7 +208,7 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
         }
         idem_record_clear(&rec);
         if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
-            return idem_call_fail(call, code, "result cache: %s", idem_errmsg());
+            return idem__reject(call, IDEM_REASON_STORE, code, "result cache: %s", idem_errmsg());
         }
         req.owner = idem__random_u64();
         req.now_ms = now;
@@ -214,7 +216,9 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
         req.expires_ms = req.lease_until_ms + rt->result_ttl_ms;
         code = idem_store_claim(rt->store, &req, &outcome, &rec);
         if (code != IDEM_OK) {
-            return idem_call_fail(call, code, "%s", idem_errmsg());
+            bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;
+            return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
+                                idem_errmsg());
         }
         switch (outcome) {
         case IDEM_CLAIM_ACQUIRED:

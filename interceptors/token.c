@@ -44,9 +44,8 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
     const char *token = idem_call_token(call);
     size_t len = strlen(token);
     if (len == 0) {
-        return idem_call_fail(call, IDEM_FAILED_PRECONDITION,
-                              "method %s requires a token from " IDEM_TOKEN_ISSUE_METHOD,
-                              m->name);
+        return idem__reject(call, IDEM_REASON_TOKEN, IDEM_FAILED_PRECONDITION,
+                            "method %s requires a token from " IDEM_TOKEN_ISSUE_METHOD, m->name);
     }
     memcpy(call->key, token, len + 1); /* codec bounds tokens below IDEM_MAX_KEY */
     call->key_source = IDEM_KEY_TOKEN;
@@ -58,7 +57,7 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
     idem_code code = idem_store_token_consume(rt->store, token, idem_call_caller(call),
                                               idem__now_ms());
     if (code != IDEM_OK) {
-        return idem_call_fail(call, code, "%s", idem_errmsg());
+        return idem__reject(call, IDEM_REASON_TOKEN, code, "%s", idem_errmsg());
     }
     return idem_call_next(call, next);
 }

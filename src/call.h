@@ -39,12 +39,41 @@ typedef struct idem_waitset {
     bool stopping; /* server shutdown: waiters give up at once */
 } idem_waitset;
 
+/* Rejection reasons (metrics label values; the HTTP front maps some to statuses). */
+#define IDEM_REASON_BAD_FRAME "bad_frame"
+#define IDEM_REASON_TOO_LARGE "too_large"
+#define IDEM_REASON_BUSY "busy"
+#define IDEM_REASON_UNIMPLEMENTED "unimplemented"
+#define IDEM_REASON_KEY_REQUIRED "key_required"
+#define IDEM_REASON_BAD_KEY "bad_key"
+#define IDEM_REASON_KEY_REUSED "key_reused"
+#define IDEM_REASON_IN_PROGRESS "in_progress"
+#define IDEM_REASON_TOKEN "token"
+#define IDEM_REASON_STORE "store"
+
+/* Library rejection: idem_call_fail plus the reason. */
+idem_code idem__reject(idem_call *call, const char *reason, idem_code code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Counters and the log sink of one server (observe.c). */
+typedef struct idem_observer idem_observer;
+void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+idem_observer *idem__observer_create(const idem_server_opts *opts);
+void idem__observer_destroy(idem_observer *obs);
+/* One log line (at INFO) and the counters for a finished call. */
+void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t latency_us);
+void idem__observe_in_flight(idem_observer *obs, int delta);
+/* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
+char *idem__metrics_text(idem_observer *obs);
+
 /* Shared by the built-in interceptors; owned by the server. */
 typedef struct idem_runtime {
     idem_store *store;
     uint64_t result_ttl_ms, lease_ms, token_ttl_ms, max_wait_ms;
     bool has_result_cache; /* the chain contains result_cache (token consumption) */
     idem_waitset waits;
+    idem_observer *obs;
 } idem_runtime;
 
 typedef struct idem_kv {
@@ -68,6 +97,8 @@ struct idem_call {
     idem_kv *meta;
     size_t meta_count;
     bool replayed;
+    bool executed;      /* the method handler ran in this call */
+    const char *reason; /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
 };

@@ -13,9 +13,10 @@ idem_code idem_call_next(idem_call *call, idem_next next)
         return it->fn(call, (idem_next){next.chain, next.pos + 1}, it->arg);
     }
     if (call->method == NULL) {
-        return idem_call_fail(call, IDEM_UNIMPLEMENTED, "unknown method \"%s\"",
-                              idem_call_method(call));
+        return idem__reject(call, IDEM_REASON_UNIMPLEMENTED, IDEM_UNIMPLEMENTED,
+                            "unknown method \"%s\"", idem_call_method(call));
     }
+    call->executed = true;
     idem_code code = call->method->fn(call, call->method->arg);
     if (code != call->code) {
         /* A handler that returned one code and replied another: the return wins. */
@@ -199,6 +200,17 @@ static idem_code set_meta(idem_call *call, const char *name, const char *value, 
     call->meta = grown;
     call->meta[call->meta_count++] = (idem_kv){n, v};
     return IDEM_OK;
+}
+
+idem_code idem__reject(idem_call *call, const char *reason, idem_code code, const char *fmt, ...)
+{
+    char buf[IDEM_MAX_MESSAGE + 1];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    call->reason = reason;
+    return idem_call_fail(call, code, "%s", buf);
 }
 
 idem_code idem_call_set_response_metadata(idem_call *call, const char *name, const char *value)

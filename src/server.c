@@ -27,12 +27,12 @@
 typedef enum work_state { WORK_INIT, WORK_RECV, WORK_QUEUED, WORK_SEND } work_state;
 
 typedef struct work {
+    idem_job job; /* first: the queue sees works as jobs */
     work_state state;
     nng_aio *aio;
     nng_ctx ctx;
     nng_msg *msg;
     idem_server *srv;
-    struct work *next; /* queue link */
 } work;
 
 struct idem_server {
@@ -56,10 +56,11 @@ struct idem_server {
     pthread_mutex_t mu; /* guards queue, stopping */
     pthread_cond_t cv;  /* queue non-empty, or stopping */
     pthread_cond_t sweep_cv; /* stopping (wakes the sweeper early) */
-    work *head, *tail;
+    idem_job *head, *tail;
     size_t n_queued;
     bool stopping;
     int port;
+    idem_http *http;
 };
 
 static void work_cb(void *arg);
@@ -68,6 +69,7 @@ void idem_server_opts_init(idem_server_opts *opts)
 {
     memset(opts, 0, sizeof(*opts));
     opts->default_chain = true;
+    opts->log_level = IDEM_LOG_ERROR;
 }
 
 static void opts_defaults(idem_server_opts *o)
@@ -184,11 +186,6 @@ static nng_msg *response_msg(idem_call *call)
     uint8_t *buf;
     size_t len;
     nng_msg *msg;
-    if (call->request_id[0] == '\0') {
-        uint8_t rnd[16];
-        idem__random(rnd, sizeof(rnd));
-        idem__hex(call->request_id, rnd, sizeof(rnd));
-    }
     if (idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
         idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
         idem__call_reset_response(call);
@@ -205,87 +202,128 @@ static nng_msg *response_msg(idem_call *call)
     return msg;
 }
 
-nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t len)
+void idem__server_run(idem_server *srv, const void *frame, size_t len, idem_served *out)
 {
     static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
-    Idem__V1__Request *req = NULL;
-    idem_call call;
     idem_code code;
 
+    out->start_us = idem__mono_us();
+    out->req = NULL;
     if (len > srv->opts.max_frame) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
                          len, srv->opts.max_frame);
     } else {
-        code = idem__decode_request(frame, len, &req);
+        code = idem__decode_request(frame, len, &out->req);
     }
     if (code != IDEM_OK) {
-        idem__call_init(&call, &empty, NULL, &srv->rt);
-        idem_call_fail(&call, code, "%s", idem_errmsg());
+        idem__call_init(&out->call, &empty, NULL, &srv->rt);
+        idem__reject(&out->call, code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
+                                                                 : IDEM_REASON_BAD_FRAME,
+                     code, "%s", idem_errmsg());
     } else {
-        idem__call_init(&call, req, method_find(srv, req->method), &srv->rt);
-        idem_call_next(&call, (idem_next){&srv->chain, 0});
+        idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
+        idem_call_next(&out->call, (idem_next){&srv->chain, 0});
     }
-    nng_msg *out = response_msg(&call);
-    idem__call_fini(&call);
-    idem__free_request(req);
+    if (out->call.request_id[0] == '\0') {
+        uint8_t rnd[16];
+        idem__random(rnd, sizeof(rnd));
+        idem__hex(out->call.request_id, rnd, sizeof(rnd));
+    }
+}
+
+void idem__server_done(idem_server *srv, idem_served *s)
+{
+    idem__observe_call(srv->rt.obs, &s->call, idem__mono_us() - s->start_us);
+    idem__call_fini(&s->call);
+    idem__free_request(s->req);
+}
+
+nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t len)
+{
+    idem_served s;
+    idem__server_run(srv, frame, len, &s);
+    nng_msg *out = response_msg(&s.call);
+    idem__server_done(srv, &s);
     return out;
 }
 
 /* ---- the work queue and the context state machine ---- */
 
-/* Returns false, queueing nothing, when max_queue calls already wait for a worker. */
-static bool queue_push(idem_server *srv, work *w)
+idem_code idem__server_enqueue(idem_server *srv, idem_job *job)
 {
     pthread_mutex_lock(&srv->mu);
+    if (srv->stopping) {
+        pthread_mutex_unlock(&srv->mu);
+        return IDEM_UNAVAILABLE;
+    }
     if (srv->opts.max_queue > 0 && srv->n_queued >= srv->opts.max_queue) {
         pthread_mutex_unlock(&srv->mu);
-        return false;
+        return IDEM_RESOURCE_EXHAUSTED;
     }
-    w->next = NULL;
+    job->next = NULL;
     if (srv->tail != NULL) {
-        srv->tail->next = w;
+        srv->tail->next = job;
     } else {
-        srv->head = w;
+        srv->head = job;
     }
-    srv->tail = w;
+    srv->tail = job;
     srv->n_queued++;
     pthread_cond_signal(&srv->cv);
     pthread_mutex_unlock(&srv->mu);
-    return true;
+    idem__observe_in_flight(srv->rt.obs, 1);
+    return IDEM_OK;
+}
+
+void idem__server_reject(idem_server *srv, idem_served *s, const char *reason, idem_code code,
+                         const char *message)
+{
+    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
+    uint8_t rnd[16];
+    s->start_us = idem__mono_us();
+    s->req = NULL;
+    idem__call_init(&s->call, &empty, NULL, &srv->rt);
+    idem__reject(&s->call, reason, code, "%s", message);
+    idem__random(rnd, sizeof(rnd));
+    idem__hex(s->call.request_id, rnd, sizeof(rnd));
+}
+
+void idem__server_busy(idem_server *srv, idem_served *s)
+{
+    char msg[96];
+    snprintf(msg, sizeof(msg), "server busy: %zu calls queued; retry later",
+             srv->opts.max_queue);
+    idem__server_reject(srv, s, IDEM_REASON_BUSY, IDEM_RESOURCE_EXHAUSTED, msg);
+    idem__call_set_meta(&s->call, "retry-after-ms", "100");
 }
 
 /* The answer to a call that found the queue full: cheap enough for the nng callback. */
 static nng_msg *busy_msg(idem_server *srv)
 {
-    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
-    idem_call call;
-    idem__call_init(&call, &empty, NULL, &srv->rt);
-    idem_call_fail(&call, IDEM_RESOURCE_EXHAUSTED, "server busy: %zu calls queued; retry later",
-                   srv->opts.max_queue);
-    idem__call_set_meta(&call, "retry-after-ms", "100");
-    nng_msg *out = response_msg(&call);
-    idem__call_fini(&call);
+    idem_served s;
+    idem__server_busy(srv, &s);
+    nng_msg *out = response_msg(&s.call);
+    idem__server_done(srv, &s);
     return out;
 }
 
-/* NULL when stopping (queued calls are then dropped, not run). */
-static work *queue_pop(idem_server *srv)
+/* NULL when stopping (queued jobs are then dropped, not run). */
+static idem_job *queue_pop(idem_server *srv)
 {
-    work *w = NULL;
+    idem_job *job = NULL;
     pthread_mutex_lock(&srv->mu);
     while (!srv->stopping && srv->head == NULL) {
         pthread_cond_wait(&srv->cv, &srv->mu);
     }
     if (!srv->stopping) {
-        w = srv->head;
-        srv->head = w->next;
+        job = srv->head;
+        srv->head = job->next;
         srv->n_queued--;
         if (srv->head == NULL) {
             srv->tail = NULL;
         }
     }
     pthread_mutex_unlock(&srv->mu);
-    return w;
+    return job;
 }
 
 static bool is_stopping(idem_server *srv)
@@ -334,8 +372,11 @@ static void work_cb(void *arg)
         }
         w->msg = nng_aio_get_msg(w->aio);
         w->state = WORK_QUEUED;
-        if (!queue_push(w->srv, w)) {
+        if ((rv = idem__server_enqueue(w->srv, &w->job)) == IDEM_RESOURCE_EXHAUSTED) {
             work_reply(w, busy_msg(w->srv));
+        } else if (rv != IDEM_OK) {
+            nng_msg_free(w->msg); /* stopping: the client retries elsewhere */
+            w->msg = NULL;
         }
         break;
     case WORK_SEND:
@@ -351,12 +392,26 @@ static void work_cb(void *arg)
     }
 }
 
+static void work_run(idem_server *srv, idem_job *job)
+{
+    work *w = (work *)job;
+    work_reply(w, idem__server_serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg)));
+}
+
+static void work_drop(idem_job *job)
+{
+    work *w = (work *)job;
+    nng_msg_free(w->msg); /* queued, never run */
+    w->msg = NULL;
+}
+
 static void *worker_main(void *arg)
 {
     idem_server *srv = arg;
-    work *w;
-    while ((w = queue_pop(srv)) != NULL) {
-        work_reply(w, idem__server_serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg)));
+    idem_job *job;
+    while ((job = queue_pop(srv)) != NULL) {
+        job->run(srv, job);
+        idem__observe_in_flight(srv->rt.obs, -1);
     }
     return NULL;
 }
@@ -378,7 +433,7 @@ static void *sweeper_main(void *arg)
         do {
             if (idem_store_sweep(srv->rt.store, idem__now_ms(), srv->opts.sweep_batch,
                                  &deleted) != IDEM_OK) {
-                fprintf(stderr, "idemrpc: sweep: %s\n", idem_errmsg());
+                idem__log(srv->rt.obs, IDEM_LOG_ERROR, "msg=\"sweep failed: %s\"", idem_errmsg());
                 break;
             }
         } while (deleted == srv->opts.sweep_batch && !is_stopping(srv));
@@ -408,6 +463,8 @@ static idem_code server_open_socket(idem_server *srv)
     for (size_t i = 0; i < srv->opts.contexts; i++) {
         work *w = &srv->works[i];
         w->srv = srv;
+        w->job.run = work_run;
+        w->job.drop = work_drop;
         if ((rv = nng_aio_alloc(&w->aio, work_cb, w)) != 0) {
             return nng_fail(rv, "nng_aio_alloc");
         }
@@ -457,6 +514,10 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     srv->rt.lease_ms = srv->opts.lease_ms;
     srv->rt.token_ttl_ms = srv->opts.token_ttl_ms;
     srv->rt.max_wait_ms = srv->opts.max_wait_ms;
+    if ((srv->rt.obs = idem__observer_create(&srv->opts)) == NULL) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        goto fail;
+    }
     srv->rt.store = opts->store;
     if (srv->rt.store == NULL) {
         code = idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size,
@@ -544,6 +605,30 @@ int idem_server_port(const idem_server *srv)
     return srv->port;
 }
 
+idem_code idem_server_listen_http(idem_server *srv, const char *url)
+{
+    idem_code code;
+    if (srv->http != NULL) {
+        return idem__err(IDEM_ALREADY_EXISTS, "the server already has an HTTP listener");
+    }
+    if (!srv->started && ((code = server_check(srv)) != IDEM_OK ||
+                          (code = server_start(srv)) != IDEM_OK)) {
+        return code;
+    }
+    return idem__http_start(srv, url, srv->opts.max_frame, srv->opts.http_caller_header,
+                            &srv->http);
+}
+
+int idem_server_http_port(const idem_server *srv)
+{
+    return idem__http_port(srv->http);
+}
+
+char *idem__server_metrics(idem_server *srv)
+{
+    return idem__metrics_text(srv->rt.obs);
+}
+
 idem_store *idem_server_store(idem_server *srv)
 {
     return srv->rt.store;
@@ -568,14 +653,17 @@ void idem_server_destroy(idem_server *srv)
     if (srv->sweeper_started) {
         pthread_join(srv->sweeper, NULL);
     }
+    for (idem_job *job = srv->head, *next; job != NULL; job = next) {
+        next = job->next; /* no job is queued once stopping is set */
+        job->drop(job);
+    }
+    srv->head = srv->tail = NULL;
+    idem__http_stop(srv->http); /* waits for its callbacks; none can queue any more */
     if (srv->sock_open) {
         nng_close(srv->sock); /* fails every pending recv/send with NNG_ECLOSED */
     }
     for (size_t i = 0; i < srv->n_works; i++) {
         nng_aio_stop(srv->works[i].aio); /* waits for a callback in progress */
-    }
-    for (work *w = srv->head; w != NULL; w = w->next) {
-        nng_msg_free(w->msg); /* queued, never run */
     }
     for (size_t i = 0; i < srv->n_works; i++) {
         nng_aio_free(srv->works[i].aio);
@@ -590,6 +678,7 @@ void idem_server_destroy(idem_server *srv)
         idem_store_close(srv->rt.store);
     }
     idem__waitset_fini(&srv->rt.waits);
+    idem__observer_destroy(srv->rt.obs);
     pthread_cond_destroy(&srv->sweep_cv);
     pthread_cond_destroy(&srv->cv);
     pthread_mutex_destroy(&srv->mu);

@@ -21,6 +21,13 @@ uint64_t idem__mono_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+uint64_t idem__mono_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 void idem__abs_timespec(struct timespec *ts, uint64_t wait_ms)
 {
     clock_gettime(CLOCK_REALTIME, ts);

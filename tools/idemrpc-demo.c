@@ -85,16 +85,32 @@ static idem_code order_submit(idem_call *call, void *arg)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--db DIR] [--delay-ms N]\n"
+    fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR] [--delay-ms N]\n"
+                    "                    [--log-level off|error|info]\n"
                     "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
+                    "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
                     "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
-                    "  --delay-ms N   make demo.Counter/Add take N ms\n");
+                    "  --delay-ms N   make demo.Counter/Add take N ms\n"
+                    "  --log-level L  one line per call at info (default error)\n");
     return 2;
+}
+
+static bool parse_level(const char *s, idem_log_level *out)
+{
+    static const char *const names[] = {"off", "error", "info"};
+    for (int i = 0; i < 3; i++) {
+        if (strcmp(s, names[i]) == 0) {
+            *out = (idem_log_level)i;
+            return true;
+        }
+    }
+    return false;
 }
 
 int main(int argc, char **argv)
 {
-    const char *listen = "tcp://127.0.0.1:7700", *db = "./idemrpc-data";
+    const char *listen = "tcp://127.0.0.1:7700", *db = "./idemrpc-data", *http = NULL;
+    idem_log_level level = IDEM_LOG_ERROR;
     demo d = {.mu = PTHREAD_MUTEX_INITIALIZER};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--listen") == 0 && i + 1 < argc) {
@@ -103,6 +119,12 @@ int main(int argc, char **argv)
             db = argv[++i];
         } else if (strcmp(argv[i], "--delay-ms") == 0 && i + 1 < argc) {
             d.delay_ms = strtol(argv[++i], NULL, 10);
+        } else if (strcmp(argv[i], "--http") == 0 && i + 1 < argc) {
+            http = argv[++i];
+        } else if (strcmp(argv[i], "--log-level") == 0 && i + 1 < argc) {
+            if (!parse_level(argv[++i], &level)) {
+                return usage();
+            }
         } else {
             return usage();
         }
@@ -118,6 +140,7 @@ int main(int argc, char **argv)
     idem_server_opts opts;
     idem_server_opts_init(&opts);
     opts.db_path = db;
+    opts.log_level = level;
     idem_server *srv;
     idem_method_opts add = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
     idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
@@ -125,9 +148,13 @@ int main(int argc, char **argv)
         idem_server_register(srv, "demo.Counter/Add", counter_add, &d, &add) != IDEM_OK ||
         idem_server_register(srv, "demo.Counter/Get", counter_get, &d, NULL) != IDEM_OK ||
         idem_server_register(srv, "demo.Order/Submit", order_submit, &d, &submit) != IDEM_OK ||
-        idem_server_listen(srv, listen) != IDEM_OK) {
+        idem_server_listen(srv, listen) != IDEM_OK ||
+        (http != NULL && idem_server_listen_http(srv, http) != IDEM_OK)) {
         fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
         return 1;
+    }
+    if (http != NULL) {
+        printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
     }
     printf("idemrpc-demo listening on %s (store %s)\n", listen, db);
     fflush(stdout);

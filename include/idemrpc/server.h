@@ -53,6 +53,15 @@ typedef struct idem_method_opts {
     uint32_t transient_mask; /* codes released instead of stored; 0 = IDEM_TRANSIENT_CODES */
 } idem_method_opts;
 
+typedef enum idem_log_level {
+    IDEM_LOG_OFF = 0,
+    IDEM_LOG_ERROR = 1, /* storage failures, the default */
+    IDEM_LOG_INFO = 2,  /* plus one line per call */
+} idem_log_level;
+
+/* Receives one logfmt line (no newline). Called from worker threads, concurrently. */
+typedef void (*idem_log_fn)(void *arg, idem_log_level level, const char *line);
+
 typedef struct idem_server_opts {
     size_t contexts;        /* concurrent calls (nng contexts); 0 = 2 x cores */
     size_t workers;         /* handler threads; 0 = contexts */
@@ -75,6 +84,13 @@ typedef struct idem_server_opts {
      * interceptors added with idem_server_use() run after them, around the handler.
      * false: the chain is exactly what idem_server_use()/idem_server_use_builtin() add. */
     bool default_chain;
+    /* Logs: per call "request_id method caller key (hash) outcome code latency_us";
+     * tokens and payloads are never logged. Default IDEM_LOG_ERROR to stderr. */
+    idem_log_level log_level;
+    idem_log_fn log_fn; /* NULL = stderr */
+    void *log_arg;
+    /* HTTP front (idem_server_listen_http): header naming the caller; NULL = "X-Caller". */
+    const char *http_caller_header;
 } idem_server_opts;
 
 typedef enum idem_builtin {
@@ -100,6 +116,13 @@ IDEM_API idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
 
 /* Starts serving on url (tcp://, ipc://, inproc://). May be called more than once. */
 IDEM_API idem_code idem_server_listen(idem_server *srv, const char *url);
+
+/* Serves the same chain over HTTP/1.1 on url ("http://127.0.0.1:8080"): POST
+ * /{package.Service}/{Method}, body = payload, Idempotency-Key header = key; GET
+ * /metrics in the Prometheus text format. See README "HTTP". */
+IDEM_API idem_code idem_server_listen_http(idem_server *srv, const char *url);
+/* The port of the HTTP listener (for port 0). */
+IDEM_API int idem_server_http_port(const idem_server *srv);
 
 /* For tcp:// with port 0: the port actually bound by the first tcp listener. */
 IDEM_API int idem_server_port(const idem_server *srv);

@@ -1,0 +1,410 @@
+/* The HTTP front: the same chain behind POST /{package.Service}/{Method}.
+ *
+ * An HTTP request becomes an idem.v1.Request frame (body = payload, Idempotency-Key =
+ * key, X-Request-Id, the caller header, Idem-Token) and joins the same work queue as
+ * the nng calls, so handlers, LMDB writes and duplicate waits stay on the workers; the
+ * nng HTTP callback only translates and hands over. Status mapping follows the IETF
+ * Idempotency-Key draft where it speaks (400 missing key, 422 key reused with another
+ * payload, 409 still in progress) and the gRPC-HTTP mapping elsewhere. */
+#include <arpa/inet.h>
+#include <nng/nng.h>
+#include <nng/supplemental/http/http.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server_internal.h"
+
+#define MAX_HEADER 256 /* bytes kept of any header we read */
+
+struct idem_http {
+    idem_server *srv;
+    nng_http_server *hs;
+    nng_url *url;
+    size_t max_body;
+    char caller_header[64];
+    int port;
+};
+
+typedef struct http_job {
+    idem_job job; /* first */
+    nng_aio *aio;
+    uint8_t *frame;
+    size_t len;
+} http_job;
+
+static const struct {
+    idem_code code;
+    uint16_t status;
+} code_status[] = {
+    {IDEM_OK, 200},
+    {IDEM_CANCELLED, 499},
+    {IDEM_UNKNOWN, 500},
+    {IDEM_INVALID_ARGUMENT, 400},
+    {IDEM_DEADLINE_EXCEEDED, 504},
+    {IDEM_NOT_FOUND, 404},
+    {IDEM_ALREADY_EXISTS, 409},
+    {IDEM_PERMISSION_DENIED, 403},
+    {IDEM_RESOURCE_EXHAUSTED, 429},
+    {IDEM_FAILED_PRECONDITION, 400},
+    {IDEM_ABORTED, 409},
+    {IDEM_OUT_OF_RANGE, 400},
+    {IDEM_UNIMPLEMENTED, 404},
+    {IDEM_INTERNAL, 500},
+    {IDEM_UNAVAILABLE, 503},
+    {IDEM_DATA_LOSS, 500},
+    {IDEM_UNAUTHENTICATED, 401},
+};
+
+static uint16_t http_status(const idem_call *call)
+{
+    if (call->reason != NULL && strcmp(call->reason, IDEM_REASON_KEY_REUSED) == 0) {
+        return 422;
+    }
+    if (call->reason != NULL && strcmp(call->reason, IDEM_REASON_TOO_LARGE) == 0) {
+        return 413;
+    }
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(code_status); i++) {
+        if (code_status[i].code == call->code) {
+            return code_status[i].status;
+        }
+    }
+    return 500;
+}
+
+/* JSON string body of s (escaped) into out; returns false when it does not fit. */
+static bool json_string(char *out, size_t cap, const char *s)
+{
+    size_t o = 0;
+    out[o++] = '"';
+    for (; *s != '\0' && o + 8 < cap; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') {
+            out[o++] = '\\';
+            out[o++] = (char)c;
+        } else if (c < 0x20) {
+            o += (size_t)snprintf(out + o, cap - o, "\\u%04x", c);
+        } else {
+            out[o++] = (char)c;
+        }
+    }
+    if (*s != '\0' || o + 2 > cap) {
+        return false;
+    }
+    out[o++] = '"';
+    out[o] = '\0';
+    return true;
+}
+
+/* A header value we may copy into a response: no control characters. */
+static bool header_safe(const char *v)
+{
+    for (; *v; v++) {
+        if ((unsigned char)*v < 0x20 || *v == 0x7f) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* The token issue answer as JSON rather than a protobuf payload. */
+static bool token_json(const idem_call *call, char *out, size_t cap)
+{
+    Idem__V1__IssueTokenResponse *t =
+        idem__v1__issue_token_response__unpack(NULL, call->payload_len, call->payload);
+    if (t == NULL) {
+        return false;
+    }
+    char tok[160];
+    bool ok = json_string(tok, sizeof(tok), t->token);
+    ok = ok && snprintf(out, cap, "{\"token\":%s,\"expires_unix_ms\":%llu}", tok,
+                        (unsigned long long)t->expires_unix_ms) < (int)cap;
+    idem__v1__issue_token_response__free_unpacked(t, NULL);
+    return ok;
+}
+
+static int set_body(nng_http_res *res, const idem_call *call)
+{
+    char buf[IDEM_MAX_MESSAGE * 6 + 512], msg[IDEM_MAX_MESSAGE * 6 + 8];
+    int rv;
+    if (call->code == IDEM_OK && strcmp(call->req->method, IDEM_TOKEN_ISSUE_METHOD) == 0 &&
+        token_json(call, buf, sizeof(buf))) {
+        return (rv = nng_http_res_set_header(res, "Content-Type", "application/json")) != 0
+                   ? rv
+                   : nng_http_res_copy_data(res, buf, strlen(buf));
+    }
+    if (call->code == IDEM_OK) {
+        return (rv = nng_http_res_set_header(res, "Content-Type", "application/octet-stream")) !=
+                       0
+                   ? rv
+                   : nng_http_res_copy_data(res, call->payload, call->payload_len);
+    }
+    if (!json_string(msg, sizeof(msg), call->message != NULL ? call->message : "")) {
+        strcpy(msg, "\"\"");
+    }
+    int n = snprintf(buf, sizeof(buf), "{\"code\":\"%s\",\"message\":%s,\"request_id\":\"%s\"}",
+                     idem_code_name(call->code), msg, call->request_id);
+    if ((rv = nng_http_res_set_header(res, "Content-Type", "application/json")) != 0) {
+        return rv;
+    }
+    return nng_http_res_copy_data(res, buf, (size_t)n);
+}
+
+/* Metadata as headers: the library's own under their HTTP names, the rest Idem-Meta-*. */
+static int set_headers(nng_http_res *res, const idem_call *call)
+{
+    char name[IDEM_MAX_METADATA_NAME + 16], num[24];
+    int rv = 0;
+    snprintf(num, sizeof(num), "%d", (int)call->code);
+    if ((rv = nng_http_res_set_header(res, "X-Request-Id", call->request_id)) != 0 ||
+        (rv = nng_http_res_set_header(res, "Grpc-Status", num)) != 0) {
+        return rv;
+    }
+    if (call->replayed && (rv = nng_http_res_set_header(res, "Idempotent-Replayed", "true")) != 0) {
+        return rv;
+    }
+    for (size_t i = 0; i < call->meta_count && rv == 0; i++) {
+        const idem_kv *kv = &call->meta[i];
+        if (!header_safe(kv->name) || !header_safe(kv->value) || strchr(kv->name, ':') ||
+            strcmp(kv->name, "request-id") == 0) {
+            continue;
+        }
+        if (strcmp(kv->name, "retry-after-ms") == 0) {
+            snprintf(num, sizeof(num), "%lu", (strtoul(kv->value, NULL, 10) + 999) / 1000);
+            rv = nng_http_res_set_header(res, "Retry-After", num);
+        } else if (strcmp(kv->name, "idem-first-at") == 0) {
+            rv = nng_http_res_set_header(res, "Idem-First-At", kv->value);
+        } else {
+            snprintf(name, sizeof(name), "Idem-Meta-%s", kv->name);
+            rv = nng_http_res_set_header(res, name, kv->value);
+        }
+    }
+    return rv;
+}
+
+/* Finishes the HTTP exchange with the call's answer (or a bare 500 on ENOMEM). */
+static void respond(nng_aio *aio, const idem_call *call)
+{
+    nng_http_res *res;
+    int rv = nng_http_res_alloc(&res);
+    if (rv != 0) {
+        nng_aio_finish(aio, rv); /* nng answers 500 and closes the connection */
+        return;
+    }
+    uint16_t status = http_status(call);
+    if ((rv = nng_http_res_set_status(res, status)) != 0 ||
+        (status == 422 && (rv = nng_http_res_set_reason(res, "Unprocessable Content")) != 0) ||
+        (status == 499 && (rv = nng_http_res_set_reason(res, "Client Closed Request")) != 0) ||
+        (rv = set_headers(res, call)) != 0 || (rv = set_body(res, call)) != 0) {
+        nng_http_res_free(res);
+        nng_aio_finish(aio, rv);
+        return;
+    }
+    nng_aio_set_output(aio, 0, res);
+    nng_aio_finish(aio, 0);
+}
+
+static void http_job_run(idem_server *srv, idem_job *job)
+{
+    http_job *j = (http_job *)job;
+    idem_served s;
+    idem__server_run(srv, j->frame, j->len, &s);
+    respond(j->aio, &s.call);
+    idem__server_done(srv, &s);
+    free(j->frame);
+    free(j);
+}
+
+/* At shutdown: answer 503 rather than leave the connection hanging. */
+static void http_job_drop(idem_job *job)
+{
+    http_job *j = (http_job *)job;
+    nng_http_res *res;
+    if (nng_http_res_alloc_error(&res, 503) == 0) {
+        nng_aio_set_output(j->aio, 0, res);
+        nng_aio_finish(j->aio, 0);
+    } else {
+        nng_aio_finish(j->aio, NNG_ENOMEM);
+    }
+    free(j->frame);
+    free(j);
+}
+
+/* Copies header name of req into buf (bounded); "" when absent. A structured-field
+ * string ("...", as the Idempotency-Key draft sends it) loses its quotes. */
+static const char *header(nng_http_req *req, const char *name, char buf[MAX_HEADER])
+{
+    const char *v = nng_http_req_get_header(req, name);
+    size_t n = v != NULL ? strlen(v) : 0;
+    if (n >= 2 && v[0] == '"' && v[n - 1] == '"') {
+        v++, n -= 2;
+    }
+    n = n < MAX_HEADER - 1 ? n : MAX_HEADER - 1;
+    memcpy(buf, v != NULL ? v : "", n);
+    buf[n] = '\0';
+    return buf;
+}
+
+/* The Request frame for an HTTP call; NULL on ENOMEM. */
+static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *body, size_t blen,
+                           size_t *len)
+{
+    char method[MAX_HEADER], key[MAX_HEADER], rid[MAX_HEADER], caller[MAX_HEADER],
+        token[MAX_HEADER];
+    Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
+    const char *uri = nng_http_req_get_uri(req);
+    size_t m = strcspn(uri + (uri[0] == '/'), "?#");
+    m = m < sizeof(method) - 1 ? m : sizeof(method) - 1;
+    memcpy(method, uri + (uri[0] == '/'), m);
+    method[m] = '\0';
+    q.method = method;
+    q.idempotency_key = (char *)header(req, "Idempotency-Key", key);
+    q.request_id = (char *)header(req, "X-Request-Id", rid);
+    q.caller = (char *)header(req, h->caller_header, caller);
+    q.token = (char *)header(req, "Idem-Token", token);
+    q.payload.data = (uint8_t *)body;
+    q.payload.len = blen;
+    q.attempt = 1;
+    *len = idem__v1__request__get_packed_size(&q);
+    uint8_t *frame = malloc(*len ? *len : 1);
+    if (frame != NULL) {
+        idem__v1__request__pack(&q, frame);
+    }
+    return frame;
+}
+
+static void respond_now(nng_aio *aio, idem_server *srv, idem_served *s)
+{
+    respond(aio, &s->call);
+    idem__server_done(srv, s);
+}
+
+/* POST /{package.Service}/{Method}: runs on nng's thread, so it only hands over. */
+static void http_call_cb(nng_aio *aio)
+{
+    nng_http_req *req = nng_aio_get_input(aio, 0);
+    idem_http *h = nng_http_handler_get_data(nng_aio_get_input(aio, 1));
+    void *body;
+    size_t blen;
+    idem_served s;
+    http_job *j;
+
+    nng_http_req_get_data(req, &body, &blen);
+    if (blen > h->max_body) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "body of %zu bytes exceeds the %zu byte limit", blen,
+                 h->max_body);
+        idem__server_reject(h->srv, &s, IDEM_REASON_TOO_LARGE, IDEM_RESOURCE_EXHAUSTED, msg);
+        respond_now(aio, h->srv, &s);
+        return;
+    }
+    if ((j = calloc(1, sizeof(*j))) == NULL ||
+        (j->frame = http_frame(h, req, body, blen, &j->len)) == NULL) {
+        free(j);
+        nng_aio_finish(aio, NNG_ENOMEM);
+        return;
+    }
+    j->aio = aio;
+    j->job.run = http_job_run;
+    j->job.drop = http_job_drop;
+    idem_code code = idem__server_enqueue(h->srv, &j->job);
+    if (code == IDEM_OK) {
+        return; /* a worker answers */
+    }
+    free(j->frame);
+    free(j);
+    if (code == IDEM_RESOURCE_EXHAUSTED) {
+        idem__server_busy(h->srv, &s);
+    } else {
+        idem__server_reject(h->srv, &s, NULL, IDEM_UNAVAILABLE, "server shutting down");
+    }
+    respond_now(aio, h->srv, &s);
+}
+
+/* GET /metrics: cheap enough to answer on nng's thread. */
+static void http_metrics_cb(nng_aio *aio)
+{
+    idem_http *h = nng_http_handler_get_data(nng_aio_get_input(aio, 1));
+    nng_http_res *res;
+    char *text = idem__server_metrics(h->srv);
+    int rv = text == NULL ? NNG_ENOMEM : nng_http_res_alloc(&res);
+    if (rv == 0 &&
+        ((rv = nng_http_res_set_header(res, "Content-Type", "text/plain; version=0.0.4")) != 0 ||
+         (rv = nng_http_res_copy_data(res, text, strlen(text))) != 0)) {
+        nng_http_res_free(res);
+    }
+    free(text);
+    if (rv != 0) {
+        nng_aio_finish(aio, rv);
+        return;
+    }
+    nng_aio_set_output(aio, 0, res);
+    nng_aio_finish(aio, 0);
+}
+
+static int add_handler(idem_http *h, const char *path, const char *method, bool tree,
+                       size_t max_body, void (*cb)(nng_aio *))
+{
+    nng_http_handler *hd;
+    int rv = nng_http_handler_alloc(&hd, path, cb);
+    if (rv != 0) {
+        return rv;
+    }
+    if ((rv = nng_http_handler_set_method(hd, method)) != 0 ||
+        (rv = nng_http_handler_collect_body(hd, true, max_body)) != 0 ||
+        (tree && (rv = nng_http_handler_set_tree(hd)) != 0) ||
+        (rv = nng_http_handler_set_data(hd, h, NULL)) != 0 ||
+        (rv = nng_http_server_add_handler(h->hs, hd)) != 0) {
+        nng_http_handler_free(hd);
+    }
+    return rv;
+}
+
+idem_code idem__http_start(idem_server *srv, const char *url, size_t max_body,
+                           const char *caller_header, idem_http **out)
+{
+    idem_http *h = calloc(1, sizeof(*h));
+    int rv;
+    if (h == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    h->srv = srv;
+    h->max_body = max_body;
+    snprintf(h->caller_header, sizeof(h->caller_header), "%s",
+             caller_header != NULL ? caller_header : "X-Caller");
+    nng_sockaddr sa;
+    /* Bodies up to max_body + 1 are collected so that "too large" gets our 413; nng
+     * answers anything larger with 400 itself. */
+    if ((rv = nng_url_parse(&h->url, url)) != 0 || (rv = nng_http_server_hold(&h->hs, h->url)) != 0 ||
+        (rv = add_handler(h, "/", "POST", true, max_body + 1, http_call_cb)) != 0 ||
+        (rv = add_handler(h, "/metrics", "GET", false, 0, http_metrics_cb)) != 0 ||
+        (rv = nng_http_server_start(h->hs)) != 0 ||
+        (rv = nng_http_server_get_addr(h->hs, &sa)) != 0) {
+        idem_code code = idem__err(IDEM_UNAVAILABLE, "http listen %s: %s", url, nng_strerror(rv));
+        idem__http_stop(h);
+        return code;
+    }
+    h->port = sa.s_family == NNG_AF_INET6 ? ntohs(sa.s_in6.sa_port) : ntohs(sa.s_in.sa_port);
+    *out = h;
+    return IDEM_OK;
+}
+
+int idem__http_port(const idem_http *h)
+{
+    return h != NULL ? h->port : 0;
+}
+
+void idem__http_stop(idem_http *h)
+{
+    if (h == NULL) {
+        return;
+    }
+    if (h->hs != NULL) {
+        nng_http_server_stop(h->hs);
+        nng_http_server_release(h->hs);
+    }
+    if (h->url != NULL) {
+        nng_url_free(h->url);
+    }
+    free(h);
+}

@@ -1,0 +1,185 @@
+/* Observability: one logfmt line per call and the counters behind GET /metrics.
+ * Counters are relaxed atomics: they are statistics, not synchronisation. */
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "call.h"
+
+static const char *const reasons[] = {
+    IDEM_REASON_BAD_FRAME,   IDEM_REASON_TOO_LARGE, IDEM_REASON_BUSY,
+    IDEM_REASON_UNIMPLEMENTED, IDEM_REASON_KEY_REQUIRED, IDEM_REASON_BAD_KEY,
+    IDEM_REASON_KEY_REUSED,  IDEM_REASON_IN_PROGRESS, IDEM_REASON_TOKEN,
+    IDEM_REASON_STORE,
+};
+#define N_REASONS IDEM_ARRAY_LEN(reasons)
+
+struct idem_observer {
+    idem_log_level level;
+    idem_log_fn fn;
+    void *arg;
+    atomic_ullong executed, replayed, rejected[N_REASONS + 1]; /* last: other */
+    atomic_ullong by_code[IDEM_CODE_COUNT];
+    atomic_llong in_flight;
+    atomic_ullong latency_us_sum, calls;
+};
+
+static void log_stderr(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg, (void)level;
+    fprintf(stderr, "%s\n", line);
+}
+
+idem_observer *idem__observer_create(const idem_server_opts *opts)
+{
+    idem_observer *obs = calloc(1, sizeof(*obs));
+    if (obs != NULL) {
+        obs->level = opts->log_level;
+        obs->fn = opts->log_fn != NULL ? opts->log_fn : log_stderr;
+        obs->arg = opts->log_arg;
+    }
+    return obs;
+}
+
+void idem__observer_destroy(idem_observer *obs)
+{
+    free(obs);
+}
+
+void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
+{
+    char line[1024];
+    if (obs == NULL || level > obs->level) {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    int n = snprintf(line, sizeof(line), "level=%s ", level == IDEM_LOG_ERROR ? "error" : "info");
+    vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
+    va_end(ap);
+    obs->fn(obs->arg, level, line);
+}
+
+static size_t reason_index(const char *reason)
+{
+    for (size_t i = 0; reason != NULL && i < N_REASONS; i++) {
+        if (strcmp(reason, reasons[i]) == 0) {
+            return i;
+        }
+    }
+    return N_REASONS;
+}
+
+static const char *outcome(const idem_call *call)
+{
+    return call->replayed ? "replayed" : call->executed ? "executed" : "rejected";
+}
+
+void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t latency_us)
+{
+    if (call->replayed) {
+        atomic_fetch_add_explicit(&obs->replayed, 1, memory_order_relaxed);
+    } else if (call->executed) {
+        atomic_fetch_add_explicit(&obs->executed, 1, memory_order_relaxed);
+    } else {
+        atomic_fetch_add_explicit(&obs->rejected[reason_index(call->reason)], 1,
+                                  memory_order_relaxed);
+    }
+    if ((unsigned)call->code < IDEM_CODE_COUNT) {
+        atomic_fetch_add_explicit(&obs->by_code[call->code], 1, memory_order_relaxed);
+    }
+    atomic_fetch_add_explicit(&obs->calls, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&obs->latency_us_sum, latency_us, memory_order_relaxed);
+    if (obs->level < IDEM_LOG_INFO) {
+        return;
+    }
+    /* The key is logged as a hash: it may carry business identifiers. */
+    char key_hash[17] = "-";
+    if (call->key_source != IDEM_KEY_NONE) {
+        uint8_t d[32];
+        idem__sha256((const void *const[]){call->key}, (const size_t[]){strlen(call->key)}, 1, d);
+        idem__hex(key_hash, d, 8);
+    }
+    idem__log(obs, IDEM_LOG_INFO,
+              "request_id=%s method=\"%s\" caller=\"%s\" key=%s outcome=%s%s%s code=%s "
+              "attempt=%u latency_us=%llu",
+              call->request_id[0] ? call->request_id : "-", call->req->method, call->req->caller,
+              key_hash, outcome(call), call->reason ? " reason=" : "",
+              call->reason ? call->reason : "", idem_code_name(call->code), call->req->attempt,
+              (unsigned long long)latency_us);
+}
+
+void idem__observe_in_flight(idem_observer *obs, int delta)
+{
+    atomic_fetch_add_explicit(&obs->in_flight, delta, memory_order_relaxed);
+}
+
+/* Appends printf output to a growing buffer; false on ENOMEM. */
+static bool append(char **buf, size_t *len, size_t *cap, const char *fmt, ...)
+{
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(*buf + *len, *cap - *len, fmt, ap);
+        va_end(ap);
+        if (n >= 0 && (size_t)n < *cap - *len) {
+            *len += (size_t)n;
+            return true;
+        }
+        char *grown = realloc(*buf, *cap * 2);
+        if (grown == NULL) {
+            return false;
+        }
+        *buf = grown;
+        *cap *= 2;
+    }
+}
+
+#define LOAD(x) ((unsigned long long)atomic_load_explicit(&(x), memory_order_relaxed))
+
+char *idem__metrics_text(idem_observer *obs)
+{
+    size_t len = 0, cap = 4096;
+    char *b = malloc(cap);
+    bool ok = b != NULL;
+    ok = ok && append(&b, &len, &cap,
+                      "# HELP idem_calls_total Calls by outcome.\n"
+                      "# TYPE idem_calls_total counter\n"
+                      "idem_calls_total{outcome=\"executed\"} %llu\n"
+                      "idem_calls_total{outcome=\"replayed\"} %llu\n",
+                      LOAD(obs->executed), LOAD(obs->replayed));
+    unsigned long long rejected = 0;
+    for (size_t i = 0; i <= N_REASONS; i++) {
+        rejected += LOAD(obs->rejected[i]);
+    }
+    ok = ok && append(&b, &len, &cap, "idem_calls_total{outcome=\"rejected\"} %llu\n"
+                                      "# HELP idem_rejected_total Calls the library rejected, "
+                                      "by reason.\n# TYPE idem_rejected_total counter\n",
+                      rejected);
+    for (size_t i = 0; i <= N_REASONS && ok; i++) {
+        ok = append(&b, &len, &cap, "idem_rejected_total{reason=\"%s\"} %llu\n",
+                    i < N_REASONS ? reasons[i] : "other", LOAD(obs->rejected[i]));
+    }
+    ok = ok && append(&b, &len, &cap, "# HELP idem_responses_total Responses by code.\n"
+                                      "# TYPE idem_responses_total counter\n");
+    for (int c = 0; c < IDEM_CODE_COUNT && ok; c++) {
+        ok = append(&b, &len, &cap, "idem_responses_total{code=\"%s\"} %llu\n", idem_code_name(c),
+                    LOAD(obs->by_code[c]));
+    }
+    ok = ok && append(&b, &len, &cap,
+                      "# HELP idem_in_flight Calls received and not yet answered.\n"
+                      "# TYPE idem_in_flight gauge\nidem_in_flight %lld\n"
+                      "# HELP idem_call_latency_microseconds Server-side call latency.\n"
+                      "# TYPE idem_call_latency_microseconds summary\n"
+                      "idem_call_latency_microseconds_sum %llu\n"
+                      "idem_call_latency_microseconds_count %llu\n",
+                      (long long)atomic_load_explicit(&obs->in_flight, memory_order_relaxed),
+                      LOAD(obs->latency_us_sum), LOAD(obs->calls));
+    if (!ok) {
+        free(b);
+        return NULL;
+    }
+    return b;
+}
