@@ -373,10 +373,10 @@ idem_code idem__http_start(idem_server *srv, const char *url, size_t max_body,
     snprintf(h->caller_header, sizeof(h->caller_header), "%s",
              caller_header != NULL ? caller_header : "X-Caller");
     nng_sockaddr sa;
-    /* Bodies up to max_body + 1 are collected so that "too large" gets our 413; nng
-     * answers anything larger with 400 itself. */
+    /* Bodies up to twice max_body are collected so that "too large" gets our 413; nng
+     * answers anything larger with 400 itself (and reads no further). */
     if ((rv = nng_url_parse(&h->url, url)) != 0 || (rv = nng_http_server_hold(&h->hs, h->url)) != 0 ||
-        (rv = add_handler(h, "/", "POST", true, max_body + 1, http_call_cb)) != 0 ||
+        (rv = add_handler(h, "/", "POST", true, 2 * max_body, http_call_cb)) != 0 ||
         (rv = add_handler(h, "/metrics", "GET", false, 0, http_metrics_cb)) != 0 ||
         (rv = nng_http_server_start(h->hs)) != 0 ||
         (rv = nng_http_server_get_addr(h->hs, &sa)) != 0) {

@@ -700,6 +700,58 @@ idem_code idem_store_token_consume(idem_store *st, const char *token, const char
     return idem__gc_write(&st->gc, token_consume_apply, &w);
 }
 
+/* Splits stored key bytes caller \0 method \0 key into three C strings. */
+static bool rec_key_split(const MDB_val *k, char *buf, idem_key_ref *ref)
+{
+    if (k->mv_size > sizeof(((rec_key *)0)->bytes)) {
+        return false;
+    }
+    memcpy(buf, k->mv_data, k->mv_size);
+    buf[k->mv_size] = '\0';
+    char *m = memchr(buf, 0, k->mv_size);
+    char *key = m != NULL ? memchr(m + 1, 0, k->mv_size - (size_t)(m + 1 - buf)) : NULL;
+    if (key == NULL) {
+        return false;
+    }
+    *ref = (idem_key_ref){buf, m + 1, key + 1};
+    return true;
+}
+
+idem_code idem_store_foreach(idem_store *st, idem_store_visit_fn fn, void *arg)
+{
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    char buf[sizeof(((rec_key *)0)->bytes) + 1];
+    idem_code code = IDEM_OK;
+    int rc;
+    if ((rc = read_begin(st, &txn)) != 0) {
+        return lmdb_code(rc, "foreach begin");
+    }
+    if ((rc = mdb_cursor_open(txn, st->records, &cur)) != 0) {
+        read_end(st, txn);
+        return lmdb_code(rc, "foreach cursor");
+    }
+    for (rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST); rc == 0;
+         rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT)) {
+        idem_key_ref ref;
+        idem_record rec;
+        if (!rec_key_split(&k, buf, &ref) || rec_decode(&v, &rec, false) != IDEM_OK) {
+            continue; /* not ours to interpret; the operator tool skips it */
+        }
+        rec.response_len = v.mv_size - sizeof(rec_hdr);
+        if (!fn(arg, &ref, &rec)) {
+            break;
+        }
+    }
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        code = lmdb_code(rc, "foreach");
+    }
+    mdb_cursor_close(cur);
+    read_end(st, txn);
+    return code;
+}
+
 idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
 {
     MDB_txn *txn;

@@ -86,12 +86,14 @@ static idem_code order_submit(idem_call *call, void *arg)
 static int usage(void)
 {
     fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR] [--delay-ms N]\n"
-                    "                    [--log-level off|error|info]\n"
+                    "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
+                    "                    [--max-wait-ms N]\n"
                     "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
                     "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
                     "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
                     "  --delay-ms N   make demo.Counter/Add take N ms\n"
-                    "  --log-level L  one line per call at info (default error)\n");
+                    "  --log-level L  one line per call at info (default error)\n"
+                    "  --result-ttl-ms N, --max-wait-ms N   override the server defaults\n");
     return 2;
 }
 
@@ -111,6 +113,8 @@ int main(int argc, char **argv)
 {
     const char *listen = "tcp://127.0.0.1:7700", *db = "./idemrpc-data", *http = NULL;
     idem_log_level level = IDEM_LOG_ERROR;
+    idem_server_opts opts;
+    idem_server_opts_init(&opts);
     demo d = {.mu = PTHREAD_MUTEX_INITIALIZER};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--listen") == 0 && i + 1 < argc) {
@@ -121,6 +125,10 @@ int main(int argc, char **argv)
             d.delay_ms = strtol(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--http") == 0 && i + 1 < argc) {
             http = argv[++i];
+        } else if (strcmp(argv[i], "--result-ttl-ms") == 0 && i + 1 < argc) {
+            opts.result_ttl_ms = strtoull(argv[++i], NULL, 10);
+        } else if (strcmp(argv[i], "--max-wait-ms") == 0 && i + 1 < argc) {
+            opts.max_wait_ms = strtoull(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--log-level") == 0 && i + 1 < argc) {
             if (!parse_level(argv[++i], &level)) {
                 return usage();
@@ -137,8 +145,6 @@ int main(int argc, char **argv)
     sigaddset(&stop, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &stop, NULL);
 
-    idem_server_opts opts;
-    idem_server_opts_init(&opts);
     opts.db_path = db;
     opts.log_level = level;
     idem_server *srv;

@@ -130,6 +130,13 @@ IDEM_API idem_code idem_store_token_consume(idem_store *st, const char *token,
 
 IDEM_API idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out);
 
+/* Called for each record in key order; the key strings and rec are valid only during
+ * the call (rec->response is NULL, rec->response_len its stored size). Return false to
+ * stop. */
+typedef bool (*idem_store_visit_fn)(void *arg, const idem_key_ref *key, const idem_record *rec);
+/* Visits records in one read txn (a consistent snapshot; writers are not blocked). */
+IDEM_API idem_code idem_store_foreach(idem_store *st, idem_store_visit_fn fn, void *arg);
+
 IDEM_API void idem_record_clear(idem_record *rec);
 
 #ifdef __cplusplus

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# idemctl against a store that a running idemrpc-demo is using.
+. "$(dirname "$0")/demo_env.sh"
+: "${IDEMCTL:?}" "${IDEMRPC_CALL:?}"
+start_demo --delay-ms 0 --result-ttl-ms 600000
+ctl() { "$IDEMCTL" --db "$work/db" "$@"; }
+call() { "$IDEMRPC_CALL" "$sock" "$@" >/dev/null; }
+
+call demo.Counter/Add 5 --key k1
+call demo.Counter/Add 7 --key k2 --caller shop
+ctl stats | grep -q '^completed    2$' || fail "stats: $(ctl stats)"
+ctl --json stats | grep -q '"records":2' || fail "json stats"
+[ "$(ctl list | wc -l)" = 3 ] || fail "list: $(ctl list)"
+ctl list --caller shop | grep -q ' k2 ' || fail "list --caller"
+ctl list --caller shop | grep -q ' k1 ' && fail "list --caller shows another caller"
+ctl --json list --state completed | grep -q '"key":"k1"' || fail "json list"
+ctl show demo.Counter/Add k1 | grep -q '^response     OK, 1 payload bytes' || fail "show"
+ctl --json show demo.Counter/Add k2 --caller shop | grep -q '"state":"completed"' || fail "json show"
+ctl show demo.Counter/Add nope && fail "show of a missing key succeeded"
+
+# delete of a completed record: the next call runs again.
+ctl delete demo.Counter/Add k1 | grep -q deleted || fail "delete"
+out=$("$IDEMRPC_CALL" "$sock" demo.Counter/Add 5 --key k1)
+grep -q 'replayed: false' <<<"$out" || fail "after delete the call should run: $out"
+
+# An IN_PROGRESS record needs --force.
+kill "$demo"; wait "$demo" 2>/dev/null || true
+start_demo --delay-ms 3000
+"$IDEMRPC_CALL" "$sock" demo.Counter/Add 1 --key running >/dev/null &
+caller=$!
+await sh -c "'$IDEMCTL' --db '$work/db' list --state in_progress | grep -q running"
+ctl delete demo.Counter/Add running && fail "deleted an IN_PROGRESS record without --force"
+ctl delete demo.Counter/Add running --force | grep -q deleted || fail "delete --force"
+wait "$caller" || true
+
+# purge --expired removes only what expired.
+kill "$demo"; wait "$demo" 2>/dev/null || true
+start_demo --result-ttl-ms 1
+call demo.Counter/Add 1 --key short
+await sh -c "'$IDEMCTL' --db '$work/db' purge --expired | grep -q 'purged [1-9]'"
+ctl list | grep -q ' short ' && fail "purge left the expired record"
+ctl list | grep -q ' k1 ' || fail "purge removed a live record"
+"$IDEMCTL" --db "$work/db" bogus && fail "bad command accepted"
+echo "test_idemctl: all checks passed"

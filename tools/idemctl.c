@@ -1,0 +1,322 @@
+/* idemctl: look at and repair an idemrpc LMDB store, also while a server uses it (LMDB
+ * readers never block the writer; writes here queue behind the server's like any other
+ * process's).
+ *
+ *   idemctl --db DIR [--json] stats
+ *   idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed] [--limit N]
+ *   idemctl --db DIR [--json] show METHOD KEY [--caller C]
+ *   idemctl --db DIR purge --expired
+ *   idemctl --db DIR delete METHOD KEY [--caller C] [--force]
+ *
+ * Exit status: 0 done, 1 not found / refused / store error, 2 bad usage. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <idemrpc/idemrpc.h>
+
+#include "idemrpc.pb-c.h"
+
+typedef struct args {
+    const char *db, *cmd, *caller, *state, *method, *key;
+    bool json, force, expired;
+    long limit;
+} args;
+
+static int usage(void)
+{
+    fprintf(stderr,
+            "usage: idemctl --db DIR [--json] stats\n"
+            "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
+            " [--limit N]\n"
+            "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
+            "       idemctl --db DIR purge --expired\n"
+            "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n");
+    return 2;
+}
+
+static bool parse(int argc, char **argv, args *a)
+{
+    const char *pos[3] = {0};
+    int npos = 0;
+    *a = (args){.caller = "", .limit = 100};
+    for (int i = 1; i < argc; i++) {
+        const char *s = argv[i];
+        bool has_value = i + 1 < argc;
+        if (strcmp(s, "--db") == 0 && has_value) {
+            a->db = argv[++i];
+        } else if (strcmp(s, "--caller") == 0 && has_value) {
+            a->caller = argv[++i];
+        } else if (strcmp(s, "--state") == 0 && has_value) {
+            a->state = argv[++i];
+        } else if (strcmp(s, "--limit") == 0 && has_value) {
+            a->limit = strtol(argv[++i], NULL, 10);
+        } else if (strcmp(s, "--json") == 0) {
+            a->json = true;
+        } else if (strcmp(s, "--force") == 0) {
+            a->force = true;
+        } else if (strcmp(s, "--expired") == 0) {
+            a->expired = true;
+        } else if (s[0] == '-' || npos == 3) {
+            return false;
+        } else {
+            pos[npos++] = s;
+        }
+    }
+    a->cmd = pos[0];
+    a->method = pos[1];
+    a->key = pos[2];
+    if (a->db == NULL || a->cmd == NULL) {
+        return false;
+    }
+    if (a->state != NULL && strcmp(a->state, "in_progress") != 0 &&
+        strcmp(a->state, "completed") != 0) {
+        return false;
+    }
+    bool needs_key = strcmp(a->cmd, "show") == 0 || strcmp(a->cmd, "delete") == 0;
+    return needs_key ? a->key != NULL : npos == 1;
+}
+
+static const char *state_name(idem_record_state s)
+{
+    return s == IDEM_REC_IN_PROGRESS ? "in_progress" : "completed";
+}
+
+/* JSON string: escapes quotes, backslashes and control characters. */
+static void json_str(const char *s)
+{
+    putchar('"');
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') {
+            printf("\\%c", c);
+        } else if (c < 0x20) {
+            printf("\\u%04x", c);
+        } else {
+            putchar(c);
+        }
+    }
+    putchar('"');
+}
+
+static void print_time(uint64_t ms)
+{
+    time_t t = (time_t)(ms / 1000);
+    struct tm tm;
+    char buf[32];
+    gmtime_r(&t, &tm);
+    strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    fputs(buf, stdout);
+}
+
+static int cmd_stats(idem_store *st, const args *a)
+{
+    idem_store_stats s;
+    if (idem_store_stats_get(st, &s) != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return 1;
+    }
+    if (a->json) {
+        printf("{\"records\":%zu,\"in_progress\":%zu,\"completed\":%zu,\"tokens\":%zu,"
+               "\"map_size\":%zu,\"map_used\":%zu}\n",
+               s.records, s.in_progress, s.completed, s.tokens, s.map_size, s.map_used);
+    } else {
+        printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n"
+               "map used     %zu of %zu bytes (%.1f%%)\n",
+               s.records, s.in_progress, s.completed, s.tokens, s.map_used, s.map_size,
+               s.map_size ? 100.0 * (double)s.map_used / (double)s.map_size : 0.0);
+    }
+    return 0;
+}
+
+typedef struct list_state {
+    const args *a;
+    long shown;
+} list_state;
+
+static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
+{
+    list_state *ls = arg;
+    const args *a = ls->a;
+    if ((a->caller[0] && strcmp(a->caller, k->caller) != 0) ||
+        (a->state && strcmp(a->state, state_name(rec->state)) != 0)) {
+        return true;
+    }
+    if (ls->shown >= a->limit) {
+        return false;
+    }
+    if (a->json) {
+        fputs(ls->shown ? ",\n {\"caller\":" : "[\n {\"caller\":", stdout);
+        json_str(k->caller);
+        fputs(",\"method\":", stdout);
+        json_str(k->method);
+        fputs(",\"key\":", stdout);
+        json_str(k->key);
+        printf(",\"state\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64 "}",
+               state_name(rec->state), rec->first_at_ms, rec->expires_ms);
+    } else {
+        if (ls->shown == 0) {
+            printf("%-16s %-32s %-32s %-11s %-20s %s\n", "CALLER", "METHOD", "KEY", "STATE",
+                   "FIRST_AT", "EXPIRES");
+        }
+        printf("%-16s %-32s %-32s %-11s ", k->caller[0] ? k->caller : "-", k->method, k->key,
+               state_name(rec->state));
+        print_time(rec->first_at_ms);
+        putchar(' ');
+        print_time(rec->expires_ms);
+        putchar('\n');
+    }
+    ls->shown++;
+    return true;
+}
+
+static int cmd_list(idem_store *st, const args *a)
+{
+    list_state ls = {a, 0};
+    idem_code code = idem_store_foreach(st, list_one, &ls);
+    if (a->json) {
+        fputs(ls.shown ? "\n]\n" : "[]\n", stdout);
+    } else if (ls.shown == 0) {
+        puts("no records");
+    }
+    if (code != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return 1;
+    }
+    return 0;
+}
+
+static void print_response(const idem_record *rec, bool json)
+{
+    Idem__V1__Response *r =
+        rec->response_len ? idem__v1__response__unpack(NULL, rec->response_len, rec->response)
+                          : NULL;
+    if (r == NULL) {
+        fputs(json ? "null" : "response     -\n", stdout);
+        return;
+    }
+    if (json) {
+        printf("{\"code\":\"%s\",\"message\":", idem_code_name(r->code));
+        json_str(r->message);
+        printf(",\"payload_bytes\":%zu}", r->payload.len);
+    } else {
+        printf("response     %s, %zu payload bytes%s%s\n", idem_code_name(r->code),
+               r->payload.len, r->message[0] ? ", message: " : "", r->message);
+    }
+    idem__v1__response__free_unpacked(r, NULL);
+}
+
+static int cmd_show(idem_store *st, const args *a)
+{
+    idem_key_ref k = {a->caller, a->method, a->key};
+    idem_record rec;
+    idem_code code = idem_store_get(st, &k, &rec);
+    if (code != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return 1;
+    }
+    char fp[2 * IDEM_FINGERPRINT_LEN + 1];
+    for (int i = 0; i < IDEM_FINGERPRINT_LEN; i++) {
+        snprintf(fp + 2 * i, 3, "%02x", rec.fingerprint[i]);
+    }
+    if (a->json) {
+        printf("{\"state\":\"%s\",\"fingerprint\":\"%s\",\"first_at_ms\":%" PRIu64
+               ",\"lease_until_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64 ",\"response\":",
+               state_name(rec.state), fp, rec.first_at_ms, rec.lease_until_ms, rec.expires_ms);
+        print_response(&rec, true);
+        puts("}");
+    } else {
+        printf("state        %s\nfingerprint  %s\nfirst at     ", state_name(rec.state), fp);
+        print_time(rec.first_at_ms);
+        fputs(rec.state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ",
+              stdout);
+        print_time(rec.state == IDEM_REC_IN_PROGRESS ? rec.lease_until_ms : rec.expires_ms);
+        putchar('\n');
+        print_response(&rec, false);
+    }
+    idem_record_clear(&rec);
+    return 0;
+}
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static int cmd_purge(idem_store *st, const args *a)
+{
+    if (!a->expired) {
+        fprintf(stderr, "idemctl: purge needs --expired (only expired records are purged)\n");
+        return 2;
+    }
+    size_t total = 0, n;
+    uint64_t now = now_ms();
+    do { /* bounded batches: the server's writers get their turn in between */
+        if (idem_store_sweep(st, now, 1000, &n) != IDEM_OK) {
+            fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+            return 1;
+        }
+        total += n;
+    } while (n == 1000);
+    printf("purged %zu expired records and tokens\n", total);
+    return 0;
+}
+
+static int cmd_delete(idem_store *st, const args *a)
+{
+    idem_key_ref k = {a->caller, a->method, a->key};
+    idem_record rec;
+    if (idem_store_get(st, &k, &rec) != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return 1;
+    }
+    bool running = rec.state == IDEM_REC_IN_PROGRESS;
+    idem_record_clear(&rec);
+    if (running && !a->force) {
+        fprintf(stderr, "idemctl: %s %s is IN_PROGRESS: a call may be running it. Deleting "
+                        "lets a retry run it again. Repeat with --force to delete.\n",
+                a->method, a->key);
+        return 1;
+    }
+    if (idem_store_delete(st, &k) != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return 1;
+    }
+    printf("deleted %s %s\n", a->method, a->key);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const struct {
+        const char *name;
+        int (*fn)(idem_store *, const args *);
+        bool writes;
+    } cmds[] = {{"stats", cmd_stats, false}, {"list", cmd_list, false},
+                {"show", cmd_show, false},   {"purge", cmd_purge, true},
+                {"delete", cmd_delete, true}};
+    args a;
+    if (!parse(argc, argv, &a)) {
+        return usage();
+    }
+    for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+        if (strcmp(a.cmd, cmds[i].name) != 0) {
+            continue;
+        }
+        idem_store *st;
+        /* map_size 0: LMDB keeps the size the store was created with when it is larger. */
+        if (idem_store_open_lmdb(&st, a.db, 0, cmds[i].writes ? 0 : IDEM_STORE_READONLY) !=
+            IDEM_OK) {
+            fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+            return 1;
+        }
+        int rc = cmds[i].fn(st, &a);
+        idem_store_close(st);
+        return rc;
+    }
+    return usage();
+}
