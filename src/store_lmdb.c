@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 
 #include "group_commit.h"
-#include "internal.h"
+#include "store.h"
 #include "store_lmdb.h"
 
 #define REC_MAGIC 0x69640001u /* "id" v1 */
@@ -50,7 +50,8 @@ typedef struct app_db {
     MDB_dbi dbi;
 } app_db;
 
-struct idem_store {
+typedef struct lmdb_store {
+    idem_store base; /* first: the generic store */
     MDB_env *env;
     MDB_dbi records, tokens, expiry;
     idem_group_commit gc;
@@ -61,7 +62,16 @@ struct idem_store {
     pthread_mutex_t rpool_mu;
     MDB_txn *rpool[READ_POOL];
     size_t rpool_n;
-};
+} lmdb_store;
+
+static const idem_store_ops lmdb_ops;
+
+/* The LMDB store behind base, or NULL for another backend. */
+static lmdb_store *lmdb_of(idem_store *base)
+{
+    return base != NULL && base->ops == &lmdb_ops ? (lmdb_store *)base : NULL;
+}
+
 
 /* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
  * maximum key size, by the IDEM_MAX_* bounds. */
@@ -80,16 +90,12 @@ static idem_code lmdb_code(int rc, const char *what)
 
 static idem_code rec_key_make(rec_key *k, const idem_key_ref *ref)
 {
-    const char *caller = ref->caller != NULL ? ref->caller : "";
-    size_t lc = strlen(caller);
-    size_t lm = ref->method != NULL ? strlen(ref->method) : 0;
-    size_t lk = ref->key != NULL ? strlen(ref->key) : 0;
-    if (lc > IDEM_MAX_CALLER || lm == 0 || lm > IDEM_MAX_METHOD || lk == 0 ||
-        lk > IDEM_MAX_KEY) {
-        return idem__err(IDEM_INVALID_ARGUMENT,
-                         "key out of bounds (caller %zu/%d, method %zu/%d, key %zu/%d bytes)",
-                         lc, IDEM_MAX_CALLER, lm, IDEM_MAX_METHOD, lk, IDEM_MAX_KEY);
+    idem_code code = idem__key_check(ref);
+    if (code != IDEM_OK) {
+        return code;
     }
+    const char *caller = ref->caller != NULL ? ref->caller : "";
+    size_t lc = strlen(caller), lm = strlen(ref->method), lk = strlen(ref->key);
     memcpy(k->bytes, caller, lc);
     k->bytes[lc] = 0;
     memcpy(k->bytes + lc + 1, ref->method, lm);
@@ -110,7 +116,7 @@ static void index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *
     memcpy(out + 8, digest, INDEX_KEY_LEN - 8);
 }
 
-static int index_put(idem_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
+static int index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
                      const void *name, size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
@@ -124,7 +130,7 @@ static int index_put(idem_store *st, MDB_txn *txn, uint64_t expires, uint8_t typ
     return rc;
 }
 
-static int index_del(idem_store *st, MDB_txn *txn, uint64_t expires, const void *name,
+static int index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const void *name,
                      size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
@@ -167,7 +173,7 @@ static idem_code rec_decode(const MDB_val *v, idem_record *rec, bool want_respon
     return IDEM_OK;
 }
 
-static int rec_put(idem_store *st, MDB_txn *txn, const rec_key *key, const rec_hdr *h,
+static int rec_put(lmdb_store *st, MDB_txn *txn, const rec_key *key, const rec_hdr *h,
                    const void *response, size_t len)
 {
     MDB_val k = {key->len, (void *)key->bytes}, v = {sizeof(*h) + len, NULL};
@@ -187,7 +193,7 @@ static idem_code txn_commit(MDB_txn *txn)
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "commit");
 }
 
-static int read_begin(idem_store *st, MDB_txn **txn)
+static int read_begin(lmdb_store *st, MDB_txn **txn)
 {
     pthread_mutex_lock(&st->rpool_mu);
     *txn = st->rpool_n > 0 ? st->rpool[--st->rpool_n] : NULL;
@@ -201,7 +207,7 @@ static int read_begin(idem_store *st, MDB_txn **txn)
     return mdb_txn_begin(st->env, NULL, MDB_RDONLY, txn);
 }
 
-static void read_end(idem_store *st, MDB_txn *txn)
+static void read_end(lmdb_store *st, MDB_txn *txn)
 {
     mdb_txn_reset(txn);
     pthread_mutex_lock(&st->rpool_mu);
@@ -218,7 +224,7 @@ static void read_end(idem_store *st, MDB_txn *txn)
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size,
                                unsigned flags)
 {
-    idem_store *st;
+    lmdb_store *st;
     MDB_txn *txn = NULL;
     int rc;
     bool ro = (flags & IDEM_STORE_READONLY) != 0;
@@ -265,7 +271,8 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     idem__gc_init(&st->gc, st->env, !(flags & IDEM_STORE_NO_GROUP_COMMIT), GROUP_COMMIT_BATCH);
     pthread_mutex_init(&st->rpool_mu, NULL);
     pthread_mutex_init(&st->db_mu, NULL);
-    *out = st;
+    st->base.ops = &lmdb_ops;
+    *out = &st->base;
     return IDEM_OK;
 fail:;
     idem_code c = lmdb_code(rc, "open databases");
@@ -274,8 +281,9 @@ fail:;
     return c;
 }
 
-void idem_store_close(idem_store *st)
+static void lmdb_close(idem_store *base)
 {
+    lmdb_store *st = (lmdb_store *)base;
     if (st != NULL) {
         for (size_t i = 0; i < st->rpool_n; i++) {
             mdb_txn_abort(st->rpool[i]);
@@ -288,22 +296,8 @@ void idem_store_close(idem_store *st)
     }
 }
 
-MDB_env *idem__store_lmdb_env(idem_store *st)
-{
-    return st->env;
-}
-
-void idem_record_clear(idem_record *rec)
-{
-    if (rec != NULL) {
-        free(rec->response);
-        rec->response = NULL;
-        rec->response_len = 0;
-    }
-}
-
 /* Consumes token inside txn: it must exist, be unexpired and be scoped to scope. */
-static idem_code token_take(idem_store *st, MDB_txn *txn, const char *token, const char *scope,
+static idem_code token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
                             uint64_t now_ms)
 {
     size_t tl = strlen(token);
@@ -337,7 +331,7 @@ static idem_code token_take(idem_store *st, MDB_txn *txn, const char *token, con
 }
 
 /* Writes a fresh IN_PROGRESS record (replacing `old` when it is not NULL). */
-static int claim_write(idem_store *st, MDB_txn *txn, const rec_key *key,
+static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key,
                        const idem_claim_req *req, const rec_hdr *old)
 {
     rec_hdr h = {.magic = REC_MAGIC, .state = IDEM_REC_IN_PROGRESS, .owner = req->owner,
@@ -355,7 +349,7 @@ static int claim_write(idem_store *st, MDB_txn *txn, const rec_key *key,
 }
 
 typedef struct claim_ctx {
-    idem_store *st;
+    lmdb_store *st;
     const idem_claim_req *req;
     const rec_key *key;
     idem_claim_outcome *outcome;
@@ -427,31 +421,21 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     return IDEM_OK;
 }
 
-idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
+static idem_code lmdb_claim(idem_store *base, const idem_claim_req *req,
                            idem_claim_outcome *outcome, idem_record *rec)
 {
+    lmdb_store *st = (lmdb_store *)base;
     rec_key key;
-    idem_code code;
-
-    if (rec != NULL) {
-        memset(rec, 0, sizeof(*rec));
-    }
-    if ((code = rec_key_make(&key, &req->key)) != IDEM_OK) {
+    idem_code code = rec_key_make(&key, &req->key);
+    if (code != IDEM_OK) {
         return code;
     }
-    if (req->owner == 0) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "claim owner must be nonzero");
-    }
     claim_ctx c = {st, req, &key, outcome, rec};
-    code = idem__gc_write(&st->gc, claim_apply, &c);
-    if (code != IDEM_OK) {
-        idem_record_clear(rec); /* e.g. the commit failed after a replay was read */
-    }
-    return code;
+    return idem__gc_write(&st->gc, claim_apply, &c);
 }
 
 /* Reads the record for key in txn and checks that owner holds it. */
-static idem_code owned_get(idem_store *st, MDB_txn *txn, const rec_key *key, uint64_t owner,
+static idem_code owned_get(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t owner,
                            rec_hdr *h)
 {
     MDB_val k = {key->len, (void *)key->bytes}, v;
@@ -472,7 +456,7 @@ static idem_code owned_get(idem_store *st, MDB_txn *txn, const rec_key *key, uin
     return IDEM_OK;
 }
 
-idem_code idem__store_complete_txn(idem_store *st, MDB_txn *txn, const idem_key_ref *ref,
+static idem_code store_complete_txn(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
                                    uint64_t owner, const void *response, size_t len,
                                    uint64_t expires_ms)
 {
@@ -498,7 +482,7 @@ idem_code idem__store_complete_txn(idem_store *st, MDB_txn *txn, const idem_key_
 
 /* The arguments of one record or token write, for the group committer. */
 typedef struct write_args {
-    idem_store *st;
+    lmdb_store *st;
     const idem_key_ref *ref;
     rec_key key;
     uint64_t owner;
@@ -511,19 +495,20 @@ typedef struct write_args {
 static idem_code complete_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;
-    return idem__store_complete_txn(w->st, txn, w->ref, w->owner, w->response, w->len, w->ms);
+    return store_complete_txn(w->st, txn, w->ref, w->owner, w->response, w->len, w->ms);
 }
 
-idem_code idem_store_complete(idem_store *st, const idem_key_ref *ref, uint64_t owner,
+static idem_code lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms)
 {
+    lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .ref = ref, .owner = owner, .response = response, .len = len,
                     .ms = expires_ms};
     return idem__gc_write(&st->gc, complete_apply, &w);
 }
 
 /* Deletes the record at key and its index entry; rc-style. */
-static int rec_delete(idem_store *st, MDB_txn *txn, const rec_key *key, uint64_t expires_ms)
+static int rec_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t expires_ms)
 {
     MDB_val k = {key->len, (void *)key->bytes};
     int rc = mdb_del(txn, st->records, &k, NULL);
@@ -542,21 +527,22 @@ static idem_code release_apply(MDB_txn *txn, void *arg)
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "release delete");
 }
 
-idem_code idem_store_release(idem_store *st, const idem_key_ref *ref, uint64_t owner)
+static idem_code lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner)
 {
+    lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .owner = owner};
     idem_code code = rec_key_make(&w.key, ref);
     return code != IDEM_OK ? code : idem__gc_write(&st->gc, release_apply, &w);
 }
 
-idem_code idem_store_get(idem_store *st, const idem_key_ref *ref, idem_record *rec)
+static idem_code lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec)
 {
+    lmdb_store *st = (lmdb_store *)base;
     rec_key key;
     MDB_txn *txn;
     MDB_val k, v;
     idem_code code;
     int rc;
-    memset(rec, 0, sizeof(*rec));
     if ((code = rec_key_make(&key, ref)) != IDEM_OK) {
         return code;
     }
@@ -595,15 +581,16 @@ static idem_code delete_apply(MDB_txn *txn, void *arg)
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "delete");
 }
 
-idem_code idem_store_delete(idem_store *st, const idem_key_ref *ref)
+static idem_code lmdb_delete(idem_store *base, const idem_key_ref *ref)
 {
+    lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st};
     idem_code code = rec_key_make(&w.key, ref);
     return code != IDEM_OK ? code : idem__gc_write(&st->gc, delete_apply, &w);
 }
 
 /* Deletes what one expiry entry points at; the cursor stays on the entry. */
-static int sweep_one(idem_store *st, MDB_txn *txn, const MDB_val *iv)
+static int sweep_one(lmdb_store *st, MDB_txn *txn, const MDB_val *iv)
 {
     const uint8_t *p = iv->mv_data;
     if (iv->mv_size < 2) {
@@ -615,8 +602,9 @@ static int sweep_one(idem_store *st, MDB_txn *txn, const MDB_val *iv)
     return rc == MDB_NOTFOUND ? 0 : rc;
 }
 
-idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted)
+static idem_code lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted)
 {
+    lmdb_store *st = (lmdb_store *)base;
     MDB_txn *txn;
     MDB_cursor *cur;
     MDB_val ik, iv;
@@ -675,15 +663,11 @@ static idem_code token_put_apply(MDB_txn *txn, void *arg)
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "token put");
 }
 
-idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
+static idem_code lmdb_token_put(idem_store *base, const char *token, const char *scope,
                                uint64_t expires_ms)
 {
-    write_args w = {.st = st, .token = token, .scope = scope != NULL ? scope : "",
-                    .ms = expires_ms};
-    size_t tl = token != NULL ? strlen(token) : 0;
-    if (tl == 0 || tl > TOKEN_MAX || strlen(w.scope) > IDEM_MAX_CALLER) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "token or scope out of bounds");
-    }
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {.st = st, .token = token, .scope = scope, .ms = expires_ms};
     return idem__gc_write(&st->gc, token_put_apply, &w);
 }
 
@@ -693,10 +677,11 @@ static idem_code token_consume_apply(MDB_txn *txn, void *arg)
     return token_take(w->st, txn, w->token, w->scope, w->ms);
 }
 
-idem_code idem_store_token_consume(idem_store *st, const char *token, const char *scope,
+static idem_code lmdb_token_consume(idem_store *base, const char *token, const char *scope,
                                    uint64_t now_ms)
 {
-    write_args w = {.st = st, .token = token != NULL ? token : "", .scope = scope, .ms = now_ms};
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {.st = st, .token = token, .scope = scope, .ms = now_ms};
     return idem__gc_write(&st->gc, token_consume_apply, &w);
 }
 
@@ -717,8 +702,9 @@ static bool rec_key_split(const MDB_val *k, char *buf, idem_key_ref *ref)
     return true;
 }
 
-idem_code idem_store_foreach(idem_store *st, idem_store_visit_fn fn, void *arg)
+static idem_code lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
 {
+    lmdb_store *st = (lmdb_store *)base;
     MDB_txn *txn;
     MDB_cursor *cur;
     MDB_val k, v;
@@ -752,8 +738,9 @@ idem_code idem_store_foreach(idem_store *st, idem_store_visit_fn fn, void *arg)
     return code;
 }
 
-idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
+static idem_code lmdb_stats_get(idem_store *base, idem_store_stats *out)
 {
+    lmdb_store *st = (lmdb_store *)base;
     MDB_txn *txn;
     MDB_cursor *cur;
     MDB_val k, v;
@@ -803,7 +790,7 @@ idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
 #define TXN_NEW_DBS 8 /* databases one handler txn may create before it commits */
 
 struct idem_txn {
-    idem_store *st;
+    lmdb_store *st;
     MDB_txn *txn;
     app_db opened[TXN_NEW_DBS]; /* opened here: cached if this txn commits */
     size_t n_opened;
@@ -820,7 +807,7 @@ static idem_code app_db_name(const char *db, char name[APP_DB_NAME])
     return IDEM_OK;
 }
 
-static bool app_db_cached(idem_store *st, const char *name, MDB_dbi *dbi)
+static bool app_db_cached(lmdb_store *st, const char *name, MDB_dbi *dbi)
 {
     bool found = false;
     pthread_mutex_lock(&st->db_mu);
@@ -834,7 +821,7 @@ static bool app_db_cached(idem_store *st, const char *name, MDB_dbi *dbi)
     return found;
 }
 
-static void app_db_cache(idem_store *st, const app_db *db)
+static void app_db_cache(lmdb_store *st, const app_db *db)
 {
     MDB_dbi ignored;
     if (app_db_cached(st, db->name, &ignored)) {
@@ -876,7 +863,7 @@ static idem_code txn_dbi(idem_txn *t, const char *db, MDB_dbi *dbi)
 }
 
 typedef struct dbi_open_args {
-    idem_store *st;
+    lmdb_store *st;
     app_db db;
 } dbi_open_args;
 
@@ -888,7 +875,7 @@ static idem_code dbi_open_apply(MDB_txn *txn, void *arg)
 }
 
 /* The handle of a business database for a reader: created by a write of its own. */
-static idem_code store_dbi(idem_store *st, const char *db, MDB_dbi *dbi)
+static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
 {
     dbi_open_args a = {.st = st};
     idem_code code = app_db_name(db, a.db.name);
@@ -903,8 +890,12 @@ static idem_code store_dbi(idem_store *st, const char *db, MDB_dbi *dbi)
     return IDEM_OK;
 }
 
-idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
+idem_code idem__store_txn_begin(idem_store *base, idem_txn **out)
 {
+    lmdb_store *st = lmdb_of(base);
+    if (st == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "transactional handlers need the LMDB store");
+    }
     idem_txn *t = calloc(1, sizeof(*t));
     if (t == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -938,7 +929,7 @@ idem_code idem__store_txn_commit(idem_txn *t)
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                           const void *response, size_t len, uint64_t expires_ms)
 {
-    idem_code code = idem__store_complete_txn(t->st, t->txn, ref, owner, response, len,
+    idem_code code = store_complete_txn(t->st, t->txn, ref, owner, response, len,
                                               expires_ms);
     if (code != IDEM_OK) {
         idem__store_txn_abort(t);
@@ -1007,9 +998,13 @@ idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "del");
 }
 
-idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, size_t klen,
+idem_code idem_store_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                              void **val, size_t *vlen)
 {
+    lmdb_store *st = lmdb_of(base);
+    if (st == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "business databases need the LMDB store");
+    }
     MDB_txn *txn;
     MDB_dbi dbi;
     MDB_val k, v;
@@ -1038,3 +1033,18 @@ idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, si
     read_end(st, txn);
     return code;
 }
+
+static const idem_store_ops lmdb_ops = {
+    .name = "lmdb",
+    .claim = lmdb_claim,
+    .complete = lmdb_complete,
+    .release = lmdb_release,
+    .get = lmdb_get,
+    .del = lmdb_delete,
+    .sweep = lmdb_sweep,
+    .token_put = lmdb_token_put,
+    .token_consume = lmdb_token_consume,
+    .stats = lmdb_stats_get,
+    .foreach = lmdb_foreach,
+    .close = lmdb_close,
+};

@@ -93,6 +93,9 @@ IDEM_API idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_
                                         unsigned flags);
 IDEM_API void idem_store_close(idem_store *st);
 
+/* "lmdb" or "postgres". */
+IDEM_API const char *idem_store_backend(const idem_store *st);
+
 /* All functions return IDEM_OK or: IDEM_INVALID_ARGUMENT (bad key), IDEM_RESOURCE_EXHAUSTED
  * (store full; nothing was written), IDEM_INTERNAL (storage error); detail in
  * idem_errmsg(). */
