@@ -10,12 +10,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "call.h"
 
 #define POLL_MS 20          /* re-read the store this often while waiting (other processes) */
 #define RETRY_AFTER_MS 100u /* hint given with ABORTED "in progress" */
 #define REPLY_MARGIN_MS 50u /* stop waiting this long (at most 10%) before the deadline */
+#define RECORD_RETRY_MS 10000u /* keep trying to record an outcome through a store outage */
 
 void idem__waitset_init(idem_waitset *w)
 {
@@ -125,6 +127,44 @@ static idem_code record_result(idem_call *call, idem_runtime *rt, const idem_key
     return st;
 }
 
+/* After UNAVAILABLE, an ABORTED may mean our own earlier write did commit (its
+ * acknowledgement was lost): the record then holds our result. */
+static bool recorded_by_us(idem_runtime *rt, const idem_key_ref *key, uint64_t owner,
+                           bool completed)
+{
+    idem_record rec;
+    idem_code code = idem_store_get(rt->store, key, &rec);
+    bool ours = completed ? code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
+                                rec.owner == owner
+                          : code == IDEM_NOT_FOUND;
+    idem_record_clear(&rec);
+    return ours;
+}
+
+/* Completes (or releases) the claim, retrying a transient store failure (a database
+ * restarting) for up to RECORD_RETRY_MS: the handler has run, and a lost record would
+ * let the next retry run it again once the lease ends. */
+static idem_code record_retrying(idem_call *call, idem_runtime *rt, const idem_key_ref *key,
+                                 uint64_t owner, bool complete)
+{
+    uint64_t give_up = idem__mono_ms() + RECORD_RETRY_MS, backoff = 10;
+    bool retried = false;
+    for (;;) {
+        idem_code st = complete ? record_result(call, rt, key, owner, NULL)
+                                : idem_store_release(rt->store, key, owner);
+        if (st == IDEM_ABORTED && retried && recorded_by_us(rt, key, owner, complete)) {
+            return IDEM_OK;
+        }
+        if (st != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
+            return st;
+        }
+        struct timespec ts = {0, (long)backoff * 1000000L};
+        nanosleep(&ts, NULL); /* backoff before the next attempt */
+        backoff = backoff * 2 > 500 ? 500 : backoff * 2;
+        retried = true;
+    }
+}
+
 /* Runs the handler as the claim owner and records the outcome. */
 static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
                            const idem_key_ref *key, uint64_t owner)
@@ -147,9 +187,10 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
         if (txn != NULL) {
             idem__store_txn_abort(txn); /* business writes vanish with the claim */
         }
-        st = idem_store_release(rt->store, key, owner);
+        st = record_retrying(call, rt, key, owner, false);
     } else {
-        st = record_result(call, rt, key, owner, txn);
+        st = txn != NULL ? record_result(call, rt, key, owner, txn)
+                         : record_retrying(call, rt, key, owner, true);
     }
     idem__waitset_notify(&rt->waits);
     if (st == IDEM_OK) {

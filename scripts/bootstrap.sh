@@ -6,7 +6,8 @@ set -euo pipefail
 PKGS=(build-essential meson ninja-build pkg-config cmake
       libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
       liblmdb-dev lmdb-utils libcriterion-dev
-      clang libclang-rt-dev curl)
+      clang libclang-rt-dev curl
+      libpq-dev libhiredis-dev postgresql redis-server)
 
 missing=()
 for p in "${PKGS[@]}"; do

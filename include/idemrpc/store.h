@@ -91,6 +91,14 @@ enum idem_store_flags {
  * the same directory twice. */
 IDEM_API idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size,
                                         unsigned flags);
+/* Opens a PostgreSQL store (libpq conninfo, e.g. "host=127.0.0.1 port=5432 dbname=app")
+ * with a pool of pool_size connections (size it to the server's workers; 0 = 1). The
+ * schema is created or migrated at start. Several server instances may share it: the
+ * unique key (caller, method, key) decides every claim. Connection failures give
+ * IDEM_UNAVAILABLE (retryable); each operation reconnects as needed. */
+IDEM_API idem_code idem_store_open_postgres(idem_store **out, const char *conninfo,
+                                            size_t pool_size);
+
 IDEM_API void idem_store_close(idem_store *st);
 
 /* "lmdb" or "postgres". */

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Starts (or stops) throwaway PostgreSQL and Redis servers on loopback for the tests.
+#   bash scripts/services.sh start   # prints the environment for the tests to stdout
+#   bash scripts/services.sh stop
+#   bash scripts/services.sh restart-pg | stop-redis | start-redis   (used by the tests)
+# Data lives in $IDEMRPC_SERVICES_DIR (default /tmp/idemrpc-services), removed by stop.
+# As root, PostgreSQL runs as the "postgres" user (initdb refuses root).
+set -euo pipefail
+DIR=${IDEMRPC_SERVICES_DIR:-/tmp/idemrpc-services}
+PG_PORT=${IDEMRPC_PG_PORT:-55432}
+REDIS_PORT=${IDEMRPC_REDIS_PORT:-56379}
+PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+
+as_pg() { if [ "$(id -u)" -eq 0 ]; then su postgres -s /bin/sh -c "$1"; else sh -c "$1"; fi; }
+pg_ctl_cmd() { echo "$PGBIN/pg_ctl -D $DIR/pg -l $DIR/pg.log -w -o '-c listen_addresses=127.0.0.1 -p $PG_PORT -k $DIR/sock -c fsync=off'"; }
+
+stop() {
+    [ -f "$DIR/redis.pid" ] && kill "$(cat "$DIR/redis.pid")" 2>/dev/null || true
+    [ -d "$DIR/pg" ] && as_pg "$(pg_ctl_cmd) -m immediate stop" >/dev/null 2>&1 || true
+    rm -rf "$DIR"
+}
+
+start() {
+    [ -n "$PGBIN" ] || { echo "services: PostgreSQL not installed" >&2; exit 1; }
+    stop
+    mkdir -p "$DIR/sock"
+    [ "$(id -u)" -eq 0 ] && chown -R postgres "$DIR"
+    as_pg "$PGBIN/initdb -D $DIR/pg -A trust -U postgres" >"$DIR/initdb.log" 2>&1 ||
+        { cat "$DIR/initdb.log" >&2; exit 1; }
+    as_pg "$(pg_ctl_cmd) start" >/dev/null || { cat "$DIR/pg.log" >&2; exit 1; }
+    start_redis
+    cat <<ENV
+export IDEMRPC_TEST_PG='host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres connect_timeout=2'
+export IDEMRPC_TEST_REDIS='redis://127.0.0.1:$REDIS_PORT'
+export IDEMRPC_SERVICES='bash $(cd "$(dirname "$0")" && pwd)/services.sh'
+ENV
+}
+
+start_redis() {
+    redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --daemonize yes --dir "$DIR" \
+        --pidfile "$DIR/redis.pid" --save '' --appendonly no --logfile "$DIR/redis.log"
+    for _ in $(seq 100); do
+        redis-cli -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+case "${1:-}" in
+start) start ;;
+stop) stop ;;
+restart-pg) as_pg "$(pg_ctl_cmd) -m fast restart" >/dev/null ;;
+stop-redis) redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true ;;
+start-redis) start_redis ;;
+*) echo "usage: bash scripts/services.sh start|stop" >&2; exit 2 ;;
+esac

@@ -1,0 +1,687 @@
+/* PostgreSQL backend of idem_store, for several server instances sharing records.
+ *
+ *   idem_records(caller, method, key) PRIMARY KEY, state, fingerprint, owner, lease and
+ *   expiry (unix ms), response bytea;   idem_tokens(token PRIMARY KEY, scope, expires_ms)
+ *
+ * The claim is decided by the unique key: INSERT … ON CONFLICT DO NOTHING either inserts
+ * (this caller owns the key) or finds the row, which is then read FOR UPDATE so that an
+ * expired-lease takeover or a token consumption is decided under the row lock, in the
+ * same transaction. Completion and release are conditional on (key, owner, state).
+ * Connection failures map to UNAVAILABLE, so the client's retryer carries calls across
+ * a database restart; statements are prepared once per connection. */
+#include <libpq-fe.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "store.h"
+
+#define POOL_WAIT_MS 5000
+#define FOREACH_PAGE 500
+
+typedef struct pg_conn {
+    PGconn *c;
+    bool busy;
+} pg_conn;
+
+typedef struct pg_store {
+    idem_store base; /* first */
+    char *conninfo;
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a connection was returned */
+    pg_conn *pool;
+    size_t n;
+} pg_store;
+
+enum stmt {
+    S_CLAIM_INSERT, S_CLAIM_LOCK, S_CLAIM_TAKE, S_TOKEN_TAKE, S_COMPLETE, S_RELEASE, S_GET,
+    S_DELETE, S_SWEEP_RECORDS, S_SWEEP_TOKENS, S_TOKEN_PUT, S_STATS, S_PAGE, S_COUNT
+};
+
+#define REC_COLS "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response"
+#define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
+
+static const char *const stmt_sql[S_COUNT] = {
+    [S_CLAIM_INSERT] = "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
+                       " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4,"
+                       " $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+    [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
+    [S_CLAIM_TAKE] = "UPDATE idem_records SET state = 1, fingerprint = $4, owner = $5,"
+                     " lease_until_ms = $6, first_at_ms = $7, expires_ms = $8, response = NULL"
+                     " WHERE " KEY_WHERE,
+    [S_TOKEN_TAKE] = "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms",
+    [S_COMPLETE] = "UPDATE idem_records SET state = 2, response = $5, expires_ms = $6 WHERE "
+                   KEY_WHERE " AND owner = $4 AND state = 1",
+    [S_RELEASE] = "DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
+    [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
+    [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
+    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE ctid IN (SELECT ctid FROM idem_records"
+                        " WHERE expires_ms <= $1 LIMIT $2)",
+    [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE ctid IN (SELECT ctid FROM idem_tokens"
+                       " WHERE expires_ms <= $1 LIMIT $2)",
+    [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, $3)"
+                    " ON CONFLICT DO NOTHING",
+    [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"
+                " (WHERE state = 2), (SELECT count(*) FROM idem_tokens) FROM idem_records",
+    [S_PAGE] = "SELECT caller, method, key, " REC_COLS " FROM idem_records WHERE (caller,"
+               " method, key) > ($1, $2, $3) ORDER BY caller, method, key LIMIT 500",
+};
+
+/* Idempotent; run on every new connection (before preparing statements), serialised
+ * across instances by a transaction-scoped advisory lock ("idmp"). */
+static const char schema_sql[] =
+    "SELECT pg_advisory_xact_lock(1768189296);"
+    "CREATE TABLE IF NOT EXISTS idem_records ("
+    " caller text NOT NULL, method text NOT NULL, key text NOT NULL,"
+    " state smallint NOT NULL CHECK (state IN (1, 2)), fingerprint bytea NOT NULL,"
+    " owner bigint NOT NULL, lease_until_ms bigint NOT NULL, first_at_ms bigint NOT NULL,"
+    " expires_ms bigint NOT NULL, response bytea, PRIMARY KEY (caller, method, key));"
+    "CREATE INDEX IF NOT EXISTS idem_records_expires ON idem_records (expires_ms);"
+    "CREATE TABLE IF NOT EXISTS idem_tokens ("
+    " token text PRIMARY KEY, scope text NOT NULL, expires_ms bigint NOT NULL);"
+    "CREATE INDEX IF NOT EXISTS idem_tokens_expires ON idem_tokens (expires_ms);";
+
+static const idem_store_ops pg_ops;
+
+/* Maps a failed result (or a dead connection) to a code: connection trouble and
+ * serialisation conflicts are transient (UNAVAILABLE), a full disk RESOURCE_EXHAUSTED. */
+static idem_code pg_fail(PGconn *c, PGresult *r, const char *what)
+{
+    const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+    const char *msg = r != NULL ? PQresultErrorMessage(r) : PQerrorMessage(c);
+    idem_code code = IDEM_INTERNAL;
+    if (PQstatus(c) != CONNECTION_OK || state == NULL || strncmp(state, "08", 2) == 0 ||
+        strncmp(state, "57P", 3) == 0 || strcmp(state, "40001") == 0 ||
+        strcmp(state, "40P01") == 0) {
+        code = IDEM_UNAVAILABLE;
+    } else if (strcmp(state, "53100") == 0 || strcmp(state, "53200") == 0) {
+        code = IDEM_RESOURCE_EXHAUSTED;
+    }
+    idem__err(code, "postgres %s: %.200s", what, msg != NULL ? msg : "");
+    if (r != NULL) {
+        PQclear(r);
+    }
+    return code;
+}
+
+static idem_code pg_prepare(PGconn *c)
+{
+    char name[8];
+    for (int i = 0; i < S_COUNT; i++) {
+        snprintf(name, sizeof(name), "s%d", i);
+        PGresult *r = PQprepare(c, name, stmt_sql[i], 0, NULL);
+        if (PQresultStatus(r) != PGRES_COMMAND_OK) {
+            return pg_fail(c, r, "prepare");
+        }
+        PQclear(r);
+    }
+    return IDEM_OK;
+}
+
+static void ignore_notice(void *arg, const char *message)
+{
+    (void)arg, (void)message;
+}
+
+/* (Re)connects a pool slot and prepares the statements. */
+static idem_code pg_connect(pg_store *st, pg_conn *pc)
+{
+    if (pc->c != NULL && PQstatus(pc->c) == CONNECTION_OK) {
+        return IDEM_OK;
+    }
+    if (pc->c != NULL) {
+        PQfinish(pc->c);
+    }
+    pc->c = PQconnectdb(st->conninfo);
+    if (PQstatus(pc->c) != CONNECTION_OK) {
+        idem_code code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s",
+                                   PQerrorMessage(pc->c));
+        PQfinish(pc->c);
+        pc->c = NULL;
+        return code;
+    }
+    PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
+    PGresult *r = PQexec(pc->c, schema_sql);
+    idem_code code = PQresultStatus(r) == PGRES_COMMAND_OK ? (PQclear(r), IDEM_OK)
+                                                           : pg_fail(pc->c, r, "schema");
+    if (code == IDEM_OK) {
+        code = pg_prepare(pc->c);
+    }
+    if (code != IDEM_OK) {
+        PQfinish(pc->c);
+        pc->c = NULL;
+    }
+    return code;
+}
+
+static idem_code pool_get(pg_store *st, pg_conn **out)
+{
+    struct timespec ts;
+    idem__abs_timespec(&ts, POOL_WAIT_MS);
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        for (size_t i = 0; i < st->n; i++) {
+            if (!st->pool[i].busy) {
+                st->pool[i].busy = true;
+                pthread_mutex_unlock(&st->mu);
+                *out = &st->pool[i];
+                idem_code code = pg_connect(st, *out);
+                if (code != IDEM_OK) {
+                    pthread_mutex_lock(&st->mu);
+                    (*out)->busy = false;
+                    pthread_cond_signal(&st->cv);
+                    pthread_mutex_unlock(&st->mu);
+                }
+                return code;
+            }
+        }
+        if (pthread_cond_timedwait(&st->cv, &st->mu, &ts) != 0) {
+            pthread_mutex_unlock(&st->mu);
+            return idem__err(IDEM_UNAVAILABLE, "no postgres connection free for %d ms",
+                             POOL_WAIT_MS);
+        }
+    }
+}
+
+static void pool_put(pg_store *st, pg_conn *pc)
+{
+    pthread_mutex_lock(&st->mu);
+    pc->busy = false;
+    pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+}
+
+/* ---- statements ---- */
+
+typedef struct pg_args {
+    const char *v[8];
+    int len[8], fmt[8], n;
+    char num[8][24];
+} pg_args;
+
+static void arg_text(pg_args *a, const char *s)
+{
+    a->v[a->n] = s;
+    a->len[a->n] = 0;
+    a->fmt[a->n++] = 0;
+}
+
+static void arg_i64(pg_args *a, uint64_t x)
+{
+    snprintf(a->num[a->n], sizeof(a->num[0]), "%lld", (long long)x); /* bigint is signed */
+    arg_text(a, a->num[a->n]);
+}
+
+static void arg_bytes(pg_args *a, const void *p, size_t n)
+{
+    a->v[a->n] = p != NULL ? p : "";
+    a->len[a->n] = (int)n;
+    a->fmt[a->n++] = 1;
+}
+
+static void arg_key(pg_args *a, const idem_key_ref *k)
+{
+    arg_text(a, k->caller != NULL ? k->caller : "");
+    arg_text(a, k->method);
+    arg_text(a, k->key);
+}
+
+/* Runs a prepared statement with binary results; NULL (and *code) on failure. */
+static PGresult *run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
+                     idem_code *code)
+{
+    char name[8];
+    snprintf(name, sizeof(name), "s%d", (int)s);
+    PGresult *r = PQexecPrepared(c, name, a != NULL ? a->n : 0, a != NULL ? a->v : NULL,
+                                 a != NULL ? a->len : NULL, a != NULL ? a->fmt : NULL, 1);
+    if (PQresultStatus(r) != want) {
+        *code = pg_fail(c, r, stmt_sql[s]);
+        return NULL;
+    }
+    return r;
+}
+
+static idem_code exec_simple(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    if (PQresultStatus(r) != PGRES_COMMAND_OK) {
+        return pg_fail(c, r, sql);
+    }
+    PQclear(r);
+    return IDEM_OK;
+}
+
+static int64_t col_i64(const PGresult *r, int row, int col)
+{
+    const unsigned char *p = (const unsigned char *)PQgetvalue(r, row, col);
+    uint64_t v = 0;
+    for (int i = 0; i < 8 && i < PQgetlength(r, row, col); i++) {
+        v = v << 8 | p[i];
+    }
+    return (int64_t)v;
+}
+
+static int col_i16(const PGresult *r, int row, int col)
+{
+    const unsigned char *p = (const unsigned char *)PQgetvalue(r, row, col);
+    return PQgetlength(r, row, col) == 2 ? (int16_t)(p[0] << 8 | p[1]) : -1;
+}
+
+/* Fills rec from the REC_COLS at column off of row; the response only when want. */
+static idem_code row_record(const PGresult *r, int row, int off, idem_record *rec, bool want)
+{
+    memset(rec, 0, sizeof(*rec));
+    int state = col_i16(r, row, off);
+    if ((state != IDEM_REC_IN_PROGRESS && state != IDEM_REC_COMPLETED) ||
+        PQgetlength(r, row, off + 1) != IDEM_FINGERPRINT_LEN) {
+        return idem__err(IDEM_DATA_LOSS, "record has an unknown format");
+    }
+    rec->state = (idem_record_state)state;
+    memcpy(rec->fingerprint, PQgetvalue(r, row, off + 1), IDEM_FINGERPRINT_LEN);
+    rec->owner = (uint64_t)col_i64(r, row, off + 2);
+    rec->lease_until_ms = (uint64_t)col_i64(r, row, off + 3);
+    rec->first_at_ms = (uint64_t)col_i64(r, row, off + 4);
+    rec->expires_ms = (uint64_t)col_i64(r, row, off + 5);
+    size_t n = PQgetisnull(r, row, off + 6) ? 0 : (size_t)PQgetlength(r, row, off + 6);
+    rec->response_len = n;
+    if (want && n > 0) {
+        if ((rec->response = malloc(n)) == NULL) {
+            return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        }
+        memcpy(rec->response, PQgetvalue(r, row, off + 6), n);
+    }
+    return IDEM_OK;
+}
+
+/* ---- the claim ---- */
+
+/* Consumes req's token inside the open transaction (the caller rolls back on error). */
+static idem_code token_take(PGconn *c, const char *token, const char *scope, uint64_t now_ms)
+{
+    pg_args a = {0};
+    idem_code code;
+    arg_text(&a, token);
+    PGresult *r = run(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    if (PQntuples(r) != 1) {
+        code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown or already used");
+    } else if (strcmp(PQgetvalue(r, 0, 0), scope != NULL ? scope : "") != 0) {
+        code = idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
+    } else if ((uint64_t)col_i64(r, 0, 1) <= now_ms) {
+        code = idem__err(IDEM_FAILED_PRECONDITION, "token expired");
+    } else {
+        code = IDEM_OK;
+    }
+    PQclear(r);
+    return code;
+}
+
+static void claim_args(pg_args *a, const idem_claim_req *req)
+{
+    arg_key(a, &req->key);
+    arg_bytes(a, req->fingerprint, IDEM_FINGERPRINT_LEN);
+    arg_i64(a, req->owner);
+    arg_i64(a, req->lease_until_ms);
+    arg_i64(a, req->now_ms);
+    arg_i64(a, req->expires_ms);
+}
+
+/* The row exists: decide under its lock. Returns with *outcome set, or an error. */
+static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_args *a,
+                                idem_claim_outcome *outcome, idem_record *rec)
+{
+    idem_code code;
+    idem_record cur;
+    pg_args key = *a;
+    key.n = 3; /* the key columns lead the claim's arguments */
+    PGresult *r = run(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    if (PQntuples(r) != 1) { /* deleted since the insert saw it: let the caller retry */
+        PQclear(r);
+        return idem__err(IDEM_UNAVAILABLE, "record vanished during the claim; retry");
+    }
+    code = row_record(r, 0, 0, &cur, true);
+    PQclear(r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= req->now_ms;
+    bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    if (!expired && (!same || cur.state == IDEM_REC_COMPLETED ||
+                     cur.lease_until_ms > req->now_ms)) {
+        *outcome = !same ? IDEM_CLAIM_MISMATCH
+                         : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
+                                                           : IDEM_CLAIM_IN_PROGRESS;
+        if (rec != NULL) {
+            *rec = cur;
+        } else {
+            idem_record_clear(&cur);
+        }
+        return IDEM_OK;
+    }
+    bool took_over = cur.state == IDEM_REC_IN_PROGRESS;
+    idem_record_clear(&cur);
+    if (req->token != NULL && !took_over &&
+        (code = token_take(c, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+        return code;
+    }
+    if ((r = run(c, S_CLAIM_TAKE, a, PGRES_COMMAND_OK, &code)) == NULL) {
+        return code;
+    }
+    PQclear(r);
+    *outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
+    return IDEM_OK;
+}
+
+static idem_code claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
+                              idem_record *rec)
+{
+    pg_args a = {0};
+    idem_code code;
+    claim_args(&a, req);
+    PGresult *r = run(c, S_CLAIM_INSERT, &a, PGRES_COMMAND_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    bool inserted = strcmp(PQcmdTuples(r), "1") == 0; /* the unique key decided */
+    PQclear(r);
+    if (!inserted) {
+        return claim_existing(c, req, &a, outcome, rec);
+    }
+    if (req->token != NULL &&
+        (code = token_take(c, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+        return code;
+    }
+    *outcome = IDEM_CLAIM_ACQUIRED;
+    return IDEM_OK;
+}
+
+static void claim_fill(const idem_claim_req *req, idem_claim_outcome outcome, idem_record *rec)
+{
+    if (rec != NULL && (outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER)) {
+        rec->state = IDEM_REC_IN_PROGRESS;
+        rec->owner = req->owner;
+        rec->first_at_ms = req->now_ms;
+        rec->lease_until_ms = req->lease_until_ms;
+        rec->expires_ms = req->expires_ms;
+        memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
+    }
+}
+
+static idem_code pg_claim(idem_store *base, const idem_claim_req *req,
+                          idem_claim_outcome *outcome, idem_record *rec)
+{
+    pg_store *st = (pg_store *)base;
+    pg_conn *pc;
+    idem_code code = pool_get(st, &pc);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if ((code = exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
+        code = claim_in_txn(pc->c, req, outcome, rec);
+        if (code == IDEM_OK) {
+            code = exec_simple(pc->c, "COMMIT");
+        } else {
+            char keep[512];
+            snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+            exec_simple(pc->c, "ROLLBACK");
+            idem__err(code, "%s", keep);
+        }
+    }
+    pool_put(st, pc);
+    if (code == IDEM_OK) {
+        claim_fill(req, *outcome, rec);
+    }
+    return code;
+}
+
+/* ---- single-statement operations ---- */
+
+/* Runs one statement on a pooled connection; *out (may be NULL) gets the result. */
+static idem_code one(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
+                     PGresult **out)
+{
+    pg_conn *pc;
+    idem_code code = pool_get(st, &pc);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    PGresult *r = run(pc->c, s, a, want, &code);
+    pool_put(st, pc);
+    if (r != NULL) {
+        if (out != NULL) {
+            *out = r;
+        } else {
+            PQclear(r);
+        }
+        return IDEM_OK;
+    }
+    return code;
+}
+
+/* Runs a statement that must change exactly one row; else_code when it changed none. */
+static idem_code one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code else_code,
+                         const char *else_msg)
+{
+    PGresult *r;
+    idem_code code = one(st, s, a, PGRES_COMMAND_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool changed = strcmp(PQcmdTuples(r), "1") == 0;
+    PQclear(r);
+    return changed ? IDEM_OK : idem__err(else_code, "%s", else_msg);
+}
+
+static idem_code pg_complete(idem_store *base, const idem_key_ref *key, uint64_t owner,
+                             const void *response, size_t len, uint64_t expires_ms)
+{
+    pg_args a = {0};
+    arg_key(&a, key);
+    arg_i64(&a, owner);
+    arg_bytes(&a, response, len);
+    arg_i64(&a, expires_ms);
+    return one_row((pg_store *)base, S_COMPLETE, &a, IDEM_ABORTED,
+                   "claim lost: the record is gone or owned by another claim");
+}
+
+static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t owner)
+{
+    pg_args a = {0};
+    arg_key(&a, key);
+    arg_i64(&a, owner);
+    return one_row((pg_store *)base, S_RELEASE, &a, IDEM_ABORTED,
+                   "claim lost: the record is gone or owned by another claim");
+}
+
+static idem_code pg_delete(idem_store *base, const idem_key_ref *key)
+{
+    pg_args a = {0};
+    arg_key(&a, key);
+    return one_row((pg_store *)base, S_DELETE, &a, IDEM_NOT_FOUND, "no record");
+}
+
+static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *rec)
+{
+    pg_args a = {0};
+    PGresult *r;
+    arg_key(&a, key);
+    idem_code code = one((pg_store *)base, S_GET, &a, PGRES_TUPLES_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    code = PQntuples(r) == 1 ? row_record(r, 0, 0, rec, true)
+                             : idem__err(IDEM_NOT_FOUND, "no record");
+    PQclear(r);
+    return code;
+}
+
+static idem_code sweep_table(pg_store *st, enum stmt s, uint64_t now_ms, size_t max,
+                             size_t *deleted)
+{
+    pg_args a = {0};
+    PGresult *r;
+    arg_i64(&a, now_ms);
+    arg_i64(&a, max);
+    idem_code code = one(st, s, &a, PGRES_COMMAND_OK, &r);
+    if (code == IDEM_OK) {
+        *deleted += strtoul(PQcmdTuples(r), NULL, 10);
+        PQclear(r);
+    }
+    return code;
+}
+
+static idem_code pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted)
+{
+    pg_store *st = (pg_store *)base;
+    idem_code code = sweep_table(st, S_SWEEP_RECORDS, now_ms, max, deleted);
+    if (code == IDEM_OK && *deleted < max) {
+        code = sweep_table(st, S_SWEEP_TOKENS, now_ms, max - *deleted, deleted);
+    }
+    return code;
+}
+
+static idem_code pg_token_put(idem_store *base, const char *token, const char *scope,
+                              uint64_t expires_ms)
+{
+    pg_args a = {0};
+    arg_text(&a, token);
+    arg_text(&a, scope);
+    arg_i64(&a, expires_ms);
+    return one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS, "token exists");
+}
+
+static idem_code pg_token_consume(idem_store *base, const char *token, const char *scope,
+                                  uint64_t now_ms)
+{
+    pg_store *st = (pg_store *)base;
+    pg_conn *pc;
+    idem_code code = pool_get(st, &pc);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if ((code = exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
+        code = token_take(pc->c, token, scope, now_ms);
+        char keep[512];
+        snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+        idem_code end = exec_simple(pc->c, code == IDEM_OK ? "COMMIT" : "ROLLBACK");
+        code = code != IDEM_OK ? idem__err(code, "%s", keep) : end;
+    }
+    pool_put(st, pc);
+    return code;
+}
+
+static idem_code pg_stats(idem_store *base, idem_store_stats *out)
+{
+    PGresult *r;
+    idem_code code = one((pg_store *)base, S_STATS, NULL, PGRES_TUPLES_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (PQntuples(r) == 1) {
+        out->records = (size_t)col_i64(r, 0, 0);
+        out->in_progress = (size_t)col_i64(r, 0, 1);
+        out->completed = (size_t)col_i64(r, 0, 2);
+        out->tokens = (size_t)col_i64(r, 0, 3);
+    }
+    PQclear(r);
+    return IDEM_OK;
+}
+
+/* Pages through the records in key order (keyset pagination, 500 per query). */
+static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
+{
+    char caller[IDEM_MAX_CALLER + 1] = "", method[IDEM_MAX_METHOD + 1] = "",
+         key[IDEM_MAX_KEY + 1] = "";
+    for (;;) {
+        pg_args a = {0};
+        PGresult *r;
+        arg_key(&a, &(idem_key_ref){caller, method, key});
+        idem_code code = one((pg_store *)base, S_PAGE, &a, PGRES_TUPLES_OK, &r);
+        if (code != IDEM_OK) {
+            return code;
+        }
+        int n = PQntuples(r);
+        bool go_on = n == FOREACH_PAGE;
+        for (int i = 0; i < n; i++) {
+            idem_record rec;
+            snprintf(caller, sizeof(caller), "%s", PQgetvalue(r, i, 0));
+            snprintf(method, sizeof(method), "%s", PQgetvalue(r, i, 1));
+            snprintf(key, sizeof(key), "%s", PQgetvalue(r, i, 2));
+            if (row_record(r, i, 3, &rec, false) == IDEM_OK &&
+                !fn(arg, &(idem_key_ref){caller, method, key}, &rec)) {
+                PQclear(r);
+                return IDEM_OK;
+            }
+        }
+        PQclear(r);
+        if (!go_on) {
+            return IDEM_OK;
+        }
+    }
+}
+
+static void pg_close(idem_store *base)
+{
+    pg_store *st = (pg_store *)base;
+    for (size_t i = 0; i < st->n; i++) {
+        if (st->pool[i].c != NULL) {
+            PQfinish(st->pool[i].c);
+        }
+    }
+    pthread_cond_destroy(&st->cv);
+    pthread_mutex_destroy(&st->mu);
+    free(st->pool);
+    free(st->conninfo);
+    free(st);
+}
+
+static const idem_store_ops pg_ops = {
+    .name = "postgres",
+    .claim = pg_claim,
+    .complete = pg_complete,
+    .release = pg_release,
+    .get = pg_get,
+    .del = pg_delete,
+    .sweep = pg_sweep,
+    .token_put = pg_token_put,
+    .token_consume = pg_token_consume,
+    .stats = pg_stats,
+    .foreach = pg_foreach,
+    .close = pg_close,
+};
+
+idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_t pool_size)
+{
+    *out = NULL;
+    if (conninfo == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "postgres conninfo not set");
+    }
+    pg_store *st = calloc(1, sizeof(*st));
+    if (st == NULL || (st->conninfo = strdup(conninfo)) == NULL ||
+        (st->pool = calloc(pool_size ? pool_size : 1, sizeof(pg_conn))) == NULL) {
+        if (st != NULL) {
+            free(st->conninfo);
+        }
+        free(st);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    st->base.ops = &pg_ops;
+    st->n = pool_size ? pool_size : 1;
+    pthread_mutex_init(&st->mu, NULL);
+    pthread_cond_init(&st->cv, NULL);
+    idem_code code = pg_connect(st, &st->pool[0]); /* fail early on a bad conninfo */
+    if (code != IDEM_OK) {
+        char keep[512];
+        snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+        pg_close(&st->base);
+        return idem__err(code, "%s", keep);
+    }
+    *out = &st->base;
+    return IDEM_OK;
+}
