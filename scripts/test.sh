@@ -17,6 +17,18 @@ if [ "${1:-}" = "--asan" ]; then
     export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 fi
+# The PostgreSQL and Redis tests need servers: use the ones named in the environment
+# (as .ci/run starts them), else start throwaway ones on loopback for this run.
+if [ -z "${IDEMRPC_TEST_PG:-}" ]; then
+    export IDEMRPC_SERVICES_DIR=${IDEMRPC_SERVICES_DIR:-/tmp/idemrpc-services-$$}
+    if env_lines=$(bash scripts/services.sh start); then
+        eval "$env_lines"
+        trap 'bash scripts/services.sh stop' EXIT
+    else
+        echo "test.sh: PostgreSQL/Redis not started; their tests will be skipped" >&2
+    fi
+fi
+
 [ -f "$builddir/build.ninja" ] || meson setup "$builddir" "${setup_args[@]}"
 meson compile -C "$builddir"
 

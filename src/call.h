@@ -50,6 +50,7 @@ typedef struct idem_waitset {
 #define IDEM_REASON_IN_PROGRESS "in_progress"
 #define IDEM_REASON_TOKEN "token"
 #define IDEM_REASON_STORE "store"
+#define IDEM_REASON_DEBOUNCED "debounced"
 
 /* Library rejection: idem_call_fail plus the reason. */
 idem_code idem__reject(idem_call *call, const char *reason, idem_code code, const char *fmt, ...)
@@ -139,6 +140,7 @@ idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len)
 idem_code idem__request_id_interceptor(idem_call *call, idem_next next, void *arg);
 idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg);
 idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *arg);
+idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg);
 idem_code idem__token_issue_handler(idem_call *call, void *arg);
 
 /* Fingerprint = SHA-256(method ‖ 0 ‖ payload). */

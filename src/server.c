@@ -173,6 +173,11 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
         return idem_server_use(srv, "token", idem__token_interceptor, &srv->rt);
     case IDEM_BUILTIN_RESULT_CACHE:
         return idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->rt);
+    case IDEM_BUILTIN_DEBOUNCE:
+        if (srv->opts.debounce == NULL) {
+            return idem__err(IDEM_INVALID_ARGUMENT, "no debounce window configured");
+        }
+        return idem_server_use(srv, "debounce", idem__debounce_interceptor, srv->opts.debounce);
     }
     return idem__err(IDEM_INVALID_ARGUMENT, "unknown built-in interceptor %d", (int)which);
 }
@@ -488,7 +493,9 @@ static idem_code server_default_setup(idem_server *srv)
         return IDEM_OK;
     }
     if ((code = idem_server_use_builtin(srv, IDEM_BUILTIN_REQUEST_ID)) != IDEM_OK ||
-        (code = idem_server_use_builtin(srv, IDEM_BUILTIN_TOKEN)) != IDEM_OK) {
+        (code = idem_server_use_builtin(srv, IDEM_BUILTIN_TOKEN)) != IDEM_OK ||
+        (srv->opts.debounce != NULL &&
+         (code = idem_server_use_builtin(srv, IDEM_BUILTIN_DEBOUNCE)) != IDEM_OK)) {
         return code;
     }
     return idem_server_use_builtin(srv, IDEM_BUILTIN_RESULT_CACHE);

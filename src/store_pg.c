@@ -35,8 +35,20 @@ typedef struct pg_store {
 } pg_store;
 
 enum stmt {
-    S_CLAIM_INSERT, S_CLAIM_LOCK, S_CLAIM_TAKE, S_TOKEN_TAKE, S_COMPLETE, S_RELEASE, S_GET,
-    S_DELETE, S_SWEEP_RECORDS, S_SWEEP_TOKENS, S_TOKEN_PUT, S_STATS, S_PAGE, S_COUNT
+    S_CLAIM_INSERT,
+    S_CLAIM_LOCK,
+    S_CLAIM_TAKE,
+    S_TOKEN_TAKE,
+    S_COMPLETE,
+    S_RELEASE,
+    S_GET,
+    S_DELETE,
+    S_SWEEP_RECORDS,
+    S_SWEEP_TOKENS,
+    S_TOKEN_PUT,
+    S_STATS,
+    S_PAGE,
+    S_COUNT
 };
 
 #define REC_COLS "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response"
@@ -51,8 +63,9 @@ static const char *const stmt_sql[S_COUNT] = {
                      " lease_until_ms = $6, first_at_ms = $7, expires_ms = $8, response = NULL"
                      " WHERE " KEY_WHERE,
     [S_TOKEN_TAKE] = "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms",
-    [S_COMPLETE] = "UPDATE idem_records SET state = 2, response = $5, expires_ms = $6 WHERE "
-                   KEY_WHERE " AND owner = $4 AND state = 1",
+    [S_COMPLETE] =
+        "UPDATE idem_records SET state = 2, response = $5, expires_ms = $6 WHERE " KEY_WHERE
+        " AND owner = $4 AND state = 1",
     [S_RELEASE] = "DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
     [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
     [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
@@ -135,16 +148,16 @@ static idem_code pg_connect(pg_store *st, pg_conn *pc)
     }
     pc->c = PQconnectdb(st->conninfo);
     if (PQstatus(pc->c) != CONNECTION_OK) {
-        idem_code code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s",
-                                   PQerrorMessage(pc->c));
+        idem_code code =
+            idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(pc->c));
         PQfinish(pc->c);
         pc->c = NULL;
         return code;
     }
     PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
     PGresult *r = PQexec(pc->c, schema_sql);
-    idem_code code = PQresultStatus(r) == PGRES_COMMAND_OK ? (PQclear(r), IDEM_OK)
-                                                           : pg_fail(pc->c, r, "schema");
+    idem_code code =
+        PQresultStatus(r) == PGRES_COMMAND_OK ? (PQclear(r), IDEM_OK) : pg_fail(pc->c, r, "schema");
     if (code == IDEM_OK) {
         code = pg_prepare(pc->c);
     }
@@ -228,8 +241,7 @@ static void arg_key(pg_args *a, const idem_key_ref *k)
 }
 
 /* Runs a prepared statement with binary results; NULL (and *code) on failure. */
-static PGresult *run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
-                     idem_code *code)
+static PGresult *run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want, idem_code *code)
 {
     char name[8];
     snprintf(name, sizeof(name), "s%d", (int)s);
@@ -352,11 +364,11 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     }
     bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= req->now_ms;
     bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-    if (!expired && (!same || cur.state == IDEM_REC_COMPLETED ||
-                     cur.lease_until_ms > req->now_ms)) {
-        *outcome = !same ? IDEM_CLAIM_MISMATCH
-                         : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
-                                                           : IDEM_CLAIM_IN_PROGRESS;
+    if (!expired &&
+        (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > req->now_ms)) {
+        *outcome = !same                             ? IDEM_CLAIM_MISMATCH
+                   : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
+                                                     : IDEM_CLAIM_IN_PROGRESS;
         if (rec != NULL) {
             *rec = cur;
         } else {
@@ -413,8 +425,8 @@ static void claim_fill(const idem_claim_req *req, idem_claim_outcome outcome, id
     }
 }
 
-static idem_code pg_claim(idem_store *base, const idem_claim_req *req,
-                          idem_claim_outcome *outcome, idem_record *rec)
+static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
+                          idem_record *rec)
 {
     pg_store *st = (pg_store *)base;
     pg_conn *pc;
@@ -515,8 +527,8 @@ static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *
     if (code != IDEM_OK) {
         return code;
     }
-    code = PQntuples(r) == 1 ? row_record(r, 0, 0, rec, true)
-                             : idem__err(IDEM_NOT_FOUND, "no record");
+    code =
+        PQntuples(r) == 1 ? row_record(r, 0, 0, rec, true) : idem__err(IDEM_NOT_FOUND, "no record");
     PQclear(r);
     return code;
 }
@@ -597,7 +609,7 @@ static idem_code pg_stats(idem_store *base, idem_store_stats *out)
 static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
 {
     char caller[IDEM_MAX_CALLER + 1] = "", method[IDEM_MAX_METHOD + 1] = "",
-         key[IDEM_MAX_KEY + 1] = "";
+                                  key[IDEM_MAX_KEY + 1] = "";
     for (;;) {
         pg_args a = {0};
         PGresult *r;

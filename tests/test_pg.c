@@ -37,8 +37,10 @@ static idem_claim_req req_for(const char *key, uint8_t fp, uint64_t now)
     static int next;
     char *k = buf[next++ % 8];
     snprintf(k, 96, "%s-%s", prefix, key);
-    idem_claim_req r = {.key = {"tenant", "pg.Test/Op", k}, .owner = idem__random_u64(),
-                        .now_ms = now, .lease_until_ms = now + 1000,
+    idem_claim_req r = {.key = {"tenant", "pg.Test/Op", k},
+                        .owner = idem__random_u64(),
+                        .now_ms = now,
+                        .lease_until_ms = now + 1000,
                         .expires_ms = now + 60000};
     memset(r.fingerprint, fp, sizeof(r.fingerprint));
     return r;

@@ -85,12 +85,15 @@ static idem_code order_submit(idem_call *call, void *arg)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR] [--delay-ms N]\n"
+    fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR | --store URL]\n"
+                    "                    [--debounce URL] [--delay-ms N]\n"
                     "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
                     "                    [--max-wait-ms N]\n"
                     "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
                     "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
                     "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
+                    "  --store URL    share records in PostgreSQL (postgres://...) instead\n"
+                    "  --debounce URL redis://HOST:PORT: 2 s double-submit window for Submit\n"
                     "  --delay-ms N   make demo.Counter/Add take N ms\n"
                     "  --log-level L  one line per call at info (default error)\n"
                     "  --result-ttl-ms N, --max-wait-ms N   override the server defaults\n");
@@ -112,6 +115,7 @@ static bool parse_level(const char *s, idem_log_level *out)
 int main(int argc, char **argv)
 {
     const char *listen = "tcp://127.0.0.1:7700", *db = "./idemrpc-data", *http = NULL;
+    const char *store_url = NULL, *debounce_url = NULL;
     idem_log_level level = IDEM_LOG_ERROR;
     idem_server_opts opts;
     idem_server_opts_init(&opts);
@@ -123,6 +127,10 @@ int main(int argc, char **argv)
             db = argv[++i];
         } else if (strcmp(argv[i], "--delay-ms") == 0 && i + 1 < argc) {
             d.delay_ms = strtol(argv[++i], NULL, 10);
+        } else if (strcmp(argv[i], "--store") == 0 && i + 1 < argc) {
+            store_url = argv[++i];
+        } else if (strcmp(argv[i], "--debounce") == 0 && i + 1 < argc) {
+            debounce_url = argv[++i];
         } else if (strcmp(argv[i], "--http") == 0 && i + 1 < argc) {
             http = argv[++i];
         } else if (strcmp(argv[i], "--result-ttl-ms") == 0 && i + 1 < argc) {
@@ -147,9 +155,22 @@ int main(int argc, char **argv)
 
     opts.db_path = db;
     opts.log_level = level;
+    idem_store *shared = NULL;
+    idem_debounce *debounce = NULL;
+    if (store_url != NULL &&
+        idem_store_open_postgres(&shared, store_url, opts.workers ? opts.workers : 16) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return 1;
+    }
+    if (debounce_url != NULL && idem_debounce_create(&debounce, debounce_url, 2000) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return 1;
+    }
+    opts.store = shared;
+    opts.debounce = debounce;
     idem_server *srv;
     idem_method_opts add = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
-    idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_DEBOUNCE};
     if (idem_server_create(&srv, &opts) != IDEM_OK ||
         idem_server_register(srv, "demo.Counter/Add", counter_add, &d, &add) != IDEM_OK ||
         idem_server_register(srv, "demo.Counter/Get", counter_get, &d, NULL) != IDEM_OK ||
@@ -162,12 +183,15 @@ int main(int argc, char **argv)
     if (http != NULL) {
         printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
     }
-    printf("idemrpc-demo listening on %s (store %s)\n", listen, db);
+    printf("idemrpc-demo listening on %s (store %s%s)\n", listen, shared != NULL ? "postgres" : db,
+           debounce != NULL ? ", redis debounce 2 s" : "");
     fflush(stdout);
 
     int sig;
     sigwait(&stop, &sig);
     fprintf(stderr, "idemrpc-demo: signal %d, shutting down\n", sig);
     idem_server_destroy(srv);
+    idem_store_close(shared);
+    idem_debounce_destroy(debounce);
     return 0;
 }

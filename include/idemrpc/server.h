@@ -20,6 +20,14 @@ extern "C" {
 
 typedef struct idem_server idem_server;
 
+/* A Redis debounce window (interceptors/debounce.c): a double-click shield in front of
+ * the result cache, never the guarantee. Redis down → calls pass (fail open), logged. */
+typedef struct idem_debounce idem_debounce;
+/* url: redis://HOST[:PORT]; window_ms > 0. Connects lazily. */
+IDEM_API idem_code idem_debounce_create(idem_debounce **out, const char *url,
+                                        uint32_t window_ms);
+IDEM_API void idem_debounce_destroy(idem_debounce *d);
+
 /* A method handler: reads the request through idem_call_*(), answers with
  * idem_call_reply()/idem_call_fail() and returns the code. Runs on an idemrpc worker
  * thread; it may block. */
@@ -42,6 +50,10 @@ enum idem_method_flags {
      * writes and the result record commit atomically. Implies IDEM_METHOD_CACHED and
      * IDEM_METHOD_KEY_REQUIRED; listen fails when the chain has no result_cache. */
     IDEM_METHOD_TRANSACTIONAL = 1u << 3,
+    /* With a debounce window configured (idem_server_opts.debounce): a repeat of the
+     * same key within the window is answered ALREADY_EXISTS "duplicate submit" before
+     * any store work. Retries (attempt > 1) pass to the result cache. */
+    IDEM_METHOD_DEBOUNCE = 1u << 4,
 };
 
 typedef struct idem_method_opts {
@@ -89,6 +101,9 @@ typedef struct idem_server_opts {
     idem_log_level log_level;
     idem_log_fn log_fn; /* NULL = stderr */
     void *log_arg;
+    /* Debounce window for IDEM_METHOD_DEBOUNCE methods, not owned; in the default chain
+     * it runs after token, before result_cache. NULL = none. */
+    idem_debounce *debounce;
     /* HTTP front (idem_server_listen_http): header naming the caller; NULL = "X-Caller". */
     const char *http_caller_header;
 } idem_server_opts;
@@ -97,6 +112,7 @@ typedef enum idem_builtin {
     IDEM_BUILTIN_REQUEST_ID,
     IDEM_BUILTIN_TOKEN,
     IDEM_BUILTIN_RESULT_CACHE,
+    IDEM_BUILTIN_DEBOUNCE, /* needs idem_server_opts.debounce */
 } idem_builtin;
 
 IDEM_API void idem_server_opts_init(idem_server_opts *opts);
