@@ -551,10 +551,18 @@ fail:;
 static idem_code server_check(const idem_server *srv)
 {
     for (size_t i = 0; i < srv->n_methods; i++) {
-        if ((srv->methods[i].opts.flags & IDEM_METHOD_TRANSACTIONAL) && !srv->rt.has_result_cache) {
+        if (!(srv->methods[i].opts.flags & IDEM_METHOD_TRANSACTIONAL)) {
+            continue;
+        }
+        if (!srv->rt.has_result_cache) {
             return idem__err(IDEM_FAILED_PRECONDITION,
                              "%s is transactional but the chain has no result_cache",
                              srv->methods[i].name);
+        }
+        if (strcmp(idem_store_backend(srv->rt.store), "lmdb") != 0) {
+            return idem__err(IDEM_FAILED_PRECONDITION,
+                             "%s is transactional: that needs the LMDB store, not %s",
+                             srv->methods[i].name, idem_store_backend(srv->rt.store));
         }
     }
     return IDEM_OK;

@@ -270,3 +270,23 @@ Test(pg, database_restart_mid_run_is_retried_and_duplicates_nothing)
     }
     run_storm(true);
 }
+
+static idem_code h_noop(idem_call *call, void *arg)
+{
+    (void)arg;
+    return idem_call_reply(call, IDEM_OK, NULL, 0);
+}
+
+Test(pg, transactional_methods_are_refused_on_postgres)
+{
+    idem_server_opts o;
+    idem_server *s;
+    idem_server_opts_init(&o);
+    o.store = st;
+    cr_assert_eq(idem_server_create(&s, &o), IDEM_OK);
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL};
+    cr_assert_eq(idem_server_register(s, "pg.Tx/Op", h_noop, NULL, &tx), IDEM_OK);
+    cr_expect_eq(idem_server_listen(s, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
+    cr_expect_neq(strstr(idem_errmsg(), "needs the LMDB store"), NULL, "%s", idem_errmsg());
+    idem_server_destroy(s);
+}
