@@ -248,6 +248,9 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
             return code;
         }
         idem_record_clear(&rec);
+        if (call->fast_only) {
+            return IDEM__DEFER; /* claiming is a write, waiting blocks */
+        }
         if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
             return idem__reject(call, IDEM_REASON_STORE, code, "result cache: %s", idem_errmsg());
         }

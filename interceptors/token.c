@@ -54,6 +54,9 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
         return idem_call_next(call, next);
     }
     /* No result cache to consume it with the claim: consume it now, on its own. */
+    if (call->fast_only) {
+        return IDEM__DEFER; /* a write */
+    }
     idem_code code = idem_store_token_consume(rt->store, token, idem_call_caller(call),
                                               idem__now_ms());
     if (code != IDEM_OK) {

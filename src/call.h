@@ -99,6 +99,9 @@ struct idem_call {
     size_t meta_count;
     bool replayed;
     bool executed;      /* the method handler ran in this call */
+    /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
+     * replay read); anything else answers IDEM__DEFER. */
+    bool fast_only;
     const char *reason; /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
@@ -109,7 +112,12 @@ typedef struct idem_interceptor {
     char *name;
     idem_interceptor_fn fn;
     void *arg;
+    bool fast_safe; /* never blocks in a fast_only call (the built-ins) */
 } idem_interceptor;
+
+/* Returned by the chain of a fast_only call that needs a worker thread after all. Not a
+ * wire code: the server re-runs such a call on a worker. */
+#define IDEM__DEFER ((idem_code)-1)
 
 struct idem_chain {
     idem_interceptor *items;

@@ -10,7 +10,13 @@ idem_code idem_call_next(idem_call *call, idem_next next)
 {
     if (next.chain != NULL && next.pos < next.chain->n) {
         const idem_interceptor *it = &next.chain->items[next.pos];
+        if (call->fast_only && !it->fast_safe) {
+            return IDEM__DEFER;
+        }
         return it->fn(call, (idem_next){next.chain, next.pos + 1}, it->arg);
+    }
+    if (call->fast_only) {
+        return IDEM__DEFER; /* handlers run on workers */
     }
     if (call->method == NULL) {
         return idem__reject(call, IDEM_REASON_UNIMPLEMENTED, IDEM_UNIMPLEMENTED,

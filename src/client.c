@@ -3,6 +3,7 @@
  * nng's own REQ resend is switched off: the retryer resends instead, so that every
  * attempt carries attempt+1 and the per-attempt timeout and backoff are ours. */
 #include <math.h>
+#include <pthread.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <stdlib.h>
@@ -14,10 +15,22 @@
 
 #define DEFAULT_MAX_FRAME (((size_t)4 << 20) + ((size_t)64 << 10))
 
+#define CTX_CACHE 64 /* idle (context, aio) pairs kept for reuse */
+
+/* One nng context with its aio: one outstanding request at a time. */
+typedef struct ctx_slot {
+    nng_ctx ctx;
+    nng_aio *aio;
+    struct ctx_slot *next;
+} ctx_slot;
+
 struct idem_client {
     nng_socket sock;
     idem_client_opts opts;
     char *caller;
+    pthread_mutex_t mu; /* guards idle */
+    ctx_slot *idle;
+    size_t n_idle;
 };
 
 void idem_client_opts_init(idem_client_opts *opts)
@@ -76,6 +89,7 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
         free(c);
         return idem__err(IDEM_UNAVAILABLE, "nng_req0_open: %s", nng_strerror(rv));
     }
+    pthread_mutex_init(&c->mu, NULL); /* from here on idem_client_close cleans up */
     if ((rv = nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE)) != 0 ||
         (rv = nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, c->opts.max_frame)) != 0) {
         idem_client_close(c);
@@ -91,12 +105,75 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
     return IDEM_OK;
 }
 
+static void slot_free(ctx_slot *s)
+{
+    nng_aio_free(s->aio);
+    nng_ctx_close(s->ctx);
+    free(s);
+}
+
 void idem_client_close(idem_client *c)
 {
     if (c != NULL) {
+        for (ctx_slot *s = c->idle, *next; s != NULL; s = next) {
+            next = s->next;
+            slot_free(s);
+        }
+        pthread_mutex_destroy(&c->mu);
         nng_close(c->sock);
         free(c->caller);
         free(c);
+    }
+}
+
+/* An idle context, or a new one: opening a context and an aio per attempt costs more
+ * than a replay does on the server. */
+static idem_code slot_get(idem_client *c, ctx_slot **out)
+{
+    pthread_mutex_lock(&c->mu);
+    ctx_slot *s = c->idle;
+    if (s != NULL) {
+        c->idle = s->next;
+        c->n_idle--;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (s != NULL) {
+        *out = s;
+        return IDEM_OK;
+    }
+    int rv;
+    if ((s = calloc(1, sizeof(*s))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    if ((rv = nng_ctx_open(&s->ctx, c->sock)) != 0) {
+        free(s);
+        return idem__err(IDEM_UNAVAILABLE, "nng_ctx_open: %s", nng_strerror(rv));
+    }
+    if ((rv = nng_aio_alloc(&s->aio, NULL, NULL)) != 0) {
+        nng_ctx_close(s->ctx);
+        free(s);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "nng_aio_alloc: %s", nng_strerror(rv));
+    }
+    *out = s;
+    return IDEM_OK;
+}
+
+/* A context that timed out or failed may still hold a request: it is closed, never
+ * reused. */
+static void slot_put(idem_client *c, ctx_slot *s, bool clean)
+{
+    if (clean) {
+        pthread_mutex_lock(&c->mu);
+        if (c->n_idle < CTX_CACHE) {
+            s->next = c->idle;
+            c->idle = s;
+            c->n_idle++;
+            s = NULL;
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (s != NULL) {
+        slot_free(s);
     }
 }
 
@@ -177,20 +254,15 @@ static idem_code result_fill(idem_result *out, const Idem__V1__Response *r)
 static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
                               Idem__V1__Response **resp)
 {
-    nng_ctx ctx;
-    nng_aio *aio;
+    ctx_slot *slot = NULL;
     int rv;
-    idem_code code = IDEM_OK;
-
-    if ((rv = nng_ctx_open(&ctx, c->sock)) != 0) {
+    idem_code code = slot_get(c, &slot);
+    if (code != IDEM_OK) {
         nng_msg_free(msg);
-        return idem__err(IDEM_UNAVAILABLE, "nng_ctx_open: %s", nng_strerror(rv));
+        return code;
     }
-    if ((rv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
-        nng_msg_free(msg);
-        nng_ctx_close(ctx);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "nng_aio_alloc: %s", nng_strerror(rv));
-    }
+    nng_ctx ctx = slot->ctx;
+    nng_aio *aio = slot->aio;
     nng_aio_set_timeout(aio, (nng_duration)timeout_ms);
     nng_aio_set_msg(aio, msg);
     nng_ctx_send(ctx, aio);
@@ -214,8 +286,7 @@ static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
     } else {
         code = idem__err(IDEM_UNAVAILABLE, "transport: %s", nng_strerror(rv));
     }
-    nng_aio_free(aio);
-    nng_ctx_close(ctx);
+    slot_put(c, slot, rv == 0);
     return code;
 }
 

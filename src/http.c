@@ -208,7 +208,7 @@ static void http_job_run(idem_server *srv, idem_job *job)
 {
     http_job *j = (http_job *)job;
     idem_served s;
-    idem__server_run(srv, j->frame, j->len, &s);
+    idem__server_run(srv, j->frame, j->len, false, &s);
     respond(j->aio, &s.call);
     idem__server_done(srv, &s);
     free(j->frame);

@@ -59,6 +59,7 @@ struct idem_server {
     idem_job *head, *tail;
     size_t n_queued;
     bool stopping;
+    bool fast_path; /* the whole chain is fast_safe and store reads never block */
     int port;
     idem_http *http;
 };
@@ -157,7 +158,7 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg};
+    srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg, false};
     if (fn == idem__result_cache_interceptor) {
         srv->rt.has_result_cache = true;
     }
@@ -166,20 +167,29 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
 
 idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
 {
+    idem_code code;
     switch (which) {
     case IDEM_BUILTIN_REQUEST_ID:
-        return idem_server_use(srv, "request_id", idem__request_id_interceptor, &srv->rt);
+        code = idem_server_use(srv, "request_id", idem__request_id_interceptor, &srv->rt);
+        break;
     case IDEM_BUILTIN_TOKEN:
-        return idem_server_use(srv, "token", idem__token_interceptor, &srv->rt);
+        code = idem_server_use(srv, "token", idem__token_interceptor, &srv->rt);
+        break;
     case IDEM_BUILTIN_RESULT_CACHE:
-        return idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->rt);
+        code = idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->rt);
+        break;
     case IDEM_BUILTIN_DEBOUNCE:
         if (srv->opts.debounce == NULL) {
             return idem__err(IDEM_INVALID_ARGUMENT, "no debounce window configured");
         }
         return idem_server_use(srv, "debounce", idem__debounce_interceptor, srv->opts.debounce);
+    default:
+        return idem__err(IDEM_INVALID_ARGUMENT, "unknown built-in interceptor %d", (int)which);
     }
-    return idem__err(IDEM_INVALID_ARGUMENT, "unknown built-in interceptor %d", (int)which);
+    if (code == IDEM_OK) { /* these never block when asked to be fast (fast_only) */
+        srv->chain.items[srv->chain.n - 1].fast_safe = true;
+    }
+    return code;
 }
 
 /* ---- one call: frame in, frame out ---- */
@@ -207,7 +217,8 @@ static nng_msg *response_msg(idem_call *call)
     return msg;
 }
 
-void idem__server_run(idem_server *srv, const void *frame, size_t len, idem_served *out)
+bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
+                      idem_served *out)
 {
     static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
     idem_code code;
@@ -227,13 +238,19 @@ void idem__server_run(idem_server *srv, const void *frame, size_t len, idem_serv
                      code, "%s", idem_errmsg());
     } else {
         idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
-        idem_call_next(&out->call, (idem_next){&srv->chain, 0});
+        out->call.fast_only = fast_only;
+        if (idem_call_next(&out->call, (idem_next){&srv->chain, 0}) == IDEM__DEFER) {
+            idem__call_fini(&out->call);
+            idem__free_request(out->req);
+            return false;
+        }
     }
     if (out->call.request_id[0] == '\0') {
         uint8_t rnd[16];
         idem__random(rnd, sizeof(rnd));
         idem__hex(out->call.request_id, rnd, sizeof(rnd));
     }
+    return true;
 }
 
 void idem__server_done(idem_server *srv, idem_served *s)
@@ -246,10 +263,23 @@ void idem__server_done(idem_server *srv, idem_served *s)
 nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t len)
 {
     idem_served s;
-    idem__server_run(srv, frame, len, &s);
+    idem__server_run(srv, frame, len, false, &s);
     nng_msg *out = response_msg(&s.call);
     idem__server_done(srv, &s);
     return out;
+}
+
+/* On nng's callback thread: answers what needs no worker (replays of stored results,
+ * malformed frames, key mismatches); false leaves the call for a worker. */
+static bool serve_fast(idem_server *srv, nng_msg *frame, nng_msg **reply)
+{
+    idem_served s;
+    if (!idem__server_run(srv, nng_msg_body(frame), nng_msg_len(frame), true, &s)) {
+        return false;
+    }
+    *reply = response_msg(&s.call);
+    idem__server_done(srv, &s);
+    return true;
 }
 
 /* ---- the work queue and the context state machine ---- */
@@ -377,7 +407,10 @@ static void work_cb(void *arg)
         }
         w->msg = nng_aio_get_msg(w->aio);
         w->state = WORK_QUEUED;
-        if ((rv = idem__server_enqueue(w->srv, &w->job)) == IDEM_RESOURCE_EXHAUSTED) {
+        nng_msg *reply;
+        if (w->srv->fast_path && serve_fast(w->srv, w->msg, &reply)) {
+            work_reply(w, reply);
+        } else if ((rv = idem__server_enqueue(w->srv, &w->job)) == IDEM_RESOURCE_EXHAUSTED) {
             work_reply(w, busy_msg(w->srv));
         } else if (rv != IDEM_OK) {
             nng_msg_free(w->msg); /* stopping: the client retries elsewhere */
@@ -570,6 +603,10 @@ static idem_code server_check(const idem_server *srv)
 
 static idem_code server_start(idem_server *srv)
 {
+    srv->fast_path = strcmp(idem_store_backend(srv->rt.store), "lmdb") == 0;
+    for (size_t i = 0; i < srv->chain.n; i++) {
+        srv->fast_path = srv->fast_path && srv->chain.items[i].fast_safe;
+    }
     srv->threads = calloc(srv->opts.workers, sizeof(pthread_t));
     if (srv->threads == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -674,11 +711,13 @@ void idem_server_destroy(idem_server *srv)
     }
     srv->head = srv->tail = NULL;
     idem__http_stop(srv->http); /* waits for its callbacks; none can queue any more */
-    if (srv->sock_open) {
-        nng_close(srv->sock); /* fails every pending recv/send with NNG_ECLOSED */
-    }
+    /* Callbacks answer fast calls themselves: stop them (cancel + wait) before the socket
+     * goes, so that no send races nng_close. A stopped aio starts nothing new. */
     for (size_t i = 0; i < srv->n_works; i++) {
-        nng_aio_stop(srv->works[i].aio); /* waits for a callback in progress */
+        nng_aio_stop(srv->works[i].aio);
+    }
+    if (srv->sock_open) {
+        nng_close(srv->sock);
     }
     for (size_t i = 0; i < srv->n_works; i++) {
         nng_aio_free(srv->works[i].aio);

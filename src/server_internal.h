@@ -25,8 +25,11 @@ typedef struct idem_served {
     uint64_t start_us;
 } idem_served;
 
-/* One request frame through decode + chain; every outcome has a code and request id. */
-void idem__server_run(idem_server *srv, const void *frame, size_t len, idem_served *out);
+/* One request frame through decode + chain; every outcome has a code and request id.
+ * fast_only (on an nng callback): returns false, with nothing left to free, when the
+ * call needs a worker; otherwise true. */
+bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
+                      idem_served *out);
 /* A call the transport turns away before decoding (cheap: for nng callbacks). */
 void idem__server_reject(idem_server *srv, idem_served *out, const char *reason,
                          idem_code code, const char *message);

@@ -73,7 +73,7 @@ static void add_metadata(const char *name, const char *value)
 static void use(const char *name, idem_interceptor_fn fn, void *arg)
 {
     cr_assert_lt(w.chain.n, MAX_ITEMS);
-    w.items[w.chain.n++] = (idem_interceptor){(char *)name, fn, arg};
+    w.items[w.chain.n++] = (idem_interceptor){(char *)name, fn, arg, false};
 }
 
 /* Runs the whole chain for w.req; method is &w.method or NULL (unknown method). */

@@ -321,3 +321,35 @@ Test(hostile, transactional_method_needs_result_cache_in_the_chain)
     cr_expect_eq(idem_server_listen(S.srv, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
     cr_expect_neq(strstr(idem_errmsg(), "no result_cache"), NULL, "%s", idem_errmsg());
 }
+
+Test(hostile, replays_are_answered_while_every_worker_is_busy)
+{
+    restart(1, 0, 0);
+    size_t len;
+    void *frame = tu_pack_request("t.Echo/Add", "paid-1", NULL, "42", &len);
+    Idem__V1__Response *r = tu_raw_call(S.url, frame, len, 5000);
+    cr_assert_not_null(r);
+    cr_assert_eq(r->code, IDEM__V1__CODE__OK);
+    tu_response_free(r);
+
+    pthread_t t;
+    struct raw_arg a = {.url = S.url};
+    pthread_create(&t, NULL, raw_gate_call, &a); /* occupies the only worker */
+    pthread_mutex_lock(&mu);
+    while (entered < 1) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    r = tu_raw_call(S.url, frame, len, 5000); /* answered from the nng callback */
+    cr_assert_not_null(r, "a replay must not wait for a worker");
+    cr_expect_eq(r->code, IDEM__V1__CODE__OK);
+    cr_expect(r->replayed);
+    tu_response_free(r);
+    free(frame);
+    pthread_mutex_lock(&mu);
+    gate_open = true;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+    pthread_join(t, NULL);
+    cr_expect_eq(a.code, IDEM__V1__CODE__OK);
+}
