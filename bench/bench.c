@@ -2,7 +2,7 @@
  * transport (a bare req/rep echo) and the storage (a raw LMDB put+commit loop).
  *
  *   idemrpc-bench [--clients 1,16,64] [--payload 64] [--transport tcp,ipc]
- *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f]
+ *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i]]
  *                 [--csv FILE] [--json FILE]
  *
  *   a  echo     bare nng rep0 echo: contexts + aio, the reply sent from the aio callback
@@ -12,6 +12,10 @@
  *   e  replay   each client cycles over its own 100 keys, all called once before the
  *               start: every timed call is a cache hit
  *   f  lmdb     raw LMDB, one put per durable transaction, one thread, no transport
+ *   g  pg-new   as c, on the PostgreSQL store ($IDEMRPC_BENCH_PG, a libpq conninfo)
+ *   h  pg-new2  as g, two server instances on the one database, clients dial both
+ *   i  pg-replay as e, on PostgreSQL
+ *   (g, h, i run only when asked for with --scenarios; "pg vs lmdb" lines follow)
  *
  * A cell is one (scenario, transport, payload, clients): a server and K client threads
  * in this process on loopback. Every thread connects and warms up untimed, then all
@@ -53,11 +57,13 @@
 #define LMDB_MAP_SIZE ((size_t)1 << 30)
 #define METHOD "bench.Echo/Echo"
 
+static char run_tag[24]; /* in every key: a shared database outlives one run */
+
 static struct {
     long clients[MAX_LIST], payloads[MAX_LIST];
     const char *transports[MAX_LIST];
     int n_clients, n_payloads, n_transports;
-    bool want[6]; /* scenario a..f */
+    bool want[9]; /* scenario a..i */
     double seconds;
     unsigned long long count; /* 0 = bounded by time only */
     const char *csv, *json;
@@ -111,7 +117,8 @@ typedef struct scenario {
     const char *name; /* table label */
     int (*run)(const struct scenario *sc, cell *c, cell_stats *out);
     unsigned store_flags; /* b–e */
-    key_mode keys;        /* b–e */
+    key_mode keys;        /* b–e, g–i */
+    int instances;        /* g–i: servers on one PostgreSQL database */
 } scenario;
 
 struct cell {
@@ -123,6 +130,7 @@ struct cell {
     unsigned id;         /* unique in this process: keys and ipc paths */
     int warmup;          /* untimed calls per thread, set by the runner */
     char url[160];       /* what clients dial, set by the runner */
+    char url2[160];      /* h: the second instance ("" when none) */
     const char *dir;     /* f: the LMDB directory */
 };
 
@@ -151,14 +159,15 @@ static size_t server_contexts(int clients)
 }
 
 /* Where a server of cell c listens; tcp binds port 0. */
-static void listen_url(const cell *c, char *buf, size_t cap)
+static void listen_url(const cell *c, int instance, char *buf, size_t cap)
 {
     if (strcmp(c->transport, "tcp") == 0) {
         snprintf(buf, cap, "tcp://127.0.0.1:0");
     } else if (strcmp(c->transport, "ipc") == 0) {
-        snprintf(buf, cap, "ipc:///tmp/idemrpc-bench-%d-%u.sock", (int)getpid(), c->id);
+        snprintf(buf, cap, "ipc:///tmp/idemrpc-bench-%d-%u-%d.sock", (int)getpid(), c->id,
+                 instance);
     } else {
-        snprintf(buf, cap, "inproc://idemrpc-bench-%u", c->id);
+        snprintf(buf, cap, "inproc://idemrpc-bench-%u-%d", c->id, instance);
     }
 }
 
@@ -495,7 +504,7 @@ static int echo_server_start(echo_server *es, cell *c, cell_stats *out)
             return cell_fail(out, "nng_ctx_open: %s", nng_strerror(rv));
         }
     }
-    listen_url(c, url, sizeof(url));
+    listen_url(c, 0, url, sizeof(url));
     if ((rv = nng_listener_create(&l, es->sock, url)) != 0 ||
         (rv = nng_listener_start(l, 0)) != 0) {
         return cell_fail(out, "echo listen %s: %s", url, nng_strerror(rv));
@@ -605,13 +614,14 @@ static idem_code echo_handler(idem_call *call, void *arg)
 static int chain_open(bench_thread *t)
 {
     idem_client_opts o;
-    const char *url = t->cell->url;
+    const char *urls[] = {t->cell->url, t->cell->url2};
+    const char *url = urls[0];
     idem_client_opts_init(&o);
     o.caller = "bench";
     o.attempt_timeout_ms = CALL_TIMEOUT_MS;
     o.deadline_ms = CALL_TIMEOUT_MS;
     o.retry.max_attempts = 1; /* a retry would hide a failure inside a latency */
-    if (idem_client_open(&t->conn.client, &url, 1, &o) != IDEM_OK) {
+    if (idem_client_open(&t->conn.client, urls, t->cell->url2[0] ? 2 : 1, &o) != IDEM_OK) {
         return thread_fail(t, "idem_client_open %s: %s", url, idem_errmsg());
     }
     return 0;
@@ -626,7 +636,7 @@ static int chain_call(bench_thread *t)
     uint64_t n = replay ? t->seq % REPLAY_KEYS : t->seq;
     bool want_replayed = replay && t->seq >= REPLAY_KEYS;
     char key[64];
-    snprintf(key, sizeof(key), "c%u-t%d-%c%llu", c->id, t->id, replay ? 'r' : 'n',
+    snprintf(key, sizeof(key), "%s-c%u-t%d-%c%llu", run_tag, c->id, t->id, replay ? 'r' : 'n',
              (unsigned long long)n);
     t->seq++;
 
@@ -655,7 +665,8 @@ static void chain_close(bench_thread *t)
 
 static const client_ops chain_ops = {chain_open, chain_call, chain_close};
 
-static int chain_server_start(cell *c, idem_store *st, idem_server **srv, cell_stats *out)
+static int chain_server_start(cell *c, int instance, idem_store *st, idem_server **srv,
+                              cell_stats *out)
 {
     idem_server_opts o;
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
@@ -667,7 +678,7 @@ static int chain_server_start(cell *c, idem_store *st, idem_server **srv, cell_s
     if (idem_server_create(srv, &o) != IDEM_OK) {
         return cell_fail(out, "idem_server_create: %s", idem_errmsg());
     }
-    listen_url(c, url, sizeof(url));
+    listen_url(c, instance, url, sizeof(url));
     if (idem_server_register(*srv, METHOD, echo_handler, NULL, &m) != IDEM_OK ||
         idem_server_listen(*srv, url) != IDEM_OK) {
         return cell_fail(out, "server %s: %s", url, idem_errmsg());
@@ -690,7 +701,7 @@ static int run_chain(const scenario *sc, cell *c, cell_stats *out)
         cell_fail(out, "idem_store_open_lmdb %s: %s", dir, idem_errmsg());
         goto out;
     }
-    if (chain_server_start(c, st, &srv, out) == 0) {
+    if (chain_server_start(c, 0, st, &srv, out) == 0) {
         c->warmup = sc->keys == KEYS_REPLAY ? REPLAY_KEYS : WARMUP_CALLS;
         rv = run_clients(&chain_ops, c, out);
     }
@@ -700,6 +711,40 @@ out:
         idem_store_close(st);
     }
     tmp_dir_remove();
+    return rv;
+}
+
+/* g–i: the same chain on PostgreSQL, with one or two server instances. */
+static int run_pg(const scenario *sc, cell *c, cell_stats *out)
+{
+    const char *conninfo = getenv("IDEMRPC_BENCH_PG");
+    idem_store *st[2] = {NULL, NULL};
+    idem_server *srv[2] = {NULL, NULL};
+    int rv = -1;
+    if (conninfo == NULL) {
+        return cell_fail(out, "set IDEMRPC_BENCH_PG to a libpq conninfo");
+    }
+    for (int i = 0; i < sc->instances; i++) {
+        if (idem_store_open_postgres(&st[i], conninfo, server_contexts(c->clients)) != IDEM_OK) {
+            cell_fail(out, "idem_store_open_postgres: %s", idem_errmsg());
+            goto out;
+        }
+        if (i == 1) {
+            snprintf(c->url2, sizeof(c->url2), "%s", c->url); /* the next start sets url */
+        }
+        if (chain_server_start(c, i, st[i], &srv[i], out) != 0) {
+            goto out;
+        }
+    }
+    c->warmup = sc->keys == KEYS_REPLAY ? REPLAY_KEYS : WARMUP_CALLS;
+    rv = run_clients(&chain_ops, c, out);
+out:
+    for (int i = 0; i < 2; i++) {
+        idem_server_destroy(srv[i]);
+        if (st[i] != NULL) {
+            idem_store_close(st[i]);
+        }
+    }
     return rv;
 }
 
@@ -781,12 +826,15 @@ static int run_lmdb(const scenario *sc, cell *c, cell_stats *out)
 }
 
 static const scenario scenarios[] = {
-    {'a', "a:echo", run_echo, 0, KEYS_NONE},
-    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW},
-    {'c', "c:gc-on", run_chain, 0, KEYS_NEW},
-    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW},
-    {'e', "e:replay", run_chain, 0, KEYS_REPLAY},
-    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE},
+    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0},
+    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0},
+    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0},
+    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0},
+    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0},
+    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0},
+    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1},
+    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2},
+    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1},
 };
 
 /* ---- results ---- */
@@ -800,7 +848,7 @@ typedef struct row {
     uint64_t errors;
 } row;
 
-static row rows[6 * MAX_LIST * MAX_LIST * MAX_LIST];
+static row rows[9 * MAX_LIST * MAX_LIST * MAX_LIST];
 static size_t n_rows;
 
 /* (a) for the same transport, clients and payload; for f, (a) on the first transport
@@ -1051,7 +1099,7 @@ static bool parse_scenarios(const char *s)
 {
     memset(cfg.want, 0, sizeof(cfg.want));
     for (; *s != '\0'; s++) {
-        if (*s >= 'a' && *s <= 'f') {
+        if (*s >= 'a' && *s <= 'i') {
             cfg.want[*s - 'a'] = true;
         } else if (*s != ',') {
             return false;
@@ -1103,6 +1151,28 @@ static bool parse_args(int argc, char **argv)
     return ok;
 }
 
+/* The PostgreSQL rows against their LMDB counterparts of the same run: g and h vs c
+ * (new keys, durable), i vs e (replay). */
+static void print_pg_ratios(void)
+{
+    for (size_t i = 0; i < n_rows; i++) {
+        const row *p = &rows[i];
+        char want = p->sc->letter == 'i' ? 'e' : 'c';
+        if (p->sc->letter < 'g') {
+            continue;
+        }
+        for (size_t j = 0; j < n_rows; j++) {
+            const row *l = &rows[j];
+            if (l->sc->letter == want && strcmp(l->transport, p->transport) == 0 &&
+                l->clients == p->clients && l->payload == p->payload && l->calls_s > 0) {
+                printf("pg vs lmdb: %s / %s %s %d clients %zu B: %.3f\n", p->sc->name,
+                       l->sc->name, p->transport, p->clients, p->payload,
+                       p->calls_s / l->calls_s);
+            }
+        }
+    }
+}
+
 /* ---- main ---- */
 
 static unsigned next_cell_id;
@@ -1148,6 +1218,7 @@ static bool run_cell(const scenario *sc, const char *transport, int clients, lon
 
 int main(int argc, char **argv)
 {
+    snprintf(run_tag, sizeof(run_tag), "%lx", (unsigned long)time(NULL) ^ (unsigned long)getpid());
     if (!parse_args(argc, argv)) {
         usage(stderr);
         return 2;
@@ -1164,8 +1235,8 @@ int main(int argc, char **argv)
     for (int t = 0; t < cfg.n_transports; t++) {
         for (int p = 0; p < cfg.n_payloads; p++) {
             for (int k = 0; k < cfg.n_clients; k++) {
-                for (int s = 0; s < 5; s++) {
-                    if (cfg.want[s]) {
+                for (int s = 0; s < 9; s++) {
+                    if (cfg.want[s] && s != 5) {
                         all_ok &= run_cell(&scenarios[s], cfg.transports[t], (int)cfg.clients[k],
                                            cfg.payloads[p], buf);
                     }
@@ -1176,6 +1247,7 @@ int main(int argc, char **argv)
     for (int p = 0; cfg.want[5] && p < cfg.n_payloads; p++) {
         all_ok &= run_cell(&scenarios[5], "-", 1, cfg.payloads[p], buf);
     }
+    print_pg_ratios();
     if (cfg.csv != NULL && write_csv(cfg.csv) != 0) {
         fprintf(stderr, "idemrpc-bench: cannot write %s\n", cfg.csv);
         all_ok = false;
