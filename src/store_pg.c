@@ -425,17 +425,17 @@ static void claim_fill(const idem_claim_req *req, idem_claim_outcome outcome, id
     }
 }
 
-static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
-                          idem_record *rec)
+/* Runs fn in a transaction on a pooled connection: COMMIT when it returns IDEM_OK, else
+ * ROLLBACK (keeping fn's error detail). */
+static idem_code in_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), void *arg)
 {
-    pg_store *st = (pg_store *)base;
     pg_conn *pc;
     idem_code code = pool_get(st, &pc);
     if (code != IDEM_OK) {
         return code;
     }
     if ((code = exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
-        code = claim_in_txn(pc->c, req, outcome, rec);
+        code = fn(pc->c, arg);
         if (code == IDEM_OK) {
             code = exec_simple(pc->c, "COMMIT");
         } else {
@@ -446,6 +446,26 @@ static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_clai
         }
     }
     pool_put(st, pc);
+    return code;
+}
+
+typedef struct claim_call {
+    const idem_claim_req *req;
+    idem_claim_outcome *outcome;
+    idem_record *rec;
+} claim_call;
+
+static idem_code claim_fn(PGconn *c, void *arg)
+{
+    claim_call *a = arg;
+    return claim_in_txn(c, a->req, a->outcome, a->rec);
+}
+
+static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
+                          idem_record *rec)
+{
+    claim_call a = {req, outcome, rec};
+    idem_code code = in_txn((pg_store *)base, claim_fn, &a);
     if (code == IDEM_OK) {
         claim_fill(req, *outcome, rec);
     }
@@ -568,24 +588,22 @@ static idem_code pg_token_put(idem_store *base, const char *token, const char *s
     return one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS, "token exists");
 }
 
+typedef struct token_call {
+    const char *token, *scope;
+    uint64_t now_ms;
+} token_call;
+
+static idem_code token_fn(PGconn *c, void *arg)
+{
+    token_call *a = arg;
+    return token_take(c, a->token, a->scope, a->now_ms);
+}
+
 static idem_code pg_token_consume(idem_store *base, const char *token, const char *scope,
                                   uint64_t now_ms)
 {
-    pg_store *st = (pg_store *)base;
-    pg_conn *pc;
-    idem_code code = pool_get(st, &pc);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    if ((code = exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
-        code = token_take(pc->c, token, scope, now_ms);
-        char keep[512];
-        snprintf(keep, sizeof(keep), "%s", idem_errmsg());
-        idem_code end = exec_simple(pc->c, code == IDEM_OK ? "COMMIT" : "ROLLBACK");
-        code = code != IDEM_OK ? idem__err(code, "%s", keep) : end;
-    }
-    pool_put(st, pc);
-    return code;
+    token_call a = {token, scope, now_ms};
+    return in_txn((pg_store *)base, token_fn, &a);
 }
 
 static idem_code pg_stats(idem_store *base, idem_store_stats *out)
