@@ -353,3 +353,47 @@ Test(hostile, replays_are_answered_while_every_worker_is_busy)
     pthread_join(t, NULL);
     cr_expect_eq(a.code, IDEM__V1__CODE__OK);
 }
+
+static char log_lines[64][1100];
+static atomic_int n_log_lines;
+
+static void capture_log(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg, (void)level;
+    int i = atomic_fetch_add(&n_log_lines, 1);
+    if (i < 64) {
+        snprintf(log_lines[i], sizeof(log_lines[i]), "%s", line);
+    }
+}
+
+Test(hostile, logs_never_carry_tokens_or_payloads)
+{
+    tu_server_destroy(&S, false);
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.log_level = IDEM_LOG_INFO;
+    o.log_fn = capture_log;
+    tu_server_create(&S, &o);
+    idem_method_opts tok = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    cr_assert_eq(idem_server_register(S.srv, "t.Order/Submit", h_echo, NULL, &tok), IDEM_OK);
+    tu_server_listen(&S);
+    idem_client *c = tu_client(S.url, 5000);
+    char token[64];
+    cr_assert_eq(idem_client_issue_token(c, "shop", token, sizeof(token), NULL), IDEM_OK);
+    static const char secret[] = "card=4111111111111111";
+    idem_request q = {.method = "t.Order/Submit", .token = token, .caller = "shop",
+                      .payload = secret, .payload_len = sizeof(secret) - 1};
+    idem_result r;
+    for (int i = 0; i < 2; i++) { /* executed, then replayed */
+        cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    int n = atomic_load(&n_log_lines);
+    cr_assert_geq(n, 3, "one line per call at info");
+    for (int i = 0; i < n && i < 64; i++) {
+        cr_expect_null(strstr(log_lines[i], token), "token in: %s", log_lines[i]);
+        cr_expect_null(strstr(log_lines[i], "4111"), "payload in: %s", log_lines[i]);
+    }
+    cr_expect_neq(strstr(log_lines[n - 1], "outcome=replayed"), NULL, "%s", log_lines[n - 1]);
+}
