@@ -8,5 +8,6 @@
 #include "server.h"
 #include "client.h"
 #include "txn.h"
+#include "toolkit.h"
 
 #endif

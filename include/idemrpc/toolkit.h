@@ -1,0 +1,199 @@
+/* Business toolkit: the patterns that make a business effect happen once, built on the
+ * store's transactions (txn.h).
+ *
+ *   store txn      a business write transaction outside an RPC call
+ *   state machine  one-way states; advance(from → to) is a compare-and-set in a txn
+ *   versioned      records with a version: update-if-version (optimistic lock), and a
+ *                  bounded retry helper for version conflicts
+ *   consume        at-least-once messages consumed once per (group, key) (防重表)
+ *
+ * LMDB has one writer per env. Functions taking an idem_store and writing (idem_store_run_txn,
+ * idem_consume, idem_consume_purge) open their own write txn: never call them from inside a
+ * transactional handler or another idem_store_run_txn (the thread would wait for itself).
+ * Inside a txn use the idem_txn variants. The toolkit needs the LMDB store (business
+ * databases): on another backend its functions answer IDEM_UNIMPLEMENTED (idem_consume:
+ * RETRY). docs/recipes.md maps each pattern to its use and says when not to use it. */
+#ifndef IDEMRPC_TOOLKIT_H
+#define IDEMRPC_TOOLKIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+#include "store.h"
+#include "txn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- store txn ---- */
+
+/* Business work inside a write txn. Returning IDEM_OK commits, anything else aborts. */
+typedef idem_code (*idem_txn_fn)(idem_txn *t, void *arg);
+
+/* Runs fn in a new write txn: commits when fn returns IDEM_OK, else aborts (none of fn's
+ * writes remain) and returns fn's code. A failed commit (IDEM_RESOURCE_EXHAUSTED when the
+ * store is full) also leaves nothing written. */
+IDEM_API idem_code idem_store_run_txn(idem_store *st, idem_txn_fn fn, void *arg);
+
+/* ---- state machine ---- */
+
+#define IDEM_SM_MAX_STATES 32
+#define IDEM_SM_MAX_TRANSITIONS 64
+#define IDEM_SM_MAX_STATE 31   /* bytes of a state name */
+#define IDEM_SM_MAX_ENTITY 255 /* bytes of an entity id */
+
+typedef struct idem_sm_transition {
+    const char *from;
+    const char *to;
+} idem_sm_transition;
+
+/* A declaration, usually a static const. Entities' states live in the business database
+ * `db` (entity id → state name, no NUL), so idem_store_app_get() reads them too. */
+typedef struct idem_state_machine {
+    const char *db;
+    const char *const *states;
+    size_t n_states;
+    const idem_sm_transition *transitions; /* the only allowed moves */
+    size_t n_transitions;
+} idem_state_machine;
+
+typedef enum idem_sm_outcome {
+    IDEM_SM_ADVANCED = 1, /* the state was `from` and is now `to`: do the transition's effect */
+    IDEM_SM_DUPLICATE,    /* the state already was `to`: nothing written, do nothing */
+} idem_sm_outcome;
+
+/* IDEM_OK, or IDEM_INVALID_ARGUMENT naming the fault: no db, 0 or more than 32 states, a
+ * name empty or longer than 31 bytes, a repeated state, a transition naming an undeclared
+ * state, a self-loop or a repeated transition, more than 64 transitions. Every function
+ * below validates the machine first, so a bad declaration never writes. */
+IDEM_API idem_code idem_sm_validate(const idem_state_machine *m);
+
+/* True when from → to is declared. */
+IDEM_API bool idem_sm_allowed(const idem_state_machine *m, const char *from, const char *to);
+
+/* Creates entity in `state` (a declared state). IDEM_ALREADY_EXISTS when the entity
+ * exists in any state; nothing is written then. */
+IDEM_API idem_code idem_sm_create(idem_txn *t, const idem_state_machine *m, const char *entity,
+                                  const char *state);
+
+/* Copies entity's state into buf (cap > IDEM_SM_MAX_STATE). IDEM_NOT_FOUND when absent. */
+IDEM_API idem_code idem_sm_get(idem_txn *t, const idem_state_machine *m, const char *entity,
+                               char *buf, size_t cap);
+/* The same outside a txn (a read txn of its own). */
+IDEM_API idem_code idem_store_sm_get(idem_store *st, const idem_state_machine *m,
+                                     const char *entity, char *buf, size_t cap);
+
+/* Compare-and-set of entity's state inside t, checked in this order:
+ *   from → to not declared          IDEM_FAILED_PRECONDITION ("illegal transition")
+ *   entity absent                   IDEM_NOT_FOUND
+ *   state == to                     IDEM_OK, *outcome = IDEM_SM_DUPLICATE
+ *   state == from                   IDEM_OK, *outcome = IDEM_SM_ADVANCED, state := to
+ *   any other state                 IDEM_FAILED_PRECONDITION (idem_errmsg() names it)
+ * Only IDEM_SM_ADVANCED writes. outcome may be NULL. Undeclared names and bad entity ids
+ * are IDEM_INVALID_ARGUMENT. */
+IDEM_API idem_code idem_sm_advance(idem_txn *t, const idem_state_machine *m, const char *entity,
+                                   const char *from, const char *to, idem_sm_outcome *outcome);
+
+/* ---- versioned records (optimistic lock) ---- */
+
+#define IDEM_VERSIONED_MAX_VALUE 65536 /* bytes of a versioned value */
+
+/* A versioned record is stored as be32 magic ‖ be64 version ‖ value in a business
+ * database. Versions start at 1 and grow by 1 per put; 0 means "absent". Deleting one
+ * with idem_txn_del() restarts it at 1 (ABA): keep versioned records instead. */
+
+/* Reads key's value and version in t. *val points into the map until t ends. Absent:
+ * IDEM_NOT_FOUND with *version = 0. A value that is not a versioned record: IDEM_DATA_LOSS. */
+IDEM_API idem_code idem_versioned_get(idem_txn *t, const char *db, const void *key, size_t klen,
+                                      const void **val, size_t *vlen, uint64_t *version);
+
+/* Writes val as version expected + 1 if key's version is `expected` (0: key absent).
+ * Any other version: IDEM_ABORTED ("version conflict"), nothing written. new_version may
+ * be NULL. */
+IDEM_API idem_code idem_versioned_put(idem_txn *t, const char *db, const void *key, size_t klen,
+                                      uint64_t expected, const void *val, size_t vlen,
+                                      uint64_t *new_version);
+
+/* Snapshot read outside a txn; *val is malloc'd (free it), NULL when absent. */
+IDEM_API idem_code idem_store_versioned_get(idem_store *st, const char *db, const void *key,
+                                            size_t klen, void **val, size_t *vlen,
+                                            uint64_t *version);
+
+/* One attempt of an optimistic update: read a snapshot, decide, write if the version is
+ * unchanged. attempt counts from 1. IDEM_ABORTED means "conflict, run me again". */
+typedef idem_code (*idem_attempt_fn)(void *arg, uint32_t attempt);
+
+#define IDEM_CONFLICT_MAX_ATTEMPTS 100
+
+typedef struct idem_conflict_policy {
+    uint32_t max_attempts; /* 0 = 5; capped at IDEM_CONFLICT_MAX_ATTEMPTS */
+    uint32_t base_ms;      /* backoff before the 2nd attempt, doubling; 0 = 2 */
+    uint32_t max_ms;       /* backoff cap; 0 = 100 */
+    /* Called once, on the retrying thread, when every attempt conflicted: compensate,
+     * alert. fn_arg is the arg given to idem_retry_on_conflict. May be NULL. */
+    void (*on_exhausted)(void *fn_arg, uint32_t attempts, void *hook_arg);
+    void *hook_arg;
+} idem_conflict_policy;
+
+/* Runs fn until it returns anything but IDEM_ABORTED, at most max_attempts times, with a
+ * ±50 % jittered backoff between attempts (a loop, never past max_attempts). Returns fn's
+ * last code; when all attempts conflicted, calls on_exhausted and returns IDEM_ABORTED
+ * ("version conflict: gave up after N attempts"). p may be NULL (defaults). */
+IDEM_API idem_code idem_retry_on_conflict(const idem_conflict_policy *p, idem_attempt_fn fn,
+                                          void *arg);
+
+/* ---- message-consume dedupe (防重表) ---- */
+
+/* The reserved business database of consumed markers (stored as "app.idem.consumed").
+ * Business database names starting with "idem." belong to the toolkit: do not use them. */
+#define IDEM_CONSUME_DB "idem.consumed"
+#define IDEM_MAX_CONSUMER_GROUP 64 /* bytes */
+#define IDEM_MAX_MSG_KEY 255       /* bytes */
+#define IDEM_CONSUME_MAX_PURGE 10000
+
+typedef enum idem_consume_verdict {
+    IDEM_CONSUME_RETRY = 0, /* nothing recorded, fn's writes rolled back: redeliver */
+    IDEM_CONSUME_ACK = 1,   /* consumed now or before: ack the message */
+} idem_consume_verdict;
+
+typedef struct idem_consume_info {
+    bool duplicate;          /* ACK for a message consumed before: fn did not run */
+    idem_code code;          /* IDEM_OK on ACK; else fn's code or the store's error */
+    uint64_t consumed_at_ms; /* ACK: when the (first) consumption committed, unix ms */
+} idem_consume_info;
+
+/* For an at-least-once consumer: runs fn(txn, arg) once per (group, msg_key). The marker
+ * and fn's writes commit in one write txn, so a crash leaves both or neither. fn
+ * returning IDEM_OK acks; any other code (or a store error) is a retry with nothing
+ * recorded. To drop a poison message for good, write your dead-letter entry and return
+ * IDEM_OK. group is 1..64 bytes, msg_key 1..255 (else RETRY with INVALID_ARGUMENT). Markers
+ * are kept until idem_consume_purge() removes them. info may be NULL. */
+IDEM_API idem_consume_verdict idem_consume(idem_store *st, const char *group, const char *msg_key,
+                                           idem_txn_fn fn, void *arg);
+IDEM_API idem_consume_verdict idem_consume_ex(idem_store *st, const char *group,
+                                              const char *msg_key, idem_txn_fn fn, void *arg,
+                                              idem_consume_info *info);
+
+/* Inside a txn (e.g. a transactional handler receiving messages by RPC): records
+ * (group, msg_key) as consumed by t. IDEM_OK when new; IDEM_ALREADY_EXISTS when consumed
+ * before (nothing written). */
+IDEM_API idem_code idem_consume_mark(idem_txn *t, const char *group, const char *msg_key);
+
+/* IDEM_OK with *consumed_at_ms (may be NULL) when (group, msg_key) was consumed, else
+ * IDEM_NOT_FOUND. */
+IDEM_API idem_code idem_consume_lookup(idem_store *st, const char *group, const char *msg_key,
+                                       uint64_t *consumed_at_ms);
+
+/* Deletes, in one write txn, up to max (≤ IDEM_CONSUME_MAX_PURGE) markers consumed before
+ * before_ms, oldest first (consumption order). Purge only markers older than the longest
+ * redelivery your broker can make: a message redelivered after its marker is gone is
+ * consumed again. purged may be NULL. */
+IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max,
+                                      size_t *purged);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

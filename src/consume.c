@@ -1,0 +1,256 @@
+/* Message-consume dedupe (防重表): an at-least-once message takes effect once per
+ * (consumer group, message key).
+ *
+ * One business database, IDEM_CONSUME_DB, holds three kinds of keys:
+ *   'm' group \0 key   → be64 consumed_at ‖ be64 seq       the marker (the unique key)
+ *   'l' be64 seq       → be64 consumed_at ‖ marker key      consumption log, for purge
+ *   'q'                → be64 head ‖ be64 next              live log is [head, next)
+ * The marker, the log entry and the consumer's own writes commit in one write txn, so
+ * "consumed" and "effect done" cannot disagree after a crash. The log orders markers by
+ * consumption, which lets purge take the oldest first in bounded batches with only
+ * get/put/del; a clock stepped back only makes purge stop early (markers kept longer). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "toolkit_internal.h"
+
+#include "idemrpc/toolkit.h"
+
+#define MARKER_MAX (1 + IDEM_MAX_CONSUMER_GROUP + 1 + IDEM_MAX_MSG_KEY)
+#define LOG_KEY_LEN 9
+static const uint8_t META_KEY[1] = {'q'};
+
+typedef struct marker_key {
+    uint8_t bytes[MARKER_MAX];
+    size_t len;
+} marker_key;
+
+static idem_code marker_key_make(marker_key *k, const char *group, const char *msg_key)
+{
+    size_t lg = idem__bounded_len(group, IDEM_MAX_CONSUMER_GROUP);
+    size_t lk = idem__bounded_len(msg_key, IDEM_MAX_MSG_KEY);
+    if (lg == 0 || lk == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "consume: group must be 1..%d bytes and message key 1..%d bytes",
+                         IDEM_MAX_CONSUMER_GROUP, IDEM_MAX_MSG_KEY);
+    }
+    k->bytes[0] = 'm';
+    memcpy(k->bytes + 1, group, lg);
+    k->bytes[1 + lg] = 0;
+    memcpy(k->bytes + 2 + lg, msg_key, lk);
+    k->len = 2 + lg + lk;
+    return IDEM_OK;
+}
+
+static void log_key(uint8_t out[LOG_KEY_LEN], uint64_t seq)
+{
+    out[0] = 'l';
+    idem__put_be64(out + 1, seq);
+}
+
+static idem_code meta_get(idem_txn *t, uint64_t *head, uint64_t *next)
+{
+    const void *v;
+    size_t n;
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, META_KEY, sizeof(META_KEY), &v, &n);
+    *head = *next = 0;
+    if (code == IDEM_NOT_FOUND) {
+        return IDEM_OK;
+    }
+    if (code == IDEM_OK && n != 16) {
+        return idem__err(IDEM_DATA_LOSS, "consume: bad log bounds");
+    }
+    if (code == IDEM_OK) {
+        *head = idem__get_be64(v);
+        *next = idem__get_be64((const uint8_t *)v + 8);
+    }
+    return code;
+}
+
+static idem_code meta_put(idem_txn *t, uint64_t head, uint64_t next)
+{
+    uint8_t v[16];
+    idem__put_be64(v, head);
+    idem__put_be64(v + 8, next);
+    return idem_txn_put(t, IDEM_CONSUME_DB, META_KEY, sizeof(META_KEY), v, sizeof(v));
+}
+
+/* Writes marker + log entry. IDEM_ALREADY_EXISTS (and *consumed_at) when marked before. */
+static idem_code mark(idem_txn *t, const marker_key *k, uint64_t now, uint64_t *consumed_at)
+{
+    const void *v;
+    size_t n;
+    uint64_t head, next;
+    uint8_t mval[16], lkey[LOG_KEY_LEN], lval[8 + MARKER_MAX];
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, k->bytes, k->len, &v, &n);
+    if (code == IDEM_OK) {
+        *consumed_at = n == 16 ? idem__get_be64(v) : 0;
+        return idem__err(IDEM_ALREADY_EXISTS, "consume: message consumed before");
+    }
+    if (code != IDEM_NOT_FOUND || (code = meta_get(t, &head, &next)) != IDEM_OK) {
+        return code;
+    }
+    idem__put_be64(mval, now);
+    idem__put_be64(mval + 8, next);
+    log_key(lkey, next);
+    memcpy(lval, mval, 8);
+    memcpy(lval + 8, k->bytes, k->len);
+    if ((code = idem_txn_put(t, IDEM_CONSUME_DB, k->bytes, k->len, mval, 16)) != IDEM_OK ||
+        (code = idem_txn_put(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN, lval, 8 + k->len)) != IDEM_OK) {
+        return code;
+    }
+    *consumed_at = now;
+    return meta_put(t, head, next + 1);
+}
+
+idem_code idem_consume_mark(idem_txn *t, const char *group, const char *msg_key)
+{
+    marker_key k;
+    uint64_t at;
+    idem_code code = marker_key_make(&k, group, msg_key);
+    return code != IDEM_OK ? code : mark(t, &k, idem__now_ms(), &at);
+}
+
+static idem_code lookup(idem_store *st, const marker_key *k, uint64_t *consumed_at)
+{
+    void *v;
+    size_t n;
+    idem_code code = idem_store_app_get(st, IDEM_CONSUME_DB, k->bytes, k->len, &v, &n);
+    if (code == IDEM_OK) {
+        *consumed_at = n == 16 ? idem__get_be64(v) : 0;
+        free(v);
+    }
+    return code;
+}
+
+idem_code idem_consume_lookup(idem_store *st, const char *group, const char *msg_key,
+                              uint64_t *consumed_at_ms)
+{
+    marker_key k;
+    uint64_t at = 0;
+    idem_code code = marker_key_make(&k, group, msg_key);
+    if (code == IDEM_OK && (code = lookup(st, &k, &at)) == IDEM_OK && consumed_at_ms != NULL) {
+        *consumed_at_ms = at;
+    }
+    return code;
+}
+
+static idem_consume_verdict verdict(idem_consume_info *info, idem_code code, bool duplicate,
+                                    uint64_t at)
+{
+    info->code = code;
+    info->duplicate = code == IDEM_OK && duplicate;
+    info->consumed_at_ms = code == IDEM_OK ? at : 0;
+    return code == IDEM_OK ? IDEM_CONSUME_ACK : IDEM_CONSUME_RETRY;
+}
+
+idem_consume_verdict idem_consume_ex(idem_store *st, const char *group, const char *msg_key,
+                                     idem_txn_fn fn, void *arg, idem_consume_info *info)
+{
+    idem_consume_info local;
+    marker_key k;
+    idem_txn *t;
+    uint64_t at = 0;
+    info = info != NULL ? info : &local;
+    idem_code code = marker_key_make(&k, group, msg_key);
+    if (code == IDEM_OK && (st == NULL || fn == NULL)) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "consume needs a store and a function");
+    }
+    if (code != IDEM_OK || (code = lookup(st, &k, &at)) != IDEM_NOT_FOUND) {
+        return verdict(info, code, true, at); /* read-only fast path for duplicates */
+    }
+    if ((code = idem__store_txn_begin(st, &t)) != IDEM_OK) {
+        return verdict(info, code, false, 0);
+    }
+    code = mark(t, &k, idem__now_ms(), &at);
+    if (code == IDEM_ALREADY_EXISTS) { /* a concurrent consumer committed first */
+        idem__store_txn_abort(t);
+        return verdict(info, IDEM_OK, true, at);
+    }
+    if (code == IDEM_OK) {
+        code = fn(t, arg);
+    }
+    if (code != IDEM_OK) {
+        idem__store_txn_abort(t); /* neither the marker nor fn's writes remain */
+        return verdict(info, code, false, 0);
+    }
+    return verdict(info, idem__store_txn_commit(t), false, at);
+}
+
+idem_consume_verdict idem_consume(idem_store *st, const char *group, const char *msg_key,
+                                  idem_txn_fn fn, void *arg)
+{
+    return idem_consume_ex(st, group, msg_key, fn, arg, NULL);
+}
+
+typedef struct purge_args {
+    uint64_t before_ms;
+    size_t max, purged;
+} purge_args;
+
+/* Deletes log entry seq and its marker if consumed before the cutoff. *stop when not. */
+static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
+{
+    uint8_t lkey[LOG_KEY_LEN];
+    const void *v;
+    size_t n;
+    log_key(lkey, seq);
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN, &v, &n);
+    *stop = false;
+    if (code == IDEM_NOT_FOUND) {
+        return IDEM_OK; /* nothing left at this seq */
+    }
+    if (code != IDEM_OK || n <= 8) {
+        return code != IDEM_OK ? code : idem__err(IDEM_DATA_LOSS, "consume: bad log entry");
+    }
+    if (idem__get_be64(v) >= a->before_ms) {
+        *stop = true;
+        return IDEM_OK;
+    }
+    code = idem_txn_del(t, IDEM_CONSUME_DB, (const uint8_t *)v + 8, n - 8);
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    if ((code = idem_txn_del(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN)) == IDEM_OK) {
+        a->purged++;
+    }
+    return code;
+}
+
+static idem_code purge_txn(idem_txn *t, void *arg)
+{
+    purge_args *a = arg;
+    uint64_t head, next, seq;
+    bool stop = false;
+    idem_code code = meta_get(t, &head, &next);
+    /* At most max log slots are looked at, deleted or not: the txn stays bounded. */
+    for (seq = head; code == IDEM_OK && seq < next && seq - head < a->max; seq++) {
+        if ((code = purge_one(t, a, seq, &stop)) != IDEM_OK || stop) {
+            break;
+        }
+    }
+    if (code != IDEM_OK || seq == head) {
+        return code;
+    }
+    return meta_put(t, seq, next);
+}
+
+idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max, size_t *purged)
+{
+    purge_args a = {.before_ms = before_ms, .max = max};
+    if (purged != NULL) {
+        *purged = 0;
+    }
+    if (max > IDEM_CONSUME_MAX_PURGE) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "consume purge: at most %d per batch",
+                         IDEM_CONSUME_MAX_PURGE);
+    }
+    if (max == 0) {
+        return IDEM_OK;
+    }
+    idem_code code = idem_store_run_txn(st, purge_txn, &a);
+    if (code == IDEM_OK && purged != NULL) {
+        *purged = a.purged;
+    }
+    return code;
+}
