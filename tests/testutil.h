@@ -35,6 +35,9 @@ idem_client *tu_client(const char *url, unsigned attempt_timeout_ms);
 struct Idem__V1__Response;
 struct Idem__V1__Response *tu_raw_call(const char *url, const void *frame, size_t len,
                                        unsigned timeout_ms);
+/* The same, but a server that is down (or dies) is not a failure: NULL. */
+struct Idem__V1__Response *tu_raw_call_try(const char *url, const void *frame, size_t len,
+                                           unsigned timeout_ms);
 void tu_response_free(struct Idem__V1__Response *r);
 /* Packs a Request with the given fields (NULL = unset) into a malloc'd frame. */
 void *tu_pack_request(const char *method, const char *key, const char *caller,
