@@ -1,0 +1,103 @@
+/* idemrpc-payments: a small payment service on idemrpc (see README.md).
+ *
+ *   orders.c      pay.Order/Create (token), Cancel, Get, Count; the order state machine
+ *   callback.c    pay.Callback/Notify: the channel's payment callback, CREATED → PAID
+ *   refund.c      pay.Order/Refund: PAID → REFUNDED with an optimistic balance debit
+ *   ledger.c      versioned balances; pay.Merchant/Settle, pay.Account/Balance
+ *   commission.c  the outbox and its at-least-once dispatcher; pay.Commission/Drain
+ *   form.c        "k=v&k=v" payloads
+ * Money is integer cents. Everything the service knows lives in one LMDB store. */
+#ifndef PAYMENTS_H
+#define PAYMENTS_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <idemrpc/idemrpc.h>
+
+#define PAY_MAX_AMOUNT 100000000000LL /* 1e9 units of currency, in cents */
+#define PAY_MAX_FIELD 64
+#define PAY_DB_ORDERS "orders"     /* order id → "merchant=..&amount=.." */
+#define PAY_DB_SEQ "seq"           /* "order" → next order number */
+#define PAY_DB_BALANCES "balances" /* account → versioned int64 cents */
+#define PAY_DB_OUTBOX "outbox"     /* be64 seq → commission message; "q" → head, next */
+
+/* Fault injection for the tests' at-least-once harness (all off by default). */
+typedef struct pay_faults {
+    uint64_t seed;            /* the dispatcher's PRNG */
+    double fail_rate;         /* a consume throws after its write (0..1) */
+    double redeliver_rate;    /* a message is delivered twice (0..1) */
+    const char *crash_at;     /* "consume" (mid-consume) | "before_ack" | NULL */
+    unsigned crash_on;        /* the n-th consume crashes (1 = the first) */
+    unsigned create_delay_ms; /* a slow Create, for client timeouts */
+} pay_faults;
+
+/* The dispatcher's counters, reported by pay.Commission/Drain. */
+typedef struct pay_stats {
+    uint64_t delivered, consumed, duplicates, failures, redeliveries;
+} pay_stats;
+
+typedef struct pay_service {
+    idem_store *store;
+    pay_faults faults;
+    pthread_mutex_t mu; /* guards everything below */
+    pthread_cond_t cv;  /* CLOCK_MONOTONIC: a dispatcher round finished, or stopping */
+    bool stopping;
+    uint64_t pending; /* unacked messages when the last round started */
+    uint64_t rounds;  /* dispatcher rounds finished */
+    pay_stats stats;
+    uint64_t rng;      /* dispatcher thread only */
+    unsigned consumes; /* dispatcher thread only: consume calls, for crash_on */
+    pthread_t dispatcher;
+} pay_service;
+
+extern const idem_state_machine pay_order_machine;
+
+/* ---- form.c ---- */
+/* Copies field `name` of a "k=v&k=v" payload into out. Values are 1..cap-1 bytes of
+ * [A-Za-z0-9_.:-]; false when absent or malformed. */
+bool pay_form_get(const void *p, size_t n, const char *name, char *out, size_t cap);
+/* An amount field: 1..PAY_MAX_AMOUNT decimal cents. */
+bool pay_form_amount(const void *p, size_t n, const char *name, long long *out);
+/* Formats into a stack buffer and replies OK with it. */
+idem_code pay_reply(idem_call *call, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A failure after the handler wrote: answered as a transient code, so the handler's txn
+ * is aborted (a final code would commit the writes made so far). */
+idem_code pay_rollback(idem_call *call, idem_code code, const char *what);
+
+/* ---- orders.c ---- */
+idem_code pay_order_load(idem_txn *t, const char *order_id, char *merchant, long long *amount);
+idem_code pay_order_create(idem_call *call, void *arg);
+idem_code pay_order_cancel(idem_call *call, void *arg);
+idem_code pay_order_get(idem_call *call, void *arg);
+idem_code pay_order_count(idem_call *call, void *arg);
+
+/* ---- callback.c ---- */
+bool pay_notify_key(const idem_call *call, char *buf, size_t cap, void *arg);
+idem_code pay_callback_notify(idem_call *call, void *arg);
+
+/* ---- refund.c ---- */
+idem_code pay_order_refund(idem_call *call, void *arg);
+
+/* ---- ledger.c ---- */
+/* balance(account) += delta inside t; IDEM_FAILED_PRECONDITION (nothing written) when it
+ * would go negative. new_balance may be NULL. */
+idem_code pay_ledger_add(idem_txn *t, const char *account, long long delta, long long *new_balance);
+/* Snapshot read: 0 at version 0 when the account has never been written. */
+idem_code pay_ledger_read(idem_store *st, const char *account, long long *balance,
+                          uint64_t *version);
+/* In t: writes `balance` if the account is still at version `seen` (else IDEM_ABORTED). */
+idem_code pay_ledger_cas(idem_txn *t, const char *account, uint64_t seen, long long balance);
+idem_code pay_merchant_settle(idem_call *call, void *arg);
+idem_code pay_account_balance(idem_call *call, void *arg);
+
+/* ---- commission.c ---- */
+/* Queues the commission messages of a paid order in t (the transactional outbox). */
+idem_code pay_commission_enqueue(idem_txn *t, const char *order_id, const char *merchant,
+                                 long long amount);
+idem_code pay_commission_start(pay_service *svc);
+void pay_commission_stop(pay_service *svc);
+idem_code pay_commission_drain(idem_call *call, void *arg);
+
+#endif

@@ -1,0 +1,606 @@
+/* End-to-end tests of examples/payments: idemrpc-payments runs as a real child process on
+ * ipc:// in a temp dir and is driven like production drives it: a channel replaying its
+ * callback, a commission queue that redelivers and a consumer that throws or is killed,
+ * a client that times out and replays. Each test checks the business tables (orders,
+ * balances and their versions), not only the answers. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "idemrpc.pb-c.h"
+#include "testutil.h"
+
+#define MAX_ARGS 24
+#define CHANNEL "alipay"
+#define MERCHANT "m1"
+#define ACCOUNT "merchant:" MERCHANT
+
+typedef struct child {
+    pid_t pid;
+    FILE *out;
+} child;
+
+static char *dir;
+static char url[256], db[256];
+static child server = {-1, NULL}; /* the live server, killed by teardown if a test fails */
+
+static void setup(void)
+{
+    dir = tu_tempdir("payments");
+    snprintf(url, sizeof(url), "ipc://%s/pay.sock", dir);
+    snprintf(db, sizeof(db), "%s/db", dir);
+}
+
+static int reap(child *c);
+
+static void teardown(void)
+{
+    if (server.pid > 0) {
+        kill(server.pid, SIGKILL);
+        reap(&server);
+    }
+    tu_rmtree(dir);
+}
+
+TestSuite(payments, .init = setup, .fini = teardown, .timeout = 120);
+
+/* ---- the server process ---- */
+
+/* Starts idemrpc-payments with extra options (NULL-terminated) and waits for "ready". */
+static void spawn(const char *const *extra)
+{
+    const char *argv[MAX_ARGS] = {getenv("PAYMENTS_SERVER"), "--listen", url, "--db", db};
+    size_t n = 5;
+    int fds[2];
+    for (; extra != NULL && *extra != NULL && n < MAX_ARGS - 1; extra++) {
+        argv[n++] = *extra;
+    }
+    argv[n] = NULL;
+    cr_assert_not_null(argv[0], "PAYMENTS_SERVER is not set");
+    cr_assert_eq(pipe(fds), 0);
+    server.pid = fork();
+    cr_assert_geq(server.pid, 0);
+    if (server.pid == 0) {
+        dup2(fds[1], STDOUT_FILENO);
+        close(fds[0]);
+        close(fds[1]);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    server.out = fdopen(fds[0], "r");
+    char line[64] = {0};
+    cr_assert_not_null(fgets(line, sizeof(line), server.out), "idemrpc-payments did not start");
+    cr_assert_str_eq(line, "ready\n");
+}
+
+/* Waits for the child; returns the signal that ended it, or 0 for a normal exit. */
+static int reap(child *c)
+{
+    int status;
+    pid_t pid = c->pid;
+    c->pid = -1;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    fclose(c->out);
+    return WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+}
+
+static void stop(void)
+{
+    kill(server.pid, SIGTERM);
+    int sig = reap(&server);
+    cr_expect_eq(sig, 0, "clean shutdown on SIGTERM, not signal %d", sig);
+}
+
+/* ---- calls ---- */
+
+static idem_client *client(uint32_t attempt_ms, uint32_t deadline_ms, uint32_t attempts)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.attempt_timeout_ms = attempt_ms;
+    o.deadline_ms = deadline_ms;
+    o.retry.max_attempts = attempts;
+    o.retry.period_ms = 50;
+    o.retry.max_period_ms = 200;
+    o.caller = "shop";
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
+    return c;
+}
+
+/* One logical call with the default test client. */
+static idem_code call(const char *method, const char *key, const char *token, const char *payload,
+                      idem_result *r)
+{
+    idem_client *c = client(2000, 10000, 5);
+    idem_request q = {.method = method,
+                      .idempotency_key = key,
+                      .token = token,
+                      .payload = payload,
+                      .payload_len = strlen(payload)};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+/* Field `name` of a "k=v&k=v" payload as a number; -1 when absent. */
+static long long field_ll(const char *form, const char *name)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "%s=", name);
+    for (const char *p = form; p != NULL && (p = strstr(p, pat)) != NULL; p++) {
+        if (p == form || p[-1] == '&') {
+            return atoll(p + strlen(pat));
+        }
+    }
+    return -1;
+}
+
+static bool field_is(const char *form, const char *name, const char *value)
+{
+    char pat[128];
+    size_t n = (size_t)snprintf(pat, sizeof(pat), "%s=%s", name, value);
+    for (const char *p = form; (p = strstr(p, pat)) != NULL; p++) {
+        if ((p == form || p[-1] == '&') && (p[n] == '\0' || p[n] == '&')) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static char *token(void)
+{
+    static char buf[64];
+    idem_client *c = client(2000, 10000, 5);
+    cr_assert_eq(idem_client_issue_token(c, NULL, buf, sizeof(buf), NULL), IDEM_OK, "%s",
+                 idem_errmsg());
+    idem_client_close(c);
+    return buf;
+}
+
+/* Submits an order with a fresh token; copies its id into id (32 bytes). */
+static void create_order(long long amount, char *id)
+{
+    char payload[96];
+    idem_result r;
+    snprintf(payload, sizeof(payload), "merchant=%s&amount=%lld", MERCHANT, amount);
+    cr_assert_eq(call("pay.Order/Create", NULL, token(), payload, &r), IDEM_OK, "%s", r.message);
+    const char *p = strstr(r.payload, "order_id=");
+    cr_assert_not_null(p);
+    snprintf(id, 32, "%.12s", p + strlen("order_id="));
+    idem_result_clear(&r);
+}
+
+/* The channel's callback: a raw req0 frame without an idempotency key, as a channel
+ * would send it, so that the server derives the key from (channel, out_trade_no).
+ * Returns the code (IDEM_OK only with the body "success"), or -1 when no answer came
+ * (the server is down). Asserts nothing: worker threads call it too. */
+static int notify(const char *order_id, long long amount, bool *replayed)
+{
+    char payload[160];
+    size_t len;
+    snprintf(payload, sizeof(payload),
+             "out_trade_no=%s&channel=" CHANNEL "&amount=%lld&trade_status=SUCCESS", order_id,
+             amount);
+    void *frame = tu_pack_request("pay.Callback/Notify", NULL, CHANNEL, payload, &len);
+    Idem__V1__Response *resp = tu_raw_call_try(url, frame, len, 5000);
+    free(frame);
+    if (resp == NULL) {
+        return -1;
+    }
+    int code = resp->code;
+    if (code == IDEM_OK && (resp->payload.len != 7 || memcmp(resp->payload.data, "success", 7))) {
+        code = -2; /* channels resend until they read "success" */
+    }
+    if (replayed != NULL) {
+        *replayed = resp->replayed;
+    }
+    tu_response_free(resp);
+    return code;
+}
+
+/* An order of amount cents, created and paid by one callback. */
+static void create_paid_order(long long amount, char *id)
+{
+    create_order(amount, id);
+    cr_assert_eq(notify(id, amount, NULL), IDEM_OK, "paying %s", id);
+}
+
+static long long balance(const char *account, uint64_t *version)
+{
+    char payload[96];
+    idem_result r;
+    snprintf(payload, sizeof(payload), "account=%s", account);
+    cr_assert_eq(call("pay.Account/Balance", NULL, NULL, payload, &r), IDEM_OK, "%s", r.message);
+    long long b = field_ll(r.payload, "balance");
+    if (version != NULL) {
+        *version = (uint64_t)field_ll(r.payload, "version");
+    }
+    idem_result_clear(&r);
+    return b;
+}
+
+static bool order_is(const char *order_id, const char *state)
+{
+    char payload[64];
+    idem_result r;
+    snprintf(payload, sizeof(payload), "order_id=%s", order_id);
+    cr_assert_eq(call("pay.Order/Get", NULL, NULL, payload, &r), IDEM_OK, "%s", r.message);
+    bool is = field_is(r.payload, "state", state);
+    idem_result_clear(&r);
+    return is;
+}
+
+static long long order_count(void)
+{
+    idem_result r;
+    cr_assert_eq(call("pay.Order/Count", NULL, NULL, "", &r), IDEM_OK, "%s", r.message);
+    long long n = field_ll(r.payload, "orders");
+    idem_result_clear(&r);
+    return n;
+}
+
+static idem_code refund(const char *order_id, const char *key, idem_result *r)
+{
+    char payload[64];
+    snprintf(payload, sizeof(payload), "order_id=%s", order_id);
+    return call("pay.Order/Refund", key, NULL, payload, r);
+}
+
+/* Waits until the commission queue is empty; copies the broker's counters into stats. */
+static void drain(char *stats, size_t cap)
+{
+    idem_client *c = client(25000, 30000, 1);
+    idem_request q = {.method = "pay.Commission/Drain",
+                      .payload = "timeout_ms=20000",
+                      .payload_len = strlen("timeout_ms=20000")};
+    idem_result r;
+    cr_assert_eq(idem_client_call(c, &q, &r), IDEM_OK, "drain: %s", r.message);
+    snprintf(stats, cap, "%s", (const char *)r.payload);
+    idem_result_clear(&r);
+    idem_client_close(c);
+}
+
+/* Commission rules of the example: 2 % to the platform, 1 % to sales. */
+static void expect_commissions(long long paid_total_bps200, long long paid_total_bps100)
+{
+    uint64_t v;
+    cr_expect_eq(balance("commission:platform", &v), paid_total_bps200, "platform commission");
+    cr_expect_eq(balance("commission:sales", &v), paid_total_bps100, "sales commission");
+}
+
+/* ---- the seed's checks ---- */
+
+Test(payments, same_callback_ten_times_changes_the_business_table_once)
+{
+    char id[32], stats[256];
+    uint64_t version;
+    int replays = 0;
+    spawn(NULL);
+    create_order(10000, id);
+    for (int i = 0; i < 10; i++) {
+        bool replayed = false;
+        cr_assert_eq(notify(id, 10000, &replayed), IDEM_OK, "callback %d", i);
+        replays += replayed;
+    }
+    cr_expect_eq(replays, 9, "the first callback ran, nine replayed its answer");
+    cr_expect(order_is(id, "PAID"));
+    cr_expect_eq(balance(ACCOUNT, &version), 10000, "credited once");
+    cr_expect_eq(version, 1, "one write to the merchant's balance");
+    drain(stats, sizeof(stats));
+    expect_commissions(200, 100);
+    stop();
+}
+
+Test(payments, callback_that_gets_past_the_cache_is_stopped_by_the_state_machine)
+{
+    char id[32], payload[160];
+    uint64_t version;
+    idem_result r;
+    spawn(NULL);
+    create_paid_order(10000, id);
+    /* Same notification under another key (a result whose record expired, a proxy that
+     * adds its own key): the handler runs again and finds PAID. */
+    snprintf(payload, sizeof(payload),
+             "out_trade_no=%s&channel=" CHANNEL "&amount=10000&trade_status=SUCCESS", id);
+    cr_assert_eq(call("pay.Callback/Notify", "proxy-key-1", NULL, payload, &r), IDEM_OK);
+    cr_expect_not(r.replayed, "not a replay: the handler ran");
+    idem_result_clear(&r);
+    cr_expect_eq(balance(ACCOUNT, &version), 10000);
+    cr_expect_eq(version, 1, "the second run wrote nothing");
+    stop();
+}
+
+Test(payments, callback_replayed_with_another_amount_is_rejected)
+{
+    char id[32];
+    uint64_t version;
+    spawn(NULL);
+    create_paid_order(10000, id);
+    cr_expect_eq(notify(id, 99999, NULL), IDEM_INVALID_ARGUMENT,
+                 "same key, other request: idempotency key reused");
+    cr_expect_eq(balance(ACCOUNT, &version), 10000);
+    cr_expect_eq(version, 1);
+    stop();
+}
+
+Test(payments, callback_with_a_wrong_amount_is_refused_and_the_order_stays_created)
+{
+    char id[32];
+    uint64_t version;
+    spawn(NULL);
+    create_order(10000, id);
+    cr_expect_eq(notify(id, 1, NULL), IDEM_FAILED_PRECONDITION);
+    cr_expect(order_is(id, "CREATED"));
+    cr_expect_eq(balance(ACCOUNT, &version), 0);
+    cr_expect_eq(version, 0, "never written");
+    stop();
+}
+
+Test(payments, callback_for_a_cancelled_order_is_refused_and_credits_nothing)
+{
+    char id[32], payload[64];
+    uint64_t version;
+    idem_result r;
+    spawn(NULL);
+    create_order(10000, id);
+    snprintf(payload, sizeof(payload), "order_id=%s", id);
+    cr_assert_eq(call("pay.Order/Cancel", "cancel-1", NULL, payload, &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(notify(id, 10000, NULL), IDEM_FAILED_PRECONDITION);
+    cr_expect(order_is(id, "CANCELLED"));
+    cr_expect_eq(balance(ACCOUNT, &version), 0);
+    cr_expect_eq(version, 0);
+    stop();
+}
+
+Test(payments, client_replaying_after_a_timeout_gets_the_first_order_not_a_second)
+{
+    const char *slow[] = {"--create-delay-ms", "1500", NULL};
+    char tok[64];
+    idem_result r;
+    spawn(slow);
+    snprintf(tok, sizeof(tok), "%s", token());
+    idem_client *impatient = client(300, 400, 1);
+    idem_request q = {.method = "pay.Order/Create",
+                      .token = tok,
+                      .payload = "merchant=" MERCHANT "&amount=5000",
+                      .payload_len = strlen("merchant=" MERCHANT "&amount=5000")};
+    idem_code code = idem_client_call(impatient, &q, &r);
+    cr_expect(code == IDEM_DEADLINE_EXCEEDED || code == IDEM_UNAVAILABLE,
+              "the first attempt timed out: %s", idem_code_name(code));
+    idem_result_clear(&r);
+    idem_client_close(impatient);
+
+    /* The caller does not know whether the order exists: it replays with the same token. */
+    cr_assert_eq(call("pay.Order/Create", NULL, tok, q.payload, &r), IDEM_OK, "%s", r.message);
+    cr_expect(r.replayed, "the first execution's result");
+    cr_expect(field_is(r.payload, "order_id", "ORD-00000001"), "%s", (char *)r.payload);
+    idem_result_clear(&r);
+    cr_assert_eq(call("pay.Order/Create", NULL, tok, q.payload, &r), IDEM_OK);
+    cr_expect(r.replayed && field_is(r.payload, "order_id", "ORD-00000001"));
+    idem_result_clear(&r);
+    cr_expect_eq(order_count(), 1, "one order, not two");
+    stop();
+}
+
+Test(payments, retrying_client_gets_one_order_and_the_first_result)
+{
+    const char *slow[] = {"--create-delay-ms", "800", NULL};
+    idem_result r;
+    spawn(slow);
+    idem_client *c = client(300, 10000, 10);
+    idem_request q = {.method = "pay.Order/Create",
+                      .token = token(),
+                      .payload = "merchant=" MERCHANT "&amount=5000",
+                      .payload_len = strlen("merchant=" MERCHANT "&amount=5000")};
+    cr_assert_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s", r.message);
+    cr_expect_gt(r.attempts, 1, "the first attempt timed out");
+    cr_expect(r.replayed, "a later attempt got the first attempt's result");
+    cr_expect(field_is(r.payload, "order_id", "ORD-00000001"));
+    idem_result_clear(&r);
+    idem_client_close(c);
+    cr_expect_eq(order_count(), 1);
+    stop();
+}
+
+/* Pays n orders of amounts 1000, 2000, ... and returns their total. */
+static long long pay_orders(int n, char ids[][32])
+{
+    long long total = 0;
+    for (int i = 0; i < n; i++) {
+        create_paid_order(1000LL * (i + 1), ids[i]);
+        total += 1000LL * (i + 1);
+    }
+    return total;
+}
+
+Test(payments, consumer_that_throws_is_retried_until_each_commission_is_credited_once)
+{
+    const char *flaky[] = {"--fail-rate", "0.5", "--redeliver-rate", "0.5", "--seed", "7", NULL};
+    char ids[8][32], stats[256];
+    spawn(flaky);
+    long long total = pay_orders(8, ids);
+    drain(stats, sizeof(stats));
+    cr_expect_gt(field_ll(stats, "failures"), 0, "the consumer did throw: %s", stats);
+    cr_expect_gt(field_ll(stats, "redeliveries"), 0, "messages were redelivered: %s", stats);
+    cr_expect_eq(field_ll(stats, "consumed"), 16, "16 messages (8 orders x 2 rules): %s", stats);
+    expect_commissions(total * 200 / 10000, total * 100 / 10000);
+    cr_expect_eq(balance(ACCOUNT, NULL), total, "the payments themselves: once each");
+    stop();
+}
+
+/* Kills the server at `point` of the third consume, restarts it on the same directory
+ * with a broker that redelivers, has the channel replay every callback, and checks that
+ * every commission was credited exactly once. The kill may also catch a callback after
+ * its claim: the short lease lets the replay take it over instead of waiting 30 s. */
+static void kill_consumer_and_restart(const char *point)
+{
+    const char *crashing[] = {"--crash-at", point, "--crash-on", "3", "--lease-ms", "500", NULL};
+    const char *redelivering[] = {"--redeliver-rate", "0.5", "--seed", "11",
+                                  "--lease-ms",       "500", NULL};
+    char ids[6][32], stats[256];
+    long long total = 0;
+    spawn(crashing);
+    for (int i = 0; i < 6; i++) {
+        create_order(1000LL * (i + 1), ids[i]);
+        total += 1000LL * (i + 1);
+    }
+    for (int i = 0; i < 6; i++) {
+        notify(ids[i], 1000LL * (i + 1), NULL); /* the server dies somewhere in here */
+    }
+    cr_assert_eq(reap(&server), SIGKILL, "killed at %s", point);
+
+    spawn(redelivering);
+    for (int i = 0; i < 6; i++) { /* channels resend until they hear "success" */
+        cr_assert_eq(notify(ids[i], 1000LL * (i + 1), NULL), IDEM_OK);
+    }
+    drain(stats, sizeof(stats));
+    expect_commissions(total * 200 / 10000, total * 100 / 10000);
+    cr_expect_eq(balance(ACCOUNT, NULL), total);
+    for (int i = 0; i < 6; i++) {
+        cr_expect(order_is(ids[i], "PAID"));
+    }
+    stop();
+}
+
+Test(payments, consumer_killed_mid_consume_restarts_and_credits_once)
+{
+    kill_consumer_and_restart("consume");
+}
+
+Test(payments, consumer_killed_between_consume_and_ack_credits_once)
+{
+    kill_consumer_and_restart("before_ack");
+}
+
+/* ---- refunds ---- */
+
+Test(payments, refund_moves_paid_to_refunded_and_debits_the_merchant_once)
+{
+    char id[32];
+    uint64_t version;
+    idem_result r;
+    spawn(NULL);
+    create_paid_order(10000, id);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(refund(id, "refund-1", &r), IDEM_OK, "%s", r.message);
+        cr_expect_eq(r.replayed, i > 0);
+        cr_expect_eq(field_ll(r.payload, "refunded"), 10000);
+        idem_result_clear(&r);
+    }
+    cr_assert_eq(refund(id, "refund-2", &r), IDEM_OK, "another request for the same refund");
+    cr_expect(field_is(r.payload, "already", "1"), "%s", (char *)r.payload);
+    idem_result_clear(&r);
+    cr_expect(order_is(id, "REFUNDED"));
+    cr_expect_eq(balance(ACCOUNT, &version), 0);
+    cr_expect_eq(version, 2, "one credit, one debit");
+    stop();
+}
+
+Test(payments, refund_that_would_make_the_balance_negative_is_refused_and_writes_nothing)
+{
+    char id[32];
+    uint64_t version;
+    idem_result r;
+    spawn(NULL);
+    create_paid_order(10000, id);
+    cr_assert_eq(
+        call("pay.Merchant/Settle", "settle-1", NULL, "merchant=" MERCHANT "&amount=9000", &r),
+        IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(refund(id, "refund-1", &r), IDEM_FAILED_PRECONDITION);
+    cr_expect(strstr(r.message, "insufficient") != NULL, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect(order_is(id, "PAID"), "still paid");
+    cr_expect_eq(balance(ACCOUNT, &version), 1000);
+    cr_expect_eq(version, 2, "credit and settlement only");
+    cr_expect_eq(
+        call("pay.Merchant/Settle", "settle-2", NULL, "merchant=" MERCHANT "&amount=1001", &r),
+        IDEM_FAILED_PRECONDITION, "a settlement cannot overdraw either");
+    idem_result_clear(&r);
+    cr_expect_eq(balance(ACCOUNT, NULL), 1000);
+    stop();
+}
+
+Test(payments, refund_of_an_unpaid_order_is_failed_precondition)
+{
+    char id[32];
+    idem_result r;
+    spawn(NULL);
+    create_order(10000, id);
+    cr_expect_eq(refund(id, "refund-1", &r), IDEM_FAILED_PRECONDITION);
+    idem_result_clear(&r);
+    cr_expect(order_is(id, "CREATED"));
+    cr_expect_eq(refund("ORD-99999999", "refund-2", &r), IDEM_NOT_FOUND);
+    idem_result_clear(&r);
+    stop();
+}
+
+#define WORKERS 6
+
+typedef struct worker {
+    const char *id;
+    long long amount;
+    idem_client *refunds; /* NULL: pay only */
+    int paid, refunded;
+} worker;
+
+/* Pays its order and, for half of them, refunds it at once: the refunds' snapshots race
+ * the other workers' credits to the same merchant balance. No asserts in the thread: the
+ * test checks the results after the join. */
+static void *pay_and_refund(void *arg)
+{
+    worker *w = arg;
+    char key[48], payload[64];
+    idem_result r;
+    w->paid = notify(w->id, w->amount, NULL);
+    w->refunded = IDEM_OK;
+    if (w->refunds != NULL) {
+        snprintf(key, sizeof(key), "refund-%s", w->id);
+        snprintf(payload, sizeof(payload), "order_id=%s", w->id);
+        idem_request q = {.method = "pay.Order/Refund",
+                          .idempotency_key = key,
+                          .payload = payload,
+                          .payload_len = strlen(payload)};
+        w->refunded = idem_client_call(w->refunds, &q, &r);
+        idem_result_clear(&r);
+    }
+    return NULL;
+}
+
+Test(payments, concurrent_payments_and_refunds_of_one_merchant_lose_no_update)
+{
+    char ids[WORKERS][32];
+    worker w[WORKERS];
+    pthread_t th[WORKERS];
+    long long expected = 0;
+    uint64_t version;
+    spawn(NULL);
+    for (int i = 0; i < WORKERS; i++) {
+        create_order(1000LL * (i + 1), ids[i]);
+        w[i] =
+            (worker){ids[i], 1000LL * (i + 1), i % 2 == 0 ? client(2000, 10000, 5) : NULL, -1, -1};
+        expected += w[i].refunds != NULL ? 0 : w[i].amount;
+    }
+    for (int i = 0; i < WORKERS; i++) {
+        cr_assert_eq(pthread_create(&th[i], NULL, pay_and_refund, &w[i]), 0);
+    }
+    for (int i = 0; i < WORKERS; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(w[i].paid, IDEM_OK, "payment %d", i);
+        cr_expect_eq(w[i].refunded, IDEM_OK, "refund %d", i);
+        if (w[i].refunds != NULL) {
+            idem_client_close(w[i].refunds);
+        }
+    }
+    cr_expect_eq(balance(ACCOUNT, &version), expected);
+    cr_expect_eq(version, WORKERS + WORKERS / 2, "one write per credit and per debit");
+    stop();
+}
