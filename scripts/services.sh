@@ -26,9 +26,9 @@ start() {
     mkdir -p "$DIR/sock"
     [ "$(id -u)" -eq 0 ] && chown -R postgres "$DIR"
     as_pg "$PGBIN/initdb -D $DIR/pg -A trust -U postgres" >"$DIR/initdb.log" 2>&1 ||
-        { cat "$DIR/initdb.log" >&2; exit 1; }
-    as_pg "$(pg_ctl_cmd) start" >/dev/null || { cat "$DIR/pg.log" >&2; exit 1; }
-    start_redis
+        { cat "$DIR/initdb.log" >&2; stop; exit 1; }
+    as_pg "$(pg_ctl_cmd) start" >/dev/null || { cat "$DIR/pg.log" >&2; stop; exit 1; }
+    start_redis || { echo "services: redis-server did not start" >&2; stop; exit 1; }
     cat <<ENV
 export IDEMRPC_TEST_PG='host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres connect_timeout=2'
 export IDEMRPC_TEST_REDIS='redis://127.0.0.1:$REDIS_PORT'
