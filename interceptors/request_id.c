@@ -2,7 +2,8 @@
  *
  * Request id: Request.request_id, else metadata "x-request-id", else 128 random bits in
  * hex. Key: Request.idempotency_key, else metadata "idempotency-key", else the method's
- * extractor, else the token. The key is scoped later by (caller, method). */
+ * extractor, else the token; the extractor goes first when the client marked its key as
+ * generated. The key is scoped later by (caller, method). */
 #include <string.h>
 
 #include "call.h"
@@ -34,12 +35,35 @@ static bool set_key(idem_call *call, const char *key, idem_key_source source)
     return true;
 }
 
-/* Returns IDEM_OK, or INVALID_ARGUMENT for a key that is present but unusable. */
-static idem_code resolve_key(idem_call *call)
+/* The method's business key, when it has an extractor and the payload carries one. */
+static idem_code extract_key(idem_call *call)
 {
     const idem_method *m = call->method;
-    const char *meta = idem_call_metadata(call, "idempotency-key");
+    char buf[IDEM_MAX_KEY + 2] = {0};
+    if (m == NULL || m->opts.extractor == NULL ||
+        !m->opts.extractor(call, buf, sizeof(buf), m->opts.extractor_arg)) {
+        return IDEM_OK;
+    }
+    return set_key(call, buf, IDEM_KEY_EXTRACTED)
+               ? IDEM_OK
+               : idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
+                              "extracted business key must be 1..%d bytes of UTF-8", IDEM_MAX_KEY);
+}
 
+/* Returns IDEM_OK, or INVALID_ARGUMENT for a key that is present but unusable. A key
+ * that idem_client generated itself (metadata idem-key-generated) yields to the
+ * business key: the same callback sent twice carries two random keys but one
+ * out_trade_no. */
+static idem_code resolve_key(idem_call *call)
+{
+    const char *meta = idem_call_metadata(call, "idempotency-key");
+    const char *generated = idem_call_metadata(call, IDEM_META_KEY_GENERATED);
+    idem_code code;
+
+    if (generated != NULL && strcmp(generated, "1") == 0 &&
+        ((code = extract_key(call)) != IDEM_OK || call->key_source != IDEM_KEY_NONE)) {
+        return code;
+    }
     if (set_key(call, call->req->idempotency_key, IDEM_KEY_FIELD)) {
         return IDEM_OK;
     }
@@ -50,17 +74,8 @@ static idem_code resolve_key(idem_call *call)
                                   "metadata idempotency-key must be 1..%d bytes of UTF-8",
                                   IDEM_MAX_KEY);
     }
-    if (m != NULL && m->opts.extractor != NULL) {
-        char buf[IDEM_MAX_KEY + 2] = {0};
-        if (m->opts.extractor(call, buf, sizeof(buf), m->opts.extractor_arg) &&
-            !set_key(call, buf, IDEM_KEY_EXTRACTED)) {
-            return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
-                                "extracted business key must be 1..%d bytes of UTF-8",
-                                IDEM_MAX_KEY);
-        }
-        if (call->key_source != IDEM_KEY_NONE) {
-            return IDEM_OK;
-        }
+    if ((code = extract_key(call)) != IDEM_OK || call->key_source != IDEM_KEY_NONE) {
+        return code;
     }
     set_key(call, call->req->token, IDEM_KEY_TOKEN);
     return IDEM_OK;

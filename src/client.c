@@ -179,27 +179,37 @@ static void slot_put(idem_client *c, ctx_slot *s, bool clean)
 
 /* Encodes the request for one attempt into a new nng message. */
 static idem_code build_msg(const idem_request *r, const char *caller, const char *key,
-                           uint32_t attempt, uint64_t deadline, nng_msg **out)
+                           bool key_generated, uint32_t attempt, uint64_t deadline,
+                           nng_msg **out)
 {
     Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
     Idem__V1__Request__MetadataEntry entries[64], *ptrs[64];
     nng_msg *msg;
+    size_t n = r->metadata_count;
 
-    if (r->metadata_count > IDEM_ARRAY_LEN(entries)) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "at most 64 metadata entries");
+    if (n + key_generated > IDEM_ARRAY_LEN(entries)) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "at most %zu metadata entries",
+                         IDEM_ARRAY_LEN(entries) - key_generated);
     }
-    for (size_t i = 0; i < r->metadata_count; i++) {
+    for (size_t i = 0; i < n; i++) {
         idem__v1__request__metadata_entry__init(&entries[i]);
         entries[i].key = (char *)r->metadata[i].name;
         entries[i].value = (char *)r->metadata[i].value;
         ptrs[i] = &entries[i];
+    }
+    if (key_generated) { /* lets a business key (the method's extractor) win over ours */
+        idem__v1__request__metadata_entry__init(&entries[n]);
+        entries[n].key = IDEM_META_KEY_GENERATED;
+        entries[n].value = "1";
+        ptrs[n] = &entries[n];
+        n++;
     }
     m.method = (char *)r->method;
     m.idempotency_key = (char *)key;
     m.request_id = (char *)(r->request_id ? r->request_id : "");
     m.token = (char *)(r->token ? r->token : "");
     m.caller = (char *)caller;
-    m.n_metadata = r->metadata_count;
+    m.n_metadata = n;
     m.metadata = ptrs;
     m.payload.data = (uint8_t *)r->payload;
     m.payload.len = r->payload_len;
@@ -329,6 +339,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         return out->code = idem__err(IDEM_INVALID_ARGUMENT, "method is required");
     }
     /* The key is fixed here, once, for every attempt of this logical call. */
+    bool key_generated = false;
     if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
         if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
             return out->code = idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
@@ -342,6 +353,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             return out->code = idem__err(IDEM_INTERNAL, "getrandom failed");
         }
         idem__hex(out->key, rnd, sizeof(rnd));
+        key_generated = true;
     }
     for (uint32_t attempt = 1;; attempt++) {
         Idem__V1__Response *resp = NULL;
@@ -360,7 +372,8 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (attempt_deadline > deadline_unix) {
             attempt_deadline = deadline_unix;
         }
-        if ((code = build_msg(req, caller, out->key, attempt, attempt_deadline, &msg)) !=
+        if ((code = build_msg(req, caller, out->key, key_generated, attempt, attempt_deadline,
+                              &msg)) !=
             IDEM_OK) {
             break;
         }

@@ -12,6 +12,10 @@
 
 #define IDEM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
+/* Request metadata set by idem_client when it generated the key itself: a business key
+ * from the method's extractor then takes precedence over that random one. */
+#define IDEM_META_KEY_GENERATED "idem-key-generated"
+
 /* Records detail for idem_errmsg() and returns code. */
 idem_code idem__err(idem_code code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void idem__err_clear(void);

@@ -324,6 +324,23 @@ Test(key, token_comes_last)
     expect_key(IDEM_KEY_TOKEN, "token-key");
 }
 
+Test(key, business_key_wins_over_a_key_the_client_generated)
+{
+    offer_every_key_source();
+    w.req.n_metadata = 0;
+    add_metadata("idem-key-generated", "1"); /* idem_client made "field-key" up */
+    expect_key(IDEM_KEY_EXTRACTED, "T-1001@alipay");
+}
+
+Test(key, generated_key_stands_when_there_is_no_business_key)
+{
+    offer_every_key_source();
+    w.req.n_metadata = 0;
+    add_metadata("idem-key-generated", "1");
+    w.req.payload.len = 0;
+    expect_key(IDEM_KEY_FIELD, "field-key");
+}
+
 Test(key, none_when_no_source_offers_one)
 {
     use("request_id", idem__request_id_interceptor, NULL);

@@ -61,6 +61,15 @@ static idem_code h_meta(idem_call *call, void *arg)
     return reply_execution(call);
 }
 
+/* The business key of a payment callback: its payload is the out_trade_no. */
+static bool out_trade_no(const idem_call *call, char *buf, size_t cap, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    return n > 0 && snprintf(buf, cap, "%.*s", (int)n, p) > 0;
+}
+
 static idem_code h_flaky(idem_call *call, void *arg)
 {
     (void)arg;
@@ -134,6 +143,9 @@ static void setup(void)
     cr_assert_eq(idem_server_register(S.srv, "test.Echo/Plain", h_echo, NULL, NULL), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Flaky/Do", h_flaky, NULL, &cached), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Meta/Many", h_meta, NULL, &cached), IDEM_OK);
+    idem_method_opts notify = {.flags = IDEM_METHOD_CACHED, .extractor = out_trade_no};
+    cr_assert_eq(idem_server_register(S.srv, "test.Callback/Notify", h_echo, NULL, &notify),
+                 IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Reject/Do", h_reject, NULL, &cached),
                  IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Slow/Do", h_slow, NULL, &cached), IDEM_OK);
@@ -481,4 +493,16 @@ Test(integration, full_handler_metadata_still_leaves_room_for_the_library)
         cr_expect_eq(idem_result_metadata(&r, "idem-first-at") != NULL, i == 1);
         idem_result_clear(&r);
     }
+}
+
+Test(integration, callback_resent_through_the_client_is_deduped_by_its_business_key)
+{
+    idem_result a, b;
+    cr_assert_eq(call("test.Callback/Notify", NULL, "T-42", &a), IDEM_OK);
+    cr_assert_eq(call("test.Callback/Notify", NULL, "T-42", &b), IDEM_OK);
+    cr_expect_str_neq(a.key, b.key, "two logical calls, two generated keys");
+    cr_expect(b.replayed, "the out_trade_no, not the random key, decided");
+    cr_expect_eq(atomic_load(&H.executions), 1);
+    idem_result_clear(&a);
+    idem_result_clear(&b);
 }
