@@ -188,9 +188,13 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
             idem__store_txn_abort(txn); /* business writes vanish with the claim */
         }
         st = record_retrying(call, rt, key, owner, false);
+    } else if (txn != NULL && code == IDEM_OK) {
+        st = record_result(call, rt, key, owner, txn); /* effect and record together */
     } else {
-        st = txn != NULL ? record_result(call, rt, key, owner, txn)
-                         : record_retrying(call, rt, key, owner, true);
+        if (txn != NULL) {
+            idem__store_txn_abort(txn); /* a final error has no effect, only its record */
+        }
+        st = record_retrying(call, rt, key, owner, true);
     }
     idem__waitset_notify(&rt->waits);
     if (st == IDEM_OK) {

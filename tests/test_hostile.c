@@ -53,6 +53,17 @@ static idem_code h_big(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, blob, sizeof(blob));
 }
 
+/* Transactional: writes, then refuses. The refusal must leave no write behind. */
+static idem_code h_write_then_refuse(idem_call *call, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&executions, 1);
+    if (idem_txn_put(idem_call_txn(call), "ledger", "acct", 4, "debited", 7) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_INTERNAL, "%s", idem_errmsg());
+    }
+    return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "insufficient balance");
+}
+
 static void start(size_t workers, size_t max_queue, size_t map_size)
 {
     idem_server_opts o;
@@ -70,6 +81,8 @@ static void start(size_t workers, size_t max_queue, size_t map_size)
     cr_assert_eq(idem_server_register(S.srv, "t.Echo/Add", h_echo, NULL, &cached), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "t.Gate/Wait", h_gated, NULL, NULL), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "t.Big/Put", h_big, NULL, &tx), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Tx/Refuse", h_write_then_refuse, NULL, &tx),
+                 IDEM_OK);
     tu_server_listen(&S);
 }
 
@@ -396,4 +409,22 @@ Test(hostile, logs_never_carry_tokens_or_payloads)
         cr_expect_null(strstr(log_lines[i], "4111"), "payload in: %s", log_lines[i]);
     }
     cr_expect_neq(strstr(log_lines[n - 1], "outcome=replayed"), NULL, "%s", log_lines[n - 1]);
+}
+
+Test(hostile, transactional_final_error_is_replayed_without_its_writes)
+{
+    idem_client *c = tu_client(S.url, 5000);
+    idem_request q = {.method = "t.Tx/Refuse", .idempotency_key = "debit-1"};
+    idem_result r;
+    for (int i = 0; i < 2; i++) {
+        cr_expect_eq(idem_client_call(c, &q, &r), IDEM_FAILED_PRECONDITION);
+        cr_expect_eq(r.replayed, i == 1);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    cr_expect_eq(atomic_load(&executions), 1);
+    void *v;
+    size_t n;
+    cr_expect_eq(idem_store_app_get(idem_server_store(S.srv), "ledger", "acct", 4, &v, &n),
+                 IDEM_NOT_FOUND, "the refused call's write was rolled back");
 }

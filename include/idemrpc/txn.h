@@ -3,11 +3,12 @@
  *
  * A method registered with IDEM_METHOD_TRANSACTIONAL runs its handler inside a write
  * transaction on the store's LMDB env. The handler reads and writes its own named
- * databases through idem_call_txn(); when it returns a final code, the COMPLETED record
- * is written into the same transaction and both commit together. A crash before the
+ * databases through idem_call_txn(); when it returns IDEM_OK, the COMPLETED record is
+ * written into the same transaction and both commit together. A crash before the
  * commit leaves neither (the claim's lease then lets a retry run it again, and since
- * the effect never happened that is still exactly once); a transient code aborts the
- * business writes and releases the claim.
+ * the effect never happened that is still exactly once). Any other code rolls the
+ * business writes back: a final error (FAILED_PRECONDITION, ...) is recorded and
+ * replayed without an effect, a transient one also releases the claim.
  *
  * Trade-off: LMDB has one writer per env, so transactional handlers of one store run
  * one at a time (keep them short: no network calls inside). Methods whose effect lives
