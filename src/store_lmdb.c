@@ -39,6 +39,17 @@ typedef struct rec_hdr {
     uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
 } rec_hdr;
 
+/* The handler txn this thread holds, if any. LMDB's writer lock is not recursive: a
+ * second write txn begun on this thread would wait for itself forever. */
+static _Thread_local const void *thread_write_txn;
+
+static idem_code nested_write(void)
+{
+    return idem__err(IDEM_FAILED_PRECONDITION,
+                     "this thread holds a transactional handler's write txn: use idem_txn_* "
+                     "inside it, not another store write");
+}
+
 typedef struct tok_hdr {
     uint64_t expires_ms;
 } tok_hdr;
@@ -86,6 +97,12 @@ static idem_code lmdb_code(int rc, const char *what)
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (%s): %s", what, mdb_strerror(rc));
     }
     return idem__err(IDEM_INTERNAL, "%s: %s", what, mdb_strerror(rc));
+}
+
+/* Every write outside a handler txn goes through the group committer. */
+static idem_code lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx)
+{
+    return thread_write_txn != NULL ? nested_write() : idem__gc_write(&st->gc, fn, ctx);
 }
 
 static idem_code rec_key_make(rec_key *k, const idem_key_ref *ref)
@@ -431,7 +448,7 @@ static idem_code lmdb_claim(idem_store *base, const idem_claim_req *req,
         return code;
     }
     claim_ctx c = {st, req, &key, outcome, rec};
-    return idem__gc_write(&st->gc, claim_apply, &c);
+    return lmdb_write(st, claim_apply, &c);
 }
 
 /* Reads the record for key in txn and checks that owner holds it. */
@@ -504,7 +521,7 @@ static idem_code lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .ref = ref, .owner = owner, .response = response, .len = len,
                     .ms = expires_ms};
-    return idem__gc_write(&st->gc, complete_apply, &w);
+    return lmdb_write(st, complete_apply, &w);
 }
 
 /* Deletes the record at key and its index entry; rc-style. */
@@ -532,7 +549,7 @@ static idem_code lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .owner = owner};
     idem_code code = rec_key_make(&w.key, ref);
-    return code != IDEM_OK ? code : idem__gc_write(&st->gc, release_apply, &w);
+    return code != IDEM_OK ? code : lmdb_write(st, release_apply, &w);
 }
 
 static idem_code lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec)
@@ -586,7 +603,7 @@ static idem_code lmdb_delete(idem_store *base, const idem_key_ref *ref)
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st};
     idem_code code = rec_key_make(&w.key, ref);
-    return code != IDEM_OK ? code : idem__gc_write(&st->gc, delete_apply, &w);
+    return code != IDEM_OK ? code : lmdb_write(st, delete_apply, &w);
 }
 
 /* Deletes what one expiry entry points at; the cursor stays on the entry. */
@@ -668,7 +685,7 @@ static idem_code lmdb_token_put(idem_store *base, const char *token, const char 
 {
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .token = token, .scope = scope, .ms = expires_ms};
-    return idem__gc_write(&st->gc, token_put_apply, &w);
+    return lmdb_write(st, token_put_apply, &w);
 }
 
 static idem_code token_consume_apply(MDB_txn *txn, void *arg)
@@ -682,7 +699,7 @@ static idem_code lmdb_token_consume(idem_store *base, const char *token, const c
 {
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .token = token, .scope = scope, .ms = now_ms};
-    return idem__gc_write(&st->gc, token_consume_apply, &w);
+    return lmdb_write(st, token_consume_apply, &w);
 }
 
 /* Splits stored key bytes caller \0 method \0 key into three C strings. */
@@ -882,7 +899,7 @@ static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
     if (code != IDEM_OK || app_db_cached(st, a.db.name, dbi)) {
         return code;
     }
-    if ((code = idem__gc_write(&st->gc, dbi_open_apply, &a)) != IDEM_OK) {
+    if ((code = lmdb_write(st, dbi_open_apply, &a)) != IDEM_OK) {
         return code;
     }
     app_db_cache(st, &a.db);
@@ -896,6 +913,9 @@ idem_code idem__store_txn_begin(idem_store *base, idem_txn **out)
     if (st == NULL) {
         return idem__err(IDEM_UNIMPLEMENTED, "transactional handlers need the LMDB store");
     }
+    if (thread_write_txn != NULL) {
+        return nested_write();
+    }
     idem_txn *t = calloc(1, sizeof(*t));
     if (t == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -906,18 +926,21 @@ idem_code idem__store_txn_begin(idem_store *base, idem_txn **out)
         return lmdb_code(rc, "handler txn begin");
     }
     t->st = st;
+    thread_write_txn = t;
     *out = t;
     return IDEM_OK;
 }
 
 void idem__store_txn_abort(idem_txn *t)
 {
+    thread_write_txn = NULL;
     mdb_txn_abort(t->txn);
     free(t);
 }
 
 idem_code idem__store_txn_commit(idem_txn *t)
 {
+    thread_write_txn = NULL;
     idem_code code = txn_commit(t->txn);
     for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
         app_db_cache(t->st, &t->opened[i]);

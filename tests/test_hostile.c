@@ -64,6 +64,15 @@ static idem_code h_write_then_refuse(idem_call *call, void *arg)
     return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "insufficient balance");
 }
 
+/* Transactional: tries a second store write from inside its own write txn. */
+static idem_code h_nested_write(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_code code = idem_store_token_put(idem_server_store(S.srv), "nested", "", UINT64_MAX);
+    const char *name = idem_code_name(code);
+    return idem_call_reply(call, IDEM_OK, name, strlen(name));
+}
+
 static void start(size_t workers, size_t max_queue, size_t map_size)
 {
     idem_server_opts o;
@@ -83,6 +92,7 @@ static void start(size_t workers, size_t max_queue, size_t map_size)
     cr_assert_eq(idem_server_register(S.srv, "t.Big/Put", h_big, NULL, &tx), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "t.Tx/Refuse", h_write_then_refuse, NULL, &tx),
                  IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Tx/Nested", h_nested_write, NULL, &tx), IDEM_OK);
     tu_server_listen(&S);
 }
 
@@ -427,4 +437,15 @@ Test(hostile, transactional_final_error_is_replayed_without_its_writes)
     size_t n;
     cr_expect_eq(idem_store_app_get(idem_server_store(S.srv), "ledger", "acct", 4, &v, &n),
                  IDEM_NOT_FOUND, "the refused call's write was rolled back");
+}
+
+Test(hostile, a_store_write_inside_a_transactional_handler_fails_instead_of_deadlocking)
+{
+    idem_client *c = tu_client(S.url, 5000);
+    idem_request q = {.method = "t.Tx/Nested", .idempotency_key = "nested-1"};
+    idem_result r;
+    cr_assert_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "FAILED_PRECONDITION");
+    idem_result_clear(&r);
+    idem_client_close(c);
 }
