@@ -8,11 +8,13 @@
  *   consume        at-least-once messages consumed once per (group, key) (防重表)
  *
  * LMDB has one writer per env. Functions taking an idem_store and writing (idem_store_run_txn,
- * idem_consume, idem_consume_purge) open their own write txn: never call them from inside a
- * transactional handler or another idem_store_run_txn (the thread would wait for itself).
- * Inside a txn use the idem_txn variants. The toolkit needs the LMDB store (business
- * databases): on another backend its functions answer IDEM_UNIMPLEMENTED (idem_consume:
- * RETRY). docs/recipes.md maps each pattern to its use and says when not to use it. */
+ * idem_consume, idem_consume_purge) open their own write txn: called from inside a
+ * transactional handler or another idem_store_run_txn they answer IDEM_FAILED_PRECONDITION
+ * (the thread already holds the writer). Inside a txn use the idem_txn variants. The
+ * toolkit needs the LMDB store (business databases): on another backend its functions
+ * answer IDEM_UNIMPLEMENTED (idem_consume: RETRY with info.code = IDEM_UNIMPLEMENTED, a
+ * configuration error to check for, not a transient one). docs/recipes.md maps each
+ * pattern to its use and says when not to use it. */
 #ifndef IDEMRPC_TOOLKIT_H
 #define IDEMRPC_TOOLKIT_H
 
