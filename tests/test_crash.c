@@ -11,10 +11,6 @@
 
 #include "testutil.h"
 
-typedef struct child {
-    pid_t pid;
-    FILE *out;
-} child;
 
 static char *dir;
 static char url[256];
@@ -33,43 +29,19 @@ static void teardown(void)
 TestSuite(crash, .init = setup, .fini = teardown, .timeout = 60);
 
 /* Starts crash_server and waits for its "ready" line. */
-static child spawn(const char *crash_at)
+static tu_child spawn(const char *crash_at)
 {
-    int fds[2];
-    child c;
-    cr_assert_eq(pipe(fds), 0);
-    c.pid = fork();
-    cr_assert_geq(c.pid, 0);
-    if (c.pid == 0) {
-        dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        const char *exe = getenv("CRASH_SERVER");
-        execl(exe, exe, "--listen", url, "--db", dir, "--lease-ms", "300", "--crash-at",
-              crash_at, (char *)NULL);
-        _exit(127);
-    }
-    close(fds[1]);
-    c.out = fdopen(fds[0], "r");
-    char line[64] = {0};
-    cr_assert_not_null(fgets(line, sizeof(line), c.out), "crash_server did not start");
-    cr_assert_str_eq(line, "ready\n");
+    tu_child c;
+    const char *argv[] = {getenv("CRASH_SERVER"), "--listen", url, "--db", dir, "--lease-ms",
+                          "300", "--crash-at", crash_at, NULL};
+    tu_spawn(&c, argv);
     return c;
 }
 
-/* Waits for the child; returns the signal that killed it, or 0 for a normal exit. */
-static int reap(child *c)
-{
-    int status;
-    cr_assert_eq(waitpid(c->pid, &status, 0), c->pid);
-    fclose(c->out);
-    return WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-}
-
-static void stop(child *c)
+static void stop(tu_child *c)
 {
     kill(c->pid, SIGTERM);
-    int sig = reap(c);
+    int sig = tu_reap(c);
     cr_expect_eq(sig, 0, "clean shutdown on SIGTERM, not signal %d", sig);
 }
 
@@ -108,10 +80,10 @@ static void crash_and_retry(const char *method, const char *count_method, const 
                             long long effects, bool replayed, const char *payload)
 {
     idem_result r;
-    child c = spawn(point);
+    tu_child c = spawn(point);
     cr_expect_neq(send_once(method, "op-1", "10", 1, &r), IDEM_OK, "the server died mid-call");
     idem_result_clear(&r);
-    cr_assert_eq(reap(&c), SIGKILL, "crash_server was killed at %s", point);
+    cr_assert_eq(tu_reap(&c), SIGKILL, "crash_server was killed at %s", point);
 
     c = spawn("");
     cr_assert_eq(send_once(method, "op-1", "10", 30, &r), IDEM_OK, "%s", r.message);

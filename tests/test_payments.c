@@ -20,14 +20,10 @@
 #define MERCHANT "m1"
 #define ACCOUNT "merchant:" MERCHANT
 
-typedef struct child {
-    pid_t pid;
-    FILE *out;
-} child;
 
 static char *dir;
 static char url[256], db[256];
-static child server = {-1, NULL}; /* the live server, killed by teardown if a test fails */
+static tu_child server = {-1, NULL}; /* the live server, killed by teardown if a test fails */
 
 static void setup(void)
 {
@@ -36,13 +32,12 @@ static void setup(void)
     snprintf(db, sizeof(db), "%s/db", dir);
 }
 
-static int reap(child *c);
 
 static void teardown(void)
 {
     if (server.pid > 0) {
         kill(server.pid, SIGKILL);
-        reap(&server);
+        tu_reap(&server);
     }
     tu_rmtree(dir);
 }
@@ -56,44 +51,17 @@ static void spawn(const char *const *extra)
 {
     const char *argv[MAX_ARGS] = {getenv("PAYMENTS_SERVER"), "--listen", url, "--db", db};
     size_t n = 5;
-    int fds[2];
     for (; extra != NULL && *extra != NULL && n < MAX_ARGS - 1; extra++) {
         argv[n++] = *extra;
     }
     argv[n] = NULL;
-    cr_assert_not_null(argv[0], "PAYMENTS_SERVER is not set");
-    cr_assert_eq(pipe(fds), 0);
-    server.pid = fork();
-    cr_assert_geq(server.pid, 0);
-    if (server.pid == 0) {
-        dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    close(fds[1]);
-    server.out = fdopen(fds[0], "r");
-    char line[64] = {0};
-    cr_assert_not_null(fgets(line, sizeof(line), server.out), "idemrpc-payments did not start");
-    cr_assert_str_eq(line, "ready\n");
-}
-
-/* Waits for the child; returns the signal that ended it, or 0 for a normal exit. */
-static int reap(child *c)
-{
-    int status;
-    pid_t pid = c->pid;
-    c->pid = -1;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    fclose(c->out);
-    return WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    tu_spawn(&server, argv);
 }
 
 static void stop(void)
 {
     kill(server.pid, SIGTERM);
-    int sig = reap(&server);
+    int sig = tu_reap(&server);
     cr_expect_eq(sig, 0, "clean shutdown on SIGTERM, not signal %d", sig);
 }
 
@@ -455,7 +423,7 @@ static void kill_consumer_and_restart(const char *point)
     for (int i = 0; i < 6; i++) {
         notify(ids[i], 1000LL * (i + 1), NULL); /* the server dies somewhere in here */
     }
-    cr_assert_eq(reap(&server), SIGKILL, "killed at %s", point);
+    cr_assert_eq(tu_reap(&server), SIGKILL, "killed at %s", point);
 
     spawn(redelivering);
     for (int i = 0; i < 6; i++) { /* channels resend until they hear "success" */

@@ -22,13 +22,9 @@
 static char *dir;
 static idem_store *st;
 
-/* NOSYNC: these tests never crash the machine, and thousands of fsyncs would only be
- * slow. */
 static void store_setup(void)
 {
-    dir = tu_tempdir("store");
-    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s",
-                 idem_errmsg());
+    st = tu_store_open("store", &dir);
 }
 
 static void store_teardown(void)

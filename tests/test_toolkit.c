@@ -16,9 +16,7 @@ static idem_store *st;
 
 static void store_setup(void)
 {
-    dir = tu_tempdir("toolkit");
-    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s",
-                 idem_errmsg());
+    st = tu_store_open("toolkit", &dir);
 }
 
 static void store_teardown(void)

@@ -2,6 +2,7 @@
 
 #include <criterion/criterion.h>
 #include <ftw.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +63,47 @@ void tu_server_destroy(tu_server *ts, bool keep_dir)
         tu_rmtree(ts->dir);
         ts->dir = NULL;
     }
+}
+
+idem_store *tu_store_open(const char *tag, char **dir)
+{
+    idem_store *st;
+    *dir = tu_tempdir(tag);
+    /* NOSYNC: tests never crash the machine, and thousands of fsyncs would only be slow. */
+    cr_assert_eq(idem_store_open_lmdb(&st, *dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s",
+                 idem_errmsg());
+    return st;
+}
+
+void tu_spawn(tu_child *c, const char *const *argv)
+{
+    int fds[2];
+    cr_assert_not_null(argv[0], "no program to start");
+    cr_assert_eq(pipe(fds), 0);
+    c->pid = fork();
+    cr_assert_geq(c->pid, 0);
+    if (c->pid == 0) {
+        dup2(fds[1], STDOUT_FILENO);
+        close(fds[0]);
+        close(fds[1]);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    c->out = fdopen(fds[0], "r");
+    char line[64] = {0};
+    cr_assert_not_null(fgets(line, sizeof(line), c->out), "%s did not start", argv[0]);
+    cr_assert_str_eq(line, "ready\n");
+}
+
+int tu_reap(tu_child *c)
+{
+    int status;
+    pid_t pid = c->pid;
+    c->pid = -1;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    fclose(c->out);
+    return WIFSIGNALED(status) ? WTERMSIG(status) : 0;
 }
 
 idem_client *tu_client(const char *url, unsigned attempt_timeout_ms)

@@ -4,6 +4,8 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
+#include <sys/types.h>
 
 #include <idemrpc/idemrpc.h>
 
@@ -25,6 +27,19 @@ void tu_server_create(tu_server *ts, idem_server_opts *opts);
 void tu_server_listen(tu_server *ts);
 /* Destroys the server; keeps the directory when keep_dir (for restart tests). */
 void tu_server_destroy(tu_server *ts, bool keep_dir);
+
+/* A fresh NOSYNC LMDB store in a temp dir (*dir, for tu_rmtree). */
+idem_store *tu_store_open(const char *tag, char **dir);
+
+/* A server process whose stdout is a pipe. */
+typedef struct tu_child {
+    pid_t pid;
+    FILE *out;
+} tu_child;
+/* Starts argv (NULL-terminated) and waits for its "ready" line. */
+void tu_spawn(tu_child *c, const char *const *argv);
+/* Waits for the child; the signal that ended it, or 0 for a normal exit. */
+int tu_reap(tu_child *c);
 
 /* A client to url with fast retries for tests. */
 idem_client *tu_client(const char *url, unsigned attempt_timeout_ms);
