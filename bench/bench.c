@@ -1165,9 +1165,8 @@ static void print_pg_ratios(void)
             const row *l = &rows[j];
             if (l->sc->letter == want && strcmp(l->transport, p->transport) == 0 &&
                 l->clients == p->clients && l->payload == p->payload && l->calls_s > 0) {
-                printf("pg vs lmdb: %s / %s %s %d clients %zu B: %.3f\n", p->sc->name,
-                       l->sc->name, p->transport, p->clients, p->payload,
-                       p->calls_s / l->calls_s);
+                printf("pg vs lmdb: %s / %s %s %d clients %zu B: %.3f\n", p->sc->name, l->sc->name,
+                       p->transport, p->clients, p->payload, p->calls_s / l->calls_s);
             }
         }
     }

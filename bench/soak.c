@@ -51,8 +51,10 @@ static void *client_main(void *arg)
             break;
         }
         snprintf(key, sizeof(key), "soak-%ld", k);
-        idem_request q = {.method = "soak.Store/Put", .idempotency_key = key,
-                          .payload = payload, .payload_len = sizeof(payload)};
+        idem_request q = {.method = "soak.Store/Put",
+                          .idempotency_key = key,
+                          .payload = payload,
+                          .payload_len = sizeof(payload)};
         idem_result r;
         atomic_fetch_add(idem_client_call(c, &q, &r) == IDEM_OK ? &done : &failed, 1);
         idem_result_clear(&r);
@@ -113,8 +115,7 @@ int main(int argc, char **argv)
     o.store = st;
     o.result_ttl_ms = (uint64_t)cfg.ttl_ms;
     o.sweep_interval_ms = 200;
-    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
-                          .lease_ms = 5000};
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED, .lease_ms = 5000};
     if (idem_server_create(&srv, &o) != IDEM_OK ||
         idem_server_register(srv, "soak.Store/Put", h_put, NULL, &m) != IDEM_OK ||
         idem_server_listen(srv, "tcp://127.0.0.1:0") != IDEM_OK) {
@@ -122,8 +123,8 @@ int main(int argc, char **argv)
         return 1;
     }
     snprintf(url, sizeof(url), "tcp://127.0.0.1:%d", idem_server_port(srv));
-    printf("soak: %ld keys, %ld clients, ttl %ld ms, sweep every 200 ms, limit %ld s\n",
-           cfg.keys, cfg.clients, cfg.ttl_ms, cfg.seconds);
+    printf("soak: %ld keys, %ld clients, ttl %ld ms, sweep every 200 ms, limit %ld s\n", cfg.keys,
+           cfg.clients, cfg.ttl_ms, cfg.seconds);
     printf("%8s %10s %8s %10s %10s %10s\n", "t_s", "calls", "failed", "rss_kib", "records",
            "map_kib");
     pthread_t *t = calloc((size_t)cfg.clients, sizeof(pthread_t));
@@ -141,8 +142,8 @@ int main(int argc, char **argv)
         idem_store_stats s;
         idem_store_stats_get(st, &s);
         max_records = s.records > max_records ? s.records : max_records;
-        printf("%8.1f %10ld %8ld %10ld %10zu %10zu\n", el, atomic_load(&done),
-               atomic_load(&failed), rss_kib(), s.records, s.map_used / 1024);
+        printf("%8.1f %10ld %8ld %10ld %10zu %10zu\n", el, atomic_load(&done), atomic_load(&failed),
+               rss_kib(), s.records, s.map_used / 1024);
         fflush(stdout);
         bool finished = atomic_load(&done) + atomic_load(&failed) >= cfg.keys;
         if (finished || el >= (double)cfg.seconds) {

@@ -14,9 +14,9 @@
 
 #include "call.h"
 
-#define POLL_MS 20          /* re-read the store this often while waiting (other processes) */
-#define RETRY_AFTER_MS 100u /* hint given with ABORTED "in progress" */
-#define REPLY_MARGIN_MS 50u /* stop waiting this long (at most 10%) before the deadline */
+#define POLL_MS 20             /* re-read the store this often while waiting (other processes) */
+#define RETRY_AFTER_MS 100u    /* hint given with ABORTED "in progress" */
+#define REPLY_MARGIN_MS 50u    /* stop waiting this long (at most 10%) before the deadline */
 #define RECORD_RETRY_MS 10000u /* keep trying to record an outcome through a store outage */
 
 void idem__waitset_init(idem_waitset *w)
@@ -134,8 +134,7 @@ static bool recorded_by_us(idem_runtime *rt, const idem_key_ref *key, uint64_t o
 {
     idem_record rec;
     idem_code code = idem_store_get(rt->store, key, &rec);
-    bool ours = completed ? code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
-                                rec.owner == owner
+    bool ours = completed ? code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.owner == owner
                           : code == IDEM_NOT_FOUND;
     idem_record_clear(&rec);
     return ours;
@@ -214,32 +213,38 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
     return code;
 }
 
+/* How long a duplicate may wait: its own deadline (a little before it, so that the
+ * answer still arrives), at most the server's max wait. */
+static uint64_t wait_until(const idem_call *call, const idem_runtime *rt)
+{
+    uint64_t start = idem__now_ms(), deadline = idem_call_deadline_ms(call);
+    if (deadline == 0 || deadline > start + rt->max_wait_ms) {
+        return start + rt->max_wait_ms;
+    }
+    if (deadline > start) {
+        uint64_t margin = (deadline - start) / 10;
+        deadline -= margin < REPLY_MARGIN_MS ? margin : REPLY_MARGIN_MS;
+    }
+    return deadline;
+}
+
 idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *arg)
 {
     idem_runtime *rt = arg;
     const idem_method *m = call->method;
-    const unsigned cached = IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_TRANSACTIONAL;
-    if (m == NULL || !(m->opts.flags & cached) ||
-        call->key_source == IDEM_KEY_NONE) {
+    const unsigned cached =
+        IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_TRANSACTIONAL;
+    if (m == NULL || !(m->opts.flags & cached) || call->key_source == IDEM_KEY_NONE) {
         return idem_call_next(call, next);
     }
     idem_key_ref key = {idem_call_caller(call), m->name, call->key};
     uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : rt->lease_ms;
-    uint64_t deadline = idem_call_deadline_ms(call);
+    uint64_t deadline = wait_until(call, rt);
     size_t plen;
     const void *payload = idem_call_payload(call, &plen);
     idem_claim_req req = {.key = key, .token = call->token_to_consume};
     idem_claim_outcome outcome;
     idem_record rec;
-
-    uint64_t start = idem__now_ms();
-    if (deadline == 0 || deadline > start + rt->max_wait_ms) {
-        deadline = start + rt->max_wait_ms;
-    } else if (deadline > start) {
-        /* Answer a little before the caller's deadline so the answer can still reach it. */
-        uint64_t margin = (deadline - start) / 10;
-        deadline -= margin < REPLY_MARGIN_MS ? margin : REPLY_MARGIN_MS;
-    }
     idem__fingerprint(m->name, payload, plen, req.fingerprint);
     for (;;) {
         uint64_t gen = idem__waitset_gen(&rt->waits);

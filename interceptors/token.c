@@ -57,8 +57,8 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
     if (call->fast_only) {
         return IDEM__DEFER; /* a write */
     }
-    idem_code code = idem_store_token_consume(rt->store, token, idem_call_caller(call),
-                                              idem__now_ms());
+    idem_code code =
+        idem_store_token_consume(rt->store, token, idem_call_caller(call), idem__now_ms());
     if (code != IDEM_OK) {
         return idem__reject(call, IDEM_REASON_TOKEN, code, "%s", idem_errmsg());
     }

@@ -9,11 +9,11 @@
 #include "idemrpc.pb-c.h"
 #include "internal.h"
 
-#define IDEM_MAX_METADATA 64        /* entries per request or response */
+#define IDEM_MAX_METADATA 64 /* entries per request or response */
 /* Response entries kept for the library (request-id, idem-first-at, retry-after-ms):
  * handlers may set IDEM_MAX_METADATA - IDEM_RESERVED_METADATA. */
 #define IDEM_RESERVED_METADATA 4
-#define IDEM_MAX_METADATA_NAME 128  /* bytes */
+#define IDEM_MAX_METADATA_NAME 128 /* bytes */
 #define IDEM_MAX_METADATA_VALUE 4096
 #define IDEM_MAX_REQUEST_ID 128
 #define IDEM_MAX_TOKEN 128
@@ -98,7 +98,7 @@ struct idem_call {
     idem_kv *meta;
     size_t meta_count;
     bool replayed;
-    bool executed;      /* the method handler ran in this call */
+    bool executed; /* the method handler ran in this call */
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
      * replay read); anything else answers IDEM__DEFER. */
     bool fast_only;

@@ -114,8 +114,7 @@ size_t idem_call_metadata_count(const idem_call *call)
     return call->req->n_metadata;
 }
 
-void idem_call_metadata_at(const idem_call *call, size_t i, const char **name,
-                           const char **value)
+void idem_call_metadata_at(const idem_call *call, size_t i, const char **name, const char **value)
 {
     *name = i < call->req->n_metadata ? call->req->metadata[i]->key : NULL;
     *value = i < call->req->n_metadata ? call->req->metadata[i]->value : NULL;

@@ -179,8 +179,7 @@ static void slot_put(idem_client *c, ctx_slot *s, bool clean)
 
 /* Encodes the request for one attempt into a new nng message. */
 static idem_code build_msg(const idem_request *r, const char *caller, const char *key,
-                           bool key_generated, uint32_t attempt, uint64_t deadline,
-                           nng_msg **out)
+                           bool key_generated, uint32_t attempt, uint64_t deadline, nng_msg **out)
 {
     Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
     Idem__V1__Request__MetadataEntry entries[64], *ptrs[64];
@@ -364,8 +363,8 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             break;
         }
         uint64_t left = end - now;
-        uint32_t timeout = left < c->opts.attempt_timeout_ms ? (uint32_t)left
-                                                              : c->opts.attempt_timeout_ms;
+        uint32_t timeout =
+            left < c->opts.attempt_timeout_ms ? (uint32_t)left : c->opts.attempt_timeout_ms;
         /* The attempt's own deadline: a duplicate waiting on the server answers ABORTED
          * "in progress" before this attempt gives up, instead of after. */
         uint64_t attempt_deadline = idem__now_ms() + timeout;
@@ -373,8 +372,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             attempt_deadline = deadline_unix;
         }
         if ((code = build_msg(req, caller, out->key, key_generated, attempt, attempt_deadline,
-                              &msg)) !=
-            IDEM_OK) {
+                              &msg)) != IDEM_OK) {
             break;
         }
         out->attempts = attempt;

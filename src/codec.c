@@ -45,8 +45,7 @@ static idem_code check_request(const Idem__V1__Request *r)
     if ((code = check_method(r->method)) != IDEM_OK ||
         (code = check_string("idempotency_key", r->idempotency_key, IDEM_MAX_KEY, false)) !=
             IDEM_OK ||
-        (code = check_string("request_id", r->request_id, IDEM_MAX_REQUEST_ID, false)) !=
-            IDEM_OK ||
+        (code = check_string("request_id", r->request_id, IDEM_MAX_REQUEST_ID, false)) != IDEM_OK ||
         (code = check_string("token", r->token, IDEM_MAX_TOKEN, false)) != IDEM_OK ||
         (code = check_string("caller", r->caller, IDEM_MAX_CALLER, false)) != IDEM_OK) {
         return code;
@@ -58,8 +57,8 @@ static idem_code check_request(const Idem__V1__Request *r)
     for (size_t i = 0; i < r->n_metadata; i++) {
         if ((code = check_string("metadata name", r->metadata[i]->key, IDEM_MAX_METADATA_NAME,
                                  true)) != IDEM_OK ||
-            (code = check_string("metadata value", r->metadata[i]->value,
-                                 IDEM_MAX_METADATA_VALUE, false)) != IDEM_OK) {
+            (code = check_string("metadata value", r->metadata[i]->value, IDEM_MAX_METADATA_VALUE,
+                                 false)) != IDEM_OK) {
             return code;
         }
     }
@@ -113,8 +112,7 @@ static bool wire_strings_have_nul(const uint8_t *p, const uint8_t *end, uint32_t
             if (field < 32 && (string_fields & (1u << field)) && memchr(p, 0, n) != NULL) {
                 return true;
             }
-            if (field == map_field &&
-                wire_strings_have_nul(p, p + n, (1u << 1) | (1u << 2), 0)) {
+            if (field == map_field && wire_strings_have_nul(p, p + n, (1u << 1) | (1u << 2), 0)) {
                 return true;
             }
             p += n;
@@ -198,12 +196,10 @@ idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len)
     idem__call_reset_response(call);
     idem_code code = idem_call_reply(call, (idem_code)r->code, r->payload.data, r->payload.len);
     if (code == (idem_code)r->code && r->message[0] != '\0') {
-        code = idem__call_set_message(call, r->message) == IDEM_OK ? code
-                                                                   : IDEM_RESOURCE_EXHAUSTED;
+        code = idem__call_set_message(call, r->message) == IDEM_OK ? code : IDEM_RESOURCE_EXHAUSTED;
     }
     for (size_t i = 0; i < r->n_metadata && code == (idem_code)r->code; i++) {
-        if (idem__call_set_meta(call, r->metadata[i]->key, r->metadata[i]->value) !=
-            IDEM_OK) {
+        if (idem__call_set_meta(call, r->metadata[i]->key, r->metadata[i]->value) != IDEM_OK) {
             code = IDEM_RESOURCE_EXHAUSTED;
         }
     }

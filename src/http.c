@@ -134,8 +134,7 @@ static int set_body(nng_http_res *res, const idem_call *call)
                    : nng_http_res_copy_data(res, buf, strlen(buf));
     }
     if (call->code == IDEM_OK) {
-        return (rv = nng_http_res_set_header(res, "Content-Type", "application/octet-stream")) !=
-                       0
+        return (rv = nng_http_res_set_header(res, "Content-Type", "application/octet-stream")) != 0
                    ? rv
                    : nng_http_res_copy_data(res, call->payload, call->payload_len);
     }
@@ -375,7 +374,8 @@ idem_code idem__http_start(idem_server *srv, const char *url, size_t max_body,
     nng_sockaddr sa;
     /* Bodies up to twice max_body are collected so that "too large" gets our 413; nng
      * answers anything larger with 400 itself (and reads no further). */
-    if ((rv = nng_url_parse(&h->url, url)) != 0 || (rv = nng_http_server_hold(&h->hs, h->url)) != 0 ||
+    if ((rv = nng_url_parse(&h->url, url)) != 0 ||
+        (rv = nng_http_server_hold(&h->hs, h->url)) != 0 ||
         (rv = add_handler(h, "/", "POST", true, 2 * max_body, http_call_cb)) != 0 ||
         (rv = add_handler(h, "/metrics", "GET", false, 0, http_metrics_cb)) != 0 ||
         (rv = nng_http_server_start(h->hs)) != 0 ||

@@ -20,8 +20,8 @@
 idem_code idem__err(idem_code code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void idem__err_clear(void);
 
-uint64_t idem__now_ms(void);     /* CLOCK_REALTIME, unix ms: stored in records */
-uint64_t idem__mono_ms(void);    /* CLOCK_MONOTONIC: for waits and timeouts */
+uint64_t idem__now_ms(void);  /* CLOCK_REALTIME, unix ms: stored in records */
+uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);
 void idem__abs_timespec(struct timespec *ts, uint64_t wait_ms); /* REALTIME now + wait */
 

@@ -9,10 +9,10 @@
 #include "call.h"
 
 static const char *const reasons[] = {
-    IDEM_REASON_BAD_FRAME,   IDEM_REASON_TOO_LARGE, IDEM_REASON_BUSY,
+    IDEM_REASON_BAD_FRAME,     IDEM_REASON_TOO_LARGE,    IDEM_REASON_BUSY,
     IDEM_REASON_UNIMPLEMENTED, IDEM_REASON_KEY_REQUIRED, IDEM_REASON_BAD_KEY,
-    IDEM_REASON_KEY_REUSED,  IDEM_REASON_IN_PROGRESS, IDEM_REASON_TOKEN,
-    IDEM_REASON_STORE,       IDEM_REASON_DEBOUNCED,
+    IDEM_REASON_KEY_REUSED,    IDEM_REASON_IN_PROGRESS,  IDEM_REASON_TOKEN,
+    IDEM_REASON_STORE,         IDEM_REASON_DEBOUNCED,
 };
 #define N_REASONS IDEM_ARRAY_LEN(reasons)
 
@@ -154,16 +154,18 @@ char *idem__metrics_text(idem_observer *obs)
     for (size_t i = 0; i <= N_REASONS; i++) {
         rejected += LOAD(obs->rejected[i]);
     }
-    ok = ok && append(&b, &len, &cap, "idem_calls_total{outcome=\"rejected\"} %llu\n"
-                                      "# HELP idem_rejected_total Calls the library rejected, "
-                                      "by reason.\n# TYPE idem_rejected_total counter\n",
+    ok = ok && append(&b, &len, &cap,
+                      "idem_calls_total{outcome=\"rejected\"} %llu\n"
+                      "# HELP idem_rejected_total Calls the library rejected, "
+                      "by reason.\n# TYPE idem_rejected_total counter\n",
                       rejected);
     for (size_t i = 0; i <= N_REASONS && ok; i++) {
         ok = append(&b, &len, &cap, "idem_rejected_total{reason=\"%s\"} %llu\n",
                     i < N_REASONS ? reasons[i] : "other", LOAD(obs->rejected[i]));
     }
-    ok = ok && append(&b, &len, &cap, "# HELP idem_responses_total Responses by code.\n"
-                                      "# TYPE idem_responses_total counter\n");
+    ok = ok && append(&b, &len, &cap,
+                      "# HELP idem_responses_total Responses by code.\n"
+                      "# TYPE idem_responses_total counter\n");
     for (int c = 0; c < IDEM_CODE_COUNT && ok; c++) {
         ok = append(&b, &len, &cap, "idem_responses_total{code=\"%s\"} %llu\n", idem_code_name(c),
                     LOAD(obs->by_code[c]));

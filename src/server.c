@@ -53,8 +53,8 @@ struct idem_server {
     pthread_t sweeper;
     bool sweeper_started;
 
-    pthread_mutex_t mu; /* guards queue, stopping */
-    pthread_cond_t cv;  /* queue non-empty, or stopping */
+    pthread_mutex_t mu;      /* guards queue, stopping */
+    pthread_cond_t cv;       /* queue non-empty, or stopping */
     pthread_cond_t sweep_cv; /* stopping (wakes the sweeper early) */
     idem_job *head, *tail;
     size_t n_queued;
@@ -93,8 +93,8 @@ static void opts_defaults(idem_server_opts *o)
 
 static idem_code nng_fail(int rv, const char *what)
 {
-    return idem__err(rv == NNG_ENOMEM ? IDEM_RESOURCE_EXHAUSTED : IDEM_UNAVAILABLE, "%s: %s",
-                     what, nng_strerror(rv));
+    return idem__err(rv == NNG_ENOMEM ? IDEM_RESOURCE_EXHAUSTED : IDEM_UNAVAILABLE, "%s: %s", what,
+                     nng_strerror(rv));
 }
 
 static int method_cmp(const void *a, const void *b)
@@ -111,8 +111,8 @@ static const idem_method *method_find(const idem_server *srv, const char *name)
     return bsearch(&probe, srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
 }
 
-idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_fn fn,
-                               void *arg, const idem_method_opts *opts)
+idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_fn fn, void *arg,
+                               const idem_method_opts *opts)
 {
     if (srv->started) {
         return idem__err(IDEM_FAILED_PRECONDITION, "register before the first listen");
@@ -233,8 +233,9 @@ bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast
     }
     if (code != IDEM_OK) {
         idem__call_init(&out->call, &empty, NULL, &srv->rt);
-        idem__reject(&out->call, code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
-                                                                 : IDEM_REASON_BAD_FRAME,
+        idem__reject(&out->call,
+                     code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
+                                                     : IDEM_REASON_BAD_FRAME,
                      code, "%s", idem_errmsg());
     } else {
         idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
@@ -325,8 +326,7 @@ void idem__server_reject(idem_server *srv, idem_served *s, const char *reason, i
 void idem__server_busy(idem_server *srv, idem_served *s)
 {
     char msg[96];
-    snprintf(msg, sizeof(msg), "server busy: %zu calls queued; retry later",
-             srv->opts.max_queue);
+    snprintf(msg, sizeof(msg), "server busy: %zu calls queued; retry later", srv->opts.max_queue);
     idem__server_reject(srv, s, IDEM_REASON_BUSY, IDEM_RESOURCE_EXHAUSTED, msg);
     idem__call_set_meta(&s->call, "retry-after-ms", "100");
 }
@@ -469,8 +469,8 @@ static void *sweeper_main(void *arg)
         pthread_mutex_unlock(&srv->mu);
         size_t deleted;
         do {
-            if (idem_store_sweep(srv->rt.store, idem__now_ms(), srv->opts.sweep_batch,
-                                 &deleted) != IDEM_OK) {
+            if (idem_store_sweep(srv->rt.store, idem__now_ms(), srv->opts.sweep_batch, &deleted) !=
+                IDEM_OK) {
                 idem__log(srv->rt.obs, IDEM_LOG_ERROR, "msg=\"sweep failed: %s\"", idem_errmsg());
                 break;
             }
@@ -560,8 +560,8 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     }
     srv->rt.store = opts->store;
     if (srv->rt.store == NULL) {
-        code = idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size,
-                                    opts->store_flags);
+        code =
+            idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size, opts->store_flags);
         if (code != IDEM_OK) {
             goto fail;
         }
@@ -663,8 +663,8 @@ idem_code idem_server_listen_http(idem_server *srv, const char *url)
     if (srv->http != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "the server already has an HTTP listener");
     }
-    if (!srv->started && ((code = server_check(srv)) != IDEM_OK ||
-                          (code = server_start(srv)) != IDEM_OK)) {
+    if (!srv->started &&
+        ((code = server_check(srv)) != IDEM_OK || (code = server_start(srv)) != IDEM_OK)) {
         return code;
     }
     return idem__http_start(srv, url, srv->opts.max_frame, srv->opts.http_caller_header,

@@ -31,8 +31,8 @@ typedef struct idem_served {
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out);
 /* A call the transport turns away before decoding (cheap: for nng callbacks). */
-void idem__server_reject(idem_server *srv, idem_served *out, const char *reason,
-                         idem_code code, const char *message);
+void idem__server_reject(idem_server *srv, idem_served *out, const char *reason, idem_code code,
+                         const char *message);
 /* The answer for a call turned away by back-pressure, with retry-after-ms. */
 void idem__server_busy(idem_server *srv, idem_served *out);
 /* Counts and logs the call, then frees it. */

@@ -98,8 +98,7 @@ static bool sm_declared(const idem_state_machine *m, const char *from, const cha
 
 bool idem_sm_allowed(const idem_state_machine *m, const char *from, const char *to)
 {
-    return idem_sm_validate(m) == IDEM_OK && from != NULL && to != NULL &&
-           sm_declared(m, from, to);
+    return idem_sm_validate(m) == IDEM_OK && from != NULL && to != NULL && sm_declared(m, from, to);
 }
 
 /* Validates the machine, the entity id and n required state names. */

@@ -11,11 +11,10 @@ idem_code idem__key_check(const idem_key_ref *ref)
     size_t lc = ref->caller != NULL ? strlen(ref->caller) : 0;
     size_t lm = ref->method != NULL ? strlen(ref->method) : 0;
     size_t lk = ref->key != NULL ? strlen(ref->key) : 0;
-    if (lc > IDEM_MAX_CALLER || lm == 0 || lm > IDEM_MAX_METHOD || lk == 0 ||
-        lk > IDEM_MAX_KEY) {
+    if (lc > IDEM_MAX_CALLER || lm == 0 || lm > IDEM_MAX_METHOD || lk == 0 || lk > IDEM_MAX_KEY) {
         return idem__err(IDEM_INVALID_ARGUMENT,
-                         "key out of bounds (caller %zu/%d, method %zu/%d, key %zu/%d bytes)",
-                         lc, IDEM_MAX_CALLER, lm, IDEM_MAX_METHOD, lk, IDEM_MAX_KEY);
+                         "key out of bounds (caller %zu/%d, method %zu/%d, key %zu/%d bytes)", lc,
+                         IDEM_MAX_CALLER, lm, IDEM_MAX_METHOD, lk, IDEM_MAX_KEY);
     }
     return IDEM_OK;
 }
@@ -36,8 +35,8 @@ void idem_store_close(idem_store *st)
     }
 }
 
-idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
-                           idem_claim_outcome *outcome, idem_record *rec)
+idem_code idem_store_claim(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
+                           idem_record *rec)
 {
     idem_code code;
     if (rec != NULL) {
@@ -116,7 +115,7 @@ idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out)
 
 idem_code idem_store_foreach(idem_store *st, idem_store_visit_fn fn, void *arg)
 {
-    return st->ops->foreach(st, fn, arg);
+    return st->ops->foreach (st, fn, arg);
 }
 
 const char *idem_store_backend(const idem_store *st)

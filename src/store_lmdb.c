@@ -83,7 +83,6 @@ static lmdb_store *lmdb_of(idem_store *base)
     return base != NULL && base->ops == &lmdb_ops ? (lmdb_store *)base : NULL;
 }
 
-
 /* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
  * maximum key size, by the IDEM_MAX_* bounds. */
 typedef struct rec_key {
@@ -122,8 +121,7 @@ static idem_code rec_key_make(rec_key *k, const idem_key_ref *ref)
     return IDEM_OK;
 }
 
-static void index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name,
-                      size_t len)
+static void index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
 {
     uint8_t digest[32];
     for (int i = 0; i < 8; i++) {
@@ -133,8 +131,8 @@ static void index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *
     memcpy(out + 8, digest, INDEX_KEY_LEN - 8);
 }
 
-static int index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
-                     const void *name, size_t len)
+static int index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t type, const void *name,
+                     size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
     index_key(kb, expires, name, len);
@@ -147,8 +145,7 @@ static int index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t typ
     return rc;
 }
 
-static int index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const void *name,
-                     size_t len)
+static int index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const void *name, size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
     index_key(kb, expires, name, len);
@@ -238,8 +235,7 @@ static void read_end(lmdb_store *st, MDB_txn *txn)
     }
 }
 
-idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size,
-                               unsigned flags)
+idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
 {
     lmdb_store *st;
     MDB_txn *txn = NULL;
@@ -256,8 +252,8 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((st = calloc(1, sizeof(*st))) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    unsigned env_flags = MDB_NOTLS | (ro ? MDB_RDONLY : 0) |
-                         ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
+    unsigned env_flags =
+        MDB_NOTLS | (ro ? MDB_RDONLY : 0) | ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
     if ((rc = mdb_env_create(&st->env)) != 0 ||
         (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
         (rc = mdb_env_set_maxreaders(st->env, 512)) != 0 ||
@@ -348,11 +344,14 @@ static idem_code token_take(lmdb_store *st, MDB_txn *txn, const char *token, con
 }
 
 /* Writes a fresh IN_PROGRESS record (replacing `old` when it is not NULL). */
-static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key,
-                       const idem_claim_req *req, const rec_hdr *old)
+static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key, const idem_claim_req *req,
+                       const rec_hdr *old)
 {
-    rec_hdr h = {.magic = REC_MAGIC, .state = IDEM_REC_IN_PROGRESS, .owner = req->owner,
-                 .lease_until_ms = req->lease_until_ms, .first_at_ms = req->now_ms,
+    rec_hdr h = {.magic = REC_MAGIC,
+                 .state = IDEM_REC_IN_PROGRESS,
+                 .owner = req->owner,
+                 .lease_until_ms = req->lease_until_ms,
+                 .first_at_ms = req->now_ms,
                  .expires_ms = req->expires_ms};
     memcpy(h.fingerprint, req->fingerprint, sizeof(h.fingerprint));
     int rc;
@@ -418,8 +417,8 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
                 return c->rec != NULL ? rec_decode(&v, c->rec, false) : IDEM_OK;
             }
             if (old.state == IDEM_REC_COMPLETED || old.lease_until_ms > req->now_ms) {
-                *c->outcome = old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
-                                                              : IDEM_CLAIM_IN_PROGRESS;
+                *c->outcome =
+                    old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED : IDEM_CLAIM_IN_PROGRESS;
                 return c->rec != NULL ? rec_decode(&v, c->rec, true) : IDEM_OK;
             }
             /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
@@ -439,7 +438,7 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
 }
 
 static idem_code lmdb_claim(idem_store *base, const idem_claim_req *req,
-                           idem_claim_outcome *outcome, idem_record *rec)
+                            idem_claim_outcome *outcome, idem_record *rec)
 {
     lmdb_store *st = (lmdb_store *)base;
     rec_key key;
@@ -474,8 +473,8 @@ static idem_code owned_get(lmdb_store *st, MDB_txn *txn, const rec_key *key, uin
 }
 
 static idem_code store_complete_txn(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
-                                   uint64_t owner, const void *response, size_t len,
-                                   uint64_t expires_ms)
+                                    uint64_t owner, const void *response, size_t len,
+                                    uint64_t expires_ms)
 {
     rec_key key;
     rec_hdr h;
@@ -516,11 +515,11 @@ static idem_code complete_apply(MDB_txn *txn, void *arg)
 }
 
 static idem_code lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                              const void *response, size_t len, uint64_t expires_ms)
+                               const void *response, size_t len, uint64_t expires_ms)
 {
     lmdb_store *st = (lmdb_store *)base;
-    write_args w = {.st = st, .ref = ref, .owner = owner, .response = response, .len = len,
-                    .ms = expires_ms};
+    write_args w = {
+        .st = st, .ref = ref, .owner = owner, .response = response, .len = len, .ms = expires_ms};
     return lmdb_write(st, complete_apply, &w);
 }
 
@@ -681,7 +680,7 @@ static idem_code token_put_apply(MDB_txn *txn, void *arg)
 }
 
 static idem_code lmdb_token_put(idem_store *base, const char *token, const char *scope,
-                               uint64_t expires_ms)
+                                uint64_t expires_ms)
 {
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .token = token, .scope = scope, .ms = expires_ms};
@@ -695,7 +694,7 @@ static idem_code token_consume_apply(MDB_txn *txn, void *arg)
 }
 
 static idem_code lmdb_token_consume(idem_store *base, const char *token, const char *scope,
-                                   uint64_t now_ms)
+                                    uint64_t now_ms)
 {
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .token = token, .scope = scope, .ms = now_ms};
@@ -952,8 +951,7 @@ idem_code idem__store_txn_commit(idem_txn *t)
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                           const void *response, size_t len, uint64_t expires_ms)
 {
-    idem_code code = store_complete_txn(t->st, t->txn, ref, owner, response, len,
-                                              expires_ms);
+    idem_code code = store_complete_txn(t->st, t->txn, ref, owner, response, len, expires_ms);
     if (code != IDEM_OK) {
         idem__store_txn_abort(t);
         return code;
@@ -970,14 +968,13 @@ static idem_code app_key(const void *key, size_t klen, MDB_val *k)
     return IDEM_OK;
 }
 
-idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
-                       const void **val, size_t *vlen)
+idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen, const void **val,
+                       size_t *vlen)
 {
     MDB_dbi dbi;
     MDB_val k, v;
     idem_code code;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_get(t->txn, dbi, &k, &v);
@@ -991,14 +988,13 @@ idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen
     return IDEM_OK;
 }
 
-idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
-                       const void *val, size_t vlen)
+idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen, const void *val,
+                       size_t vlen)
 {
     MDB_dbi dbi;
     MDB_val k, v = {vlen, (void *)val};
     idem_code code;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_put(t->txn, dbi, &k, &v, 0);
@@ -1010,8 +1006,7 @@ idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen
     MDB_dbi dbi;
     MDB_val k;
     idem_code code;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_del(t->txn, dbi, &k, NULL);
@@ -1035,8 +1030,7 @@ idem_code idem_store_app_get(idem_store *base, const char *db, const void *key, 
     int rc;
     *val = NULL;
     *vlen = 0;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK ||
-        (code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = store_dbi(st, db, &dbi)) != IDEM_OK) {
         return code;
     }
     if ((rc = read_begin(st, &txn)) != 0) {

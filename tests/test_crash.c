@@ -11,7 +11,6 @@
 
 #include "testutil.h"
 
-
 static char *dir;
 static char url[256];
 
@@ -32,8 +31,8 @@ TestSuite(crash, .init = setup, .fini = teardown, .timeout = 60);
 static tu_child spawn(const char *crash_at)
 {
     tu_child c;
-    const char *argv[] = {getenv("CRASH_SERVER"), "--listen", url, "--db", dir, "--lease-ms",
-                          "300", "--crash-at", crash_at, NULL};
+    const char *argv[] = {getenv("CRASH_SERVER"), "--listen", url,          "--db",   dir,
+                          "--lease-ms",           "300",      "--crash-at", crash_at, NULL};
     tu_spawn(&c, argv);
     return c;
 }
@@ -57,7 +56,9 @@ static idem_code send_once(const char *method, const char *key, const char *payl
     o.retry.period_ms = 50;
     o.retry.max_period_ms = 200;
     cr_assert_eq(idem_client_open(&cl, (const char *[]){url}, 1, &o), IDEM_OK);
-    idem_request q = {.method = method, .idempotency_key = key, .payload = payload,
+    idem_request q = {.method = method,
+                      .idempotency_key = key,
+                      .payload = payload,
                       .payload_len = payload ? strlen(payload) : 0};
     idem_code code = idem_client_call(cl, &q, r);
     idem_client_close(cl);

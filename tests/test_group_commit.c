@@ -35,9 +35,8 @@ TestSuite(group_commit, .init = setup, .fini = teardown, .timeout = 60);
 
 static idem_claim_req claim_req(const char *key)
 {
-    idem_claim_req r = {.key = {"c", "gc.Test/Write", key},
-                        .owner = idem__random_u64(),
-                        .now_ms = idem__now_ms()};
+    idem_claim_req r = {
+        .key = {"c", "gc.Test/Write", key}, .owner = idem__random_u64(), .now_ms = idem__now_ms()};
     r.lease_until_ms = r.now_ms + 60000;
     r.expires_ms = r.lease_until_ms + 60000;
     memset(r.fingerprint, 7, sizeof(r.fingerprint));
@@ -55,8 +54,7 @@ static void *writer(void *arg)
         idem_claim_req r = claim_req(key);
         idem_claim_outcome out;
         if (idem_store_claim(st, &r, &out, NULL) != IDEM_OK || out != IDEM_CLAIM_ACQUIRED ||
-            idem_store_complete(st, &r.key, r.owner, key, strlen(key), r.expires_ms) !=
-                IDEM_OK) {
+            idem_store_complete(st, &r.key, r.owner, key, strlen(key), r.expires_ms) != IDEM_OK) {
             return (void *)1;
         }
         if (report_fd >= 0) {

@@ -220,9 +220,9 @@ Test(hostile, invalid_utf8_in_each_string_field)
 
 Test(hostile, method_name_garbage)
 {
-    static const char *const garbage[] = {"", "NoSlash", "/Method", "pkg.Svc/", "a/b/c",
-                                          "pkg Svc/Method", "pkg.Svc/Me\tthod",
-                                          "pkg.Svc/\x7f"};
+    static const char *const garbage[] = {
+        "",      "NoSlash",        "/Method",          "pkg.Svc/",
+        "a/b/c", "pkg Svc/Method", "pkg.Svc/Me\tthod", "pkg.Svc/\x7f"};
     for (size_t i = 0; i < sizeof(garbage) / sizeof(*garbage); i++) {
         size_t len;
         void *frame = tu_pack_request(garbage[i], "k", NULL, "1", &len);
@@ -310,7 +310,9 @@ Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact)
     idem_result r;
     for (int i = 0; i < 200 && code == IDEM_OK; i++) {
         snprintf(key, sizeof(key), "blob-%d", i);
-        idem_request q = {.method = "t.Big/Put", .idempotency_key = key, .payload = key,
+        idem_request q = {.method = "t.Big/Put",
+                          .idempotency_key = key,
+                          .payload = key,
                           .payload_len = strlen(key)};
         code = idem_client_call(c, &q, &r);
         stored += code == IDEM_OK;
@@ -321,7 +323,9 @@ Test(hostile, store_full_is_resource_exhausted_and_the_store_stays_intact)
     cr_expect_eq(atomic_load(&executions), stored + 1, "the last handler ran, not committed");
     for (int i = 0; i < stored; i++) { /* every committed record still replays */
         snprintf(key, sizeof(key), "blob-%d", i);
-        idem_request q = {.method = "t.Big/Put", .idempotency_key = key, .payload = key,
+        idem_request q = {.method = "t.Big/Put",
+                          .idempotency_key = key,
+                          .payload = key,
                           .payload_len = strlen(key)};
         cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s: %s", key, r.message);
         cr_expect(r.replayed);
@@ -404,8 +408,11 @@ Test(hostile, logs_never_carry_tokens_or_payloads)
     char token[64];
     cr_assert_eq(idem_client_issue_token(c, "shop", token, sizeof(token), NULL), IDEM_OK);
     static const char secret[] = "card=4111111111111111";
-    idem_request q = {.method = "t.Order/Submit", .token = token, .caller = "shop",
-                      .payload = secret, .payload_len = sizeof(secret) - 1};
+    idem_request q = {.method = "t.Order/Submit",
+                      .token = token,
+                      .caller = "shop",
+                      .payload = secret,
+                      .payload_len = sizeof(secret) - 1};
     idem_result r;
     for (int i = 0; i < 2; i++) { /* executed, then replayed */
         cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK);

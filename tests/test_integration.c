@@ -146,12 +146,10 @@ static void setup(void)
     idem_method_opts notify = {.flags = IDEM_METHOD_CACHED, .extractor = out_trade_no};
     cr_assert_eq(idem_server_register(S.srv, "test.Callback/Notify", h_echo, NULL, &notify),
                  IDEM_OK);
-    cr_assert_eq(idem_server_register(S.srv, "test.Reject/Do", h_reject, NULL, &cached),
-                 IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "test.Reject/Do", h_reject, NULL, &cached), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Slow/Do", h_slow, NULL, &cached), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "test.Gated/Do", h_gated, NULL, &cached), IDEM_OK);
-    cr_assert_eq(idem_server_register(S.srv, "test.Order/Submit", h_echo, NULL, &token),
-                 IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "test.Order/Submit", h_echo, NULL, &token), IDEM_OK);
     tu_server_listen(&S);
     C = tu_client(S.url, 2000);
 }
@@ -166,7 +164,9 @@ TestSuite(integration, .init = setup, .fini = teardown, .timeout = 60);
 
 static idem_code call(const char *method, const char *key, const char *payload, idem_result *r)
 {
-    idem_request q = {.method = method, .idempotency_key = key, .payload = payload,
+    idem_request q = {.method = method,
+                      .idempotency_key = key,
+                      .payload = payload,
                       .payload_len = payload ? strlen(payload) : 0};
     return idem_client_call(C, &q, r);
 }
@@ -292,8 +292,8 @@ Test(integration, slow_first_attempt_then_retry_gets_the_first_result)
 {
     idem_client *impatient = tu_client(S.url, 100);
     H.slow_ms = 400; /* > the client's 100 ms attempt timeout */
-    idem_request q = {.method = "test.Slow/Do", .idempotency_key = "slow-1", .payload = "s",
-                      .payload_len = 1};
+    idem_request q = {
+        .method = "test.Slow/Do", .idempotency_key = "slow-1", .payload = "s", .payload_len = 1};
     idem_result r;
     cr_expect_eq(idem_client_call(impatient, &q, &r), IDEM_OK, "%s", r.message);
     cr_expect_gt(r.attempts, 1, "the first attempt timed out");
@@ -306,8 +306,11 @@ Test(integration, slow_first_attempt_then_retry_gets_the_first_result)
 
 Test(integration, keys_are_scoped_by_caller)
 {
-    idem_request q = {.method = "test.Echo/Add", .idempotency_key = "same", .payload = "1",
-                      .payload_len = 1, .caller = "tenant-a"};
+    idem_request q = {.method = "test.Echo/Add",
+                      .idempotency_key = "same",
+                      .payload = "1",
+                      .payload_len = 1,
+                      .caller = "tenant-a"};
     idem_result a, b;
     cr_assert_eq(idem_client_call(C, &q, &a), IDEM_OK);
     q.caller = "tenant-b";
@@ -430,8 +433,8 @@ Test(integration, duplicate_that_outwaits_its_deadline_gets_aborted_in_progress)
         pthread_cond_wait(&H.cv, &H.mu);
     }
     pthread_mutex_unlock(&H.mu);
-    idem_request q = {.method = "test.Gated/Do", .idempotency_key = "storm", .payload = "x",
-                      .payload_len = 1};
+    idem_request q = {
+        .method = "test.Gated/Do", .idempotency_key = "storm", .payload = "x", .payload_len = 1};
     idem_result r;
     cr_expect_eq(idem_client_call(c, &q, &r), IDEM_ABORTED, "%s", r.message);
     cr_expect_str_eq(idem_result_metadata(&r, "retry-after-ms"), "100");

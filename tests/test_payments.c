@@ -20,7 +20,6 @@
 #define MERCHANT "m1"
 #define ACCOUNT "merchant:" MERCHANT
 
-
 static char *dir;
 static char url[256], db[256];
 static tu_child server = {-1, NULL}; /* the live server, killed by teardown if a test fails */
@@ -31,7 +30,6 @@ static void setup(void)
     snprintf(url, sizeof(url), "ipc://%s/pay.sock", dir);
     snprintf(db, sizeof(db), "%s/db", dir);
 }
-
 
 static void teardown(void)
 {

@@ -39,8 +39,8 @@ static void start(tu_server *ts, char *dir)
 static idem_code charge(const char *url, const char *key, idem_result *r)
 {
     idem_client *c = tu_client(url, 2000);
-    idem_request q = {.method = "test.Pay/Charge", .idempotency_key = key, .payload = "100",
-                      .payload_len = 3};
+    idem_request q = {
+        .method = "test.Pay/Charge", .idempotency_key = key, .payload = "100", .payload_len = 3};
     idem_code code = idem_client_call(c, &q, r);
     idem_client_close(c);
     return code;
@@ -74,8 +74,10 @@ Test(restart, abandoned_claim_is_reclaimed_after_its_lease)
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK);
     /* A crashed owner: IN_PROGRESS with a lease that is already over. */
     uint64_t now = (uint64_t)time(NULL) * 1000;
-    idem_claim_req req = {.key = {"", "test.Pay/Charge", "charge-2"}, .owner = 7,
-                          .now_ms = now - 1000, .lease_until_ms = now - 1,
+    idem_claim_req req = {.key = {"", "test.Pay/Charge", "charge-2"},
+                          .owner = 7,
+                          .now_ms = now - 1000,
+                          .lease_until_ms = now - 1,
                           .expires_ms = now + 3600 * 1000};
     size_t plen = 3;
     idem__fingerprint("test.Pay/Charge", "100", plen, req.fingerprint);

@@ -636,8 +636,11 @@ Test(store, stats_count_records_by_state_and_tokens)
 /* A handler txn: claim key, then begin the business txn the record will commit in. */
 static idem_txn *begin_handler_txn(const char *key, idem_claim_req *r)
 {
-    *r = (idem_claim_req){.key = {CALLER, METHOD, key}, .owner = 42, .now_ms = T0,
-                          .lease_until_ms = T0 + LEASE_MS, .expires_ms = T0 + TTL_MS};
+    *r = (idem_claim_req){.key = {CALLER, METHOD, key},
+                          .owner = 42,
+                          .now_ms = T0,
+                          .lease_until_ms = T0 + LEASE_MS,
+                          .expires_ms = T0 + TTL_MS};
     idem_claim_outcome out;
     cr_assert_eq(idem_store_claim(st, r, &out, NULL), IDEM_OK);
     idem_txn *t;

@@ -96,8 +96,8 @@ static void check_same(char *first, const idem_result *r)
 
 static bool send_key(idem_client *c, const char *key, idem_result *r)
 {
-    idem_request q = {.method = "s.Pay/Charge", .idempotency_key = key, .payload = "100",
-                      .payload_len = 3};
+    idem_request q = {
+        .method = "s.Pay/Charge", .idempotency_key = key, .payload = "100", .payload_len = 3};
     idem_code code = idem_client_call(c, &q, r);
     atomic_fetch_add(code == IDEM_ABORTED ? &T.aborted : &T.failed, code != IDEM_OK);
     return code == IDEM_OK;
@@ -186,8 +186,7 @@ static void *resend_thread(void *p)
             a->err = rv;
             continue;
         }
-        Idem__V1__Response *r =
-            idem__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
+        Idem__V1__Response *r = idem__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
         nng_msg_free(m);
         snprintf(want, sizeof(want), " key=%s", key);
         a->ok += r != NULL && r->code == IDEM__V1__CODE__OK &&

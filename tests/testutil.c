@@ -153,8 +153,7 @@ static Idem__V1__Response *raw_call(const char *url, const void *frame, size_t l
     return r;
 }
 
-Idem__V1__Response *tu_raw_call(const char *url, const void *frame, size_t len,
-                                unsigned timeout_ms)
+Idem__V1__Response *tu_raw_call(const char *url, const void *frame, size_t len, unsigned timeout_ms)
 {
     return raw_call(url, frame, len, timeout_ms, true);
 }
@@ -172,8 +171,8 @@ void tu_response_free(Idem__V1__Response *r)
     }
 }
 
-void *tu_pack_request(const char *method, const char *key, const char *caller,
-                      const char *payload, size_t *len)
+void *tu_pack_request(const char *method, const char *key, const char *caller, const char *payload,
+                      size_t *len)
 {
     Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
     q.method = (char *)(method ? method : "");

@@ -55,7 +55,7 @@ struct Idem__V1__Response *tu_raw_call_try(const char *url, const void *frame, s
                                            unsigned timeout_ms);
 void tu_response_free(struct Idem__V1__Response *r);
 /* Packs a Request with the given fields (NULL = unset) into a malloc'd frame. */
-void *tu_pack_request(const char *method, const char *key, const char *caller,
-                      const char *payload, size_t *len);
+void *tu_pack_request(const char *method, const char *key, const char *caller, const char *payload,
+                      size_t *len);
 
 #endif

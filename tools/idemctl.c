@@ -190,9 +190,9 @@ static int cmd_list(idem_store *st, const args *a)
 
 static void print_response(const idem_record *rec, bool json)
 {
-    Idem__V1__Response *r =
-        rec->response_len ? idem__v1__response__unpack(NULL, rec->response_len, rec->response)
-                          : NULL;
+    Idem__V1__Response *r = rec->response_len
+                                ? idem__v1__response__unpack(NULL, rec->response_len, rec->response)
+                                : NULL;
     if (r == NULL) {
         fputs(json ? "null" : "response     -\n", stdout);
         return;
@@ -202,8 +202,8 @@ static void print_response(const idem_record *rec, bool json)
         json_str(r->message);
         printf(",\"payload_bytes\":%zu}", r->payload.len);
     } else {
-        printf("response     %s, %zu payload bytes%s%s\n", idem_code_name(r->code),
-               r->payload.len, r->message[0] ? ", message: " : "", r->message);
+        printf("response     %s, %zu payload bytes%s%s\n", idem_code_name(r->code), r->payload.len,
+               r->message[0] ? ", message: " : "", r->message);
     }
     idem__v1__response__free_unpacked(r, NULL);
 }
@@ -230,8 +230,7 @@ static int cmd_show(idem_store *st, const args *a)
     } else {
         printf("state        %s\nfingerprint  %s\nfirst at     ", state_name(rec.state), fp);
         print_time(rec.first_at_ms);
-        fputs(rec.state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ",
-              stdout);
+        fputs(rec.state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
         print_time(rec.state == IDEM_REC_IN_PROGRESS ? rec.lease_until_ms : rec.expires_ms);
         putchar('\n');
         print_response(&rec, false);
@@ -277,8 +276,9 @@ static int cmd_delete(idem_store *st, const args *a)
     bool running = rec.state == IDEM_REC_IN_PROGRESS;
     idem_record_clear(&rec);
     if (running && !a->force) {
-        fprintf(stderr, "idemctl: %s %s is IN_PROGRESS: a call may be running it. Deleting "
-                        "lets a retry run it again. Repeat with --force to delete.\n",
+        fprintf(stderr,
+                "idemctl: %s %s is IN_PROGRESS: a call may be running it. Deleting "
+                "lets a retry run it again. Repeat with --force to delete.\n",
                 a->method, a->key);
         return 1;
     }
@@ -296,8 +296,10 @@ int main(int argc, char **argv)
         const char *name;
         int (*fn)(idem_store *, const args *);
         bool writes;
-    } cmds[] = {{"stats", cmd_stats, false}, {"list", cmd_list, false},
-                {"show", cmd_show, false},   {"purge", cmd_purge, true},
+    } cmds[] = {{"stats", cmd_stats, false},
+                {"list", cmd_list, false},
+                {"show", cmd_show, false},
+                {"purge", cmd_purge, true},
                 {"delete", cmd_delete, true}};
     args a;
     if (!parse(argc, argv, &a)) {

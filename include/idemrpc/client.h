@@ -22,11 +22,11 @@ typedef struct idem_client idem_client;
 #define IDEM_CLIENT_KEY_MAX 255
 
 typedef struct idem_retry_policy {
-    uint32_t max_attempts;   /* 0 = 5; 1 = no retry */
-    uint32_t period_ms;      /* first backoff; 0 = 100 */
-    uint32_t max_period_ms;  /* cap; 0 = 1000 */
-    double multiplier;       /* 0 = 1.5 */
-    double jitter;           /* +- fraction of each backoff; 0 = 0.2, <0 = none */
+    uint32_t max_attempts;  /* 0 = 5; 1 = no retry */
+    uint32_t period_ms;     /* first backoff; 0 = 100 */
+    uint32_t max_period_ms; /* cap; 0 = 1000 */
+    double multiplier;      /* 0 = 1.5 */
+    double jitter;          /* +- fraction of each backoff; 0 = 0.2, <0 = none */
 } idem_retry_policy;
 
 typedef struct idem_client_opts {

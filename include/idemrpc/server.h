@@ -24,8 +24,7 @@ typedef struct idem_server idem_server;
  * the result cache, never the guarantee. Redis down → calls pass (fail open), logged. */
 typedef struct idem_debounce idem_debounce;
 /* url: redis://HOST[:PORT]; window_ms > 0. Connects lazily. */
-IDEM_API idem_code idem_debounce_create(idem_debounce **out, const char *url,
-                                        uint32_t window_ms);
+IDEM_API idem_code idem_debounce_create(idem_debounce **out, const char *url, uint32_t window_ms);
 IDEM_API void idem_debounce_destroy(idem_debounce *d);
 
 /* A method handler: reads the request through idem_call_*(), answers with
@@ -75,8 +74,8 @@ typedef enum idem_log_level {
 typedef void (*idem_log_fn)(void *arg, idem_log_level level, const char *line);
 
 typedef struct idem_server_opts {
-    size_t contexts;        /* concurrent calls (nng contexts); 0 = 2 x cores */
-    size_t workers;         /* handler threads; 0 = contexts */
+    size_t contexts; /* concurrent calls (nng contexts); 0 = 2 x cores */
+    size_t workers;  /* handler threads; 0 = contexts */
     /* Back-pressure: a call received while this many wait for a worker is answered
      * RESOURCE_EXHAUSTED "server busy" (with retry-after-ms) at once. 0 = no limit
      * beyond contexts. */
@@ -123,11 +122,11 @@ IDEM_API idem_code idem_server_create(idem_server **out, const idem_server_opts 
 
 /* Name is "package.Service/Method" (copied). opts may be NULL (plain, uncached). */
 IDEM_API idem_code idem_server_register(idem_server *srv, const char *method, idem_handler_fn fn,
-                                  void *arg, const idem_method_opts *opts);
+                                        void *arg, const idem_method_opts *opts);
 
 /* Appends an interceptor; name is for logs (copied). */
 IDEM_API idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn,
-                             void *arg);
+                                   void *arg);
 IDEM_API idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which);
 
 /* Starts serving on url (tcp://, ipc://, inproc://). May be called more than once. */

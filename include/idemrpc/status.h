@@ -52,9 +52,9 @@ IDEM_API const char *idem_errmsg(void);
 #define IDEM_CODE_BIT(c) (1u << (unsigned)(c))
 
 /* Codes whose result is not stored: the claim is released and a retry runs again. */
-#define IDEM_TRANSIENT_CODES                                                                   \
-    (IDEM_CODE_BIT(IDEM_UNAVAILABLE) | IDEM_CODE_BIT(IDEM_DEADLINE_EXCEEDED) |                 \
-     IDEM_CODE_BIT(IDEM_INTERNAL) | IDEM_CODE_BIT(IDEM_RESOURCE_EXHAUSTED) |                   \
+#define IDEM_TRANSIENT_CODES                                                                       \
+    (IDEM_CODE_BIT(IDEM_UNAVAILABLE) | IDEM_CODE_BIT(IDEM_DEADLINE_EXCEEDED) |                     \
+     IDEM_CODE_BIT(IDEM_INTERNAL) | IDEM_CODE_BIT(IDEM_RESOURCE_EXHAUSTED) |                       \
      IDEM_CODE_BIT(IDEM_ABORTED) | IDEM_CODE_BIT(IDEM_CANCELLED) | IDEM_CODE_BIT(IDEM_UNKNOWN))
 
 #ifdef __cplusplus

@@ -62,11 +62,11 @@ typedef struct idem_claim_req {
 } idem_claim_req;
 
 typedef enum idem_claim_outcome {
-    IDEM_CLAIM_ACQUIRED = 1,  /* new record; caller runs the handler */
-    IDEM_CLAIM_TAKEN_OVER,    /* expired lease re-claimed; caller runs the handler */
-    IDEM_CLAIM_COMPLETED,     /* record holds the first result (in *rec) */
-    IDEM_CLAIM_IN_PROGRESS,   /* another owner holds a live lease (in *rec) */
-    IDEM_CLAIM_MISMATCH,      /* same key, other fingerprint: nothing changed */
+    IDEM_CLAIM_ACQUIRED = 1, /* new record; caller runs the handler */
+    IDEM_CLAIM_TAKEN_OVER,   /* expired lease re-claimed; caller runs the handler */
+    IDEM_CLAIM_COMPLETED,    /* record holds the first result (in *rec) */
+    IDEM_CLAIM_IN_PROGRESS,  /* another owner holds a live lease (in *rec) */
+    IDEM_CLAIM_MISMATCH,     /* same key, other fingerprint: nothing changed */
 } idem_claim_outcome;
 
 typedef struct idem_store_stats {
@@ -130,14 +130,13 @@ IDEM_API idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_
 IDEM_API idem_code idem_store_delete(idem_store *st, const idem_key_ref *key);
 
 /* Deletes at most max records and tokens whose expiry is <= now_ms, in one write txn. */
-IDEM_API idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max,
-                                    size_t *deleted);
+IDEM_API idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
 
 IDEM_API idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
                                         uint64_t expires_ms);
 /* Atomic delete-if-valid; codes as for a claim with a token. */
-IDEM_API idem_code idem_store_token_consume(idem_store *st, const char *token,
-                                            const char *scope, uint64_t now_ms);
+IDEM_API idem_code idem_store_token_consume(idem_store *st, const char *token, const char *scope,
+                                            uint64_t now_ms);
 
 IDEM_API idem_code idem_store_stats_get(idem_store *st, idem_store_stats *out);
 

@@ -44,8 +44,8 @@ IDEM_API idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, si
 IDEM_API idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
 
 /* Reads a business value outside a handler (own read txn); *val is malloc'd. */
-IDEM_API idem_code idem_store_app_get(idem_store *st, const char *db, const void *key,
-                                      size_t klen, void **val, size_t *vlen);
+IDEM_API idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, size_t klen,
+                                      void **val, size_t *vlen);
 
 #ifdef __cplusplus
 }
