@@ -325,6 +325,29 @@ static void sleep_ms(uint64_t ms)
     }
 }
 
+/* The key is fixed here, once, for every attempt of this logical call: the caller's,
+ * else none when a token stands in for it, else 128 random bits (*generated). */
+static idem_code fix_key(const idem_request *req, char key[IDEM_CLIENT_KEY_MAX + 1],
+                         bool *generated)
+{
+    if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
+        if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
+            return idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
+        }
+        strcpy(key, req->idempotency_key);
+    } else if (req->token != NULL && req->token[0] != '\0') {
+        key[0] = '\0'; /* the server makes the one-time token the key */
+    } else {
+        uint8_t rnd[16];
+        if (!idem__random(rnd, sizeof(rnd))) {
+            return idem__err(IDEM_INTERNAL, "getrandom failed");
+        }
+        idem__hex(key, rnd, sizeof(rnd));
+        *generated = true;
+    }
+    return IDEM_OK;
+}
+
 idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out)
 {
     const char *caller = req->caller != NULL ? req->caller : c->caller;
@@ -333,26 +356,14 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
     uint64_t deadline_unix = idem__now_ms() + total_ms;
     idem_code code = IDEM_OK;
 
+    bool key_generated = false;
+
     memset(out, 0, sizeof(*out));
     if (req->method == NULL) {
         return out->code = idem__err(IDEM_INVALID_ARGUMENT, "method is required");
     }
-    /* The key is fixed here, once, for every attempt of this logical call. */
-    bool key_generated = false;
-    if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
-        if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
-            return out->code = idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
-        }
-        strcpy(out->key, req->idempotency_key);
-    } else if (req->token != NULL && req->token[0] != '\0') {
-        out->key[0] = '\0'; /* the server makes the one-time token the key */
-    } else {
-        uint8_t rnd[16];
-        if (!idem__random(rnd, sizeof(rnd))) {
-            return out->code = idem__err(IDEM_INTERNAL, "getrandom failed");
-        }
-        idem__hex(out->key, rnd, sizeof(rnd));
-        key_generated = true;
+    if ((code = fix_key(req, out->key, &key_generated)) != IDEM_OK) {
+        return out->code = code;
     }
     for (uint32_t attempt = 1;; attempt++) {
         Idem__V1__Response *resp = NULL;
