@@ -19,9 +19,7 @@ static void resolve_request_id(idem_call *call)
         strcpy(call->request_id, id);
         return;
     }
-    uint8_t rnd[16];
-    idem__random(rnd, sizeof(rnd));
-    idem__hex(call->request_id, rnd, sizeof(rnd));
+    idem__random_hex(call->request_id, 16);
 }
 
 static bool set_key(idem_call *call, const char *key, idem_key_source source)

@@ -338,11 +338,9 @@ static idem_code fix_key(const idem_request *req, char key[IDEM_CLIENT_KEY_MAX +
     } else if (req->token != NULL && req->token[0] != '\0') {
         key[0] = '\0'; /* the server makes the one-time token the key */
     } else {
-        uint8_t rnd[16];
-        if (!idem__random(rnd, sizeof(rnd))) {
+        if (!idem__random_hex(key, 16)) {
             return idem__err(IDEM_INTERNAL, "getrandom failed");
         }
-        idem__hex(key, rnd, sizeof(rnd));
         *generated = true;
     }
     return IDEM_OK;

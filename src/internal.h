@@ -31,6 +31,10 @@ bool idem__random(void *buf, size_t len);
 uint64_t idem__random_u64(void);
 double idem__random_unit(void); /* [0,1), for jitter; not for secrets */
 
+/* bytes fresh random bytes as lowercase hex into out (2*bytes+1): request ids and
+ * generated keys. false when the kernel refused (out then holds zeros). */
+bool idem__random_hex(char *out, size_t bytes);
+
 /* Lowercase hex of len bytes into out (2*len+1). */
 void idem__hex(char *out, const void *bytes, size_t len);
 /* Unpadded base64url of len bytes into out (4*ceil(len/3)+1). */

@@ -220,10 +220,9 @@ static nng_msg *response_msg(idem_call *call)
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out)
 {
-    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
+    uint64_t start = idem__mono_us();
     idem_code code;
 
-    out->start_us = idem__mono_us();
     out->req = NULL;
     if (len > srv->opts.max_frame) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
@@ -232,11 +231,10 @@ bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast
         code = idem__decode_request(frame, len, &out->req);
     }
     if (code != IDEM_OK) {
-        idem__call_init(&out->call, &empty, NULL, &srv->rt);
-        idem__reject(&out->call,
-                     code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
-                                                     : IDEM_REASON_BAD_FRAME,
-                     code, "%s", idem_errmsg());
+        idem__server_reject(srv, out,
+                            code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
+                                                            : IDEM_REASON_BAD_FRAME,
+                            code, idem_errmsg());
     } else {
         idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
         out->call.fast_only = fast_only;
@@ -246,11 +244,10 @@ bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast
             return false;
         }
     }
-    if (out->call.request_id[0] == '\0') {
-        uint8_t rnd[16];
-        idem__random(rnd, sizeof(rnd));
-        idem__hex(out->call.request_id, rnd, sizeof(rnd));
+    if (out->call.request_id[0] == '\0') { /* a chain without request_id */
+        idem__random_hex(out->call.request_id, 16);
     }
+    out->start_us = start;
     return true;
 }
 
@@ -314,13 +311,11 @@ void idem__server_reject(idem_server *srv, idem_served *s, const char *reason, i
                          const char *message)
 {
     static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
-    uint8_t rnd[16];
     s->start_us = idem__mono_us();
     s->req = NULL;
     idem__call_init(&s->call, &empty, NULL, &srv->rt);
     idem__reject(&s->call, reason, code, "%s", message);
-    idem__random(rnd, sizeof(rnd));
-    idem__hex(s->call.request_id, rnd, sizeof(rnd));
+    idem__random_hex(s->call.request_id, 16);
 }
 
 void idem__server_busy(idem_server *srv, idem_served *s)

@@ -4,8 +4,6 @@
 
 #include "store.h"
 
-#define TOKEN_MAX 128
-
 idem_code idem__key_check(const idem_key_ref *ref)
 {
     size_t lc = ref->caller != NULL ? strlen(ref->caller) : 0;
@@ -22,7 +20,7 @@ idem_code idem__key_check(const idem_key_ref *ref)
 static idem_code token_check(const char *token, const char *scope)
 {
     size_t tl = token != NULL ? strlen(token) : 0;
-    if (tl == 0 || tl > TOKEN_MAX || (scope != NULL && strlen(scope) > IDEM_MAX_CALLER)) {
+    if (tl == 0 || tl > IDEM_MAX_TOKEN || (scope != NULL && strlen(scope) > IDEM_MAX_CALLER)) {
         return idem__err(IDEM_INVALID_ARGUMENT, "token or scope out of bounds");
     }
     return IDEM_OK;

@@ -20,7 +20,6 @@
 #include "store_lmdb.h"
 
 #define REC_MAGIC 0x69640001u /* "id" v1 */
-#define TOKEN_MAX 128
 #define INDEX_KEY_LEN 24
 #define DEFAULT_MAP_SIZE ((size_t)1 << 30)
 #define GROUP_COMMIT_BATCH 256 /* writes per shared txn at most */
@@ -314,7 +313,7 @@ static idem_code token_take(lmdb_store *st, MDB_txn *txn, const char *token, con
                             uint64_t now_ms)
 {
     size_t tl = strlen(token);
-    if (tl == 0 || tl > TOKEN_MAX) {
+    if (tl == 0 || tl > IDEM_MAX_TOKEN) {
         return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
     }
     MDB_val k = {tl, (void *)token}, v;

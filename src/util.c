@@ -71,6 +71,14 @@ double idem__random_unit(void)
     return (double)(idem__random_u64() >> 11) / (double)(UINT64_C(1) << 53);
 }
 
+bool idem__random_hex(char *out, size_t bytes)
+{
+    uint8_t rnd[32] = {0};
+    bool ok = bytes <= sizeof(rnd) && idem__random(rnd, bytes);
+    idem__hex(out, rnd, bytes <= sizeof(rnd) ? bytes : 0);
+    return ok;
+}
+
 void idem__hex(char *out, const void *bytes, size_t len)
 {
     static const char digits[] = "0123456789abcdef";

@@ -23,6 +23,7 @@ typedef struct idem_store idem_store;
 #define IDEM_MAX_CALLER 127
 #define IDEM_MAX_METHOD 127
 #define IDEM_MAX_KEY 255
+#define IDEM_MAX_TOKEN 128
 #define IDEM_FINGERPRINT_LEN 32 /* SHA-256 */
 
 typedef struct idem_key_ref {
