@@ -187,3 +187,117 @@ void *tu_pack_request(const char *method, const char *key, const char *caller, c
     idem__v1__request__pack(&q, buf);
     return buf;
 }
+
+/* ---- HTTP ---- */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <strings.h>
+#include <sys/socket.h>
+
+static void http_exchange(tu_http *out, int port, const char *request, size_t len)
+{
+    memset(out, 0, sizeof(*out));
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {10, 0}; /* a bound, not synchronisation: a hung server fails the test */
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0, "connect port %d", port);
+    for (size_t off = 0; off < len;) {
+        ssize_t n = send(fd, request + off, len - off, MSG_NOSIGNAL);
+        if (n <= 0) {
+            break; /* the server may answer (413) and close before reading everything */
+        }
+        off += (size_t)n;
+    }
+    size_t cap = 1 << 16, used = 0;
+    char *buf = malloc(cap);
+    cr_assert_not_null(buf);
+    for (;;) {
+        if (used + 1 >= cap) {
+            cap *= 2;
+            cr_assert_not_null(buf = realloc(buf, cap));
+        }
+        ssize_t n = recv(fd, buf + used, cap - used - 1, 0);
+        if (n <= 0) {
+            break;
+        }
+        used += (size_t)n;
+        buf[used] = '\0';
+        char *end = strstr(buf, "\r\n\r\n");
+        const char *cl = end != NULL ? strcasestr(buf, "\r\nContent-Length:") : NULL;
+        if (end != NULL && cl != NULL && cl < end &&
+            used >= (size_t)(end + 4 - buf) + strtoul(cl + 17, NULL, 10)) {
+            break;
+        }
+    }
+    close(fd);
+    buf[used] = '\0';
+    char *end = strstr(buf, "\r\n\r\n");
+    if (end == NULL || sscanf(buf, "HTTP/1.%*d %d", &out->status) != 1) {
+        free(buf);
+        return;
+    }
+    *end = '\0';
+    out->head = buf;
+    out->body_len = used - (size_t)(end + 4 - buf);
+    out->body = malloc(out->body_len + 1);
+    cr_assert_not_null(out->body);
+    memcpy(out->body, end + 4, out->body_len);
+    out->body[out->body_len] = '\0';
+}
+
+void tu_http_post(tu_http *out, int port, const char *path, const char *const *headers,
+                  size_t n_headers, const void *body, size_t len)
+{
+    size_t hlen = 256 + strlen(path);
+    for (size_t i = 0; i < n_headers; i++) {
+        hlen += strlen(headers[i]) + 2;
+    }
+    char *req = malloc(hlen + len);
+    cr_assert_not_null(req);
+    int n = snprintf(req, hlen, "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n",
+                     path);
+    for (size_t i = 0; i < n_headers; i++) {
+        n += snprintf(req + n, hlen - (size_t)n, "%s\r\n", headers[i]);
+    }
+    n += snprintf(req + n, hlen - (size_t)n, "Content-Length: %zu\r\n\r\n", len);
+    memcpy(req + n, body, len);
+    http_exchange(out, port, req, (size_t)n + len);
+    free(req);
+}
+
+void tu_http_get(tu_http *out, int port, const char *path)
+{
+    char req[512];
+    int n = snprintf(req, sizeof(req), "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+                     path);
+    http_exchange(out, port, req, (size_t)n);
+}
+
+const char *tu_http_header(const tu_http *r, const char *name, char *buf, size_t cap)
+{
+    size_t nl = strlen(name);
+    for (const char *line = r->head ? strstr(r->head, "\r\n") : NULL; line != NULL;
+         line = strstr(line + 2, "\r\n")) {
+        const char *p = line + 2;
+        if (strncasecmp(p, name, nl) == 0 && p[nl] == ':') {
+            p += nl + 1;
+            while (*p == ' ') {
+                p++;
+            }
+            size_t vl = strcspn(p, "\r");
+            snprintf(buf, cap, "%.*s", (int)vl, p);
+            return buf;
+        }
+    }
+    return NULL;
+}
+
+void tu_http_free(tu_http *r)
+{
+    free(r->head);
+    free(r->body);
+    memset(r, 0, sizeof(*r));
+}

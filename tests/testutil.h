@@ -59,3 +59,20 @@ void *tu_pack_request(const char *method, const char *key, const char *caller, c
                       size_t *len);
 
 #endif
+
+/* ---- HTTP over a raw TCP socket to 127.0.0.1 (so a test controls every header line) ---- */
+typedef struct tu_http {
+    int status;      /* 0 when no response arrived */
+    char *head;      /* status line and header lines, NUL-terminated */
+    char *body;      /* NUL-terminated */
+    size_t body_len;
+} tu_http;
+
+/* POST path with the given header lines ("Name: value"; a name may repeat) and body. */
+void tu_http_post(tu_http *out, int port, const char *path, const char *const *headers,
+                  size_t n_headers, const void *body, size_t len);
+/* GET path. */
+void tu_http_get(tu_http *out, int port, const char *path);
+/* The value of response header name (case-insensitive), copied into buf; NULL if absent. */
+const char *tu_http_header(const tu_http *r, const char *name, char *buf, size_t cap);
+void tu_http_free(tu_http *r);
