@@ -43,8 +43,8 @@ idem_code idem_store_claim(idem_store *st, const idem_claim_req *req, idem_claim
     if ((code = idem__key_check(&req->key)) != IDEM_OK) {
         return code;
     }
-    if (req->owner == 0) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "claim owner must be nonzero");
+    if (req->owner == 0 && rec == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "a store-assigned owner (0) needs rec");
     }
     if (req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
         return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
@@ -56,11 +56,26 @@ idem_code idem_store_claim(idem_store *st, const idem_claim_req *req, idem_claim
     return code;
 }
 
+idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                  const void *response, size_t len, uint64_t expires_ms,
+                                  uint64_t now_ms)
+{
+    idem_code code = idem__key_check(key);
+    return code != IDEM_OK ? code
+                           : st->ops->complete(st, key, owner, response, len, expires_ms, now_ms);
+}
+
 idem_code idem_store_complete(idem_store *st, const idem_key_ref *key, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms)
 {
+    return idem__store_complete_at(st, key, owner, response, len, expires_ms, idem__now_ms());
+}
+
+idem_code idem_store_renew(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                           uint64_t lease_until_ms, uint64_t now_ms)
+{
     idem_code code = idem__key_check(key);
-    return code != IDEM_OK ? code : st->ops->complete(st, key, owner, response, len, expires_ms);
+    return code != IDEM_OK ? code : st->ops->renew(st, key, owner, lease_until_ms, now_ms);
 }
 
 idem_code idem_store_release(idem_store *st, const idem_key_ref *key, uint64_t owner)
@@ -88,12 +103,19 @@ idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max, size_t *
     return st->ops->sweep(st, now_ms, max, deleted);
 }
 
+idem_code idem__store_token_put_at(idem_store *st, const char *token, const char *scope,
+                                   uint64_t expires_ms, uint64_t now_ms)
+{
+    idem_code code = token_check(token, scope);
+    return code != IDEM_OK
+               ? code
+               : st->ops->token_put(st, token, scope != NULL ? scope : "", expires_ms, now_ms);
+}
+
 idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
                                uint64_t expires_ms)
 {
-    idem_code code = token_check(token, scope);
-    return code != IDEM_OK ? code
-                           : st->ops->token_put(st, token, scope != NULL ? scope : "", expires_ms);
+    return idem__store_token_put_at(st, token, scope, expires_ms, idem__now_ms());
 }
 
 idem_code idem_store_token_consume(idem_store *st, const char *token, const char *scope,

@@ -4,8 +4,11 @@
  *   records  effective key → rec_hdr + serialized idem.v1.Response (COMPLETED only)
  *   tokens   token         → tok_hdr + scope
  *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
- * Every record and token has exactly one expiry entry; they change in the same write
- * txn. LMDB allows one write txn at a time per env across all processes: that is the
+ *   meta     "fence" → be64 last owner id handed out (store-assigned owners)
+ * An IN_PROGRESS record keeps, after its header, the token its claim consumed
+ * (be64 token expiry ‖ token bytes; the scope is the key's caller), so that a release
+ * can put the token back in the same txn. Every record and token has exactly one expiry
+ * entry; they change in the same write txn. LMDB allows one write txn at a time per env across all processes: that is the
  * unique constraint that makes a claim atomic. */
 #include <errno.h>
 #include <lmdb.h>
@@ -63,7 +66,8 @@ typedef struct app_db {
 typedef struct lmdb_store {
     idem_store base; /* first: the generic store */
     MDB_env *env;
-    MDB_dbi records, tokens, expiry;
+    MDB_dbi records, tokens, expiry, meta;
+    bool has_meta; /* false only for a read-only open of a store older than "meta" */
     idem_group_commit gc;
     pthread_mutex_t db_mu; /* guards dbs */
     app_db dbs[IDEM_LMDB_MAX_DBS];
@@ -175,13 +179,13 @@ static idem_code rec_decode(const MDB_val *v, idem_record *rec, bool want_respon
     rec->lease_until_ms = h.lease_until_ms;
     rec->first_at_ms = h.first_at_ms;
     rec->expires_ms = h.expires_ms;
-    size_t n = v->mv_size - sizeof(h);
+    size_t n = h.state == IDEM_REC_COMPLETED ? v->mv_size - sizeof(h) : 0; /* else a token */
+    rec->response_len = n; /* also without the copy: foreach reports the stored size */
     if (want_response && n > 0) {
         if ((rec->response = malloc(n)) == NULL) {
             return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
         }
         memcpy(rec->response, (const uint8_t *)v->mv_data + sizeof(h), n);
-        rec->response_len = n;
     }
     return IDEM_OK;
 }
@@ -277,6 +281,12 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
         mdb_txn_abort(txn);
         goto fail;
     }
+    rc = mdb_dbi_open(txn, "meta", dbi_flags, &st->meta);
+    st->has_meta = rc == 0;
+    if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
+        mdb_txn_abort(txn);
+        goto fail;
+    }
     if ((rc = mdb_txn_commit(txn)) != 0) { /* commit frees txn even when it fails */
         goto fail;
     }
@@ -310,7 +320,7 @@ static void lmdb_close(idem_store *base)
 
 /* Consumes token inside txn: it must exist, be unexpired and be scoped to scope. */
 static idem_code token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
-                            uint64_t now_ms)
+                            uint64_t now_ms, uint64_t *expires_ms)
 {
     size_t tl = strlen(token);
     if (tl == 0 || tl > IDEM_MAX_TOKEN) {
@@ -339,16 +349,98 @@ static idem_code token_take(lmdb_store *st, MDB_txn *txn, const char *token, con
         (rc = index_del(st, txn, h.expires_ms, token, tl)) != 0) {
         return lmdb_code(rc, "token delete");
     }
+    *expires_ms = h.expires_ms;
     return IDEM_OK;
 }
 
-/* Writes a fresh IN_PROGRESS record (replacing `old` when it is not NULL). */
+/* Stores token (scoped to scope) unless it exists; rc-style. */
+static int token_store(lmdb_store *st, MDB_txn *txn, const char *token, size_t tl,
+                       const char *scope, uint64_t expires_ms)
+{
+    size_t sl = strlen(scope);
+    tok_hdr h = {.expires_ms = expires_ms};
+    MDB_val k = {tl, (void *)token}, v = {sizeof(h) + sl, NULL};
+    int rc = mdb_put(txn, st->tokens, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE);
+    if (rc == 0) {
+        memcpy(v.mv_data, &h, sizeof(h));
+        memcpy((uint8_t *)v.mv_data + sizeof(h), scope, sl);
+        rc = index_put(st, txn, expires_ms, TYPE_TOKEN, token, tl);
+    }
+    return rc;
+}
+
+/* The token an IN_PROGRESS record keeps: be64 expiry ‖ token. */
+typedef struct rec_token {
+    uint8_t bytes[8 + IDEM_MAX_TOKEN];
+    size_t len; /* 0: none */
+} rec_token;
+
+static void rec_token_make(rec_token *t, const char *token, uint64_t expires_ms)
+{
+    size_t tl = strlen(token);
+    for (int i = 0; i < 8; i++) {
+        t->bytes[i] = (uint8_t)(expires_ms >> (56 - 8 * i));
+    }
+    memcpy(t->bytes + 8, token, tl);
+    t->len = 8 + tl;
+}
+
+/* Copies the token tail of a stored IN_PROGRESS record (none for v1 records). */
+static void rec_token_read(rec_token *t, const MDB_val *v)
+{
+    size_t n = v->mv_size - sizeof(rec_hdr);
+    t->len = n > 8 && n <= sizeof(t->bytes) ? n : 0;
+    memcpy(t->bytes, (const uint8_t *)v->mv_data + sizeof(rec_hdr), t->len);
+}
+
+/* Puts a kept token back (a released claim had consumed it); rc-style. */
+static int rec_token_restore(lmdb_store *st, MDB_txn *txn, const rec_key *key, const rec_token *t)
+{
+    if (t->len == 0) {
+        return 0;
+    }
+    uint64_t expires = 0;
+    for (int i = 0; i < 8; i++) {
+        expires = expires << 8 | t->bytes[i];
+    }
+    int rc = token_store(st, txn, (const char *)t->bytes + 8, t->len - 8,
+                         (const char *)key->bytes, expires); /* the caller leads the key */
+    return rc == MDB_KEYEXIST ? 0 : rc;
+}
+
+/* The next store-assigned owner: a counter that only grows, in the claim's txn. */
+static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
+{
+    MDB_val k = {5, "fence"}, v;
+    uint8_t b[8];
+    uint64_t last = 0;
+    if (!st->has_meta) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
+    }
+    int rc = mdb_get(txn, st->meta, &k, &v);
+    if (rc == 0 && v.mv_size == 8) {
+        for (int i = 0; i < 8; i++) {
+            last = last << 8 | ((const uint8_t *)v.mv_data)[i];
+        }
+    } else if (rc != 0 && rc != MDB_NOTFOUND) {
+        return lmdb_code(rc, "fence get");
+    }
+    *out = last + 1;
+    for (int i = 0; i < 8; i++) {
+        b[i] = (uint8_t)(*out >> (56 - 8 * i));
+    }
+    v = (MDB_val){8, b};
+    rc = mdb_put(txn, st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "fence put");
+}
+
+/* Writes a fresh IN_PROGRESS record keeping tok (replacing `old` when it is not NULL). */
 static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key, const idem_claim_req *req,
-                       const rec_hdr *old)
+                       uint64_t owner, const rec_hdr *old, const rec_token *tok)
 {
     rec_hdr h = {.magic = REC_MAGIC,
                  .state = IDEM_REC_IN_PROGRESS,
-                 .owner = req->owner,
+                 .owner = owner,
                  .lease_until_ms = req->lease_until_ms,
                  .first_at_ms = req->now_ms,
                  .expires_ms = req->expires_ms};
@@ -357,7 +449,7 @@ static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key, const i
     if (old != NULL && (rc = index_del(st, txn, old->expires_ms, key->bytes, key->len)) != 0) {
         return rc;
     }
-    if ((rc = rec_put(st, txn, key, &h, NULL, 0)) != 0) {
+    if ((rc = rec_put(st, txn, key, &h, tok->bytes, tok->len)) != 0) {
         return rc;
     }
     return index_put(st, txn, h.expires_ms, TYPE_RECORD, key->bytes, key->len);
@@ -372,12 +464,12 @@ typedef struct claim_ctx {
 } claim_ctx;
 
 /* Sets the outcome of a claim that acquired (or took over) the record. */
-static void claim_acquired(const claim_ctx *c, bool took_over)
+static void claim_acquired(const claim_ctx *c, bool took_over, uint64_t owner)
 {
     *c->outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
     if (c->rec != NULL) {
         c->rec->state = IDEM_REC_IN_PROGRESS;
-        c->rec->owner = c->req->owner;
+        c->rec->owner = owner;
         c->rec->first_at_ms = c->req->now_ms;
         c->rec->lease_until_ms = c->req->lease_until_ms;
         c->rec->expires_ms = c->req->expires_ms;
@@ -391,7 +483,9 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     const idem_claim_req *req = c->req;
     MDB_val k = {c->key->len, (void *)c->key->bytes}, v;
     rec_hdr old;
+    rec_token tok = {.len = 0};
     bool have_old = false;
+    uint64_t owner = req->owner;
     idem_code code;
     int rc;
 
@@ -409,6 +503,9 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
         }
         memcpy(&old, v.mv_data, sizeof(old));
         have_old = true;
+        if (old.state == IDEM_REC_IN_PROGRESS) {
+            rec_token_read(&tok, &v); /* a takeover inherits the consumed token */
+        }
         bool expired = old.state == IDEM_REC_COMPLETED && old.expires_ms <= req->now_ms;
         if (!expired) {
             if (memcmp(old.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
@@ -425,14 +522,21 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     }
     bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
     /* A token guards only the first execution; a takeover re-runs the same call. */
-    if (req->token != NULL && !took_over &&
-        (code = token_take(c->st, txn, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+    if (req->token != NULL && !took_over) {
+        uint64_t tok_expires;
+        if ((code = token_take(c->st, txn, req->token, req->key.caller, req->now_ms,
+                               &tok_expires)) != IDEM_OK) {
+            return code;
+        }
+        rec_token_make(&tok, req->token, tok_expires);
+    }
+    if (owner == 0 && (code = next_fence(c->st, txn, &owner)) != IDEM_OK) {
         return code;
     }
-    if ((rc = claim_write(c->st, txn, c->key, req, have_old ? &old : NULL)) != 0) {
+    if ((rc = claim_write(c->st, txn, c->key, req, owner, have_old ? &old : NULL, &tok)) != 0) {
         return lmdb_code(rc, "claim put");
     }
-    claim_acquired(c, took_over);
+    claim_acquired(c, took_over, owner);
     return IDEM_OK;
 }
 
@@ -451,7 +555,7 @@ static idem_code lmdb_claim(idem_store *base, const idem_claim_req *req,
 
 /* Reads the record for key in txn and checks that owner holds it. */
 static idem_code owned_get(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t owner,
-                           rec_hdr *h)
+                           rec_hdr *h, rec_token *tok)
 {
     MDB_val k = {key->len, (void *)key->bytes}, v;
     int rc = mdb_get(txn, st->records, &k, &v);
@@ -468,6 +572,9 @@ static idem_code owned_get(lmdb_store *st, MDB_txn *txn, const rec_key *key, uin
     if (h->state != IDEM_REC_IN_PROGRESS || h->owner != owner) {
         return idem__err(IDEM_ABORTED, "claim lost: lease expired and taken over");
     }
+    if (tok != NULL) {
+        rec_token_read(tok, &v);
+    }
     return IDEM_OK;
 }
 
@@ -480,7 +587,7 @@ static idem_code store_complete_txn(lmdb_store *st, MDB_txn *txn, const idem_key
     idem_code code;
     int rc;
     if ((code = rec_key_make(&key, ref)) != IDEM_OK ||
-        (code = owned_get(st, txn, &key, owner, &h)) != IDEM_OK) {
+        (code = owned_get(st, txn, &key, owner, &h, NULL)) != IDEM_OK) {
         return code;
     }
     if ((rc = index_del(st, txn, h.expires_ms, key.bytes, key.len)) != 0) {
@@ -503,7 +610,7 @@ typedef struct write_args {
     uint64_t owner;
     const void *response;
     size_t len;
-    uint64_t ms; /* expiry, or now for a token consume */
+    uint64_t ms; /* expiry, lease end, or now for a token consume */
     const char *token, *scope;
 } write_args;
 
@@ -514,8 +621,10 @@ static idem_code complete_apply(MDB_txn *txn, void *arg)
 }
 
 static idem_code lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                               const void *response, size_t len, uint64_t expires_ms)
+                               const void *response, size_t len, uint64_t expires_ms,
+                               uint64_t now_ms)
 {
+    (void)now_ms; /* LMDB keeps the caller's absolute times */
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {
         .st = st, .ref = ref, .owner = owner, .response = response, .len = len, .ms = expires_ms};
@@ -534,12 +643,49 @@ static idem_code release_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;
     rec_hdr h;
-    idem_code code = owned_get(w->st, txn, &w->key, w->owner, &h);
+    rec_token tok;
+    idem_code code = owned_get(w->st, txn, &w->key, w->owner, &h, &tok);
     if (code != IDEM_OK) {
         return code;
     }
     int rc = rec_delete(w->st, txn, &w->key, h.expires_ms);
+    if (rc == 0) {
+        rc = rec_token_restore(w->st, txn, &w->key, &tok);
+    }
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "release delete");
+}
+
+static idem_code renew_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    rec_hdr h;
+    rec_token tok;
+    idem_code code = owned_get(w->st, txn, &w->key, w->owner, &h, &tok);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = 0;
+    if (h.expires_ms < w->ms) { /* the sweep must not take a record that is still leased */
+        if ((rc = index_del(w->st, txn, h.expires_ms, w->key.bytes, w->key.len)) == 0) {
+            h.expires_ms = w->ms;
+            rc = index_put(w->st, txn, h.expires_ms, TYPE_RECORD, w->key.bytes, w->key.len);
+        }
+    }
+    h.lease_until_ms = w->ms;
+    if (rc == 0) {
+        rc = rec_put(w->st, txn, &w->key, &h, tok.bytes, tok.len);
+    }
+    return rc == 0 ? IDEM_OK : lmdb_code(rc, "renew");
+}
+
+static idem_code lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                            uint64_t lease_until_ms, uint64_t now_ms)
+{
+    (void)now_ms;
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {.st = st, .owner = owner, .ms = lease_until_ms};
+    idem_code code = rec_key_make(&w.key, ref);
+    return code != IDEM_OK ? code : lmdb_write(st, renew_apply, &w);
 }
 
 static idem_code lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner)
@@ -663,24 +809,17 @@ static idem_code lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_
 static idem_code token_put_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;
-    size_t tl = strlen(w->token), sl = strlen(w->scope);
-    tok_hdr h = {.expires_ms = w->ms};
-    MDB_val k = {tl, (void *)w->token}, v = {sizeof(h) + sl, NULL};
-    int rc = mdb_put(txn, w->st->tokens, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE);
+    int rc = token_store(w->st, txn, w->token, strlen(w->token), w->scope, w->ms);
     if (rc == MDB_KEYEXIST) {
         return idem__err(IDEM_ALREADY_EXISTS, "token exists");
-    }
-    if (rc == 0) {
-        memcpy(v.mv_data, &h, sizeof(h));
-        memcpy((uint8_t *)v.mv_data + sizeof(h), w->scope, sl);
-        rc = index_put(w->st, txn, w->ms, TYPE_TOKEN, w->token, tl);
     }
     return rc == 0 ? IDEM_OK : lmdb_code(rc, "token put");
 }
 
 static idem_code lmdb_token_put(idem_store *base, const char *token, const char *scope,
-                                uint64_t expires_ms)
+                                uint64_t expires_ms, uint64_t now_ms)
 {
+    (void)now_ms;
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .token = token, .scope = scope, .ms = expires_ms};
     return lmdb_write(st, token_put_apply, &w);
@@ -689,7 +828,8 @@ static idem_code lmdb_token_put(idem_store *base, const char *token, const char 
 static idem_code token_consume_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;
-    return token_take(w->st, txn, w->token, w->scope, w->ms);
+    uint64_t expires;
+    return token_take(w->st, txn, w->token, w->scope, w->ms, &expires);
 }
 
 static idem_code lmdb_token_consume(idem_store *base, const char *token, const char *scope,
@@ -740,7 +880,6 @@ static idem_code lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *ar
         if (!rec_key_split(&k, buf, &ref) || rec_decode(&v, &rec, false) != IDEM_OK) {
             continue; /* not ours to interpret; the operator tool skips it */
         }
-        rec.response_len = v.mv_size - sizeof(rec_hdr);
         if (!fn(arg, &ref, &rec)) {
             break;
         }
@@ -1055,6 +1194,7 @@ static const idem_store_ops lmdb_ops = {
     .claim = lmdb_claim,
     .complete = lmdb_complete,
     .release = lmdb_release,
+    .renew = lmdb_renew,
     .get = lmdb_get,
     .del = lmdb_delete,
     .sweep = lmdb_sweep,

@@ -1,7 +1,12 @@
 /* PostgreSQL backend of idem_store, for several server instances sharing records.
  *
  *   idem_records(caller, method, key) PRIMARY KEY, state, fingerprint, owner, lease and
- *   expiry (unix ms), response bytea;   idem_tokens(token PRIMARY KEY, scope, expires_ms)
+ *   expiry (unix ms), response bytea, the consumed token kept while IN_PROGRESS;
+ *   idem_tokens(token PRIMARY KEY, scope, expires_ms);   sequence idem_fence (owners)
+ *
+ * Every time is the database's clock (DBNOW): the callers' now_ms only turns their
+ * absolute times into durations, so instances with skewed clocks agree on every lease
+ * and expiry.
  *
  * The claim is decided by the unique key: INSERT … ON CONFLICT DO NOTHING either inserts
  * (this caller owns the key) or finds the row, which is then read FOR UPDATE so that an
@@ -39,8 +44,10 @@ enum stmt {
     S_CLAIM_LOCK,
     S_CLAIM_TAKE,
     S_TOKEN_TAKE,
+    S_TOKEN_KEEP,
     S_COMPLETE,
     S_RELEASE,
+    S_RENEW,
     S_GET,
     S_DELETE,
     S_SWEEP_RECORDS,
@@ -51,30 +58,51 @@ enum stmt {
     S_COUNT
 };
 
-#define REC_COLS "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response"
+#define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+#define REC_COLS                                                                             \
+    "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response, " DBNOW
 #define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
+/* $5 = 0 asks for a store-assigned owner; $6, $7 = lease and expiry durations. */
+#define CLAIM_OWNER "CASE WHEN $5::bigint = 0 THEN nextval('idem_fence') ELSE $5::bigint END"
+#define CLAIM_RETURNING " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW
+#define KEEP_IF_TAKEOVER(col) " " col " = CASE WHEN state = 1 THEN " col " END"
 
 static const char *const stmt_sql[S_COUNT] = {
     [S_CLAIM_INSERT] = "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
-                       " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4,"
-                       " $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+                       " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, "
+                       CLAIM_OWNER ", " DBNOW " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint)"
+                       " ON CONFLICT DO NOTHING" CLAIM_RETURNING,
     [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
-    [S_CLAIM_TAKE] = "UPDATE idem_records SET state = 1, fingerprint = $4, owner = $5,"
-                     " lease_until_ms = $6, first_at_ms = $7, expires_ms = $8, response = NULL"
+    /* A takeover inherits the consumed token; re-claiming an expired result drops it. */
+    [S_CLAIM_TAKE] = "UPDATE idem_records SET state = 1, fingerprint = $4, owner = " CLAIM_OWNER
+                     ", lease_until_ms = " DBNOW " + $6::bigint, first_at_ms = " DBNOW
+                     ", expires_ms = " DBNOW " + $7::bigint, response = NULL," KEEP_IF_TAKEOVER(
+                         "token") "," KEEP_IF_TAKEOVER("token_scope") "," KEEP_IF_TAKEOVER(
+                         "token_expires_ms") " WHERE " KEY_WHERE CLAIM_RETURNING,
+    [S_TOKEN_TAKE] =
+        "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms, " DBNOW,
+    [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
                      " WHERE " KEY_WHERE,
-    [S_TOKEN_TAKE] = "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms",
-    [S_COMPLETE] =
-        "UPDATE idem_records SET state = 2, response = $5, expires_ms = $6 WHERE " KEY_WHERE
-        " AND owner = $4 AND state = 1",
-    [S_RELEASE] = "DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
+    [S_COMPLETE] = "UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
+                   " + $6::bigint, token = NULL, token_scope = NULL, token_expires_ms = NULL"
+                   " WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
+    /* The consumed token goes back in the same statement (one transaction). */
+    [S_RELEASE] = "WITH d AS (DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND"
+                  " state = 1 RETURNING token, token_scope, token_expires_ms), t AS (INSERT INTO"
+                  " idem_tokens (token, scope, expires_ms) SELECT token, token_scope,"
+                  " token_expires_ms FROM d WHERE token IS NOT NULL ON CONFLICT DO NOTHING)"
+                  " SELECT count(*) FROM d",
+    [S_RENEW] = "UPDATE idem_records SET lease_until_ms = " DBNOW " + $5::bigint, expires_ms ="
+                " GREATEST(expires_ms, " DBNOW " + $5::bigint) WHERE " KEY_WHERE
+                " AND owner = $4 AND state = 1",
     [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
     [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
     [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE ctid IN (SELECT ctid FROM idem_records"
-                        " WHERE expires_ms <= $1 LIMIT $2)",
+                        " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
     [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE ctid IN (SELECT ctid FROM idem_tokens"
-                       " WHERE expires_ms <= $1 LIMIT $2)",
-    [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, $3)"
-                    " ON CONFLICT DO NOTHING",
+                       " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
+    [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, " DBNOW
+                    " + $3::bigint) ON CONFLICT DO NOTHING",
     [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"
                 " (WHERE state = 2), (SELECT count(*) FROM idem_tokens) FROM idem_records",
     [S_PAGE] = "SELECT caller, method, key, " REC_COLS " FROM idem_records WHERE (caller,"
@@ -93,7 +121,10 @@ static const char schema_sql[] =
     "CREATE INDEX IF NOT EXISTS idem_records_expires ON idem_records (expires_ms);"
     "CREATE TABLE IF NOT EXISTS idem_tokens ("
     " token text PRIMARY KEY, scope text NOT NULL, expires_ms bigint NOT NULL);"
-    "CREATE INDEX IF NOT EXISTS idem_tokens_expires ON idem_tokens (expires_ms);";
+    "CREATE INDEX IF NOT EXISTS idem_tokens_expires ON idem_tokens (expires_ms);"
+    "ALTER TABLE idem_records ADD COLUMN IF NOT EXISTS token text,"
+    " ADD COLUMN IF NOT EXISTS token_scope text, ADD COLUMN IF NOT EXISTS token_expires_ms bigint;"
+    "CREATE SEQUENCE IF NOT EXISTS idem_fence;";
 
 static const idem_store_ops pg_ops;
 
@@ -297,6 +328,7 @@ static idem_code row_record(const PGresult *r, int row, int off, idem_record *re
     rec->expires_ms = (uint64_t)col_i64(r, row, off + 5);
     size_t n = PQgetisnull(r, row, off + 6) ? 0 : (size_t)PQgetlength(r, row, off + 6);
     rec->response_len = n;
+    rec->now_ms = (uint64_t)col_i64(r, row, off + 7);
     if (want && n > 0) {
         if ((rec->response = malloc(n)) == NULL) {
             return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -308,8 +340,9 @@ static idem_code row_record(const PGresult *r, int row, int off, idem_record *re
 
 /* ---- the claim ---- */
 
-/* Consumes req's token inside the open transaction (the caller rolls back on error). */
-static idem_code token_take(PGconn *c, const char *token, const char *scope, uint64_t now_ms)
+/* Consumes a token inside the open transaction (the caller rolls back on error); its
+ * expiry is judged on the database clock. */
+static idem_code token_take(PGconn *c, const char *token, const char *scope, uint64_t *expires_ms)
 {
     pg_args a = {0};
     idem_code code;
@@ -322,9 +355,10 @@ static idem_code token_take(PGconn *c, const char *token, const char *scope, uin
         code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown or already used");
     } else if (strcmp(PQgetvalue(r, 0, 0), scope != NULL ? scope : "") != 0) {
         code = idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
-    } else if ((uint64_t)col_i64(r, 0, 1) <= now_ms) {
+    } else if (col_i64(r, 0, 1) <= col_i64(r, 0, 2)) {
         code = idem__err(IDEM_FAILED_PRECONDITION, "token expired");
     } else {
+        *expires_ms = (uint64_t)col_i64(r, 0, 1);
         code = IDEM_OK;
     }
     PQclear(r);
@@ -336,19 +370,52 @@ static void claim_args(pg_args *a, const idem_claim_req *req)
     arg_key(a, &req->key);
     arg_bytes(a, req->fingerprint, IDEM_FINGERPRINT_LEN);
     arg_i64(a, req->owner);
-    arg_i64(a, req->lease_until_ms);
-    arg_i64(a, req->now_ms);
-    arg_i64(a, req->expires_ms);
+    arg_i64(a, req->lease_until_ms - req->now_ms);
+    arg_i64(a, req->expires_ms - req->now_ms);
 }
 
-/* The row exists: decide under its lock. Returns with *outcome set, or an error. */
+/* Consumes the claim's token and keeps it in the claimed row (a release restores it). */
+static idem_code token_take_keep(PGconn *c, const idem_claim_req *req, const pg_args *a)
+{
+    uint64_t expires;
+    idem_code code = token_take(c, req->token, req->key.caller, &expires);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    pg_args k = *a;
+    k.n = 3; /* the key columns lead the claim's arguments */
+    arg_text(&k, req->token);
+    arg_text(&k, req->key.caller != NULL ? req->key.caller : "");
+    arg_i64(&k, expires);
+    PGresult *r = run(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK, &code);
+    if (r != NULL) {
+        PQclear(r);
+    }
+    return r != NULL ? IDEM_OK : code;
+}
+
+/* The claimed row as RETURNING gave it (CLAIM_RETURNING). */
+static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_record *rec)
+{
+    memset(rec, 0, sizeof(*rec));
+    rec->state = IDEM_REC_IN_PROGRESS;
+    rec->owner = (uint64_t)col_i64(r, 0, 0);
+    rec->lease_until_ms = (uint64_t)col_i64(r, 0, 1);
+    rec->first_at_ms = (uint64_t)col_i64(r, 0, 2);
+    rec->expires_ms = (uint64_t)col_i64(r, 0, 3);
+    rec->now_ms = (uint64_t)col_i64(r, 0, 4);
+    memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
+}
+
+/* The row exists: decide under its lock, on the database clock. Returns with *outcome
+ * set (and *got the row when this claim acquired it), or an error. */
 static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_args *a,
-                                idem_claim_outcome *outcome, idem_record *rec)
+                                idem_claim_outcome *outcome, idem_record *rec, idem_record *got)
 {
     idem_code code;
     idem_record cur;
     pg_args key = *a;
-    key.n = 3; /* the key columns lead the claim's arguments */
+    key.n = 3;
     PGresult *r = run(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
@@ -362,10 +429,10 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     if (code != IDEM_OK) {
         return code;
     }
-    bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= req->now_ms;
+    bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= cur.now_ms;
     bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
     if (!expired &&
-        (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > req->now_ms)) {
+        (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > cur.now_ms)) {
         *outcome = !same                             ? IDEM_CLAIM_MISMATCH
                    : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
                                                      : IDEM_CLAIM_IN_PROGRESS;
@@ -378,51 +445,42 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     }
     bool took_over = cur.state == IDEM_REC_IN_PROGRESS;
     idem_record_clear(&cur);
-    if (req->token != NULL && !took_over &&
-        (code = token_take(c, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+    if ((r = run(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
         return code;
     }
-    if ((r = run(c, S_CLAIM_TAKE, a, PGRES_COMMAND_OK, &code)) == NULL) {
-        return code;
-    }
+    claimed_row(r, req, got);
     PQclear(r);
+    /* A token guards only the first execution; a takeover re-runs the same call. */
+    if (req->token != NULL && !took_over && (code = token_take_keep(c, req, a)) != IDEM_OK) {
+        return code;
+    }
     *outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
     return IDEM_OK;
 }
 
 static idem_code claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
-                              idem_record *rec)
+                              idem_record *rec, idem_record *got)
 {
     pg_args a = {0};
     idem_code code;
     claim_args(&a, req);
-    PGresult *r = run(c, S_CLAIM_INSERT, &a, PGRES_COMMAND_OK, &code);
+    PGresult *r = run(c, S_CLAIM_INSERT, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
-    bool inserted = strcmp(PQcmdTuples(r), "1") == 0; /* the unique key decided */
+    bool inserted = PQntuples(r) == 1; /* the unique key decided */
+    if (inserted) {
+        claimed_row(r, req, got);
+    }
     PQclear(r);
     if (!inserted) {
-        return claim_existing(c, req, &a, outcome, rec);
+        return claim_existing(c, req, &a, outcome, rec, got);
     }
-    if (req->token != NULL &&
-        (code = token_take(c, req->token, req->key.caller, req->now_ms)) != IDEM_OK) {
+    if (req->token != NULL && (code = token_take_keep(c, req, &a)) != IDEM_OK) {
         return code;
     }
     *outcome = IDEM_CLAIM_ACQUIRED;
     return IDEM_OK;
-}
-
-static void claim_fill(const idem_claim_req *req, idem_claim_outcome outcome, idem_record *rec)
-{
-    if (rec != NULL && (outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER)) {
-        rec->state = IDEM_REC_IN_PROGRESS;
-        rec->owner = req->owner;
-        rec->first_at_ms = req->now_ms;
-        rec->lease_until_ms = req->lease_until_ms;
-        rec->expires_ms = req->expires_ms;
-        memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
-    }
 }
 
 /* Runs fn in a transaction on a pooled connection: COMMIT when it returns IDEM_OK, else
@@ -452,22 +510,23 @@ static idem_code in_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), voi
 typedef struct claim_call {
     const idem_claim_req *req;
     idem_claim_outcome *outcome;
-    idem_record *rec;
+    idem_record *rec, got;
 } claim_call;
 
 static idem_code claim_fn(PGconn *c, void *arg)
 {
     claim_call *a = arg;
-    return claim_in_txn(c, a->req, a->outcome, a->rec);
+    return claim_in_txn(c, a->req, a->outcome, a->rec, &a->got);
 }
 
 static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
                           idem_record *rec)
 {
-    claim_call a = {req, outcome, rec};
+    claim_call a = {.req = req, .outcome = outcome, .rec = rec};
     idem_code code = in_txn((pg_store *)base, claim_fn, &a);
-    if (code == IDEM_OK) {
-        claim_fill(req, *outcome, rec);
+    if (code == IDEM_OK && rec != NULL &&
+        (*outcome == IDEM_CLAIM_ACQUIRED || *outcome == IDEM_CLAIM_TAKEN_OVER)) {
+        *rec = a.got;
     }
     return code;
 }
@@ -510,25 +569,43 @@ static idem_code one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code 
     return changed ? IDEM_OK : idem__err(else_code, "%s", else_msg);
 }
 
+#define CLAIM_LOST "claim lost: the record is gone or owned by another claim"
+
 static idem_code pg_complete(idem_store *base, const idem_key_ref *key, uint64_t owner,
-                             const void *response, size_t len, uint64_t expires_ms)
+                             const void *response, size_t len, uint64_t expires_ms,
+                             uint64_t now_ms)
 {
     pg_args a = {0};
     arg_key(&a, key);
     arg_i64(&a, owner);
     arg_bytes(&a, response, len);
-    arg_i64(&a, expires_ms);
-    return one_row((pg_store *)base, S_COMPLETE, &a, IDEM_ABORTED,
-                   "claim lost: the record is gone or owned by another claim");
+    arg_i64(&a, expires_ms - now_ms);
+    return one_row((pg_store *)base, S_COMPLETE, &a, IDEM_ABORTED, CLAIM_LOST);
 }
 
 static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t owner)
 {
     pg_args a = {0};
+    PGresult *r;
     arg_key(&a, key);
     arg_i64(&a, owner);
-    return one_row((pg_store *)base, S_RELEASE, &a, IDEM_ABORTED,
-                   "claim lost: the record is gone or owned by another claim");
+    idem_code code = one((pg_store *)base, S_RELEASE, &a, PGRES_TUPLES_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool deleted = PQntuples(r) == 1 && col_i64(r, 0, 0) == 1;
+    PQclear(r);
+    return deleted ? IDEM_OK : idem__err(IDEM_ABORTED, CLAIM_LOST);
+}
+
+static idem_code pg_renew(idem_store *base, const idem_key_ref *key, uint64_t owner,
+                          uint64_t lease_until_ms, uint64_t now_ms)
+{
+    pg_args a = {0};
+    arg_key(&a, key);
+    arg_i64(&a, owner);
+    arg_i64(&a, lease_until_ms - now_ms);
+    return one_row((pg_store *)base, S_RENEW, &a, IDEM_ABORTED, CLAIM_LOST);
 }
 
 static idem_code pg_delete(idem_store *base, const idem_key_ref *key)
@@ -558,7 +635,7 @@ static idem_code sweep_table(pg_store *st, enum stmt s, uint64_t now_ms, size_t 
 {
     pg_args a = {0};
     PGresult *r;
-    arg_i64(&a, now_ms);
+    arg_i64(&a, now_ms - idem__now_ms()); /* a shift of the database clock */
     arg_i64(&a, max);
     idem_code code = one(st, s, &a, PGRES_COMMAND_OK, &r);
     if (code == IDEM_OK) {
@@ -579,30 +656,31 @@ static idem_code pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t 
 }
 
 static idem_code pg_token_put(idem_store *base, const char *token, const char *scope,
-                              uint64_t expires_ms)
+                              uint64_t expires_ms, uint64_t now_ms)
 {
     pg_args a = {0};
     arg_text(&a, token);
     arg_text(&a, scope);
-    arg_i64(&a, expires_ms);
+    arg_i64(&a, expires_ms - now_ms);
     return one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS, "token exists");
 }
 
 typedef struct token_call {
     const char *token, *scope;
-    uint64_t now_ms;
 } token_call;
 
 static idem_code token_fn(PGconn *c, void *arg)
 {
     token_call *a = arg;
-    return token_take(c, a->token, a->scope, a->now_ms);
+    uint64_t expires;
+    return token_take(c, a->token, a->scope, &expires);
 }
 
 static idem_code pg_token_consume(idem_store *base, const char *token, const char *scope,
                                   uint64_t now_ms)
 {
-    token_call a = {token, scope, now_ms};
+    (void)now_ms; /* the database clock decides */
+    token_call a = {token, scope};
     return in_txn((pg_store *)base, token_fn, &a);
 }
 
@@ -676,6 +754,7 @@ static const idem_store_ops pg_ops = {
     .claim = pg_claim,
     .complete = pg_complete,
     .release = pg_release,
+    .renew = pg_renew,
     .get = pg_get,
     .del = pg_delete,
     .sweep = pg_sweep,

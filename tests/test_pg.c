@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "call.h"
 #include "testutil.h"
@@ -76,19 +77,86 @@ Test(pg, claim_complete_replay_and_mismatch)
     cr_expect_eq(idem_store_get(st, &a.key, &rec), IDEM_NOT_FOUND);
 }
 
+/* Claims r again (a new owner) until its lease has run out on the database clock. */
+static idem_claim_outcome claim_until_taken_over(idem_claim_req *r)
+{
+    idem_claim_outcome out = IDEM_CLAIM_IN_PROGRESS;
+    uint64_t give_up = idem__mono_ms() + 5000;
+    while (out == IDEM_CLAIM_IN_PROGRESS && idem__mono_ms() < give_up) {
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL); /* the lease is 50 ms of database time */
+        r->owner++;
+        out = claim(r, NULL);
+    }
+    return out;
+}
+
 Test(pg, release_and_expired_lease_takeover)
 {
     uint64_t now = idem__now_ms();
     idem_claim_req a = req_for("k2", 1, now);
     cr_expect_eq(claim(&a, NULL), IDEM_CLAIM_ACQUIRED);
     cr_expect_eq(idem_store_release(st, &a.key, a.owner), IDEM_OK);
+    a.lease_until_ms = now + 50;
     cr_expect_eq(claim(&a, NULL), IDEM_CLAIM_ACQUIRED, "released keys can be claimed again");
     idem_claim_req late = a;
-    late.owner = a.owner + 1;
-    late.now_ms = a.lease_until_ms; /* the lease has run out */
-    cr_expect_eq(claim(&late, NULL), IDEM_CLAIM_TAKEN_OVER);
+    cr_expect_eq(claim_until_taken_over(&late), IDEM_CLAIM_TAKEN_OVER);
     cr_expect_eq(idem_store_complete(st, &a.key, a.owner, "old", 3, now + 60000), IDEM_ABORTED);
     cr_expect_eq(idem_store_complete(st, &late.key, late.owner, "new", 3, now + 60000), IDEM_OK);
+}
+
+Test(pg, leases_and_expiry_follow_the_database_clock_not_the_callers)
+{
+    uint64_t skewed = idem__now_ms() + 3600 * 1000; /* an instance one hour ahead */
+    idem_claim_req a = req_for("skew", 1, idem__now_ms()), b = a;
+    cr_expect_eq(claim(&a, NULL), IDEM_CLAIM_ACQUIRED);
+    b.owner = a.owner + 1;
+    b.now_ms = skewed;
+    b.lease_until_ms = skewed + 1000;
+    b.expires_ms = skewed + 60000;
+    cr_expect_eq(claim(&b, NULL), IDEM_CLAIM_IN_PROGRESS, "no early takeover");
+    cr_expect_eq(idem_store_complete(st, &a.key, a.owner, "r", 1, a.now_ms + 60000), IDEM_OK);
+    cr_expect_eq(claim(&b, NULL), IDEM_CLAIM_COMPLETED, "and no early expiry");
+}
+
+Test(pg, store_assigned_owners_only_grow_and_renew_keeps_the_lease)
+{
+    idem_claim_req a = req_for("f1", 1, idem__now_ms()), b = req_for("f2", 1, idem__now_ms());
+    idem_record ra, rb;
+    a.owner = b.owner = 0;
+    a.lease_until_ms = a.now_ms + 100;
+    cr_expect_eq(claim(&a, &ra), IDEM_CLAIM_ACQUIRED);
+    cr_expect_eq(claim(&b, &rb), IDEM_CLAIM_ACQUIRED);
+    cr_expect_gt(rb.owner, ra.owner, "a later claim has a larger fence");
+    for (int i = 0; i < 5; i++) { /* renewed past its first 100 ms */
+        uint64_t now = idem__now_ms();
+        cr_assert_eq(idem_store_renew(st, &a.key, ra.owner, now + 100, now), IDEM_OK);
+        struct timespec ts = {0, 50 * 1000000L};
+        nanosleep(&ts, NULL); /* half a lease: the heartbeat the server keeps */
+        idem_claim_req again = a;
+        again.owner = ra.owner + 1000;
+        cr_expect_eq(claim(&again, NULL), IDEM_CLAIM_IN_PROGRESS, "renewal %d kept it", i);
+    }
+    cr_expect_eq(idem_store_renew(st, &a.key, ra.owner + 1, idem__now_ms() + 100, idem__now_ms()),
+                 IDEM_ABORTED, "only the owner renews");
+}
+
+Test(pg, release_restores_the_token_the_claim_consumed)
+{
+    uint64_t now = idem__now_ms();
+    char tok[64];
+    snprintf(tok, sizeof(tok), "%s-rtok", prefix);
+    cr_assert_eq(idem_store_token_put(st, tok, "tenant", now + 60000), IDEM_OK);
+    idem_claim_req r = req_for("rtok", 1, now);
+    r.key.key = tok;
+    r.token = tok;
+    cr_expect_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED);
+    cr_expect_eq(idem_store_release(st, &r.key, r.owner), IDEM_OK);
+    r.owner++;
+    cr_expect_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED, "the token is back: the retry claims");
+    cr_expect_eq(idem_store_complete(st, &r.key, r.owner, "ok", 2, now + 60000), IDEM_OK);
+    cr_expect_eq(idem_store_token_consume(st, tok, "tenant", now), IDEM_FAILED_PRECONDITION,
+                 "a completion uses it up for good");
 }
 
 Test(pg, token_is_consumed_with_the_claim_and_scoped)

@@ -683,3 +683,63 @@ Test(store, handler_txn_that_lost_its_claim_commits_nothing)
     size_t n;
     cr_expect_eq(idem_store_app_get(st, "ledger", "b", 1, &v, &n), IDEM_NOT_FOUND);
 }
+
+/* ---- fences, renewal, kept tokens (issue 10) ---- */
+
+Test(store, store_assigned_owners_are_strictly_increasing_and_persist)
+{
+    idem_record r1, r2;
+    idem_claim_req a = claim_req("f1", FP_A, 0, T0), b = claim_req("f2", FP_A, 0, T0);
+    cr_assert_eq(claim(&a, &r1), IDEM_CLAIM_ACQUIRED);
+    cr_assert_eq(claim(&b, &r2), IDEM_CLAIM_ACQUIRED);
+    cr_expect_gt(r1.owner, 0);
+    cr_expect_gt(r2.owner, r1.owner);
+    idem_store_close(st);
+    st = NULL;
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s", idem_errmsg());
+    idem_record r3;
+    idem_claim_req c = claim_req("f3", FP_A, 0, T0);
+    cr_assert_eq(claim(&c, &r3), IDEM_CLAIM_ACQUIRED);
+    cr_expect_gt(r3.owner, r2.owner, "the counter survives a restart");
+    idem_claim_req none = claim_req("f4", FP_A, 0, T0);
+    idem_claim_outcome out;
+    cr_expect_eq(idem_store_claim(st, &none, &out, NULL), IDEM_INVALID_ARGUMENT,
+                 "an assigned owner needs rec to come back in");
+}
+
+Test(store, renew_extends_only_the_owners_lease)
+{
+    idem_claim_req first = claim_req("k1", FP_A, 11, T0);
+    idem_key_ref k = key_of("k1");
+    cr_assert_eq(claim(&first, NULL), IDEM_CLAIM_ACQUIRED);
+    cr_expect_eq(idem_store_renew(st, &k, 22, T0 + 2 * LEASE_MS, T0), IDEM_ABORTED);
+    cr_assert_eq(idem_store_renew(st, &k, 11, T0 + 2 * LEASE_MS, T0 + LEASE_MS / 2), IDEM_OK);
+    idem_claim_req late = claim_req("k1", FP_A, 33, T0 + LEASE_MS + 1);
+    cr_expect_eq(claim(&late, NULL), IDEM_CLAIM_IN_PROGRESS, "past the first lease, still held");
+    idem_claim_req later = claim_req("k1", FP_A, 44, T0 + 2 * LEASE_MS);
+    cr_expect_eq(claim(&later, NULL), IDEM_CLAIM_TAKEN_OVER, "past the renewed one, taken");
+}
+
+Test(store, release_restores_the_consumed_token_and_completion_uses_it_up)
+{
+    idem_key_ref k = key_of("tok1");
+    cr_assert_eq(idem_store_token_put(st, "tok1", CALLER, T0 + 1000), IDEM_OK);
+    idem_claim_req r = claim_req("tok1", FP_A, 11, T0);
+    r.token = "tok1";
+    cr_assert_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED);
+    cr_expect_eq(stats().tokens, 0, "consumed by the claim");
+    cr_assert_eq(idem_store_release(st, &k, 11), IDEM_OK);
+    cr_expect_eq(stats().tokens, 1, "a released claim gives it back");
+    r.owner = 22;
+    cr_assert_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED, "so the retry can use it");
+    idem_claim_req takeover = claim_req("tok1", FP_A, 33, r.lease_until_ms);
+    takeover.token = "tok1";
+    cr_assert_eq(claim(&takeover, NULL), IDEM_CLAIM_TAKEN_OVER, "a takeover needs no token");
+    cr_assert_eq(idem_store_release(st, &k, 33), IDEM_OK);
+    cr_expect_eq(stats().tokens, 1, "and inherits the kept one");
+    r.owner = 44;
+    cr_assert_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED);
+    cr_assert_eq(idem_store_complete(st, &k, 44, "ok", 2, T0 + TTL_MS), IDEM_OK);
+    cr_expect_eq(stats().tokens, 0);
+    cr_expect_eq(idem_store_token_consume(st, "tok1", CALLER, T0), IDEM_FAILED_PRECONDITION);
+}

@@ -4,7 +4,14 @@
  *   absent --claim--> IN_PROGRESS(owner, lease) --complete--> COMPLETED(response, expiry)
  *                                         \--release--> absent
  * The claim is one atomic write: of concurrent claimers exactly one acquires. A lease
- * that has expired (its owner crashed or hung) may be taken over by the next claim.
+ * that has expired (its owner crashed or hung) may be taken over by the next claim; a
+ * live owner renews its lease (idem_store_renew) to keep it.
+ *
+ * Times are ms since the epoch and every write carries the caller's now_ms. LMDB (one
+ * machine) decides on those absolute values. PostgreSQL (many machines, many clocks)
+ * decides every lease, expiry and token expiry on the database's clock: it uses only
+ * the differences (lease_until_ms - now_ms, expires_ms - now_ms), so a skewed instance
+ * clock cannot take over a live lease early.
  * LMDB is the embedded backend; the interface is what the interceptors use. */
 #ifndef IDEMRPC_STORE_H
 #define IDEMRPC_STORE_H
@@ -48,17 +55,25 @@ typedef struct idem_record {
     uint64_t expires_ms;     /* when the sweeper may delete it */
     void *response;
     size_t response_len;
+    /* The store's own clock when it read the record (PostgreSQL: the database clock),
+     * to compare lease_until_ms and expires_ms with; 0 when the store keeps the
+     * callers' times (LMDB): compare with your own clock. */
+    uint64_t now_ms;
 } idem_record;
 
 typedef struct idem_claim_req {
     idem_key_ref key;
     uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
-    uint64_t owner; /* nonzero, unique per claim */
+    /* 0: the store assigns the next value of a strictly increasing counter (a fencing
+     * token), returned in rec->owner (rec is then required). Nonzero: used as given,
+     * unique per claim. */
+    uint64_t owner;
     uint64_t now_ms;
     uint64_t lease_until_ms;
     uint64_t expires_ms; /* sweep time of an abandoned IN_PROGRESS record */
     /* Optional: a one-time token consumed in the same transaction when the claim
-     * acquires a new record; scoped to key.caller. */
+     * acquires a new record; scoped to key.caller. The IN_PROGRESS record keeps it: a
+     * release puts it back (same transaction), a completion uses it up for good. */
     const char *token;
 } idem_claim_req;
 
@@ -121,8 +136,14 @@ IDEM_API idem_code idem_store_claim(idem_store *st, const idem_claim_req *req,
 IDEM_API idem_code idem_store_complete(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                        const void *response, size_t len, uint64_t expires_ms);
 
-/* IN_PROGRESS(owner) → absent. IDEM_ABORTED when not owned by owner. */
+/* IN_PROGRESS(owner) → absent, restoring the token the claim consumed (if any). IDEM_ABORTED
+ * when not owned by owner. */
 IDEM_API idem_code idem_store_release(idem_store *st, const idem_key_ref *key, uint64_t owner);
+
+/* Extends the lease of IN_PROGRESS(owner) to lease_until_ms (the heartbeat of a handler
+ * that is still running). IDEM_ABORTED when not owned by owner. */
+IDEM_API idem_code idem_store_renew(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                    uint64_t lease_until_ms, uint64_t now_ms);
 
 /* IDEM_NOT_FOUND when absent. */
 IDEM_API idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_record *rec);
@@ -130,12 +151,14 @@ IDEM_API idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_
 /* Unconditional delete (operator tool). IDEM_NOT_FOUND when absent. */
 IDEM_API idem_code idem_store_delete(idem_store *st, const idem_key_ref *key);
 
-/* Deletes at most max records and tokens whose expiry is <= now_ms, in one write txn. */
+/* Deletes at most max records and tokens whose expiry is <= now_ms, in one write txn.
+ * PostgreSQL: now_ms is read as "the database clock + (now_ms - this host's clock)". */
 IDEM_API idem_code idem_store_sweep(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
 
 IDEM_API idem_code idem_store_token_put(idem_store *st, const char *token, const char *scope,
                                         uint64_t expires_ms);
-/* Atomic delete-if-valid; codes as for a claim with a token. */
+/* Atomic delete-if-valid; codes as for a claim with a token. PostgreSQL judges the
+ * expiry on the database clock. */
 IDEM_API idem_code idem_store_token_consume(idem_store *st, const char *token, const char *scope,
                                             uint64_t now_ms);
 
