@@ -1,9 +1,9 @@
 /* request_id: gives every call a trace id and resolves its idempotency key.
  *
  * Request id: Request.request_id, else metadata "x-request-id", else 128 random bits in
- * hex. Key: Request.idempotency_key, else metadata "idempotency-key", else the method's
- * extractor, else the token; the extractor goes first when the client marked its key as
- * generated. The key is scoped later by (caller, method). */
+ * hex. Key: the method's business key (extractor) when the request carries one, else
+ * Request.idempotency_key, else metadata "idempotency-key", else the token. The key is
+ * scoped later by (caller, method). */
 #include <string.h>
 
 #include "call.h"
@@ -33,49 +33,62 @@ static bool set_key(idem_call *call, const char *key, idem_key_source source)
     return true;
 }
 
-/* The method's business key, when it has an extractor and the payload carries one. */
-static idem_code extract_key(idem_call *call)
+/* The method's business key into buf ("" when it has no extractor or the payload
+ * carries none). */
+static idem_code extract_key(idem_call *call, char buf[IDEM_MAX_KEY + 2])
 {
     const idem_method *m = call->method;
-    char buf[IDEM_MAX_KEY + 2] = {0};
+    buf[0] = '\0';
     if (m == NULL || m->opts.extractor == NULL ||
-        !m->opts.extractor(call, buf, sizeof(buf), m->opts.extractor_arg)) {
+        !m->opts.extractor(call, buf, IDEM_MAX_KEY + 2, m->opts.extractor_arg)) {
+        buf[0] = '\0';
         return IDEM_OK;
     }
-    return set_key(call, buf, IDEM_KEY_EXTRACTED)
+    buf[IDEM_MAX_KEY + 1] = '\0';
+    size_t len = strlen(buf);
+    return len > 0 && len <= IDEM_MAX_KEY && idem__utf8_valid(buf, len)
                ? IDEM_OK
                : idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
                               "extracted business key must be 1..%d bytes of UTF-8", IDEM_MAX_KEY);
 }
 
-/* Returns IDEM_OK, or INVALID_ARGUMENT for a key that is present but unusable. A key
- * that idem_client generated itself (metadata idem-key-generated) yields to the
- * business key: the same callback sent twice carries two random keys but one
- * out_trade_no. */
+/* Returns IDEM_OK, or INVALID_ARGUMENT for a key that is present but unusable.
+ *
+ * A method's business key IS its key: the same callback sent twice carries one
+ * out_trade_no whatever keys the senders chose, so an explicit key that differs is
+ * refused (accepting it would let `--key K` run the debit a second time) and a key
+ * idem_client generated yields to it. */
 static idem_code resolve_key(idem_call *call)
 {
+    const char *field = call->req->idempotency_key;
     const char *meta = idem_call_metadata(call, "idempotency-key");
-    const char *generated = idem_call_metadata(call, IDEM_META_KEY_GENERATED);
+    const char *gen = idem_call_metadata(call, IDEM_META_KEY_GENERATED);
+    const char *explicit = field[0] != '\0' ? field : meta;
+    bool generated = explicit == field && gen != NULL && strcmp(gen, "1") == 0;
+    char business[IDEM_MAX_KEY + 2];
     idem_code code;
 
-    if (generated != NULL && strcmp(generated, "1") == 0 &&
-        ((code = extract_key(call)) != IDEM_OK || call->key_source != IDEM_KEY_NONE)) {
+    if (explicit == meta && meta != NULL && !set_key(call, meta, IDEM_KEY_METADATA)) {
+        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
+                            "metadata idempotency-key must be 1..%d bytes of UTF-8", IDEM_MAX_KEY);
+    }
+    if ((code = extract_key(call, business)) != IDEM_OK) {
         return code;
     }
-    if (set_key(call, call->req->idempotency_key, IDEM_KEY_FIELD)) {
-        return IDEM_OK;
+    if (business[0] != '\0') {
+        if (explicit != NULL && !generated && strcmp(explicit, business) != 0) {
+            return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
+                                "method %s derives its idempotency key from the request (its "
+                                "business key); an explicit key that differs is refused: send "
+                                "none, or the business key",
+                                call->method->name);
+        }
+        set_key(call, business, IDEM_KEY_EXTRACTED);
+    } else if (explicit == field && field[0] != '\0') {
+        set_key(call, field, generated ? IDEM_KEY_GENERATED : IDEM_KEY_FIELD);
+    } else if (explicit == NULL) {
+        set_key(call, call->req->token, IDEM_KEY_TOKEN);
     }
-    if (meta != NULL) {
-        return set_key(call, meta, IDEM_KEY_METADATA)
-                   ? IDEM_OK
-                   : idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
-                                  "metadata idempotency-key must be 1..%d bytes of UTF-8",
-                                  IDEM_MAX_KEY);
-    }
-    if ((code = extract_key(call)) != IDEM_OK || call->key_source != IDEM_KEY_NONE) {
-        return code;
-    }
-    set_key(call, call->req->token, IDEM_KEY_TOKEN);
     return IDEM_OK;
 }
 
@@ -88,12 +101,16 @@ idem_code idem__request_id_interceptor(idem_call *call, idem_next next, void *ar
         return code;
     }
     const idem_method *m = call->method;
-    if (m != NULL && (m->opts.flags & IDEM_METHOD_KEY_REQUIRED) &&
-        call->key_source == IDEM_KEY_NONE) {
+    bool chosen = call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_GENERATED;
+    if (m != NULL && (m->opts.flags & IDEM_METHOD_KEY_REQUIRED) && !chosen) {
         return idem__reject(call, IDEM_REASON_KEY_REQUIRED, IDEM_INVALID_ARGUMENT,
-                            "method %s requires an idempotency key (idempotency_key field "
-                            "or metadata idempotency-key)",
-                            m->name);
+                            "method %s requires an idempotency key chosen by the caller "
+                            "(idempotency_key field, metadata idempotency-key or the "
+                            "Idempotency-Key header)%s",
+                            m->name,
+                            call->key_source == IDEM_KEY_GENERATED
+                                ? "; a key idem_client generated does not count"
+                                : "");
     }
     return idem_call_next(call, next);
 }

@@ -1,11 +1,14 @@
 /* result_cache: claim before run, replay the first result to every duplicate.
  *
- *   read (replay fast path) → claim (one write txn) → run → complete | release
+ *   read (replay fast path) → claim (one write txn) → run (lease renewed) → complete | release
  *
- * Only the claimer runs the handler. A duplicate that finds the record IN_PROGRESS waits
- * for it (up to its own deadline, else the server's max wait) and replays the result; if
- * the wait runs out it gets ABORTED "in progress" with metadata retry-after-ms. Final
- * codes are stored with the result TTL; transient codes release the claim. */
+ * Only the claimer runs the handler; its lease is renewed while the handler runs (the
+ * lease keeper in inflight.c), and the store-assigned owner is the call's fence. A
+ * duplicate that reads a live lease does not write: it waits for the key (parked in
+ * the in-flight table, holding no thread) up to its own deadline, else the server's
+ * max wait, and replays the result; if the wait runs out it gets ABORTED "in progress"
+ * with metadata retry-after-ms. Final codes are stored with the result TTL; transient
+ * codes (and, by default, INVALID_ARGUMENT) release the claim and restore its token. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,67 +16,15 @@
 #include <time.h>
 
 #include "call.h"
+#include "store.h"
 
-#define POLL_MS 20             /* re-read the store this often while waiting (other processes) */
+#include "inflight.h"
+
+#define POLL_MS 20             /* first re-read while waiting (an owner in another process) */
+#define MAX_POLL_MS 200        /* the re-read interval doubles up to this */
 #define RETRY_AFTER_MS 100u    /* hint given with ABORTED "in progress" */
 #define REPLY_MARGIN_MS 50u    /* stop waiting this long (at most 10%) before the deadline */
 #define RECORD_RETRY_MS 10000u /* keep trying to record an outcome through a store outage */
-
-void idem__waitset_init(idem_waitset *w)
-{
-    pthread_condattr_t ca;
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_REALTIME);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
-    w->gen = 0;
-}
-
-void idem__waitset_fini(idem_waitset *w)
-{
-    pthread_cond_destroy(&w->cv);
-    pthread_mutex_destroy(&w->mu);
-}
-
-void idem__waitset_notify(idem_waitset *w)
-{
-    pthread_mutex_lock(&w->mu);
-    w->gen++;
-    pthread_cond_broadcast(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-}
-
-uint64_t idem__waitset_gen(idem_waitset *w)
-{
-    pthread_mutex_lock(&w->mu);
-    uint64_t g = w->gen;
-    pthread_mutex_unlock(&w->mu);
-    return g;
-}
-
-bool idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms)
-{
-    struct timespec ts;
-    idem__abs_timespec(&ts, wait_ms);
-    pthread_mutex_lock(&w->mu);
-    while (w->gen == seen_gen && !w->stopping) {
-        if (pthread_cond_timedwait(&w->cv, &w->mu, &ts) != 0) {
-            break;
-        }
-    }
-    bool go_on = !w->stopping;
-    pthread_mutex_unlock(&w->mu);
-    return go_on;
-}
-
-void idem__waitset_stop(idem_waitset *w)
-{
-    pthread_mutex_lock(&w->mu);
-    w->stopping = true;
-    pthread_cond_broadcast(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-}
 
 static idem_code replay(idem_call *call, const idem_record *rec)
 {
@@ -111,7 +62,8 @@ static idem_code record_result(idem_call *call, idem_runtime *rt, const idem_key
                                uint64_t owner, idem_txn *txn)
 {
     const idem_method_opts *o = &call->method->opts;
-    uint64_t expires = idem__now_ms() + (o->result_ttl_ms ? o->result_ttl_ms : rt->result_ttl_ms);
+    uint64_t now = idem__rt_now_ms(rt);
+    uint64_t expires = now + (o->result_ttl_ms ? o->result_ttl_ms : rt->result_ttl_ms);
     uint8_t *buf;
     size_t len;
     idem_code st = idem__encode_call_response(call, false, &buf, &len);
@@ -122,7 +74,7 @@ static idem_code record_result(idem_call *call, idem_runtime *rt, const idem_key
         return st;
     }
     st = txn != NULL ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires)
-                     : idem_store_complete(rt->store, key, owner, buf, len, expires);
+                     : idem__store_complete_at(rt->store, key, owner, buf, len, expires, now);
     free(buf);
     return st;
 }
@@ -164,25 +116,67 @@ static idem_code record_retrying(idem_call *call, idem_runtime *rt, const idem_k
     }
 }
 
+/* Our claim was taken over while the handler ran (it outlived max_run_ms, or the store
+ * was unreachable for a whole lease). Its answer must not be a second, different OK:
+ * the client gets the winner's stored result, or ABORTED to retry with the same key. */
+static idem_code claim_lost(idem_call *call, idem_runtime *rt, const idem_key_ref *key,
+                            const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
+{
+    idem_record rec;
+    idem_code code = idem_store_get(rt->store, key, &rec);
+    idem__log(rt->obs, IDEM_LOG_ERROR,
+              "request_id=%s method=\"%s\" msg=\"claim lost while the handler ran; its "
+              "answer is discarded\"",
+              call->request_id, call->method->name);
+    idem__call_reset_response(call);
+    if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
+        memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
+        code = replay(call, &rec);
+    } else {
+        code = idem__reject(call, IDEM_REASON_CLAIM_LOST, IDEM_ABORTED,
+                            "claim lost: the lease expired while the handler ran; retry with "
+                            "the same key");
+    }
+    idem_record_clear(&rec);
+    return code;
+}
+
+/* Codes that free the key instead of being stored. */
+static bool released_code(const idem_method_opts *o, idem_code code)
+{
+    uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
+    return (IDEM_CODE_BIT(code) & transient) ||
+           (code == IDEM_INVALID_ARGUMENT && !o->store_invalid_argument);
+}
+
 /* Runs the handler as the claim owner and records the outcome. */
 static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
-                           const idem_key_ref *key, uint64_t owner)
+                           const idem_key_ref *key, uint64_t owner,
+                           const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
 {
     const idem_method_opts *o = &call->method->opts;
-    uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
     bool transactional = (o->flags & IDEM_METHOD_TRANSACTIONAL) != 0;
+    uint32_t bucket = idem__inflight_bucket(key);
     idem_txn *txn = NULL;
+    idem_keep *keep = NULL;
     idem_code code, st;
 
     if (transactional && (st = idem__store_txn_begin(rt->store, &txn)) != IDEM_OK) {
         idem_store_release(rt->store, key, owner);
-        idem__waitset_notify(&rt->waits);
+        idem__inflight_notify(rt->inflight, bucket);
         return idem__reject(call, IDEM_REASON_STORE, st, "%s", idem_errmsg());
     }
+    if (!transactional) { /* a handler txn holds the writer lock: nobody can take over */
+        uint64_t lease = o->lease_ms ? o->lease_ms : rt->lease_ms;
+        keep = idem__inflight_keep(rt->inflight, key, owner, lease,
+                                   o->max_run_ms ? o->max_run_ms : rt->max_run_ms);
+    }
     call->txn = txn;
+    call->fence = owner;
     code = idem_call_next(call, next);
     call->txn = NULL;
-    if (IDEM_CODE_BIT(code) & transient) {
+    idem__inflight_unkeep(rt->inflight, keep);
+    if (released_code(o, code)) {
         if (txn != NULL) {
             idem__store_txn_abort(txn); /* business writes vanish with the claim */
         }
@@ -195,15 +189,18 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
         }
         st = record_retrying(call, rt, key, owner, true);
     }
-    idem__waitset_notify(&rt->waits);
+    idem__inflight_notify(rt->inflight, bucket);
     if (st == IDEM_OK) {
         return code;
     }
     if (transactional) {
         /* Nothing committed: not the effect, not the record. Say so, and free the key. */
         idem_store_release(rt->store, key, owner);
-        idem__waitset_notify(&rt->waits);
+        idem__inflight_notify(rt->inflight, bucket);
         return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", idem_errmsg());
+    }
+    if (st == IDEM_ABORTED) {
+        return claim_lost(call, rt, key, fingerprint);
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
@@ -213,19 +210,110 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
     return code;
 }
 
-/* How long a duplicate may wait: its own deadline (a little before it, so that the
- * answer still arrives), at most the server's max wait. */
+/* How long a duplicate may wait (monotonic): its own deadline (a little before it, so
+ * that the answer still arrives), at most the server's max wait. */
 static uint64_t wait_until(const idem_call *call, const idem_runtime *rt)
 {
-    uint64_t start = idem__now_ms(), deadline = idem_call_deadline_ms(call);
-    if (deadline == 0 || deadline > start + rt->max_wait_ms) {
-        return start + rt->max_wait_ms;
+    uint64_t mono = idem__mono_ms(), wall = idem__rt_now_ms(rt);
+    uint64_t deadline = idem_call_deadline_ms(call), wait = rt->max_wait_ms;
+    if (deadline > wall && deadline - wall < wait) {
+        uint64_t left = deadline - wall, margin = left / 10;
+        wait = left - (margin < REPLY_MARGIN_MS ? margin : REPLY_MARGIN_MS);
     }
-    if (deadline > start) {
-        uint64_t margin = (deadline - start) / 10;
-        deadline -= margin < REPLY_MARGIN_MS ? margin : REPLY_MARGIN_MS;
+    return mono + wait;
+}
+
+/* Waits for the key's owner: parks the call (the server resumes it here on the next
+ * completion in its bucket or at its next re-read) or, where the chain cannot park,
+ * blocks. Returns with call->suspend set, IDEM_OK to read again, or an answer. */
+static idem_code wait_for_owner(idem_call *call, idem_next next, uint32_t bucket, uint64_t gen)
+{
+    idem_runtime *rt = call->rt;
+    uint64_t now = idem__mono_ms();
+    if (call->wait_until_ms == 0) {
+        call->wait_until_ms = wait_until(call, rt);
+        call->poll_ms = POLL_MS;
     }
-    return deadline;
+    if (now >= call->wait_until_ms || call->park_refused) {
+        return answer_in_progress(call);
+    }
+    uint64_t wake = now + call->poll_ms;
+    wake = wake < call->wait_until_ms ? wake : call->wait_until_ms;
+    call->poll_ms = call->poll_ms * 2 > MAX_POLL_MS ? MAX_POLL_MS : call->poll_ms * 2;
+    if (call->parkable && rt->can_park) {
+        call->resume_pos = next.pos - 1; /* this interceptor */
+        call->park_bucket = bucket;
+        call->park_gen = gen;
+        call->park_wake_ms = wake;
+        return idem__call_suspend(call, IDEM__SUSPEND_PARK);
+    }
+    if (!idem__inflight_wait(rt->inflight, bucket, gen, wake - now)) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "server shutting down");
+    }
+    return IDEM_OK;
+}
+
+/* One look at the store and, unless a live lease says wait, one claim. Returns an
+ * answer, or IDEM_OK with *wait set. */
+static idem_code look_or_claim(idem_call *call, idem_next next, const idem_key_ref *key,
+                               const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *wait)
+{
+    idem_runtime *rt = call->rt;
+    const idem_method *m = call->method;
+    idem_record rec;
+    idem_code code = idem_store_get(rt->store, key, &rec);
+    uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(rt);
+    bool same = memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    *wait = false;
+    if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
+        code = same ? replay(call, &rec) : reject_mismatch(call);
+        idem_record_clear(&rec);
+        return code;
+    }
+    bool leased = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms > now;
+    idem_record_clear(&rec);
+    if (call->fast_only) {
+        return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* claiming writes, waiting waits */
+    }
+    if (leased) { /* the owner is alive: no write claim, just wait */
+        *wait = same;
+        return same ? IDEM_OK : reject_mismatch(call);
+    }
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return idem__reject(call, IDEM_REASON_STORE, code, "result cache: %s", idem_errmsg());
+    }
+    uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : rt->lease_ms;
+    idem_claim_req req = {.key = *key, .token = call->token_to_consume, .owner = 0};
+    idem_claim_outcome outcome;
+    memcpy(req.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN);
+    req.now_ms = idem__rt_now_ms(rt);
+    req.lease_until_ms = req.now_ms + lease;
+    req.expires_ms = req.lease_until_ms + rt->result_ttl_ms;
+    code = idem_store_claim(rt->store, &req, &outcome, &rec);
+    if (code != IDEM_OK) {
+        bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;
+        return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
+                            idem_errmsg());
+    }
+    switch (outcome) {
+    case IDEM_CLAIM_ACQUIRED:
+    case IDEM_CLAIM_TAKEN_OVER:
+        call->token_to_consume = NULL;
+        code = run_owned(call, next, rt, key, rec.owner, fingerprint);
+        break;
+    case IDEM_CLAIM_COMPLETED:
+        code = replay(call, &rec);
+        break;
+    case IDEM_CLAIM_MISMATCH:
+        code = reject_mismatch(call);
+        break;
+    case IDEM_CLAIM_IN_PROGRESS:
+        *wait = true;
+        code = IDEM_OK;
+        break;
+    }
+    idem_record_clear(&rec);
+    return code;
 }
 
 idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *arg)
@@ -238,63 +326,21 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
         return idem_call_next(call, next);
     }
     idem_key_ref key = {idem_call_caller(call), m->name, call->key};
-    uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : rt->lease_ms;
-    uint64_t deadline = wait_until(call, rt);
-    size_t plen;
-    const void *payload = idem_call_payload(call, &plen);
-    idem_claim_req req = {.key = key, .token = call->token_to_consume};
-    idem_claim_outcome outcome;
-    idem_record rec;
-    idem__fingerprint(m->name, payload, plen, req.fingerprint);
+    uint32_t bucket = idem__inflight_bucket(&key);
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
+    if (idem__call_fingerprint(call, fingerprint) != IDEM_OK) {
+        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, "%s", idem_errmsg());
+    }
     for (;;) {
-        uint64_t gen = idem__waitset_gen(&rt->waits);
-        idem_code code = idem_store_get(rt->store, &key, &rec);
-        uint64_t now = idem__now_ms();
-        if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
-            bool same = memcmp(rec.fingerprint, req.fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-            code = same ? replay(call, &rec) : reject_mismatch(call);
-            idem_record_clear(&rec);
+        bool wait;
+        uint64_t gen = idem__inflight_gen(rt->inflight, bucket); /* before the read */
+        idem_code code = look_or_claim(call, next, &key, fingerprint, &wait);
+        if (!wait || call->suspend != IDEM__SUSPEND_NONE) {
             return code;
         }
-        idem_record_clear(&rec);
-        if (call->fast_only) {
-            return IDEM__DEFER; /* claiming is a write, waiting blocks */
-        }
-        if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
-            return idem__reject(call, IDEM_REASON_STORE, code, "result cache: %s", idem_errmsg());
-        }
-        req.owner = idem__random_u64();
-        req.now_ms = now;
-        req.lease_until_ms = now + lease;
-        req.expires_ms = req.lease_until_ms + rt->result_ttl_ms;
-        code = idem_store_claim(rt->store, &req, &outcome, &rec);
-        if (code != IDEM_OK) {
-            bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;
-            return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
-                                idem_errmsg());
-        }
-        switch (outcome) {
-        case IDEM_CLAIM_ACQUIRED:
-        case IDEM_CLAIM_TAKEN_OVER:
-            call->token_to_consume = NULL;
-            return run_owned(call, next, rt, &key, req.owner);
-        case IDEM_CLAIM_COMPLETED:
-            code = replay(call, &rec);
-            idem_record_clear(&rec);
+        code = wait_for_owner(call, next, bucket, gen);
+        if (code != IDEM_OK || call->suspend != IDEM__SUSPEND_NONE) {
             return code;
-        case IDEM_CLAIM_MISMATCH:
-            return reject_mismatch(call);
-        case IDEM_CLAIM_IN_PROGRESS:
-            idem_record_clear(&rec);
-            break;
-        }
-        now = idem__now_ms();
-        if (now >= deadline) {
-            return answer_in_progress(call);
-        }
-        uint64_t left = deadline - now;
-        if (!idem__waitset_wait(&rt->waits, gen, left < POLL_MS ? left : POLL_MS)) {
-            return idem_call_fail(call, IDEM_UNAVAILABLE, "server shutting down");
         }
     }
 }

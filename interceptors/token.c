@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "store.h"
 
 #define TOKEN_BYTES 16
 
@@ -21,8 +22,8 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg)
         return idem_call_fail(call, IDEM_INTERNAL, "getrandom failed");
     }
     idem__base64url(token, rnd, sizeof(rnd));
-    uint64_t expires = idem__now_ms() + rt->token_ttl_ms;
-    idem_code code = idem_store_token_put(rt->store, token, idem_call_caller(call), expires);
+    uint64_t now = idem__rt_now_ms(rt), expires = now + rt->token_ttl_ms;
+    idem_code code = idem__store_token_put_at(rt->store, token, idem_call_caller(call), expires, now);
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "token store: %s", idem_errmsg());
     }
@@ -55,10 +56,10 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
     }
     /* No result cache to consume it with the claim: consume it now, on its own. */
     if (call->fast_only) {
-        return IDEM__DEFER; /* a write */
+        return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* a write */
     }
     idem_code code =
-        idem_store_token_consume(rt->store, token, idem_call_caller(call), idem__now_ms());
+        idem_store_token_consume(rt->store, token, idem_call_caller(call), idem__rt_now_ms(rt));
     if (code != IDEM_OK) {
         return idem__reject(call, IDEM_REASON_TOKEN, code, "%s", idem_errmsg());
     }

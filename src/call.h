@@ -10,8 +10,8 @@
 #include "internal.h"
 
 #define IDEM_MAX_METADATA 64 /* entries per request or response */
-/* Response entries kept for the library (request-id, idem-first-at, retry-after-ms):
- * handlers may set IDEM_MAX_METADATA - IDEM_RESERVED_METADATA. */
+/* Response entries kept for the library (request-id, idem-key, idem-first-at,
+ * retry-after-ms): handlers may set IDEM_MAX_METADATA - IDEM_RESERVED_METADATA. */
 #define IDEM_RESERVED_METADATA 4
 #define IDEM_MAX_METADATA_NAME 128 /* bytes */
 #define IDEM_MAX_METADATA_VALUE 4096
@@ -27,17 +27,6 @@ typedef struct idem_method {
     idem_method_opts opts;
 } idem_method;
 
-/* Where duplicates in this process wait for a first call to finish. The store is the
- * truth; this only says "look again": every completion or release bumps gen and
- * broadcasts, and waiters also re-poll on a short timer so that an owner in another
- * process is seen too. */
-typedef struct idem_waitset {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    uint64_t gen;
-    bool stopping; /* server shutdown: waiters give up at once */
-} idem_waitset;
-
 /* Rejection reasons (metrics label values; the HTTP front maps some to statuses). */
 #define IDEM_REASON_BAD_FRAME "bad_frame"
 #define IDEM_REASON_TOO_LARGE "too_large"
@@ -50,6 +39,8 @@ typedef struct idem_waitset {
 #define IDEM_REASON_TOKEN "token"
 #define IDEM_REASON_STORE "store"
 #define IDEM_REASON_DEBOUNCED "debounced"
+#define IDEM_REASON_DEADLINE "deadline"
+#define IDEM_REASON_CLAIM_LOST "claim_lost"
 
 /* Library rejection: idem_call_fail plus the reason. */
 idem_code idem__reject(idem_call *call, const char *reason, idem_code code, const char *fmt, ...)
@@ -64,17 +55,42 @@ void idem__observer_destroy(idem_observer *obs);
 /* One log line (at INFO) and the counters for a finished call. */
 void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t latency_us);
 void idem__observe_in_flight(idem_observer *obs, int delta);
+void idem__observe_waiting(idem_observer *obs, int delta);
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
+
+/* The wall clock the library's lease and expiry arithmetic uses (ms since the epoch);
+ * tests inject a skewed one. */
+typedef struct idem_clock {
+    uint64_t (*now_ms)(void *arg);
+    void *arg;
+} idem_clock;
+
+typedef struct idem_inflight idem_inflight;
 
 /* Shared by the built-in interceptors; owned by the server. */
 typedef struct idem_runtime {
     idem_store *store;
-    uint64_t result_ttl_ms, lease_ms, token_ttl_ms, max_wait_ms;
+    uint64_t result_ttl_ms, lease_ms, token_ttl_ms, max_wait_ms, max_run_ms;
     bool has_result_cache; /* the chain contains result_cache (token consumption) */
-    idem_waitset waits;
+    /* Every interceptor before result_cache is a built-in that only tail-calls, so a
+     * waiting duplicate can leave the chain and resume at result_cache later. */
+    bool can_park;
+    idem_inflight *inflight; /* keyed waiters and the lease keeper (inflight.c) */
+    idem_clock clock;
     idem_observer *obs;
 } idem_runtime;
+
+uint64_t idem__rt_now_ms(const idem_runtime *rt);
+
+/* Why a chain returned without an answer. */
+typedef enum idem_suspend {
+    IDEM__SUSPEND_NONE = 0,
+    /* fast_only call reached a step that may block: run it again on a worker. */
+    IDEM__SUSPEND_DEFER,
+    /* A duplicate waits for its key: park the call, resume it at resume_pos. */
+    IDEM__SUSPEND_PARK,
+} idem_suspend;
 
 typedef struct idem_kv {
     char *name, *value;
@@ -99,8 +115,19 @@ struct idem_call {
     bool replayed;
     bool executed; /* the method handler ran in this call */
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
-     * replay read); anything else answers IDEM__DEFER. */
+     * replay read); anything else suspends with IDEM__SUSPEND_DEFER. */
     bool fast_only;
+    bool parkable; /* on a worker that can park it (the server's job_step) */
+    idem_suspend suspend;
+    /* PARK: where to resume, which in-flight bucket to wait on and the generation seen
+     * before the store read, and when to look again (monotonic ms). */
+    size_t resume_pos;
+    uint32_t park_bucket;
+    uint64_t park_gen, park_wake_ms;
+    bool park_refused;      /* the in-flight table is full: answer "in progress" */
+    uint64_t wait_until_ms; /* monotonic end of a duplicate's wait; 0 = not waiting yet */
+    uint32_t poll_ms;       /* the next re-read interval while waiting */
+    uint64_t fence;         /* owner id of the claim the handler runs under */
     const char *reason; /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
@@ -112,11 +139,11 @@ typedef struct idem_interceptor {
     idem_interceptor_fn fn;
     void *arg;
     bool fast_safe; /* never blocks in a fast_only call (the built-ins) */
+    bool builtin;   /* a built-in that returns what idem_call_next returned, untouched */
 } idem_interceptor;
 
-/* Returned by the chain of a fast_only call that needs a worker thread after all. Not a
- * wire code: the server re-runs such a call on a worker. */
-#define IDEM__DEFER ((idem_code)-1)
+/* What a suspending step returns; the answer comes later (call->suspend says why). */
+idem_code idem__call_suspend(idem_call *call, idem_suspend why);
 
 struct idem_chain {
     idem_interceptor *items;
@@ -150,15 +177,15 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
 idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg);
 idem_code idem__token_issue_handler(idem_call *call, void *arg);
 
-/* Fingerprint = SHA-256(method ‖ 0 ‖ payload). */
+/* Fingerprint = SHA-256(method ‖ 0 ‖ payload), or with the method's fingerprint
+ * extractor SHA-256(method ‖ 0 ‖ 'F' ‖ extracted bytes): which fields make two requests
+ * "the same". INVALID_ARGUMENT when the extractor overflows its buffer. */
+idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32]);
+/* The default: SHA-256(method ‖ 0 ‖ payload). */
 void idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
 
-void idem__waitset_init(idem_waitset *w);
-void idem__waitset_fini(idem_waitset *w);
-void idem__waitset_notify(idem_waitset *w);
-uint64_t idem__waitset_gen(idem_waitset *w);
-/* Waits until gen changes or wait_ms passes. Returns false when the server is stopping. */
-bool idem__waitset_wait(idem_waitset *w, uint64_t seen_gen, uint64_t wait_ms);
-void idem__waitset_stop(idem_waitset *w);
+/* Validates the envelope fields of a request (bounds, UTF-8, method shape): the one
+ * check both fronts use. Field names in messages name the HTTP header too. */
+idem_code idem__request_check(const Idem__V1__Request *r);
 
 #endif

@@ -6,17 +6,23 @@
 
 #include "call.h"
 
+idem_code idem__call_suspend(idem_call *call, idem_suspend why)
+{
+    call->suspend = why;
+    return IDEM_UNAVAILABLE; /* never sent: the server answers once the call resumes */
+}
+
 idem_code idem_call_next(idem_call *call, idem_next next)
 {
     if (next.chain != NULL && next.pos < next.chain->n) {
         const idem_interceptor *it = &next.chain->items[next.pos];
         if (call->fast_only && !it->fast_safe) {
-            return IDEM__DEFER;
+            return idem__call_suspend(call, IDEM__SUSPEND_DEFER);
         }
         return it->fn(call, (idem_next){next.chain, next.pos + 1}, it->arg);
     }
     if (call->fast_only) {
-        return IDEM__DEFER; /* handlers run on workers */
+        return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* handlers run on workers */
     }
     if (call->method == NULL) {
         return idem__reject(call, IDEM_REASON_UNIMPLEMENTED, IDEM_UNIMPLEMENTED,
@@ -24,6 +30,10 @@ idem_code idem_call_next(idem_call *call, idem_next next)
     }
     call->executed = true;
     idem_code code = call->method->fn(call, call->method->arg);
+    if ((unsigned)code >= IDEM_CODE_COUNT) {
+        return idem_call_fail(call, IDEM_INTERNAL, "handler of %s returned %d, not an idem_code",
+                              call->method->name, (int)code);
+    }
     if (code != call->code) {
         /* A handler that returned one code and replied another: the return wins. */
         call->code = code;
@@ -128,6 +138,11 @@ const char *idem_call_key(const idem_call *call)
 idem_key_source idem_call_key_source(const idem_call *call)
 {
     return call->key_source;
+}
+
+uint64_t idem_call_fence(const idem_call *call)
+{
+    return call->fence;
 }
 
 idem_code idem_call_reply(idem_call *call, idem_code code, const void *payload, size_t len)

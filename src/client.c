@@ -326,17 +326,18 @@ static void sleep_ms(uint64_t ms)
 }
 
 /* The key is fixed here, once, for every attempt of this logical call: the caller's,
- * else none when a token stands in for it, else 128 random bits (*generated). */
-static idem_code fix_key(const idem_request *req, char key[IDEM_CLIENT_KEY_MAX + 1],
-                         bool *generated)
+ * else none when a token stands in for it (or never_generate), else 128 random bits
+ * (*generated). */
+static idem_code fix_key(const idem_request *req, bool never_generate,
+                         char key[IDEM_CLIENT_KEY_MAX + 1], bool *generated)
 {
     if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
         if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
             return idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
         }
         strcpy(key, req->idempotency_key);
-    } else if (req->token != NULL && req->token[0] != '\0') {
-        key[0] = '\0'; /* the server makes the one-time token the key */
+    } else if ((req->token != NULL && req->token[0] != '\0') || never_generate) {
+        key[0] = '\0'; /* the server makes the one-time token the key, or refuses */
     } else {
         if (!idem__random_hex(key, 16)) {
             return idem__err(IDEM_INTERNAL, "getrandom failed");
@@ -360,7 +361,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
     if (req->method == NULL) {
         return out->code = idem__err(IDEM_INVALID_ARGUMENT, "method is required");
     }
-    if ((code = fix_key(req, out->key, &key_generated)) != IDEM_OK) {
+    if ((code = fix_key(req, c->opts.never_generate_key, out->key, &key_generated)) != IDEM_OK) {
         return out->code = code;
     }
     for (uint32_t attempt = 1;; attempt++) {
@@ -394,6 +395,10 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (!again) {
             if (resp != NULL) {
                 idem_code fill = result_fill(out, resp);
+                const char *used = idem_result_metadata(out, "idem-key");
+                if (used != NULL && strlen(used) <= IDEM_CLIENT_KEY_MAX) {
+                    strcpy(out->key, used); /* e.g. the method's business key */
+                }
                 idem__v1__response__free_unpacked(resp, NULL);
                 if (fill != IDEM_OK) {
                     idem_result_clear(out);

@@ -39,15 +39,16 @@ static idem_code check_method(const char *m)
                           "method must look like \"package.Service/Method\"");
 }
 
-static idem_code check_request(const Idem__V1__Request *r)
+idem_code idem__request_check(const Idem__V1__Request *r)
 {
     idem_code code;
     if ((code = check_method(r->method)) != IDEM_OK ||
-        (code = check_string("idempotency_key", r->idempotency_key, IDEM_MAX_KEY, false)) !=
-            IDEM_OK ||
-        (code = check_string("request_id", r->request_id, IDEM_MAX_REQUEST_ID, false)) != IDEM_OK ||
-        (code = check_string("token", r->token, IDEM_MAX_TOKEN, false)) != IDEM_OK ||
-        (code = check_string("caller", r->caller, IDEM_MAX_CALLER, false)) != IDEM_OK) {
+        (code = check_string("idempotency_key (Idempotency-Key)", r->idempotency_key,
+                             IDEM_MAX_KEY, false)) != IDEM_OK ||
+        (code = check_string("request_id (X-Request-Id)", r->request_id, IDEM_MAX_REQUEST_ID,
+                             false)) != IDEM_OK ||
+        (code = check_string("token (Idem-Token)", r->token, IDEM_MAX_TOKEN, false)) != IDEM_OK ||
+        (code = check_string("caller (X-Caller)", r->caller, IDEM_MAX_CALLER, false)) != IDEM_OK) {
         return code;
     }
     if (r->n_metadata > IDEM_MAX_METADATA) {
@@ -137,7 +138,7 @@ idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **
     /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
      * metadata (5) is a map<string,string>. */
     const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
-    idem_code code = check_request(r);
+    idem_code code = idem__request_check(r);
     if (code == IDEM_OK && wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5)) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
     }
@@ -213,4 +214,33 @@ void idem__fingerprint(const char *method, const void *payload, size_t len, uint
     const void *parts[] = {method, "", payload != NULL ? payload : ""};
     const size_t lens[] = {strlen(method), 1, len};
     idem__sha256(parts, lens, 3, out);
+}
+
+idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32])
+{
+    const idem_method *m = call->method;
+    size_t plen;
+    const void *payload = idem_call_payload(call, &plen);
+    if (m->opts.fingerprint == NULL) {
+        idem__fingerprint(m->name, payload, plen, out);
+        return IDEM_OK;
+    }
+    uint8_t *buf = malloc(IDEM_MAX_FINGERPRINT_INPUT);
+    size_t n = 0;
+    if (buf == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    bool ok = m->opts.fingerprint(call, buf, IDEM_MAX_FINGERPRINT_INPUT, &n, m->opts.fingerprint_arg);
+    if (ok && n <= IDEM_MAX_FINGERPRINT_INPUT) {
+        /* 'F' keeps an extracted fingerprint apart from a whole-payload one. */
+        const void *parts[] = {m->name, "", "F", buf};
+        const size_t lens[] = {strlen(m->name), 1, 1, n};
+        idem__sha256(parts, lens, 4, out);
+    }
+    free(buf);
+    return ok && n <= IDEM_MAX_FINGERPRINT_INPUT
+               ? IDEM_OK
+               : idem__err(IDEM_INVALID_ARGUMENT,
+                           "the request has no fingerprint: %s's fingerprint extractor refused it",
+                           m->name);
 }

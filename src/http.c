@@ -3,25 +3,28 @@
  * An HTTP request becomes an idem.v1.Request frame (body = payload, Idempotency-Key =
  * key, X-Request-Id, the caller header, Idem-Token) and joins the same work queue as
  * the nng calls, so handlers, LMDB writes and duplicate waits stay on the workers; the
- * nng HTTP callback only translates and hands over. Status mapping follows the IETF
+ * nng HTTP callback only translates and hands over. Header values are taken whole:
+ * their bounds are checked once, for both fronts, by the request decoder (a value over
+ * its bound is a 400 naming the header, never a cut). Status mapping follows the IETF
  * Idempotency-Key draft where it speaks (400 missing key, 422 key reused with another
- * payload, 409 still in progress) and the gRPC-HTTP mapping elsewhere. */
+ * payload, 409 still in progress) and the gRPC-HTTP mapping elsewhere. At most
+ * max_pending requests are queued or running; more get 429. */
 #include <arpa/inet.h>
 #include <nng/nng.h>
 #include <nng/supplemental/http/http.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "server_internal.h"
 
-#define MAX_HEADER 256 /* bytes kept of any header we read */
-
 struct idem_http {
     idem_server *srv;
     nng_http_server *hs;
     nng_url *url;
-    size_t max_body;
+    size_t max_body, max_pending;
+    atomic_size_t pending; /* requests handed to the workers and not yet answered */
     char caller_header[64];
     int port;
 };
@@ -30,7 +33,7 @@ typedef struct http_job {
     idem_job job; /* first */
     nng_aio *aio;
     uint8_t *frame;
-    size_t len;
+    idem_http *h;
 } http_job;
 
 static const struct {
@@ -173,6 +176,8 @@ static int set_headers(nng_http_res *res, const idem_call *call)
             rv = nng_http_res_set_header(res, "Retry-After", num);
         } else if (strcmp(kv->name, "idem-first-at") == 0) {
             rv = nng_http_res_set_header(res, "Idem-First-At", kv->value);
+        } else if (strcmp(kv->name, "idem-key") == 0) {
+            rv = nng_http_res_set_header(res, "Idem-Key", kv->value);
         } else {
             snprintf(name, sizeof(name), "Idem-Meta-%s", kv->name);
             rv = nng_http_res_set_header(res, name, kv->value);
@@ -203,15 +208,19 @@ static void respond(nng_aio *aio, const idem_call *call)
     nng_aio_finish(aio, 0);
 }
 
-static void http_job_run(idem_server *srv, idem_job *job)
+static void http_job_free(http_job *j)
 {
-    http_job *j = (http_job *)job;
-    idem_served s;
-    idem__server_run(srv, j->frame, j->len, false, &s);
-    respond(j->aio, &s.call);
-    idem__server_done(srv, &s);
+    atomic_fetch_sub(&j->h->pending, 1);
     free(j->frame);
     free(j);
+}
+
+static void http_job_answer(idem_server *srv, idem_job *job)
+{
+    http_job *j = (http_job *)job;
+    respond(j->aio, &job->s.call);
+    idem__server_done(srv, &job->s);
+    http_job_free(j);
 }
 
 /* At shutdown: answer 503 rather than leave the connection hanging. */
@@ -225,50 +234,83 @@ static void http_job_drop(idem_job *job)
     } else {
         nng_aio_finish(j->aio, NNG_ENOMEM);
     }
-    free(j->frame);
-    free(j);
+    http_job_free(j);
 }
 
-/* Copies header name of req into buf (bounded); "" when absent. A structured-field
- * string ("...", as the Idempotency-Key draft sends it) loses its quotes. */
-static const char *header(nng_http_req *req, const char *name, char buf[MAX_HEADER])
+/* Idempotency-Key as the draft sends it, a structured-field string ("..." with \" and \\
+ * escapes), or a bare token. A list ("a", "b"), which is also what nng makes of a
+ * repeated header, is refused: one request, one key. Returns a malloc'd key ("" when
+ * absent), or NULL with *err set (or with *err NULL when out of memory). */
+static char *idempotency_key(nng_http_req *req, const char **err)
+{
+    static const char many[] = "more than one Idempotency-Key value (a list or a repeated "
+                               "header is refused; quote a key that contains a comma)";
+    const char *v = nng_http_req_get_header(req, "Idempotency-Key");
+    v = v != NULL ? v : "";
+    char *out = malloc(strlen(v) + 1), *o = out;
+    *err = NULL;
+    if (out == NULL) {
+        return NULL;
+    }
+    if (v[0] != '"') {
+        *err = strchr(v, ',') != NULL ? many : NULL;
+        strcpy(out, v);
+    } else {
+        const char *p = v + 1;
+        for (; *p != '\0' && *p != '"'; p++) {
+            if (*p == '\\' && (p[1] == '"' || p[1] == '\\')) {
+                p++;
+            }
+            *o++ = *p;
+        }
+        *o = '\0';
+        if (*p != '"') {
+            *err = "Idempotency-Key: unterminated quoted string";
+        } else if (p[1 + strspn(p + 1, " \t")] != '\0') {
+            *err = many;
+        }
+    }
+    if (*err != NULL) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* A header's whole value ("" when absent). */
+static const char *header(nng_http_req *req, const char *name)
 {
     const char *v = nng_http_req_get_header(req, name);
-    size_t n = v != NULL ? strlen(v) : 0;
-    if (n >= 2 && v[0] == '"' && v[n - 1] == '"') {
-        v++, n -= 2;
-    }
-    n = n < MAX_HEADER - 1 ? n : MAX_HEADER - 1;
-    memcpy(buf, v != NULL ? v : "", n);
-    buf[n] = '\0';
-    return buf;
+    return v != NULL ? v : "";
 }
 
-/* The Request frame for an HTTP call; NULL on ENOMEM. */
+/* The Request frame for an HTTP call; NULL with *err set for a request to refuse (400),
+ * or with *err NULL when out of memory. */
 static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *body, size_t blen,
-                           size_t *len)
+                           size_t *len, const char **err)
 {
-    char method[MAX_HEADER], key[MAX_HEADER], rid[MAX_HEADER], caller[MAX_HEADER],
-        token[MAX_HEADER];
     Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
     const char *uri = nng_http_req_get_uri(req);
-    size_t m = strcspn(uri + (uri[0] == '/'), "?#");
-    m = m < sizeof(method) - 1 ? m : sizeof(method) - 1;
-    memcpy(method, uri + (uri[0] == '/'), m);
-    method[m] = '\0';
-    q.method = method;
-    q.idempotency_key = (char *)header(req, "Idempotency-Key", key);
-    q.request_id = (char *)header(req, "X-Request-Id", rid);
-    q.caller = (char *)header(req, h->caller_header, caller);
-    q.token = (char *)header(req, "Idem-Token", token);
-    q.payload.data = (uint8_t *)body;
-    q.payload.len = blen;
-    q.attempt = 1;
-    *len = idem__v1__request__get_packed_size(&q);
-    uint8_t *frame = malloc(*len ? *len : 1);
-    if (frame != NULL) {
-        idem__v1__request__pack(&q, frame);
+    uri += uri[0] == '/';
+    char *method = strndup(uri, strcspn(uri, "?#"));
+    char *key = idempotency_key(req, err);
+    uint8_t *frame = NULL;
+    if (method != NULL && key != NULL) {
+        q.method = method;
+        q.idempotency_key = key;
+        q.request_id = (char *)header(req, "X-Request-Id");
+        q.caller = (char *)header(req, h->caller_header);
+        q.token = (char *)header(req, "Idem-Token");
+        q.payload.data = (uint8_t *)body;
+        q.payload.len = blen;
+        q.attempt = 1;
+        *len = idem__v1__request__get_packed_size(&q);
+        if ((frame = malloc(*len ? *len : 1)) != NULL) {
+            idem__v1__request__pack(&q, frame);
+        }
     }
+    free(method);
+    free(key);
     return frame;
 }
 
@@ -288,6 +330,9 @@ static void http_call_cb(nng_aio *aio)
     idem_served s;
     http_job *j;
 
+    const char *err = NULL;
+    size_t len;
+
     nng_http_req_get_data(req, &body, &blen);
     if (blen > h->max_body) {
         char msg[96];
@@ -297,21 +342,35 @@ static void http_call_cb(nng_aio *aio)
         respond_now(aio, h->srv, &s);
         return;
     }
+    if (atomic_fetch_add(&h->pending, 1) >= h->max_pending) {
+        atomic_fetch_sub(&h->pending, 1);
+        idem__server_busy(h->srv, &s);
+        respond_now(aio, h->srv, &s);
+        return;
+    }
     if ((j = calloc(1, sizeof(*j))) == NULL ||
-        (j->frame = http_frame(h, req, body, blen, &j->len)) == NULL) {
+        (j->frame = http_frame(h, req, body, blen, &len, &err)) == NULL) {
+        atomic_fetch_sub(&h->pending, 1);
         free(j);
-        nng_aio_finish(aio, NNG_ENOMEM);
+        if (err == NULL) {
+            nng_aio_finish(aio, NNG_ENOMEM);
+            return;
+        }
+        idem__server_reject(h->srv, &s, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, err);
+        respond_now(aio, h->srv, &s);
         return;
     }
     j->aio = aio;
-    j->job.run = http_job_run;
+    j->h = h;
+    j->job.frame = j->frame;
+    j->job.len = len;
+    j->job.answer = http_job_answer;
     j->job.drop = http_job_drop;
     idem_code code = idem__server_enqueue(h->srv, &j->job);
     if (code == IDEM_OK) {
         return; /* a worker answers */
     }
-    free(j->frame);
-    free(j);
+    http_job_free(j);
     if (code == IDEM_RESOURCE_EXHAUSTED) {
         idem__server_busy(h->srv, &s);
     } else {
@@ -360,7 +419,7 @@ static int add_handler(idem_http *h, const char *path, const char *method, bool 
 }
 
 idem_code idem__http_start(idem_server *srv, const char *url, size_t max_body,
-                           const char *caller_header, idem_http **out)
+                           const char *caller_header, size_t max_pending, idem_http **out)
 {
     idem_http *h = calloc(1, sizeof(*h));
     int rv;
@@ -369,6 +428,7 @@ idem_code idem__http_start(idem_server *srv, const char *url, size_t max_body,
     }
     h->srv = srv;
     h->max_body = max_body;
+    h->max_pending = max_pending;
     snprintf(h->caller_header, sizeof(h->caller_header), "%s",
              caller_header != NULL ? caller_header : "X-Caller");
     nng_sockaddr sa;

@@ -12,7 +12,8 @@ static const char *const reasons[] = {
     IDEM_REASON_BAD_FRAME,     IDEM_REASON_TOO_LARGE,    IDEM_REASON_BUSY,
     IDEM_REASON_UNIMPLEMENTED, IDEM_REASON_KEY_REQUIRED, IDEM_REASON_BAD_KEY,
     IDEM_REASON_KEY_REUSED,    IDEM_REASON_IN_PROGRESS,  IDEM_REASON_TOKEN,
-    IDEM_REASON_STORE,         IDEM_REASON_DEBOUNCED,
+    IDEM_REASON_STORE,         IDEM_REASON_DEBOUNCED,    IDEM_REASON_DEADLINE,
+    IDEM_REASON_CLAIM_LOST,
 };
 #define N_REASONS IDEM_ARRAY_LEN(reasons)
 
@@ -22,7 +23,7 @@ struct idem_observer {
     void *arg;
     atomic_ullong executed, replayed, rejected[N_REASONS + 1]; /* last: other */
     atomic_ullong by_code[IDEM_CODE_COUNT];
-    atomic_llong in_flight;
+    atomic_llong in_flight, waiting;
     atomic_ullong latency_us_sum, calls;
 };
 
@@ -111,6 +112,11 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
               (unsigned long long)latency_us);
 }
 
+void idem__observe_waiting(idem_observer *obs, int delta)
+{
+    atomic_fetch_add_explicit(&obs->waiting, delta, memory_order_relaxed);
+}
+
 void idem__observe_in_flight(idem_observer *obs, int delta)
 {
     atomic_fetch_add_explicit(&obs->in_flight, delta, memory_order_relaxed);
@@ -173,11 +179,14 @@ char *idem__metrics_text(idem_observer *obs)
     ok = ok && append(&b, &len, &cap,
                       "# HELP idem_in_flight Calls received and not yet answered.\n"
                       "# TYPE idem_in_flight gauge\nidem_in_flight %lld\n"
+                      "# HELP idem_waiting_duplicates Duplicates parked on a running first call.\n"
+                      "# TYPE idem_waiting_duplicates gauge\nidem_waiting_duplicates %lld\n"
                       "# HELP idem_call_latency_microseconds Server-side call latency.\n"
                       "# TYPE idem_call_latency_microseconds summary\n"
                       "idem_call_latency_microseconds_sum %llu\n"
                       "idem_call_latency_microseconds_count %llu\n",
                       (long long)atomic_load_explicit(&obs->in_flight, memory_order_relaxed),
+                      (long long)atomic_load_explicit(&obs->waiting, memory_order_relaxed),
                       LOAD(obs->latency_us_sum), LOAD(obs->calls));
     if (!ok) {
         free(b);

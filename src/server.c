@@ -4,9 +4,12 @@
  *
  *   INIT → RECV ──frame──▶ QUEUED (worker decodes, runs the chain, encodes) → SEND → RECV
  *
- * The nng callback never blocks: it only hands a received frame to the work queue and
- * re-arms the receive after a send. Handlers, LMDB writes and duplicate waits run on the
- * workers. The number of contexts bounds in-flight work; nng holds further requests in
+ * The nng callback never blocks: it answers what needs no worker (a stored replay, a bad
+ * frame), hands the rest to the work queue and re-arms the receive after a send.
+ * Handlers and store writes run on the workers. A duplicate of a call still running
+ * parks in the in-flight table (inflight.c) and gives its worker back; the completion
+ * (or its re-read time) queues it again and it resumes at result_cache. The number of
+ * contexts bounds in-flight work, parked ones included; nng holds further requests in
  * its pipes (back-pressure). */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -19,9 +22,11 @@
 #include <unistd.h>
 
 #include "call.h"
+#include "inflight.h"
 #include "server_internal.h"
 
 #define DEFAULT_MAX_FRAME ((size_t)4 << 20)
+#define DEFAULT_CONTEXTS 256 /* parked duplicates hold a context, not a thread */
 #define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
 
 typedef enum work_state { WORK_INIT, WORK_RECV, WORK_QUEUED, WORK_SEND } work_state;
@@ -60,6 +65,7 @@ struct idem_server {
     size_t n_queued;
     bool stopping;
     bool fast_path; /* the whole chain is fast_safe and store reads never block */
+    size_t result_cache_pos; /* where a parked call resumes */
     int port;
     idem_http *http;
 };
@@ -76,11 +82,9 @@ void idem_server_opts_init(idem_server_opts *opts)
 static void opts_defaults(idem_server_opts *o)
 {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    if (o->contexts == 0) {
-        o->contexts = (size_t)(cores > 0 ? cores : 1) * 2;
-    }
+    o->contexts = o->contexts ? o->contexts : DEFAULT_CONTEXTS;
     if (o->workers == 0) {
-        o->workers = o->contexts;
+        o->workers = (size_t)(cores > 0 ? cores : 1) * 2;
     }
     o->max_frame = o->max_frame ? o->max_frame : DEFAULT_MAX_FRAME;
     o->result_ttl_ms = o->result_ttl_ms ? o->result_ttl_ms : 24 * 3600 * 1000ull;
@@ -89,6 +93,25 @@ static void opts_defaults(idem_server_opts *o)
     o->max_wait_ms = o->max_wait_ms ? o->max_wait_ms : 10 * 1000ull;
     o->sweep_interval_ms = o->sweep_interval_ms ? o->sweep_interval_ms : 60 * 1000ull;
     o->sweep_batch = o->sweep_batch ? o->sweep_batch : 1000;
+    o->max_run_ms = o->max_run_ms ? o->max_run_ms : 5 * 60 * 1000ull;
+    o->max_waiters = o->max_waiters ? o->max_waiters : 4096;
+    o->http_max_pending = o->http_max_pending ? o->http_max_pending : 1024;
+}
+
+static uint64_t system_clock(void *arg)
+{
+    (void)arg;
+    return idem__now_ms();
+}
+
+uint64_t idem__rt_now_ms(const idem_runtime *rt)
+{
+    return rt->clock.now_ms(rt->clock.arg);
+}
+
+void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), void *arg)
+{
+    srv->rt.clock = (idem_clock){now_ms, arg};
 }
 
 static idem_code nng_fail(int rv, const char *what)
@@ -158,7 +181,7 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg, false};
+    srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg, false, false};
     if (fn == idem__result_cache_interceptor) {
         srv->rt.has_result_cache = true;
     }
@@ -188,6 +211,7 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
     }
     if (code == IDEM_OK) { /* these never block when asked to be fast (fast_only) */
         srv->chain.items[srv->chain.n - 1].fast_safe = true;
+        srv->chain.items[srv->chain.n - 1].builtin = true;
     }
     return code;
 }
@@ -217,13 +241,25 @@ static nng_msg *response_msg(idem_call *call)
     return msg;
 }
 
-bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
-                      idem_served *out)
+/* The key the call ran under, for the client (idem_result.key): a business key may
+ * have replaced the one it sent. A token is not echoed. */
+static void answer_key(idem_call *call)
+{
+    if (call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_TOKEN) {
+        idem__call_set_meta(call, "idem-key", call->key);
+    }
+}
+
+/* Decode + chain. false: a fast_only call needs a worker, or (parkable) the call parked
+ * in s->call.suspend; nothing to answer yet. */
+static bool run(idem_server *srv, const void *frame, size_t len, bool fast_only, bool parkable,
+                idem_served *out)
 {
     uint64_t start = idem__mono_us();
     idem_code code;
 
     out->req = NULL;
+    out->start_us = start;
     if (len > srv->opts.max_frame) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
                          len, srv->opts.max_frame);
@@ -235,20 +271,41 @@ bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast
                             code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
                                                             : IDEM_REASON_BAD_FRAME,
                             code, idem_errmsg());
-    } else {
-        idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
-        out->call.fast_only = fast_only;
-        if (idem_call_next(&out->call, (idem_next){&srv->chain, 0}) == IDEM__DEFER) {
-            idem__call_fini(&out->call);
-            idem__free_request(out->req);
-            return false;
-        }
+        return true;
+    }
+    idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
+    out->call.fast_only = fast_only;
+    out->call.parkable = parkable;
+    uint64_t deadline = out->req->deadline_unix_ms;
+    if (deadline != 0 && deadline <= idem__rt_now_ms(&srv->rt)) {
+        /* Nobody waits for the answer any more: run nothing, claim nothing. */
+        idem__random_hex(out->call.request_id, 16);
+        idem__reject(&out->call, IDEM_REASON_DEADLINE, IDEM_DEADLINE_EXCEEDED,
+                     "deadline passed before the call started (deadline_unix_ms %llu)",
+                     (unsigned long long)deadline);
+        return true;
+    }
+    idem_call_next(&out->call, (idem_next){&srv->chain, 0});
+    if (out->call.suspend == IDEM__SUSPEND_DEFER) {
+        idem__call_fini(&out->call);
+        idem__free_request(out->req);
+        out->req = NULL;
+        return false;
+    }
+    if (out->call.suspend == IDEM__SUSPEND_PARK) {
+        return false;
     }
     if (out->call.request_id[0] == '\0') { /* a chain without request_id */
         idem__random_hex(out->call.request_id, 16);
     }
-    out->start_us = start;
+    answer_key(&out->call);
     return true;
+}
+
+bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
+                      idem_served *out)
+{
+    return run(srv, frame, len, fast_only, false, out);
 }
 
 void idem__server_done(idem_server *srv, idem_served *s)
@@ -282,14 +339,15 @@ static bool serve_fast(idem_server *srv, nng_msg *frame, nng_msg **reply)
 
 /* ---- the work queue and the context state machine ---- */
 
-idem_code idem__server_enqueue(idem_server *srv, idem_job *job)
+/* A resumed job skips the max_queue check: it was admitted once already. */
+static idem_code enqueue(idem_server *srv, idem_job *job, bool fresh)
 {
     pthread_mutex_lock(&srv->mu);
     if (srv->stopping) {
         pthread_mutex_unlock(&srv->mu);
         return IDEM_UNAVAILABLE;
     }
-    if (srv->opts.max_queue > 0 && srv->n_queued >= srv->opts.max_queue) {
+    if (fresh && srv->opts.max_queue > 0 && srv->n_queued >= srv->opts.max_queue) {
         pthread_mutex_unlock(&srv->mu);
         return IDEM_RESOURCE_EXHAUSTED;
     }
@@ -303,8 +361,26 @@ idem_code idem__server_enqueue(idem_server *srv, idem_job *job)
     srv->n_queued++;
     pthread_cond_signal(&srv->cv);
     pthread_mutex_unlock(&srv->mu);
-    idem__observe_in_flight(srv->rt.obs, 1);
+    if (fresh) {
+        idem__observe_in_flight(srv->rt.obs, 1); /* until answered, parked time included */
+    }
     return IDEM_OK;
+}
+
+idem_code idem__server_enqueue(idem_server *srv, idem_job *job)
+{
+    job->parked_before = false;
+    return enqueue(srv, job, true);
+}
+
+/* The in-flight table hands back a woken job. */
+static void resume_job(void *arg, idem_job *job)
+{
+    idem_server *srv = arg;
+    if (enqueue(srv, job, false) != IDEM_OK) {
+        idem__server_done(srv, &job->s); /* stopping: dropped like a queued call */
+        job->drop(job);
+    }
 }
 
 void idem__server_reject(idem_server *srv, idem_served *s, const char *reason, idem_code code,
@@ -402,6 +478,8 @@ static void work_cb(void *arg)
         }
         w->msg = nng_aio_get_msg(w->aio);
         w->state = WORK_QUEUED;
+        w->job.frame = nng_msg_body(w->msg);
+        w->job.len = nng_msg_len(w->msg);
         nng_msg *reply;
         if (w->srv->fast_path && serve_fast(w->srv, w->msg, &reply)) {
             work_reply(w, reply);
@@ -425,17 +503,57 @@ static void work_cb(void *arg)
     }
 }
 
-static void work_run(idem_server *srv, idem_job *job)
+static void work_answer(idem_server *srv, idem_job *job)
 {
     work *w = (work *)job;
-    work_reply(w, idem__server_serve_frame(srv, nng_msg_body(w->msg), nng_msg_len(w->msg)));
+    nng_msg *reply = response_msg(&job->s.call);
+    idem__server_done(srv, &job->s);
+    work_reply(w, reply);
 }
 
 static void work_drop(idem_job *job)
 {
     work *w = (work *)job;
-    nng_msg_free(w->msg); /* queued, never run */
+    nng_msg_free(w->msg); /* queued or parked, never answered */
     w->msg = NULL;
+}
+
+/* One turn of a job on a worker: decode and run the chain, or resume a parked call at
+ * result_cache. A call that must wait parks (the job then belongs to the in-flight
+ * table) unless its bucket moved on meanwhile (read again at once) or the table is
+ * full (answered "in progress"). */
+static void job_step(idem_server *srv, idem_job *job)
+{
+    idem_call *call = &job->s.call;
+    bool answered = false;
+    if (!job->parked_before) {
+        answered = run(srv, job->frame, job->len, false, srv->rt.can_park, &job->s);
+    }
+    while (!answered) {
+        if (call->suspend == IDEM__SUSPEND_PARK) {
+            job->parked_before = true;
+            call->suspend = IDEM__SUSPEND_NONE;
+            switch (idem__inflight_park(srv->rt.inflight, job, call->park_bucket, call->park_gen,
+                                        call->park_wake_ms)) {
+            case IDEM__PARKED:
+                return;
+            case IDEM__PARK_CHANGED:
+                break;
+            case IDEM__PARK_FULL:
+                call->park_refused = true;
+                break;
+            }
+        }
+        idem__call_reset_response(call);
+        idem_call_next(call, (idem_next){&srv->chain, call->resume_pos});
+        if (call->suspend == IDEM__SUSPEND_NONE) {
+            answer_key(call);
+            answered = true;
+        }
+    }
+    job->parked_before = false;
+    job->answer(srv, job);
+    idem__observe_in_flight(srv->rt.obs, -1);
 }
 
 static void *worker_main(void *arg)
@@ -443,8 +561,7 @@ static void *worker_main(void *arg)
     idem_server *srv = arg;
     idem_job *job;
     while ((job = queue_pop(srv)) != NULL) {
-        job->run(srv, job);
-        idem__observe_in_flight(srv->rt.obs, -1);
+        job_step(srv, job);
     }
     return NULL;
 }
@@ -496,7 +613,7 @@ static idem_code server_open_socket(idem_server *srv)
     for (size_t i = 0; i < srv->opts.contexts; i++) {
         work *w = &srv->works[i];
         w->srv = srv;
-        w->job.run = work_run;
+        w->job.answer = work_answer;
         w->job.drop = work_drop;
         if ((rv = nng_aio_alloc(&w->aio, work_cb, w)) != 0) {
             return nng_fail(rv, "nng_aio_alloc");
@@ -544,11 +661,12 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     pthread_mutex_init(&srv->mu, NULL);
     pthread_cond_init(&srv->cv, NULL);
     pthread_cond_init(&srv->sweep_cv, NULL);
-    idem__waitset_init(&srv->rt.waits);
     srv->rt.result_ttl_ms = srv->opts.result_ttl_ms;
     srv->rt.lease_ms = srv->opts.lease_ms;
     srv->rt.token_ttl_ms = srv->opts.token_ttl_ms;
     srv->rt.max_wait_ms = srv->opts.max_wait_ms;
+    srv->rt.max_run_ms = srv->opts.max_run_ms;
+    srv->rt.clock = (idem_clock){system_clock, NULL};
     if ((srv->rt.obs = idem__observer_create(&srv->opts)) == NULL) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
         goto fail;
@@ -563,7 +681,9 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         srv->owns_store = true;
     }
     if ((code = server_default_setup(srv)) != IDEM_OK ||
-        (code = server_open_socket(srv)) != IDEM_OK) {
+        (code = server_open_socket(srv)) != IDEM_OK ||
+        (code = idem__inflight_create(&srv->rt.inflight, &srv->rt, srv->opts.max_waiters,
+                                      resume_job, srv)) != IDEM_OK) {
         goto fail;
     }
     *out = srv;
@@ -596,12 +716,27 @@ static idem_code server_check(const idem_server *srv)
     return IDEM_OK;
 }
 
+/* A waiting call can leave the chain and resume at result_cache later only when every
+ * interceptor before it is a built-in that just returns what the rest returned. */
+static void find_resume_point(idem_server *srv)
+{
+    bool all_builtin = true;
+    for (size_t i = 0; i < srv->chain.n; i++) {
+        if (srv->chain.items[i].fn == idem__result_cache_interceptor) {
+            srv->rt.can_park = all_builtin;
+            return;
+        }
+        all_builtin = all_builtin && srv->chain.items[i].builtin;
+    }
+}
+
 static idem_code server_start(idem_server *srv)
 {
     srv->fast_path = strcmp(idem_store_backend(srv->rt.store), "lmdb") == 0;
     for (size_t i = 0; i < srv->chain.n; i++) {
         srv->fast_path = srv->fast_path && srv->chain.items[i].fast_safe;
     }
+    find_resume_point(srv);
     srv->threads = calloc(srv->opts.workers, sizeof(pthread_t));
     if (srv->threads == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -663,7 +798,7 @@ idem_code idem_server_listen_http(idem_server *srv, const char *url)
         return code;
     }
     return idem__http_start(srv, url, srv->opts.max_frame, srv->opts.http_caller_header,
-                            &srv->http);
+                            srv->opts.http_max_pending, &srv->http);
 }
 
 int idem_server_http_port(const idem_server *srv)
@@ -691,7 +826,14 @@ void idem_server_destroy(idem_server *srv)
     pthread_cond_broadcast(&srv->cv);
     pthread_cond_broadcast(&srv->sweep_cv);
     pthread_mutex_unlock(&srv->mu);
-    idem__waitset_stop(&srv->rt.waits);
+    if (srv->rt.inflight != NULL) { /* parked duplicates are dropped like queued calls */
+        for (idem_job *job = idem__inflight_stop(srv->rt.inflight), *next; job != NULL;
+             job = next) {
+            next = job->next;
+            idem__server_done(srv, &job->s);
+            job->drop(job);
+        }
+    }
     /* Workers first: a running handler finishes and sends its reply while the socket is
      * still open (nng must not see a send on a context that nng_close is tearing down). */
     for (size_t i = 0; i < srv->n_threads; i++) {
@@ -702,6 +844,9 @@ void idem_server_destroy(idem_server *srv)
     }
     for (idem_job *job = srv->head, *next; job != NULL; job = next) {
         next = job->next; /* no job is queued once stopping is set */
+        if (job->parked_before) {
+            idem__server_done(srv, &job->s);
+        }
         job->drop(job);
     }
     srv->head = srv->tail = NULL;
@@ -726,7 +871,7 @@ void idem_server_destroy(idem_server *srv)
     if (srv->owns_store) {
         idem_store_close(srv->rt.store);
     }
-    idem__waitset_fini(&srv->rt.waits);
+    idem__inflight_destroy(srv->rt.inflight);
     idem__observer_destroy(srv->rt.obs);
     pthread_cond_destroy(&srv->sweep_cv);
     pthread_cond_destroy(&srv->cv);

@@ -73,7 +73,7 @@ static void add_metadata(const char *name, const char *value)
 static void use(const char *name, idem_interceptor_fn fn, void *arg)
 {
     cr_assert_lt(w.chain.n, MAX_ITEMS);
-    w.items[w.chain.n++] = (idem_interceptor){(char *)name, fn, arg, false};
+    w.items[w.chain.n++] = (idem_interceptor){.name = (char *)name, .fn = fn, .arg = arg};
 }
 
 /* Runs the whole chain for w.req; method is &w.method or NULL (unknown method). */
@@ -294,9 +294,26 @@ static void expect_key(idem_key_source source, const char *key)
     cr_expect_str_eq(w.key_seen, key, "the handler sees the resolved key");
 }
 
-Test(key, field_wins_over_every_other_source)
+Test(key, business_key_is_the_key_and_a_differing_explicit_key_is_refused)
 {
     offer_every_key_source();
+    cr_expect_eq(run(), IDEM_INVALID_ARGUMENT, "field-key differs from T-1001@alipay");
+    cr_expect_eq(w.handler_runs, 0);
+    cr_expect(strstr(idem_call_message(&w.call), "business key") != NULL);
+}
+
+Test(key, an_explicit_key_equal_to_the_business_key_is_accepted)
+{
+    offer_every_key_source();
+    w.req.idempotency_key = "T-1001@alipay";
+    w.req.n_metadata = 0;
+    expect_key(IDEM_KEY_EXTRACTED, "T-1001@alipay");
+}
+
+Test(key, field_wins_over_metadata_and_token_without_a_business_key)
+{
+    offer_every_key_source();
+    w.req.payload.len = 0; /* the extractor finds nothing */
     expect_key(IDEM_KEY_FIELD, "field-key");
 }
 
@@ -304,10 +321,11 @@ Test(key, metadata_comes_second)
 {
     offer_every_key_source();
     w.req.idempotency_key = "";
+    w.req.payload.len = 0;
     expect_key(IDEM_KEY_METADATA, "metadata-key");
 }
 
-Test(key, extractor_comes_third)
+Test(key, extractor_without_an_explicit_key)
 {
     offer_every_key_source();
     w.req.idempotency_key = "";
@@ -338,7 +356,18 @@ Test(key, generated_key_stands_when_there_is_no_business_key)
     w.req.n_metadata = 0;
     add_metadata("idem-key-generated", "1");
     w.req.payload.len = 0;
-    expect_key(IDEM_KEY_FIELD, "field-key");
+    expect_key(IDEM_KEY_GENERATED, "field-key");
+}
+
+Test(key, generated_key_does_not_satisfy_key_required)
+{
+    w.method.opts.flags = IDEM_METHOD_KEY_REQUIRED;
+    w.req.idempotency_key = "made-up-by-the-client";
+    add_metadata("idem-key-generated", "1");
+    use("request_id", idem__request_id_interceptor, NULL);
+    cr_expect_eq(run(), IDEM_INVALID_ARGUMENT);
+    cr_expect(strstr(idem_call_message(&w.call), "chosen by the caller") != NULL);
+    cr_expect_eq(w.handler_runs, 0);
 }
 
 Test(key, none_when_no_source_offers_one)

@@ -38,6 +38,10 @@ typedef enum idem_key_source {
     IDEM_KEY_METADATA,  /* metadata "idempotency-key" */
     IDEM_KEY_EXTRACTED, /* the method's registered extractor */
     IDEM_KEY_TOKEN,     /* the one-time submit token */
+    /* A key idem_client generated because its caller gave none (metadata
+     * idem-key-generated): it dedupes retries of one call, but never satisfies
+     * IDEM_METHOD_KEY_REQUIRED. */
+    IDEM_KEY_GENERATED,
 } idem_key_source;
 
 /* ---- the request (read-only; strings are NUL-terminated and valid for the call) ---- */
@@ -56,6 +60,11 @@ IDEM_API void idem_call_metadata_at(const idem_call *call, size_t i, const char 
 /* The resolved idempotency key (unscoped), or NULL before request_id ran / when none. */
 IDEM_API const char *idem_call_key(const idem_call *call);
 IDEM_API idem_key_source idem_call_key_source(const idem_call *call);
+/* The fencing token of the claim this handler runs under: strictly increasing per store,
+ * so a downstream system that remembers the highest fence it has seen can refuse a
+ * write from an older claim ("UPDATE … WHERE fence < $fence"). 0 when the call runs
+ * without a claim (uncached method, no key). */
+IDEM_API uint64_t idem_call_fence(const idem_call *call);
 
 /* ---- the response ---- */
 /* Sets the response code and payload (copied). Returns code, so a handler can end with
@@ -67,7 +76,8 @@ IDEM_API idem_code idem_call_reply(idem_call *call, idem_code code, const void *
 IDEM_API idem_code idem_call_fail(idem_call *call, idem_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Adds (or replaces) response metadata; both strings are copied. At most 60 entries
- * (64 minus 4 kept for the library's request-id, idem-first-at, retry-after-ms), names
+ * (64 minus 4 kept for the library's request-id, idem-key, idem-first-at,
+ * retry-after-ms), names
  * up to 128 bytes, values up to 4 KiB. Returns IDEM_OK, IDEM_INVALID_ARGUMENT for a
  * too-long entry or IDEM_RESOURCE_EXHAUSTED beyond the count. */
 IDEM_API idem_code idem_call_set_response_metadata(idem_call *call, const char *name,

@@ -35,6 +35,9 @@ typedef struct idem_client_opts {
     size_t max_frame;            /* reply limit; 0 = 4 MiB + 64 KiB */
     const char *caller;          /* default caller, copied; NULL = "" */
     idem_retry_policy retry;
+    /* true: a call without key or token is sent without a key (the server decides:
+     * a KEY_REQUIRED method refuses it) instead of with a generated one. */
+    bool never_generate_key;
 } idem_client_opts;
 
 typedef struct idem_metadata_kv {
@@ -66,7 +69,8 @@ typedef struct idem_result {
     size_t metadata_count;
     bool replayed;
     char *request_id;
-    /* The idempotency key every attempt carried; "" when a token stood in for it. */
+    /* The key the server used (response metadata idem-key: e.g. the method's business
+     * key), else the one every attempt carried; "" when a token stood in for it. */
     char key[IDEM_CLIENT_KEY_MAX + 1];
     uint32_t attempts;
 } idem_result;

@@ -37,10 +37,22 @@ typedef idem_code (*idem_handler_fn)(idem_call *call, void *arg);
  * true, or returns false when the payload carries none. */
 typedef bool (*idem_key_extractor_fn)(const idem_call *call, char *buf, size_t cap, void *arg);
 
+/* Says which parts of the request make two requests with one key "the same" (e.g.
+ * out_trade_no + amount of a payment callback, but not its timestamp or signature):
+ * writes those bytes into buf (cap = IDEM_MAX_FINGERPRINT_INPUT), sets *len and returns
+ * true; false rejects the call with INVALID_ARGUMENT. Without one, the whole payload
+ * is the fingerprint. */
+typedef bool (*idem_fingerprint_fn)(const idem_call *call, void *buf, size_t cap, size_t *len,
+                                    void *arg);
+#define IDEM_MAX_FINGERPRINT_INPUT 4096
+
 enum idem_method_flags {
     /* Claim-before-run through the result cache; results replayed to duplicates. */
     IDEM_METHOD_CACHED = 1u << 0,
     /* Calls without an idempotency key are rejected with INVALID_ARGUMENT. */
+    /* Calls without a key chosen by the caller (field, metadata, token or the method's
+     * business key) are rejected with INVALID_ARGUMENT: a key idem_client generated
+     * does not count, since a caller that forgot the key would get a new one per call. */
     IDEM_METHOD_KEY_REQUIRED = 1u << 1,
     /* Calls need a one-time token from idem.Token/Issue; the token becomes the key.
      * Implies IDEM_METHOD_CACHED. */
@@ -56,12 +68,25 @@ enum idem_method_flags {
 };
 
 typedef struct idem_method_opts {
-    unsigned flags;                  /* idem_method_flags */
-    idem_key_extractor_fn extractor; /* optional */
+    unsigned flags; /* idem_method_flags */
+    /* Optional business key. When set and it finds a key, that key IS the call's key:
+     * a different explicit key (field or metadata) is rejected with INVALID_ARGUMENT,
+     * the same one is accepted, a generated one is ignored. */
+    idem_key_extractor_fn extractor;
     void *extractor_arg;
     uint64_t result_ttl_ms;  /* 0 = server default (24 h) */
-    uint64_t lease_ms;       /* 0 = server default (30 s): max expected handler time */
+    uint64_t lease_ms;       /* 0 = server default (30 s): renewed every lease/3 while the
+                                handler runs, so only a dead or stuck owner loses it */
     uint32_t transient_mask; /* codes released instead of stored; 0 = IDEM_TRANSIENT_CODES */
+    /* Longest run the lease is renewed for; past it the lease lapses and a retry may
+     * take over. 0 = server default (5 min). */
+    uint64_t max_run_ms;
+    /* false (default): a handler's INVALID_ARGUMENT is released, not stored, so the
+     * caller can fix the request and retry with the same key (Stripe, IETF draft).
+     * true: stored like any final answer (a retry with another payload is key reuse). */
+    bool store_invalid_argument;
+    idem_fingerprint_fn fingerprint; /* optional; see idem_fingerprint_fn */
+    void *fingerprint_arg;
 } idem_method_opts;
 
 typedef enum idem_log_level {
@@ -105,6 +130,12 @@ typedef struct idem_server_opts {
     idem_debounce *debounce;
     /* HTTP front (idem_server_listen_http): header naming the caller; NULL = "X-Caller". */
     const char *http_caller_header;
+    uint64_t max_run_ms; /* default of idem_method_opts.max_run_ms; 0 = 5 min */
+    /* Duplicates parked on a running first call (they hold no thread); more are answered
+     * ABORTED "in progress" at once. 0 = 4096. */
+    size_t max_waiters;
+    /* HTTP requests queued or running at once; more get 429 with Retry-After. 0 = 1024. */
+    size_t http_max_pending;
 } idem_server_opts;
 
 typedef enum idem_builtin {

@@ -1,0 +1,329 @@
+/* The in-flight table: where duplicates wait for a first call, and the lease keeper.
+ *
+ * Waiting. Keys hash into buckets; each bucket has a generation and a list of parked
+ * jobs. A duplicate that finds a live lease reads the bucket's generation BEFORE its
+ * store read and parks with it: if a completion bumped the generation in between, the
+ * park is refused (CHANGED) and the duplicate reads again, so no wake-up is lost. A
+ * completion or release bumps its bucket and hands every job parked there back to the
+ * workers; the waker thread hands back jobs whose re-read time has come (owners in
+ * other processes, deadlines). A parked job holds no thread. The store stays the
+ * truth: a woken job reads it again.
+ *
+ * Lease keeper. A handler that is still running keeps its claim: every lease/3 the
+ * waker renews the lease in the store (idem_store_renew), up to the method's max run
+ * time. So only an owner that died or hangs past max_run_ms loses its claim. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "inflight.h"
+
+#define N_BUCKETS 1024
+#define IDLE_MS 1000 /* the waker's longest sleep */
+
+typedef struct bucket {
+    uint64_t gen;
+    idem_job *parked;
+} bucket;
+
+/* A running claim whose lease is renewed. */
+struct idem_keep {
+    idem_keep *next;
+    uint64_t id, owner, lease_ms;
+    uint64_t renew_at, stop_at; /* monotonic ms */
+    char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
+};
+
+struct idem_inflight {
+    pthread_mutex_t mu;
+    pthread_cond_t waker_cv; /* something to do sooner, or stopping */
+    pthread_cond_t wait_cv;  /* a generation changed (blocking waiters) */
+    bucket buckets[N_BUCKETS];
+    size_t n_parked, max_parked;
+    idem_keep *keeps;
+    uint64_t next_keep_id;
+    bool stopping;
+    pthread_t waker;
+    bool waker_started;
+    idem_runtime *rt;
+    void (*resume)(void *arg, idem_job *job);
+    void *resume_arg;
+};
+
+uint32_t idem__inflight_bucket(const idem_key_ref *key)
+{
+    uint32_t h = 2166136261u; /* FNV-1a over caller \0 method \0 key */
+    const char *parts[] = {key->caller != NULL ? key->caller : "", key->method, key->key};
+    for (size_t i = 0; i < 3; i++) {
+        for (const unsigned char *p = (const unsigned char *)parts[i];; p++) {
+            h = (h ^ *p) * 16777619u;
+            if (*p == '\0') {
+                break;
+            }
+        }
+    }
+    return h % N_BUCKETS;
+}
+
+uint64_t idem__inflight_gen(idem_inflight *t, uint32_t b)
+{
+    pthread_mutex_lock(&t->mu);
+    uint64_t g = t->buckets[b].gen;
+    pthread_mutex_unlock(&t->mu);
+    return g;
+}
+
+idem_park idem__inflight_park(idem_inflight *t, idem_job *job, uint32_t b, uint64_t seen_gen,
+                              uint64_t wake_ms)
+{
+    idem_park r = IDEM__PARKED;
+    pthread_mutex_lock(&t->mu);
+    if (t->buckets[b].gen != seen_gen) {
+        r = IDEM__PARK_CHANGED;
+    } else if (t->stopping || t->n_parked >= t->max_parked) {
+        r = IDEM__PARK_FULL;
+    } else {
+        job->bucket = b;
+        job->wake_ms = wake_ms;
+        job->next = t->buckets[b].parked;
+        t->buckets[b].parked = job;
+        t->n_parked++;
+        pthread_cond_signal(&t->waker_cv);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (r == IDEM__PARKED) {
+        idem__observe_waiting(t->rt->obs, 1);
+    }
+    return r;
+}
+
+/* Hands a list of unparked jobs back to the workers. */
+static void resume_all(idem_inflight *t, idem_job *list)
+{
+    while (list != NULL) {
+        idem_job *next = list->next;
+        idem__observe_waiting(t->rt->obs, -1);
+        t->resume(t->resume_arg, list);
+        list = next;
+    }
+}
+
+void idem__inflight_notify(idem_inflight *t, uint32_t b)
+{
+    pthread_mutex_lock(&t->mu);
+    t->buckets[b].gen++;
+    idem_job *list = t->buckets[b].parked;
+    t->buckets[b].parked = NULL;
+    for (idem_job *j = list; j != NULL; j = j->next) {
+        t->n_parked--;
+    }
+    pthread_cond_broadcast(&t->wait_cv);
+    pthread_mutex_unlock(&t->mu);
+    resume_all(t, list);
+}
+
+bool idem__inflight_wait(idem_inflight *t, uint32_t b, uint64_t seen_gen, uint64_t wait_ms)
+{
+    struct timespec ts;
+    idem__abs_timespec(&ts, wait_ms);
+    pthread_mutex_lock(&t->mu);
+    while (t->buckets[b].gen == seen_gen && !t->stopping) {
+        if (pthread_cond_timedwait(&t->wait_cv, &t->mu, &ts) != 0) {
+            break;
+        }
+    }
+    bool go_on = !t->stopping;
+    pthread_mutex_unlock(&t->mu);
+    return go_on;
+}
+
+/* Unparks the jobs whose time has come; returns them and the next wake time. */
+static idem_job *take_due(idem_inflight *t, uint64_t now, uint64_t *next_wake)
+{
+    idem_job *due = NULL;
+    for (size_t b = 0; b < N_BUCKETS && t->n_parked > 0; b++) {
+        for (idem_job **pp = &t->buckets[b].parked; *pp != NULL;) {
+            idem_job *j = *pp;
+            if (j->wake_ms <= now) {
+                *pp = j->next;
+                j->next = due;
+                due = j;
+                t->n_parked--;
+            } else {
+                *next_wake = j->wake_ms < *next_wake ? j->wake_ms : *next_wake;
+                pp = &j->next;
+            }
+        }
+    }
+    return due;
+}
+
+/* Renews one due lease outside the lock (a store write may block). */
+static void renew_one(idem_inflight *t, idem_keep *k, uint64_t now)
+{
+    idem_keep copy = *k;
+    uint64_t id = k->id;
+    k->renew_at = now + (k->lease_ms / 3 ? k->lease_ms / 3 : 1);
+    pthread_mutex_unlock(&t->mu);
+    idem_key_ref ref = {copy.caller, copy.method, copy.key};
+    uint64_t wall = idem__rt_now_ms(t->rt);
+    idem_code code = idem_store_renew(t->rt->store, &ref, copy.owner, wall + copy.lease_ms, wall);
+    if (code != IDEM_OK) {
+        idem__log(t->rt->obs, IDEM_LOG_ERROR, "method=\"%s\" msg=\"lease renewal failed: %s\"",
+                  copy.method, idem_errmsg());
+    }
+    pthread_mutex_lock(&t->mu);
+    for (idem_keep *p = t->keeps; code == IDEM_ABORTED && p != NULL; p = p->next) {
+        if (p->id == id) {
+            p->stop_at = 0; /* the claim is gone: nothing left to renew */
+        }
+    }
+}
+
+/* Renews the first due lease; true when it did (the list may have changed). */
+static bool renew_due(idem_inflight *t, uint64_t now, uint64_t *next_wake)
+{
+    for (idem_keep *k = t->keeps; k != NULL; k = k->next) {
+        if (k->renew_at <= now && now < k->stop_at) {
+            renew_one(t, k, now);
+            return true;
+        }
+        if (now < k->stop_at) {
+            *next_wake = k->renew_at < *next_wake ? k->renew_at : *next_wake;
+        }
+    }
+    return false;
+}
+
+static void *waker_main(void *arg)
+{
+    idem_inflight *t = arg;
+    pthread_mutex_lock(&t->mu);
+    while (!t->stopping) {
+        uint64_t now = idem__mono_ms(), next_wake = now + IDLE_MS;
+        if (renew_due(t, now, &next_wake)) {
+            continue;
+        }
+        idem_job *due = take_due(t, now, &next_wake);
+        if (due != NULL) {
+            pthread_mutex_unlock(&t->mu);
+            resume_all(t, due);
+            pthread_mutex_lock(&t->mu);
+            continue;
+        }
+        struct timespec ts;
+        idem__abs_timespec(&ts, next_wake - now);
+        pthread_cond_timedwait(&t->waker_cv, &t->mu, &ts);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
+                               uint64_t lease_ms, uint64_t max_run_ms)
+{
+    idem_keep *k = calloc(1, sizeof(*k));
+    if (k == NULL) {
+        return NULL; /* no renewal: the handler still runs, under its first lease */
+    }
+    snprintf(k->caller, sizeof(k->caller), "%s", key->caller != NULL ? key->caller : "");
+    snprintf(k->method, sizeof(k->method), "%s", key->method);
+    snprintf(k->key, sizeof(k->key), "%s", key->key);
+    uint64_t now = idem__mono_ms();
+    k->owner = owner;
+    k->lease_ms = lease_ms;
+    k->renew_at = now + (lease_ms / 3 ? lease_ms / 3 : 1);
+    k->stop_at = now + max_run_ms;
+    pthread_mutex_lock(&t->mu);
+    k->id = ++t->next_keep_id;
+    k->next = t->keeps;
+    t->keeps = k;
+    pthread_cond_signal(&t->waker_cv);
+    pthread_mutex_unlock(&t->mu);
+    return k;
+}
+
+void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)
+{
+    if (k == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    for (idem_keep **pp = &t->keeps; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == k) {
+            *pp = k->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&t->mu); /* a renewal in flight works on a copy */
+    free(k);
+}
+
+idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, size_t max_parked,
+                                void (*resume)(void *arg, idem_job *job), void *resume_arg)
+{
+    idem_inflight *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_REALTIME);
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->waker_cv, &ca);
+    pthread_cond_init(&t->wait_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    t->rt = rt;
+    t->max_parked = max_parked;
+    t->resume = resume;
+    t->resume_arg = resume_arg;
+    if (pthread_create(&t->waker, NULL, waker_main, t) != 0) {
+        idem__inflight_destroy(t);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the in-flight waker thread");
+    }
+    t->waker_started = true;
+    *out = t;
+    return IDEM_OK;
+}
+
+idem_job *idem__inflight_stop(idem_inflight *t)
+{
+    idem_job *all = NULL;
+    pthread_mutex_lock(&t->mu);
+    t->stopping = true;
+    for (size_t b = 0; b < N_BUCKETS; b++) {
+        while (t->buckets[b].parked != NULL) {
+            idem_job *j = t->buckets[b].parked;
+            t->buckets[b].parked = j->next;
+            j->next = all;
+            all = j;
+        }
+    }
+    t->n_parked = 0;
+    pthread_cond_broadcast(&t->waker_cv);
+    pthread_cond_broadcast(&t->wait_cv);
+    pthread_mutex_unlock(&t->mu);
+    if (t->waker_started) {
+        pthread_join(t->waker, NULL);
+        t->waker_started = false;
+    }
+    return all;
+}
+
+void idem__inflight_destroy(idem_inflight *t)
+{
+    if (t == NULL) {
+        return;
+    }
+    idem__inflight_stop(t); /* the server has stopped it and dropped its jobs already */
+    while (t->keeps != NULL) { /* handlers have finished: nothing should be left */
+        idem_keep *k = t->keeps;
+        t->keeps = k->next;
+        free(k);
+    }
+    pthread_cond_destroy(&t->wait_cv);
+    pthread_cond_destroy(&t->waker_cv);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}

@@ -1,0 +1,42 @@
+/* The in-flight table (inflight.c): parked duplicates keyed by bucket, and the lease
+ * keeper of running handlers. Owned by the server; the built-in result_cache uses it. */
+#ifndef IDEMRPC_INFLIGHT_H
+#define IDEMRPC_INFLIGHT_H
+
+#include "server_internal.h"
+
+typedef struct idem_keep idem_keep;
+
+/* resume(arg, job) hands a woken job back to the workers (from any thread). */
+idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, size_t max_parked,
+                                void (*resume)(void *arg, idem_job *job), void *resume_arg);
+/* Stops the waker and returns the jobs still parked (the caller drops them); parking
+ * is refused from now on and blocking waiters return false. */
+idem_job *idem__inflight_stop(idem_inflight *t);
+void idem__inflight_destroy(idem_inflight *t);
+
+uint32_t idem__inflight_bucket(const idem_key_ref *key);
+/* Read before the store read that decides to wait. */
+uint64_t idem__inflight_gen(idem_inflight *t, uint32_t bucket);
+
+typedef enum idem_park {
+    IDEM__PARKED,       /* the job belongs to the table until it is resumed */
+    IDEM__PARK_CHANGED, /* the bucket moved on since seen_gen: read the store again now */
+    IDEM__PARK_FULL,    /* max waiters reached (or stopping): answer without waiting */
+} idem_park;
+/* Parks job on bucket until a notify or until wake_ms (monotonic). */
+idem_park idem__inflight_park(idem_inflight *t, idem_job *job, uint32_t bucket, uint64_t seen_gen,
+                              uint64_t wake_ms);
+/* After a completion or release committed: resumes every job parked on the bucket. */
+void idem__inflight_notify(idem_inflight *t, uint32_t bucket);
+/* For a call that cannot park: blocks until the bucket moves on or wait_ms pass. False
+ * when the server is stopping. */
+bool idem__inflight_wait(idem_inflight *t, uint32_t bucket, uint64_t seen_gen, uint64_t wait_ms);
+
+/* Renews the lease of (key, owner) every lease_ms/3 for up to max_run_ms, until
+ * idem__inflight_unkeep. NULL (no renewal) only when out of memory. */
+idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
+                               uint64_t lease_ms, uint64_t max_run_ms);
+void idem__inflight_unkeep(idem_inflight *t, idem_keep *k);
+
+#endif
