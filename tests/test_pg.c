@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "call.h"
+#include "server_internal.h"
 #include "testutil.h"
 
 static idem_store *st;
@@ -357,4 +358,129 @@ Test(pg, transactional_methods_are_refused_on_postgres)
     cr_expect_eq(idem_server_listen(s, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
     cr_expect_neq(strstr(idem_errmsg(), "needs the LMDB store"), NULL, "%s", idem_errmsg());
     idem_server_destroy(s);
+}
+
+/* ---- a claim is not the other instance's to take because their clocks disagree ---- */
+
+static struct {
+    atomic_int entered, executions;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool open;
+} G = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static idem_code h_gated_charge(idem_call *call, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&G.entered, 1);
+    pthread_mutex_lock(&G.mu);
+    while (!G.open) {
+        pthread_cond_wait(&G.cv, &G.mu);
+    }
+    pthread_mutex_unlock(&G.mu);
+    atomic_fetch_add(&G.executions, 1);
+    return idem_call_reply(call, IDEM_OK, "charged", 7);
+}
+
+static void open_charge_gate(void)
+{
+    pthread_mutex_lock(&G.mu);
+    G.open = true;
+    pthread_cond_broadcast(&G.cv);
+    pthread_mutex_unlock(&G.mu);
+}
+
+/* Server B's wall clock: an hour ahead, so every lease A grants looks long expired. */
+static uint64_t an_hour_ahead(void *arg)
+{
+    (void)arg;
+    return idem__now_ms() + 3600u * 1000u;
+}
+
+static void start_skewed_pair(void)
+{
+    for (int i = 0; i < 2; i++) {
+        idem_server_opts o;
+        idem_server_opts_init(&o);
+        o.contexts = 8;
+        cr_assert_eq(idem_store_open_postgres(&stores[i], getenv("IDEMRPC_TEST_PG"), 4), IDEM_OK,
+                     "%s", idem_errmsg());
+        o.store = stores[i];
+        tu_server_create(&srv[i], &o);
+        if (i == 1) {
+            idem__server_set_clock(srv[i].srv, an_hour_ahead, NULL);
+        }
+        idem_method_opts m = {.flags = IDEM_METHOD_CACHED, .lease_ms = 2000};
+        cr_assert_eq(idem_server_register(srv[i].srv, "pg.Lease/Charge", h_gated_charge, NULL, &m),
+                     IDEM_OK);
+        tu_server_listen(&srv[i]);
+    }
+}
+
+struct charge_arg {
+    const char *url, *key;
+    idem_result r;
+    idem_code code;
+};
+
+static void *charge_on_a(void *p)
+{
+    struct charge_arg *a = p;
+    idem_client *c = tu_client(a->url, 5000);
+    idem_request q = {.method = "pg.Lease/Charge", .idempotency_key = a->key};
+    a->code = idem_client_call(c, &q, &a->r);
+    idem_client_close(c);
+    return NULL;
+}
+
+/* One attempt of 500 ms on B, which must not run the handler A is running. */
+static idem_code charge_once_on_b(const char *key, idem_result *r)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.attempt_timeout_ms = 500;
+    o.retry.max_attempts = 1;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){srv[1].url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "pg.Lease/Charge", .idempotency_key = key};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+static bool await_entered(int n)
+{
+    for (int i = 0; i < 5000 && atomic_load(&G.entered) < n; i++) {
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL); /* polling a counter, bounded at 5 s */
+    }
+    return atomic_load(&G.entered) >= n;
+}
+
+Test(pg, instance_with_a_clock_an_hour_ahead_does_not_take_over_a_live_claim)
+{
+    char key[96];
+    snprintf(key, sizeof(key), "%s-skew", prefix);
+    start_skewed_pair();
+    pthread_t t;
+    struct charge_arg a = {.url = srv[0].url, .key = key};
+    pthread_create(&t, NULL, charge_on_a, &a);
+    cr_assert(await_entered(1), "the handler on A never started");
+    idem_result b;
+    idem_code code = charge_once_on_b(key, &b);
+    int entered = atomic_load(&G.entered);
+    cr_expect(code == IDEM_ABORTED || code == IDEM_DEADLINE_EXCEEDED, "B answered %s: %s",
+              idem_code_name(code), b.message);
+    cr_expect(code != IDEM_ABORTED || strstr(b.message ? b.message : "", "in progress"), "%s",
+              b.message);
+    cr_expect_eq(entered, 1, "B took over the claim A holds");
+    idem_result_clear(&b);
+    open_charge_gate();
+    pthread_join(t, NULL);
+    cr_expect_eq(a.code, IDEM_OK, "%s", a.r.message);
+    idem_result_clear(&a.r);
+    stop_instances(); /* lets any handler still running finish before counting */
+    cr_expect_eq(atomic_load(&G.executions), 1);
+    idem_key_ref k = {"", "pg.Lease/Charge", key};
+    idem_store_delete(st, &k);
 }
