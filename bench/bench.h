@@ -1,0 +1,164 @@
+/* idemrpc-bench internals: what a cell is, what a scenario plugs into the harness, and
+ * what the report keeps of a measured cell.
+ *
+ * The call path of one cell: bench.c (driver) picks a scenario and calls its run();
+ * the scenario file (scenario_echo.c, scenario_chain.c, scenario_lmdb.c) starts its
+ * server, if any, and hands its client_ops to run_clients() (harness.c), which times K
+ * threads; stats.c turns the samples into percentiles and the cell into a table row.
+ * Everything runs on the main thread except the client threads inside run_clients(). */
+#ifndef IDEMRPC_BENCH_H
+#define IDEMRPC_BENCH_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <lmdb.h>
+#include <nng/nng.h>
+
+#include <idemrpc/idemrpc.h>
+
+#define MAX_LIST 16
+#define MAX_CLIENTS 1024
+#define MAX_PAYLOAD (1 << 20)
+#define N_SCENARIOS 9             /* a..i */
+#define WARMUP_CALLS 8            /* untimed calls per thread before the start */
+#define REPLAY_KEYS 100           /* e: keys per client, called once before the start */
+#define LATENCY_BUDGET (1u << 21) /* samples kept per cell over all threads (16 MiB) */
+#define CALL_TIMEOUT_MS 10000     /* a call slower than this is an error, not a retry */
+#define COUNT_TIME_CAP_S 60.0     /* --count alone is still bounded in time */
+#define LMDB_MAP_SIZE ((size_t)1 << 30)
+#define METHOD "bench.Echo/Echo"
+
+/* The command line, set once by the driver before the first cell; read-only after. */
+typedef struct bench_config {
+    long clients[MAX_LIST], payloads[MAX_LIST];
+    const char *transports[MAX_LIST];
+    int n_clients, n_payloads, n_transports;
+    bool want[N_SCENARIOS]; /* scenario a..i */
+    double seconds;
+    unsigned long long count; /* 0 = bounded by time only */
+    const char *csv, *json;
+} bench_config;
+
+extern bench_config cfg;
+
+/* ---- cells and scenarios ---- */
+
+typedef enum key_mode { KEYS_NONE, KEYS_NEW, KEYS_REPLAY } key_mode;
+
+typedef struct cell cell;
+typedef struct cell_stats cell_stats;
+typedef struct scenario {
+    char letter;
+    const char *name; /* table label */
+    int (*run)(const struct scenario *sc, cell *c, cell_stats *out);
+    unsigned store_flags; /* b–e */
+    key_mode keys;        /* b–e, g–i */
+    int instances;        /* g–i: servers on one PostgreSQL database */
+} scenario;
+
+struct cell {
+    const scenario *sc;
+    const char *transport; /* "tcp", "ipc", "inproc"; "-" for f */
+    int clients;
+    size_t payload_len;
+    const void *payload; /* payload_len bytes, read-only, shared by all threads */
+    unsigned id;         /* unique in this process: keys and ipc paths */
+    int warmup;          /* untimed calls per thread, set by the runner */
+    char url[160];       /* what clients dial, set by the runner */
+    char url2[160];      /* h: the second instance ("" when none) */
+    const char *dir;     /* f: the LMDB directory */
+};
+
+struct cell_stats {
+    uint64_t ok, errors;
+    double seconds; /* from the common start to the last thread's last reply */
+    double p50_us, p99_us, p999_us;
+    char error[200]; /* the first error seen; "" when none */
+};
+
+/* A scenario's run(): 0 when the cell was measured (out filled), -1 with out->error
+ * saying why not. Each undoes all it set up before returning. */
+int run_echo(const scenario *sc, cell *c, cell_stats *out);  /* a, scenario_echo.c */
+int run_chain(const scenario *sc, cell *c, cell_stats *out); /* b–e, scenario_chain.c */
+int run_pg(const scenario *sc, cell *c, cell_stats *out);    /* g–i, scenario_chain.c */
+int run_lmdb(const scenario *sc, cell *c, cell_stats *out);  /* f, scenario_lmdb.c */
+
+/* ---- the harness (harness.c) ---- */
+
+/* Bounded, preallocated per thread; see latency_record(). */
+typedef struct latency_sample {
+    uint64_t *ns;
+    size_t n, cap;
+    uint64_t seen;
+    uint64_t rng; /* xorshift64 state, nonzero */
+} latency_sample;
+
+typedef struct client_run client_run;
+
+/* One client thread; conn is the scenario's, everything else the harness's. */
+typedef struct bench_thread {
+    client_run *run;
+    const cell *cell;
+    int id;
+    uint64_t seq; /* calls made by this thread, warm-up included */
+    union {
+        nng_socket sock;     /* a */
+        idem_client *client; /* b–e, g–i */
+        struct {
+            MDB_env *env;
+            MDB_dbi dbi;
+        } lmdb; /* f */
+    } conn;
+    latency_sample lat;
+    uint64_t ok, errors, end_ns;
+    bool setup_failed;
+    char error[200]; /* the first error of this thread */
+    pthread_t tid;
+} bench_thread;
+
+/* What a client thread does; the timing around it is run_clients()'s. call returns 0
+ * for a correct reply, -1 otherwise (after thread_fail). close also undoes a partial
+ * open. */
+typedef struct client_ops {
+    int (*open)(bench_thread *t);
+    int (*call)(bench_thread *t);
+    void (*close)(bench_thread *t);
+} client_ops;
+
+/* Runs c->clients threads of ops against c->url and measures them. -1 when a thread
+ * could not be started or set up (out->error says why). */
+int run_clients(const client_ops *ops, const cell *c, cell_stats *out);
+
+int cell_fail(cell_stats *out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int thread_fail(bench_thread *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+uint64_t now_ns(void);
+size_t server_contexts(int clients);
+void listen_url(const cell *c, int instance, char *buf, size_t cap);
+void set_dial_url(cell *c, const char *listen, int port);
+
+/* The store directory of the running cell, under /tmp. At most one exists at a time:
+ * create removes the previous one; NULL when mkdtemp fails. */
+const char *tmp_dir_create(void);
+void tmp_dir_remove(void);
+
+/* ---- statistics and output (stats.c) ---- */
+
+void latency_record(latency_sample *s, uint64_t ns);
+/* Sorts all[0..n) in place and sets out's percentiles from it. */
+void latency_percentiles(uint64_t *all, size_t n, cell_stats *out);
+
+void report_preamble(void); /* the machine, the method, the table header */
+void report_cell(const scenario *sc, const char *transport, int clients, size_t payload,
+                 const cell_stats *s);
+void report_failed(const scenario *sc, const char *transport, int clients, size_t payload,
+                   const cell_stats *s);
+void report_pg_ratios(void);
+int report_write_csv(const char *path);
+int report_write_json(const char *path);
+
+#endif

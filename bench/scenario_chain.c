@@ -1,0 +1,172 @@
+/* Scenarios b–e and g–i: the full chain, idem_client to idem_server with the result
+ * cache, on an LMDB store in a temporary directory (b–e, one store flag apart) or on
+ * PostgreSQL ($IDEMRPC_BENCH_PG, one or two server instances on the one database).
+ * They share the client, the echo handler and the server start; they differ only in
+ * the store behind the server and in the keys (new per call, or replayed). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bench.h"
+
+/* In every key: a shared database outlives one run. Set on the main thread by the
+ * first cell, before any client thread reads it. */
+static char run_tag[24];
+
+static void run_tag_init(void)
+{
+    if (run_tag[0] == '\0') {
+        snprintf(run_tag, sizeof(run_tag), "%lx",
+                 (unsigned long)time(NULL) ^ (unsigned long)getpid());
+    }
+}
+
+static idem_code echo_handler(idem_call *call, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    return idem_call_reply(call, IDEM_OK, p, n);
+}
+
+static int chain_open(bench_thread *t)
+{
+    idem_client_opts o;
+    const char *urls[] = {t->cell->url, t->cell->url2};
+    const char *url = urls[0];
+    idem_client_opts_init(&o);
+    o.caller = "bench";
+    o.attempt_timeout_ms = CALL_TIMEOUT_MS;
+    o.deadline_ms = CALL_TIMEOUT_MS;
+    o.retry.max_attempts = 1; /* a retry would hide a failure inside a latency */
+    if (idem_client_open(&t->conn.client, urls, t->cell->url2[0] ? 2 : 1, &o) != IDEM_OK) {
+        return thread_fail(t, "idem_client_open %s: %s", url, idem_errmsg());
+    }
+    return 0;
+}
+
+/* New keys: the thread's seq makes each unique. Replay: seq cycles over REPLAY_KEYS
+ * keys; the first round (the warm-up) executes them, every later call must replay. */
+static int chain_call(bench_thread *t)
+{
+    const cell *c = t->cell;
+    bool replay = c->sc->keys == KEYS_REPLAY;
+    uint64_t n = replay ? t->seq % REPLAY_KEYS : t->seq;
+    bool want_replayed = replay && t->seq >= REPLAY_KEYS;
+    char key[64];
+    snprintf(key, sizeof(key), "%s-c%u-t%d-%c%llu", run_tag, c->id, t->id, replay ? 'r' : 'n',
+             (unsigned long long)n);
+    t->seq++;
+
+    idem_request q = {.method = METHOD,
+                      .idempotency_key = key,
+                      .payload = c->payload,
+                      .payload_len = c->payload_len};
+    idem_result r;
+    idem_code code = idem_client_call(t->conn.client, &q, &r);
+    int rv = 0;
+    if (code != IDEM_OK) {
+        rv = thread_fail(t, "call: %s %s", idem_code_name(code),
+                         r.message != NULL ? r.message : idem_errmsg());
+    } else if (r.payload_len != c->payload_len || r.replayed != want_replayed) {
+        rv = thread_fail(t, "call: %zu bytes, replayed %d (want %zu, %d)", r.payload_len,
+                         r.replayed, c->payload_len, want_replayed);
+    }
+    idem_result_clear(&r);
+    return rv;
+}
+
+static void chain_close(bench_thread *t)
+{
+    idem_client_close(t->conn.client);
+}
+
+static const client_ops chain_ops = {chain_open, chain_call, chain_close};
+
+static int chain_server_start(cell *c, int instance, idem_store *st, idem_server **srv,
+                              cell_stats *out)
+{
+    idem_server_opts o;
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    char url[160];
+
+    idem_server_opts_init(&o);
+    o.store = st;
+    o.contexts = server_contexts(c->clients);
+    if (idem_server_create(srv, &o) != IDEM_OK) {
+        return cell_fail(out, "idem_server_create: %s", idem_errmsg());
+    }
+    listen_url(c, instance, url, sizeof(url));
+    if (idem_server_register(*srv, METHOD, echo_handler, NULL, &m) != IDEM_OK ||
+        idem_server_listen(*srv, url) != IDEM_OK) {
+        return cell_fail(out, "server %s: %s", url, idem_errmsg());
+    }
+    set_dial_url(c, url, idem_server_port(*srv));
+    return 0;
+}
+
+int run_chain(const scenario *sc, cell *c, cell_stats *out)
+{
+    idem_store *st = NULL;
+    idem_server *srv = NULL;
+    const char *dir = tmp_dir_create();
+    int rv = -1;
+
+    run_tag_init();
+    if (dir == NULL) {
+        return cell_fail(out, "mkdtemp under /tmp failed");
+    }
+    if (idem_store_open_lmdb(&st, dir, 0, sc->store_flags) != IDEM_OK) {
+        cell_fail(out, "idem_store_open_lmdb %s: %s", dir, idem_errmsg());
+        goto out;
+    }
+    if (chain_server_start(c, 0, st, &srv, out) == 0) {
+        c->warmup = sc->keys == KEYS_REPLAY ? REPLAY_KEYS : WARMUP_CALLS;
+        rv = run_clients(&chain_ops, c, out);
+    }
+out:
+    idem_server_destroy(srv);
+    if (st != NULL) {
+        idem_store_close(st);
+    }
+    tmp_dir_remove();
+    return rv;
+}
+
+/* g–i: the same chain on PostgreSQL, with one or two server instances. */
+int run_pg(const scenario *sc, cell *c, cell_stats *out)
+{
+    const char *conninfo = getenv("IDEMRPC_BENCH_PG");
+    idem_store *st[2] = {NULL, NULL};
+    idem_server *srv[2] = {NULL, NULL};
+    int rv = -1;
+
+    run_tag_init();
+    if (conninfo == NULL) {
+        return cell_fail(out, "set IDEMRPC_BENCH_PG to a libpq conninfo");
+    }
+    for (int i = 0; i < sc->instances; i++) {
+        if (idem_store_open_postgres(&st[i], conninfo, server_contexts(c->clients)) != IDEM_OK) {
+            cell_fail(out, "idem_store_open_postgres: %s", idem_errmsg());
+            goto out;
+        }
+        if (i == 1) {
+            snprintf(c->url2, sizeof(c->url2), "%s", c->url); /* the next start sets url */
+        }
+        if (chain_server_start(c, i, st[i], &srv[i], out) != 0) {
+            goto out;
+        }
+    }
+    c->warmup = sc->keys == KEYS_REPLAY ? REPLAY_KEYS : WARMUP_CALLS;
+    rv = run_clients(&chain_ops, c, out);
+out:
+    for (int i = 0; i < 2; i++) {
+        idem_server_destroy(srv[i]);
+        if (st[i] != NULL) {
+            idem_store_close(st[i]);
+        }
+    }
+    return rv;
+}

@@ -1,0 +1,333 @@
+/* Statistics and output: latency samples and their percentiles, the rows of the run
+ * with their ratio to the echo baseline, and every way they are shown (the table on
+ * stdout, the pg-vs-lmdb lines, CSV, JSON with the machine they were measured on).
+ * Rows are appended on the main thread only, after their cell has finished. */
+#include <math.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/utsname.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include "bench.h"
+
+/* ---- latency samples ---- */
+
+/* Keeps the first cap samples, then each later one with probability cap/seen (reservoir
+ * sampling), so the kept set stays a uniform sample of all calls. */
+void latency_record(latency_sample *s, uint64_t ns)
+{
+    s->seen++;
+    if (s->n < s->cap) {
+        s->ns[s->n++] = ns;
+        return;
+    }
+    s->rng ^= s->rng << 13;
+    s->rng ^= s->rng >> 7;
+    s->rng ^= s->rng << 17;
+    uint64_t j = s->rng % s->seen;
+    if (j < s->cap) {
+        s->ns[j] = ns;
+    }
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile of sorted samples, in µs. */
+static double percentile_us(const uint64_t *sorted, size_t n, double p)
+{
+    if (n == 0) {
+        return NAN;
+    }
+    size_t rank = (size_t)ceil(p * (double)n);
+    return (double)sorted[rank > 0 ? rank - 1 : 0] / 1e3;
+}
+
+void latency_percentiles(uint64_t *all, size_t n, cell_stats *out)
+{
+    qsort(all, n, sizeof(*all), cmp_u64);
+    out->p50_us = percentile_us(all, n, 0.50);
+    out->p99_us = percentile_us(all, n, 0.99);
+    out->p999_us = percentile_us(all, n, 0.999);
+}
+
+/* ---- results ---- */
+
+typedef struct row {
+    const scenario *sc;
+    const char *transport;
+    int clients;
+    size_t payload;
+    double calls_s, p50_us, p99_us, p999_us, ratio; /* NAN: none */
+    uint64_t errors;
+} row;
+
+static row rows[N_SCENARIOS * MAX_LIST * MAX_LIST * MAX_LIST];
+static size_t n_rows;
+
+/* (a) for the same transport, clients and payload; for f, (a) on the first transport
+ * with the fewest clients. NULL when (a) was not run. */
+static const row *baseline_of(const row *r)
+{
+    bool storage = r->sc->letter == 'f';
+    const char *transport = storage ? cfg.transports[0] : r->transport;
+    const row *best = NULL;
+    for (size_t i = 0; i < n_rows; i++) {
+        const row *a = &rows[i];
+        if (a->sc->letter != 'a' || strcmp(a->transport, transport) != 0 ||
+            a->payload != r->payload || (!storage && a->clients != r->clients)) {
+            continue;
+        }
+        if (best == NULL || a->clients < best->clients) {
+            best = a;
+        }
+    }
+    return best;
+}
+
+static const char *table_fmt = "%-10s %-9s %7s %7s %10s %10s %10s %10s %10s %7s\n";
+
+static void print_header(void)
+{
+    printf(table_fmt, "scenario", "transport", "clients", "payload", "calls/s", "p50_us", "p99_us",
+           "p999_us", "ratio_vs_a", "errors");
+}
+
+static void print_row(const row *r)
+{
+    char cl[16], pl[16], cs[16], p50[16], p99[16], p999[16], ratio[16], err[24];
+    snprintf(cl, sizeof(cl), "%d", r->clients);
+    snprintf(pl, sizeof(pl), "%zu", r->payload);
+    snprintf(cs, sizeof(cs), "%.0f", r->calls_s);
+    snprintf(p50, sizeof(p50), "%.1f", r->p50_us);
+    snprintf(p99, sizeof(p99), "%.1f", r->p99_us);
+    snprintf(p999, sizeof(p999), "%.1f", r->p999_us);
+    snprintf(ratio, sizeof(ratio), isnan(r->ratio) ? "-" : "%.3f", r->ratio);
+    snprintf(err, sizeof(err), "%llu", (unsigned long long)r->errors);
+    printf(table_fmt, r->sc->name, r->transport, cl, pl, cs, p50, p99, p999, ratio, err);
+    fflush(stdout);
+}
+
+/* Appends the row of a measured cell, with its ratio to (a) when (a) ran, and prints
+ * it; its errors, if any, go to stderr after the row. */
+void report_cell(const scenario *sc, const char *transport, int clients, size_t payload,
+                 const cell_stats *s)
+{
+    row *r = &rows[n_rows++];
+    *r = (row){.sc = sc,
+               .transport = transport,
+               .clients = clients,
+               .payload = payload,
+               .calls_s = s->seconds > 0 ? (double)s->ok / s->seconds : 0,
+               .p50_us = s->p50_us,
+               .p99_us = s->p99_us,
+               .p999_us = s->p999_us,
+               .errors = s->errors,
+               .ratio = NAN};
+    const row *a = baseline_of(r);
+    if (a != NULL && a->calls_s > 0) {
+        r->ratio = r->calls_s / a->calls_s;
+    }
+    print_row(r);
+    if (s->errors > 0) {
+        fprintf(stderr, "  %s: %llu errors, first: %s\n", sc->name, (unsigned long long)s->errors,
+                s->error);
+    }
+}
+
+/* A cell that could not be measured: a table line with the reason, and no row. */
+void report_failed(const scenario *sc, const char *transport, int clients, size_t payload,
+                   const cell_stats *s)
+{
+    printf("%-10s %-9s %7d %7zu   FAILED: %s\n", sc->name, transport, clients, payload, s->error);
+}
+
+/* A number for CSV/JSON; `none` ("" or "null") for NAN. */
+static const char *num(char *buf, size_t cap, const char *fmt, double v, const char *none)
+{
+    if (isnan(v)) {
+        return none;
+    }
+    snprintf(buf, cap, fmt, v);
+    return buf;
+}
+
+int report_write_csv(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        return -1;
+    }
+    fprintf(f, "scenario,transport,clients,payload,calls_per_s,p50_us,p99_us,p999_us,"
+               "ratio_vs_a,errors\n");
+    for (size_t i = 0; i < n_rows; i++) {
+        const row *r = &rows[i];
+        char b[4][32];
+        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport, r->clients,
+                r->payload, r->calls_s, num(b[0], 32, "%.1f", r->p50_us, ""),
+                num(b[1], 32, "%.1f", r->p99_us, ""), num(b[2], 32, "%.1f", r->p999_us, ""),
+                num(b[3], 32, "%.4f", r->ratio, ""), (unsigned long long)r->errors);
+    }
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+/* ---- the machine ---- */
+
+static struct {
+    long nproc;
+    char kernel[128], cpu[128], lmdb[32], tmp_fs[32];
+    const char *nng;
+} machine;
+
+static void json_str(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s != '\0'; s++) {
+        if (*s == '"' || *s == '\\') {
+            fprintf(f, "\\%c", *s);
+        } else if ((unsigned char)*s < 0x20) {
+            fprintf(f, "\\u%04x", (unsigned char)*s);
+        } else {
+            fputc(*s, f);
+        }
+    }
+    fputc('"', f);
+}
+
+int report_write_json(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        return -1;
+    }
+    fprintf(f, "{\"machine\": {\"nproc\": %ld, \"kernel\": ", machine.nproc);
+    json_str(f, machine.kernel);
+    fprintf(f, ", \"cpu\": ");
+    json_str(f, machine.cpu);
+    fprintf(f, ", \"nng\": \"%s\", \"lmdb\": \"%s\", \"tmp_fs\": \"%s\"},\n", machine.nng,
+            machine.lmdb, machine.tmp_fs);
+    fprintf(f,
+            " \"config\": {\"seconds\": %g, \"count\": %llu, \"clients\": "
+            "\"one idem_client per thread\"},\n \"rows\": [\n",
+            cfg.seconds, cfg.count);
+    for (size_t i = 0; i < n_rows; i++) {
+        const row *r = &rows[i];
+        char b[4][32];
+        fprintf(f,
+                "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
+                "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
+                "\"p999_us\": %s, \"ratio_vs_a\": %s, \"errors\": %llu}%s\n",
+                r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
+                num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
+                num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
+                (unsigned long long)r->errors, i + 1 < n_rows ? "," : "");
+    }
+    fprintf(f, " ]}\n");
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+static const char *fs_name(long type)
+{
+    switch (type) {
+    case 0xEF53:
+        return "ext4";
+    case 0x01021994:
+        return "tmpfs";
+    case 0x58465342:
+        return "xfs";
+    case 0x9123683E:
+        return "btrfs";
+    case 0x794c7630:
+        return "overlayfs";
+    default:
+        return "other";
+    }
+}
+
+static void machine_probe(void)
+{
+    cpu_set_t set;
+    struct utsname u;
+    struct statfs sf;
+    int maj, min, pat;
+
+    machine.nproc = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                                 : sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(machine.kernel, sizeof(machine.kernel), "%s", uname(&u) == 0 ? u.release : "?");
+    snprintf(machine.cpu, sizeof(machine.cpu), "?");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[256];
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) == 0 && colon != NULL) {
+            snprintf(machine.cpu, sizeof(machine.cpu), "%s", colon + 2);
+            machine.cpu[strcspn(machine.cpu, "\n")] = '\0';
+            break;
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+    machine.nng = nng_version();
+    mdb_version(&maj, &min, &pat);
+    snprintf(machine.lmdb, sizeof(machine.lmdb), "%d.%d.%d", maj, min, pat);
+    snprintf(machine.tmp_fs, sizeof(machine.tmp_fs), "%s",
+             statfs("/tmp", &sf) == 0 ? fs_name((long)sf.f_type) : "?");
+}
+
+static void print_preamble(void)
+{
+    printf("idemrpc-bench: nproc %ld, kernel %s, CPU %s\n", machine.nproc, machine.kernel,
+           machine.cpu);
+    printf("nng %s, LMDB %s; stores in /tmp (%s), durable = fdatasync per commit\n", machine.nng,
+           machine.lmdb, machine.tmp_fs);
+    if (cfg.count > 0) {
+        printf("cell: %llu calls (at most %.1f s)", cfg.count, cfg.seconds);
+    } else {
+        printf("cell: %.2f s", cfg.seconds);
+    }
+    printf("; server contexts = workers = max(clients, 2 x %ld cores); warm-up %d calls "
+           "per thread untimed\n",
+           sysconf(_SC_NPROCESSORS_ONLN), WARMUP_CALLS);
+    printf("clients: K threads; b-e one idem_client per thread (own req0 socket, no "
+           "retries), a one raw req0 socket per thread (blocking send/recv)\n");
+    printf("latency: every call, up to %u samples per cell (uniform reservoir beyond); "
+           "nearest-rank percentiles\n",
+           LATENCY_BUDGET);
+    printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n\n",
+           "one mdb_put per durable txn", cfg.transports[0]);
+}
+
+void report_preamble(void)
+{
+    machine_probe();
+    print_preamble();
+    print_header();
+}
+
+/* The PostgreSQL rows against their LMDB counterparts of the same run: g and h vs c
+ * (new keys, durable), i vs e (replay). */
+void report_pg_ratios(void)
+{
+    for (size_t i = 0; i < n_rows; i++) {
+        const row *p = &rows[i];
+        char want = p->sc->letter == 'i' ? 'e' : 'c';
+        if (p->sc->letter < 'g') {
+            continue;
+        }
+        for (size_t j = 0; j < n_rows; j++) {
+            const row *l = &rows[j];
+            if (l->sc->letter == want && strcmp(l->transport, p->transport) == 0 &&
+                l->clients == p->clients && l->payload == p->payload && l->calls_s > 0) {
+                printf("pg vs lmdb: %s / %s %s %d clients %zu B: %.3f\n", p->sc->name, l->sc->name,
+                       p->transport, p->clients, p->payload, p->calls_s / l->calls_s);
+            }
+        }
+    }
+}
