@@ -9,6 +9,8 @@
  * tcp://127.0.0.1:<free port> with a non-durable (MDB_NOSYNC) store: this measures
  * boundedness, not fsync. */
 #include <ftw.h>
+#include <getopt.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -18,6 +20,8 @@
 #include <unistd.h>
 
 #include <idemrpc/idemrpc.h>
+
+#include "cli.h"
 
 static struct {
     long keys, clients, ttl_ms, seconds, every_ms;
@@ -82,27 +86,85 @@ static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *
     return remove(p);
 }
 
-static void parse(int argc, char **argv)
+static void usage(FILE *f)
 {
-    for (int i = 1; i + 1 < argc; i += 2) {
-        long v = atol(argv[i + 1]);
-        if (strcmp(argv[i], "--keys") == 0) {
-            cfg.keys = v;
-        } else if (strcmp(argv[i], "--clients") == 0) {
-            cfg.clients = v > 0 ? v : 1;
-        } else if (strcmp(argv[i], "--ttl-ms") == 0) {
-            cfg.ttl_ms = v;
-        } else if (strcmp(argv[i], "--seconds") == 0) {
-            cfg.seconds = v;
-        } else if (strcmp(argv[i], "--every-ms") == 0) {
-            cfg.every_ms = v > 0 ? v : 1000;
-        }
+    fprintf(f, "usage: idemrpc-soak [--keys N] [--clients K] [--ttl-ms T] [--seconds S] "
+               "[--every-ms E]\n"
+               "  --keys N      distinct keys to call (default 1000000)\n"
+               "  --clients K   client threads (default 8; 0 means 1)\n"
+               "  --ttl-ms T    the server's result TTL (default 2000)\n"
+               "  --seconds S   stop after S seconds at the latest (default 600)\n"
+               "  --every-ms E  report period (default 2000; 0 means 1000)\n");
+}
+
+/* The field of cfg that option opt sets. */
+static long *option_field(int opt)
+{
+    switch (opt) {
+    case 'k':
+        return &cfg.keys;
+    case 'c':
+        return &cfg.clients;
+    case 't':
+        return &cfg.ttl_ms;
+    case 's':
+        return &cfg.seconds;
+    case 'e':
+        return &cfg.every_ms;
+    default:
+        return NULL;
     }
+}
+
+/* True to run; false with *status the exit status (0 after --help, 2 after a usage
+ * error, which getopt_long or cli_parse_u64 has named). */
+static bool parse(int argc, char **argv, int *status)
+{
+    static const struct option longs[] = {{"keys", required_argument, NULL, 'k'},
+                                          {"clients", required_argument, NULL, 'c'},
+                                          {"ttl-ms", required_argument, NULL, 't'},
+                                          {"seconds", required_argument, NULL, 's'},
+                                          {"every-ms", required_argument, NULL, 'e'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {NULL, 0, NULL, 0}};
+    char name[32];
+    int opt, index;
+    uint64_t v;
+
+    *status = CLI_USAGE_ERROR;
+    while ((opt = getopt_long(argc, argv, "h", longs, &index)) != -1) {
+        if (opt == 'h') {
+            usage(stdout);
+            *status = 0;
+            return false;
+        }
+        if (opt == '?') {
+            usage(stderr);
+            return false;
+        }
+        snprintf(name, sizeof(name), "--%s", longs[index].name);
+        if (!cli_parse_u64("idemrpc-soak", name, optarg, 0, LONG_MAX, &v)) {
+            usage(stderr);
+            return false;
+        }
+        *option_field(opt) = (long)v;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "idemrpc-soak: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return false;
+    }
+    cfg.clients = cfg.clients > 0 ? cfg.clients : 1;
+    cfg.every_ms = cfg.every_ms > 0 ? cfg.every_ms : 1000;
+    return true;
 }
 
 int main(int argc, char **argv)
 {
-    parse(argc, argv);
+    int status;
+    if (!parse(argc, argv, &status)) {
+        return status;
+    }
     char dir[] = "/tmp/idemrpc-soak-XXXXXX";
     idem_store *st;
     idem_server *srv;
