@@ -17,10 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server_internal.h"
+#include "http_front.h"
 
 struct idem_http {
-    idem_server *srv;
+    idem_dispatch *d;
+    idem_observer *obs;
     nng_http_server *hs;
     nng_url *url;
     size_t max_body, max_pending;
@@ -215,11 +216,11 @@ static void http_job_free(http_job *j)
     free(j);
 }
 
-static void http_job_answer(idem_server *srv, idem_job *job)
+static void http_job_answer(idem_job *job)
 {
     http_job *j = (http_job *)job;
     respond(j->aio, &job->s.call);
-    idem__server_done(srv, &job->s);
+    idem__dispatch_done(j->h->d, &job->s);
     http_job_free(j);
 }
 
@@ -314,10 +315,10 @@ static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *bo
     return frame;
 }
 
-static void respond_now(nng_aio *aio, idem_server *srv, idem_served *s)
+static void respond_now(nng_aio *aio, idem_http *h, idem_served *s)
 {
     respond(aio, &s->call);
-    idem__server_done(srv, s);
+    idem__dispatch_done(h->d, s);
 }
 
 /* POST /{package.Service}/{Method}: runs on nng's thread, so it only hands over. */
@@ -338,14 +339,14 @@ static void http_call_cb(nng_aio *aio)
         char msg[96];
         snprintf(msg, sizeof(msg), "body of %zu bytes exceeds the %zu byte limit", blen,
                  h->max_body);
-        idem__server_reject(h->srv, &s, IDEM_REASON_TOO_LARGE, IDEM_RESOURCE_EXHAUSTED, msg);
-        respond_now(aio, h->srv, &s);
+        idem__dispatch_reject(h->d, &s, IDEM_REASON_TOO_LARGE, IDEM_RESOURCE_EXHAUSTED, msg);
+        respond_now(aio, h, &s);
         return;
     }
     if (atomic_fetch_add(&h->pending, 1) >= h->max_pending) {
         atomic_fetch_sub(&h->pending, 1);
-        idem__server_busy(h->srv, &s);
-        respond_now(aio, h->srv, &s);
+        idem__dispatch_busy(h->d, &s);
+        respond_now(aio, h, &s);
         return;
     }
     if ((j = calloc(1, sizeof(*j))) == NULL ||
@@ -356,8 +357,8 @@ static void http_call_cb(nng_aio *aio)
             nng_aio_finish(aio, NNG_ENOMEM);
             return;
         }
-        idem__server_reject(h->srv, &s, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, err);
-        respond_now(aio, h->srv, &s);
+        idem__dispatch_reject(h->d, &s, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, err);
+        respond_now(aio, h, &s);
         return;
     }
     j->aio = aio;
@@ -366,17 +367,17 @@ static void http_call_cb(nng_aio *aio)
     j->job.len = len;
     j->job.answer = http_job_answer;
     j->job.drop = http_job_drop;
-    idem_code code = idem__server_enqueue(h->srv, &j->job);
+    idem_code code = idem__dispatch_enqueue(h->d, &j->job);
     if (code == IDEM_OK) {
         return; /* a worker answers */
     }
     http_job_free(j);
     if (code == IDEM_RESOURCE_EXHAUSTED) {
-        idem__server_busy(h->srv, &s);
+        idem__dispatch_busy(h->d, &s);
     } else {
-        idem__server_reject(h->srv, &s, NULL, IDEM_UNAVAILABLE, "server shutting down");
+        idem__dispatch_reject(h->d, &s, NULL, IDEM_UNAVAILABLE, "server shutting down");
     }
-    respond_now(aio, h->srv, &s);
+    respond_now(aio, h, &s);
 }
 
 /* GET /metrics: cheap enough to answer on nng's thread. */
@@ -384,7 +385,7 @@ static void http_metrics_cb(nng_aio *aio)
 {
     idem_http *h = nng_http_handler_get_data(nng_aio_get_input(aio, 1));
     nng_http_res *res;
-    char *text = idem__server_metrics(h->srv);
+    char *text = idem__metrics_text(h->obs);
     int rv = text == NULL ? NNG_ENOMEM : nng_http_res_alloc(&res);
     if (rv == 0 &&
         ((rv = nng_http_res_set_header(res, "Content-Type", "text/plain; version=0.0.4")) != 0 ||
@@ -418,17 +419,19 @@ static int add_handler(idem_http *h, const char *path, const char *method, bool 
     return rv;
 }
 
-idem_code idem__http_start(idem_server *srv, const char *url, size_t max_body,
-                           const char *caller_header, size_t max_pending, idem_http **out)
+idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out)
 {
     idem_http *h = calloc(1, sizeof(*h));
     int rv;
+    const char *caller_header = cfg->caller_header;
+    size_t max_body = cfg->max_body;
     if (h == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    h->srv = srv;
+    h->d = cfg->dispatch;
+    h->obs = cfg->obs;
     h->max_body = max_body;
-    h->max_pending = max_pending;
+    h->max_pending = cfg->max_pending;
     snprintf(h->caller_header, sizeof(h->caller_header), "%s",
              caller_header != NULL ? caller_header : "X-Caller");
     nng_sockaddr sa;

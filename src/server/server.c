@@ -1,20 +1,11 @@
-/* idem_server: nng rep0 contexts feeding idemrpc's worker threads.
+/* idem_server: the method registry, the chain, and the life cycle of a server.
  *
- * Each context is one in-flight call with ONE callback whose switch is its whole life:
+ *   idem_server_create ─ register / use ─ listen ─▶ fronts (nng_front.c, http_front.c)
+ *                                                    └─▶ dispatcher (src/dispatch) ─▶ chain
  *
- *   INIT → RECV ──frame──▶ QUEUED (worker decodes, runs the chain, encodes) → SEND → RECV
- *
- * The nng callback never blocks: it answers what needs no worker (a stored replay, a bad
- * frame), hands the rest to the work queue and re-arms the receive after a send.
- * Handlers and store writes run on the workers. A duplicate of a call still running
- * parks in the in-flight table (inflight.c) and gives its worker back; the completion
- * (or its re-read time) queues it again and it resumes at result_cache. The number of
- * contexts bounds in-flight work, parked ones included; nng holds further requests in
- * its pipes (back-pressure). */
-#include <nng/nng.h>
-#include <nng/protocol/reqrep0/rep.h>
-#include <nng/supplemental/util/platform.h>
-#include <nng/transport/tcp/tcp.h>
+ * The server builds the chain and owns the pieces; the fronts hand calls to the
+ * dispatcher, which runs them on its workers. Registration ends at the first listen:
+ * from then on the registry and the chain are read-only. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,55 +13,30 @@
 #include <unistd.h>
 
 #include "call.h"
-#include "inflight.h"
+#include "dispatch.h"
+#include "http_front.h"
+#include "nng_front.h"
 #include "server_internal.h"
+#include "store.h"
+#include "sweeper.h"
 
 #define DEFAULT_MAX_FRAME ((size_t)4 << 20)
 #define DEFAULT_CONTEXTS 256 /* parked duplicates hold a context, not a thread */
-#define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
-
-typedef enum work_state { WORK_INIT, WORK_RECV, WORK_QUEUED, WORK_SEND } work_state;
-
-typedef struct work {
-    idem_job job; /* first: the queue sees works as jobs */
-    work_state state;
-    nng_aio *aio;
-    nng_ctx ctx;
-    nng_msg *msg;
-    idem_server *srv;
-} work;
 
 struct idem_server {
-    nng_socket sock;
-    bool sock_open, started;
     idem_server_opts opts;
     idem_runtime rt;
-    bool owns_store;
+    bool owns_store, started;
 
     idem_method *methods; /* sorted by name */
     size_t n_methods;
     idem_chain chain;
 
-    work *works;
-    size_t n_works;
-    pthread_t *threads;
-    size_t n_threads;
-    pthread_t sweeper;
-    bool sweeper_started;
-
-    pthread_mutex_t mu;      /* guards queue, stopping */
-    pthread_cond_t cv;       /* queue non-empty, or stopping */
-    pthread_cond_t sweep_cv; /* stopping (wakes the sweeper early) */
-    idem_job *head, *tail;
-    size_t n_queued;
-    bool stopping;
-    bool fast_path; /* the whole chain is fast_safe and store reads never block */
-    size_t result_cache_pos; /* where a parked call resumes */
-    int port;
+    idem_dispatch *dispatch;
+    idem_nng_front *nng;
     idem_http *http;
+    idem_sweeper *sweeper;
 };
-
-static void work_cb(void *arg);
 
 void idem_server_opts_init(idem_server_opts *opts)
 {
@@ -114,19 +80,14 @@ void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), voi
     srv->rt.clock = (idem_clock){now_ms, arg};
 }
 
-static idem_code nng_fail(int rv, const char *what)
-{
-    return idem__err(rv == NNG_ENOMEM ? IDEM_RESOURCE_EXHAUSTED : IDEM_UNAVAILABLE, "%s: %s", what,
-                     nng_strerror(rv));
-}
-
 static int method_cmp(const void *a, const void *b)
 {
     return strcmp(((const idem_method *)a)->name, ((const idem_method *)b)->name);
 }
 
-static const idem_method *method_find(const idem_server *srv, const char *name)
+static const idem_method *method_find(void *arg, const char *name)
 {
+    const idem_server *srv = arg;
     idem_method probe = {.name = (char *)name};
     if (srv->n_methods == 0) {
         return NULL;
@@ -216,415 +177,25 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
     return code;
 }
 
-/* ---- one call: frame in, frame out ---- */
-
-/* Encodes the call's response; falls back to a bare INTERNAL answer on ENOMEM and to
- * NULL (no reply: the client times out and retries) when even that fails. */
-static nng_msg *response_msg(idem_call *call)
-{
-    uint8_t *buf;
-    size_t len;
-    nng_msg *msg;
-    if (idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
-        idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
-        idem__call_reset_response(call);
-        idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
-        if (idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
-            return NULL;
-        }
-    }
-    if (nng_msg_alloc(&msg, 0) != 0 || nng_msg_append(msg, buf, len) != 0) {
-        free(buf);
-        return NULL; /* nng_msg_alloc failing leaves msg unset; append failing frees nothing */
-    }
-    free(buf);
-    return msg;
-}
-
-/* The key the call ran under, for the client (idem_result.key): a business key may
- * have replaced the one it sent. A token is not echoed. */
-static void answer_key(idem_call *call)
-{
-    if (call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_TOKEN) {
-        idem__call_set_meta(call, "idem-key", call->key);
-    }
-}
-
-/* Decode + chain. false: a fast_only call needs a worker, or (parkable) the call parked
- * in s->call.suspend; nothing to answer yet. */
-static bool run(idem_server *srv, const void *frame, size_t len, bool fast_only, bool parkable,
-                idem_served *out)
-{
-    uint64_t start = idem__mono_us();
-    idem_code code;
-
-    out->req = NULL;
-    out->start_us = start;
-    if (len > srv->opts.max_frame) {
-        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
-                         len, srv->opts.max_frame);
-    } else {
-        code = idem__decode_request(frame, len, &out->req);
-    }
-    if (code != IDEM_OK) {
-        idem__server_reject(srv, out,
-                            code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
-                                                            : IDEM_REASON_BAD_FRAME,
-                            code, idem_errmsg());
-        return true;
-    }
-    idem__call_init(&out->call, out->req, method_find(srv, out->req->method), &srv->rt);
-    out->call.fast_only = fast_only;
-    out->call.parkable = parkable;
-    uint64_t deadline = out->req->deadline_unix_ms;
-    if (deadline != 0 && deadline <= idem__rt_now_ms(&srv->rt)) {
-        /* Nobody waits for the answer any more: run nothing, claim nothing. */
-        idem__random_hex(out->call.request_id, 16);
-        idem__reject(&out->call, IDEM_REASON_DEADLINE, IDEM_DEADLINE_EXCEEDED,
-                     "deadline passed before the call started (deadline_unix_ms %llu)",
-                     (unsigned long long)deadline);
-        return true;
-    }
-    idem_call_next(&out->call, (idem_next){&srv->chain, 0});
-    if (out->call.suspend == IDEM__SUSPEND_DEFER) {
-        idem__call_fini(&out->call);
-        idem__free_request(out->req);
-        out->req = NULL;
-        return false;
-    }
-    if (out->call.suspend == IDEM__SUSPEND_PARK) {
-        return false;
-    }
-    if (out->call.request_id[0] == '\0') { /* a chain without request_id */
-        idem__random_hex(out->call.request_id, 16);
-    }
-    answer_key(&out->call);
-    return true;
-}
+/* ---- test and fuzz entry points (server_internal.h) ---- */
 
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out)
 {
-    return run(srv, frame, len, fast_only, false, out);
+    return idem__dispatch_run(srv->dispatch, frame, len, fast_only, out);
 }
 
 void idem__server_done(idem_server *srv, idem_served *s)
 {
-    idem__observe_call(srv->rt.obs, &s->call, idem__mono_us() - s->start_us);
-    idem__call_fini(&s->call);
-    idem__free_request(s->req);
+    idem__dispatch_done(srv->dispatch, s);
 }
 
 nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t len)
 {
-    idem_served s;
-    idem__server_run(srv, frame, len, false, &s);
-    nng_msg *out = response_msg(&s.call);
-    idem__server_done(srv, &s);
-    return out;
-}
-
-/* On nng's callback thread: answers what needs no worker (replays of stored results,
- * malformed frames, key mismatches); false leaves the call for a worker. */
-static bool serve_fast(idem_server *srv, nng_msg *frame, nng_msg **reply)
-{
-    idem_served s;
-    if (!idem__server_run(srv, nng_msg_body(frame), nng_msg_len(frame), true, &s)) {
-        return false;
-    }
-    *reply = response_msg(&s.call);
-    idem__server_done(srv, &s);
-    return true;
-}
-
-/* ---- the work queue and the context state machine ---- */
-
-/* A resumed job skips the max_queue check: it was admitted once already. */
-static idem_code enqueue(idem_server *srv, idem_job *job, bool fresh)
-{
-    pthread_mutex_lock(&srv->mu);
-    if (srv->stopping) {
-        pthread_mutex_unlock(&srv->mu);
-        return IDEM_UNAVAILABLE;
-    }
-    if (fresh && srv->opts.max_queue > 0 && srv->n_queued >= srv->opts.max_queue) {
-        pthread_mutex_unlock(&srv->mu);
-        return IDEM_RESOURCE_EXHAUSTED;
-    }
-    job->next = NULL;
-    if (srv->tail != NULL) {
-        srv->tail->next = job;
-    } else {
-        srv->head = job;
-    }
-    srv->tail = job;
-    srv->n_queued++;
-    pthread_cond_signal(&srv->cv);
-    pthread_mutex_unlock(&srv->mu);
-    if (fresh) {
-        idem__observe_in_flight(srv->rt.obs, 1); /* until answered, parked time included */
-    }
-    return IDEM_OK;
-}
-
-idem_code idem__server_enqueue(idem_server *srv, idem_job *job)
-{
-    job->parked_before = false;
-    return enqueue(srv, job, true);
-}
-
-/* The in-flight table hands back a woken job. */
-static void resume_job(void *arg, idem_job *job)
-{
-    idem_server *srv = arg;
-    if (enqueue(srv, job, false) != IDEM_OK) {
-        idem__server_done(srv, &job->s); /* stopping: dropped like a queued call */
-        job->drop(job);
-    }
-}
-
-void idem__server_reject(idem_server *srv, idem_served *s, const char *reason, idem_code code,
-                         const char *message)
-{
-    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
-    s->start_us = idem__mono_us();
-    s->req = NULL;
-    idem__call_init(&s->call, &empty, NULL, &srv->rt);
-    idem__reject(&s->call, reason, code, "%s", message);
-    idem__random_hex(s->call.request_id, 16);
-}
-
-void idem__server_busy(idem_server *srv, idem_served *s)
-{
-    char msg[96];
-    snprintf(msg, sizeof(msg), "server busy: %zu calls queued; retry later", srv->opts.max_queue);
-    idem__server_reject(srv, s, IDEM_REASON_BUSY, IDEM_RESOURCE_EXHAUSTED, msg);
-    idem__call_set_meta(&s->call, "retry-after-ms", "100");
-}
-
-/* The answer to a call that found the queue full: cheap enough for the nng callback. */
-static nng_msg *busy_msg(idem_server *srv)
-{
-    idem_served s;
-    idem__server_busy(srv, &s);
-    nng_msg *out = response_msg(&s.call);
-    idem__server_done(srv, &s);
-    return out;
-}
-
-/* NULL when stopping (queued jobs are then dropped, not run). */
-static idem_job *queue_pop(idem_server *srv)
-{
-    idem_job *job = NULL;
-    pthread_mutex_lock(&srv->mu);
-    while (!srv->stopping && srv->head == NULL) {
-        pthread_cond_wait(&srv->cv, &srv->mu);
-    }
-    if (!srv->stopping) {
-        job = srv->head;
-        srv->head = job->next;
-        srv->n_queued--;
-        if (srv->head == NULL) {
-            srv->tail = NULL;
-        }
-    }
-    pthread_mutex_unlock(&srv->mu);
-    return job;
-}
-
-static bool is_stopping(idem_server *srv)
-{
-    pthread_mutex_lock(&srv->mu);
-    bool s = srv->stopping;
-    pthread_mutex_unlock(&srv->mu);
-    return s;
-}
-
-static void work_recv(work *w)
-{
-    w->state = WORK_RECV;
-    nng_ctx_recv(w->ctx, w->aio);
-}
-
-/* Frees the request and sends reply (NULL: no reply possible, receive the next). */
-static void work_reply(work *w, nng_msg *reply)
-{
-    nng_msg_free(w->msg);
-    w->msg = NULL;
-    if (reply == NULL) {
-        work_recv(w);
-        return;
-    }
-    w->state = WORK_SEND;
-    nng_aio_set_msg(w->aio, reply);
-    nng_ctx_send(w->ctx, w->aio);
-}
-
-static void work_cb(void *arg)
-{
-    work *w = arg;
-    int rv;
-
-    switch (w->state) {
-    case WORK_INIT:
-        work_recv(w);
-        break;
-    case WORK_RECV:
-        if ((rv = nng_aio_result(w->aio)) != 0) {
-            if (rv != NNG_ECLOSED && rv != NNG_ECANCELED && !is_stopping(w->srv)) {
-                work_recv(w); /* a transient receive error: keep serving */
-            }
-            break;
-        }
-        w->msg = nng_aio_get_msg(w->aio);
-        w->state = WORK_QUEUED;
-        w->job.frame = nng_msg_body(w->msg);
-        w->job.len = nng_msg_len(w->msg);
-        nng_msg *reply;
-        if (w->srv->fast_path && serve_fast(w->srv, w->msg, &reply)) {
-            work_reply(w, reply);
-        } else if ((rv = idem__server_enqueue(w->srv, &w->job)) == IDEM_RESOURCE_EXHAUSTED) {
-            work_reply(w, busy_msg(w->srv));
-        } else if (rv != IDEM_OK) {
-            nng_msg_free(w->msg); /* stopping: the client retries elsewhere */
-            w->msg = NULL;
-        }
-        break;
-    case WORK_SEND:
-        if (nng_aio_result(w->aio) != 0) {
-            nng_msg_free(nng_aio_get_msg(w->aio)); /* a failed send leaves us the msg */
-        }
-        if (!is_stopping(w->srv)) {
-            work_recv(w);
-        }
-        break;
-    case WORK_QUEUED:
-        break; /* no aio is outstanding in this state */
-    }
-}
-
-static void work_answer(idem_server *srv, idem_job *job)
-{
-    work *w = (work *)job;
-    nng_msg *reply = response_msg(&job->s.call);
-    idem__server_done(srv, &job->s);
-    work_reply(w, reply);
-}
-
-static void work_drop(idem_job *job)
-{
-    work *w = (work *)job;
-    nng_msg_free(w->msg); /* queued or parked, never answered */
-    w->msg = NULL;
-}
-
-/* One turn of a job on a worker: decode and run the chain, or resume a parked call at
- * result_cache. A call that must wait parks (the job then belongs to the in-flight
- * table) unless its bucket moved on meanwhile (read again at once) or the table is
- * full (answered "in progress"). */
-static void job_step(idem_server *srv, idem_job *job)
-{
-    idem_call *call = &job->s.call;
-    bool answered = false;
-    if (!job->parked_before) {
-        answered = run(srv, job->frame, job->len, false, srv->rt.can_park, &job->s);
-    }
-    while (!answered) {
-        if (call->suspend == IDEM__SUSPEND_PARK) {
-            job->parked_before = true;
-            call->suspend = IDEM__SUSPEND_NONE;
-            switch (idem__inflight_park(srv->rt.inflight, job, call->park_bucket, call->park_gen,
-                                        call->park_wake_ms)) {
-            case IDEM__PARKED:
-                return;
-            case IDEM__PARK_CHANGED:
-                break;
-            case IDEM__PARK_FULL:
-                call->park_refused = true;
-                break;
-            }
-        }
-        idem__call_reset_response(call);
-        idem_call_next(call, (idem_next){&srv->chain, call->resume_pos});
-        if (call->suspend == IDEM__SUSPEND_NONE) {
-            answer_key(call);
-            answered = true;
-        }
-    }
-    job->parked_before = false;
-    job->answer(srv, job);
-    idem__observe_in_flight(srv->rt.obs, -1);
-}
-
-static void *worker_main(void *arg)
-{
-    idem_server *srv = arg;
-    idem_job *job;
-    while ((job = queue_pop(srv)) != NULL) {
-        job_step(srv, job);
-    }
-    return NULL;
-}
-
-/* Deletes expired records in bounded batches every sweep_interval_ms. */
-static void *sweeper_main(void *arg)
-{
-    idem_server *srv = arg;
-    pthread_mutex_lock(&srv->mu);
-    while (!srv->stopping) {
-        struct timespec ts;
-        idem__abs_timespec(&ts, srv->opts.sweep_interval_ms);
-        pthread_cond_timedwait(&srv->sweep_cv, &srv->mu, &ts);
-        if (srv->stopping) {
-            break;
-        }
-        pthread_mutex_unlock(&srv->mu);
-        size_t deleted;
-        do {
-            if (idem_store_sweep(srv->rt.store, idem__now_ms(), srv->opts.sweep_batch, &deleted) !=
-                IDEM_OK) {
-                idem__log(srv->rt.obs, IDEM_LOG_ERROR, "msg=\"sweep failed: %s\"", idem_errmsg());
-                break;
-            }
-        } while (deleted == srv->opts.sweep_batch && !is_stopping(srv));
-        pthread_mutex_lock(&srv->mu);
-    }
-    pthread_mutex_unlock(&srv->mu);
-    return NULL;
+    return idem__nng_serve_frame(srv->dispatch, frame, len);
 }
 
 /* ---- life cycle ---- */
-
-static idem_code server_open_socket(idem_server *srv)
-{
-    int rv;
-    if ((rv = nng_rep0_open(&srv->sock)) != 0) {
-        return nng_fail(rv, "nng_rep0_open");
-    }
-    srv->sock_open = true;
-    if ((rv = nng_socket_set_size(srv->sock, NNG_OPT_RECVMAXSZ,
-                                  srv->opts.max_frame + FRAME_SLACK)) != 0) {
-        return nng_fail(rv, "set NNG_OPT_RECVMAXSZ");
-    }
-    srv->works = calloc(srv->opts.contexts, sizeof(work));
-    if (srv->works == NULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    for (size_t i = 0; i < srv->opts.contexts; i++) {
-        work *w = &srv->works[i];
-        w->srv = srv;
-        w->job.answer = work_answer;
-        w->job.drop = work_drop;
-        if ((rv = nng_aio_alloc(&w->aio, work_cb, w)) != 0) {
-            return nng_fail(rv, "nng_aio_alloc");
-        }
-        srv->n_works++;
-        if ((rv = nng_ctx_open(&w->ctx, srv->sock)) != 0) {
-            return nng_fail(rv, "nng_ctx_open");
-        }
-    }
-    return IDEM_OK;
-}
 
 static idem_code server_default_setup(idem_server *srv)
 {
@@ -658,9 +229,6 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     srv->opts = *opts;
     opts_defaults(&srv->opts);
     srv->opts.db_path = NULL; /* not retained */
-    pthread_mutex_init(&srv->mu, NULL);
-    pthread_cond_init(&srv->cv, NULL);
-    pthread_cond_init(&srv->sweep_cv, NULL);
     srv->rt.result_ttl_ms = srv->opts.result_ttl_ms;
     srv->rt.lease_ms = srv->opts.lease_ms;
     srv->rt.token_ttl_ms = srv->opts.token_ttl_ms;
@@ -680,10 +248,18 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         }
         srv->owns_store = true;
     }
+    idem_dispatch_cfg d = {.chain = &srv->chain,
+                           .find_method = method_find,
+                           .find_arg = srv,
+                           .rt = &srv->rt,
+                           .workers = srv->opts.workers,
+                           .max_queue = srv->opts.max_queue,
+                           .max_frame = srv->opts.max_frame,
+                           .max_waiters = srv->opts.max_waiters};
     if ((code = server_default_setup(srv)) != IDEM_OK ||
-        (code = server_open_socket(srv)) != IDEM_OK ||
-        (code = idem__inflight_create(&srv->rt.inflight, &srv->rt, srv->opts.max_waiters,
-                                      resume_job, srv)) != IDEM_OK) {
+        (code = idem__dispatch_create(&srv->dispatch, &d)) != IDEM_OK ||
+        (code = idem__nng_front_open(&srv->nng, srv->dispatch, srv->opts.contexts,
+                                     srv->opts.max_frame)) != IDEM_OK) {
         goto fail;
     }
     *out = srv;
@@ -707,9 +283,10 @@ static idem_code server_check(const idem_server *srv)
                              "%s is transactional but the chain has no result_cache",
                              srv->methods[i].name);
         }
-        if (strcmp(idem_store_backend(srv->rt.store), "lmdb") != 0) {
+        if (!idem__store_has(srv->rt.store, IDEM__STORE_CAP_TXN)) {
             return idem__err(IDEM_FAILED_PRECONDITION,
-                             "%s is transactional: that needs the LMDB store, not %s",
+                             "%s is transactional: that needs the LMDB store (one with "
+                             "handler transactions), not %s",
                              srv->methods[i].name, idem_store_backend(srv->rt.store));
         }
     }
@@ -732,59 +309,37 @@ static void find_resume_point(idem_server *srv)
 
 static idem_code server_start(idem_server *srv)
 {
-    srv->fast_path = strcmp(idem_store_backend(srv->rt.store), "lmdb") == 0;
+    bool fast_path = idem__store_has(srv->rt.store, IDEM__STORE_CAP_NONBLOCKING_READ);
     for (size_t i = 0; i < srv->chain.n; i++) {
-        srv->fast_path = srv->fast_path && srv->chain.items[i].fast_safe;
+        fast_path = fast_path && srv->chain.items[i].fast_safe;
     }
     find_resume_point(srv);
-    srv->threads = calloc(srv->opts.workers, sizeof(pthread_t));
-    if (srv->threads == NULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    idem_code code;
+    if ((code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
+        (code = idem__sweeper_start(&srv->sweeper, srv->rt.store, srv->opts.sweep_interval_ms,
+                                    srv->opts.sweep_batch, srv->rt.obs)) != IDEM_OK) {
+        return code;
     }
-    for (size_t i = 0; i < srv->opts.workers; i++) {
-        if (pthread_create(&srv->threads[i], NULL, worker_main, srv) != 0) {
-            return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start worker thread");
-        }
-        srv->n_threads++;
-    }
-    if (pthread_create(&srv->sweeper, NULL, sweeper_main, srv) != 0) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start sweeper thread");
-    }
-    srv->sweeper_started = true;
-    for (size_t i = 0; i < srv->n_works; i++) {
-        work_cb(&srv->works[i]); /* INIT → RECV */
-    }
+    idem__nng_front_start(srv->nng, fast_path);
     srv->started = true;
     return IDEM_OK;
 }
 
 idem_code idem_server_listen(idem_server *srv, const char *url)
 {
-    nng_listener l;
-    int rv;
     idem_code code;
     if (!srv->started && (code = server_check(srv)) != IDEM_OK) {
         return code;
     }
-    if ((rv = nng_listener_create(&l, srv->sock, url)) != 0) {
-        return nng_fail(rv, url);
-    }
-    if ((rv = nng_listener_start(l, 0)) != 0) {
-        nng_listener_close(l);
-        return nng_fail(rv, url);
-    }
-    if (srv->port == 0 && strncmp(url, "tcp", 3) == 0) {
-        int port = 0;
-        if (nng_listener_get_int(l, NNG_OPT_TCP_BOUND_PORT, &port) == 0) {
-            srv->port = port;
-        }
+    if ((code = idem__nng_front_listen(srv->nng, url)) != IDEM_OK) {
+        return code;
     }
     return srv->started ? IDEM_OK : server_start(srv);
 }
 
 int idem_server_port(const idem_server *srv)
 {
-    return srv->port;
+    return idem__nng_front_port(srv->nng);
 }
 
 idem_code idem_server_listen_http(idem_server *srv, const char *url)
@@ -797,18 +352,17 @@ idem_code idem_server_listen_http(idem_server *srv, const char *url)
         ((code = server_check(srv)) != IDEM_OK || (code = server_start(srv)) != IDEM_OK)) {
         return code;
     }
-    return idem__http_start(srv, url, srv->opts.max_frame, srv->opts.http_caller_header,
-                            srv->opts.http_max_pending, &srv->http);
+    idem_http_cfg cfg = {.dispatch = srv->dispatch,
+                         .obs = srv->rt.obs,
+                         .max_body = srv->opts.max_frame,
+                         .caller_header = srv->opts.http_caller_header,
+                         .max_pending = srv->opts.http_max_pending};
+    return idem__http_start(url, &cfg, &srv->http);
 }
 
 int idem_server_http_port(const idem_server *srv)
 {
     return idem__http_port(srv->http);
-}
-
-char *idem__server_metrics(idem_server *srv)
-{
-    return idem__metrics_text(srv->rt.obs);
 }
 
 idem_store *idem_server_store(idem_server *srv)
@@ -821,47 +375,15 @@ void idem_server_destroy(idem_server *srv)
     if (srv == NULL) {
         return;
     }
-    pthread_mutex_lock(&srv->mu);
-    srv->stopping = true;
-    pthread_cond_broadcast(&srv->cv);
-    pthread_cond_broadcast(&srv->sweep_cv);
-    pthread_mutex_unlock(&srv->mu);
-    if (srv->rt.inflight != NULL) { /* parked duplicates are dropped like queued calls */
-        for (idem_job *job = idem__inflight_stop(srv->rt.inflight), *next; job != NULL;
-             job = next) {
-            next = job->next;
-            idem__server_done(srv, &job->s);
-            job->drop(job);
-        }
+    /* Workers first: a running handler finishes and its front sends the reply while the
+     * socket is still open; queued and parked calls are dropped (their clients retry). */
+    if (srv->dispatch != NULL) {
+        idem__dispatch_stop(srv->dispatch);
     }
-    /* Workers first: a running handler finishes and sends its reply while the socket is
-     * still open (nng must not see a send on a context that nng_close is tearing down). */
-    for (size_t i = 0; i < srv->n_threads; i++) {
-        pthread_join(srv->threads[i], NULL);
-    }
-    if (srv->sweeper_started) {
-        pthread_join(srv->sweeper, NULL);
-    }
-    for (idem_job *job = srv->head, *next; job != NULL; job = next) {
-        next = job->next; /* no job is queued once stopping is set */
-        if (job->parked_before) {
-            idem__server_done(srv, &job->s);
-        }
-        job->drop(job);
-    }
-    srv->head = srv->tail = NULL;
+    idem__sweeper_stop(srv->sweeper);
     idem__http_stop(srv->http); /* waits for its callbacks; none can queue any more */
-    /* Callbacks answer fast calls themselves: stop them (cancel + wait) before the socket
-     * goes, so that no send races nng_close. A stopped aio starts nothing new. */
-    for (size_t i = 0; i < srv->n_works; i++) {
-        nng_aio_stop(srv->works[i].aio);
-    }
-    if (srv->sock_open) {
-        nng_close(srv->sock);
-    }
-    for (size_t i = 0; i < srv->n_works; i++) {
-        nng_aio_free(srv->works[i].aio);
-    }
+    idem__nng_front_close(srv->nng);
+    idem__dispatch_destroy(srv->dispatch);
     for (size_t i = 0; i < srv->n_methods; i++) {
         free(srv->methods[i].name);
     }
@@ -871,14 +393,8 @@ void idem_server_destroy(idem_server *srv)
     if (srv->owns_store) {
         idem_store_close(srv->rt.store);
     }
-    idem__inflight_destroy(srv->rt.inflight);
     idem__observer_destroy(srv->rt.obs);
-    pthread_cond_destroy(&srv->sweep_cv);
-    pthread_cond_destroy(&srv->cv);
-    pthread_mutex_destroy(&srv->mu);
     free(srv->methods);
     free(srv->chain.items);
-    free(srv->works);
-    free(srv->threads);
     free(srv);
 }

@@ -151,3 +151,42 @@ void idem_record_clear(idem_record *rec)
         rec->response_len = 0;
     }
 }
+
+bool idem__store_has(const idem_store *st, unsigned cap)
+{
+    return (st->ops->caps & cap) == cap;
+}
+
+/* ---- handler transactions, on backends with IDEM__STORE_CAP_TXN ---- */
+
+idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
+{
+    *out = NULL;
+    if (!idem__store_has(st, IDEM__STORE_CAP_TXN)) {
+        return idem__err(IDEM_UNIMPLEMENTED, "the %s store has no handler transactions",
+                         st->ops->name);
+    }
+    return st->ops->txn_begin(st, out);
+}
+
+void idem__store_txn_abort(idem_txn *t)
+{
+    ((const idem_txn_head *)t)->ops->txn_abort(t);
+}
+
+idem_code idem__store_txn_commit(idem_txn *t)
+{
+    return ((const idem_txn_head *)t)->ops->txn_commit(t);
+}
+
+idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                          const void *response, size_t len, uint64_t expires_ms)
+{
+    idem_code code = idem__key_check(ref);
+    if (code != IDEM_OK) {
+        idem__store_txn_abort(t);
+        return code;
+    }
+    return ((const idem_txn_head *)t)->ops->txn_complete_commit(t, ref, owner, response, len,
+                                                                expires_ms);
+}

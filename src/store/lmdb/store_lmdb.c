@@ -944,6 +944,7 @@ static idem_code lmdb_stats_get(idem_store *base, idem_store_stats *out)
 #define TXN_NEW_DBS 8 /* databases one handler txn may create before it commits */
 
 struct idem_txn {
+    idem_txn_head head; /* first: store.c dispatches through it */
     lmdb_store *st;
     MDB_txn *txn;
     app_db opened[TXN_NEW_DBS]; /* opened here: cached if this txn commits */
@@ -1044,12 +1045,9 @@ static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
     return IDEM_OK;
 }
 
-idem_code idem__store_txn_begin(idem_store *base, idem_txn **out)
+static idem_code lmdb_txn_begin(idem_store *base, idem_txn **out)
 {
-    lmdb_store *st = lmdb_of(base);
-    if (st == NULL) {
-        return idem__err(IDEM_UNIMPLEMENTED, "transactional handlers need the LMDB store");
-    }
+    lmdb_store *st = (lmdb_store *)base;
     if (thread_write_txn != NULL) {
         return nested_write();
     }
@@ -1062,20 +1060,21 @@ idem_code idem__store_txn_begin(idem_store *base, idem_txn **out)
         free(t);
         return lmdb_code(rc, "handler txn begin");
     }
+    t->head.ops = &lmdb_ops;
     t->st = st;
     thread_write_txn = t;
     *out = t;
     return IDEM_OK;
 }
 
-void idem__store_txn_abort(idem_txn *t)
+static void lmdb_txn_abort(idem_txn *t)
 {
     thread_write_txn = NULL;
     mdb_txn_abort(t->txn);
     free(t);
 }
 
-idem_code idem__store_txn_commit(idem_txn *t)
+static idem_code lmdb_txn_commit(idem_txn *t)
 {
     thread_write_txn = NULL;
     idem_code code = txn_commit(t->txn);
@@ -1086,15 +1085,15 @@ idem_code idem__store_txn_commit(idem_txn *t)
     return code;
 }
 
-idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+static idem_code lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                           const void *response, size_t len, uint64_t expires_ms)
 {
     idem_code code = store_complete_txn(t->st, t->txn, ref, owner, response, len, expires_ms);
     if (code != IDEM_OK) {
-        idem__store_txn_abort(t);
+        lmdb_txn_abort(t);
         return code;
     }
-    return idem__store_txn_commit(t);
+    return lmdb_txn_commit(t);
 }
 
 static idem_code app_key(const void *key, size_t klen, MDB_val *k)
@@ -1191,6 +1190,7 @@ idem_code idem_store_app_get(idem_store *base, const char *db, const void *key, 
 
 static const idem_store_ops lmdb_ops = {
     .name = "lmdb",
+    .caps = IDEM__STORE_CAP_TXN | IDEM__STORE_CAP_NONBLOCKING_READ,
     .claim = lmdb_claim,
     .complete = lmdb_complete,
     .release = lmdb_release,
@@ -1203,4 +1203,8 @@ static const idem_store_ops lmdb_ops = {
     .stats = lmdb_stats_get,
     .foreach = lmdb_foreach,
     .close = lmdb_close,
+    .txn_begin = lmdb_txn_begin,
+    .txn_abort = lmdb_txn_abort,
+    .txn_commit = lmdb_txn_commit,
+    .txn_complete_commit = lmdb_txn_complete_commit,
 };

@@ -3,7 +3,7 @@
 #ifndef IDEMRPC_INFLIGHT_H
 #define IDEMRPC_INFLIGHT_H
 
-#include "server_internal.h"
+#include "dispatch.h"
 
 typedef struct idem_keep idem_keep;
 

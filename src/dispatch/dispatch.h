@@ -1,0 +1,73 @@
+/* The dispatch layer: the work queue, the worker threads and the in-flight table.
+ *
+ * Both fronts (nng_front.c, http_front.c) turn what they receive into an idem_job and
+ * hand it here; a worker decodes the frame, runs the chain, parks a duplicate that
+ * must wait (inflight.c) and finally calls the job's answer. The fronts know the
+ * dispatcher, never each other; the dispatcher knows no socket and no HTTP. */
+#ifndef IDEMRPC_DISPATCH_H
+#define IDEMRPC_DISPATCH_H
+
+#include "call.h"
+
+/* A served call: the decoded request and the call after the whole chain ran. */
+typedef struct idem_served {
+    Idem__V1__Request *req;
+    idem_call call;
+    uint64_t start_us;
+} idem_served;
+
+/* A unit of work for the workers: an nng context's call or an HTTP request. The front
+ * fills answer, drop, frame and len; the rest belongs to the dispatcher. */
+typedef struct idem_job idem_job;
+struct idem_job {
+    /* On a worker: sends the response of s.call, calls idem__dispatch_done(d, &s) and
+     * releases the job. */
+    void (*answer)(idem_job *job);
+    void (*drop)(idem_job *job); /* at shutdown, instead of answer */
+    const void *frame;
+    size_t len;
+
+    idem_job *next;
+    idem_served s;
+    bool parked_before; /* s holds a call that waited: resume it, do not decode again */
+    uint32_t bucket;    /* while parked (inflight.c) */
+    uint64_t wake_ms;
+};
+
+typedef struct idem_dispatch idem_dispatch;
+
+typedef struct idem_dispatch_cfg {
+    const idem_chain *chain; /* read at every call: complete before the first */
+    const idem_method *(*find_method)(void *arg, const char *name);
+    void *find_arg;
+    idem_runtime *rt; /* rt->inflight is created here */
+    size_t workers, max_queue, max_frame, max_waiters;
+} idem_dispatch_cfg;
+
+idem_code idem__dispatch_create(idem_dispatch **out, const idem_dispatch_cfg *cfg);
+/* Starts the workers. */
+idem_code idem__dispatch_start(idem_dispatch *d);
+/* Takes no more jobs, drops the parked and queued ones (their drop), lets running
+ * handlers finish and joins the workers. */
+void idem__dispatch_stop(idem_dispatch *d);
+void idem__dispatch_destroy(idem_dispatch *d);
+bool idem__dispatch_stopping(idem_dispatch *d);
+
+/* IDEM_OK, IDEM_RESOURCE_EXHAUSTED (max_queue reached) or IDEM_UNAVAILABLE (stopping);
+ * only on IDEM_OK does the job belong to the dispatcher. Safe from nng callbacks. */
+idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job);
+
+/* One request frame through decode + chain, on the caller's thread; every outcome has
+ * a code and request id. fast_only (an nng callback): returns false, with nothing left
+ * to free, when the call needs a worker; otherwise true. */
+bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, bool fast_only,
+                        idem_served *out);
+/* A call a front turns away before decoding (cheap: for nng callbacks). */
+void idem__dispatch_reject(idem_dispatch *d, idem_served *out, const char *reason, idem_code code,
+                           const char *message);
+/* The answer for a call turned away by back-pressure, with retry-after-ms. */
+void idem__dispatch_busy(idem_dispatch *d, idem_served *out);
+/* Counts and logs the call, then frees it. */
+void idem__dispatch_done(idem_dispatch *d, idem_served *s);
+
+#endif

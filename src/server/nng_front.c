@@ -1,0 +1,259 @@
+/* The nng front: rep0 contexts feeding the dispatcher.
+ *
+ * Each context is one in-flight call with ONE callback whose switch is its whole life:
+ *
+ *   INIT → RECV ──frame──▶ QUEUED (the dispatcher decodes, runs the chain) → SEND → RECV
+ *
+ * The callback never blocks: it answers what needs no worker (a stored replay, a bad
+ * frame), hands the rest to the dispatcher and re-arms the receive after a send. A
+ * parked duplicate keeps its context. The number of contexts bounds in-flight work;
+ * nng holds further requests in its pipes (back-pressure). */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <nng/transport/tcp/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nng_front.h"
+
+#define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
+
+typedef enum work_state { WORK_INIT, WORK_RECV, WORK_QUEUED, WORK_SEND } work_state;
+
+typedef struct work {
+    idem_job job; /* first: the dispatcher sees works as jobs */
+    work_state state;
+    nng_aio *aio;
+    nng_ctx ctx;
+    nng_msg *msg;
+    idem_nng_front *front;
+} work;
+
+struct idem_nng_front {
+    idem_dispatch *d;
+    nng_socket sock;
+    bool sock_open, fast_path;
+    work *works;
+    size_t n_works;
+    int port;
+};
+
+static idem_code nng_fail(int rv, const char *what)
+{
+    return idem__err(rv == NNG_ENOMEM ? IDEM_RESOURCE_EXHAUSTED : IDEM_UNAVAILABLE, "%s: %s", what,
+                     nng_strerror(rv));
+}
+
+/* Encodes the call's response; falls back to a bare INTERNAL answer on ENOMEM and to
+ * NULL (no reply: the client times out and retries) when even that fails. */
+static nng_msg *response_msg(idem_call *call)
+{
+    uint8_t *buf;
+    size_t len;
+    nng_msg *msg;
+    if (idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
+        idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
+        idem__call_reset_response(call);
+        idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
+        if (idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
+            return NULL;
+        }
+    }
+    if (nng_msg_alloc(&msg, 0) != 0 || nng_msg_append(msg, buf, len) != 0) {
+        free(buf);
+        return NULL; /* nng_msg_alloc failing leaves msg unset; append failing frees nothing */
+    }
+    free(buf);
+    return msg;
+}
+
+/* The answer of a served call, which is then freed. */
+static nng_msg *served_msg(idem_dispatch *d, idem_served *s)
+{
+    nng_msg *out = response_msg(&s->call);
+    idem__dispatch_done(d, s);
+    return out;
+}
+
+nng_msg *idem__nng_serve_frame(idem_dispatch *d, const void *frame, size_t len)
+{
+    idem_served s;
+    idem__dispatch_run(d, frame, len, false, &s);
+    return served_msg(d, &s);
+}
+
+static void work_recv(work *w)
+{
+    w->state = WORK_RECV;
+    nng_ctx_recv(w->ctx, w->aio);
+}
+
+/* Frees the request and sends reply (NULL: no reply possible, receive the next). */
+static void work_reply(work *w, nng_msg *reply)
+{
+    nng_msg_free(w->msg);
+    w->msg = NULL;
+    if (reply == NULL) {
+        work_recv(w);
+        return;
+    }
+    w->state = WORK_SEND;
+    nng_aio_set_msg(w->aio, reply);
+    nng_ctx_send(w->ctx, w->aio);
+}
+
+/* A received frame: answered here when no worker is needed, else handed over. */
+static void work_received(work *w)
+{
+    idem_dispatch *d = w->front->d;
+    idem_served s;
+    w->msg = nng_aio_get_msg(w->aio);
+    w->state = WORK_QUEUED;
+    w->job.frame = nng_msg_body(w->msg);
+    w->job.len = nng_msg_len(w->msg);
+    if (w->front->fast_path && idem__dispatch_run(d, w->job.frame, w->job.len, true, &s)) {
+        work_reply(w, served_msg(d, &s));
+        return;
+    }
+    idem_code code = idem__dispatch_enqueue(d, &w->job);
+    if (code == IDEM_RESOURCE_EXHAUSTED) {
+        idem__dispatch_busy(d, &s);
+        work_reply(w, served_msg(d, &s));
+    } else if (code != IDEM_OK) {
+        nng_msg_free(w->msg); /* stopping: the client retries elsewhere */
+        w->msg = NULL;
+    }
+}
+
+static void work_cb(void *arg)
+{
+    work *w = arg;
+    int rv;
+
+    switch (w->state) {
+    case WORK_INIT:
+        work_recv(w);
+        break;
+    case WORK_RECV:
+        if ((rv = nng_aio_result(w->aio)) != 0) {
+            if (rv != NNG_ECLOSED && rv != NNG_ECANCELED &&
+                !idem__dispatch_stopping(w->front->d)) {
+                work_recv(w); /* a transient receive error: keep serving */
+            }
+            break;
+        }
+        work_received(w);
+        break;
+    case WORK_SEND:
+        if (nng_aio_result(w->aio) != 0) {
+            nng_msg_free(nng_aio_get_msg(w->aio)); /* a failed send leaves us the msg */
+        }
+        if (!idem__dispatch_stopping(w->front->d)) {
+            work_recv(w);
+        }
+        break;
+    case WORK_QUEUED:
+        break; /* no aio is outstanding in this state */
+    }
+}
+
+static void work_answer(idem_job *job)
+{
+    work *w = (work *)job;
+    work_reply(w, served_msg(w->front->d, &job->s));
+}
+
+static void work_drop(idem_job *job)
+{
+    work *w = (work *)job;
+    nng_msg_free(w->msg); /* queued or parked, never answered */
+    w->msg = NULL;
+}
+
+idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t contexts,
+                               size_t max_frame)
+{
+    idem_nng_front *f = calloc(1, sizeof(*f));
+    int rv;
+    *out = NULL;
+    if (f == NULL || (f->works = calloc(contexts, sizeof(work))) == NULL) {
+        free(f);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    f->d = d;
+    *out = f; /* from here on, idem__nng_front_close frees whatever was opened */
+    if ((rv = nng_rep0_open(&f->sock)) != 0) {
+        return nng_fail(rv, "nng_rep0_open");
+    }
+    f->sock_open = true;
+    if ((rv = nng_socket_set_size(f->sock, NNG_OPT_RECVMAXSZ, max_frame + FRAME_SLACK)) != 0) {
+        return nng_fail(rv, "set NNG_OPT_RECVMAXSZ");
+    }
+    for (size_t i = 0; i < contexts; i++) {
+        work *w = &f->works[i];
+        w->front = f;
+        w->job.answer = work_answer;
+        w->job.drop = work_drop;
+        if ((rv = nng_aio_alloc(&w->aio, work_cb, w)) != 0) {
+            return nng_fail(rv, "nng_aio_alloc");
+        }
+        f->n_works++;
+        if ((rv = nng_ctx_open(&w->ctx, f->sock)) != 0) {
+            return nng_fail(rv, "nng_ctx_open");
+        }
+    }
+    return IDEM_OK;
+}
+
+idem_code idem__nng_front_listen(idem_nng_front *f, const char *url)
+{
+    nng_listener l;
+    int rv;
+    if ((rv = nng_listener_create(&l, f->sock, url)) != 0) {
+        return nng_fail(rv, url);
+    }
+    if ((rv = nng_listener_start(l, 0)) != 0) {
+        nng_listener_close(l);
+        return nng_fail(rv, url);
+    }
+    if (f->port == 0 && strncmp(url, "tcp", 3) == 0) {
+        int port = 0;
+        if (nng_listener_get_int(l, NNG_OPT_TCP_BOUND_PORT, &port) == 0) {
+            f->port = port;
+        }
+    }
+    return IDEM_OK;
+}
+
+int idem__nng_front_port(const idem_nng_front *f)
+{
+    return f->port;
+}
+
+void idem__nng_front_start(idem_nng_front *f, bool fast_path)
+{
+    f->fast_path = fast_path;
+    for (size_t i = 0; i < f->n_works; i++) {
+        work_cb(&f->works[i]); /* INIT → RECV */
+    }
+}
+
+void idem__nng_front_close(idem_nng_front *f)
+{
+    if (f == NULL) {
+        return;
+    }
+    /* Callbacks answer fast calls themselves: stop them (cancel + wait) before the socket
+     * goes, so that no send races nng_close. A stopped aio starts nothing new. */
+    for (size_t i = 0; i < f->n_works; i++) {
+        nng_aio_stop(f->works[i].aio);
+    }
+    if (f->sock_open) {
+        nng_close(f->sock);
+    }
+    for (size_t i = 0; i < f->n_works; i++) {
+        nng_aio_free(f->works[i].aio);
+    }
+    free(f->works);
+    free(f);
+}
