@@ -9,7 +9,9 @@
  *   idemctl --db DIR delete METHOD KEY [--caller C] [--force]
  *
  * Exit status: 0 done, 1 not found / refused / store error, 2 bad usage. */
+#include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +19,7 @@
 
 #include <idemrpc/idemrpc.h>
 
+#include "cli.h"
 #include "idemrpc.pb-c.h"
 
 typedef struct args {
@@ -25,58 +28,129 @@ typedef struct args {
     long limit;
 } args;
 
-static int usage(void)
+static void usage(FILE *f)
 {
-    fprintf(stderr,
-            "usage: idemctl --db DIR [--json] stats\n"
-            "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
-            " [--limit N]\n"
-            "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
-            "       idemctl --db DIR purge --expired\n"
-            "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n");
-    return 2;
+    fprintf(f, "usage: idemctl --db DIR [--json] stats\n"
+               "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
+               " [--limit N]\n"
+               "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
+               "       idemctl --db DIR purge --expired\n"
+               "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n"
+               "  options may come before or after the command; --limit defaults to 100\n");
 }
 
-static bool parse(int argc, char **argv, args *a)
+/* The positional arguments each command takes after its name. */
+static bool check_positionals(const args *a, int npos)
 {
-    const char *pos[3] = {0};
-    int npos = 0;
-    *a = (args){.caller = "", .limit = 100};
-    for (int i = 1; i < argc; i++) {
-        const char *s = argv[i];
-        bool has_value = i + 1 < argc;
-        if (strcmp(s, "--db") == 0 && has_value) {
-            a->db = argv[++i];
-        } else if (strcmp(s, "--caller") == 0 && has_value) {
-            a->caller = argv[++i];
-        } else if (strcmp(s, "--state") == 0 && has_value) {
-            a->state = argv[++i];
-        } else if (strcmp(s, "--limit") == 0 && has_value) {
-            a->limit = strtol(argv[++i], NULL, 10);
-        } else if (strcmp(s, "--json") == 0) {
-            a->json = true;
-        } else if (strcmp(s, "--force") == 0) {
-            a->force = true;
-        } else if (strcmp(s, "--expired") == 0) {
-            a->expired = true;
-        } else if (s[0] == '-' || npos == 3) {
-            return false;
-        } else {
-            pos[npos++] = s;
-        }
+    bool needs_key = strcmp(a->cmd, "show") == 0 || strcmp(a->cmd, "delete") == 0;
+    if (needs_key && npos != 3) {
+        fprintf(stderr, "idemctl: %s needs METHOD KEY\n", a->cmd);
+        return false;
     }
-    a->cmd = pos[0];
-    a->method = pos[1];
-    a->key = pos[2];
-    if (a->db == NULL || a->cmd == NULL) {
+    if (!needs_key && npos != 1) {
+        fprintf(stderr, "idemctl: %s takes no argument\n", a->cmd);
+        return false;
+    }
+    return true;
+}
+
+/* What the options and arguments together must satisfy. */
+static bool check_args(const args *a, int npos)
+{
+    if (a->db == NULL) {
+        fprintf(stderr, "idemctl: --db DIR is required\n");
+        return false;
+    }
+    if (a->cmd == NULL) {
+        fprintf(stderr, "idemctl: no command (stats, list, show, purge, delete)\n");
         return false;
     }
     if (a->state != NULL && strcmp(a->state, "in_progress") != 0 &&
         strcmp(a->state, "completed") != 0) {
+        fprintf(stderr, "idemctl: --state: '%s' is not in_progress or completed\n", a->state);
         return false;
     }
-    bool needs_key = strcmp(a->cmd, "show") == 0 || strcmp(a->cmd, "delete") == 0;
-    return needs_key ? a->key != NULL : npos == 1;
+    return check_positionals(a, npos);
+}
+
+/* One option (getopt_long's opt) and its value v into a; false on a bad value. */
+static bool parse_option(int opt, const char *v, args *a)
+{
+    uint64_t limit;
+    switch (opt) {
+    case 'd':
+        a->db = v;
+        return true;
+    case 'c':
+        a->caller = v;
+        return true;
+    case 's':
+        a->state = v;
+        return true;
+    case 'n':
+        if (!cli_parse_u64("idemctl", "--limit", v, 0, LONG_MAX, &limit)) {
+            return false;
+        }
+        a->limit = (long)limit;
+        return true;
+    case 'j':
+        a->json = true;
+        return true;
+    case 'f':
+        a->force = true;
+        return true;
+    case 'e':
+        a->expired = true;
+        return true;
+    default:
+        return false; /* getopt_long said which option */
+    }
+}
+
+/* Options and positional arguments in any order (getopt_long's "-" mode hands the
+ * positionals over in place, whatever POSIXLY_CORRECT says); after "--" all are
+ * positional. True to run; false with *status the exit status (0 after --help, 2
+ * after a usage error). */
+static bool parse(int argc, char **argv, args *a, int *status)
+{
+    static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
+                                          {"caller", required_argument, NULL, 'c'},
+                                          {"state", required_argument, NULL, 's'},
+                                          {"limit", required_argument, NULL, 'n'},
+                                          {"json", no_argument, NULL, 'j'},
+                                          {"force", no_argument, NULL, 'f'},
+                                          {"expired", no_argument, NULL, 'e'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {NULL, 0, NULL, 0}};
+    const char *pos[4] = {0};
+    int npos = 0, opt;
+
+    *a = (args){.caller = "", .limit = 100};
+    *status = CLI_USAGE_ERROR;
+    while ((opt = getopt_long(argc, argv, "-h", longs, NULL)) != -1) {
+        if (opt == 'h') {
+            usage(stdout);
+            *status = 0;
+            return false;
+        }
+        if (opt == 1 && npos < 4) {
+            pos[npos++] = optarg; /* a positional argument */
+        } else if (opt != 1 && !parse_option(opt, optarg, a)) {
+            goto bad;
+        }
+    }
+    for (; optind < argc && npos < 4; optind++) {
+        pos[npos++] = argv[optind]; /* after "--" */
+    }
+    a->cmd = pos[0], a->method = pos[1], a->key = pos[2];
+    if (npos == 4) {
+        fprintf(stderr, "idemctl: unexpected argument '%s'\n", pos[3]);
+    } else if (check_args(a, npos)) {
+        return true;
+    }
+bad:
+    usage(stderr);
+    return false;
 }
 
 static const char *state_name(idem_record_state s)
@@ -302,8 +376,9 @@ int main(int argc, char **argv)
                 {"purge", cmd_purge, true},
                 {"delete", cmd_delete, true}};
     args a;
-    if (!parse(argc, argv, &a)) {
-        return usage();
+    int status;
+    if (!parse(argc, argv, &a, &status)) {
+        return status;
     }
     for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
         if (strcmp(a.cmd, cmds[i].name) != 0) {
@@ -320,5 +395,7 @@ int main(int argc, char **argv)
         idem_store_close(st);
         return rc;
     }
-    return usage();
+    fprintf(stderr, "idemctl: unknown command '%s'\n", a.cmd);
+    usage(stderr);
+    return CLI_USAGE_ERROR;
 }

@@ -4,17 +4,91 @@
  *   payload: 42
  * idem.Token/Issue prints the issued token instead of its protobuf payload.
  * Exit status: 0 for OK, 1 for any other code, 2 for bad usage. */
+#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <idemrpc/idemrpc.h>
 
-static int usage(void)
+#include "cli.h"
+
+static void usage(FILE *f)
 {
-    fprintf(stderr, "usage: idemrpc-call URL METHOD PAYLOAD [--key K] [--token T] "
-                    "[--caller C] [--timeout-ms N]\n");
-    return 2;
+    fprintf(f, "usage: idemrpc-call URL METHOD PAYLOAD [--key K] [--token T] "
+               "[--caller C] [--timeout-ms N]\n"
+               "  URL METHOD PAYLOAD come first, whatever they look like; the options follow\n"
+               "  --key K         the idempotency key (default: none)\n"
+               "  --token T       a token from idem.Token/Issue\n"
+               "  --caller C      the caller the key belongs to\n"
+               "  --timeout-ms N  one attempt's reply wait (default 2000)\n");
+}
+
+/* The three positional arguments are taken by place, so that a payload such as "-5"
+ * is not read as an option; getopt_long then parses what follows them, in order (a
+ * stray argument among the options is an error, as an option before them is). True to
+ * run; false with *status the exit status (0 after --help, 2 after a usage error). */
+static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *opts, int *status)
+{
+    static const struct option longs[] = {
+        {"key", required_argument, NULL, 'k'},    {"token", required_argument, NULL, 't'},
+        {"caller", required_argument, NULL, 'c'}, {"timeout-ms", required_argument, NULL, 'T'},
+        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
+    uint64_t ms;
+    int opt;
+
+    *status = CLI_USAGE_ERROR;
+    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        usage(stdout);
+        *status = 0;
+        return false;
+    }
+    if (argc >= 2 && argv[1][0] == '-') { /* no URL starts with '-' */
+        fprintf(stderr, "idemrpc-call: '%s': URL METHOD PAYLOAD come first\n", argv[1]);
+        usage(stderr);
+        return false;
+    }
+    if (argc < 4) {
+        fprintf(stderr, "idemrpc-call: URL METHOD PAYLOAD are required\n");
+        usage(stderr);
+        return false;
+    }
+    *req = (idem_request){.method = argv[2], .payload = argv[3], .payload_len = strlen(argv[3])};
+    argv[3] = argv[0]; /* getopt_long sees "idemrpc-call [options]" and names it in errors */
+    argc -= 3, argv += 3;
+    while ((opt = getopt_long(argc, argv, "+h", longs, NULL)) != -1) {
+        switch (opt) {
+        case 'k':
+            req->idempotency_key = optarg;
+            break;
+        case 't':
+            req->token = optarg;
+            break;
+        case 'c':
+            req->caller = optarg;
+            break;
+        case 'T':
+            if (!cli_parse_u64("idemrpc-call", "--timeout-ms", optarg, 0, UINT32_MAX, &ms)) {
+                usage(stderr);
+                return false;
+            }
+            opts->attempt_timeout_ms = (uint32_t)ms;
+            break;
+        case 'h':
+            usage(stdout);
+            *status = 0;
+            return false;
+        default:
+            usage(stderr); /* getopt_long said which option */
+            return false;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "idemrpc-call: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return false;
+    }
+    return true;
 }
 
 static void print_payload(const void *p, size_t n)
@@ -33,27 +107,12 @@ static void print_payload(const void *p, size_t n)
 
 int main(int argc, char **argv)
 {
-    if (argc < 4) {
-        return usage();
-    }
-    idem_request req = {.method = argv[2], .payload = argv[3], .payload_len = strlen(argv[3])};
+    idem_request req;
     idem_client_opts opts;
+    int status;
     idem_client_opts_init(&opts);
-    for (int i = 4; i < argc; i++) {
-        if (i + 1 >= argc) {
-            return usage();
-        }
-        if (strcmp(argv[i], "--key") == 0) {
-            req.idempotency_key = argv[++i];
-        } else if (strcmp(argv[i], "--token") == 0) {
-            req.token = argv[++i];
-        } else if (strcmp(argv[i], "--caller") == 0) {
-            req.caller = argv[++i];
-        } else if (strcmp(argv[i], "--timeout-ms") == 0) {
-            opts.attempt_timeout_ms = (uint32_t)strtoul(argv[++i], NULL, 10);
-        } else {
-            return usage();
-        }
+    if (!parse(argc, argv, &req, &opts, &status)) {
+        return status;
     }
     idem_client *c;
     const char *url = argv[1];
@@ -61,7 +120,6 @@ int main(int argc, char **argv)
         fprintf(stderr, "idemrpc-call: %s\n", idem_errmsg());
         return 1;
     }
-    int status;
     if (strcmp(req.method, "idem.Token/Issue") == 0) {
         char token[64];
         uint64_t expires = 0;

@@ -9,7 +9,9 @@
  *                        key = out_trade_no, fingerprint = out_trade_no + amount (a
  *                        re-signed redelivery replays, another amount is key reuse) */
 #include <errno.h>
+#include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -19,12 +21,14 @@
 
 #include <idemrpc/idemrpc.h>
 
+#include "cli.h"
+
 typedef struct demo {
     pthread_mutex_t mu;
     long long total;
     unsigned long orders;
-    long delay_ms;      /* --delay-ms: makes Add slow, to show duplicates waiting */
-    long flaky;         /* --flaky: this many executions answer UNAVAILABLE first */
+    long delay_ms; /* --delay-ms: makes Add slow, to show duplicates waiting */
+    long flaky;    /* --flaky: this many executions answer UNAVAILABLE first */
 } demo;
 
 /* --flaky N: the first N executions (of any method) fail transiently. */
@@ -116,8 +120,7 @@ static bool notify_key(const idem_call *call, char *buf, size_t cap, void *arg)
 }
 
 /* out_trade_no and amount make two notifications the same; sign and the rest do not. */
-static bool notify_fingerprint(const idem_call *call, void *buf, size_t cap, size_t *len,
-                               void *arg)
+static bool notify_fingerprint(const idem_call *call, void *buf, size_t cap, size_t *len, void *arg)
 {
     (void)arg;
     char trade_no[256], amount[32];
@@ -164,23 +167,22 @@ static idem_code order_submit(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
-static int usage(void)
+static void usage(FILE *f)
 {
-    fprintf(stderr, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR | --store URL]\n"
-                    "                    [--debounce URL] [--delay-ms N] [--flaky N]\n"
-                    "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
-                    "                    [--max-wait-ms N] [--lease-ms N] [--max-run-ms N]\n"
-                    "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
-                    "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
-                    "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
-                    "  --store URL    share records in PostgreSQL (postgres://...) instead\n"
-                    "  --debounce URL redis://HOST:PORT: 2 s double-submit window for Submit\n"
-                    "  --delay-ms N   make Counter/Add and Pay/Notify take N ms\n"
-                    "  --flaky N      the first N executions answer UNAVAILABLE\n"
-                    "  --log-level L  one line per call at info (default error)\n"
-                    "  --result-ttl-ms N, --max-wait-ms N, --lease-ms N, --max-run-ms N\n"
-                    "                 override the server defaults\n");
-    return 2;
+    fprintf(f, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR | --store URL]\n"
+               "                    [--debounce URL] [--delay-ms N] [--flaky N]\n"
+               "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
+               "                    [--max-wait-ms N] [--lease-ms N] [--max-run-ms N]\n"
+               "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
+               "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
+               "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
+               "  --store URL    share records in PostgreSQL (postgres://...) instead\n"
+               "  --debounce URL redis://HOST:PORT: 2 s double-submit window for Submit\n"
+               "  --delay-ms N   make Counter/Add and Pay/Notify take N ms\n"
+               "  --flaky N      the first N executions answer UNAVAILABLE\n"
+               "  --log-level L  one line per call at info (default error)\n"
+               "  --result-ttl-ms N, --max-wait-ms N, --lease-ms N, --max-run-ms N\n"
+               "                 override the server defaults\n");
 }
 
 static bool parse_level(const char *s, idem_log_level *out)
@@ -195,44 +197,122 @@ static bool parse_level(const char *s, idem_log_level *out)
     return false;
 }
 
+/* The command line's strings and level; the numbers go straight into opts and d. */
+typedef struct demo_args {
+    const char *listen, *db, *http, *store_url, *debounce_url;
+    idem_log_level level;
+} demo_args;
+
+/* The value v of a number option into *out; false, after naming the option, when it
+ * is bad. */
+static bool number(const char *opt, const char *v, uint64_t *out)
+{
+    return cli_parse_u64("idemrpc-demo", opt, v, 0, UINT64_MAX, out);
+}
+
+/* A number option for a long field of demo. */
+static bool number_long(const char *opt, const char *v, long *out)
+{
+    uint64_t n;
+    if (!cli_parse_u64("idemrpc-demo", opt, v, 0, LONG_MAX, &n)) {
+        return false;
+    }
+    *out = (long)n;
+    return true;
+}
+
+/* One option (getopt_long's opt) and its value v; false on a bad value. */
+static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts *o, demo *d)
+{
+    switch (opt) {
+    case 'l':
+        a->listen = v;
+        return true;
+    case 'd':
+        a->db = v;
+        return true;
+    case 's':
+        a->store_url = v;
+        return true;
+    case 'b':
+        a->debounce_url = v;
+        return true;
+    case 'H':
+        a->http = v;
+        return true;
+    case 'D':
+        return number_long("--delay-ms", v, &d->delay_ms);
+    case 'f':
+        return number_long("--flaky", v, &d->flaky);
+    case 'r':
+        return number("--result-ttl-ms", v, &o->result_ttl_ms);
+    case 'w':
+        return number("--max-wait-ms", v, &o->max_wait_ms);
+    case 'L':
+        return number("--lease-ms", v, &o->lease_ms);
+    case 'R':
+        return number("--max-run-ms", v, &o->max_run_ms);
+    case 'v':
+        if (!parse_level(v, &a->level)) {
+            fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
+            return false;
+        }
+        return true;
+    default:
+        return false; /* getopt_long said which option */
+    }
+}
+
+/* True to run; false with *status the exit status (0 after --help, 2 after a usage
+ * error). */
+static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo *d, int *status)
+{
+    static const struct option longs[] = {{"listen", required_argument, NULL, 'l'},
+                                          {"db", required_argument, NULL, 'd'},
+                                          {"store", required_argument, NULL, 's'},
+                                          {"debounce", required_argument, NULL, 'b'},
+                                          {"http", required_argument, NULL, 'H'},
+                                          {"delay-ms", required_argument, NULL, 'D'},
+                                          {"flaky", required_argument, NULL, 'f'},
+                                          {"result-ttl-ms", required_argument, NULL, 'r'},
+                                          {"max-wait-ms", required_argument, NULL, 'w'},
+                                          {"lease-ms", required_argument, NULL, 'L'},
+                                          {"max-run-ms", required_argument, NULL, 'R'},
+                                          {"log-level", required_argument, NULL, 'v'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {NULL, 0, NULL, 0}};
+    int opt;
+
+    *status = CLI_USAGE_ERROR;
+    while ((opt = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
+        if (opt == 'h') {
+            usage(stdout);
+            *status = 0;
+            return false;
+        }
+        if (!parse_option(opt, optarg, a, o, d)) {
+            usage(stderr);
+            return false;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "idemrpc-demo: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return false;
+    }
+    return true;
+}
+
 int main(int argc, char **argv)
 {
-    const char *listen = "tcp://127.0.0.1:7700", *db = "./idemrpc-data", *http = NULL;
-    const char *store_url = NULL, *debounce_url = NULL;
-    idem_log_level level = IDEM_LOG_ERROR;
+    demo_args a = {
+        .listen = "tcp://127.0.0.1:7700", .db = "./idemrpc-data", .level = IDEM_LOG_ERROR};
     idem_server_opts opts;
     idem_server_opts_init(&opts);
     demo d = {.mu = PTHREAD_MUTEX_INITIALIZER};
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--listen") == 0 && i + 1 < argc) {
-            listen = argv[++i];
-        } else if (strcmp(argv[i], "--db") == 0 && i + 1 < argc) {
-            db = argv[++i];
-        } else if (strcmp(argv[i], "--delay-ms") == 0 && i + 1 < argc) {
-            d.delay_ms = strtol(argv[++i], NULL, 10);
-        } else if (strcmp(argv[i], "--store") == 0 && i + 1 < argc) {
-            store_url = argv[++i];
-        } else if (strcmp(argv[i], "--debounce") == 0 && i + 1 < argc) {
-            debounce_url = argv[++i];
-        } else if (strcmp(argv[i], "--http") == 0 && i + 1 < argc) {
-            http = argv[++i];
-        } else if (strcmp(argv[i], "--result-ttl-ms") == 0 && i + 1 < argc) {
-            opts.result_ttl_ms = strtoull(argv[++i], NULL, 10);
-        } else if (strcmp(argv[i], "--max-wait-ms") == 0 && i + 1 < argc) {
-            opts.max_wait_ms = strtoull(argv[++i], NULL, 10);
-        } else if (strcmp(argv[i], "--lease-ms") == 0 && i + 1 < argc) {
-            opts.lease_ms = strtoull(argv[++i], NULL, 10);
-        } else if (strcmp(argv[i], "--max-run-ms") == 0 && i + 1 < argc) {
-            opts.max_run_ms = strtoull(argv[++i], NULL, 10);
-        } else if (strcmp(argv[i], "--flaky") == 0 && i + 1 < argc) {
-            d.flaky = strtol(argv[++i], NULL, 10);
-        } else if (strcmp(argv[i], "--log-level") == 0 && i + 1 < argc) {
-            if (!parse_level(argv[++i], &level)) {
-                return usage();
-            }
-        } else {
-            return usage();
-        }
+    int status;
+    if (!parse(argc, argv, &a, &opts, &d, &status)) {
+        return status;
     }
 
     /* Block the stop signals before any thread starts; main waits for them below. */
@@ -242,16 +322,18 @@ int main(int argc, char **argv)
     sigaddset(&stop, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &stop, NULL);
 
-    opts.db_path = db;
-    opts.log_level = level;
+    opts.db_path = a.db;
+    opts.log_level = a.level;
     idem_store *shared = NULL;
     idem_debounce *debounce = NULL;
-    if (store_url != NULL &&
-        idem_store_open_postgres(&shared, store_url, opts.workers ? opts.workers : 16) != IDEM_OK) {
+    if (a.store_url != NULL &&
+        idem_store_open_postgres(&shared, a.store_url, opts.workers ? opts.workers : 16) !=
+            IDEM_OK) {
         fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
         return 1;
     }
-    if (debounce_url != NULL && idem_debounce_create(&debounce, debounce_url, 2000) != IDEM_OK) {
+    if (a.debounce_url != NULL &&
+        idem_debounce_create(&debounce, a.debounce_url, 2000) != IDEM_OK) {
         fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
         return 1;
     }
@@ -268,16 +350,16 @@ int main(int argc, char **argv)
         idem_server_register(srv, "demo.Counter/Get", counter_get, &d, NULL) != IDEM_OK ||
         idem_server_register(srv, "demo.Order/Submit", order_submit, &d, &submit) != IDEM_OK ||
         idem_server_register(srv, "demo.Pay/Notify", pay_notify, &d, &notify) != IDEM_OK ||
-        idem_server_listen(srv, listen) != IDEM_OK ||
-        (http != NULL && idem_server_listen_http(srv, http) != IDEM_OK)) {
+        idem_server_listen(srv, a.listen) != IDEM_OK ||
+        (a.http != NULL && idem_server_listen_http(srv, a.http) != IDEM_OK)) {
         fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
         return 1;
     }
-    if (http != NULL) {
+    if (a.http != NULL) {
         printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
     }
-    printf("idemrpc-demo listening on %s (store %s%s)\n", listen, shared != NULL ? "postgres" : db,
-           debounce != NULL ? ", redis debounce 2 s" : "");
+    printf("idemrpc-demo listening on %s (store %s%s)\n", a.listen,
+           shared != NULL ? "postgres" : a.db, debounce != NULL ? ", redis debounce 2 s" : "");
     fflush(stdout);
 
     int sig;
