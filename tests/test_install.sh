@@ -1,19 +1,63 @@
 #!/usr/bin/env bash
-# The installed headers and pkg-config file are enough to build a program against
-# idemrpc (every public header listed in install_headers, none missing).
+# What `meson install` puts on disk is enough to use idemrpc (README "Use it from your
+# project"): the headers, idemrpc.pc (no absolute library paths), the wire contract
+# under share/idemrpc/, tools that run without LD_LIBRARY_PATH, and examples/consumer
+# builds with meson and with make through pkg-config and runs.
+#   test_install.sh BUILD_DIR CONSUMER_DIR [B_SANITIZE]
+# Installs into a temporary DESTDIR; pkg-config finds that copy through
+# PKG_CONFIG_SYSROOT_DIR, as it would a staged root.
 set -euo pipefail
-build=${1:?usage: test_install.sh BUILD_DIR}
+build=${1:?usage: test_install.sh BUILD_DIR CONSUMER_DIR [B_SANITIZE]}
+consumer=${2:?usage: test_install.sh BUILD_DIR CONSUMER_DIR [B_SANITIZE]}
+sanitize=${3:-none}
 dest=$(mktemp -d "${TMPDIR:-/tmp}/idemrpc-install-XXXXXX")
-trap 'rm -rf "$dest"' EXIT
-meson install -C "$build" --destdir "$dest" --no-rebuild --quiet >/dev/null
-prefix=$(find "$dest" -name idemrpc.pc -printf '%h\n' | head -n 1)
-[ -n "$prefix" ] || { echo "FAIL: idemrpc.pc not installed"; exit 1; }
-inc=$(find "$dest" -type d -path '*/include/idemrpc' | head -n 1)
-[ -n "$inc" ] || { echo "FAIL: headers not installed"; exit 1; }
-cat >"$dest/use.c" <<'C'
-#include <idemrpc/idemrpc.h>
-int main(void) { return idem_code_name(IDEM_OK)[0] == 'O' ? 0 : 1; }
-C
-cc -std=c11 -Wall -Werror -I"$(dirname "$inc")" -c "$dest/use.c" -o "$dest/use.o"
-grep -q '^Libs:.*-lidemrpc' "$prefix/idemrpc.pc" || { echo "FAIL: idemrpc.pc"; exit 1; }
-echo "test_install: installed headers compile"
+demo=
+trap '[ -n "$demo" ] && kill "$demo" 2>/dev/null; rm -rf "$dest"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+unset LD_LIBRARY_PATH
+
+meson install -C "$build" --destdir "$dest/root" --no-rebuild --quiet >/dev/null
+pc=$(find "$dest/root" -name idemrpc.pc | head -n 1)
+[ -n "$pc" ] || fail "idemrpc.pc not installed"
+prefix=$dest/root$(sed -n 's/^prefix=//p' "$pc")
+bin=$prefix/bin
+[ -x "$bin/idemrpc-demo" ] && [ -x "$bin/idemrpc-call" ] && [ -x "$bin/idemctl" ] ||
+    fail "tools not installed in $bin"
+[ -f "$prefix/share/idemrpc/idemrpc.proto" ] || fail "share/idemrpc/idemrpc.proto missing"
+
+# idemrpc.pc: -lnng (Debian's nng has no .pc), no path to a library file.
+grep -q '^Libs:.*-lidemrpc' "$pc" || fail "Libs: $(grep '^Libs:' "$pc")"
+grep -q '^Libs.private:.*-lnng' "$pc" || fail "no -lnng: $(grep '^Libs.private:' "$pc")"
+grep -E '^Libs.*(/[^ ]*\.(so|a)\b)' "$pc" && fail "absolute library path in idemrpc.pc"
+
+# An installed tool finds the installed library through its RUNPATH.
+sock=ipc://$dest/demo.sock
+"$bin/idemrpc-demo" --listen "$sock" --db "$dest/demo-db" >"$dest/demo.out" 2>&1 &
+demo=$!
+for _ in $(seq 200); do grep -q listening "$dest/demo.out" && break; sleep 0.05; done
+grep -q listening "$dest/demo.out" || fail "installed idemrpc-demo: $(cat "$dest/demo.out")"
+out=$("$bin/idemrpc-call" "$sock" demo.Counter/Add 5 --key k1) || fail "idemrpc-call: $out"
+grep -q '^code: OK' <<<"$out" || fail "idemrpc-call: $out"
+
+# The consumer, against the installed copy only.
+export PKG_CONFIG_PATH=$(dirname "$pc") PKG_CONFIG_SYSROOT_DIR=$dest/root
+libdir=$(dirname "$(dirname "$pc")")
+cflags=()
+meson_args=()
+if [ "$sanitize" != none ]; then # the library needs the sanitizer runtime linked in
+    cflags=("-fsanitize=$sanitize")
+    meson_args=("-Db_sanitize=$sanitize" -Db_lundef=false)
+fi
+cp -r "$consumer" "$dest/consumer"
+meson setup "$dest/consumer-build" "$dest/consumer" "${meson_args[@]}" >"$dest/meson.log" 2>&1 ||
+    { cat "$dest/meson.log"; fail "consumer: meson setup"; }
+ninja -C "$dest/consumer-build" >"$dest/ninja.log" 2>&1 ||
+    { cat "$dest/ninja.log"; fail "consumer: ninja"; }
+make -s -C "$dest/consumer" CFLAGS="-O2 -Wall -Wextra -Werror ${cflags[*]}" \
+    LDFLAGS="${cflags[*]}" || fail "consumer: make"
+for exe in "$dest/consumer-build/consumer" "$dest/consumer/consumer"; do
+    out=$(LD_LIBRARY_PATH=$libdir "$exe" "$exe-db") || fail "$exe: $out"
+    [ "$out" = "hello, world (call 1), replayed: false
+hello, world (call 1), replayed: true" ] || fail "$exe printed: $out"
+done
+echo "test_install: installed tools run, the consumer builds with meson and make and runs"
