@@ -15,7 +15,12 @@ static void resolve_request_id(idem_call *call)
         const char *m = idem_call_metadata(call, "x-request-id");
         id = m != NULL ? m : "";
     }
-    if (id[0] != '\0' && strlen(id) <= IDEM_MAX_REQUEST_ID) {
+    size_t len = strlen(id);
+    bool printable = true; /* it is echoed in logs, headers and JSON */
+    for (size_t i = 0; i < len && printable; i++) {
+        printable = (unsigned char)id[i] >= 0x20 && id[i] != 0x7f;
+    }
+    if (len > 0 && len <= IDEM_MAX_REQUEST_ID && printable) {
         strcpy(call->request_id, id);
         return;
     }

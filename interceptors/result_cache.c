@@ -58,12 +58,12 @@ static idem_code answer_in_progress(idem_call *call)
 
 /* Stores the call's response as the COMPLETED record: in the handler's own transaction
  * (committing its business writes with it) when it has one, else on its own. */
-static idem_code record_result(idem_call *call, idem_runtime *rt, const idem_key_ref *key,
+static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                                uint64_t owner, idem_txn *txn)
 {
     const idem_method_opts *o = &call->method->opts;
-    uint64_t now = idem__rt_now_ms(rt);
-    uint64_t expires = now + (o->result_ttl_ms ? o->result_ttl_ms : rt->result_ttl_ms);
+    uint64_t now = idem__rt_now_ms(call->rt);
+    uint64_t expires = now + (o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
     uint8_t *buf;
     size_t len;
     idem_code st = idem__encode_call_response(call, false, &buf, &len);
@@ -74,18 +74,18 @@ static idem_code record_result(idem_call *call, idem_runtime *rt, const idem_key
         return st;
     }
     st = txn != NULL ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires)
-                     : idem__store_complete_at(rt->store, key, owner, buf, len, expires, now);
+                     : idem__store_complete_at(cfg->store, key, owner, buf, len, expires, now);
     free(buf);
     return st;
 }
 
 /* After UNAVAILABLE, an ABORTED may mean our own earlier write did commit (its
  * acknowledgement was lost): the record then holds our result. */
-static bool recorded_by_us(idem_runtime *rt, const idem_key_ref *key, uint64_t owner,
+static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, uint64_t owner,
                            bool completed)
 {
     idem_record rec;
-    idem_code code = idem_store_get(rt->store, key, &rec);
+    idem_code code = idem_store_get(cfg->store, key, &rec);
     bool ours = completed ? code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.owner == owner
                           : code == IDEM_NOT_FOUND;
     idem_record_clear(&rec);
@@ -95,15 +95,15 @@ static bool recorded_by_us(idem_runtime *rt, const idem_key_ref *key, uint64_t o
 /* Completes (or releases) the claim, retrying a transient store failure (a database
  * restarting) for up to RECORD_RETRY_MS: the handler has run, and a lost record would
  * let the next retry run it again once the lease ends. */
-static idem_code record_retrying(idem_call *call, idem_runtime *rt, const idem_key_ref *key,
+static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                                  uint64_t owner, bool complete)
 {
     uint64_t give_up = idem__mono_ms() + RECORD_RETRY_MS, backoff = 10;
     bool retried = false;
     for (;;) {
-        idem_code st = complete ? record_result(call, rt, key, owner, NULL)
-                                : idem_store_release(rt->store, key, owner);
-        if (st == IDEM_ABORTED && retried && recorded_by_us(rt, key, owner, complete)) {
+        idem_code st = complete ? record_result(call, cfg, key, owner, NULL)
+                                : idem_store_release(cfg->store, key, owner);
+        if (st == IDEM_ABORTED && retried && recorded_by_us(cfg, key, owner, complete)) {
             return IDEM_OK;
         }
         if (st != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
@@ -119,12 +119,12 @@ static idem_code record_retrying(idem_call *call, idem_runtime *rt, const idem_k
 /* Our claim was taken over while the handler ran (it outlived max_run_ms, or the store
  * was unreachable for a whole lease). Its answer must not be a second, different OK:
  * the client gets the winner's stored result, or ABORTED to retry with the same key. */
-static idem_code claim_lost(idem_call *call, idem_runtime *rt, const idem_key_ref *key,
+static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                             const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
 {
     idem_record rec;
-    idem_code code = idem_store_get(rt->store, key, &rec);
-    idem__log(rt->obs, IDEM_LOG_ERROR,
+    idem_code code = idem_store_get(cfg->store, key, &rec);
+    idem__log(call->rt->obs, IDEM_LOG_ERROR,
               "request_id=%s method=\"%s\" msg=\"claim lost while the handler ran; its "
               "answer is discarded\"",
               call->request_id, call->method->name);
@@ -150,7 +150,7 @@ static bool released_code(const idem_method_opts *o, idem_code code)
 }
 
 /* Runs the handler as the claim owner and records the outcome. */
-static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
+static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
                            const idem_key_ref *key, uint64_t owner,
                            const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
 {
@@ -161,50 +161,52 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
     idem_keep *keep = NULL;
     idem_code code, st;
 
-    if (transactional && (st = idem__store_txn_begin(rt->store, &txn)) != IDEM_OK) {
-        idem_store_release(rt->store, key, owner);
-        idem__inflight_notify(rt->inflight, bucket);
+    if (transactional && (st = idem__store_txn_begin(cfg->store, &txn)) != IDEM_OK) {
+        idem_store_release(cfg->store, key, owner);
+        idem__inflight_notify(call->rt->inflight, bucket);
         return idem__reject(call, IDEM_REASON_STORE, st, "%s", idem_errmsg());
     }
     if (!transactional) { /* a handler txn holds the writer lock: nobody can take over */
-        uint64_t lease = o->lease_ms ? o->lease_ms : rt->lease_ms;
-        keep = idem__inflight_keep(rt->inflight, key, owner, lease,
-                                   o->max_run_ms ? o->max_run_ms : rt->max_run_ms);
+        uint64_t lease = o->lease_ms ? o->lease_ms : cfg->lease_ms;
+        keep = idem__inflight_keep(call->rt->inflight, key, owner, lease,
+                                   o->max_run_ms ? o->max_run_ms : cfg->max_run_ms);
     }
     call->txn = txn;
     call->fence = owner;
     code = idem_call_next(call, next);
     call->txn = NULL;
-    idem__inflight_unkeep(rt->inflight, keep);
     if (released_code(o, code)) {
         if (txn != NULL) {
             idem__store_txn_abort(txn); /* business writes vanish with the claim */
         }
-        st = record_retrying(call, rt, key, owner, false);
+        st = record_retrying(call, cfg, key, owner, false);
     } else if (txn != NULL && code == IDEM_OK) {
-        st = record_result(call, rt, key, owner, txn); /* effect and record together */
+        st = record_result(call, cfg, key, owner, txn); /* effect and record together */
     } else {
         if (txn != NULL) {
             idem__store_txn_abort(txn); /* a final error has no effect, only its record */
         }
-        st = record_retrying(call, rt, key, owner, true);
+        st = record_retrying(call, cfg, key, owner, true);
     }
-    idem__inflight_notify(rt->inflight, bucket);
+    /* Renewed until now: recording may retry through a store outage for longer than a
+     * lease, and a lapse would let another instance take over and run it again. */
+    idem__inflight_unkeep(call->rt->inflight, keep);
+    idem__inflight_notify(call->rt->inflight, bucket);
     if (st == IDEM_OK) {
         return code;
     }
     if (transactional) {
         /* Nothing committed: not the effect, not the record. Say so, and free the key. */
-        idem_store_release(rt->store, key, owner);
-        idem__inflight_notify(rt->inflight, bucket);
+        idem_store_release(cfg->store, key, owner);
+        idem__inflight_notify(call->rt->inflight, bucket);
         return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", idem_errmsg());
     }
     if (st == IDEM_ABORTED) {
-        return claim_lost(call, rt, key, fingerprint);
+        return claim_lost(call, cfg, key, fingerprint);
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
-    idem__log(rt->obs, IDEM_LOG_ERROR,
+    idem__log(call->rt->obs, IDEM_LOG_ERROR,
               "request_id=%s method=\"%s\" msg=\"recording the outcome failed: %s\"",
               call->request_id, call->method->name, idem_errmsg());
     return code;
@@ -212,10 +214,10 @@ static idem_code run_owned(idem_call *call, idem_next next, idem_runtime *rt,
 
 /* How long a duplicate may wait (monotonic): its own deadline (a little before it, so
  * that the answer still arrives), at most the server's max wait. */
-static uint64_t wait_until(const idem_call *call, const idem_runtime *rt)
+static uint64_t wait_until(const idem_call *call, const idem_cache_cfg *cfg)
 {
-    uint64_t mono = idem__mono_ms(), wall = idem__rt_now_ms(rt);
-    uint64_t deadline = idem_call_deadline_ms(call), wait = rt->max_wait_ms;
+    uint64_t mono = idem__mono_ms(), wall = idem__rt_now_ms(call->rt);
+    uint64_t deadline = idem_call_deadline_ms(call), wait = cfg->max_wait_ms;
     if (deadline > wall && deadline - wall < wait) {
         uint64_t left = deadline - wall, margin = left / 10;
         wait = left - (margin < REPLY_MARGIN_MS ? margin : REPLY_MARGIN_MS);
@@ -226,12 +228,12 @@ static uint64_t wait_until(const idem_call *call, const idem_runtime *rt)
 /* Waits for the key's owner: parks the call (the server resumes it here on the next
  * completion in its bucket or at its next re-read) or, where the chain cannot park,
  * blocks. Returns with call->suspend set, IDEM_OK to read again, or an answer. */
-static idem_code wait_for_owner(idem_call *call, idem_next next, uint32_t bucket, uint64_t gen)
+static idem_code wait_for_owner(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
+                                uint32_t bucket, uint64_t gen)
 {
-    idem_runtime *rt = call->rt;
     uint64_t now = idem__mono_ms();
     if (call->wait_until_ms == 0) {
-        call->wait_until_ms = wait_until(call, rt);
+        call->wait_until_ms = wait_until(call, cfg);
         call->poll_ms = POLL_MS;
     }
     if (now >= call->wait_until_ms || call->park_refused) {
@@ -240,14 +242,14 @@ static idem_code wait_for_owner(idem_call *call, idem_next next, uint32_t bucket
     uint64_t wake = now + call->poll_ms;
     wake = wake < call->wait_until_ms ? wake : call->wait_until_ms;
     call->poll_ms = call->poll_ms * 2 > MAX_POLL_MS ? MAX_POLL_MS : call->poll_ms * 2;
-    if (call->parkable && rt->can_park) {
+    if (call->parkable && call->rt->can_park) {
         call->resume_pos = next.pos - 1; /* this interceptor */
         call->park_bucket = bucket;
         call->park_gen = gen;
         call->park_wake_ms = wake;
         return idem__call_suspend(call, IDEM__SUSPEND_PARK);
     }
-    if (!idem__inflight_wait(rt->inflight, bucket, gen, wake - now)) {
+    if (!idem__inflight_wait(call->rt->inflight, bucket, gen, wake - now)) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "server shutting down");
     }
     return IDEM_OK;
@@ -255,14 +257,14 @@ static idem_code wait_for_owner(idem_call *call, idem_next next, uint32_t bucket
 
 /* One look at the store and, unless a live lease says wait, one claim. Returns an
  * answer, or IDEM_OK with *wait set. */
-static idem_code look_or_claim(idem_call *call, idem_next next, const idem_key_ref *key,
+static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
+                               const idem_key_ref *key,
                                const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *wait)
 {
-    idem_runtime *rt = call->rt;
     const idem_method *m = call->method;
     idem_record rec;
-    idem_code code = idem_store_get(rt->store, key, &rec);
-    uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(rt);
+    idem_code code = idem_store_get(cfg->store, key, &rec);
+    uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
     bool same = memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0;
     *wait = false;
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
@@ -282,14 +284,14 @@ static idem_code look_or_claim(idem_call *call, idem_next next, const idem_key_r
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return idem__reject(call, IDEM_REASON_STORE, code, "result cache: %s", idem_errmsg());
     }
-    uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : rt->lease_ms;
+    uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : cfg->lease_ms;
     idem_claim_req req = {.key = *key, .token = call->token_to_consume, .owner = 0};
     idem_claim_outcome outcome;
     memcpy(req.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN);
-    req.now_ms = idem__rt_now_ms(rt);
+    req.now_ms = idem__rt_now_ms(call->rt);
     req.lease_until_ms = req.now_ms + lease;
-    req.expires_ms = req.lease_until_ms + rt->result_ttl_ms;
-    code = idem_store_claim(rt->store, &req, &outcome, &rec);
+    req.expires_ms = req.lease_until_ms + cfg->result_ttl_ms;
+    code = idem_store_claim(cfg->store, &req, &outcome, &rec);
     if (code != IDEM_OK) {
         bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;
         return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
@@ -299,7 +301,7 @@ static idem_code look_or_claim(idem_call *call, idem_next next, const idem_key_r
     case IDEM_CLAIM_ACQUIRED:
     case IDEM_CLAIM_TAKEN_OVER:
         call->token_to_consume = NULL;
-        code = run_owned(call, next, rt, key, rec.owner, fingerprint);
+        code = run_owned(call, next, cfg, key, rec.owner, fingerprint);
         break;
     case IDEM_CLAIM_COMPLETED:
         code = replay(call, &rec);
@@ -318,7 +320,7 @@ static idem_code look_or_claim(idem_call *call, idem_next next, const idem_key_r
 
 idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *arg)
 {
-    idem_runtime *rt = arg;
+    const idem_cache_cfg *cfg = arg;
     const idem_method *m = call->method;
     const unsigned cached =
         IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_TRANSACTIONAL;
@@ -333,12 +335,12 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
     }
     for (;;) {
         bool wait;
-        uint64_t gen = idem__inflight_gen(rt->inflight, bucket); /* before the read */
-        idem_code code = look_or_claim(call, next, &key, fingerprint, &wait);
+        uint64_t gen = idem__inflight_gen(call->rt->inflight, bucket); /* before the read */
+        idem_code code = look_or_claim(call, cfg, next, &key, fingerprint, &wait);
         if (!wait || call->suspend != IDEM__SUSPEND_NONE) {
             return code;
         }
-        code = wait_for_owner(call, next, bucket, gen);
+        code = wait_for_owner(call, cfg, next, bucket, gen);
         if (code != IDEM_OK || call->suspend != IDEM__SUSPEND_NONE) {
             return code;
         }

@@ -2,9 +2,11 @@
  *
  * idem.Token/Issue returns 128 random bits (getrandom) in base64url, stored with the
  * caller as scope and an expiry. A method registered IDEM_METHOD_TOKEN_REQUIRED needs
- * Request.token; the token becomes the idempotency key, and result_cache consumes it in
- * the same write transaction as the claim. So the first call uses the token up, and a
- * retry with the same token finds the record and replays the first result. */
+ * Request.token; the token becomes the idempotency key unless the request names one (a
+ * business key or an explicit key: two tokens for one out_trade_no are still one
+ * order), and result_cache consumes it in the same write transaction as the claim. So
+ * the first call uses the token up, and a retry with the same token finds the record
+ * and replays the first result. */
 #include <stdio.h>
 #include <string.h>
 
@@ -15,15 +17,15 @@
 
 idem_code idem__token_issue_handler(idem_call *call, void *arg)
 {
-    idem_runtime *rt = arg;
+    const idem_token_cfg *cfg = arg;
     uint8_t rnd[TOKEN_BYTES];
     char token[2 * TOKEN_BYTES + 1];
     if (!idem__random(rnd, sizeof(rnd))) {
         return idem_call_fail(call, IDEM_INTERNAL, "getrandom failed");
     }
     idem__base64url(token, rnd, sizeof(rnd));
-    uint64_t now = idem__rt_now_ms(rt), expires = now + rt->token_ttl_ms;
-    idem_code code = idem__store_token_put_at(rt->store, token, idem_call_caller(call), expires, now);
+    uint64_t now = idem__rt_now_ms(call->rt), expires = now + cfg->ttl_ms;
+    idem_code code = idem__store_token_put_at(cfg->store, token, idem_call_caller(call), expires, now);
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "token store: %s", idem_errmsg());
     }
@@ -37,7 +39,7 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg)
 
 idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
 {
-    idem_runtime *rt = arg;
+    const idem_token_cfg *cfg = arg;
     const idem_method *m = call->method;
     if (m == NULL || !(m->opts.flags & IDEM_METHOD_TOKEN_REQUIRED)) {
         return idem_call_next(call, next);
@@ -48,9 +50,11 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
         return idem__reject(call, IDEM_REASON_TOKEN, IDEM_FAILED_PRECONDITION,
                             "method %s requires a token from " IDEM_TOKEN_ISSUE_METHOD, m->name);
     }
-    memcpy(call->key, token, len + 1); /* codec bounds tokens below IDEM_MAX_KEY */
-    call->key_source = IDEM_KEY_TOKEN;
-    if (rt->has_result_cache) {
+    if (call->key_source == IDEM_KEY_NONE || call->key_source == IDEM_KEY_GENERATED) {
+        memcpy(call->key, token, len + 1); /* codec bounds tokens below IDEM_MAX_KEY */
+        call->key_source = IDEM_KEY_TOKEN;
+    }
+    if (cfg->consume_with_claim) {
         call->token_to_consume = token;
         return idem_call_next(call, next);
     }
@@ -59,7 +63,7 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
         return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* a write */
     }
     idem_code code =
-        idem_store_token_consume(rt->store, token, idem_call_caller(call), idem__rt_now_ms(rt));
+        idem_store_token_consume(cfg->store, token, idem_call_caller(call), idem__rt_now_ms(call->rt));
     if (code != IDEM_OK) {
         return idem__reject(call, IDEM_REASON_TOKEN, code, "%s", idem_errmsg());
     }

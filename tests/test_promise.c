@@ -228,6 +228,7 @@ static const struct {
     {"p.Validate/Do", h_validate, {.flags = CACHED}},
     {"p.ValidateStored/Do", h_validate, {.flags = CACHED, .store_invalid_argument = true}},
     {"p.Fast/Do", h_echo, {.flags = CACHED}},
+    {"p.OrderByNo/Submit", h_echo, {.flags = IDEM_METHOD_TOKEN_REQUIRED, .extractor = key_is_payload}},
 };
 
 static void reset_handlers(void)
@@ -919,4 +920,163 @@ Test(promise, http_beyond_max_pending_gets_429)
         tu_http_free(&a[i].r);
     }
     EXPECT_COUNT(entered, PENDING, "the fifth did not run");
+}
+
+/* ---- found in review: shutdown, contexts, tokens with business keys, echoes ---- */
+
+struct destroy_arg {
+    tu_server *ts;
+};
+
+static void *destroy_thread(void *p)
+{
+    tu_server_destroy(((struct destroy_arg *)p)->ts, false);
+    return NULL;
+}
+
+Test(promise, a_server_shutting_down_keeps_renewing_the_lease_of_a_running_handler)
+{
+    char *dir;
+    idem_store *st = tu_store_open("shared", &dir);
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = st;
+    start_with(&o);
+    H.slow_ms = 1500;
+    tu_server other;
+    idem_server_opts o2;
+    idem_server_opts_init(&o2);
+    o2.store = st;
+    tu_server_create(&other, &o2);
+    cr_assert_eq(idem_server_register(other.srv, "p.Slow/Do", h_slow, NULL, &METHODS[1].opts),
+                 IDEM_OK);
+    tu_server_listen(&other);
+    pthread_t t, d;
+    struct nng_arg a = {.c = C, .method = "p.Slow/Do", .key = "K", .payload = "s"};
+    pthread_create(&t, NULL, nng_thread, &a);
+    cr_assert(await_at_least(&H.slow_runs, 1), "the slow handler never started");
+    struct destroy_arg da = {&S}; /* a rolling restart: S drains while its handler runs */
+    pthread_create(&d, NULL, destroy_thread, &da);
+    sleep_ms(600); /* the scenario: twice the 300 ms lease passes */
+    idem_client *c2 = tu_client(other.url, 3000);
+    idem_result b;
+    idem_request q = {.method = "p.Slow/Do", .idempotency_key = "K", .payload = "s",
+                      .payload_len = 1};
+    EXPECT_CODE(idem_client_call(c2, &q, &b), IDEM_OK, &b);
+    pthread_join(t, NULL);
+    pthread_join(d, NULL);
+    S.srv = NULL;
+    EXPECT_COUNT(executions, 1, "the other instance took over a claim whose handler ran");
+    cr_expect_str_eq(b.payload ? b.payload : "", "exec=1 payload=s");
+    idem_result_clear(&a.r);
+    idem_result_clear(&b);
+    idem_client_close(c2);
+    idem_client_close(C);
+    C = NULL;
+    tu_server_destroy(&other, false);
+    idem_store_close(st);
+    tu_rmtree(dir);
+}
+
+Test(promise, duplicates_leave_half_the_nng_contexts_to_other_callers)
+{
+    enum { CONTEXTS = 16, WAITING = 24 };
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.workers = 4;
+    o.contexts = CONTEXTS;
+    start_with(&o);
+    H.slow_ms = 2000;
+    idem_client *slow = patient_client();
+    pthread_t t[WAITING];
+    static struct nng_arg a[WAITING];
+    for (int i = 0; i < WAITING; i++) {
+        a[i] = (struct nng_arg){.c = slow, .method = "p.Long/Do", .key = "slow", .payload = "s"};
+        pthread_create(&t[i], NULL, nng_thread, &a[i]);
+    }
+    cr_assert(await_at_least(&H.slow_runs, 1), "the slow handler never started");
+    idem_result r;
+    EXPECT_CODE(call("p.Fast/Do", "other-caller", "f", &r), IDEM_OK, &r);
+    uint64_t fast_done = mono_ms(), first_slow = UINT64_MAX;
+    idem_result_clear(&r);
+    int ok = 0;
+    for (int i = 0; i < WAITING; i++) {
+        pthread_join(t[i], NULL);
+        /* Beyond the parked half, a duplicate hears "in progress" at once and retries;
+         * its retries may run out before the 2 s call ends. */
+        cr_expect(a[i].code == IDEM_OK || a[i].code == IDEM_ABORTED, "%s", a[i].r.message);
+        if (a[i].code == IDEM_OK) {
+            ok++;
+            first_slow = a[i].done_ms < first_slow ? a[i].done_ms : first_slow;
+        }
+        idem_result_clear(&a[i].r);
+    }
+    cr_expect_geq(ok, CONTEXTS / 2, "the parked duplicates got the first result");
+    cr_expect_lt(fast_done, first_slow, "the fast call waited for the slow one");
+    EXPECT_COUNT(slow_runs, 1, "");
+    idem_client_close(slow);
+}
+
+Test(promise, a_business_key_outranks_the_token_two_tokens_one_order)
+{
+    start();
+    char t1[64], t2[64];
+    cr_assert_eq(idem_client_issue_token(C, NULL, t1, sizeof(t1), NULL), IDEM_OK);
+    cr_assert_eq(idem_client_issue_token(C, NULL, t2, sizeof(t2), NULL), IDEM_OK);
+    idem_result r;
+    idem_request q = {.method = "p.OrderByNo/Submit", .token = t1, .payload = "order-7",
+                      .payload_len = 7};
+    EXPECT_CODE(idem_client_call(C, &q, &r), IDEM_OK, &r);
+    cr_expect_str_eq(meta_or_none(&r, "idem-key"), "order-7");
+    idem_result_clear(&r);
+    q.token = t2; /* a second submit form for the same order */
+    EXPECT_CODE(idem_client_call(C, &q, &r), IDEM_OK, &r);
+    cr_expect(r.replayed, "the order number, not the token, decided");
+    idem_result_clear(&r);
+    EXPECT_COUNT(executions, 1, "");
+}
+
+/* How many times needle occurs in hay. */
+static int occurrences(const char *hay, const char *needle)
+{
+    int n = 0;
+    for (const char *p = hay != NULL ? strstr(hay, needle) : NULL; p != NULL;
+         p = strstr(p + 1, needle)) {
+        n++;
+    }
+    return n;
+}
+
+Test(promise, echoed_request_ids_are_escaped_and_control_characters_refused)
+{
+    start();
+    tu_http r;
+    post(&r, "p.Missing/Do", (const char *[]){"X-Request-Id: x\",\"code\":\"OK"}, 1, "x");
+    cr_expect_eq(r.status, 404, "%d %s", r.status, r.body);
+    cr_expect_eq(occurrences(r.body, "\"code\":"), 1, "%s", r.body);
+    tu_http_free(&r);
+    size_t len;
+    void *frame = tu_pack_request("p.Echo/Do", "K", "forged\nlevel=error", "x", &len);
+    Idem__V1__Response *resp = tu_raw_call(S.url, frame, len, 3000);
+    free(frame);
+    cr_assert_not_null(resp);
+    cr_expect_eq(resp->code, IDEM_INVALID_ARGUMENT);
+    cr_expect_neq(strstr(resp->message, "control character"), NULL, "%s", resp->message);
+    tu_response_free(resp);
+    EXPECT_COUNT(executions, 0, "");
+}
+
+Test(promise, http_key_parameters_bad_escapes_and_trailing_text_are_400)
+{
+    start();
+    const char *bad[] = {"Idempotency-Key: \"k\";a=1", "Idempotency-Key: \"k\\x\"",
+                         "Idempotency-Key: \"k\" junk", "Idempotency-Key: \"k"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tu_http r;
+        post(&r, "p.Echo/Do", &bad[i], 1, "x");
+        cr_expect_eq(r.status, 400, "%s: %d %s", bad[i], r.status, r.body);
+        cr_expect_neq(strstr(r.body, "Idempotency-Key"), NULL, "%s", r.body);
+        tu_http_free(&r);
+    }
+    EXPECT_COUNT(executions, 0, "");
 }

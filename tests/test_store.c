@@ -743,3 +743,19 @@ Test(store, release_restores_the_consumed_token_and_completion_uses_it_up)
     cr_expect_eq(stats().tokens, 0);
     cr_expect_eq(idem_store_token_consume(st, "tok1", CALLER, T0), IDEM_FAILED_PRECONDITION);
 }
+
+Test(store, a_takeover_keeps_its_token_and_any_other_token_must_be_valid)
+{
+    cr_assert_eq(idem_store_token_put(st, "tok1", CALLER, T0 + LEASE_MS * 4), IDEM_OK);
+    idem_claim_req first = claim_req("k1", FP_A, 11, T0);
+    first.token = "tok1";
+    cr_assert_eq(claim(&first, NULL), IDEM_CLAIM_ACQUIRED);
+    idem_claim_req bogus = claim_req("k1", FP_A, 22, first.lease_until_ms);
+    bogus.token = "never-issued";
+    idem_claim_outcome out;
+    cr_expect_eq(idem_store_claim(st, &bogus, &out, NULL), IDEM_FAILED_PRECONDITION,
+                 "an unknown token cannot take over an abandoned claim");
+    idem_claim_req same = claim_req("k1", FP_A, 33, first.lease_until_ms);
+    same.token = "tok1";
+    cr_expect_eq(claim(&same, NULL), IDEM_CLAIM_TAKEN_OVER, "the kept token is the one it needs");
+}

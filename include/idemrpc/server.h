@@ -49,13 +49,13 @@ typedef bool (*idem_fingerprint_fn)(const idem_call *call, void *buf, size_t cap
 enum idem_method_flags {
     /* Claim-before-run through the result cache; results replayed to duplicates. */
     IDEM_METHOD_CACHED = 1u << 0,
-    /* Calls without an idempotency key are rejected with INVALID_ARGUMENT. */
     /* Calls without a key chosen by the caller (field, metadata, token or the method's
      * business key) are rejected with INVALID_ARGUMENT: a key idem_client generated
      * does not count, since a caller that forgot the key would get a new one per call. */
     IDEM_METHOD_KEY_REQUIRED = 1u << 1,
-    /* Calls need a one-time token from idem.Token/Issue; the token becomes the key.
-     * Implies IDEM_METHOD_CACHED. */
+    /* Calls need a one-time token from idem.Token/Issue, consumed by the first claim;
+     * the token is the key unless the request names one (a business key or an explicit
+     * key). Implies IDEM_METHOD_CACHED. */
     IDEM_METHOD_TOKEN_REQUIRED = 1u << 2,
     /* The handler runs inside the store's write transaction (txn.h): its business
      * writes and the result record commit atomically. Implies IDEM_METHOD_CACHED and

@@ -68,18 +68,29 @@ typedef struct idem_clock {
 
 typedef struct idem_inflight idem_inflight;
 
-/* Shared by the built-in interceptors; owned by the server. */
+/* What every call may use, owned by the server: the clock, counters and logs, and the
+ * in-flight table. Each built-in interceptor has a configuration of its own (below). */
 typedef struct idem_runtime {
-    idem_store *store;
-    uint64_t result_ttl_ms, lease_ms, token_ttl_ms, max_wait_ms, max_run_ms;
-    bool has_result_cache; /* the chain contains result_cache (token consumption) */
+    idem_clock clock;
+    idem_observer *obs;
+    idem_inflight *inflight; /* keyed waiters and the lease keeper (inflight.c) */
     /* Every interceptor before result_cache is a built-in that only tail-calls, so a
      * waiting duplicate can leave the chain and resume at result_cache later. */
     bool can_park;
-    idem_inflight *inflight; /* keyed waiters and the lease keeper (inflight.c) */
-    idem_clock clock;
-    idem_observer *obs;
 } idem_runtime;
+
+/* The token interceptor's and idem.Token/Issue's configuration. */
+typedef struct idem_token_cfg {
+    idem_store *store;
+    uint64_t ttl_ms;
+    bool consume_with_claim; /* result_cache is in the chain: the claim consumes tokens */
+} idem_token_cfg;
+
+/* result_cache's configuration (server defaults; methods may override). */
+typedef struct idem_cache_cfg {
+    idem_store *store;
+    uint64_t result_ttl_ms, lease_ms, max_wait_ms, max_run_ms;
+} idem_cache_cfg;
 
 uint64_t idem__rt_now_ms(const idem_runtime *rt);
 

@@ -6,6 +6,17 @@
 
 #include "call.h"
 
+/* No C0 control characters or DEL: the field is echoed in logs and headers. */
+static idem_code check_printable(const char *field, const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f) {
+            return idem__err(IDEM_INVALID_ARGUMENT, "%s contains a control character", field);
+        }
+    }
+    return IDEM_OK;
+}
+
 static idem_code check_string(const char *field, const char *s, size_t max, bool required)
 {
     size_t len = strlen(s);
@@ -48,7 +59,10 @@ idem_code idem__request_check(const Idem__V1__Request *r)
         (code = check_string("request_id (X-Request-Id)", r->request_id, IDEM_MAX_REQUEST_ID,
                              false)) != IDEM_OK ||
         (code = check_string("token (Idem-Token)", r->token, IDEM_MAX_TOKEN, false)) != IDEM_OK ||
-        (code = check_string("caller (X-Caller)", r->caller, IDEM_MAX_CALLER, false)) != IDEM_OK) {
+        (code = check_string("caller (X-Caller)", r->caller, IDEM_MAX_CALLER, false)) != IDEM_OK ||
+        (code = check_printable("request_id (X-Request-Id)", r->request_id)) != IDEM_OK ||
+        (code = check_printable("token (Idem-Token)", r->token)) != IDEM_OK ||
+        (code = check_printable("caller (X-Caller)", r->caller)) != IDEM_OK) {
         return code;
     }
     if (r->n_metadata > IDEM_MAX_METADATA) {

@@ -3,6 +3,7 @@
 #ifndef IDEMRPC_INTERNAL_H
 #define IDEMRPC_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -23,7 +24,11 @@ void idem__err_clear(void);
 uint64_t idem__now_ms(void);  /* CLOCK_REALTIME, unix ms: stored in records */
 uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);
-void idem__abs_timespec(struct timespec *ts, uint64_t wait_ms); /* REALTIME now + wait */
+/* Timed waits run on the monotonic clock, so a wall-clock step (NTP) cannot stretch
+ * or cut them: a condition variable made by idem__cond_init, waited on until
+ * idem__abs_timespec(wait_ms). */
+void idem__cond_init(pthread_cond_t *cv);
+void idem__abs_timespec(struct timespec *ts, uint64_t wait_ms); /* MONOTONIC now + wait */
 
 /* Fills buf from getrandom(2) (the kernel CSPRNG). Returns false only if the kernel
  * refuses, which callers treat as IDEM_INTERNAL. */

@@ -156,13 +156,58 @@ idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)
     return enqueue(d, job, true);
 }
 
+/* A place among the front's parked jobs; false when its bound is reached. */
+static bool slot_take(idem_job *job)
+{
+    if (job->parked == NULL) {
+        return true;
+    }
+    if (atomic_fetch_add(job->parked, 1) >= job->max_parked) {
+        atomic_fetch_sub(job->parked, 1);
+        return false;
+    }
+    job->holds_slot = true;
+    return true;
+}
+
+static void slot_give_back(idem_job *job)
+{
+    if (job->holds_slot) {
+        atomic_fetch_sub(job->parked, 1);
+        job->holds_slot = false;
+    }
+}
+
 /* Drops a job that will never be answered (shutdown). */
 static void drop_job(idem_dispatch *d, idem_job *job)
 {
+    slot_give_back(job);
     if (job->parked_before) {
         idem__dispatch_done(d, &job->s);
     }
     job->drop(job);
+    idem__observe_in_flight(d->cfg.rt->obs, -1);
+}
+
+/* Parks a call that must wait. true: the job belongs to the in-flight table now; false:
+ * run the chain again at once (the bucket moved on, or no place: "in progress"). */
+static bool park(idem_dispatch *d, idem_job *job)
+{
+    idem_call *call = &job->s.call;
+    job->parked_before = true;
+    call->suspend = IDEM__SUSPEND_NONE;
+    if (!slot_take(job)) {
+        call->park_refused = true;
+        return false;
+    }
+    idem_park r = idem__inflight_park(d->cfg.rt->inflight, job, call->park_bucket, call->park_gen,
+                                      call->park_wake_ms);
+    if (r == IDEM__PARKED) {
+        return true;
+    }
+    slot_give_back(job);
+    call->park_refused = r == IDEM__PARK_FULL;
+    return false;
 }
 
 /* The in-flight table hands back a woken job. */
@@ -211,23 +256,13 @@ static void job_step(idem_dispatch *d, idem_job *job)
     idem_runtime *rt = d->cfg.rt;
     idem_call *call = &job->s.call;
     bool answered = false;
+    slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
         answered = run(d, job->frame, job->len, false, rt->can_park, &job->s);
     }
     while (!answered) {
-        if (call->suspend == IDEM__SUSPEND_PARK) {
-            job->parked_before = true;
-            call->suspend = IDEM__SUSPEND_NONE;
-            switch (idem__inflight_park(rt->inflight, job, call->park_bucket, call->park_gen,
-                                        call->park_wake_ms)) {
-            case IDEM__PARKED:
-                return;
-            case IDEM__PARK_CHANGED:
-                break;
-            case IDEM__PARK_FULL:
-                call->park_refused = true;
-                break;
-            }
+        if (call->suspend == IDEM__SUSPEND_PARK && park(d, job)) {
+            return;
         }
         idem__call_reset_response(call);
         idem_call_next(call, (idem_next){d->cfg.chain, call->resume_pos});
@@ -264,7 +299,8 @@ idem_code idem__dispatch_create(idem_dispatch **out, const idem_dispatch_cfg *cf
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
     idem_code code =
-        idem__inflight_create(&cfg->rt->inflight, cfg->rt, cfg->max_waiters, resume_job, d);
+        idem__inflight_create(&cfg->rt->inflight, cfg->rt, cfg->store, cfg->max_waiters,
+                              resume_job, d);
     if (code != IDEM_OK) {
         idem__dispatch_destroy(d);
         return code;
@@ -295,7 +331,7 @@ void idem__dispatch_stop(idem_dispatch *d)
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
     if (d->cfg.rt->inflight != NULL) { /* parked duplicates are dropped like queued calls */
-        for (idem_job *job = idem__inflight_stop(d->cfg.rt->inflight), *next; job != NULL;
+        for (idem_job *job = idem__inflight_close(d->cfg.rt->inflight), *next; job != NULL;
              job = next) {
             next = job->next;
             drop_job(d, job);

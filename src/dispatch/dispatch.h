@@ -7,6 +7,8 @@
 #ifndef IDEMRPC_DISPATCH_H
 #define IDEMRPC_DISPATCH_H
 
+#include <stdatomic.h>
+
 #include "call.h"
 
 /* A served call: the decoded request and the call after the whole chain ran. */
@@ -26,10 +28,15 @@ struct idem_job {
     void (*drop)(idem_job *job); /* at shutdown, instead of answer */
     const void *frame;
     size_t len;
+    /* Optional: the front's count of its parked jobs and its bound (a parked nng job
+     * keeps its context: the nng front parks at most half of them). */
+    atomic_size_t *parked;
+    size_t max_parked;
 
     idem_job *next;
     idem_served s;
     bool parked_before; /* s holds a call that waited: resume it, do not decode again */
+    bool holds_slot;    /* counted in *parked: parked, or woken and not yet resumed */
     uint32_t bucket;    /* while parked (inflight.c) */
     uint64_t wake_ms;
 };
@@ -40,7 +47,8 @@ typedef struct idem_dispatch_cfg {
     const idem_chain *chain; /* read at every call: complete before the first */
     const idem_method *(*find_method)(void *arg, const char *name);
     void *find_arg;
-    idem_runtime *rt; /* rt->inflight is created here */
+    idem_runtime *rt;   /* rt->inflight is created here */
+    idem_store *store;  /* where the in-flight table renews leases */
     size_t workers, max_queue, max_frame, max_waiters;
 } idem_dispatch_cfg;
 

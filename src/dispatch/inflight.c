@@ -10,8 +10,12 @@
  * truth: a woken job reads it again.
  *
  * Lease keeper. A handler that is still running keeps its claim: every lease/3 the
- * waker renews the lease in the store (idem_store_renew), up to the method's max run
- * time. So only an owner that died or hangs past max_run_ms loses its claim. */
+ * keeper thread renews the lease in the store (idem_store_renew), up to the method's
+ * max run time. So only an owner that died or hangs past max_run_ms loses its claim.
+ * The keeper is a thread of its own: a renewal may block on the store, and must hold
+ * up neither the waker's timers nor the other renewals for long. It runs until the
+ * table is destroyed, after the workers have finished: a shutdown does not drop the
+ * claims of handlers that are still running. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,16 +41,19 @@ struct idem_keep {
 
 struct idem_inflight {
     pthread_mutex_t mu;
-    pthread_cond_t waker_cv; /* something to do sooner, or stopping */
-    pthread_cond_t wait_cv;  /* a generation changed (blocking waiters) */
+    pthread_cond_t waker_cv;  /* a park to time sooner, or closing */
+    pthread_cond_t keeper_cv; /* a lease to renew sooner, or stopping */
+    pthread_cond_t wait_cv;   /* a generation changed (blocking waiters) */
     bucket buckets[N_BUCKETS];
     size_t n_parked, max_parked;
     idem_keep *keeps;
     uint64_t next_keep_id;
-    bool stopping;
-    pthread_t waker;
-    bool waker_started;
+    bool closed;   /* no more parking (idem__inflight_close) */
+    bool stopping; /* no more renewals (idem__inflight_destroy) */
+    pthread_t waker, keeper;
+    bool waker_started, keeper_started;
     idem_runtime *rt;
+    idem_store *store; /* where leases are renewed */
     void (*resume)(void *arg, idem_job *job);
     void *resume_arg;
 };
@@ -81,7 +88,7 @@ idem_park idem__inflight_park(idem_inflight *t, idem_job *job, uint32_t b, uint6
     pthread_mutex_lock(&t->mu);
     if (t->buckets[b].gen != seen_gen) {
         r = IDEM__PARK_CHANGED;
-    } else if (t->stopping || t->n_parked >= t->max_parked) {
+    } else if (t->closed || t->n_parked >= t->max_parked) {
         r = IDEM__PARK_FULL;
     } else {
         job->bucket = b;
@@ -128,12 +135,12 @@ bool idem__inflight_wait(idem_inflight *t, uint32_t b, uint64_t seen_gen, uint64
     struct timespec ts;
     idem__abs_timespec(&ts, wait_ms);
     pthread_mutex_lock(&t->mu);
-    while (t->buckets[b].gen == seen_gen && !t->stopping) {
+    while (t->buckets[b].gen == seen_gen && !t->closed) {
         if (pthread_cond_timedwait(&t->wait_cv, &t->mu, &ts) != 0) {
             break;
         }
     }
-    bool go_on = !t->stopping;
+    bool go_on = !t->closed;
     pthread_mutex_unlock(&t->mu);
     return go_on;
 }
@@ -168,10 +175,10 @@ static void renew_one(idem_inflight *t, idem_keep *k, uint64_t now)
     pthread_mutex_unlock(&t->mu);
     idem_key_ref ref = {copy.caller, copy.method, copy.key};
     uint64_t wall = idem__rt_now_ms(t->rt);
-    idem_code code = idem_store_renew(t->rt->store, &ref, copy.owner, wall + copy.lease_ms, wall);
-    if (code != IDEM_OK) {
-        idem__log(t->rt->obs, IDEM_LOG_ERROR, "method=\"%s\" msg=\"lease renewal failed: %s\"",
-                  copy.method, idem_errmsg());
+    idem_code code = idem_store_renew(t->store, &ref, copy.owner, wall + copy.lease_ms, wall);
+    if (code != IDEM_OK) { /* ABORTED: completed or released meanwhile, as a rule */
+        idem__log(t->rt->obs, code == IDEM_ABORTED ? IDEM_LOG_INFO : IDEM_LOG_ERROR,
+                  "method=\"%s\" msg=\"lease renewal failed: %s\"", copy.method, idem_errmsg());
     }
     pthread_mutex_lock(&t->mu);
     for (idem_keep *p = t->keeps; code == IDEM_ABORTED && p != NULL; p = p->next) {
@@ -196,15 +203,13 @@ static bool renew_due(idem_inflight *t, uint64_t now, uint64_t *next_wake)
     return false;
 }
 
+/* Hands back parked jobs whose re-read time has come. */
 static void *waker_main(void *arg)
 {
     idem_inflight *t = arg;
     pthread_mutex_lock(&t->mu);
-    while (!t->stopping) {
+    while (!t->closed) {
         uint64_t now = idem__mono_ms(), next_wake = now + IDLE_MS;
-        if (renew_due(t, now, &next_wake)) {
-            continue;
-        }
         idem_job *due = take_due(t, now, &next_wake);
         if (due != NULL) {
             pthread_mutex_unlock(&t->mu);
@@ -215,6 +220,24 @@ static void *waker_main(void *arg)
         struct timespec ts;
         idem__abs_timespec(&ts, next_wake - now);
         pthread_cond_timedwait(&t->waker_cv, &t->mu, &ts);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+/* Renews the leases of running handlers when they are due. */
+static void *keeper_main(void *arg)
+{
+    idem_inflight *t = arg;
+    pthread_mutex_lock(&t->mu);
+    while (!t->stopping) {
+        uint64_t now = idem__mono_ms(), next_wake = now + IDLE_MS;
+        if (renew_due(t, now, &next_wake)) {
+            continue;
+        }
+        struct timespec ts;
+        idem__abs_timespec(&ts, next_wake - now);
+        pthread_cond_timedwait(&t->keeper_cv, &t->mu, &ts);
     }
     pthread_mutex_unlock(&t->mu);
     return NULL;
@@ -239,7 +262,7 @@ idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64
     k->id = ++t->next_keep_id;
     k->next = t->keeps;
     t->keeps = k;
-    pthread_cond_signal(&t->waker_cv);
+    pthread_cond_signal(&t->keeper_cv);
     pthread_mutex_unlock(&t->mu);
     return k;
 }
@@ -260,50 +283,53 @@ void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)
     free(k);
 }
 
-idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, size_t max_parked,
-                                void (*resume)(void *arg, idem_job *job), void *resume_arg)
+idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_store *store,
+                                size_t max_parked, void (*resume)(void *arg, idem_job *job),
+                                void *resume_arg)
 {
     idem_inflight *t = calloc(1, sizeof(*t));
     if (t == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_REALTIME);
     pthread_mutex_init(&t->mu, NULL);
-    pthread_cond_init(&t->waker_cv, &ca);
-    pthread_cond_init(&t->wait_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    idem__cond_init(&t->waker_cv);
+    idem__cond_init(&t->keeper_cv);
+    idem__cond_init(&t->wait_cv);
     t->rt = rt;
+    t->store = store;
     t->max_parked = max_parked;
     t->resume = resume;
     t->resume_arg = resume_arg;
-    if (pthread_create(&t->waker, NULL, waker_main, t) != 0) {
+    t->waker_started = pthread_create(&t->waker, NULL, waker_main, t) == 0;
+    t->keeper_started = t->waker_started && pthread_create(&t->keeper, NULL, keeper_main, t) == 0;
+    if (!t->keeper_started) {
         idem__inflight_destroy(t);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the in-flight waker thread");
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the in-flight threads");
     }
-    t->waker_started = true;
     *out = t;
     return IDEM_OK;
 }
 
-idem_job *idem__inflight_stop(idem_inflight *t)
+idem_job *idem__inflight_close(idem_inflight *t)
 {
     idem_job *all = NULL;
+    size_t n = 0;
     pthread_mutex_lock(&t->mu);
-    t->stopping = true;
+    t->closed = true;
     for (size_t b = 0; b < N_BUCKETS; b++) {
         while (t->buckets[b].parked != NULL) {
             idem_job *j = t->buckets[b].parked;
             t->buckets[b].parked = j->next;
             j->next = all;
             all = j;
+            n++;
         }
     }
     t->n_parked = 0;
     pthread_cond_broadcast(&t->waker_cv);
     pthread_cond_broadcast(&t->wait_cv);
     pthread_mutex_unlock(&t->mu);
+    idem__observe_waiting(t->rt->obs, -(int)n);
     if (t->waker_started) {
         pthread_join(t->waker, NULL);
         t->waker_started = false;
@@ -316,13 +342,21 @@ void idem__inflight_destroy(idem_inflight *t)
     if (t == NULL) {
         return;
     }
-    idem__inflight_stop(t); /* the server has stopped it and dropped its jobs already */
+    idem__inflight_close(t); /* the dispatcher has closed it and dropped its jobs already */
+    pthread_mutex_lock(&t->mu);
+    t->stopping = true;
+    pthread_cond_broadcast(&t->keeper_cv);
+    pthread_mutex_unlock(&t->mu);
+    if (t->keeper_started) {
+        pthread_join(t->keeper, NULL);
+    }
     while (t->keeps != NULL) { /* handlers have finished: nothing should be left */
         idem_keep *k = t->keeps;
         t->keeps = k->next;
         free(k);
     }
     pthread_cond_destroy(&t->wait_cv);
+    pthread_cond_destroy(&t->keeper_cv);
     pthread_cond_destroy(&t->waker_cv);
     pthread_mutex_destroy(&t->mu);
     free(t);

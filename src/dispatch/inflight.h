@@ -7,12 +7,15 @@
 
 typedef struct idem_keep idem_keep;
 
-/* resume(arg, job) hands a woken job back to the workers (from any thread). */
-idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, size_t max_parked,
-                                void (*resume)(void *arg, idem_job *job), void *resume_arg);
-/* Stops the waker and returns the jobs still parked (the caller drops them); parking
- * is refused from now on and blocking waiters return false. */
-idem_job *idem__inflight_stop(idem_inflight *t);
+/* resume(arg, job) hands a woken job back to the workers (from any thread); leases
+ * are renewed in store. */
+idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_store *store,
+                                size_t max_parked, void (*resume)(void *arg, idem_job *job),
+                                void *resume_arg);
+/* Stops parking: returns the jobs still parked (the caller drops them); parking is
+ * refused from now on and blocking waiters return false. Leases are still renewed. */
+idem_job *idem__inflight_close(idem_inflight *t);
+/* Stops the lease keeper too (after the handlers finished) and frees the table. */
 void idem__inflight_destroy(idem_inflight *t);
 
 uint32_t idem__inflight_bucket(const idem_key_ref *key);

@@ -145,8 +145,12 @@ static int set_body(nng_http_res *res, const idem_call *call)
     if (!json_string(msg, sizeof(msg), call->message != NULL ? call->message : "")) {
         strcpy(msg, "\"\"");
     }
-    int n = snprintf(buf, sizeof(buf), "{\"code\":\"%s\",\"message\":%s,\"request_id\":\"%s\"}",
-                     idem_code_name(call->code), msg, call->request_id);
+    char rid[IDEM_MAX_REQUEST_ID * 6 + 8];
+    if (!json_string(rid, sizeof(rid), call->request_id)) {
+        strcpy(rid, "\"\"");
+    }
+    int n = snprintf(buf, sizeof(buf), "{\"code\":\"%s\",\"message\":%s,\"request_id\":%s}",
+                     idem_code_name(call->code), msg, rid);
     if ((rv = nng_http_res_set_header(res, "Content-Type", "application/json")) != 0) {
         return rv;
     }
@@ -258,17 +262,27 @@ static char *idempotency_key(nng_http_req *req, const char **err)
         strcpy(out, v);
     } else {
         const char *p = v + 1;
-        for (; *p != '\0' && *p != '"'; p++) {
-            if (*p == '\\' && (p[1] == '"' || p[1] == '\\')) {
-                p++;
+        for (; *p != '\0' && *p != '"' && *err == NULL; p++) {
+            if (*p == '\\') {
+                p++; /* only \" and \\ are escapes in a structured-field string */
+                *err = *p == '"' || *p == '\\' ? NULL : "Idempotency-Key: invalid escape";
+            } else if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e) {
+                *err = "Idempotency-Key: a quoted key is printable ASCII only";
             }
             *o++ = *p;
         }
         *o = '\0';
-        if (*p != '"') {
+        const char *after = *p == '"' ? p + 1 + strspn(p + 1, " \t") : p;
+        if (*err != NULL) {
+            /* already said */
+        } else if (*p != '"') {
             *err = "Idempotency-Key: unterminated quoted string";
-        } else if (p[1 + strspn(p + 1, " \t")] != '\0') {
+        } else if (*after == ';') {
+            *err = "Idempotency-Key: parameters are not supported";
+        } else if (*after == ',') {
             *err = many;
+        } else if (*after != '\0') {
+            *err = "Idempotency-Key: unexpected text after the quoted key";
         }
     }
     if (*err != NULL) {

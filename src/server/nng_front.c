@@ -6,8 +6,9 @@
  *
  * The callback never blocks: it answers what needs no worker (a stored replay, a bad
  * frame), hands the rest to the dispatcher and re-arms the receive after a send. A
- * parked duplicate keeps its context. The number of contexts bounds in-flight work;
- * nng holds further requests in its pipes (back-pressure). */
+ * parked duplicate keeps its context, so at most half the contexts park; further
+ * duplicates are answered "in progress" at once. The number of contexts bounds
+ * in-flight work; nng holds further requests in its pipes (back-pressure). */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
 #include <nng/transport/tcp/tcp.h>
@@ -31,6 +32,7 @@ typedef struct work {
 
 struct idem_nng_front {
     idem_dispatch *d;
+    atomic_size_t parked; /* works whose call is parked: they hold their context */
     nng_socket sock;
     bool sock_open, fast_path;
     work *works;
@@ -194,6 +196,10 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
         w->front = f;
         w->job.answer = work_answer;
         w->job.drop = work_drop;
+        /* Half the contexts at most wait on a running call: the rest keep receiving, so
+         * one slow key cannot stall every other caller. */
+        w->job.parked = &f->parked;
+        w->job.max_parked = contexts / 2 > 0 ? contexts / 2 : 1;
         if ((rv = nng_aio_alloc(&w->aio, work_cb, w)) != 0) {
             return nng_fail(rv, "nng_aio_alloc");
         }

@@ -25,7 +25,10 @@
 
 struct idem_server {
     idem_server_opts opts;
+    idem_store *store;
     idem_runtime rt;
+    idem_token_cfg token;
+    idem_cache_cfg cache;
     bool owns_store, started;
 
     idem_method *methods; /* sorted by name */
@@ -144,7 +147,7 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
     }
     srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg, false, false};
     if (fn == idem__result_cache_interceptor) {
-        srv->rt.has_result_cache = true;
+        srv->token.consume_with_claim = true;
     }
     return IDEM_OK;
 }
@@ -154,13 +157,13 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
     idem_code code;
     switch (which) {
     case IDEM_BUILTIN_REQUEST_ID:
-        code = idem_server_use(srv, "request_id", idem__request_id_interceptor, &srv->rt);
+        code = idem_server_use(srv, "request_id", idem__request_id_interceptor, NULL);
         break;
     case IDEM_BUILTIN_TOKEN:
-        code = idem_server_use(srv, "token", idem__token_interceptor, &srv->rt);
+        code = idem_server_use(srv, "token", idem__token_interceptor, &srv->token);
         break;
     case IDEM_BUILTIN_RESULT_CACHE:
-        code = idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->rt);
+        code = idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->cache);
         break;
     case IDEM_BUILTIN_DEBOUNCE:
         if (srv->opts.debounce == NULL) {
@@ -202,7 +205,7 @@ static idem_code server_default_setup(idem_server *srv)
     idem_code code;
     idem_method_opts issue = {0};
     if ((code = idem_server_register(srv, IDEM_TOKEN_ISSUE_METHOD, idem__token_issue_handler,
-                                     &srv->rt, &issue)) != IDEM_OK) {
+                                     &srv->token, &issue)) != IDEM_OK) {
         return code;
     }
     if (!srv->opts.default_chain) {
@@ -229,29 +232,30 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     srv->opts = *opts;
     opts_defaults(&srv->opts);
     srv->opts.db_path = NULL; /* not retained */
-    srv->rt.result_ttl_ms = srv->opts.result_ttl_ms;
-    srv->rt.lease_ms = srv->opts.lease_ms;
-    srv->rt.token_ttl_ms = srv->opts.token_ttl_ms;
-    srv->rt.max_wait_ms = srv->opts.max_wait_ms;
-    srv->rt.max_run_ms = srv->opts.max_run_ms;
     srv->rt.clock = (idem_clock){system_clock, NULL};
     if ((srv->rt.obs = idem__observer_create(&srv->opts)) == NULL) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
         goto fail;
     }
-    srv->rt.store = opts->store;
-    if (srv->rt.store == NULL) {
-        code =
-            idem_store_open_lmdb(&srv->rt.store, opts->db_path, opts->map_size, opts->store_flags);
+    srv->store = opts->store;
+    if (srv->store == NULL) {
+        code = idem_store_open_lmdb(&srv->store, opts->db_path, opts->map_size, opts->store_flags);
         if (code != IDEM_OK) {
             goto fail;
         }
         srv->owns_store = true;
     }
+    srv->token = (idem_token_cfg){.store = srv->store, .ttl_ms = srv->opts.token_ttl_ms};
+    srv->cache = (idem_cache_cfg){.store = srv->store,
+                                  .result_ttl_ms = srv->opts.result_ttl_ms,
+                                  .lease_ms = srv->opts.lease_ms,
+                                  .max_wait_ms = srv->opts.max_wait_ms,
+                                  .max_run_ms = srv->opts.max_run_ms};
     idem_dispatch_cfg d = {.chain = &srv->chain,
                            .find_method = method_find,
                            .find_arg = srv,
                            .rt = &srv->rt,
+                           .store = srv->store,
                            .workers = srv->opts.workers,
                            .max_queue = srv->opts.max_queue,
                            .max_frame = srv->opts.max_frame,
@@ -278,16 +282,16 @@ static idem_code server_check(const idem_server *srv)
         if (!(srv->methods[i].opts.flags & IDEM_METHOD_TRANSACTIONAL)) {
             continue;
         }
-        if (!srv->rt.has_result_cache) {
+        if (!srv->token.consume_with_claim) { /* result_cache is in the chain */
             return idem__err(IDEM_FAILED_PRECONDITION,
                              "%s is transactional but the chain has no result_cache",
                              srv->methods[i].name);
         }
-        if (!idem__store_has(srv->rt.store, IDEM__STORE_CAP_TXN)) {
+        if (!idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
             return idem__err(IDEM_FAILED_PRECONDITION,
                              "%s is transactional: that needs the LMDB store (one with "
                              "handler transactions), not %s",
-                             srv->methods[i].name, idem_store_backend(srv->rt.store));
+                             srv->methods[i].name, idem_store_backend(srv->store));
         }
     }
     return IDEM_OK;
@@ -309,14 +313,14 @@ static void find_resume_point(idem_server *srv)
 
 static idem_code server_start(idem_server *srv)
 {
-    bool fast_path = idem__store_has(srv->rt.store, IDEM__STORE_CAP_NONBLOCKING_READ);
+    bool fast_path = idem__store_has(srv->store, IDEM__STORE_CAP_NONBLOCKING_READ);
     for (size_t i = 0; i < srv->chain.n; i++) {
         fast_path = fast_path && srv->chain.items[i].fast_safe;
     }
     find_resume_point(srv);
     idem_code code;
     if ((code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
-        (code = idem__sweeper_start(&srv->sweeper, srv->rt.store, srv->opts.sweep_interval_ms,
+        (code = idem__sweeper_start(&srv->sweeper, srv->store, srv->opts.sweep_interval_ms,
                                     srv->opts.sweep_batch, srv->rt.obs)) != IDEM_OK) {
         return code;
     }
@@ -367,7 +371,7 @@ int idem_server_http_port(const idem_server *srv)
 
 idem_store *idem_server_store(idem_server *srv)
 {
-    return srv->rt.store;
+    return srv->store;
 }
 
 void idem_server_destroy(idem_server *srv)
@@ -391,7 +395,7 @@ void idem_server_destroy(idem_server *srv)
         free(srv->chain.items[i].name);
     }
     if (srv->owns_store) {
-        idem_store_close(srv->rt.store);
+        idem_store_close(srv->store);
     }
     idem__observer_destroy(srv->rt.obs);
     free(srv->methods);

@@ -65,7 +65,7 @@ idem_code idem__sweeper_start(idem_sweeper **out, idem_store *store, uint64_t in
     }
     *s = (idem_sweeper){.store = store, .interval_ms = interval_ms, .batch = batch, .obs = obs};
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    idem__cond_init(&s->cv);
     if (pthread_create(&s->thread, NULL, sweeper_main, s) != 0) {
         pthread_cond_destroy(&s->cv);
         pthread_mutex_destroy(&s->mu);

@@ -28,9 +28,18 @@ uint64_t idem__mono_us(void)
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
+void idem__cond_init(pthread_cond_t *cv)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 void idem__abs_timespec(struct timespec *ts, uint64_t wait_ms)
 {
-    clock_gettime(CLOCK_REALTIME, ts);
+    clock_gettime(CLOCK_MONOTONIC, ts);
     ts->tv_sec += (time_t)(wait_ms / 1000u);
     ts->tv_nsec += (long)(wait_ms % 1000u) * 1000000L;
     if (ts->tv_nsec >= 1000000000L) {

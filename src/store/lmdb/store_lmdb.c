@@ -393,6 +393,12 @@ static void rec_token_read(rec_token *t, const MDB_val *v)
     memcpy(t->bytes, (const uint8_t *)v->mv_data + sizeof(rec_hdr), t->len);
 }
 
+static bool rec_token_is(const rec_token *t, const char *token)
+{
+    size_t tl = strlen(token);
+    return t->len == 8 + tl && memcmp(t->bytes + 8, token, tl) == 0;
+}
+
 /* Puts a kept token back (a released claim had consumed it); rc-style. */
 static int rec_token_restore(lmdb_store *st, MDB_txn *txn, const rec_key *key, const rec_token *t)
 {
@@ -521,8 +527,9 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
         }
     }
     bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
-    /* A token guards only the first execution; a takeover re-runs the same call. */
-    if (req->token != NULL && !took_over) {
+    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
+     * token must be valid, and is consumed. */
+    if (req->token != NULL && !(took_over && rec_token_is(&tok, req->token))) {
         uint64_t tok_expires;
         if ((code = token_take(c->st, txn, req->token, req->key.caller, req->now_ms,
                                &tok_expires)) != IDEM_OK) {

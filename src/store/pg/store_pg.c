@@ -64,7 +64,7 @@ enum stmt {
 #define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
 /* $5 = 0 asks for a store-assigned owner; $6, $7 = lease and expiry durations. */
 #define CLAIM_OWNER "CASE WHEN $5::bigint = 0 THEN nextval('idem_fence') ELSE $5::bigint END"
-#define CLAIM_RETURNING " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW
+#define CLAIM_RETURNING " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW ", token"
 #define KEEP_IF_TAKEOVER(col) " " col " = CASE WHEN state = 1 THEN " col " END"
 
 static const char *const stmt_sql[S_COUNT] = {
@@ -449,9 +449,12 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
         return code;
     }
     claimed_row(r, req, got);
+    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
+     * token must be valid, and is consumed. */
+    bool kept = took_over && req->token != NULL && !PQgetisnull(r, 0, 5) &&
+                strcmp(PQgetvalue(r, 0, 5), req->token) == 0;
     PQclear(r);
-    /* A token guards only the first execution; a takeover re-runs the same call. */
-    if (req->token != NULL && !took_over && (code = token_take_keep(c, req, a)) != IDEM_OK) {
+    if (req->token != NULL && !kept && (code = token_take_keep(c, req, a)) != IDEM_OK) {
         return code;
     }
     *outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
@@ -783,7 +786,7 @@ idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_
     st->base.ops = &pg_ops;
     st->n = pool_size ? pool_size : 1;
     pthread_mutex_init(&st->mu, NULL);
-    pthread_cond_init(&st->cv, NULL);
+    idem__cond_init(&st->cv);
     idem_code code = pg_connect(st, &st->pool[0]); /* fail early on a bad conninfo */
     if (code != IDEM_OK) {
         char keep[512];
