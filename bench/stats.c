@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "json.h"
 
 /* ---- latency samples ---- */
 
@@ -185,21 +186,6 @@ static struct {
     const char *nng;
 } machine;
 
-static void json_str(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (; *s != '\0'; s++) {
-        if (*s == '"' || *s == '\\') {
-            fprintf(f, "\\%c", *s);
-        } else if ((unsigned char)*s < 0x20) {
-            fprintf(f, "\\u%04x", (unsigned char)*s);
-        } else {
-            fputc(*s, f);
-        }
-    }
-    fputc('"', f);
-}
-
 int report_write_json(const char *path)
 {
     FILE *f = fopen(path, "w");
@@ -207,9 +193,9 @@ int report_write_json(const char *path)
         return -1;
     }
     fprintf(f, "{\"machine\": {\"nproc\": %ld, \"kernel\": ", machine.nproc);
-    json_str(f, machine.kernel);
+    idem__json_fputs(f, machine.kernel);
     fprintf(f, ", \"cpu\": ");
-    json_str(f, machine.cpu);
+    idem__json_fputs(f, machine.cpu);
     fprintf(f, ", \"nng\": \"%s\", \"lmdb\": \"%s\", \"tmp_fs\": \"%s\"},\n", machine.nng,
             machine.lmdb, machine.tmp_fs);
     fprintf(f,

@@ -95,8 +95,8 @@ static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, u
 /* Completes (or releases) the claim, retrying a transient store failure (a database
  * restarting) for up to RECORD_RETRY_MS: the handler has run, and a lost record would
  * let the next retry run it again once the lease ends. */
-static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
-                                 uint64_t owner, bool complete)
+static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
+                                 const idem_key_ref *key, uint64_t owner, bool complete)
 {
     uint64_t give_up = idem__mono_ms() + RECORD_RETRY_MS, backoff = 10;
     bool retried = false;
@@ -109,8 +109,7 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg, con
         if (st != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
             return st;
         }
-        struct timespec ts = {0, (long)backoff * 1000000L};
-        nanosleep(&ts, NULL); /* backoff before the next attempt */
+        idem__sleep_ms(backoff); /* before the next attempt */
         backoff = backoff * 2 > 500 ? 500 : backoff * 2;
         retried = true;
     }

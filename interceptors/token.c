@@ -25,7 +25,8 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg)
     }
     idem__base64url(token, rnd, sizeof(rnd));
     uint64_t now = idem__rt_now_ms(call->rt), expires = now + cfg->ttl_ms;
-    idem_code code = idem__store_token_put_at(cfg->store, token, idem_call_caller(call), expires, now);
+    idem_code code =
+        idem__store_token_put_at(cfg->store, token, idem_call_caller(call), expires, now);
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "token store: %s", idem_errmsg());
     }
@@ -62,8 +63,8 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
     if (call->fast_only) {
         return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* a write */
     }
-    idem_code code =
-        idem_store_token_consume(cfg->store, token, idem_call_caller(call), idem__rt_now_ms(call->rt));
+    idem_code code = idem_store_token_consume(cfg->store, token, idem_call_caller(call),
+                                              idem__rt_now_ms(call->rt));
     if (code != IDEM_OK) {
         return idem__reject(call, IDEM_REASON_TOKEN, code, "%s", idem_errmsg());
     }

@@ -228,7 +228,9 @@ static const struct {
     {"p.Validate/Do", h_validate, {.flags = CACHED}},
     {"p.ValidateStored/Do", h_validate, {.flags = CACHED, .store_invalid_argument = true}},
     {"p.Fast/Do", h_echo, {.flags = CACHED}},
-    {"p.OrderByNo/Submit", h_echo, {.flags = IDEM_METHOD_TOKEN_REQUIRED, .extractor = key_is_payload}},
+    {"p.OrderByNo/Submit",
+     h_echo,
+     {.flags = IDEM_METHOD_TOKEN_REQUIRED, .extractor = key_is_payload}},
 };
 
 static void reset_handlers(void)
@@ -960,8 +962,8 @@ Test(promise, a_server_shutting_down_keeps_renewing_the_lease_of_a_running_handl
     sleep_ms(600); /* the scenario: twice the 300 ms lease passes */
     idem_client *c2 = tu_client(other.url, 3000);
     idem_result b;
-    idem_request q = {.method = "p.Slow/Do", .idempotency_key = "K", .payload = "s",
-                      .payload_len = 1};
+    idem_request q = {
+        .method = "p.Slow/Do", .idempotency_key = "K", .payload = "s", .payload_len = 1};
     EXPECT_CODE(idem_client_call(c2, &q, &b), IDEM_OK, &b);
     pthread_join(t, NULL);
     pthread_join(d, NULL);
@@ -1024,8 +1026,8 @@ Test(promise, a_business_key_outranks_the_token_two_tokens_one_order)
     cr_assert_eq(idem_client_issue_token(C, NULL, t1, sizeof(t1), NULL), IDEM_OK);
     cr_assert_eq(idem_client_issue_token(C, NULL, t2, sizeof(t2), NULL), IDEM_OK);
     idem_result r;
-    idem_request q = {.method = "p.OrderByNo/Submit", .token = t1, .payload = "order-7",
-                      .payload_len = 7};
+    idem_request q = {
+        .method = "p.OrderByNo/Submit", .token = t1, .payload = "order-7", .payload_len = 7};
     EXPECT_CODE(idem_client_call(C, &q, &r), IDEM_OK, &r);
     cr_expect_str_eq(meta_or_none(&r, "idem-key"), "order-7");
     idem_result_clear(&r);

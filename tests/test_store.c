@@ -696,7 +696,8 @@ Test(store, store_assigned_owners_are_strictly_increasing_and_persist)
     cr_expect_gt(r2.owner, r1.owner);
     idem_store_close(st);
     st = NULL;
-    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s",
+                 idem_errmsg());
     idem_record r3;
     idem_claim_req c = claim_req("f3", FP_A, 0, T0);
     cr_assert_eq(claim(&c, &r3), IDEM_CLAIM_ACQUIRED);

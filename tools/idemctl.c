@@ -20,6 +20,7 @@
 #include <idemrpc/idemrpc.h>
 
 #include "cli.h"
+#include "json.h"
 #include "idemrpc.pb-c.h"
 
 typedef struct args {
@@ -158,23 +159,6 @@ static const char *state_name(idem_record_state s)
     return s == IDEM_REC_IN_PROGRESS ? "in_progress" : "completed";
 }
 
-/* JSON string: escapes quotes, backslashes and control characters. */
-static void json_str(const char *s)
-{
-    putchar('"');
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') {
-            printf("\\%c", c);
-        } else if (c < 0x20) {
-            printf("\\u%04x", c);
-        } else {
-            putchar(c);
-        }
-    }
-    putchar('"');
-}
-
 static void print_time(uint64_t ms)
 {
     time_t t = (time_t)(ms / 1000);
@@ -223,11 +207,11 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
     }
     if (a->json) {
         fputs(ls->shown ? ",\n {\"caller\":" : "[\n {\"caller\":", stdout);
-        json_str(k->caller);
+        idem__json_fputs(stdout, k->caller);
         fputs(",\"method\":", stdout);
-        json_str(k->method);
+        idem__json_fputs(stdout, k->method);
         fputs(",\"key\":", stdout);
-        json_str(k->key);
+        idem__json_fputs(stdout, k->key);
         printf(",\"state\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64 "}",
                state_name(rec->state), rec->first_at_ms, rec->expires_ms);
     } else {
@@ -273,7 +257,7 @@ static void print_response(const idem_record *rec, bool json)
     }
     if (json) {
         printf("{\"code\":\"%s\",\"message\":", idem_code_name(r->code));
-        json_str(r->message);
+        idem__json_fputs(stdout, r->message);
         printf(",\"payload_bytes\":%zu}", r->payload.len);
     } else {
         printf("response     %s, %zu payload bytes%s%s\n", idem_code_name(r->code), r->payload.len,

@@ -16,8 +16,10 @@ static idem_code greet(idem_call *call, void *arg)
 
 static int call_greet(idem_client *c)
 {
-    idem_request q = {.method = "demo.Greeter/Hello", .idempotency_key = "greet-1",
-                      .payload = "world", .payload_len = 5};
+    idem_request q = {.method = "demo.Greeter/Hello",
+                      .idempotency_key = "greet-1",
+                      .payload = "world",
+                      .payload_len = 5};
     idem_result r;
     idem_code code = idem_client_call(c, &q, &r);
     if (code == IDEM_OK) {

@@ -318,13 +318,6 @@ static uint32_t retry_after_hint(const Idem__V1__Response *r)
     return 0;
 }
 
-static void sleep_ms(uint64_t ms)
-{
-    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
-
 /* The key is fixed here, once, for every attempt of this logical call: the caller's,
  * else none when a token stands in for it (or never_generate), else 128 random bits
  * (*generated). */
@@ -416,7 +409,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (now + wait >= end) {
             wait = end > now ? (uint32_t)(end - now) : 0;
         }
-        sleep_ms(wait);
+        idem__sleep_ms(wait);
     }
     if (out->message == NULL && code != IDEM_OK) {
         out->message = idem__strdup(idem_errmsg());

@@ -139,7 +139,7 @@ struct idem_call {
     uint64_t wait_until_ms; /* monotonic end of a duplicate's wait; 0 = not waiting yet */
     uint32_t poll_ms;       /* the next re-read interval while waiting */
     uint64_t fence;         /* owner id of the claim the handler runs under */
-    const char *reason; /* static: why the library itself rejected the call, or NULL */
+    const char *reason;     /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
 };

@@ -54,8 +54,8 @@ idem_code idem__request_check(const Idem__V1__Request *r)
 {
     idem_code code;
     if ((code = check_method(r->method)) != IDEM_OK ||
-        (code = check_string("idempotency_key (Idempotency-Key)", r->idempotency_key,
-                             IDEM_MAX_KEY, false)) != IDEM_OK ||
+        (code = check_string("idempotency_key (Idempotency-Key)", r->idempotency_key, IDEM_MAX_KEY,
+                             false)) != IDEM_OK ||
         (code = check_string("request_id (X-Request-Id)", r->request_id, IDEM_MAX_REQUEST_ID,
                              false)) != IDEM_OK ||
         (code = check_string("token (Idem-Token)", r->token, IDEM_MAX_TOKEN, false)) != IDEM_OK ||
@@ -244,7 +244,8 @@ idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32])
     if (buf == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    bool ok = m->opts.fingerprint(call, buf, IDEM_MAX_FINGERPRINT_INPUT, &n, m->opts.fingerprint_arg);
+    bool ok =
+        m->opts.fingerprint(call, buf, IDEM_MAX_FINGERPRINT_INPUT, &n, m->opts.fingerprint_arg);
     if (ok && n <= IDEM_MAX_FINGERPRINT_INPUT) {
         /* 'F' keeps an extracted fingerprint apart from a whole-payload one. */
         const void *parts[] = {m->name, "", "F", buf};

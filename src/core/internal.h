@@ -20,10 +20,18 @@
 /* Records detail for idem_errmsg() and returns code. */
 idem_code idem__err(idem_code code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void idem__err_clear(void);
+/* Keeps idem_errmsg() across a cleanup that may overwrite it:
+ *   idem_errkeep k; idem__err_keep(&k); cleanup(); return idem__err_put(&k, code); */
+typedef struct idem_errkeep {
+    char msg[512];
+} idem_errkeep;
+void idem__err_keep(idem_errkeep *k);
+idem_code idem__err_put(const idem_errkeep *k, idem_code code);
 
 uint64_t idem__now_ms(void);  /* CLOCK_REALTIME, unix ms: stored in records */
 uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);
+void idem__sleep_ms(uint64_t ms); /* the whole time, across signals */
 /* Timed waits run on the monotonic clock, so a wall-clock step (NTP) cannot stretch
  * or cut them: a condition variable made by idem__cond_init, waited on until
  * idem__abs_timespec(wait_ms). */

@@ -57,6 +57,16 @@ void idem__err_clear(void)
     errmsg[0] = '\0';
 }
 
+void idem__err_keep(idem_errkeep *k)
+{
+    snprintf(k->msg, sizeof(k->msg), "%s", errmsg);
+}
+
+idem_code idem__err_put(const idem_errkeep *k, idem_code code)
+{
+    return idem__err(code, "%s", k->msg);
+}
+
 idem_code idem__err(idem_code code, const char *fmt, ...)
 {
     va_list ap;

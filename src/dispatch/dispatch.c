@@ -51,10 +51,9 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, bool fast_only,
         code = idem__decode_request(frame, len, &out->req);
     }
     if (code != IDEM_OK) {
-        idem__dispatch_reject(d, out,
-                              code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE
-                                                              : IDEM_REASON_BAD_FRAME,
-                              code, idem_errmsg());
+        idem__dispatch_reject(
+            d, out, code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE : IDEM_REASON_BAD_FRAME,
+            code, idem_errmsg());
         return true;
     }
     out->start_us = start;
@@ -298,9 +297,8 @@ idem_code idem__dispatch_create(idem_dispatch **out, const idem_dispatch_cfg *cf
     d->cfg = *cfg;
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
-    idem_code code =
-        idem__inflight_create(&cfg->rt->inflight, cfg->rt, cfg->store, cfg->max_waiters,
-                              resume_job, d);
+    idem_code code = idem__inflight_create(&cfg->rt->inflight, cfg->rt, cfg->store,
+                                           cfg->max_waiters, resume_job, d);
     if (code != IDEM_OK) {
         idem__dispatch_destroy(d);
         return code;

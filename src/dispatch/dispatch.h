@@ -47,8 +47,8 @@ typedef struct idem_dispatch_cfg {
     const idem_chain *chain; /* read at every call: complete before the first */
     const idem_method *(*find_method)(void *arg, const char *name);
     void *find_arg;
-    idem_runtime *rt;   /* rt->inflight is created here */
-    idem_store *store;  /* where the in-flight table renews leases */
+    idem_runtime *rt;  /* rt->inflight is created here */
+    idem_store *store; /* where the in-flight table renews leases */
     size_t workers, max_queue, max_frame, max_waiters;
 } idem_dispatch_cfg;
 

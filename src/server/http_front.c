@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "http_front.h"
+#include "json.h"
 
 struct idem_http {
     idem_dispatch *d;
@@ -76,30 +77,6 @@ static uint16_t http_status(const idem_call *call)
     return 500;
 }
 
-/* JSON string body of s (escaped) into out; returns false when it does not fit. */
-static bool json_string(char *out, size_t cap, const char *s)
-{
-    size_t o = 0;
-    out[o++] = '"';
-    for (; *s != '\0' && o + 8 < cap; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') {
-            out[o++] = '\\';
-            out[o++] = (char)c;
-        } else if (c < 0x20) {
-            o += (size_t)snprintf(out + o, cap - o, "\\u%04x", c);
-        } else {
-            out[o++] = (char)c;
-        }
-    }
-    if (*s != '\0' || o + 2 > cap) {
-        return false;
-    }
-    out[o++] = '"';
-    out[o] = '\0';
-    return true;
-}
-
 /* A header value we may copy into a response: no control characters. */
 static bool header_safe(const char *v)
 {
@@ -120,7 +97,7 @@ static bool token_json(const idem_call *call, char *out, size_t cap)
         return false;
     }
     char tok[160];
-    bool ok = json_string(tok, sizeof(tok), t->token);
+    bool ok = idem__json_string(tok, sizeof(tok), t->token);
     ok = ok && snprintf(out, cap, "{\"token\":%s,\"expires_unix_ms\":%llu}", tok,
                         (unsigned long long)t->expires_unix_ms) < (int)cap;
     idem__v1__issue_token_response__free_unpacked(t, NULL);
@@ -142,11 +119,11 @@ static int set_body(nng_http_res *res, const idem_call *call)
                    ? rv
                    : nng_http_res_copy_data(res, call->payload, call->payload_len);
     }
-    if (!json_string(msg, sizeof(msg), call->message != NULL ? call->message : "")) {
+    if (!idem__json_string(msg, sizeof(msg), call->message != NULL ? call->message : "")) {
         strcpy(msg, "\"\"");
     }
     char rid[IDEM_MAX_REQUEST_ID * 6 + 8];
-    if (!json_string(rid, sizeof(rid), call->request_id)) {
+    if (!idem__json_string(rid, sizeof(rid), call->request_id)) {
         strcpy(rid, "\"\"");
     }
     int n = snprintf(buf, sizeof(buf), "{\"code\":\"%s\",\"message\":%s,\"request_id\":%s}",

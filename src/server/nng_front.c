@@ -138,8 +138,7 @@ static void work_cb(void *arg)
         break;
     case WORK_RECV:
         if ((rv = nng_aio_result(w->aio)) != 0) {
-            if (rv != NNG_ECLOSED && rv != NNG_ECANCELED &&
-                !idem__dispatch_stopping(w->front->d)) {
+            if (rv != NNG_ECLOSED && rv != NNG_ECANCELED && !idem__dispatch_stopping(w->front->d)) {
                 work_recv(w); /* a transient receive error: keep serving */
             }
             break;

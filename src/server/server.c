@@ -269,10 +269,10 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     *out = srv;
     return IDEM_OK;
 fail:;
-    char keep[512];
-    snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+    idem_errkeep keep;
+    idem__err_keep(&keep);
     idem_server_destroy(srv);
-    return idem__err(code, "%s", keep);
+    return idem__err_put(&keep, code);
 }
 
 /* The registrations must be servable by the chain that was built. */

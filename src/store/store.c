@@ -187,6 +187,6 @@ idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, 
         idem__store_txn_abort(t);
         return code;
     }
-    return ((const idem_txn_head *)t)->ops->txn_complete_commit(t, ref, owner, response, len,
-                                                                expires_ms);
+    return ((const idem_txn_head *)t)
+        ->ops->txn_complete_commit(t, ref, owner, response, len, expires_ms);
 }

@@ -16,13 +16,6 @@
 #define DEFAULT_BASE_MS 2
 #define DEFAULT_MAX_MS 100
 
-static void backoff_sleep(uint32_t ms)
-{
-    struct timespec ts = {.tv_sec = ms / 1000u, .tv_nsec = (long)(ms % 1000u) * 1000000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
-
 idem_code idem_retry_on_conflict(const idem_conflict_policy *p, idem_attempt_fn fn, void *arg)
 {
     idem_conflict_policy d = {0};
@@ -46,7 +39,7 @@ idem_code idem_retry_on_conflict(const idem_conflict_policy *p, idem_attempt_fn 
         if (attempt == max) {
             break;
         }
-        backoff_sleep(idem_backoff_ms(&schedule, attempt, idem__random_unit()));
+        idem__sleep_ms(idem_backoff_ms(&schedule, attempt, idem__random_unit()));
     }
     if (d.on_exhausted != NULL) {
         d.on_exhausted(arg, max, d.hook_arg);

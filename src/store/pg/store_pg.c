@@ -59,28 +59,30 @@ enum stmt {
 };
 
 #define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-#define REC_COLS                                                                             \
+#define REC_COLS                                                                                   \
     "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response, " DBNOW
 #define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
 /* $5 = 0 asks for a store-assigned owner; $6, $7 = lease and expiry durations. */
 #define CLAIM_OWNER "CASE WHEN $5::bigint = 0 THEN nextval('idem_fence') ELSE $5::bigint END"
-#define CLAIM_RETURNING " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW ", token"
+#define CLAIM_RETURNING                                                                            \
+    " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW ", token"
 #define KEEP_IF_TAKEOVER(col) " " col " = CASE WHEN state = 1 THEN " col " END"
 
 static const char *const stmt_sql[S_COUNT] = {
-    [S_CLAIM_INSERT] = "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
-                       " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, "
-                       CLAIM_OWNER ", " DBNOW " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint)"
-                       " ON CONFLICT DO NOTHING" CLAIM_RETURNING,
+    [S_CLAIM_INSERT] =
+        "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
+        " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, " CLAIM_OWNER
+        ", " DBNOW " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint)"
+        " ON CONFLICT DO NOTHING" CLAIM_RETURNING,
     [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
     /* A takeover inherits the consumed token; re-claiming an expired result drops it. */
-    [S_CLAIM_TAKE] = "UPDATE idem_records SET state = 1, fingerprint = $4, owner = " CLAIM_OWNER
-                     ", lease_until_ms = " DBNOW " + $6::bigint, first_at_ms = " DBNOW
-                     ", expires_ms = " DBNOW " + $7::bigint, response = NULL," KEEP_IF_TAKEOVER(
-                         "token") "," KEEP_IF_TAKEOVER("token_scope") "," KEEP_IF_TAKEOVER(
-                         "token_expires_ms") " WHERE " KEY_WHERE CLAIM_RETURNING,
-    [S_TOKEN_TAKE] =
-        "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms, " DBNOW,
+    [S_CLAIM_TAKE] =
+        "UPDATE idem_records SET state = 1, fingerprint = $4, owner = " CLAIM_OWNER
+        ", lease_until_ms = " DBNOW " + $6::bigint, first_at_ms = " DBNOW ", expires_ms = " DBNOW
+        " + $7::bigint, response = NULL," KEEP_IF_TAKEOVER("token") "," KEEP_IF_TAKEOVER(
+            "token_scope") "," KEEP_IF_TAKEOVER("token_expires_ms") " WHERE " KEY_WHERE
+            CLAIM_RETURNING,
+    [S_TOKEN_TAKE] = "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms, " DBNOW,
     [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
                      " WHERE " KEY_WHERE,
     [S_COMPLETE] = "UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
@@ -271,8 +273,10 @@ static void arg_key(pg_args *a, const idem_key_ref *k)
     arg_text(a, k->key);
 }
 
-/* Runs a prepared statement with binary results; NULL (and *code) on failure. */
-static PGresult *run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want, idem_code *code)
+/* Runs prepared statement s on connection c, with binary results; NULL (and *code)
+ * on failure. */
+static PGresult *exec_prepared(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
+                               idem_code *code)
 {
     char name[8];
     snprintf(name, sizeof(name), "s%d", (int)s);
@@ -347,7 +351,7 @@ static idem_code token_take(PGconn *c, const char *token, const char *scope, uin
     pg_args a = {0};
     idem_code code;
     arg_text(&a, token);
-    PGresult *r = run(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = exec_prepared(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -387,7 +391,7 @@ static idem_code token_take_keep(PGconn *c, const idem_claim_req *req, const pg_
     arg_text(&k, req->token);
     arg_text(&k, req->key.caller != NULL ? req->key.caller : "");
     arg_i64(&k, expires);
-    PGresult *r = run(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK, &code);
+    PGresult *r = exec_prepared(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK, &code);
     if (r != NULL) {
         PQclear(r);
     }
@@ -416,7 +420,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     idem_record cur;
     pg_args key = *a;
     key.n = 3;
-    PGresult *r = run(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
+    PGresult *r = exec_prepared(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -431,8 +435,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     }
     bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= cur.now_ms;
     bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-    if (!expired &&
-        (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > cur.now_ms)) {
+    if (!expired && (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > cur.now_ms)) {
         *outcome = !same                             ? IDEM_CLAIM_MISMATCH
                    : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
                                                      : IDEM_CLAIM_IN_PROGRESS;
@@ -445,7 +448,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     }
     bool took_over = cur.state == IDEM_REC_IN_PROGRESS;
     idem_record_clear(&cur);
-    if ((r = run(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
+    if ((r = exec_prepared(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
         return code;
     }
     claimed_row(r, req, got);
@@ -467,7 +470,7 @@ static idem_code claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_o
     pg_args a = {0};
     idem_code code;
     claim_args(&a, req);
-    PGresult *r = run(c, S_CLAIM_INSERT, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = exec_prepared(c, S_CLAIM_INSERT, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -488,7 +491,7 @@ static idem_code claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_o
 
 /* Runs fn in a transaction on a pooled connection: COMMIT when it returns IDEM_OK, else
  * ROLLBACK (keeping fn's error detail). */
-static idem_code in_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), void *arg)
+static idem_code pooled_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), void *arg)
 {
     pg_conn *pc;
     idem_code code = pool_get(st, &pc);
@@ -500,10 +503,10 @@ static idem_code in_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), voi
         if (code == IDEM_OK) {
             code = exec_simple(pc->c, "COMMIT");
         } else {
-            char keep[512];
-            snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+            idem_errkeep keep;
+            idem__err_keep(&keep);
             exec_simple(pc->c, "ROLLBACK");
-            idem__err(code, "%s", keep);
+            idem__err_put(&keep, code);
         }
     }
     pool_put(st, pc);
@@ -526,7 +529,7 @@ static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_clai
                           idem_record *rec)
 {
     claim_call a = {.req = req, .outcome = outcome, .rec = rec};
-    idem_code code = in_txn((pg_store *)base, claim_fn, &a);
+    idem_code code = pooled_txn((pg_store *)base, claim_fn, &a);
     if (code == IDEM_OK && rec != NULL &&
         (*outcome == IDEM_CLAIM_ACQUIRED || *outcome == IDEM_CLAIM_TAKEN_OVER)) {
         *rec = a.got;
@@ -536,16 +539,17 @@ static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_clai
 
 /* ---- single-statement operations ---- */
 
-/* Runs one statement on a pooled connection; *out (may be NULL) gets the result. */
-static idem_code one(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
-                     PGresult **out)
+/* Runs prepared statement s on a connection from the pool; *out (may be NULL) gets
+ * the result. */
+static idem_code pooled_exec(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
+                             PGresult **out)
 {
     pg_conn *pc;
     idem_code code = pool_get(st, &pc);
     if (code != IDEM_OK) {
         return code;
     }
-    PGresult *r = run(pc->c, s, a, want, &code);
+    PGresult *r = exec_prepared(pc->c, s, a, want, &code);
     pool_put(st, pc);
     if (r != NULL) {
         if (out != NULL) {
@@ -559,11 +563,11 @@ static idem_code one(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType
 }
 
 /* Runs a statement that must change exactly one row; else_code when it changed none. */
-static idem_code one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code else_code,
-                         const char *else_msg)
+static idem_code pooled_exec_one_row(pg_store *st, enum stmt s, const pg_args *a,
+                                     idem_code else_code, const char *else_msg)
 {
     PGresult *r;
-    idem_code code = one(st, s, a, PGRES_COMMAND_OK, &r);
+    idem_code code = pooled_exec(st, s, a, PGRES_COMMAND_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -575,15 +579,14 @@ static idem_code one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code 
 #define CLAIM_LOST "claim lost: the record is gone or owned by another claim"
 
 static idem_code pg_complete(idem_store *base, const idem_key_ref *key, uint64_t owner,
-                             const void *response, size_t len, uint64_t expires_ms,
-                             uint64_t now_ms)
+                             const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms)
 {
     pg_args a = {0};
     arg_key(&a, key);
     arg_i64(&a, owner);
     arg_bytes(&a, response, len);
     arg_i64(&a, expires_ms - now_ms);
-    return one_row((pg_store *)base, S_COMPLETE, &a, IDEM_ABORTED, CLAIM_LOST);
+    return pooled_exec_one_row((pg_store *)base, S_COMPLETE, &a, IDEM_ABORTED, CLAIM_LOST);
 }
 
 static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t owner)
@@ -592,7 +595,7 @@ static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t 
     PGresult *r;
     arg_key(&a, key);
     arg_i64(&a, owner);
-    idem_code code = one((pg_store *)base, S_RELEASE, &a, PGRES_TUPLES_OK, &r);
+    idem_code code = pooled_exec((pg_store *)base, S_RELEASE, &a, PGRES_TUPLES_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -608,14 +611,14 @@ static idem_code pg_renew(idem_store *base, const idem_key_ref *key, uint64_t ow
     arg_key(&a, key);
     arg_i64(&a, owner);
     arg_i64(&a, lease_until_ms - now_ms);
-    return one_row((pg_store *)base, S_RENEW, &a, IDEM_ABORTED, CLAIM_LOST);
+    return pooled_exec_one_row((pg_store *)base, S_RENEW, &a, IDEM_ABORTED, CLAIM_LOST);
 }
 
 static idem_code pg_delete(idem_store *base, const idem_key_ref *key)
 {
     pg_args a = {0};
     arg_key(&a, key);
-    return one_row((pg_store *)base, S_DELETE, &a, IDEM_NOT_FOUND, "no record");
+    return pooled_exec_one_row((pg_store *)base, S_DELETE, &a, IDEM_NOT_FOUND, "no record");
 }
 
 static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *rec)
@@ -623,7 +626,7 @@ static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *
     pg_args a = {0};
     PGresult *r;
     arg_key(&a, key);
-    idem_code code = one((pg_store *)base, S_GET, &a, PGRES_TUPLES_OK, &r);
+    idem_code code = pooled_exec((pg_store *)base, S_GET, &a, PGRES_TUPLES_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -640,7 +643,7 @@ static idem_code sweep_table(pg_store *st, enum stmt s, uint64_t now_ms, size_t 
     PGresult *r;
     arg_i64(&a, now_ms - idem__now_ms()); /* a shift of the database clock */
     arg_i64(&a, max);
-    idem_code code = one(st, s, &a, PGRES_COMMAND_OK, &r);
+    idem_code code = pooled_exec(st, s, &a, PGRES_COMMAND_OK, &r);
     if (code == IDEM_OK) {
         *deleted += strtoul(PQcmdTuples(r), NULL, 10);
         PQclear(r);
@@ -665,7 +668,8 @@ static idem_code pg_token_put(idem_store *base, const char *token, const char *s
     arg_text(&a, token);
     arg_text(&a, scope);
     arg_i64(&a, expires_ms - now_ms);
-    return one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS, "token exists");
+    return pooled_exec_one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS,
+                               "token exists");
 }
 
 typedef struct token_call {
@@ -684,13 +688,13 @@ static idem_code pg_token_consume(idem_store *base, const char *token, const cha
 {
     (void)now_ms; /* the database clock decides */
     token_call a = {token, scope};
-    return in_txn((pg_store *)base, token_fn, &a);
+    return pooled_txn((pg_store *)base, token_fn, &a);
 }
 
 static idem_code pg_stats(idem_store *base, idem_store_stats *out)
 {
     PGresult *r;
-    idem_code code = one((pg_store *)base, S_STATS, NULL, PGRES_TUPLES_OK, &r);
+    idem_code code = pooled_exec((pg_store *)base, S_STATS, NULL, PGRES_TUPLES_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -713,7 +717,7 @@ static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
         pg_args a = {0};
         PGresult *r;
         arg_key(&a, &(idem_key_ref){caller, method, key});
-        idem_code code = one((pg_store *)base, S_PAGE, &a, PGRES_TUPLES_OK, &r);
+        idem_code code = pooled_exec((pg_store *)base, S_PAGE, &a, PGRES_TUPLES_OK, &r);
         if (code != IDEM_OK) {
             return code;
         }
@@ -789,10 +793,10 @@ idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_
     idem__cond_init(&st->cv);
     idem_code code = pg_connect(st, &st->pool[0]); /* fail early on a bad conninfo */
     if (code != IDEM_OK) {
-        char keep[512];
-        snprintf(keep, sizeof(keep), "%s", idem_errmsg());
+        idem_errkeep keep;
+        idem__err_keep(&keep);
         pg_close(&st->base);
-        return idem__err(code, "%s", keep);
+        return idem__err_put(&keep, code);
     }
     *out = &st->base;
     return IDEM_OK;

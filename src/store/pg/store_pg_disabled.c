@@ -9,6 +9,5 @@ idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_
     (void)conninfo;
     (void)pool_size;
     *out = NULL;
-    return idem__err(IDEM_UNIMPLEMENTED,
-                     "built without PostgreSQL support (-Dpostgres=disabled)");
+    return idem__err(IDEM_UNIMPLEMENTED, "built without PostgreSQL support (-Dpostgres=disabled)");
 }
