@@ -149,8 +149,9 @@ typedef struct idem_interceptor {
     char *name;
     idem_interceptor_fn fn;
     void *arg;
-    bool fast_safe; /* never blocks in a fast_only call (the built-ins) */
-    bool builtin;   /* a built-in that returns what idem_call_next returned, untouched */
+    bool fast_safe;    /* never blocks in a fast_only call (the built-ins) */
+    bool builtin;      /* a built-in that returns what idem_call_next returned, untouched */
+    idem_builtin kind; /* which built-in (when builtin) */
 } idem_interceptor;
 
 /* What a suspending step returns; the answer comes later (call->suspend says why). */

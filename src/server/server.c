@@ -145,10 +145,7 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    srv->chain.items[srv->chain.n++] = (idem_interceptor){copy, fn, arg, false, false};
-    if (fn == idem__result_cache_interceptor) {
-        srv->token.consume_with_claim = true;
-    }
+    srv->chain.items[srv->chain.n++] = (idem_interceptor){.name = copy, .fn = fn, .arg = arg};
     return IDEM_OK;
 }
 
@@ -164,18 +161,23 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
         break;
     case IDEM_BUILTIN_RESULT_CACHE:
         code = idem_server_use(srv, "result_cache", idem__result_cache_interceptor, &srv->cache);
+        srv->token.consume_with_claim = srv->token.consume_with_claim || code == IDEM_OK;
         break;
     case IDEM_BUILTIN_DEBOUNCE:
         if (srv->opts.debounce == NULL) {
             return idem__err(IDEM_INVALID_ARGUMENT, "no debounce window configured");
         }
-        return idem_server_use(srv, "debounce", idem__debounce_interceptor, srv->opts.debounce);
+        code = idem_server_use(srv, "debounce", idem__debounce_interceptor, srv->opts.debounce);
+        break;
     default:
         return idem__err(IDEM_INVALID_ARGUMENT, "unknown built-in interceptor %d", (int)which);
     }
-    if (code == IDEM_OK) { /* these never block when asked to be fast (fast_only) */
-        srv->chain.items[srv->chain.n - 1].fast_safe = true;
-        srv->chain.items[srv->chain.n - 1].builtin = true;
+    if (code == IDEM_OK) {
+        idem_interceptor *it = &srv->chain.items[srv->chain.n - 1];
+        it->builtin = true;
+        it->kind = which;
+        /* All but debounce (a Redis round trip) never block when asked to be fast. */
+        it->fast_safe = which != IDEM_BUILTIN_DEBOUNCE;
     }
     return code;
 }
@@ -303,7 +305,8 @@ static void find_resume_point(idem_server *srv)
 {
     bool all_builtin = true;
     for (size_t i = 0; i < srv->chain.n; i++) {
-        if (srv->chain.items[i].fn == idem__result_cache_interceptor) {
+        const idem_interceptor *it = &srv->chain.items[i];
+        if (it->builtin && it->kind == IDEM_BUILTIN_RESULT_CACHE) {
             srv->rt.can_park = all_builtin;
             return;
         }
