@@ -29,7 +29,7 @@ void idem__gc_fini(idem_group_commit *gc)
     pthread_mutex_destroy(&gc->mu);
 }
 
-static idem_code txn_error(int rc, const char *what)
+idem_code idem__lmdb_code(int rc, const char *what)
 {
     if (rc == MDB_MAP_FULL || rc == MDB_TXN_FULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (%s): %s", what, mdb_strerror(rc));
@@ -37,6 +37,7 @@ static idem_code txn_error(int rc, const char *what)
     return idem__err(IDEM_INTERNAL, "%s: %s", what, mdb_strerror(rc));
 }
 
+/* A storage error (a code idem__lmdb_code returns) may leave the txn half-applied. */
 static bool poisons_txn(idem_code code)
 {
     return code == IDEM_RESOURCE_EXHAUSTED || code == IDEM_INTERNAL;
@@ -48,7 +49,7 @@ static idem_code write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
     MDB_txn *txn;
     int rc = mdb_txn_begin(env, NULL, 0, &txn);
     if (rc != 0) {
-        return txn_error(rc, "write begin");
+        return idem__lmdb_code(rc, "write begin");
     }
     idem_code code = fn(txn, ctx);
     if (code != IDEM_OK) {
@@ -56,7 +57,7 @@ static idem_code write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
         return code;
     }
     rc = mdb_txn_commit(txn);
-    return rc == 0 ? IDEM_OK : txn_error(rc, "commit");
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "commit");
 }
 
 static void op_finish(idem_write_op *op, idem_code code)

@@ -17,6 +17,11 @@
 
 #include "internal.h"
 
+/* The idem_code and message (idem_errmsg) of a failed LMDB call: IDEM_RESOURCE_EXHAUSTED
+ * when the map or txn is full, IDEM_INTERNAL otherwise. The one mapping of an LMDB rc,
+ * used by group commit and by every file of the LMDB store. */
+idem_code idem__lmdb_code(int rc, const char *what);
+
 /* Applies one operation inside txn. A code other than IDEM_OK must leave the txn
  * unchanged unless it is IDEM_RESOURCE_EXHAUSTED or IDEM_INTERNAL (storage errors). The
  * function may run more than once (after a batch failure), so it must set its outputs

@@ -1,0 +1,278 @@
+/* The claim lifecycle of a record: claim (acquire, take over, or report the stored
+ * outcome), then complete, release or renew by its owner; and the fence counter that
+ * hands out store-assigned owners. Each step runs in one write txn: a group-commit write,
+ * or for idem__lmdb_complete_in the txn of a transactional handler. */
+#include <string.h>
+
+#include "lmdb_internal.h"
+
+/* The next store-assigned owner: a counter that only grows, in the claim's txn. */
+static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
+{
+    MDB_val k = {5, "fence"}, v;
+    uint8_t b[8];
+    uint64_t last = 0;
+    if (!st->has_meta) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
+    }
+    int rc = mdb_get(txn, st->meta, &k, &v);
+    if (rc == 0 && v.mv_size == 8) {
+        for (int i = 0; i < 8; i++) {
+            last = last << 8 | ((const uint8_t *)v.mv_data)[i];
+        }
+    } else if (rc != 0 && rc != MDB_NOTFOUND) {
+        return idem__lmdb_code(rc, "fence get");
+    }
+    *out = last + 1;
+    for (int i = 0; i < 8; i++) {
+        b[i] = (uint8_t)(*out >> (56 - 8 * i));
+    }
+    v = (MDB_val){8, b};
+    rc = mdb_put(txn, st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
+}
+
+/* Writes a fresh IN_PROGRESS record keeping tok (replacing `old` when it is not NULL). */
+static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key, const idem_claim_req *req,
+                       uint64_t owner, const rec_hdr *old, const rec_token *tok)
+{
+    rec_hdr h = {.magic = REC_MAGIC,
+                 .state = IDEM_REC_IN_PROGRESS,
+                 .owner = owner,
+                 .lease_until_ms = req->lease_until_ms,
+                 .first_at_ms = req->now_ms,
+                 .expires_ms = req->expires_ms};
+    memcpy(h.fingerprint, req->fingerprint, sizeof(h.fingerprint));
+    int rc;
+    if (old != NULL &&
+        (rc = idem__lmdb_index_del(st, txn, old->expires_ms, key->bytes, key->len)) != 0) {
+        return rc;
+    }
+    if ((rc = idem__lmdb_rec_put(st, txn, key, &h, tok->bytes, tok->len)) != 0) {
+        return rc;
+    }
+    return idem__lmdb_index_put(st, txn, h.expires_ms, TYPE_RECORD, key->bytes, key->len);
+}
+
+typedef struct claim_ctx {
+    lmdb_store *st;
+    const idem_claim_req *req;
+    const rec_key *key;
+    idem_claim_outcome *outcome;
+    idem_record *rec; /* may be NULL */
+} claim_ctx;
+
+/* Sets the outcome of a claim that acquired (or took over) the record. */
+static void claim_acquired(const claim_ctx *c, bool took_over, uint64_t owner)
+{
+    *c->outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
+    if (c->rec != NULL) {
+        c->rec->state = IDEM_REC_IN_PROGRESS;
+        c->rec->owner = owner;
+        c->rec->first_at_ms = c->req->now_ms;
+        c->rec->lease_until_ms = c->req->lease_until_ms;
+        c->rec->expires_ms = c->req->expires_ms;
+        memcpy(c->rec->fingerprint, c->req->fingerprint, IDEM_FINGERPRINT_LEN);
+    }
+}
+
+static idem_code claim_apply(MDB_txn *txn, void *arg)
+{
+    const claim_ctx *c = arg;
+    const idem_claim_req *req = c->req;
+    MDB_val k = {c->key->len, (void *)c->key->bytes}, v;
+    rec_hdr old;
+    rec_token tok = {.len = 0};
+    bool have_old = false;
+    uint64_t owner = req->owner;
+    idem_code code;
+    int rc;
+
+    if (c->rec != NULL) { /* this may be a re-run after a failed batch */
+        idem_record_clear(c->rec);
+        memset(c->rec, 0, sizeof(*c->rec));
+    }
+    rc = mdb_get(txn, c->st->records, &k, &v);
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        return idem__lmdb_code(rc, "claim get");
+    }
+    if (rc == 0) {
+        if ((code = idem__lmdb_rec_decode(&v, NULL, false)) != IDEM_OK) {
+            return code;
+        }
+        memcpy(&old, v.mv_data, sizeof(old));
+        have_old = true;
+        if (old.state == IDEM_REC_IN_PROGRESS) {
+            idem__lmdb_rec_token_read(&tok, &v); /* a takeover inherits the consumed token */
+        }
+        bool expired = old.state == IDEM_REC_COMPLETED && old.expires_ms <= req->now_ms;
+        if (!expired) {
+            if (memcmp(old.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
+                *c->outcome = IDEM_CLAIM_MISMATCH;
+                return c->rec != NULL ? idem__lmdb_rec_decode(&v, c->rec, false) : IDEM_OK;
+            }
+            if (old.state == IDEM_REC_COMPLETED || old.lease_until_ms > req->now_ms) {
+                *c->outcome =
+                    old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED : IDEM_CLAIM_IN_PROGRESS;
+                return c->rec != NULL ? idem__lmdb_rec_decode(&v, c->rec, true) : IDEM_OK;
+            }
+            /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
+        }
+    }
+    bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
+    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
+     * token must be valid, and is consumed. */
+    if (req->token != NULL && !(took_over && idem__lmdb_rec_token_is(&tok, req->token))) {
+        uint64_t tok_expires;
+        if ((code = idem__lmdb_token_take(c->st, txn, req->token, req->key.caller, req->now_ms,
+                                          &tok_expires)) != IDEM_OK) {
+            return code;
+        }
+        idem__lmdb_rec_token_make(&tok, req->token, tok_expires);
+    }
+    if (owner == 0 && (code = next_fence(c->st, txn, &owner)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = claim_write(c->st, txn, c->key, req, owner, have_old ? &old : NULL, &tok)) != 0) {
+        return idem__lmdb_code(rc, "claim put");
+    }
+    claim_acquired(c, took_over, owner);
+    return IDEM_OK;
+}
+
+idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
+                           idem_record *rec)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    rec_key key;
+    idem_code code = idem__lmdb_rec_key_make(&key, &req->key);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    claim_ctx c = {st, req, &key, outcome, rec};
+    return idem__lmdb_write(st, claim_apply, &c);
+}
+
+/* Reads the record for key in txn and checks that owner holds it. */
+static idem_code owned_get(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t owner,
+                           rec_hdr *h, rec_token *tok)
+{
+    MDB_val k = {key->len, (void *)key->bytes}, v;
+    int rc = mdb_get(txn, st->records, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_ABORTED, "claim lost: record is gone");
+    } else if (rc != 0) {
+        return idem__lmdb_code(rc, "get");
+    }
+    idem_code code = idem__lmdb_rec_decode(&v, NULL, false);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    memcpy(h, v.mv_data, sizeof(*h));
+    if (h->state != IDEM_REC_IN_PROGRESS || h->owner != owner) {
+        return idem__err(IDEM_ABORTED, "claim lost: lease expired and taken over");
+    }
+    if (tok != NULL) {
+        idem__lmdb_rec_token_read(tok, &v);
+    }
+    return IDEM_OK;
+}
+
+idem_code idem__lmdb_complete_in(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
+                                 uint64_t owner, const void *response, size_t len,
+                                 uint64_t expires_ms)
+{
+    rec_key key;
+    rec_hdr h;
+    idem_code code;
+    int rc;
+    if ((code = idem__lmdb_rec_key_make(&key, ref)) != IDEM_OK ||
+        (code = owned_get(st, txn, &key, owner, &h, NULL)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = idem__lmdb_index_del(st, txn, h.expires_ms, key.bytes, key.len)) != 0) {
+        return idem__lmdb_code(rc, "complete index");
+    }
+    h.state = IDEM_REC_COMPLETED;
+    h.expires_ms = expires_ms;
+    if ((rc = idem__lmdb_rec_put(st, txn, &key, &h, response, len)) != 0 ||
+        (rc = idem__lmdb_index_put(st, txn, expires_ms, TYPE_RECORD, key.bytes, key.len)) != 0) {
+        return idem__lmdb_code(rc, "complete put");
+    }
+    return IDEM_OK;
+}
+
+static idem_code complete_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    return idem__lmdb_complete_in(w->st, txn, w->ref, w->owner, w->response, w->len, w->ms);
+}
+
+idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                              const void *response, size_t len, uint64_t expires_ms,
+                              uint64_t now_ms)
+{
+    (void)now_ms; /* LMDB keeps the caller's absolute times */
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {
+        .st = st, .ref = ref, .owner = owner, .response = response, .len = len, .ms = expires_ms};
+    return idem__lmdb_write(st, complete_apply, &w);
+}
+
+static idem_code release_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    rec_hdr h;
+    rec_token tok;
+    idem_code code = owned_get(w->st, txn, &w->key, w->owner, &h, &tok);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = idem__lmdb_rec_delete(w->st, txn, &w->key, h.expires_ms);
+    if (rc == 0) {
+        rc = idem__lmdb_rec_token_restore(w->st, txn, &w->key, &tok);
+    }
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "release delete");
+}
+
+static idem_code renew_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    rec_hdr h;
+    rec_token tok;
+    idem_code code = owned_get(w->st, txn, &w->key, w->owner, &h, &tok);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = 0;
+    if (h.expires_ms < w->ms) { /* the sweep must not take a record that is still leased */
+        if ((rc = idem__lmdb_index_del(w->st, txn, h.expires_ms, w->key.bytes, w->key.len)) == 0) {
+            h.expires_ms = w->ms;
+            rc = idem__lmdb_index_put(w->st, txn, h.expires_ms, TYPE_RECORD, w->key.bytes,
+                                      w->key.len);
+        }
+    }
+    h.lease_until_ms = w->ms;
+    if (rc == 0) {
+        rc = idem__lmdb_rec_put(w->st, txn, &w->key, &h, tok.bytes, tok.len);
+    }
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "renew");
+}
+
+idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                           uint64_t lease_until_ms, uint64_t now_ms)
+{
+    (void)now_ms;
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {.st = st, .owner = owner, .ms = lease_until_ms};
+    idem_code code = idem__lmdb_rec_key_make(&w.key, ref);
+    return code != IDEM_OK ? code : idem__lmdb_write(st, renew_apply, &w);
+}
+
+idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {.st = st, .owner = owner};
+    idem_code code = idem__lmdb_rec_key_make(&w.key, ref);
+    return code != IDEM_OK ? code : idem__lmdb_write(st, release_apply, &w);
+}

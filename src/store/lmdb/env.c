@@ -1,0 +1,146 @@
+/* LMDB env lifecycle: open (databases created), close, the read-txn pool, and the ops
+ * table, this backend's only link to store.c. The layout is in lmdb_internal.h. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "lmdb_internal.h"
+
+#define DEFAULT_MAP_SIZE ((size_t)1 << 30)
+#define GROUP_COMMIT_BATCH 256 /* writes per shared txn at most */
+
+idem_code idem__lmdb_commit(MDB_txn *txn)
+{
+    int rc = mdb_txn_commit(txn);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "commit");
+}
+
+int idem__lmdb_read_begin(lmdb_store *st, MDB_txn **txn)
+{
+    pthread_mutex_lock(&st->rpool_mu);
+    *txn = st->rpool_n > 0 ? st->rpool[--st->rpool_n] : NULL;
+    pthread_mutex_unlock(&st->rpool_mu);
+    if (*txn != NULL) {
+        if (mdb_txn_renew(*txn) == 0) {
+            return 0;
+        }
+        mdb_txn_abort(*txn);
+    }
+    return mdb_txn_begin(st->env, NULL, MDB_RDONLY, txn);
+}
+
+void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn)
+{
+    mdb_txn_reset(txn);
+    pthread_mutex_lock(&st->rpool_mu);
+    if (st->rpool_n < READ_POOL) {
+        st->rpool[st->rpool_n++] = txn;
+        txn = NULL;
+    }
+    pthread_mutex_unlock(&st->rpool_mu);
+    if (txn != NULL) {
+        mdb_txn_abort(txn);
+    }
+}
+
+idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
+{
+    lmdb_store *st;
+    MDB_txn *txn = NULL;
+    int rc;
+    bool ro = (flags & IDEM_STORE_READONLY) != 0;
+
+    *out = NULL;
+    if (dir == NULL || *dir == '\0') {
+        return idem__err(IDEM_INVALID_ARGUMENT, "store directory not set");
+    }
+    if (!ro && mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        return idem__err(IDEM_UNAVAILABLE, "mkdir %s: %s", dir, strerror(errno));
+    }
+    if ((st = calloc(1, sizeof(*st))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    unsigned env_flags =
+        MDB_NOTLS | (ro ? MDB_RDONLY : 0) | ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
+    if ((rc = mdb_env_create(&st->env)) != 0 ||
+        (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
+        (rc = mdb_env_set_maxreaders(st->env, 512)) != 0 ||
+        (rc = mdb_env_set_mapsize(st->env, map_size ? map_size : DEFAULT_MAP_SIZE)) != 0 ||
+        (rc = mdb_env_open(st->env, dir, env_flags, 0600)) != 0) {
+        idem_code c = idem__err(IDEM_UNAVAILABLE, "open LMDB store %s: %s", dir, mdb_strerror(rc));
+        if (st->env != NULL) {
+            mdb_env_close(st->env);
+        }
+        free(st);
+        return c;
+    }
+    int dead;
+    mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
+    unsigned dbi_flags = ro ? 0 : MDB_CREATE;
+    if ((rc = mdb_txn_begin(st->env, NULL, ro ? MDB_RDONLY : 0, &txn)) != 0) {
+        goto fail;
+    }
+    if ((rc = mdb_dbi_open(txn, "records", dbi_flags, &st->records)) != 0 ||
+        (rc = mdb_dbi_open(txn, "tokens", dbi_flags, &st->tokens)) != 0 ||
+        (rc = mdb_dbi_open(txn, "expiry", dbi_flags, &st->expiry)) != 0) {
+        mdb_txn_abort(txn);
+        goto fail;
+    }
+    rc = mdb_dbi_open(txn, "meta", dbi_flags, &st->meta);
+    st->has_meta = rc == 0;
+    if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
+        mdb_txn_abort(txn);
+        goto fail;
+    }
+    if ((rc = mdb_txn_commit(txn)) != 0) { /* commit frees txn even when it fails */
+        goto fail;
+    }
+    idem__gc_init(&st->gc, st->env, !(flags & IDEM_STORE_NO_GROUP_COMMIT), GROUP_COMMIT_BATCH);
+    pthread_mutex_init(&st->rpool_mu, NULL);
+    pthread_mutex_init(&st->db_mu, NULL);
+    st->base.ops = &idem__lmdb_ops;
+    *out = &st->base;
+    return IDEM_OK;
+fail:;
+    idem_code c = idem__lmdb_code(rc, "open databases");
+    mdb_env_close(st->env);
+    free(st);
+    return c;
+}
+
+static void lmdb_close(idem_store *base)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    if (st != NULL) {
+        for (size_t i = 0; i < st->rpool_n; i++) {
+            mdb_txn_abort(st->rpool[i]);
+        }
+        pthread_mutex_destroy(&st->rpool_mu);
+        pthread_mutex_destroy(&st->db_mu);
+        idem__gc_fini(&st->gc);
+        mdb_env_close(st->env);
+        free(st);
+    }
+}
+
+const idem_store_ops idem__lmdb_ops = {
+    .name = "lmdb",
+    .caps = IDEM__STORE_CAP_TXN | IDEM__STORE_CAP_NONBLOCKING_READ,
+    .claim = idem__lmdb_claim,
+    .complete = idem__lmdb_complete,
+    .release = idem__lmdb_release,
+    .renew = idem__lmdb_renew,
+    .get = idem__lmdb_get,
+    .del = idem__lmdb_delete,
+    .sweep = idem__lmdb_sweep,
+    .token_put = idem__lmdb_token_put,
+    .token_consume = idem__lmdb_token_consume,
+    .stats = idem__lmdb_stats,
+    .foreach = idem__lmdb_foreach,
+    .close = lmdb_close,
+    .txn_begin = idem__lmdb_txn_begin,
+    .txn_abort = idem__lmdb_txn_abort,
+    .txn_commit = idem__lmdb_txn_commit,
+    .txn_complete_commit = idem__lmdb_txn_complete_commit,
+};

@@ -1,0 +1,150 @@
+/* LMDB backend of idem_store: what its files share.
+ *
+ * Databases in one env:
+ *   records  effective key → rec_hdr + serialized idem.v1.Response (COMPLETED only)
+ *   tokens   token         → tok_hdr + scope
+ *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
+ *   meta     "fence" → be64 last owner id handed out (store-assigned owners)
+ * An IN_PROGRESS record keeps, after its header, the token its claim consumed
+ * (be64 token expiry ‖ token bytes; the scope is the key's caller), so that a release
+ * can put the token back in the same txn. Every record and token has exactly one expiry
+ * entry; they change in the same write txn. LMDB allows one write txn at a time per env
+ * across all processes: that is the unique constraint that makes a claim atomic.
+ *
+ * The files, by concern: env.c (open/close, the read-txn pool, the ops table),
+ * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
+ * renew, the fence counter), tokens.c (tokens and the token an IN_PROGRESS record keeps),
+ * expiry.c (the expiry index and the sweep), txn.c (the write gate, business databases,
+ * idem_txn_* and the handler-txn ops). */
+#ifndef IDEMRPC_LMDB_INTERNAL_H
+#define IDEMRPC_LMDB_INTERNAL_H
+
+#include <lmdb.h>
+#include <pthread.h>
+
+#include "group_commit.h"
+#include "store.h"
+#include "store_lmdb.h"
+
+#define REC_MAGIC 0x69640001u /* "id" v1 */
+#define READ_POOL 64          /* reset read txns kept (each holds a reader slot) */
+
+enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't' };
+
+typedef struct rec_hdr {
+    uint32_t magic;
+    uint8_t state;
+    uint8_t pad[3];
+    uint64_t owner;
+    uint64_t lease_until_ms;
+    uint64_t first_at_ms;
+    uint64_t expires_ms;
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
+} rec_hdr;
+
+#define APP_DB_NAME (IDEM_MAX_DB_NAME + 5) /* "app." + name + NUL */
+
+typedef struct app_db {
+    char name[APP_DB_NAME];
+    MDB_dbi dbi;
+} app_db;
+
+typedef struct lmdb_store {
+    idem_store base; /* first: the generic store */
+    MDB_env *env;
+    MDB_dbi records, tokens, expiry, meta;
+    bool has_meta; /* false only for a read-only open of a store older than "meta" */
+    idem_group_commit gc;
+    pthread_mutex_t db_mu; /* guards dbs */
+    app_db dbs[IDEM_LMDB_MAX_DBS];
+    size_t n_dbs;
+    /* Reset read txns kept for reuse: mdb_txn_renew is far cheaper than a begin. */
+    pthread_mutex_t rpool_mu;
+    MDB_txn *rpool[READ_POOL];
+    size_t rpool_n;
+} lmdb_store;
+
+/* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
+ * maximum key size, by the IDEM_MAX_* bounds. */
+typedef struct rec_key {
+    uint8_t bytes[IDEM_MAX_CALLER + IDEM_MAX_METHOD + IDEM_MAX_KEY + 2];
+    size_t len;
+} rec_key;
+
+/* The token an IN_PROGRESS record keeps: be64 expiry ‖ token. */
+typedef struct rec_token {
+    uint8_t bytes[8 + IDEM_MAX_TOKEN];
+    size_t len; /* 0: none */
+} rec_token;
+
+/* The arguments of one record or token write, for the group committer. */
+typedef struct write_args {
+    lmdb_store *st;
+    const idem_key_ref *ref;
+    rec_key key;
+    uint64_t owner;
+    const void *response;
+    size_t len;
+    uint64_t ms; /* expiry, lease end, or now for a token consume */
+    const char *token, *scope;
+} write_args;
+
+/* env.c */
+extern const idem_store_ops idem__lmdb_ops;
+int idem__lmdb_read_begin(lmdb_store *st, MDB_txn **txn);
+void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn);
+idem_code idem__lmdb_commit(MDB_txn *txn);
+
+/* records.c */
+idem_code idem__lmdb_rec_key_make(rec_key *k, const idem_key_ref *ref);
+idem_code idem__lmdb_rec_decode(const MDB_val *v, idem_record *rec, bool want_response);
+int idem__lmdb_rec_put(lmdb_store *st, MDB_txn *txn, const rec_key *key, const rec_hdr *h,
+                       const void *response, size_t len);
+int idem__lmdb_rec_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t expires_ms);
+idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec);
+idem_code idem__lmdb_delete(idem_store *base, const idem_key_ref *ref);
+idem_code idem__lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
+idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out);
+
+/* claim.c */
+idem_code idem__lmdb_complete_in(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
+                                 uint64_t owner, const void *response, size_t len,
+                                 uint64_t expires_ms);
+idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
+                           idem_record *rec);
+idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                              const void *response, size_t len, uint64_t expires_ms,
+                              uint64_t now_ms);
+idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner);
+idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                           uint64_t lease_until_ms, uint64_t now_ms);
+
+/* tokens.c */
+idem_code idem__lmdb_token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
+                                uint64_t now_ms, uint64_t *expires_ms);
+void idem__lmdb_rec_token_make(rec_token *t, const char *token, uint64_t expires_ms);
+void idem__lmdb_rec_token_read(rec_token *t, const MDB_val *v);
+bool idem__lmdb_rec_token_is(const rec_token *t, const char *token);
+int idem__lmdb_rec_token_restore(lmdb_store *st, MDB_txn *txn, const rec_key *key,
+                                 const rec_token *t);
+idem_code idem__lmdb_token_put(idem_store *base, const char *token, const char *scope,
+                               uint64_t expires_ms, uint64_t now_ms);
+idem_code idem__lmdb_token_consume(idem_store *base, const char *token, const char *scope,
+                                   uint64_t now_ms);
+
+/* expiry.c */
+int idem__lmdb_index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
+                         const void *name, size_t len);
+int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const void *name,
+                         size_t len);
+idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
+
+/* txn.c */
+idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
+idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out);
+void idem__lmdb_txn_abort(idem_txn *t);
+idem_code idem__lmdb_txn_commit(idem_txn *t);
+idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                         const void *response, size_t len, uint64_t expires_ms);
+
+#endif

@@ -1,0 +1,282 @@
+/* Transactional handlers (txn.h): the write gate (every write outside a handler txn goes
+ * through group commit), business databases, idem_txn_* and the handler-txn ops. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lmdb_internal.h"
+
+/* The handler txn this thread holds, if any. LMDB's writer lock is not recursive: a
+ * second write txn begun on this thread would wait for itself forever. */
+static _Thread_local const void *thread_write_txn;
+
+static idem_code nested_write(void)
+{
+    return idem__err(IDEM_FAILED_PRECONDITION,
+                     "this thread holds a transactional handler's write txn: use idem_txn_* "
+                     "inside it, not another store write");
+}
+
+/* The LMDB store behind base, or NULL for another backend. */
+static lmdb_store *lmdb_of(idem_store *base)
+{
+    return base != NULL && base->ops == &idem__lmdb_ops ? (lmdb_store *)base : NULL;
+}
+
+/* Every write outside a handler txn goes through the group committer. */
+idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx)
+{
+    return thread_write_txn != NULL ? nested_write() : idem__gc_write(&st->gc, fn, ctx);
+}
+
+/* Business databases ("app.<name>") of transactional handlers.
+ *
+ * LMDB forbids mdb_dbi_open in concurrent txns, and a handle opened in a txn that aborts
+ * dies with it. So handles are opened only in write txns (which LMDB serialises), and
+ * enter the store's cache only once such a txn has committed; readers use the cache. */
+#define TXN_NEW_DBS 8 /* databases one handler txn may create before it commits */
+
+struct idem_txn {
+    idem_txn_head head; /* first: store.c dispatches through it */
+    lmdb_store *st;
+    MDB_txn *txn;
+    app_db opened[TXN_NEW_DBS]; /* opened here: cached if this txn commits */
+    size_t n_opened;
+};
+
+static idem_code app_db_name(const char *db, char name[APP_DB_NAME])
+{
+    size_t n = db != NULL ? strlen(db) : 0;
+    if (n == 0 || n > IDEM_MAX_DB_NAME) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "database name must be 1..%d bytes",
+                         IDEM_MAX_DB_NAME);
+    }
+    snprintf(name, APP_DB_NAME, "app.%s", db);
+    return IDEM_OK;
+}
+
+static bool app_db_cached(lmdb_store *st, const char *name, MDB_dbi *dbi)
+{
+    bool found = false;
+    pthread_mutex_lock(&st->db_mu);
+    for (size_t i = 0; i < st->n_dbs && !found; i++) {
+        if (strcmp(st->dbs[i].name, name) == 0) {
+            *dbi = st->dbs[i].dbi;
+            found = true;
+        }
+    }
+    pthread_mutex_unlock(&st->db_mu);
+    return found;
+}
+
+static void app_db_cache(lmdb_store *st, const app_db *db)
+{
+    MDB_dbi ignored;
+    if (app_db_cached(st, db->name, &ignored)) {
+        return;
+    }
+    pthread_mutex_lock(&st->db_mu);
+    if (st->n_dbs < IDEM_ARRAY_LEN(st->dbs)) {
+        st->dbs[st->n_dbs++] = *db;
+    }
+    pthread_mutex_unlock(&st->db_mu);
+}
+
+/* The handle of a business database inside a handler's write txn. */
+static idem_code txn_dbi(idem_txn *t, const char *db, MDB_dbi *dbi)
+{
+    char name[APP_DB_NAME];
+    idem_code code = app_db_name(db, name);
+    if (code != IDEM_OK || app_db_cached(t->st, name, dbi)) {
+        return code;
+    }
+    for (size_t i = 0; i < t->n_opened; i++) {
+        if (strcmp(t->opened[i].name, name) == 0) {
+            *dbi = t->opened[i].dbi;
+            return IDEM_OK;
+        }
+    }
+    if (t->n_opened == TXN_NEW_DBS) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d new databases per transaction",
+                         TXN_NEW_DBS);
+    }
+    int rc = mdb_dbi_open(t->txn, name, MDB_CREATE, dbi);
+    if (rc != 0) {
+        return idem__lmdb_code(rc, "open database");
+    }
+    app_db *o = &t->opened[t->n_opened++];
+    snprintf(o->name, sizeof(o->name), "%s", name);
+    o->dbi = *dbi;
+    return IDEM_OK;
+}
+
+typedef struct dbi_open_args {
+    lmdb_store *st;
+    app_db db;
+} dbi_open_args;
+
+static idem_code dbi_open_apply(MDB_txn *txn, void *arg)
+{
+    dbi_open_args *a = arg;
+    int rc = mdb_dbi_open(txn, a->db.name, MDB_CREATE, &a->db.dbi);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "open database");
+}
+
+/* The handle of a business database for a reader: created by a write of its own. */
+static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
+{
+    dbi_open_args a = {.st = st};
+    idem_code code = app_db_name(db, a.db.name);
+    if (code != IDEM_OK || app_db_cached(st, a.db.name, dbi)) {
+        return code;
+    }
+    if ((code = idem__lmdb_write(st, dbi_open_apply, &a)) != IDEM_OK) {
+        return code;
+    }
+    app_db_cache(st, &a.db);
+    *dbi = a.db.dbi;
+    return IDEM_OK;
+}
+
+idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    if (thread_write_txn != NULL) {
+        return nested_write();
+    }
+    idem_txn *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    int rc = mdb_txn_begin(st->env, NULL, 0, &t->txn);
+    if (rc != 0) {
+        free(t);
+        return idem__lmdb_code(rc, "handler txn begin");
+    }
+    t->head.ops = &idem__lmdb_ops;
+    t->st = st;
+    thread_write_txn = t;
+    *out = t;
+    return IDEM_OK;
+}
+
+void idem__lmdb_txn_abort(idem_txn *t)
+{
+    thread_write_txn = NULL;
+    mdb_txn_abort(t->txn);
+    free(t);
+}
+
+idem_code idem__lmdb_txn_commit(idem_txn *t)
+{
+    thread_write_txn = NULL;
+    idem_code code = idem__lmdb_commit(t->txn);
+    for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
+        app_db_cache(t->st, &t->opened[i]);
+    }
+    free(t);
+    return code;
+}
+
+idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                         const void *response, size_t len, uint64_t expires_ms)
+{
+    idem_code code = idem__lmdb_complete_in(t->st, t->txn, ref, owner, response, len, expires_ms);
+    if (code != IDEM_OK) {
+        idem__lmdb_txn_abort(t);
+        return code;
+    }
+    return idem__lmdb_txn_commit(t);
+}
+
+static idem_code app_key(const void *key, size_t klen, MDB_val *k)
+{
+    if (klen == 0 || klen > 511) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "key must be 1..511 bytes");
+    }
+    *k = (MDB_val){klen, (void *)key};
+    return IDEM_OK;
+}
+
+idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen, const void **val,
+                       size_t *vlen)
+{
+    MDB_dbi dbi;
+    MDB_val k, v;
+    idem_code code;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_get(t->txn, dbi, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no such key");
+    } else if (rc != 0) {
+        return idem__lmdb_code(rc, "get");
+    }
+    *val = v.mv_data;
+    *vlen = v.mv_size;
+    return IDEM_OK;
+}
+
+idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen, const void *val,
+                       size_t vlen)
+{
+    MDB_dbi dbi;
+    MDB_val k, v = {vlen, (void *)val};
+    idem_code code;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_put(t->txn, dbi, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "put");
+}
+
+idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen)
+{
+    MDB_dbi dbi;
+    MDB_val k;
+    idem_code code;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_del(t->txn, dbi, &k, NULL);
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no such key");
+    }
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "del");
+}
+
+idem_code idem_store_app_get(idem_store *base, const char *db, const void *key, size_t klen,
+                             void **val, size_t *vlen)
+{
+    lmdb_store *st = lmdb_of(base);
+    if (st == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "business databases need the LMDB store");
+    }
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k, v;
+    idem_code code;
+    int rc;
+    *val = NULL;
+    *vlen = 0;
+    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
+        return idem__lmdb_code(rc, "read begin");
+    }
+    rc = mdb_get(txn, dbi, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        code = idem__err(IDEM_NOT_FOUND, "no such key");
+    } else if (rc != 0) {
+        code = idem__lmdb_code(rc, "get");
+    } else if ((*val = malloc(v.mv_size ? v.mv_size : 1)) == NULL) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    } else {
+        memcpy(*val, v.mv_data, v.mv_size);
+        *vlen = v.mv_size;
+    }
+    idem__lmdb_read_end(st, txn);
+    return code;
+}
