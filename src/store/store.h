@@ -1,5 +1,5 @@
-/* The idem_store interface behind include/idemrpc/store.h: each backend (store_lmdb.c,
- * store_pg.c) fills one ops table and embeds idem_store as its first member. store.c
+/* The idem_store interface behind include/idemrpc/store.h: each backend (lmdb/, pg/)
+ * fills one ops table and embeds idem_store as its first member. store.c
  * checks the arguments common to every backend and dispatches. */
 #ifndef IDEMRPC_STORE_INTERNAL_H
 #define IDEMRPC_STORE_INTERNAL_H
