@@ -42,13 +42,15 @@ tot = dict(Tested=0, Passing=0, Failing=0, Crashing=0)
 for line in open(sys.argv[1]):
     t = json.loads(line)
     out = (t.get("stdout") or "") + (t.get("stderr") or "")
+    bad = 0
     for m in re.finditer(r"Synthesis: Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+) \| Crashing: (\d+)", out):
         for k, v in zip(tot, m.groups()):
             tot[k] += int(v)
+        bad += int(m.group(3)) + int(m.group(4))
     ok = t.get("result") in ("OK", "SKIP")
     if "Synthesis" not in out:  # a script test (e.g. external_encode): counts as one
         tot["Tested"] += 1; tot["Passing"] += ok; tot["Failing"] += (not ok)
-    elif not ok:  # every test passed but the program failed (a sanitizer report at exit)
+    elif not ok and bad == 0:  # every test passed but the program failed (a sanitizer at exit)
         tot["Crashing"] += 1
 print(f"[====] Synthesis: Tested: {tot['Tested']} | Passing: {tot['Passing']} | "
       f"Failing: {tot['Failing']} | Crashing: {tot['Crashing']} ")
