@@ -329,8 +329,10 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
     idem_key_ref key = {idem_call_caller(call), m->name, call->key};
     uint32_t bucket = idem__inflight_bucket(&key);
     uint8_t fingerprint[IDEM_FINGERPRINT_LEN];
-    if (idem__call_fingerprint(call, fingerprint) != IDEM_OK) {
-        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, "%s", idem_errmsg());
+    idem_code fp = idem__call_fingerprint(call, fingerprint);
+    if (fp != IDEM_OK) {
+        return idem__reject(call, fp == IDEM_INVALID_ARGUMENT ? IDEM_REASON_BAD_KEY : NULL, fp,
+                            "%s", idem_errmsg());
     }
     for (;;) {
         bool wait;

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PKGS=(build-essential meson ninja-build pkg-config cmake
-      libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
+      libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler libssl-dev
       liblmdb-dev lmdb-utils libcriterion-dev
       clang libclang-rt-dev curl
       libpq-dev libhiredis-dev postgresql redis-server)

@@ -194,7 +194,7 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg);
  * "the same". INVALID_ARGUMENT when the extractor overflows its buffer. */
 idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32]);
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
-void idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
+bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
 
 /* Validates the envelope fields of a request (bounds, UTF-8, method shape): the one
  * check both fronts use. Field names in messages name the HTTP header too. */

@@ -223,11 +223,11 @@ idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len)
     return ok ? IDEM_OK : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory loading response");
 }
 
-void idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32])
+bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32])
 {
     const void *parts[] = {method, "", payload != NULL ? payload : ""};
     const size_t lens[] = {strlen(method), 1, len};
-    idem__sha256(parts, lens, 3, out);
+    return idem__sha256(parts, lens, 3, out);
 }
 
 idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32])
@@ -236,26 +236,29 @@ idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32])
     size_t plen;
     const void *payload = idem_call_payload(call, &plen);
     if (m->opts.fingerprint == NULL) {
-        idem__fingerprint(m->name, payload, plen, out);
-        return IDEM_OK;
+        return idem__fingerprint(m->name, payload, plen, out)
+                   ? IDEM_OK
+                   : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory hashing the request");
     }
     uint8_t *buf = malloc(IDEM_MAX_FINGERPRINT_INPUT);
     size_t n = 0;
     if (buf == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    bool ok =
-        m->opts.fingerprint(call, buf, IDEM_MAX_FINGERPRINT_INPUT, &n, m->opts.fingerprint_arg);
-    if (ok && n <= IDEM_MAX_FINGERPRINT_INPUT) {
+    idem_code code = IDEM_OK;
+    if (!m->opts.fingerprint(call, buf, IDEM_MAX_FINGERPRINT_INPUT, &n, m->opts.fingerprint_arg) ||
+        n > IDEM_MAX_FINGERPRINT_INPUT) {
+        code = idem__err(IDEM_INVALID_ARGUMENT,
+                         "the request has no fingerprint: %s's fingerprint extractor refused it",
+                         m->name);
+    } else {
         /* 'F' keeps an extracted fingerprint apart from a whole-payload one. */
         const void *parts[] = {m->name, "", "F", buf};
         const size_t lens[] = {strlen(m->name), 1, 1, n};
-        idem__sha256(parts, lens, 4, out);
+        code = idem__sha256(parts, lens, 4, out)
+                   ? IDEM_OK
+                   : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory hashing the request");
     }
     free(buf);
-    return ok && n <= IDEM_MAX_FINGERPRINT_INPUT
-               ? IDEM_OK
-               : idem__err(IDEM_INVALID_ARGUMENT,
-                           "the request has no fingerprint: %s's fingerprint extractor refused it",
-                           m->name);
+    return code;
 }

@@ -56,7 +56,8 @@ void idem__base64url(char *out, const void *bytes, size_t len);
 bool idem__utf8_valid(const char *s, size_t len);
 
 /* SHA-256. */
-void idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
+/* false only when out of memory (out is then undefined). */
+bool idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
 
 /* strdup that returns NULL only on ENOMEM; NULL in → "". */
 char *idem__strdup(const char *s);

@@ -100,8 +100,10 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
     char key_hash[17] = "-";
     if (call->key_source != IDEM_KEY_NONE) {
         uint8_t d[32];
-        idem__sha256((const void *const[]){call->key}, (const size_t[]){strlen(call->key)}, 1, d);
-        idem__hex(key_hash, d, 8);
+        if (idem__sha256((const void *const[]){call->key}, (const size_t[]){strlen(call->key)}, 1,
+                         d)) {
+            idem__hex(key_hash, d, 8);
+        }
     }
     idem__log(obs, IDEM_LOG_INFO,
               "request_id=%s method=\"%s\" caller=\"%s\" key=%s outcome=%s%s%s code=%s "

@@ -1,28 +1,33 @@
 /* The expiry index (one entry per record and token, changed in the same txn) and the
  * sweep that deletes what it says is due, oldest first. */
+#include <errno.h>
 #include <string.h>
 
 #include "lmdb_internal.h"
 
 #define INDEX_KEY_LEN 24
 
-static void index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
+/* rc-style: ENOMEM when hashing could not allocate. */
+static int index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
 {
     uint8_t digest[32];
     for (int i = 0; i < 8; i++) {
         out[i] = (uint8_t)(expires >> (56 - 8 * i));
     }
-    idem__sha256((const void *const[]){name}, (const size_t[]){len}, 1, digest);
+    if (!idem__sha256((const void *const[]){name}, (const size_t[]){len}, 1, digest)) {
+        return ENOMEM;
+    }
     memcpy(out + 8, digest, INDEX_KEY_LEN - 8);
+    return 0;
 }
 
 int idem__lmdb_index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
                          const void *name, size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
-    index_key(kb, expires, name, len);
+    int rc = index_key(kb, expires, name, len);
     MDB_val k = {INDEX_KEY_LEN, kb}, v = {len + 1, NULL};
-    int rc = mdb_put(txn, st->expiry, &k, &v, MDB_RESERVE);
+    rc = rc != 0 ? rc : mdb_put(txn, st->expiry, &k, &v, MDB_RESERVE);
     if (rc == 0) {
         ((uint8_t *)v.mv_data)[0] = type;
         memcpy((uint8_t *)v.mv_data + 1, name, len);
@@ -34,9 +39,9 @@ int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const v
                          size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
-    index_key(kb, expires, name, len);
+    int rc = index_key(kb, expires, name, len);
     MDB_val k = {INDEX_KEY_LEN, kb};
-    int rc = mdb_del(txn, st->expiry, &k, NULL);
+    rc = rc != 0 ? rc : mdb_del(txn, st->expiry, &k, NULL);
     return rc == MDB_NOTFOUND ? 0 : rc;
 }
 
