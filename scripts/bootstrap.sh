@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(build-essential meson ninja-build pkg-config cmake
       libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
-      liblmdb-dev lmdb-utils libcriterion-dev
+      liblmdb-dev lmdb-utils libcriterion-dev libssl-dev
       clang libclang-rt-dev curl
       libpq-dev libhiredis-dev postgresql redis-server)
 
