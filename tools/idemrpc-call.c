@@ -16,11 +16,14 @@
 static void usage(FILE *f)
 {
     fprintf(f, "usage: idemrpc-call URL METHOD PAYLOAD [--key K] [--token T] "
-               "[--caller C] [--timeout-ms N]\n"
+               "[--caller C] [--secret S [--signer P]] [--timeout-ms N]\n"
                "  URL METHOD PAYLOAD come first, whatever they look like; the options follow\n"
                "  --key K         the idempotency key (default: none)\n"
                "  --token T       a token from idem.Token/Issue\n"
                "  --caller C      the caller the key belongs to\n"
+               "  --secret S      sign every attempt as the caller with secret S (16..256\n"
+               "                  bytes; visible to ps: for trying things out)\n"
+               "  --signer P      sign as proxy P for the caller (P's secret in --secret)\n"
                "  --timeout-ms N  one attempt's reply wait (default 2000)\n");
 }
 
@@ -33,6 +36,7 @@ static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *op
     static const struct option longs[] = {
         {"key", required_argument, NULL, 'k'},    {"token", required_argument, NULL, 't'},
         {"caller", required_argument, NULL, 'c'}, {"timeout-ms", required_argument, NULL, 'T'},
+        {"secret", required_argument, NULL, 's'}, {"signer", required_argument, NULL, 'p'},
         {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
     uint64_t ms;
     int opt;
@@ -66,6 +70,13 @@ static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *op
             break;
         case 'c':
             req->caller = optarg;
+            opts->caller = optarg; /* idem.Token/Issue signs as it too */
+            break;
+        case 's':
+            opts->signing_secret = optarg;
+            break;
+        case 'p':
+            opts->signer = optarg;
             break;
         case 'T':
             if (!cli_parse_u64("idemrpc-call", "--timeout-ms", optarg, 0, UINT32_MAX, &ms)) {

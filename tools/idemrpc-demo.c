@@ -173,6 +173,8 @@ static void usage(FILE *f)
                "                    [--debounce URL] [--delay-ms N] [--flaky N]\n"
                "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
                "                    [--max-wait-ms N] [--lease-ms N] [--max-run-ms N]\n"
+               "                    [--caller-secrets FILE] [--ipc-uid UID=CALLER]...\n"
+               "                    [--require-verified-caller]\n"
                "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
                "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
                "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
@@ -182,7 +184,13 @@ static void usage(FILE *f)
                "  --flaky N      the first N executions answer UNAVAILABLE\n"
                "  --log-level L  one line per call at info (default error)\n"
                "  --result-ttl-ms N, --max-wait-ms N, --lease-ms N, --max-run-ms N\n"
-               "                 override the server defaults\n");
+               "                 override the server defaults\n"
+               "  --caller-secrets FILE  lines \"CALLER SECRET\" (\"CALLER SECRET proxy\" for a\n"
+               "                 proxy that signs for others; # comments): verify signed calls\n"
+               "  --ipc-uid UID=CALLER   an ipc:// peer with this uid is CALLER (repeatable)\n"
+               "  --require-verified-caller  refuse calls whose caller is not verified\n"
+               "  Without these, callers are taken as they name themselves: trusted network\n"
+               "  only (README \"Security\").\n");
 }
 
 static bool parse_level(const char *s, idem_log_level *out)
@@ -201,7 +209,65 @@ static bool parse_level(const char *s, idem_log_level *out)
 typedef struct demo_args {
     const char *listen, *db, *http, *store_url, *debounce_url;
     idem_log_level level;
+    idem_caller_secret *secrets; /* --caller-secrets, malloc'd */
+    size_t n_secrets;
+    idem_ipc_caller uids[16]; /* --ipc-uid */
+    size_t n_uids;
 } demo_args;
+
+/* --caller-secrets FILE: "CALLER SECRET [proxy]" per line; the server checks bounds. */
+static bool load_secrets(const char *path, demo_args *a)
+{
+    FILE *f = fopen(path, "r");
+    char line[512];
+    unsigned no = 0;
+    if (f == NULL) {
+        fprintf(stderr, "idemrpc-demo: --caller-secrets: %s: %s\n", path, strerror(errno));
+        return false;
+    }
+    while (fgets(line, sizeof(line), f) != NULL) {
+        char caller[256], secret[300], flag[16] = "";
+        no++;
+        if (line[strspn(line, " \t\r\n")] == '\0' || line[strspn(line, " \t")] == '#') {
+            continue;
+        }
+        int n = sscanf(line, "%255s %299s %15s", caller, secret, flag);
+        idem_caller_secret *grown = realloc(a->secrets, (a->n_secrets + 1) * sizeof(*grown));
+        if (n < 2 || (n == 3 && strcmp(flag, "proxy") != 0) || grown == NULL ||
+            a->n_secrets >= IDEM_MAX_CALLER_SECRETS) {
+            fprintf(stderr, "idemrpc-demo: %s:%u: expected \"CALLER SECRET [proxy]\"\n", path, no);
+            fclose(f);
+            free(grown);
+            return false;
+        }
+        a->secrets = grown;
+        a->secrets[a->n_secrets++] = (idem_caller_secret){
+            .caller = strdup(caller), .secret = strdup(secret), .proxy = n == 3};
+    }
+    fclose(f);
+    return true;
+}
+
+/* --ipc-uid UID=CALLER */
+static bool parse_uid(const char *v, demo_args *a)
+{
+    const char *eq = strchr(v, '=');
+    char num[24];
+    uint64_t uid;
+    if (eq == NULL || eq == v || (size_t)(eq - v) >= sizeof(num) || eq[1] == '\0' ||
+        a->n_uids >= (sizeof(a->uids) / sizeof(a->uids[0]))) {
+        fprintf(stderr, "idemrpc-demo: --ipc-uid: '%s' is not UID=CALLER (at most %zu)\n", v,
+                (sizeof(a->uids) / sizeof(a->uids[0])));
+        return false;
+    }
+    memcpy(num, v, (size_t)(eq - v));
+    num[eq - v] = '\0';
+    if (!cli_parse_u64("idemrpc-demo", "--ipc-uid", num, 0, UINT32_MAX, &uid)) {
+        return false;
+    }
+    a->uids[a->n_uids++] = (idem_ipc_caller){.uid = uid, .caller = eq + 1};
+    return true;
+}
 
 /* The value v of a number option into *out; false, after naming the option, when it
  * is bad. */
@@ -252,6 +318,13 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
         return number("--lease-ms", v, &o->lease_ms);
     case 'R':
         return number("--max-run-ms", v, &o->max_run_ms);
+    case 'S':
+        return load_secrets(v, a);
+    case 'U':
+        return parse_uid(v, a);
+    case 'V':
+        o->require_verified_caller = true;
+        return true;
     case 'v':
         if (!parse_level(v, &a->level)) {
             fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
@@ -279,6 +352,9 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
                                           {"lease-ms", required_argument, NULL, 'L'},
                                           {"max-run-ms", required_argument, NULL, 'R'},
                                           {"log-level", required_argument, NULL, 'v'},
+                                          {"caller-secrets", required_argument, NULL, 'S'},
+                                          {"ipc-uid", required_argument, NULL, 'U'},
+                                          {"require-verified-caller", no_argument, NULL, 'V'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     int opt;
@@ -324,6 +400,10 @@ int main(int argc, char **argv)
 
     opts.db_path = a.db;
     opts.log_level = a.level;
+    opts.caller_secrets = a.secrets;
+    opts.n_caller_secrets = a.n_secrets;
+    opts.ipc_callers = a.uids;
+    opts.n_ipc_callers = a.n_uids;
     idem_store *shared = NULL;
     idem_debounce *debounce = NULL;
     if (a.store_url != NULL &&
@@ -358,14 +438,22 @@ int main(int argc, char **argv)
     if (a.http != NULL) {
         printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
     }
-    printf("idemrpc-demo listening on %s (store %s%s)\n", a.listen,
-           shared != NULL ? "postgres" : a.db, debounce != NULL ? ", redis debounce 2 s" : "");
+    printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a.listen,
+           shared != NULL ? "postgres" : a.db, debounce != NULL ? ", redis debounce 2 s" : "",
+           opts.require_verified_caller      ? "verified only"
+           : a.n_secrets > 0 || a.n_uids > 0 ? "verified when signed or mapped"
+                                             : "self-declared, trusted network only");
     fflush(stdout);
 
     int sig;
     sigwait(&stop, &sig);
     fprintf(stderr, "idemrpc-demo: signal %d, shutting down\n", sig);
     idem_server_destroy(srv);
+    for (size_t i = 0; i < a.n_secrets; i++) {
+        free((char *)a.secrets[i].caller);
+        free((char *)a.secrets[i].secret);
+    }
+    free(a.secrets);
     idem_store_close(shared);
     idem_debounce_destroy(debounce);
     return 0;

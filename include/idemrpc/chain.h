@@ -46,7 +46,12 @@ typedef enum idem_key_source {
 
 /* ---- the request (read-only; strings are NUL-terminated and valid for the call) ---- */
 IDEM_API const char *idem_call_method(const idem_call *call);
+/* The caller that scopes keys and tokens: the verified one when the server verified it
+ * (README "Security"), else Request.caller as sent ("" when none). */
 IDEM_API const char *idem_call_caller(const idem_call *call);
+/* true when idem_call_caller() comes from the transport or a signature, not the client's
+ * word: an interceptor may refuse unverified callers for some methods. */
+IDEM_API bool idem_call_caller_verified(const idem_call *call);
 IDEM_API const char *idem_call_request_id(const idem_call *call);
 IDEM_API const char *idem_call_token(const idem_call *call);
 IDEM_API const void *idem_call_payload(const idem_call *call, size_t *len);

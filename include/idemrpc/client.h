@@ -38,6 +38,13 @@ typedef struct idem_client_opts {
     /* true: a call without key or token is sent without a key (the server decides:
      * a KEY_REQUIRED method refuses it) instead of with a generated one. */
     bool never_generate_key;
+    /* Signs every attempt (metadata idem-signature, idem-timestamp) as its caller (the
+     * request's, else the default) with this secret, copied; 16..256 bytes. NULL = unsigned.
+     * README "Security". */
+    const char *signing_secret;
+    /* A proxy signing for the callers it names: its own name (metadata idem-signer), copied.
+     * NULL = the caller signs for itself. */
+    const char *signer;
 } idem_client_opts;
 
 typedef struct idem_metadata_kv {

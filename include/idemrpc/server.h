@@ -98,6 +98,26 @@ typedef enum idem_log_level {
 /* Receives one logfmt line (no newline). Called from worker threads, concurrently. */
 typedef void (*idem_log_fn)(void *arg, idem_log_level level, const char *line);
 
+/* Caller identity (README "Security"). A signing secret of one caller: requests whose
+ * idem-signature verifies under it are from that caller. A proxy entry (a TLS-terminating
+ * proxy, an API gateway) may sign for any caller it names in Request.caller; it signs as
+ * itself (metadata idem-signer / header Idem-Signer). */
+typedef struct idem_caller_secret {
+    const char *caller; /* 1..IDEM_MAX_CALLER bytes, printable */
+    const char *secret; /* IDEM_MIN_CALLER_SECRET..IDEM_MAX_CALLER_SECRET bytes */
+    bool proxy;
+} idem_caller_secret;
+#define IDEM_MIN_CALLER_SECRET 16
+#define IDEM_MAX_CALLER_SECRET 256
+#define IDEM_MAX_CALLER_SECRETS 1024 /* entries in idem_server_opts.caller_secrets */
+
+/* An ipc:// peer uid (SO_PEERCRED, from the kernel) and the caller it is. */
+typedef struct idem_ipc_caller {
+    uint64_t uid;
+    const char *caller;
+} idem_ipc_caller;
+#define IDEM_MAX_IPC_CALLERS 1024
+
 typedef struct idem_server_opts {
     size_t contexts; /* concurrent calls (nng contexts); 0 = 2 x cores */
     size_t workers;  /* handler threads; 0 = contexts */
@@ -136,6 +156,17 @@ typedef struct idem_server_opts {
     size_t max_waiters;
     /* HTTP requests queued or running at once; more get 429 with Retry-After. 0 = 1024. */
     size_t http_max_pending;
+    /* ---- who is calling (README "Security"); all copied at idem_server_create ----
+     * Nothing set: Request.caller / X-Caller is taken as sent (trusted network only).
+     * A verified caller (a mapped ipc uid, else a valid signature) scopes keys and
+     * tokens; a request naming another caller is PERMISSION_DENIED. */
+    const idem_caller_secret *caller_secrets;
+    size_t n_caller_secrets;
+    uint64_t signature_window_ms; /* accepted clock skew, both directions; 0 = 5 min */
+    const idem_ipc_caller *ipc_callers;
+    size_t n_ipc_callers;
+    /* Calls without a verified caller get UNAUTHENTICATED (nothing runs). */
+    bool require_verified_caller;
 } idem_server_opts;
 
 typedef enum idem_builtin {

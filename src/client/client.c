@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -27,8 +28,8 @@ typedef struct ctx_slot {
 struct idem_client {
     nng_socket sock;
     idem_client_opts opts;
-    char *caller;
-    pthread_mutex_t mu; /* guards idle */
+    char *caller, *secret, *signer; /* copies; secret and signer NULL when unsigned */
+    pthread_mutex_t mu;             /* guards idle */
     ctx_slot *idle;
     size_t n_idle;
 };
@@ -59,6 +60,36 @@ uint32_t idem_backoff_ms(const idem_retry_policy *policy, uint32_t retry, double
     return d < 0 ? 0 : (uint32_t)d;
 }
 
+static void free_strings(idem_client *c)
+{
+    if (c->secret != NULL) {
+        explicit_bzero(c->secret, strlen(c->secret));
+    }
+    free(c->secret);
+    free(c->signer);
+    free(c->caller);
+}
+
+/* The options' strings, copied (the caller's are not retained). */
+static idem_code copy_strings(idem_client *c)
+{
+    const char *secret = c->opts.signing_secret;
+    size_t slen = secret != NULL ? strlen(secret) : 0;
+    if (secret != NULL && (slen < IDEM_MIN_CALLER_SECRET || slen > IDEM_MAX_CALLER_SECRET)) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "signing secret must be %d..%d bytes (it has %zu)",
+                         IDEM_MIN_CALLER_SECRET, IDEM_MAX_CALLER_SECRET, slen);
+    }
+    if ((c->caller = idem__strdup(c->opts.caller)) == NULL ||
+        (secret != NULL && (c->secret = idem__strdup(secret)) == NULL) ||
+        (c->opts.signer != NULL && (c->signer = idem__strdup(c->opts.signer)) == NULL)) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    c->opts.caller = c->caller;
+    c->opts.signing_secret = c->secret;
+    c->opts.signer = c->signer;
+    return IDEM_OK;
+}
+
 idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
                            const idem_client_opts *opts)
 {
@@ -79,13 +110,14 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
     c->opts.attempt_timeout_ms = c->opts.attempt_timeout_ms ? c->opts.attempt_timeout_ms : 2000;
     c->opts.deadline_ms = c->opts.deadline_ms ? c->opts.deadline_ms : 10000;
     c->opts.max_frame = c->opts.max_frame ? c->opts.max_frame : DEFAULT_MAX_FRAME;
-    if ((c->caller = idem__strdup(c->opts.caller)) == NULL) {
+    idem_code code = copy_strings(c);
+    if (code != IDEM_OK) {
+        free_strings(c);
         free(c);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        return code;
     }
-    c->opts.caller = c->caller;
     if ((rv = nng_req0_open(&c->sock)) != 0) {
-        free(c->caller);
+        free_strings(c);
         free(c);
         return idem__err(IDEM_UNAVAILABLE, "nng_req0_open: %s", nng_strerror(rv));
     }
@@ -121,7 +153,7 @@ void idem_client_close(idem_client *c)
         }
         pthread_mutex_destroy(&c->mu);
         nng_close(c->sock);
-        free(c->caller);
+        free_strings(c);
         free(c);
     }
 }
@@ -177,18 +209,65 @@ static void slot_put(idem_client *c, ctx_slot *s, bool clean)
     }
 }
 
+/* Appends one metadata entry the library adds (the room was checked). */
+static void add_entry(Idem__V1__Request__MetadataEntry *e, Idem__V1__Request__MetadataEntry **ptrs,
+                      size_t *n, const char *name, const char *value)
+{
+    idem__v1__request__metadata_entry__init(&e[*n]);
+    e[*n].key = (char *)name;
+    e[*n].value = (char *)value;
+    ptrs[*n] = &e[*n];
+    (*n)++;
+}
+
+/* The signature entries of one attempt (README "Security"): signed anew every time, so
+ * that a retry never falls out of the server's clock window. */
+static idem_code sign_attempt(const idem_client *c, const Idem__V1__Request *m,
+                              Idem__V1__Request__MetadataEntry *e,
+                              Idem__V1__Request__MetadataEntry **ptrs, size_t *n, char ts[24],
+                              char sig[IDEM_SIGNATURE_HEX + 1])
+{
+    const char *meta_key = NULL;
+    for (size_t i = 0; i < *n; i++) {
+        meta_key = strcmp(e[i].key, "idempotency-key") == 0 ? e[i].value : meta_key;
+    }
+    uint64_t now = idem__now_ms();
+    idem_signed_fields f = {.signer = c->signer,
+                            .caller = m->caller,
+                            .method = m->method,
+                            .key = idem__signed_key(m->idempotency_key, meta_key),
+                            .token = m->token,
+                            .payload = m->payload.data,
+                            .payload_len = m->payload.len,
+                            .timestamp_ms = now};
+    if (!idem__signature(c->secret, &f, sig)) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "cannot sign the request (a field is over its "
+                                                "bound)");
+    }
+    snprintf(ts, 24, "%llu", (unsigned long long)now);
+    add_entry(e, ptrs, n, IDEM_META_SIGNATURE, sig);
+    add_entry(e, ptrs, n, IDEM_META_TIMESTAMP, ts);
+    if (c->signer != NULL) {
+        add_entry(e, ptrs, n, IDEM_META_SIGNER, c->signer);
+    }
+    return IDEM_OK;
+}
+
 /* Encodes the request for one attempt into a new nng message. */
-static idem_code build_msg(const idem_request *r, const char *caller, const char *key,
-                           bool key_generated, uint32_t attempt, uint64_t deadline, nng_msg **out)
+static idem_code build_msg(const idem_client *c, const idem_request *r, const char *caller,
+                           const char *key, bool key_generated, uint32_t attempt, uint64_t deadline,
+                           nng_msg **out)
 {
     Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
-    Idem__V1__Request__MetadataEntry entries[64], *ptrs[64];
+    Idem__V1__Request__MetadataEntry entries[64], *ptrs[64]; /* the server takes 64 */
+    char ts[24], sig[IDEM_SIGNATURE_HEX + 1];
     nng_msg *msg;
     size_t n = r->metadata_count;
+    size_t ours = key_generated + (c->secret != NULL ? 2 + (c->signer != NULL) : 0);
 
-    if (n + key_generated > IDEM_ARRAY_LEN(entries)) {
+    if (n + ours > IDEM_ARRAY_LEN(entries)) {
         return idem__err(IDEM_INVALID_ARGUMENT, "at most %zu metadata entries",
-                         IDEM_ARRAY_LEN(entries) - key_generated);
+                         IDEM_ARRAY_LEN(entries) - ours);
     }
     for (size_t i = 0; i < n; i++) {
         idem__v1__request__metadata_entry__init(&entries[i]);
@@ -197,23 +276,23 @@ static idem_code build_msg(const idem_request *r, const char *caller, const char
         ptrs[i] = &entries[i];
     }
     if (key_generated) { /* lets a business key (the method's extractor) win over ours */
-        idem__v1__request__metadata_entry__init(&entries[n]);
-        entries[n].key = IDEM_META_KEY_GENERATED;
-        entries[n].value = "1";
-        ptrs[n] = &entries[n];
-        n++;
+        add_entry(entries, ptrs, &n, IDEM_META_KEY_GENERATED, "1");
     }
     m.method = (char *)r->method;
     m.idempotency_key = (char *)key;
     m.request_id = (char *)(r->request_id ? r->request_id : "");
     m.token = (char *)(r->token ? r->token : "");
     m.caller = (char *)caller;
-    m.n_metadata = n;
-    m.metadata = ptrs;
     m.payload.data = (uint8_t *)r->payload;
     m.payload.len = r->payload_len;
     m.attempt = attempt;
     m.deadline_unix_ms = deadline;
+    idem_code code;
+    if (c->secret != NULL && (code = sign_attempt(c, &m, entries, ptrs, &n, ts, sig)) != IDEM_OK) {
+        return code;
+    }
+    m.n_metadata = n;
+    m.metadata = ptrs;
     size_t len = idem__v1__request__get_packed_size(&m);
     if (nng_msg_alloc(&msg, len) != 0) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -374,7 +453,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (attempt_deadline > deadline_unix) {
             attempt_deadline = deadline_unix;
         }
-        if ((code = build_msg(req, caller, out->key, key_generated, attempt, attempt_deadline,
+        if ((code = build_msg(c, req, caller, out->key, key_generated, attempt, attempt_deadline,
                               &msg)) != IDEM_OK) {
             break;
         }

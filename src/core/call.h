@@ -41,6 +41,7 @@ typedef struct idem_method {
 #define IDEM_REASON_DEBOUNCED "debounced"
 #define IDEM_REASON_DEADLINE "deadline"
 #define IDEM_REASON_CLAIM_LOST "claim_lost"
+#define IDEM_REASON_IDENTITY "identity" /* unauthenticated, or not the verified caller */
 
 /* Library rejection: idem_call_fail plus the reason. */
 idem_code idem__reject(idem_call *call, const char *reason, idem_code code, const char *fmt, ...)
@@ -112,6 +113,9 @@ struct idem_call {
     const idem_method *method;    /* NULL: unknown method */
     idem_runtime *rt;
     char request_id[IDEM_MAX_REQUEST_ID + 1];
+    /* Request.caller, or the verified caller (identity.c) before the chain runs. */
+    char caller[IDEM_MAX_CALLER + 1];
+    bool caller_verified;
 
     char key[IDEM_MAX_KEY + 1];
     idem_key_source key_source;

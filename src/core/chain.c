@@ -48,6 +48,8 @@ void idem__call_init(idem_call *call, const Idem__V1__Request *req, const idem_m
     call->req = req;
     call->method = m;
     call->rt = rt;
+    /* Bounded by codec.c; cut, never overrun, for a request built by hand. */
+    snprintf(call->caller, sizeof(call->caller), "%s", req->caller != NULL ? req->caller : "");
 }
 
 void idem__call_reset_response(idem_call *call)
@@ -80,7 +82,12 @@ const char *idem_call_method(const idem_call *call)
 
 const char *idem_call_caller(const idem_call *call)
 {
-    return call->req->caller;
+    return call->caller;
+}
+
+bool idem_call_caller_verified(const idem_call *call)
+{
+    return call->caller_verified;
 }
 
 const char *idem_call_request_id(const idem_call *call)

@@ -59,6 +59,31 @@ bool idem__utf8_valid(const char *s, size_t len);
 /* false only when out of memory (out is then undefined). */
 bool idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
 
+/* ---- signed requests (signature.c, README "Security") ---- */
+#define IDEM_META_SIGNATURE "idem-signature" /* hex HMAC-SHA256; HTTP Idem-Signature */
+#define IDEM_META_TIMESTAMP "idem-timestamp" /* unix ms, decimal; HTTP Idem-Timestamp */
+#define IDEM_META_SIGNER "idem-signer"       /* whose secret signed, when not the caller */
+#define IDEM_SIGNATURE_HEX 64
+
+/* What a signature covers. key is the explicit key as sent (idem__signed_key); NULL
+ * strings sign as "". */
+typedef struct idem_signed_fields {
+    const char *signer, *caller, *method, *key, *token;
+    const void *payload;
+    size_t payload_len;
+    uint64_t timestamp_ms;
+} idem_signed_fields;
+
+/* Hex HMAC-SHA256 of the canonical string under secret (NUL-terminated). false when a
+ * field exceeds the envelope's bounds or libcrypto fails. */
+bool idem__signature(const char *secret, const idem_signed_fields *f,
+                     char out[IDEM_SIGNATURE_HEX + 1]);
+/* Constant-time comparison of two hex signatures (false unless both are 64 chars). */
+bool idem__signature_equal(const char *a, const char *b);
+/* The explicit key of a request as the server resolves it: the field, else metadata
+ * idempotency-key, else "". */
+const char *idem__signed_key(const char *field, const char *meta);
+
 /* strdup that returns NULL only on ENOMEM; NULL in → "". */
 char *idem__strdup(const char *s);
 

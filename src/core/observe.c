@@ -108,7 +108,7 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
     idem__log(obs, IDEM_LOG_INFO,
               "request_id=%s method=\"%s\" caller=\"%s\" key=%s outcome=%s%s%s code=%s "
               "attempt=%u latency_us=%llu",
-              call->request_id[0] ? call->request_id : "-", call->req->method, call->req->caller,
+              call->request_id[0] ? call->request_id : "-", call->req->method, call->caller,
               key_hash, outcome(call), call->reason ? " reason=" : "",
               call->reason ? call->reason : "", idem_code_name(call->code), call->req->attempt,
               (unsigned long long)latency_us);

@@ -1,6 +1,6 @@
 /* The dispatch layer (dispatch.h): queue, workers, and one call's way through the chain.
  *
- *   front ──job──▶ queue ──▶ worker: decode → chain ──answer──▶ front
+ *   front ──job──▶ queue ──▶ worker: decode → identity → chain ──answer──▶ front
  *                                          └─ park (inflight.c) ─ resume ─┘
  *
  * A duplicate that must wait for a running first call leaves the chain at result_cache
@@ -34,10 +34,10 @@ static void answer_key(idem_call *call)
     }
 }
 
-/* Decode + chain. false: a fast_only call needs a worker, or (parkable) the call parked
- * in out->call.suspend; nothing to answer yet. */
-static bool run(idem_dispatch *d, const void *frame, size_t len, bool fast_only, bool parkable,
-                idem_served *out)
+/* Decode + identity + chain. false: a fast_only call needs a worker, or (parkable) the
+ * call parked in out->call.suspend; nothing to answer yet. */
+static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
+                bool fast_only, bool parkable, idem_served *out)
 {
     idem_runtime *rt = d->cfg.rt;
     uint64_t start = idem__mono_us();
@@ -61,6 +61,11 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, bool fast_only,
                     rt);
     out->call.fast_only = fast_only;
     out->call.parkable = parkable;
+    /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
+    if (idem__identity_resolve(d->cfg.identity, peer, &out->call) != IDEM_OK) {
+        idem__random_hex(out->call.request_id, 16);
+        return true;
+    }
     uint64_t deadline = out->req->deadline_unix_ms;
     if (deadline != 0 && deadline <= idem__rt_now_ms(rt)) {
         /* Nobody waits for the answer any more: run nothing, claim nothing. */
@@ -87,10 +92,10 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, bool fast_only,
     return true;
 }
 
-bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, bool fast_only,
-                        idem_served *out)
+bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
+                        bool fast_only, idem_served *out)
 {
-    return run(d, frame, len, fast_only, false, out);
+    return run(d, frame, len, peer, fast_only, false, out);
 }
 
 void idem__dispatch_done(idem_dispatch *d, idem_served *s)
@@ -257,7 +262,7 @@ static void job_step(idem_dispatch *d, idem_job *job)
     bool answered = false;
     slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
-        answered = run(d, job->frame, job->len, false, rt->can_park, &job->s);
+        answered = run(d, job->frame, job->len, &job->peer, false, rt->can_park, &job->s);
     }
     while (!answered) {
         if (call->suspend == IDEM__SUSPEND_PARK && park(d, job)) {

@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 
 #include "call.h"
+#include "identity.h"
 
 /* A served call: the decoded request and the call after the whole chain ran. */
 typedef struct idem_served {
@@ -19,7 +20,7 @@ typedef struct idem_served {
 } idem_served;
 
 /* A unit of work for the workers: an nng context's call or an HTTP request. The front
- * fills answer, drop, frame and len; the rest belongs to the dispatcher. */
+ * fills answer, drop, frame, len and peer; the rest belongs to the dispatcher. */
 typedef struct idem_job idem_job;
 struct idem_job {
     /* On a worker: sends the response of s.call, calls idem__dispatch_done(d, &s) and
@@ -28,6 +29,7 @@ struct idem_job {
     void (*drop)(idem_job *job); /* at shutdown, instead of answer */
     const void *frame;
     size_t len;
+    idem_peer peer; /* what the transport says about the sender (identity.h) */
     /* Optional: the front's count of its parked jobs and its bound (a parked nng job
      * keeps its context: the nng front parks at most half of them). */
     atomic_size_t *parked;
@@ -49,6 +51,7 @@ typedef struct idem_dispatch_cfg {
     void *find_arg;
     idem_runtime *rt;  /* rt->inflight is created here */
     idem_store *store; /* where the in-flight table renews leases */
+    const idem_identity *identity; /* NULL: callers are taken as they declare themselves */
     size_t workers, max_queue, max_frame, max_waiters;
 } idem_dispatch_cfg;
 
@@ -65,11 +68,11 @@ bool idem__dispatch_stopping(idem_dispatch *d);
  * only on IDEM_OK does the job belong to the dispatcher. Safe from nng callbacks. */
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job);
 
-/* One request frame through decode + chain, on the caller's thread; every outcome has
- * a code and request id. fast_only (an nng callback): returns false, with nothing left
- * to free, when the call needs a worker; otherwise true. */
-bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, bool fast_only,
-                        idem_served *out);
+/* One request frame through decode + identity + chain, on the caller's thread; every
+ * outcome has a code and request id. peer may be NULL. fast_only (an nng callback):
+ * returns false, with nothing left to free, when the call needs a worker; else true. */
+bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
+                        bool fast_only, idem_served *out);
 /* A call a front turns away before decoding (cheap: for nng callbacks). */
 void idem__dispatch_reject(idem_dispatch *d, idem_served *out, const char *reason, idem_code code,
                            const char *message);

@@ -1,7 +1,8 @@
 /* The HTTP front: the same chain behind POST /{package.Service}/{Method}.
  *
  * An HTTP request becomes an idem.v1.Request frame (body = payload, Idempotency-Key =
- * key, X-Request-Id, the caller header, Idem-Token) and joins the same work queue as
+ * key, X-Request-Id, the caller header, Idem-Token; Idem-Signature, Idem-Timestamp and
+ * Idem-Signer as metadata for the identity step) and joins the same work queue as
  * the nng calls, so handlers, LMDB writes and duplicate waits stay on the workers; the
  * nng HTTP callback only translates and hands over. Header values are taken whole:
  * their bounds are checked once, for both fronts, by the request decoder (a value over
@@ -276,6 +277,15 @@ static const char *header(nng_http_req *req, const char *name)
     return v != NULL ? v : "";
 }
 
+/* Headers carried into the request's metadata, for the identity step (identity.c). */
+static const struct {
+    const char *header, *meta;
+} signature_headers[] = {
+    {"Idem-Signature", IDEM_META_SIGNATURE},
+    {"Idem-Timestamp", IDEM_META_TIMESTAMP},
+    {"Idem-Signer", IDEM_META_SIGNER},
+};
+
 /* The Request frame for an HTTP call; NULL with *err set for a request to refuse (400),
  * or with *err NULL when out of memory. */
 static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *body, size_t blen,
@@ -287,6 +297,19 @@ static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *bo
     char *method = strndup(uri, strcspn(uri, "?#"));
     char *key = idempotency_key(req, err);
     uint8_t *frame = NULL;
+    Idem__V1__Request__MetadataEntry meta[IDEM_ARRAY_LEN(signature_headers)];
+    Idem__V1__Request__MetadataEntry *meta_ptrs[IDEM_ARRAY_LEN(signature_headers)];
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(signature_headers); i++) {
+        const char *v = nng_http_req_get_header(req, signature_headers[i].header);
+        if (v != NULL) { /* the value whole: the decoder checks its bounds */
+            idem__v1__request__metadata_entry__init(&meta[q.n_metadata]);
+            meta[q.n_metadata].key = (char *)signature_headers[i].meta;
+            meta[q.n_metadata].value = (char *)v;
+            meta_ptrs[q.n_metadata] = &meta[q.n_metadata];
+            q.n_metadata++;
+        }
+    }
+    q.metadata = meta_ptrs;
     if (method != NULL && key != NULL) {
         q.method = method;
         q.idempotency_key = key;

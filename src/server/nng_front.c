@@ -80,7 +80,7 @@ static nng_msg *served_msg(idem_dispatch *d, idem_served *s)
 nng_msg *idem__nng_serve_frame(idem_dispatch *d, const void *frame, size_t len)
 {
     idem_served s;
-    idem__dispatch_run(d, frame, len, false, &s);
+    idem__dispatch_run(d, frame, len, NULL, false, &s);
     return served_msg(d, &s);
 }
 
@@ -104,6 +104,17 @@ static void work_reply(work *w, nng_msg *reply)
     nng_ctx_send(w->ctx, w->aio);
 }
 
+/* What the transport knows of the sender: the kernel's peer uid on ipc:// (nng reads
+ * SO_PEERCRED when the pipe connects); other transports answer NNG_ENOTSUP. */
+static idem_peer msg_peer(nng_msg *msg)
+{
+    idem_peer peer = {0};
+    nng_pipe p = nng_msg_get_pipe(msg);
+    peer.has_uid =
+        nng_pipe_id(p) > 0 && nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &peer.uid) == 0;
+    return peer;
+}
+
 /* A received frame: answered here when no worker is needed, else handed over. */
 static void work_received(work *w)
 {
@@ -113,7 +124,9 @@ static void work_received(work *w)
     w->state = WORK_QUEUED;
     w->job.frame = nng_msg_body(w->msg);
     w->job.len = nng_msg_len(w->msg);
-    if (w->front->fast_path && idem__dispatch_run(d, w->job.frame, w->job.len, true, &s)) {
+    w->job.peer = msg_peer(w->msg);
+    if (w->front->fast_path &&
+        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, &s)) {
         work_reply(w, served_msg(d, &s));
         return;
     }

@@ -39,6 +39,7 @@ struct idem_server {
     idem_nng_front *nng;
     idem_http *http;
     idem_sweeper *sweeper;
+    idem_identity *identity; /* NULL: self-declared callers */
 };
 
 void idem_server_opts_init(idem_server_opts *opts)
@@ -187,7 +188,7 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out)
 {
-    return idem__dispatch_run(srv->dispatch, frame, len, fast_only, out);
+    return idem__dispatch_run(srv->dispatch, frame, len, NULL, fast_only, out);
 }
 
 void idem__server_done(idem_server *srv, idem_served *s)
@@ -233,7 +234,12 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     }
     srv->opts = *opts;
     opts_defaults(&srv->opts);
-    srv->opts.db_path = NULL; /* not retained */
+    srv->opts.db_path = NULL;        /* not retained */
+    srv->opts.caller_secrets = NULL; /* copied into srv->identity */
+    srv->opts.ipc_callers = NULL;
+    if ((code = idem__identity_create(&srv->identity, opts)) != IDEM_OK) {
+        goto fail;
+    }
     srv->rt.clock = (idem_clock){system_clock, NULL};
     if ((srv->rt.obs = idem__observer_create(&srv->opts)) == NULL) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -258,6 +264,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
                            .find_arg = srv,
                            .rt = &srv->rt,
                            .store = srv->store,
+                           .identity = srv->identity,
                            .workers = srv->opts.workers,
                            .max_queue = srv->opts.max_queue,
                            .max_frame = srv->opts.max_frame,
@@ -401,6 +408,7 @@ void idem_server_destroy(idem_server *srv)
         idem_store_close(srv->store);
     }
     idem__observer_destroy(srv->rt.obs);
+    idem__identity_destroy(srv->identity);
     free(srv->methods);
     free(srv->chain.items);
     free(srv);

@@ -1,0 +1,35 @@
+/* Who is calling (identity.c): the step before the chain that decides the caller which
+ * scopes keys and tokens. README "Security" states the threat model. */
+#ifndef IDEMRPC_IDENTITY_H
+#define IDEMRPC_IDENTITY_H
+
+#include "call.h"
+
+/* What a front knows about the sender of one frame, from the transport, not from the
+ * frame: the kernel's peer credentials of an ipc:// connection. */
+typedef struct idem_peer {
+    bool has_uid;
+    uint64_t uid;
+} idem_peer;
+
+/* The server's identity configuration, copied from idem_server_opts (the caller's
+ * arrays are not retained); read-only after creation. */
+typedef struct idem_identity idem_identity;
+
+/* *out = NULL when nothing is configured (today's self-declared caller). Refuses
+ * out-of-bound secrets, empty or over-long names and duplicates with INVALID_ARGUMENT. */
+idem_code idem__identity_create(idem_identity **out, const idem_server_opts *opts);
+void idem__identity_destroy(idem_identity *id);
+
+/* Sets call->caller and call->caller_verified, in this order of trust:
+ *   1. a mapped ipc peer uid (peer may be NULL);
+ *   2. a valid idem-signature (its caller; a proxy's signature vouches for the caller it
+ *      names);
+ *   3. Request.caller as sent, unverified.
+ * A present but invalid signature, and no verified caller when one is required, are
+ * UNAUTHENTICATED; a verified caller and a different Request.caller are
+ * PERMISSION_DENIED. On failure the call is answered (reason "identity") and nothing
+ * else may run. id NULL: step 3 only. */
+idem_code idem__identity_resolve(const idem_identity *id, const idem_peer *peer, idem_call *call);
+
+#endif
