@@ -41,8 +41,10 @@ bool idem__signature(const char *secret, const idem_signed_fields *f,
     unsigned mac_len = 0;
     size_t at = strlen(SIG_VERSION);
     memcpy(buf, SIG_VERSION, at);
-    idem__sha256((const void *const[]){f->payload != NULL ? f->payload : ""},
-                 (const size_t[]){f->payload_len}, 1, digest);
+    if (!idem__sha256((const void *const[]){f->payload != NULL ? f->payload : ""},
+                      (const size_t[]){f->payload_len}, 1, digest)) {
+        return false;
+    }
     idem__hex(digest_hex, digest, sizeof(digest));
     snprintf(ts, sizeof(ts), "%llu", (unsigned long long)f->timestamp_ms);
     const char *parts[] = {f->signer, f->caller, f->method, f->key, f->token, digest_hex, ts};
