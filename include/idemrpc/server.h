@@ -198,6 +198,26 @@ IDEM_API idem_code idem_server_listen(idem_server *srv, const char *url);
  * /{package.Service}/{Method}, body = payload, Idempotency-Key header = key; GET
  * /metrics in the Prometheus text format. See README "HTTP". */
 IDEM_API idem_code idem_server_listen_http(idem_server *srv, const char *url);
+
+/* A listener that requires client certificates: a client must present a certificate
+ * signed by client_ca_file, and every such client is `caller` (one client CA per
+ * listener = one caller; a request that names another caller is PERMISSION_DENIED).
+ * Debian's nng 1.5.2 says whether a peer's certificate verified, not whose it is: to
+ * tell callers apart, give each its own CA and listener. Files are PEM; cert_key_file
+ * holds the server's certificate chain and its private key. */
+typedef struct idem_tls_listener {
+    const char *cert_key_file;
+    const char *client_ca_file;
+    const char *caller;
+} idem_tls_listener;
+/* tls+tcp://HOST:PORT with required client certificates. May be called more than once
+ * (one listener per caller). */
+IDEM_API idem_code idem_server_listen_tls(idem_server *srv, const char *url,
+                                          const idem_tls_listener *tls);
+/* The HTTP front over TLS with required client certificates (https://HOST:PORT):
+ * instead of idem_server_listen_http, not besides it. */
+IDEM_API idem_code idem_server_listen_https(idem_server *srv, const char *url,
+                                            const idem_tls_listener *tls);
 /* The port of the HTTP listener (for port 0). */
 IDEM_API int idem_server_http_port(const idem_server *srv);
 

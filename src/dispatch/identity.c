@@ -288,15 +288,25 @@ static idem_code verify_signed(const idem_identity *id, idem_call *call, const c
     return code;
 }
 
+/* The caller the transport vouches for: a TLS listener's verified client, a mapped
+ * ipc uid. */
+static const char *transport_caller(const idem_identity *id, const idem_peer *peer)
+{
+    if (peer != NULL && peer->tls_caller[0] != '\0') {
+        return peer->tls_caller;
+    }
+    return id != NULL ? uid_caller(id, peer) : NULL;
+}
+
 idem_code idem__identity_resolve(const idem_identity *id, const idem_peer *peer, idem_call *call)
 {
-    if (id == NULL) {
-        return IDEM_OK; /* self-declared: trusted network only */
-    }
     const char *declared = call->req->caller;
-    const char *verified = uid_caller(id, peer);
+    const char *verified = transport_caller(id, peer);
     char q1[260], q2[260];
     idem_code code;
+    if (id == NULL && verified == NULL) {
+        return IDEM_OK; /* self-declared: trusted network only */
+    }
     if (verified == NULL && (code = verify_signed(id, call, &verified)) != IDEM_OK) {
         return code;
     }

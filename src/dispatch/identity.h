@@ -10,6 +10,8 @@
 typedef struct idem_peer {
     bool has_uid;
     uint64_t uid;
+    /* The caller of a TLS listener whose client certificate verified; "" otherwise. */
+    char tls_caller[IDEM_MAX_CALLER + 1];
 } idem_peer;
 
 /* The server's identity configuration, copied from idem_server_opts (the caller's
@@ -22,7 +24,8 @@ idem_code idem__identity_create(idem_identity **out, const idem_server_opts *opt
 void idem__identity_destroy(idem_identity *id);
 
 /* Sets call->caller and call->caller_verified, in this order of trust:
- *   1. a mapped ipc peer uid (peer may be NULL);
+ *   1. the transport: a mapped ipc peer uid or a TLS listener's verified client (peer
+ *      may be NULL);
  *   2. a valid idem-signature (its caller; a proxy's signature vouches for the caller it
  *      names);
  *   3. Request.caller as sent, unverified.

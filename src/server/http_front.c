@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "http_front.h"
+#include "tls.h"
 #include "json.h"
 
 struct idem_http {
@@ -29,6 +30,7 @@ struct idem_http {
     size_t max_body, max_pending;
     atomic_size_t pending; /* requests handed to the workers and not yet answered */
     char caller_header[64];
+    char tls_caller[IDEM_MAX_CALLER + 1]; /* https: the caller of every verified client */
     int port;
 };
 
@@ -379,6 +381,7 @@ static void http_call_cb(nng_aio *aio)
     j->h = h;
     j->job.frame = j->frame;
     j->job.len = len;
+    snprintf(j->job.peer.tls_caller, sizeof(j->job.peer.tls_caller), "%s", h->tls_caller);
     j->job.answer = http_job_answer;
     j->job.drop = http_job_drop;
     idem_code code = idem__dispatch_enqueue(h->d, &j->job);
@@ -433,6 +436,24 @@ static int add_handler(idem_http *h, const char *path, const char *method, bool 
     return rv;
 }
 
+/* https: only clients with a certificate from the listener's CA connect, and every
+ * request on it is that CA's caller. */
+static idem_code https_configure(idem_http *h, const idem_tls_listener *tls)
+{
+    nng_tls_config *cfg;
+    idem_code code = idem__tls_server_config(&cfg, tls);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rv = nng_http_server_set_tls(h->hs, cfg);
+    nng_tls_config_free(cfg); /* the server holds its own reference */
+    if (rv != 0) {
+        return idem__err(IDEM_UNAVAILABLE, "https: %s", nng_strerror(rv));
+    }
+    snprintf(h->tls_caller, sizeof(h->tls_caller), "%s", tls->caller);
+    return IDEM_OK;
+}
+
 idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out)
 {
     idem_http *h = calloc(1, sizeof(*h));
@@ -449,15 +470,24 @@ idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http 
     snprintf(h->caller_header, sizeof(h->caller_header), "%s",
              caller_header != NULL ? caller_header : "X-Caller");
     nng_sockaddr sa;
+    if ((rv = nng_url_parse(&h->url, url)) != 0 ||
+        (rv = nng_http_server_hold(&h->hs, h->url)) != 0) {
+        idem_code code = idem__err(IDEM_UNAVAILABLE, "http listen %s: %s", url, nng_strerror(rv));
+        idem__http_stop(h);
+        return code;
+    }
+    idem_code code = cfg->tls != NULL ? https_configure(h, cfg->tls) : IDEM_OK;
+    if (code != IDEM_OK) {
+        idem__http_stop(h);
+        return code;
+    }
     /* Bodies up to twice max_body are collected so that "too large" gets our 413; nng
      * answers anything larger with 400 itself (and reads no further). */
-    if ((rv = nng_url_parse(&h->url, url)) != 0 ||
-        (rv = nng_http_server_hold(&h->hs, h->url)) != 0 ||
-        (rv = add_handler(h, "/", "POST", true, 2 * max_body, http_call_cb)) != 0 ||
+    if ((rv = add_handler(h, "/", "POST", true, 2 * max_body, http_call_cb)) != 0 ||
         (rv = add_handler(h, "/metrics", "GET", false, 0, http_metrics_cb)) != 0 ||
         (rv = nng_http_server_start(h->hs)) != 0 ||
         (rv = nng_http_server_get_addr(h->hs, &sa)) != 0) {
-        idem_code code = idem__err(IDEM_UNAVAILABLE, "http listen %s: %s", url, nng_strerror(rv));
+        code = idem__err(IDEM_UNAVAILABLE, "http listen %s: %s", url, nng_strerror(rv));
         idem__http_stop(h);
         return code;
     }

@@ -12,10 +12,13 @@
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
 #include <nng/transport/tcp/tcp.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "nng_front.h"
+#include "tls.h"
 
 #define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
 
@@ -30,6 +33,14 @@ typedef struct work {
     idem_nng_front *front;
 } work;
 
+#define MAX_TLS_LISTENERS 64
+
+/* A tls+tcp listener and the caller its verified clients are. */
+typedef struct tls_caller {
+    uint32_t listener_id;
+    char caller[IDEM_MAX_CALLER + 1];
+} tls_caller;
+
 struct idem_nng_front {
     idem_dispatch *d;
     atomic_size_t parked; /* works whose call is parked: they hold their context */
@@ -38,6 +49,9 @@ struct idem_nng_front {
     work *works;
     size_t n_works;
     int port;
+    pthread_mutex_t tls_mu; /* guards tls: listeners may be added while serving */
+    tls_caller tls[MAX_TLS_LISTENERS];
+    size_t n_tls;
 };
 
 static idem_code nng_fail(int rv, const char *what)
@@ -104,14 +118,36 @@ static void work_reply(work *w, nng_msg *reply)
     nng_ctx_send(w->ctx, w->aio);
 }
 
+/* The caller of a verified client of a TLS listener into peer->tls_caller (empty when
+ * the pipe came through another listener). */
+static void tls_peer(idem_nng_front *f, nng_pipe p, idem_peer *peer)
+{
+    bool verified = false;
+    uint32_t lid = (uint32_t)nng_listener_id(nng_pipe_listener(p));
+    if (nng_pipe_get_bool(p, NNG_OPT_TLS_VERIFIED, &verified) != 0 || !verified) {
+        return;
+    }
+    pthread_mutex_lock(&f->tls_mu);
+    for (size_t i = 0; i < f->n_tls; i++) {
+        if (f->tls[i].listener_id == lid) {
+            snprintf(peer->tls_caller, sizeof(peer->tls_caller), "%s", f->tls[i].caller);
+        }
+    }
+    pthread_mutex_unlock(&f->tls_mu);
+}
+
 /* What the transport knows of the sender: the kernel's peer uid on ipc:// (nng reads
- * SO_PEERCRED when the pipe connects); other transports answer NNG_ENOTSUP. */
-static idem_peer msg_peer(nng_msg *msg)
+ * SO_PEERCRED when the pipe connects), the verified client of a TLS listener; other
+ * transports answer NNG_ENOTSUP. */
+static idem_peer msg_peer(idem_nng_front *f, nng_msg *msg)
 {
     idem_peer peer = {0};
     nng_pipe p = nng_msg_get_pipe(msg);
-    peer.has_uid =
-        nng_pipe_id(p) > 0 && nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &peer.uid) == 0;
+    if (nng_pipe_id(p) <= 0) {
+        return peer;
+    }
+    peer.has_uid = nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &peer.uid) == 0;
+    tls_peer(f, p, &peer);
     return peer;
 }
 
@@ -124,7 +160,7 @@ static void work_received(work *w)
     w->state = WORK_QUEUED;
     w->job.frame = nng_msg_body(w->msg);
     w->job.len = nng_msg_len(w->msg);
-    w->job.peer = msg_peer(w->msg);
+    w->job.peer = msg_peer(w->front, w->msg);
     if (w->front->fast_path &&
         idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, &s)) {
         work_reply(w, served_msg(d, &s));
@@ -195,6 +231,7 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     f->d = d;
+    pthread_mutex_init(&f->tls_mu, NULL);
     *out = f; /* from here on, idem__nng_front_close frees whatever was opened */
     if ((rv = nng_rep0_open(&f->sock)) != 0) {
         return nng_fail(rv, "nng_rep0_open");
@@ -223,18 +260,52 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
     return IDEM_OK;
 }
 
-idem_code idem__nng_front_listen(idem_nng_front *f, const char *url)
+/* Remembers that verified clients of listener l are tls->caller. */
+static idem_code tls_remember(idem_nng_front *f, nng_listener l, const idem_tls_listener *tls)
+{
+    idem_code code = IDEM_OK;
+    pthread_mutex_lock(&f->tls_mu);
+    if (f->n_tls == MAX_TLS_LISTENERS) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d TLS listeners", MAX_TLS_LISTENERS);
+    } else {
+        tls_caller *t = &f->tls[f->n_tls++];
+        t->listener_id = (uint32_t)nng_listener_id(l);
+        snprintf(t->caller, sizeof(t->caller), "%s", tls->caller);
+    }
+    pthread_mutex_unlock(&f->tls_mu);
+    return code;
+}
+
+/* Sets a required-client-certificate TLS configuration on l. */
+static idem_code tls_configure(idem_nng_front *f, nng_listener l, const idem_tls_listener *tls)
+{
+    nng_tls_config *cfg;
+    idem_code code = idem__tls_server_config(&cfg, tls);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, cfg);
+    nng_tls_config_free(cfg); /* the listener holds its own reference */
+    return rv != 0 ? nng_fail(rv, "set NNG_OPT_TLS_CONFIG") : tls_remember(f, l, tls);
+}
+
+idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_tls_listener *tls)
 {
     nng_listener l;
     int rv;
+    idem_code code;
     if ((rv = nng_listener_create(&l, f->sock, url)) != 0) {
         return nng_fail(rv, url);
+    }
+    if (tls != NULL && (code = tls_configure(f, l, tls)) != IDEM_OK) {
+        nng_listener_close(l);
+        return code;
     }
     if ((rv = nng_listener_start(l, 0)) != 0) {
         nng_listener_close(l);
         return nng_fail(rv, url);
     }
-    if (f->port == 0 && strncmp(url, "tcp", 3) == 0) {
+    if (f->port == 0 && (strncmp(url, "tcp", 3) == 0 || strncmp(url, "tls+tcp", 7) == 0)) {
         int port = 0;
         if (nng_listener_get_int(l, NNG_OPT_TCP_BOUND_PORT, &port) == 0) {
             f->port = port;
@@ -272,6 +343,7 @@ void idem__nng_front_close(idem_nng_front *f)
     for (size_t i = 0; i < f->n_works; i++) {
         nng_aio_free(f->works[i].aio);
     }
+    pthread_mutex_destroy(&f->tls_mu);
     free(f->works);
     free(f);
 }

@@ -11,7 +11,8 @@ typedef struct idem_nng_front idem_nng_front;
 /* Opens the socket and its contexts (none receives yet). */
 idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t contexts,
                                size_t max_frame);
-idem_code idem__nng_front_listen(idem_nng_front *f, const char *url);
+/* tls: NULL for a plain listener, else required client certificates (tls.c). */
+idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_tls_listener *tls);
 /* The port of the first tcp listener (for port 0), else 0. */
 int idem__nng_front_port(const idem_nng_front *f);
 /* Arms every context. fast_path: answer stored replays on nng's callback thread. */

@@ -339,16 +339,30 @@ static idem_code server_start(idem_server *srv)
     return IDEM_OK;
 }
 
-idem_code idem_server_listen(idem_server *srv, const char *url)
+static idem_code listen_nng(idem_server *srv, const char *url, const idem_tls_listener *tls)
 {
     idem_code code;
     if (!srv->started && (code = server_check(srv)) != IDEM_OK) {
         return code;
     }
-    if ((code = idem__nng_front_listen(srv->nng, url)) != IDEM_OK) {
+    if ((code = idem__nng_front_listen(srv->nng, url, tls)) != IDEM_OK) {
         return code;
     }
     return srv->started ? IDEM_OK : server_start(srv);
+}
+
+idem_code idem_server_listen(idem_server *srv, const char *url)
+{
+    return listen_nng(srv, url, NULL);
+}
+
+idem_code idem_server_listen_tls(idem_server *srv, const char *url, const idem_tls_listener *tls)
+{
+    if (tls == NULL || strncmp(url, "tls+tcp", 7) != 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "a TLS listener needs a tls+tcp:// URL and options");
+    }
+    return listen_nng(srv, url, tls);
 }
 
 int idem_server_port(const idem_server *srv)
@@ -356,7 +370,7 @@ int idem_server_port(const idem_server *srv)
     return idem__nng_front_port(srv->nng);
 }
 
-idem_code idem_server_listen_http(idem_server *srv, const char *url)
+static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_listener *tls)
 {
     idem_code code;
     if (srv->http != NULL) {
@@ -370,8 +384,23 @@ idem_code idem_server_listen_http(idem_server *srv, const char *url)
                          .obs = srv->rt.obs,
                          .max_body = srv->opts.max_frame,
                          .caller_header = srv->opts.http_caller_header,
-                         .max_pending = srv->opts.http_max_pending};
+                         .max_pending = srv->opts.http_max_pending,
+                         .tls = tls};
     return idem__http_start(url, &cfg, &srv->http);
+}
+
+idem_code idem_server_listen_http(idem_server *srv, const char *url)
+{
+    return listen_http(srv, url, NULL);
+}
+
+idem_code idem_server_listen_https(idem_server *srv, const char *url, const idem_tls_listener *tls)
+{
+    if (tls == NULL || strncmp(url, "https://", 8) != 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "an HTTPS listener needs an https:// URL and options");
+    }
+    return listen_http(srv, url, tls);
 }
 
 int idem_server_http_port(const idem_server *srv)
