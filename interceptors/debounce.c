@@ -146,6 +146,16 @@ static window_result window_enter(idem_debounce *d, const char *key, size_t len,
     return res;
 }
 
+static void log_fail_open(const idem_call *call, const idem_debounce *d, const char *err)
+{
+    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    snprintf(detail, sizeof(detail), "debounce: redis %s:%d unavailable (%s); failing open",
+             d->host, d->port, err);
+    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s msg=%s",
+              idem__logfmt_quote(id, sizeof(id), call->request_id),
+              idem__logfmt_quote(msg, sizeof(msg), detail));
+}
+
 idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg)
 {
     idem_debounce *d = arg;
@@ -162,9 +172,7 @@ idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg)
                             "duplicate submit: the same key arrived within %u ms",
                             (unsigned)d->window_ms);
     case WINDOW_UNKNOWN:
-        idem__log(call->rt->obs, IDEM_LOG_ERROR,
-                  "request_id=%s msg=\"debounce: redis %s:%d unavailable (%s); failing open\"",
-                  call->request_id, d->host, d->port, err);
+        log_fail_open(call, d, err);
         break;
     case WINDOW_FIRST:
         break;

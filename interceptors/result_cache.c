@@ -123,10 +123,11 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
 {
     idem_record rec;
     idem_code code = idem_store_get(cfg->store, key, &rec);
+    char id[IDEM_LOGQ_CAP];
     idem__log(call->rt->obs, IDEM_LOG_ERROR,
               "request_id=%s method=\"%s\" msg=\"claim lost while the handler ran; its "
               "answer is discarded\"",
-              call->request_id, call->method->name);
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name);
     idem__call_reset_response(call);
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
         memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
@@ -205,9 +206,11 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
-    idem__log(call->rt->obs, IDEM_LOG_ERROR,
-              "request_id=%s method=\"%s\" msg=\"recording the outcome failed: %s\"",
-              call->request_id, call->method->name, idem_errmsg());
+    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    snprintf(detail, sizeof(detail), "recording the outcome failed: %s", idem_errmsg());
+    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
+              idem__logfmt_quote(msg, sizeof(msg), detail));
     return code;
 }
 
