@@ -21,6 +21,12 @@ static idem_code h_echo(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, p, n);
 }
 
+static idem_code pass(idem_call *call, idem_next next, void *arg)
+{
+    (void)arg;
+    return idem_call_next(call, next);
+}
+
 static idem_result call_once(const char *method, const char *key, const char *caller,
                              const char *request_id, idem_code *code)
 {
@@ -164,4 +170,100 @@ Test(logfmt, quoting_escapes_controls_and_never_cuts_an_escape)
     cr_expect_str_eq(idem__logfmt_quote(out, sizeof(out), "a\"b\\c\nd"), "\"a\\\"b\\\\c\\nd\"");
     cr_expect_str_eq(idem__logfmt_quote(out, sizeof(out), "\x01"), "\"\\x01\"");
     cr_expect_str_eq(idem__logfmt_quote(out, 6, "ab\"cd"), "\"ab\"");
+}
+
+/* ---- registration: API misuse gets its own clear error ---- */
+
+static void plain_server(void)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    atomic_store(&executions, 0);
+    tu_server_create(&S, &o);
+}
+
+Test(registration, refuses_method_names_the_wire_would_refuse)
+{
+    plain_server();
+    static const char *const bad[] = {"a.B/C/D", "a.B C/D", "a.B/C D", "/Do", "a.B/", "noslash",
+                                      "a.B/\"x\"\t"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cr_expect_eq(idem_server_register(S.srv, bad[i], h_echo, NULL, NULL),
+                     IDEM_INVALID_ARGUMENT, "%s was accepted", bad[i]);
+        cr_expect_neq(strstr(idem_errmsg(), "package.Service/Method"), NULL, "%s",
+                      idem_errmsg());
+    }
+    cr_expect_eq(idem_server_register(S.srv, NULL, h_echo, NULL, NULL), IDEM_INVALID_ARGUMENT);
+    cr_expect_neq(strstr(idem_errmsg(), "NULL"), NULL, "%s", idem_errmsg());
+    cr_expect_eq(idem_server_register(S.srv, "a.B/C", h_echo, NULL, NULL), IDEM_OK);
+    tu_server_destroy(&S, false);
+}
+
+Test(registration, a_null_handler_has_its_own_message)
+{
+    plain_server();
+    cr_expect_eq(idem_server_register(S.srv, "a.B/C", NULL, NULL, NULL), IDEM_INVALID_ARGUMENT);
+    cr_expect_neq(strstr(idem_errmsg(), "handler is NULL"), NULL, "%s", idem_errmsg());
+    tu_server_destroy(&S, false);
+}
+
+Test(registration, unknown_flag_bits_are_refused)
+{
+    plain_server();
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | (1u << 9)};
+    cr_expect_eq(idem_server_register(S.srv, "a.B/C", h_echo, NULL, &m), IDEM_INVALID_ARGUMENT);
+    cr_expect_neq(strstr(idem_errmsg(), "unknown flag bits 0x200"), NULL, "%s", idem_errmsg());
+    tu_server_destroy(&S, false);
+}
+
+Test(registration, a_second_server_on_the_same_db_path_fails_clearly_and_sharing_works)
+{
+    plain_server();
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.db_path = S.dir;
+    idem_server *second;
+    cr_expect_eq(idem_server_create(&second, &o), IDEM_FAILED_PRECONDITION);
+    cr_expect_null(second);
+    cr_expect_neq(strstr(idem_errmsg(), "already open in this process"), NULL, "%s",
+                  idem_errmsg());
+    cr_expect_neq(strstr(idem_errmsg(), "idem_server_opts.store"), NULL, "%s", idem_errmsg());
+    o.db_path = NULL;
+    o.store = idem_server_store(S.srv); /* the documented way: share the store */
+    cr_expect_eq(idem_server_create(&second, &o), IDEM_OK, "%s", idem_errmsg());
+    idem_server_destroy(second);
+    tu_server_destroy(&S, true);
+    /* Closed: the directory may be opened again. */
+    idem_store *st;
+    cr_expect_eq(idem_store_open_lmdb(&st, S.dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    idem_store_close(st);
+    tu_rmtree(S.dir);
+}
+
+Test(errmsg, a_server_call_that_succeeds_after_a_failure_reports_no_stale_error)
+{
+    plain_server();
+    cr_assert_eq(idem_server_register(S.srv, "bad name/x", h_echo, NULL, NULL),
+                 IDEM_INVALID_ARGUMENT);
+    cr_assert_neq(idem_errmsg()[0], '\0');
+    cr_expect_eq(idem_server_register(S.srv, "a.B/C", h_echo, NULL, NULL), IDEM_OK);
+    cr_expect_str_eq(idem_errmsg(), "", "register succeeded");
+    cr_assert_neq(idem_server_use(S.srv, "x", NULL, NULL), IDEM_OK);
+    cr_expect_eq(idem_server_use(S.srv, "audit", pass, NULL), IDEM_OK);
+    cr_expect_str_eq(idem_errmsg(), "", "use succeeded");
+    cr_assert_neq(idem_server_listen(S.srv, "bogus://x"), IDEM_OK);
+    cr_assert_neq(idem_errmsg()[0], '\0');
+    cr_expect_eq(idem_server_listen(S.srv, "tcp://127.0.0.1:0"), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_str_eq(idem_errmsg(), "", "listen succeeded");
+    idem_server *other;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = idem_server_store(S.srv);
+    idem_server_opts none;
+    idem_server_opts_init(&none); /* neither db_path nor store */
+    cr_assert_neq(idem_server_create(&other, &none), IDEM_OK);
+    cr_expect_eq(idem_server_create(&other, &o), IDEM_OK);
+    cr_expect_str_eq(idem_errmsg(), "", "create succeeded");
+    idem_server_destroy(other);
+    tu_server_destroy(&S, false);
 }

@@ -203,6 +203,11 @@ idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32]);
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 void idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
 
+/* "package.Service/Method": 1..IDEM_MAX_METHOD bytes of printable ASCII without spaces,
+ * exactly one '/', neither side empty. INVALID_ARGUMENT (idem_errmsg) otherwise. The
+ * same rule for the wire (idem__request_check) and idem_server_register. */
+idem_code idem__method_name_check(const char *method);
+
 /* Validates the envelope fields of a request (bounds, UTF-8, method shape): the one
  * check both fronts use. Field names in messages name the HTTP header too. */
 idem_code idem__request_check(const Idem__V1__Request *r);

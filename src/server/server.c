@@ -98,14 +98,43 @@ static const idem_method *method_find(void *arg, const char *name)
     return bsearch(&probe, srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
 }
 
+#define KNOWN_METHOD_FLAGS                                                                         \
+    (IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | IDEM_METHOD_TOKEN_REQUIRED |                  \
+     IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_DEBOUNCE)
+
+/* What idem_server_register refuses: a name the wire would refuse (one rule, codec.c),
+ * a NULL handler, flag bits this version does not know. */
+static idem_code register_check(const char *name, idem_handler_fn fn, const idem_method_opts *opts)
+{
+    if (idem__method_name_check(name) != IDEM_OK) {
+        idem_errkeep keep;
+        idem__err_keep(&keep);
+        return idem__err(IDEM_INVALID_ARGUMENT, "cannot register method \"%s\": %s",
+                         name != NULL ? name : "(null)", keep.msg);
+    }
+    if (fn == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "cannot register method %s: the handler is NULL",
+                         name);
+    }
+    if (opts != NULL && (opts->flags & ~(unsigned)KNOWN_METHOD_FLAGS) != 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "cannot register method %s: unknown flag bits 0x%x in "
+                         "idem_method_opts.flags (known: idem_method_flags)",
+                         name, opts->flags & ~(unsigned)KNOWN_METHOD_FLAGS);
+    }
+    return IDEM_OK;
+}
+
 idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_fn fn, void *arg,
                                const idem_method_opts *opts)
 {
+    idem_code code;
+    idem__err_clear();
     if (srv->started) {
         return idem__err(IDEM_FAILED_PRECONDITION, "register before the first listen");
     }
-    if (name == NULL || fn == NULL || strlen(name) > IDEM_MAX_METHOD || !strchr(name, '/')) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "method name must be \"pkg.Svc/Method\"");
+    if ((code = register_check(name, fn, opts)) != IDEM_OK) {
+        return code;
     }
     if (method_find(srv, name) != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "method %s already registered", name);
@@ -132,8 +161,13 @@ idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_
 
 idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn, void *arg)
 {
+    idem__err_clear();
     if (srv->started) {
         return idem__err(IDEM_FAILED_PRECONDITION, "add interceptors before the first listen");
+    }
+    if (fn == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "interceptor %s: the function is NULL",
+                         name != NULL ? name : "(unnamed)");
     }
     idem_interceptor *grown =
         realloc(srv->chain.items, (srv->chain.n + 1) * sizeof(idem_interceptor));
@@ -227,6 +261,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     idem_server *srv;
     idem_code code;
 
+    idem__err_clear();
     *out = NULL;
     if ((srv = calloc(1, sizeof(*srv))) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -269,6 +304,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         goto fail;
     }
     *out = srv;
+    idem__err_clear();
     return IDEM_OK;
 fail:;
     idem_errkeep keep;
@@ -335,6 +371,7 @@ static idem_code server_start(idem_server *srv)
 idem_code idem_server_listen(idem_server *srv, const char *url)
 {
     idem_code code;
+    idem__err_clear();
     if (!srv->started && (code = server_check(srv)) != IDEM_OK) {
         return code;
     }
@@ -352,6 +389,7 @@ int idem_server_port(const idem_server *srv)
 idem_code idem_server_listen_http(idem_server *srv, const char *url)
 {
     idem_code code;
+    idem__err_clear();
     if (srv->http != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "the server already has an HTTP listener");
     }
