@@ -141,10 +141,17 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
     return code;
 }
 
-/* Codes that free the key instead of being stored. */
-static bool released_code(const idem_method_opts *o, idem_code code)
+/* Answers that free the key instead of being stored: transient codes, by default a
+ * handler's INVALID_ARGUMENT, and any answer given while the handler did not run (an
+ * interceptor after result_cache said no, e.g. UNAUTHENTICATED or PERMISSION_DENIED:
+ * nothing happened, and a stored refusal would be replayed to the corrected retry). */
+static bool released_code(const idem_call *call, idem_code code)
 {
+    const idem_method_opts *o = &call->method->opts;
     uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
+    if (!call->executed || (unsigned)code >= IDEM_CODE_COUNT) {
+        return true; /* an out-of-range code from an interceptor is not an answer to keep */
+    }
     return (IDEM_CODE_BIT(code) & transient) ||
            (code == IDEM_INVALID_ARGUMENT && !o->store_invalid_argument);
 }
@@ -175,7 +182,7 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     call->fence = owner;
     code = idem_call_next(call, next);
     call->txn = NULL;
-    if (released_code(o, code)) {
+    if (released_code(call, code)) {
         if (txn != NULL) {
             idem__store_txn_abort(txn); /* business writes vanish with the claim */
         }

@@ -2,6 +2,7 @@
  * chain validation, logfmt escaping, registration checks, idem_errmsg() hygiene. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,5 +266,173 @@ Test(errmsg, a_server_call_that_succeeds_after_a_failure_reports_no_stale_error)
     cr_expect_eq(idem_server_create(&other, &o), IDEM_OK);
     cr_expect_str_eq(idem_errmsg(), "", "create succeeded");
     idem_server_destroy(other);
+    tu_server_destroy(&S, false);
+}
+
+/* ---- chain_guard: a chain cannot silently weaken a method's guarantee ---- */
+
+static void custom_chain(void)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.default_chain = false;
+    atomic_store(&executions, 0);
+    tu_server_create(&S, &o);
+}
+
+static void expect_listen_refused(const char *needle)
+{
+    cr_expect_eq(idem_server_listen(S.srv, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
+    cr_expect_neq(strstr(idem_errmsg(), needle), NULL, "%s", idem_errmsg());
+    tu_server_destroy(&S, false);
+}
+
+Test(chain_guard, result_cache_before_token_is_refused_at_listen)
+{
+    custom_chain();
+    idem_method_opts tok = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_RESULT_CACHE), IDEM_OK);
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_TOKEN), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Order/Submit", h_echo, NULL, &tok), IDEM_OK);
+    expect_listen_refused("runs result_cache before token (a token-protected call");
+}
+
+Test(chain_guard, a_method_whose_guard_is_missing_from_the_chain_is_refused_at_listen)
+{
+    idem_method_opts tok = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    custom_chain(); /* token-protected, no token interceptor: any call would pass */
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_RESULT_CACHE), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Order/Submit", h_echo, NULL, &tok), IDEM_OK);
+    expect_listen_refused("t.Order/Submit requires a token but the chain has no token");
+
+    idem_method_opts key = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    custom_chain(); /* key required, no request_id: nobody resolves or demands the key */
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_RESULT_CACHE), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Charge", h_echo, NULL, &key), IDEM_OK);
+    expect_listen_refused("t.Pay/Charge requires a key but the chain has no request_id");
+
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED};
+    custom_chain(); /* cached, no result_cache: every duplicate would run again */
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Charge", h_echo, NULL, &cached), IDEM_OK);
+    expect_listen_refused("t.Pay/Charge is cached but the chain has no result_cache");
+
+    custom_chain(); /* a built-in twice */
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    expect_listen_refused("the chain has request_id twice");
+}
+
+static atomic_int seen_first, seen_replays;
+
+static idem_code audit_first(idem_call *call, idem_next next, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&seen_first, 1);
+    idem_code code = idem_call_next(call, next);
+    if (idem_call_replayed(call)) {
+        atomic_fetch_add(&seen_replays, 1);
+    }
+    return code;
+}
+
+Test(chain_guard, use_first_puts_an_interceptor_before_the_default_builtins)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    tu_server_create(&S, &o); /* the default chain, not rebuilt */
+    atomic_store(&seen_first, 0);
+    atomic_store(&seen_replays, 0);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_use_first(S.srv, "audit", audit_first, NULL), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Charge", h_echo, NULL, &m), IDEM_OK);
+    tu_server_listen(&S);
+    idem_code code;
+    for (int i = 0; i < 2; i++) {
+        idem_result r = call_once("t.Pay/Charge", "k1", "shop", NULL, &code);
+        cr_expect_eq(code, IDEM_OK, "%s", r.message);
+        idem_result_clear(&r);
+    }
+    idem_result r = call_once("t.Pay/Charge", NULL, "shop", NULL, &code);
+    cr_expect_eq(code, IDEM_INVALID_ARGUMENT, "no key: refused by request_id");
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&seen_first), 3, "it sees every call, rejections included");
+    cr_expect_eq(atomic_load(&seen_replays), 1, "and the replay");
+    cr_expect_eq(atomic_load(&executions), 1);
+    tu_server_destroy(&S, false);
+}
+
+/* An auth check after result_cache (idem_server_use with the default chain). */
+static atomic_bool deny;
+
+static idem_code auth_after_cache(idem_call *call, idem_next next, void *arg)
+{
+    (void)arg;
+    if (atomic_load(&deny)) {
+        return idem_call_fail(call, (idem_code)(intptr_t)arg, "not allowed");
+    }
+    return idem_call_next(call, next);
+}
+
+static void auth_server(idem_code refusal)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    atomic_store(&executions, 0);
+    atomic_store(&deny, true);
+    tu_server_create(&S, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL};
+    idem_method_opts tok = {.flags = IDEM_METHOD_TOKEN_REQUIRED};
+    cr_assert_eq(idem_server_use(S.srv, "auth", auth_after_cache, (void *)(intptr_t)refusal),
+                 IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Charge", h_echo, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Credit", h_echo, NULL, &tx), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Order/Submit", h_echo, NULL, &tok), IDEM_OK);
+    tu_server_listen(&S);
+}
+
+static void refused_then_allowed(const char *method, const char *key, const char *token,
+                                 idem_code refusal)
+{
+    idem_client *c = tu_client(S.url, 5000);
+    idem_request q = {.method = method, .idempotency_key = key, .token = token,
+                      .caller = "shop", .payload = "p", .payload_len = 1};
+    idem_result r;
+    atomic_store(&deny, true);
+    cr_expect_eq(idem_client_call(c, &q, &r), refusal, "%s: %s", method, r.message);
+    idem_result_clear(&r);
+    atomic_store(&deny, false); /* the caller fixed its credentials; same key */
+    cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s: the refusal was replayed: %s",
+                 method, r.message);
+    cr_expect_not(r.replayed, "%s", method);
+    idem_result_clear(&r);
+    cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK);
+    cr_expect(r.replayed, "the real answer is stored as usual");
+    idem_result_clear(&r);
+    idem_client_close(c);
+}
+
+Test(chain_guard, an_auth_rejection_after_result_cache_is_released_not_replayed)
+{
+    auth_server(IDEM_PERMISSION_DENIED);
+    refused_then_allowed("t.Pay/Charge", "k1", NULL, IDEM_PERMISSION_DENIED);
+    refused_then_allowed("t.Pay/Credit", "k2", NULL, IDEM_PERMISSION_DENIED); /* in the txn */
+    cr_expect_eq(atomic_load(&executions), 2);
+    tu_server_destroy(&S, false);
+}
+
+Test(chain_guard, an_unauthenticated_token_call_keeps_its_token_for_the_retry)
+{
+    auth_server(IDEM_UNAUTHENTICATED);
+    idem_client *c = tu_client(S.url, 5000);
+    char token[64];
+    atomic_store(&deny, false); /* the auth check covers idem.Token/Issue too */
+    cr_assert_eq(idem_client_issue_token(c, "shop", token, sizeof(token), NULL), IDEM_OK);
+    idem_client_close(c);
+    refused_then_allowed("t.Order/Submit", NULL, token, IDEM_UNAUTHENTICATED);
+    cr_expect_eq(atomic_load(&executions), 1);
     tu_server_destroy(&S, false);
 }

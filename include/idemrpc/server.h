@@ -117,8 +117,10 @@ typedef struct idem_server_opts {
     uint64_t sweep_interval_ms; /* 0 = 60 s */
     size_t sweep_batch;         /* records deleted per write txn; 0 = 1000 */
     /* true (default): the chain starts request_id → token → result_cache, and
-     * interceptors added with idem_server_use() run after them, around the handler.
-     * false: the chain is exactly what idem_server_use()/idem_server_use_builtin() add. */
+     * interceptors added with idem_server_use() run after them, around the handler
+     * (idem_server_use_first() puts one in front of them).
+     * false: the chain is exactly what idem_server_use()/idem_server_use_builtin() add;
+     * listen checks it (idem_server_use_builtin). */
     bool default_chain;
     /* Logs: per call "request_id method caller key (hash) outcome code latency_us";
      * tokens and payloads are never logged. Default IDEM_LOG_ERROR to stderr. */
@@ -155,9 +157,27 @@ IDEM_API idem_code idem_server_create(idem_server **out, const idem_server_opts 
 IDEM_API idem_code idem_server_register(idem_server *srv, const char *method, idem_handler_fn fn,
                                         void *arg, const idem_method_opts *opts);
 
-/* Appends an interceptor; name is for logs (copied). */
+/* Appends an interceptor; name is for logs (copied). With the default chain it runs
+ * after result_cache, i.e. only on real executions, inside the claim (after the key is
+ * claimed, while the lease is renewed) and, for IDEM_METHOD_TRANSACTIONAL methods,
+ * inside the store's write transaction. An answer it gives without calling
+ * idem_call_next (the handler did not run: e.g. an auth check answering
+ * UNAUTHENTICATED or PERMISSION_DENIED) is never stored: the claim is released and a
+ * token it consumed restored, so a corrected retry with the same key runs. */
 IDEM_API idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn,
                                    void *arg);
+/* Inserts an interceptor at the front of the chain, before the built-ins (after those
+ * added earlier with idem_server_use_first), without rebuilding the default chain: it
+ * sees every call, replays and rejections included, with no key resolved yet. Like any
+ * interceptor before result_cache it stops waiting duplicates from parking (each holds
+ * a worker while it waits). Before the first listen. */
+IDEM_API idem_code idem_server_use_first(idem_server *srv, const char *name, idem_interceptor_fn fn,
+                                         void *arg);
+/* Appends a built-in. A custom chain may leave built-ins out, but listen refuses
+ * (FAILED_PRECONDITION) one that breaks a promise: built-ins out of the order
+ * request_id → token → debounce → result_cache, or one twice; a KEY_REQUIRED method
+ * without request_id, a TOKEN_REQUIRED one without token, a CACHED or TRANSACTIONAL one
+ * without result_cache. */
 IDEM_API idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which);
 
 /* Starts serving on url (tcp://, ipc://, inproc://). May be called more than once. */

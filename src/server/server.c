@@ -34,6 +34,7 @@ struct idem_server {
     idem_method *methods; /* sorted by name */
     size_t n_methods;
     idem_chain chain;
+    size_t n_first; /* interceptors added with idem_server_use_first, at the front */
 
     idem_dispatch *dispatch;
     idem_nng_front *nng;
@@ -159,7 +160,9 @@ idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_
     return IDEM_OK;
 }
 
-idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn, void *arg)
+/* Inserts an interceptor at position at of the chain. */
+static idem_code chain_insert(idem_server *srv, size_t at, const char *name,
+                              idem_interceptor_fn fn, void *arg)
 {
     idem__err_clear();
     if (srv->started) {
@@ -179,8 +182,24 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    srv->chain.items[srv->chain.n++] = (idem_interceptor){.name = copy, .fn = fn, .arg = arg};
+    memmove(&srv->chain.items[at + 1], &srv->chain.items[at],
+            (srv->chain.n - at) * sizeof(idem_interceptor));
+    srv->chain.items[at] = (idem_interceptor){.name = copy, .fn = fn, .arg = arg};
+    srv->chain.n++;
     return IDEM_OK;
+}
+
+idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn, void *arg)
+{
+    return chain_insert(srv, srv->chain.n, name, fn, arg);
+}
+
+idem_code idem_server_use_first(idem_server *srv, const char *name, idem_interceptor_fn fn,
+                                void *arg)
+{
+    idem_code code = chain_insert(srv, srv->n_first, name, fn, arg);
+    srv->n_first += code == IDEM_OK;
+    return code;
 }
 
 idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
@@ -313,23 +332,101 @@ fail:;
     return idem__err_put(&keep, code);
 }
 
-/* The registrations must be servable by the chain that was built. */
-static idem_code server_check(const idem_server *srv)
+/* The built-ins in the only order that keeps their guarantees: the key is resolved
+ * before anything uses it, a token is checked before a claim can replay, the debounce
+ * window sits in front of the claim. */
+static const idem_builtin builtin_order[] = {IDEM_BUILTIN_REQUEST_ID, IDEM_BUILTIN_TOKEN,
+                                             IDEM_BUILTIN_DEBOUNCE, IDEM_BUILTIN_RESULT_CACHE};
+static const char *const builtin_names[] = {"request_id", "token", "result_cache", "debounce"};
+
+/* Where each built-in sits (by idem_builtin); -1 when absent. Refuses one twice. */
+static idem_code builtin_positions(const idem_chain *c, long pos[4])
 {
-    for (size_t i = 0; i < srv->n_methods; i++) {
-        if (!(srv->methods[i].opts.flags & IDEM_METHOD_TRANSACTIONAL)) {
+    for (int b = 0; b < 4; b++) {
+        pos[b] = -1;
+    }
+    for (size_t i = 0; i < c->n; i++) {
+        const idem_interceptor *it = &c->items[i];
+        if (!it->builtin) {
             continue;
         }
-        if (!srv->token.consume_with_claim) { /* result_cache is in the chain */
-            return idem__err(IDEM_FAILED_PRECONDITION,
-                             "%s is transactional but the chain has no result_cache",
-                             srv->methods[i].name);
+        if (pos[it->kind] >= 0) {
+            return idem__err(IDEM_FAILED_PRECONDITION, "the chain has %s twice",
+                             builtin_names[it->kind]);
         }
-        if (!idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
+        pos[it->kind] = (long)i;
+    }
+    return IDEM_OK;
+}
+
+/* A custom chain (default_chain = false) may leave built-ins out, but never reorder them. */
+static idem_code chain_order_check(const long pos[4])
+{
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(builtin_order); i++) {
+        for (size_t j = i + 1; j < IDEM_ARRAY_LEN(builtin_order); j++) {
+            long a = pos[builtin_order[i]], b = pos[builtin_order[j]];
+            if (a < 0 || b < 0 || a < b) {
+                continue;
+            }
             return idem__err(IDEM_FAILED_PRECONDITION,
-                             "%s is transactional: that needs the LMDB store (one with "
-                             "handler transactions), not %s",
-                             srv->methods[i].name, idem_store_backend(srv->store));
+                             "the chain runs %s before %s%s; the built-ins must run in the "
+                             "order request_id, token, debounce, result_cache",
+                             builtin_names[builtin_order[j]], builtin_names[builtin_order[i]],
+                             builtin_order[i] == IDEM_BUILTIN_TOKEN &&
+                                     builtin_order[j] == IDEM_BUILTIN_RESULT_CACHE
+                                 ? " (a token-protected call would be claimed and replayed "
+                                   "before its token is checked)"
+                                 : "");
+        }
+    }
+    return IDEM_OK;
+}
+
+/* One method's flags need the built-ins that enforce them. */
+static idem_code method_guard_check(const idem_server *srv, const idem_method *m,
+                                    const long pos[4])
+{
+    unsigned f = m->opts.flags;
+    if ((f & IDEM_METHOD_KEY_REQUIRED) && pos[IDEM_BUILTIN_REQUEST_ID] < 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "%s requires a key but the chain has no request_id (which resolves "
+                         "keys and refuses calls without one)",
+                         m->name);
+    }
+    if ((f & IDEM_METHOD_TOKEN_REQUIRED) && pos[IDEM_BUILTIN_TOKEN] < 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "%s requires a token but the chain has no token interceptor: calls "
+                         "would pass without one",
+                         m->name);
+    }
+    if ((f & (IDEM_METHOD_CACHED | IDEM_METHOD_TRANSACTIONAL)) &&
+        pos[IDEM_BUILTIN_RESULT_CACHE] < 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "%s is %s but the chain has no result_cache",
+                         m->name,
+                         (f & IDEM_METHOD_TRANSACTIONAL) ? "transactional" : "cached");
+    }
+    if ((f & IDEM_METHOD_TRANSACTIONAL) && !idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "%s is transactional: that needs the LMDB store (one with "
+                         "handler transactions), not %s",
+                         m->name, idem_store_backend(srv->store));
+    }
+    return IDEM_OK;
+}
+
+/* The chain must keep the promises of every registered method: checked at the first
+ * listen, so that a configuration cannot silently weaken a guarantee. */
+static idem_code server_check(const idem_server *srv)
+{
+    long pos[4];
+    idem_code code;
+    if ((code = builtin_positions(&srv->chain, pos)) != IDEM_OK ||
+        (code = chain_order_check(pos)) != IDEM_OK) {
+        return code;
+    }
+    for (size_t i = 0; i < srv->n_methods; i++) {
+        if ((code = method_guard_check(srv, &srv->methods[i], pos)) != IDEM_OK) {
+            return code;
         }
     }
     return IDEM_OK;
