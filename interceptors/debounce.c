@@ -164,8 +164,8 @@ static void log_fail_open(const idem_call *call, const idem_debounce *d, const c
 static size_t window_key(char *out, size_t cap, const char *caller, const char *method,
                          const char *key)
 {
-    int n = snprintf(out, cap, "idem:%zu:%s:%zu:%s:%zu:%s", strlen(caller), caller,
-                     strlen(method), method, strlen(key), key);
+    int n = snprintf(out, cap, "idem:%zu:%s:%zu:%s:%zu:%s", strlen(caller), caller, strlen(method),
+                     method, strlen(key), key);
     return n > 0 && (size_t)n < cap ? (size_t)n : cap - 1; /* bounded parts: never cut */
 }
 

@@ -186,13 +186,12 @@ static void plain_server(void)
 Test(registration, refuses_method_names_the_wire_would_refuse)
 {
     plain_server();
-    static const char *const bad[] = {"a.B/C/D", "a.B C/D", "a.B/C D", "/Do", "a.B/", "noslash",
-                                      "a.B/\"x\"\t"};
+    static const char *const bad[] = {"a.B/C/D", "a.B C/D", "a.B/C D",    "/Do",
+                                      "a.B/",    "noslash", "a.B/\"x\"\t"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        cr_expect_eq(idem_server_register(S.srv, bad[i], h_echo, NULL, NULL),
-                     IDEM_INVALID_ARGUMENT, "%s was accepted", bad[i]);
-        cr_expect_neq(strstr(idem_errmsg(), "package.Service/Method"), NULL, "%s",
-                      idem_errmsg());
+        cr_expect_eq(idem_server_register(S.srv, bad[i], h_echo, NULL, NULL), IDEM_INVALID_ARGUMENT,
+                     "%s was accepted", bad[i]);
+        cr_expect_neq(strstr(idem_errmsg(), "package.Service/Method"), NULL, "%s", idem_errmsg());
     }
     cr_expect_eq(idem_server_register(S.srv, NULL, h_echo, NULL, NULL), IDEM_INVALID_ARGUMENT);
     cr_expect_neq(strstr(idem_errmsg(), "NULL"), NULL, "%s", idem_errmsg());
@@ -226,8 +225,7 @@ Test(registration, a_second_server_on_the_same_db_path_fails_clearly_and_sharing
     idem_server *second;
     cr_expect_eq(idem_server_create(&second, &o), IDEM_FAILED_PRECONDITION);
     cr_expect_null(second);
-    cr_expect_neq(strstr(idem_errmsg(), "already open in this process"), NULL, "%s",
-                  idem_errmsg());
+    cr_expect_neq(strstr(idem_errmsg(), "already open in this process"), NULL, "%s", idem_errmsg());
     cr_expect_neq(strstr(idem_errmsg(), "idem_server_opts.store"), NULL, "%s", idem_errmsg());
     o.db_path = NULL;
     o.store = idem_server_store(S.srv); /* the documented way: share the store */
@@ -398,15 +396,19 @@ static void refused_then_allowed(const char *method, const char *key, const char
                                  idem_code refusal)
 {
     idem_client *c = tu_client(S.url, 5000);
-    idem_request q = {.method = method, .idempotency_key = key, .token = token,
-                      .caller = "shop", .payload = "p", .payload_len = 1};
+    idem_request q = {.method = method,
+                      .idempotency_key = key,
+                      .token = token,
+                      .caller = "shop",
+                      .payload = "p",
+                      .payload_len = 1};
     idem_result r;
     atomic_store(&deny, true);
     cr_expect_eq(idem_client_call(c, &q, &r), refusal, "%s: %s", method, r.message);
     idem_result_clear(&r);
     atomic_store(&deny, false); /* the caller fixed its credentials; same key */
-    cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s: the refusal was replayed: %s",
-                 method, r.message);
+    cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s: the refusal was replayed: %s", method,
+                 r.message);
     cr_expect_not(r.replayed, "%s", method);
     idem_result_clear(&r);
     cr_expect_eq(idem_client_call(c, &q, &r), IDEM_OK);

@@ -61,8 +61,8 @@ Test(pg, record_keys_keep_their_parts_apart)
 {
     idem_claim_req r = req_for("parts", 1, idem__now_ms());
     const char *key = r.key.key;
-    static const char *const parts[][2] = {{"ab", "c.S/M"}, {"a", "bc.S/M"}, {"a:b", "c.S/M"},
-                                           {"a", "b:c.S/M"}};
+    static const char *const parts[][2] = {
+        {"ab", "c.S/M"}, {"a", "bc.S/M"}, {"a:b", "c.S/M"}, {"a", "b:c.S/M"}};
     for (size_t i = 0; i < 4; i++) {
         r.key = (idem_key_ref){parts[i][0], parts[i][1], key};
         r.owner = idem__random_u64();

@@ -308,10 +308,9 @@ Test(store, keys_are_scoped_by_caller_and_method)
  * decode_request/rejects_embedded_nul_in_strings). */
 Test(store, record_keys_keep_their_parts_apart)
 {
-    static const idem_key_ref refs[] = {{"ab", "c.S/M", "k"},   {"a", "bc.S/M", "k"},
-                                        {"a", "b.S/M", "ck"},   {"a", "b.S/Mc", "k"},
-                                        {"a:b", "c.S/M", "k"},  {"a", "b:c.S/M", "k"},
-                                        {"a", "c.S/M", "b:k"}, {"", "a.S/M", "k"}};
+    static const idem_key_ref refs[] = {
+        {"ab", "c.S/M", "k"},  {"a", "bc.S/M", "k"},  {"a", "b.S/M", "ck"},  {"a", "b.S/Mc", "k"},
+        {"a:b", "c.S/M", "k"}, {"a", "b:c.S/M", "k"}, {"a", "c.S/M", "b:k"}, {"", "a.S/M", "k"}};
     for (size_t i = 0; i < IDEM_ARRAY_LEN(refs); i++) {
         idem_claim_req r = claim_req("x", FP_A, 10 + i, T0);
         r.key = refs[i];

@@ -137,16 +137,12 @@ static bool parse_option(int opt, const char *v, args *a)
  * after a usage error). */
 static bool parse(int argc, char **argv, args *a, int *status)
 {
-    static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
-                                          {"caller", required_argument, NULL, 'c'},
-                                          {"state", required_argument, NULL, 's'},
-                                          {"limit", required_argument, NULL, 'n'},
-                                          {"json", no_argument, NULL, 'j'},
-                                          {"force", no_argument, NULL, 'f'},
-                                          {"expired", no_argument, NULL, 'e'},
-                                          {"digest", required_argument, NULL, 'g'},
-                                          {"help", no_argument, NULL, 'h'},
-                                          {NULL, 0, NULL, 0}};
+    static const struct option longs[] = {
+        {"db", required_argument, NULL, 'd'},    {"caller", required_argument, NULL, 'c'},
+        {"state", required_argument, NULL, 's'}, {"limit", required_argument, NULL, 'n'},
+        {"json", no_argument, NULL, 'j'},        {"force", no_argument, NULL, 'f'},
+        {"expired", no_argument, NULL, 'e'},     {"digest", required_argument, NULL, 'g'},
+        {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0}};
     const char *pos[4] = {0};
     int npos = 0, opt;
 
@@ -317,8 +313,8 @@ static void print_record(const idem_key_ref *k, const idem_record *rec, bool jso
         fputs(",\"key\":", stdout);
         idem__json_fputs(stdout, k->key);
         printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"fingerprint\":\"%s\","
-               "\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64
-               ",\"expires_ms\":%" PRIu64 ",\"response\":",
+               "\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
+               ",\"response\":",
                digest, state_name(rec->state), fp, rec->first_at_ms, rec->lease_until_ms,
                rec->expires_ms);
         print_response(rec, true);

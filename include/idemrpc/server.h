@@ -105,8 +105,10 @@ typedef struct idem_server_opts {
      * RESOURCE_EXHAUSTED "server busy" (with retry-after-ms) at once. 0 = no limit
      * beyond contexts. */
     size_t max_queue;
-    size_t max_frame;       /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
-    const char *db_path;    /* LMDB directory, created if missing; ignored if store set */
+    size_t max_frame; /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
+    /* LMDB directory, created if missing; ignored if store set. One open per directory
+     * per process: a second server on it fails (FAILED_PRECONDITION); share opts.store. */
+    const char *db_path;
     size_t map_size;        /* LMDB map size; 0 = 1 GiB */
     unsigned store_flags;   /* idem_store_flags for the store opened from db_path */
     idem_store *store;      /* optional shared store, not owned by the server */
@@ -153,7 +155,9 @@ IDEM_API void idem_server_opts_init(idem_server_opts *opts);
  * idem_errmsg() (status.h). */
 IDEM_API idem_code idem_server_create(idem_server **out, const idem_server_opts *opts);
 
-/* Name is "package.Service/Method" (copied). opts may be NULL (plain, uncached). */
+/* Name is "package.Service/Method" (copied), checked with the wire's rule: printable
+ * ASCII without spaces, exactly one '/', neither side empty. opts may be NULL (plain,
+ * uncached). INVALID_ARGUMENT for a bad name, a NULL fn or unknown bits in opts->flags. */
 IDEM_API idem_code idem_server_register(idem_server *srv, const char *method, idem_handler_fn fn,
                                         void *arg, const idem_method_opts *opts);
 

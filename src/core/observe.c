@@ -163,9 +163,8 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
               idem__logfmt_quote(id, sizeof(id), call->request_id[0] ? call->request_id : "-"),
               idem__logfmt_quote(method, sizeof(method), call->req->method),
               idem__logfmt_quote(caller, sizeof(caller), call->req->caller), key_hash,
-              outcome(call), call->reason ? " reason=" : "",
-              call->reason ? call->reason : "", idem_code_name(call->code), call->req->attempt,
-              (unsigned long long)latency_us);
+              outcome(call), call->reason ? " reason=" : "", call->reason ? call->reason : "",
+              idem_code_name(call->code), call->req->attempt, (unsigned long long)latency_us);
 }
 
 void idem__observe_waiting(idem_observer *obs, int delta)

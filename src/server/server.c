@@ -161,8 +161,8 @@ idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_
 }
 
 /* Inserts an interceptor at position at of the chain. */
-static idem_code chain_insert(idem_server *srv, size_t at, const char *name,
-                              idem_interceptor_fn fn, void *arg)
+static idem_code chain_insert(idem_server *srv, size_t at, const char *name, idem_interceptor_fn fn,
+                              void *arg)
 {
     idem__err_clear();
     if (srv->started) {
@@ -383,8 +383,7 @@ static idem_code chain_order_check(const long pos[4])
 }
 
 /* One method's flags need the built-ins that enforce them. */
-static idem_code method_guard_check(const idem_server *srv, const idem_method *m,
-                                    const long pos[4])
+static idem_code method_guard_check(const idem_server *srv, const idem_method *m, const long pos[4])
 {
     unsigned f = m->opts.flags;
     if ((f & IDEM_METHOD_KEY_REQUIRED) && pos[IDEM_BUILTIN_REQUEST_ID] < 0) {
@@ -402,8 +401,7 @@ static idem_code method_guard_check(const idem_server *srv, const idem_method *m
     if ((f & (IDEM_METHOD_CACHED | IDEM_METHOD_TRANSACTIONAL)) &&
         pos[IDEM_BUILTIN_RESULT_CACHE] < 0) {
         return idem__err(IDEM_FAILED_PRECONDITION, "%s is %s but the chain has no result_cache",
-                         m->name,
-                         (f & IDEM_METHOD_TRANSACTIONAL) ? "transactional" : "cached");
+                         m->name, (f & IDEM_METHOD_TRANSACTIONAL) ? "transactional" : "cached");
     }
     if ((f & IDEM_METHOD_TRANSACTIONAL) && !idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
         return idem__err(IDEM_FAILED_PRECONDITION,
