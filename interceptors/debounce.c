@@ -1,6 +1,8 @@
 /* debounce: a short Redis window in front of the result cache ("Redis 只挡连点").
  *
- * SET idem:{caller}:{method}:{key} 1 NX PX window: the first send of a key within the
+ * SET idem:{len}:{caller}:{len}:{method}:{len}:{key} 1 NX PX window (each part
+ * length-prefixed, so a ':' in a caller or key cannot make two keys one; see
+ * window_key): the first send of a key within the
  * window passes, a repeat is answered ALREADY_EXISTS "duplicate submit" before any store
  * work. It is a shield against double clicks, not the money guard: Redis may forget (a
  * restart, an eviction), and then the result cache still decides. So Redis trouble
@@ -146,6 +148,27 @@ static window_result window_enter(idem_debounce *d, const char *key, size_t len,
     return res;
 }
 
+static void log_fail_open(const idem_call *call, const idem_debounce *d, const char *err)
+{
+    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    snprintf(detail, sizeof(detail), "debounce: redis %s:%d unavailable (%s); failing open",
+             d->host, d->port, err);
+    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s msg=%s",
+              idem__logfmt_quote(id, sizeof(id), call->request_id),
+              idem__logfmt_quote(msg, sizeof(msg), detail));
+}
+
+/* The Redis key of a call: each part prefixed by its length, so that no choice of
+ * caller, method and key spells another call's key ("a:M:b" + "c" vs "a" + "b:M:c"
+ * collided under the old idem:%s:%s:%s). Returns the length. */
+static size_t window_key(char *out, size_t cap, const char *caller, const char *method,
+                         const char *key)
+{
+    int n = snprintf(out, cap, "idem:%zu:%s:%zu:%s:%zu:%s", strlen(caller), caller, strlen(method),
+                     method, strlen(key), key);
+    return n > 0 && (size_t)n < cap ? (size_t)n : cap - 1; /* bounded parts: never cut */
+}
+
 idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg)
 {
     idem_debounce *d = arg;
@@ -154,17 +177,15 @@ idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg)
         idem_call_attempt(call) > 1) {
         return idem_call_next(call, next);
     }
-    char key[IDEM_MAX_CALLER + IDEM_MAX_METHOD + IDEM_MAX_KEY + 16], err[160];
-    int n = snprintf(key, sizeof(key), "idem:%s:%s:%s", idem_call_caller(call), m->name, call->key);
-    switch (window_enter(d, key, (size_t)n, err, sizeof(err))) {
+    char key[IDEM_MAX_CALLER + IDEM_MAX_METHOD + IDEM_MAX_KEY + 32], err[160];
+    size_t n = window_key(key, sizeof(key), idem_call_caller(call), m->name, call->key);
+    switch (window_enter(d, key, n, err, sizeof(err))) {
     case WINDOW_REPEAT:
         return idem__reject(call, IDEM_REASON_DEBOUNCED, IDEM_ALREADY_EXISTS,
                             "duplicate submit: the same key arrived within %u ms",
                             (unsigned)d->window_ms);
     case WINDOW_UNKNOWN:
-        idem__log(call->rt->obs, IDEM_LOG_ERROR,
-                  "request_id=%s msg=\"debounce: redis %s:%d unavailable (%s); failing open\"",
-                  call->request_id, d->host, d->port, err);
+        log_fail_open(call, d, err);
         break;
     case WINDOW_FIRST:
         break;

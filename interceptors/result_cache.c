@@ -123,10 +123,11 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
 {
     idem_record rec;
     idem_code code = idem_store_get(cfg->store, key, &rec);
+    char id[IDEM_LOGQ_CAP];
     idem__log(call->rt->obs, IDEM_LOG_ERROR,
               "request_id=%s method=\"%s\" msg=\"claim lost while the handler ran; its "
               "answer is discarded\"",
-              call->request_id, call->method->name);
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name);
     idem__call_reset_response(call);
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
         memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
@@ -140,10 +141,17 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
     return code;
 }
 
-/* Codes that free the key instead of being stored. */
-static bool released_code(const idem_method_opts *o, idem_code code)
+/* Answers that free the key instead of being stored: transient codes, by default a
+ * handler's INVALID_ARGUMENT, and any answer given while the handler did not run (an
+ * interceptor after result_cache said no, e.g. UNAUTHENTICATED or PERMISSION_DENIED:
+ * nothing happened, and a stored refusal would be replayed to the corrected retry). */
+static bool released_code(const idem_call *call, idem_code code)
 {
+    const idem_method_opts *o = &call->method->opts;
     uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
+    if (!call->executed || (unsigned)code >= IDEM_CODE_COUNT) {
+        return true; /* an out-of-range code from an interceptor is not an answer to keep */
+    }
     return (IDEM_CODE_BIT(code) & transient) ||
            (code == IDEM_INVALID_ARGUMENT && !o->store_invalid_argument);
 }
@@ -174,7 +182,7 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     call->fence = owner;
     code = idem_call_next(call, next);
     call->txn = NULL;
-    if (released_code(o, code)) {
+    if (released_code(call, code)) {
         if (txn != NULL) {
             idem__store_txn_abort(txn); /* business writes vanish with the claim */
         }
@@ -205,9 +213,11 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
-    idem__log(call->rt->obs, IDEM_LOG_ERROR,
-              "request_id=%s method=\"%s\" msg=\"recording the outcome failed: %s\"",
-              call->request_id, call->method->name, idem_errmsg());
+    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    snprintf(detail, sizeof(detail), "recording the outcome failed: %s", idem_errmsg());
+    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
+              idem__logfmt_quote(msg, sizeof(msg), detail));
     return code;
 }
 

@@ -93,6 +93,30 @@ Test(debounce, a_double_click_within_the_window_is_duplicate_submit)
     idem_client_close(c);
 }
 
+/* Under the old key idem:{caller}:{method}:{key}, caller "X:M:b" with key "c" and caller
+ * "X" with key "b:M:c" were one Redis key: the second caller's first click was
+ * "duplicate submit". Each part is length-prefixed now. */
+Test(debounce, callers_and_keys_with_colons_do_not_share_a_window)
+{
+    static const char m[] = "shop.Order/Submit";
+    char caller1[128], key2[128];
+    snprintf(caller1, sizeof(caller1), "%s:%s:b", key, m);
+    snprintf(key2, sizeof(key2), "b:%s:c", m);
+    idem_client *c = single_attempt_client();
+    idem_request first = {.method = m, .idempotency_key = "c", .caller = caller1};
+    idem_request second = {.method = m, .idempotency_key = key2, .caller = key};
+    idem_result r;
+    cr_expect_eq(idem_client_call(c, &first, &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(idem_client_call(c, &second, &r), IDEM_OK, "another caller's window: %s",
+                 r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&executions), 2);
+    cr_expect_eq(idem_client_call(c, &second, &r), IDEM_ALREADY_EXISTS, "its own repeat is");
+    idem_result_clear(&r);
+    idem_client_close(c);
+}
+
 /* A raw frame for key with the given attempt number. */
 static Idem__V1__Response *send_attempt(uint32_t attempt)
 {

@@ -2,7 +2,7 @@
 # idemctl against a store that a running idemrpc-demo is using.
 . "$(dirname "$0")/demo_env.sh"
 : "${IDEMCTL:?}" "${IDEMRPC_CALL:?}"
-start_demo --delay-ms 0 --result-ttl-ms 600000
+start_demo --delay-ms 0 --result-ttl-ms 600000 --log-level info
 ctl() { "$IDEMCTL" --db "$work/db" "$@"; }
 call() { "$IDEMRPC_CALL" "$sock" "$@" >/dev/null; }
 
@@ -17,6 +17,25 @@ ctl --json list --state completed | grep -q '"key":"k1"' || fail "json list"
 ctl show demo.Counter/Add k1 | grep -q '^response     OK, 1 payload bytes' || fail "show"
 ctl --json show demo.Counter/Add k2 --caller shop | grep -q '"state":"completed"' || fail "json show"
 ctl show demo.Counter/Add nope && fail "show of a missing key succeeded"
+
+# show without --caller finds the record of any caller and says whose it is.
+out=$(ctl show demo.Counter/Add k2) || fail "show without --caller missed caller shop's k2"
+grep -q '^caller       shop$' <<<"$out" || fail "show does not name the caller: $out"
+ctl show demo.Counter/Add k2 --caller other && fail "show --caller other found shop's record"
+{ ctl show demo.Counter/Add nope 2>&1 || true; } | grep -q 'no record demo.Counter/Add nope for any caller' ||
+    fail "not-found message"
+# A log line's key= digest leads to its record (idemctl show --digest).
+line=$(grep 'caller="shop"' "$work/demo.err" | head -1)
+digest=$(sed -n 's/.* key=\([0-9a-f]*\) .*/\1/p' <<<"$line")
+[ ${#digest} = 16 ] || fail "no key digest in the log line: $line"
+out=$(ctl show --digest "$digest") || fail "show --digest $digest found nothing"
+grep -q '^key          k2$' <<<"$out" || fail "show --digest: $out"
+grep -q "^key digest   $digest\$" <<<"$out" || fail "show prints the digest: $out"
+ctl --json show --digest "$digest" | grep -q '"caller":"shop","method":"demo.Counter/Add","key":"k2"' ||
+    fail "json show --digest: $(ctl --json show --digest "$digest")"
+ctl show --digest 0000000000000000 && fail "show --digest of an unknown digest succeeded"
+rc=0; ctl show --digest xyz 2>/dev/null || rc=$?
+[ "$rc" = 2 ] || fail "a bad digest is a usage error (exit $rc)"
 
 # delete of a completed record: the next call runs again.
 ctl delete demo.Counter/Add k1 | grep -q deleted || fail "delete"

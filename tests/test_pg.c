@@ -55,6 +55,22 @@ static idem_claim_outcome claim(idem_claim_req *r, idem_record *rec)
     return out;
 }
 
+/* (caller, method, key) are separate columns of the primary key: parts that would run
+ * together in one string stay distinct. */
+Test(pg, record_keys_keep_their_parts_apart)
+{
+    idem_claim_req r = req_for("parts", 1, idem__now_ms());
+    const char *key = r.key.key;
+    static const char *const parts[][2] = {
+        {"ab", "c.S/M"}, {"a", "bc.S/M"}, {"a:b", "c.S/M"}, {"a", "b:c.S/M"}};
+    for (size_t i = 0; i < 4; i++) {
+        r.key = (idem_key_ref){parts[i][0], parts[i][1], key};
+        r.owner = idem__random_u64();
+        cr_expect_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED, "%s|%s shares a row", parts[i][0],
+                     parts[i][1]);
+    }
+}
+
 Test(pg, claim_complete_replay_and_mismatch)
 {
     uint64_t now = idem__now_ms();

@@ -302,6 +302,23 @@ Test(store, keys_are_scoped_by_caller_and_method)
     cr_expect_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED, "other method, same key");
 }
 
+/* The record key is caller \0 method \0 key: parts that would run together without the
+ * separators ("ab"+"c.S/M" and "a"+"bc.S/M", ":" in any part) stay distinct, and no part
+ * can hold a NUL (C strings here; the codec refuses NULs on the wire:
+ * decode_request/rejects_embedded_nul_in_strings). */
+Test(store, record_keys_keep_their_parts_apart)
+{
+    static const idem_key_ref refs[] = {
+        {"ab", "c.S/M", "k"},  {"a", "bc.S/M", "k"},  {"a", "b.S/M", "ck"},  {"a", "b.S/Mc", "k"},
+        {"a:b", "c.S/M", "k"}, {"a", "b:c.S/M", "k"}, {"a", "c.S/M", "b:k"}, {"", "a.S/M", "k"}};
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(refs); i++) {
+        idem_claim_req r = claim_req("x", FP_A, 10 + i, T0);
+        r.key = refs[i];
+        cr_expect_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED, "%s|%s|%s shares a record",
+                     refs[i].caller, refs[i].method, refs[i].key);
+    }
+}
+
 /* ---- retention ---- */
 
 Test(store, sweep_deletes_only_expired_records_and_tokens)

@@ -4,7 +4,8 @@
  *
  *   idemctl --db DIR [--json] stats
  *   idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed] [--limit N]
- *   idemctl --db DIR [--json] show METHOD KEY [--caller C]
+ *   idemctl --db DIR [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
+ *   idemctl --db DIR [--json] show --digest HEX [--caller C]  (the key= of a log line)
  *   idemctl --db DIR purge --expired
  *   idemctl --db DIR delete METHOD KEY [--caller C] [--force]
  *
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include <idemrpc/idemrpc.h>
@@ -25,9 +27,13 @@
 
 typedef struct args {
     const char *db, *cmd, *caller, *state, *method, *key;
-    bool json, force, expired;
+    const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
+    bool json, force, expired, caller_set;
     long limit;
 } args;
+
+/* SHA-256 (src/supplemental/sha256.c, compiled into the tools' helper library). */
+void idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
 
 static void usage(FILE *f)
 {
@@ -35,17 +41,26 @@ static void usage(FILE *f)
                "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
                " [--limit N]\n"
                "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
+               "       idemctl --db DIR [--json] show --digest HEX [--caller C]\n"
                "       idemctl --db DIR purge --expired\n"
                "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n"
-               "  options may come before or after the command; --limit defaults to 100\n");
+               "  options may come before or after the command; --limit defaults to 100;\n"
+               "  show without --caller finds the record of any caller; --digest HEX finds\n"
+               "  records by the key digest of a log line (key=HEX, a SHA-256 prefix)\n");
 }
 
 /* The positional arguments each command takes after its name. */
 static bool check_positionals(const args *a, int npos)
 {
-    bool needs_key = strcmp(a->cmd, "show") == 0 || strcmp(a->cmd, "delete") == 0;
+    bool show = strcmp(a->cmd, "show") == 0;
+    if (a->digest != NULL && !show) {
+        fprintf(stderr, "idemctl: --digest is an option of show\n");
+        return false;
+    }
+    bool needs_key = (show && a->digest == NULL) || strcmp(a->cmd, "delete") == 0;
     if (needs_key && npos != 3) {
-        fprintf(stderr, "idemctl: %s needs METHOD KEY\n", a->cmd);
+        fprintf(stderr, "idemctl: %s needs METHOD KEY%s\n", a->cmd,
+                show ? " (or --digest HEX)" : "");
         return false;
     }
     if (!needs_key && npos != 1) {
@@ -84,6 +99,14 @@ static bool parse_option(int opt, const char *v, args *a)
         return true;
     case 'c':
         a->caller = v;
+        a->caller_set = true;
+        return true;
+    case 'g':
+        if (strlen(v) == 0 || strlen(v) > 64 || strspn(v, "0123456789abcdefABCDEF") != strlen(v)) {
+            fprintf(stderr, "idemctl: --digest: '%s' is not 1 to 64 hex digits\n", v);
+            return false;
+        }
+        a->digest = v;
         return true;
     case 's':
         a->state = v;
@@ -114,15 +137,12 @@ static bool parse_option(int opt, const char *v, args *a)
  * after a usage error). */
 static bool parse(int argc, char **argv, args *a, int *status)
 {
-    static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
-                                          {"caller", required_argument, NULL, 'c'},
-                                          {"state", required_argument, NULL, 's'},
-                                          {"limit", required_argument, NULL, 'n'},
-                                          {"json", no_argument, NULL, 'j'},
-                                          {"force", no_argument, NULL, 'f'},
-                                          {"expired", no_argument, NULL, 'e'},
-                                          {"help", no_argument, NULL, 'h'},
-                                          {NULL, 0, NULL, 0}};
+    static const struct option longs[] = {
+        {"db", required_argument, NULL, 'd'},    {"caller", required_argument, NULL, 'c'},
+        {"state", required_argument, NULL, 's'}, {"limit", required_argument, NULL, 'n'},
+        {"json", no_argument, NULL, 'j'},        {"force", no_argument, NULL, 'f'},
+        {"expired", no_argument, NULL, 'e'},     {"digest", required_argument, NULL, 'g'},
+        {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0}};
     const char *pos[4] = {0};
     int npos = 0, opt;
 
@@ -266,35 +286,150 @@ static void print_response(const idem_record *rec, bool json)
     idem__v1__response__free_unpacked(r, NULL);
 }
 
+/* The key digest the log lines carry (observe.c): hex of SHA-256(key), 64 digits. */
+static void key_digest(const char *key, char hex[65])
+{
+    uint8_t d[32];
+    size_t len = strlen(key);
+    idem__sha256((const void *const[]){key}, &len, 1, d);
+    for (int i = 0; i < 32; i++) {
+        snprintf(hex + 2 * i, 3, "%02x", d[i]);
+    }
+}
+
+static void print_record(const idem_key_ref *k, const idem_record *rec, bool json)
+{
+    char fp[2 * IDEM_FINGERPRINT_LEN + 1], digest[65];
+    for (int i = 0; i < IDEM_FINGERPRINT_LEN; i++) {
+        snprintf(fp + 2 * i, 3, "%02x", rec->fingerprint[i]);
+    }
+    key_digest(k->key, digest);
+    digest[16] = '\0'; /* as logged: the first 8 bytes */
+    if (json) {
+        fputs("{\"caller\":", stdout);
+        idem__json_fputs(stdout, k->caller);
+        fputs(",\"method\":", stdout);
+        idem__json_fputs(stdout, k->method);
+        fputs(",\"key\":", stdout);
+        idem__json_fputs(stdout, k->key);
+        printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"fingerprint\":\"%s\","
+               "\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
+               ",\"response\":",
+               digest, state_name(rec->state), fp, rec->first_at_ms, rec->lease_until_ms,
+               rec->expires_ms);
+        print_response(rec, true);
+        puts("}");
+        return;
+    }
+    printf("caller       %s\nmethod       %s\nkey          %s\nkey digest   %s\n",
+           k->caller[0] ? k->caller : "-", k->method, k->key, digest);
+    printf("state        %s\nfingerprint  %s\nfirst at     ", state_name(rec->state), fp);
+    print_time(rec->first_at_ms);
+    fputs(rec->state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
+    print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
+    putchar('\n');
+    print_response(rec, false);
+}
+
+typedef struct show_state {
+    const args *a;
+    idem_key_ref *found; /* copies (free_refs) */
+    size_t n, cap;
+    bool oom;
+} show_state;
+
+static bool show_matches(const args *a, const idem_key_ref *k)
+{
+    if (a->caller_set && strcmp(a->caller, k->caller) != 0) {
+        return false;
+    }
+    if (a->digest == NULL) {
+        return strcmp(a->method, k->method) == 0 && strcmp(a->key, k->key) == 0;
+    }
+    char digest[65];
+    key_digest(k->key, digest);
+    return strncasecmp(digest, a->digest, strlen(a->digest)) == 0;
+}
+
+/* Collects the keys of matching records: a visit sees no response bytes, so show reads
+ * each match again with idem_store_get. At most --limit. */
+static bool show_collect(void *arg, const idem_key_ref *k, const idem_record *rec)
+{
+    show_state *ss = arg;
+    (void)rec;
+    if (!show_matches(ss->a, k)) {
+        return true;
+    }
+    if (ss->n == ss->cap) {
+        size_t cap = ss->cap ? 2 * ss->cap : 8;
+        idem_key_ref *grown = realloc(ss->found, cap * sizeof(*grown));
+        if (grown == NULL) {
+            ss->oom = true;
+            return false;
+        }
+        ss->found = grown, ss->cap = cap;
+    }
+    idem_key_ref *c = &ss->found[ss->n];
+    c->caller = strdup(k->caller), c->method = strdup(k->method), c->key = strdup(k->key);
+    ss->n++;
+    ss->oom = c->caller == NULL || c->method == NULL || c->key == NULL;
+    return !ss->oom && (long)ss->n < ss->a->limit;
+}
+
+static void free_refs(show_state *ss)
+{
+    for (size_t i = 0; i < ss->n; i++) {
+        free((char *)ss->found[i].caller);
+        free((char *)ss->found[i].method);
+        free((char *)ss->found[i].key);
+    }
+    free(ss->found);
+}
+
+/* Prints one record, read afresh; false when it is gone (or unreadable). */
+static bool show_key(idem_store *st, const idem_key_ref *k, bool json)
+{
+    idem_record rec;
+    if (idem_store_get(st, k, &rec) != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return false;
+    }
+    print_record(k, &rec, json);
+    idem_record_clear(&rec);
+    return true;
+}
+
+/* show: one exact key with --caller; else every record of any caller with that method
+ * and key, or whose key digest starts with --digest (records apart by a blank line;
+ * --json prints one object per line). */
 static int cmd_show(idem_store *st, const args *a)
 {
-    idem_key_ref k = {a->caller, a->method, a->key};
-    idem_record rec;
-    idem_code code = idem_store_get(st, &k, &rec);
-    if (code != IDEM_OK) {
-        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
-        return 1;
+    if (a->caller_set && a->digest == NULL) {
+        idem_key_ref k = {a->caller, a->method, a->key};
+        return show_key(st, &k, a->json) ? 0 : 1;
     }
-    char fp[2 * IDEM_FINGERPRINT_LEN + 1];
-    for (int i = 0; i < IDEM_FINGERPRINT_LEN; i++) {
-        snprintf(fp + 2 * i, 3, "%02x", rec.fingerprint[i]);
+    show_state ss = {.a = a};
+    idem_code code = idem_store_foreach(st, show_collect, &ss);
+    int rc = 0;
+    if (code != IDEM_OK || ss.oom) {
+        fprintf(stderr, "idemctl: %s\n", ss.oom ? "out of memory" : idem_errmsg());
+        rc = 1;
+    } else if (ss.n == 0) {
+        if (a->digest != NULL) {
+            fprintf(stderr, "idemctl: no record whose key digest starts with %s\n", a->digest);
+        } else {
+            fprintf(stderr, "idemctl: no record %s %s for any caller\n", a->method, a->key);
+        }
+        rc = 1;
     }
-    if (a->json) {
-        printf("{\"state\":\"%s\",\"fingerprint\":\"%s\",\"first_at_ms\":%" PRIu64
-               ",\"lease_until_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64 ",\"response\":",
-               state_name(rec.state), fp, rec.first_at_ms, rec.lease_until_ms, rec.expires_ms);
-        print_response(&rec, true);
-        puts("}");
-    } else {
-        printf("state        %s\nfingerprint  %s\nfirst at     ", state_name(rec.state), fp);
-        print_time(rec.first_at_ms);
-        fputs(rec.state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
-        print_time(rec.state == IDEM_REC_IN_PROGRESS ? rec.lease_until_ms : rec.expires_ms);
-        putchar('\n');
-        print_response(&rec, false);
+    for (size_t i = 0; rc == 0 && i < ss.n; i++) {
+        if (i > 0 && !a->json) {
+            putchar('\n');
+        }
+        rc = show_key(st, &ss.found[i], a->json) ? 0 : 1;
     }
-    idem_record_clear(&rec);
-    return 0;
+    free_refs(&ss);
+    return rc;
 }
 
 static uint64_t now_ms(void)

@@ -3,7 +3,12 @@
  * An interceptor either answers the call itself (short-circuit: replay, reject) or calls
  * idem_call_next() and may then inspect the response. The last "next" is the handler.
  * Interceptors know nothing of the transport: an idem_call is the decoded request plus
- * the response being built. */
+ * the response being built.
+ *
+ * Where one runs (server.h): before result_cache it sees every call, replays included;
+ * after it (idem_server_use with the default chain) only real executions, inside the
+ * claim and, for transactional methods, inside the write transaction. An answer given
+ * there without calling idem_call_next is released, never stored and replayed. */
 #ifndef IDEMRPC_CHAIN_H
 #define IDEMRPC_CHAIN_H
 

@@ -125,8 +125,10 @@ typedef struct idem_server_opts {
      * RESOURCE_EXHAUSTED "server busy" (with retry-after-ms) at once. 0 = no limit
      * beyond contexts. */
     size_t max_queue;
-    size_t max_frame;       /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
-    const char *db_path;    /* LMDB directory, created if missing; ignored if store set */
+    size_t max_frame; /* bytes; 0 = 4 MiB. Larger requests get RESOURCE_EXHAUSTED */
+    /* LMDB directory, created if missing; ignored if store set. One open per directory
+     * per process: a second server on it fails (FAILED_PRECONDITION); share opts.store. */
+    const char *db_path;
     size_t map_size;        /* LMDB map size; 0 = 1 GiB */
     unsigned store_flags;   /* idem_store_flags for the store opened from db_path */
     idem_store *store;      /* optional shared store, not owned by the server */
@@ -137,8 +139,10 @@ typedef struct idem_server_opts {
     uint64_t sweep_interval_ms; /* 0 = 60 s */
     size_t sweep_batch;         /* records deleted per write txn; 0 = 1000 */
     /* true (default): the chain starts request_id → token → result_cache, and
-     * interceptors added with idem_server_use() run after them, around the handler.
-     * false: the chain is exactly what idem_server_use()/idem_server_use_builtin() add. */
+     * interceptors added with idem_server_use() run after them, around the handler
+     * (idem_server_use_first() puts one in front of them).
+     * false: the chain is exactly what idem_server_use()/idem_server_use_builtin() add;
+     * listen checks it (idem_server_use_builtin). */
     bool default_chain;
     /* Logs: per call "request_id method caller key (hash) outcome code latency_us";
      * tokens and payloads are never logged. Default IDEM_LOG_ERROR to stderr. */
@@ -182,13 +186,33 @@ IDEM_API void idem_server_opts_init(idem_server_opts *opts);
  * idem_errmsg() (status.h). */
 IDEM_API idem_code idem_server_create(idem_server **out, const idem_server_opts *opts);
 
-/* Name is "package.Service/Method" (copied). opts may be NULL (plain, uncached). */
+/* Name is "package.Service/Method" (copied), checked with the wire's rule: printable
+ * ASCII without spaces, exactly one '/', neither side empty. opts may be NULL (plain,
+ * uncached). INVALID_ARGUMENT for a bad name, a NULL fn or unknown bits in opts->flags. */
 IDEM_API idem_code idem_server_register(idem_server *srv, const char *method, idem_handler_fn fn,
                                         void *arg, const idem_method_opts *opts);
 
-/* Appends an interceptor; name is for logs (copied). */
+/* Appends an interceptor; name is for logs (copied). With the default chain it runs
+ * after result_cache, i.e. only on real executions, inside the claim (after the key is
+ * claimed, while the lease is renewed) and, for IDEM_METHOD_TRANSACTIONAL methods,
+ * inside the store's write transaction. An answer it gives without calling
+ * idem_call_next (the handler did not run: e.g. an auth check answering
+ * UNAUTHENTICATED or PERMISSION_DENIED) is never stored: the claim is released and a
+ * token it consumed restored, so a corrected retry with the same key runs. */
 IDEM_API idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn,
                                    void *arg);
+/* Inserts an interceptor at the front of the chain, before the built-ins (after those
+ * added earlier with idem_server_use_first), without rebuilding the default chain: it
+ * sees every call, replays and rejections included, with no key resolved yet. Like any
+ * interceptor before result_cache it stops waiting duplicates from parking (each holds
+ * a worker while it waits). Before the first listen. */
+IDEM_API idem_code idem_server_use_first(idem_server *srv, const char *name, idem_interceptor_fn fn,
+                                         void *arg);
+/* Appends a built-in. A custom chain may leave built-ins out, but listen refuses
+ * (FAILED_PRECONDITION) one that breaks a promise: built-ins out of the order
+ * request_id → token → debounce → result_cache, or one twice; a KEY_REQUIRED method
+ * without request_id, a TOKEN_REQUIRED one without token, a CACHED or TRANSACTIONAL one
+ * without result_cache. */
 IDEM_API idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which);
 
 /* Starts serving on url (tcp://, ipc://, inproc://). May be called more than once. */

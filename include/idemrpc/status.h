@@ -45,7 +45,11 @@ IDEM_API const char *idem_code_name(int code);
 IDEM_API bool idem_code_from_name(const char *name, idem_code *out);
 
 /* Detail of the last error returned by an idemrpc function on this thread (like
- * dlerror()); "" when none. Valid until the next idemrpc call on the thread. */
+ * dlerror()); "" when none. Valid until the next idemrpc call on the thread. Read it
+ * right after a call that returned an error: the server's setup calls (create,
+ * register, use, listen) clear it when they succeed, other calls that succeed may
+ * leave an earlier detail in place. idem_client_call: the server's message is in
+ * idem_result.message. */
 IDEM_API const char *idem_errmsg(void);
 
 /* A code as a bit for the idem_code masks in method options. */

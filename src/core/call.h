@@ -51,6 +51,13 @@ idem_code idem__reject(idem_call *call, const char *reason, idem_code code, cons
 typedef struct idem_observer idem_observer;
 void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* A logfmt quoted value: s between double quotes, with backslash, quote and control
+ * characters escaped (\\ \" \n \r \t \xNN), so that a value a client chose (request
+ * id, method, caller, an error detail naming them) stays one value on one line. Writes
+ * at most cap bytes into out, cutting s (never an escape) when it does not fit; returns
+ * out. Every client-supplied value in an idem__log line goes through it. */
+#define IDEM_LOGQ_CAP 600
+const char *idem__logfmt_quote(char *out, size_t cap, const char *s);
 idem_observer *idem__observer_create(const idem_server_opts *opts);
 void idem__observer_destroy(idem_observer *obs);
 /* One log line (at INFO) and the counters for a finished call. */
@@ -199,6 +206,11 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg);
 idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32]);
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
+
+/* "package.Service/Method": 1..IDEM_MAX_METHOD bytes of printable ASCII without spaces,
+ * exactly one '/', neither side empty. INVALID_ARGUMENT (idem_errmsg) otherwise. The
+ * same rule for the wire (idem__request_check) and idem_server_register. */
+idem_code idem__method_name_check(const char *method);
 
 /* Validates the envelope fields of a request (bounds, UTF-8, method shape): the one
  * check both fronts use. Field names in messages name the HTTP header too. */

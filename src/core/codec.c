@@ -33,9 +33,13 @@ static idem_code check_string(const char *field, const char *s, size_t max, bool
     return IDEM_OK;
 }
 
-/* "package.Service/Method": printable ASCII, one '/', neither side empty. */
-static idem_code check_method(const char *m)
+/* "package.Service/Method": printable ASCII, one '/', neither side empty. The one rule
+ * for the wire and for idem_server_register. */
+idem_code idem__method_name_check(const char *m)
 {
+    if (m == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "method name is NULL");
+    }
     idem_code code = check_string("method", m, IDEM_MAX_METHOD, true);
     if (code != IDEM_OK) {
         return code;
@@ -53,7 +57,7 @@ static idem_code check_method(const char *m)
 idem_code idem__request_check(const Idem__V1__Request *r)
 {
     idem_code code;
-    if ((code = check_method(r->method)) != IDEM_OK ||
+    if ((code = idem__method_name_check(r->method)) != IDEM_OK ||
         (code = check_string("idempotency_key (Idempotency-Key)", r->idempotency_key, IDEM_MAX_KEY,
                              false)) != IDEM_OK ||
         (code = check_string("request_id (X-Request-Id)", r->request_id, IDEM_MAX_REQUEST_ID,

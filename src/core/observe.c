@@ -49,6 +49,51 @@ void idem__observer_destroy(idem_observer *obs)
     free(obs);
 }
 
+/* One escape of logfmt's quoted values into esc (≥ 5 bytes); returns its length. */
+static size_t logfmt_escape(unsigned char c, char esc[5])
+{
+    switch (c) {
+    case '"':
+    case '\\':
+        esc[0] = '\\', esc[1] = (char)c;
+        return 2;
+    case '\n':
+        memcpy(esc, "\\n", 2);
+        return 2;
+    case '\r':
+        memcpy(esc, "\\r", 2);
+        return 2;
+    case '\t':
+        memcpy(esc, "\\t", 2);
+        return 2;
+    default:
+        if (c < 0x20 || c == 0x7f) {
+            snprintf(esc, 5, "\\x%02x", c);
+            return 4;
+        }
+        esc[0] = (char)c;
+        return 1;
+    }
+}
+
+const char *idem__logfmt_quote(char *out, size_t cap, const char *s)
+{
+    size_t n = 0;
+    out[n++] = '"';
+    for (const unsigned char *p = (const unsigned char *)(s != NULL ? s : ""); *p; p++) {
+        char esc[5];
+        size_t k = logfmt_escape(*p, esc);
+        if (n + k + 2 > cap) { /* room for the closing quote and the NUL */
+            break;
+        }
+        memcpy(out + n, esc, k);
+        n += k;
+    }
+    out[n++] = '"';
+    out[n] = '\0';
+    return out;
+}
+
 void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
 {
     char line[1024];
@@ -60,6 +105,13 @@ void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
     int n = snprintf(line, sizeof(line), "level=%s ", level == IDEM_LOG_ERROR ? "error" : "info");
     vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
     va_end(ap);
+    /* Callers quote what a client chose (idem__logfmt_quote); this is the backstop that
+     * keeps one call one line even if a value slipped through unquoted. */
+    for (char *p = line; *p; p++) {
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) {
+            *p = '?';
+        }
+    }
     obs->fn(obs->arg, level, line);
 }
 
@@ -105,13 +157,16 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
             idem__hex(key_hash, d, 8);
         }
     }
+    /* request id, method and caller are the client's: quoted and escaped. */
+    char id[IDEM_LOGQ_CAP], method[IDEM_LOGQ_CAP], caller[IDEM_LOGQ_CAP];
     idem__log(obs, IDEM_LOG_INFO,
-              "request_id=%s method=\"%s\" caller=\"%s\" key=%s outcome=%s%s%s code=%s "
+              "request_id=%s method=%s caller=%s key=%s outcome=%s%s%s code=%s "
               "attempt=%u latency_us=%llu",
-              call->request_id[0] ? call->request_id : "-", call->req->method, call->caller,
-              key_hash, outcome(call), call->reason ? " reason=" : "",
-              call->reason ? call->reason : "", idem_code_name(call->code), call->req->attempt,
-              (unsigned long long)latency_us);
+              idem__logfmt_quote(id, sizeof(id), call->request_id[0] ? call->request_id : "-"),
+              idem__logfmt_quote(method, sizeof(method), call->req->method),
+              idem__logfmt_quote(caller, sizeof(caller), call->caller), key_hash,
+              outcome(call), call->reason ? " reason=" : "", call->reason ? call->reason : "",
+              idem_code_name(call->code), call->req->attempt, (unsigned long long)latency_us);
 }
 
 void idem__observe_waiting(idem_observer *obs, int delta)

@@ -177,8 +177,11 @@ static void renew_one(idem_inflight *t, idem_keep *k, uint64_t now)
     uint64_t wall = idem__rt_now_ms(t->rt);
     idem_code code = idem_store_renew(t->store, &ref, copy.owner, wall + copy.lease_ms, wall);
     if (code != IDEM_OK) { /* ABORTED: completed or released meanwhile, as a rule */
+        char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+        snprintf(detail, sizeof(detail), "lease renewal failed: %s", idem_errmsg());
         idem__log(t->rt->obs, code == IDEM_ABORTED ? IDEM_LOG_INFO : IDEM_LOG_ERROR,
-                  "method=\"%s\" msg=\"lease renewal failed: %s\"", copy.method, idem_errmsg());
+                  "method=%s msg=%s", idem__logfmt_quote(method, sizeof(method), copy.method),
+                  idem__logfmt_quote(msg, sizeof(msg), detail));
     }
     pthread_mutex_lock(&t->mu);
     for (idem_keep *p = t->keeps; code == IDEM_ABORTED && p != NULL; p = p->next) {

@@ -34,6 +34,7 @@ struct idem_server {
     idem_method *methods; /* sorted by name */
     size_t n_methods;
     idem_chain chain;
+    size_t n_first; /* interceptors added with idem_server_use_first, at the front */
 
     idem_dispatch *dispatch;
     idem_nng_front *nng;
@@ -99,14 +100,43 @@ static const idem_method *method_find(void *arg, const char *name)
     return bsearch(&probe, srv->methods, srv->n_methods, sizeof(idem_method), method_cmp);
 }
 
+#define KNOWN_METHOD_FLAGS                                                                         \
+    (IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | IDEM_METHOD_TOKEN_REQUIRED |                  \
+     IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_DEBOUNCE)
+
+/* What idem_server_register refuses: a name the wire would refuse (one rule, codec.c),
+ * a NULL handler, flag bits this version does not know. */
+static idem_code register_check(const char *name, idem_handler_fn fn, const idem_method_opts *opts)
+{
+    if (idem__method_name_check(name) != IDEM_OK) {
+        idem_errkeep keep;
+        idem__err_keep(&keep);
+        return idem__err(IDEM_INVALID_ARGUMENT, "cannot register method \"%s\": %s",
+                         name != NULL ? name : "(null)", keep.msg);
+    }
+    if (fn == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "cannot register method %s: the handler is NULL",
+                         name);
+    }
+    if (opts != NULL && (opts->flags & ~(unsigned)KNOWN_METHOD_FLAGS) != 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "cannot register method %s: unknown flag bits 0x%x in "
+                         "idem_method_opts.flags (known: idem_method_flags)",
+                         name, opts->flags & ~(unsigned)KNOWN_METHOD_FLAGS);
+    }
+    return IDEM_OK;
+}
+
 idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_fn fn, void *arg,
                                const idem_method_opts *opts)
 {
+    idem_code code;
+    idem__err_clear();
     if (srv->started) {
         return idem__err(IDEM_FAILED_PRECONDITION, "register before the first listen");
     }
-    if (name == NULL || fn == NULL || strlen(name) > IDEM_MAX_METHOD || !strchr(name, '/')) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "method name must be \"pkg.Svc/Method\"");
+    if ((code = register_check(name, fn, opts)) != IDEM_OK) {
+        return code;
     }
     if (method_find(srv, name) != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "method %s already registered", name);
@@ -131,10 +161,17 @@ idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_
     return IDEM_OK;
 }
 
-idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn, void *arg)
+/* Inserts an interceptor at position at of the chain. */
+static idem_code chain_insert(idem_server *srv, size_t at, const char *name, idem_interceptor_fn fn,
+                              void *arg)
 {
+    idem__err_clear();
     if (srv->started) {
         return idem__err(IDEM_FAILED_PRECONDITION, "add interceptors before the first listen");
+    }
+    if (fn == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "interceptor %s: the function is NULL",
+                         name != NULL ? name : "(unnamed)");
     }
     idem_interceptor *grown =
         realloc(srv->chain.items, (srv->chain.n + 1) * sizeof(idem_interceptor));
@@ -146,8 +183,24 @@ idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_f
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    srv->chain.items[srv->chain.n++] = (idem_interceptor){.name = copy, .fn = fn, .arg = arg};
+    memmove(&srv->chain.items[at + 1], &srv->chain.items[at],
+            (srv->chain.n - at) * sizeof(idem_interceptor));
+    srv->chain.items[at] = (idem_interceptor){.name = copy, .fn = fn, .arg = arg};
+    srv->chain.n++;
     return IDEM_OK;
+}
+
+idem_code idem_server_use(idem_server *srv, const char *name, idem_interceptor_fn fn, void *arg)
+{
+    return chain_insert(srv, srv->chain.n, name, fn, arg);
+}
+
+idem_code idem_server_use_first(idem_server *srv, const char *name, idem_interceptor_fn fn,
+                                void *arg)
+{
+    idem_code code = chain_insert(srv, srv->n_first, name, fn, arg);
+    srv->n_first += code == IDEM_OK;
+    return code;
 }
 
 idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
@@ -228,6 +281,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     idem_server *srv;
     idem_code code;
 
+    idem__err_clear();
     *out = NULL;
     if ((srv = calloc(1, sizeof(*srv))) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -276,6 +330,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         goto fail;
     }
     *out = srv;
+    idem__err_clear();
     return IDEM_OK;
 fail:;
     idem_errkeep keep;
@@ -284,23 +339,99 @@ fail:;
     return idem__err_put(&keep, code);
 }
 
-/* The registrations must be servable by the chain that was built. */
-static idem_code server_check(const idem_server *srv)
+/* The built-ins in the only order that keeps their guarantees: the key is resolved
+ * before anything uses it, a token is checked before a claim can replay, the debounce
+ * window sits in front of the claim. */
+static const idem_builtin builtin_order[] = {IDEM_BUILTIN_REQUEST_ID, IDEM_BUILTIN_TOKEN,
+                                             IDEM_BUILTIN_DEBOUNCE, IDEM_BUILTIN_RESULT_CACHE};
+static const char *const builtin_names[] = {"request_id", "token", "result_cache", "debounce"};
+
+/* Where each built-in sits (by idem_builtin); -1 when absent. Refuses one twice. */
+static idem_code builtin_positions(const idem_chain *c, long pos[4])
 {
-    for (size_t i = 0; i < srv->n_methods; i++) {
-        if (!(srv->methods[i].opts.flags & IDEM_METHOD_TRANSACTIONAL)) {
+    for (int b = 0; b < 4; b++) {
+        pos[b] = -1;
+    }
+    for (size_t i = 0; i < c->n; i++) {
+        const idem_interceptor *it = &c->items[i];
+        if (!it->builtin) {
             continue;
         }
-        if (!srv->token.consume_with_claim) { /* result_cache is in the chain */
-            return idem__err(IDEM_FAILED_PRECONDITION,
-                             "%s is transactional but the chain has no result_cache",
-                             srv->methods[i].name);
+        if (pos[it->kind] >= 0) {
+            return idem__err(IDEM_FAILED_PRECONDITION, "the chain has %s twice",
+                             builtin_names[it->kind]);
         }
-        if (!idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
+        pos[it->kind] = (long)i;
+    }
+    return IDEM_OK;
+}
+
+/* A custom chain (default_chain = false) may leave built-ins out, but never reorder them. */
+static idem_code chain_order_check(const long pos[4])
+{
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(builtin_order); i++) {
+        for (size_t j = i + 1; j < IDEM_ARRAY_LEN(builtin_order); j++) {
+            long a = pos[builtin_order[i]], b = pos[builtin_order[j]];
+            if (a < 0 || b < 0 || a < b) {
+                continue;
+            }
             return idem__err(IDEM_FAILED_PRECONDITION,
-                             "%s is transactional: that needs the LMDB store (one with "
-                             "handler transactions), not %s",
-                             srv->methods[i].name, idem_store_backend(srv->store));
+                             "the chain runs %s before %s%s; the built-ins must run in the "
+                             "order request_id, token, debounce, result_cache",
+                             builtin_names[builtin_order[j]], builtin_names[builtin_order[i]],
+                             builtin_order[i] == IDEM_BUILTIN_TOKEN &&
+                                     builtin_order[j] == IDEM_BUILTIN_RESULT_CACHE
+                                 ? " (a token-protected call would be claimed and replayed "
+                                   "before its token is checked)"
+                                 : "");
+        }
+    }
+    return IDEM_OK;
+}
+
+/* One method's flags need the built-ins that enforce them. */
+static idem_code method_guard_check(const idem_server *srv, const idem_method *m, const long pos[4])
+{
+    unsigned f = m->opts.flags;
+    if ((f & IDEM_METHOD_KEY_REQUIRED) && pos[IDEM_BUILTIN_REQUEST_ID] < 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "%s requires a key but the chain has no request_id (which resolves "
+                         "keys and refuses calls without one)",
+                         m->name);
+    }
+    if ((f & IDEM_METHOD_TOKEN_REQUIRED) && pos[IDEM_BUILTIN_TOKEN] < 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "%s requires a token but the chain has no token interceptor: calls "
+                         "would pass without one",
+                         m->name);
+    }
+    if ((f & (IDEM_METHOD_CACHED | IDEM_METHOD_TRANSACTIONAL)) &&
+        pos[IDEM_BUILTIN_RESULT_CACHE] < 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "%s is %s but the chain has no result_cache",
+                         m->name, (f & IDEM_METHOD_TRANSACTIONAL) ? "transactional" : "cached");
+    }
+    if ((f & IDEM_METHOD_TRANSACTIONAL) && !idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "%s is transactional: that needs the LMDB store (one with "
+                         "handler transactions), not %s",
+                         m->name, idem_store_backend(srv->store));
+    }
+    return IDEM_OK;
+}
+
+/* The chain must keep the promises of every registered method: checked at the first
+ * listen, so that a configuration cannot silently weaken a guarantee. */
+static idem_code server_check(const idem_server *srv)
+{
+    long pos[4];
+    idem_code code;
+    if ((code = builtin_positions(&srv->chain, pos)) != IDEM_OK ||
+        (code = chain_order_check(pos)) != IDEM_OK) {
+        return code;
+    }
+    for (size_t i = 0; i < srv->n_methods; i++) {
+        if ((code = method_guard_check(srv, &srv->methods[i], pos)) != IDEM_OK) {
+            return code;
         }
     }
     return IDEM_OK;
@@ -342,6 +473,7 @@ static idem_code server_start(idem_server *srv)
 static idem_code listen_nng(idem_server *srv, const char *url, const idem_tls_listener *tls)
 {
     idem_code code;
+    idem__err_clear();
     if (!srv->started && (code = server_check(srv)) != IDEM_OK) {
         return code;
     }
@@ -373,6 +505,7 @@ int idem_server_port(const idem_server *srv)
 static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_listener *tls)
 {
     idem_code code;
+    idem__err_clear();
     if (srv->http != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "the server already has an HTTP listener");
     }

@@ -1,6 +1,7 @@
 /* The sweeper: deletes expired records and tokens in bounded batches, so that a store's
  * size follows rate × TTL. One thread per server; stopping wakes it at once. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "sweeper.h"
@@ -30,7 +31,10 @@ static void sweep_due(idem_sweeper *s)
     size_t deleted;
     do {
         if (idem_store_sweep(s->store, idem__now_ms(), s->batch, &deleted) != IDEM_OK) {
-            idem__log(s->obs, IDEM_LOG_ERROR, "msg=\"sweep failed: %s\"", idem_errmsg());
+            char msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+            snprintf(detail, sizeof(detail), "sweep failed: %s", idem_errmsg());
+            idem__log(s->obs, IDEM_LOG_ERROR, "msg=%s",
+                      idem__logfmt_quote(msg, sizeof(msg), detail));
             return;
         }
     } while (deleted == s->batch && !stopping(s));

@@ -10,6 +10,59 @@
 #define DEFAULT_MAP_SIZE ((size_t)1 << 30)
 #define GROUP_COMMIT_BATCH 256 /* writes per shared txn at most */
 
+/* Environments open in this process, by directory. LMDB forbids opening one directory
+ * twice in a process (its fcntl locks are per process: closing either would drop the
+ * other's), so a second open fails clearly instead; share the first (opts.store). */
+static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
+static lmdb_store *open_list;
+
+/* Enters st (dir_dev/dir_ino set) in the list; false when its directory is in it. */
+static bool open_list_enter(lmdb_store *st)
+{
+    bool fresh = true;
+    pthread_mutex_lock(&open_mu);
+    for (lmdb_store *p = open_list; p != NULL && fresh; p = p->next_open) {
+        fresh = !(p->dir_dev == st->dir_dev && p->dir_ino == st->dir_ino);
+    }
+    if (fresh) {
+        st->next_open = open_list;
+        open_list = st;
+    }
+    pthread_mutex_unlock(&open_mu);
+    return fresh;
+}
+
+static void open_list_leave(lmdb_store *st)
+{
+    pthread_mutex_lock(&open_mu);
+    for (lmdb_store **pp = &open_list; *pp != NULL; pp = &(*pp)->next_open) {
+        if (*pp == st) {
+            *pp = st->next_open;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&open_mu);
+}
+
+/* Stats dir into st and enters it in the open list. */
+static idem_code open_list_claim(lmdb_store *st, const char *dir)
+{
+    struct stat sb;
+    if (stat(dir, &sb) != 0) {
+        return idem__err(IDEM_UNAVAILABLE, "open LMDB store %s: %s", dir, strerror(errno));
+    }
+    st->dir_dev = sb.st_dev;
+    st->dir_ino = sb.st_ino;
+    if (!open_list_enter(st)) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "LMDB store %s is already open in this process (LMDB allows one "
+                         "environment per directory per process): open it once with "
+                         "idem_store_open_lmdb and share it through idem_server_opts.store",
+                         dir);
+    }
+    return IDEM_OK;
+}
+
 idem_code idem__lmdb_commit(MDB_txn *txn)
 {
     int rc = mdb_txn_commit(txn);
@@ -61,6 +114,11 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((st = calloc(1, sizeof(*st))) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
+    idem_code code = open_list_claim(st, dir);
+    if (code != IDEM_OK) {
+        free(st);
+        return code;
+    }
     unsigned env_flags =
         MDB_NOTLS | (ro ? MDB_RDONLY : 0) | ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
     if ((rc = mdb_env_create(&st->env)) != 0 ||
@@ -72,6 +130,7 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
         if (st->env != NULL) {
             mdb_env_close(st->env);
         }
+        open_list_leave(st);
         free(st);
         return c;
     }
@@ -105,6 +164,7 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
 fail:;
     idem_code c = idem__lmdb_code(rc, "open databases");
     mdb_env_close(st->env);
+    open_list_leave(st);
     free(st);
     return c;
 }
@@ -120,6 +180,7 @@ static void lmdb_close(idem_store *base)
         pthread_mutex_destroy(&st->db_mu);
         idem__gc_fini(&st->gc);
         mdb_env_close(st->env);
+        open_list_leave(st);
         free(st);
     }
 }

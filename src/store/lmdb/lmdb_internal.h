@@ -21,6 +21,7 @@
 
 #include <lmdb.h>
 #include <pthread.h>
+#include <sys/types.h>
 
 #include "group_commit.h"
 #include "store.h"
@@ -62,10 +63,18 @@ typedef struct lmdb_store {
     pthread_mutex_t rpool_mu;
     MDB_txn *rpool[READ_POOL];
     size_t rpool_n;
+    /* The directory (st_dev, st_ino), in the process-wide list of open environments:
+     * LMDB allows one per directory per process (env.c). */
+    dev_t dir_dev;
+    ino_t dir_ino;
+    struct lmdb_store *next_open;
 } lmdb_store;
 
 /* Effective key bytes: caller \0 method \0 key. At most 511 bytes, LMDB's default
- * maximum key size, by the IDEM_MAX_* bounds. */
+ * maximum key size, by the IDEM_MAX_* bounds. Unambiguous because no part can hold a
+ * NUL: the API takes C strings, and the codec refuses a NUL in any wire string
+ * (decode_request/rejects_embedded_nul_in_strings,
+ * store/record_keys_keep_their_parts_apart). */
 typedef struct rec_key {
     uint8_t bytes[IDEM_MAX_CALLER + IDEM_MAX_METHOD + IDEM_MAX_KEY + 2];
     size_t len;
