@@ -17,6 +17,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: idemrpc-call URL METHOD PAYLOAD [--key K] [--token T] "
                "[--caller C] [--secret S [--signer P]] [--timeout-ms N]\n"
+               "       [--tls-ca FILE [--tls-cert FILE] [--tls-server-name NAME]]\n"
                "  URL METHOD PAYLOAD come first, whatever they look like; the options follow\n"
                "  --key K         the idempotency key (default: none)\n"
                "  --token T       a token from idem.Token/Issue\n"
@@ -24,7 +25,10 @@ static void usage(FILE *f)
                "  --secret S      sign every attempt as the caller with secret S (16..256\n"
                "                  bytes; visible to ps: for trying things out)\n"
                "  --signer P      sign as proxy P for the caller (P's secret in --secret)\n"
-               "  --timeout-ms N  one attempt's reply wait (default 2000)\n");
+               "  --timeout-ms N  one attempt's reply wait (default 2000)\n"
+               "  --tls-ca FILE   tls+tcp:// URLs: the CA of the server's certificate (PEM)\n"
+               "  --tls-cert FILE this client's certificate and key (PEM)\n"
+               "  --tls-server-name NAME  the name the server's certificate must carry\n");
 }
 
 /* The three positional arguments are taken by place, so that a payload such as "-5"
@@ -33,11 +37,17 @@ static void usage(FILE *f)
  * run; false with *status the exit status (0 after --help, 2 after a usage error). */
 static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *opts, int *status)
 {
-    static const struct option longs[] = {
-        {"key", required_argument, NULL, 'k'},    {"token", required_argument, NULL, 't'},
-        {"caller", required_argument, NULL, 'c'}, {"timeout-ms", required_argument, NULL, 'T'},
-        {"secret", required_argument, NULL, 's'}, {"signer", required_argument, NULL, 'p'},
-        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
+    static const struct option longs[] = {{"key", required_argument, NULL, 'k'},
+                                          {"token", required_argument, NULL, 't'},
+                                          {"caller", required_argument, NULL, 'c'},
+                                          {"timeout-ms", required_argument, NULL, 'T'},
+                                          {"secret", required_argument, NULL, 's'},
+                                          {"signer", required_argument, NULL, 'p'},
+                                          {"tls-ca", required_argument, NULL, 'a'},
+                                          {"tls-cert", required_argument, NULL, 'e'},
+                                          {"tls-server-name", required_argument, NULL, 'n'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {NULL, 0, NULL, 0}};
     uint64_t ms;
     int opt;
 
@@ -77,6 +87,15 @@ static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *op
             break;
         case 'p':
             opts->signer = optarg;
+            break;
+        case 'a':
+            opts->tls_ca_file = optarg;
+            break;
+        case 'e':
+            opts->tls_cert_key_file = optarg;
+            break;
+        case 'n':
+            opts->tls_server_name = optarg;
             break;
         case 'T':
             if (!cli_parse_u64("idemrpc-call", "--timeout-ms", optarg, 0, UINT32_MAX, &ms)) {

@@ -175,6 +175,8 @@ static void usage(FILE *f)
                "                    [--max-wait-ms N] [--lease-ms N] [--max-run-ms N]\n"
                "                    [--caller-secrets FILE] [--ipc-uid UID=CALLER]...\n"
                "                    [--require-verified-caller]\n"
+               "                    [--tls URL | --https URL] [--tls-cert FILE]\n"
+               "                    [--tls-client-ca FILE] [--tls-caller NAME]\n"
                "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
                "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
                "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
@@ -189,6 +191,11 @@ static void usage(FILE *f)
                "                 proxy that signs for others; # comments): verify signed calls\n"
                "  --ipc-uid UID=CALLER   an ipc:// peer with this uid is CALLER (repeatable)\n"
                "  --require-verified-caller  refuse calls whose caller is not verified\n"
+               "  --tls URL      also serve tls+tcp://HOST:PORT, requiring client certificates\n"
+               "  --https URL    serve HTTP over TLS (instead of --http), the same way\n"
+               "  --tls-cert FILE       the server's certificate and key (PEM)\n"
+               "  --tls-client-ca FILE  the CA whose clients may connect (PEM)\n"
+               "  --tls-caller NAME     the caller every such client is\n"
                "  Without these, callers are taken as they name themselves: trusted network\n"
                "  only (README \"Security\").\n");
 }
@@ -213,6 +220,8 @@ typedef struct demo_args {
     size_t n_secrets;
     idem_ipc_caller uids[16]; /* --ipc-uid */
     size_t n_uids;
+    const char *tls_url, *https_url; /* --tls, --https */
+    idem_tls_listener tls;           /* --tls-cert, --tls-client-ca, --tls-caller */
 } demo_args;
 
 /* --caller-secrets FILE: "CALLER SECRET [proxy]" per line; the server checks bounds. */
@@ -325,6 +334,21 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
     case 'V':
         o->require_verified_caller = true;
         return true;
+    case 't':
+        a->tls_url = v;
+        return true;
+    case 'T':
+        a->https_url = v;
+        return true;
+    case 'C':
+        a->tls.cert_key_file = v;
+        return true;
+    case 'A':
+        a->tls.client_ca_file = v;
+        return true;
+    case 'N':
+        a->tls.caller = v;
+        return true;
     case 'v':
         if (!parse_level(v, &a->level)) {
             fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
@@ -355,6 +379,11 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
                                           {"caller-secrets", required_argument, NULL, 'S'},
                                           {"ipc-uid", required_argument, NULL, 'U'},
                                           {"require-verified-caller", no_argument, NULL, 'V'},
+                                          {"tls", required_argument, NULL, 't'},
+                                          {"https", required_argument, NULL, 'T'},
+                                          {"tls-cert", required_argument, NULL, 'C'},
+                                          {"tls-client-ca", required_argument, NULL, 'A'},
+                                          {"tls-caller", required_argument, NULL, 'N'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     int opt;
@@ -431,18 +460,21 @@ int main(int argc, char **argv)
         idem_server_register(srv, "demo.Order/Submit", order_submit, &d, &submit) != IDEM_OK ||
         idem_server_register(srv, "demo.Pay/Notify", pay_notify, &d, &notify) != IDEM_OK ||
         idem_server_listen(srv, a.listen) != IDEM_OK ||
+        (a.tls_url != NULL && idem_server_listen_tls(srv, a.tls_url, &a.tls) != IDEM_OK) ||
+        (a.https_url != NULL && idem_server_listen_https(srv, a.https_url, &a.tls) != IDEM_OK) ||
         (a.http != NULL && idem_server_listen_http(srv, a.http) != IDEM_OK)) {
         fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
         return 1;
     }
-    if (a.http != NULL) {
+    if (a.http != NULL || a.https_url != NULL) {
         printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
     }
     printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a.listen,
            shared != NULL ? "postgres" : a.db, debounce != NULL ? ", redis debounce 2 s" : "",
-           opts.require_verified_caller      ? "verified only"
-           : a.n_secrets > 0 || a.n_uids > 0 ? "verified when signed or mapped"
-                                             : "self-declared, trusted network only");
+           opts.require_verified_caller ? "verified only"
+           : a.n_secrets > 0 || a.n_uids > 0 || a.tls_url != NULL || a.https_url != NULL
+               ? "verified when signed, mapped or over TLS"
+               : "self-declared, trusted network only");
     fflush(stdout);
 
     int sig;

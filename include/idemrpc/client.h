@@ -45,6 +45,13 @@ typedef struct idem_client_opts {
     /* A proxy signing for the callers it names: its own name (metadata idem-signer), copied.
      * NULL = the caller signs for itself. */
     const char *signer;
+    /* tls+tcp:// URLs: the CA that signed the server's certificate (required for TLS: the
+     * server is always verified), this client's certificate and key (one PEM file) for
+     * servers that require client certificates, and the name to check the server's
+     * certificate against (NULL = the URL's host). Files are read at idem_client_open. */
+    const char *tls_ca_file;
+    const char *tls_cert_key_file;
+    const char *tls_server_name;
 } idem_client_opts;
 
 typedef struct idem_metadata_kv {

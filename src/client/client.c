@@ -5,6 +5,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <nng/nng.h>
+#include <nng/supplemental/tls/tls.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,6 +91,62 @@ static idem_code copy_strings(idem_client *c)
     return IDEM_OK;
 }
 
+/* The client side of tls+tcp:// from the options; *out NULL when none is set. */
+static idem_code client_tls(const idem_client_opts *o, nng_tls_config **out)
+{
+    nng_tls_config *cfg;
+    int rv;
+    *out = NULL;
+    if (o->tls_ca_file == NULL && o->tls_cert_key_file == NULL && o->tls_server_name == NULL) {
+        return IDEM_OK;
+    }
+    if (o->tls_ca_file == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "TLS needs tls_ca_file: the server's certificate is always verified");
+    }
+    if ((rv = nng_tls_config_alloc(&cfg, NNG_TLS_MODE_CLIENT)) != 0) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "TLS config: %s", nng_strerror(rv));
+    }
+    const char *what = "tls_ca_file";
+    if ((rv = nng_tls_config_ca_file(cfg, o->tls_ca_file)) == 0 &&
+        (rv = nng_tls_config_auth_mode(cfg, NNG_TLS_AUTH_MODE_REQUIRED)) == 0 &&
+        o->tls_cert_key_file != NULL) {
+        what = "tls_cert_key_file";
+        rv = nng_tls_config_cert_key_file(cfg, o->tls_cert_key_file, NULL);
+    }
+    if (rv == 0 && o->tls_server_name != NULL) {
+        what = "tls_server_name";
+        rv = nng_tls_config_server_name(cfg, o->tls_server_name);
+    }
+    if (rv != 0) {
+        nng_tls_config_free(cfg);
+        return idem__err(IDEM_INVALID_ARGUMENT, "TLS %s: %s", what, nng_strerror(rv));
+    }
+    *out = cfg;
+    return IDEM_OK;
+}
+
+/* Dials url without waiting (the server may start later); over TLS with cfg. */
+static int dial(nng_socket sock, const char *url, nng_tls_config *cfg)
+{
+    nng_dialer d;
+    int rv;
+    if (strncmp(url, "tls+", 4) != 0) {
+        return nng_dial(sock, url, NULL, NNG_FLAG_NONBLOCK);
+    }
+    if (cfg == NULL) {
+        return NNG_EINVAL; /* a tls+ URL without tls_ca_file */
+    }
+    if ((rv = nng_dialer_create(&d, sock, url)) != 0) {
+        return rv;
+    }
+    if ((rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, cfg)) != 0 ||
+        (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0) {
+        nng_dialer_close(d);
+    }
+    return rv;
+}
+
 idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
                            const idem_client_opts *opts)
 {
@@ -127,12 +184,26 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
         idem_client_close(c);
         return idem__err(IDEM_INTERNAL, "client socket options: %s", nng_strerror(rv));
     }
+    nng_tls_config *tls;
+    if ((code = client_tls(&c->opts, &tls)) != IDEM_OK) {
+        idem_client_close(c);
+        return code;
+    }
     for (size_t i = 0; i < n; i++) {
-        if ((rv = nng_dial(c->sock, urls[i], NULL, NNG_FLAG_NONBLOCK)) != 0) {
+        if ((rv = dial(c->sock, urls[i], tls)) != 0) {
+            if (tls != NULL) {
+                nng_tls_config_free(tls);
+            }
             idem_client_close(c);
-            return idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s", urls[i], nng_strerror(rv));
+            return idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s%s", urls[i], nng_strerror(rv),
+                             rv == NNG_EINVAL && tls == NULL ? " (tls+ URLs need tls_ca_file)"
+                                                             : "");
         }
     }
+    if (tls != NULL) {
+        nng_tls_config_free(tls); /* the dialers hold their own references */
+    }
+    c->opts.tls_ca_file = c->opts.tls_cert_key_file = c->opts.tls_server_name = NULL;
     *out = c;
     return IDEM_OK;
 }
