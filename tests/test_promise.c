@@ -1072,7 +1072,8 @@ Test(promise, http_key_parameters_bad_escapes_and_trailing_text_are_400)
 {
     start();
     const char *bad[] = {"Idempotency-Key: \"k\";a=1", "Idempotency-Key: \"k\\x\"",
-                         "Idempotency-Key: \"k\" junk", "Idempotency-Key: \"k"};
+                         "Idempotency-Key: \"k\" junk", "Idempotency-Key: \"k",
+                         "Idempotency-Key: \"k\\"}; /* the last: found by the fuzzer */
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tu_http r;
         post(&r, "p.Echo/Do", &bad[i], 1, "x");

@@ -242,13 +242,18 @@ static char *idempotency_key(nng_http_req *req, const char **err)
         strcpy(out, v);
     } else {
         const char *p = v + 1;
-        for (; *p != '\0' && *p != '"' && *err == NULL; p++) {
-            if (*p == '\\') {
-                p++; /* only \" and \\ are escapes in a structured-field string */
-                *err = *p == '"' || *p == '\\' ? NULL : "Idempotency-Key: invalid escape";
-            } else if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e) {
-                *err = "Idempotency-Key: a quoted key is printable ASCII only";
+        for (; *p != '\0' && *p != '"'; p++) {
+            if (*p == '\\' && p[1] != '"' && p[1] != '\\') {
+                /* only \" and \\ are escapes in a structured-field string (and a
+                 * backslash at the end escapes nothing) */
+                *err = "Idempotency-Key: invalid escape";
+                break;
             }
+            if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e) {
+                *err = "Idempotency-Key: a quoted key is printable ASCII only";
+                break;
+            }
+            p += *p == '\\';
             *o++ = *p;
         }
         *o = '\0';
@@ -290,8 +295,8 @@ static const struct {
 
 /* The Request frame for an HTTP call; NULL with *err set for a request to refuse (400),
  * or with *err NULL when out of memory. */
-static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *body, size_t blen,
-                           size_t *len, const char **err)
+uint8_t *idem__http_request_frame(nng_http_req *req, const char *caller_header, const void *body,
+                                  size_t blen, size_t *len, const char **err)
 {
     Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
     const char *uri = nng_http_req_get_uri(req);
@@ -316,7 +321,7 @@ static uint8_t *http_frame(const idem_http *h, nng_http_req *req, const void *bo
         q.method = method;
         q.idempotency_key = key;
         q.request_id = (char *)header(req, "X-Request-Id");
-        q.caller = (char *)header(req, h->caller_header);
+        q.caller = (char *)header(req, caller_header);
         q.token = (char *)header(req, "Idem-Token");
         q.payload.data = (uint8_t *)body;
         q.payload.len = blen;
@@ -366,7 +371,8 @@ static void http_call_cb(nng_aio *aio)
         return;
     }
     if ((j = calloc(1, sizeof(*j))) == NULL ||
-        (j->frame = http_frame(h, req, body, blen, &len, &err)) == NULL) {
+        (j->frame = idem__http_request_frame(req, h->caller_header, body, blen, &len, &err)) ==
+            NULL) {
         atomic_fetch_sub(&h->pending, 1);
         free(j);
         if (err == NULL) {

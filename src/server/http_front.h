@@ -2,6 +2,9 @@
 #ifndef IDEMRPC_HTTP_FRONT_H
 #define IDEMRPC_HTTP_FRONT_H
 
+#include <nng/nng.h>
+#include <nng/supplemental/http/http.h>
+
 #include "dispatch.h"
 
 typedef struct idem_http idem_http;
@@ -14,6 +17,11 @@ typedef struct idem_http_cfg {
 } idem_http_cfg;
 idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out);
 int idem__http_port(const idem_http *h);
+/* The idem.v1.Request frame an HTTP request becomes (malloc'd); NULL with *err set for
+ * a request to refuse with 400, or with *err NULL when out of memory. Exposed for the
+ * fuzz target. */
+uint8_t *idem__http_request_frame(nng_http_req *req, const char *caller_header, const void *body,
+                                  size_t blen, size_t *len, const char **err);
 /* Stops the listener and frees it; NULL is a no-op. */
 void idem__http_stop(idem_http *h);
 

@@ -1,5 +1,10 @@
 /* libFuzzer target: one request frame through the whole server path.
  *
+ * An input that starts with "HTTP\n" is an HTTP request instead: a URI line, header
+ * lines "Name: value" (a name may repeat), an empty line, the body. It goes through
+ * the HTTP front's translation (idem__http_request_frame: Idempotency-Key parsing, the
+ * headers taken whole) and, when that accepts it, through the same server path.
+ *
  * Every input goes through idem__server_serve_frame(): decoder and envelope checks,
  * request id and key resolution, token, result cache (claim, replay, mismatch, wait),
  * a handler, response encoding. One server lives for the whole run, so an input that
@@ -27,6 +32,7 @@
 
 #include "call.h"
 #include "idemrpc.pb-c.h"
+#include "http_front.h"
 #include "server_internal.h"
 
 #define FUZZ_MAP_SIZE ((size_t)64 << 20)
@@ -261,6 +267,67 @@ static void check_response(nng_msg *out)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* Fills req from "URI\nName: value\n...\n\nbody"; *body points into text. */
+static bool http_parse(char *text, size_t size, nng_http_req *req, const char **body,
+                       size_t *blen)
+{
+    char *end = text + size, *line = text, *nl;
+    if ((nl = memchr(line, '\n', (size_t)(end - line))) == NULL) {
+        return false;
+    }
+    *nl = '\0';
+    if (nng_http_req_set_uri(req, line[0] == '/' ? line : "/") != 0) {
+        return false;
+    }
+    for (line = nl + 1; line < end && (nl = memchr(line, '\n', (size_t)(end - line))) != NULL;
+         line = nl + 1) {
+        *nl = '\0';
+        if (line[0] == '\0') {
+            line = nl + 1;
+            break;
+        }
+        char *colon = strchr(line, ':');
+        if (colon == NULL) {
+            return false;
+        }
+        *colon = '\0';
+        nng_http_req_add_header(req, line, colon + 1 + strspn(colon + 1, " "));
+    }
+    *body = line < end ? line : end;
+    *blen = (size_t)(end - *body);
+    return true;
+}
+
+/* An "HTTP\n" input as the frame the HTTP front would make of it (NULL: refused or not
+ * an HTTP input; a refusal must carry a message). */
+static uint8_t *http_frame(const uint8_t *data, size_t size, size_t *len)
+{
+    static const char tag[] = "HTTP\n";
+    nng_http_req *req;
+    const char *body, *err = NULL;
+    size_t blen;
+    uint8_t *frame = NULL;
+    if (size < sizeof(tag) - 1 || memcmp(data, tag, sizeof(tag) - 1) != 0 ||
+        nng_http_req_alloc(&req, NULL) != 0) {
+        return NULL;
+    }
+    size_t n = size - (sizeof(tag) - 1);
+    char *text = malloc(n + 1);
+    if (text != NULL) {
+        memcpy(text, data + sizeof(tag) - 1, n);
+        text[n] = '\0';
+        if (http_parse(text, n, req, &body, &blen)) {
+            frame = idem__http_request_frame(req, "X-Caller", body, blen, len, &err);
+            if (frame == NULL && (err == NULL || err[0] == '\0')) {
+                die("http", "a refused request without a message");
+            }
+        }
+    }
+    free(text);
+    nng_http_req_free(req);
+    return frame;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (fz.srv == NULL) {
@@ -268,6 +335,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     server_refresh_if_full();
     put_seed_tokens();
+    size_t http_len;
+    uint8_t *http = http_frame(data, size, &http_len);
+    if (http != NULL) {
+        data = http, size = http_len;
+    }
     /* The callback's fast path first (it must answer or defer, never fail), then the
      * whole chain as a worker runs it. */
     idem_served fast;
@@ -280,5 +352,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     nng_msg *out = idem__server_serve_frame(fz.srv, data, size);
     check_response(out);
     nng_msg_free(out);
+    free(http);
     return 0;
 }

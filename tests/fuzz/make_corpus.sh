@@ -80,3 +80,12 @@ raw invalid-utf8 '\x0a\x10fuzz.Counter/Get\x12\x03k\xff\xfe'
 raw embedded-nul '\x0a\x10fuzz.Counter/Get\x12\x03a\x00b'
 
 echo "make_corpus: $(find "$out" -type f | wc -l) files in $out"
+
+# ---- HTTP requests (the HTTP front's translation first) ----
+raw http-charge 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "order-981:charge"\nX-Caller: checkout\n\n100'
+raw http-two-keys 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: a\nIdempotency-Key: b\n\n100'
+raw http-key-list 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "a", "b"\n\n100'
+raw http-key-params 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "k";p=1\nX-Request-Id: x","code":"OK\n\n1'
+raw http-token 'HTTP\n/fuzz.Order/Submit\nIdem-Token: fuzz-token-anon\n\n{}'
+# found by the fuzzer: a quoted key ending in a backslash read past the header's end
+raw http-trailing-backslash 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "abc\\\n\n1'
