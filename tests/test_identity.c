@@ -388,6 +388,9 @@ Test(identity, signed_http_b_with_a_name_and_b_secret_is_401)
     cr_expect(strstr(r.body, "\"code\":\"UNAUTHENTICATED\"") != NULL, "%s", r.body);
     tu_http_free(&r);
     cr_expect_eq(atomic_load(&executions), 0);
+    tu_http_get(&r, http_port, "/metrics"); /* counted under its own reason, not "other" */
+    cr_expect(strstr(r.body, "idem_rejected_total{reason=\"identity\"} 1") != NULL, "%s", r.body);
+    tu_http_free(&r);
 }
 
 Test(identity, signed_http_b_cannot_see_a_record)
