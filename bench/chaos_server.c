@@ -217,7 +217,7 @@ int chaos_serve(int argc, char **argv)
     o.db_path = so.db;
     if (so.pg != NULL && (idem_store_open_postgres(&pg, so.pg, 8) != IDEM_OK ||
                           (so.redis != NULL &&
-                           idem_debounce_create(&window, so.redis, 500) != IDEM_OK))) {
+                           idem_debounce_create(&window, so.redis, 200) != IDEM_OK))) {
         fprintf(stderr, "chaos server: %s\n", idem_errmsg());
         return 1;
     }

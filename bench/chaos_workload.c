@@ -144,8 +144,10 @@ static void record_recv(const op *o, const idem_result *r, idem_code code)
     chaos_history_event("recv", 9, f);
 }
 
-/* One idem_client_call of o; true when the answer was definitive. */
-static bool call_once(idem_client *c, op *o, const char *mode, uint32_t deadline_ms)
+/* One idem_client_call of o; true when the answer was definitive. *debounced: the
+ * answer was the debounce window's "duplicate submit" (worth waiting out). */
+static bool call_once_(idem_client *c, op *o, const char *mode, uint32_t deadline_ms,
+                       bool *debounced)
 {
     idem_request q = {.method = method_of(o->kind),
                       .caller = o->caller,
@@ -161,6 +163,9 @@ static bool call_once(idem_client *c, op *o, const char *mode, uint32_t deadline
     record_send(o, mode);
     idem_code code = idem_client_call(c, &q, &r);
     record_recv(o, &r, code);
+    if (debounced != NULL) {
+        *debounced = code == IDEM_ALREADY_EXISTS;
+    }
     idem_result_clear(&r);
     pthread_mutex_lock(&wl.mu);
     wl.calls++;
@@ -170,12 +175,18 @@ static bool call_once(idem_client *c, op *o, const char *mode, uint32_t deadline
     return done;
 }
 
+static bool call_once(idem_client *c, op *o, const char *mode, uint32_t deadline_ms)
+{
+    return call_once_(c, o, mode, deadline_ms, NULL);
+}
+
 /* Retries o with the same key until it is decided or budget_ms has passed. */
 static void run_patiently(idem_client *c, op *o, uint64_t budget_ms, const char *mode)
 {
     uint64_t end = chaos_now_ms() + budget_ms;
-    while (chaos_now_ms() < end && !call_once(c, o, mode, 4000)) {
-        chaos_sleep_ms(50);
+    bool debounced = false;
+    while (chaos_now_ms() < end && !call_once_(c, o, mode, 4000, &debounced)) {
+        chaos_sleep_ms(debounced ? 150 : 50); /* a window of 200 ms: the next try passes */
     }
 }
 
