@@ -84,9 +84,15 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
                 return usage_error(NULL);
             }
             break;
-        case 'H': snprintf(cfg->history, sizeof(cfg->history), "%s", optarg); break;
-        case 'd': snprintf(cfg->dir, sizeof(cfg->dir), "%s", optarg); break;
-        case 'C': cfg->check_only = true; break;
+        case 'H':
+            snprintf(cfg->history, sizeof(cfg->history), "%s", optarg);
+            break;
+        case 'd':
+            snprintf(cfg->dir, sizeof(cfg->dir), "%s", optarg);
+            break;
+        case 'C':
+            cfg->check_only = true;
+            break;
         case 'h':
             fputs(usage, stdout);
             *done = true;
@@ -179,8 +185,11 @@ static void record_begin(const chaos_cfg *cfg)
     snprintf(seed, sizeof(seed), "%" PRIu64, cfg->seed);
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
     snprintf(secs, sizeof(secs), "%" PRIu64, cfg->seconds);
-    const char *f[] = {"topology", cfg->topology == CHAOS_PG ? "pg" : "lmdb", "seed", seed,
-                       "seconds", secs, "run", cfg->run, "lease_ms", lease};
+    const char *f[] = {"topology", cfg->topology == CHAOS_PG ? "pg" : "lmdb",
+                       "seed",     seed,
+                       "seconds",  secs,
+                       "run",      cfg->run,
+                       "lease_ms", lease};
     chaos_history_event("begin", 5, f);
 }
 
@@ -224,7 +233,8 @@ static void run(const chaos_cfg *cfg)
     stop_faults = true;
     pthread_join(fth, NULL);
     printf("chaos: %" PRIu64 " operations, %" PRIu64 " calls, %" PRIu64 " faults; %" PRIu64
-           " operations undecided, settling\n", t.ops, t.calls, ft.faults, t.undecided);
+           " operations undecided, settling\n",
+           t.ops, t.calls, ft.faults, t.undecided);
     fflush(stdout);
     chaos_faults_heal(cfg);
     chaos_sleep_ms(2 * cfg->lease_ms);

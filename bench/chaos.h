@@ -31,13 +31,13 @@ typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG } chaos_topology;
 typedef struct chaos_cfg {
     chaos_topology topology;
     uint64_t seconds, seed, lease_ms, clients;
-    bool check_only;    /* --check: only the checker, on the files of a finished run */
-    char dir[512];      /* work dir: store, effect log, server logs, history */
-    char history[600];  /* history file (kept) */
-    char effects[600];  /* the effect log the servers append to */
-    char run[32];       /* prefix of every caller of this run (the PG table is shared) */
-    const char *pg;     /* IDEMRPC_TEST_PG (pg topology) */
-    const char *redis;  /* IDEMRPC_TEST_REDIS (pg topology) */
+    bool check_only;      /* --check: only the checker, on the files of a finished run */
+    char dir[512];        /* work dir: store, effect log, server logs, history */
+    char history[600];    /* history file (kept) */
+    char effects[600];    /* the effect log the servers append to */
+    char run[32];         /* prefix of every caller of this run (the PG table is shared) */
+    const char *pg;       /* IDEMRPC_TEST_PG (pg topology) */
+    const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
     const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */
 } chaos_cfg;
 

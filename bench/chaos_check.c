@@ -70,8 +70,8 @@ static struct {
 } ck;
 
 enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
-static const char *const v_names[] = {"answers", "effects", "callers", "records", "memory",
-                                      "crashes"};
+static const char *const v_names[] = {"answers", "effects", "callers",
+                                      "records", "memory",  "crashes"};
 
 static void violation(int kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
@@ -460,8 +460,10 @@ static void check_memory(void)
         }
         long early = l->kib[l->n / 4], late = l->kib[l->n - 1];
         if (late > 2 * early + 16384) {
-            violation(V_MEMORY, "server pid %ld: RssAnon %ld KiB at a quarter of its life, %ld "
-                      "KiB at the end", l->pid, early, late);
+            violation(V_MEMORY,
+                      "server pid %ld: RssAnon %ld KiB at a quarter of its life, %ld "
+                      "KiB at the end",
+                      l->pid, early, late);
         }
     }
 }
@@ -479,7 +481,8 @@ uint64_t chaos_check(const chaos_cfg *cfg)
     }
     if (ck.excused > 0) {
         printf("note: %" PRIu64 " claim-mode keys ran twice after their process was killed or "
-               "stopped mid-call (at-least-once, as documented)\n", ck.excused);
+               "stopped mid-call (at-least-once, as documented)\n",
+               ck.excused);
     }
     printf("chaos: %" PRIu64 " calls, %" PRIu64 " faults, %" PRIu64 " violations\n", ck.calls,
            ck.fault_count, ck.violations);

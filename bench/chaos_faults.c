@@ -63,11 +63,12 @@ static bool server_start(size_t i)
     snprintf(log, sizeof(log), "%s/server-%zu.log", cfg->dir, i);
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
-    const char *lmdb[] = {self_exe, "--serve", "--listen", servers[i].url, "--effects",
-                          cfg->effects, "--lease-ms", lease, "--db", store, NULL};
-    const char *pg[] = {self_exe, "--serve", "--listen", servers[i].url, "--effects",
-                        cfg->effects, "--lease-ms", lease, "--pg", cfg->pg,
-                        "--redis", cfg->redis, NULL};
+    const char *lmdb[] = {self_exe,    "--serve",    "--listen",   servers[i].url,
+                          "--effects", cfg->effects, "--lease-ms", lease,
+                          "--db",      store,        NULL};
+    const char *pg[] = {self_exe,     "--serve",    "--listen", servers[i].url, "--effects",
+                        cfg->effects, "--lease-ms", lease,      "--pg",         cfg->pg,
+                        "--redis",    cfg->redis,   NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
         return false;

@@ -33,9 +33,8 @@ static int effects_fd = -1;
 static idem_code reply_execution(idem_call *call, idem_code code, const char *extra)
 {
     char out[512];
-    int n = snprintf(out, sizeof(out), "pid=%d fence=%" PRIu64 " caller=%s key=%s%s",
-                     (int)getpid(), idem_call_fence(call), idem_call_caller(call),
-                     idem_call_key(call), extra);
+    int n = snprintf(out, sizeof(out), "pid=%d fence=%" PRIu64 " caller=%s key=%s%s", (int)getpid(),
+                     idem_call_fence(call), idem_call_caller(call), idem_call_key(call), extra);
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "%s", out);
     }
@@ -88,8 +87,8 @@ static idem_code transfer(idem_call *call, void *arg)
     int a, b;
     long long amount;
     memcpy(buf, p, n < sizeof(buf) - 1 ? n : sizeof(buf) - 1);
-    if (sscanf(buf, "%d %d %lld", &a, &b, &amount) != 3 || a < 0 || b < 0 ||
-        a >= CHAOS_ACCOUNTS || b >= CHAOS_ACCOUNTS || a == b || amount <= 0) {
+    if (sscanf(buf, "%d %d %lld", &a, &b, &amount) != 3 || a < 0 || b < 0 || a >= CHAOS_ACCOUNTS ||
+        b >= CHAOS_ACCOUNTS || a == b || amount <= 0) {
         return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "bad transfer '%s'", buf);
     }
     snprintf(from, sizeof(from), "acct-%02d", a);
@@ -148,26 +147,38 @@ static int serve_usage(void)
 static bool serve_parse(int argc, char **argv, serve_opts *so)
 {
     static const struct option longs[] = {
-        {"serve", no_argument, NULL, 'S'},         {"listen", required_argument, NULL, 'l'},
-        {"db", required_argument, NULL, 'd'},      {"pg", required_argument, NULL, 'p'},
-        {"redis", required_argument, NULL, 'r'},   {"effects", required_argument, NULL, 'e'},
+        {"serve", no_argument, NULL, 'S'},          {"listen", required_argument, NULL, 'l'},
+        {"db", required_argument, NULL, 'd'},       {"pg", required_argument, NULL, 'p'},
+        {"redis", required_argument, NULL, 'r'},    {"effects", required_argument, NULL, 'e'},
         {"lease-ms", required_argument, NULL, 'L'}, {NULL, 0, NULL, 0}};
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
         switch (c) {
-        case 'S': break;
-        case 'l': so->listen = optarg; break;
-        case 'd': so->db = optarg; break;
-        case 'p': so->pg = optarg; break;
-        case 'r': so->redis = optarg; break;
-        case 'e': so->effects = optarg; break;
+        case 'S':
+            break;
+        case 'l':
+            so->listen = optarg;
+            break;
+        case 'd':
+            so->db = optarg;
+            break;
+        case 'p':
+            so->pg = optarg;
+            break;
+        case 'r':
+            so->redis = optarg;
+            break;
+        case 'e':
+            so->effects = optarg;
+            break;
         case 'L':
             if (!cli_parse_u64("idemrpc-chaos", "--lease-ms", optarg, 1, 600000, &so->lease_ms)) {
                 return false;
             }
             break;
-        default: return false;
+        default:
+            return false;
         }
     }
     return so->listen != NULL && so->effects != NULL && (so->db != NULL) != (so->pg != NULL);
@@ -181,8 +192,8 @@ static idem_code serve_register(idem_server *srv, bool lmdb)
                                        (lmdb ? IDEM_METHOD_TRANSACTIONAL : 0)};
     idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | window};
     idem_code code;
-    if (lmdb && (code = idem_server_register(srv, CHAOS_METHOD_TRANSFER, transfer, NULL, &tx)) !=
-                    IDEM_OK) {
+    if (lmdb &&
+        (code = idem_server_register(srv, CHAOS_METHOD_TRANSFER, transfer, NULL, &tx)) != IDEM_OK) {
         return code;
     }
     if ((code = idem_server_register(srv, CHAOS_METHOD_ORDER, order, NULL, &token)) != IDEM_OK) {
@@ -215,9 +226,9 @@ int chaos_serve(int argc, char **argv)
     o.workers = 8;
     o.sweep_interval_ms = 3600 * 1000; /* the checker reads every record the run wrote */
     o.db_path = so.db;
-    if (so.pg != NULL && (idem_store_open_postgres(&pg, so.pg, 8) != IDEM_OK ||
-                          (so.redis != NULL &&
-                           idem_debounce_create(&window, so.redis, 200) != IDEM_OK))) {
+    if (so.pg != NULL &&
+        (idem_store_open_postgres(&pg, so.pg, 8) != IDEM_OK ||
+         (so.redis != NULL && idem_debounce_create(&window, so.redis, 200) != IDEM_OK))) {
         fprintf(stderr, "chaos server: %s\n", idem_errmsg());
         return 1;
     }

@@ -55,8 +55,9 @@ typedef struct worker {
 
 static const char *method_of(op_kind k)
 {
-    return k == OP_TRANSFER ? CHAOS_METHOD_TRANSFER : k == OP_ORDER ? CHAOS_METHOD_ORDER
-                                                                    : CHAOS_METHOD_ADD;
+    return k == OP_TRANSFER ? CHAOS_METHOD_TRANSFER
+           : k == OP_ORDER  ? CHAOS_METHOD_ORDER
+                            : CHAOS_METHOD_ADD;
 }
 
 static bool definitive(idem_code c)
@@ -136,11 +137,15 @@ static void record_recv(const op *o, const idem_result *r, idem_code code)
     snprintf(id, sizeof(id), "%" PRIu64, o->id);
     snprintf(digest, sizeof(digest), "%016" PRIx64, chaos_digest(body, strlen(body)));
     snprintf(attempts, sizeof(attempts), "%u", r->attempts);
-    const char *f[] = {"op",       id,         "method", method_of(o->kind),
-                       "caller",   o->caller,  "key",    o->key,
-                       "code",     idem_code_name(code), "replayed",
-                       r->replayed ? "true" : "false",   "digest", digest,
-                       "body",     body,       "attempts", attempts};
+    const char *f[] = {"op",       id,
+                       "method",   method_of(o->kind),
+                       "caller",   o->caller,
+                       "key",      o->key,
+                       "code",     idem_code_name(code),
+                       "replayed", r->replayed ? "true" : "false",
+                       "digest",   digest,
+                       "body",     body,
+                       "attempts", attempts};
     chaos_history_event("recv", 9, f);
 }
 
@@ -208,9 +213,10 @@ static op *generate(worker *w, bool *impatient)
 {
     char caller[64];
     uint64_t pick = chaos_between(&w->rng, 0, 99), copies = chaos_between(&w->rng, 0, 99);
-    op_kind kind = cfg->topology == CHAOS_LMDB
-                       ? (pick < 40 ? OP_TRANSFER : pick < 65 ? OP_ORDER : OP_ADD)
-                       : (pick < 40 ? OP_ORDER : OP_ADD);
+    op_kind kind = cfg->topology == CHAOS_LMDB ? (pick < 40   ? OP_TRANSFER
+                                                  : pick < 65 ? OP_ORDER
+                                                              : OP_ADD)
+                                               : (pick < 40 ? OP_ORDER : OP_ADD);
     snprintf(caller, sizeof(caller), "%s-c%zu", cfg->run, w->index);
     op *o = op_new(kind, caller);
     if (o == NULL) {

@@ -14,8 +14,8 @@ static idem_code put_balance(idem_call *call, void *arg)
 {
     (void)arg;
     long long balance = 700;
-    idem_code code = idem_txn_put(idem_call_txn(call), "ledger", "acct-00", 7, &balance,
-                                  sizeof(balance));
+    idem_code code =
+        idem_txn_put(idem_call_txn(call), "ledger", "acct-00", 7, &balance, sizeof(balance));
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "%s", idem_errmsg());
     }
@@ -107,8 +107,8 @@ static void *bg_call_main(void *arg)
     o.attempt_timeout_ms = 5000;
     o.retry.max_attempts = 1;
     cr_assert_eq(idem_client_open(&c, &b->url, 1, &o), IDEM_OK);
-    idem_request q = {.method = b->method, .idempotency_key = b->key, .payload = "1",
-                      .payload_len = 1};
+    idem_request q = {
+        .method = b->method, .idempotency_key = b->key, .payload = "1", .payload_len = 1};
     idem_result r;
     b->code = idem_client_call(c, &q, &r);
     snprintf(b->payload, sizeof(b->payload), "%.*s", (int)r.payload_len,
@@ -167,7 +167,7 @@ Test(chaos_findings, a_claim_that_waited_for_the_writer_longer_than_its_lease_ru
     bg_start(&first, x.url, "f.Counter/Add", "pay-1"); /* its claim waits ~1 s */
     pthread_join(hold.th, NULL);                       /* the writer is free again */
     cr_assert_eq(hold.code, IDEM_OK);
-    usleep(30 * 1000);                                 /* < LEASE_MS / 3 */
+    usleep(30 * 1000);                                  /* < LEASE_MS / 3 */
     bg_start(&second, y.url, "f.Counter/Add", "pay-1"); /* a retry, on the other server */
     pthread_join(first.th, NULL);
     pthread_join(second.th, NULL);
