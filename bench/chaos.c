@@ -1,0 +1,278 @@
+/* idemrpc-chaos: a bounded fault campaign and its checker (see chaos.h for the parts).
+ *
+ *   idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]
+ *                 [--clients K] [--lease-ms L] [--dir DIR]
+ *   idemrpc-chaos --check --topology lmdb|pg --dir DIR   (checks a finished run again)
+ *
+ * The run: two servers (this binary, --serve) on ipc:// under DIR; K client threads and
+ * the seeded fault schedule for N seconds; then the faults are healed, every undecided
+ * operation is retried until decided (the settle pass), the servers stop on SIGTERM
+ * and the checker reads the history, the effect log and the store. The closing line
+ * is `chaos: N calls, F faults, V violations`; the exit status is 1 on any violation.
+ * DIR (default a fresh /tmp/idemrpc-chaos-XXXXXX) and the history stay for inspection.
+ * The seed fixes the fault schedule and the workload's choices; thread scheduling still
+ * varies between runs. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "chaos.h"
+#include "cli.h"
+
+static const char usage[] =
+    "usage: idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]\n"
+    "                     [--clients K] [--lease-ms L] [--dir DIR]\n"
+    "       idemrpc-chaos --check --topology lmdb|pg --dir DIR  (check a finished run again)\n"
+    "  lmdb: two server processes on one LMDB directory; pg: two on one PostgreSQL\n"
+    "  (IDEMRPC_TEST_PG) with Redis debounce (IDEMRPC_TEST_REDIS), faults through\n"
+    "  IDEMRPC_SERVICES (scripts/services.sh). Defaults: 16 clients, 500 ms lease.\n";
+
+static int usage_error(const char *what)
+{
+    if (what != NULL) {
+        fprintf(stderr, "idemrpc-chaos: %s\n", what);
+    }
+    fputs(usage, stderr);
+    return CLI_USAGE_ERROR;
+}
+
+/* 0 = parsed, else the exit status (--help: 0 via *done). */
+static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
+{
+    static const struct option longs[] = {
+        {"topology", required_argument, NULL, 't'}, {"seconds", required_argument, NULL, 's'},
+        {"seed", required_argument, NULL, 'S'},     {"history", required_argument, NULL, 'H'},
+        {"clients", required_argument, NULL, 'c'},  {"lease-ms", required_argument, NULL, 'L'},
+        {"dir", required_argument, NULL, 'd'},      {"help", no_argument, NULL, 'h'},
+        {"check", no_argument, NULL, 'C'},          {NULL, 0, NULL, 0}};
+    bool topo = false, secs = false, seed = false;
+    int c;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+        const char *p = "idemrpc-chaos";
+        switch (c) {
+        case 't':
+            if (strcmp(optarg, "lmdb") != 0 && strcmp(optarg, "pg") != 0) {
+                return usage_error("--topology: 'lmdb' or 'pg'");
+            }
+            cfg->topology = strcmp(optarg, "pg") == 0 ? CHAOS_PG : CHAOS_LMDB;
+            topo = true;
+            break;
+        case 's':
+            if (!(secs = cli_parse_u64(p, "--seconds", optarg, 1, 86400, &cfg->seconds))) {
+                return usage_error(NULL);
+            }
+            break;
+        case 'S':
+            if (!(seed = cli_parse_u64(p, "--seed", optarg, 0, UINT64_MAX, &cfg->seed))) {
+                return usage_error(NULL);
+            }
+            break;
+        case 'c':
+            if (!cli_parse_u64(p, "--clients", optarg, 1, 256, &cfg->clients)) {
+                return usage_error(NULL);
+            }
+            break;
+        case 'L':
+            if (!cli_parse_u64(p, "--lease-ms", optarg, 100, 60000, &cfg->lease_ms)) {
+                return usage_error(NULL);
+            }
+            break;
+        case 'H':
+            snprintf(cfg->history, sizeof(cfg->history), "%s", optarg);
+            break;
+        case 'd':
+            snprintf(cfg->dir, sizeof(cfg->dir), "%s", optarg);
+            break;
+        case 'C':
+            cfg->check_only = true;
+            break;
+        case 'h':
+            fputs(usage, stdout);
+            *done = true;
+            return 0;
+        default: {
+            char msg[128];
+            snprintf(msg, sizeof(msg), "unknown option or missing value: %s", argv[optind - 1]);
+            return usage_error(msg);
+        }
+        }
+    }
+    if (optind < argc) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "unexpected argument: %s", argv[optind]);
+        return usage_error(msg);
+    }
+    if (cfg->check_only && (!topo || cfg->dir[0] == '\0')) {
+        return usage_error("--check needs --topology and the --dir of a finished run");
+    }
+    if (!cfg->check_only && (!topo || !secs || !seed)) {
+        return usage_error("--topology, --seconds and --seed are required");
+    }
+    return 0;
+}
+
+/* --check: the run id and the lease come from the history's "begin" event. */
+static int read_begin(chaos_cfg *cfg)
+{
+    char line[1024] = "", lease[24] = "";
+    FILE *f = fopen(cfg->history, "r");
+    if (f == NULL || fgets(line, sizeof(line), f) == NULL ||
+        !chaos_history_field(line, "run", cfg->run, sizeof(cfg->run)) ||
+        !chaos_history_field(line, "lease_ms", lease, sizeof(lease))) {
+        fprintf(stderr, "idemrpc-chaos: %s: no begin event\n", cfg->history);
+        if (f != NULL) {
+            fclose(f);
+        }
+        return 1;
+    }
+    fclose(f);
+    cfg->lease_ms = strtoull(lease, NULL, 10);
+    return 0;
+}
+
+/* The environment the pg topology needs; the work dir and file names. */
+static int prepare(chaos_cfg *cfg)
+{
+    if (cfg->topology == CHAOS_PG) {
+        cfg->pg = getenv("IDEMRPC_TEST_PG");
+        cfg->redis = getenv("IDEMRPC_TEST_REDIS");
+        cfg->services = getenv("IDEMRPC_SERVICES");
+        if (cfg->pg == NULL || cfg->redis == NULL) {
+            fprintf(stderr, "idemrpc-chaos: --topology pg needs IDEMRPC_TEST_PG and "
+                            "IDEMRPC_TEST_REDIS (eval \"$(bash scripts/services.sh start)\")\n");
+            return CLI_USAGE_ERROR;
+        }
+        if (cfg->services == NULL) {
+            fprintf(stderr, "idemrpc-chaos: IDEMRPC_SERVICES is not set: no PostgreSQL or "
+                            "Redis faults, only server faults\n");
+        }
+    }
+    if (cfg->dir[0] == '\0') {
+        snprintf(cfg->dir, sizeof(cfg->dir), "/tmp/idemrpc-chaos-XXXXXX");
+        if (mkdtemp(cfg->dir) == NULL) {
+            perror("mkdtemp");
+            return 1;
+        }
+    } else if (mkdir(cfg->dir, 0700) != 0 && errno != EEXIST) {
+        perror(cfg->dir);
+        return 1;
+    }
+    if (cfg->history[0] == '\0') {
+        snprintf(cfg->history, sizeof(cfg->history), "%s/history.jsonl", cfg->dir);
+    }
+    snprintf(cfg->effects, sizeof(cfg->effects), "%s/effects.log", cfg->dir);
+    snprintf(cfg->run, sizeof(cfg->run), "r%" PRIu64 "p%d", cfg->seed % 1000000, (int)getpid());
+    if (cfg->check_only) {
+        return read_begin(cfg);
+    }
+    if (!chaos_history_open(cfg->history)) {
+        perror(cfg->history);
+        return 1;
+    }
+    return 0;
+}
+
+static void record_begin(const chaos_cfg *cfg)
+{
+    char seed[24], lease[24], secs[24];
+    snprintf(seed, sizeof(seed), "%" PRIu64, cfg->seed);
+    snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
+    snprintf(secs, sizeof(secs), "%" PRIu64, cfg->seconds);
+    const char *f[] = {"topology", cfg->topology == CHAOS_PG ? "pg" : "lmdb",
+                       "seed",     seed,
+                       "seconds",  secs,
+                       "run",      cfg->run,
+                       "lease_ms", lease};
+    chaos_history_event("begin", 5, f);
+}
+
+typedef struct fault_thread {
+    const chaos_cfg *cfg;
+    const volatile bool *stop;
+    uint64_t faults;
+} fault_thread;
+
+static void *faults_main(void *arg)
+{
+    fault_thread *ft = arg;
+    ft->faults = chaos_faults_run(ft->cfg, ft->stop);
+    return NULL;
+}
+
+typedef struct timer {
+    uint64_t seconds;
+    volatile bool *stop;
+} timer;
+
+static void *timer_main(void *arg)
+{
+    timer *t = arg;
+    chaos_sleep_ms(t->seconds * 1000);
+    *t->stop = true;
+    return NULL;
+}
+
+static void run(const chaos_cfg *cfg)
+{
+    static volatile bool stop_clients, stop_faults;
+    fault_thread ft = {cfg, &stop_faults, 0};
+    timer tm = {cfg->seconds, &stop_clients};
+    pthread_t fth, tth;
+    chaos_totals t;
+    pthread_create(&fth, NULL, faults_main, &ft);
+    pthread_create(&tth, NULL, timer_main, &tm);
+    chaos_workload_run(cfg, &stop_clients, &t);
+    pthread_join(tth, NULL);
+    stop_faults = true;
+    pthread_join(fth, NULL);
+    printf("chaos: %" PRIu64 " operations, %" PRIu64 " calls, %" PRIu64 " faults; %" PRIu64
+           " operations undecided, settling\n",
+           t.ops, t.calls, ft.faults, t.undecided);
+    fflush(stdout);
+    chaos_faults_heal(cfg);
+    chaos_sleep_ms(2 * cfg->lease_ms);
+    const char *f[] = {"phase", "begin"};
+    chaos_history_event("settle", 1, f);
+    chaos_workload_settle(cfg, &t);
+    chaos_servers_sample_rss();
+    chaos_sleep_ms(2 * cfg->lease_ms);
+    chaos_servers_stop();
+    f[1] = "end";
+    chaos_history_event("settle", 1, f);
+    printf("chaos: settled, %" PRIu64 " operations still undecided\n", t.undecided);
+    fflush(stdout);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "--serve") == 0) {
+        return chaos_serve(argc, argv);
+    }
+    chaos_cfg cfg = {.lease_ms = 500, .clients = 16};
+    bool done = false;
+    int rc = parse(argc, argv, &cfg, &done);
+    if (rc != 0 || done || (rc = prepare(&cfg)) != 0) {
+        return rc;
+    }
+    if (cfg.check_only) {
+        return chaos_check(&cfg) == 0 ? 0 : 1;
+    }
+    record_begin(&cfg);
+    printf("chaos: topology %s, %" PRIu64 " s, seed %" PRIu64 ", history %s\n",
+           cfg.topology == CHAOS_PG ? "pg" : "lmdb", cfg.seconds, cfg.seed, cfg.history);
+    fflush(stdout);
+    if (!chaos_servers_start(&cfg)) {
+        chaos_servers_stop();
+        return 1;
+    }
+    run(&cfg);
+    chaos_history_close();
+    return chaos_check(&cfg) == 0 ? 0 : 1;
+}

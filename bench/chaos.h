@@ -1,0 +1,91 @@
+/* idemrpc-chaos: a randomised fault campaign against real server processes, recorded in
+ * a history that a checker verifies afterwards (Jepsen-style).
+ *
+ *   chaos.c          options, the run: servers up, clients and faults, settle, check
+ *   chaos_server.c   the server under test (the same binary, run with --serve)
+ *   chaos_workload.c client threads: logical operations retried until decided
+ *   chaos_faults.c   server processes, SIGKILL/SIGSTOP, PostgreSQL and Redis faults
+ *   chaos_history.c  the history file (one JSON line per event) and its reader
+ *   chaos_check.c    the checker: history + final store + effect log → violations
+ *
+ * Every time is CLOCK_MONOTONIC in ms, shared by the campaign and the servers (the
+ * servers stamp the effect log with it). */
+#ifndef IDEMRPC_BENCH_CHAOS_H
+#define IDEMRPC_BENCH_CHAOS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#define CHAOS_SERVERS 2
+#define CHAOS_ACCOUNTS 8
+#define CHAOS_INITIAL_BALANCE 1000
+#define CHAOS_METHOD_TRANSFER "chaos.Ledger/Transfer"
+#define CHAOS_METHOD_ORDER "chaos.Order/Submit"
+#define CHAOS_METHOD_ADD "chaos.Counter/Add"
+
+typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG } chaos_topology;
+
+typedef struct chaos_cfg {
+    chaos_topology topology;
+    uint64_t seconds, seed, lease_ms, clients;
+    bool check_only;      /* --check: only the checker, on the files of a finished run */
+    char dir[512];        /* work dir: store, effect log, server logs, history */
+    char history[600];    /* history file (kept) */
+    char effects[600];    /* the effect log the servers append to */
+    char run[32];         /* prefix of every caller of this run (the PG table is shared) */
+    const char *pg;       /* IDEMRPC_TEST_PG (pg topology) */
+    const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
+    const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */
+} chaos_cfg;
+
+uint64_t chaos_now_ms(void);
+void chaos_sleep_ms(uint64_t ms);
+/* xorshift64*: per-thread, seeded, never 0. */
+uint64_t chaos_rand(uint64_t *state);
+uint64_t chaos_between(uint64_t *state, uint64_t lo, uint64_t hi); /* [lo, hi] */
+/* FNV-1a 64 of bytes, for the payload digests of the history. */
+uint64_t chaos_digest(const void *p, size_t n);
+
+/* ---- the server under test (chaos_server.c) ---- */
+int chaos_serve(int argc, char **argv);
+
+/* ---- the history (chaos_history.c) ----
+ * Events: {"t":MS,"ev":"send"|"recv"|"fault"|"start"|"rss"|"settle", ...string fields}.
+ * Writers are serialised by a mutex; every line is flushed. */
+bool chaos_history_open(const char *path);
+void chaos_history_close(void);
+/* Writes one event; fields are name/value string pairs, n pairs. */
+void chaos_history_event(const char *ev, size_t n, const char *const *fields);
+/* Reads field name of a history line into buf (unescaping \" and \\); false if absent. */
+bool chaos_history_field(const char *line, const char *name, char *buf, size_t cap);
+
+/* ---- the servers and the faults (chaos_faults.c) ---- */
+bool chaos_servers_start(const chaos_cfg *cfg);
+/* The i-th server's URL (ipc under cfg->dir). */
+const char *chaos_server_url(size_t i);
+/* Runs the seeded fault schedule until *stop; returns the number of faults injected. */
+uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop);
+/* Ends every fault in effect (SIGCONT, restarts dead servers, starts Redis). */
+void chaos_faults_heal(const chaos_cfg *cfg);
+/* Samples each server's VmRSS into the history (called by the fault thread too). */
+void chaos_servers_sample_rss(void);
+/* SIGTERM, then SIGKILL after 10 s; reaps them. */
+void chaos_servers_stop(void);
+
+/* ---- the workload (chaos_workload.c) ---- */
+typedef struct chaos_totals {
+    uint64_t calls, ops, decided, undecided;
+} chaos_totals;
+/* Runs cfg->clients threads until *stop, then lets their logical operations end. */
+void chaos_workload_run(const chaos_cfg *cfg, const volatile bool *stop, chaos_totals *out);
+/* Retries every undecided operation until it is decided (or 15 s per operation). */
+void chaos_workload_settle(const chaos_cfg *cfg, chaos_totals *out);
+
+/* ---- the checker (chaos_check.c) ---- */
+/* Reads the history and the final state; prints each violation; returns their number. */
+uint64_t chaos_check(const chaos_cfg *cfg);
+
+#endif

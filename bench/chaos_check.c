@@ -1,0 +1,490 @@
+/* The checker: reads the history, the effect log and the final store (LMDB opened
+ * read-only, or the PostgreSQL table), and reports
+ *   answers   two definitive answers for one (caller, method, key) that differ; a
+ *             refusal of a well-formed call (INVALID_ARGUMENT, PERMISSION_DENIED, a
+ *             FAILED_PRECONDITION other than "insufficient funds")
+ *   effects   an acknowledged call whose effect is missing; a refused transfer that
+ *             took effect; a key whose effect shows more than once (claim mode: unless
+ *             the older execution's process was killed or stopped around it, which
+ *             README documents as at-least-once); money not conserved, or balances
+ *             that are not the sum of the transfers that took effect
+ *   callers   an answer that names another caller or key (someone else's result);
+ *             a token that ran twice
+ *   records   a record of this run still IN_PROGRESS after the settle pass (every
+ *             operation was retried until decided, past the lease); an operation that
+ *             stayed undecided
+ *   memory    a server whose anonymous RSS (RssAnon: LMDB's map is file-backed and
+ *             grows with the data) more than doubles + 16 MiB between a quarter of its
+ *             life and its end, over a life of at least 20 s
+ *   crashes   a server that died without being killed, or did not stop on SIGTERM */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <idemrpc/idemrpc.h>
+
+#include "chaos.h"
+
+#define BUCKETS 65536
+#define MAX_EFFECTS 12
+#define MAX_FAULTS 4096
+#define MAX_SHOWN 10
+
+typedef struct execution {
+    long pid;
+    uint64_t fence, t;
+} execution;
+
+typedef struct entry {
+    struct entry *next;
+    char method[48], caller[80], key[160], payload[64];
+    int n_definitive;
+    char code[32], digest[24], body[512];
+    bool acked_ok, refused, undecided_checked;
+    long long effects;
+    size_t n_exec;
+    execution exec[MAX_EFFECTS];
+} entry;
+
+typedef struct fault {
+    uint64_t t;
+    long pid;
+} fault;
+
+typedef struct rss_life {
+    long pid;
+    uint64_t first_t, last_t;
+    size_t n;
+    long *kib;
+} rss_life;
+
+static struct {
+    entry *buckets[BUCKETS];
+    fault faults[MAX_FAULTS];
+    size_t n_faults;
+    rss_life *lives;
+    size_t n_lives;
+    uint64_t calls, fault_count, violations;
+    uint64_t shown[8], excused;
+} ck;
+
+enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
+static const char *const v_names[] = {"answers", "effects", "callers",
+                                      "records", "memory",  "crashes"};
+
+static void violation(int kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#include <stdarg.h>
+static void violation(int kind, const char *fmt, ...)
+{
+    ck.violations++;
+    if (ck.shown[kind]++ >= MAX_SHOWN) {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    printf("violation: %s: ", v_names[kind]);
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+}
+
+static entry *lookup(const char *method, const char *caller, const char *key, bool create)
+{
+    uint64_t h = chaos_digest(method, strlen(method)) ^ chaos_digest(caller, strlen(caller)) * 31 ^
+                 chaos_digest(key, strlen(key)) * 131;
+    entry **b = &ck.buckets[h % BUCKETS];
+    for (entry *e = *b; e != NULL; e = e->next) {
+        if (strcmp(e->key, key) == 0 && strcmp(e->caller, caller) == 0 &&
+            strcmp(e->method, method) == 0) {
+            return e;
+        }
+    }
+    entry *e = create ? calloc(1, sizeof(*e)) : NULL;
+    if (e != NULL) {
+        snprintf(e->method, sizeof(e->method), "%s", method);
+        snprintf(e->caller, sizeof(e->caller), "%s", caller);
+        snprintf(e->key, sizeof(e->key), "%s", key);
+        e->next = *b;
+        *b = e;
+    }
+    return e;
+}
+
+static void each_entry(void (*fn)(entry *, const chaos_cfg *), const chaos_cfg *cfg)
+{
+    for (size_t i = 0; i < BUCKETS; i++) {
+        for (entry *e = ck.buckets[i]; e != NULL; e = e->next) {
+            fn(e, cfg);
+        }
+    }
+}
+
+/* An answer must name the caller and the key it was asked for. */
+static bool answer_is_mine(const entry *e, const char *body)
+{
+    char want[300];
+    snprintf(want, sizeof(want), " caller=%s key=%s", e->caller, e->key);
+    const char *p = strstr(body, want);
+    return p != NULL && (p[strlen(want)] == '\0' || p[strlen(want)] == ' ');
+}
+
+static void check_answer(entry *e, const char *code, const char *digest, const char *body)
+{
+    bool ok = strcmp(code, "OK") == 0, fp = strcmp(code, "FAILED_PRECONDITION") == 0;
+    if (!ok && !fp && strcmp(code, "INVALID_ARGUMENT") != 0 &&
+        strcmp(code, "PERMISSION_DENIED") != 0) {
+        return; /* not definitive: retryable or a debounced double click */
+    }
+    if (!ok && !(fp && strcmp(e->method, CHAOS_METHOD_TRANSFER) == 0 &&
+                 strstr(body, "insufficient funds") != NULL)) {
+        violation(V_ANSWERS, "%s caller=%s key=%s: refused with %s '%s'", e->method, e->caller,
+                  e->key, code, body);
+        e->refused = true;
+        return;
+    }
+    if (!answer_is_mine(e, body)) {
+        violation(V_CALLERS, "%s caller=%s key=%s got someone else's answer '%s'", e->method,
+                  e->caller, e->key, body);
+    }
+    if (e->n_definitive++ == 0) {
+        snprintf(e->code, sizeof(e->code), "%s", code);
+        snprintf(e->digest, sizeof(e->digest), "%s", digest);
+        snprintf(e->body, sizeof(e->body), "%s", body);
+    } else if (strcmp(e->code, code) != 0 || strcmp(e->digest, digest) != 0) {
+        violation(V_ANSWERS, "%s caller=%s key=%s: '%s %s' then '%s %s'", e->method, e->caller,
+                  e->key, e->code, e->body, code, body);
+    }
+    e->acked_ok = e->acked_ok || ok;
+}
+
+static void read_rss(const char *line)
+{
+    char pid[24], kib[24], t[24];
+    if (!chaos_history_field(line, "pid", pid, sizeof(pid)) ||
+        !chaos_history_field(line, "anon", kib, sizeof(kib)) ||
+        !chaos_history_field(line, "t", t, sizeof(t))) {
+        return;
+    }
+    rss_life *l = NULL;
+    for (size_t i = 0; i < ck.n_lives; i++) {
+        if (ck.lives[i].pid == atol(pid)) {
+            l = &ck.lives[i];
+        }
+    }
+    if (l == NULL) {
+        rss_life *grown = realloc(ck.lives, (ck.n_lives + 1) * sizeof(*grown));
+        if (grown == NULL) {
+            return;
+        }
+        ck.lives = grown;
+        l = &ck.lives[ck.n_lives++];
+        *l = (rss_life){.pid = atol(pid), .first_t = strtoull(t, NULL, 10)};
+    }
+    long *k = realloc(l->kib, (l->n + 1) * sizeof(*k));
+    if (k != NULL) {
+        l->kib = k;
+        l->kib[l->n++] = atol(kib);
+        l->last_t = strtoull(t, NULL, 10);
+    }
+}
+
+static void read_fault(const char *line)
+{
+    char kind[32] = "", pid[24] = "0", t[24] = "0", server[8] = "";
+    chaos_history_field(line, "kind", kind, sizeof(kind));
+    chaos_history_field(line, "pid", pid, sizeof(pid));
+    chaos_history_field(line, "t", t, sizeof(t));
+    chaos_history_field(line, "server", server, sizeof(server));
+    if (strcmp(kind, "crash") == 0) {
+        violation(V_CRASHES, "server %s (pid %s) died or hung without being killed", server, pid);
+        return;
+    }
+    ck.fault_count++;
+    if ((strcmp(kind, "kill") == 0 || strcmp(kind, "stop") == 0) && ck.n_faults < MAX_FAULTS) {
+        ck.faults[ck.n_faults++] = (fault){strtoull(t, NULL, 10), atol(pid)};
+    }
+}
+
+static void read_line(const char *line)
+{
+    char ev[16], method[48], caller[80], key[160];
+    if (!chaos_history_field(line, "ev", ev, sizeof(ev))) {
+        return;
+    }
+    if (strcmp(ev, "fault") == 0) {
+        read_fault(line);
+        return;
+    }
+    if (strcmp(ev, "rss") == 0) {
+        read_rss(line);
+        return;
+    }
+    if (!chaos_history_field(line, "method", method, sizeof(method)) ||
+        !chaos_history_field(line, "caller", caller, sizeof(caller)) ||
+        !chaos_history_field(line, "key", key, sizeof(key))) {
+        return;
+    }
+    entry *e = lookup(method, caller, key, true);
+    if (e == NULL) {
+        return;
+    }
+    if (strcmp(ev, "send") == 0) {
+        chaos_history_field(line, "payload", e->payload, sizeof(e->payload));
+    } else if (strcmp(ev, "recv") == 0) {
+        char code[32] = "", digest[24] = "", body[512] = "";
+        chaos_history_field(line, "code", code, sizeof(code));
+        chaos_history_field(line, "digest", digest, sizeof(digest));
+        chaos_history_field(line, "body", body, sizeof(body));
+        ck.calls++;
+        check_answer(e, code, digest, body);
+    }
+}
+
+static bool read_history(const chaos_cfg *cfg)
+{
+    FILE *f = fopen(cfg->history, "r");
+    if (f == NULL) {
+        perror(cfg->history);
+        return false;
+    }
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) > 0) {
+        read_line(line);
+    }
+    free(line);
+    fclose(f);
+    return true;
+}
+
+/* METHOD CALLER KEY PID FENCE MONOTONIC_MS per execution of a claim-mode method. */
+static void read_effects(const chaos_cfg *cfg)
+{
+    FILE *f = fopen(cfg->effects, "r");
+    char method[48], caller[80], key[160];
+    long pid;
+    uint64_t fence, t;
+    while (f != NULL && fscanf(f, "%47s %79s %159s %ld %" SCNu64 " %" SCNu64, method, caller, key,
+                               &pid, &fence, &t) == 6) {
+        entry *e = lookup(method, caller, key, true);
+        if (e != NULL && e->n_exec < MAX_EFFECTS) {
+            e->exec[e->n_exec++] = (execution){pid, fence, t};
+        }
+        if (e != NULL) {
+            e->effects++;
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+}
+
+/* Documented at-least-once: the older claim's process was killed or stopped while (or
+ * shortly before) its execution, and a takeover ran the call again. */
+static bool duplicate_excused(const entry *e, const chaos_cfg *cfg)
+{
+    const execution *low = &e->exec[0];
+    uint64_t last = 0;
+    for (size_t i = 0; i < e->n_exec; i++) {
+        low = e->exec[i].fence < low->fence ? &e->exec[i] : low;
+        last = e->exec[i].t > last ? e->exec[i].t : last;
+    }
+    uint64_t window = 3 * cfg->lease_ms + 1000; /* a stop lasts at most 3 leases */
+    for (size_t i = 0; i < ck.n_faults; i++) {
+        if (ck.faults[i].pid == low->pid && ck.faults[i].t + window >= low->t &&
+            ck.faults[i].t <= last) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static long long ledger_expected[CHAOS_ACCOUNTS];
+
+static void check_effects(entry *e, const chaos_cfg *cfg)
+{
+    bool txn = cfg->topology == CHAOS_LMDB && strcmp(e->method, CHAOS_METHOD_ADD) != 0;
+    if (e->payload[0] == '\0' && e->n_definitive == 0 && e->effects == 0) {
+        return; /* only a token issue, never sent */
+    }
+    if (e->effects > 1 && (txn || !duplicate_excused(e, cfg))) {
+        violation(strcmp(e->method, CHAOS_METHOD_ORDER) == 0 ? V_CALLERS : V_EFFECTS,
+                  "%s caller=%s key=%s took effect %lld times", e->method, e->caller, e->key,
+                  e->effects);
+    } else if (e->effects > 1) {
+        ck.excused++;
+    }
+    if (e->acked_ok && e->effects == 0) {
+        violation(V_EFFECTS, "%s caller=%s key=%s acknowledged '%s' but no effect", e->method,
+                  e->caller, e->key, e->body);
+    }
+    if (strcmp(e->method, CHAOS_METHOD_TRANSFER) == 0) {
+        int a, b;
+        long long amount;
+        if (e->n_definitive > 0 && !e->acked_ok && e->effects > 0) {
+            violation(V_EFFECTS, "transfer %s refused ('%s') but took effect", e->key, e->body);
+        }
+        if (sscanf(e->payload, "%d %d %lld", &a, &b, &amount) == 3 && a >= 0 && b >= 0 &&
+            a < CHAOS_ACCOUNTS && b < CHAOS_ACCOUNTS) {
+            ledger_expected[a] -= amount * e->effects;
+            ledger_expected[b] += amount * e->effects;
+        }
+    }
+    if (e->n_definitive == 0 && !e->refused) {
+        violation(V_RECORDS, "%s caller=%s key=%s never decided, even by the settle pass",
+                  e->method, e->caller, e->key);
+    }
+}
+
+static long long app_count(idem_store *st, const char *db, const char *key)
+{
+    void *v;
+    size_t n;
+    long long x = 0;
+    if (idem_store_app_get(st, db, key, strlen(key), &v, &n) == IDEM_OK) {
+        if (n == sizeof(x)) {
+            memcpy(&x, v, sizeof(x));
+        }
+        free(v);
+    }
+    return x;
+}
+
+static idem_store *app_store;
+
+static void read_app_counts(entry *e, const chaos_cfg *cfg)
+{
+    (void)cfg;
+    if (strcmp(e->method, CHAOS_METHOD_TRANSFER) == 0) {
+        e->effects = app_count(app_store, "applied", e->key);
+    } else if (strcmp(e->method, CHAOS_METHOD_ORDER) == 0) {
+        e->effects = app_count(app_store, "orders", e->key);
+    }
+}
+
+static void check_ledger(idem_store *st)
+{
+    long long sum = 0;
+    for (int i = 0; i < CHAOS_ACCOUNTS; i++) {
+        char acct[16];
+        void *v;
+        size_t n;
+        long long bal = CHAOS_INITIAL_BALANCE;
+        snprintf(acct, sizeof(acct), "acct-%02d", i);
+        if (idem_store_app_get(st, "ledger", acct, strlen(acct), &v, &n) == IDEM_OK) {
+            if (n == sizeof(bal)) {
+                memcpy(&bal, v, sizeof(bal));
+            }
+            free(v);
+        }
+        sum += bal;
+        if (bal != CHAOS_INITIAL_BALANCE + ledger_expected[i] || bal < 0) {
+            violation(V_EFFECTS, "%s holds %lld, the transfers that took effect say %lld", acct,
+                      bal, CHAOS_INITIAL_BALANCE + ledger_expected[i]);
+        }
+    }
+    if (sum != (long long)CHAOS_ACCOUNTS * CHAOS_INITIAL_BALANCE) {
+        violation(V_EFFECTS, "money not conserved: %lld in the ledger, %lld expected", sum,
+                  (long long)CHAOS_ACCOUNTS * CHAOS_INITIAL_BALANCE);
+    }
+}
+
+static bool visit_record(void *arg, const idem_key_ref *key, const idem_record *rec)
+{
+    const chaos_cfg *cfg = arg;
+    if (strncmp(key->caller, cfg->run, strlen(cfg->run)) == 0 &&
+        rec->state == IDEM_REC_IN_PROGRESS) {
+        violation(V_RECORDS, "%s caller=%s key=%s still IN_PROGRESS after the run settled",
+                  key->method, key->caller, key->key);
+    }
+    return true;
+}
+
+/* idem_store_app_get on an IDEM_STORE_READONLY store fails (it opens the business
+ * database through a write transaction: src/store/lmdb/txn.c store_dbi); the servers
+ * have stopped by now, so the checker then reopens the directory read-write. */
+static idem_code open_store(const chaos_cfg *cfg, idem_store **st)
+{
+    char dir[600];
+    void *v;
+    size_t n;
+    if (cfg->topology == CHAOS_PG) {
+        return idem_store_open_postgres(st, cfg->pg, 1);
+    }
+    snprintf(dir, sizeof(dir), "%s/store", cfg->dir);
+    idem_code code = idem_store_open_lmdb(st, dir, 0, IDEM_STORE_READONLY);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    code = idem_store_app_get(*st, "ledger", "acct-00", 7, &v, &n);
+    if (code == IDEM_OK || code == IDEM_NOT_FOUND) {
+        free(code == IDEM_OK ? v : NULL);
+        return IDEM_OK;
+    }
+    printf("note: idem_store_app_get on a read-only store: %s %s; reopening read-write\n",
+           idem_code_name(code), idem_errmsg());
+    idem_store_close(*st);
+    return idem_store_open_lmdb(st, dir, 0, 0);
+}
+
+static bool check_store(const chaos_cfg *cfg)
+{
+    idem_store *st;
+    if (open_store(cfg, &st) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-chaos: cannot open the store: %s\n", idem_errmsg());
+        return false;
+    }
+    if (cfg->topology == CHAOS_LMDB) {
+        app_store = st;
+        each_entry(read_app_counts, cfg);
+    }
+    each_entry(check_effects, cfg);
+    if (cfg->topology == CHAOS_LMDB) {
+        check_ledger(st);
+    }
+    if (idem_store_foreach(st, visit_record, (void *)cfg) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-chaos: reading the records: %s\n", idem_errmsg());
+    }
+    idem_store_close(st);
+    return true;
+}
+
+static void check_memory(void)
+{
+    for (size_t i = 0; i < ck.n_lives; i++) {
+        const rss_life *l = &ck.lives[i];
+        if (l->n < 8 || l->last_t - l->first_t < 20000) {
+            continue;
+        }
+        long early = l->kib[l->n / 4], late = l->kib[l->n - 1];
+        if (late > 2 * early + 16384) {
+            violation(V_MEMORY,
+                      "server pid %ld: RssAnon %ld KiB at a quarter of its life, %ld "
+                      "KiB at the end",
+                      l->pid, early, late);
+        }
+    }
+}
+
+uint64_t chaos_check(const chaos_cfg *cfg)
+{
+    if (!read_history(cfg)) {
+        ck.violations++;
+    } else {
+        read_effects(cfg);
+        if (!check_store(cfg)) {
+            ck.violations++;
+        }
+        check_memory();
+    }
+    if (ck.excused > 0) {
+        printf("note: %" PRIu64 " claim-mode keys ran twice after their process was killed or "
+               "stopped mid-call (at-least-once, as documented)\n",
+               ck.excused);
+    }
+    printf("chaos: %" PRIu64 " calls, %" PRIu64 " faults, %" PRIu64 " violations\n", ck.calls,
+           ck.fault_count, ck.violations);
+    return ck.violations;
+}

@@ -1,0 +1,253 @@
+/* The server under test: `idemrpc-chaos --serve ...`, started twice by the campaign on
+ * one store (one LMDB directory, or one PostgreSQL database with Redis debounce).
+ *
+ *   chaos.Ledger/Transfer  LMDB only, transactional: "FROM TO AMOUNT" moves money
+ *                          between accounts acct-00..07 (absent = 1000) and counts the
+ *                          execution in app db "applied" under its key, all in the
+ *                          record's transaction. Too little money: FAILED_PRECONDITION.
+ *   chaos.Order/Submit     token required. LMDB: transactional, counts in app db
+ *                          "orders" under the key (the token). PostgreSQL: claim mode,
+ *                          one line in the effect log.
+ *   chaos.Counter/Add      claim mode (cached, key required): one line in the effect log.
+ *
+ * Every answer names the process, the fence, the caller and the key of the execution
+ * that produced it, so two executions never give equal answers and a caller can tell
+ * whose result it got. Effect log line (one write(2) on an O_APPEND fd, then fdatasync):
+ *   METHOD CALLER KEY PID FENCE MONOTONIC_MS */
+#include <fcntl.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <idemrpc/idemrpc.h>
+
+#include "chaos.h"
+#include "cli.h"
+
+static int effects_fd = -1;
+
+static idem_code reply_execution(idem_call *call, idem_code code, const char *extra)
+{
+    char out[512];
+    int n = snprintf(out, sizeof(out), "pid=%d fence=%" PRIu64 " caller=%s key=%s%s", (int)getpid(),
+                     idem_call_fence(call), idem_call_caller(call), idem_call_key(call), extra);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "%s", out);
+    }
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+/* The durable effect of a claim-mode method: a line per execution. */
+static idem_code effect_log(idem_call *call)
+{
+    char line[600];
+    int n = snprintf(line, sizeof(line), "%s %s %s %d %" PRIu64 " %" PRIu64 "\n",
+                     idem_call_method(call), idem_call_caller(call), idem_call_key(call),
+                     (int)getpid(), idem_call_fence(call), chaos_now_ms());
+    if (n <= 0 || (size_t)n >= sizeof(line) || write(effects_fd, line, (size_t)n) != n ||
+        fdatasync(effects_fd) != 0) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "effect log write failed");
+    }
+    return IDEM_OK;
+}
+
+static long long read_ll(idem_txn *t, const char *db, const char *key, long long absent)
+{
+    const void *v;
+    size_t n;
+    long long x = absent;
+    if (idem_txn_get(t, db, key, strlen(key), &v, &n) == IDEM_OK && n == sizeof(x)) {
+        memcpy(&x, v, sizeof(x));
+    }
+    return x;
+}
+
+static idem_code write_ll(idem_txn *t, const char *db, const char *key, long long x)
+{
+    return idem_txn_put(t, db, key, strlen(key), &x, sizeof(x));
+}
+
+/* One more execution of this key, in app db `db` (the checker reads the counts). */
+static idem_code count_execution(idem_txn *t, const char *db, const char *key)
+{
+    return write_ll(t, db, key, read_ll(t, db, key, 0) + 1);
+}
+
+static idem_code transfer(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_txn *t = idem_call_txn(call);
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    char buf[64] = {0}, from[16], to[16];
+    int a, b;
+    long long amount;
+    memcpy(buf, p, n < sizeof(buf) - 1 ? n : sizeof(buf) - 1);
+    if (sscanf(buf, "%d %d %lld", &a, &b, &amount) != 3 || a < 0 || b < 0 || a >= CHAOS_ACCOUNTS ||
+        b >= CHAOS_ACCOUNTS || a == b || amount <= 0) {
+        return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "bad transfer '%s'", buf);
+    }
+    snprintf(from, sizeof(from), "acct-%02d", a);
+    snprintf(to, sizeof(to), "acct-%02d", b);
+    long long fb = read_ll(t, "ledger", from, CHAOS_INITIAL_BALANCE);
+    long long tb = read_ll(t, "ledger", to, CHAOS_INITIAL_BALANCE);
+    if (fb < amount) {
+        return reply_execution(call, IDEM_FAILED_PRECONDITION, " insufficient funds");
+    }
+    idem_code code;
+    if ((code = write_ll(t, "ledger", from, fb - amount)) != IDEM_OK ||
+        (code = write_ll(t, "ledger", to, tb + amount)) != IDEM_OK ||
+        (code = count_execution(t, "applied", idem_call_key(call))) != IDEM_OK) {
+        return idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    char extra[48];
+    snprintf(extra, sizeof(extra), " from_balance=%lld", fb - amount);
+    return reply_execution(call, IDEM_OK, extra);
+}
+
+static idem_code order(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_txn *t = idem_call_txn(call);
+    idem_code code;
+    if (t != NULL) {
+        code = count_execution(t, "orders", idem_call_key(call));
+    } else {
+        code = effect_log(call);
+    }
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "order effect failed");
+    }
+    return reply_execution(call, IDEM_OK, "");
+}
+
+static idem_code add(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_code code = effect_log(call);
+    return code != IDEM_OK ? code : reply_execution(call, IDEM_OK, "");
+}
+
+typedef struct serve_opts {
+    const char *listen, *db, *pg, *redis, *effects;
+    uint64_t lease_ms;
+} serve_opts;
+
+static int serve_usage(void)
+{
+    fprintf(stderr, "usage: idemrpc-chaos --serve --listen URL --effects FILE "
+                    "(--db DIR | --pg CONNINFO [--redis URL]) [--lease-ms N]\n");
+    return CLI_USAGE_ERROR;
+}
+
+static bool serve_parse(int argc, char **argv, serve_opts *so)
+{
+    static const struct option longs[] = {
+        {"serve", no_argument, NULL, 'S'},          {"listen", required_argument, NULL, 'l'},
+        {"db", required_argument, NULL, 'd'},       {"pg", required_argument, NULL, 'p'},
+        {"redis", required_argument, NULL, 'r'},    {"effects", required_argument, NULL, 'e'},
+        {"lease-ms", required_argument, NULL, 'L'}, {NULL, 0, NULL, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+        switch (c) {
+        case 'S':
+            break;
+        case 'l':
+            so->listen = optarg;
+            break;
+        case 'd':
+            so->db = optarg;
+            break;
+        case 'p':
+            so->pg = optarg;
+            break;
+        case 'r':
+            so->redis = optarg;
+            break;
+        case 'e':
+            so->effects = optarg;
+            break;
+        case 'L':
+            if (!cli_parse_u64("idemrpc-chaos", "--lease-ms", optarg, 1, 600000, &so->lease_ms)) {
+                return false;
+            }
+            break;
+        default:
+            return false;
+        }
+    }
+    return so->listen != NULL && so->effects != NULL && (so->db != NULL) != (so->pg != NULL);
+}
+
+static idem_code serve_register(idem_server *srv, bool lmdb)
+{
+    unsigned window = lmdb ? 0 : IDEM_METHOD_DEBOUNCE;
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts token = {.flags = IDEM_METHOD_TOKEN_REQUIRED | window |
+                                       (lmdb ? IDEM_METHOD_TRANSACTIONAL : 0)};
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | window};
+    idem_code code;
+    if (lmdb &&
+        (code = idem_server_register(srv, CHAOS_METHOD_TRANSFER, transfer, NULL, &tx)) != IDEM_OK) {
+        return code;
+    }
+    if ((code = idem_server_register(srv, CHAOS_METHOD_ORDER, order, NULL, &token)) != IDEM_OK) {
+        return code;
+    }
+    return idem_server_register(srv, CHAOS_METHOD_ADD, add, NULL, &cached);
+}
+
+int chaos_serve(int argc, char **argv)
+{
+    serve_opts so = {0};
+    idem_server_opts o;
+    idem_server *srv = NULL;
+    idem_store *pg = NULL;
+    idem_debounce *window = NULL;
+    if (!serve_parse(argc, argv, &so)) {
+        return serve_usage();
+    }
+    if ((effects_fd = open(so.effects, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600)) < 0) {
+        perror(so.effects);
+        return 1;
+    }
+    sigset_t term;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &term, NULL);
+
+    idem_server_opts_init(&o);
+    o.lease_ms = so.lease_ms;
+    o.workers = 8;
+    o.sweep_interval_ms = 3600 * 1000; /* the checker reads every record the run wrote */
+    o.db_path = so.db;
+    if (so.pg != NULL &&
+        (idem_store_open_postgres(&pg, so.pg, 8) != IDEM_OK ||
+         (so.redis != NULL && idem_debounce_create(&window, so.redis, 200) != IDEM_OK))) {
+        fprintf(stderr, "chaos server: %s\n", idem_errmsg());
+        return 1;
+    }
+    o.store = pg;
+    o.debounce = window;
+    if (idem_server_create(&srv, &o) != IDEM_OK || serve_register(srv, pg == NULL) != IDEM_OK ||
+        idem_server_listen(srv, so.listen) != IDEM_OK) {
+        fprintf(stderr, "chaos server: %s\n", idem_errmsg());
+        return 1;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    int sig;
+    sigwait(&term, &sig);
+    idem_server_destroy(srv);
+    idem_debounce_destroy(window);
+    if (pg != NULL) {
+        idem_store_close(pg);
+    }
+    close(effects_fd);
+    return 0;
+}
