@@ -1,5 +1,5 @@
 /* Deterministic reproductions of what the fault campaign (bench/chaos*.c) found. Each
- * test states the documented behaviour; it fails until the library does it. */
+ * test states the documented behaviour; each failed before its fix. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>

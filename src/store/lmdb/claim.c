@@ -59,20 +59,22 @@ typedef struct claim_ctx {
     const idem_claim_req *req;
     const rec_key *key;
     idem_claim_outcome *outcome;
-    idem_record *rec; /* may be NULL */
+    idem_record *rec;      /* may be NULL */
+    uint64_t entered_mono; /* when idem_store_claim was called */
 } claim_ctx;
 
-/* Sets the outcome of a claim that acquired (or took over) the record. */
-static void claim_acquired(const claim_ctx *c, bool took_over, uint64_t owner)
+/* Sets the outcome of a claim that acquired (or took over) the record as written (at). */
+static void claim_acquired(const claim_ctx *c, const idem_claim_req *at, bool took_over,
+                           uint64_t owner)
 {
     *c->outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
     if (c->rec != NULL) {
         c->rec->state = IDEM_REC_IN_PROGRESS;
         c->rec->owner = owner;
-        c->rec->first_at_ms = c->req->now_ms;
-        c->rec->lease_until_ms = c->req->lease_until_ms;
-        c->rec->expires_ms = c->req->expires_ms;
-        memcpy(c->rec->fingerprint, c->req->fingerprint, IDEM_FINGERPRINT_LEN);
+        c->rec->first_at_ms = at->now_ms;
+        c->rec->lease_until_ms = at->lease_until_ms;
+        c->rec->expires_ms = at->expires_ms;
+        memcpy(c->rec->fingerprint, at->fingerprint, IDEM_FINGERPRINT_LEN);
     }
 }
 
@@ -120,6 +122,15 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
         }
     }
     bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
+    /* The lease runs from this commit, not from the request: a claim that waited for the
+     * writer (a transactional handler holds it, another process is stopped while holding
+     * it) for longer than its lease would otherwise commit already expired, and the next
+     * duplicate would take over a handler that has only just started. The decisions above
+     * keep the request's time: a late reader errs on the side of "still leased". */
+    uint64_t waited = idem__mono_ms() - c->entered_mono;
+    idem_claim_req at = *req;
+    at.lease_until_ms += waited;
+    at.expires_ms += waited;
     /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
      * token must be valid, and is consumed. */
     if (req->token != NULL && !(took_over && idem__lmdb_rec_token_is(&tok, req->token))) {
@@ -133,10 +144,10 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     if (owner == 0 && (code = next_fence(c->st, txn, &owner)) != IDEM_OK) {
         return code;
     }
-    if ((rc = claim_write(c->st, txn, c->key, req, owner, have_old ? &old : NULL, &tok)) != 0) {
+    if ((rc = claim_write(c->st, txn, c->key, &at, owner, have_old ? &old : NULL, &tok)) != 0) {
         return idem__lmdb_code(rc, "claim put");
     }
-    claim_acquired(c, took_over, owner);
+    claim_acquired(c, &at, took_over, owner);
     return IDEM_OK;
 }
 
@@ -149,7 +160,7 @@ idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_cla
     if (code != IDEM_OK) {
         return code;
     }
-    claim_ctx c = {st, req, &key, outcome, rec};
+    claim_ctx c = {st, req, &key, outcome, rec, idem__mono_ms()};
     return idem__lmdb_write(st, claim_apply, &c);
 }
 

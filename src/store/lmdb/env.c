@@ -148,6 +148,7 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     rc = mdb_dbi_open(txn, "meta", dbi_flags, &st->meta);
     st->has_meta = rc == 0;
+    st->read_only = ro;
     if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
         mdb_txn_abort(txn);
         goto fail;

@@ -54,7 +54,8 @@ typedef struct lmdb_store {
     idem_store base; /* first: the generic store */
     MDB_env *env;
     MDB_dbi records, tokens, expiry, meta;
-    bool has_meta; /* false only for a read-only open of a store older than "meta" */
+    bool has_meta;  /* false only for a read-only open of a store older than "meta" */
+    bool read_only; /* IDEM_STORE_READONLY */
     idem_group_commit gc;
     pthread_mutex_t db_mu; /* guards dbs */
     app_db dbs[IDEM_LMDB_MAX_DBS];

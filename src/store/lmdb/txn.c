@@ -122,7 +122,26 @@ static idem_code dbi_open_apply(MDB_txn *txn, void *arg)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "open database");
 }
 
-/* The handle of a business database for a reader: created by a write of its own. */
+/* A read-only store can only find existing databases: a read txn opens the handle
+ * (LMDB keeps it once the txn commits); st->db_mu keeps other openers out meanwhile. */
+static idem_code dbi_open_read_only(lmdb_store *st, app_db *db)
+{
+    MDB_txn *txn;
+    pthread_mutex_lock(&st->db_mu);
+    int rc = mdb_txn_begin(st->env, NULL, MDB_RDONLY, &txn);
+    if (rc == 0 && (rc = mdb_dbi_open(txn, db->name, 0, &db->dbi)) != 0) {
+        mdb_txn_abort(txn);
+    } else if (rc == 0) {
+        rc = mdb_txn_commit(txn);
+    }
+    pthread_mutex_unlock(&st->db_mu);
+    return rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no such database")
+           : rc != 0          ? idem__lmdb_code(rc, "open database")
+                              : IDEM_OK;
+}
+
+/* The handle of a business database for a reader: created by a write of its own (or,
+ * on a read-only store, found by a read). */
 static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
 {
     dbi_open_args a = {.st = st};
@@ -130,7 +149,8 @@ static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
     if (code != IDEM_OK || app_db_cached(st, a.db.name, dbi)) {
         return code;
     }
-    if ((code = idem__lmdb_write(st, dbi_open_apply, &a)) != IDEM_OK) {
+    code = st->read_only ? dbi_open_read_only(st, &a.db) : idem__lmdb_write(st, dbi_open_apply, &a);
+    if (code != IDEM_OK) {
         return code;
     }
     app_db_cache(st, &a.db);
