@@ -50,6 +50,7 @@ typedef struct entry {
 typedef struct fault {
     uint64_t t;
     long pid;
+    bool stop; /* SIGSTOP (else SIGKILL) */
 } fault;
 
 typedef struct rss_life {
@@ -203,7 +204,8 @@ static void read_fault(const char *line)
     }
     ck.fault_count++;
     if ((strcmp(kind, "kill") == 0 || strcmp(kind, "stop") == 0) && ck.n_faults < MAX_FAULTS) {
-        ck.faults[ck.n_faults++] = (fault){strtoull(t, NULL, 10), atol(pid)};
+        ck.faults[ck.n_faults++] =
+            (fault){strtoull(t, NULL, 10), atol(pid), strcmp(kind, "stop") == 0};
     }
 }
 
@@ -282,7 +284,11 @@ static void read_effects(const chaos_cfg *cfg)
 }
 
 /* Documented at-least-once: the older claim's process was killed or stopped while (or
- * shortly before) its execution, and a takeover ran the call again. */
+ * shortly before) its execution, and a takeover ran the call again. On lmdb a stop of
+ * the OTHER process counts too: stopped while it holds LMDB's writer lock, it stalls
+ * every writer, the live owner's renewals and completion included, so the store takes
+ * no write for a whole lease (README: claim mode is at-least-once when the owner
+ * cannot reach the store for a lease). */
 static bool duplicate_excused(const entry *e, const chaos_cfg *cfg)
 {
     const execution *low = &e->exec[0];
@@ -293,7 +299,9 @@ static bool duplicate_excused(const entry *e, const chaos_cfg *cfg)
     }
     uint64_t window = 3 * cfg->lease_ms + 1000; /* a stop lasts at most 3 leases */
     for (size_t i = 0; i < ck.n_faults; i++) {
-        if (ck.faults[i].pid == low->pid && ck.faults[i].t + window >= low->t &&
+        bool owner = ck.faults[i].pid == low->pid;
+        bool stalled_writer = ck.faults[i].stop && cfg->topology == CHAOS_LMDB;
+        if ((owner || stalled_writer) && ck.faults[i].t + window >= low->t &&
             ck.faults[i].t <= last) {
             return true;
         }
