@@ -10,7 +10,6 @@ secs=${1:-60}
 seed=${2:-16016}
 chaos=build/bench/idemrpc-chaos
 [ -x "$chaos" ] || meson compile -C build
-bash tests/test_chaos_cli.sh "$chaos"
 echo "chaos.sh: seed $seed, $secs s per topology; replay one with:"
 echo "  $chaos --topology lmdb|pg --seconds $secs --seed $seed"
 status=0
