@@ -43,6 +43,7 @@ struct idem_inflight {
     pthread_mutex_t mu;
     pthread_cond_t waker_cv;  /* a park to time sooner, or closing */
     pthread_cond_t keeper_cv; /* a lease to renew sooner, or stopping */
+    uint64_t keeper_wake;     /* when the keeper looks next (monotonic), if asleep */
     pthread_cond_t wait_cv;   /* a generation changed (blocking waiters) */
     bucket buckets[N_BUCKETS];
     size_t n_parked, max_parked;
@@ -240,7 +241,9 @@ static void *keeper_main(void *arg)
         }
         struct timespec ts;
         idem__abs_timespec(&ts, next_wake - now);
+        t->keeper_wake = next_wake;
         pthread_cond_timedwait(&t->keeper_cv, &t->mu, &ts);
+        t->keeper_wake = 0;
     }
     pthread_mutex_unlock(&t->mu);
     return NULL;
@@ -265,7 +268,9 @@ idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64
     k->id = ++t->next_keep_id;
     k->next = t->keeps;
     t->keeps = k;
-    pthread_cond_signal(&t->keeper_cv);
+    if (t->keeper_wake != 0 && k->renew_at < t->keeper_wake) {
+        pthread_cond_signal(&t->keeper_cv); /* only when it would sleep past this one */
+    }
     pthread_mutex_unlock(&t->mu);
     return k;
 }
