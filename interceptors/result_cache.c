@@ -63,7 +63,8 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
 {
     const idem_method_opts *o = &call->method->opts;
     uint64_t now = idem__rt_now_ms(call->rt);
-    uint64_t expires = now + (o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
+    uint64_t expires =
+        idem__add_sat(now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
     uint8_t *buf;
     size_t len;
     idem_code st = idem__encode_call_response(call, false, &buf, &len);
@@ -298,8 +299,8 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     idem_claim_outcome outcome;
     memcpy(req.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN);
     req.now_ms = idem__rt_now_ms(call->rt);
-    req.lease_until_ms = req.now_ms + lease;
-    req.expires_ms = req.lease_until_ms + cfg->result_ttl_ms;
+    req.lease_until_ms = idem__add_sat(req.now_ms, lease);
+    req.expires_ms = idem__add_sat(req.lease_until_ms, cfg->result_ttl_ms);
     code = idem_store_claim(cfg->store, &req, &outcome, &rec);
     if (code != IDEM_OK) {
         bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;

@@ -469,3 +469,19 @@ Test(identity, bad_configuration_is_refused_at_create)
     S.srv = NULL; /* teardown has nothing to stop */
     ipc_dir = NULL;
 }
+
+Test(identity, a_name_with_a_secret_is_never_taken_merely_declared)
+{
+    serve(SIGNED); /* secrets for A and B, verification not required */
+    char out[512];
+    idem_client *a = client(S.url, "A", SECRET_A, NULL), *fake = client(S.url, "A", NULL, NULL);
+    cr_assert_eq(debit(a, "k1", out, sizeof(out), NULL), IDEM_OK, "%s", out);
+    cr_expect_eq(debit(fake, "k1", out, sizeof(out), NULL), IDEM_PERMISSION_DENIED,
+                 "an unsigned \"A\" would share A's records: %s", out);
+    idem_client *other = client(S.url, "nobody-in-particular", NULL, NULL);
+    cr_expect_eq(debit(other, "k1", out, sizeof(out), NULL), IDEM_OK, "%s", out);
+    cr_expect_str_eq(out, "exec=2 caller=nobody-in-particular verified=0");
+    idem_client_close(a);
+    idem_client_close(fake);
+    idem_client_close(other);
+}

@@ -236,3 +236,53 @@ Test(tls, https_with_a_client_certificate_is_its_listeners_caller)
     cr_expect_eq(atomic_load(&executions), 1);
     tu_server_destroy(&s, false);
 }
+
+Test(tls, the_client_checks_the_servers_name_by_default)
+{
+    tu_server s;
+    tls_server(&s, NULL, CA_A, "A");
+    char url[96];
+    snprintf(url, sizeof(url), "tls+tcp://localhost:%d", idem_server_port(s.srv));
+    idem_client_opts o;
+    idem_client *good, *bad;
+    idem_client_opts_init(&o);
+    o.tls_ca_file = p(SERVER_CA);
+    o.tls_cert_key_file = p(CLIENT_A);
+    o.attempt_timeout_ms = 600;
+    o.deadline_ms = 1200;
+    cr_assert_eq(idem_client_open(&good, (const char *[]){url}, 1, &o), IDEM_OK, "%s",
+                 idem_errmsg());
+    o.tls_server_name = "payments.example"; /* not the name in the server's certificate */
+    cr_assert_eq(idem_client_open(&bad, (const char *[]){url}, 1, &o), IDEM_OK, "%s",
+                 idem_errmsg());
+    idem_result r;
+    cr_expect_eq(call_who(good, NULL, "k1", &r), IDEM_OK, "the URL's host: %s", r.message);
+    idem_result_clear(&r);
+    idem_code code = call_who(bad, NULL, "k2", &r);
+    cr_expect(code == IDEM_UNAVAILABLE || code == IDEM_DEADLINE_EXCEEDED,
+              "a certificate for another name: %s", idem_code_name(code));
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&executions), 1);
+    idem_client_close(good);
+    idem_client_close(bad);
+    tu_server_destroy(&s, false);
+}
+
+Test(tls, a_caller_of_a_tls_listener_cannot_be_declared_on_a_plain_one)
+{
+    tu_server s;
+    tls_server(&s, NULL, CA_A, "A");
+    char plain[600];
+    snprintf(plain, sizeof(plain), "ipc://%s/plain.ipc", dir);
+    cr_assert_eq(idem_server_listen(s.srv, plain), IDEM_OK, "%s", idem_errmsg());
+    idem_client *c = tu_client(plain, 3000);
+    idem_result r;
+    cr_expect_eq(call_who(c, "A", "k1", &r), IDEM_PERMISSION_DENIED, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(call_who(c, "somebody-else", "k1", &r), IDEM_OK, "an unprotected name: %s",
+                 r.message);
+    cr_expect_str_eq(r.payload ? r.payload : "", "somebody-else 0 1");
+    idem_result_clear(&r);
+    idem_client_close(c);
+    tu_server_destroy(&s, false);
+}

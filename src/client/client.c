@@ -91,19 +91,39 @@ static idem_code copy_strings(idem_client *c)
     return IDEM_OK;
 }
 
-/* The client side of tls+tcp:// from the options; *out NULL when none is set. */
-static idem_code client_tls(const idem_client_opts *o, nng_tls_config **out)
+/* The host of a tls+tcp://HOST:PORT URL (brackets of an IPv6 literal removed) into
+ * out: the name the server's certificate must carry unless tls_server_name says. */
+static bool url_host(const char *url, char *out, size_t cap)
+{
+    const char *h = strstr(url, "://");
+    h = h != NULL ? h + 3 : url;
+    size_t n = *h == '[' ? strcspn(h + 1, "]") : strcspn(h, ":/");
+    h += *h == '[';
+    if (n == 0 || n >= cap) {
+        return false;
+    }
+    memcpy(out, h, n);
+    out[n] = '\0';
+    return true;
+}
+
+/* The client side of tls+tcp:// for url: the server verified against tls_ca_file and
+ * checked for server_name, this client's certificate when it has one. */
+static idem_code client_tls(const idem_client_opts *o, const char *url, nng_tls_config **out)
 {
     nng_tls_config *cfg;
+    char host[256];
     int rv;
     *out = NULL;
-    if (o->tls_ca_file == NULL && o->tls_cert_key_file == NULL && o->tls_server_name == NULL) {
-        return IDEM_OK;
-    }
     if (o->tls_ca_file == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT,
-                         "TLS needs tls_ca_file: the server's certificate is always verified");
+                         "%s needs tls_ca_file: the server's certificate is always verified", url);
     }
+    const char *name = o->tls_server_name;
+    if (name == NULL && !url_host(url, host, sizeof(host))) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "%s: no host to check the certificate for", url);
+    }
+    name = name != NULL ? name : host;
     if ((rv = nng_tls_config_alloc(&cfg, NNG_TLS_MODE_CLIENT)) != 0) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "TLS config: %s", nng_strerror(rv));
     }
@@ -114,9 +134,9 @@ static idem_code client_tls(const idem_client_opts *o, nng_tls_config **out)
         what = "tls_cert_key_file";
         rv = nng_tls_config_cert_key_file(cfg, o->tls_cert_key_file, NULL);
     }
-    if (rv == 0 && o->tls_server_name != NULL) {
+    if (rv == 0) {
         what = "tls_server_name";
-        rv = nng_tls_config_server_name(cfg, o->tls_server_name);
+        rv = nng_tls_config_server_name(cfg, name);
     }
     if (rv != 0) {
         nng_tls_config_free(cfg);
@@ -126,25 +146,27 @@ static idem_code client_tls(const idem_client_opts *o, nng_tls_config **out)
     return IDEM_OK;
 }
 
-/* Dials url without waiting (the server may start later); over TLS with cfg. */
-static int dial(nng_socket sock, const char *url, nng_tls_config *cfg)
+/* Dials url without waiting (the server may start later); tls+ URLs over TLS. */
+static idem_code dial(nng_socket sock, const char *url, const idem_client_opts *o)
 {
     nng_dialer d;
+    nng_tls_config *cfg = NULL;
+    idem_code code;
     int rv;
     if (strncmp(url, "tls+", 4) != 0) {
-        return nng_dial(sock, url, NULL, NNG_FLAG_NONBLOCK);
-    }
-    if (cfg == NULL) {
-        return NNG_EINVAL; /* a tls+ URL without tls_ca_file */
-    }
-    if ((rv = nng_dialer_create(&d, sock, url)) != 0) {
-        return rv;
-    }
-    if ((rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, cfg)) != 0 ||
-        (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0) {
+        rv = nng_dial(sock, url, NULL, NNG_FLAG_NONBLOCK);
+    } else if ((code = client_tls(o, url, &cfg)) != IDEM_OK) {
+        return code;
+    } else if ((rv = nng_dialer_create(&d, sock, url)) == 0 &&
+               ((rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, cfg)) != 0 ||
+                (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0)) {
         nng_dialer_close(d);
     }
-    return rv;
+    if (cfg != NULL) {
+        nng_tls_config_free(cfg); /* the dialer holds its own reference */
+    }
+    return rv == 0 ? IDEM_OK
+                   : idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s", url, nng_strerror(rv));
 }
 
 idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
@@ -184,24 +206,11 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
         idem_client_close(c);
         return idem__err(IDEM_INTERNAL, "client socket options: %s", nng_strerror(rv));
     }
-    nng_tls_config *tls;
-    if ((code = client_tls(&c->opts, &tls)) != IDEM_OK) {
-        idem_client_close(c);
-        return code;
-    }
     for (size_t i = 0; i < n; i++) {
-        if ((rv = dial(c->sock, urls[i], tls)) != 0) {
-            if (tls != NULL) {
-                nng_tls_config_free(tls);
-            }
+        if ((code = dial(c->sock, urls[i], &c->opts)) != IDEM_OK) {
             idem_client_close(c);
-            return idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s%s", urls[i], nng_strerror(rv),
-                             rv == NNG_EINVAL && tls == NULL ? " (tls+ URLs need tls_ca_file)"
-                                                             : "");
+            return code;
         }
-    }
-    if (tls != NULL) {
-        nng_tls_config_free(tls); /* the dialers hold their own references */
     }
     c->opts.tls_ca_file = c->opts.tls_cert_key_file = c->opts.tls_server_name = NULL;
     *out = c;
@@ -298,15 +307,17 @@ static idem_code sign_attempt(const idem_client *c, const Idem__V1__Request *m,
                               Idem__V1__Request__MetadataEntry **ptrs, size_t *n, char ts[24],
                               char sig[IDEM_SIGNATURE_HEX + 1])
 {
-    const char *meta_key = NULL;
-    for (size_t i = 0; i < *n; i++) {
+    const char *meta_key = NULL, *generated = NULL;
+    for (size_t i = 0; i < *n; i++) { /* the server refuses duplicate names */
         meta_key = strcmp(e[i].key, "idempotency-key") == 0 ? e[i].value : meta_key;
+        generated = strcmp(e[i].key, IDEM_META_KEY_GENERATED) == 0 ? e[i].value : generated;
     }
     uint64_t now = idem__now_ms();
     idem_signed_fields f = {.signer = c->signer,
                             .caller = m->caller,
                             .method = m->method,
                             .key = idem__signed_key(m->idempotency_key, meta_key),
+                            .key_generated = generated,
                             .token = m->token,
                             .payload = m->payload.data,
                             .payload_len = m->payload.len,

@@ -74,6 +74,11 @@ idem_code idem__request_check(const Idem__V1__Request *r)
                          r->n_metadata, IDEM_MAX_METADATA);
     }
     for (size_t i = 0; i < r->n_metadata; i++) {
+        for (size_t j = 0; j < i; j++) { /* one meaning per name: the first and the last agree */
+            if (strcmp(r->metadata[j]->key, r->metadata[i]->key) == 0) {
+                return idem__err(IDEM_INVALID_ARGUMENT, "metadata name repeated");
+            }
+        }
         if ((code = check_string("metadata name", r->metadata[i]->key, IDEM_MAX_METADATA_NAME,
                                  true)) != IDEM_OK ||
             (code = check_string("metadata value", r->metadata[i]->value, IDEM_MAX_METADATA_VALUE,

@@ -32,6 +32,11 @@ uint64_t idem__now_ms(void);  /* CLOCK_REALTIME, unix ms: stored in records */
 uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);
 void idem__sleep_ms(uint64_t ms); /* the whole time, across signals */
+/* a + b, at most UINT64_MAX: a "forever" TTL must not wrap into the past. */
+static inline uint64_t idem__add_sat(uint64_t a, uint64_t b)
+{
+    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
 /* Timed waits run on the monotonic clock, so a wall-clock step (NTP) cannot stretch
  * or cut them: a condition variable made by idem__cond_init, waited on until
  * idem__abs_timespec(wait_ms). */
@@ -68,7 +73,9 @@ bool idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_
 /* What a signature covers. key is the explicit key as sent (idem__signed_key); NULL
  * strings sign as "". */
 typedef struct idem_signed_fields {
-    const char *signer, *caller, *method, *key, *token;
+    /* key_generated: the idem-key-generated metadata as sent ("1" or NULL): it decides
+     * whether a business key may replace the key, so it is signed too. */
+    const char *signer, *caller, *method, *key, *key_generated, *token;
     const void *payload;
     size_t payload_len;
     uint64_t timestamp_ms;

@@ -1,8 +1,9 @@
 /* Signed requests: the one canonical string client and server both sign (README
  * "Security").
  *
- *   idem-sig-v1\n  then, for each of signer, caller, method, key, token, hex SHA-256 of
- *   the payload, timestamp (unix ms, decimal):  <decimal byte length>:<bytes>\n
+ *   idem-sig-v2\n  then, for each of signer, caller, method, key, key-generated flag,
+ *   token, hex SHA-256 of the payload, timestamp (unix ms, decimal):
+ *   <decimal byte length>:<bytes>\n
  *
  * Every field is length-prefixed, so no choice of bytes in one field (a key may hold a
  * newline) can shift text into the next. The MAC is HMAC-SHA256 from libcrypto; the
@@ -15,7 +16,7 @@
 
 #include "internal.h"
 
-#define SIG_VERSION "idem-sig-v1\n"
+#define SIG_VERSION "idem-sig-v2\n"
 
 /* Appends "<len>:<s>\n"; false when cap is too small. */
 static bool put_field(char *buf, size_t cap, size_t *at, const char *s, size_t len)
@@ -47,7 +48,8 @@ bool idem__signature(const char *secret, const idem_signed_fields *f,
     }
     idem__hex(digest_hex, digest, sizeof(digest));
     snprintf(ts, sizeof(ts), "%llu", (unsigned long long)f->timestamp_ms);
-    const char *parts[] = {f->signer, f->caller, f->method, f->key, f->token, digest_hex, ts};
+    const char *parts[] = {f->signer,        f->caller, f->method,  f->key,
+                           f->key_generated, f->token,  digest_hex, ts};
     for (size_t i = 0; i < IDEM_ARRAY_LEN(parts); i++) {
         const char *p = parts[i] != NULL ? parts[i] : "";
         if (!put_field(buf, sizeof(buf), &at, p, strlen(p))) {

@@ -6,6 +6,7 @@
  * writes changes it; every scope (records, tokens, the in-flight table, debounce) reads
  * it through idem_call_caller(). */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,9 @@ typedef struct uid_entry {
     char caller[IDEM_MAX_CALLER + 1];
 } uid_entry;
 
+#define MAX_TLS_CALLERS 64
+#define MAX_WINDOW_MS (24 * 3600 * 1000ull)
+
 struct idem_identity {
     secret_entry *secrets;
     size_t n_secrets;
@@ -32,6 +36,10 @@ struct idem_identity {
     size_t n_uids;
     uint64_t window_ms;
     bool require_verified;
+    /* Callers of TLS listeners, added at listen (append-only: a name is written, then
+     * the count published, so readers on nng's threads need no lock). */
+    char tls_callers[MAX_TLS_CALLERS][IDEM_MAX_CALLER + 1];
+    atomic_size_t n_tls_callers;
 };
 
 /* A caller name as the wire allows it: 1..IDEM_MAX_CALLER bytes, no control character. */
@@ -123,8 +131,9 @@ static idem_code copy_uids(idem_identity *id, const idem_server_opts *o)
 idem_code idem__identity_create(idem_identity **out, const idem_server_opts *opts)
 {
     *out = NULL;
-    if (opts->n_caller_secrets == 0 && opts->n_ipc_callers == 0 && !opts->require_verified_caller) {
-        return IDEM_OK;
+    if (opts->signature_window_ms > MAX_WINDOW_MS) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "signature_window_ms: at most %llu (a day)",
+                         (unsigned long long)MAX_WINDOW_MS);
     }
     idem_identity *id = calloc(1, sizeof(*id));
     if (id == NULL) {
@@ -233,6 +242,7 @@ static idem_code check_signature(const idem_identity *id, idem_call *call, const
         .caller = r->caller,
         .method = r->method,
         .key = idem__signed_key(r->idempotency_key, idem_call_metadata(call, "idempotency-key")),
+        .key_generated = idem_call_metadata(call, IDEM_META_KEY_GENERATED),
         .token = r->token,
         .payload = r->payload.data,
         .payload_len = r->payload.len,
@@ -259,8 +269,8 @@ static idem_code verify_signed(const idem_identity *id, idem_call *call, const c
     const char *caller = call->req->caller;
     char q1[260], q2[260];
     *verified = NULL;
-    if (sig == NULL && ts == NULL && signer == NULL) {
-        return IDEM_OK;
+    if ((sig == NULL && ts == NULL && signer == NULL) || id->n_secrets == 0) {
+        return IDEM_OK; /* unsigned, or no secrets here: a signature means nothing */
     }
     if (sig == NULL || ts == NULL) {
         return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_UNAUTHENTICATED,
@@ -288,6 +298,39 @@ static idem_code verify_signed(const idem_identity *id, idem_call *call, const c
     return code;
 }
 
+idem_code idem__identity_add_tls_caller(idem_identity *id, const char *caller)
+{
+    size_t n = atomic_load(&id->n_tls_callers);
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(id->tls_callers[i], caller) == 0) {
+            return IDEM_OK;
+        }
+    }
+    if (n == MAX_TLS_CALLERS) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d TLS callers", MAX_TLS_CALLERS);
+    }
+    snprintf(id->tls_callers[n], sizeof(id->tls_callers[n]), "%s", caller);
+    atomic_store(&id->n_tls_callers, n + 1); /* listens are serialised by the server */
+    return IDEM_OK;
+}
+
+/* A name some verified source speaks for: nobody may merely declare it. */
+static bool protected_name(const idem_identity *id, const char *name)
+{
+    size_t n = atomic_load(&((idem_identity *)id)->n_tls_callers);
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(id->tls_callers[i], name) == 0) {
+            return true;
+        }
+    }
+    for (size_t i = 0; i < id->n_uids; i++) {
+        if (strcmp(id->uids[i].caller, name) == 0) {
+            return true;
+        }
+    }
+    return find_secret(id, name) != NULL;
+}
+
 /* The caller the transport vouches for: a TLS listener's verified client, a mapped
  * ipc uid. */
 static const char *transport_caller(const idem_identity *id, const idem_peer *peer)
@@ -304,19 +347,30 @@ idem_code idem__identity_resolve(const idem_identity *id, const idem_peer *peer,
     const char *verified = transport_caller(id, peer);
     char q1[260], q2[260];
     idem_code code;
-    if (id == NULL && verified == NULL) {
-        return IDEM_OK; /* self-declared: trusted network only */
+    if (peer != NULL && peer->transport_unverified) {
+        return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_UNAUTHENTICATED,
+                            "this TLS connection's client certificate could not be confirmed as "
+                            "verified; reconnect");
     }
     if (verified == NULL && (code = verify_signed(id, call, &verified)) != IDEM_OK) {
         return code;
     }
+    if (verified == NULL && id->require_verified) {
+        return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_UNAUTHENTICATED,
+                            "this server serves verified callers only: connect over ipc:// as a "
+                            "mapped uid or over TLS, or sign the request (idem-signature and "
+                            "idem-timestamp; README \"Security\")");
+    }
+    if (verified == NULL && declared[0] != '\0' && protected_name(id, declared)) {
+        /* A name a secret, a uid or a TLS listener speaks for is never taken on trust:
+         * otherwise an unverified connection would share that caller's records. */
+        return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_PERMISSION_DENIED,
+                            "caller \"%s\" is verified on this server: connect or sign as it "
+                            "(README \"Security\")",
+                            quoted(q1, declared));
+    }
     if (verified == NULL) {
-        return id->require_verified
-                   ? idem__reject(call, IDEM_REASON_IDENTITY, IDEM_UNAUTHENTICATED,
-                                  "this server serves verified callers only: connect over ipc:// "
-                                  "as a mapped uid, or sign the request (idem-signature and "
-                                  "idem-timestamp; README \"Security\")")
-                   : IDEM_OK;
+        return IDEM_OK; /* self-declared: trusted network only */
     }
     if (declared[0] != '\0' && strcmp(declared, verified) != 0) {
         return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_PERMISSION_DENIED,

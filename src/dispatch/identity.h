@@ -12,15 +12,20 @@ typedef struct idem_peer {
     uint64_t uid;
     /* The caller of a TLS listener whose client certificate verified; "" otherwise. */
     char tls_caller[IDEM_MAX_CALLER + 1];
+    /* The frame came through a TLS listener, but the pipe's verification could not be
+     * read (or said no): the call is refused, never taken as self-declared. */
+    bool transport_unverified;
 } idem_peer;
 
 /* The server's identity configuration, copied from idem_server_opts (the caller's
  * arrays are not retained); read-only after creation. */
 typedef struct idem_identity idem_identity;
 
-/* *out = NULL when nothing is configured (today's self-declared caller). Refuses
- * out-of-bound secrets, empty or over-long names and duplicates with INVALID_ARGUMENT. */
+/* Refuses out-of-bound secrets, empty or over-long names, duplicates and a window over
+ * a day with INVALID_ARGUMENT. With nothing configured, callers stay self-declared. */
 idem_code idem__identity_create(idem_identity **out, const idem_server_opts *opts);
+/* A TLS listener's caller: from now on it is never accepted merely declared. */
+idem_code idem__identity_add_tls_caller(idem_identity *id, const char *caller);
 void idem__identity_destroy(idem_identity *id);
 
 /* Sets call->caller and call->caller_verified, in this order of trust:

@@ -124,13 +124,18 @@ static void tls_peer(idem_nng_front *f, nng_pipe p, idem_peer *peer)
 {
     bool verified = false;
     uint32_t lid = (uint32_t)nng_listener_id(nng_pipe_listener(p));
-    if (nng_pipe_get_bool(p, NNG_OPT_TLS_VERIFIED, &verified) != 0 || !verified) {
-        return;
-    }
+    const char *caller = NULL;
     pthread_mutex_lock(&f->tls_mu);
-    for (size_t i = 0; i < f->n_tls; i++) {
-        if (f->tls[i].listener_id == lid) {
-            snprintf(peer->tls_caller, sizeof(peer->tls_caller), "%s", f->tls[i].caller);
+    for (size_t i = 0; i < f->n_tls && caller == NULL; i++) {
+        caller = f->tls[i].listener_id == lid ? f->tls[i].caller : NULL;
+    }
+    if (caller != NULL) {
+        /* Fail closed: a pipe of a TLS listener whose verification cannot be read (it
+         * closed meanwhile) is not taken as a self-declared caller. */
+        if (nng_pipe_get_bool(p, NNG_OPT_TLS_VERIFIED, &verified) == 0 && verified) {
+            snprintf(peer->tls_caller, sizeof(peer->tls_caller), "%s", caller);
+        } else {
+            peer->transport_unverified = true;
         }
     }
     pthread_mutex_unlock(&f->tls_mu);
@@ -277,7 +282,7 @@ static idem_code tls_remember(idem_nng_front *f, nng_listener l, const idem_tls_
 }
 
 /* Sets a required-client-certificate TLS configuration on l. */
-static idem_code tls_configure(idem_nng_front *f, nng_listener l, const idem_tls_listener *tls)
+static idem_code tls_configure(nng_listener l, const idem_tls_listener *tls)
 {
     nng_tls_config *cfg;
     idem_code code = idem__tls_server_config(&cfg, tls);
@@ -286,7 +291,7 @@ static idem_code tls_configure(idem_nng_front *f, nng_listener l, const idem_tls
     }
     int rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, cfg);
     nng_tls_config_free(cfg); /* the listener holds its own reference */
-    return rv != 0 ? nng_fail(rv, "set NNG_OPT_TLS_CONFIG") : tls_remember(f, l, tls);
+    return rv != 0 ? nng_fail(rv, "set NNG_OPT_TLS_CONFIG") : IDEM_OK;
 }
 
 idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_tls_listener *tls)
@@ -297,13 +302,17 @@ idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_
     if ((rv = nng_listener_create(&l, f->sock, url)) != 0) {
         return nng_fail(rv, url);
     }
-    if (tls != NULL && (code = tls_configure(f, l, tls)) != IDEM_OK) {
+    if (tls != NULL && (code = tls_configure(l, tls)) != IDEM_OK) {
         nng_listener_close(l);
         return code;
     }
     if ((rv = nng_listener_start(l, 0)) != 0) {
         nng_listener_close(l);
         return nng_fail(rv, url);
+    }
+    if (tls != NULL && (code = tls_remember(f, l, tls)) != IDEM_OK) { /* only once started */
+        nng_listener_close(l);
+        return code;
     }
     if (f->port == 0 && (strncmp(url, "tcp", 3) == 0 || strncmp(url, "tls+tcp", 7) == 0)) {
         int port = 0;

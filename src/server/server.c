@@ -15,6 +15,7 @@
 #include "call.h"
 #include "dispatch.h"
 #include "http_front.h"
+#include "identity.h"
 #include "nng_front.h"
 #include "server_internal.h"
 #include "store.h"
@@ -488,13 +489,21 @@ idem_code idem_server_listen(idem_server *srv, const char *url)
     return listen_nng(srv, url, NULL);
 }
 
+/* The listener's caller is verified from now on: never accepted merely declared. */
+static idem_code tls_caller(idem_server *srv, const idem_tls_listener *tls)
+{
+    return tls->caller != NULL ? idem__identity_add_tls_caller(srv->identity, tls->caller)
+                               : IDEM_OK;
+}
+
 idem_code idem_server_listen_tls(idem_server *srv, const char *url, const idem_tls_listener *tls)
 {
     if (tls == NULL || strncmp(url, "tls+tcp", 7) != 0) {
         return idem__err(IDEM_INVALID_ARGUMENT,
                          "a TLS listener needs a tls+tcp:// URL and options");
     }
-    return listen_nng(srv, url, tls);
+    idem_code code = tls_caller(srv, tls);
+    return code != IDEM_OK ? code : listen_nng(srv, url, tls);
 }
 
 int idem_server_port(const idem_server *srv)
@@ -533,7 +542,8 @@ idem_code idem_server_listen_https(idem_server *srv, const char *url, const idem
         return idem__err(IDEM_INVALID_ARGUMENT,
                          "an HTTPS listener needs an https:// URL and options");
     }
-    return listen_http(srv, url, tls);
+    idem_code code = tls_caller(srv, tls);
+    return code != IDEM_OK ? code : listen_http(srv, url, tls);
 }
 
 int idem_server_http_port(const idem_server *srv)

@@ -129,8 +129,8 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
      * keep the request's time: a late reader errs on the side of "still leased". */
     uint64_t waited = idem__mono_ms() - c->entered_mono;
     idem_claim_req at = *req;
-    at.lease_until_ms += waited;
-    at.expires_ms += waited;
+    at.lease_until_ms = idem__add_sat(at.lease_until_ms, waited);
+    at.expires_ms = idem__add_sat(at.expires_ms, waited);
     /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
      * token must be valid, and is consumed. */
     if (req->token != NULL && !(took_over && idem__lmdb_rec_token_is(&tok, req->token))) {
