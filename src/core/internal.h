@@ -32,6 +32,24 @@ uint64_t idem__now_ms(void);  /* CLOCK_REALTIME, unix ms: stored in records */
 uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);
 void idem__sleep_ms(uint64_t ms); /* the whole time, across signals */
+
+/* Big-endian u64: byte order = numeric order, so keys built with it sort by number. */
+static inline void idem__put_be64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) {
+        p[i] = (uint8_t)(v >> (56 - 8 * i));
+    }
+}
+
+static inline uint64_t idem__get_be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) {
+        v = (v << 8) | p[i];
+    }
+    return v;
+}
+
 /* a + b, at most UINT64_MAX: a "forever" TTL must not wrap into the past. */
 static inline uint64_t idem__add_sat(uint64_t a, uint64_t b)
 {

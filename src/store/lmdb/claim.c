@@ -17,16 +17,12 @@ static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
     }
     int rc = mdb_get(txn, st->meta, &k, &v);
     if (rc == 0 && v.mv_size == 8) {
-        for (int i = 0; i < 8; i++) {
-            last = last << 8 | ((const uint8_t *)v.mv_data)[i];
-        }
+        last = idem__get_be64(v.mv_data);
     } else if (rc != 0 && rc != MDB_NOTFOUND) {
         return idem__lmdb_code(rc, "fence get");
     }
     *out = last + 1;
-    for (int i = 0; i < 8; i++) {
-        b[i] = (uint8_t)(*out >> (56 - 8 * i));
-    }
+    idem__put_be64(b, *out);
     v = (MDB_val){8, b};
     rc = mdb_put(txn, st->meta, &k, &v, 0);
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");

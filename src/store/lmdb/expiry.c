@@ -11,9 +11,7 @@
 static int index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
 {
     uint8_t digest[32];
-    for (int i = 0; i < 8; i++) {
-        out[i] = (uint8_t)(expires >> (56 - 8 * i));
-    }
+    idem__put_be64(out, expires);
     if (!idem__sha256((const void *const[]){name}, (const size_t[]){len}, 1, digest)) {
         return ENOMEM;
     }

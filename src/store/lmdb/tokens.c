@@ -62,9 +62,7 @@ static int token_store(lmdb_store *st, MDB_txn *txn, const char *token, size_t t
 void idem__lmdb_rec_token_make(rec_token *t, const char *token, uint64_t expires_ms)
 {
     size_t tl = strlen(token);
-    for (int i = 0; i < 8; i++) {
-        t->bytes[i] = (uint8_t)(expires_ms >> (56 - 8 * i));
-    }
+    idem__put_be64(t->bytes, expires_ms);
     memcpy(t->bytes + 8, token, tl);
     t->len = 8 + tl;
 }
@@ -90,12 +88,8 @@ int idem__lmdb_rec_token_restore(lmdb_store *st, MDB_txn *txn, const rec_key *ke
     if (t->len == 0) {
         return 0;
     }
-    uint64_t expires = 0;
-    for (int i = 0; i < 8; i++) {
-        expires = expires << 8 | t->bytes[i];
-    }
     int rc = token_store(st, txn, (const char *)t->bytes + 8, t->len - 8, (const char *)key->bytes,
-                         expires); /* the caller leads the key */
+                         idem__get_be64(t->bytes)); /* the caller leads the key */
     return rc == MDB_KEYEXIST ? 0 : rc;
 }
 
