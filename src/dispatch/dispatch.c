@@ -61,31 +61,27 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
                     rt);
     out->call.fast_only = fast_only;
     out->call.parkable = parkable;
-    /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
-    if (idem__identity_resolve(d->cfg.identity, peer, &out->call) != IDEM_OK) {
-        idem__random_hex(out->call.request_id, 16);
-        return true;
-    }
     uint64_t deadline = out->req->deadline_unix_ms;
-    if (deadline != 0 && deadline <= idem__rt_now_ms(rt)) {
+    /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
+    bool identified = idem__identity_resolve(d->cfg.identity, peer, &out->call) == IDEM_OK;
+    if (identified && deadline != 0 && deadline <= idem__rt_now_ms(rt)) {
         /* Nobody waits for the answer any more: run nothing, claim nothing. */
-        idem__random_hex(out->call.request_id, 16);
         idem__reject(&out->call, IDEM_REASON_DEADLINE, IDEM_DEADLINE_EXCEEDED,
                      "deadline passed before the call started (deadline_unix_ms %llu)",
                      (unsigned long long)deadline);
-        return true;
+    } else if (identified) {
+        idem_call_next(&out->call, (idem_next){d->cfg.chain, 0});
+        if (out->call.suspend == IDEM__SUSPEND_DEFER) {
+            idem__call_fini(&out->call);
+            idem__free_request(out->req);
+            out->req = NULL;
+            return false;
+        }
+        if (out->call.suspend == IDEM__SUSPEND_PARK) {
+            return false;
+        }
     }
-    idem_call_next(&out->call, (idem_next){d->cfg.chain, 0});
-    if (out->call.suspend == IDEM__SUSPEND_DEFER) {
-        idem__call_fini(&out->call);
-        idem__free_request(out->req);
-        out->req = NULL;
-        return false;
-    }
-    if (out->call.suspend == IDEM__SUSPEND_PARK) {
-        return false;
-    }
-    if (out->call.request_id[0] == '\0') { /* a chain without request_id */
+    if (out->call.request_id[0] == '\0') { /* refused before request_id ran, or no request_id */
         idem__random_hex(out->call.request_id, 16);
     }
     answer_key(&out->call);
