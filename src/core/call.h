@@ -211,6 +211,10 @@ bool idem__fingerprint(const char *method, const void *payload, size_t len, uint
  * exactly one '/', neither side empty. INVALID_ARGUMENT (idem_errmsg) otherwise. The
  * same rule for the wire (idem__request_check) and idem_server_register. */
 idem_code idem__method_name_check(const char *method);
+/* The wire's rule for a configured caller name (a secret's, a uid's, a TLS listener's):
+ * 1..IDEM_MAX_CALLER bytes of UTF-8 without control characters, as a request's caller
+ * must be. */
+bool idem__caller_name_ok(const char *caller);
 
 /* Validates the envelope fields of a request (bounds, UTF-8, method shape): the one
  * check both fronts use. Field names in messages name the HTTP header too. */

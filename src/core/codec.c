@@ -54,6 +54,13 @@ idem_code idem__method_name_check(const char *m)
                           "method must look like \"package.Service/Method\"");
 }
 
+bool idem__caller_name_ok(const char *caller)
+{
+    return caller != NULL && caller[0] != '\0' &&
+           check_string("caller", caller, IDEM_MAX_CALLER, true) == IDEM_OK &&
+           check_printable("caller", caller) == IDEM_OK;
+}
+
 idem_code idem__request_check(const Idem__V1__Request *r)
 {
     idem_code code;

@@ -42,21 +42,6 @@ struct idem_identity {
     atomic_size_t n_tls_callers;
 };
 
-/* A caller name as the wire allows it: 1..IDEM_MAX_CALLER bytes, no control character. */
-static bool caller_name_ok(const char *s)
-{
-    size_t len = s != NULL ? strlen(s) : 0;
-    if (len == 0 || len > IDEM_MAX_CALLER || !idem__utf8_valid(s, len)) {
-        return false;
-    }
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p < 0x20 || *p == 0x7f) {
-            return false;
-        }
-    }
-    return true;
-}
-
 static idem_code copy_secrets(idem_identity *id, const idem_server_opts *o)
 {
     if (o->n_caller_secrets > IDEM_MAX_CALLER_SECRETS) {
@@ -70,7 +55,7 @@ static idem_code copy_secrets(idem_identity *id, const idem_server_opts *o)
     for (size_t i = 0; i < o->n_caller_secrets; i++) {
         const idem_caller_secret *s = &o->caller_secrets[i];
         size_t len = s->secret != NULL ? strlen(s->secret) : 0;
-        if (!caller_name_ok(s->caller)) {
+        if (!idem__caller_name_ok(s->caller)) {
             return idem__err(IDEM_INVALID_ARGUMENT,
                              "caller secret %zu: the caller must be 1..%d "
                              "printable bytes",
@@ -109,7 +94,7 @@ static idem_code copy_uids(idem_identity *id, const idem_server_opts *o)
     }
     for (size_t i = 0; i < o->n_ipc_callers; i++) {
         const idem_ipc_caller *u = &o->ipc_callers[i];
-        if (!caller_name_ok(u->caller)) {
+        if (!idem__caller_name_ok(u->caller)) {
             return idem__err(IDEM_INVALID_ARGUMENT,
                              "ipc caller %zu: the caller must be 1..%d "
                              "printable bytes",

@@ -1,6 +1,5 @@
 /* TLS for the fronts: nng's mbedtls-backed configuration, server side, with required
  * client certificates, so that a connection exists only for a client the CA signed. */
-#include <string.h>
 
 #include "tls.h"
 
@@ -10,10 +9,10 @@ idem_code idem__tls_server_config(nng_tls_config **out, const idem_tls_listener 
     int rv;
     *out = NULL;
     if (tls == NULL || tls->cert_key_file == NULL || tls->client_ca_file == NULL ||
-        tls->caller == NULL || tls->caller[0] == '\0' || strlen(tls->caller) > IDEM_MAX_CALLER) {
+        !idem__caller_name_ok(tls->caller)) {
         return idem__err(IDEM_INVALID_ARGUMENT,
                          "a TLS listener needs cert_key_file, client_ca_file and a caller of "
-                         "1..%d bytes",
+                         "1..%d printable bytes",
                          IDEM_MAX_CALLER);
     }
     if ((rv = nng_tls_config_alloc(&cfg, NNG_TLS_MODE_SERVER)) != 0) {
