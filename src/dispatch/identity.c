@@ -248,14 +248,17 @@ static idem_code check_signature(const idem_identity *id, idem_call *call, const
 /* A signed request's verified caller into *verified (NULL when unsigned). */
 static idem_code verify_signed(const idem_identity *id, idem_call *call, const char **verified)
 {
+    *verified = NULL;
+    if (id->n_secrets == 0) {
+        return IDEM_OK; /* no secrets here: a signature means nothing (and costs nothing) */
+    }
     const char *sig = idem_call_metadata(call, IDEM_META_SIGNATURE);
     const char *ts = idem_call_metadata(call, IDEM_META_TIMESTAMP);
     const char *signer = idem_call_metadata(call, IDEM_META_SIGNER);
     const char *caller = call->req->caller;
     char q1[260], q2[260];
-    *verified = NULL;
-    if ((sig == NULL && ts == NULL && signer == NULL) || id->n_secrets == 0) {
-        return IDEM_OK; /* unsigned, or no secrets here: a signature means nothing */
+    if (sig == NULL && ts == NULL && signer == NULL) {
+        return IDEM_OK; /* unsigned */
     }
     if (sig == NULL || ts == NULL) {
         return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_UNAUTHENTICATED,
