@@ -63,8 +63,7 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
 {
     const idem_method_opts *o = &call->method->opts;
     uint64_t now = idem__rt_now_ms(call->rt);
-    uint64_t expires =
-        idem__add_sat(now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
+    uint64_t expires = idem__add_sat(now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
     uint8_t *buf;
     size_t len;
     idem_code st = idem__encode_call_response(call, false, &buf, &len);
@@ -74,7 +73,7 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
         }
         return st;
     }
-    st = txn != NULL ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires)
+    st = txn != NULL ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires, now)
                      : idem__store_complete_at(cfg->store, key, owner, buf, len, expires, now);
     free(buf);
     return st;
@@ -157,24 +156,47 @@ static bool released_code(const idem_call *call, idem_code code)
            (code == IDEM_INVALID_ARGUMENT && !o->store_invalid_argument);
 }
 
-/* Runs the handler as the claim owner and records the outcome. */
+/* Ends a handler txn whose handler did not answer OK: a transient code rolls it back
+ * (when the claim is in it, that frees the key; else the claim is released); a final
+ * one loses the business writes but records itself, in the txn when the claim is in it. */
+static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
+                                uint64_t owner, idem_txn *txn, bool claimed_in_txn, bool released)
+{
+    idem_code st;
+    if (!claimed_in_txn) {
+        idem__store_txn_abort(txn); /* business writes vanish; the claim is committed */
+        return record_retrying(call, cfg, key, owner, !released);
+    }
+    if (released) {
+        idem__store_txn_abort(txn); /* the claim goes with the writes */
+        return IDEM_OK;
+    }
+    if ((st = idem__store_txn_undo(txn)) != IDEM_OK) {
+        idem__store_txn_abort(txn);
+        return st;
+    }
+    return record_result(call, cfg, key, owner, txn);
+}
+
+/* Runs the handler as the claim owner and records the outcome. txn is the handler txn
+ * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL. */
 static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
                            const idem_key_ref *key, uint64_t owner,
-                           const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
+                           const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], idem_txn *txn)
 {
     const idem_method_opts *o = &call->method->opts;
     bool transactional = (o->flags & IDEM_METHOD_TRANSACTIONAL) != 0;
+    bool claimed_in_txn = txn != NULL;
     uint32_t bucket = idem__inflight_bucket(key);
-    idem_txn *txn = NULL;
     idem_keep *keep = NULL;
     idem_code code, st;
 
-    if (transactional && (st = idem__store_txn_begin(cfg->store, &txn)) != IDEM_OK) {
+    if (transactional && txn == NULL && (st = idem__store_txn_begin(cfg->store, &txn)) != IDEM_OK) {
         idem_store_release(cfg->store, key, owner);
         idem__inflight_notify(call->rt->inflight, bucket);
         return idem__reject(call, IDEM_REASON_STORE, st, "%s", idem_errmsg());
     }
-    if (!transactional) { /* a handler txn holds the writer lock: nobody can take over */
+    if (!transactional) { /* a handler txn holds its claim: nobody can take over */
         uint64_t lease = o->lease_ms ? o->lease_ms : cfg->lease_ms;
         keep = idem__inflight_keep(call->rt->inflight, key, owner, lease,
                                    o->max_run_ms ? o->max_run_ms : cfg->max_run_ms);
@@ -183,18 +205,13 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     call->fence = owner;
     code = idem_call_next(call, next);
     call->txn = NULL;
-    if (released_code(call, code)) {
-        if (txn != NULL) {
-            idem__store_txn_abort(txn); /* business writes vanish with the claim */
-        }
-        st = record_retrying(call, cfg, key, owner, false);
-    } else if (txn != NULL && code == IDEM_OK) {
+    bool released = released_code(call, code);
+    if (txn != NULL && code == IDEM_OK && !released) {
         st = record_result(call, cfg, key, owner, txn); /* effect and record together */
+    } else if (txn != NULL) {
+        st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
     } else {
-        if (txn != NULL) {
-            idem__store_txn_abort(txn); /* a final error has no effect, only its record */
-        }
-        st = record_retrying(call, cfg, key, owner, true);
+        st = record_retrying(call, cfg, key, owner, !released);
     }
     /* Renewed until now: recording may retry through a store outage for longer than a
      * lease, and a lapse would let another instance take over and run it again. */
@@ -205,8 +222,10 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     }
     if (transactional) {
         /* Nothing committed: not the effect, not the record. Say so, and free the key. */
-        idem_store_release(cfg->store, key, owner);
-        idem__inflight_notify(call->rt->inflight, bucket);
+        if (!claimed_in_txn) {
+            idem_store_release(cfg->store, key, owner);
+            idem__inflight_notify(call->rt->inflight, bucket);
+        }
         return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", idem_errmsg());
     }
     if (st == IDEM_ABORTED) {
@@ -265,6 +284,28 @@ static idem_code wait_for_owner(idem_call *call, const idem_cache_cfg *cfg, idem
     return IDEM_OK;
 }
 
+/* The claim: in a handler txn of its own (*txn) for a transactional method on a store
+ * that claims there, else committed on its own. */
+static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const idem_claim_req *req,
+                       idem_txn **txn, idem_claim_outcome *outcome, idem_record *rec)
+{
+    idem_code code;
+    *txn = NULL;
+    if (!(call->method->opts.flags & IDEM_METHOD_TRANSACTIONAL) ||
+        !idem__store_has(cfg->store, IDEM__STORE_CAP_TXN_CLAIM)) {
+        return idem_store_claim(cfg->store, req, outcome, rec);
+    }
+    memset(rec, 0, sizeof(*rec));
+    if ((code = idem__store_txn_begin(cfg->store, txn)) != IDEM_OK) {
+        return code;
+    }
+    if ((code = idem__store_txn_claim(*txn, req, outcome, rec)) != IDEM_OK) {
+        idem__store_txn_abort(*txn);
+        *txn = NULL;
+    }
+    return code;
+}
+
 /* One look at the store and, unless a live lease says wait, one claim. Returns an
  * answer, or IDEM_OK with *wait set. */
 static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
@@ -301,17 +342,22 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     req.now_ms = idem__rt_now_ms(call->rt);
     req.lease_until_ms = idem__add_sat(req.now_ms, lease);
     req.expires_ms = idem__add_sat(req.lease_until_ms, cfg->result_ttl_ms);
-    code = idem_store_claim(cfg->store, &req, &outcome, &rec);
+    idem_txn *txn = NULL;
+    code = claim(call, cfg, &req, &txn, &outcome, &rec);
     if (code != IDEM_OK) {
         bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;
         return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
                             idem_errmsg());
     }
+    bool owned = outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER;
+    if (txn != NULL && !owned) {
+        idem__store_txn_abort(txn);
+    }
     switch (outcome) {
     case IDEM_CLAIM_ACQUIRED:
     case IDEM_CLAIM_TAKEN_OVER:
         call->token_to_consume = NULL;
-        code = run_owned(call, next, cfg, key, rec.owner, fingerprint);
+        code = run_owned(call, next, cfg, key, rec.owner, fingerprint, txn);
         break;
     case IDEM_CLAIM_COMPLETED:
         code = replay(call, &rec);

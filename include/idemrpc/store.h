@@ -115,6 +115,21 @@ IDEM_API idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_
 IDEM_API idem_code idem_store_open_postgres(idem_store **out, const char *conninfo,
                                             size_t pool_size);
 
+typedef struct idem_pg_opts {
+    size_t pool_size; /* connections; 0 = 1. A transactional handler holds one while it runs */
+    /* By default completions and releases are announced (NOTIFY idem_done, sent at
+     * commit) and each store LISTENs on its own connection, so a duplicate waiting on
+     * this instance for a call running on another wakes at once; without the
+     * announcements (or while the listening connection is down) it re-reads every
+     * 20..200 ms. Set for engines without LISTEN/NOTIFY (CockroachDB) or a pooler in
+     * transaction mode; every instance should agree. */
+    bool no_notify;
+} idem_pg_opts;
+
+/* idem_store_open_postgres with options; opts may be NULL (defaults). */
+IDEM_API idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
+                                               const idem_pg_opts *opts);
+
 IDEM_API void idem_store_close(idem_store *st);
 
 /* "lmdb" or "postgres". */

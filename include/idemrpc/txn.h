@@ -1,19 +1,34 @@
 /* Transactional handlers: the business write and the idempotency record commit in ONE
- * LMDB transaction.
+ * transaction, on either store.
  *
  * A method registered with IDEM_METHOD_TRANSACTIONAL runs its handler inside a write
- * transaction on the store's LMDB env. The handler reads and writes its own named
- * databases through idem_call_txn(); when it returns IDEM_OK, the COMPLETED record is
- * written into the same transaction and both commit together. A crash before the
- * commit leaves neither (the claim's lease then lets a retry run it again, and since
- * the effect never happened that is still exactly once). Any other code rolls the
- * business writes back: a final error (FAILED_PRECONDITION, ...) is recorded and
- * replayed without an effect, a transient one also releases the claim.
+ * transaction of the store. The handler reads and writes business key-value data
+ * through idem_call_txn() and idem_txn_* (the same code on both stores), and on
+ * PostgreSQL may run its own SQL on the transaction's connection (idem_txn_pg_conn).
+ * When it returns IDEM_OK, the COMPLETED record is written into the same transaction
+ * and both commit together. A crash before the commit leaves neither, and a retry runs
+ * it again: since the effect never happened that is still exactly once. Any other code
+ * rolls the business writes back: a final error (FAILED_PRECONDITION, ...) is recorded
+ * and replayed without an effect, a transient one also frees the key.
  *
- * Trade-off: LMDB has one writer per env, so transactional handlers of one store run
- * one at a time (keep them short: no network calls inside). Methods whose effect lives
- * elsewhere use the plain claim mode (IDEM_METHOD_CACHED): at-least-once after a crash
- * past the lease, exactly-once otherwise. */
+ * LMDB: the claim commits first, then the handler's txn holds the env's one writer
+ * lock, so transactional handlers of one store run one at a time (keep them short: no
+ * network calls inside). A crash leaves the claim until its lease ends.
+ *
+ * PostgreSQL: the claim itself is in the handler's transaction (BEGIN; claim; handler;
+ * record; COMMIT), at READ COMMITTED, the server's default. A duplicate on any instance
+ * does not block on it: it waits (holding no connection) and replays the result when
+ * the transaction commits. A crash, or a lost connection, rolls everything back at
+ * once: the next retry runs without waiting for a lease. idem_txn_* data lives in the
+ * table idem_kv(db, k, v); a read locks the row (SELECT ... FOR UPDATE semantics, for
+ * absent keys too), so read-modify-write sequences of concurrent handlers on the same
+ * keys serialise instead of losing updates, and a deadlock between two handlers ends
+ * one of them with IDEM_UNAVAILABLE (retried by the client, nothing committed).
+ * Transactions run in parallel, one pool connection each: size the pool to the server's
+ * workers.
+ *
+ * Methods whose effect lives elsewhere use the plain claim mode (IDEM_METHOD_CACHED):
+ * at-least-once after a crash past the lease, exactly-once otherwise. */
 #ifndef IDEMRPC_TXN_H
 #define IDEMRPC_TXN_H
 
@@ -42,6 +57,15 @@ IDEM_API idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, si
 IDEM_API idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
                                 const void *val, size_t vlen);
 IDEM_API idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
+
+/* The PostgreSQL connection of a handler transaction on the PostgreSQL store, NULL
+ * otherwise. Run the business SQL of the handler on it (it is inside the transaction
+ * that will hold the record: READ COMMITTED, with the claim already made). Do not
+ * COMMIT, ROLLBACK, or change the isolation level: the server ends the transaction.
+ * A failed statement aborts the transaction: return its error code (IDEM_UNAVAILABLE for
+ * serialization failures and deadlocks, so that the client retries). Valid only during
+ * the handler; the type is libpq's PGconn (include <libpq-fe.h>). */
+IDEM_API struct pg_conn *idem_txn_pg_conn(idem_txn *t);
 
 /* Reads a business value outside a handler (own read txn); *val is malloc'd. */
 IDEM_API idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, size_t klen,

@@ -119,6 +119,12 @@ void idem__store_txn_abort(idem_txn *t);
 /* Commits the business writes alone (no idempotency record); frees t. */
 idem_code idem__store_txn_commit(idem_txn *t);
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
-                                          const void *response, size_t len, uint64_t expires_ms);
+                                          const void *response, size_t len, uint64_t expires_ms,
+                                          uint64_t now_ms);
+/* Stores with IDEM__STORE_CAP_TXN_CLAIM (store.h): the claim inside t (rec always
+ * initialised); then, for a final error, undo the handler's writes but keep the claim. */
+idem_code idem__store_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                                idem_record *rec);
+idem_code idem__store_txn_undo(idem_txn *t);
 
 #endif

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "inflight.h"
+#include "store.h"
 
 #define N_BUCKETS 1024
 #define IDLE_MS 1000 /* the waker's longest sleep */
@@ -53,6 +54,7 @@ struct idem_inflight {
     bool stopping; /* no more renewals (idem__inflight_destroy) */
     pthread_t waker, keeper;
     bool waker_started, keeper_started;
+    bool watching; /* hears the store's completion announcements */
     idem_runtime *rt;
     idem_store *store; /* where leases are renewed */
     void (*resume)(void *arg, idem_job *job);
@@ -61,17 +63,12 @@ struct idem_inflight {
 
 uint32_t idem__inflight_bucket(const idem_key_ref *key)
 {
-    uint32_t h = 2166136261u; /* FNV-1a over caller \0 method \0 key */
-    const char *parts[] = {key->caller != NULL ? key->caller : "", key->method, key->key};
-    for (size_t i = 0; i < 3; i++) {
-        for (const unsigned char *p = (const unsigned char *)parts[i];; p++) {
-            h = (h ^ *p) * 16777619u;
-            if (*p == '\0') {
-                break;
-            }
-        }
-    }
-    return h % N_BUCKETS;
+    return idem__inflight_bucket_of(idem__key_hash(key));
+}
+
+uint32_t idem__inflight_bucket_of(uint32_t key_hash)
+{
+    return key_hash % N_BUCKETS;
 }
 
 uint64_t idem__inflight_gen(idem_inflight *t, uint32_t b)
@@ -291,6 +288,12 @@ void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)
     free(k);
 }
 
+/* A completion or release committed in another process (the store's announcement). */
+static void heard(void *arg, uint32_t key_hash)
+{
+    idem__inflight_notify(arg, idem__inflight_bucket_of(key_hash));
+}
+
 idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_store *store,
                                 size_t max_parked, void (*resume)(void *arg, idem_job *job),
                                 void *resume_arg)
@@ -314,6 +317,12 @@ idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_stor
         idem__inflight_destroy(t);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the in-flight threads");
     }
+    idem_code code = idem__store_watch(store, heard, t);
+    if (code != IDEM_OK) {
+        idem__inflight_destroy(t);
+        return code;
+    }
+    t->watching = true;
     *out = t;
     return IDEM_OK;
 }
@@ -322,6 +331,10 @@ idem_job *idem__inflight_close(idem_inflight *t)
 {
     idem_job *all = NULL;
     size_t n = 0;
+    if (t->watching) { /* first: an announcement may be arriving on the store's thread */
+        idem__store_unwatch(t->store, heard, t);
+        t->watching = false;
+    }
     pthread_mutex_lock(&t->mu);
     t->closed = true;
     for (size_t b = 0; b < N_BUCKETS; b++) {

@@ -19,6 +19,8 @@ idem_job *idem__inflight_close(idem_inflight *t);
 void idem__inflight_destroy(idem_inflight *t);
 
 uint32_t idem__inflight_bucket(const idem_key_ref *key);
+/* The bucket of an idem__key_hash (a store's completion announcement). */
+uint32_t idem__inflight_bucket_of(uint32_t key_hash);
 /* Read before the store read that decides to wait. */
 uint64_t idem__inflight_gen(idem_inflight *t, uint32_t bucket);
 

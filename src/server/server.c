@@ -413,8 +413,7 @@ static idem_code method_guard_check(const idem_server *srv, const idem_method *m
     }
     if ((f & IDEM_METHOD_TRANSACTIONAL) && !idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
         return idem__err(IDEM_FAILED_PRECONDITION,
-                         "%s is transactional: that needs the LMDB store (one with "
-                         "handler transactions), not %s",
+                         "%s is transactional: the %s store has no handler transactions",
                          m->name, idem_store_backend(srv->store));
     }
     return IDEM_OK;

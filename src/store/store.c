@@ -17,6 +17,21 @@ idem_code idem__key_check(const idem_key_ref *ref)
     return IDEM_OK;
 }
 
+uint32_t idem__key_hash(const idem_key_ref *key)
+{
+    uint32_t h = 2166136261u;
+    const char *parts[] = {key->caller != NULL ? key->caller : "", key->method, key->key};
+    for (size_t i = 0; i < 3; i++) {
+        for (const unsigned char *p = (const unsigned char *)parts[i];; p++) {
+            h = (h ^ *p) * 16777619u;
+            if (*p == '\0') {
+                break;
+            }
+        }
+    }
+    return h;
+}
+
 static idem_code token_check(const char *token, const char *scope)
 {
     size_t tl = token != NULL ? strlen(token) : 0;
@@ -169,24 +184,118 @@ idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
     return st->ops->txn_begin(st, out);
 }
 
+static const idem_store_ops *ops_of(const idem_txn *t)
+{
+    return ((const idem_txn_head *)t)->ops;
+}
+
 void idem__store_txn_abort(idem_txn *t)
 {
-    ((const idem_txn_head *)t)->ops->txn_abort(t);
+    ops_of(t)->txn_abort(t);
 }
 
 idem_code idem__store_txn_commit(idem_txn *t)
 {
-    return ((const idem_txn_head *)t)->ops->txn_commit(t);
+    return ops_of(t)->txn_commit(t);
 }
 
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
-                                          const void *response, size_t len, uint64_t expires_ms)
+                                          const void *response, size_t len, uint64_t expires_ms,
+                                          uint64_t now_ms)
 {
     idem_code code = idem__key_check(ref);
     if (code != IDEM_OK) {
         idem__store_txn_abort(t);
         return code;
     }
-    return ((const idem_txn_head *)t)
-        ->ops->txn_complete_commit(t, ref, owner, response, len, expires_ms);
+    return ops_of(t)->txn_complete_commit(t, ref, owner, response, len, expires_ms, now_ms);
+}
+
+idem_code idem__store_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                                idem_record *rec)
+{
+    memset(rec, 0, sizeof(*rec));
+    idem_code code = idem__key_check(&req->key);
+    if (code == IDEM_OK && req->token != NULL &&
+        token_check(req->token, req->key.caller) != IDEM_OK) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
+    }
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (ops_of(t)->txn_claim == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "the %s store claims outside handler txns",
+                         ops_of(t)->name);
+    }
+    if ((code = ops_of(t)->txn_claim(t, req, outcome, rec)) != IDEM_OK) {
+        idem_record_clear(rec);
+    }
+    return code;
+}
+
+idem_code idem__store_txn_undo(idem_txn *t)
+{
+    return ops_of(t)->txn_undo(t);
+}
+
+/* ---- business key-value data (txn.h), on backends with IDEM__STORE_CAP_TXN ---- */
+
+idem_code idem__app_check(const char *db, size_t klen)
+{
+    size_t n = db != NULL ? strlen(db) : 0;
+    if (n == 0 || n > IDEM_MAX_DB_NAME) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "database name must be 1..%d bytes",
+                         IDEM_MAX_DB_NAME);
+    }
+    if (klen == 0 || klen > IDEM__APP_MAX_KEY) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "key must be 1..%d bytes", IDEM__APP_MAX_KEY);
+    }
+    return IDEM_OK;
+}
+
+idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen, const void **val,
+                       size_t *vlen)
+{
+    idem_code code = idem__app_check(db, klen);
+    return code != IDEM_OK ? code : ops_of(t)->txn_get(t, db, key, klen, val, vlen);
+}
+
+idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen, const void *val,
+                       size_t vlen)
+{
+    idem_code code = idem__app_check(db, klen);
+    return code != IDEM_OK ? code : ops_of(t)->txn_put(t, db, key, klen, val, vlen);
+}
+
+idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen)
+{
+    idem_code code = idem__app_check(db, klen);
+    return code != IDEM_OK ? code : ops_of(t)->txn_del(t, db, key, klen);
+}
+
+idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, size_t klen,
+                             void **val, size_t *vlen)
+{
+    *val = NULL;
+    *vlen = 0;
+    idem_code code = idem__app_check(db, klen);
+    if (code == IDEM_OK && !idem__store_has(st, IDEM__STORE_CAP_TXN)) {
+        code =
+            idem__err(IDEM_UNIMPLEMENTED, "the %s store has no business databases", st->ops->name);
+    }
+    return code != IDEM_OK ? code : st->ops->app_get(st, db, key, klen, val, vlen);
+}
+
+/* ---- completion announcements ---- */
+
+idem_code idem__store_watch(idem_store *st, idem__store_watch_fn fn, void *arg)
+{
+    return idem__store_has(st, IDEM__STORE_CAP_WATCH) ? st->ops->watch(st, fn, arg) : IDEM_OK;
+}
+
+void idem__store_unwatch(idem_store *st, idem__store_watch_fn fn, void *arg)
+{
+    if (idem__store_has(st, IDEM__STORE_CAP_WATCH)) {
+        st->ops->unwatch(st, fn, arg);
+    }
 }

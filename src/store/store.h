@@ -12,7 +12,17 @@ enum idem__store_caps {
     IDEM__STORE_CAP_TXN = 1u << 0,
     /* get never blocks for long (a local read): safe on nng's callback thread. */
     IDEM__STORE_CAP_NONBLOCKING_READ = 1u << 1,
+    /* A transactional call claims its key inside its handler txn (txn_claim): the
+     * claim, the business writes and the record commit together, and a claim whose
+     * session dies vanishes with it. Without it the claim is committed first. */
+    IDEM__STORE_CAP_TXN_CLAIM = 1u << 2,
+    /* Completions in other processes are announced (watch): waiters wake at once. */
+    IDEM__STORE_CAP_WATCH = 1u << 3,
 };
+
+/* Called with the idem__key_hash of a key whose record was completed or released, in
+ * any process sharing the store; from the store's own thread. */
+typedef void (*idem__store_watch_fn)(void *arg, uint32_t key_hash);
 
 /* Every backend's idem_txn starts with this, so that store.c finds the backend. */
 typedef struct idem_txn_head {
@@ -44,8 +54,28 @@ typedef struct idem_store_ops {
     void (*txn_abort)(idem_txn *t);
     idem_code (*txn_commit)(idem_txn *t);
     idem_code (*txn_complete_commit)(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
-                                     const void *response, size_t len, uint64_t expires_ms);
+                                     const void *response, size_t len, uint64_t expires_ms,
+                                     uint64_t now_ms);
+    idem_code (*txn_get)(idem_txn *t, const char *db, const void *key, size_t klen,
+                         const void **val, size_t *vlen);
+    idem_code (*txn_put)(idem_txn *t, const char *db, const void *key, size_t klen, const void *val,
+                         size_t vlen);
+    idem_code (*txn_del)(idem_txn *t, const char *db, const void *key, size_t klen);
+    idem_code (*app_get)(idem_store *st, const char *db, const void *key, size_t klen, void **val,
+                         size_t *vlen);
+    /* IDEM__STORE_CAP_TXN_CLAIM only. The claim inside t; IDEM_CLAIM_IN_PROGRESS also
+     * when another session holds the key in its own handler txn (never waits for it). */
+    idem_code (*txn_claim)(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                           idem_record *rec);
+    /* Undoes every write since the claim, keeping the claim: a final error is then
+     * recorded in t without the handler's effect. */
+    idem_code (*txn_undo)(idem_txn *t);
+    /* IDEM__STORE_CAP_WATCH only. At most IDEM__STORE_MAX_WATCH watchers. */
+    idem_code (*watch)(idem_store *st, idem__store_watch_fn fn, void *arg);
+    void (*unwatch)(idem_store *st, idem__store_watch_fn fn, void *arg);
 } idem_store_ops;
+
+#define IDEM__STORE_MAX_WATCH 8
 
 struct idem_store {
     const idem_store_ops *ops;
@@ -63,5 +93,18 @@ idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint6
                                   uint64_t now_ms);
 idem_code idem__store_token_put_at(idem_store *st, const char *token, const char *scope,
                                    uint64_t expires_ms, uint64_t now_ms);
+
+/* The bounds of a business key-value access (idem_txn_*, idem_store_app_get). */
+#define IDEM__APP_MAX_KEY 511
+idem_code idem__app_check(const char *db, size_t klen);
+
+/* FNV-1a over caller \0 method \0 key: the in-flight buckets and the stores'
+ * completion announcements use it. */
+uint32_t idem__key_hash(const idem_key_ref *key);
+
+/* Watching a store that cannot announce completions is a no-op (IDEM_OK): its waiters
+ * re-read on their timers. */
+idem_code idem__store_watch(idem_store *st, idem__store_watch_fn fn, void *arg);
+void idem__store_unwatch(idem_store *st, idem__store_watch_fn fn, void *arg);
 
 #endif

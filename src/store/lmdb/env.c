@@ -205,4 +205,8 @@ const idem_store_ops idem__lmdb_ops = {
     .txn_abort = idem__lmdb_txn_abort,
     .txn_commit = idem__lmdb_txn_commit,
     .txn_complete_commit = idem__lmdb_txn_complete_commit,
+    .txn_get = idem__lmdb_txn_get,
+    .txn_put = idem__lmdb_txn_put,
+    .txn_del = idem__lmdb_txn_del,
+    .app_get = idem__lmdb_app_get,
 };

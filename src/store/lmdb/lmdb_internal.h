@@ -154,7 +154,15 @@ idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
 idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out);
 void idem__lmdb_txn_abort(idem_txn *t);
 idem_code idem__lmdb_txn_commit(idem_txn *t);
+idem_code idem__lmdb_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
+                             const void **val, size_t *vlen);
+idem_code idem__lmdb_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
+                             const void *val, size_t vlen);
+idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
+idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, size_t klen,
+                             void **val, size_t *vlen);
 idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
-                                         const void *response, size_t len, uint64_t expires_ms);
+                                         const void *response, size_t len, uint64_t expires_ms,
+                                         uint64_t now_ms);
 
 #endif

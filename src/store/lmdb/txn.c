@@ -17,12 +17,6 @@ static idem_code nested_write(void)
                      "inside it, not another store write");
 }
 
-/* The LMDB store behind base, or NULL for another backend. */
-static lmdb_store *lmdb_of(idem_store *base)
-{
-    return base != NULL && base->ops == &idem__lmdb_ops ? (lmdb_store *)base : NULL;
-}
-
 /* Every write outside a handler txn goes through the group committer. */
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx)
 {
@@ -44,13 +38,9 @@ struct idem_txn {
     size_t n_opened;
 };
 
+/* store.c checked the name's length (idem__app_check). */
 static idem_code app_db_name(const char *db, char name[APP_DB_NAME])
 {
-    size_t n = db != NULL ? strlen(db) : 0;
-    if (n == 0 || n > IDEM_MAX_DB_NAME) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "database name must be 1..%d bytes",
-                         IDEM_MAX_DB_NAME);
-    }
     snprintf(name, APP_DB_NAME, "app.%s", db);
     return IDEM_OK;
 }
@@ -199,8 +189,10 @@ idem_code idem__lmdb_txn_commit(idem_txn *t)
 }
 
 idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
-                                         const void *response, size_t len, uint64_t expires_ms)
+                                         const void *response, size_t len, uint64_t expires_ms,
+                                         uint64_t now_ms)
 {
+    (void)now_ms; /* LMDB keeps the callers' absolute times */
     idem_code code = idem__lmdb_complete_in(t->st, t->txn, ref, owner, response, len, expires_ms);
     if (code != IDEM_OK) {
         idem__lmdb_txn_abort(t);
@@ -209,17 +201,15 @@ idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, u
     return idem__lmdb_txn_commit(t);
 }
 
+/* store.c checked the key's length (idem__app_check). */
 static idem_code app_key(const void *key, size_t klen, MDB_val *k)
 {
-    if (klen == 0 || klen > 511) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "key must be 1..511 bytes");
-    }
     *k = (MDB_val){klen, (void *)key};
     return IDEM_OK;
 }
 
-idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen, const void **val,
-                       size_t *vlen)
+idem_code idem__lmdb_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
+                             const void **val, size_t *vlen)
 {
     MDB_dbi dbi;
     MDB_val k, v;
@@ -238,8 +228,8 @@ idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen
     return IDEM_OK;
 }
 
-idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen, const void *val,
-                       size_t vlen)
+idem_code idem__lmdb_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
+                             const void *val, size_t vlen)
 {
     MDB_dbi dbi;
     MDB_val k, v = {vlen, (void *)val};
@@ -251,7 +241,7 @@ idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, size_t klen
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "put");
 }
 
-idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen)
+idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_t klen)
 {
     MDB_dbi dbi;
     MDB_val k;
@@ -266,20 +256,15 @@ idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "del");
 }
 
-idem_code idem_store_app_get(idem_store *base, const char *db, const void *key, size_t klen,
+idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                              void **val, size_t *vlen)
 {
-    lmdb_store *st = lmdb_of(base);
-    if (st == NULL) {
-        return idem__err(IDEM_UNIMPLEMENTED, "business databases need the LMDB store");
-    }
+    lmdb_store *st = (lmdb_store *)base;
     MDB_txn *txn;
     MDB_dbi dbi;
     MDB_val k, v;
     idem_code code;
     int rc;
-    *val = NULL;
-    *vlen = 0;
     if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = store_dbi(st, db, &dbi)) != IDEM_OK) {
         return code;
     }

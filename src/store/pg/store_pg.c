@@ -13,50 +13,18 @@
  * expired-lease takeover or a token consumption is decided under the row lock, in the
  * same transaction. Completion and release are conditional on (key, owner, state).
  * Connection failures map to UNAVAILABLE, so the client's retryer carries calls across
- * a database restart; statements are prepared once per connection. */
-#include <libpq-fe.h>
-#include <pthread.h>
-#include <stdio.h>
+ * a database restart; statements are prepared once per connection.
+ *
+ * Completions and releases announce themselves (NOTIFY PG_CHANNEL, sent at commit) so
+ * that waiters in other instances wake at once (listen.c); handler transactions and the
+ * business key-value table are in txn.c. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "store.h"
+#include "pg_internal.h"
 
 #define POOL_WAIT_MS 5000
 #define FOREACH_PAGE 500
-
-typedef struct pg_conn {
-    PGconn *c;
-    bool busy;
-} pg_conn;
-
-typedef struct pg_store {
-    idem_store base; /* first */
-    char *conninfo;
-    pthread_mutex_t mu;
-    pthread_cond_t cv; /* a connection was returned */
-    pg_conn *pool;
-    size_t n;
-} pg_store;
-
-enum stmt {
-    S_CLAIM_INSERT,
-    S_CLAIM_LOCK,
-    S_CLAIM_TAKE,
-    S_TOKEN_TAKE,
-    S_TOKEN_KEEP,
-    S_COMPLETE,
-    S_RELEASE,
-    S_RENEW,
-    S_GET,
-    S_DELETE,
-    S_SWEEP_RECORDS,
-    S_SWEEP_TOKENS,
-    S_TOKEN_PUT,
-    S_STATS,
-    S_PAGE,
-    S_COUNT
-};
 
 #define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 #define REC_COLS                                                                                   \
@@ -67,6 +35,11 @@ enum stmt {
 #define CLAIM_RETURNING                                                                            \
     " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW ", token"
 #define KEEP_IF_TAKEOVER(col) " " col " = CASE WHEN state = 1 THEN " col " END"
+/* Ends a statement whose CTE d holds the changed rows: the count of d, and a NOTIFY
+ * with the payload in param when d is not empty and param is not "". */
+#define ANNOUNCE(param)                                                                            \
+    ", n AS (SELECT pg_notify('" PG_CHANNEL "', " param ") FROM d WHERE " param " <> '' LIMIT 1)"  \
+    " SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM n)"
 
 static const char *const stmt_sql[S_COUNT] = {
     [S_CLAIM_INSERT] =
@@ -85,15 +58,17 @@ static const char *const stmt_sql[S_COUNT] = {
     [S_TOKEN_TAKE] = "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms, " DBNOW,
     [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
                      " WHERE " KEY_WHERE,
-    [S_COMPLETE] = "UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
-                   " + $6::bigint, token = NULL, token_scope = NULL, token_expires_ms = NULL"
-                   " WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
+    /* $7: the announcement's payload, "" for none (ANNOUNCE). */
+    [S_COMPLETE] =
+        "WITH d AS (UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
+        " + $6::bigint, token = NULL, token_scope = NULL, token_expires_ms = NULL"
+        " WHERE " KEY_WHERE " AND owner = $4 AND state = 1 RETURNING 1)" ANNOUNCE("$7"),
     /* The consumed token goes back in the same statement (one transaction). */
-    [S_RELEASE] = "WITH d AS (DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND"
-                  " state = 1 RETURNING token, token_scope, token_expires_ms), t AS (INSERT INTO"
-                  " idem_tokens (token, scope, expires_ms) SELECT token, token_scope,"
-                  " token_expires_ms FROM d WHERE token IS NOT NULL ON CONFLICT DO NOTHING)"
-                  " SELECT count(*) FROM d",
+    [S_RELEASE] =
+        "WITH d AS (DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND"
+        " state = 1 RETURNING token, token_scope, token_expires_ms), t AS (INSERT INTO"
+        " idem_tokens (token, scope, expires_ms) SELECT token, token_scope,"
+        " token_expires_ms FROM d WHERE token IS NOT NULL ON CONFLICT DO NOTHING)" ANNOUNCE("$5"),
     [S_RENEW] = "UPDATE idem_records SET lease_until_ms = " DBNOW " + $5::bigint, expires_ms ="
                 " GREATEST(expires_ms, " DBNOW " + $5::bigint) WHERE " KEY_WHERE
                 " AND owner = $4 AND state = 1",
@@ -103,12 +78,25 @@ static const char *const stmt_sql[S_COUNT] = {
                         " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
     [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE ctid IN (SELECT ctid FROM idem_tokens"
                        " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
+    /* The empty rows reads leave behind (txn.c); a row locked by a live transaction is
+     * waited for, and one it has changed since is no longer in the list. */
+    [S_SWEEP_KV] = "DELETE FROM idem_kv WHERE ctid IN (SELECT ctid FROM idem_kv WHERE v IS NULL"
+                   " LIMIT $1)",
     [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, " DBNOW
                     " + $3::bigint) ON CONFLICT DO NOTHING",
     [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"
                 " (WHERE state = 2), (SELECT count(*) FROM idem_tokens) FROM idem_records",
     [S_PAGE] = "SELECT caller, method, key, " REC_COLS " FROM idem_records WHERE (caller,"
                " method, key) > ($1, $2, $3) ORDER BY caller, method, key LIMIT 500",
+    /* txn.c */
+    [S_TRY_LOCK] = "SELECT pg_try_advisory_xact_lock($1::bigint)",
+    [S_NOTIFY] = "SELECT pg_notify('" PG_CHANNEL "', $1)",
+    [S_KV_LOCK] = "INSERT INTO idem_kv (db, k) VALUES ($1, $2) ON CONFLICT (db, k) DO UPDATE"
+                  " SET v = idem_kv.v RETURNING v",
+    [S_KV_PUT] = "INSERT INTO idem_kv (db, k, v) VALUES ($1, $2, $3) ON CONFLICT (db, k) DO UPDATE"
+                 " SET v = EXCLUDED.v",
+    [S_KV_DEL] = "DELETE FROM idem_kv WHERE db = $1 AND k = $2",
+    [S_KV_READ] = "SELECT v FROM idem_kv WHERE db = $1 AND k = $2 AND v IS NOT NULL",
 };
 
 /* Idempotent; run on every new connection (before preparing statements), serialised
@@ -126,13 +114,14 @@ static const char schema_sql[] =
     "CREATE INDEX IF NOT EXISTS idem_tokens_expires ON idem_tokens (expires_ms);"
     "ALTER TABLE idem_records ADD COLUMN IF NOT EXISTS token text,"
     " ADD COLUMN IF NOT EXISTS token_scope text, ADD COLUMN IF NOT EXISTS token_expires_ms bigint;"
-    "CREATE SEQUENCE IF NOT EXISTS idem_fence;";
-
-static const idem_store_ops pg_ops;
+    "CREATE SEQUENCE IF NOT EXISTS idem_fence;"
+    "CREATE TABLE IF NOT EXISTS idem_kv ("
+    " db text NOT NULL, k bytea NOT NULL, v bytea, PRIMARY KEY (db, k));"
+    "CREATE INDEX IF NOT EXISTS idem_kv_empty ON idem_kv (db) WHERE v IS NULL;";
 
 /* Maps a failed result (or a dead connection) to a code: connection trouble and
  * serialisation conflicts are transient (UNAVAILABLE), a full disk RESOURCE_EXHAUSTED. */
-static idem_code pg_fail(PGconn *c, PGresult *r, const char *what)
+idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
 {
     const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
     const char *msg = r != NULL ? PQresultErrorMessage(r) : PQerrorMessage(c);
@@ -158,7 +147,7 @@ static idem_code pg_prepare(PGconn *c)
         snprintf(name, sizeof(name), "s%d", i);
         PGresult *r = PQprepare(c, name, stmt_sql[i], 0, NULL);
         if (PQresultStatus(r) != PGRES_COMMAND_OK) {
-            return pg_fail(c, r, "prepare");
+            return idem__pg_fail(c, r, "prepare");
         }
         PQclear(r);
     }
@@ -171,7 +160,7 @@ static void ignore_notice(void *arg, const char *message)
 }
 
 /* (Re)connects a pool slot and prepares the statements. */
-static idem_code pg_connect(pg_store *st, pg_conn *pc)
+static idem_code pg_connect(pg_store *st, pool_slot *pc)
 {
     if (pc->c != NULL && PQstatus(pc->c) == CONNECTION_OK) {
         return IDEM_OK;
@@ -189,8 +178,8 @@ static idem_code pg_connect(pg_store *st, pg_conn *pc)
     }
     PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
     PGresult *r = PQexec(pc->c, schema_sql);
-    idem_code code =
-        PQresultStatus(r) == PGRES_COMMAND_OK ? (PQclear(r), IDEM_OK) : pg_fail(pc->c, r, "schema");
+    idem_code code = PQresultStatus(r) == PGRES_COMMAND_OK ? (PQclear(r), IDEM_OK)
+                                                           : idem__pg_fail(pc->c, r, "schema");
     if (code == IDEM_OK) {
         code = pg_prepare(pc->c);
     }
@@ -201,7 +190,7 @@ static idem_code pg_connect(pg_store *st, pg_conn *pc)
     return code;
 }
 
-static idem_code pool_get(pg_store *st, pg_conn **out)
+idem_code idem__pg_pool_get(pg_store *st, pool_slot **out)
 {
     struct timespec ts;
     idem__abs_timespec(&ts, POOL_WAIT_MS);
@@ -230,8 +219,12 @@ static idem_code pool_get(pg_store *st, pg_conn **out)
     }
 }
 
-static void pool_put(pg_store *st, pg_conn *pc)
+void idem__pg_pool_put(pg_store *st, pool_slot *pc)
 {
+    if (pc->c != NULL && PQtransactionStatus(pc->c) != PQTRANS_IDLE) {
+        PQfinish(pc->c); /* reconnected by the next idem__pg_pool_get */
+        pc->c = NULL;
+    }
     pthread_mutex_lock(&st->mu);
     pc->busy = false;
     pthread_cond_signal(&st->cv);
@@ -240,66 +233,33 @@ static void pool_put(pg_store *st, pg_conn *pc)
 
 /* ---- statements ---- */
 
-typedef struct pg_args {
-    const char *v[8];
-    int len[8], fmt[8], n;
-    char num[8][24];
-} pg_args;
-
-static void arg_text(pg_args *a, const char *s)
-{
-    a->v[a->n] = s;
-    a->len[a->n] = 0;
-    a->fmt[a->n++] = 0;
-}
-
-static void arg_i64(pg_args *a, uint64_t x)
-{
-    snprintf(a->num[a->n], sizeof(a->num[0]), "%lld", (long long)x); /* bigint is signed */
-    arg_text(a, a->num[a->n]);
-}
-
-static void arg_bytes(pg_args *a, const void *p, size_t n)
-{
-    a->v[a->n] = p != NULL ? p : "";
-    a->len[a->n] = (int)n;
-    a->fmt[a->n++] = 1;
-}
-
-static void arg_key(pg_args *a, const idem_key_ref *k)
-{
-    arg_text(a, k->caller != NULL ? k->caller : "");
-    arg_text(a, k->method);
-    arg_text(a, k->key);
-}
-
 /* Runs prepared statement s on connection c, with binary results; NULL (and *code)
  * on failure. */
-static PGresult *exec_prepared(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
-                               idem_code *code)
+PGresult *idem__pg_exec(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
+                        idem_code *code)
 {
     char name[8];
     snprintf(name, sizeof(name), "s%d", (int)s);
     PGresult *r = PQexecPrepared(c, name, a != NULL ? a->n : 0, a != NULL ? a->v : NULL,
                                  a != NULL ? a->len : NULL, a != NULL ? a->fmt : NULL, 1);
     if (PQresultStatus(r) != want) {
-        *code = pg_fail(c, r, stmt_sql[s]);
+        *code = idem__pg_fail(c, r, stmt_sql[s]);
         return NULL;
     }
     return r;
 }
 
-static idem_code exec_simple(PGconn *c, const char *sql)
+idem_code idem__pg_exec_simple(PGconn *c, const char *sql)
 {
     PGresult *r = PQexec(c, sql);
     if (PQresultStatus(r) != PGRES_COMMAND_OK) {
-        return pg_fail(c, r, sql);
+        return idem__pg_fail(c, r, sql);
     }
     PQclear(r);
     return IDEM_OK;
 }
 
-static int64_t col_i64(const PGresult *r, int row, int col)
+int64_t idem__pg_col_i64(const PGresult *r, int row, int col)
 {
     const unsigned char *p = (const unsigned char *)PQgetvalue(r, row, col);
     uint64_t v = 0;
@@ -326,13 +286,13 @@ static idem_code row_record(const PGresult *r, int row, int off, idem_record *re
     }
     rec->state = (idem_record_state)state;
     memcpy(rec->fingerprint, PQgetvalue(r, row, off + 1), IDEM_FINGERPRINT_LEN);
-    rec->owner = (uint64_t)col_i64(r, row, off + 2);
-    rec->lease_until_ms = (uint64_t)col_i64(r, row, off + 3);
-    rec->first_at_ms = (uint64_t)col_i64(r, row, off + 4);
-    rec->expires_ms = (uint64_t)col_i64(r, row, off + 5);
+    rec->owner = (uint64_t)idem__pg_col_i64(r, row, off + 2);
+    rec->lease_until_ms = (uint64_t)idem__pg_col_i64(r, row, off + 3);
+    rec->first_at_ms = (uint64_t)idem__pg_col_i64(r, row, off + 4);
+    rec->expires_ms = (uint64_t)idem__pg_col_i64(r, row, off + 5);
     size_t n = PQgetisnull(r, row, off + 6) ? 0 : (size_t)PQgetlength(r, row, off + 6);
     rec->response_len = n;
-    rec->now_ms = (uint64_t)col_i64(r, row, off + 7);
+    rec->now_ms = (uint64_t)idem__pg_col_i64(r, row, off + 7);
     if (want && n > 0) {
         if ((rec->response = malloc(n)) == NULL) {
             return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -351,7 +311,7 @@ static idem_code token_take(PGconn *c, const char *token, const char *scope, uin
     pg_args a = {0};
     idem_code code;
     arg_text(&a, token);
-    PGresult *r = exec_prepared(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -359,10 +319,10 @@ static idem_code token_take(PGconn *c, const char *token, const char *scope, uin
         code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown or already used");
     } else if (strcmp(PQgetvalue(r, 0, 0), scope != NULL ? scope : "") != 0) {
         code = idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
-    } else if (col_i64(r, 0, 1) <= col_i64(r, 0, 2)) {
+    } else if (idem__pg_col_i64(r, 0, 1) <= idem__pg_col_i64(r, 0, 2)) {
         code = idem__err(IDEM_FAILED_PRECONDITION, "token expired");
     } else {
-        *expires_ms = (uint64_t)col_i64(r, 0, 1);
+        *expires_ms = (uint64_t)idem__pg_col_i64(r, 0, 1);
         code = IDEM_OK;
     }
     PQclear(r);
@@ -391,7 +351,7 @@ static idem_code token_take_keep(PGconn *c, const idem_claim_req *req, const pg_
     arg_text(&k, req->token);
     arg_text(&k, req->key.caller != NULL ? req->key.caller : "");
     arg_i64(&k, expires);
-    PGresult *r = exec_prepared(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK, &code);
+    PGresult *r = idem__pg_exec(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK, &code);
     if (r != NULL) {
         PQclear(r);
     }
@@ -403,11 +363,11 @@ static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_recor
 {
     memset(rec, 0, sizeof(*rec));
     rec->state = IDEM_REC_IN_PROGRESS;
-    rec->owner = (uint64_t)col_i64(r, 0, 0);
-    rec->lease_until_ms = (uint64_t)col_i64(r, 0, 1);
-    rec->first_at_ms = (uint64_t)col_i64(r, 0, 2);
-    rec->expires_ms = (uint64_t)col_i64(r, 0, 3);
-    rec->now_ms = (uint64_t)col_i64(r, 0, 4);
+    rec->owner = (uint64_t)idem__pg_col_i64(r, 0, 0);
+    rec->lease_until_ms = (uint64_t)idem__pg_col_i64(r, 0, 1);
+    rec->first_at_ms = (uint64_t)idem__pg_col_i64(r, 0, 2);
+    rec->expires_ms = (uint64_t)idem__pg_col_i64(r, 0, 3);
+    rec->now_ms = (uint64_t)idem__pg_col_i64(r, 0, 4);
     memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
 }
 
@@ -420,7 +380,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     idem_record cur;
     pg_args key = *a;
     key.n = 3;
-    PGresult *r = exec_prepared(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -448,7 +408,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     }
     bool took_over = cur.state == IDEM_REC_IN_PROGRESS;
     idem_record_clear(&cur);
-    if ((r = exec_prepared(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
+    if ((r = idem__pg_exec(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
         return code;
     }
     claimed_row(r, req, got);
@@ -464,13 +424,13 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     return IDEM_OK;
 }
 
-static idem_code claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
-                              idem_record *rec, idem_record *got)
+idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
+                                idem_record *rec, idem_record *got)
 {
     pg_args a = {0};
     idem_code code;
     claim_args(&a, req);
-    PGresult *r = exec_prepared(c, S_CLAIM_INSERT, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(c, S_CLAIM_INSERT, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -493,23 +453,23 @@ static idem_code claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_o
  * ROLLBACK (keeping fn's error detail). */
 static idem_code pooled_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), void *arg)
 {
-    pg_conn *pc;
-    idem_code code = pool_get(st, &pc);
+    pool_slot *pc;
+    idem_code code = idem__pg_pool_get(st, &pc);
     if (code != IDEM_OK) {
         return code;
     }
-    if ((code = exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
+    if ((code = idem__pg_exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
         code = fn(pc->c, arg);
         if (code == IDEM_OK) {
-            code = exec_simple(pc->c, "COMMIT");
+            code = idem__pg_exec_simple(pc->c, "COMMIT");
         } else {
             idem_errkeep keep;
             idem__err_keep(&keep);
-            exec_simple(pc->c, "ROLLBACK");
+            idem__pg_exec_simple(pc->c, "ROLLBACK");
             idem__err_put(&keep, code);
         }
     }
-    pool_put(st, pc);
+    idem__pg_pool_put(st, pc);
     return code;
 }
 
@@ -522,7 +482,7 @@ typedef struct claim_call {
 static idem_code claim_fn(PGconn *c, void *arg)
 {
     claim_call *a = arg;
-    return claim_in_txn(c, a->req, a->outcome, a->rec, &a->got);
+    return idem__pg_claim_in_txn(c, a->req, a->outcome, a->rec, &a->got);
 }
 
 static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
@@ -541,16 +501,16 @@ static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_clai
 
 /* Runs prepared statement s on a connection from the pool; *out (may be NULL) gets
  * the result. */
-static idem_code pooled_exec(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
-                             PGresult **out)
+idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
+                               PGresult **out)
 {
-    pg_conn *pc;
-    idem_code code = pool_get(st, &pc);
+    pool_slot *pc;
+    idem_code code = idem__pg_pool_get(st, &pc);
     if (code != IDEM_OK) {
         return code;
     }
-    PGresult *r = exec_prepared(pc->c, s, a, want, &code);
-    pool_put(st, pc);
+    PGresult *r = idem__pg_exec(pc->c, s, a, want, &code);
+    idem__pg_pool_put(st, pc);
     if (r != NULL) {
         if (out != NULL) {
             *out = r;
@@ -567,7 +527,7 @@ static idem_code pooled_exec_one_row(pg_store *st, enum stmt s, const pg_args *a
                                      idem_code else_code, const char *else_msg)
 {
     PGresult *r;
-    idem_code code = pooled_exec(st, s, a, PGRES_COMMAND_OK, &r);
+    idem_code code = idem__pg_exec_pooled(st, s, a, PGRES_COMMAND_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -578,30 +538,56 @@ static idem_code pooled_exec_one_row(pg_store *st, enum stmt s, const pg_args *a
 
 #define CLAIM_LOST "claim lost: the record is gone or owned by another claim"
 
+/* The count of d from an ANNOUNCE statement. */
+static idem_code announced_one(PGresult *r)
+{
+    bool changed = PQntuples(r) == 1 && idem__pg_col_i64(r, 0, 0) == 1;
+    PQclear(r);
+    return changed ? IDEM_OK : idem__err(IDEM_ABORTED, CLAIM_LOST);
+}
+
+static void complete_args(pg_args *a, const pg_store *st, const idem_key_ref *key, uint64_t owner,
+                          const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms)
+{
+    arg_key(a, key);
+    arg_i64(a, owner);
+    arg_bytes(a, response, len);
+    arg_i64(a, expires_ms - now_ms);
+    arg_announce(a, st, key);
+}
+
+idem_code idem__pg_complete_on(pg_store *st, PGconn *c, const idem_key_ref *key, uint64_t owner,
+                               const void *response, size_t len, uint64_t expires_ms,
+                               uint64_t now_ms)
+{
+    pg_args a = {0};
+    idem_code code;
+    complete_args(&a, st, key, owner, response, len, expires_ms, now_ms);
+    PGresult *r = idem__pg_exec(c, S_COMPLETE, &a, PGRES_TUPLES_OK, &code);
+    return r != NULL ? announced_one(r) : code;
+}
+
 static idem_code pg_complete(idem_store *base, const idem_key_ref *key, uint64_t owner,
                              const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms)
 {
     pg_args a = {0};
-    arg_key(&a, key);
-    arg_i64(&a, owner);
-    arg_bytes(&a, response, len);
-    arg_i64(&a, expires_ms - now_ms);
-    return pooled_exec_one_row((pg_store *)base, S_COMPLETE, &a, IDEM_ABORTED, CLAIM_LOST);
+    PGresult *r;
+    pg_store *st = (pg_store *)base;
+    complete_args(&a, st, key, owner, response, len, expires_ms, now_ms);
+    idem_code code = idem__pg_exec_pooled(st, S_COMPLETE, &a, PGRES_TUPLES_OK, &r);
+    return code != IDEM_OK ? code : announced_one(r);
 }
 
 static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t owner)
 {
     pg_args a = {0};
     PGresult *r;
+    pg_store *st = (pg_store *)base;
     arg_key(&a, key);
     arg_i64(&a, owner);
-    idem_code code = pooled_exec((pg_store *)base, S_RELEASE, &a, PGRES_TUPLES_OK, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    bool deleted = PQntuples(r) == 1 && col_i64(r, 0, 0) == 1;
-    PQclear(r);
-    return deleted ? IDEM_OK : idem__err(IDEM_ABORTED, CLAIM_LOST);
+    arg_announce(&a, st, key);
+    idem_code code = idem__pg_exec_pooled(st, S_RELEASE, &a, PGRES_TUPLES_OK, &r);
+    return code != IDEM_OK ? code : announced_one(r);
 }
 
 static idem_code pg_renew(idem_store *base, const idem_key_ref *key, uint64_t owner,
@@ -626,7 +612,7 @@ static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *
     pg_args a = {0};
     PGresult *r;
     arg_key(&a, key);
-    idem_code code = pooled_exec((pg_store *)base, S_GET, &a, PGRES_TUPLES_OK, &r);
+    idem_code code = idem__pg_exec_pooled((pg_store *)base, S_GET, &a, PGRES_TUPLES_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -636,14 +622,17 @@ static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *
     return code;
 }
 
+/* S_SWEEP_KV takes only the limit. */
 static idem_code sweep_table(pg_store *st, enum stmt s, uint64_t now_ms, size_t max,
                              size_t *deleted)
 {
     pg_args a = {0};
     PGresult *r;
-    arg_i64(&a, now_ms - idem__now_ms()); /* a shift of the database clock */
+    if (s != S_SWEEP_KV) {
+        arg_i64(&a, now_ms - idem__now_ms()); /* a shift of the database clock */
+    }
     arg_i64(&a, max);
-    idem_code code = pooled_exec(st, s, &a, PGRES_COMMAND_OK, &r);
+    idem_code code = idem__pg_exec_pooled(st, s, &a, PGRES_COMMAND_OK, &r);
     if (code == IDEM_OK) {
         *deleted += strtoul(PQcmdTuples(r), NULL, 10);
         PQclear(r);
@@ -657,6 +646,10 @@ static idem_code pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t 
     idem_code code = sweep_table(st, S_SWEEP_RECORDS, now_ms, max, deleted);
     if (code == IDEM_OK && *deleted < max) {
         code = sweep_table(st, S_SWEEP_TOKENS, now_ms, max - *deleted, deleted);
+    }
+    if (code == IDEM_OK && *deleted < max) {
+        size_t empty = 0; /* not records or tokens: not counted */
+        code = sweep_table(st, S_SWEEP_KV, now_ms, max - *deleted, &empty);
     }
     return code;
 }
@@ -694,15 +687,15 @@ static idem_code pg_token_consume(idem_store *base, const char *token, const cha
 static idem_code pg_stats(idem_store *base, idem_store_stats *out)
 {
     PGresult *r;
-    idem_code code = pooled_exec((pg_store *)base, S_STATS, NULL, PGRES_TUPLES_OK, &r);
+    idem_code code = idem__pg_exec_pooled((pg_store *)base, S_STATS, NULL, PGRES_TUPLES_OK, &r);
     if (code != IDEM_OK) {
         return code;
     }
     if (PQntuples(r) == 1) {
-        out->records = (size_t)col_i64(r, 0, 0);
-        out->in_progress = (size_t)col_i64(r, 0, 1);
-        out->completed = (size_t)col_i64(r, 0, 2);
-        out->tokens = (size_t)col_i64(r, 0, 3);
+        out->records = (size_t)idem__pg_col_i64(r, 0, 0);
+        out->in_progress = (size_t)idem__pg_col_i64(r, 0, 1);
+        out->completed = (size_t)idem__pg_col_i64(r, 0, 2);
+        out->tokens = (size_t)idem__pg_col_i64(r, 0, 3);
     }
     PQclear(r);
     return IDEM_OK;
@@ -717,7 +710,7 @@ static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
         pg_args a = {0};
         PGresult *r;
         arg_key(&a, &(idem_key_ref){caller, method, key});
-        idem_code code = pooled_exec((pg_store *)base, S_PAGE, &a, PGRES_TUPLES_OK, &r);
+        idem_code code = idem__pg_exec_pooled((pg_store *)base, S_PAGE, &a, PGRES_TUPLES_OK, &r);
         if (code != IDEM_OK) {
             return code;
         }
@@ -744,6 +737,7 @@ static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
 static void pg_close(idem_store *base)
 {
     pg_store *st = (pg_store *)base;
+    idem__pg_listener_stop(st);
     for (size_t i = 0; i < st->n; i++) {
         if (st->pool[i].c != NULL) {
             PQfinish(st->pool[i].c);
@@ -756,8 +750,9 @@ static void pg_close(idem_store *base)
     free(st);
 }
 
-static const idem_store_ops pg_ops = {
+const idem_store_ops idem__pg_ops = {
     .name = "postgres",
+    .caps = IDEM__STORE_CAP_TXN | IDEM__STORE_CAP_TXN_CLAIM | IDEM__STORE_CAP_WATCH,
     .claim = pg_claim,
     .complete = pg_complete,
     .release = pg_release,
@@ -770,25 +765,42 @@ static const idem_store_ops pg_ops = {
     .stats = pg_stats,
     .foreach = pg_foreach,
     .close = pg_close,
+    .txn_begin = idem__pg_txn_begin,
+    .txn_abort = idem__pg_txn_abort,
+    .txn_commit = idem__pg_txn_commit,
+    .txn_complete_commit = idem__pg_txn_complete_commit,
+    .txn_get = idem__pg_txn_get,
+    .txn_put = idem__pg_txn_put,
+    .txn_del = idem__pg_txn_del,
+    .app_get = idem__pg_app_get,
+    .txn_claim = idem__pg_txn_claim,
+    .txn_undo = idem__pg_txn_undo,
+    .watch = idem__pg_watch,
+    .unwatch = idem__pg_unwatch,
 };
 
-idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_t pool_size)
+idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
+                                      const idem_pg_opts *opts)
 {
+    idem_pg_opts dflt = {0};
+    opts = opts != NULL ? opts : &dflt;
+    size_t pool_size = opts->pool_size ? opts->pool_size : 1;
     *out = NULL;
     if (conninfo == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "postgres conninfo not set");
     }
     pg_store *st = calloc(1, sizeof(*st));
     if (st == NULL || (st->conninfo = strdup(conninfo)) == NULL ||
-        (st->pool = calloc(pool_size ? pool_size : 1, sizeof(pg_conn))) == NULL) {
+        (st->pool = calloc(pool_size, sizeof(pool_slot))) == NULL) {
         if (st != NULL) {
             free(st->conninfo);
         }
         free(st);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    st->base.ops = &pg_ops;
-    st->n = pool_size ? pool_size : 1;
+    st->base.ops = &idem__pg_ops;
+    st->n = pool_size;
+    st->notify = !opts->no_notify;
     pthread_mutex_init(&st->mu, NULL);
     idem__cond_init(&st->cv);
     idem_code code = pg_connect(st, &st->pool[0]); /* fail early on a bad conninfo */
@@ -800,4 +812,10 @@ idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_
     }
     *out = &st->base;
     return IDEM_OK;
+}
+
+idem_code idem_store_open_postgres(idem_store **out, const char *conninfo, size_t pool_size)
+{
+    idem_pg_opts opts = {.pool_size = pool_size};
+    return idem_store_open_postgres_ex(out, conninfo, &opts);
 }

@@ -1,0 +1,191 @@
+/* Completion announcements on PostgreSQL: one thread per store LISTENs on PG_CHANNEL
+ * on a connection of its own and hands each payload (a key hash) to the watchers, so
+ * that a duplicate waiting here for a call that ran on another instance wakes when that
+ * call commits instead of at its next re-read.
+ *
+ * The listener is an optimisation, never the truth: a woken waiter reads the store, and
+ * waiters keep their re-read timers, so a lost notification, a listening connection
+ * that is down (reconnected with backoff) or a store opened with no_notify only costs
+ * latency. A self-pipe wakes the thread for shutdown. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "pg_internal.h"
+
+#define IDLE_MS 1000     /* longest poll */
+#define RETRY_MIN_MS 100 /* reconnect backoff, doubling */
+#define RETRY_MAX_MS 2000
+
+typedef struct watcher {
+    idem__store_watch_fn fn;
+    void *arg;
+} watcher;
+
+struct pg_listener {
+    pg_store *st;
+    pthread_t thread;
+    int wake[2];        /* self-pipe: closing */
+    pthread_mutex_t mu; /* watchers; held while they are called, so unwatch waits */
+    watcher w[IDEM__STORE_MAX_WATCH];
+    size_t n;
+    bool stop;
+};
+
+static void deliver(pg_listener *l, uint32_t hash)
+{
+    pthread_mutex_lock(&l->mu);
+    for (size_t i = 0; i < l->n; i++) {
+        l->w[i].fn(l->w[i].arg, hash);
+    }
+    pthread_mutex_unlock(&l->mu);
+}
+
+static PGconn *listen_connect(pg_listener *l)
+{
+    PGconn *c = PQconnectdb(l->st->conninfo);
+    if (PQstatus(c) == CONNECTION_OK && idem__pg_exec_simple(c, "LISTEN " PG_CHANNEL) == IDEM_OK) {
+        return c;
+    }
+    PQfinish(c);
+    return NULL;
+}
+
+/* Waits up to ms for the socket (or only for the wake pipe when fd < 0). False when
+ * closing. */
+static bool wait_readable(pg_listener *l, int fd, int ms)
+{
+    struct pollfd p[2] = {{.fd = l->wake[0], .events = POLLIN}, {.fd = fd, .events = POLLIN}};
+    int rc = poll(p, fd >= 0 ? 2 : 1, ms);
+    return !(rc > 0 && (p[0].revents & POLLIN)) && !(rc < 0 && errno != EINTR);
+}
+
+/* Reads what arrived; false when the connection broke. */
+static bool drain(pg_listener *l, PGconn *c)
+{
+    if (!PQconsumeInput(c)) {
+        return false;
+    }
+    for (PGnotify *n; (n = PQnotifies(c)) != NULL; PQfreemem(n)) {
+        char *end;
+        unsigned long h = strtoul(n->extra, &end, 10);
+        if (end != n->extra && *end == '\0' && h <= UINT32_MAX) {
+            deliver(l, (uint32_t)h);
+        }
+    }
+    return PQstatus(c) == CONNECTION_OK;
+}
+
+static void *listen_main(void *arg)
+{
+    pg_listener *l = arg;
+    PGconn *c = NULL;
+    int backoff = RETRY_MIN_MS;
+    while (!__atomic_load_n(&l->stop, __ATOMIC_ACQUIRE)) {
+        if (c == NULL && (c = listen_connect(l)) == NULL) {
+            if (!wait_readable(l, -1, backoff)) {
+                break;
+            }
+            backoff = backoff * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : backoff * 2;
+            continue;
+        }
+        backoff = RETRY_MIN_MS;
+        if (!wait_readable(l, PQsocket(c), IDLE_MS)) {
+            break;
+        }
+        if (!drain(l, c)) {
+            PQfinish(c); /* waiters re-read on their timers meanwhile */
+            c = NULL;
+        }
+    }
+    PQfinish(c);
+    return NULL;
+}
+
+static idem_code listener_start(pg_store *st)
+{
+    pg_listener *l = calloc(1, sizeof(*l));
+    if (l == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    l->st = st;
+    if (pipe2(l->wake, O_CLOEXEC) != 0) {
+        free(l);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "pipe: %s", strerror(errno));
+    }
+    pthread_mutex_init(&l->mu, NULL);
+    if (pthread_create(&l->thread, NULL, listen_main, l) != 0) {
+        close(l->wake[0]);
+        close(l->wake[1]);
+        pthread_mutex_destroy(&l->mu);
+        free(l);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the postgres listener");
+    }
+    st->listener = l;
+    return IDEM_OK;
+}
+
+idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg)
+{
+    pg_store *st = (pg_store *)base;
+    idem_code code = IDEM_OK;
+    if (!st->notify) {
+        return IDEM_OK; /* waiters re-read on their timers */
+    }
+    pthread_mutex_lock(&st->mu);
+    if (st->listener == NULL) {
+        code = listener_start(st);
+    }
+    pthread_mutex_unlock(&st->mu);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    pg_listener *l = st->listener;
+    pthread_mutex_lock(&l->mu);
+    if (l->n == IDEM__STORE_MAX_WATCH) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d servers share one postgres store",
+                         IDEM__STORE_MAX_WATCH);
+    } else {
+        l->w[l->n++] = (watcher){fn, arg};
+    }
+    pthread_mutex_unlock(&l->mu);
+    return code;
+}
+
+void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg)
+{
+    pg_listener *l = ((pg_store *)base)->listener;
+    if (l == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&l->mu);
+    for (size_t i = 0; i < l->n; i++) {
+        if (l->w[i].fn == fn && l->w[i].arg == arg) {
+            l->w[i] = l->w[--l->n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&l->mu);
+}
+
+void idem__pg_listener_stop(pg_store *st)
+{
+    pg_listener *l = st->listener;
+    if (l == NULL) {
+        return;
+    }
+    __atomic_store_n(&l->stop, true, __ATOMIC_RELEASE);
+    ssize_t w;
+    do {
+        w = write(l->wake[1], "x", 1);
+    } while (w < 0 && errno == EINTR);
+    pthread_join(l->thread, NULL);
+    close(l->wake[0]);
+    close(l->wake[1]);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+    st->listener = NULL;
+}

@@ -1,0 +1,152 @@
+/* The PostgreSQL backend's parts (store_pg.c records, tokens and the pool; txn.c handler
+ * transactions and business key-value data; listen.c completion announcements). */
+#ifndef IDEMRPC_STORE_PG_INTERNAL_H
+#define IDEMRPC_STORE_PG_INTERNAL_H
+
+#include <libpq-fe.h>
+#include <pthread.h>
+#include <stdio.h>
+
+#include "idemrpc/txn.h"
+
+#include "store.h"
+
+/* The NOTIFY channel of completions and releases; the payload is the key's
+ * idem__key_hash in decimal. */
+#define PG_CHANNEL "idem_done"
+
+typedef struct pool_slot {
+    PGconn *c;
+    bool busy;
+} pool_slot;
+
+typedef struct pg_listener pg_listener;
+
+typedef struct pg_store {
+    idem_store base; /* first */
+    char *conninfo;
+    bool notify; /* announce completions (NOTIFY) and hear others' (LISTEN) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a connection was returned */
+    pool_slot *pool;
+    size_t n;
+    pg_listener *listener; /* started by the first watch */
+} pg_store;
+
+enum stmt {
+    S_CLAIM_INSERT,
+    S_CLAIM_LOCK,
+    S_CLAIM_TAKE,
+    S_TOKEN_TAKE,
+    S_TOKEN_KEEP,
+    S_COMPLETE,
+    S_RELEASE,
+    S_RENEW,
+    S_GET,
+    S_DELETE,
+    S_SWEEP_RECORDS,
+    S_SWEEP_TOKENS,
+    S_SWEEP_KV,
+    S_TOKEN_PUT,
+    S_STATS,
+    S_PAGE,
+    S_TRY_LOCK,
+    S_NOTIFY,
+    S_KV_LOCK,
+    S_KV_PUT,
+    S_KV_DEL,
+    S_KV_READ,
+    S_COUNT
+};
+
+/* Parameters of one statement, text unless given as bytes. */
+typedef struct pg_args {
+    const char *v[8];
+    int len[8], fmt[8], n;
+    char num[8][24];
+} pg_args;
+
+static inline void arg_text(pg_args *a, const char *s)
+{
+    a->v[a->n] = s;
+    a->len[a->n] = 0;
+    a->fmt[a->n++] = 0;
+}
+
+static inline void arg_i64(pg_args *a, uint64_t x)
+{
+    snprintf(a->num[a->n], sizeof(a->num[0]), "%lld", (long long)x); /* bigint is signed */
+    arg_text(a, a->num[a->n]);
+}
+
+static inline void arg_bytes(pg_args *a, const void *p, size_t n)
+{
+    a->v[a->n] = p != NULL ? p : "";
+    a->len[a->n] = (int)n;
+    a->fmt[a->n++] = 1;
+}
+
+static inline void arg_key(pg_args *a, const idem_key_ref *k)
+{
+    arg_text(a, k->caller != NULL ? k->caller : "");
+    arg_text(a, k->method);
+    arg_text(a, k->key);
+}
+
+/* The NOTIFY payload for key ("" when the store does not announce). */
+static inline void arg_announce(pg_args *a, const pg_store *st, const idem_key_ref *key)
+{
+    if (st->notify) {
+        snprintf(a->num[a->n], sizeof(a->num[0]), "%u", idem__key_hash(key));
+        arg_text(a, a->num[a->n]);
+    } else {
+        arg_text(a, "");
+    }
+}
+
+extern const idem_store_ops idem__pg_ops;
+
+/* store_pg.c */
+idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
+idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
+/* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
+void idem__pg_pool_put(pg_store *st, pool_slot *slot);
+PGresult *idem__pg_exec(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
+                        idem_code *code);
+idem_code idem__pg_exec_simple(PGconn *c, const char *sql);
+idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
+                               PGresult **out);
+int64_t idem__pg_col_i64(const PGresult *r, int row, int col);
+/* The claim's statements inside an open transaction; *got is the claimed row. */
+idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
+                                idem_record *rec, idem_record *got);
+/* Runs S_COMPLETE on c; IDEM_ABORTED when the claim is not (key, owner) any more. */
+idem_code idem__pg_complete_on(pg_store *st, PGconn *c, const idem_key_ref *key, uint64_t owner,
+                               const void *response, size_t len, uint64_t expires_ms,
+                               uint64_t now_ms);
+
+/* txn.c */
+idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out);
+void idem__pg_txn_abort(idem_txn *t);
+idem_code idem__pg_txn_commit(idem_txn *t);
+idem_code idem__pg_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                       const void *response, size_t len, uint64_t expires_ms,
+                                       uint64_t now_ms);
+idem_code idem__pg_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                             idem_record *rec);
+idem_code idem__pg_txn_undo(idem_txn *t);
+idem_code idem__pg_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
+                           const void **val, size_t *vlen);
+idem_code idem__pg_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
+                           const void *val, size_t vlen);
+idem_code idem__pg_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
+idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, size_t klen,
+                           void **val, size_t *vlen);
+
+/* listen.c */
+idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);
+void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg);
+/* Stops the listener thread, if any (store close). */
+void idem__pg_listener_stop(pg_store *st);
+
+#endif
