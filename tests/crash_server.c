@@ -2,8 +2,9 @@
  * way a power cut or kill -9 would, so the test can restart it on the same store and
  * check what survived.
  *
- *   crash_server --listen URL --db DIR [--lease-ms N] [--crash-at POINT]
+ *   crash_server --listen URL --db DIR [--pg CONNINFO] [--lease-ms N] [--crash-at POINT]
  *   POINT: before_claim | after_claim | after_effect | after_commit
+ * With --pg the store is PostgreSQL (DIR holds only the effects file).
  *
  *   crash.Ledger/Credit   transactional: balance += payload, in the record's txn
  *   crash.Ledger/Balance  plain: the balance
@@ -129,7 +130,7 @@ static idem_code crash_points(idem_call *call, idem_next next, void *arg)
 
 int main(int argc, char **argv)
 {
-    const char *listen = NULL, *db = NULL;
+    const char *listen = NULL, *db = NULL, *pg = NULL;
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.default_chain = false;
@@ -138,6 +139,8 @@ int main(int argc, char **argv)
             listen = argv[i + 1];
         } else if (strcmp(argv[i], "--db") == 0) {
             db = argv[i + 1];
+        } else if (strcmp(argv[i], "--pg") == 0) {
+            pg = argv[i + 1];
         } else if (strcmp(argv[i], "--lease-ms") == 0) {
             o.lease_ms = strtoull(argv[i + 1], NULL, 10);
         } else if (strcmp(argv[i], "--crash-at") == 0) {
@@ -145,8 +148,8 @@ int main(int argc, char **argv)
         }
     }
     if (listen == NULL || db == NULL) {
-        fprintf(stderr, "usage: crash_server --listen URL --db DIR [--lease-ms N] "
-                        "[--crash-at POINT]\n");
+        fprintf(stderr, "usage: crash_server --listen URL --db DIR [--pg CONNINFO] "
+                        "[--lease-ms N] [--crash-at POINT]\n");
         return 2;
     }
     snprintf(effects_path, sizeof(effects_path), "%s/effects", db);
@@ -156,6 +159,12 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &stop, NULL);
 
     o.db_path = db;
+    idem_store *pg_store = NULL;
+    if (pg != NULL && idem_store_open_postgres(&pg_store, pg, 4) != IDEM_OK) {
+        fprintf(stderr, "crash_server: %s\n", idem_errmsg());
+        return 1;
+    }
+    o.store = pg_store;
     idem_server *srv;
     idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
     idem_method_opts claim = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
@@ -177,5 +186,6 @@ int main(int argc, char **argv)
     int sig;
     sigwait(&stop, &sig);
     idem_server_destroy(srv);
+    idem_store_close(pg_store);
     return 0;
 }

@@ -1,6 +1,11 @@
 /* Crash tests with real processes: the server SIGKILLs itself at a chosen point of a
- * call (tests/crash_server.c), is restarted on the same LMDB directory, and the same
- * call is retried with the same key. */
+ * call (tests/crash_server.c) and the same call is retried with the same key.
+ *
+ * One suite, both stores: as `crash` (LMDB) the server is restarted on the same
+ * directory; as `crash_pg` (IDEMRPC_TEST_BACKEND=postgres, a schema per test) the retry
+ * fails over to a second instance on the same database, and the transactional methods
+ * run with a 60 s lease: the retry (8 s deadline) only succeeds because PostgreSQL
+ * rolled the dead session's transaction back, claim included, without a lease. */
 #include <criterion/criterion.h>
 #include <signal.h>
 #include <stdio.h>
@@ -12,27 +17,46 @@
 #include "testutil.h"
 
 static char *dir;
-static char url[256];
+static char url[256], url2[256];
+static char *pg; /* conninfo of this test's schema; NULL on LMDB */
+static char schema[32];
 
 static void setup(void)
 {
     dir = tu_tempdir("crash");
     snprintf(url, sizeof(url), "ipc://%s/server.sock", dir);
+    snprintf(url2, sizeof(url2), "ipc://%s/second.sock", dir);
+    pg = tu_backend_is_pg() ? tu_pg_schema_create(schema) : NULL;
 }
 
 static void teardown(void)
 {
     tu_rmtree(dir);
+    if (pg != NULL) {
+        tu_pg_schema_drop(schema);
+        free(pg);
+        pg = NULL;
+    }
 }
 
 TestSuite(crash, .init = setup, .fini = teardown, .timeout = 60);
 
-/* Starts crash_server and waits for its "ready" line. */
-static tu_child spawn(const char *crash_at)
+/* Starts crash_server on u and waits for its "ready" line. */
+static tu_child spawn_on(const char *u, const char *crash_at, const char *lease_ms)
 {
     tu_child c;
-    const char *argv[] = {getenv("CRASH_SERVER"), "--listen", url,          "--db",   dir,
-                          "--lease-ms",           "300",      "--crash-at", crash_at, NULL};
+    const char *argv[] = {getenv("CRASH_SERVER"),
+                          "--listen",
+                          u,
+                          "--db",
+                          dir,
+                          "--lease-ms",
+                          lease_ms,
+                          "--crash-at",
+                          crash_at,
+                          pg != NULL ? "--pg" : NULL,
+                          pg,
+                          NULL};
     tu_spawn(&c, argv);
     return c;
 }
@@ -44,8 +68,8 @@ static void stop(tu_child *c)
     cr_expect_eq(sig, 0, "clean shutdown on SIGTERM, not signal %d", sig);
 }
 
-static idem_code send_once(const char *method, const char *key, const char *payload,
-                           uint32_t attempts, idem_result *r)
+static idem_code send_to(const char *to, const char *method, const char *key, const char *payload,
+                         uint32_t attempts, idem_result *r)
 {
     idem_client_opts o;
     idem_client *cl;
@@ -55,7 +79,7 @@ static idem_code send_once(const char *method, const char *key, const char *payl
     o.retry.max_attempts = attempts;
     o.retry.period_ms = 50;
     o.retry.max_period_ms = 200;
-    cr_assert_eq(idem_client_open(&cl, (const char *[]){url}, 1, &o), IDEM_OK);
+    cr_assert_eq(idem_client_open(&cl, (const char *[]){to}, 1, &o), IDEM_OK);
     idem_request q = {.method = method,
                       .idempotency_key = key,
                       .payload = payload,
@@ -65,38 +89,49 @@ static idem_code send_once(const char *method, const char *key, const char *payl
     return code;
 }
 
-static long long read_count(const char *method)
+static long long read_count(const char *to, const char *method)
 {
     idem_result r;
-    cr_assert_eq(send_once(method, NULL, "", 3, &r), IDEM_OK, "%s", r.message);
+    cr_assert_eq(send_to(to, method, NULL, "", 3, &r), IDEM_OK, "%s", r.message);
     long long v = atoll(r.payload);
     idem_result_clear(&r);
     return v;
 }
 
-/* Crash at `point` during `method`, restart, retry with the same key until it answers
- * (the lease may have to run out first). Then check the number of effects and whether
- * the answer was a replay of the first result. */
+/* Crash at `point` during `method`, restart (LMDB) or fail over (PostgreSQL), retry with
+ * the same key until it answers (a claim's lease may have to run out first). Then check
+ * the number of effects and whether the answer was a replay of the first result. */
 static void crash_and_retry(const char *method, const char *count_method, const char *point,
                             long long effects, bool replayed, const char *payload)
 {
     idem_result r;
-    tu_child c = spawn(point);
-    cr_expect_neq(send_once(method, "op-1", "10", 1, &r), IDEM_OK, "the server died mid-call");
+    bool transactional = strstr(method, "Ledger") != NULL;
+    const char *lease = pg != NULL && transactional ? "60000" : "300";
+    const char *retry_url = pg != NULL ? url2 : url;
+    tu_child c = spawn_on(url, point, lease), other = {0};
+    if (pg != NULL) {
+        other = spawn_on(url2, "", lease);
+    }
+    cr_expect_neq(send_to(url, method, "op-1", "10", 1, &r), IDEM_OK, "the server died mid-call");
     idem_result_clear(&r);
     cr_assert_eq(tu_reap(&c), SIGKILL, "crash_server was killed at %s", point);
 
-    c = spawn("");
-    cr_assert_eq(send_once(method, "op-1", "10", 30, &r), IDEM_OK, "%s", r.message);
+    if (pg != NULL) {
+        c = other;
+    } else {
+        c = spawn_on(url, "", lease);
+    }
+    cr_assert_eq(send_to(retry_url, method, "op-1", "10", 30, &r), IDEM_OK, "%s", r.message);
     cr_expect_eq(r.replayed, replayed, "replayed after a crash at %s", point);
     cr_expect_str_eq(r.payload, payload);
     idem_result_clear(&r);
-    cr_expect_eq(read_count(count_method), effects, "effects after a crash at %s", point);
+    cr_expect_eq(read_count(retry_url, count_method), effects, "effects after a crash at %s",
+                 point);
 
-    cr_assert_eq(send_once(method, "op-1", "10", 3, &r), IDEM_OK);
+    cr_assert_eq(send_to(retry_url, method, "op-1", "10", 3, &r), IDEM_OK);
     cr_expect(r.replayed, "a later duplicate replays");
     idem_result_clear(&r);
-    cr_expect_eq(read_count(count_method), effects, "and changes nothing");
+    cr_expect_eq(read_count(retry_url, count_method), effects, "and changes nothing");
     stop(&c);
 }
 

@@ -1,6 +1,7 @@
 /* The PostgreSQL store against a real server ($IDEMRPC_TEST_PG, started by .ci/run via
  * scripts/services.sh): the store contract, and several server instances sharing it. */
 #include <criterion/criterion.h>
+#include <libpq-fe.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -356,24 +357,289 @@ Test(pg, database_restart_mid_run_is_retried_and_duplicates_nothing)
     run_storm(true);
 }
 
-static idem_code h_noop(idem_call *call, void *arg)
+/* ---- transactional handlers: the claim, the business SQL and the record, one txn ---- */
+
+/* A schema of the test's own with the user's business tables, the seeds' pattern: a
+ * callback table with a unique key, an order moved only out of CREATED. */
+static char tx_schema[32];
+static char *tx_conninfo;
+static atomic_int tx_runs, tx_transient_left;
+
+static void tx_schema_create(void)
 {
-    (void)arg;
-    return idem_call_reply(call, IDEM_OK, NULL, 0);
+    tx_conninfo = tu_pg_schema_create(tx_schema);
+    PGconn *c = PQconnectdb(tx_conninfo);
+    cr_assert_eq(PQstatus(c), CONNECTION_OK, "%s", PQerrorMessage(c));
+    PGresult *r = PQexec(c, "CREATE TABLE pay_callback (out_trade_no text, channel text, amount "
+                            "bigint, CONSTRAINT uk_pay_callback UNIQUE (out_trade_no, channel));"
+                            "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL);"
+                            "INSERT INTO orders VALUES ('o1', 'CREATED'), ('o2', 'CREATED'),"
+                            " ('o3', 'CREATED')");
+    cr_assert_eq(PQresultStatus(r), PGRES_COMMAND_OK, "%s", PQresultErrorMessage(r));
+    PQclear(r);
+    PQfinish(c);
 }
 
-Test(pg, transactional_methods_are_refused_on_postgres)
+static void tx_schema_drop(void)
+{
+    tu_pg_schema_drop(tx_schema);
+    free(tx_conninfo);
+}
+
+/* One string from the test's schema, e.g. "SELECT status FROM orders WHERE id = 'o1'". */
+static char *tx_query(const char *sql)
+{
+    static char out[64];
+    PGconn *c = PQconnectdb(tx_conninfo);
+    PGresult *r = PQexec(c, sql);
+    cr_assert_eq(PQresultStatus(r), PGRES_TUPLES_OK, "%s", PQresultErrorMessage(r));
+    snprintf(out, sizeof(out), "%s", PQntuples(r) == 1 ? PQgetvalue(r, 0, 0) : "(none)");
+    PQclear(r);
+    PQfinish(c);
+    return out;
+}
+
+static idem_code sql(idem_call *call, PGconn *c, const char *q, int n, const char *const *params,
+                     const char *want_rows)
+{
+    PGresult *r = PQexecParams(c, q, n, NULL, params, NULL, NULL, 0);
+    ExecStatusType s = PQresultStatus(r);
+    bool ok =
+        s == PGRES_COMMAND_OK && (want_rows == NULL || strcmp(PQcmdTuples(r), want_rows) == 0);
+    idem_code code = ok ? IDEM_OK
+                     : s == PGRES_COMMAND_OK
+                         ? idem_call_fail(call, IDEM_FAILED_PRECONDITION, "order not in CREATED")
+                         : idem_call_fail(call, IDEM_INTERNAL, "%s", PQresultErrorMessage(r));
+    PQclear(r);
+    return code;
+}
+
+/* Payload "ORDER MODE": records the callback, moves the order to PAID and keeps a
+ * counter with idem_txn_*, all in the call's transaction; MODE "fail" then answers a
+ * final error, "transient" answers UNAVAILABLE while tx_transient_left lasts. */
+static idem_code h_pay_callback(idem_call *call, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    char order[16] = "", mode[16] = "";
+    sscanf(p, "%15s %15s", order, mode);
+    atomic_fetch_add(&tx_runs, 1);
+    idem_txn *t = idem_call_txn(call);
+    PGconn *c = idem_txn_pg_conn(t);
+    if (c == NULL) {
+        return idem_call_fail(call, IDEM_INTERNAL, "no PostgreSQL connection in the txn");
+    }
+    const char *const insert[] = {order, "wx", "100"};
+    const char *const paid[] = {order};
+    idem_code code;
+    if ((code = sql(call, c, "INSERT INTO pay_callback VALUES ($1, $2, $3)", 3, insert, NULL)) !=
+            IDEM_OK ||
+        (code =
+             sql(call, c, "UPDATE orders SET status = 'PAID' WHERE id = $1 AND status = 'CREATED'",
+                 1, paid, "1")) != IDEM_OK ||
+        (code = idem_txn_put(t, "paid", order, strlen(order), "100", 3)) != IDEM_OK) {
+        return code != IDEM_OK ? code : idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    if (strcmp(mode, "fail") == 0) {
+        return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "refused after writing");
+    }
+    if (strcmp(mode, "transient") == 0 && atomic_fetch_sub(&tx_transient_left, 1) > 0) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "try again");
+    }
+    return idem_call_reply(call, IDEM_OK, order, strlen(order));
+}
+
+static void tx_server(tu_server *ts, idem_store **store, size_t pool, idem_handler_fn fn)
 {
     idem_server_opts o;
-    idem_server *s;
     idem_server_opts_init(&o);
-    o.store = st;
-    cr_assert_eq(idem_server_create(&s, &o), IDEM_OK);
-    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL};
-    cr_assert_eq(idem_server_register(s, "pg.Tx/Op", h_noop, NULL, &tx), IDEM_OK);
-    cr_expect_eq(idem_server_listen(s, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
-    cr_expect_neq(strstr(idem_errmsg(), "needs the LMDB store"), NULL, "%s", idem_errmsg());
-    idem_server_destroy(s);
+    o.contexts = 8;
+    idem_pg_opts po = {.pool_size = pool};
+    cr_assert_eq(idem_store_open_postgres_ex(store, tx_conninfo, &po), IDEM_OK, "%s",
+                 idem_errmsg());
+    o.store = *store;
+    tu_server_create(ts, &o);
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(ts->srv, "pg.Pay/Callback", fn, NULL, &tx), IDEM_OK, "%s",
+                 idem_errmsg());
+    tu_server_listen(ts);
+}
+
+static idem_code pay(const char *url, const char *key, const char *payload, uint32_t attempts,
+                     idem_result *r)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.attempt_timeout_ms = 5000;
+    o.retry.max_attempts = attempts;
+    o.retry.period_ms = 10;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "pg.Pay/Callback",
+                      .idempotency_key = key,
+                      .payload = payload,
+                      .payload_len = strlen(payload)};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+Test(pg, transactional_handler_commits_its_sql_its_kv_and_the_record_together)
+{
+    tu_server a;
+    idem_store *sa;
+    idem_result r;
+    tx_schema_create();
+    tx_server(&a, &sa, 4, h_pay_callback);
+    atomic_store(&tx_runs, 0);
+    for (int i = 0; i < 10; i++) { /* a payment callback delivered ten times */
+        cr_assert_eq(pay(a.url, "cb-o1", "o1 ok", 1, &r), IDEM_OK, "%s", r.message);
+        cr_expect_str_eq(r.payload, "o1");
+        cr_expect_eq(r.replayed, i > 0);
+        idem_result_clear(&r);
+    }
+    cr_expect_eq(atomic_load(&tx_runs), 1, "the handler ran once");
+    cr_expect_str_eq(tx_query("SELECT count(*) FROM pay_callback WHERE out_trade_no = 'o1'"), "1");
+    cr_expect_str_eq(tx_query("SELECT status FROM orders WHERE id = 'o1'"), "PAID");
+    void *v;
+    size_t n;
+    cr_assert_eq(idem_store_app_get(sa, "paid", "o1", 2, &v, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 3);
+    free(v);
+
+    /* A final error: its writes are rolled back, the error is recorded and replayed. */
+    atomic_store(&tx_runs, 0);
+    for (int i = 0; i < 3; i++) {
+        cr_expect_eq(pay(a.url, "cb-o2", "o2 fail", 1, &r), IDEM_FAILED_PRECONDITION);
+        cr_expect_eq(r.replayed, i > 0);
+        idem_result_clear(&r);
+    }
+    cr_expect_eq(atomic_load(&tx_runs), 1, "a recorded final error does not run again");
+    cr_expect_str_eq(tx_query("SELECT count(*) FROM pay_callback WHERE out_trade_no = 'o2'"), "0");
+    cr_expect_str_eq(tx_query("SELECT status FROM orders WHERE id = 'o2'"), "CREATED");
+    cr_expect_eq(idem_store_app_get(sa, "paid", "o2", 2, &v, &n), IDEM_NOT_FOUND);
+
+    /* Transient answers roll everything back, claim included: the retries run again,
+     * and only the OK one leaves its rows. */
+    atomic_store(&tx_runs, 0);
+    atomic_store(&tx_transient_left, 2);
+    cr_assert_eq(pay(a.url, "cb-o3", "o3 transient", 3, &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&tx_runs), 3);
+    cr_expect_str_eq(tx_query("SELECT count(*) FROM pay_callback WHERE out_trade_no = 'o3'"), "1");
+    cr_expect_str_eq(tx_query("SELECT status FROM orders WHERE id = 'o3'"), "PAID");
+
+    tu_server_destroy(&a, false);
+    idem_store_close(sa);
+    tx_schema_drop();
+}
+
+/* The handler of the first call holds its transaction open until the gate opens. */
+static struct {
+    atomic_int entered;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool open;
+} TG = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static idem_code h_gated_callback(idem_call *call, void *arg)
+{
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    if (strncmp(p, "o1", 2) == 0) {
+        atomic_fetch_add(&TG.entered, 1);
+        pthread_mutex_lock(&TG.mu);
+        while (!TG.open) {
+            pthread_cond_wait(&TG.cv, &TG.mu);
+        }
+        pthread_mutex_unlock(&TG.mu);
+    }
+    return h_pay_callback(call, arg);
+}
+
+struct pay_arg {
+    const char *url, *key, *payload;
+    idem_result r;
+    idem_code code;
+};
+
+static void *pay_thread(void *p)
+{
+    struct pay_arg *a = p;
+    a->code = pay(a->url, a->key, a->payload, 1, &a->r);
+    return NULL;
+}
+
+/* idem_waiting_duplicates of a server, from its /metrics. */
+static long waiting_on(int http_port)
+{
+    tu_http h;
+    tu_http_get(&h, http_port, "/metrics");
+    const char *w = h.body != NULL ? strstr(h.body, "\nidem_waiting_duplicates ") : NULL;
+    long v = w != NULL ? atol(w + strlen("\nidem_waiting_duplicates ")) : -1;
+    tu_http_free(&h);
+    return v;
+}
+
+static bool await_waiting(int http_port)
+{
+    for (int i = 0; i < 500; i++) {
+        if (waiting_on(http_port) >= 1) {
+            return true;
+        }
+        struct timespec ts = {0, 10000000L};
+        nanosleep(&ts, NULL); /* polling a gauge, bounded at 5 s */
+    }
+    return false;
+}
+
+Test(pg, a_duplicate_on_another_instance_waits_for_the_handler_txn_and_replays_it)
+{
+    tu_server a, b;
+    idem_store *sa, *sb;
+    idem_result r;
+    tx_schema_create();
+    tx_server(&a, &sa, 4, h_gated_callback);
+    tx_server(&b, &sb, 1, h_gated_callback); /* one connection: a waiter must not hold it */
+    cr_assert_eq(idem_server_listen_http(b.srv, "http://127.0.0.1:0"), IDEM_OK);
+    atomic_store(&tx_runs, 0);
+    struct pay_arg first = {.url = a.url, .key = "cb-o1", .payload = "o1 ok"};
+    struct pay_arg dup = {.url = b.url, .key = "cb-o1", .payload = "o1 ok"};
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, pay_thread, &first);
+    for (int i = 0; i < 5000 && atomic_load(&TG.entered) < 1; i++) {
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL); /* polling a counter, bounded at 5 s */
+    }
+    cr_assert_eq(atomic_load(&TG.entered), 1, "the handler on A never started");
+    pthread_create(&t2, NULL, pay_thread, &dup);
+    cr_expect(await_waiting(idem_server_http_port(b.srv)), "B's duplicate is not waiting");
+
+    /* While B's duplicate waits, B's only connection serves another call. */
+    cr_expect_eq(pay(b.url, "cb-o2", "o2 ok", 1, &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+
+    pthread_mutex_lock(&TG.mu);
+    TG.open = true;
+    pthread_cond_broadcast(&TG.cv);
+    pthread_mutex_unlock(&TG.mu);
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    cr_expect_eq(first.code, IDEM_OK, "%s", first.r.message);
+    cr_expect_eq(dup.code, IDEM_OK, "%s", dup.r.message);
+    cr_expect(dup.r.replayed, "B replays A's result");
+    cr_expect_str_eq(dup.r.payload, "o1");
+    idem_result_clear(&first.r);
+    idem_result_clear(&dup.r);
+    cr_expect_eq(atomic_load(&tx_runs), 2, "o1 once on A, o2 once on B");
+    cr_expect_str_eq(tx_query("SELECT count(*) FROM pay_callback WHERE out_trade_no = 'o1'"), "1");
+
+    tu_server_destroy(&a, false);
+    tu_server_destroy(&b, false);
+    idem_store_close(sa);
+    idem_store_close(sb);
+    tx_schema_drop();
 }
 
 /* ---- a claim is not the other instance's to take because their clocks disagree ---- */

@@ -677,7 +677,7 @@ Test(store, business_write_of_an_aborted_handler_txn_is_gone_and_the_db_still_wo
 
     t = begin_handler_txn("tx-2", &r);
     cr_assert_eq(idem_txn_put(t, "ledger", "a", 1, "200", 3), IDEM_OK);
-    cr_assert_eq(idem__store_txn_complete_commit(t, &r.key, r.owner, "ok", 2, T0 + TTL_MS),
+    cr_assert_eq(idem__store_txn_complete_commit(t, &r.key, r.owner, "ok", 2, T0 + TTL_MS, T0),
                  IDEM_OK);
     cr_assert_eq(idem_store_app_get(st, "ledger", "a", 1, &v, &n), IDEM_OK);
     cr_expect_eq(n, 3);
@@ -694,7 +694,7 @@ Test(store, handler_txn_that_lost_its_claim_commits_nothing)
     idem_claim_req r;
     idem_txn *t = begin_handler_txn("tx-3", &r);
     cr_assert_eq(idem_txn_put(t, "ledger", "b", 1, "1", 1), IDEM_OK);
-    cr_expect_eq(idem__store_txn_complete_commit(t, &r.key, r.owner + 1, "ok", 2, T0 + TTL_MS),
+    cr_expect_eq(idem__store_txn_complete_commit(t, &r.key, r.owner + 1, "ok", 2, T0 + TTL_MS, T0),
                  IDEM_ABORTED);
     void *v;
     size_t n;

@@ -1,6 +1,8 @@
-/* Unit tests of the business toolkit (toolkit.h): store txns, the one-way state machine,
- * versioned records with the conflict-retry helper, and message-consume dedupe. Every
- * test gets a fresh store in its own temp dir. */
+/* Tests of the business toolkit (toolkit.h): store txns, the one-way state machine,
+ * versioned records with the conflict-retry helper, and message-consume dedupe. One
+ * suite for both stores: meson runs it as `toolkit` on LMDB and as `toolkit_pg` on
+ * PostgreSQL (IDEMRPC_TEST_BACKEND=postgres). Every test gets a fresh store: its own
+ * temp dir, or its own schema. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -11,20 +13,18 @@
 #include "internal.h"
 #include "testutil.h"
 
-static char *dir;
+static tu_backend backend;
 static idem_store *st;
 
 static void store_setup(void)
 {
-    st = tu_store_open("toolkit", &dir);
+    st = tu_backend_open(&backend, "toolkit");
 }
 
 static void store_teardown(void)
 {
-    idem_store_close(st);
+    tu_backend_close(&backend);
     st = NULL;
-    tu_rmtree(dir);
-    dir = NULL;
 }
 
 TestSuite(store_txn, .init = store_setup, .fini = store_teardown);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 char *tu_tempdir(const char *tag)
@@ -73,6 +74,94 @@ idem_store *tu_store_open(const char *tag, char **dir)
     cr_assert_eq(idem_store_open_lmdb(&st, *dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s",
                  idem_errmsg());
     return st;
+}
+
+#if TU_HAVE_PG
+#include <libpq-fe.h>
+
+static void quiet(void *arg, const char *message)
+{
+    (void)arg, (void)message;
+}
+
+static void pg_admin(const char *sql)
+{
+    PGconn *c = PQconnectdb(getenv("IDEMRPC_TEST_PG"));
+    cr_assert_eq(PQstatus(c), CONNECTION_OK, "%s", PQerrorMessage(c));
+    PQsetNoticeProcessor(c, quiet, NULL); /* "drop cascades to ..." */
+    PGresult *r = PQexec(c, sql);
+    cr_assert_eq(PQresultStatus(r), PGRES_COMMAND_OK, "%s: %s", sql, PQresultErrorMessage(r));
+    PQclear(r);
+    PQfinish(c);
+}
+
+char *tu_pg_schema_create(char schema[32])
+{
+    const char *pg = getenv("IDEMRPC_TEST_PG");
+    char sql[96], *conninfo;
+    if (pg == NULL) {
+        cr_skip_test("IDEMRPC_TEST_PG not set (bash scripts/services.sh start sets it)");
+    }
+    static int seq;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    snprintf(schema, 32, "tu_%d_%lx_%d", (int)getpid(), (unsigned long)ts.tv_nsec, seq++);
+    snprintf(sql, sizeof(sql), "CREATE SCHEMA %s", schema);
+    pg_admin(sql);
+    cr_assert_gt(asprintf(&conninfo, "%s options='-csearch_path=%s'", pg, schema), 0);
+    return conninfo;
+}
+
+void tu_pg_schema_drop(const char *schema)
+{
+    char sql[96];
+    snprintf(sql, sizeof(sql), "DROP SCHEMA %s CASCADE", schema);
+    pg_admin(sql);
+}
+#else
+char *tu_pg_schema_create(char schema[32])
+{
+    (void)schema;
+    cr_skip_test("built without PostgreSQL");
+    return NULL;
+}
+
+void tu_pg_schema_drop(const char *schema)
+{
+    (void)schema;
+}
+#endif
+
+bool tu_backend_is_pg(void)
+{
+    const char *b = getenv("IDEMRPC_TEST_BACKEND");
+    return b != NULL && strcmp(b, "postgres") == 0;
+}
+
+idem_store *tu_backend_open(tu_backend *b, const char *tag)
+{
+    memset(b, 0, sizeof(*b));
+    if (!tu_backend_is_pg()) {
+        return b->st = tu_store_open(tag, &b->dir);
+    }
+    b->conninfo = tu_pg_schema_create(b->schema);
+    idem_pg_opts opts = {.pool_size = 8};
+    cr_assert_eq(idem_store_open_postgres_ex(&b->st, b->conninfo, &opts), IDEM_OK, "%s",
+                 idem_errmsg());
+    return b->st;
+}
+
+void tu_backend_close(tu_backend *b)
+{
+    idem_store_close(b->st);
+    if (b->dir != NULL) {
+        tu_rmtree(b->dir);
+    }
+    if (b->schema[0] != '\0') {
+        tu_pg_schema_drop(b->schema);
+    }
+    free(b->conninfo);
+    memset(b, 0, sizeof(*b));
 }
 
 void tu_spawn(tu_child *c, const char *const *argv)
@@ -257,8 +346,8 @@ void tu_http_post(tu_http *out, int port, const char *path, const char *const *h
     }
     char *req = malloc(hlen + len);
     cr_assert_not_null(req);
-    int n = snprintf(req, hlen, "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n",
-                     path);
+    int n =
+        snprintf(req, hlen, "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n", path);
     for (size_t i = 0; i < n_headers; i++) {
         n += snprintf(req + n, hlen - (size_t)n, "%s\r\n", headers[i]);
     }
@@ -271,8 +360,8 @@ void tu_http_post(tu_http *out, int port, const char *path, const char *const *h
 void tu_http_get(tu_http *out, int port, const char *path)
 {
     char req[512];
-    int n = snprintf(req, sizeof(req), "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
-                     path);
+    int n = snprintf(req, sizeof(req),
+                     "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", path);
     http_exchange(out, port, req, (size_t)n);
 }
 

@@ -31,6 +31,24 @@ void tu_server_destroy(tu_server *ts, bool keep_dir);
 /* A fresh NOSYNC LMDB store in a temp dir (*dir, for tu_rmtree). */
 idem_store *tu_store_open(const char *tag, char **dir);
 
+/* A fresh store of the backend $IDEMRPC_TEST_BACKEND names: "lmdb" (the default, as
+ * tu_store_open) or "postgres" (a schema of its own in $IDEMRPC_TEST_PG, dropped by
+ * tu_backend_close; the test is skipped when that is unset). */
+typedef struct tu_backend {
+    idem_store *st;
+    char *dir;      /* lmdb */
+    char *conninfo; /* postgres: $IDEMRPC_TEST_PG with the schema as search_path */
+    char schema[32];
+} tu_backend;
+idem_store *tu_backend_open(tu_backend *b, const char *tag);
+void tu_backend_close(tu_backend *b);
+/* True when tu_backend_open opens PostgreSQL stores. */
+bool tu_backend_is_pg(void);
+/* A fresh schema in $IDEMRPC_TEST_PG (skips the test when unset): returns the conninfo
+ * that makes it the search_path (malloc'd); drop it with tu_pg_schema_drop. */
+char *tu_pg_schema_create(char schema[32]);
+void tu_pg_schema_drop(const char *schema);
+
 /* A server process whose stdout is a pipe. */
 typedef struct tu_child {
     pid_t pid;
@@ -62,9 +80,9 @@ void *tu_pack_request(const char *method, const char *key, const char *caller, c
 
 /* ---- HTTP over a raw TCP socket to 127.0.0.1 (so a test controls every header line) ---- */
 typedef struct tu_http {
-    int status;      /* 0 when no response arrived */
-    char *head;      /* status line and header lines, NUL-terminated */
-    char *body;      /* NUL-terminated */
+    int status; /* 0 when no response arrived */
+    char *head; /* status line and header lines, NUL-terminated */
+    char *body; /* NUL-terminated */
     size_t body_len;
 } tu_http;
 
