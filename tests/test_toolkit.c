@@ -691,12 +691,14 @@ Test(consume, groups_and_keys_are_bounded)
     key[sizeof(key) - 1] = '\0';
     memset(group, 'g', sizeof(group) - 1);
     group[sizeof(group) - 1] = '\0';
-    cr_expect_eq(idem_consume_ex(st, "commission", key, credit_fn, &c, &info), IDEM_CONSUME_RETRY);
+    /* Redelivering these can never succeed: REJECT, not RETRY (which loops forever). */
+    cr_expect_eq(idem_consume_ex(st, "commission", key, credit_fn, &c, &info), IDEM_CONSUME_REJECT);
     cr_expect_eq(info.code, IDEM_INVALID_ARGUMENT, "a 256-byte key");
-    cr_expect_eq(idem_consume_ex(st, group, "msg-1", credit_fn, &c, &info), IDEM_CONSUME_RETRY);
+    cr_expect_eq(idem_consume_ex(st, group, "msg-1", credit_fn, &c, &info), IDEM_CONSUME_REJECT);
     cr_expect_eq(info.code, IDEM_INVALID_ARGUMENT, "a 65-byte group");
-    cr_expect_eq(idem_consume(st, "", "msg-1", credit_fn, &c), IDEM_CONSUME_RETRY);
-    cr_expect_eq(idem_consume(st, "commission", NULL, credit_fn, &c), IDEM_CONSUME_RETRY);
+    cr_expect_eq(idem_consume(st, "", "msg-1", credit_fn, &c), IDEM_CONSUME_REJECT);
+    cr_expect_eq(idem_consume(st, "commission", NULL, credit_fn, &c), IDEM_CONSUME_REJECT);
+    cr_expect_eq(idem_consume(st, "commission", "msg-1", NULL, &c), IDEM_CONSUME_REJECT);
     cr_expect_eq(atomic_load(&c.runs), 0, "fn never ran");
     key[IDEM_MAX_MSG_KEY] = '\0';
     group[IDEM_MAX_CONSUMER_GROUP] = '\0';
@@ -707,6 +709,23 @@ Test(consume, groups_and_keys_are_bounded)
 static idem_code mark_fn(idem_txn *t, void *arg)
 {
     return idem_consume_mark(t, "rpc-consumer", arg);
+}
+
+static idem_code consume_inside(idem_txn *t, void *arg)
+{
+    (void)t;
+    idem_consume_info *info = arg;
+    consumer c = {.credit_key = "acct-1", .result = IDEM_OK};
+    return idem_consume_ex(st, "commission", "msg-in", credit_fn, &c, info) == IDEM_CONSUME_REJECT
+               ? IDEM_OK
+               : IDEM_INTERNAL;
+}
+
+Test(consume, a_consume_from_inside_a_txn_is_rejected_not_retried_forever)
+{
+    idem_consume_info info;
+    cr_expect_eq(idem_store_run_txn(st, consume_inside, &info), IDEM_OK);
+    cr_expect_eq(info.code, IDEM_FAILED_PRECONDITION, "%s", idem_code_name(info.code));
 }
 
 Test(consume, mark_inside_a_txn_reports_a_duplicate_as_already_exists)

@@ -7,14 +7,13 @@
  *                  bounded retry helper for version conflicts
  *   consume        at-least-once messages consumed once per (group, key) (防重表)
  *
- * LMDB has one writer per env. Functions taking an idem_store and writing (idem_store_run_txn,
+ * Every function works on both stores with the same code (txn.h says how each keeps
+ * its transactions). Functions taking an idem_store and writing (idem_store_run_txn,
  * idem_consume, idem_consume_purge) open their own write txn: called from inside a
  * transactional handler or another idem_store_run_txn they answer IDEM_FAILED_PRECONDITION
- * (the thread already holds the writer). Inside a txn use the idem_txn variants. The
- * toolkit needs the LMDB store (business databases): on another backend its functions
- * answer IDEM_UNIMPLEMENTED (idem_consume: RETRY with info.code = IDEM_UNIMPLEMENTED, a
- * configuration error to check for, not a transient one). docs/recipes.md maps each
- * pattern to its use and says when not to use it. */
+ * (LMDB: the thread already holds the one writer; PostgreSQL: the inner transaction could
+ * wait for the outer's row locks forever). Inside a txn use the idem_txn variants.
+ * docs/recipes.md maps each pattern to its use and says when not to use it. */
 #ifndef IDEMRPC_TOOLKIT_H
 #define IDEMRPC_TOOLKIT_H
 
@@ -158,6 +157,11 @@ IDEM_API idem_code idem_retry_on_conflict(const idem_conflict_policy *p, idem_at
 typedef enum idem_consume_verdict {
     IDEM_CONSUME_RETRY = 0, /* nothing recorded, fn's writes rolled back: redeliver */
     IDEM_CONSUME_ACK = 1,   /* consumed now or before: ack the message */
+    /* The call itself is wrong and redelivering cannot help: a group or key out of
+     * bounds, no store or fn, a store without transactions, or a call from inside a
+     * transaction. fn did not run, nothing was recorded; info.code says which.
+     * Dead-letter the message (and fix the caller). */
+    IDEM_CONSUME_REJECT = 2,
 } idem_consume_verdict;
 
 typedef struct idem_consume_info {
@@ -170,8 +174,9 @@ typedef struct idem_consume_info {
  * and fn's writes commit in one write txn, so a crash leaves both or neither. fn
  * returning IDEM_OK acks; any other code (or a store error) is a retry with nothing
  * recorded. To drop a poison message for good, write your dead-letter entry and return
- * IDEM_OK. group is 1..64 bytes, msg_key 1..255 (else RETRY with INVALID_ARGUMENT). Markers
- * are kept until idem_consume_purge() removes them. info may be NULL. */
+ * IDEM_OK. group is 1..64 bytes, msg_key 1..255 (else REJECT with INVALID_ARGUMENT): a
+ * RETRY is only ever answered when a redelivery can succeed. Markers are kept until
+ * idem_consume_purge() removes them. info may be NULL. */
 IDEM_API idem_consume_verdict idem_consume(idem_store *st, const char *group, const char *msg_key,
                                            idem_txn_fn fn, void *arg);
 IDEM_API idem_consume_verdict idem_consume_ex(idem_store *st, const char *group,

@@ -144,6 +144,19 @@ static idem_consume_verdict verdict(idem_consume_info *info, idem_code code, boo
     return code == IDEM_OK ? IDEM_CONSUME_ACK : IDEM_CONSUME_RETRY;
 }
 
+/* What idem_consume found wrong with the call itself, before fn: no redelivery helps. */
+static idem_consume_verdict reject(idem_consume_info *info, idem_code code)
+{
+    verdict(info, code, false, 0);
+    return IDEM_CONSUME_REJECT;
+}
+
+/* A store without transactions, or a call from inside one (FAILED_PRECONDITION). */
+static bool hopeless(idem_code code)
+{
+    return code == IDEM_UNIMPLEMENTED || code == IDEM_FAILED_PRECONDITION;
+}
+
 idem_consume_verdict idem_consume_ex(idem_store *st, const char *group, const char *msg_key,
                                      idem_txn_fn fn, void *arg, idem_consume_info *info)
 {
@@ -156,11 +169,14 @@ idem_consume_verdict idem_consume_ex(idem_store *st, const char *group, const ch
     if (code == IDEM_OK && (st == NULL || fn == NULL)) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "consume needs a store and a function");
     }
-    if (code != IDEM_OK || (code = lookup(st, &k, &at)) != IDEM_NOT_FOUND) {
-        return verdict(info, code, true, at); /* read-only fast path for duplicates */
+    if (code != IDEM_OK) {
+        return reject(info, code);
+    }
+    if ((code = lookup(st, &k, &at)) != IDEM_NOT_FOUND) { /* duplicates: a read only */
+        return hopeless(code) ? reject(info, code) : verdict(info, code, true, at);
     }
     if ((code = idem__store_txn_begin(st, &t)) != IDEM_OK) {
-        return verdict(info, code, false, 0);
+        return hopeless(code) ? reject(info, code) : verdict(info, code, false, 0);
     }
     code = mark(t, &k, idem__now_ms(), &at);
     if (code == IDEM_ALREADY_EXISTS) { /* a concurrent consumer committed first */
