@@ -313,7 +313,7 @@ static long long ledger_expected[CHAOS_ACCOUNTS];
 
 static void check_effects(entry *e, const chaos_cfg *cfg)
 {
-    bool txn = cfg->topology == CHAOS_LMDB && strcmp(e->method, CHAOS_METHOD_ADD) != 0;
+    bool txn = strcmp(e->method, CHAOS_METHOD_ADD) != 0; /* transactional on both stores */
     if (e->payload[0] == '\0' && e->n_definitive == 0 && e->effects == 0) {
         return; /* only a token issue, never sent */
     }
@@ -428,14 +428,10 @@ static bool check_store(const chaos_cfg *cfg)
         fprintf(stderr, "idemrpc-chaos: cannot open the store: %s\n", idem_errmsg());
         return false;
     }
-    if (cfg->topology == CHAOS_LMDB) {
-        app_store = st;
-        each_entry(read_app_counts, cfg);
-    }
+    app_store = st;
+    each_entry(read_app_counts, cfg);
     each_entry(check_effects, cfg);
-    if (cfg->topology == CHAOS_LMDB) {
-        check_ledger(st);
-    }
+    check_ledger(st);
     if (idem_store_foreach(st, visit_record, (void *)cfg) != IDEM_OK) {
         fprintf(stderr, "idemrpc-chaos: reading the records: %s\n", idem_errmsg());
     }

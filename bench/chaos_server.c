@@ -1,13 +1,12 @@
 /* The server under test: `idemrpc-chaos --serve ...`, started twice by the campaign on
  * one store (one LMDB directory, or one PostgreSQL database with Redis debounce).
  *
- *   chaos.Ledger/Transfer  LMDB only, transactional: "FROM TO AMOUNT" moves money
- *                          between accounts acct-00..07 (absent = 1000) and counts the
- *                          execution in app db "applied" under its key, all in the
- *                          record's transaction. Too little money: FAILED_PRECONDITION.
- *   chaos.Order/Submit     token required. LMDB: transactional, counts in app db
- *                          "orders" under the key (the token). PostgreSQL: claim mode,
- *                          one line in the effect log.
+ *   chaos.Ledger/Transfer  transactional: "FROM TO AMOUNT" moves money between accounts
+ *                          acct-00..07 (absent = 1000) and counts the execution in app
+ *                          db "applied" under its key, all in the record's transaction.
+ *                          Too little money: FAILED_PRECONDITION.
+ *   chaos.Order/Submit     token required, transactional: counts in app db "orders"
+ *                          under the key (the token).
  *   chaos.Counter/Add      claim mode (cached, key required): one line in the effect log.
  *
  * Every answer names the process, the fence, the caller and the key of the execution
@@ -93,8 +92,11 @@ static idem_code transfer(idem_call *call, void *arg)
     }
     snprintf(from, sizeof(from), "acct-%02d", a);
     snprintf(to, sizeof(to), "acct-%02d", b);
-    long long fb = read_ll(t, "ledger", from, CHAOS_INITIAL_BALANCE);
-    long long tb = read_ll(t, "ledger", to, CHAOS_INITIAL_BALANCE);
+    /* Read (on PostgreSQL: lock) the lower account first, so that two opposite
+     * transfers never wait for each other in a cycle. */
+    long long lo = read_ll(t, "ledger", a < b ? from : to, CHAOS_INITIAL_BALANCE);
+    long long hi = read_ll(t, "ledger", a < b ? to : from, CHAOS_INITIAL_BALANCE);
+    long long fb = a < b ? lo : hi, tb = a < b ? hi : lo;
     if (fb < amount) {
         return reply_execution(call, IDEM_FAILED_PRECONDITION, " insufficient funds");
     }
@@ -112,13 +114,7 @@ static idem_code transfer(idem_call *call, void *arg)
 static idem_code order(idem_call *call, void *arg)
 {
     (void)arg;
-    idem_txn *t = idem_call_txn(call);
-    idem_code code;
-    if (t != NULL) {
-        code = count_execution(t, "orders", idem_call_key(call));
-    } else {
-        code = effect_log(call);
-    }
+    idem_code code = count_execution(idem_call_txn(call), "orders", idem_call_key(call));
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "order effect failed");
     }
@@ -188,12 +184,11 @@ static idem_code serve_register(idem_server *srv, bool lmdb)
 {
     unsigned window = lmdb ? 0 : IDEM_METHOD_DEBOUNCE;
     idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
-    idem_method_opts token = {.flags = IDEM_METHOD_TOKEN_REQUIRED | window |
-                                       (lmdb ? IDEM_METHOD_TRANSACTIONAL : 0)};
+    idem_method_opts token = {.flags =
+                                  IDEM_METHOD_TOKEN_REQUIRED | window | IDEM_METHOD_TRANSACTIONAL};
     idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | window};
     idem_code code;
-    if (lmdb &&
-        (code = idem_server_register(srv, CHAOS_METHOD_TRANSFER, transfer, NULL, &tx)) != IDEM_OK) {
+    if ((code = idem_server_register(srv, CHAOS_METHOD_TRANSFER, transfer, NULL, &tx)) != IDEM_OK) {
         return code;
     }
     if ((code = idem_server_register(srv, CHAOS_METHOD_ORDER, order, NULL, &token)) != IDEM_OK) {

@@ -213,10 +213,7 @@ static op *generate(worker *w, bool *impatient)
 {
     char caller[64];
     uint64_t pick = chaos_between(&w->rng, 0, 99), copies = chaos_between(&w->rng, 0, 99);
-    op_kind kind = cfg->topology == CHAOS_LMDB ? (pick < 40   ? OP_TRANSFER
-                                                  : pick < 65 ? OP_ORDER
-                                                              : OP_ADD)
-                                               : (pick < 40 ? OP_ORDER : OP_ADD);
+    op_kind kind = pick < 40 ? OP_TRANSFER : pick < 65 ? OP_ORDER : OP_ADD;
     snprintf(caller, sizeof(caller), "%s-c%zu", cfg->run, w->index);
     op *o = op_new(kind, caller);
     if (o == NULL) {
