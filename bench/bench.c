@@ -15,7 +15,9 @@
  *   g  pg-new   as c, on the PostgreSQL store ($IDEMRPC_BENCH_PG, a libpq conninfo)
  *   h  pg-new2  as g, two server instances on the one database, clients dial both
  *   i  pg-replay as e, on PostgreSQL
- *   (g, h, i run only when asked for with --scenarios; "pg vs lmdb" lines follow)
+ *   j  pg-wait  a duplicate on instance B of a call running on instance A: how long its
+ *               answer lags A's, woken by LISTEN/NOTIFY and by re-reads (scenario_pg_wait.c)
+ *   (g, h, i, j run only when asked for with --scenarios; "pg vs lmdb" lines follow)
  *
  * A cell is one (scenario, transport, payload, clients): a server and K client threads
  * in this process on loopback. Every thread connects and warms up untimed, then all
@@ -99,9 +101,12 @@ static bool parse_transports(char *s)
 static bool parse_scenarios(const char *s)
 {
     memset(cfg.want, 0, sizeof(cfg.want));
+    cfg.want_pg_wait = false;
     for (; *s != '\0'; s++) {
         if (*s >= 'a' && *s <= 'i') {
             cfg.want[*s - 'a'] = true;
+        } else if (*s == 'j') {
+            cfg.want_pg_wait = true;
         } else if (*s != ',') {
             return false;
         }
@@ -156,7 +161,7 @@ static bool parse_option(int opt, const char *name, char *v)
         cfg.count = count;
         break;
     case 'S':
-        want = parse_scenarios(v) ? NULL : "a list of scenario letters a to i";
+        want = parse_scenarios(v) ? NULL : "a list of scenario letters a to j";
         break;
     }
     if (want != NULL) {
@@ -271,6 +276,9 @@ int main(int argc, char **argv)
     report_preamble();
     bool all_ok = run_cells();
     report_pg_ratios();
+    if (cfg.want_pg_wait) {
+        all_ok &= run_pg_wait() == 0;
+    }
     if (cfg.csv != NULL && report_write_csv(cfg.csv) != 0) {
         fprintf(stderr, "idemrpc-bench: cannot write %s\n", cfg.csv);
         all_ok = false;

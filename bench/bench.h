@@ -38,6 +38,7 @@ typedef struct bench_config {
     const char *transports[MAX_LIST];
     int n_clients, n_payloads, n_transports;
     bool want[N_SCENARIOS]; /* scenario a..i */
+    bool want_pg_wait;      /* j */
     double seconds;
     unsigned long long count; /* 0 = bounded by time only */
     const char *csv, *json;
@@ -86,6 +87,7 @@ int run_echo(const scenario *sc, cell *c, cell_stats *out);  /* a, scenario_echo
 int run_chain(const scenario *sc, cell *c, cell_stats *out); /* b–e, scenario_chain.c */
 int run_pg(const scenario *sc, cell *c, cell_stats *out);    /* g–i, scenario_chain.c */
 int run_lmdb(const scenario *sc, cell *c, cell_stats *out);  /* f, scenario_lmdb.c */
+int run_pg_wait(void); /* j, scenario_pg_wait.c: prints its own table; 0 when measured */
 
 /* ---- the harness (harness.c) ---- */
 
