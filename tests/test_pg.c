@@ -450,12 +450,14 @@ static idem_code h_pay_callback(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, order, strlen(order));
 }
 
+static bool tx_no_notify; /* the stores tx_server opens re-read instead of listening */
+
 static void tx_server(tu_server *ts, idem_store **store, size_t pool, idem_handler_fn fn)
 {
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.contexts = 8;
-    idem_pg_opts po = {.pool_size = pool};
+    idem_pg_opts po = {.pool_size = pool, .no_notify = tx_no_notify};
     cr_assert_eq(idem_store_open_postgres_ex(store, tx_conninfo, &po), IDEM_OK, "%s",
                  idem_errmsg());
     o.store = *store;
@@ -594,7 +596,7 @@ static bool await_waiting(int http_port)
     return false;
 }
 
-Test(pg, a_duplicate_on_another_instance_waits_for_the_handler_txn_and_replays_it)
+static void duplicate_on_another_instance(void)
 {
     tu_server a, b;
     idem_store *sa, *sb;
@@ -639,6 +641,53 @@ Test(pg, a_duplicate_on_another_instance_waits_for_the_handler_txn_and_replays_i
     tu_server_destroy(&b, false);
     idem_store_close(sa);
     idem_store_close(sb);
+    tx_schema_drop();
+}
+
+Test(pg, a_duplicate_on_another_instance_waits_for_the_handler_txn_and_replays_it)
+{
+    duplicate_on_another_instance(); /* woken by the commit's NOTIFY */
+}
+
+/* idem_pg_opts.no_notify, for engines without LISTEN/NOTIFY: the same outcome, found by
+ * the duplicate's re-reads. */
+Test(pg, without_notifications_the_duplicate_still_replays_by_re_reading)
+{
+    tx_no_notify = true;
+    duplicate_on_another_instance();
+}
+
+static idem_code read_absent_keys(idem_txn *t, void *arg)
+{
+    (void)arg;
+    const void *v;
+    size_t n;
+    for (int i = 0; i < 5; i++) {
+        char k[8];
+        snprintf(k, sizeof(k), "k%d", i);
+        cr_expect_eq(idem_txn_get(t, "sweep", k, strlen(k), &v, &n), IDEM_NOT_FOUND);
+    }
+    return idem_txn_put(t, "sweep", "kept", 4, "v", 1);
+}
+
+/* A locking read of an absent key leaves an empty row (the lock's anchor): the sweep
+ * removes those, never a written one. */
+Test(pg, the_sweep_removes_the_empty_rows_reads_leave_and_keeps_values)
+{
+    idem_store *s2;
+    size_t deleted;
+    tx_schema_create();
+    cr_assert_eq(idem_store_open_postgres(&s2, tx_conninfo, 2), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(s2, read_absent_keys, NULL), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_str_eq(tx_query("SELECT count(*) FROM idem_kv WHERE v IS NULL"), "5");
+    cr_assert_eq(idem_store_sweep(s2, idem__now_ms(), 100, &deleted), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(deleted, 0, "empty rows are neither records nor tokens");
+    cr_expect_str_eq(tx_query("SELECT count(*) FROM idem_kv"), "1");
+    void *v;
+    size_t n;
+    cr_assert_eq(idem_store_app_get(s2, "sweep", "kept", 4, &v, &n), IDEM_OK);
+    free(v);
+    idem_store_close(s2);
     tx_schema_drop();
 }
 

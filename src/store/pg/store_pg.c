@@ -74,14 +74,18 @@ static const char *const stmt_sql[S_COUNT] = {
                 " AND owner = $4 AND state = 1",
     [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
     [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
-    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE ctid IN (SELECT ctid FROM idem_records"
+    /* Batches by primary key (plain SQL; no ctid). The outer condition is checked again
+     * on the newest row version, so a row renewed or written meanwhile stays. */
+    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE expires_ms <= " DBNOW " + $1::bigint AND"
+                        " (caller, method, key) IN (SELECT caller, method, key FROM idem_records"
                         " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
-    [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE ctid IN (SELECT ctid FROM idem_tokens"
-                       " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
+    [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE expires_ms <= " DBNOW " + $1::bigint AND"
+                       " token IN (SELECT token FROM idem_tokens WHERE expires_ms <= " DBNOW
+                       " + $1::bigint LIMIT $2)",
     /* The empty rows reads leave behind (txn.c); a row locked by a live transaction is
-     * waited for, and one it has changed since is no longer in the list. */
-    [S_SWEEP_KV] = "DELETE FROM idem_kv WHERE ctid IN (SELECT ctid FROM idem_kv WHERE v IS NULL"
-                   " LIMIT $1)",
+     * waited for, and one it has written since is no longer empty. */
+    [S_SWEEP_KV] = "DELETE FROM idem_kv WHERE v IS NULL AND (db, k) IN (SELECT db, k FROM idem_kv"
+                   " WHERE v IS NULL LIMIT $1)",
     [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, " DBNOW
                     " + $3::bigint) ON CONFLICT DO NOTHING",
     [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"
