@@ -7,6 +7,7 @@
 #include "store.h"
 #include "server.h"
 #include "client.h"
+#include "downstream.h"
 #include "txn.h"
 #include "toolkit.h"
 

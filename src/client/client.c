@@ -501,6 +501,11 @@ static idem_code fix_key(const idem_request *req, bool never_generate,
     return IDEM_OK;
 }
 
+uint32_t idem__client_deadline_ms(const idem_client *c)
+{
+    return c->opts.deadline_ms;
+}
+
 idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out)
 {
     const char *caller = req->caller != NULL ? req->caller : c->caller;

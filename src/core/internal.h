@@ -109,6 +109,10 @@ bool idem__signature_equal(const char *a, const char *b);
  * idempotency-key, else "". */
 const char *idem__signed_key(const char *field, const char *meta);
 
+/* The client's whole-call deadline for requests that set none (after defaults). */
+struct idem_client;
+uint32_t idem__client_deadline_ms(const struct idem_client *c);
+
 /* strdup that returns NULL only on ENOMEM; NULL in → "". */
 char *idem__strdup(const char *s);
 

@@ -130,6 +130,31 @@ static const char *outcome(const idem_call *call)
     return call->replayed ? "replayed" : call->executed ? "executed" : "rejected";
 }
 
+static bool lower_hex(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* " trace_id=<32 hex>" from a well-formed W3C traceparent (version-trace-parent-flags),
+ * else "": a malformed one is not logged at all. */
+static void trace_field(const idem_call *call, char out[48])
+{
+    const char *v = idem_call_metadata(call, "traceparent");
+    out[0] = '\0';
+    if (v == NULL || strlen(v) != 55 || v[2] != '-' || v[35] != '-' || v[52] != '-' ||
+        !lower_hex(v, 2) || !lower_hex(v + 3, 32) || !lower_hex(v + 36, 16) ||
+        !lower_hex(v + 53, 2) || strncmp(v, "ff", 2) == 0 ||
+        strncmp(v + 3, "00000000000000000000000000000000", 32) == 0) {
+        return;
+    }
+    snprintf(out, 48, " trace_id=%.32s", v + 3);
+}
+
 void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t latency_us)
 {
     if (call->replayed) {
@@ -158,14 +183,15 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
         }
     }
     /* request id, method and caller are the client's: quoted and escaped. */
-    char id[IDEM_LOGQ_CAP], method[IDEM_LOGQ_CAP], caller[IDEM_LOGQ_CAP];
+    char id[IDEM_LOGQ_CAP], method[IDEM_LOGQ_CAP], caller[IDEM_LOGQ_CAP], trace[48];
+    trace_field(call, trace);
     idem__log(obs, IDEM_LOG_INFO,
-              "request_id=%s method=%s caller=%s key=%s outcome=%s%s%s code=%s "
+              "request_id=%s%s method=%s caller=%s key=%s outcome=%s%s%s code=%s "
               "attempt=%u latency_us=%llu",
               idem__logfmt_quote(id, sizeof(id), call->request_id[0] ? call->request_id : "-"),
-              idem__logfmt_quote(method, sizeof(method), call->req->method),
-              idem__logfmt_quote(caller, sizeof(caller), call->caller), key_hash,
-              outcome(call), call->reason ? " reason=" : "", call->reason ? call->reason : "",
+              trace, idem__logfmt_quote(method, sizeof(method), call->req->method),
+              idem__logfmt_quote(caller, sizeof(caller), call->caller), key_hash, outcome(call),
+              call->reason ? " reason=" : "", call->reason ? call->reason : "",
               idem_code_name(call->code), call->req->attempt, (unsigned long long)latency_us);
 }
 

@@ -1,0 +1,139 @@
+/* idem_call_downstream (downstream.h): a call to another service as a step of the
+ * current one, with a derived key, the upstream's deadline, request id and trace. */
+#include <stdio.h>
+#include <string.h>
+
+#include "call.h"
+
+#include "idemrpc/downstream.h"
+
+static bool step_ok(const char *step)
+{
+    size_t n = step != NULL ? strlen(step) : 0;
+    if (n == 0 || n > IDEM_MAX_STEP) {
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        char ch = step[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '.' || ch == '_' || ch == '-')) {
+            return false;
+        }
+    }
+    return true;
+}
+
+idem_code idem_call_derive_key(const idem_call *call, const char *step,
+                               char out[IDEM_DERIVED_KEY_LEN + 1])
+{
+    out[0] = '\0';
+    if (!step_ok(step)) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "step name must be 1..%d bytes of [A-Za-z0-9._-]",
+                         IDEM_MAX_STEP);
+    }
+    if (call->key_source == IDEM_KEY_NONE || call->key[0] == '\0') {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "the call has no idempotency key to derive a downstream key from "
+                         "(make %s KEY_REQUIRED)",
+                         call->req->method);
+    }
+    /* Each part with its length, so that no two (caller, method, key, step) run together. */
+    const char *parts[4] = {idem_call_caller(call), call->req->method, call->key, step};
+    const void *p[8];
+    size_t lens[8];
+    uint8_t len_be[4][4], d[32];
+    for (int i = 0; i < 4; i++) {
+        uint32_t n = (uint32_t)strlen(parts[i]);
+        len_be[i][0] = (uint8_t)(n >> 24);
+        len_be[i][1] = (uint8_t)(n >> 16);
+        len_be[i][2] = (uint8_t)(n >> 8);
+        len_be[i][3] = (uint8_t)n;
+        p[2 * i] = len_be[i];
+        lens[2 * i] = 4;
+        p[2 * i + 1] = parts[i];
+        lens[2 * i + 1] = n;
+    }
+    if (!idem__sha256(p, lens, 8, d)) {
+        return idem__err(IDEM_INTERNAL, "sha256 failed");
+    }
+    out[0] = 'd';
+    out[1] = '-';
+    idem__hex(out + 2, d, sizeof(d));
+    return IDEM_OK;
+}
+
+/* The upstream's deadline left for the hop, minus the margin; *ms = 0 when no deadline. */
+static idem_code hop_deadline(const idem_call *call, uint32_t *ms)
+{
+    uint64_t deadline = idem_call_deadline_ms(call), now = idem__now_ms();
+    *ms = 0;
+    if (deadline == 0) {
+        return IDEM_OK;
+    }
+    uint64_t left = deadline > now ? deadline - now : 0;
+    uint64_t margin = left / 10 < IDEM_HOP_MARGIN_MS ? left / 10 : IDEM_HOP_MARGIN_MS;
+    if (left <= margin + 1) {
+        return idem__err(IDEM_DEADLINE_EXCEEDED,
+                         "the upstream deadline leaves no time for the downstream call");
+    }
+    *ms = left - margin > UINT32_MAX ? UINT32_MAX : (uint32_t)(left - margin);
+    return IDEM_OK;
+}
+
+static bool has_meta(const idem_request *req, const char *name)
+{
+    for (size_t i = 0; i < req->metadata_count; i++) {
+        if (req->metadata[i].name != NULL && strcmp(req->metadata[i].name, name) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+idem_code idem_call_downstream(idem_call *call, idem_client *client, const char *step,
+                               const idem_request *req, idem_result *out)
+{
+    static const char *const trace[] = {"traceparent", "tracestate"};
+    char key[IDEM_DERIVED_KEY_LEN + 1];
+    idem_metadata_kv meta[IDEM_MAX_METADATA];
+    uint32_t left;
+    idem_code code;
+    memset(out, 0, sizeof(*out));
+    if (call == NULL || client == NULL || req == NULL) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "downstream call needs a call, a client and a "
+                                                "request");
+    } else if (req->idempotency_key != NULL || req->caller != NULL) {
+        code = idem__err(IDEM_INVALID_ARGUMENT,
+                         "a downstream call's key is derived and its caller is this service: "
+                         "leave idempotency_key and caller unset");
+    } else if (req->metadata_count > IDEM_MAX_METADATA - 2) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "too many metadata entries (%zu, max %d)",
+                         req->metadata_count, IDEM_MAX_METADATA - 2);
+    } else if ((code = idem_call_derive_key(call, step, key)) == IDEM_OK) {
+        code = hop_deadline(call, &left);
+    }
+    if (code != IDEM_OK) {
+        out->code = code;
+        return code;
+    }
+    idem_request hop = *req;
+    hop.idempotency_key = key;
+    uint32_t own = hop.deadline_ms ? hop.deadline_ms : idem__client_deadline_ms(client);
+    hop.deadline_ms = left != 0 && left < own ? left : own;
+    if (hop.request_id == NULL && call->request_id[0] != '\0') {
+        hop.request_id = call->request_id;
+    }
+    size_t n = req->metadata_count;
+    if (n > 0) {
+        memcpy(meta, req->metadata, n * sizeof(*meta));
+    }
+    for (size_t i = 0; i < 2; i++) {
+        const char *v = idem_call_metadata(call, trace[i]);
+        if (v != NULL && !has_meta(req, trace[i])) {
+            meta[n++] = (idem_metadata_kv){trace[i], v};
+        }
+    }
+    hop.metadata = n > 0 ? meta : NULL;
+    hop.metadata_count = n;
+    return idem_client_call(client, &hop, out);
+}
