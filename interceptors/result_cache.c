@@ -178,6 +178,18 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
     return record_result(call, cfg, key, owner, txn);
 }
 
+/* The outcome is recorded: the journaled steps of the call have served (a failure to
+ * delete them only leaves them behind, logged). */
+static void forget_steps(idem_call *call)
+{
+    if (call->n_steps > 0 && idem__call_steps_forget(call) != IDEM_OK) {
+        char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
+        idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
+                  idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
+                  idem__logfmt_quote(msg, sizeof(msg), idem_errmsg()));
+    }
+}
+
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
  * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL. */
 static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
@@ -203,6 +215,7 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     }
     call->txn = txn;
     call->fence = owner;
+    call->claim_store = cfg->store;
     code = idem_call_next(call, next);
     call->txn = NULL;
     bool released = released_code(call, code);
@@ -210,9 +223,10 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
         st = record_result(call, cfg, key, owner, txn); /* effect and record together */
     } else if (txn != NULL) {
         st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
-    } else {
-        st = record_retrying(call, cfg, key, owner, !released);
+    } else if ((st = record_retrying(call, cfg, key, owner, !released)) == IDEM_OK && !released) {
+        forget_steps(call);
     }
+    call->claim_store = NULL;
     /* Renewed until now: recording may retry through a store outage for longer than a
      * lease, and a lapse would let another instance take over and run it again. */
     idem__inflight_unkeep(call->rt->inflight, keep);

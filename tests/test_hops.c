@@ -1,18 +1,21 @@
 /* Service chains (downstream.h): a handler of service `order` calls service `payment`
- * with idem_call_downstream. Two real servers, each with its own store, the real
- * client between them. */
+ * with idem_call_downstream, and journals its steps with idem_call_step. Two real
+ * servers, each with its own store, the real client between them. One suite, both
+ * stores for the order service's journal: `hops` (LMDB) and `hops_pg`. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "testutil.h"
 
 #define TRACEPARENT "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 static tu_server order, payment;
+static tu_backend order_store;
 static idem_client *to_payment;
 static atomic_int charges, order_runs, fail_after_charge;
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -76,6 +79,133 @@ static idem_code keyless(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
+/* ---- journaled steps: order.Order/Checkout reserves, then charges ---- */
+
+static atomic_int reserves, charged, checkout_runs, fail_between, fail_after, step_refusals;
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static atomic_int stall_first; /* the first run stalls before its charge step */
+static bool second_charged;    /* the run that took over recorded its charge */
+static bool first_done;        /* the stalled run's charge step returned */
+
+static idem_code numbered(idem_step_result *out, char tag, int n)
+{
+    char buf[16];
+    int len = snprintf(buf, sizeof(buf), "%c%d", tag, n);
+    if ((out->data = malloc((size_t)len)) == NULL) {
+        return IDEM_RESOURCE_EXHAUSTED;
+    }
+    memcpy(out->data, buf, (size_t)len);
+    out->len = (size_t)len;
+    return IDEM_OK;
+}
+
+static idem_code reserve_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call, (void)arg;
+    return numbered(out, 'R', atomic_fetch_add(&reserves, 1) + 1);
+}
+
+static void stall_until_taken_over(void);
+
+/* With stall_first, the first charge stalls (after its effect) until a run that took
+ * over the claim has recorded its own. */
+static idem_code charge_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call, (void)arg;
+    int n = atomic_fetch_add(&charged, 1) + 1;
+    if (n == 1 && atomic_load(&stall_first)) {
+        stall_until_taken_over();
+    }
+    return numbered(out, 'C', n);
+}
+
+/* Waits (bounded at 5 s) for *flag. */
+static void await_flag(const bool *flag)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5;
+    pthread_mutex_lock(&gate_mu);
+    while (!*flag && pthread_cond_timedwait(&gate_cv, &gate_mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&gate_mu);
+}
+
+static void raise_flag(bool *flag)
+{
+    pthread_mutex_lock(&gate_mu);
+    *flag = true;
+    pthread_cond_broadcast(&gate_cv);
+    pthread_mutex_unlock(&gate_mu);
+}
+
+/* The first run waits until a run that took over its claim has charged. */
+static void stall_until_taken_over(void)
+{
+    await_flag(&second_charged);
+}
+
+/* After the charge step: the run that took over lets the stalled one record (or try)
+ * before it completes the call and deletes the journal. */
+static void handshake(int run)
+{
+    if (run == 1) {
+        raise_flag(&first_done);
+    } else {
+        raise_flag(&second_charged);
+        await_flag(&first_done);
+    }
+}
+
+static idem_code checkout(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_step_result r = {0}, c = {0};
+    int run = atomic_fetch_add(&checkout_runs, 1) + 1;
+    idem_code code = idem_call_step(call, "reserve", reserve_fn, NULL, &r);
+    if (code == IDEM_OK && atomic_fetch_sub(&fail_between, 1) > 0) {
+        code = idem_call_fail(call, IDEM_UNAVAILABLE, "crashed between the steps");
+    } else if (code == IDEM_OK) {
+        code = idem_call_step(call, "charge", charge_fn, NULL, &c);
+        if (code == IDEM_ABORTED) {
+            atomic_fetch_add(&step_refusals, 1);
+        }
+        if (atomic_load(&stall_first)) {
+            handshake(run);
+        }
+    }
+    if (code == IDEM_OK && atomic_fetch_sub(&fail_after, 1) > 0) {
+        code = idem_call_fail(call, IDEM_UNAVAILABLE, "crashed after the steps");
+    } else if (code == IDEM_OK) {
+        char out[64];
+        int n = snprintf(out, sizeof(out), "%.*s %.*s%s", (int)r.len, (const char *)r.data,
+                         (int)c.len, (const char *)c.data, r.replayed ? " (reserve replayed)" : "");
+        code = idem_call_reply(call, IDEM_OK, out, (size_t)n);
+    } else if (idem_call_code(call) == IDEM_OK) {
+        code = idem_call_fail(call, code, "step: %s", idem_errmsg());
+    }
+    idem_step_result_clear(&r);
+    idem_step_result_clear(&c);
+    return code;
+}
+
+static idem_code step_in_plain_method(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_step_result r;
+    idem_code code = idem_call_step(call, "reserve", reserve_fn, NULL, &r);
+    return idem_call_reply(call, IDEM_OK, idem_code_name(code), strlen(idem_code_name(code)));
+}
+
+static void register_steps(idem_server *srv)
+{
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(srv, "order.Order/Checkout", checkout, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(srv, "order.Order/Plain", step_in_plain_method, NULL, NULL),
+                 IDEM_OK);
+}
+
 static void setup(void)
 {
     idem_server_opts o;
@@ -93,7 +223,15 @@ static void setup(void)
     co.retry.period_ms = 10;
     cr_assert_eq(idem_client_open(&to_payment, (const char *[]){payment.url}, 1, &co), IDEM_OK);
 
-    tu_server_create(&order, NULL);
+    idem_server_opts oo;
+    idem_server_opts_init(&oo);
+    oo.lease_ms = 150;
+    oo.max_run_ms = 150; /* a stalled run loses its claim soon (the takeover test) */
+    if (tu_backend_is_pg()) {
+        oo.store = tu_backend_open(&order_store, "hops");
+    }
+    tu_server_create(&order, &oo);
+    register_steps(order.srv);
     cr_assert_eq(idem_server_register(order.srv, "order.Order/Place", place, NULL, &m), IDEM_OK);
     cr_assert_eq(idem_server_register(order.srv, "order.Order/Keyless", keyless, NULL, NULL),
                  IDEM_OK);
@@ -104,6 +242,9 @@ static void setup(void)
 static void teardown(void)
 {
     tu_server_destroy(&order, false);
+    if (order_store.st != NULL) {
+        tu_backend_close(&order_store);
+    }
     idem_client_close(to_payment);
     tu_server_destroy(&payment, false);
 }
@@ -206,6 +347,88 @@ Test(hops, a_call_without_a_key_or_a_bad_step_name_cannot_derive_one)
     idem_result r;
     cr_assert_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "FAILED_PRECONDITION INVALID_ARGUMENT");
+    idem_result_clear(&r);
+    idem_client_close(c);
+}
+
+static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t attempt_ms,
+                               idem_result *r)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.retry.max_attempts = attempts;
+    o.retry.period_ms = 20;
+    o.attempt_timeout_ms = attempt_ms;
+    o.deadline_ms = 8000;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){order.url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "order.Order/Checkout", .idempotency_key = key};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+Test(hops, a_run_after_a_failure_between_two_steps_replays_the_first_and_runs_the_second)
+{
+    idem_result r;
+    atomic_store(&fail_between, 1);
+    cr_assert_eq(checkout_call("cart-1", 3, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_eq(atomic_load(&checkout_runs), 2);
+    cr_expect_eq(atomic_load(&reserves), 1, "stock reserved once");
+    cr_expect_eq(atomic_load(&charged), 1);
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+}
+
+Test(hops, a_run_after_both_steps_replays_both_and_the_journal_is_gone_at_completion)
+{
+    idem_result r;
+    atomic_store(&fail_after, 2);
+    cr_assert_eq(checkout_call("cart-2", 5, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_eq(atomic_load(&checkout_runs), 3);
+    cr_expect_eq(atomic_load(&reserves), 1);
+    cr_expect_eq(atomic_load(&charged), 1, "charged once over three runs");
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+    cr_assert_eq(checkout_call("cart-2", 1, 2000, &r), IDEM_OK);
+    cr_expect(r.replayed, "the completed call replays");
+    idem_result_clear(&r);
+
+    /* With its record deleted (an operator, or the sweep after the TTL), the same key is
+     * a new call: had the journal outlived the completion, its steps would replay. */
+    idem_key_ref k = {"", "order.Order/Checkout", "cart-2"};
+    cr_assert_eq(idem_store_delete(idem_server_store(order.srv), &k), IDEM_OK);
+    cr_assert_eq(checkout_call("cart-2", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C2", "the journal was deleted at completion");
+    idem_result_clear(&r);
+}
+
+/* A run stalls past its lease (max_run_ms 150) inside its second step; the retry takes
+ * the claim over and runs the call again: the first step replays, the second runs and
+ * is recorded. When the stalled run resumes, recording its step is refused: it cannot
+ * overwrite the new owner's journal, and the client gets the new owner's answer. */
+Test(hops, a_run_that_lost_its_claim_cannot_record_a_step)
+{
+    idem_result r;
+    atomic_store(&stall_first, 1);
+    cr_assert_eq(checkout_call("cart-3", 50, 300, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C2 (reserve replayed)");
+    idem_result_clear(&r);
+    tu_server_destroy(&order, false); /* lets the stalled run finish before counting */
+    cr_expect_eq(atomic_load(&reserves), 1, "the takeover replayed the reserve step");
+    cr_expect_eq(atomic_load(&step_refusals), 1, "the stalled run's step was refused");
+    cr_expect_eq(atomic_load(&charged), 2,
+                 "the stalled run's charge fn ran (give it the step's derived key) but was "
+                 "not recorded");
+}
+
+Test(hops, steps_need_a_claim_mode_call)
+{
+    idem_client *c = tu_client(order.url, 2000);
+    idem_request q = {.method = "order.Order/Plain"};
+    idem_result r;
+    cr_assert_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "FAILED_PRECONDITION");
     idem_result_clear(&r);
     idem_client_close(c);
 }

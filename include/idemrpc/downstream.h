@@ -47,6 +47,48 @@ IDEM_API idem_code idem_call_derive_key(const idem_call *call, const char *step,
 IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, const char *step,
                                         const idem_request *req, idem_result *out);
 
+/* ---- journaled steps ----
+ *
+ * A handler with several external effects (reserve stock, then charge) must not repeat
+ * the first when it runs again after a crash, a transient failure or a lease takeover.
+ * idem_call_step(call, "reserve", fn, arg, &out) runs fn once per call and step: its
+ * output is recorded durably, bound to the call's claim, before idem_call_step returns;
+ * when the call runs again (same caller, method, key and request), a recorded step
+ * returns its output without running fn (out->replayed). Steps plus derived keys make a
+ * multi-effect handler exactly once end to end, as long as each downstream honours its
+ * key: fn itself may still run twice if the process dies after fn's effect and before
+ * its record, so give fn's effect the step's derived key (idem_call_downstream with the
+ * same step name does).
+ *
+ * Only an owner may write: a run that lost its claim (its lease expired and another
+ * instance took over) gets IDEM_ABORTED instead of recording, so it cannot overwrite
+ * what the new owner recorded; if it finds the step already recorded it gets that
+ * output instead of running fn. Known gap: a stalled run that resumes only after the
+ * new owner completed the call (and deleted the journal with its fence) can still
+ * record the steps it then runs; those entries are read only by a later call with the
+ * same caller, method, key and request (after the record is gone), and stay until then. The journal lives in the store (business database
+ * "idem.steps", LMDB or PostgreSQL) and is deleted when the call's outcome is recorded.
+ * For claim-mode handlers (IDEM_METHOD_CACHED and friends); a transactional handler's
+ * writes already commit together (FAILED_PRECONDITION). Call steps in the same order on
+ * every run. At most IDEM_MAX_STEPS steps per call, IDEM_MAX_STEP_OUTPUT bytes each. */
+
+#define IDEM_MAX_STEPS 32
+#define IDEM_MAX_STEP_OUTPUT 65536
+
+typedef struct idem_step_result {
+    void *data; /* malloc'd output (free with idem_step_result_clear); may be NULL if len 0 */
+    size_t len;
+    bool replayed; /* recorded by an earlier run: fn did not run now */
+} idem_step_result;
+
+/* The step's work: sets out->data (malloc'd, handed over) and out->len. Any code but
+ * IDEM_OK records nothing (the next run runs fn again) and is returned as is. */
+typedef idem_code (*idem_step_fn)(idem_call *call, void *arg, idem_step_result *out);
+
+IDEM_API idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, void *arg,
+                                  idem_step_result *out);
+IDEM_API void idem_step_result_clear(idem_step_result *r);
+
 #ifdef __cplusplus
 }
 #endif

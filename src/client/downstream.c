@@ -7,7 +7,7 @@
 
 #include "idemrpc/downstream.h"
 
-static bool step_ok(const char *step)
+bool idem__step_name_ok(const char *step)
 {
     size_t n = step != NULL ? strlen(step) : 0;
     if (n == 0 || n > IDEM_MAX_STEP) {
@@ -27,7 +27,7 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
                                char out[IDEM_DERIVED_KEY_LEN + 1])
 {
     out[0] = '\0';
-    if (!step_ok(step)) {
+    if (!idem__step_name_ok(step)) {
         return idem__err(IDEM_INVALID_ARGUMENT, "step name must be 1..%d bytes of [A-Za-z0-9._-]",
                          IDEM_MAX_STEP);
     }
@@ -44,10 +44,7 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
     uint8_t len_be[4][4], d[32];
     for (int i = 0; i < 4; i++) {
         uint32_t n = (uint32_t)strlen(parts[i]);
-        len_be[i][0] = (uint8_t)(n >> 24);
-        len_be[i][1] = (uint8_t)(n >> 16);
-        len_be[i][2] = (uint8_t)(n >> 8);
-        len_be[i][3] = (uint8_t)n;
+        idem__put_be32(len_be[i], n);
         p[2 * i] = len_be[i];
         lens[2 * i] = 4;
         p[2 * i + 1] = parts[i];

@@ -50,6 +50,13 @@ static inline uint64_t idem__get_be64(const uint8_t *p)
     return v;
 }
 
+static inline void idem__put_be32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) {
+        p[i] = (uint8_t)(v >> (24 - 8 * i));
+    }
+}
+
 /* a + b, at most UINT64_MAX: a "forever" TTL must not wrap into the past. */
 static inline uint64_t idem__add_sat(uint64_t a, uint64_t b)
 {
@@ -108,6 +115,9 @@ bool idem__signature_equal(const char *a, const char *b);
 /* The explicit key of a request as the server resolves it: the field, else metadata
  * idempotency-key, else "". */
 const char *idem__signed_key(const char *field, const char *meta);
+
+/* A step name of downstream.h: 1..IDEM_MAX_STEP bytes of [A-Za-z0-9._-]. */
+bool idem__step_name_ok(const char *step);
 
 /* The client's whole-call deadline for requests that set none (after defaults). */
 struct idem_client;
