@@ -1,0 +1,185 @@
+/* The three-service chain of examples/shop as real processes: order → inventory
+ * (reserve) and order → payment (charge), each with its own LMDB store. One process
+ * SIGKILLs itself at a chosen point of the first order; the test restarts it while the
+ * client keeps retrying with attempts shorter than the call. Afterwards: stock
+ * reserved once, money charged once, and every answer names the same order id. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+
+enum { INV, PAY, ORDER, N_ROLES };
+static const char *const roles[N_ROLES] = {"inventory", "payment", "order"};
+static char *dir;
+static char url[N_ROLES][300], db[N_ROLES][300];
+static tu_child proc[N_ROLES];
+
+static void setup(void)
+{
+    dir = tu_tempdir("shop");
+    for (int i = 0; i < N_ROLES; i++) {
+        snprintf(url[i], sizeof(url[i]), "ipc://%s/%s.sock", dir, roles[i]);
+        snprintf(db[i], sizeof(db[i]), "%s/%s", dir, roles[i]);
+    }
+}
+
+static void stop_all(void)
+{
+    for (int i = 0; i < N_ROLES; i++) {
+        if (proc[i].pid > 0) {
+            kill(proc[i].pid, SIGTERM);
+            cr_expect_eq(tu_reap(&proc[i]), 0, "%s stops cleanly on SIGTERM", roles[i]);
+            proc[i].pid = 0;
+        }
+    }
+}
+
+static void teardown(void)
+{
+    stop_all();
+    tu_rmtree(dir);
+}
+
+TestSuite(shop, .init = setup, .fini = teardown, .timeout = 90);
+
+static void start(int role, const char *crash_at)
+{
+    const char *argv[16] = {
+        getenv("SHOP_SERVER"), "--role", roles[role], "--listen", url[role], "--db", db[role]};
+    int n = 7;
+    if (role == ORDER) {
+        argv[n++] = "--inventory";
+        argv[n++] = url[INV];
+        argv[n++] = "--payment";
+        argv[n++] = url[PAY];
+        argv[n++] = "--lease-ms";
+        argv[n++] = "300";
+    }
+    if (crash_at != NULL) {
+        argv[n++] = "--crash-at";
+        argv[n++] = crash_at;
+    }
+    argv[n] = NULL;
+    tu_spawn(&proc[role], argv);
+}
+
+struct order_call {
+    idem_code code;
+    idem_result r;
+};
+
+static idem_code place(idem_result *r, uint32_t attempts)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.caller = "shop-web";
+    o.attempt_timeout_ms = 300; /* shorter than a call whose process was killed */
+    o.deadline_ms = 30000;
+    o.retry.max_attempts = attempts;
+    o.retry.period_ms = 50;
+    o.retry.max_period_ms = 300;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url[ORDER]}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "order.Shop/Place",
+                      .idempotency_key = "cart-1",
+                      .payload = "sku-1 250",
+                      .payload_len = 9};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+static void *place_thread(void *arg)
+{
+    struct order_call *oc = arg;
+    oc->code = place(&oc->r, 100);
+    return NULL;
+}
+
+static void read_state(int role, const char *method, const char *payload, char *out, size_t cap)
+{
+    idem_client *c = tu_client(url[role], 2000);
+    idem_request q = {.method = method, .payload = payload, .payload_len = strlen(payload)};
+    idem_result r;
+    cr_assert_eq(idem_client_call(c, &q, &r), IDEM_OK, "%s: %s", method, r.message);
+    snprintf(out, cap, "%s", (const char *)r.payload);
+    idem_result_clear(&r);
+    idem_client_close(c);
+}
+
+static void order_id(const char *payload, char *out, size_t cap)
+{
+    const char *p = strstr(payload, "order=");
+    cr_assert_not_null(p, "no order id in '%s'", payload);
+    snprintf(out, cap, "%.*s", (int)strcspn(p + 6, " "), p + 6);
+}
+
+/* Kills `role` (none when point is NULL) at `point` during the first order, restarts
+ * it, and checks the effects. */
+static void kill_and_recover(int role, const char *point)
+{
+    for (int i = 0; i < N_ROLES; i++) {
+        start(i, point != NULL && i == role ? point : NULL);
+    }
+    struct order_call oc = {0};
+    pthread_t t;
+    pthread_create(&t, NULL, place_thread, &oc);
+    if (point != NULL) {
+        cr_assert_eq(tu_reap(&proc[role]), SIGKILL, "%s was killed at %s", roles[role], point);
+        start(role, NULL); /* the client is still retrying */
+    }
+    pthread_join(t, NULL);
+    cr_assert_eq(oc.code, IDEM_OK, "after a kill of %s at %s: %s", roles[role], point ? point : "-",
+                 oc.r.message);
+
+    char first[64], again_id[64], state[128];
+    order_id(oc.r.payload, first, sizeof(first));
+    idem_result again;
+    cr_assert_eq(place(&again, 3), IDEM_OK, "%s", again.message);
+    order_id(again.payload, again_id, sizeof(again_id));
+    cr_expect_str_eq(again_id, first, "one order id");
+    cr_expect(again.replayed);
+    idem_result_clear(&again);
+    idem_result_clear(&oc.r);
+
+    read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
+    cr_expect_str_eq(state, "stock=99 reservations=1", "stock reserved once (%s at %s)",
+                     roles[role], point ? point : "-");
+    read_state(PAY, "pay.Pay/Total", "", state, sizeof(state));
+    cr_expect_str_eq(state, "total=250 charges=1", "money charged once (%s at %s)", roles[role],
+                     point ? point : "-");
+}
+
+Test(shop, no_fault_one_reservation_one_charge)
+{
+    kill_and_recover(ORDER, NULL);
+}
+
+Test(shop, order_killed_before_the_reservation)
+{
+    kill_and_recover(ORDER, "before_reserve");
+}
+
+Test(shop, order_killed_between_the_reservation_and_the_charge)
+{
+    kill_and_recover(ORDER, "between");
+}
+
+Test(shop, order_killed_after_the_charge_before_its_answer)
+{
+    kill_and_recover(ORDER, "after_charge");
+}
+
+Test(shop, inventory_killed_after_its_commit_before_its_answer)
+{
+    kill_and_recover(INV, "after_commit");
+}
+
+Test(shop, payment_killed_after_its_commit_before_its_answer)
+{
+    kill_and_recover(PAY, "after_commit");
+}
