@@ -339,8 +339,8 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     }
     bool leased = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms > now;
     idem_record_clear(&rec);
-    if (call->fast_only) {
-        return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* claiming writes, waiting waits */
+    if (call->fast_only) { /* claiming writes, waiting waits: a worker resumes here */
+        return idem__call_defer(call, next.pos - 1);
     }
     if (leased) { /* the owner is alive: no write claim, just wait */
         *wait = same;

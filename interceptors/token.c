@@ -61,7 +61,7 @@ idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg)
     }
     /* No result cache to consume it with the claim: consume it now, on its own. */
     if (call->fast_only) {
-        return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* a write */
+        return idem__call_defer(call, next.pos - 1); /* a write: a worker resumes here */
     }
     idem_code code = idem_store_token_consume(cfg->store, token, idem_call_caller(call),
                                               idem__rt_now_ms(call->rt));

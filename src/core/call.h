@@ -146,9 +146,11 @@ struct idem_call {
     size_t resume_pos;
     uint32_t park_bucket;
     uint64_t park_gen, park_wake_ms;
-    bool park_refused;       /* the in-flight table is full: answer "in progress" */
-    uint64_t wait_until_ms;  /* monotonic end of a duplicate's wait; 0 = not waiting yet */
-    uint32_t poll_ms;        /* the next re-read interval while waiting */
+    bool park_refused;      /* the in-flight table is full: answer "in progress" */
+    uint64_t wait_until_ms; /* monotonic end of a duplicate's wait; 0 = not waiting yet */
+    uint32_t poll_ms;       /* the next re-read interval while waiting */
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* idem__call_fingerprint's, once computed */
+    bool has_fingerprint;
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
     uint8_t (*steps)[33];    /* journal keys of the steps this run used (steps.c) */
@@ -170,6 +172,10 @@ typedef struct idem_interceptor {
 
 /* What a suspending step returns; the answer comes later (call->suspend says why). */
 idem_code idem__call_suspend(idem_call *call, idem_suspend why);
+/* A fast_only call that needs a worker from chain position pos on (the interceptor
+ * there, or the handler when pos is the chain's length): the worker resumes it there,
+ * without decoding it or running the positions before again. */
+idem_code idem__call_defer(idem_call *call, size_t pos);
 
 struct idem_chain {
     idem_interceptor *items;
@@ -206,7 +212,7 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg);
 /* Fingerprint = SHA-256(method ‖ 0 ‖ payload), or with the method's fingerprint
  * extractor SHA-256(method ‖ 0 ‖ 'F' ‖ extracted bytes): which fields make two requests
  * "the same". INVALID_ARGUMENT when the extractor overflows its buffer. */
-idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32]);
+idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32]); /* computed once */
 /* Deletes the journaled steps the call used (steps.c), once its outcome is recorded. */
 idem_code idem__call_steps_forget(idem_call *call);
 /* The default: SHA-256(method ‖ 0 ‖ payload). */

@@ -12,17 +12,23 @@ idem_code idem__call_suspend(idem_call *call, idem_suspend why)
     return IDEM_UNAVAILABLE; /* never sent: the server answers once the call resumes */
 }
 
+idem_code idem__call_defer(idem_call *call, size_t pos)
+{
+    call->resume_pos = pos;
+    return idem__call_suspend(call, IDEM__SUSPEND_DEFER);
+}
+
 idem_code idem_call_next(idem_call *call, idem_next next)
 {
     if (next.chain != NULL && next.pos < next.chain->n) {
         const idem_interceptor *it = &next.chain->items[next.pos];
         if (call->fast_only && !it->fast_safe) {
-            return idem__call_suspend(call, IDEM__SUSPEND_DEFER);
+            return idem__call_defer(call, next.pos);
         }
         return it->fn(call, (idem_next){next.chain, next.pos + 1}, it->arg);
     }
     if (call->fast_only) {
-        return idem__call_suspend(call, IDEM__SUSPEND_DEFER); /* handlers run on workers */
+        return idem__call_defer(call, next.pos); /* handlers run on workers */
     }
     if (call->method == NULL) {
         return idem__reject(call, IDEM_REASON_UNIMPLEMENTED, IDEM_UNIMPLEMENTED,

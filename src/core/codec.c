@@ -246,7 +246,7 @@ bool idem__fingerprint(const char *method, const void *payload, size_t len, uint
     return idem__sha256(parts, lens, 3, out);
 }
 
-idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32])
+static idem_code fingerprint_of(const idem_call *call, uint8_t out[32])
 {
     const idem_method *m = call->method;
     size_t plen;
@@ -277,4 +277,18 @@ idem_code idem__call_fingerprint(const idem_call *call, uint8_t out[32])
     }
     free(buf);
     return code;
+}
+
+/* Once per call: result_cache on the fast path and again on the worker, steps.c. */
+idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32])
+{
+    if (!call->has_fingerprint) {
+        idem_code code = fingerprint_of(call, call->fingerprint);
+        if (code != IDEM_OK) {
+            return code;
+        }
+        call->has_fingerprint = true;
+    }
+    memcpy(out, call->fingerprint, sizeof(call->fingerprint));
+    return IDEM_OK;
 }

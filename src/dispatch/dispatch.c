@@ -34,8 +34,9 @@ static void answer_key(idem_call *call)
     }
 }
 
-/* Decode + identity + chain. false: a fast_only call needs a worker, or (parkable) the
- * call parked in out->call.suspend; nothing to answer yet. */
+/* Decode + identity + chain. false: a fast_only call needs a worker (out->call is kept,
+ * suspended with DEFER: idem__dispatch_enqueue resumes it where it stopped), or
+ * (parkable) the call parked in out->call.suspend; nothing to answer yet. */
 static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
                 bool fast_only, bool parkable, idem_served *out)
 {
@@ -71,13 +72,7 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
                      (unsigned long long)deadline);
     } else if (identified) {
         idem_call_next(&out->call, (idem_next){d->cfg.chain, 0});
-        if (out->call.suspend == IDEM__SUSPEND_DEFER) {
-            idem__call_fini(&out->call);
-            idem__free_request(out->req);
-            out->req = NULL;
-            return false;
-        }
-        if (out->call.suspend == IDEM__SUSPEND_PARK) {
+        if (out->call.suspend != IDEM__SUSPEND_NONE) {
             return false;
         }
     }
@@ -152,8 +147,16 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
 
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)
 {
-    job->parked_before = false;
-    return enqueue(d, job, true);
+    /* A call the fast path began is resumed where it stopped, not decoded again. */
+    job->parked_before = job->s.req != NULL && job->s.call.suspend == IDEM__SUSPEND_DEFER;
+    idem_code code = enqueue(d, job, true);
+    if (code != IDEM_OK && job->parked_before) { /* the front answers busy or drops it */
+        idem__call_fini(&job->s.call);
+        idem__free_request(job->s.req);
+        job->s.req = NULL;
+        job->parked_before = false;
+    }
+    return code;
 }
 
 /* A place among the front's parked jobs; false when its bound is reached. */
@@ -259,6 +262,10 @@ static void job_step(idem_dispatch *d, idem_job *job)
     slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
         answered = run(d, job->frame, job->len, &job->peer, false, rt->can_park, &job->s);
+    } else if (call->suspend == IDEM__SUSPEND_DEFER) { /* the fast path began it */
+        call->suspend = IDEM__SUSPEND_NONE;
+        call->fast_only = false;
+        call->parkable = rt->can_park;
     }
     while (!answered) {
         if (call->suspend == IDEM__SUSPEND_PARK && park(d, job)) {

@@ -37,9 +37,11 @@ struct idem_job {
 
     idem_job *next;
     idem_served s;
-    bool parked_before; /* s holds a call that waited: resume it, do not decode again */
-    bool holds_slot;    /* counted in *parked: parked, or woken and not yet resumed */
-    uint32_t bucket;    /* while parked (inflight.c) */
+    /* s holds a call that waited, or that the fast path began: resume it at
+     * s.call.resume_pos, do not decode it again. */
+    bool parked_before;
+    bool holds_slot; /* counted in *parked: parked, or woken and not yet resumed */
+    uint32_t bucket; /* while parked (inflight.c) */
     uint64_t wake_ms;
 };
 
@@ -49,8 +51,8 @@ typedef struct idem_dispatch_cfg {
     const idem_chain *chain; /* read at every call: complete before the first */
     const idem_method *(*find_method)(void *arg, const char *name);
     void *find_arg;
-    idem_runtime *rt;  /* rt->inflight is created here */
-    idem_store *store; /* where the in-flight table renews leases */
+    idem_runtime *rt;              /* rt->inflight is created here */
+    idem_store *store;             /* where the in-flight table renews leases */
     const idem_identity *identity; /* NULL: callers are taken as they declare themselves */
     size_t workers, max_queue, max_frame, max_waiters;
 } idem_dispatch_cfg;

@@ -166,9 +166,10 @@ static void work_received(work *w)
     w->job.frame = nng_msg_body(w->msg);
     w->job.len = nng_msg_len(w->msg);
     w->job.peer = msg_peer(w->front, w->msg);
+    w->job.s.req = NULL;
     if (w->front->fast_path &&
-        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, &s)) {
-        work_reply(w, served_msg(d, &s));
+        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, &w->job.s)) {
+        work_reply(w, served_msg(d, &w->job.s));
         return;
     }
     idem_code code = idem__dispatch_enqueue(d, &w->job);

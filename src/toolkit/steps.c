@@ -25,7 +25,7 @@ static bool sha(const void *const *parts, const size_t *lens, size_t n, uint8_t 
     return idem__sha256(parts, lens, n, out);
 }
 
-static idem_code journal_base(const idem_call *call, uint8_t base[32])
+static idem_code journal_base(idem_call *call, uint8_t base[32])
 {
     uint8_t fp[IDEM_FINGERPRINT_LEN], len_be[3][4];
     const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
