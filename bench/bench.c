@@ -23,8 +23,10 @@
  * in this process on loopback. Every thread connects and warms up untimed, then all
  * start together and stop by themselves after --seconds (or --count calls in all, at
  * most 60 s). ratio_vs_a is calls/s over (a)'s with the same transport, clients and
- * payload; for f, over (a) on the first transport with the fewest clients. Stores live
- * in mkdtemp directories under /tmp, removed after each cell (and at exit).
+ * payload; for f, over (a) on the first transport with the fewest clients. Each row
+ * also says what a call cost this process in the timed window: CPU, context switches
+ * and read/write-family syscalls (usage.c says how each is counted). Stores live in
+ * mkdtemp directories under /tmp, removed after each cell (and at exit).
  *
  * This file is the driver: the options, the scenario table and the order of the cells.
  * bench.h says how the other files fit together. */

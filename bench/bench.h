@@ -4,7 +4,8 @@
  * The call path of one cell: bench.c (driver) picks a scenario and calls its run();
  * the scenario file (scenario_echo.c, scenario_chain.c, scenario_lmdb.c) starts its
  * server, if any, and hands its client_ops to run_clients() (harness.c), which times K
- * threads; stats.c turns the samples into percentiles and the cell into a table row.
+ * threads and reads the process counters (usage.c) around the timed window; stats.c
+ * turns the samples into percentiles and the cell into a table row.
  * Everything runs on the main thread except the client threads inside run_clients(). */
 #ifndef IDEMRPC_BENCH_H
 #define IDEMRPC_BENCH_H
@@ -74,10 +75,20 @@ struct cell {
     const char *dir;     /* f: the LMDB directory */
 };
 
+/* Counters of the whole process at one moment (usage.c): the server, its store, nng's
+ * threads and the client threads all run in this process. NAN: not known here. */
+typedef struct proc_usage {
+    double cpu_us;      /* user + system CPU, getrusage(RUSAGE_SELF) */
+    double vcsw, ivcsw; /* voluntary, involuntary context switches, the same */
+    double rw_syscalls; /* /proc/self/io syscr + syscw: read/write-family calls only */
+    double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */
+} proc_usage;
+
 struct cell_stats {
     uint64_t ok, errors;
     double seconds; /* from the common start to the last thread's last reply */
     double p50_us, p99_us, p999_us;
+    proc_usage cost; /* spent from the common start until every thread's last reply */
     char error[200]; /* the first error seen; "" when none */
 };
 
@@ -139,6 +150,8 @@ int cell_fail(cell_stats *out, const char *fmt, ...) __attribute__((format(print
 int thread_fail(bench_thread *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 uint64_t now_ns(void);
+void proc_usage_now(proc_usage *u); /* usage.c; u->peer_cpu_us = NAN */
+void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d); /* d = b - a */
 size_t server_contexts(int clients);
 void listen_url(const cell *c, int instance, char *buf, size_t cap);
 void set_dial_url(cell *c, const char *listen, int port);

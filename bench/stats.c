@@ -66,6 +66,7 @@ typedef struct row {
     int clients;
     size_t payload;
     double calls_s, p50_us, p99_us, p999_us, ratio; /* NAN: none */
+    proc_usage per_call; /* the cell's cost over its calls (ok or not); NAN: unknown */
     uint64_t errors;
 } row;
 
@@ -92,27 +93,50 @@ static const row *baseline_of(const row *r)
     return best;
 }
 
-static const char *table_fmt = "%-10s %-9s %7s %7s %10s %10s %10s %10s %10s %7s\n";
+static const char *table_fmt = "%-10s %-9s %7s %7s %9s %9s %9s %9s %10s %9s %7s %7s %7s %6s\n";
 
 static void print_header(void)
 {
     printf(table_fmt, "scenario", "transport", "clients", "payload", "calls/s", "p50_us", "p99_us",
-           "p999_us", "ratio_vs_a", "errors");
+           "p999_us", "ratio_vs_a", "cpu_us/c", "vcsw/c", "ivcsw/c", "rwsys/c", "errors");
+}
+
+/* v with fmt into buf, "-" for NAN. */
+static const char *cellf(char *buf, size_t cap, const char *fmt, double v)
+{
+    snprintf(buf, cap, isnan(v) ? "-" : fmt, v);
+    return buf;
 }
 
 static void print_row(const row *r)
 {
-    char cl[16], pl[16], cs[16], p50[16], p99[16], p999[16], ratio[16], err[24];
+    char cl[16], pl[16], cs[16], err[24], b[9][24];
+    const proc_usage *u = &r->per_call;
     snprintf(cl, sizeof(cl), "%d", r->clients);
     snprintf(pl, sizeof(pl), "%zu", r->payload);
     snprintf(cs, sizeof(cs), "%.0f", r->calls_s);
-    snprintf(p50, sizeof(p50), "%.1f", r->p50_us);
-    snprintf(p99, sizeof(p99), "%.1f", r->p99_us);
-    snprintf(p999, sizeof(p999), "%.1f", r->p999_us);
-    snprintf(ratio, sizeof(ratio), isnan(r->ratio) ? "-" : "%.3f", r->ratio);
     snprintf(err, sizeof(err), "%llu", (unsigned long long)r->errors);
-    printf(table_fmt, r->sc->name, r->transport, cl, pl, cs, p50, p99, p999, ratio, err);
+    printf(table_fmt, r->sc->name, r->transport, cl, pl, cs, cellf(b[0], 24, "%.1f", r->p50_us),
+           cellf(b[1], 24, "%.1f", r->p99_us), cellf(b[2], 24, "%.1f", r->p999_us),
+           cellf(b[3], 24, "%.3f", r->ratio), cellf(b[4], 24, "%.1f", u->cpu_us),
+           cellf(b[5], 24, "%.2f", u->vcsw), cellf(b[6], 24, "%.2f", u->ivcsw),
+           cellf(b[7], 24, "%.2f", u->rw_syscalls), err);
     fflush(stdout);
+}
+
+/* The cell's cost per call; all NAN when it made none. */
+static proc_usage per_call(const cell_stats *s)
+{
+    double n = (double)(s->ok + s->errors);
+    const proc_usage *c = &s->cost;
+    if (n == 0) {
+        return (proc_usage){NAN, NAN, NAN, NAN, NAN};
+    }
+    return (proc_usage){.cpu_us = c->cpu_us / n,
+                        .vcsw = c->vcsw / n,
+                        .ivcsw = c->ivcsw / n,
+                        .rw_syscalls = c->rw_syscalls / n,
+                        .peer_cpu_us = c->peer_cpu_us / n};
 }
 
 /* Appends the row of a measured cell, with its ratio to (a) when (a) ran, and prints
@@ -129,6 +153,7 @@ void report_cell(const scenario *sc, const char *transport, int clients, size_t 
                .p50_us = s->p50_us,
                .p99_us = s->p99_us,
                .p999_us = s->p999_us,
+               .per_call = per_call(s),
                .errors = s->errors,
                .ratio = NAN};
     const row *a = baseline_of(r);
@@ -166,17 +191,31 @@ int report_write_csv(const char *path)
         return -1;
     }
     fprintf(f, "scenario,transport,clients,payload,calls_per_s,p50_us,p99_us,p999_us,"
-               "ratio_vs_a,errors\n");
+               "ratio_vs_a,cpu_us_per_call,vcsw_per_call,ivcsw_per_call,"
+               "rw_syscalls_per_call,errors\n");
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
-        char b[4][32];
-        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport, r->clients,
-                r->payload, r->calls_s, num(b[0], 32, "%.1f", r->p50_us, ""),
+        const proc_usage *u = &r->per_call;
+        char b[8][32];
+        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport,
+                r->clients, r->payload, r->calls_s, num(b[0], 32, "%.1f", r->p50_us, ""),
                 num(b[1], 32, "%.1f", r->p99_us, ""), num(b[2], 32, "%.1f", r->p999_us, ""),
-                num(b[3], 32, "%.4f", r->ratio, ""), (unsigned long long)r->errors);
+                num(b[3], 32, "%.4f", r->ratio, ""), num(b[4], 32, "%.2f", u->cpu_us, ""),
+                num(b[5], 32, "%.3f", u->vcsw, ""), num(b[6], 32, "%.3f", u->ivcsw, ""),
+                num(b[7], 32, "%.3f", u->rw_syscalls, ""), (unsigned long long)r->errors);
     }
     return fclose(f) == 0 ? 0 : -1;
 }
+
+/* What the cost columns measure; in the preamble and in the JSON config. */
+static const char cost_note[] =
+    "cost per call over the timed window (common start to last reply), of this whole "
+    "process: server, store and clients all run in it. cpu_us: user+system CPU, vcsw/ivcsw: "
+    "voluntary/involuntary context switches, both getrusage(RUSAGE_SELF). rwsys: "
+    "read/write-family syscalls, /proc/self/io syscr+syscw (read, readv, pread, write, "
+    "writev, pwrite; not sendmsg, recvmsg, epoll, futex, fdatasync: Linux has no cheap "
+    "full per-process syscall count). A database server (g-i) is another process: its "
+    "CPU is not here.";
 
 /* ---- the machine ---- */
 
@@ -200,19 +239,27 @@ int report_write_json(const char *path)
             machine.lmdb, machine.tmp_fs);
     fprintf(f,
             " \"config\": {\"seconds\": %g, \"count\": %llu, \"clients\": "
-            "\"one idem_client per thread\"},\n \"rows\": [\n",
+            "\"one idem_client per thread\", \"cost\": ",
             cfg.seconds, cfg.count);
+    idem__json_fputs(f, cost_note);
+    fprintf(f, "},\n \"rows\": [\n");
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
-        char b[4][32];
+        const proc_usage *u = &r->per_call;
+        char b[8][32];
         fprintf(f,
                 "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
                 "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
-                "\"p999_us\": %s, \"ratio_vs_a\": %s, \"errors\": %llu}%s\n",
+                "\"p999_us\": %s, \"ratio_vs_a\": %s, \"cpu_us_per_call\": %s, "
+                "\"vcsw_per_call\": %s, \"ivcsw_per_call\": %s, \"rw_syscalls_per_call\": %s, "
+                "\"errors\": %llu}%s\n",
                 r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
                 num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
                 num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
-                (unsigned long long)r->errors, i + 1 < n_rows ? "," : "");
+                num(b[4], 32, "%.2f", u->cpu_us, "null"), num(b[5], 32, "%.3f", u->vcsw, "null"),
+                num(b[6], 32, "%.3f", u->ivcsw, "null"),
+                num(b[7], 32, "%.3f", u->rw_syscalls, "null"), (unsigned long long)r->errors,
+                i + 1 < n_rows ? "," : "");
     }
     fprintf(f, " ]}\n");
     return fclose(f) == 0 ? 0 : -1;
@@ -286,8 +333,9 @@ static void print_preamble(void)
     printf("latency: every call, up to %u samples per cell (uniform reservoir beyond); "
            "nearest-rank percentiles\n",
            LATENCY_BUDGET);
-    printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n\n",
+    printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n",
            "one mdb_put per durable txn", cfg.transports[0]);
+    printf("%s\n\n", cost_note);
 }
 
 void report_preamble(void)
