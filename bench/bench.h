@@ -81,6 +81,7 @@ typedef struct proc_usage {
     double cpu_us;      /* user + system CPU, getrusage(RUSAGE_SELF) */
     double vcsw, ivcsw; /* voluntary, involuntary context switches, the same */
     double rw_syscalls; /* /proc/self/io syscr + syscw: read/write-family calls only */
+    double allocs;      /* malloc, calloc and realloc calls (alloc_count.c) */
     double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */
 } proc_usage;
 
@@ -151,6 +152,7 @@ int thread_fail(bench_thread *t, const char *fmt, ...) __attribute__((format(pri
 
 uint64_t now_ns(void);
 void proc_usage_now(proc_usage *u); /* usage.c; u->peer_cpu_us = NAN */
+double alloc_count(void);           /* allocations so far, every thread; NAN when not counted */
 void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d); /* d = b - a */
 size_t server_contexts(int clients);
 void listen_url(const cell *c, int instance, char *buf, size_t cap);

@@ -93,12 +93,13 @@ static const row *baseline_of(const row *r)
     return best;
 }
 
-static const char *table_fmt = "%-10s %-9s %7s %7s %9s %9s %9s %9s %10s %9s %7s %7s %7s %6s\n";
+static const char *table_fmt = "%-10s %-9s %7s %7s %9s %9s %9s %9s %10s %9s %7s %7s %7s %8s %6s\n";
 
 static void print_header(void)
 {
     printf(table_fmt, "scenario", "transport", "clients", "payload", "calls/s", "p50_us", "p99_us",
-           "p999_us", "ratio_vs_a", "cpu_us/c", "vcsw/c", "ivcsw/c", "rwsys/c", "errors");
+           "p999_us", "ratio_vs_a", "cpu_us/c", "vcsw/c", "ivcsw/c", "rwsys/c", "allocs/c",
+           "errors");
 }
 
 /* v with fmt into buf, "-" for NAN. */
@@ -120,7 +121,7 @@ static void print_row(const row *r)
            cellf(b[1], 24, "%.1f", r->p99_us), cellf(b[2], 24, "%.1f", r->p999_us),
            cellf(b[3], 24, "%.3f", r->ratio), cellf(b[4], 24, "%.1f", u->cpu_us),
            cellf(b[5], 24, "%.2f", u->vcsw), cellf(b[6], 24, "%.2f", u->ivcsw),
-           cellf(b[7], 24, "%.2f", u->rw_syscalls), err);
+           cellf(b[7], 24, "%.2f", u->rw_syscalls), cellf(b[8], 24, "%.1f", u->allocs), err);
     fflush(stdout);
 }
 
@@ -130,12 +131,13 @@ static proc_usage per_call(const cell_stats *s)
     double n = (double)(s->ok + s->errors);
     const proc_usage *c = &s->cost;
     if (n == 0) {
-        return (proc_usage){NAN, NAN, NAN, NAN, NAN};
+        return (proc_usage){NAN, NAN, NAN, NAN, NAN, NAN};
     }
     return (proc_usage){.cpu_us = c->cpu_us / n,
                         .vcsw = c->vcsw / n,
                         .ivcsw = c->ivcsw / n,
                         .rw_syscalls = c->rw_syscalls / n,
+                        .allocs = c->allocs / n,
                         .peer_cpu_us = c->peer_cpu_us / n};
 }
 
@@ -192,17 +194,18 @@ int report_write_csv(const char *path)
     }
     fprintf(f, "scenario,transport,clients,payload,calls_per_s,p50_us,p99_us,p999_us,"
                "ratio_vs_a,cpu_us_per_call,vcsw_per_call,ivcsw_per_call,"
-               "rw_syscalls_per_call,errors\n");
+               "rw_syscalls_per_call,allocs_per_call,errors\n");
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
         const proc_usage *u = &r->per_call;
-        char b[8][32];
-        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport,
+        char b[9][32];
+        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%s,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport,
                 r->clients, r->payload, r->calls_s, num(b[0], 32, "%.1f", r->p50_us, ""),
                 num(b[1], 32, "%.1f", r->p99_us, ""), num(b[2], 32, "%.1f", r->p999_us, ""),
                 num(b[3], 32, "%.4f", r->ratio, ""), num(b[4], 32, "%.2f", u->cpu_us, ""),
                 num(b[5], 32, "%.3f", u->vcsw, ""), num(b[6], 32, "%.3f", u->ivcsw, ""),
-                num(b[7], 32, "%.3f", u->rw_syscalls, ""), (unsigned long long)r->errors);
+                num(b[7], 32, "%.3f", u->rw_syscalls, ""), num(b[8], 32, "%.2f", u->allocs, ""),
+                (unsigned long long)r->errors);
     }
     return fclose(f) == 0 ? 0 : -1;
 }
@@ -214,7 +217,9 @@ static const char cost_note[] =
     "voluntary/involuntary context switches, both getrusage(RUSAGE_SELF). rwsys: "
     "read/write-family syscalls, /proc/self/io syscr+syscw (read, readv, pread, write, "
     "writev, pwrite; not sendmsg, recvmsg, epoll, futex, fdatasync: Linux has no cheap "
-    "full per-process syscall count). A database server (g-i) is another process: its "
+    "full per-process syscall count). allocs: malloc+calloc+realloc calls, counted by "
+    "this binary's own wrappers (bench/alloc_count.c; \"-\" in a sanitizer build). A "
+    "database server (g-i) is another process: its "
     "CPU is not here.";
 
 /* ---- the machine ---- */
@@ -246,19 +251,20 @@ int report_write_json(const char *path)
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
         const proc_usage *u = &r->per_call;
-        char b[8][32];
+        char b[9][32];
         fprintf(f,
                 "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
                 "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
                 "\"p999_us\": %s, \"ratio_vs_a\": %s, \"cpu_us_per_call\": %s, "
                 "\"vcsw_per_call\": %s, \"ivcsw_per_call\": %s, \"rw_syscalls_per_call\": %s, "
-                "\"errors\": %llu}%s\n",
+                "\"allocs_per_call\": %s, \"errors\": %llu}%s\n",
                 r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
                 num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
                 num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
                 num(b[4], 32, "%.2f", u->cpu_us, "null"), num(b[5], 32, "%.3f", u->vcsw, "null"),
                 num(b[6], 32, "%.3f", u->ivcsw, "null"),
-                num(b[7], 32, "%.3f", u->rw_syscalls, "null"), (unsigned long long)r->errors,
+                num(b[7], 32, "%.3f", u->rw_syscalls, "null"),
+                num(b[8], 32, "%.2f", u->allocs, "null"), (unsigned long long)r->errors,
                 i + 1 < n_rows ? "," : "");
     }
     fprintf(f, " ]}\n");

@@ -1,6 +1,7 @@
 /* What the process has spent so far, for the cost columns of a cell: CPU time and
  * context switches from getrusage(RUSAGE_SELF) (every thread of the process, the
- * exited ones included) and read/write-family syscalls from /proc/self/io.
+ * exited ones included), read/write-family syscalls from /proc/self/io and the
+ * allocation count of alloc_count.c.
  *
  * Why /proc/self/io: Linux keeps no per-process count of all syscalls; the only full
  * count is perf's raw_syscalls tracepoint, which needs tracefs and perf permissions.
@@ -8,7 +9,8 @@
  * copy_file_range, and nothing else: not sendmsg (nng's send path), recvmsg, epoll,
  * futex or fdatasync. The column says "rwsys" for that reason.
  *
- * A sample costs one read(2), which shows in rwsys (one per cell, not per call). */
+ * A sample allocates nothing (open/read/close on a stack buffer), so it does not show
+ * in the allocation count; its one read(2) shows in rwsys (once a cell, not per call). */
 #include <fcntl.h>
 #include <math.h>
 #include <stdlib.h>
@@ -56,6 +58,7 @@ static double tv_us(struct timeval tv)
 void proc_usage_now(proc_usage *u)
 {
     struct rusage ru;
+    u->allocs = alloc_count();
     if (getrusage(RUSAGE_SELF, &ru) == 0) {
         u->cpu_us = tv_us(ru.ru_utime) + tv_us(ru.ru_stime);
         u->vcsw = (double)ru.ru_nvcsw;
@@ -73,5 +76,6 @@ void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d)
     d->vcsw = b->vcsw - a->vcsw;
     d->ivcsw = b->ivcsw - a->ivcsw;
     d->rw_syscalls = b->rw_syscalls - a->rw_syscalls;
+    d->allocs = b->allocs - a->allocs;
     d->peer_cpu_us = b->peer_cpu_us - a->peer_cpu_us;
 }
