@@ -22,24 +22,35 @@
 #include <idemrpc/idemrpc.h>
 
 #define MAX_LIST 16
+#define MAX_GRIDS 2 /* the default run: the main grid and the payload sweep */
 #define MAX_CLIENTS 1024
 #define MAX_PAYLOAD (1 << 20)
-#define N_SCENARIOS 9             /* a..i */
-#define WARMUP_CALLS 8            /* untimed calls per thread before the start */
-#define REPLAY_KEYS 100           /* e: keys per client, called once before the start */
-#define LATENCY_BUDGET (1u << 21) /* samples kept per cell over all threads (16 MiB) */
-#define CALL_TIMEOUT_MS 10000     /* a call slower than this is an error, not a retry */
-#define COUNT_TIME_CAP_S 60.0     /* --count alone is still bounded in time */
-#define LMDB_MAP_SIZE ((size_t)1 << 30)
+#define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
+#define N_LETTERS 26                         /* scenarios are named by a letter a..z */
+#define N_SCENARIOS 9                        /* a..i */
+#define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
+#define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
+#define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
+#define CALL_TIMEOUT_MS 10000                /* a call slower than this is an error, not a retry */
+#define COUNT_TIME_CAP_S 60.0                /* --count alone is still bounded in time */
+#define LMDB_MAP_SIZE ((size_t)1 << 30)      /* f */
+#define STORE_MAP_SIZE ((size_t)8 << 30)     /* b-e: room for 1 MiB results (a sparse file) */
 #define METHOD "bench.Echo/Echo"
+
+/* Cells to run: every wanted scenario at every payload and client count, on every
+ * transport of the run. */
+typedef struct bench_grid {
+    long clients[MAX_LIST], payloads[MAX_LIST];
+    int n_clients, n_payloads;
+    bool want[N_LETTERS]; /* by letter - 'a' */
+} bench_grid;
 
 /* The command line, set once by the driver before the first cell; read-only after. */
 typedef struct bench_config {
-    long clients[MAX_LIST], payloads[MAX_LIST];
+    bench_grid grids[MAX_GRIDS];
+    int n_grids;
     const char *transports[MAX_LIST];
-    int n_clients, n_payloads, n_transports;
-    bool want[N_SCENARIOS]; /* scenario a..i */
-    bool want_pg_wait;      /* j */
+    int n_transports;
     double seconds;
     unsigned long long count; /* 0 = bounded by time only */
     const char *csv, *json;

@@ -41,6 +41,7 @@ static int chain_open(bench_thread *t)
     o.attempt_timeout_ms = CALL_TIMEOUT_MS;
     o.deadline_ms = CALL_TIMEOUT_MS;
     o.retry.max_attempts = 1; /* a retry would hide a failure inside a latency */
+    o.max_frame = MAX_FRAME;  /* the largest --payload's reply, whatever the default */
     if (idem_client_open(&t->conn.client, urls, t->cell->url2[0] ? 2 : 1, &o) != IDEM_OK) {
         return thread_fail(t, "idem_client_open %s: %s", url, idem_errmsg());
     }
@@ -95,6 +96,7 @@ static int chain_server_start(cell *c, int instance, idem_store *st, idem_server
     idem_server_opts_init(&o);
     o.store = st;
     o.contexts = server_contexts(c->clients);
+    o.max_frame = MAX_FRAME; /* the largest --payload's request, whatever the default */
     if (idem_server_create(srv, &o) != IDEM_OK) {
         return cell_fail(out, "idem_server_create: %s", idem_errmsg());
     }
@@ -118,7 +120,7 @@ int run_chain(const scenario *sc, cell *c, cell_stats *out)
     if (dir == NULL) {
         return cell_fail(out, "mkdtemp under /tmp failed");
     }
-    if (idem_store_open_lmdb(&st, dir, 0, sc->store_flags) != IDEM_OK) {
+    if (idem_store_open_lmdb(&st, dir, STORE_MAP_SIZE, sc->store_flags) != IDEM_OK) {
         cell_fail(out, "idem_store_open_lmdb %s: %s", dir, idem_errmsg());
         goto out;
     }

@@ -70,7 +70,7 @@ typedef struct row {
     uint64_t errors;
 } row;
 
-static row rows[N_SCENARIOS * MAX_LIST * MAX_LIST * MAX_LIST];
+static row rows[MAX_GRIDS * N_SCENARIOS * MAX_LIST * MAX_LIST * MAX_LIST];
 static size_t n_rows;
 
 /* (a) for the same transport, clients and payload; for f, (a) on the first transport
@@ -320,12 +320,44 @@ static void machine_probe(void)
              statfs("/tmp", &sf) == 0 ? fs_name((long)sf.f_type) : "?");
 }
 
+/* "1,16,64" from a list of n numbers. */
+static void print_list(const long *v, int n)
+{
+    for (int i = 0; i < n; i++) {
+        printf("%s%ld", i > 0 ? "," : "", v[i]);
+    }
+}
+
+/* The cells of the run, one line per grid. */
+static void print_plan(void)
+{
+    for (int i = 0; i < cfg.n_grids; i++) {
+        const bench_grid *g = &cfg.grids[i];
+        printf("%s scenarios ", i == 0 ? "cells:" : "   and");
+        for (int l = 0; l < N_LETTERS; l++) {
+            if (g->want[l]) {
+                putchar('a' + l);
+            }
+        }
+        printf(" x clients ");
+        print_list(g->clients, g->n_clients);
+        printf(" x payload ");
+        print_list(g->payloads, g->n_payloads);
+        printf(" B x transport");
+        for (int t = 0; t < cfg.n_transports; t++) {
+            printf("%s%s", t > 0 ? "," : " ", cfg.transports[t]);
+        }
+        printf("\n");
+    }
+}
+
 static void print_preamble(void)
 {
     printf("idemrpc-bench: nproc %ld, kernel %s, CPU %s\n", machine.nproc, machine.kernel,
            machine.cpu);
     printf("nng %s, LMDB %s; stores in /tmp (%s), durable = fdatasync per commit\n", machine.nng,
            machine.lmdb, machine.tmp_fs);
+    print_plan();
     if (cfg.count > 0) {
         printf("cell: %llu calls (at most %.1f s)", cfg.count, cfg.seconds);
     } else {
