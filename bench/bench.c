@@ -2,7 +2,7 @@
  * the nng transport (a bare req/rep echo) and the storage (a raw LMDB put+commit loop).
  *
  *   idemrpc-bench [--clients 1,16,64] [--payload 64] [--transport tcp,ipc]
- *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i]]
+ *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i,j][,r,s,t,u]]
  *                 [--csv FILE] [--json FILE]
  *
  *   a  echo     bare nng rep0 echo: contexts + aio, the reply sent from the aio callback
@@ -18,9 +18,18 @@
  *   j  pg-wait  a duplicate on instance B of a call running on instance A: how long its
  *               answer lags A's, woken by LISTEN/NOTIFY and by re-reads (scenario_pg_wait.c)
  *   (g, h, i, j run only when asked for with --scenarios; "pg vs lmdb" lines follow)
+ *   r  redis-new-always     the peer a user would pick instead: a plain Redis
+ *                           idempotency layer behind the same nng hop (raw req0
+ *                           clients), new keys, appendfsync always ($IDEMRPC_BENCH_REDIS,
+ *                           redis://HOST[:PORT]; scenario_redis.c)
+ *   s  redis-rep-always     as r, every timed call a replay (as e)
+ *   t, u                    as r, s with appendfsync everysec
+ *   (r-u run when asked for with --scenarios, or by default when $IDEMRPC_BENCH_REDIS
+ *   is set; "c vs redis-new(always)" and "e vs redis-replay" lines follow)
  *
  * The default run is two grids on tcp and ipc: a-f at 1, 16 and 64 clients with 64 B
- * payloads, and the payload sweep, a and e at 1 client with 4 KiB, 64 KiB and 1 MiB.
+ * payloads, and the payload sweep, a and e at 1 client with 4 KiB, 64 KiB and 1 MiB;
+ * with $IDEMRPC_BENCH_REDIS set, r-u join the first and s the second.
  * --clients, --payload or --scenarios replace both with the one grid they describe
  * (the defaults filling in what they leave out).
  *
@@ -49,15 +58,19 @@ bench_config cfg;
 /* In the order of a (transport, payload, clients) group: a first, the others' ratio
  * needs it; f (no transport) runs once per payload, after all groups. */
 static const scenario scenarios[N_SCENARIOS] = {
-    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0},
-    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0},
-    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0},
-    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0},
-    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0},
-    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0},
-    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1},
-    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2},
-    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1},
+    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0, NULL},
+    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0, NULL},
+    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0, NULL},
+    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0, NULL},
+    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0, NULL},
+    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0, NULL},
+    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1, NULL},
+    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2, NULL},
+    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1, NULL},
+    {'r', "r:redis-new-always", run_redis, 0, KEYS_NEW, 0, "always"},
+    {'s', "s:redis-rep-always", run_redis, 0, KEYS_REPLAY, 0, "always"},
+    {'t', "t:redis-new-everysec", run_redis, 0, KEYS_NEW, 0, "everysec"},
+    {'u', "u:redis-rep-everysec", run_redis, 0, KEYS_REPLAY, 0, "everysec"},
 };
 
 static const scenario *scenario_of(char letter)
@@ -80,9 +93,15 @@ static void usage(FILE *f)
             "                     [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f] "
             "[--csv FILE] [--json FILE]\n"
             "  a echo  b chain gc off  c chain gc on  d chain nosync  e replay  f raw lmdb\n"
-            "  g pg new keys  h pg two instances  i pg replay ($IDEMRPC_BENCH_PG)\n"
+            "  g pg new keys  h pg two instances  i pg replay  j pg duplicate wait "
+            "($IDEMRPC_BENCH_PG)\n"
+            "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
+            "everysec\n"
+            "    ($IDEMRPC_BENCH_REDIS=redis://HOST[:PORT], a throwaway Redis 7: the bench sets "
+            "its AOF)\n"
             "  default: a-f at 1,16,64 clients and 64 B, then a,e at 1 client and "
-            "4096,65536,1048576 B;\n"
+            "4096,65536,1048576 B\n"
+            "    (and r-u, then s, when $IDEMRPC_BENCH_REDIS is set);\n"
             "  --clients, --payload or --scenarios run only the one grid they describe\n"
             "  --count N: N calls per cell, at most --seconds (default %.0f s then)\n",
             COUNT_TIME_CAP_S);
@@ -149,12 +168,15 @@ static void grid_set(bench_grid *g, const char *clients, const char *payloads, c
 }
 
 /* The default run: the main grid, and the payload sweep of the transport (a) and the
- * replay (e) at one client, where the payload's own cost shows most. */
+ * replay (e) at one client, where the payload's own cost shows most; the Redis peer
+ * when there is a Redis for it. */
 static void set_defaults(void)
 {
     static char default_transports[] = "tcp,ipc";
-    grid_set(&cfg.grids[0], "1,16,64", "64", "abcdef");
-    grid_set(&cfg.grids[1], "1", "4096,65536,1048576", "ae");
+    const char *redis = getenv("IDEMRPC_BENCH_REDIS");
+    bool peer = redis != NULL && redis[0] != '\0';
+    grid_set(&cfg.grids[0], "1,16,64", "64", peer ? "abcdefrstu" : "abcdef");
+    grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
     parse_transports(default_transports);
@@ -194,7 +216,7 @@ static bool parse_option(int opt, const char *name, char *v)
         cfg.count = count;
         break;
     case 'S':
-        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a to j";
+        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-j, r-u";
         break;
     }
     if (want != NULL) {
@@ -317,9 +339,10 @@ int main(int argc, char **argv)
         break;
     }
     atexit(tmp_dir_remove);
+    run_tag_init();
     report_preamble();
     bool all_ok = run_cells();
-    report_pg_ratios();
+    report_peer_ratios();
     if (cfg.grids[0].want['j' - 'a']) { /* only ever by --scenarios: one grid */
         all_ok &= run_pg_wait() == 0;
     }

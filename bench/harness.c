@@ -1,5 +1,5 @@
 /* The cell harness: the cell's helpers every scenario uses (URLs, server contexts, the
- * temporary store directory) and the one client loop: K threads open and warm up
+ * temporary store directory, the keys) and the one client loop: K threads open and warm up
  * untimed, wait at one gate, then call until the common deadline or the shared --count,
  * and wait at a second gate before they close.
  *
@@ -96,6 +96,31 @@ void set_dial_url(cell *c, const char *listen, int port)
     }
 }
 
+/* In every key: a shared database outlives one run. Set before the first cell. */
+static char run_tag[24];
+
+void run_tag_init(void)
+{
+    snprintf(run_tag, sizeof(run_tag), "%lx", (unsigned long)time(NULL) ^ (unsigned long)getpid());
+}
+
+int cell_key_prefix(const cell *c, char *buf, size_t cap)
+{
+    return snprintf(buf, cap, "%s-c%u-", run_tag, c->id);
+}
+
+bool next_call_key(bench_thread *t, char *buf, size_t cap)
+{
+    bool replay = t->cell->sc->keys == KEYS_REPLAY;
+    uint64_t n = replay ? t->seq % REPLAY_KEYS : t->seq;
+    bool want_replayed = replay && t->seq >= REPLAY_KEYS;
+    int len = cell_key_prefix(t->cell, buf, cap);
+    snprintf(buf + len, cap - (size_t)len, "t%d-%c%llu", t->id, replay ? 'r' : 'n',
+             (unsigned long long)n);
+    t->seq++;
+    return want_replayed;
+}
+
 /* ---- the client loop shared by every scenario ---- */
 
 struct client_run {
@@ -137,6 +162,15 @@ static bool gate_wait(bench_thread *t)
     return run;
 }
 
+/* The process counters and the peer's CPU, if the scenario has a peer. */
+static void peer_usage_now(const client_run *r, proc_usage *at)
+{
+    proc_usage_now(at);
+    if (r->ops->peer_cpu_us != NULL) {
+        at->peer_cpu_us = r->ops->peer_cpu_us(r->cell);
+    }
+}
+
 /* Reports this thread's timed calls done and waits until the counters are read. */
 static void gate_finish(client_run *r)
 {
@@ -157,7 +191,7 @@ static uint64_t gate_open(client_run *r, int started, bool abort, proc_usage *at
     while (r->ready < started) {
         pthread_cond_wait(&r->cv, &r->mu);
     }
-    proc_usage_now(at);
+    peer_usage_now(r, at);
     uint64_t start = now_ns();
     r->deadline_ns = start + (uint64_t)(cfg.seconds * 1e9);
     r->go = true;
@@ -175,7 +209,7 @@ static void gate_close(client_run *r, int started, proc_usage *at)
     while (r->finished < started) {
         pthread_cond_wait(&r->cv, &r->mu);
     }
-    proc_usage_now(at);
+    peer_usage_now(r, at);
     r->measured = true;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);

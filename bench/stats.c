@@ -93,13 +93,14 @@ static const row *baseline_of(const row *r)
     return best;
 }
 
-static const char *table_fmt = "%-10s %-9s %7s %7s %9s %9s %9s %9s %10s %9s %7s %7s %7s %8s %6s\n";
+static const char *table_fmt =
+    "%-20s %-9s %7s %7s %9s %9s %9s %9s %10s %9s %7s %7s %7s %8s %10s %6s\n";
 
 static void print_header(void)
 {
     printf(table_fmt, "scenario", "transport", "clients", "payload", "calls/s", "p50_us", "p99_us",
            "p999_us", "ratio_vs_a", "cpu_us/c", "vcsw/c", "ivcsw/c", "rwsys/c", "allocs/c",
-           "errors");
+           "peer_cpu/c", "errors");
 }
 
 /* v with fmt into buf, "-" for NAN. */
@@ -111,7 +112,7 @@ static const char *cellf(char *buf, size_t cap, const char *fmt, double v)
 
 static void print_row(const row *r)
 {
-    char cl[16], pl[16], cs[16], err[24], b[9][24];
+    char cl[16], pl[16], cs[16], err[24], b[10][24];
     const proc_usage *u = &r->per_call;
     snprintf(cl, sizeof(cl), "%d", r->clients);
     snprintf(pl, sizeof(pl), "%zu", r->payload);
@@ -121,7 +122,8 @@ static void print_row(const row *r)
            cellf(b[1], 24, "%.1f", r->p99_us), cellf(b[2], 24, "%.1f", r->p999_us),
            cellf(b[3], 24, "%.3f", r->ratio), cellf(b[4], 24, "%.1f", u->cpu_us),
            cellf(b[5], 24, "%.2f", u->vcsw), cellf(b[6], 24, "%.2f", u->ivcsw),
-           cellf(b[7], 24, "%.2f", u->rw_syscalls), cellf(b[8], 24, "%.1f", u->allocs), err);
+           cellf(b[7], 24, "%.2f", u->rw_syscalls), cellf(b[8], 24, "%.1f", u->allocs),
+           cellf(b[9], 24, "%.1f", u->peer_cpu_us), err);
     fflush(stdout);
 }
 
@@ -173,7 +175,7 @@ void report_cell(const scenario *sc, const char *transport, int clients, size_t 
 void report_failed(const scenario *sc, const char *transport, int clients, size_t payload,
                    const cell_stats *s)
 {
-    printf("%-10s %-9s %7d %7zu   FAILED: %s\n", sc->name, transport, clients, payload, s->error);
+    printf("%-20s %-9s %7d %7zu   FAILED: %s\n", sc->name, transport, clients, payload, s->error);
 }
 
 /* A number for CSV/JSON; `none` ("" or "null") for NAN. */
@@ -194,17 +196,18 @@ int report_write_csv(const char *path)
     }
     fprintf(f, "scenario,transport,clients,payload,calls_per_s,p50_us,p99_us,p999_us,"
                "ratio_vs_a,cpu_us_per_call,vcsw_per_call,ivcsw_per_call,"
-               "rw_syscalls_per_call,allocs_per_call,errors\n");
+               "rw_syscalls_per_call,allocs_per_call,peer_cpu_us_per_call,errors\n");
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
         const proc_usage *u = &r->per_call;
-        char b[9][32];
-        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%s,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport,
-                r->clients, r->payload, r->calls_s, num(b[0], 32, "%.1f", r->p50_us, ""),
-                num(b[1], 32, "%.1f", r->p99_us, ""), num(b[2], 32, "%.1f", r->p999_us, ""),
-                num(b[3], 32, "%.4f", r->ratio, ""), num(b[4], 32, "%.2f", u->cpu_us, ""),
-                num(b[5], 32, "%.3f", u->vcsw, ""), num(b[6], 32, "%.3f", u->ivcsw, ""),
-                num(b[7], 32, "%.3f", u->rw_syscalls, ""), num(b[8], 32, "%.2f", u->allocs, ""),
+        char b[10][32];
+        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%llu\n", r->sc->name,
+                r->transport, r->clients, r->payload, r->calls_s,
+                num(b[0], 32, "%.1f", r->p50_us, ""), num(b[1], 32, "%.1f", r->p99_us, ""),
+                num(b[2], 32, "%.1f", r->p999_us, ""), num(b[3], 32, "%.4f", r->ratio, ""),
+                num(b[4], 32, "%.2f", u->cpu_us, ""), num(b[5], 32, "%.3f", u->vcsw, ""),
+                num(b[6], 32, "%.3f", u->ivcsw, ""), num(b[7], 32, "%.3f", u->rw_syscalls, ""),
+                num(b[8], 32, "%.2f", u->allocs, ""), num(b[9], 32, "%.2f", u->peer_cpu_us, ""),
                 (unsigned long long)r->errors);
     }
     return fclose(f) == 0 ? 0 : -1;
@@ -219,8 +222,8 @@ static const char cost_note[] =
     "writev, pwrite; not sendmsg, recvmsg, epoll, futex, fdatasync: Linux has no cheap "
     "full per-process syscall count). allocs: malloc+calloc+realloc calls, counted by "
     "this binary's own wrappers (bench/alloc_count.c; \"-\" in a sanitizer build). A "
-    "database server (g-i) is another process: its "
-    "CPU is not here.";
+    "database server is another process, its CPU not in cpu_us: PostgreSQL's (g-i) is not "
+    "measured, redis-server's (r-u) is peer_cpu, from INFO cpu at the same two moments.";
 
 /* ---- the machine ---- */
 
@@ -251,27 +254,27 @@ int report_write_json(const char *path)
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
         const proc_usage *u = &r->per_call;
-        char b[9][32];
-        fprintf(f,
-                "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
-                "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
-                "\"p999_us\": %s, \"ratio_vs_a\": %s, \"cpu_us_per_call\": %s, "
-                "\"vcsw_per_call\": %s, \"ivcsw_per_call\": %s, \"rw_syscalls_per_call\": %s, "
-                "\"allocs_per_call\": %s, \"errors\": %llu}%s\n",
-                r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
-                num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
-                num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
-                num(b[4], 32, "%.2f", u->cpu_us, "null"), num(b[5], 32, "%.3f", u->vcsw, "null"),
-                num(b[6], 32, "%.3f", u->ivcsw, "null"),
-                num(b[7], 32, "%.3f", u->rw_syscalls, "null"),
-                num(b[8], 32, "%.2f", u->allocs, "null"), (unsigned long long)r->errors,
-                i + 1 < n_rows ? "," : "");
+        char b[10][32];
+        fprintf(
+            f,
+            "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
+            "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
+            "\"p999_us\": %s, \"ratio_vs_a\": %s, \"cpu_us_per_call\": %s, "
+            "\"vcsw_per_call\": %s, \"ivcsw_per_call\": %s, \"rw_syscalls_per_call\": %s, "
+            "\"allocs_per_call\": %s, \"peer_cpu_us_per_call\": %s, \"errors\": %llu}%s\n",
+            r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
+            num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
+            num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
+            num(b[4], 32, "%.2f", u->cpu_us, "null"), num(b[5], 32, "%.3f", u->vcsw, "null"),
+            num(b[6], 32, "%.3f", u->ivcsw, "null"), num(b[7], 32, "%.3f", u->rw_syscalls, "null"),
+            num(b[8], 32, "%.2f", u->allocs, "null"), num(b[9], 32, "%.2f", u->peer_cpu_us, "null"),
+            (unsigned long long)r->errors, i + 1 < n_rows ? "," : "");
     }
     fprintf(f, " ]}\n");
     return fclose(f) == 0 ? 0 : -1;
 }
 
-static const char *fs_name(long type)
+const char *fs_type_name(long type)
 {
     switch (type) {
     case 0xEF53:
@@ -317,7 +320,7 @@ static void machine_probe(void)
     mdb_version(&maj, &min, &pat);
     snprintf(machine.lmdb, sizeof(machine.lmdb), "%d.%d.%d", maj, min, pat);
     snprintf(machine.tmp_fs, sizeof(machine.tmp_fs), "%s",
-             statfs("/tmp", &sf) == 0 ? fs_name((long)sf.f_type) : "?");
+             statfs("/tmp", &sf) == 0 ? fs_type_name((long)sf.f_type) : "?");
 }
 
 /* "1,16,64" from a list of n numbers. */
@@ -351,6 +354,19 @@ static void print_plan(void)
     }
 }
 
+/* Whether any grid has a scenario from letter lo to hi. */
+static bool any_wanted(char lo, char hi)
+{
+    for (int i = 0; i < cfg.n_grids; i++) {
+        for (char l = lo; l <= hi; l++) {
+            if (cfg.grids[i].want[l - 'a']) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 static void print_preamble(void)
 {
     printf("idemrpc-bench: nproc %ld, kernel %s, CPU %s\n", machine.nproc, machine.kernel,
@@ -373,7 +389,11 @@ static void print_preamble(void)
            LATENCY_BUDGET);
     printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n",
            "one mdb_put per durable txn", cfg.transports[0]);
-    printf("%s\n\n", cost_note);
+    printf("%s\n", cost_note);
+    if (any_wanted('r', 'u')) {
+        redis_preamble();
+    }
+    printf("\n");
 }
 
 void report_preamble(void)
@@ -383,23 +403,50 @@ void report_preamble(void)
     print_header();
 }
 
-/* The PostgreSQL rows against their LMDB counterparts of the same run: g and h vs c
- * (new keys, durable), i vs e (replay). */
-void report_pg_ratios(void)
+/* Rows set against their counterparts of the same run: PostgreSQL against LMDB (g and
+ * h vs c, i vs e) and idemrpc against the plain Redis peer (c vs r and d vs t, new
+ * keys, durable and not; e vs s, replay). */
+static const struct {
+    char row, peer;
+    const char *label;
+} pairs[] = {
+    {'g', 'c', "pg vs lmdb"},
+    {'h', 'c', "pg vs lmdb"},
+    {'i', 'e', "pg vs lmdb"},
+    {'c', 'r', "c vs redis-new(always)"},
+    {'d', 't', "d vs redis-new(everysec)"},
+    {'e', 's', "e vs redis-replay"},
+};
+
+/* The row of scenario `letter` in r's (transport, clients, payload); NULL when none. */
+static const row *row_like(const row *r, char letter)
 {
     for (size_t i = 0; i < n_rows; i++) {
-        const row *p = &rows[i];
-        char want = p->sc->letter == 'i' ? 'e' : 'c';
-        if (p->sc->letter < 'g') {
-            continue;
+        const row *l = &rows[i];
+        if (l->sc->letter == letter && strcmp(l->transport, r->transport) == 0 &&
+            l->clients == r->clients && l->payload == r->payload) {
+            return l;
         }
-        for (size_t j = 0; j < n_rows; j++) {
-            const row *l = &rows[j];
-            if (l->sc->letter == want && strcmp(l->transport, p->transport) == 0 &&
-                l->clients == p->clients && l->payload == p->payload && l->calls_s > 0) {
-                printf("pg vs lmdb: %s / %s %s %d clients %zu B: %.3f\n", p->sc->name, l->sc->name,
-                       p->transport, p->clients, p->payload, p->calls_s / l->calls_s);
+    }
+    return NULL;
+}
+
+void report_peer_ratios(void)
+{
+    for (size_t k = 0; k < sizeof(pairs) / sizeof(pairs[0]); k++) {
+        for (size_t i = 0; i < n_rows; i++) {
+            const row *p = &rows[i];
+            const row *l = p->sc->letter == pairs[k].row ? row_like(p, pairs[k].peer) : NULL;
+            if (l == NULL || l->calls_s <= 0) {
+                continue;
             }
+            printf("%s: %s / %s %s %d clients %zu B: %.3f", pairs[k].label, p->sc->name,
+                   l->sc->name, p->transport, p->clients, p->payload, p->calls_s / l->calls_s);
+            if (!isnan(l->per_call.peer_cpu_us)) {
+                printf("; CPU per call %.0f us vs %.0f us + %.0f us in redis-server",
+                       p->per_call.cpu_us, l->per_call.cpu_us, l->per_call.peer_cpu_us);
+            }
+            printf("\n");
         }
     }
 }
