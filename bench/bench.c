@@ -1,8 +1,8 @@
-/* idemrpc-bench: throughput and latency of idemrpc next to its two baselines, the nng
- * transport (a bare req/rep echo) and the storage (a raw LMDB put+commit loop).
+/* idemrpc-bench: throughput, latency and cost of idemrpc next to its two baselines,
+ * the nng transport (a bare req/rep echo) and the storage (a raw LMDB put+commit loop).
  *
  *   idemrpc-bench [--clients 1,16,64] [--payload 64] [--transport tcp,ipc]
- *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i]]
+ *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i,j][,r,s,t,u]]
  *                 [--csv FILE] [--json FILE]
  *
  *   a  echo     bare nng rep0 echo: contexts + aio, the reply sent from the aio callback
@@ -18,13 +18,30 @@
  *   j  pg-wait  a duplicate on instance B of a call running on instance A: how long its
  *               answer lags A's, woken by LISTEN/NOTIFY and by re-reads (scenario_pg_wait.c)
  *   (g, h, i, j run only when asked for with --scenarios; "pg vs lmdb" lines follow)
+ *   r  redis-new-always     the peer a user would pick instead: a plain Redis
+ *                           idempotency layer behind the same nng hop (raw req0
+ *                           clients), new keys, appendfsync always ($IDEMRPC_BENCH_REDIS,
+ *                           redis://HOST[:PORT]; scenario_redis.c)
+ *   s  redis-rep-always     as r, every timed call a replay (as e)
+ *   t, u                    as r, s with appendfsync everysec
+ *   (r-u run when asked for with --scenarios, or by default when $IDEMRPC_BENCH_REDIS
+ *   is set; "c vs redis-new(always)" and "e vs redis-replay" lines follow)
+ *
+ * The default run is two grids on tcp and ipc: a-f at 1, 16 and 64 clients with 64 B
+ * payloads, and the payload sweep, a and e at 1 client with 4 KiB, 64 KiB and 1 MiB;
+ * with $IDEMRPC_BENCH_REDIS set, r-u join the first and s the second.
+ * --clients, --payload or --scenarios replace both with the one grid they describe
+ * (the defaults filling in what they leave out).
  *
  * A cell is one (scenario, transport, payload, clients): a server and K client threads
  * in this process on loopback. Every thread connects and warms up untimed, then all
  * start together and stop by themselves after --seconds (or --count calls in all, at
  * most 60 s). ratio_vs_a is calls/s over (a)'s with the same transport, clients and
- * payload; for f, over (a) on the first transport with the fewest clients. Stores live
- * in mkdtemp directories under /tmp, removed after each cell (and at exit).
+ * payload; for f, over (a) on the first transport with the fewest clients. Each row
+ * also says what a call cost this process in the timed window: CPU, context switches,
+ * read/write-family syscalls and allocations (usage.c and alloc_count.c say how each
+ * is counted). Stores live in mkdtemp directories under /tmp, removed after each cell
+ * (and at exit).
  *
  * This file is the driver: the options, the scenario table and the order of the cells.
  * bench.h says how the other files fit together. */
@@ -38,19 +55,33 @@
 
 bench_config cfg;
 
-/* Indexed by letter - 'a'; f (index 5) runs once per payload, after the others. */
+/* In the order of a (transport, payload, clients) group: a first, the others' ratio
+ * needs it; f (no transport) runs once per payload, after all groups. */
 static const scenario scenarios[N_SCENARIOS] = {
-    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0},
-    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0},
-    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0},
-    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0},
-    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0},
-    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0},
-    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1},
-    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2},
-    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1},
+    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0, NULL},
+    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0, NULL},
+    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0, NULL},
+    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0, NULL},
+    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0, NULL},
+    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0, NULL},
+    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1, NULL},
+    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2, NULL},
+    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1, NULL},
+    {'r', "r:redis-new-always", run_redis, 0, KEYS_NEW, 0, "always"},
+    {'s', "s:redis-rep-always", run_redis, 0, KEYS_REPLAY, 0, "always"},
+    {'t', "t:redis-new-everysec", run_redis, 0, KEYS_NEW, 0, "everysec"},
+    {'u', "u:redis-rep-everysec", run_redis, 0, KEYS_REPLAY, 0, "everysec"},
 };
-#define SCENARIO_F 5
+
+static const scenario *scenario_of(char letter)
+{
+    for (int i = 0; i < N_SCENARIOS; i++) {
+        if (scenarios[i].letter == letter) {
+            return &scenarios[i];
+        }
+    }
+    return NULL;
+}
 
 /* ---- command line ---- */
 
@@ -62,6 +93,16 @@ static void usage(FILE *f)
             "                     [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f] "
             "[--csv FILE] [--json FILE]\n"
             "  a echo  b chain gc off  c chain gc on  d chain nosync  e replay  f raw lmdb\n"
+            "  g pg new keys  h pg two instances  i pg replay  j pg duplicate wait "
+            "($IDEMRPC_BENCH_PG)\n"
+            "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
+            "everysec\n"
+            "    ($IDEMRPC_BENCH_REDIS=redis://HOST[:PORT], a throwaway Redis 7: the bench sets "
+            "its AOF)\n"
+            "  default: a-f at 1,16,64 clients and 64 B, then a,e at 1 client and "
+            "4096,65536,1048576 B\n"
+            "    (and r-u, then s, when $IDEMRPC_BENCH_REDIS is set);\n"
+            "  --clients, --payload or --scenarios run only the one grid they describe\n"
             "  --count N: N calls per cell, at most --seconds (default %.0f s then)\n",
             COUNT_TIME_CAP_S);
 }
@@ -98,15 +139,13 @@ static bool parse_transports(char *s)
     return cfg.n_transports > 0;
 }
 
-static bool parse_scenarios(const char *s)
+/* Letters of known scenarios, commas between them; j (its own table, no cells) too. */
+static bool parse_scenarios(const char *s, bool *want)
 {
-    memset(cfg.want, 0, sizeof(cfg.want));
-    cfg.want_pg_wait = false;
+    memset(want, 0, N_LETTERS * sizeof(*want));
     for (; *s != '\0'; s++) {
-        if (*s >= 'a' && *s <= 'i') {
-            cfg.want[*s - 'a'] = true;
-        } else if (*s == 'j') {
-            cfg.want_pg_wait = true;
+        if (scenario_of(*s) != NULL || *s == 'j') {
+            want[*s - 'a'] = true;
         } else if (*s != ',') {
             return false;
         }
@@ -121,30 +160,46 @@ static bool parse_seconds(const char *s)
     return end != s && *end == '\0' && cfg.seconds > 0 && cfg.seconds <= 3600;
 }
 
+static void grid_set(bench_grid *g, const char *clients, const char *payloads, const char *letters)
+{
+    parse_longs(clients, g->clients, &g->n_clients, 1, MAX_CLIENTS);
+    parse_longs(payloads, g->payloads, &g->n_payloads, 0, MAX_PAYLOAD);
+    parse_scenarios(letters, g->want);
+}
+
+/* The default run: the main grid, and the payload sweep of the transport (a) and the
+ * replay (e) at one client, where the payload's own cost shows most; the Redis peer
+ * when there is a Redis for it. */
 static void set_defaults(void)
 {
     static char default_transports[] = "tcp,ipc";
-    cfg.clients[0] = 1, cfg.clients[1] = 16, cfg.clients[2] = 64, cfg.n_clients = 3;
-    cfg.payloads[0] = 64, cfg.n_payloads = 1;
+    const char *redis = getenv("IDEMRPC_BENCH_REDIS");
+    bool peer = redis != NULL && redis[0] != '\0';
+    grid_set(&cfg.grids[0], "1,16,64", "64", peer ? "abcdefrstu" : "abcdef");
+    grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
+    cfg.n_grids = 2;
     cfg.seconds = 1.5;
     parse_transports(default_transports);
-    parse_scenarios("abcdef");
 }
 
 /* The value v of option --name (opt) into cfg; false, after saying what is wrong, when
- * it is bad. */
+ * it is bad. A grid option makes the run that one grid. */
 static bool parse_option(int opt, const char *name, char *v)
 {
+    bench_grid *g = &cfg.grids[0];
     const char *want = NULL;
     uint64_t count;
+    if (opt == 'k' || opt == 'p' || opt == 'S') {
+        cfg.n_grids = 1;
+    }
     switch (opt) {
     case 'k':
-        want = parse_longs(v, cfg.clients, &cfg.n_clients, 1, MAX_CLIENTS)
+        want = parse_longs(v, g->clients, &g->n_clients, 1, MAX_CLIENTS)
                    ? NULL
                    : "a list of up to 16 client counts from 1 to 1024";
         break;
     case 'p':
-        want = parse_longs(v, cfg.payloads, &cfg.n_payloads, 0, MAX_PAYLOAD)
+        want = parse_longs(v, g->payloads, &g->n_payloads, 0, MAX_PAYLOAD)
                    ? NULL
                    : "a list of up to 16 payload sizes from 0 to 1048576";
         break;
@@ -161,7 +216,7 @@ static bool parse_option(int opt, const char *name, char *v)
         cfg.count = count;
         break;
     case 'S':
-        want = parse_scenarios(v) ? NULL : "a list of scenario letters a to j";
+        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-j, r-u";
         break;
     }
     if (want != NULL) {
@@ -235,27 +290,38 @@ static bool run_cell(const scenario *sc, const char *transport, int clients, lon
     return true;
 }
 
-/* Every wanted cell; (a) first in every (transport, payload, clients) group: the
- * others' ratio needs it. f needs no transport and runs last, once per payload. */
-static bool run_cells(void)
+/* Every wanted cell of grid g; (a) first in every (transport, payload, clients)
+ * group: the others' ratio needs it. f needs no transport and runs last, once per
+ * payload. */
+static bool run_grid(const bench_grid *g, const void *buf)
 {
-    static char buf[MAX_PAYLOAD];
     bool all_ok = true;
-    memset(buf, 'p', sizeof(buf));
     for (int t = 0; t < cfg.n_transports; t++) {
-        for (int p = 0; p < cfg.n_payloads; p++) {
-            for (int k = 0; k < cfg.n_clients; k++) {
+        for (int p = 0; p < g->n_payloads; p++) {
+            for (int k = 0; k < g->n_clients; k++) {
                 for (int s = 0; s < N_SCENARIOS; s++) {
-                    if (cfg.want[s] && s != SCENARIO_F) {
-                        all_ok &= run_cell(&scenarios[s], cfg.transports[t], (int)cfg.clients[k],
-                                           cfg.payloads[p], buf);
+                    const scenario *sc = &scenarios[s];
+                    if (g->want[sc->letter - 'a'] && sc->letter != 'f') {
+                        all_ok &= run_cell(sc, cfg.transports[t], (int)g->clients[k],
+                                           g->payloads[p], buf);
                     }
                 }
             }
         }
     }
-    for (int p = 0; cfg.want[SCENARIO_F] && p < cfg.n_payloads; p++) {
-        all_ok &= run_cell(&scenarios[SCENARIO_F], "-", 1, cfg.payloads[p], buf);
+    for (int p = 0; g->want['f' - 'a'] && p < g->n_payloads; p++) {
+        all_ok &= run_cell(scenario_of('f'), "-", 1, g->payloads[p], buf);
+    }
+    return all_ok;
+}
+
+static bool run_cells(void)
+{
+    static char buf[MAX_PAYLOAD];
+    bool all_ok = true;
+    memset(buf, 'p', sizeof(buf));
+    for (int i = 0; i < cfg.n_grids; i++) {
+        all_ok &= run_grid(&cfg.grids[i], buf);
     }
     return all_ok;
 }
@@ -273,10 +339,11 @@ int main(int argc, char **argv)
         break;
     }
     atexit(tmp_dir_remove);
+    run_tag_init();
     report_preamble();
     bool all_ok = run_cells();
-    report_pg_ratios();
-    if (cfg.want_pg_wait) {
+    report_peer_ratios();
+    if (cfg.grids[0].want['j' - 'a']) { /* only ever by --scenarios: one grid */
         all_ok &= run_pg_wait() == 0;
     }
     if (cfg.csv != NULL && report_write_csv(cfg.csv) != 0) {

@@ -4,7 +4,8 @@
  * The call path of one cell: bench.c (driver) picks a scenario and calls its run();
  * the scenario file (scenario_echo.c, scenario_chain.c, scenario_lmdb.c) starts its
  * server, if any, and hands its client_ops to run_clients() (harness.c), which times K
- * threads; stats.c turns the samples into percentiles and the cell into a table row.
+ * threads and reads the process counters (usage.c) around the timed window; stats.c
+ * turns the samples into percentiles and the cell into a table row.
  * Everything runs on the main thread except the client threads inside run_clients(). */
 #ifndef IDEMRPC_BENCH_H
 #define IDEMRPC_BENCH_H
@@ -21,24 +22,35 @@
 #include <idemrpc/idemrpc.h>
 
 #define MAX_LIST 16
+#define MAX_GRIDS 2 /* the default run: the main grid and the payload sweep */
 #define MAX_CLIENTS 1024
 #define MAX_PAYLOAD (1 << 20)
-#define N_SCENARIOS 9             /* a..i */
-#define WARMUP_CALLS 8            /* untimed calls per thread before the start */
-#define REPLAY_KEYS 100           /* e: keys per client, called once before the start */
-#define LATENCY_BUDGET (1u << 21) /* samples kept per cell over all threads (16 MiB) */
-#define CALL_TIMEOUT_MS 10000     /* a call slower than this is an error, not a retry */
-#define COUNT_TIME_CAP_S 60.0     /* --count alone is still bounded in time */
-#define LMDB_MAP_SIZE ((size_t)1 << 30)
+#define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
+#define N_LETTERS 26                         /* scenarios are named by a letter a..z */
+#define N_SCENARIOS 13                       /* a..i, r..u */
+#define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
+#define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
+#define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
+#define CALL_TIMEOUT_MS 10000                /* a call slower than this is an error, not a retry */
+#define COUNT_TIME_CAP_S 60.0                /* --count alone is still bounded in time */
+#define LMDB_MAP_SIZE ((size_t)1 << 30)      /* f */
+#define STORE_MAP_SIZE ((size_t)8 << 30)     /* b-e: room for 1 MiB results (a sparse file) */
 #define METHOD "bench.Echo/Echo"
+
+/* Cells to run: every wanted scenario at every payload and client count, on every
+ * transport of the run. */
+typedef struct bench_grid {
+    long clients[MAX_LIST], payloads[MAX_LIST];
+    int n_clients, n_payloads;
+    bool want[N_LETTERS]; /* by letter - 'a' */
+} bench_grid;
 
 /* The command line, set once by the driver before the first cell; read-only after. */
 typedef struct bench_config {
-    long clients[MAX_LIST], payloads[MAX_LIST];
+    bench_grid grids[MAX_GRIDS];
+    int n_grids;
     const char *transports[MAX_LIST];
-    int n_clients, n_payloads, n_transports;
-    bool want[N_SCENARIOS]; /* scenario a..i */
-    bool want_pg_wait;      /* j */
+    int n_transports;
     double seconds;
     unsigned long long count; /* 0 = bounded by time only */
     const char *csv, *json;
@@ -56,9 +68,10 @@ typedef struct scenario {
     char letter;
     const char *name; /* table label */
     int (*run)(const struct scenario *sc, cell *c, cell_stats *out);
-    unsigned store_flags; /* b–e */
-    key_mode keys;        /* b–e, g–i */
-    int instances;        /* g–i: servers on one PostgreSQL database */
+    unsigned store_flags;    /* b–e */
+    key_mode keys;           /* b–e, g–i */
+    int instances;           /* g–i: servers on one PostgreSQL database */
+    const char *appendfsync; /* r–u: Redis's fsync policy, "always" or "everysec" */
 } scenario;
 
 struct cell {
@@ -72,12 +85,24 @@ struct cell {
     char url[160];       /* what clients dial, set by the runner */
     char url2[160];      /* h: the second instance ("" when none) */
     const char *dir;     /* f: the LMDB directory */
+    void *peer;          /* r–u: the scenario's own state, for its client_ops */
 };
+
+/* Counters of the whole process at one moment (usage.c): the server, its store, nng's
+ * threads and the client threads all run in this process. NAN: not known here. */
+typedef struct proc_usage {
+    double cpu_us;      /* user + system CPU, getrusage(RUSAGE_SELF) */
+    double vcsw, ivcsw; /* voluntary, involuntary context switches, the same */
+    double rw_syscalls; /* /proc/self/io syscr + syscw: read/write-family calls only */
+    double allocs;      /* malloc, calloc and realloc calls (alloc_count.c) */
+    double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */
+} proc_usage;
 
 struct cell_stats {
     uint64_t ok, errors;
     double seconds; /* from the common start to the last thread's last reply */
     double p50_us, p99_us, p999_us;
+    proc_usage cost; /* spent from the common start until every thread's last reply */
     char error[200]; /* the first error seen; "" when none */
 };
 
@@ -87,7 +112,11 @@ int run_echo(const scenario *sc, cell *c, cell_stats *out);  /* a, scenario_echo
 int run_chain(const scenario *sc, cell *c, cell_stats *out); /* b–e, scenario_chain.c */
 int run_pg(const scenario *sc, cell *c, cell_stats *out);    /* g–i, scenario_chain.c */
 int run_lmdb(const scenario *sc, cell *c, cell_stats *out);  /* f, scenario_lmdb.c */
+int run_redis(const scenario *sc, cell *c, cell_stats *out); /* r–u, scenario_redis.c */
 int run_pg_wait(void); /* j, scenario_pg_wait.c: prints its own table; 0 when measured */
+/* The preamble's line about $IDEMRPC_BENCH_REDIS (version, AOF directory), when any r–u
+ * cell will run. */
+void redis_preamble(void);
 
 /* ---- the harness (harness.c) ---- */
 
@@ -129,7 +158,16 @@ typedef struct client_ops {
     int (*open)(bench_thread *t);
     int (*call)(bench_thread *t);
     void (*close)(bench_thread *t);
+    /* Optional, on the main thread at both gates: the CPU µs the peer server process
+     * (another process: redis-server) has used so far; NAN when unknown. */
+    double (*peer_cpu_us)(const cell *c);
 } client_ops;
+
+/* A raw req0 socket to t->cell->url in t->conn.sock (no resend, CALL_TIMEOUT_MS, no
+ * size limit), for blocking nng_sendmsg/nng_recvmsg; scenario_echo.c. req_close also
+ * undoes a failed req_open. */
+int req_open(bench_thread *t);
+void req_close(bench_thread *t);
 
 /* Runs c->clients threads of ops against c->url and measures them. -1 when a thread
  * could not be started or set up (out->error says why). */
@@ -139,6 +177,18 @@ int cell_fail(cell_stats *out, const char *fmt, ...) __attribute__((format(print
 int thread_fail(bench_thread *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 uint64_t now_ns(void);
+
+void run_tag_init(void); /* once, before the first cell */
+/* The prefix of every key of cell c ("<run>-c<id>-"), as snprintf. */
+int cell_key_prefix(const cell *c, char *buf, size_t cap);
+/* The idempotency key of thread t's next call into buf, and whether that call must be a
+ * replay. New keys: t->seq makes each unique. Replay: t->seq cycles over REPLAY_KEYS
+ * keys; the first round (the warm-up) executes them, every later call must replay.
+ * Advances t->seq. */
+bool next_call_key(bench_thread *t, char *buf, size_t cap);
+void proc_usage_now(proc_usage *u); /* usage.c; u->peer_cpu_us = NAN */
+double alloc_count(void);           /* allocations so far, every thread; NAN when not counted */
+void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d); /* d = b - a */
 size_t server_contexts(int clients);
 void listen_url(const cell *c, int instance, char *buf, size_t cap);
 void set_dial_url(cell *c, const char *listen, int port);
@@ -159,7 +209,8 @@ void report_cell(const scenario *sc, const char *transport, int clients, size_t 
                  const cell_stats *s);
 void report_failed(const scenario *sc, const char *transport, int clients, size_t payload,
                    const cell_stats *s);
-void report_pg_ratios(void);
+void report_peer_ratios(void);
+const char *fs_type_name(long f_type); /* statfs's f_type: "ext4", "tmpfs", … */
 int report_write_csv(const char *path);
 int report_write_json(const char *path);
 

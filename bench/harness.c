@@ -1,10 +1,13 @@
 /* The cell harness: the cell's helpers every scenario uses (URLs, server contexts, the
- * temporary store directory) and the one client loop: K threads open and warm up
- * untimed, wait at one gate, then call until the common deadline or the shared --count.
+ * temporary store directory, the keys) and the one client loop: K threads open and warm up
+ * untimed, wait at one gate, then call until the common deadline or the shared --count,
+ * and wait at a second gate before they close.
  *
- * Invariant: the gate opens exactly once per run, after every started thread reported
- * ready; a thread whose setup failed still passes the gate (so none waits forever) but
- * makes no timed call, and the run reports -1. */
+ * Invariant: each gate opens exactly once per run, after every started thread reached
+ * it; a thread whose setup failed still passes both (so none waits forever) but makes
+ * no timed call, and the run reports -1. The process counters (proc_usage) are read at
+ * the opening of the first gate and of the second: set-up, warm-up and the closing of
+ * connections stay out of a cell's cost. */
 #include <ftw.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -93,6 +96,31 @@ void set_dial_url(cell *c, const char *listen, int port)
     }
 }
 
+/* In every key: a shared database outlives one run. Set before the first cell. */
+static char run_tag[24];
+
+void run_tag_init(void)
+{
+    snprintf(run_tag, sizeof(run_tag), "%lx", (unsigned long)time(NULL) ^ (unsigned long)getpid());
+}
+
+int cell_key_prefix(const cell *c, char *buf, size_t cap)
+{
+    return snprintf(buf, cap, "%s-c%u-", run_tag, c->id);
+}
+
+bool next_call_key(bench_thread *t, char *buf, size_t cap)
+{
+    bool replay = t->cell->sc->keys == KEYS_REPLAY;
+    uint64_t n = replay ? t->seq % REPLAY_KEYS : t->seq;
+    bool want_replayed = replay && t->seq >= REPLAY_KEYS;
+    int len = cell_key_prefix(t->cell, buf, cap);
+    snprintf(buf + len, cap - (size_t)len, "t%d-%c%llu", t->id, replay ? 'r' : 'n',
+             (unsigned long long)n);
+    t->seq++;
+    return want_replayed;
+}
+
 /* ---- the client loop shared by every scenario ---- */
 
 struct client_run {
@@ -101,7 +129,9 @@ struct client_run {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int ready;            /* threads done with open + warm-up */
+    int finished;         /* threads done with their timed calls */
     bool go, abort;       /* set once, under mu */
+    bool measured;        /* set once, under mu, after the end counters are read */
     uint64_t deadline_ns; /* written before go */
     atomic_ullong issued; /* calls started, for --count */
 };
@@ -132,13 +162,36 @@ static bool gate_wait(bench_thread *t)
     return run;
 }
 
-/* Waits for `started` threads to be ready, then starts them all; returns the start. */
-static uint64_t gate_open(client_run *r, int started, bool abort)
+/* The process counters and the peer's CPU, if the scenario has a peer. */
+static void peer_usage_now(const client_run *r, proc_usage *at)
+{
+    proc_usage_now(at);
+    if (r->ops->peer_cpu_us != NULL) {
+        at->peer_cpu_us = r->ops->peer_cpu_us(r->cell);
+    }
+}
+
+/* Reports this thread's timed calls done and waits until the counters are read. */
+static void gate_finish(client_run *r)
+{
+    pthread_mutex_lock(&r->mu);
+    r->finished++;
+    pthread_cond_broadcast(&r->cv);
+    while (!r->measured) {
+        pthread_cond_wait(&r->cv, &r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Waits for `started` threads to be ready, reads the counters into *at, then starts
+ * them all; returns the start. */
+static uint64_t gate_open(client_run *r, int started, bool abort, proc_usage *at)
 {
     pthread_mutex_lock(&r->mu);
     while (r->ready < started) {
         pthread_cond_wait(&r->cv, &r->mu);
     }
+    peer_usage_now(r, at);
     uint64_t start = now_ns();
     r->deadline_ns = start + (uint64_t)(cfg.seconds * 1e9);
     r->go = true;
@@ -146,6 +199,20 @@ static uint64_t gate_open(client_run *r, int started, bool abort)
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     return start;
+}
+
+/* Waits for `started` threads to finish their timed calls, reads the counters into
+ * *at, then lets them close. */
+static void gate_close(client_run *r, int started, proc_usage *at)
+{
+    pthread_mutex_lock(&r->mu);
+    while (r->finished < started) {
+        pthread_cond_wait(&r->cv, &r->mu);
+    }
+    peer_usage_now(r, at);
+    r->measured = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
 }
 
 /* The one timing loop: until the deadline (or the cell's count) is reached. */
@@ -184,6 +251,7 @@ static void *client_thread_main(void *arg)
         timed_loop(t);
     }
     t->end_ns = now_ns();
+    gate_finish(r);
     r->ops->close(t);
     return NULL;
 }
@@ -238,7 +306,10 @@ int run_clients(const client_ops *ops, const cell *c, cell_stats *out)
         started++;
     }
     bool setup_ok = ts != NULL && started == c->clients;
-    uint64_t start = gate_open(&r, started, !setup_ok);
+    proc_usage u0, u1;
+    uint64_t start = gate_open(&r, started, !setup_ok, &u0);
+    gate_close(&r, started, &u1);
+    proc_usage_diff(&u0, &u1, &out->cost);
     for (int i = 0; i < started; i++) {
         pthread_join(ts[i].tid, NULL);
         setup_ok = setup_ok && !ts[i].setup_failed;

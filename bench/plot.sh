@@ -12,15 +12,23 @@ set -euo pipefail
 
 usage() {
     echo "usage: $0 CSV [PNG]   (PNG default /tmp/bench.png; needs gnuplot:" \
-         "apt-get install gnuplot-nox)" >&2
-    exit 2
+         "apt-get install gnuplot-nox)"
 }
+usage_error() { [ -z "$1" ] || echo "$0: $1" >&2; usage >&2; exit 2; }
 
-[ $# -ge 1 ] && [ $# -le 2 ] || usage
+# The tools' convention (tools/cli.h): --help exits 0, any other option exits 2.
+for arg in "$@"; do
+    case $arg in
+    --help | -h) usage; exit 0 ;;
+    -?*) usage_error "unknown option '$arg'" ;;
+    esac
+done
+[ $# -ge 1 ] || usage_error ""
+[ $# -le 2 ] || usage_error "unexpected argument '$3'"
 csv=$1
 png=${2:-/tmp/bench.png}
-[ -r "$csv" ] || { echo "$0: cannot read $csv" >&2; usage; }
-command -v gnuplot >/dev/null || { echo "$0: gnuplot not found" >&2; usage; }
+[ -r "$csv" ] || usage_error "cannot read $csv"
+command -v gnuplot >/dev/null || usage_error "gnuplot not found"
 
 data=$(mktemp /tmp/idemrpc-plot-XXXXXX)
 trap 'rm -f "$data"' EXIT

@@ -6,22 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "bench.h"
-
-/* In every key: a shared database outlives one run. Set on the main thread by the
- * first cell, before any client thread reads it. */
-static char run_tag[24];
-
-static void run_tag_init(void)
-{
-    if (run_tag[0] == '\0') {
-        snprintf(run_tag, sizeof(run_tag), "%lx",
-                 (unsigned long)time(NULL) ^ (unsigned long)getpid());
-    }
-}
 
 static idem_code echo_handler(idem_call *call, void *arg)
 {
@@ -41,24 +27,18 @@ static int chain_open(bench_thread *t)
     o.attempt_timeout_ms = CALL_TIMEOUT_MS;
     o.deadline_ms = CALL_TIMEOUT_MS;
     o.retry.max_attempts = 1; /* a retry would hide a failure inside a latency */
+    o.max_frame = MAX_FRAME;  /* the largest --payload's reply, whatever the default */
     if (idem_client_open(&t->conn.client, urls, t->cell->url2[0] ? 2 : 1, &o) != IDEM_OK) {
         return thread_fail(t, "idem_client_open %s: %s", url, idem_errmsg());
     }
     return 0;
 }
 
-/* New keys: the thread's seq makes each unique. Replay: seq cycles over REPLAY_KEYS
- * keys; the first round (the warm-up) executes them, every later call must replay. */
 static int chain_call(bench_thread *t)
 {
     const cell *c = t->cell;
-    bool replay = c->sc->keys == KEYS_REPLAY;
-    uint64_t n = replay ? t->seq % REPLAY_KEYS : t->seq;
-    bool want_replayed = replay && t->seq >= REPLAY_KEYS;
     char key[64];
-    snprintf(key, sizeof(key), "%s-c%u-t%d-%c%llu", run_tag, c->id, t->id, replay ? 'r' : 'n',
-             (unsigned long long)n);
-    t->seq++;
+    bool want_replayed = next_call_key(t, key, sizeof(key));
 
     idem_request q = {.method = METHOD,
                       .idempotency_key = key,
@@ -83,7 +63,7 @@ static void chain_close(bench_thread *t)
     idem_client_close(t->conn.client);
 }
 
-static const client_ops chain_ops = {chain_open, chain_call, chain_close};
+static const client_ops chain_ops = {.open = chain_open, .call = chain_call, .close = chain_close};
 
 static int chain_server_start(cell *c, int instance, idem_store *st, idem_server **srv,
                               cell_stats *out)
@@ -95,6 +75,7 @@ static int chain_server_start(cell *c, int instance, idem_store *st, idem_server
     idem_server_opts_init(&o);
     o.store = st;
     o.contexts = server_contexts(c->clients);
+    o.max_frame = MAX_FRAME; /* the largest --payload's request, whatever the default */
     if (idem_server_create(srv, &o) != IDEM_OK) {
         return cell_fail(out, "idem_server_create: %s", idem_errmsg());
     }
@@ -114,11 +95,10 @@ int run_chain(const scenario *sc, cell *c, cell_stats *out)
     const char *dir = tmp_dir_create();
     int rv = -1;
 
-    run_tag_init();
     if (dir == NULL) {
         return cell_fail(out, "mkdtemp under /tmp failed");
     }
-    if (idem_store_open_lmdb(&st, dir, 0, sc->store_flags) != IDEM_OK) {
+    if (idem_store_open_lmdb(&st, dir, STORE_MAP_SIZE, sc->store_flags) != IDEM_OK) {
         cell_fail(out, "idem_store_open_lmdb %s: %s", dir, idem_errmsg());
         goto out;
     }
@@ -143,7 +123,6 @@ int run_pg(const scenario *sc, cell *c, cell_stats *out)
     idem_server *srv[2] = {NULL, NULL};
     int rv = -1;
 
-    run_tag_init();
     if (conninfo == NULL) {
         return cell_fail(out, "set IDEMRPC_BENCH_PG to a libpq conninfo");
     }

@@ -1,7 +1,7 @@
 /* Scenario a, the transport baseline: a bare nng rep0 echo (contexts + aio, the reply
  * sent from the aio callback) against one raw req0 socket per client thread with
  * blocking send/recv. No idemrpc code runs: every other scenario's ratio is against
- * this one. */
+ * this one. The Redis peer (scenario_redis.c) opens its clients' sockets here too. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,7 +121,7 @@ static int raw_fail(bench_thread *t, const char *what, int rv)
     return thread_fail(t, "%s: %s", what, nng_strerror(rv));
 }
 
-static int raw_open(bench_thread *t)
+int req_open(bench_thread *t)
 {
     nng_socket *s = &t->conn.sock;
     int rv;
@@ -162,12 +162,12 @@ static int raw_call(bench_thread *t)
     return echoed ? 0 : thread_fail(t, "echo reply differs from the request");
 }
 
-static void raw_close(bench_thread *t)
+void req_close(bench_thread *t)
 {
     nng_close(t->conn.sock); /* NNG_ENOENT for a socket never opened: nothing to do */
 }
 
-static const client_ops raw_ops = {raw_open, raw_call, raw_close};
+static const client_ops raw_ops = {.open = req_open, .call = raw_call, .close = req_close};
 
 int run_echo(const scenario *sc, cell *c, cell_stats *out)
 {

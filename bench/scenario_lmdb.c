@@ -67,7 +67,7 @@ static void lmdb_close(bench_thread *t)
     }
 }
 
-static const client_ops lmdb_ops = {lmdb_open, lmdb_call, lmdb_close};
+static const client_ops lmdb_ops = {.open = lmdb_open, .call = lmdb_call, .close = lmdb_close};
 
 int run_lmdb(const scenario *sc, cell *c, cell_stats *out)
 {

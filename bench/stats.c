@@ -66,10 +66,11 @@ typedef struct row {
     int clients;
     size_t payload;
     double calls_s, p50_us, p99_us, p999_us, ratio; /* NAN: none */
+    proc_usage per_call; /* the cell's cost over its calls (ok or not); NAN: unknown */
     uint64_t errors;
 } row;
 
-static row rows[N_SCENARIOS * MAX_LIST * MAX_LIST * MAX_LIST];
+static row rows[MAX_GRIDS * N_SCENARIOS * MAX_LIST * MAX_LIST * MAX_LIST];
 static size_t n_rows;
 
 /* (a) for the same transport, clients and payload; for f, (a) on the first transport
@@ -92,27 +93,54 @@ static const row *baseline_of(const row *r)
     return best;
 }
 
-static const char *table_fmt = "%-10s %-9s %7s %7s %10s %10s %10s %10s %10s %7s\n";
+static const char *table_fmt =
+    "%-20s %-9s %7s %7s %9s %9s %9s %9s %10s %9s %7s %7s %7s %8s %10s %6s\n";
 
 static void print_header(void)
 {
     printf(table_fmt, "scenario", "transport", "clients", "payload", "calls/s", "p50_us", "p99_us",
-           "p999_us", "ratio_vs_a", "errors");
+           "p999_us", "ratio_vs_a", "cpu_us/c", "vcsw/c", "ivcsw/c", "rwsys/c", "allocs/c",
+           "peer_cpu/c", "errors");
+}
+
+/* v with fmt into buf, "-" for NAN. */
+static const char *cellf(char *buf, size_t cap, const char *fmt, double v)
+{
+    snprintf(buf, cap, isnan(v) ? "-" : fmt, v);
+    return buf;
 }
 
 static void print_row(const row *r)
 {
-    char cl[16], pl[16], cs[16], p50[16], p99[16], p999[16], ratio[16], err[24];
+    char cl[16], pl[16], cs[16], err[24], b[10][24];
+    const proc_usage *u = &r->per_call;
     snprintf(cl, sizeof(cl), "%d", r->clients);
     snprintf(pl, sizeof(pl), "%zu", r->payload);
     snprintf(cs, sizeof(cs), "%.0f", r->calls_s);
-    snprintf(p50, sizeof(p50), "%.1f", r->p50_us);
-    snprintf(p99, sizeof(p99), "%.1f", r->p99_us);
-    snprintf(p999, sizeof(p999), "%.1f", r->p999_us);
-    snprintf(ratio, sizeof(ratio), isnan(r->ratio) ? "-" : "%.3f", r->ratio);
     snprintf(err, sizeof(err), "%llu", (unsigned long long)r->errors);
-    printf(table_fmt, r->sc->name, r->transport, cl, pl, cs, p50, p99, p999, ratio, err);
+    printf(table_fmt, r->sc->name, r->transport, cl, pl, cs, cellf(b[0], 24, "%.1f", r->p50_us),
+           cellf(b[1], 24, "%.1f", r->p99_us), cellf(b[2], 24, "%.1f", r->p999_us),
+           cellf(b[3], 24, "%.3f", r->ratio), cellf(b[4], 24, "%.1f", u->cpu_us),
+           cellf(b[5], 24, "%.2f", u->vcsw), cellf(b[6], 24, "%.2f", u->ivcsw),
+           cellf(b[7], 24, "%.2f", u->rw_syscalls), cellf(b[8], 24, "%.1f", u->allocs),
+           cellf(b[9], 24, "%.1f", u->peer_cpu_us), err);
     fflush(stdout);
+}
+
+/* The cell's cost per call; all NAN when it made none. */
+static proc_usage per_call(const cell_stats *s)
+{
+    double n = (double)(s->ok + s->errors);
+    const proc_usage *c = &s->cost;
+    if (n == 0) {
+        return (proc_usage){NAN, NAN, NAN, NAN, NAN, NAN};
+    }
+    return (proc_usage){.cpu_us = c->cpu_us / n,
+                        .vcsw = c->vcsw / n,
+                        .ivcsw = c->ivcsw / n,
+                        .rw_syscalls = c->rw_syscalls / n,
+                        .allocs = c->allocs / n,
+                        .peer_cpu_us = c->peer_cpu_us / n};
 }
 
 /* Appends the row of a measured cell, with its ratio to (a) when (a) ran, and prints
@@ -129,6 +157,7 @@ void report_cell(const scenario *sc, const char *transport, int clients, size_t 
                .p50_us = s->p50_us,
                .p99_us = s->p99_us,
                .p999_us = s->p999_us,
+               .per_call = per_call(s),
                .errors = s->errors,
                .ratio = NAN};
     const row *a = baseline_of(r);
@@ -146,7 +175,7 @@ void report_cell(const scenario *sc, const char *transport, int clients, size_t 
 void report_failed(const scenario *sc, const char *transport, int clients, size_t payload,
                    const cell_stats *s)
 {
-    printf("%-10s %-9s %7d %7zu   FAILED: %s\n", sc->name, transport, clients, payload, s->error);
+    printf("%-20s %-9s %7d %7zu   FAILED: %s\n", sc->name, transport, clients, payload, s->error);
 }
 
 /* A number for CSV/JSON; `none` ("" or "null") for NAN. */
@@ -166,17 +195,35 @@ int report_write_csv(const char *path)
         return -1;
     }
     fprintf(f, "scenario,transport,clients,payload,calls_per_s,p50_us,p99_us,p999_us,"
-               "ratio_vs_a,errors\n");
+               "ratio_vs_a,cpu_us_per_call,vcsw_per_call,ivcsw_per_call,"
+               "rw_syscalls_per_call,allocs_per_call,peer_cpu_us_per_call,errors\n");
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
-        char b[4][32];
-        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%llu\n", r->sc->name, r->transport, r->clients,
-                r->payload, r->calls_s, num(b[0], 32, "%.1f", r->p50_us, ""),
-                num(b[1], 32, "%.1f", r->p99_us, ""), num(b[2], 32, "%.1f", r->p999_us, ""),
-                num(b[3], 32, "%.4f", r->ratio, ""), (unsigned long long)r->errors);
+        const proc_usage *u = &r->per_call;
+        char b[10][32];
+        fprintf(f, "%s,%s,%d,%zu,%.1f,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%llu\n", r->sc->name,
+                r->transport, r->clients, r->payload, r->calls_s,
+                num(b[0], 32, "%.1f", r->p50_us, ""), num(b[1], 32, "%.1f", r->p99_us, ""),
+                num(b[2], 32, "%.1f", r->p999_us, ""), num(b[3], 32, "%.4f", r->ratio, ""),
+                num(b[4], 32, "%.2f", u->cpu_us, ""), num(b[5], 32, "%.3f", u->vcsw, ""),
+                num(b[6], 32, "%.3f", u->ivcsw, ""), num(b[7], 32, "%.3f", u->rw_syscalls, ""),
+                num(b[8], 32, "%.2f", u->allocs, ""), num(b[9], 32, "%.2f", u->peer_cpu_us, ""),
+                (unsigned long long)r->errors);
     }
     return fclose(f) == 0 ? 0 : -1;
 }
+
+/* What the cost columns measure; in the preamble and in the JSON config. */
+static const char cost_note[] =
+    "cost per call over the timed window (common start to last reply), of this whole "
+    "process: server, store and clients all run in it. cpu_us: user+system CPU, vcsw/ivcsw: "
+    "voluntary/involuntary context switches, both getrusage(RUSAGE_SELF). rwsys: "
+    "read/write-family syscalls, /proc/self/io syscr+syscw (read, readv, pread, write, "
+    "writev, pwrite; not sendmsg, recvmsg, epoll, futex, fdatasync: Linux has no cheap "
+    "full per-process syscall count). allocs: malloc+calloc+realloc calls, counted by "
+    "this binary's own wrappers (bench/alloc_count.c; \"-\" in a sanitizer build). A "
+    "database server is another process, its CPU not in cpu_us: PostgreSQL's (g-i) is not "
+    "measured, redis-server's (r-u) is peer_cpu, from INFO cpu at the same two moments.";
 
 /* ---- the machine ---- */
 
@@ -200,25 +247,34 @@ int report_write_json(const char *path)
             machine.lmdb, machine.tmp_fs);
     fprintf(f,
             " \"config\": {\"seconds\": %g, \"count\": %llu, \"clients\": "
-            "\"one idem_client per thread\"},\n \"rows\": [\n",
+            "\"one idem_client per thread\", \"cost\": ",
             cfg.seconds, cfg.count);
+    idem__json_fputs(f, cost_note);
+    fprintf(f, "},\n \"rows\": [\n");
     for (size_t i = 0; i < n_rows; i++) {
         const row *r = &rows[i];
-        char b[4][32];
-        fprintf(f,
-                "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
-                "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
-                "\"p999_us\": %s, \"ratio_vs_a\": %s, \"errors\": %llu}%s\n",
-                r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
-                num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
-                num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
-                (unsigned long long)r->errors, i + 1 < n_rows ? "," : "");
+        const proc_usage *u = &r->per_call;
+        char b[10][32];
+        fprintf(
+            f,
+            "  {\"scenario\": \"%s\", \"transport\": \"%s\", \"clients\": %d, "
+            "\"payload\": %zu, \"calls_per_s\": %.1f, \"p50_us\": %s, \"p99_us\": %s, "
+            "\"p999_us\": %s, \"ratio_vs_a\": %s, \"cpu_us_per_call\": %s, "
+            "\"vcsw_per_call\": %s, \"ivcsw_per_call\": %s, \"rw_syscalls_per_call\": %s, "
+            "\"allocs_per_call\": %s, \"peer_cpu_us_per_call\": %s, \"errors\": %llu}%s\n",
+            r->sc->name, r->transport, r->clients, r->payload, r->calls_s,
+            num(b[0], 32, "%.1f", r->p50_us, "null"), num(b[1], 32, "%.1f", r->p99_us, "null"),
+            num(b[2], 32, "%.1f", r->p999_us, "null"), num(b[3], 32, "%.4f", r->ratio, "null"),
+            num(b[4], 32, "%.2f", u->cpu_us, "null"), num(b[5], 32, "%.3f", u->vcsw, "null"),
+            num(b[6], 32, "%.3f", u->ivcsw, "null"), num(b[7], 32, "%.3f", u->rw_syscalls, "null"),
+            num(b[8], 32, "%.2f", u->allocs, "null"), num(b[9], 32, "%.2f", u->peer_cpu_us, "null"),
+            (unsigned long long)r->errors, i + 1 < n_rows ? "," : "");
     }
     fprintf(f, " ]}\n");
     return fclose(f) == 0 ? 0 : -1;
 }
 
-static const char *fs_name(long type)
+const char *fs_type_name(long type)
 {
     switch (type) {
     case 0xEF53:
@@ -264,7 +320,51 @@ static void machine_probe(void)
     mdb_version(&maj, &min, &pat);
     snprintf(machine.lmdb, sizeof(machine.lmdb), "%d.%d.%d", maj, min, pat);
     snprintf(machine.tmp_fs, sizeof(machine.tmp_fs), "%s",
-             statfs("/tmp", &sf) == 0 ? fs_name((long)sf.f_type) : "?");
+             statfs("/tmp", &sf) == 0 ? fs_type_name((long)sf.f_type) : "?");
+}
+
+/* "1,16,64" from a list of n numbers. */
+static void print_list(const long *v, int n)
+{
+    for (int i = 0; i < n; i++) {
+        printf("%s%ld", i > 0 ? "," : "", v[i]);
+    }
+}
+
+/* The cells of the run, one line per grid. */
+static void print_plan(void)
+{
+    for (int i = 0; i < cfg.n_grids; i++) {
+        const bench_grid *g = &cfg.grids[i];
+        printf("%s scenarios ", i == 0 ? "cells:" : "   and");
+        for (int l = 0; l < N_LETTERS; l++) {
+            if (g->want[l]) {
+                putchar('a' + l);
+            }
+        }
+        printf(" x clients ");
+        print_list(g->clients, g->n_clients);
+        printf(" x payload ");
+        print_list(g->payloads, g->n_payloads);
+        printf(" B x transport");
+        for (int t = 0; t < cfg.n_transports; t++) {
+            printf("%s%s", t > 0 ? "," : " ", cfg.transports[t]);
+        }
+        printf("\n");
+    }
+}
+
+/* Whether any grid has a scenario from letter lo to hi. */
+static bool any_wanted(char lo, char hi)
+{
+    for (int i = 0; i < cfg.n_grids; i++) {
+        for (char l = lo; l <= hi; l++) {
+            if (cfg.grids[i].want[l - 'a']) {
+                return true;
+            }
+        }
+    }
+    return false;
 }
 
 static void print_preamble(void)
@@ -273,6 +373,7 @@ static void print_preamble(void)
            machine.cpu);
     printf("nng %s, LMDB %s; stores in /tmp (%s), durable = fdatasync per commit\n", machine.nng,
            machine.lmdb, machine.tmp_fs);
+    print_plan();
     if (cfg.count > 0) {
         printf("cell: %llu calls (at most %.1f s)", cfg.count, cfg.seconds);
     } else {
@@ -286,8 +387,13 @@ static void print_preamble(void)
     printf("latency: every call, up to %u samples per cell (uniform reservoir beyond); "
            "nearest-rank percentiles\n",
            LATENCY_BUDGET);
-    printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n\n",
+    printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n",
            "one mdb_put per durable txn", cfg.transports[0]);
+    printf("%s\n", cost_note);
+    if (any_wanted('r', 'u')) {
+        redis_preamble();
+    }
+    printf("\n");
 }
 
 void report_preamble(void)
@@ -297,23 +403,50 @@ void report_preamble(void)
     print_header();
 }
 
-/* The PostgreSQL rows against their LMDB counterparts of the same run: g and h vs c
- * (new keys, durable), i vs e (replay). */
-void report_pg_ratios(void)
+/* Rows set against their counterparts of the same run: PostgreSQL against LMDB (g and
+ * h vs c, i vs e) and idemrpc against the plain Redis peer (c vs r and d vs t, new
+ * keys, durable and not; e vs s, replay). */
+static const struct {
+    char row, peer;
+    const char *label;
+} pairs[] = {
+    {'g', 'c', "pg vs lmdb"},
+    {'h', 'c', "pg vs lmdb"},
+    {'i', 'e', "pg vs lmdb"},
+    {'c', 'r', "c vs redis-new(always)"},
+    {'d', 't', "d vs redis-new(everysec)"},
+    {'e', 's', "e vs redis-replay"},
+};
+
+/* The row of scenario `letter` in r's (transport, clients, payload); NULL when none. */
+static const row *row_like(const row *r, char letter)
 {
     for (size_t i = 0; i < n_rows; i++) {
-        const row *p = &rows[i];
-        char want = p->sc->letter == 'i' ? 'e' : 'c';
-        if (p->sc->letter < 'g') {
-            continue;
+        const row *l = &rows[i];
+        if (l->sc->letter == letter && strcmp(l->transport, r->transport) == 0 &&
+            l->clients == r->clients && l->payload == r->payload) {
+            return l;
         }
-        for (size_t j = 0; j < n_rows; j++) {
-            const row *l = &rows[j];
-            if (l->sc->letter == want && strcmp(l->transport, p->transport) == 0 &&
-                l->clients == p->clients && l->payload == p->payload && l->calls_s > 0) {
-                printf("pg vs lmdb: %s / %s %s %d clients %zu B: %.3f\n", p->sc->name, l->sc->name,
-                       p->transport, p->clients, p->payload, p->calls_s / l->calls_s);
+    }
+    return NULL;
+}
+
+void report_peer_ratios(void)
+{
+    for (size_t k = 0; k < sizeof(pairs) / sizeof(pairs[0]); k++) {
+        for (size_t i = 0; i < n_rows; i++) {
+            const row *p = &rows[i];
+            const row *l = p->sc->letter == pairs[k].row ? row_like(p, pairs[k].peer) : NULL;
+            if (l == NULL || l->calls_s <= 0) {
+                continue;
             }
+            printf("%s: %s / %s %s %d clients %zu B: %.3f", pairs[k].label, p->sc->name,
+                   l->sc->name, p->transport, p->clients, p->payload, p->calls_s / l->calls_s);
+            if (!isnan(l->per_call.peer_cpu_us)) {
+                printf("; CPU per call %.0f us vs %.0f us + %.0f us in redis-server",
+                       p->per_call.cpu_us, l->per_call.cpu_us, l->per_call.peer_cpu_us);
+            }
+            printf("\n");
         }
     }
 }

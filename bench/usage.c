@@ -1,0 +1,81 @@
+/* What the process has spent so far, for the cost columns of a cell: CPU time and
+ * context switches from getrusage(RUSAGE_SELF) (every thread of the process, the
+ * exited ones included), read/write-family syscalls from /proc/self/io and the
+ * allocation count of alloc_count.c.
+ *
+ * Why /proc/self/io: Linux keeps no per-process count of all syscalls; the only full
+ * count is perf's raw_syscalls tracepoint, which needs tracefs and perf permissions.
+ * syscr + syscw count read, readv, pread(v), write, writev, pwrite(v), sendfile and
+ * copy_file_range, and nothing else: not sendmsg (nng's send path), recvmsg, epoll,
+ * futex or fdatasync. The column says "rwsys" for that reason.
+ *
+ * A sample allocates nothing (open/read/close on a stack buffer), so it does not show
+ * in the allocation count; its one read(2) shows in rwsys (once a cell, not per call). */
+#include <fcntl.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "bench.h"
+
+/* The value of "name: N" in text, NAN when absent. */
+static double io_field(const char *text, const char *name)
+{
+    const char *p = strstr(text, name);
+    if (p == NULL) {
+        return NAN;
+    }
+    char *end;
+    unsigned long long v = strtoull(p + strlen(name), &end, 10);
+    return end == p + strlen(name) ? NAN : (double)v;
+}
+
+/* syscr + syscw of this process; NAN when /proc/self/io is missing (a kernel without
+ * task I/O accounting). */
+static double rw_syscalls(void)
+{
+    char buf[512];
+    int fd = open("/proc/self/io", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return NAN;
+    }
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) {
+        return NAN;
+    }
+    buf[n] = '\0';
+    return io_field(buf, "syscr: ") + io_field(buf, "syscw: ");
+}
+
+static double tv_us(struct timeval tv)
+{
+    return (double)tv.tv_sec * 1e6 + (double)tv.tv_usec;
+}
+
+void proc_usage_now(proc_usage *u)
+{
+    struct rusage ru;
+    u->allocs = alloc_count();
+    if (getrusage(RUSAGE_SELF, &ru) == 0) {
+        u->cpu_us = tv_us(ru.ru_utime) + tv_us(ru.ru_stime);
+        u->vcsw = (double)ru.ru_nvcsw;
+        u->ivcsw = (double)ru.ru_nivcsw;
+    } else {
+        u->cpu_us = u->vcsw = u->ivcsw = NAN;
+    }
+    u->rw_syscalls = rw_syscalls();
+    u->peer_cpu_us = NAN; /* the harness asks the scenario, when it has a peer */
+}
+
+void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d)
+{
+    d->cpu_us = b->cpu_us - a->cpu_us;
+    d->vcsw = b->vcsw - a->vcsw;
+    d->ivcsw = b->ivcsw - a->ivcsw;
+    d->rw_syscalls = b->rw_syscalls - a->rw_syscalls;
+    d->allocs = b->allocs - a->allocs;
+    d->peer_cpu_us = b->peer_cpu_us - a->peer_cpu_us;
+}
