@@ -17,7 +17,13 @@
  *   i  pg-replay as e, on PostgreSQL
  *   j  pg-wait  a duplicate on instance B of a call running on instance A: how long its
  *               answer lags A's, woken by LISTEN/NOTIFY and by re-reads (scenario_pg_wait.c)
- *   (g, h, i, j run only when asked for with --scenarios; "pg vs lmdb" lines follow)
+ *   k  tx-lmdb  as c, the method transactional: its handler writes one idem_txn_put
+ *               that commits with the record
+ *   l  tx-pg    as k, on PostgreSQL (one instance)
+ *   m  1-step   as c, the handler runs one journaled step (idem_call_step, 64 B out)
+ *   n  3-steps  as m, three steps
+ *   (g-n run only when asked for with --scenarios; "pg vs lmdb", "tx pg vs lmdb" and
+ *   "steps vs cached" lines follow)
  *   r  redis-new-always     the peer a user would pick instead: a plain Redis
  *                           idempotency layer behind the same nng hop (raw req0
  *                           clients), new keys, appendfsync always ($IDEMRPC_BENCH_REDIS,
@@ -58,19 +64,23 @@ bench_config cfg;
 /* In the order of a (transport, payload, clients) group: a first, the others' ratio
  * needs it; f (no transport) runs once per payload, after all groups. */
 static const scenario scenarios[N_SCENARIOS] = {
-    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0, NULL},
-    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0, NULL},
-    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0, NULL},
-    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0, NULL},
-    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0, NULL},
-    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0, NULL},
-    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1, NULL},
-    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2, NULL},
-    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1, NULL},
-    {'r', "r:redis-new-always", run_redis, 0, KEYS_NEW, 0, "always"},
-    {'s', "s:redis-rep-always", run_redis, 0, KEYS_REPLAY, 0, "always"},
-    {'t', "t:redis-new-everysec", run_redis, 0, KEYS_NEW, 0, "everysec"},
-    {'u', "u:redis-rep-everysec", run_redis, 0, KEYS_REPLAY, 0, "everysec"},
+    {'a', "a:echo", run_echo, 0, KEYS_NONE, 0, NULL, 0},
+    {'b', "b:gc-off", run_chain, IDEM_STORE_NO_GROUP_COMMIT, KEYS_NEW, 0, NULL, 0},
+    {'c', "c:gc-on", run_chain, 0, KEYS_NEW, 0, NULL, 0},
+    {'d', "d:nosync", run_chain, IDEM_STORE_NOSYNC, KEYS_NEW, 0, NULL, 0},
+    {'e', "e:replay", run_chain, 0, KEYS_REPLAY, 0, NULL, 0},
+    {'f', "f:lmdb", run_lmdb, 0, KEYS_NONE, 0, NULL, 0},
+    {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1, NULL, 0},
+    {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2, NULL, 0},
+    {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1, NULL, 0},
+    {'k', "k:tx-lmdb", run_chain, 0, KEYS_NEW, 0, NULL, -1},
+    {'l', "l:tx-pg", run_pg, 0, KEYS_NEW, 1, NULL, -1},
+    {'m', "m:1-step", run_chain, 0, KEYS_NEW, 0, NULL, 1},
+    {'n', "n:3-steps", run_chain, 0, KEYS_NEW, 0, NULL, 3},
+    {'r', "r:redis-new-always", run_redis, 0, KEYS_NEW, 0, "always", 0},
+    {'s', "s:redis-rep-always", run_redis, 0, KEYS_REPLAY, 0, "always", 0},
+    {'t', "t:redis-new-everysec", run_redis, 0, KEYS_NEW, 0, "everysec", 0},
+    {'u', "u:redis-rep-everysec", run_redis, 0, KEYS_REPLAY, 0, "everysec", 0},
 };
 
 static const scenario *scenario_of(char letter)

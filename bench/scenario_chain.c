@@ -1,8 +1,10 @@
-/* Scenarios b–e and g–i: the full chain, idem_client to idem_server with the result
- * cache, on an LMDB store in a temporary directory (b–e, one store flag apart) or on
- * PostgreSQL ($IDEMRPC_BENCH_PG, one or two server instances on the one database).
- * They share the client, the echo handler and the server start; they differ only in
- * the store behind the server and in the keys (new per call, or replayed). */
+/* Scenarios b–e, g–i and k–n: the full chain, idem_client to idem_server with the
+ * result cache, on an LMDB store in a temporary directory (b–e, one store flag apart)
+ * or on PostgreSQL ($IDEMRPC_BENCH_PG, one or two server instances on the one
+ * database). They share the client, the handlers and the server start; they differ in
+ * the store behind the server, the keys (new per call, or replayed) and the method:
+ * cached (echo), transactional (k, l: one business write with the record) or with
+ * journaled steps (m, n). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +17,43 @@ static idem_code echo_handler(idem_call *call, void *arg)
     size_t n;
     const void *p = idem_call_payload(call, &n);
     return idem_call_reply(call, IDEM_OK, p, n);
+}
+
+/* k, l: the echo plus one business write that commits with the record. */
+static idem_code tx_handler(idem_call *call, void *arg)
+{
+    (void)arg;
+    const char *key = idem_call_key(call);
+    idem_code code = idem_txn_put(idem_call_txn(call), "bench", key, strlen(key), "1", 1);
+    return code != IDEM_OK ? idem_call_fail(call, code, "%s", idem_errmsg())
+                           : echo_handler(call, NULL);
+}
+
+static idem_code step_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call, (void)arg;
+    if ((out->data = malloc(64)) == NULL) {
+        return IDEM_RESOURCE_EXHAUSTED;
+    }
+    memset(out->data, 's', 64);
+    out->len = 64;
+    return IDEM_OK;
+}
+
+/* m, n: the echo after arg (an int) journaled steps. */
+static idem_code steps_handler(idem_call *call, void *arg)
+{
+    static const char *const names[] = {"one", "two", "three"};
+    int n = *(const int *)arg;
+    for (int i = 0; i < n && i < 3; i++) {
+        idem_step_result r;
+        idem_code code = idem_call_step(call, names[i], step_fn, NULL, &r);
+        idem_step_result_clear(&r);
+        if (code != IDEM_OK) {
+            return idem_call_fail(call, code, "step: %s", idem_errmsg());
+        }
+    }
+    return echo_handler(call, NULL);
 }
 
 static int chain_open(bench_thread *t)
@@ -69,7 +108,10 @@ static int chain_server_start(cell *c, int instance, idem_store *st, idem_server
                               cell_stats *out)
 {
     idem_server_opts o;
-    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    int kind = c->sc->handler;
+    idem_method_opts m = {.flags = (kind < 0 ? IDEM_METHOD_TRANSACTIONAL : IDEM_METHOD_CACHED) |
+                                   IDEM_METHOD_KEY_REQUIRED};
+    idem_handler_fn fn = kind < 0 ? tx_handler : kind > 0 ? steps_handler : echo_handler;
     char url[160];
 
     idem_server_opts_init(&o);
@@ -80,7 +122,7 @@ static int chain_server_start(cell *c, int instance, idem_store *st, idem_server
         return cell_fail(out, "idem_server_create: %s", idem_errmsg());
     }
     listen_url(c, instance, url, sizeof(url));
-    if (idem_server_register(*srv, METHOD, echo_handler, NULL, &m) != IDEM_OK ||
+    if (idem_server_register(*srv, METHOD, fn, (void *)&c->sc->handler, &m) != IDEM_OK ||
         idem_server_listen(*srv, url) != IDEM_OK) {
         return cell_fail(out, "server %s: %s", url, idem_errmsg());
     }

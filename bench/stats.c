@@ -404,7 +404,8 @@ void report_preamble(void)
 }
 
 /* Rows set against their counterparts of the same run: PostgreSQL against LMDB (g and
- * h vs c, i vs e) and idemrpc against the plain Redis peer (c vs r and d vs t, new
+ * h vs c, i vs e, l vs k), transactional and journaled methods against a cached one
+ * (k, m, n vs c), and idemrpc against the plain Redis peer (c vs r and d vs t, new
  * keys, durable and not; e vs s, replay). */
 static const struct {
     char row, peer;
@@ -413,6 +414,10 @@ static const struct {
     {'g', 'c', "pg vs lmdb"},
     {'h', 'c', "pg vs lmdb"},
     {'i', 'e', "pg vs lmdb"},
+    {'l', 'k', "tx pg vs lmdb"},
+    {'k', 'c', "tx vs cached"},
+    {'m', 'c', "1 step vs cached"},
+    {'n', 'c', "3 steps vs cached"},
     {'c', 'r', "c vs redis-new(always)"},
     {'d', 't', "d vs redis-new(everysec)"},
     {'e', 's', "e vs redis-replay"},
