@@ -182,7 +182,8 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
  * delete them only leaves them behind, logged). */
 static void forget_steps(idem_call *call)
 {
-    if (call->n_steps > 0 && idem__call_steps_forget(call) != IDEM_OK) {
+    if ((call->method->opts.flags & IDEM_METHOD_STEPS) &&
+        idem__call_steps_forget(call) != IDEM_OK) {
         char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
         idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
                   idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,

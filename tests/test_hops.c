@@ -200,7 +200,7 @@ static idem_code step_in_plain_method(idem_call *call, void *arg)
 
 static void register_steps(idem_server *srv)
 {
-    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts m = {.flags = IDEM_METHOD_STEPS};
     cr_assert_eq(idem_server_register(srv, "order.Order/Checkout", checkout, NULL, &m), IDEM_OK);
     cr_assert_eq(idem_server_register(srv, "order.Order/Plain", step_in_plain_method, NULL, NULL),
                  IDEM_OK);

@@ -814,3 +814,138 @@ Test(pg, instance_with_a_clock_an_hour_ahead_does_not_take_over_a_live_claim)
     idem_key_ref k = {"", "pg.Lease/Charge", key};
     idem_store_delete(st, &k);
 }
+
+/* ---- found in review: waits that a handler transaction must not cause ---- */
+
+static idem_store *rv_store;
+static atomic_int rv_verdict = -1;
+
+static idem_code rv_credit(idem_txn *t, void *arg)
+{
+    (void)arg;
+    return idem_txn_put(t, "x", "k", 1, "v", 1);
+}
+
+static idem_code h_consume_inside(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_consume_info info;
+    atomic_store(&rv_verdict, idem_consume_ex(rv_store, "g", "m1", rv_credit, NULL, &info));
+    return idem_call_reply(call, IDEM_OK, "ok", 2);
+}
+
+static bool await_int(atomic_int *v, int not_value)
+{
+    for (int i = 0; i < 500 && atomic_load(v) == not_value; i++) {
+        struct timespec ts = {0, 10000000L};
+        nanosleep(&ts, NULL); /* polling a flag set by another thread, bounded at 5 s */
+    }
+    return atomic_load(v) != not_value;
+}
+
+/* A pool slot connecting for the first time inside a handler used to run the schema's
+ * ALTER TABLE, which waited for the handler's own transaction: a hang PostgreSQL cannot
+ * see. idem_consume from a handler must answer REJECT at once. */
+Test(pg, idem_consume_inside_a_transactional_handler_is_rejected_not_hung)
+{
+    tu_server a;
+    tx_schema_create();
+    tx_server(&a, &rv_store, 2, h_consume_inside); /* its second slot is not connected yet */
+    struct pay_arg p = {.url = a.url, .key = "rv-1", .payload = "x"};
+    pthread_t t;
+    pthread_create(&t, NULL, pay_thread, &p);
+    cr_expect(await_int(&rv_verdict, -1), "idem_consume inside the handler hung");
+    cr_expect_eq(atomic_load(&rv_verdict), IDEM_CONSUME_REJECT);
+    pthread_join(t, NULL);
+    idem_result_clear(&p.r);
+    tu_server_destroy(&a, false);
+    idem_store_close(rv_store);
+    tx_schema_drop();
+}
+
+static atomic_int rv_opened = -1;
+
+static void *open_late(void *p)
+{
+    idem_store **out = p;
+    atomic_store(&rv_opened, idem_store_open_postgres(out, tx_conninfo, 1));
+    return NULL;
+}
+
+/* An instance that starts (or reconnects) while another instance's handler transaction
+ * is open must not wait for it: it only checks that the schema exists. */
+Test(pg, an_instance_starting_during_a_handler_transaction_does_not_wait_for_it)
+{
+    tu_server a;
+    idem_store *sa, *late = NULL;
+    tx_schema_create();
+    tx_server(&a, &sa, 4, h_gated_callback);
+    struct pay_arg first = {.url = a.url, .key = "cb-o1", .payload = "o1 ok"};
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, pay_thread, &first);
+    cr_assert(await_int(&TG.entered, 0), "the handler never started");
+    pthread_create(&t2, NULL, open_late, &late);
+    cr_expect(await_int(&rv_opened, -1), "the second store's open waited for the handler");
+    cr_expect_eq(atomic_load(&rv_opened), IDEM_OK);
+    pthread_mutex_lock(&TG.mu);
+    TG.open = true;
+    pthread_cond_broadcast(&TG.cv);
+    pthread_mutex_unlock(&TG.mu);
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    cr_expect_eq(first.code, IDEM_OK, "%s", first.r.message);
+    idem_result_clear(&first.r);
+    tu_server_destroy(&a, false);
+    idem_store_close(sa);
+    idem_store_close(late);
+    tx_schema_drop();
+}
+
+/* Consumers of different messages: the first one's fn waits until the second one's fn
+ * has run, which it can only do if the consume log's shared row is not held across fn. */
+static atomic_int second_ran, first_in_fn;
+
+static idem_code first_fn(idem_txn *t, void *arg)
+{
+    (void)t, (void)arg;
+    atomic_store(&first_in_fn, 1);
+    return await_int(&second_ran, 0) ? IDEM_OK : IDEM_DEADLINE_EXCEEDED;
+}
+
+static idem_code second_fn(idem_txn *t, void *arg)
+{
+    (void)t, (void)arg;
+    atomic_store(&second_ran, 1);
+    return IDEM_OK;
+}
+
+static atomic_int first_verdict = -1;
+
+static void *first_consumer(void *arg)
+{
+    (void)arg;
+    atomic_store(&first_verdict, idem_consume(rv_store, "billing", "msg-1", first_fn, NULL));
+    return NULL;
+}
+
+Test(pg, consumers_of_different_messages_do_not_wait_for_each_others_fn)
+{
+    tx_schema_create();
+    cr_assert_eq(idem_store_open_postgres(&rv_store, tx_conninfo, 4), IDEM_OK);
+    pthread_t a;
+    pthread_create(&a, NULL, first_consumer, NULL);
+    cr_assert(await_int(&first_in_fn, 0), "the first consumer's fn never ran");
+    for (int i = 0; i < 500 && atomic_load(&first_verdict) < 0; i++) {
+        /* the second consumer, until its fn has run (it may have to wait out the
+         * first's commit, never its fn) */
+        if (idem_consume(rv_store, "shipping", "msg-2", second_fn, NULL) == IDEM_CONSUME_ACK) {
+            break;
+        }
+    }
+    pthread_join(a, NULL);
+    cr_expect_eq(atomic_load(&second_ran), 1);
+    cr_expect_eq(atomic_load(&first_verdict), IDEM_CONSUME_ACK,
+                 "the first consumer's fn waited for the second in vain");
+    idem_store_close(rv_store);
+    tx_schema_drop();
+}

@@ -45,15 +45,20 @@ static void crash_point(const char *point)
 
 /* ---- inventory and payment: a counter pair in the record's transaction ---- */
 
-static long long get_ll(idem_txn *t, const char *db, const char *key, long long absent)
+/* *x = the counter db/key (absent: the default already in *x). A read error is not
+ * "absent": the handler must fail, not write from a guessed value. */
+static idem_code get_ll(idem_txn *t, const char *db, const char *key, long long *x)
 {
     const void *v;
     size_t n;
-    long long x = absent;
-    if (idem_txn_get(t, db, key, strlen(key), &v, &n) == IDEM_OK && n == sizeof(x)) {
-        memcpy(&x, v, sizeof(x));
+    idem_code code = idem_txn_get(t, db, key, strlen(key), &v, &n);
+    if (code == IDEM_OK && n != sizeof(*x)) {
+        return IDEM_DATA_LOSS;
     }
-    return x;
+    if (code == IDEM_OK) {
+        memcpy(x, v, sizeof(*x));
+    }
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
 static idem_code put_ll(idem_txn *t, const char *db, const char *key, long long x)
@@ -81,17 +86,21 @@ static idem_code reserve(idem_call *call, void *arg)
     char sku[64];
     idem_txn *t = idem_call_txn(call);
     payload_str(call, sku, sizeof(sku));
-    long long stock = get_ll(t, "stock", sku, INITIAL_STOCK);
-    long long made = get_ll(t, "reservations", sku, 0) + 1;
+    long long stock = INITIAL_STOCK, made = 0;
+    idem_code code;
+    if ((code = get_ll(t, "stock", sku, &stock)) != IDEM_OK ||
+        (code = get_ll(t, "reservations", sku, &made)) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "reading the stock: %s",
+                              idem_code_name(code));
+    }
     if (stock <= 0) {
         return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "out of stock");
     }
-    idem_code code;
     if ((code = put_ll(t, "stock", sku, stock - 1)) != IDEM_OK ||
-        (code = put_ll(t, "reservations", sku, made)) != IDEM_OK) {
+        (code = put_ll(t, "reservations", sku, made + 1)) != IDEM_OK) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "%s", idem_errmsg());
     }
-    return reply_fmt(call, "R%lld stock=%lld", made, stock - 1);
+    return reply_fmt(call, "R%lld stock=%lld", made + 1, stock - 1);
 }
 
 static idem_code charge(idem_call *call, void *arg)
@@ -104,14 +113,18 @@ static idem_code charge(idem_call *call, void *arg)
     if (amount <= 0) {
         return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "bad amount '%s'", price);
     }
-    long long total = get_ll(t, "money", "total", 0) + amount;
-    long long n = get_ll(t, "money", "charges", 0) + 1;
+    long long total = 0, n = 0;
     idem_code code;
-    if ((code = put_ll(t, "money", "total", total)) != IDEM_OK ||
-        (code = put_ll(t, "money", "charges", n)) != IDEM_OK) {
+    if ((code = get_ll(t, "money", "total", &total)) != IDEM_OK ||
+        (code = get_ll(t, "money", "charges", &n)) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "reading the totals: %s",
+                              idem_code_name(code));
+    }
+    if ((code = put_ll(t, "money", "total", total + amount)) != IDEM_OK ||
+        (code = put_ll(t, "money", "charges", n + 1)) != IDEM_OK) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "%s", idem_errmsg());
     }
-    return reply_fmt(call, "C%lld total=%lld", n, total);
+    return reply_fmt(call, "C%lld total=%lld", n + 1, total + amount);
 }
 
 static long long read_ll(const char *db, const char *key, long long absent)
@@ -288,10 +301,10 @@ static idem_client *client_to(const char *url)
 static idem_code register_role(idem_server *srv)
 {
     idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
-    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
     idem_code code;
     if (strcmp(S.role, "order") == 0) {
-        return idem_server_register(srv, "order.Shop/Place", place, NULL, &cached);
+        idem_method_opts steps = {.flags = IDEM_METHOD_STEPS}; /* cached, key required */
+        return idem_server_register(srv, "order.Shop/Place", place, NULL, &steps);
     }
     if ((code = idem_server_use_builtin(srv, IDEM_BUILTIN_REQUEST_ID)) != IDEM_OK ||
         (code = idem_server_use(srv, "after_commit", after_commit, NULL)) != IDEM_OK ||

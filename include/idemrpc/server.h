@@ -65,6 +65,10 @@ enum idem_method_flags {
      * same key within the window is answered ALREADY_EXISTS "duplicate submit" before
      * any store work. Retries (attempt > 1) pass to the result cache. */
     IDEM_METHOD_DEBOUNCE = 1u << 4,
+    /* The handler journals its steps (idem_call_step, downstream.h): every recorded
+     * outcome of the call also deletes its journal, whichever run made the steps.
+     * Implies IDEM_METHOD_CACHED and IDEM_METHOD_KEY_REQUIRED; not with TRANSACTIONAL. */
+    IDEM_METHOD_STEPS = 1u << 5,
 };
 
 typedef struct idem_method_opts {

@@ -23,6 +23,29 @@ bool idem__step_name_ok(const char *step)
     return true;
 }
 
+bool idem__lp_sha256(const char *const *parts, size_t n, const void *tail, size_t tail_len,
+                     uint8_t out[32])
+{
+    enum { MAX_PARTS = 8 };
+    const void *p[2 * MAX_PARTS + 1];
+    size_t lens[2 * MAX_PARTS + 1];
+    uint8_t len_be[MAX_PARTS][4];
+    if (n > MAX_PARTS) {
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint32_t len = (uint32_t)strlen(parts[i]);
+        idem__put_be32(len_be[i], len);
+        p[2 * i] = len_be[i];
+        lens[2 * i] = 4;
+        p[2 * i + 1] = parts[i];
+        lens[2 * i + 1] = len;
+    }
+    p[2 * n] = tail != NULL ? tail : "";
+    lens[2 * n] = tail != NULL ? tail_len : 0;
+    return idem__sha256(p, lens, 2 * n + 1, out);
+}
+
 idem_code idem_call_derive_key(const idem_call *call, const char *step,
                                char out[IDEM_DERIVED_KEY_LEN + 1])
 {
@@ -37,20 +60,9 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
                          "(make %s KEY_REQUIRED)",
                          call->req->method);
     }
-    /* Each part with its length, so that no two (caller, method, key, step) run together. */
     const char *parts[4] = {idem_call_caller(call), call->req->method, call->key, step};
-    const void *p[8];
-    size_t lens[8];
-    uint8_t len_be[4][4], d[32];
-    for (int i = 0; i < 4; i++) {
-        uint32_t n = (uint32_t)strlen(parts[i]);
-        idem__put_be32(len_be[i], n);
-        p[2 * i] = len_be[i];
-        lens[2 * i] = 4;
-        p[2 * i + 1] = parts[i];
-        lens[2 * i + 1] = n;
-    }
-    if (!idem__sha256(p, lens, 8, d)) {
+    uint8_t d[32];
+    if (!idem__lp_sha256(parts, 4, NULL, 0, d)) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
     out[0] = 'd';
@@ -62,7 +74,7 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
 /* The upstream's deadline left for the hop, minus the margin; *ms = 0 when no deadline. */
 static idem_code hop_deadline(const idem_call *call, uint32_t *ms)
 {
-    uint64_t deadline = idem_call_deadline_ms(call), now = idem__now_ms();
+    uint64_t deadline = idem_call_deadline_ms(call), now = idem__rt_now_ms(call->rt);
     *ms = 0;
     if (deadline == 0) {
         return IDEM_OK;

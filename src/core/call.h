@@ -153,9 +153,7 @@ struct idem_call {
     bool has_fingerprint;
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
-    uint8_t (*steps)[33];    /* journal keys of the steps this run used (steps.c) */
-    size_t n_steps;
-    const char *reason; /* static: why the library itself rejected the call, or NULL */
+    const char *reason;      /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
 };
@@ -213,7 +211,8 @@ idem_code idem__token_issue_handler(idem_call *call, void *arg);
  * extractor SHA-256(method ‖ 0 ‖ 'F' ‖ extracted bytes): which fields make two requests
  * "the same". INVALID_ARGUMENT when the extractor overflows its buffer. */
 idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32]); /* computed once */
-/* Deletes the journaled steps the call used (steps.c), once its outcome is recorded. */
+/* Deletes the call's step journal, every run's steps (steps.c), once its outcome is
+ * recorded. */
 idem_code idem__call_steps_forget(idem_call *call);
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);

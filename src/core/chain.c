@@ -79,9 +79,6 @@ void idem__call_reset_response(idem_call *call)
 void idem__call_fini(idem_call *call)
 {
     idem__call_reset_response(call);
-    free(call->steps);
-    call->steps = NULL;
-    call->n_steps = 0;
 }
 
 const char *idem_call_method(const idem_call *call)

@@ -116,6 +116,11 @@ bool idem__signature_equal(const char *a, const char *b);
  * idempotency-key, else "". */
 const char *idem__signed_key(const char *field, const char *meta);
 
+/* SHA-256 over each part prefixed with its be32 length (so that no two lists of parts
+ * run together), then tail (tail_len bytes, may be NULL). n <= 8. */
+bool idem__lp_sha256(const char *const *parts, size_t n, const void *tail, size_t tail_len,
+                     uint8_t out[32]);
+
 /* A step name of downstream.h: 1..IDEM_MAX_STEP bytes of [A-Za-z0-9._-]. */
 bool idem__step_name_ok(const char *step);
 

@@ -317,12 +317,16 @@ idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_stor
         idem__inflight_destroy(t);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the in-flight threads");
     }
-    idem_code code = idem__store_watch(store, heard, t);
-    if (code != IDEM_OK) {
-        idem__inflight_destroy(t);
-        return code;
+    /* Announcements only save latency: without them waiters re-read on their timers. */
+    if (idem__store_watch(store, heard, t) == IDEM_OK) {
+        t->watching = true;
+    } else {
+        char msg[IDEM_LOGQ_CAP];
+        idem__log(rt->obs, IDEM_LOG_ERROR,
+                  "msg=\"not hearing the store's completion announcements; waiters re-read "
+                  "on their timers\" detail=%s",
+                  idem__logfmt_quote(msg, sizeof(msg), idem_errmsg()));
     }
-    t->watching = true;
     *out = t;
     return IDEM_OK;
 }

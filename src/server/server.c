@@ -103,7 +103,7 @@ static const idem_method *method_find(void *arg, const char *name)
 
 #define KNOWN_METHOD_FLAGS                                                                         \
     (IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | IDEM_METHOD_TOKEN_REQUIRED |                  \
-     IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_DEBOUNCE)
+     IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_DEBOUNCE | IDEM_METHOD_STEPS)
 
 /* What idem_server_register refuses: a name the wire would refuse (one rule, codec.c),
  * a NULL handler, flag bits this version does not know. */
@@ -153,6 +153,16 @@ idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_
     }
     if (opts != NULL) {
         m.opts = *opts;
+    }
+    if ((m.opts.flags & IDEM_METHOD_STEPS) && (m.opts.flags & IDEM_METHOD_TRANSACTIONAL)) {
+        free(m.name);
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "cannot register method %s: journaled steps are for claim-mode "
+                         "handlers, a transactional handler's writes already commit together",
+                         name);
+    }
+    if (m.opts.flags & IDEM_METHOD_STEPS) {
+        m.opts.flags |= IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED; /* a claim, a key */
     }
     if (m.opts.flags & IDEM_METHOD_TRANSACTIONAL) {
         m.opts.flags |= IDEM_METHOD_KEY_REQUIRED; /* no key, no claim, no transaction */
@@ -413,8 +423,8 @@ static idem_code method_guard_check(const idem_server *srv, const idem_method *m
     }
     if ((f & IDEM_METHOD_TRANSACTIONAL) && !idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
         return idem__err(IDEM_FAILED_PRECONDITION,
-                         "%s is transactional: the %s store has no handler transactions",
-                         m->name, idem_store_backend(srv->store));
+                         "%s is transactional: the %s store has no handler transactions", m->name,
+                         idem_store_backend(srv->store));
     }
     return IDEM_OK;
 }

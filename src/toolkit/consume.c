@@ -75,19 +75,30 @@ static idem_code meta_put(idem_txn *t, uint64_t head, uint64_t next)
     return idem_txn_put(t, IDEM_CONSUME_DB, META_KEY, sizeof(META_KEY), v, sizeof(v));
 }
 
-/* Writes marker + log entry. IDEM_ALREADY_EXISTS (and *consumed_at) when marked before. */
-static idem_code mark(idem_txn *t, const marker_key *k, uint64_t now, uint64_t *consumed_at)
+/* The locking read of the marker: IDEM_NOT_FOUND when (group, key) is new, else
+ * IDEM_ALREADY_EXISTS (and *consumed_at). On PostgreSQL the marker's row stays locked
+ * until the txn ends, so a concurrent consumer of the same message waits here. */
+static idem_code marker_check(idem_txn *t, const marker_key *k, uint64_t *consumed_at)
 {
     const void *v;
     size_t n;
-    uint64_t head, next;
-    uint8_t mval[16], lkey[LOG_KEY_LEN], lval[8 + MARKER_MAX];
     idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, k->bytes, k->len, &v, &n);
     if (code == IDEM_OK) {
         *consumed_at = n == 16 ? idem__get_be64(v) : 0;
         return idem__err(IDEM_ALREADY_EXISTS, "consume: message consumed before");
     }
-    if (code != IDEM_NOT_FOUND || (code = meta_get(t, &head, &next)) != IDEM_OK) {
+    return code;
+}
+
+/* Writes the marker and its log entry. The log's bounds are one row every consumer
+ * writes: taken last, just before the commit, so that consumers of different messages
+ * wait for each other only that long, never for each other's fn. */
+static idem_code marker_write(idem_txn *t, const marker_key *k, uint64_t now, uint64_t *consumed_at)
+{
+    uint64_t head, next;
+    uint8_t mval[16], lkey[LOG_KEY_LEN], lval[8 + MARKER_MAX];
+    idem_code code = meta_get(t, &head, &next);
+    if (code != IDEM_OK) {
         return code;
     }
     idem__put_be64(mval, now);
@@ -101,6 +112,14 @@ static idem_code mark(idem_txn *t, const marker_key *k, uint64_t now, uint64_t *
     }
     *consumed_at = now;
     return meta_put(t, head, next + 1);
+}
+
+/* Marks (group, key) consumed by t. IDEM_ALREADY_EXISTS (and *consumed_at) when marked
+ * before. */
+static idem_code mark(idem_txn *t, const marker_key *k, uint64_t now, uint64_t *consumed_at)
+{
+    idem_code code = marker_check(t, k, consumed_at);
+    return code == IDEM_NOT_FOUND ? marker_write(t, k, now, consumed_at) : code;
 }
 
 idem_code idem_consume_mark(idem_txn *t, const char *group, const char *msg_key)
@@ -178,13 +197,13 @@ idem_consume_verdict idem_consume_ex(idem_store *st, const char *group, const ch
     if ((code = idem__store_txn_begin(st, &t)) != IDEM_OK) {
         return hopeless(code) ? reject(info, code) : verdict(info, code, false, 0);
     }
-    code = mark(t, &k, idem__now_ms(), &at);
+    code = marker_check(t, &k, &at);
     if (code == IDEM_ALREADY_EXISTS) { /* a concurrent consumer committed first */
         idem__store_txn_abort(t);
         return verdict(info, IDEM_OK, true, at);
     }
-    if (code == IDEM_OK) {
-        code = fn(t, arg);
+    if (code == IDEM_NOT_FOUND && (code = fn(t, arg)) == IDEM_OK) {
+        code = marker_write(t, &k, idem__now_ms(), &at); /* the shared log row: last */
     }
     if (code != IDEM_OK) {
         idem__store_txn_abort(t); /* neither the marker nor fn's writes remain */

@@ -19,6 +19,7 @@
 #define IDLE_MS 1000     /* longest poll */
 #define RETRY_MIN_MS 100 /* reconnect backoff, doubling */
 #define RETRY_MAX_MS 2000
+#define LISTEN_CONNECT_S "2" /* seconds */
 
 typedef struct watcher {
     idem__store_watch_fn fn;
@@ -44,10 +45,14 @@ static void deliver(pg_listener *l, uint32_t hash)
     pthread_mutex_unlock(&l->mu);
 }
 
+/* Bounded (a stop waits for at most one connect attempt, LISTEN_CONNECT_S). */
 static PGconn *listen_connect(pg_listener *l)
 {
-    PGconn *c = PQconnectdb(l->st->conninfo);
-    if (PQstatus(c) == CONNECTION_OK && idem__pg_exec_simple(c, "LISTEN " PG_CHANNEL) == IDEM_OK) {
+    PGconn *c;
+    if (idem__pg_connect(l->st->conninfo, LISTEN_CONNECT_S, &c) != IDEM_OK) {
+        return NULL;
+    }
+    if (idem__pg_exec_simple(c, "LISTEN " PG_CHANNEL) == IDEM_OK) {
         return c;
     }
     PQfinish(c);
@@ -92,13 +97,19 @@ static void *listen_main(void *arg)
             backoff = backoff * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : backoff * 2;
             continue;
         }
-        backoff = RETRY_MIN_MS;
+        if (backoff != 0 && !drain(l, c)) { /* what arrived during the connect */
+            PQfinish(c);
+            c = NULL;
+            continue;
+        }
+        backoff = 0; /* connected: drained; the next failure starts at RETRY_MIN_MS */
         if (!wait_readable(l, PQsocket(c), IDLE_MS)) {
             break;
         }
         if (!drain(l, c)) {
             PQfinish(c); /* waiters re-read on their timers meanwhile */
             c = NULL;
+            backoff = RETRY_MIN_MS;
         }
     }
     PQfinish(c);

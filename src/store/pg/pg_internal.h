@@ -25,7 +25,8 @@ typedef struct pg_listener pg_listener;
 typedef struct pg_store {
     idem_store base; /* first */
     char *conninfo;
-    bool notify; /* announce completions (NOTIFY) and hear others' (LISTEN) */
+    bool notify;       /* announce completions (NOTIFY) and hear others' (LISTEN) */
+    bool schema_ready; /* the tables exist (checked by this store's first connection) */
     pthread_mutex_t mu;
     pthread_cond_t cv; /* a connection was returned */
     pool_slot *pool;
@@ -107,6 +108,9 @@ static inline void arg_announce(pg_args *a, const pg_store *st, const idem_key_r
 extern const idem_store_ops idem__pg_ops;
 
 /* store_pg.c */
+/* A new connection to conninfo with the store's defaults (connect timeout, keepalives);
+ * connect_timeout (seconds, may be NULL) overrides the conninfo's. */
+idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout, PGconn **out);
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */

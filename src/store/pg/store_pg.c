@@ -103,8 +103,18 @@ static const char *const stmt_sql[S_COUNT] = {
     [S_KV_READ] = "SELECT v FROM idem_kv WHERE db = $1 AND k = $2 AND v IS NOT NULL",
 };
 
-/* Idempotent; run on every new connection (before preparing statements), serialised
- * across instances by a transaction-scoped advisory lock ("idmp"). */
+/* Idempotent, serialised across instances by a transaction-scoped advisory lock
+ * ("idmp"). Run only when SCHEMA_PRESENT says something is missing, once per store:
+ * its ALTER TABLE and CREATE INDEX take table locks even when there is nothing to do,
+ * and would wait for every open handler transaction (on any instance). */
+static const char schema_present_sql[] =
+    "SELECT to_regclass('idem_records') IS NOT NULL AND to_regclass('idem_tokens') IS NOT NULL"
+    " AND to_regclass('idem_kv') IS NOT NULL AND to_regclass('idem_kv_empty') IS NOT NULL"
+    " AND to_regclass('idem_fence') IS NOT NULL AND EXISTS (SELECT 1 FROM"
+    " information_schema.columns WHERE table_name = 'idem_records' AND column_name ="
+    " 'token_expires_ms' AND table_schema = (SELECT n.nspname FROM pg_class c JOIN"
+    " pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('idem_records')))";
+
 static const char schema_sql[] =
     "SELECT pg_advisory_xact_lock(1768189296);"
     "CREATE TABLE IF NOT EXISTS idem_records ("
@@ -163,6 +173,49 @@ static void ignore_notice(void *arg, const char *message)
     (void)arg, (void)message;
 }
 
+/* Connection defaults a conninfo may override: bounded connects, and TCP keepalives on
+ * both ends, so that a host that vanished (its handler transaction with it) is noticed
+ * in about a minute, not the kernel's two hours. */
+idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout, PGconn **out)
+{
+    const char *keys[] = {"connect_timeout",
+                          "keepalives",
+                          "keepalives_idle",
+                          "keepalives_interval",
+                          "keepalives_count",
+                          "dbname",
+                          connect_timeout != NULL ? "connect_timeout" : NULL,
+                          NULL};
+    const char *vals[] = {"10", "1", "30", "10", "3", conninfo, connect_timeout, NULL};
+    PGconn *c = PQconnectdbParams(keys, vals, 1); /* dbname: the conninfo, expanded */
+    idem_code code = IDEM_OK;
+    if (PQstatus(c) != CONNECTION_OK) {
+        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
+    } else if (PQstatus(c) == CONNECTION_OK && PQsocket(c) >= 0) {
+        /* The server's side of the keepalive (ignored on a Unix socket). */
+        code =
+            idem__pg_exec_simple(c, "SET tcp_keepalives_idle = 30; SET"
+                                    " tcp_keepalives_interval = 10; SET tcp_keepalives_count = 3");
+    }
+    if (code != IDEM_OK) {
+        PQfinish(c);
+        c = NULL;
+    }
+    *out = c;
+    return code;
+}
+
+static idem_code schema_ensure(PGconn *c)
+{
+    PGresult *r = PQexec(c, schema_present_sql);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        return idem__pg_fail(c, r, "schema check");
+    }
+    bool present = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+    PQclear(r);
+    return present ? IDEM_OK : idem__pg_exec_simple(c, schema_sql);
+}
+
 /* (Re)connects a pool slot and prepares the statements. */
 static idem_code pg_connect(pg_store *st, pool_slot *pc)
 {
@@ -172,18 +225,15 @@ static idem_code pg_connect(pg_store *st, pool_slot *pc)
     if (pc->c != NULL) {
         PQfinish(pc->c);
     }
-    pc->c = PQconnectdb(st->conninfo);
-    if (PQstatus(pc->c) != CONNECTION_OK) {
-        idem_code code =
-            idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(pc->c));
-        PQfinish(pc->c);
-        pc->c = NULL;
+    idem_code code = idem__pg_connect(st->conninfo, NULL, &pc->c);
+    if (code != IDEM_OK) {
         return code;
     }
     PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
-    PGresult *r = PQexec(pc->c, schema_sql);
-    idem_code code = PQresultStatus(r) == PGRES_COMMAND_OK ? (PQclear(r), IDEM_OK)
-                                                           : idem__pg_fail(pc->c, r, "schema");
+    if (!__atomic_load_n(&st->schema_ready, __ATOMIC_ACQUIRE) &&
+        (code = schema_ensure(pc->c)) == IDEM_OK) {
+        __atomic_store_n(&st->schema_ready, true, __ATOMIC_RELEASE);
+    }
     if (code == IDEM_OK) {
         code = pg_prepare(pc->c);
     }

@@ -37,6 +37,7 @@ typedef struct pg_txn {
 } pg_txn;
 
 #define SAVEPOINT_NAME "idem_claimed"
+#define HANDLER_IDLE_MS "300000" /* the server's default max_run_ms, 5 min */
 
 static pg_txn *pg_txn_of(idem_txn *t)
 {
@@ -80,7 +81,13 @@ idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out)
     t->head.ops = &idem__pg_ops;
     t->st = st;
     thread_in_txn = true;
-    if ((code = idem__pg_exec_simple(t->slot->c, "BEGIN")) != IDEM_OK) {
+    /* A handler that hangs (or whose host vanished) must not hold its claim, its row
+     * locks and this connection for ever: PostgreSQL ends a session idle in a
+     * transaction for HANDLER_IDLE_MS; its commit then fails and the retry runs. */
+    if ((code = idem__pg_exec_simple(
+             t->slot->c,
+             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = " HANDLER_IDLE_MS)) !=
+        IDEM_OK) {
         txn_free(t);
         return code;
     }
