@@ -63,8 +63,7 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
 {
     const idem_method_opts *o = &call->method->opts;
     uint64_t now = idem__rt_now_ms(call->rt);
-    uint64_t expires =
-        idem__add_sat(now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
+    uint64_t expires = idem__add_sat(now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
     uint8_t *buf;
     size_t len;
     idem_code st = idem__encode_call_response(call, false, &buf, &len);
@@ -95,7 +94,10 @@ static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, u
 
 /* Completes (or releases) the claim, retrying a transient store failure (a database
  * restarting) for up to RECORD_RETRY_MS: the handler has run, and a lost record would
- * let the next retry run it again once the lease ends. */
+ * let the next retry run it again once the lease ends. A completion also waits out a
+ * full store (RESOURCE_EXHAUSTED: nothing was written), which gets room back when
+ * records expire or another writer deletes; a release does not need to (a lost release
+ * only keeps the key until its lease ends), so a refused call is answered at once. */
 static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
                                  const idem_key_ref *key, uint64_t owner, bool complete)
 {
@@ -107,7 +109,8 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
         if (st == IDEM_ABORTED && retried && recorded_by_us(cfg, key, owner, complete)) {
             return IDEM_OK;
         }
-        if (st != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
+        bool again = st == IDEM_UNAVAILABLE || (complete && st == IDEM_RESOURCE_EXHAUSTED);
+        if (!again || idem__mono_ms() + backoff > give_up) {
             return st;
         }
         idem__sleep_ms(backoff); /* before the next attempt */
