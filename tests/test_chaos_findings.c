@@ -182,6 +182,56 @@ Test(chaos_findings, a_claim_that_waited_for_the_writer_longer_than_its_lease_ru
     tu_server_destroy(&x, false);
 }
 
+/* README: "a handler slower than its lease → the lease is renewed; one execution". The
+ * open finding of issue 16 (lmdb, seed 16016, 300 s: a key ran twice when the store took
+ * no write for about 2 s around a SIGKILL of the other server) comes down to this: the
+ * lease keeper (src/dispatch/inflight.c, renew_one) computes `wall + lease` BEFORE
+ * idem_store_renew waits for the LMDB writer, and LMDB's renew (src/store/lmdb/claim.c,
+ * renew_apply) stores it as given. A renewal that waited out a stall longer than the
+ * lease commits a lease that has already expired, and a duplicate's claim queued behind
+ * it (its re-read saw the lease run out during the stall) takes the claim over. */
+Test(chaos_findings, a_renewal_that_waited_for_the_writer_longer_than_its_lease_keeps_the_claim)
+{
+    tu_server x, y;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    tu_server_create(&x, &o);
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    o.store = idem_server_store(x.srv);
+    tu_server_create(&y, &o);
+    register_methods(x.srv);
+    register_methods(y.srv);
+    tu_server_listen(&x);
+    tu_server_listen(&y);
+
+    bg_call first, hold, second;
+    bg_start(&first, x.url, "f.Counter/Add", "pay-2"); /* claims, runs 800 ms */
+    while (atomic_load(&slow_runs) == 0) {
+        usleep(1000);
+    }
+    usleep(20 * 1000);
+    bg_start(&hold, x.url, "f.Writer/Hold", "hold-2"); /* the writer, for 1 s */
+    while (!atomic_load(&holding)) {
+        usleep(1000);
+    }
+    usleep(100 * 1000); /* the first renewal (at LEASE_MS / 3) waits for the writer */
+    bg_start(&second, y.url, "f.Counter/Add", "pay-2"); /* parks, re-reads, claims */
+    pthread_join(hold.th, NULL);
+    pthread_join(first.th, NULL);
+    pthread_join(second.th, NULL);
+
+    cr_expect_eq(atomic_load(&slow_runs), 1, "the handler ran %d times for one key",
+                 atomic_load(&slow_runs));
+    cr_expect_eq(first.code, IDEM_OK, "%s", idem_code_name(first.code));
+    cr_expect_str_eq(second.payload, first.payload, "first '%s' (%s), retry '%s' (%s)",
+                     first.payload, idem_code_name(first.code), second.payload,
+                     idem_code_name(second.code));
+    tu_server_destroy(&y, true);
+    tu_server_destroy(&x, false);
+}
+
 /* ---- a store that fills up ---- */
 
 typedef struct ballast {
