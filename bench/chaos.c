@@ -244,6 +244,8 @@ static void run(const chaos_cfg *cfg)
     pthread_create(&fth, NULL, faults_main, &ft);
     pthread_create(&tth, NULL, timer_main, &tm);
     chaos_workload_run(cfg, &stop_clients, &t);
+    const char *f[] = {"phase", "end"};
+    chaos_history_event("load", 1, f); /* the store is idle from here to the settle pass */
     pthread_join(tth, NULL);
     stop_faults = true;
     pthread_join(fth, NULL);
@@ -253,7 +255,7 @@ static void run(const chaos_cfg *cfg)
     fflush(stdout);
     chaos_faults_heal(cfg);
     chaos_sleep_ms(2 * cfg->lease_ms);
-    const char *f[] = {"phase", "begin"};
+    f[1] = "begin";
     chaos_history_event("settle", 1, f);
     chaos_workload_settle(cfg, &t);
     chaos_servers_sample_rss();
