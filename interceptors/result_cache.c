@@ -207,10 +207,13 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
         return code;
     }
     if (transactional) {
-        /* Nothing committed: not the effect, not the record. Say so, and free the key. */
+        /* Nothing committed: not the effect, not the record. Say why (the release may
+         * fail too, e.g. on a full store, and would overwrite idem_errmsg), free the key. */
+        char why[256];
+        snprintf(why, sizeof(why), "%s", idem_errmsg());
         idem_store_release(cfg->store, key, owner);
         idem__inflight_notify(call->rt->inflight, bucket);
-        return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", idem_errmsg());
+        return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", why);
     }
     if (st == IDEM_ABORTED) {
         return claim_lost(call, cfg, key, fingerprint);
