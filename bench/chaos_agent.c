@@ -131,7 +131,7 @@ static long long ballast_to(long long target)
 {
     long long bytes = 0, free_now;
     while ((free_now = free_bytes()) > target) {
-        size_t n = (size_t)((free_now - target) / (BIG_VALUE + 4096)); /* + its leaf share */
+        size_t n = (size_t)((free_now - target) / (BIG_VALUE + 4096)); /* 17 pages each */
         n = n > CHUNK ? CHUNK : n;
         if (n == 0) {
             break;

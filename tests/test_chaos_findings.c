@@ -182,14 +182,14 @@ Test(chaos_findings, a_claim_that_waited_for_the_writer_longer_than_its_lease_ru
     tu_server_destroy(&x, false);
 }
 
-/* README: "a handler slower than its lease → the lease is renewed; one execution". The
- * open finding of issue 16 (lmdb, seed 16016, 300 s: a key ran twice when the store took
- * no write for about 2 s around a SIGKILL of the other server) comes down to this: the
+/* README: "a handler slower than its lease → the lease is renewed; one execution". Found
+ * while chasing the open finding of issue 16 (lmdb, seed 16016, 300 s: a key ran twice
+ * when the store took no write for about 2 s around a SIGKILL of the other server): the
  * lease keeper (src/dispatch/inflight.c, renew_one) computes `wall + lease` BEFORE
  * idem_store_renew waits for the LMDB writer, and LMDB's renew (src/store/lmdb/claim.c,
- * renew_apply) stores it as given. A renewal that waited out a stall longer than the
- * lease commits a lease that has already expired, and a duplicate's claim queued behind
- * it (its re-read saw the lease run out during the stall) takes the claim over. */
+ * renew_apply) stores it as given. After any stall longer than the lease the live
+ * owner's renewal commits a lease that has already run out, and a duplicate's claim
+ * queued behind it (its re-read saw the lease run out during the stall) takes over. */
 Test(chaos_findings, a_renewal_that_waited_for_the_writer_longer_than_its_lease_keeps_the_claim)
 {
     tu_server x, y;
