@@ -1,7 +1,7 @@
 /* idemrpc-chaos: a bounded fault campaign and its checker (see chaos.h for the parts).
  *
  *   idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]
- *                 [--clients K] [--lease-ms L] [--dir DIR]
+ *                 [--clients K] [--lease-ms L] [--map-mib M] [--dir DIR]
  *   idemrpc-chaos --check --topology lmdb|pg --dir DIR   (checks a finished run again)
  *
  * The run: two servers (this binary, --serve) on ipc:// under DIR; K client threads and
@@ -27,11 +27,12 @@
 
 static const char usage[] =
     "usage: idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]\n"
-    "                     [--clients K] [--lease-ms L] [--dir DIR]\n"
+    "                     [--clients K] [--lease-ms L] [--map-mib M] [--dir DIR]\n"
     "       idemrpc-chaos --check --topology lmdb|pg --dir DIR  (check a finished run again)\n"
     "  lmdb: two server processes on one LMDB directory; pg: two on one PostgreSQL\n"
     "  (IDEMRPC_TEST_PG) with Redis debounce (IDEMRPC_TEST_REDIS), faults through\n"
-    "  IDEMRPC_SERVICES (scripts/services.sh). Defaults: 16 clients, 500 ms lease.\n";
+    "  IDEMRPC_SERVICES (scripts/services.sh). Defaults: 16 clients, 500 ms lease,\n"
+    "  lmdb map of 32 MiB + 1 MiB per second of load.\n";
 
 static int usage_error(const char *what)
 {
@@ -45,12 +46,17 @@ static int usage_error(const char *what)
 /* 0 = parsed, else the exit status (--help: 0 via *done). */
 static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
 {
-    static const struct option longs[] = {
-        {"topology", required_argument, NULL, 't'}, {"seconds", required_argument, NULL, 's'},
-        {"seed", required_argument, NULL, 'S'},     {"history", required_argument, NULL, 'H'},
-        {"clients", required_argument, NULL, 'c'},  {"lease-ms", required_argument, NULL, 'L'},
-        {"dir", required_argument, NULL, 'd'},      {"help", no_argument, NULL, 'h'},
-        {"check", no_argument, NULL, 'C'},          {NULL, 0, NULL, 0}};
+    static const struct option longs[] = {{"topology", required_argument, NULL, 't'},
+                                          {"seconds", required_argument, NULL, 's'},
+                                          {"seed", required_argument, NULL, 'S'},
+                                          {"history", required_argument, NULL, 'H'},
+                                          {"clients", required_argument, NULL, 'c'},
+                                          {"lease-ms", required_argument, NULL, 'L'},
+                                          {"dir", required_argument, NULL, 'd'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {"check", no_argument, NULL, 'C'},
+                                          {"map-mib", required_argument, NULL, 'M'},
+                                          {NULL, 0, NULL, 0}};
     bool topo = false, secs = false, seed = false;
     int c;
     opterr = 0;
@@ -81,6 +87,11 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
             break;
         case 'L':
             if (!cli_parse_u64(p, "--lease-ms", optarg, 100, 60000, &cfg->lease_ms)) {
+                return usage_error(NULL);
+            }
+            break;
+        case 'M':
+            if (!cli_parse_u64(p, "--map-mib", optarg, 32, 1 << 20, &cfg->map_mib)) {
                 return usage_error(NULL);
             }
             break;
@@ -168,6 +179,10 @@ static int prepare(chaos_cfg *cfg)
         snprintf(cfg->history, sizeof(cfg->history), "%s/history.jsonl", cfg->dir);
     }
     snprintf(cfg->effects, sizeof(cfg->effects), "%s/effects.log", cfg->dir);
+    snprintf(cfg->agent_log, sizeof(cfg->agent_log), "%s/agent.jsonl", cfg->dir);
+    if (cfg->map_mib == 0) {
+        cfg->map_mib = 32 + cfg->seconds; /* a 600 s run stores about 250 MB */
+    }
     snprintf(cfg->run, sizeof(cfg->run), "r%" PRIu64 "p%d", cfg->seed % 1000000, (int)getpid());
     if (cfg->check_only) {
         return read_begin(cfg);
@@ -229,6 +244,8 @@ static void run(const chaos_cfg *cfg)
     pthread_create(&fth, NULL, faults_main, &ft);
     pthread_create(&tth, NULL, timer_main, &tm);
     chaos_workload_run(cfg, &stop_clients, &t);
+    const char *f[] = {"phase", "end"};
+    chaos_history_event("load", 1, f); /* the store is idle from here to the settle pass */
     pthread_join(tth, NULL);
     stop_faults = true;
     pthread_join(fth, NULL);
@@ -238,7 +255,7 @@ static void run(const chaos_cfg *cfg)
     fflush(stdout);
     chaos_faults_heal(cfg);
     chaos_sleep_ms(2 * cfg->lease_ms);
-    const char *f[] = {"phase", "begin"};
+    f[1] = "begin";
     chaos_history_event("settle", 1, f);
     chaos_workload_settle(cfg, &t);
     chaos_servers_sample_rss();
@@ -254,6 +271,9 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--serve") == 0) {
         return chaos_serve(argc, argv);
+    }
+    if (argc > 1 && strcmp(argv[1], "--agent") == 0) {
+        return chaos_agent(argc, argv);
     }
     chaos_cfg cfg = {.lease_ms = 500, .clients = 16};
     bool done = false;

@@ -4,7 +4,9 @@
  *   chaos.c          options, the run: servers up, clients and faults, settle, check
  *   chaos_server.c   the server under test (the same binary, run with --serve)
  *   chaos_workload.c client threads: logical operations retried until decided
- *   chaos_faults.c   server processes, SIGKILL/SIGSTOP, PostgreSQL and Redis faults
+ *   chaos_faults.c   server processes, SIGKILL/SIGSTOP, a full store, PostgreSQL and
+ *                    Redis faults
+ *   chaos_agent.c    the store agent (lmdb): fills and frees the store, logs commit stalls
  *   chaos_history.c  the history file (one JSON line per event) and its reader
  *   chaos_check.c    the checker: history + final store + effect log → violations
  *
@@ -25,16 +27,21 @@
 #define CHAOS_METHOD_TRANSFER "chaos.Ledger/Transfer"
 #define CHAOS_METHOD_ORDER "chaos.Order/Submit"
 #define CHAOS_METHOD_ADD "chaos.Counter/Add"
+/* lmdb: the free space a "fill" fault hands back when it ends (the rest of the map is
+ * the agent's ballast, written once at the start). */
+#define CHAOS_HEADROOM_BYTES (16ull << 20)
 
 typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG } chaos_topology;
 
 typedef struct chaos_cfg {
     chaos_topology topology;
     uint64_t seconds, seed, lease_ms, clients;
+    uint64_t map_mib;     /* lmdb: the servers' and the agent's map size */
     bool check_only;      /* --check: only the checker, on the files of a finished run */
     char dir[512];        /* work dir: store, effect log, server logs, history */
     char history[600];    /* history file (kept) */
     char effects[600];    /* the effect log the servers append to */
+    char agent_log[600];  /* lmdb: the store agent's commit stalls */
     char run[32];         /* prefix of every caller of this run (the PG table is shared) */
     const char *pg;       /* IDEMRPC_TEST_PG (pg topology) */
     const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
@@ -51,6 +58,9 @@ uint64_t chaos_digest(const void *p, size_t n);
 
 /* ---- the server under test (chaos_server.c) ---- */
 int chaos_serve(int argc, char **argv);
+
+/* ---- the store agent (chaos_agent.c) ---- */
+int chaos_agent(int argc, char **argv);
 
 /* ---- the history (chaos_history.c) ----
  * Events: {"t":MS,"ev":"send"|"recv"|"fault"|"start"|"rss"|"settle", ...string fields}.

@@ -1,13 +1,18 @@
-/* The checker: reads the history, the effect log and the final store (LMDB opened
- * read-only, or the PostgreSQL table), and reports
+/* The checker: reads the history, the effect log, the store agent's log (lmdb) and the
+ * final store (LMDB opened read-only, or the PostgreSQL table), and reports
  *   answers   two definitive answers for one (caller, method, key) that differ; a
  *             refusal of a well-formed call (INVALID_ARGUMENT, PERMISSION_DENIED, a
- *             FAILED_PRECONDITION other than "insufficient funds")
+ *             FAILED_PRECONDITION other than "insufficient funds"); a
+ *             RESOURCE_EXHAUSTED that names neither a full store nor a busy server
  *   effects   an acknowledged call whose effect is missing; a refused transfer that
  *             took effect; a key whose effect shows more than once (claim mode: unless
- *             the older execution's process was killed or stopped around it, which
- *             README documents as at-least-once); money not conserved, or balances
- *             that are not the sum of the transfers that took effect
+ *             the older execution's owner could not renew, which README documents as
+ *             at-least-once: its process was killed or stopped around it, or the store
+ *             took no write for 2/3 of a lease while it ran); money not conserved, or
+ *             balances that are not the sum of the transfers that took effect; on
+ *             lmdb, a transactional key whose effect and COMPLETED record disagree (an
+ *             effect without a record, an OK record without its effect, a recorded
+ *             refusal with one)
  *   callers   an answer that names another caller or key (someone else's result);
  *             a token that ran twice
  *   records   a record of this run still IN_PROGRESS after the settle pass (every
@@ -29,6 +34,8 @@
 #define BUCKETS 65536
 #define MAX_EFFECTS 12
 #define MAX_FAULTS 4096
+#define MAX_STALLS 8192
+#define FULL_GRACE_MS 1000 /* a refusal may arrive this long after a fill ended */
 #define MAX_SHOWN 10
 
 typedef struct execution {
@@ -53,6 +60,11 @@ typedef struct fault {
     bool stop; /* SIGSTOP (else SIGKILL) */
 } fault;
 
+/* An interval in which the store committed nothing (the agent's no_commit). */
+typedef struct stall {
+    uint64_t from, to;
+} stall;
+
 typedef struct rss_life {
     long pid;
     uint64_t first_t, last_t;
@@ -64,11 +76,22 @@ static struct {
     entry *buckets[BUCKETS];
     fault faults[MAX_FAULTS];
     size_t n_faults;
+    stall stalls[MAX_STALLS];
+    size_t n_stalls;
     rss_life *lives;
     size_t n_lives;
     uint64_t calls, fault_count, violations;
-    uint64_t shown[8], excused;
+    uint64_t shown[8], excused[3];
+    uint64_t kinds[6];             /* faults by kind: f_names */
+    uint64_t full_from, full_to;   /* the fill in effect (history order), or the last one */
+    uint64_t exhausted, when_full; /* RESOURCE_EXHAUSTED answers, and during a fill */
+    uint64_t load_end;             /* the clients stopped: the store idles until settling */
 } ck;
+
+enum { X_KILLED, X_STOPPED, X_NO_WRITE };
+static const char *const x_names[] = {"their process was killed", "their process was stopped",
+                                      "the store took no write for 2/3 of a lease"};
+static const char *const f_names[] = {"kill", "stop", "fill", "pg_restart", "redis_stop", "other"};
 
 enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
 static const char *const v_names[] = {"answers", "effects", "callers",
@@ -131,6 +154,20 @@ static bool answer_is_mine(const entry *e, const char *body)
     return p != NULL && (p[strlen(want)] == '\0' || p[strlen(want)] == ' ');
 }
 
+/* While the store is full, a refusal must say so (or say "server busy"). */
+static void check_exhausted(const entry *e, uint64_t t, const char *body)
+{
+    ck.exhausted++;
+    if (ck.full_from != 0 && t >= ck.full_from &&
+        (ck.full_to == 0 || t <= ck.full_to + FULL_GRACE_MS)) {
+        ck.when_full++;
+    }
+    if (strstr(body, "store full") == NULL && strstr(body, "server busy") == NULL) {
+        violation(V_ANSWERS, "%s caller=%s key=%s: RESOURCE_EXHAUSTED without a cause '%s'",
+                  e->method, e->caller, e->key, body);
+    }
+}
+
 static void check_answer(entry *e, const char *code, const char *digest, const char *body)
 {
     bool ok = strcmp(code, "OK") == 0, fp = strcmp(code, "FAILED_PRECONDITION") == 0;
@@ -191,18 +228,30 @@ static void read_rss(const char *line)
     }
 }
 
-static void read_fault(const char *line)
+static void read_fault(const char *line, bool end)
 {
     char kind[32] = "", pid[24] = "0", t[24] = "0", server[8] = "";
     chaos_history_field(line, "kind", kind, sizeof(kind));
     chaos_history_field(line, "pid", pid, sizeof(pid));
     chaos_history_field(line, "t", t, sizeof(t));
     chaos_history_field(line, "server", server, sizeof(server));
+    if (strcmp(kind, "fill") == 0) { /* the window of a full store */
+        ck.full_from = end ? ck.full_from : strtoull(t, NULL, 10);
+        ck.full_to = end ? strtoull(t, NULL, 10) : 0;
+    }
+    if (end) {
+        return;
+    }
     if (strcmp(kind, "crash") == 0) {
         violation(V_CRASHES, "server %s (pid %s) died or hung without being killed", server, pid);
         return;
     }
     ck.fault_count++;
+    size_t k = 0;
+    while (k < 5 && strcmp(f_names[k], kind) != 0) {
+        k++;
+    }
+    ck.kinds[k]++;
     if ((strcmp(kind, "kill") == 0 || strcmp(kind, "stop") == 0) && ck.n_faults < MAX_FAULTS) {
         ck.faults[ck.n_faults++] =
             (fault){strtoull(t, NULL, 10), atol(pid), strcmp(kind, "stop") == 0};
@@ -215,12 +264,18 @@ static void read_line(const char *line)
     if (!chaos_history_field(line, "ev", ev, sizeof(ev))) {
         return;
     }
-    if (strcmp(ev, "fault") == 0) {
-        read_fault(line);
+    if (strcmp(ev, "fault") == 0 || strcmp(ev, "fault_end") == 0) {
+        read_fault(line, strcmp(ev, "fault_end") == 0);
         return;
     }
     if (strcmp(ev, "rss") == 0) {
         read_rss(line);
+        return;
+    }
+    if (strcmp(ev, "load") == 0) {
+        char t[24] = "0";
+        chaos_history_field(line, "t", t, sizeof(t));
+        ck.load_end = strtoull(t, NULL, 10);
         return;
     }
     if (!chaos_history_field(line, "method", method, sizeof(method)) ||
@@ -235,11 +290,15 @@ static void read_line(const char *line)
     if (strcmp(ev, "send") == 0) {
         chaos_history_field(line, "payload", e->payload, sizeof(e->payload));
     } else if (strcmp(ev, "recv") == 0) {
-        char code[32] = "", digest[24] = "", body[512] = "";
+        char code[32] = "", digest[24] = "", body[512] = "", t[24] = "0";
         chaos_history_field(line, "code", code, sizeof(code));
         chaos_history_field(line, "digest", digest, sizeof(digest));
         chaos_history_field(line, "body", body, sizeof(body));
+        chaos_history_field(line, "t", t, sizeof(t));
         ck.calls++;
+        if (strcmp(code, "RESOURCE_EXHAUSTED") == 0) {
+            check_exhausted(e, strtoull(t, NULL, 10), body);
+        }
         check_answer(e, code, digest, body);
     }
 }
@@ -283,13 +342,32 @@ static void read_effects(const chaos_cfg *cfg)
     }
 }
 
-/* Documented at-least-once: the older claim's process was killed or stopped while (or
- * shortly before) its execution, and a takeover ran the call again. On lmdb a stop of
- * the OTHER process counts too: stopped while it holds LMDB's writer lock, it stalls
- * every writer, the live owner's renewals and completion included, so the store takes
- * no write for a whole lease (README: claim mode is at-least-once when the owner
- * cannot reach the store for a lease). */
-static bool duplicate_excused(const entry *e, const chaos_cfg *cfg)
+/* The agent's log (lmdb): the intervals in which the store committed nothing while the
+ * clients ran (after that the store is idle: no evidence of anything). */
+static void read_stalls(const chaos_cfg *cfg)
+{
+    FILE *f = cfg->topology == CHAOS_LMDB ? fopen(cfg->agent_log, "r") : NULL;
+    char line[256], from[24], t[24];
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL && ck.n_stalls < MAX_STALLS) {
+        if (chaos_history_field(line, "from", from, sizeof(from)) &&
+            chaos_history_field(line, "t", t, sizeof(t)) &&
+            (ck.load_end == 0 || strtoull(t, NULL, 10) <= ck.load_end)) {
+            ck.stalls[ck.n_stalls++] = (stall){strtoull(from, NULL, 10), strtoull(t, NULL, 10)};
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+}
+
+/* Documented at-least-once (README: claim mode runs again when its owner cannot renew
+ * for a lease): the older claim's process was killed or stopped while (or shortly
+ * before) its execution, or the store took no write at all while it ran, for at least
+ * 2/3 of a lease, the most a lease renewed every lease/3 has left when that begins (a
+ * process stopped holding LMDB's writer lock, a slow fsync, a full map: the agent's
+ * no_commit). Returns the excuse (X_*) or -1. A stop of the other process that left
+ * the store writable excuses nothing. */
+static int duplicate_excuse(const entry *e, const chaos_cfg *cfg)
 {
     const execution *low = &e->exec[0];
     uint64_t last = 0;
@@ -299,17 +377,45 @@ static bool duplicate_excused(const entry *e, const chaos_cfg *cfg)
     }
     uint64_t window = 3 * cfg->lease_ms + 1000; /* a stop lasts at most 3 leases */
     for (size_t i = 0; i < ck.n_faults; i++) {
-        bool owner = ck.faults[i].pid == low->pid;
-        bool stalled_writer = ck.faults[i].stop && cfg->topology == CHAOS_LMDB;
-        if ((owner || stalled_writer) && ck.faults[i].t + window >= low->t &&
+        if (ck.faults[i].pid == low->pid && ck.faults[i].t + window >= low->t &&
             ck.faults[i].t <= last) {
-            return true;
+            return ck.faults[i].stop ? X_STOPPED : X_KILLED;
         }
     }
-    return false;
+    for (size_t i = 0; i < ck.n_stalls; i++) {
+        const stall *s = &ck.stalls[i];
+        if (3 * (s->to - s->from) >= 2 * cfg->lease_ms && s->to >= low->t && s->from <= last) {
+            return X_NO_WRITE;
+        }
+    }
+    return -1;
 }
 
 static long long ledger_expected[CHAOS_ACCOUNTS];
+static idem_store *app_store;
+
+/* A transactional key (lmdb): its effect and its COMPLETED record commit together, so
+ * they must agree; a refusal ("insufficient funds") is recorded without an effect. */
+static void check_record(const entry *e)
+{
+    idem_key_ref ref = {e->caller, e->method, e->key};
+    idem_record rec;
+    idem_code code = idem_store_get(app_store, &ref, &rec);
+    bool completed = code == IDEM_OK && rec.state == IDEM_REC_COMPLETED;
+    bool refusal = completed && rec.response != NULL &&
+                   memmem(rec.response, rec.response_len, "insufficient funds", 18) != NULL;
+    if (e->effects > 0 && !completed) {
+        violation(V_EFFECTS, "%s caller=%s key=%s took effect without a completed record",
+                  e->method, e->caller, e->key);
+    } else if (completed && !refusal && e->effects == 0) {
+        violation(V_EFFECTS, "%s caller=%s key=%s has an OK record but no effect", e->method,
+                  e->caller, e->key);
+    } else if (refusal && e->effects > 0) {
+        violation(V_EFFECTS, "%s caller=%s key=%s recorded a refusal but took effect", e->method,
+                  e->caller, e->key);
+    }
+    idem_record_clear(&rec);
+}
 
 static void check_effects(entry *e, const chaos_cfg *cfg)
 {
@@ -317,12 +423,16 @@ static void check_effects(entry *e, const chaos_cfg *cfg)
     if (e->payload[0] == '\0' && e->n_definitive == 0 && e->effects == 0) {
         return; /* only a token issue, never sent */
     }
-    if (e->effects > 1 && (txn || !duplicate_excused(e, cfg))) {
+    int excuse = e->effects > 1 && !txn ? duplicate_excuse(e, cfg) : -1;
+    if (e->effects > 1 && excuse < 0) {
         violation(strcmp(e->method, CHAOS_METHOD_ORDER) == 0 ? V_CALLERS : V_EFFECTS,
                   "%s caller=%s key=%s took effect %lld times", e->method, e->caller, e->key,
                   e->effects);
     } else if (e->effects > 1) {
-        ck.excused++;
+        ck.excused[excuse]++;
+    }
+    if (txn) {
+        check_record(e);
     }
     if (e->acked_ok && e->effects == 0) {
         violation(V_EFFECTS, "%s caller=%s key=%s acknowledged '%s' but no effect", e->method,
@@ -359,8 +469,6 @@ static long long app_count(idem_store *st, const char *db, const char *key)
     }
     return x;
 }
-
-static idem_store *app_store;
 
 static void read_app_counts(entry *e, const chaos_cfg *cfg)
 {
@@ -462,16 +570,27 @@ uint64_t chaos_check(const chaos_cfg *cfg)
         ck.violations++;
     } else {
         read_effects(cfg);
+        read_stalls(cfg);
         if (!check_store(cfg)) {
             ck.violations++;
         }
         check_memory();
     }
-    if (ck.excused > 0) {
-        printf("note: %" PRIu64 " claim-mode keys ran twice after their process was killed or "
-               "stopped mid-call (at-least-once, as documented)\n",
-               ck.excused);
+    uint64_t excused = ck.excused[X_KILLED] + ck.excused[X_STOPPED] + ck.excused[X_NO_WRITE];
+    if (excused > 0) {
+        printf("note: %" PRIu64 " claim-mode keys ran twice where their owner could not renew "
+               "(at-least-once, as documented): %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64 " %s\n",
+               excused, ck.excused[X_KILLED], x_names[X_KILLED], ck.excused[X_STOPPED],
+               x_names[X_STOPPED], ck.excused[X_NO_WRITE], x_names[X_NO_WRITE]);
     }
+    if (ck.exhausted > 0) {
+        printf("note: %" PRIu64 " calls answered RESOURCE_EXHAUSTED, %" PRIu64
+               " of them while the store was full\n",
+               ck.exhausted, ck.when_full);
+    }
+    printf("chaos: faults: %" PRIu64 " kill, %" PRIu64 " stop, %" PRIu64 " fill, %" PRIu64
+           " pg_restart, %" PRIu64 " redis_stop\n",
+           ck.kinds[0], ck.kinds[1], ck.kinds[2], ck.kinds[3], ck.kinds[4]);
     printf("chaos: %" PRIu64 " calls, %" PRIu64 " faults, %" PRIu64 " violations\n", ck.calls,
            ck.fault_count, ck.violations);
     return ck.violations;

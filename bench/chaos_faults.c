@@ -1,9 +1,16 @@
 /* The two server processes and the faults done to them, on a schedule drawn from the
- * seed: SIGKILL then restart, SIGSTOP for 1.5-3 leases then SIGCONT, and on the pg
- * topology a PostgreSQL restart and Redis stopped for 0.5-2 s. One fault at a time, each
- * ended before the next; a server that dies without being killed is a "crash" event
- * (the checker counts it as a violation). Only the fault thread touches the table
- * while the run goes on; chaos_faults_heal and chaos_servers_stop come after it. */
+ * seed: SIGKILL then restart, SIGSTOP for 1.5-3 leases then SIGCONT; on the lmdb
+ * topology a full store (the store agent fills the map, holds it full for 1-4 leases,
+ * then frees CHAOS_HEADROOM_BYTES); on the pg topology a PostgreSQL restart and Redis
+ * stopped for 0.5-2 s. One fault at a time, each ended before the next; a server that
+ * dies without being killed is a "crash" event (the checker counts it as a violation).
+ * Only the fault thread touches the table while the run goes on; chaos_faults_heal and
+ * chaos_servers_stop come after it.
+ *
+ * lmdb: the agent (chaos_agent.c) opens the store before the servers and writes its
+ * ballast once: everything but CHAOS_HEADROOM_BYTES of the map. A fill then only has to
+ * write what is left of the headroom, and its end gives the headroom back, so the store
+ * has room to grow between fills without a fill writing the whole map each time. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -27,6 +34,12 @@ typedef struct server {
 static server servers[CHAOS_SERVERS];
 static char self_exe[PATH_MAX];
 static const chaos_cfg *run_cfg;
+
+/* The store agent (lmdb): its pid, its stdin and stdout. */
+static struct {
+    pid_t pid;
+    FILE *to, *from;
+} agent;
 
 const char *chaos_server_url(size_t i)
 {
@@ -58,14 +71,15 @@ static void server_exec(const char *const *argv, int out_fd, int err_fd)
 static bool server_start(size_t i)
 {
     const chaos_cfg *cfg = run_cfg;
-    char log[700], lease[24], store[600];
+    char log[700], lease[24], store[600], map[24];
     int fds[2];
     snprintf(log, sizeof(log), "%s/server-%zu.log", cfg->dir, i);
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
-    const char *lmdb[] = {self_exe,    "--serve",    "--listen",   servers[i].url,
-                          "--effects", cfg->effects, "--lease-ms", lease,
-                          "--db",      store,        NULL};
+    snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
+    const char *lmdb[] = {self_exe,     "--serve",    "--listen", servers[i].url, "--effects",
+                          cfg->effects, "--lease-ms", lease,      "--db",         store,
+                          "--map-size", map,          NULL};
     const char *pg[] = {self_exe,     "--serve",    "--listen", servers[i].url, "--effects",
                         cfg->effects, "--lease-ms", lease,      "--pg",         cfg->pg,
                         "--redis",    cfg->redis,   NULL};
@@ -96,6 +110,87 @@ static bool server_start(size_t i)
     return ready;
 }
 
+/* One command line to the agent (none: only read) and its one answer line. */
+static bool agent_ask(const char *cmd, char *answer, size_t cap)
+{
+    if (agent.pid <= 0) {
+        return false;
+    }
+    if (cmd != NULL && (fprintf(agent.to, "%s\n", cmd) < 0 || fflush(agent.to) != 0)) {
+        return false;
+    }
+    return fgets(answer, (int)cap, agent.from) != NULL;
+}
+
+/* The agent's answer "WORD BYTES FREE" to cmd: BYTES (-1 when it failed) and FREE. */
+static long long agent_bytes(const char *cmd, const char *word, long long *free_now)
+{
+    char answer[96], got[16];
+    long long n;
+    if (!agent_ask(cmd, answer, sizeof(answer)) ||
+        sscanf(answer, "%15s %lld %lld", got, &n, free_now) != 3 || strcmp(got, word) != 0) {
+        fprintf(stderr, "idemrpc-chaos: the store agent did not do '%s'\n", cmd);
+        return -1;
+    }
+    return n;
+}
+
+/* Starts the store agent (lmdb) on the store, before the servers, and writes its ballast:
+ * the whole map but CHAOS_HEADROOM_BYTES. */
+static bool agent_start(const chaos_cfg *cfg)
+{
+    char store[600], map[24], err_log[700], answer[16] = "", cmd[48], bytes[24];
+    int in[2], out[2];
+    snprintf(store, sizeof(store), "%s/store", cfg->dir);
+    snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
+    snprintf(err_log, sizeof(err_log), "%s/agent.log", cfg->dir);
+    const char *argv[] = {self_exe, "--agent", "--db",         store, "--map-size",
+                          map,      "--log",   cfg->agent_log, NULL};
+    int err = open(err_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+        return false;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(in[0], STDIN_FILENO);
+        server_exec(argv, out[1], err);
+    }
+    close(in[0]);
+    close(out[1]);
+    if (err >= 0) {
+        close(err);
+    }
+    agent.pid = pid;
+    agent.to = fdopen(in[1], "w");
+    agent.from = fdopen(out[0], "r");
+    if (pid <= 0 || agent.to == NULL || agent.from == NULL ||
+        !agent_ask(NULL, answer, sizeof(answer)) || strcmp(answer, "ready\n") != 0) {
+        return false;
+    }
+    long long free_now = 0;
+    snprintf(cmd, sizeof(cmd), "ballast %llu", CHAOS_HEADROOM_BYTES);
+    long long ballast = agent_bytes(cmd, "ballast", &free_now);
+    snprintf(bytes, sizeof(bytes), "%lld", ballast);
+    const char *f[] = {"bytes", bytes};
+    chaos_history_event("ballast", 1, f);
+    printf("chaos: store map %" PRIu64 " MiB, ballast %lld MiB, %lld MiB free\n", cfg->map_mib,
+           ballast >> 20, free_now >> 20);
+    fflush(stdout);
+    return ballast >= 0;
+}
+
+/* Closes the agent's stdin (it frees nothing more) and reaps it. */
+static void agent_stop(void)
+{
+    if (agent.pid <= 0) {
+        return;
+    }
+    fclose(agent.to);
+    fclose(agent.from);
+    waitpid(agent.pid, NULL, 0);
+    agent.pid = 0;
+}
+
 bool chaos_servers_start(const chaos_cfg *cfg)
 {
     run_cfg = cfg;
@@ -104,6 +199,11 @@ bool chaos_servers_start(const chaos_cfg *cfg)
         return false;
     }
     self_exe[n] = '\0';
+    if (cfg->topology == CHAOS_LMDB && !agent_start(cfg)) {
+        fprintf(stderr, "idemrpc-chaos: the store agent did not start (see %s/agent.log)\n",
+                cfg->dir);
+        return false;
+    }
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         snprintf(servers[i].url, sizeof(servers[i].url), "ipc://%s/s%zu.ipc", cfg->dir, i);
         if (!server_start(i)) {
@@ -165,12 +265,21 @@ void chaos_servers_sample_rss(void)
     }
 }
 
+/* The kill ends when the process is gone (reap_ms after SIGKILL: a thread in an
+ * uninterruptible wait, such as an fsync, dies only when it returns). */
 static void fault_kill(uint64_t *rng, size_t i)
 {
     pid_t pid = servers[i].pid;
     server_event("fault", "kill", i, pid);
+    uint64_t t = chaos_now_ms();
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
+    char idx[16], p[16], reap[24];
+    snprintf(idx, sizeof(idx), "%zu", i);
+    snprintf(p, sizeof(p), "%d", (int)pid);
+    snprintf(reap, sizeof(reap), "%" PRIu64, chaos_now_ms() - t);
+    const char *f[] = {"kind", "kill", "server", idx, "pid", p, "reap_ms", reap};
+    chaos_history_event("fault_end", 4, f);
     servers[i].pid = 0;
     chaos_sleep_ms(chaos_between(rng, 100, 800));
     server_start(i);
@@ -186,6 +295,31 @@ static void fault_stop(uint64_t *rng, size_t i)
     kill(servers[i].pid, SIGCONT);
     servers[i].stopped = false;
     server_event("fault_end", "stop", i, servers[i].pid);
+}
+
+/* The store fills up: the agent pins LMDB's pages and writes until MDB_MAP_FULL; the
+ * store stays full for 1-4 leases (no write txn can commit meanwhile), then the agent
+ * ends the pin and deletes ballast until CHAOS_HEADROOM_BYTES are free again.
+ * "fill_full" marks the moment the map was full. */
+static void fault_fill(uint64_t *rng)
+{
+    char cmd[48], bytes[24], freed[24], left[24];
+    long long free_now = 0;
+    const char *f[] = {"kind", "fill", "bytes", bytes, "free", left};
+    chaos_history_event("fault", 1, f);
+    snprintf(bytes, sizeof(bytes), "%lld", agent_bytes("fill", "full", &free_now));
+    snprintf(left, sizeof(left), "%lld", free_now);
+    chaos_history_event("fill_full", 3, f);
+    chaos_sleep_ms(chaos_between(rng, run_cfg->lease_ms, 4 * run_cfg->lease_ms));
+    snprintf(cmd, sizeof(cmd), "free %llu", CHAOS_HEADROOM_BYTES);
+    snprintf(freed, sizeof(freed), "%lld", agent_bytes(cmd, "freed", &free_now));
+    snprintf(left, sizeof(left), "%lld", free_now);
+    f[3] = freed;
+    chaos_history_event("fault_end", 3, f);
+    if (free_now < (long long)CHAOS_HEADROOM_BYTES / 2) {
+        fprintf(stderr, "idemrpc-chaos: the ballast is used up, %lld MiB free: raise --map-mib\n",
+                free_now >> 20);
+    }
 }
 
 static void services(const char *what)
@@ -236,6 +370,8 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
             fault_service(&rng, "redis_stop");
         } else if (cfg->topology == CHAOS_PG && pick >= 60) {
             fault_service(&rng, "pg_restart");
+        } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
+            fault_fill(&rng);
         } else if (pick % 2 == 0 && servers[i].pid > 0) {
             fault_kill(&rng, i);
         } else if (servers[i].pid > 0) {
@@ -251,7 +387,6 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
 
 void chaos_faults_heal(const chaos_cfg *cfg)
 {
-    (void)cfg;
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         if (servers[i].pid > 0 && servers[i].stopped) {
             kill(servers[i].pid, SIGCONT);
@@ -263,6 +398,13 @@ void chaos_faults_heal(const chaos_cfg *cfg)
         if (servers[i].pid <= 0) {
             server_start(i);
         }
+    }
+    if (cfg->topology == CHAOS_LMDB) {
+        char freed[24];
+        long long free_now;
+        snprintf(freed, sizeof(freed), "%lld", agent_bytes("free all", "freed", &free_now));
+        const char *f[] = {"bytes", freed};
+        chaos_history_event("ballast_freed", 1, f);
     }
 }
 
@@ -292,4 +434,5 @@ void chaos_servers_stop(void)
         }
         servers[i].pid = 0;
     }
+    agent_stop();
 }

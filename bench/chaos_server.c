@@ -130,23 +130,28 @@ static idem_code add(idem_call *call, void *arg)
 
 typedef struct serve_opts {
     const char *listen, *db, *pg, *redis, *effects;
-    uint64_t lease_ms;
+    uint64_t lease_ms, map_size;
 } serve_opts;
 
 static int serve_usage(void)
 {
     fprintf(stderr, "usage: idemrpc-chaos --serve --listen URL --effects FILE "
-                    "(--db DIR | --pg CONNINFO [--redis URL]) [--lease-ms N]\n");
+                    "(--db DIR [--map-size BYTES] | --pg CONNINFO [--redis URL])\n"
+                    "                     [--lease-ms N]\n");
     return CLI_USAGE_ERROR;
 }
 
 static bool serve_parse(int argc, char **argv, serve_opts *so)
 {
-    static const struct option longs[] = {
-        {"serve", no_argument, NULL, 'S'},          {"listen", required_argument, NULL, 'l'},
-        {"db", required_argument, NULL, 'd'},       {"pg", required_argument, NULL, 'p'},
-        {"redis", required_argument, NULL, 'r'},    {"effects", required_argument, NULL, 'e'},
-        {"lease-ms", required_argument, NULL, 'L'}, {NULL, 0, NULL, 0}};
+    static const struct option longs[] = {{"serve", no_argument, NULL, 'S'},
+                                          {"listen", required_argument, NULL, 'l'},
+                                          {"db", required_argument, NULL, 'd'},
+                                          {"pg", required_argument, NULL, 'p'},
+                                          {"redis", required_argument, NULL, 'r'},
+                                          {"effects", required_argument, NULL, 'e'},
+                                          {"lease-ms", required_argument, NULL, 'L'},
+                                          {"map-size", required_argument, NULL, 'm'},
+                                          {NULL, 0, NULL, 0}};
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
@@ -170,6 +175,12 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
             break;
         case 'L':
             if (!cli_parse_u64("idemrpc-chaos", "--lease-ms", optarg, 1, 600000, &so->lease_ms)) {
+                return false;
+            }
+            break;
+        case 'm':
+            if (!cli_parse_u64("idemrpc-chaos", "--map-size", optarg, 1 << 20, 1ull << 40,
+                               &so->map_size)) {
                 return false;
             }
             break;
@@ -221,6 +232,7 @@ int chaos_serve(int argc, char **argv)
     o.workers = 8;
     o.sweep_interval_ms = 3600 * 1000; /* the checker reads every record the run wrote */
     o.db_path = so.db;
+    o.map_size = (size_t)so.map_size; /* the agent's too: its full is ours */
     if (so.pg != NULL &&
         (idem_store_open_postgres(&pg, so.pg, 8) != IDEM_OK ||
          (so.redis != NULL && idem_debounce_create(&window, so.redis, 200) != IDEM_OK))) {

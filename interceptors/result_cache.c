@@ -94,7 +94,10 @@ static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, u
 
 /* Completes (or releases) the claim, retrying a transient store failure (a database
  * restarting) for up to RECORD_RETRY_MS: the handler has run, and a lost record would
- * let the next retry run it again once the lease ends. */
+ * let the next retry run it again once the lease ends. A completion also waits out a
+ * full store (RESOURCE_EXHAUSTED: nothing was written), which gets room back when
+ * records expire or another writer deletes; a release does not need to (a lost release
+ * only keeps the key until its lease ends), so a refused call is answered at once. */
 static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
                                  const idem_key_ref *key, uint64_t owner, bool complete)
 {
@@ -106,7 +109,8 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
         if (st == IDEM_ABORTED && retried && recorded_by_us(cfg, key, owner, complete)) {
             return IDEM_OK;
         }
-        if (st != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
+        bool again = st == IDEM_UNAVAILABLE || (complete && st == IDEM_RESOURCE_EXHAUSTED);
+        if (!again || idem__mono_ms() + backoff > give_up) {
             return st;
         }
         idem__sleep_ms(backoff); /* before the next attempt */
@@ -236,12 +240,20 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
         return code;
     }
     if (transactional) {
-        /* Nothing committed: not the effect, not the record. Say so, and free the key. */
+        /* Nothing committed, not the effect nor the record, or a commit whose outcome is
+         * unknown (its acknowledgement was lost): either way the retry with the same key
+         * replays or runs once. Say why (a release may fail too, e.g. on a full store,
+         * and would overwrite idem_errmsg), and free the key. */
+        char why[256];
+        snprintf(why, sizeof(why), "%s", idem_errmsg());
         if (!claimed_in_txn) {
             idem_store_release(cfg->store, key, owner);
             idem__inflight_notify(call->rt->inflight, bucket);
         }
-        return idem__reject(call, IDEM_REASON_STORE, st, "not committed: %s", idem_errmsg());
+        return idem__reject(call, IDEM_REASON_STORE, st,
+                            "not committed, or its outcome is unknown: %s; retry with the same "
+                            "key",
+                            why);
     }
     if (st == IDEM_ABORTED) {
         return claim_lost(call, cfg, key, fingerprint);

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "lmdb_internal.h" /* the test pins LMDB pages to fill a server's store */
 #include "testutil.h"
 
 static idem_code put_balance(idem_call *call, void *arg)
@@ -178,5 +179,167 @@ Test(chaos_findings, a_claim_that_waited_for_the_writer_longer_than_its_lease_ru
                      first.payload, idem_code_name(first.code), second.payload,
                      idem_code_name(second.code));
     tu_server_destroy(&y, true);
+    tu_server_destroy(&x, false);
+}
+
+/* README: "a handler slower than its lease → the lease is renewed; one execution". Found
+ * while chasing the open finding of issue 16 (lmdb, seed 16016, 300 s: a key ran twice
+ * when the store took no write for about 2 s around a SIGKILL of the other server): the
+ * lease keeper (src/dispatch/inflight.c, renew_one) computes `wall + lease` BEFORE
+ * idem_store_renew waits for the LMDB writer, and LMDB's renew (src/store/lmdb/claim.c,
+ * renew_apply) stores it as given. After any stall longer than the lease the live
+ * owner's renewal commits a lease that has already run out, and a duplicate's claim
+ * queued behind it (its re-read saw the lease run out during the stall) takes over. */
+Test(chaos_findings, a_renewal_that_waited_for_the_writer_longer_than_its_lease_keeps_the_claim)
+{
+    tu_server x, y;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    tu_server_create(&x, &o);
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    o.store = idem_server_store(x.srv);
+    tu_server_create(&y, &o);
+    register_methods(x.srv);
+    register_methods(y.srv);
+    tu_server_listen(&x);
+    tu_server_listen(&y);
+
+    bg_call first, hold, second;
+    bg_start(&first, x.url, "f.Counter/Add", "pay-2"); /* claims, runs 800 ms */
+    while (atomic_load(&slow_runs) == 0) {
+        usleep(1000);
+    }
+    usleep(20 * 1000);
+    bg_start(&hold, x.url, "f.Writer/Hold", "hold-2"); /* the writer, for 1 s */
+    while (!atomic_load(&holding)) {
+        usleep(1000);
+    }
+    usleep(100 * 1000); /* the first renewal (at LEASE_MS / 3) waits for the writer */
+    bg_start(&second, y.url, "f.Counter/Add", "pay-2"); /* parks, re-reads, claims */
+    pthread_join(hold.th, NULL);
+    pthread_join(first.th, NULL);
+    pthread_join(second.th, NULL);
+
+    cr_expect_eq(atomic_load(&slow_runs), 1, "the handler ran %d times for one key",
+                 atomic_load(&slow_runs));
+    cr_expect_eq(first.code, IDEM_OK, "%s", idem_code_name(first.code));
+    cr_expect_str_eq(second.payload, first.payload, "first '%s' (%s), retry '%s' (%s)",
+                     first.payload, idem_code_name(first.code), second.payload,
+                     idem_code_name(second.code));
+    tu_server_destroy(&y, true);
+    tu_server_destroy(&x, false);
+}
+
+/* ---- a store that fills up ---- */
+
+typedef struct ballast {
+    idem_store *st;
+    MDB_txn *pin;
+    int n;
+    size_t size; /* of the next value */
+} ballast;
+
+static idem_code ballast_put(idem_txn *t, void *arg)
+{
+    static const char zeros[65536];
+    ballast *b = arg;
+    char key[16];
+    snprintf(key, sizeof(key), "b%06d", b->n);
+    return idem_txn_put(t, "ballast", key, strlen(key), zeros, b->size);
+}
+
+static idem_code ballast_delete_all(idem_txn *t, void *arg)
+{
+    ballast *b = arg;
+    idem_code code = IDEM_OK;
+    for (int i = 0; i < b->n && code == IDEM_OK; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "b%06d", i);
+        code = idem_txn_del(t, "ballast", key, strlen(key));
+    }
+    return code;
+}
+
+/* Fills the store to its last page as another program on it would (idemrpc-chaos's
+ * store agent does the same): a read txn first (the pin: LMDB reuses no page freed while
+ * it lasts, so no write of anyone can commit), then values until RESOURCE_EXHAUSTED. */
+static void ballast_fill(ballast *b)
+{
+    static const size_t sizes[] = {65536, 4096, 256, 16};
+    cr_assert_eq(mdb_txn_begin(((lmdb_store *)b->st)->env, NULL, MDB_RDONLY, &b->pin), 0);
+    idem_code code = IDEM_OK;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        b->size = sizes[i];
+        while ((code = idem_store_run_txn(b->st, ballast_put, b)) == IDEM_OK) {
+            b->n++;
+        }
+    }
+    cr_assert_eq(code, IDEM_RESOURCE_EXHAUSTED, "%s", idem_errmsg());
+}
+
+/* Space returns: the pin ends, the ballast goes. */
+static void ballast_free(ballast *b)
+{
+    mdb_txn_abort(b->pin);
+    cr_assert_eq(idem_store_run_txn(b->st, ballast_delete_all, b), IDEM_OK, "%s", idem_errmsg());
+}
+
+static atomic_int once_runs;
+static atomic_bool once_running, once_go;
+
+static idem_code add_when_told(idem_call *call, void *arg)
+{
+    (void)arg;
+    char out[32];
+    int n = snprintf(out, sizeof(out), "run %d", atomic_fetch_add(&once_runs, 1) + 1);
+    atomic_store(&once_running, true);
+    while (!atomic_load(&once_go)) {
+        usleep(1000);
+    }
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+/* README: store full → "RESOURCE_EXHAUSTED; nothing half-written", and a retry with the
+ * same key replays the first result. Found by idemrpc-chaos's fill fault (lmdb topology):
+ * a claim-mode handler that finished while the store was full answered OK, but
+ * record_retrying (interceptors/result_cache.c) retried only UNAVAILABLE, so the
+ * completion's RESOURCE_EXHAUSTED ended the claim's renewal and left it IN_PROGRESS; once
+ * space returned and its lease had passed, the retry took it over and ran the handler a
+ * second time, with a second, different OK. */
+Test(chaos_findings, a_result_that_meets_a_full_store_is_recorded_when_space_returns)
+{
+    tu_server x;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    o.map_size = 1 << 20;
+    tu_server_create(&x, &o);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(x.srv, "f.Counter/Once", add_when_told, NULL, &cached),
+                 IDEM_OK);
+    tu_server_listen(&x);
+
+    bg_call first, retry;
+    bg_start(&first, x.url, "f.Counter/Once", "once-1");
+    while (!atomic_load(&once_running)) {
+        usleep(1000);
+    }
+    ballast b = {.st = idem_server_store(x.srv)};
+    ballast_fill(&b);
+    atomic_store(&once_go, true); /* the handler ends into a full store */
+    usleep(3 * LEASE_MS * 1000);  /* full for three leases */
+    ballast_free(&b);
+    pthread_join(first.th, NULL);
+    cr_assert_eq(first.code, IDEM_OK, "%s", idem_code_name(first.code));
+    bg_start(&retry, x.url, "f.Counter/Once", "once-1");
+    pthread_join(retry.th, NULL);
+
+    cr_expect_eq(atomic_load(&once_runs), 1, "the handler ran %d times for one key",
+                 atomic_load(&once_runs));
+    cr_expect_str_eq(retry.payload, first.payload, "first '%s', retry '%s' (%s)", first.payload,
+                     retry.payload, idem_code_name(retry.code));
+    cr_expect(retry.replayed);
     tu_server_destroy(&x, false);
 }

@@ -242,6 +242,11 @@ static idem_code release_apply(MDB_txn *txn, void *arg)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "release delete");
 }
 
+/* w->ms is the new lease end, w->entered the monotonic time the renewal was asked for:
+ * like a claim's, the lease runs from this txn, not from the request. A renewal that
+ * waited for the writer longer than a lease (a process stopped holding it, a slow fsync)
+ * would otherwise commit a lease that has already run out, and a takeover queued behind
+ * it would win over an owner that is alive and renewing. */
 static idem_code renew_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;
@@ -251,15 +256,16 @@ static idem_code renew_apply(MDB_txn *txn, void *arg)
     if (code != IDEM_OK) {
         return code;
     }
+    uint64_t lease_until = idem__add_sat(w->ms, idem__mono_ms() - w->entered);
     int rc = 0;
-    if (h.expires_ms < w->ms) { /* the sweep must not take a record that is still leased */
+    if (h.expires_ms < lease_until) { /* the sweep must not take a record still leased */
         if ((rc = idem__lmdb_index_del(w->st, txn, h.expires_ms, w->key.bytes, w->key.len)) == 0) {
-            h.expires_ms = w->ms;
+            h.expires_ms = lease_until;
             rc = idem__lmdb_index_put(w->st, txn, h.expires_ms, TYPE_RECORD, w->key.bytes,
                                       w->key.len);
         }
     }
-    h.lease_until_ms = w->ms;
+    h.lease_until_ms = lease_until;
     if (rc == 0) {
         rc = idem__lmdb_rec_put(w->st, txn, &w->key, &h, tok.bytes, tok.len);
     }
@@ -271,7 +277,7 @@ idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t o
 {
     (void)now_ms;
     lmdb_store *st = (lmdb_store *)base;
-    write_args w = {.st = st, .owner = owner, .ms = lease_until_ms};
+    write_args w = {.st = st, .owner = owner, .ms = lease_until_ms, .entered = idem__mono_ms()};
     idem_code code = idem__lmdb_rec_key_make(&w.key, ref);
     return code != IDEM_OK ? code : idem__lmdb_write(st, renew_apply, &w);
 }

@@ -95,7 +95,8 @@ typedef struct write_args {
     uint64_t owner;
     const void *response;
     size_t len;
-    uint64_t ms; /* expiry, lease end, or now for a token consume */
+    uint64_t ms;      /* expiry, lease end, or now for a token consume */
+    uint64_t entered; /* renew: monotonic ms when it was asked for */
     const char *token, *scope;
 } write_args;
 
