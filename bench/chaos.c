@@ -16,6 +16,7 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <libpq-fe.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,6 +149,29 @@ static int read_begin(chaos_cfg *cfg)
     return 0;
 }
 
+/* pg: the run's own schema (chaos_RUN, kept for inspection like the rest of the run):
+ * accounts and counts of an earlier run on the same database must not be counted. */
+static int pg_schema(chaos_cfg *cfg, const char *base)
+{
+    char sql[96];
+    snprintf(cfg->pg_conninfo, sizeof(cfg->pg_conninfo), "%s options='-csearch_path=chaos_%s'",
+             base, cfg->run);
+    cfg->pg = cfg->pg_conninfo;
+    if (cfg->check_only) {
+        return 0;
+    }
+    snprintf(sql, sizeof(sql), "CREATE SCHEMA IF NOT EXISTS chaos_%s", cfg->run);
+    PGconn *c = PQconnectdb(base);
+    PGresult *r = PQstatus(c) == CONNECTION_OK ? PQexec(c, sql) : NULL;
+    bool ok = r != NULL && PQresultStatus(r) == PGRES_COMMAND_OK;
+    if (!ok) {
+        fprintf(stderr, "idemrpc-chaos: %s: %s", sql, PQerrorMessage(c));
+    }
+    PQclear(r);
+    PQfinish(c);
+    return ok ? 0 : 1;
+}
+
 /* The environment the pg topology needs; the work dir and file names. */
 static int prepare(chaos_cfg *cfg)
 {
@@ -184,8 +208,12 @@ static int prepare(chaos_cfg *cfg)
         cfg->map_mib = 32 + cfg->seconds; /* a 600 s run stores about 250 MB */
     }
     snprintf(cfg->run, sizeof(cfg->run), "r%" PRIu64 "p%d", cfg->seed % 1000000, (int)getpid());
-    if (cfg->check_only) {
-        return read_begin(cfg);
+    int rv = cfg->check_only ? read_begin(cfg) : 0;
+    if (rv == 0 && cfg->topology == CHAOS_PG) {
+        rv = pg_schema(cfg, cfg->pg);
+    }
+    if (rv != 0 || cfg->check_only) {
+        return rv;
     }
     if (!chaos_history_open(cfg->history)) {
         perror(cfg->history);

@@ -42,8 +42,9 @@ typedef struct chaos_cfg {
     char history[600];    /* history file (kept) */
     char effects[600];    /* the effect log the servers append to */
     char agent_log[600];  /* lmdb: the store agent's commit stalls */
-    char run[32];         /* prefix of every caller of this run (the PG table is shared) */
-    const char *pg;       /* IDEMRPC_TEST_PG (pg topology) */
+    char run[32];         /* prefix of every caller of this run; on pg its schema chaos_RUN */
+    const char *pg;       /* IDEMRPC_TEST_PG with this run's schema (pg topology) */
+    char pg_conninfo[1024];
     const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
     const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */
 } chaos_cfg;
