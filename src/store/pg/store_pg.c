@@ -8,10 +8,12 @@
  * absolute times into durations, so instances with skewed clocks agree on every lease
  * and expiry.
  *
- * The claim is decided by the unique key: INSERT … ON CONFLICT DO NOTHING either inserts
- * (this caller owns the key) or finds the row, which is then read FOR UPDATE so that an
+ * The claim is decided by the unique key: INSERT … ON CONFLICT either inserts (this
+ * caller owns the key) or locks the existing row, which is then read so that an
  * expired-lease takeover or a token consumption is decided under the row lock, in the
- * same transaction. Completion and release are conditional on (key, owner, state).
+ * same transaction. A store-assigned owner is drawn from idem_fence only once the row is
+ * the claim's, so one key's successive owners only grow. Completion and release are
+ * conditional on (key, owner, state).
  * Connection failures map to UNAVAILABLE, so the client's retryer carries calls across
  * a database restart; statements are prepared once per connection.
  *
@@ -42,11 +44,19 @@
     " SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM n)"
 
 static const char *const stmt_sql[S_COUNT] = {
+    /* Inserts, or locks the existing row without changing it (DO UPDATE … WHERE false
+     * locks the conflicting row and returns nothing), so that the row cannot be released
+     * or swept between this statement and S_CLAIM_LOCK. A store-assigned owner ($5 = 0)
+     * is drawn by S_CLAIM_FENCE once the row is inserted: a value drawn here, before the
+     * insert waited for a conflicting transaction, could be older than that of a claim
+     * which came, held the key and left meanwhile, and fences must only grow. */
     [S_CLAIM_INSERT] =
         "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
-        " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, " CLAIM_OWNER
-        ", " DBNOW " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint)"
-        " ON CONFLICT DO NOTHING" CLAIM_RETURNING,
+        " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, $5::bigint, " DBNOW
+        " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint) ON CONFLICT (caller, method, key)"
+        " DO UPDATE SET state = idem_records.state WHERE false" CLAIM_RETURNING,
+    [S_CLAIM_FENCE] =
+        "UPDATE idem_records SET owner = nextval('idem_fence') WHERE " KEY_WHERE " RETURNING owner",
     [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
     /* A takeover inherits the consumed token; re-claiming an expired result drops it. */
     [S_CLAIM_TAKE] =
@@ -375,8 +385,9 @@ static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_recor
     memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
 }
 
-/* The row exists: decide under its lock, on the database clock. Returns with *outcome
- * set (and *got the row when this claim acquired it), or an error. */
+/* The row exists, locked by the insert: decide under that lock, on the database clock.
+ * Returns with *outcome set (and *got the row when this claim acquired it), or an
+ * error. */
 static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_args *a,
                                 idem_claim_outcome *outcome, idem_record *rec, idem_record *got)
 {
@@ -388,7 +399,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     if (r == NULL) {
         return code;
     }
-    if (PQntuples(r) != 1) { /* deleted since the insert saw it: let the caller retry */
+    if (PQntuples(r) != 1) { /* cannot be: the insert locked it */
         PQclear(r);
         return idem__err(IDEM_UNAVAILABLE, "record vanished during the claim; retry");
     }
@@ -428,6 +439,24 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     return IDEM_OK;
 }
 
+/* The store-assigned owner of the row this transaction has just inserted. */
+static idem_code draw_fence(PGconn *c, const pg_args *a, idem_record *got)
+{
+    idem_code code;
+    pg_args key = *a;
+    key.n = 3;
+    PGresult *r = idem__pg_exec(c, S_CLAIM_FENCE, &key, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    if (PQntuples(r) == 1) {
+        got->owner = (uint64_t)idem__pg_col_i64(r, 0, 0);
+    }
+    code = PQntuples(r) == 1 ? IDEM_OK : idem__err(IDEM_INTERNAL, "postgres: no owner drawn");
+    PQclear(r);
+    return code;
+}
+
 idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
                                 idem_record *rec, idem_record *got)
 {
@@ -445,6 +474,9 @@ idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim
     PQclear(r);
     if (!inserted) {
         return claim_existing(c, req, &a, outcome, rec, got);
+    }
+    if (req->owner == 0 && (code = draw_fence(c, &a, got)) != IDEM_OK) {
+        return code;
     }
     if (req->token != NULL && (code = token_take_keep(c, req, &a)) != IDEM_OK) {
         return code;
