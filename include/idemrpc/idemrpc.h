@@ -9,5 +9,6 @@
 #include "client.h"
 #include "txn.h"
 #include "toolkit.h"
+#include "lock.h"
 
 #endif
