@@ -3,9 +3,11 @@
  * waits until it is killed.
  *
  *   lock_holder (--lmdb DIR | --pg CONNINFO) --name NAME [--lease-ms N] */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <idemrpc/idemrpc.h>
@@ -13,6 +15,10 @@
 int main(int argc, char **argv)
 {
     const char *lmdb = NULL, *pg = NULL, *name = NULL;
+    /* A test that fails before it kills this holder must not leave it running. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() == 1) {
+        return 1;
+    }
     idem_lock_opts o = {.wait_ms = 5000};
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--lmdb") == 0) {

@@ -416,7 +416,7 @@ Test(fence, a_stopped_holder_cannot_overwrite_what_its_successor_wrote)
 
 typedef struct contention {
     atomic_int inside, most_inside, acquired;
-    atomic_int refused; /* acquisitions that ran out of their bound, fenced writes refused */
+    atomic_int refused; /* acquisitions out of their bound, fenced writes or releases refused */
 } contention;
 
 typedef struct contender {
@@ -473,7 +473,10 @@ static void *contend(void *arg)
         }
         atomic_fetch_sub(&me->c->inside, 1);
         atomic_fetch_add(&me->c->acquired, 1);
-        idem_lock_release(l);
+        if (idem_lock_release(l) != IDEM_OK) { /* each held it to the end of its lease */
+            snprintf(me->msg, sizeof(me->msg), "release: %s", idem_errmsg());
+            atomic_fetch_add(&me->c->refused, 1);
+        }
     }
     return NULL;
 }
