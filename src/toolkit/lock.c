@@ -211,8 +211,11 @@ static idem_code lock_take(const lock_req *q, idem_lock **out)
     if ((code = start_renewal(l, q)) != IDEM_OK) {
         idem_errkeep keep;
         idem__err_keep(&keep);
-        idem_store_release(l->st, &key, l->token); /* unrenewed, it would end mid-work */
-        idem__lock_site_notify(l->site, l->hash);
+        /* Unrenewed, it would end mid-work: give it back. If even that fails, it ends
+         * with its lease; the caller learns why it was not acquired either way. */
+        if (idem_store_release(l->st, &key, l->token) == IDEM_OK) {
+            idem__lock_site_notify(l->site, l->hash);
+        }
         lock_free(l);
         return idem__err_put(&keep, code);
     }
