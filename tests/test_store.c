@@ -240,10 +240,12 @@ Test(store, live_lease_is_not_taken_over)
 Test(store, expired_lease_is_taken_over_and_old_owner_loses_it)
 {
     idem_claim_req first = claim_req("k1", FP_A, 11, T0);
-    idem_claim_req next = claim_req("k1", FP_A, 22, first.lease_until_ms); /* lease <= now */
     idem_key_ref k = key_of("k1");
     idem_record rec;
-    cr_assert_eq(claim(&first, NULL), IDEM_CLAIM_ACQUIRED);
+    cr_assert_eq(claim(&first, &rec), IDEM_CLAIM_ACQUIRED);
+    /* At the lease the store wrote (it runs from the commit, so a claim that waited for
+     * the writer on a busy machine has a little more than first.lease_until_ms). */
+    idem_claim_req next = claim_req("k1", FP_A, 22, rec.lease_until_ms); /* lease <= now */
     cr_assert_eq(claim(&next, NULL), IDEM_CLAIM_TAKEN_OVER);
 
     cr_expect_eq(idem_store_complete(st, &k, 11, "old", 3, T0 + TTL_MS), IDEM_ABORTED);
@@ -749,8 +751,9 @@ Test(store, release_restores_the_consumed_token_and_completion_uses_it_up)
     cr_assert_eq(idem_store_release(st, &k, 11), IDEM_OK);
     cr_expect_eq(stats().tokens, 1, "a released claim gives it back");
     r.owner = 22;
-    cr_assert_eq(claim(&r, NULL), IDEM_CLAIM_ACQUIRED, "so the retry can use it");
-    idem_claim_req takeover = claim_req("tok1", FP_A, 33, r.lease_until_ms);
+    idem_record rec;
+    cr_assert_eq(claim(&r, &rec), IDEM_CLAIM_ACQUIRED, "so the retry can use it");
+    idem_claim_req takeover = claim_req("tok1", FP_A, 33, rec.lease_until_ms); /* as written */
     takeover.token = "tok1";
     cr_assert_eq(claim(&takeover, NULL), IDEM_CLAIM_TAKEN_OVER, "a takeover needs no token");
     cr_assert_eq(idem_store_release(st, &k, 33), IDEM_OK);
@@ -766,14 +769,15 @@ Test(store, a_takeover_keeps_its_token_and_any_other_token_must_be_valid)
 {
     cr_assert_eq(idem_store_token_put(st, "tok1", CALLER, T0 + LEASE_MS * 4), IDEM_OK);
     idem_claim_req first = claim_req("k1", FP_A, 11, T0);
+    idem_record rec;
     first.token = "tok1";
-    cr_assert_eq(claim(&first, NULL), IDEM_CLAIM_ACQUIRED);
-    idem_claim_req bogus = claim_req("k1", FP_A, 22, first.lease_until_ms);
+    cr_assert_eq(claim(&first, &rec), IDEM_CLAIM_ACQUIRED);
+    idem_claim_req bogus = claim_req("k1", FP_A, 22, rec.lease_until_ms); /* as written */
     bogus.token = "never-issued";
     idem_claim_outcome out;
     cr_expect_eq(idem_store_claim(st, &bogus, &out, NULL), IDEM_FAILED_PRECONDITION,
                  "an unknown token cannot take over an abandoned claim");
-    idem_claim_req same = claim_req("k1", FP_A, 33, first.lease_until_ms);
+    idem_claim_req same = claim_req("k1", FP_A, 33, rec.lease_until_ms);
     same.token = "tok1";
     cr_expect_eq(claim(&same, NULL), IDEM_CLAIM_TAKEN_OVER, "the kept token is the one it needs");
 }

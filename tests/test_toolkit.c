@@ -36,17 +36,9 @@ TestSuite(consume, .init = store_setup, .fini = store_teardown);
 /* ---- helpers ---- */
 
 /* The value of db/key as a string ("" when absent), read outside any txn. */
-static char *app_value(const char *db, const char *key)
+static const char *app_value(const char *db, const char *key)
 {
-    static char buf[256];
-    void *v;
-    size_t n;
-    buf[0] = '\0';
-    if (idem_store_app_get(st, db, key, strlen(key), &v, &n) == IDEM_OK) {
-        snprintf(buf, sizeof(buf), "%.*s", (int)n, (const char *)v);
-        free(v);
-    }
-    return buf;
+    return tu_app_value(st, db, key);
 }
 
 typedef struct put_args {

@@ -132,6 +132,19 @@ void tu_pg_schema_drop(const char *schema)
 }
 #endif
 
+const char *tu_app_value(idem_store *st, const char *db, const char *key)
+{
+    static char buf[256];
+    void *v;
+    size_t n;
+    buf[0] = '\0';
+    if (idem_store_app_get(st, db, key, strlen(key), &v, &n) == IDEM_OK) {
+        snprintf(buf, sizeof(buf), "%.*s", (int)n, (const char *)v);
+        free(v);
+    }
+    return buf;
+}
+
 bool tu_backend_is_pg(void)
 {
     const char *b = getenv("IDEMRPC_TEST_BACKEND");

@@ -44,6 +44,9 @@ idem_store *tu_backend_open(tu_backend *b, const char *tag);
 void tu_backend_close(tu_backend *b);
 /* True when tu_backend_open opens PostgreSQL stores. */
 bool tu_backend_is_pg(void);
+/* The business value db/key of st as a string ("" when absent), read outside any txn;
+ * a static buffer, valid until the next call. */
+const char *tu_app_value(idem_store *st, const char *db, const char *key);
 /* A fresh schema in $IDEMRPC_TEST_PG (skips the test when unset): returns the conninfo
  * that makes it the search_path (malloc'd); drop it with tu_pg_schema_drop. */
 char *tu_pg_schema_create(char schema[32]);

@@ -10,5 +10,6 @@
 #include "downstream.h"
 #include "txn.h"
 #include "toolkit.h"
+#include "lock.h"
 
 #endif

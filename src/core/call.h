@@ -156,6 +156,10 @@ struct idem_call {
     const char *reason;      /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
+    /* Locks the handler took through idem_call_lock (toolkit/lock.c): what it still
+     * holds when it returns is released by locks_release, which the lock sets. */
+    struct idem_lock *locks;
+    void (*locks_release)(idem_call *call);
 };
 
 /* The chain: interceptors in order, then the method handler. */

@@ -36,6 +36,9 @@ idem_code idem_call_next(idem_call *call, idem_next next)
     }
     call->executed = true;
     idem_code code = call->method->fn(call, call->method->arg);
+    if (call->locks != NULL) {
+        call->locks_release(call); /* locks end with the handler that took them */
+    }
     if ((unsigned)code >= IDEM_CODE_COUNT) {
         return idem_call_fail(call, IDEM_INTERNAL, "handler of %s returned %d, not an idem_code",
                               call->method->name, (int)code);

@@ -9,19 +9,16 @@
  * other processes, deadlines). A parked job holds no thread. The store stays the
  * truth: a woken job reads it again.
  *
- * Lease keeper. A handler that is still running keeps its claim: every lease/3 the
- * keeper thread renews the lease in the store (idem_store_renew), up to the method's
- * max run time. So only an owner that died or hangs past max_run_ms loses its claim.
- * The keeper is a thread of its own: a renewal may block on the store, and must hold
- * up neither the waker's timers nor the other renewals for long. It runs until the
- * table is destroyed, after the workers have finished: a shutdown does not drop the
- * claims of handlers that are still running. */
-#include <inttypes.h>
-#include <stdio.h>
+ * Lease keeper. A handler that is still running keeps its claim: the table's keeper
+ * (keeper.c) renews the lease every lease/3, up to the method's max run time, so only
+ * an owner that died or hangs past max_run_ms loses its claim. It runs until the table
+ * is destroyed, after the workers have finished: a shutdown does not drop the claims of
+ * handlers that are still running. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "inflight.h"
+#include "keeper.h"
 #include "store.h"
 
 #define N_BUCKETS 1024
@@ -32,29 +29,17 @@ typedef struct bucket {
     idem_job *parked;
 } bucket;
 
-/* A running claim whose lease is renewed. */
-struct idem_keep {
-    idem_keep *next;
-    uint64_t id, owner, lease_ms;
-    uint64_t renew_at, stop_at; /* monotonic ms */
-    char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
-};
-
 struct idem_inflight {
     pthread_mutex_t mu;
-    pthread_cond_t waker_cv;  /* a park to time sooner, or closing */
-    pthread_cond_t keeper_cv; /* a lease to renew sooner, or stopping */
-    uint64_t keeper_wake;     /* when the keeper looks next (monotonic), if asleep */
-    pthread_cond_t wait_cv;   /* a generation changed (blocking waiters) */
+    pthread_cond_t waker_cv; /* a park to time sooner, or closing */
+    pthread_cond_t wait_cv;  /* a generation changed (blocking waiters) */
     bucket buckets[N_BUCKETS];
     size_t n_parked, max_parked;
-    idem_keep *keeps;
-    uint64_t next_keep_id;
-    bool closed;   /* no more parking (idem__inflight_close) */
-    bool stopping; /* no more renewals (idem__inflight_destroy) */
-    pthread_t waker, keeper;
-    bool waker_started, keeper_started;
-    bool watching; /* hears the store's completion announcements */
+    bool closed; /* no more parking (idem__inflight_close) */
+    pthread_t waker;
+    bool waker_started;
+    idem_keeper *keeper; /* the leases of running handlers */
+    bool watching;       /* hears the store's completion announcements */
     idem_runtime *rt;
     idem_store *store; /* where leases are renewed */
     void (*resume)(void *arg, idem_job *job);
@@ -164,46 +149,6 @@ static idem_job *take_due(idem_inflight *t, uint64_t now, uint64_t *next_wake)
     return due;
 }
 
-/* Renews one due lease outside the lock (a store write may block). */
-static void renew_one(idem_inflight *t, idem_keep *k, uint64_t now)
-{
-    idem_keep copy = *k;
-    uint64_t id = k->id;
-    k->renew_at = now + (k->lease_ms / 3 ? k->lease_ms / 3 : 1);
-    pthread_mutex_unlock(&t->mu);
-    idem_key_ref ref = {copy.caller, copy.method, copy.key};
-    uint64_t wall = idem__rt_now_ms(t->rt);
-    idem_code code = idem_store_renew(t->store, &ref, copy.owner, wall + copy.lease_ms, wall);
-    if (code != IDEM_OK) { /* ABORTED: completed or released meanwhile, as a rule */
-        char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
-        snprintf(detail, sizeof(detail), "lease renewal failed: %s", idem_errmsg());
-        idem__log(t->rt->obs, code == IDEM_ABORTED ? IDEM_LOG_INFO : IDEM_LOG_ERROR,
-                  "method=%s msg=%s", idem__logfmt_quote(method, sizeof(method), copy.method),
-                  idem__logfmt_quote(msg, sizeof(msg), detail));
-    }
-    pthread_mutex_lock(&t->mu);
-    for (idem_keep *p = t->keeps; code == IDEM_ABORTED && p != NULL; p = p->next) {
-        if (p->id == id) {
-            p->stop_at = 0; /* the claim is gone: nothing left to renew */
-        }
-    }
-}
-
-/* Renews the first due lease; true when it did (the list may have changed). */
-static bool renew_due(idem_inflight *t, uint64_t now, uint64_t *next_wake)
-{
-    for (idem_keep *k = t->keeps; k != NULL; k = k->next) {
-        if (k->renew_at <= now && now < k->stop_at) {
-            renew_one(t, k, now);
-            return true;
-        }
-        if (now < k->stop_at) {
-            *next_wake = k->renew_at < *next_wake ? k->renew_at : *next_wake;
-        }
-    }
-    return false;
-}
-
 /* Hands back parked jobs whose re-read time has come. */
 static void *waker_main(void *arg)
 {
@@ -226,66 +171,25 @@ static void *waker_main(void *arg)
     return NULL;
 }
 
-/* Renews the leases of running handlers when they are due. */
-static void *keeper_main(void *arg)
-{
-    idem_inflight *t = arg;
-    pthread_mutex_lock(&t->mu);
-    while (!t->stopping) {
-        uint64_t now = idem__mono_ms(), next_wake = now + IDLE_MS;
-        if (renew_due(t, now, &next_wake)) {
-            continue;
-        }
-        struct timespec ts;
-        idem__abs_timespec(&ts, next_wake - now);
-        t->keeper_wake = next_wake;
-        pthread_cond_timedwait(&t->keeper_cv, &t->mu, &ts);
-        t->keeper_wake = 0;
-    }
-    pthread_mutex_unlock(&t->mu);
-    return NULL;
-}
-
 idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
                                uint64_t lease_ms, uint64_t max_run_ms)
 {
-    idem_keep *k = calloc(1, sizeof(*k));
-    if (k == NULL) {
-        return NULL; /* no renewal: the handler still runs, under its first lease */
-    }
-    snprintf(k->caller, sizeof(k->caller), "%s", key->caller != NULL ? key->caller : "");
-    snprintf(k->method, sizeof(k->method), "%s", key->method);
-    snprintf(k->key, sizeof(k->key), "%s", key->key);
-    uint64_t now = idem__mono_ms();
-    k->owner = owner;
-    k->lease_ms = lease_ms;
-    k->renew_at = now + (lease_ms / 3 ? lease_ms / 3 : 1);
-    k->stop_at = now + max_run_ms;
-    pthread_mutex_lock(&t->mu);
-    k->id = ++t->next_keep_id;
-    k->next = t->keeps;
-    t->keeps = k;
-    if (t->keeper_wake != 0 && k->renew_at < t->keeper_wake) {
-        pthread_cond_signal(&t->keeper_cv); /* only when it would sleep past this one */
-    }
-    pthread_mutex_unlock(&t->mu);
-    return k;
+    return idem__keeper_keep(t->keeper, key, owner, lease_ms, max_run_ms);
 }
 
 void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)
 {
-    if (k == NULL) {
-        return;
-    }
-    pthread_mutex_lock(&t->mu);
-    for (idem_keep **pp = &t->keeps; *pp != NULL; pp = &(*pp)->next) {
-        if (*pp == k) {
-            *pp = k->next;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&t->mu); /* a renewal in flight works on a copy */
-    free(k);
+    idem__keeper_unkeep(t->keeper, k);
+}
+
+idem_keeper *idem__inflight_keeper(idem_inflight *t)
+{
+    return t->keeper;
+}
+
+idem_store *idem__inflight_store(idem_inflight *t)
+{
+    return t->store;
 }
 
 /* A completion or release committed in another process (the store's announcement). */
@@ -304,7 +208,6 @@ idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_stor
     }
     pthread_mutex_init(&t->mu, NULL);
     idem__cond_init(&t->waker_cv);
-    idem__cond_init(&t->keeper_cv);
     idem__cond_init(&t->wait_cv);
     t->rt = rt;
     t->store = store;
@@ -312,10 +215,14 @@ idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_stor
     t->resume = resume;
     t->resume_arg = resume_arg;
     t->waker_started = pthread_create(&t->waker, NULL, waker_main, t) == 0;
-    t->keeper_started = t->waker_started && pthread_create(&t->keeper, NULL, keeper_main, t) == 0;
-    if (!t->keeper_started) {
+    if (!t->waker_started) {
         idem__inflight_destroy(t);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the in-flight threads");
+    }
+    idem_code code = idem__keeper_create(&t->keeper, store, rt);
+    if (code != IDEM_OK) {
+        idem__inflight_destroy(t);
+        return code;
     }
     /* Announcements only save latency: without them waiters re-read on their timers. */
     if (idem__store_watch(store, heard, t) == IDEM_OK) {
@@ -367,21 +274,9 @@ void idem__inflight_destroy(idem_inflight *t)
     if (t == NULL) {
         return;
     }
-    idem__inflight_close(t); /* the dispatcher has closed it and dropped its jobs already */
-    pthread_mutex_lock(&t->mu);
-    t->stopping = true;
-    pthread_cond_broadcast(&t->keeper_cv);
-    pthread_mutex_unlock(&t->mu);
-    if (t->keeper_started) {
-        pthread_join(t->keeper, NULL);
-    }
-    while (t->keeps != NULL) { /* handlers have finished: nothing should be left */
-        idem_keep *k = t->keeps;
-        t->keeps = k->next;
-        free(k);
-    }
+    idem__inflight_close(t);         /* the dispatcher has closed it and dropped its jobs already */
+    idem__keeper_destroy(t->keeper); /* handlers have finished: nothing is left to renew */
     pthread_cond_destroy(&t->wait_cv);
-    pthread_cond_destroy(&t->keeper_cv);
     pthread_cond_destroy(&t->waker_cv);
     pthread_mutex_destroy(&t->mu);
     free(t);

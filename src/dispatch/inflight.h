@@ -4,8 +4,7 @@
 #define IDEMRPC_INFLIGHT_H
 
 #include "dispatch.h"
-
-typedef struct idem_keep idem_keep;
+#include "keeper.h"
 
 /* resume(arg, job) hands a woken job back to the workers (from any thread); leases
  * are renewed in store. */
@@ -43,5 +42,9 @@ bool idem__inflight_wait(idem_inflight *t, uint32_t bucket, uint64_t seen_gen, u
 idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
                                uint64_t lease_ms, uint64_t max_run_ms);
 void idem__inflight_unkeep(idem_inflight *t, idem_keep *k);
+/* The table's keeper and store: a lock a handler takes through its call (lock.c) is
+ * renewed by the same heartbeat as the handler's claim. */
+idem_keeper *idem__inflight_keeper(idem_inflight *t);
+idem_store *idem__inflight_store(idem_inflight *t);
 
 #endif

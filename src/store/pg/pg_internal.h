@@ -36,6 +36,7 @@ typedef struct pg_store {
 
 enum stmt {
     S_CLAIM_INSERT,
+    S_CLAIM_FENCE,
     S_CLAIM_LOCK,
     S_CLAIM_TAKE,
     S_TOKEN_TAKE,

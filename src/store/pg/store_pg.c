@@ -8,10 +8,12 @@
  * absolute times into durations, so instances with skewed clocks agree on every lease
  * and expiry.
  *
- * The claim is decided by the unique key: INSERT … ON CONFLICT DO NOTHING either inserts
- * (this caller owns the key) or finds the row, which is then read FOR UPDATE so that an
+ * The claim is decided by the unique key: INSERT … ON CONFLICT either inserts (this
+ * caller owns the key) or locks the existing row, which is then read so that an
  * expired-lease takeover or a token consumption is decided under the row lock, in the
- * same transaction. Completion and release are conditional on (key, owner, state).
+ * same transaction. A store-assigned owner is drawn from idem_fence only once the row is
+ * the claim's, so one key's successive owners only grow. Completion and release are
+ * conditional on (key, owner, state).
  * Connection failures map to UNAVAILABLE, so the client's retryer carries calls across
  * a database restart; statements are prepared once per connection.
  *
@@ -42,11 +44,20 @@
     " SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM n)"
 
 static const char *const stmt_sql[S_COUNT] = {
+    /* Inserts, or locks the existing row without changing it (DO UPDATE … WHERE false
+     * locks the conflicting row and returns nothing), so that the row cannot be released
+     * or swept between this statement and S_CLAIM_LOCK. A store-assigned owner ($5 = 0)
+     * is drawn by S_CLAIM_FENCE after the insert: a value drawn here, before the insert
+     * waited for a conflicting transaction, could be older than that of a claim which
+     * came, held the key and left meanwhile, and fences must only grow. */
     [S_CLAIM_INSERT] =
         "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
-        " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, " CLAIM_OWNER
-        ", " DBNOW " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint)"
-        " ON CONFLICT DO NOTHING" CLAIM_RETURNING,
+        " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, $5::bigint, " DBNOW
+        " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint) ON CONFLICT (caller, method, key)"
+        " DO UPDATE SET state = idem_records.state WHERE false" CLAIM_RETURNING,
+    /* Sent with S_CLAIM_INSERT (one round trip): only a row inserted just now has owner 0. */
+    [S_CLAIM_FENCE] = "UPDATE idem_records SET owner = nextval('idem_fence') WHERE " KEY_WHERE
+                      " AND owner = 0 RETURNING owner",
     [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
     /* A takeover inherits the consumed token; re-claiming an expired result drops it. */
     [S_CLAIM_TAKE] =
@@ -313,6 +324,55 @@ idem_code idem__pg_exec_simple(PGconn *c, const char *sql)
     return IDEM_OK;
 }
 
+/* One statement's result in pipeline mode, and the NULL that ends it. */
+static PGresult *pipeline_result(PGconn *c)
+{
+    PGresult *r = PQgetResult(c), *end;
+    while (r != NULL && (end = PQgetResult(c)) != NULL) {
+        PQclear(end);
+    }
+    return r;
+}
+
+/* Runs prepared statements s1 and s2 in one round trip (libpq pipeline mode): s2 runs
+ * once s1 has finished, and not at all when s1 failed. Both results are checked for
+ * PGRES_TUPLES_OK. A connection left in pipeline mode by a failure fails its next
+ * statement; inside a transaction (every caller) the pool then closes it. */
+static idem_code exec_pair(PGconn *c, enum stmt s1, const pg_args *a1, enum stmt s2,
+                           const pg_args *a2, PGresult **r1, PGresult **r2)
+{
+    char n1[8], n2[8];
+    snprintf(n1, sizeof(n1), "s%d", (int)s1);
+    snprintf(n2, sizeof(n2), "s%d", (int)s2);
+    *r1 = *r2 = NULL;
+    if (!PQenterPipelineMode(c) || !PQsendQueryPrepared(c, n1, a1->n, a1->v, a1->len, a1->fmt, 1) ||
+        !PQsendQueryPrepared(c, n2, a2->n, a2->v, a2->len, a2->fmt, 1) || !PQpipelineSync(c)) {
+        return idem__pg_fail(c, NULL, "pipeline send");
+    }
+    PGresult *got1 = pipeline_result(c), *got2 = pipeline_result(c), *sync = PQgetResult(c);
+    bool ended = sync != NULL && PQresultStatus(sync) == PGRES_PIPELINE_SYNC &&
+                 PQexitPipelineMode(c) == 1; /* also after a failed statement */
+    PQclear(sync);
+    idem_code code = IDEM_OK;
+    if (PQresultStatus(got1) != PGRES_TUPLES_OK) {
+        code = idem__pg_fail(c, got1, stmt_sql[s1]);
+        got1 = NULL;
+    } else if (PQresultStatus(got2) != PGRES_TUPLES_OK) {
+        code = idem__pg_fail(c, got2, stmt_sql[s2]);
+        got2 = NULL;
+    } else if (!ended) {
+        code = idem__pg_fail(c, NULL, "pipeline end");
+    }
+    if (code != IDEM_OK) {
+        PQclear(got1);
+        PQclear(got2);
+        return code;
+    }
+    *r1 = got1;
+    *r2 = got2;
+    return IDEM_OK;
+}
+
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col)
 {
     const unsigned char *p = (const unsigned char *)PQgetvalue(r, row, col);
@@ -425,8 +485,9 @@ static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_recor
     memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
 }
 
-/* The row exists: decide under its lock, on the database clock. Returns with *outcome
- * set (and *got the row when this claim acquired it), or an error. */
+/* The row exists, locked by the insert: decide under that lock, on the database clock.
+ * Returns with *outcome set (and *got the row when this claim acquired it), or an
+ * error. */
 static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_args *a,
                                 idem_claim_outcome *outcome, idem_record *rec, idem_record *got)
 {
@@ -438,7 +499,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     if (r == NULL) {
         return code;
     }
-    if (PQntuples(r) != 1) { /* deleted since the insert saw it: let the caller retry */
+    if (PQntuples(r) != 1) { /* cannot be: the insert locked it */
         PQclear(r);
         return idem__err(IDEM_UNAVAILABLE, "record vanished during the claim; retry");
     }
@@ -478,21 +539,47 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
     return IDEM_OK;
 }
 
+/* The claim's insert; for a store-assigned owner with the fence drawn in the same round
+ * trip (S_CLAIM_FENCE). *inserted when the row is this claim's (then in *got). */
+static idem_code claim_insert(PGconn *c, const idem_claim_req *req, const pg_args *a,
+                              bool *inserted, idem_record *got)
+{
+    idem_code code = IDEM_OK;
+    PGresult *r, *f = NULL;
+    pg_args key = *a;
+    key.n = 3;
+    if (req->owner != 0) {
+        r = idem__pg_exec(c, S_CLAIM_INSERT, a, PGRES_TUPLES_OK, &code);
+    } else if ((code = exec_pair(c, S_CLAIM_INSERT, a, S_CLAIM_FENCE, &key, &r, &f)) != IDEM_OK) {
+        r = NULL;
+    }
+    if (r == NULL) {
+        return code;
+    }
+    *inserted = PQntuples(r) == 1; /* the unique key decided */
+    if (*inserted) {
+        claimed_row(r, req, got);
+        if (f != NULL && PQntuples(f) == 1) {
+            got->owner = (uint64_t)idem__pg_col_i64(f, 0, 0);
+        } else if (f != NULL) {
+            code = idem__err(IDEM_INTERNAL, "postgres: no owner drawn for the claim");
+        }
+    }
+    PQclear(r);
+    PQclear(f);
+    return code;
+}
+
 idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
                                 idem_record *rec, idem_record *got)
 {
     pg_args a = {0};
-    idem_code code;
+    bool inserted = false;
     claim_args(&a, req);
-    PGresult *r = idem__pg_exec(c, S_CLAIM_INSERT, &a, PGRES_TUPLES_OK, &code);
-    if (r == NULL) {
+    idem_code code = claim_insert(c, req, &a, &inserted, got);
+    if (code != IDEM_OK) {
         return code;
     }
-    bool inserted = PQntuples(r) == 1; /* the unique key decided */
-    if (inserted) {
-        claimed_row(r, req, got);
-    }
-    PQclear(r);
     if (!inserted) {
         return claim_existing(c, req, &a, outcome, rec, got);
     }

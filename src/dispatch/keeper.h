@@ -1,0 +1,30 @@
+/* The lease keeper (keeper.c): the heartbeat of running claims. A server's in-flight
+ * table keeps the leases of its running handlers with one; a lock (toolkit/lock.c)
+ * keeps its lease with the server's (taken through a call) or with one its store shares
+ * between the locks held outside a server. */
+#ifndef IDEMRPC_KEEPER_H
+#define IDEMRPC_KEEPER_H
+
+#include "call.h"
+#include "store.h"
+
+typedef struct idem_keeper idem_keeper;
+typedef struct idem_keep idem_keep;
+
+/* Starts the keeper thread. rt gives the wall clock and the log sink; NULL: this host's
+ * clock, no log lines. Leases are renewed in st. */
+idem_code idem__keeper_create(idem_keeper **out, idem_store *st, const idem_runtime *rt);
+/* Stops the thread (a renewal in flight finishes first) and frees what is still kept. */
+void idem__keeper_destroy(idem_keeper *k);
+
+/* Renews the lease of (key, owner) to now + lease_ms every lease_ms/3, for up to
+ * max_run_ms from now, until idem__keeper_unkeep. NULL (no renewal) only when out of
+ * memory. */
+idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t owner,
+                             uint64_t lease_ms, uint64_t max_run_ms);
+/* Stops renewing and frees kp (NULL is a no-op). */
+void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp);
+/* True once a renewal of kp answered IDEM_ABORTED: the claim is no longer its owner's. */
+bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp);
+
+#endif

@@ -1,0 +1,53 @@
+/* Fencing: the store refuses a txn of a lock holder that a newer holder has superseded.
+ *
+ * IDEM_FENCE_DB holds, per lock, scope \0 name → be64 highest token fenced. Tokens are the
+ * lock's claim owners, from the store's one increasing counter, so "older holder" is
+ * "smaller token". The check and the raise are one read and at most one write in the
+ * caller's txn: on LMDB the txn holds the only writer; on PostgreSQL the read locks the
+ * row (txn.c), so two fenced txns of one lock run one after the other and the second
+ * sees the first's token. */
+#include <string.h>
+
+#include "lock_internal.h"
+
+#define FENCE_KEY_MAX (IDEM_MAX_CALLER + 1 + IDEM_LOCK_MAX_NAME)
+
+idem_code idem_txn_fence(idem_txn *t, const char *scope, const char *name, uint64_t token)
+{
+    uint8_t key[FENCE_KEY_MAX], val[8];
+    const void *v;
+    size_t vlen;
+    idem_code code = idem__lock_names_check(scope, name);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (t == NULL || token == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "fence needs a txn and a lock's token (not 0)");
+    }
+    size_t ls = scope != NULL ? strlen(scope) : 0, ln = strlen(name);
+    memcpy(key, scope != NULL ? scope : "", ls);
+    key[ls] = 0;
+    memcpy(key + ls + 1, name, ln);
+    size_t klen = ls + 1 + ln;
+    uint64_t highest = 0;
+    code = idem_txn_get(t, IDEM_FENCE_DB, key, klen, &v, &vlen);
+    if (code == IDEM_OK && vlen != sizeof(val)) {
+        return idem__err(IDEM_DATA_LOSS, "fence of lock \"%s\" has a bad value", name);
+    }
+    if (code == IDEM_OK) {
+        highest = idem__get_be64(v);
+    } else if (code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    if (token < highest) {
+        return idem__err(IDEM_ABORTED,
+                         "fenced: token %llu of lock \"%s\" is older than %llu, a newer holder's "
+                         "that has written",
+                         (unsigned long long)token, name, (unsigned long long)highest);
+    }
+    if (token == highest) {
+        return IDEM_OK; /* the same holder again */
+    }
+    idem__put_be64(val, token);
+    return idem_txn_put(t, IDEM_FENCE_DB, key, klen, val, sizeof(val));
+}
