@@ -17,19 +17,25 @@ idem_code idem__key_check(const idem_key_ref *ref)
     return IDEM_OK;
 }
 
-uint32_t idem__key_hash(const idem_key_ref *key)
+uint64_t idem__key_hash64(const idem_key_ref *key)
 {
-    uint32_t h = 2166136261u;
+    uint64_t h = 14695981039346656037ull;
     const char *parts[] = {key->caller != NULL ? key->caller : "", key->method, key->key};
     for (size_t i = 0; i < 3; i++) {
         for (const unsigned char *p = (const unsigned char *)parts[i];; p++) {
-            h = (h ^ *p) * 16777619u;
+            h = (h ^ *p) * 1099511628211ull;
             if (*p == '\0') {
                 break;
             }
         }
     }
     return h;
+}
+
+uint32_t idem__key_hash(const idem_key_ref *key)
+{
+    uint64_t h = idem__key_hash64(key);
+    return (uint32_t)(h ^ (h >> 32));
 }
 
 static idem_code token_check(const char *token, const char *scope)

@@ -98,8 +98,10 @@ idem_code idem__store_token_put_at(idem_store *st, const char *token, const char
 #define IDEM__APP_MAX_KEY 511
 idem_code idem__app_check(const char *db, size_t klen);
 
-/* FNV-1a over caller \0 method \0 key: the in-flight buckets and the stores'
- * completion announcements use it. */
+/* FNV-1a (64 bits) over caller \0 method \0 key, and its 32-bit fold: the in-flight
+ * buckets and the stores' completion announcements use the fold, PostgreSQL's advisory
+ * key locks the 64 bits. A collision only makes an unrelated key wait or wake. */
+uint64_t idem__key_hash64(const idem_key_ref *key);
 uint32_t idem__key_hash(const idem_key_ref *key);
 
 /* Watching a store that cannot announce completions is a no-op (IDEM_OK): its waiters

@@ -29,6 +29,7 @@
 #define FOREACH_PAGE 500
 
 #define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+#define SWEEPNOW "(extract(epoch FROM statement_timestamp()) * 1000)::bigint + $1::bigint"
 #define REC_COLS                                                                                   \
     "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response, " DBNOW
 #define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
@@ -66,7 +67,11 @@ static const char *const stmt_sql[S_COUNT] = {
         " + $7::bigint, response = NULL," KEEP_IF_TAKEOVER("token") "," KEEP_IF_TAKEOVER(
             "token_scope") "," KEEP_IF_TAKEOVER("token_expires_ms") " WHERE " KEY_WHERE
             CLAIM_RETURNING,
-    [S_TOKEN_TAKE] = "DELETE FROM idem_tokens WHERE token = $1 RETURNING scope, expires_ms, " DBNOW,
+    /* A token another transaction is consuming right now (a handler's, on PostgreSQL)
+     * is skipped, not waited for: "unknown or already used", and the caller retries. */
+    [S_TOKEN_TAKE] =
+        "DELETE FROM idem_tokens WHERE token IN (SELECT token FROM idem_tokens"
+        " WHERE token = $1 FOR UPDATE SKIP LOCKED) RETURNING scope, expires_ms, " DBNOW,
     [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
                      " WHERE " KEY_WHERE,
     /* $7: the announcement's payload, "" for none (ANNOUNCE). */
@@ -85,18 +90,19 @@ static const char *const stmt_sql[S_COUNT] = {
                 " AND owner = $4 AND state = 1",
     [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
     [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
-    /* Batches by primary key (plain SQL; no ctid). The outer condition is checked again
-     * on the newest row version, so a row renewed or written meanwhile stays. */
-    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE expires_ms <= " DBNOW " + $1::bigint AND"
+    /* Batches by primary key (plain SQL; no ctid), skipping rows a live transaction holds
+     * (a handler's: never wait for it, nor deadlock with it). The outer condition is
+     * checked again on the newest row version, so a row renewed or written meanwhile
+     * stays. SWEEPNOW is stable within the statement, so the expiry index is used. */
+    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE expires_ms <= " SWEEPNOW " AND"
                         " (caller, method, key) IN (SELECT caller, method, key FROM idem_records"
-                        " WHERE expires_ms <= " DBNOW " + $1::bigint LIMIT $2)",
-    [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE expires_ms <= " DBNOW " + $1::bigint AND"
-                       " token IN (SELECT token FROM idem_tokens WHERE expires_ms <= " DBNOW
-                       " + $1::bigint LIMIT $2)",
-    /* The empty rows reads leave behind (txn.c); a row locked by a live transaction is
-     * waited for, and one it has written since is no longer empty. */
+                        " WHERE expires_ms <= " SWEEPNOW " LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE expires_ms <= " SWEEPNOW " AND token IN"
+                       " (SELECT token FROM idem_tokens WHERE expires_ms <= " SWEEPNOW
+                       " LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    /* The empty rows reads leave behind (txn.c). */
     [S_SWEEP_KV] = "DELETE FROM idem_kv WHERE v IS NULL AND (db, k) IN (SELECT db, k FROM idem_kv"
-                   " WHERE v IS NULL LIMIT $1)",
+                   " WHERE v IS NULL LIMIT $1 FOR UPDATE SKIP LOCKED)",
     [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, " DBNOW
                     " + $3::bigint) ON CONFLICT DO NOTHING",
     [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"

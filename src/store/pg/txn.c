@@ -144,29 +144,12 @@ idem_code idem__pg_txn_complete_commit(idem_txn *base, const idem_key_ref *ref, 
     return idem__pg_txn_commit(base);
 }
 
-/* FNV-1a, 64 bits, over caller \0 method \0 key: the advisory lock's number. A collision
- * only makes an unrelated key wait as if in progress. */
-static uint64_t key_lock_id(const idem_key_ref *key)
-{
-    uint64_t h = 14695981039346656037ull;
-    const char *parts[] = {key->caller != NULL ? key->caller : "", key->method, key->key};
-    for (size_t i = 0; i < 3; i++) {
-        for (const unsigned char *p = (const unsigned char *)parts[i];; p++) {
-            h = (h ^ *p) * 1099511628211ull;
-            if (*p == '\0') {
-                break;
-            }
-        }
-    }
-    return h;
-}
-
 /* True when this transaction now holds the key's advisory lock. */
 static idem_code lock_key(PGconn *c, const idem_key_ref *key, bool *locked)
 {
     pg_args a = {0};
     idem_code code;
-    arg_i64(&a, key_lock_id(key));
+    arg_i64(&a, idem__key_hash64(key));
     PGresult *r = idem__pg_exec(c, S_TRY_LOCK, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
