@@ -38,6 +38,20 @@ static char *pg; /* conninfo of this test's schema; NULL on LMDB */
 static char schema[32];
 /* The live servers, killed by teardown if a test fails. */
 static tu_child servers[INSTANCES] = {{-1, NULL}, {-1, NULL}};
+/* The one client in front of every live instance, opened by spawn and kept until stop.
+ * Clients for a single call dial one instance only: closing a client while one of its
+ * connections is still in the SP handshake stops the listener of nng before 1.6.0
+ * (nanomsg/nng#1518), and a client of two URLs that made one call may well have such a
+ * connection to the instance it did not use. */
+static idem_client *shop;
+
+static void shop_close(void)
+{
+    if (shop != NULL) {
+        idem_client_close(shop);
+        shop = NULL;
+    }
+}
 
 static void setup(void)
 {
@@ -51,6 +65,7 @@ static void setup(void)
 
 static void teardown(void)
 {
+    shop_close();
     for (int i = 0; i < INSTANCES; i++) {
         if (servers[i].pid > 0) {
             kill(servers[i].pid, SIGKILL);
@@ -83,29 +98,51 @@ static void spawn_instance(int i, const char *const *extra)
     tu_spawn(&servers[i], argv);
 }
 
-/* The service: two instances on one PostgreSQL schema, one process on an LMDB dir. */
-static void spawn(const char *const *extra)
-{
-    spawn_instance(0, extra);
-    if (pg != NULL) {
-        spawn_instance(1, extra);
-    }
-}
-
-/* One instance only: for tests that count what one dispatcher did, or kill it. */
-static void spawn_single(const char *const *extra)
-{
-    spawn_instance(0, extra);
-}
-
 /* How many instances run; instance i % live() is a live one. */
 static int live(void)
 {
     return servers[1].pid > 0 ? 2 : 1;
 }
 
+/* A client to the first n_urls instances. */
+static idem_client *client(size_t n_urls, uint32_t attempt_ms, uint32_t deadline_ms,
+                           uint32_t attempts)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.attempt_timeout_ms = attempt_ms;
+    o.deadline_ms = deadline_ms;
+    o.retry.max_attempts = attempts;
+    o.retry.period_ms = 50;
+    o.retry.max_period_ms = 200;
+    o.caller = "shop";
+    const char *const to[] = {urls[0], urls[1]};
+    cr_assert_eq(idem_client_open(&c, to, n_urls, &o), IDEM_OK);
+    return c;
+}
+
+/* The service: two instances on one PostgreSQL schema, one process on an LMDB dir; and
+ * the client in front of them. */
+static void spawn(const char *const *extra)
+{
+    spawn_instance(0, extra);
+    if (pg != NULL) {
+        spawn_instance(1, extra);
+    }
+    shop = client((size_t)live(), 2000, 10000, 5);
+}
+
+/* One instance only: for tests that count what one dispatcher did, or kill it. */
+static void spawn_single(const char *const *extra)
+{
+    spawn_instance(0, extra);
+    shop = client(1, 2000, 10000, 5);
+}
+
 static void stop(void)
 {
+    shop_close();
     for (int i = 0; i < INSTANCES; i++) {
         if (servers[i].pid > 0) {
             kill(servers[i].pid, SIGTERM);
@@ -117,35 +154,16 @@ static void stop(void)
 
 /* ---- calls ---- */
 
-static idem_client *client(uint32_t attempt_ms, uint32_t deadline_ms, uint32_t attempts)
-{
-    idem_client_opts o;
-    idem_client *c;
-    idem_client_opts_init(&o);
-    o.attempt_timeout_ms = attempt_ms;
-    o.deadline_ms = deadline_ms;
-    o.retry.max_attempts = attempts;
-    o.retry.period_ms = 50;
-    o.retry.max_period_ms = 200;
-    o.caller = "shop";
-    const char *const to[] = {urls[0], urls[1]}; /* one client for every live instance */
-    cr_assert_eq(idem_client_open(&c, to, (size_t)live(), &o), IDEM_OK);
-    return c;
-}
-
-/* One logical call with the default test client. */
+/* One logical call through the client in front of the service. */
 static idem_code call(const char *method, const char *key, const char *token, const char *payload,
                       idem_result *r)
 {
-    idem_client *c = client(2000, 10000, 5);
     idem_request q = {.method = method,
                       .idempotency_key = key,
                       .token = token,
                       .payload = payload,
                       .payload_len = strlen(payload)};
-    idem_code code = idem_client_call(c, &q, r);
-    idem_client_close(c);
-    return code;
+    return idem_client_call(shop, &q, r);
 }
 
 /* Field `name` of a "k=v&k=v" payload as a number; -1 when absent. */
@@ -176,10 +194,8 @@ static bool field_is(const char *form, const char *name, const char *value)
 static char *token(void)
 {
     static char buf[64];
-    idem_client *c = client(2000, 10000, 5);
-    cr_assert_eq(idem_client_issue_token(c, NULL, buf, sizeof(buf), NULL), IDEM_OK, "%s",
+    cr_assert_eq(idem_client_issue_token(shop, NULL, buf, sizeof(buf), NULL), IDEM_OK, "%s",
                  idem_errmsg());
-    idem_client_close(c);
     return buf;
 }
 
@@ -281,7 +297,7 @@ static idem_code refund(const char *order_id, const char *key, idem_result *r)
 /* Waits until the commission queue is empty; copies the broker's counters into stats. */
 static void drain(char *stats, size_t cap)
 {
-    idem_client *c = client(25000, 30000, 1);
+    idem_client *c = client(1, 25000, 30000, 1);
     idem_request q = {.method = "pay.Commission/Drain",
                       .payload = "timeout_ms=20000",
                       .payload_len = strlen("timeout_ms=20000")};
@@ -466,7 +482,7 @@ Test(payments, client_replaying_after_a_timeout_gets_the_first_order_not_a_secon
     idem_result r;
     spawn(slow);
     snprintf(tok, sizeof(tok), "%s", token());
-    idem_client *impatient = client(300, 400, 1);
+    idem_client *impatient = client(1, 300, 400, 1);
     idem_request q = {.method = "pay.Order/Create",
                       .token = tok,
                       .payload = "merchant=" MERCHANT "&amount=5000",
@@ -495,7 +511,7 @@ Test(payments, retrying_client_gets_one_order_and_the_first_result)
     const char *slow[] = {"--create-delay-ms", "800", NULL};
     idem_result r;
     spawn(slow);
-    idem_client *c = client(300, 10000, 10);
+    idem_client *c = client((size_t)live(), 300, 10000, 10); /* lives past both handshakes */
     idem_request q = {.method = "pay.Order/Create",
                       .token = token(),
                       .payload = "merchant=" MERCHANT "&amount=5000",
@@ -558,6 +574,7 @@ static void kill_consumer_and_restart(const char *point)
         notify(ids[i], 1000LL * (i + 1), NULL); /* the server dies somewhere in here */
     }
     cr_assert_eq(tu_reap(&servers[0]), SIGKILL, "killed at %s", point);
+    shop_close();
 
     spawn_single(redelivering);
     for (int i = 0; i < 6; i++) { /* channels resend until they hear "success" */
@@ -655,7 +672,7 @@ typedef struct worker {
     const char *id;
     int instance; /* where the callback goes: i / 2, so payers and refunders use both */
     long long amount;
-    idem_client *refunds; /* NULL: pay only */
+    bool refunds; /* false: pay only */
     int paid, refunded;
 } worker;
 
@@ -669,14 +686,14 @@ static void *pay_and_refund(void *arg)
     idem_result r;
     w->paid = notify_on(w->instance, w->id, w->amount, NULL);
     w->refunded = IDEM_OK;
-    if (w->refunds != NULL) {
+    if (w->refunds) {
         snprintf(key, sizeof(key), "refund-%s", w->id);
         snprintf(payload, sizeof(payload), "order_id=%s", w->id);
         idem_request q = {.method = "pay.Order/Refund",
                           .idempotency_key = key,
                           .payload = payload,
                           .payload_len = strlen(payload)};
-        w->refunded = idem_client_call(w->refunds, &q, &r);
+        w->refunded = idem_client_call(shop, &q, &r); /* one client, shared by the threads */
         idem_result_clear(&r);
     }
     return NULL;
@@ -692,9 +709,8 @@ Test(payments, concurrent_payments_and_refunds_of_one_merchant_lose_no_update)
     spawn(NULL);
     for (int i = 0; i < WORKERS; i++) {
         create_order(1000LL * (i + 1), ids[i]);
-        w[i] = (worker){ids[i], i / 2, 1000LL * (i + 1), i % 2 == 0 ? client(2000, 10000, 5) : NULL,
-                        -1,     -1};
-        expected += w[i].refunds != NULL ? 0 : w[i].amount;
+        w[i] = (worker){ids[i], i / 2, 1000LL * (i + 1), i % 2 == 0, -1, -1};
+        expected += w[i].refunds ? 0 : w[i].amount;
     }
     for (int i = 0; i < WORKERS; i++) {
         cr_assert_eq(pthread_create(&th[i], NULL, pay_and_refund, &w[i]), 0);
@@ -703,8 +719,7 @@ Test(payments, concurrent_payments_and_refunds_of_one_merchant_lose_no_update)
         pthread_join(th[i], NULL);
         cr_expect_eq(w[i].paid, IDEM_OK, "payment %d", i);
         cr_expect_eq(w[i].refunded, IDEM_OK, "refund %d", i);
-        if (w[i].refunds != NULL) {
-            idem_client_close(w[i].refunds);
+        if (w[i].refunds) {
             expect_tables(ids[i], "REFUNDED", 2, 1);
         } else {
             expect_tables(ids[i], "PAID", 1, 1);
