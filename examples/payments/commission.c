@@ -7,6 +7,8 @@
  * thread plays the broker: it delivers each message to the consumer and deletes it only
  * after an ack, in a later txn. That is the at-least-once window real brokers have (a
  * crash between consume and delete redelivers), and idem_consume is what closes it.
+ * On PostgreSQL every instance runs a dispatcher on the one shared outbox: two of them
+ * may deliver the same message, and idem_consume makes the second a duplicate.
  * For the tests it also misbehaves on purpose: duplicate deliveries, consumers that throw
  * after writing, SIGKILL in the middle of a consume or between consume and ack.
  *
@@ -162,7 +164,9 @@ static idem_code credit_commission(idem_txn *t, void *arg)
     return code;
 }
 
-/* Deletes message seq and moves head past every acked message at the front. */
+/* Deletes message seq and moves head past every acked message at the front. The queue
+ * row comes first, as in enqueue: on PostgreSQL, where a read locks its row until the
+ * txn ends, the dispatchers of several instances then queue up instead of deadlocking. */
 static idem_code ack_txn(idem_txn *t, void *arg)
 {
     uint64_t seq = *(const uint64_t *)arg, head, next;
@@ -170,9 +174,12 @@ static idem_code ack_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n;
     msg_key(k, seq);
-    idem_code code = idem_txn_del(t, PAY_DB_OUTBOX, k, sizeof(k));
-    if ((code != IDEM_OK && code != IDEM_NOT_FOUND) ||
-        (code = meta_get(t, &head, &next)) != IDEM_OK) {
+    idem_code code = meta_get(t, &head, &next);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    code = idem_txn_del(t, PAY_DB_OUTBOX, k, sizeof(k));
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return code;
     }
     uint64_t start = head;

@@ -73,9 +73,35 @@ idem_code pay_reply(idem_call *call, const char *fmt, ...)
     return idem_call_reply(call, IDEM_OK, buf, (size_t)n);
 }
 
+/* idem_errmsg() belongs to the library; the example's own failures (its SQL) keep their
+ * detail here, per thread like idem_errmsg(), until pay_errmsg() reports it. */
+static _Thread_local char own_error[512];
+
+void pay_set_errmsg(const char *fmt, ...)
+{
+    va_list ap;
+    own_error[0] = '\0';
+    if (fmt != NULL) {
+        va_start(ap, fmt);
+        vsnprintf(own_error, sizeof(own_error), fmt, ap);
+        va_end(ap);
+    }
+}
+
+const char *pay_errmsg(void)
+{
+    static _Thread_local char reported[sizeof(own_error)];
+    if (own_error[0] == '\0') {
+        return idem_errmsg();
+    }
+    memcpy(reported, own_error, sizeof(reported));
+    own_error[0] = '\0';
+    return reported;
+}
+
 idem_code pay_rollback(idem_call *call, idem_code code, const char *what)
 {
     idem_code answer = (IDEM_CODE_BIT(code) & IDEM_TRANSIENT_CODES) ? code : IDEM_INTERNAL;
     return idem_call_fail(call, answer, "%s: %s (%s), rolled back", what, idem_code_name(code),
-                          idem_errmsg());
+                          pay_errmsg());
 }

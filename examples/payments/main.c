@@ -1,11 +1,16 @@
-/* idemrpc-payments: serves the pay.* methods on one LMDB store.
+/* idemrpc-payments: serves the pay.* methods on one store.
  *
- *   idemrpc-payments --listen URL --db DIR [--seed N] [--fail-rate P]
+ *   idemrpc-payments --listen URL --store DIR|POSTGRES [--seed N] [--fail-rate P]
  *                    [--redeliver-rate P] [--crash-at consume|before_ack] [--crash-on N]
  *                    [--create-delay-ms N] [--lease-ms N]
  *
- * Prints "ready" on stdout once it listens; SIGTERM or SIGINT stops it cleanly. The
- * fault options drive the tests' at-least-once harness (README.md). */
+ * --store takes an LMDB directory, or a PostgreSQL database as a URL (postgres://...,
+ * postgresql://...) or a libpq keyword=value string ("host=... dbname=..."): any value
+ * with '=' in it. --db DIR is the LMDB-only spelling (also for a directory whose name has
+ * an '='). Several instances may serve one PostgreSQL database. Prints "ready" on stdout
+ * once it listens; SIGTERM or SIGINT stops it cleanly. The fault options drive the
+ * tests' at-least-once harness (README.md). */
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,41 +18,125 @@
 
 #include "payments.h"
 
+/* On PostgreSQL a transactional handler holds a pool connection while it runs, and so do
+ * the commission dispatcher and the sweeper: the pool is their sum. */
+#define PG_WORKERS 8
+#define PG_POOL (PG_WORKERS + 2)
+
 typedef struct options {
-    const char *listen, *db;
+    const char *listen, *store;
+    bool pg; /* --store named a PostgreSQL database */
     uint64_t lease_ms;
     pay_faults faults;
 } options;
+
+static bool bad_option(const char *k, const char *v, const char *why)
+{
+    fprintf(stderr, "idemrpc-payments: %s %s: %s\n", k, v, why);
+    return false;
+}
+
+/* A decimal integer in 0..max. */
+static bool opt_uint(const char *k, const char *v, uint64_t max, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(v, &end, 10);
+    if (*v < '0' || *v > '9' || *end != '\0' || errno != 0 || n > max) {
+        return bad_option(k, v, "not a whole number in range");
+    }
+    *out = n;
+    return true;
+}
+
+/* A probability in [0, 1]. */
+static bool opt_rate(const char *k, const char *v, double *out)
+{
+    char *end;
+    *out = strtod(v, &end);
+    if (end == v || *end != '\0' || !(*out >= 0.0 && *out <= 1.0)) {
+        return bad_option(k, v, "not a number from 0 to 1");
+    }
+    return true;
+}
+
+static bool is_postgres_url(const char *v)
+{
+    return strncmp(v, "postgres://", 11) == 0 || strncmp(v, "postgresql://", 13) == 0;
+}
+
+/* --store and --db: exactly one of them, never empty. */
+static bool opt_store(options *o, const char *k, const char *v)
+{
+    if (o->store != NULL) {
+        return bad_option(k, v, "the store is already given: use one --store (or --db)");
+    }
+    if (*v == '\0') {
+        return bad_option(k, "\"\"", "empty store");
+    }
+    bool db = strcmp(k, "--db") == 0;
+    if (db && is_postgres_url(v)) {
+        return bad_option(k, v, "--db takes an LMDB directory; use --store for PostgreSQL");
+    }
+    o->pg = !db && (is_postgres_url(v) || strchr(v, '=') != NULL);
+    o->store = v;
+    return true;
+}
+
+static bool parse_option(options *o, const char *k, const char *v)
+{
+    uint64_t n;
+    if (strcmp(k, "--listen") == 0) {
+        o->listen = v;
+    } else if (strcmp(k, "--store") == 0 || strcmp(k, "--db") == 0) {
+        return opt_store(o, k, v);
+    } else if (strcmp(k, "--seed") == 0) {
+        return opt_uint(k, v, UINT64_MAX, &o->faults.seed);
+    } else if (strcmp(k, "--fail-rate") == 0) {
+        return opt_rate(k, v, &o->faults.fail_rate);
+    } else if (strcmp(k, "--redeliver-rate") == 0) {
+        return opt_rate(k, v, &o->faults.redeliver_rate);
+    } else if (strcmp(k, "--crash-at") == 0) {
+        if (strcmp(v, "consume") != 0 && strcmp(v, "before_ack") != 0) {
+            return bad_option(k, v, "not consume or before_ack");
+        }
+        o->faults.crash_at = v;
+    } else if (strcmp(k, "--crash-on") == 0) {
+        if (!opt_uint(k, v, UINT32_MAX, &n)) {
+            return false;
+        }
+        o->faults.crash_on = (unsigned)n;
+    } else if (strcmp(k, "--create-delay-ms") == 0) {
+        if (!opt_uint(k, v, 60000, &n)) {
+            return false;
+        }
+        o->faults.create_delay_ms = (unsigned)n;
+    } else if (strcmp(k, "--lease-ms") == 0) {
+        return opt_uint(k, v, UINT32_MAX, &o->lease_ms);
+    } else {
+        return bad_option(k, v, "unknown option");
+    }
+    return true;
+}
 
 static bool parse_options(int argc, char **argv, options *o)
 {
     memset(o, 0, sizeof(*o));
     o->faults.crash_on = 1;
+    if (argc % 2 == 0) {
+        fprintf(stderr, "idemrpc-payments: %s needs a value\n", argv[argc - 1]);
+        return false;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
-        const char *k = argv[i], *v = argv[i + 1];
-        if (strcmp(k, "--listen") == 0) {
-            o->listen = v;
-        } else if (strcmp(k, "--db") == 0) {
-            o->db = v;
-        } else if (strcmp(k, "--seed") == 0) {
-            o->faults.seed = strtoull(v, NULL, 10);
-        } else if (strcmp(k, "--fail-rate") == 0) {
-            o->faults.fail_rate = strtod(v, NULL);
-        } else if (strcmp(k, "--redeliver-rate") == 0) {
-            o->faults.redeliver_rate = strtod(v, NULL);
-        } else if (strcmp(k, "--crash-at") == 0) {
-            o->faults.crash_at = v;
-        } else if (strcmp(k, "--crash-on") == 0) {
-            o->faults.crash_on = (unsigned)strtoul(v, NULL, 10);
-        } else if (strcmp(k, "--create-delay-ms") == 0) {
-            o->faults.create_delay_ms = (unsigned)strtoul(v, NULL, 10);
-        } else if (strcmp(k, "--lease-ms") == 0) {
-            o->lease_ms = strtoull(v, NULL, 10);
-        } else {
+        if (!parse_option(o, argv[i], argv[i + 1])) {
             return false;
         }
     }
-    return o->listen != NULL && o->db != NULL && (argc % 2) == 1;
+    if (o->listen == NULL || o->store == NULL) {
+        fprintf(stderr, "idemrpc-payments: --listen and --store (or --db) are required\n");
+        return false;
+    }
+    return true;
 }
 
 typedef struct method {
@@ -83,10 +172,14 @@ static idem_code register_methods(idem_server *srv, pay_service *svc)
     return IDEM_OK;
 }
 
-/* Creates the business databases up front, so that the read methods never write. */
-static idem_code touch_dbs(idem_txn *t, void *arg)
+/* LMDB: creates the business databases up front, so that the read methods never write.
+ * PostgreSQL: creates the service's own tables (the key-value data needs nothing). */
+static idem_code prepare_store(idem_txn *t, void *arg)
 {
     (void)arg;
+    if (idem_txn_pg_conn(t) != NULL) {
+        return pay_sql_create_tables(t);
+    }
     static const char *const dbs[] = {PAY_DB_ORDERS, PAY_DB_SEQ,    PAY_DB_BALANCES,
                                       PAY_DB_OUTBOX, "order_state", IDEM_CONSUME_DB};
     const void *v;
@@ -111,10 +204,14 @@ static int service_init(pay_service *svc, const options *o)
         return -1;
     }
     pthread_condattr_destroy(&ca);
-    if (idem_store_open_lmdb(&svc->store, o->db, 0, 0) != IDEM_OK) {
+    idem_pg_opts pg = {.pool_size = PG_POOL};
+    svc->pg = o->pg;
+    idem_code code = o->pg ? idem_store_open_postgres_ex(&svc->store, o->store, &pg)
+                           : idem_store_open_lmdb(&svc->store, o->store, 0, 0);
+    if (code != IDEM_OK) {
         return -1;
     }
-    return idem_store_run_txn(svc->store, touch_dbs, NULL) == IDEM_OK ? 0 : -1;
+    return idem_store_run_txn(svc->store, prepare_store, NULL) == IDEM_OK ? 0 : -1;
 }
 
 static int serve(pay_service *svc, const options *o)
@@ -126,6 +223,7 @@ static int serve(pay_service *svc, const options *o)
     idem_server_opts_init(&so);
     so.store = svc->store;
     so.lease_ms = o->lease_ms;
+    so.workers = o->pg ? PG_WORKERS : 0;
     if (idem_server_create(&srv, &so) != IDEM_OK) {
         return -1;
     }
@@ -151,9 +249,10 @@ int main(int argc, char **argv)
     pay_service svc;
     sigset_t stop;
     if (!parse_options(argc, argv, &o)) {
-        fprintf(stderr, "usage: idemrpc-payments --listen URL --db DIR [--seed N] "
-                        "[--fail-rate P] [--redeliver-rate P] [--crash-at consume|before_ack] "
-                        "[--crash-on N] [--create-delay-ms N] [--lease-ms N]\n");
+        fprintf(stderr, "usage: idemrpc-payments --listen URL --store DIR|postgres://...|CONNINFO "
+                        "[--seed N] [--fail-rate P] [--redeliver-rate P] "
+                        "[--crash-at consume|before_ack] [--crash-on N] [--create-delay-ms N] "
+                        "[--lease-ms N]\n");
         return 2;
     }
     /* Block the stop signals before any thread starts, so that only sigwait sees them. */
@@ -166,7 +265,7 @@ int main(int argc, char **argv)
         rc = serve(&svc, &o);
     }
     if (rc != 0) {
-        fprintf(stderr, "idemrpc-payments: %s\n", idem_errmsg());
+        fprintf(stderr, "idemrpc-payments: %s\n", pay_errmsg());
     }
     idem_store_close(svc.store);
     pthread_cond_destroy(&svc.cv);

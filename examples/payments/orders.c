@@ -1,9 +1,12 @@
-/* Orders: created by a token-protected submit, then moved only by the state machine.
+/* Orders: created by a token-protected submit, then moved only along the state machine.
  *
  *   CREATED ──Notify──▶ PAID ──Refund──▶ REFUNDED
  *      └──Cancel──▶ CANCELLED
- * Create and Cancel are transactional handlers: the order, its state and the idempotency
- * record commit in one LMDB txn, so a retried submit replays the first order id. */
+ * Create and Cancel are transactional handlers: the order, its status and the
+ * idempotency record commit in one store txn, so a retried submit replays the first
+ * order id. The status is the toolkit's state machine on LMDB and the service's own
+ * table pay_order on PostgreSQL (pg_tables.c); every move goes through pay_order_move,
+ * a compare-and-set on either. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +41,52 @@ idem_code pay_order_load(idem_txn *t, const char *order_id, char *merchant, long
     size_t n;
     idem_code code = idem_txn_get(t, PAY_DB_ORDERS, order_id, strlen(order_id), &v, &n);
     return code != IDEM_OK ? code : order_parse(v, n, merchant, amount);
+}
+
+/* A PostgreSQL txn has a connection: the status is in pay_order. */
+static bool in_pg(idem_txn *t)
+{
+    return idem_txn_pg_conn(t) != NULL;
+}
+
+idem_code pay_order_move(idem_txn *t, const char *order_id, const char *from, const char *to,
+                         idem_sm_outcome *out)
+{
+    if (!in_pg(t)) {
+        return idem_sm_advance(t, &pay_order_machine, order_id, from, to, out);
+    }
+    if (!idem_sm_allowed(&pay_order_machine, from, to)) { /* the machine still declares moves */
+        pay_set_errmsg("illegal transition %s -> %s", from, to);
+        return IDEM_FAILED_PRECONDITION;
+    }
+    return pay_sql_order_move(t, order_id, from, to, out);
+}
+
+idem_code pay_order_status(idem_txn *t, const char *order_id, char *buf, size_t cap)
+{
+    return in_pg(t) ? pay_sql_order_status(t, order_id, buf, cap)
+                    : idem_sm_get(t, &pay_order_machine, order_id, buf, cap);
+}
+
+typedef struct status_read {
+    const char *order_id;
+    char *buf;
+    size_t cap;
+} status_read;
+
+static idem_code status_read_txn(idem_txn *t, void *arg)
+{
+    status_read *s = arg;
+    return pay_sql_order_status(t, s->order_id, s->buf, s->cap);
+}
+
+idem_code pay_order_status_read(pay_service *svc, const char *order_id, char *buf, size_t cap)
+{
+    status_read s = {order_id, buf, cap};
+    if (!svc->pg) {
+        return idem_store_sm_get(svc->store, &pay_order_machine, order_id, buf, cap);
+    }
+    return idem_store_run_txn(svc->store, status_read_txn, &s); /* a txn that only reads */
 }
 
 static idem_code next_order_number(idem_txn *t, uint64_t *seq)
@@ -84,7 +133,8 @@ idem_code pay_order_create(idem_call *call, void *arg)
     int len = snprintf(rec, sizeof(rec), "merchant=%s&amount=%lld", merchant, amount);
     seq++;
     if ((code = idem_txn_put(t, PAY_DB_ORDERS, id, strlen(id), rec, (size_t)len)) != IDEM_OK ||
-        (code = idem_sm_create(t, &pay_order_machine, id, "CREATED")) != IDEM_OK ||
+        (code = in_pg(t) ? pay_sql_order_insert(t, id)
+                         : idem_sm_create(t, &pay_order_machine, id, "CREATED")) != IDEM_OK ||
         (code = idem_txn_put(t, PAY_DB_SEQ, SEQ_KEY, strlen(SEQ_KEY), &seq, sizeof(seq))) !=
             IDEM_OK) {
         return pay_rollback(call, code, "create order");
@@ -104,10 +154,9 @@ idem_code pay_order_cancel(idem_call *call, void *arg)
     if (!pay_form_get(p, n, "order_id", id, sizeof(id))) {
         return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "payload: order_id=ID");
     }
-    idem_code code =
-        idem_sm_advance(idem_call_txn(call), &pay_order_machine, id, "CREATED", "CANCELLED", &out);
+    idem_code code = pay_order_move(idem_call_txn(call), id, "CREATED", "CANCELLED", &out);
     if (code != IDEM_OK) {
-        return idem_call_fail(call, code, "%s", idem_errmsg()); /* nothing was written */
+        return idem_call_fail(call, code, "%s", pay_errmsg()); /* nothing was written */
     }
     return pay_reply(call, "order_id=%s&state=CANCELLED%s", id,
                      out == IDEM_SM_DUPLICATE ? "&already=1" : "");
@@ -132,10 +181,10 @@ idem_code pay_order_get(idem_call *call, void *arg)
     code = order_parse(v, vlen, merchant, &amount);
     free(v);
     if (code == IDEM_OK) {
-        code = idem_store_sm_get(svc->store, &pay_order_machine, id, state, sizeof(state));
+        code = pay_order_status_read(svc, id, state, sizeof(state));
     }
     if (code != IDEM_OK) {
-        return idem_call_fail(call, code, "order %s unreadable", id);
+        return idem_call_fail(call, code, "order %s unreadable: %s", id, pay_errmsg());
     }
     return pay_reply(call, "order_id=%s&state=%s&merchant=%s&amount=%lld", id, state, merchant,
                      amount);

@@ -5,8 +5,10 @@
  *   refund.c      pay.Order/Refund: PAID → REFUNDED with an optimistic balance debit
  *   ledger.c      versioned balances; pay.Merchant/Settle, pay.Account/Balance
  *   commission.c  the outbox and its at-least-once dispatcher; pay.Commission/Drain
+ *   pg_tables.c   PostgreSQL: the service's own tables pay_order and pay_callback
  *   form.c        "k=v&k=v" payloads
- * Money is integer cents. Everything the service knows lives in one LMDB store. */
+ * Money is integer cents. Everything the service knows lives in one store: an LMDB
+ * directory, or a PostgreSQL database shared by several instances. */
 #ifndef PAYMENTS_H
 #define PAYMENTS_H
 
@@ -40,6 +42,7 @@ typedef struct pay_stats {
 
 typedef struct pay_service {
     idem_store *store;
+    bool pg; /* PostgreSQL: order status in the table pay_order, not the state machine */
     pay_faults faults;
     pthread_mutex_t mu; /* guards everything below */
     pthread_cond_t cv;  /* CLOCK_MONOTONIC: a dispatcher round finished, or stopping */
@@ -62,12 +65,24 @@ bool pay_form_get(const void *p, size_t n, const char *name, char *out, size_t c
 bool pay_form_amount(const void *p, size_t n, const char *name, long long *out);
 /* Formats into a stack buffer and replies OK with it. */
 idem_code pay_reply(idem_call *call, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* A failure after the handler wrote: answered as a transient code, so the handler's txn
- * is aborted (a final code would commit the writes made so far). */
+/* A store or SQL step failed: answered as a transient code (INTERNAL for a final one),
+ * so the handler's txn rolls back, the key is freed and the client's retry runs again.
+ * The message names the step and pay_errmsg(). */
 idem_code pay_rollback(idem_call *call, idem_code code, const char *what);
+/* The detail of the example's own last failure on this thread (pg_tables.c sets it,
+ * NULL clears it); pay_errmsg() reports and clears it, or gives idem_errmsg(). */
+void pay_set_errmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+const char *pay_errmsg(void);
 
 /* ---- orders.c ---- */
 idem_code pay_order_load(idem_txn *t, const char *order_id, char *merchant, long long *amount);
+/* The order's status: in the state machine on LMDB, in pay_order on PostgreSQL. move is
+ * idem_sm_advance's compare-and-set (same codes and outcomes) on either; buf holds at
+ * least IDEM_SM_MAX_STATE + 1 bytes. status_read reads outside a txn. */
+idem_code pay_order_move(idem_txn *t, const char *order_id, const char *from, const char *to,
+                         idem_sm_outcome *out);
+idem_code pay_order_status(idem_txn *t, const char *order_id, char *buf, size_t cap);
+idem_code pay_order_status_read(pay_service *svc, const char *order_id, char *buf, size_t cap);
 idem_code pay_order_create(idem_call *call, void *arg);
 idem_code pay_order_cancel(idem_call *call, void *arg);
 idem_code pay_order_get(idem_call *call, void *arg);
@@ -91,6 +106,17 @@ idem_code pay_ledger_read(idem_store *st, const char *account, long long *balanc
 idem_code pay_ledger_cas(idem_txn *t, const char *account, uint64_t seen, long long balance);
 idem_code pay_merchant_settle(idem_call *call, void *arg);
 idem_code pay_account_balance(idem_call *call, void *arg);
+
+/* ---- pg_tables.c (PostgreSQL only: t is a transaction of the PostgreSQL store) ---- */
+/* CREATE TABLE IF NOT EXISTS pay_order, pay_callback. */
+idem_code pay_sql_create_tables(idem_txn *t);
+idem_code pay_sql_order_insert(idem_txn *t, const char *trade_no); /* status CREATED */
+idem_code pay_sql_order_status(idem_txn *t, const char *trade_no, char *buf, size_t cap);
+idem_code pay_sql_order_move(idem_txn *t, const char *trade_no, const char *from, const char *to,
+                             idem_sm_outcome *out);
+/* Records a notification; *first is false when (trade_no, channel) was recorded before. */
+idem_code pay_sql_callback_insert(idem_txn *t, const char *trade_no, const char *channel,
+                                  long long amount, bool *first);
 
 /* ---- commission.c ---- */
 /* Queues the commission messages of a paid order in t (the transactional outbox). */

@@ -2,8 +2,8 @@
  *
  * Optimistic: the decision (is the order PAID, does the merchant have the money) is made
  * on a snapshot read, outside LMDB's single writer; only the short write txn holds it.
- * That write is a double compare-and-set: the state machine's PAID → REFUNDED and the
- * balance's "still at the version I read". A payment credited to the same merchant in
+ * That write is a double compare-and-set: the order's PAID → REFUNDED (pay_order_move)
+ * and the balance's "still at the version I read". A payment credited to the same merchant in
  * between makes it ABORTED, the whole txn rolls back and idem_retry_on_conflict re-runs
  * the attempt on a fresh snapshot, a bounded number of times.
  *
@@ -31,7 +31,7 @@ static idem_code refund_write(idem_txn *t, void *arg)
 {
     refund *r = arg;
     idem_sm_outcome out;
-    idem_code code = idem_sm_advance(t, &pay_order_machine, r->order_id, "PAID", "REFUNDED", &out);
+    idem_code code = pay_order_move(t, r->order_id, "PAID", "REFUNDED", &out);
     if (code != IDEM_OK || out == IDEM_SM_DUPLICATE) {
         r->already = code == IDEM_OK; /* a concurrent refund won: write nothing */
         return code;
@@ -59,7 +59,7 @@ static idem_code refund_snapshot(refund *r, char *state, size_t cap)
         return IDEM_DATA_LOSS;
     }
     snprintf(r->account, sizeof(r->account), "merchant:%s", merchant);
-    if ((code = idem_store_sm_get(st, &pay_order_machine, r->order_id, state, cap)) != IDEM_OK) {
+    if ((code = pay_order_status_read(r->svc, r->order_id, state, cap)) != IDEM_OK) {
         return code;
     }
     return pay_ledger_read(st, r->account, &r->balance, &r->seen);
@@ -117,7 +117,7 @@ idem_code pay_order_refund(idem_call *call, void *arg)
                               "insufficient merchant balance (%lld) to refund %lld", r.balance,
                               r.amount);
     default: /* ABORTED after the last conflict is transient: the claim is released */
-        return idem_call_fail(call, code, "refund %s: %s", r.order_id, idem_errmsg());
+        return idem_call_fail(call, code, "refund %s: %s", r.order_id, pay_errmsg());
     }
     if (r.already) {
         return pay_reply(call, "order_id=%s&state=REFUNDED&already=1", r.order_id);
