@@ -211,8 +211,15 @@ static void deliver(pay_service *svc, uint64_t seq, const char *msg, size_t len)
     bool acked = false;
     for (int i = 0; i < copies; i++) {
         count(svc, i == 0 ? &svc->stats.delivered : &svc->stats.redeliveries);
-        if (idem_consume_ex(svc->store, CONSUMER_GROUP, key, credit_commission, &d, &info) !=
-            IDEM_CONSUME_ACK) {
+        idem_consume_verdict v =
+            idem_consume_ex(svc->store, CONSUMER_GROUP, key, credit_commission, &d, &info);
+        if (v == IDEM_CONSUME_REJECT) { /* no redelivery can succeed: dead-letter it */
+            fprintf(stderr, "commission: message %s rejected (%s), removed from the outbox\n", key,
+                    idem_code_name(info.code));
+            idem_store_run_txn(svc->store, ack_txn, &seq);
+            return;
+        }
+        if (v != IDEM_CONSUME_ACK) {
             continue; /* RETRY: nothing recorded, the next round redelivers */
         }
         count(svc, info.duplicate ? &svc->stats.duplicates : &svc->stats.consumed);
