@@ -573,15 +573,22 @@ static void *pay_thread(void *p)
     return NULL;
 }
 
-/* idem_waiting_duplicates of a server, from its /metrics. */
-static long waiting_on(int http_port)
+/* A value of a server's /metrics, e.g. "idem_waiting_duplicates"; -1 when absent. */
+static long metric(int http_port, const char *name)
 {
+    char needle[96];
     tu_http h;
+    snprintf(needle, sizeof(needle), "\n%s ", name);
     tu_http_get(&h, http_port, "/metrics");
-    const char *w = h.body != NULL ? strstr(h.body, "\nidem_waiting_duplicates ") : NULL;
-    long v = w != NULL ? atol(w + strlen("\nidem_waiting_duplicates ")) : -1;
+    const char *w = h.body != NULL ? strstr(h.body, needle) : NULL;
+    long v = w != NULL ? atol(w + strlen(needle)) : -1;
     tu_http_free(&h);
     return v;
+}
+
+static long waiting_on(int http_port)
+{
+    return metric(http_port, "idem_waiting_duplicates");
 }
 
 static bool await_waiting(int http_port)
@@ -632,6 +639,12 @@ static void duplicate_on_another_instance(void)
     cr_expect_eq(dup.code, IDEM_OK, "%s", dup.r.message);
     cr_expect(dup.r.replayed, "B replays A's result");
     cr_expect_str_eq(dup.r.payload, "o1");
+    long heard = metric(idem_server_http_port(b.srv), "idem_store_announcements_total");
+    if (tx_no_notify) {
+        cr_expect_eq(heard, 0, "no announcements without NOTIFY");
+    } else {
+        cr_expect_gt(heard, 0, "B heard A's commit announced");
+    }
     idem_result_clear(&first.r);
     idem_result_clear(&dup.r);
     cr_expect_eq(atomic_load(&tx_runs), 2, "o1 once on A, o2 once on B");

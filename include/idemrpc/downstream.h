@@ -11,7 +11,9 @@
  * service (the client's own caller and signing identity), never the upstream caller.
  * The call also inherits the upstream deadline (minus a margin, so that the answer
  * still gets back in time), the request id, and W3C trace context (metadata
- * traceparent / tracestate), so one logical request can be followed across services
+ * traceparent / tracestate, passed on unchanged: the downstream's parent is the
+ * upstream's caller's span, as a proxy would leave it), so one logical request can be
+ * followed across services
  * in the logfmt lines (request_id=..., trace_id=...).
  *
  * For downstreams that are not idemrpc services (an HTTP payment API with its own

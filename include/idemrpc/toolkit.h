@@ -175,7 +175,8 @@ typedef struct idem_consume_info {
  * returning IDEM_OK acks; any other code (or a store error) is a retry with nothing
  * recorded. To drop a poison message for good, write your dead-letter entry and return
  * IDEM_OK. group is 1..64 bytes, msg_key 1..255 (else REJECT with INVALID_ARGUMENT): a
- * RETRY is only ever answered when a redelivery can succeed. Markers are kept until
+ * REJECT is answered for what no redelivery can fix in the call itself; fn's own codes
+ * and store errors stay RETRY (fn decides what is final). Markers are kept until
  * idem_consume_purge() removes them. info may be NULL. */
 IDEM_API idem_consume_verdict idem_consume(idem_store *st, const char *group, const char *msg_key,
                                            idem_txn_fn fn, void *arg);

@@ -17,8 +17,10 @@
  *
  * PostgreSQL: the claim itself is in the handler's transaction (BEGIN; claim; handler;
  * record; COMMIT), at READ COMMITTED, the server's default. A duplicate on any instance
- * does not block on it: it waits (holding no connection) and replays the result when
- * the transaction commits. A crash, or a lost connection, rolls everything back at
+ * does not wait on the open transaction's rows: it sees the key taken (an advisory
+ * lock), waits parked (holding no connection) and replays the result when the
+ * transaction commits. A session that dies, or sits idle in the transaction for
+ * 5 minutes, rolls it back. A crash, or a lost connection, rolls everything back at
  * once: the next retry runs without waiting for a lease. idem_txn_* data lives in the
  * table idem_kv(db, k, v); a read locks the row (SELECT ... FOR UPDATE semantics, for
  * absent keys too), so read-modify-write sequences of concurrent handlers on the same
@@ -50,7 +52,8 @@ typedef struct idem_txn idem_txn;
 IDEM_API idem_txn *idem_call_txn(idem_call *call);
 
 /* Database names are the caller's own namespace (1..64 bytes; they are stored with an
- * "app." prefix so they never meet idemrpc's own). *val points into the map and is
+ * "app." prefix on LMDB so they never meet idemrpc's own; on PostgreSQL they are the db
+ * column of idem_kv; names starting "idem." belong to the toolkit). *val points into the map and is
  * valid until the transaction ends. IDEM_NOT_FOUND when absent. */
 IDEM_API idem_code idem_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
                                 const void **val, size_t *vlen);

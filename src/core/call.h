@@ -64,6 +64,7 @@ void idem__observer_destroy(idem_observer *obs);
 void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t latency_us);
 void idem__observe_in_flight(idem_observer *obs, int delta);
 void idem__observe_waiting(idem_observer *obs, int delta);
+void idem__observe_announcement(idem_observer *obs); /* one completion heard from the store */
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
 

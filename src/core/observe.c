@@ -24,7 +24,7 @@ struct idem_observer {
     atomic_ullong executed, replayed, rejected[N_REASONS + 1]; /* last: other */
     atomic_ullong by_code[IDEM_CODE_COUNT];
     atomic_llong in_flight, waiting;
-    atomic_ullong latency_us_sum, calls;
+    atomic_ullong latency_us_sum, calls, announcements;
 };
 
 static void log_stderr(void *arg, idem_log_level level, const char *line)
@@ -195,6 +195,11 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
               idem_code_name(call->code), call->req->attempt, (unsigned long long)latency_us);
 }
 
+void idem__observe_announcement(idem_observer *obs)
+{
+    atomic_fetch_add_explicit(&obs->announcements, 1, memory_order_relaxed);
+}
+
 void idem__observe_waiting(idem_observer *obs, int delta)
 {
     atomic_fetch_add_explicit(&obs->waiting, delta, memory_order_relaxed);
@@ -264,13 +269,17 @@ char *idem__metrics_text(idem_observer *obs)
                       "# TYPE idem_in_flight gauge\nidem_in_flight %lld\n"
                       "# HELP idem_waiting_duplicates Duplicates parked on a running first call.\n"
                       "# TYPE idem_waiting_duplicates gauge\nidem_waiting_duplicates %lld\n"
+                      "# HELP idem_store_announcements_total Completions announced by other "
+                      "processes sharing the store (PostgreSQL NOTIFY), heard.\n"
+                      "# TYPE idem_store_announcements_total counter\n"
+                      "idem_store_announcements_total %llu\n"
                       "# HELP idem_call_latency_microseconds Server-side call latency.\n"
                       "# TYPE idem_call_latency_microseconds summary\n"
                       "idem_call_latency_microseconds_sum %llu\n"
                       "idem_call_latency_microseconds_count %llu\n",
                       (long long)atomic_load_explicit(&obs->in_flight, memory_order_relaxed),
                       (long long)atomic_load_explicit(&obs->waiting, memory_order_relaxed),
-                      LOAD(obs->latency_us_sum), LOAD(obs->calls));
+                      LOAD(obs->announcements), LOAD(obs->latency_us_sum), LOAD(obs->calls));
     if (!ok) {
         free(b);
         return NULL;

@@ -195,7 +195,9 @@ idem_store *idem__inflight_store(idem_inflight *t)
 /* A completion or release committed in another process (the store's announcement). */
 static void heard(void *arg, uint32_t key_hash)
 {
-    idem__inflight_notify(arg, idem__inflight_bucket_of(key_hash));
+    idem_inflight *t = arg;
+    idem__observe_announcement(t->rt->obs);
+    idem__inflight_notify(t, idem__inflight_bucket_of(key_hash));
 }
 
 idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_store *store,
