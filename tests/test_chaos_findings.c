@@ -134,6 +134,23 @@ static void register_methods(idem_server *srv)
     cr_assert_eq(idem_server_register(srv, "f.Counter/Add", slow_add, NULL, &cached), IDEM_OK);
 }
 
+/* Two servers on one LMDB store (y shares x's), both with LEASE_MS leases. */
+static void start_pair(tu_server *x, tu_server *y)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    tu_server_create(x, &o);
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    o.store = idem_server_store(x->srv);
+    tu_server_create(y, &o);
+    register_methods(x->srv);
+    register_methods(y->srv);
+    tu_server_listen(x);
+    tu_server_listen(y);
+}
+
 /* README: "the same call sent 10x → one execution", and a handler slower than its lease
  * keeps it by renewal. Found by idemrpc-chaos (lmdb topology, seed 777: keys ran twice
  * on live processes while the other server was SIGSTOPped holding the LMDB writer).
@@ -147,18 +164,7 @@ static void register_methods(idem_server *srv)
 Test(chaos_findings, a_claim_that_waited_for_the_writer_longer_than_its_lease_runs_once)
 {
     tu_server x, y;
-    idem_server_opts o;
-    idem_server_opts_init(&o);
-    o.lease_ms = LEASE_MS;
-    tu_server_create(&x, &o);
-    idem_server_opts_init(&o);
-    o.lease_ms = LEASE_MS;
-    o.store = idem_server_store(x.srv);
-    tu_server_create(&y, &o);
-    register_methods(x.srv);
-    register_methods(y.srv);
-    tu_server_listen(&x);
-    tu_server_listen(&y);
+    start_pair(&x, &y);
 
     bg_call hold, first, second;
     bg_start(&hold, x.url, "f.Writer/Hold", "hold-1");
@@ -193,18 +199,7 @@ Test(chaos_findings, a_claim_that_waited_for_the_writer_longer_than_its_lease_ru
 Test(chaos_findings, a_renewal_that_waited_for_the_writer_longer_than_its_lease_keeps_the_claim)
 {
     tu_server x, y;
-    idem_server_opts o;
-    idem_server_opts_init(&o);
-    o.lease_ms = LEASE_MS;
-    tu_server_create(&x, &o);
-    idem_server_opts_init(&o);
-    o.lease_ms = LEASE_MS;
-    o.store = idem_server_store(x.srv);
-    tu_server_create(&y, &o);
-    register_methods(x.srv);
-    register_methods(y.srv);
-    tu_server_listen(&x);
-    tu_server_listen(&y);
+    start_pair(&x, &y);
 
     bg_call first, hold, second;
     bg_start(&first, x.url, "f.Counter/Add", "pay-2"); /* claims, runs 800 ms */

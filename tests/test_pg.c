@@ -545,6 +545,14 @@ static struct {
     bool open;
 } TG = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
+static void open_tx_gate(void)
+{
+    pthread_mutex_lock(&TG.mu);
+    TG.open = true;
+    pthread_cond_broadcast(&TG.cv);
+    pthread_mutex_unlock(&TG.mu);
+}
+
 static idem_code h_gated_callback(idem_call *call, void *arg)
 {
     size_t n;
@@ -629,10 +637,7 @@ static void duplicate_on_another_instance(void)
     cr_expect_eq(pay(b.url, "cb-o2", "o2 ok", 1, &r), IDEM_OK, "%s", r.message);
     idem_result_clear(&r);
 
-    pthread_mutex_lock(&TG.mu);
-    TG.open = true;
-    pthread_cond_broadcast(&TG.cv);
-    pthread_mutex_unlock(&TG.mu);
+    open_tx_gate();
     pthread_join(t1, NULL);
     pthread_join(t2, NULL);
     cr_expect_eq(first.code, IDEM_OK, "%s", first.r.message);
@@ -900,10 +905,7 @@ Test(pg, an_instance_starting_during_a_handler_transaction_does_not_wait_for_it)
     pthread_create(&t2, NULL, open_late, &late);
     cr_expect(await_int(&rv_opened, -1), "the second store's open waited for the handler");
     cr_expect_eq(atomic_load(&rv_opened), IDEM_OK);
-    pthread_mutex_lock(&TG.mu);
-    TG.open = true;
-    pthread_cond_broadcast(&TG.cv);
-    pthread_mutex_unlock(&TG.mu);
+    open_tx_gate();
     pthread_join(t1, NULL);
     pthread_join(t2, NULL);
     cr_expect_eq(first.code, IDEM_OK, "%s", first.r.message);
