@@ -729,3 +729,59 @@ Test(payments, concurrent_payments_and_refunds_of_one_merchant_lose_no_update)
     cr_expect_eq(version, WORKERS + WORKERS / 2, "one write per credit and per debit");
     stop();
 }
+
+/* ---- the daily settlement under the lock (一锁二判三更新) ---- */
+
+struct settle_arg {
+    int instance;
+    const char *key;
+    idem_result r;
+    idem_code code;
+};
+
+/* Each instance's own scheduler: a client of its instance only, a key of its own. */
+static void *settle_from(void *p)
+{
+    struct settle_arg *a = p;
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.caller = "scheduler";
+    o.attempt_timeout_ms = 15000;
+    o.deadline_ms = 20000;
+    o.retry.max_attempts = 1;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){urls[a->instance]}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "pay.Merchant/SettleDay",
+                      .idempotency_key = a->key,
+                      .payload = "merchant=" MERCHANT "&day=2026-12-03",
+                      .payload_len = strlen("merchant=" MERCHANT "&day=2026-12-03")};
+    a->code = idem_client_call(c, &q, &a->r);
+    idem_client_close(c);
+    return NULL;
+}
+
+Test(payments, the_daily_settlement_runs_once_across_instances_under_the_lock)
+{
+    char id[32];
+    spawn(NULL); /* on PostgreSQL two instances; on LMDB one process, two schedulers */
+    create_paid_order(10000, id);
+    struct settle_arg a = {.instance = 0, .key = "cron-a"};
+    struct settle_arg b = {.instance = live() - 1, .key = "cron-b"};
+    pthread_t ta, tb;
+    pthread_create(&ta, NULL, settle_from, &a);
+    pthread_create(&tb, NULL, settle_from, &b);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    cr_assert_eq(a.code, IDEM_OK, "%s", a.r.message);
+    cr_assert_eq(b.code, IDEM_OK, "%s", b.r.message);
+    bool a_settled = field_ll(a.r.payload, "settled") == 10000;
+    bool b_settled = field_ll(b.r.payload, "settled") == 10000;
+    cr_expect(a_settled != b_settled, "exactly one settles: '%s' / '%s'", (char *)a.r.payload,
+              (char *)b.r.payload);
+    cr_expect_eq(field_ll(a_settled ? b.r.payload : a.r.payload, "already_settled"), 10000,
+                 "the other sees it settled");
+    cr_expect_eq(balance(ACCOUNT, NULL), 0, "paid out once");
+    idem_result_clear(&a.r);
+    idem_result_clear(&b.r);
+    stop();
+}

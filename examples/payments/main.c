@@ -156,6 +156,10 @@ static idem_code register_methods(idem_server *srv, pay_service *svc)
          {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED}},
         {"pay.Callback/Notify", pay_callback_notify, {.flags = tx, .extractor = pay_notify_key}},
         {"pay.Merchant/Settle", pay_merchant_settle, {.flags = tx}},
+        /* its own fenced txn under the lock: claim mode, not transactional */
+        {"pay.Merchant/SettleDay",
+         pay_merchant_settle_day,
+         {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED}},
         /* reads: idempotent by nature, nothing to cache */
         {"pay.Order/Get", pay_order_get, {0}},
         {"pay.Order/Count", pay_order_count, {0}},

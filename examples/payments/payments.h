@@ -3,7 +3,8 @@
  *   orders.c      pay.Order/Create (token), Cancel, Get, Count; the order state machine
  *   callback.c    pay.Callback/Notify: the channel's payment callback, CREATED → PAID
  *   refund.c      pay.Order/Refund: PAID → REFUNDED with an optimistic balance debit
- *   ledger.c      versioned balances; pay.Merchant/Settle, pay.Account/Balance
+ *   ledger.c      versioned balances; pay.Merchant/Settle, pay.Merchant/SettleDay (the
+ *                 daily payout under a lease lock), pay.Account/Balance
  *   commission.c  the outbox and its at-least-once dispatcher; pay.Commission/Drain
  *   pg_tables.c   PostgreSQL: the service's own tables pay_order and pay_callback
  *   form.c        "k=v&k=v" payloads
@@ -105,6 +106,8 @@ idem_code pay_ledger_read(idem_store *st, const char *account, long long *balanc
 /* In t: writes `balance` if the account is still at version `seen` (else IDEM_ABORTED). */
 idem_code pay_ledger_cas(idem_txn *t, const char *account, uint64_t seen, long long balance);
 idem_code pay_merchant_settle(idem_call *call, void *arg);
+/* arg: the pay_service. */
+idem_code pay_merchant_settle_day(idem_call *call, void *arg);
 idem_code pay_account_balance(idem_call *call, void *arg);
 
 /* ---- pg_tables.c (PostgreSQL only: t is a transaction of the PostgreSQL store) ---- */
