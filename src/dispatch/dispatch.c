@@ -145,15 +145,22 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
     return IDEM_OK;
 }
 
+void idem__dispatch_discard(idem_served *s)
+{
+    if (s->req != NULL) {
+        idem__call_fini(&s->call);
+        idem__free_request(s->req);
+        s->req = NULL;
+    }
+}
+
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)
 {
     /* A call the fast path began is resumed where it stopped, not decoded again. */
     job->parked_before = job->s.req != NULL && job->s.call.suspend == IDEM__SUSPEND_DEFER;
     idem_code code = enqueue(d, job, true);
     if (code != IDEM_OK && job->parked_before) { /* the front answers busy or drops it */
-        idem__call_fini(&job->s.call);
-        idem__free_request(job->s.req);
-        job->s.req = NULL;
+        idem__dispatch_discard(&job->s);
         job->parked_before = false;
     }
     return code;

@@ -69,10 +69,14 @@ bool idem__dispatch_stopping(idem_dispatch *d);
 /* IDEM_OK, IDEM_RESOURCE_EXHAUSTED (max_queue reached) or IDEM_UNAVAILABLE (stopping);
  * only on IDEM_OK does the job belong to the dispatcher. Safe from nng callbacks. */
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job);
+/* Frees what a false idem__dispatch_run kept in s (nothing is answered or counted). */
+void idem__dispatch_discard(idem_served *s);
 
 /* One request frame through decode + identity + chain, on the caller's thread; every
  * outcome has a code and request id. peer may be NULL. fast_only (an nng callback):
- * returns false, with nothing left to free, when the call needs a worker; else true. */
+ * returns false when the call needs a worker: out then holds the call, suspended, for
+ * idem__dispatch_enqueue of the job whose s it is (the worker resumes it), or for
+ * idem__dispatch_discard; else true. */
 bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
                         bool fast_only, idem_served *out);
 /* A call a front turns away before decoding (cheap: for nng callbacks). */

@@ -7,7 +7,8 @@
 #include "dispatch.h"
 
 /* ---- tests and the fuzz target ---- */
-/* idem__dispatch_run on the server's dispatcher. */
+/* idem__dispatch_run on the server's dispatcher; a call that needs a worker is
+ * discarded (false, nothing left to free). */
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out);
 void idem__server_done(idem_server *srv, idem_served *s);
