@@ -119,6 +119,8 @@ void idem__pg_pool_put(pg_store *st, pool_slot *slot);
 PGresult *idem__pg_exec(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
                         idem_code *code);
 idem_code idem__pg_exec_simple(PGconn *c, const char *sql);
+/* idem__pg_exec for a statement whose result is not read: only its code. */
+idem_code idem__pg_run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want);
 idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
                                PGresult **out);
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col);

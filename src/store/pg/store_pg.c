@@ -320,6 +320,17 @@ PGresult *idem__pg_exec(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType
     return r;
 }
 
+idem_code idem__pg_run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want)
+{
+    idem_code code;
+    PGresult *r = idem__pg_exec(c, s, a, want, &code);
+    if (r == NULL) {
+        return code;
+    }
+    PQclear(r);
+    return IDEM_OK;
+}
+
 idem_code idem__pg_exec_simple(PGconn *c, const char *sql)
 {
     PGresult *r = PQexec(c, sql);
@@ -471,11 +482,7 @@ static idem_code token_take_keep(PGconn *c, const idem_claim_req *req, const pg_
     arg_text(&k, req->token);
     arg_text(&k, req->key.caller != NULL ? req->key.caller : "");
     arg_i64(&k, expires);
-    PGresult *r = idem__pg_exec(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK, &code);
-    if (r != NULL) {
-        PQclear(r);
-    }
-    return r != NULL ? IDEM_OK : code;
+    return idem__pg_run(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK);
 }
 
 /* The claimed row as RETURNING gave it (CLAIM_RETURNING). */

@@ -99,12 +99,8 @@ idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out)
 static void announce_rollback(pg_txn *t)
 {
     pg_args a = {0};
-    idem_code code;
     arg_announce(&a, t->st, &t->claim);
-    PGresult *r = idem__pg_exec(t->slot->c, S_NOTIFY, &a, PGRES_TUPLES_OK, &code);
-    if (r != NULL) {
-        PQclear(r);
-    }
+    idem__pg_run(t->slot->c, S_NOTIFY, &a, PGRES_TUPLES_OK);
 }
 
 void idem__pg_txn_abort(idem_txn *base)
@@ -252,18 +248,13 @@ idem_code idem__pg_txn_put(idem_txn *base, const char *db, const void *key, size
 {
     pg_txn *t = pg_txn_of(base);
     pg_args a = {0};
-    idem_code code;
     if (vlen > INT32_MAX) {
         return idem__err(IDEM_INVALID_ARGUMENT, "value of %zu bytes is too large", vlen);
     }
     arg_text(&a, db);
     arg_bytes(&a, key, klen);
     arg_bytes(&a, val != NULL ? val : "", vlen);
-    PGresult *r = idem__pg_exec(t->slot->c, S_KV_PUT, &a, PGRES_COMMAND_OK, &code);
-    if (r != NULL) {
-        PQclear(r);
-    }
-    return r != NULL ? IDEM_OK : code;
+    return idem__pg_run(t->slot->c, S_KV_PUT, &a, PGRES_COMMAND_OK);
 }
 
 idem_code idem__pg_txn_del(idem_txn *base, const char *db, const void *key, size_t klen)
@@ -282,11 +273,7 @@ idem_code idem__pg_txn_del(idem_txn *base, const char *db, const void *key, size
     pg_args a = {0};
     arg_text(&a, db);
     arg_bytes(&a, key, klen);
-    r = idem__pg_exec(t->slot->c, S_KV_DEL, &a, PGRES_COMMAND_OK, &code);
-    if (r != NULL) {
-        PQclear(r);
-    }
-    return r != NULL ? IDEM_OK : code;
+    return idem__pg_run(t->slot->c, S_KV_DEL, &a, PGRES_COMMAND_OK);
 }
 
 idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, size_t klen,
