@@ -119,6 +119,15 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
     }
 }
 
+/* One logfmt error line about this call (request id, method, what went wrong). */
+static void log_error(const idem_call *call, const char *what)
+{
+    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
+    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
+              idem__logfmt_quote(msg, sizeof(msg), what));
+}
+
 /* Our claim was taken over while the handler ran (it outlived max_run_ms, or the store
  * was unreachable for a whole lease). Its answer must not be a second, different OK:
  * the client gets the winner's stored result, or ABORTED to retry with the same key. */
@@ -127,11 +136,7 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
 {
     idem_record rec;
     idem_code code = idem_store_get(cfg->store, key, &rec);
-    char id[IDEM_LOGQ_CAP];
-    idem__log(call->rt->obs, IDEM_LOG_ERROR,
-              "request_id=%s method=\"%s\" msg=\"claim lost while the handler ran; its "
-              "answer is discarded\"",
-              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name);
+    log_error(call, "claim lost while the handler ran; its answer is discarded");
     idem__call_reset_response(call);
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
         memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
@@ -188,10 +193,7 @@ static void forget_steps(idem_call *call)
 {
     if ((call->method->opts.flags & IDEM_METHOD_STEPS) &&
         idem__call_steps_forget(call) != IDEM_OK) {
-        char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
-        idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
-                  idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
-                  idem__logfmt_quote(msg, sizeof(msg), idem_errmsg()));
+        log_error(call, idem_errmsg());
     }
 }
 
@@ -260,11 +262,9 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
-    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    char detail[IDEM_LOGQ_CAP];
     snprintf(detail, sizeof(detail), "recording the outcome failed: %s", idem_errmsg());
-    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
-              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
-              idem__logfmt_quote(msg, sizeof(msg), detail));
+    log_error(call, detail);
     return code;
 }
 
