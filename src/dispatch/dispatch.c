@@ -92,8 +92,7 @@ bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const i
 void idem__dispatch_done(idem_dispatch *d, idem_served *s)
 {
     idem__observe_call(d->cfg.rt->obs, &s->call, idem__mono_us() - s->start_us);
-    idem__call_fini(&s->call);
-    idem__free_request(s->req);
+    idem__dispatch_discard(s);
 }
 
 void idem__dispatch_reject(idem_dispatch *d, idem_served *s, const char *reason, idem_code code,
@@ -147,11 +146,9 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
 
 void idem__dispatch_discard(idem_served *s)
 {
-    if (s->req != NULL) {
-        idem__call_fini(&s->call);
-        idem__free_request(s->req);
-        s->req = NULL;
-    }
+    idem__call_fini(&s->call);
+    idem__free_request(s->req);
+    s->req = NULL;
 }
 
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)

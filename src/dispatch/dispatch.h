@@ -69,7 +69,8 @@ bool idem__dispatch_stopping(idem_dispatch *d);
 /* IDEM_OK, IDEM_RESOURCE_EXHAUSTED (max_queue reached) or IDEM_UNAVAILABLE (stopping);
  * only on IDEM_OK does the job belong to the dispatcher. Safe from nng callbacks. */
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job);
-/* Frees what a false idem__dispatch_run kept in s (nothing is answered or counted). */
+/* Frees the call and request in s (nothing is answered or counted): what a false
+ * idem__dispatch_run kept; idem__dispatch_done is this after counting the call. */
 void idem__dispatch_discard(idem_served *s);
 
 /* One request frame through decode + identity + chain, on the caller's thread; every
