@@ -39,10 +39,9 @@ struct idem_txn {
 };
 
 /* store.c checked the name's length (idem__app_check). */
-static idem_code app_db_name(const char *db, char name[APP_DB_NAME])
+static void app_db_name(const char *db, char name[APP_DB_NAME])
 {
     snprintf(name, APP_DB_NAME, "app.%s", db);
-    return IDEM_OK;
 }
 
 static bool app_db_cached(lmdb_store *st, const char *name, MDB_dbi *dbi)
@@ -76,9 +75,9 @@ static void app_db_cache(lmdb_store *st, const app_db *db)
 static idem_code txn_dbi(idem_txn *t, const char *db, MDB_dbi *dbi)
 {
     char name[APP_DB_NAME];
-    idem_code code = app_db_name(db, name);
-    if (code != IDEM_OK || app_db_cached(t->st, name, dbi)) {
-        return code;
+    app_db_name(db, name);
+    if (app_db_cached(t->st, name, dbi)) {
+        return IDEM_OK;
     }
     for (size_t i = 0; i < t->n_opened; i++) {
         if (strcmp(t->opened[i].name, name) == 0) {
@@ -135,11 +134,12 @@ static idem_code dbi_open_read_only(lmdb_store *st, app_db *db)
 static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
 {
     dbi_open_args a = {.st = st};
-    idem_code code = app_db_name(db, a.db.name);
-    if (code != IDEM_OK || app_db_cached(st, a.db.name, dbi)) {
-        return code;
+    app_db_name(db, a.db.name);
+    if (app_db_cached(st, a.db.name, dbi)) {
+        return IDEM_OK;
     }
-    code = st->read_only ? dbi_open_read_only(st, &a.db) : idem__lmdb_write(st, dbi_open_apply, &a);
+    idem_code code =
+        st->read_only ? dbi_open_read_only(st, &a.db) : idem__lmdb_write(st, dbi_open_apply, &a);
     if (code != IDEM_OK) {
         return code;
     }
@@ -201,20 +201,13 @@ idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, u
     return idem__lmdb_txn_commit(t);
 }
 
-/* store.c checked the key's length (idem__app_check). */
-static idem_code app_key(const void *key, size_t klen, MDB_val *k)
-{
-    *k = (MDB_val){klen, (void *)key};
-    return IDEM_OK;
-}
-
 idem_code idem__lmdb_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
                              const void **val, size_t *vlen)
 {
     MDB_dbi dbi;
-    MDB_val k, v;
+    MDB_val k = {klen, (void *)key}, v; /* store.c checked klen (idem__app_check) */
     idem_code code;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+    if ((code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_get(t->txn, dbi, &k, &v);
@@ -232,9 +225,9 @@ idem_code idem__lmdb_txn_put(idem_txn *t, const char *db, const void *key, size_
                              const void *val, size_t vlen)
 {
     MDB_dbi dbi;
-    MDB_val k, v = {vlen, (void *)val};
+    MDB_val k = {klen, (void *)key}, v = {vlen, (void *)val};
     idem_code code;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+    if ((code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_put(t->txn, dbi, &k, &v, 0);
@@ -244,9 +237,9 @@ idem_code idem__lmdb_txn_put(idem_txn *t, const char *db, const void *key, size_
 idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_t klen)
 {
     MDB_dbi dbi;
-    MDB_val k;
+    MDB_val k = {klen, (void *)key};
     idem_code code;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
+    if ((code = txn_dbi(t, db, &dbi)) != IDEM_OK) {
         return code;
     }
     int rc = mdb_del(t->txn, dbi, &k, NULL);
@@ -262,10 +255,10 @@ idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, 
     lmdb_store *st = (lmdb_store *)base;
     MDB_txn *txn;
     MDB_dbi dbi;
-    MDB_val k, v;
+    MDB_val k = {klen, (void *)key}, v;
     idem_code code;
     int rc;
-    if ((code = app_key(key, klen, &k)) != IDEM_OK || (code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+    if ((code = store_dbi(st, db, &dbi)) != IDEM_OK) {
         return code;
     }
     if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
