@@ -34,6 +34,16 @@ static void teardown(void)
 
 TestSuite(pg, .init = setup, .fini = teardown, .timeout = 120);
 
+/* Waits, bounded at 5 s, until *v is no longer not_value (set by another thread). */
+static bool await_int(atomic_int *v, int not_value)
+{
+    for (int i = 0; i < 500 && atomic_load(v) == not_value; i++) {
+        struct timespec ts = {0, 10000000L};
+        nanosleep(&ts, NULL); /* polling a flag set by another thread, bounded at 5 s */
+    }
+    return atomic_load(v) != not_value;
+}
+
 static idem_claim_req req_for(const char *key, uint8_t fp, uint64_t now)
 {
     static char buf[8][96];
@@ -625,11 +635,8 @@ static void duplicate_on_another_instance(void)
     struct pay_arg dup = {.url = b.url, .key = "cb-o1", .payload = "o1 ok"};
     pthread_t t1, t2;
     pthread_create(&t1, NULL, pay_thread, &first);
-    for (int i = 0; i < 5000 && atomic_load(&TG.entered) < 1; i++) {
-        struct timespec ts = {0, 1000000L};
-        nanosleep(&ts, NULL); /* polling a counter, bounded at 5 s */
-    }
-    cr_assert_eq(atomic_load(&TG.entered), 1, "the handler on A never started");
+    cr_assert(await_int(&TG.entered, 0), "the handler on A never started");
+    cr_assert_eq(atomic_load(&TG.entered), 1);
     pthread_create(&t2, NULL, pay_thread, &dup);
     cr_expect(await_waiting(idem_server_http_port(b.srv)), "B's duplicate is not waiting");
 
@@ -795,15 +802,6 @@ static Idem__V1__Response *charge_once_on_b(const char *key)
     return r;
 }
 
-static bool await_entered(int n)
-{
-    for (int i = 0; i < 5000 && atomic_load(&G.entered) < n; i++) {
-        struct timespec ts = {0, 1000000L};
-        nanosleep(&ts, NULL); /* polling a counter, bounded at 5 s */
-    }
-    return atomic_load(&G.entered) >= n;
-}
-
 Test(pg, instance_with_a_clock_an_hour_ahead_does_not_take_over_a_live_claim)
 {
     char key[96];
@@ -812,7 +810,7 @@ Test(pg, instance_with_a_clock_an_hour_ahead_does_not_take_over_a_live_claim)
     pthread_t t;
     struct charge_arg a = {.url = srv[0].url, .key = key};
     pthread_create(&t, NULL, charge_on_a, &a);
-    cr_assert(await_entered(1), "the handler on A never started");
+    cr_assert(await_int(&G.entered, 0), "the handler on A never started");
     Idem__V1__Response *b = charge_once_on_b(key);
     int entered = atomic_load(&G.entered);
     cr_expect_not_null(b, "B did not answer within 5 s");
@@ -850,15 +848,6 @@ static idem_code h_consume_inside(idem_call *call, void *arg)
     idem_consume_info info;
     atomic_store(&rv_verdict, idem_consume_ex(rv_store, "g", "m1", rv_credit, NULL, &info));
     return idem_call_reply(call, IDEM_OK, "ok", 2);
-}
-
-static bool await_int(atomic_int *v, int not_value)
-{
-    for (int i = 0; i < 500 && atomic_load(v) == not_value; i++) {
-        struct timespec ts = {0, 10000000L};
-        nanosleep(&ts, NULL); /* polling a flag set by another thread, bounded at 5 s */
-    }
-    return atomic_load(v) != not_value;
 }
 
 /* A pool slot connecting for the first time inside a handler used to run the schema's
