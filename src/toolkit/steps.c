@@ -4,27 +4,45 @@
  * Business database "idem.steps" (both stores, through idem_txn_*):
  *   'j' base          → be64 fence ‖ the 32-byte names of the recorded steps
  *   's' H(base, step) → output, one per recorded step
+ *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be16-prefixed caller,
+ *                       method, effective key ‖ the packed idem.v1.Request
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. The 'j'
  * entry is the journal's head: a record txn refuses a fence older than the one it
  * holds (IDEM_ABORTED: a run that lost its claim cannot overwrite the new owner's
  * journal), and it lists every step any run recorded, so the run that records the
- * call's outcome deletes them all (result_cache, for IDEM_METHOD_STEPS methods). */
+ * call's outcome deletes them all (result_cache, for IDEM_METHOD_STEPS methods). The
+ * 'r' entry is written with the head, by the first step recorded, and deleted with it:
+ * the re-driver (src/server/redriver.c) scans them to find calls left unfinished. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "call.h"
+#include "store.h"
 
 #include "idemrpc/downstream.h"
 #include "idemrpc/toolkit.h"
 
 #define STEPS_DB "idem.steps"
 #define JKEY 33 /* a prefix byte and a SHA-256 */
+_Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journal key");
+#define CALL_MAGIC 'R'
+#define CALL_VERSION 1
+#define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
 
 typedef struct journal {
-    uint8_t head_key[JKEY], step_key[JKEY];
+    uint8_t head_key[JKEY], step_key[JKEY], call_key[JKEY];
 } journal;
+
+static void journal_of_base(const uint8_t base[32], journal *j)
+{
+    j->head_key[0] = 'j';
+    j->step_key[0] = 's';
+    j->call_key[0] = 'r';
+    memcpy(j->head_key + 1, base, 32);
+    memcpy(j->call_key + 1, base, 32);
+}
 
 static idem_code journal_keys(idem_call *call, const char *step, journal *j)
 {
@@ -39,13 +57,45 @@ static idem_code journal_keys(idem_call *call, const char *step, journal *j)
                                        (const size_t[]){32, strlen(step)}, 2, j->step_key + 1))) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
-    j->head_key[0] = 'j';
-    memcpy(j->head_key + 1, base, 32);
-    j->step_key[0] = 's';
+    journal_of_base(base, j);
     return IDEM_OK;
 }
 
+static void put_lp16(uint8_t **p, const char *s)
+{
+    size_t n = strlen(s); /* every part is bounded far below 64 KiB */
+    (*p)[0] = (uint8_t)(n >> 8);
+    (*p)[1] = (uint8_t)n;
+    memcpy(*p + 2, s, n);
+    *p += 2 + n;
+}
+
+/* The 'r' entry of a call: who called, its record's key and the request itself. */
+static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
+{
+    const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
+    size_t n = 3 + protobuf_c_message_get_packed_size(&call->req->base);
+    for (int i = 0; i < 3; i++) {
+        n += 2 + strlen(parts[i]);
+    }
+    uint8_t *buf = malloc(n), *p = buf;
+    if (buf == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    *p++ = CALL_MAGIC;
+    *p++ = CALL_VERSION;
+    *p++ = call->caller_verified ? CALL_VERIFIED : 0;
+    for (int i = 0; i < 3; i++) {
+        put_lp16(&p, parts[i]);
+    }
+    protobuf_c_message_pack(&call->req->base, p);
+    idem_code code = idem_txn_put(t, STEPS_DB, j->call_key, JKEY, buf, n);
+    free(buf);
+    return code;
+}
+
 typedef struct record_args {
+    const idem_call *call;
     journal j;
     uint64_t fence;
     const void *data;
@@ -59,8 +109,11 @@ static idem_code record_txn(idem_txn *t, void *arg)
     size_t n = 0;
     uint8_t head[HEAD_MAX];
     idem_code code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
-    if (code == IDEM_NOT_FOUND) {
+    if (code == IDEM_NOT_FOUND) { /* the call's first step: the call goes with it */
         n = 8;
+        if ((code = put_call(t, &a->j, a->call)) != IDEM_OK) {
+            return code;
+        }
     } else if (code != IDEM_OK) {
         return code;
     } else if (n < 8 || (n - 8) % 32 != 0 || n > HEAD_MAX) {
@@ -119,7 +172,7 @@ static idem_code step_check(const idem_call *call, const char *step, idem_step_f
 idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, void *arg,
                          idem_step_result *out)
 {
-    record_args a = {.fence = call != NULL ? call->fence : 0};
+    record_args a = {.call = call, .fence = call != NULL ? call->fence : 0};
     void *v;
     size_t n;
     memset(out, 0, sizeof(*out));
@@ -157,8 +210,9 @@ static idem_code forget_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n;
     uint8_t key[JKEY] = {'s'};
-    idem_code code = idem_txn_get(t, STEPS_DB, j->head_key, JKEY, &v, &n);
-    if (code != IDEM_OK) {
+    idem_code code = idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
+    if ((code != IDEM_OK && code != IDEM_NOT_FOUND) ||
+        (code = idem_txn_get(t, STEPS_DB, j->head_key, JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
     }
     uint8_t head[HEAD_MAX];
@@ -189,4 +243,77 @@ idem_code idem__call_steps_forget(idem_call *call)
     }
     free(v);
     return idem_store_run_txn(call->claim_store, forget_txn, &j);
+}
+
+idem_code idem__steps_forget_journal(idem_store *st, const uint8_t base[32])
+{
+    journal j;
+    journal_of_base(base, &j);
+    return idem_store_run_txn(st, forget_txn, &j);
+}
+
+void idem__journaled_call_clear(idem__journaled_call *c)
+{
+    free(c->request);
+    memset(c, 0, sizeof(*c));
+}
+
+static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t max)
+{
+    if (end - *p < 2) {
+        return false;
+    }
+    size_t n = (size_t)(*p)[0] << 8 | (*p)[1];
+    if (n > max || (size_t)(end - *p - 2) < n || memchr(*p + 2, '\0', n) != NULL) {
+        return false;
+    }
+    memcpy(out, *p + 2, n);
+    out[n] = '\0';
+    *p += 2 + n;
+    return true;
+}
+
+static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
+{
+    const uint8_t *p = e->val, *end = p + e->vlen;
+    if (e->vlen < 3 || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
+    }
+    out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
+    p += 3;
+    if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
+        !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||
+        !get_lp16(&p, end, out->key_ref.key, IDEM_MAX_KEY)) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call is truncated");
+    }
+    out->request_len = (size_t)(end - p);
+    if ((out->request = malloc(out->request_len ? out->request_len : 1)) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(out->request, p, out->request_len);
+    return IDEM_OK;
+}
+
+idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[JKEY], idem__journaled_call *out)
+{
+    idem_app_entry e;
+    memset(out, 0, sizeof(*out));
+    /* cursor[0] is 'r' once a round started: the next 'r' key after it; else the first. */
+    size_t clen = cursor[0] == 'r' ? JKEY : 1;
+    if (clen == 1) {
+        cursor[0] = 'r';
+    }
+    idem_code code = idem__store_app_next(st, STEPS_DB, cursor, clen, &e);
+    if (code == IDEM_OK && (e.klen != JKEY || ((const uint8_t *)e.key)[0] != 'r')) {
+        code = idem__err(IDEM_NOT_FOUND, "no more journaled calls");
+    }
+    if (code != IDEM_OK) {
+        cursor[0] = 0; /* the next round starts at the first */
+    } else {
+        memcpy(cursor, e.key, JKEY);
+        memcpy(out->base, cursor + 1, 32);
+        code = parse_call(&e, out);
+    }
+    idem__app_entry_clear(&e);
+    return code;
 }

@@ -278,3 +278,50 @@ idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, 
     idem__lmdb_read_end(st, txn);
     return code;
 }
+
+/* Copies a cursor's key and value out of its read txn. */
+static idem_code copy_entry(const MDB_val *k, const MDB_val *v, idem_app_entry *out)
+{
+    out->key = malloc(k->mv_size ? k->mv_size : 1);
+    out->val = malloc(v->mv_size ? v->mv_size : 1);
+    if (out->key == NULL || out->val == NULL) {
+        idem__app_entry_clear(out);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(out->key, k->mv_data, k->mv_size);
+    memcpy(out->val, v->mv_data, v->mv_size);
+    out->klen = k->mv_size;
+    out->vlen = v->mv_size;
+    return IDEM_OK;
+}
+
+idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *after, size_t alen,
+                              idem_app_entry *out)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_dbi dbi;
+    MDB_val k = {alen, (void *)after}, v;
+    idem_code code;
+    int rc;
+    if ((code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+        return code;
+    }
+    if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
+        return idem__lmdb_code(rc, "read begin");
+    }
+    if ((rc = mdb_cursor_open(txn, dbi, &cur)) == 0) {
+        /* The first key >= after (LMDB has no empty keys); the next when it is after. */
+        rc = mdb_cursor_get(cur, &k, &v, alen == 0 ? MDB_FIRST : MDB_SET_RANGE);
+        if (rc == 0 && k.mv_size == alen && memcmp(k.mv_data, after, alen) == 0) {
+            rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT);
+        }
+        mdb_cursor_close(cur);
+    }
+    code = rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no key after it")
+           : rc != 0          ? idem__lmdb_code(rc, "cursor")
+                              : copy_entry(&k, &v, out);
+    idem__lmdb_read_end(st, txn);
+    return code;
+}
