@@ -67,9 +67,12 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * what the new owner recorded; if it finds the step already recorded it gets that
  * output instead of running fn. Known gap: a stalled run that resumes only after the
  * new owner completed the call (and deleted the journal with its fence) can still
- * record the steps it then runs; those entries are read only by a later call with the
- * same caller, method, key and request (after the record is gone), and stay until then. The journal lives in the store (business database
- * "idem.steps", LMDB or PostgreSQL) and is deleted when the call's outcome is recorded.
+ * record the steps it then runs; those entries would be read only by a later call with
+ * the same caller, method, key and request (after the record is gone). The server's
+ * re-driver (idem_server_opts.redrive_interval_ms) deletes them; without it they stay.
+ * The journal lives in the store (business database "idem.steps", LMDB or PostgreSQL)
+ * with the call's request (for the re-driver) and is deleted when the call's outcome
+ * is recorded.
  * For claim-mode handlers (IDEM_METHOD_CACHED and friends); a transactional handler's
  * writes already commit together (FAILED_PRECONDITION). Call steps in the same order on
  * every run. At most IDEM_MAX_STEPS steps per call, IDEM_MAX_STEP_OUTPUT bytes each. */
