@@ -89,6 +89,7 @@ static bool second_charged;            /* the run that took over recorded its ch
 static bool first_done;                /* the stalled run's charge step returned */
 static atomic_int abandon_first;       /* the first run stalls between its steps */
 static bool abandoned_released;        /* ... until the test lets it go on */
+static bool woken_done;                /* ... and its steps have returned */
 static bool redriven, journal_removed; /* the re-driver said so in its log */
 
 static idem_code numbered(idem_step_result *out, char tag, int n)
@@ -180,6 +181,9 @@ static idem_code checkout(idem_call *call, void *arg)
         if (atomic_load(&stall_first)) {
             handshake(run);
         }
+    }
+    if (run == 1 && atomic_load(&abandon_first)) {
+        raise_flag(&woken_done);
     }
     if (code == IDEM_OK && atomic_fetch_sub(&fail_after, 1) > 0) {
         code = idem_call_fail(call, IDEM_UNAVAILABLE, "crashed after the steps");
@@ -488,9 +492,7 @@ static idem_code checkout_at(const char *url, const char *key, uint32_t attempt_
 /* The first run reserves, then its owner "dies" between the steps (it stops, and its
  * lease lapses), and its client gives up after one attempt. With no client retry, the
  * re-driver runs the stored request again: the reserve replays, the charge runs once,
- * the outcome is recorded, and the client's later retry replays it. When the dead run
- * wakes and records a step after the completion, the re-driver removes that journal:
- * a later call with the same key (its record deleted) does not replay it. */
+ * the outcome is recorded, and the client's later retry replays it. */
 Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
 {
     tu_server rd;
@@ -510,19 +512,67 @@ Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
     cr_expect(r.replayed, "the client's retry replays the re-driven outcome");
     cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
     idem_result_clear(&r);
-
-    raise_flag(&abandoned_released); /* the dead run wakes: it charges and records (gap) */
-    await_flag(&journal_removed);
-    cr_assert(journal_removed, "the re-driver removed the journal left after the outcome");
-    idem_key_ref k = {"", "order.Order/Checkout", "cart-rd"};
-    cr_assert_eq(idem_store_delete(idem_server_store(rd.srv), &k), IDEM_OK);
-    cr_assert_eq(checkout_at(rd.url, "cart-rd", 2000, &r), IDEM_OK, "%s", r.message);
-    cr_expect_str_eq(r.payload, "R2 C3", "no step of the old call replays");
-    idem_result_clear(&r);
+    raise_flag(&abandoned_released);
     tu_server_destroy(&rd, false);
     if (rd_store.st != NULL) {
         tu_backend_close(&rd_store);
     }
+}
+
+/* The same dead run wakes after the new owner completed the call (and deleted its
+ * journal): its charge step is refused against the record, so no journal is left
+ * behind for a later call with the same key to replay. */
+Test(hops, a_run_that_wakes_after_the_call_completed_records_no_step)
+{
+    idem_result r;
+    atomic_store(&abandon_first, 1);
+    cr_assert_neq(checkout_at(order.url, "cart-late", 100, &r), IDEM_OK);
+    idem_result_clear(&r);
+    cr_assert_eq(checkout_call("cart-late", 50, 300, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+    raise_flag(&abandoned_released);
+    await_flag(&woken_done);
+    cr_expect_eq(atomic_load(&step_refusals), 1, "the woken run's charge step was refused");
+    idem_key_ref k = {"", "order.Order/Checkout", "cart-late"};
+    cr_assert_eq(idem_store_delete(idem_server_store(order.srv), &k), IDEM_OK);
+    cr_assert_eq(checkout_call("cart-late", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C3", "no step of the old call replays");
+    idem_result_clear(&r);
+}
+
+/* A completion whose journal deletion failed (a trigger refuses deletes from idem_kv)
+ * leaves the journal; the re-driver removes it once it can, so that a later call with
+ * the same key (its record deleted) runs its steps afresh. */
+Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_result r;
+    if (!tu_backend_is_pg()) {
+        cr_skip_test("PostgreSQL only: a trigger makes the deletion fail");
+    }
+    redriving_server(&rd, &rd_store);
+    tu_pg_exec(rd_store.conninfo,
+               "CREATE TABLE refuse_deletes (x int); INSERT INTO refuse_deletes VALUES (1);"
+               "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+               " IF EXISTS (SELECT 1 FROM refuse_deletes) THEN RAISE EXCEPTION 'refused';"
+               " END IF; RETURN OLD; END $$;"
+               "CREATE TRIGGER refuse BEFORE DELETE ON idem_kv FOR EACH ROW"
+               " EXECUTE FUNCTION refuse_delete();");
+    cr_assert_eq(checkout_at(rd.url, "cart-left", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C1");
+    idem_result_clear(&r);
+    tu_pg_exec(rd_store.conninfo, "DELETE FROM refuse_deletes");
+    await_flag(&journal_removed);
+    cr_assert(journal_removed, "the re-driver removed the journal left after the outcome");
+    idem_key_ref k = {"", "order.Order/Checkout", "cart-left"};
+    cr_assert_eq(idem_store_delete(idem_server_store(rd.srv), &k), IDEM_OK);
+    cr_assert_eq(checkout_at(rd.url, "cart-left", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C2", "no step of the old call replays");
+    idem_result_clear(&r);
+    tu_server_destroy(&rd, false);
+    tu_backend_close(&rd_store);
 }
 
 /* Off by default: without it, only the client's retry (after the lease) runs the call. */

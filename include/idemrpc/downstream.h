@@ -62,17 +62,15 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * its record, so give fn's effect the step's derived key (idem_call_downstream with the
  * same step name does).
  *
- * Only an owner may write: a run that lost its claim (its lease expired and another
- * instance took over) gets IDEM_ABORTED instead of recording, so it cannot overwrite
- * what the new owner recorded; if it finds the step already recorded it gets that
- * output instead of running fn. Known gap: a stalled run that resumes only after the
- * new owner completed the call (and deleted the journal with its fence) can still
- * record the steps it then runs; those entries would be read only by a later call with
- * the same caller, method, key and request (after the record is gone). The server's
- * re-driver (idem_server_opts.redrive_interval_ms) deletes them; without it they stay.
- * The journal lives in the store (business database "idem.steps", LMDB or PostgreSQL)
- * with the call's request (for the re-driver) and is deleted when the call's outcome
- * is recorded.
+ * Only an owner may write: a step is recorded only while the call's record is still
+ * IN_PROGRESS under this run's claim (checked in the recording transaction). A run that
+ * lost its claim (its lease expired and another run took over, or completed the call)
+ * gets IDEM_ABORTED instead of recording, so it can neither overwrite what the new owner
+ * recorded nor leave a journal behind; if it finds the step already recorded it gets
+ * that output instead of running fn. The journal lives in the store (business database
+ * "idem.steps", LMDB or PostgreSQL) with the call's request (for the server's re-driver,
+ * idem_server_opts.redrive_interval_ms) and is deleted when the call's outcome is
+ * recorded; one whose deletion failed then is deleted by the re-driver.
  * For claim-mode handlers (IDEM_METHOD_CACHED and friends); a transactional handler's
  * writes already commit together (FAILED_PRECONDITION). Call steps in the same order on
  * every run. At most IDEM_MAX_STEPS steps per call, IDEM_MAX_STEP_OUTPUT bytes each. */

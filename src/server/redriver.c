@@ -10,8 +10,9 @@
  *       the record over (or, if a client retry got there first, waits and replays),
  *       the recorded steps replay, the rest run, and the outcome is recorded for the
  *       client's next retry; the answer itself goes nowhere but the log
- *   record COMPLETED → the outcome is recorded but the journal outlived it (a run
- *       that lost its claim recorded a step after the completion): delete it
+ *   record COMPLETED → the outcome is recorded but the journal outlived it (deleting
+ *       it at completion failed): delete it, or a later call with the same key, once
+ *       the record is gone, would replay its steps
  *   lease alive, or no record (released after a transient failure, or deleted) → leave
  *       it to its owner or to a client retry
  *

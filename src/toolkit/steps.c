@@ -7,11 +7,13 @@
  *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be16-prefixed caller,
  *                       method, effective key ‖ the packed idem.v1.Request
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
- * different request under a reused key never sees another request's steps. The 'j'
- * entry is the journal's head: a record txn refuses a fence older than the one it
- * holds (IDEM_ABORTED: a run that lost its claim cannot overwrite the new owner's
- * journal), and it lists every step any run recorded, so the run that records the
- * call's outcome deletes them all (result_cache, for IDEM_METHOD_STEPS methods). The
+ * different request under a reused key never sees another request's steps. A record
+ * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
+ * run's fence (IDEM_ABORTED otherwise: a run that lost its claim cannot write over
+ * the new owner's journal, nor leave one behind after the outcome). The 'j' entry is
+ * the journal's head, with the fence of the last run that recorded: it lists every step
+ * any run recorded, so the run that records the call's outcome deletes them all
+ * (result_cache, for IDEM_METHOD_STEPS methods). The
  * 'r' entry is written with the head, by the first step recorded, and deleted with it:
  * the re-driver (src/server/redriver.c) scans them to find calls left unfinished. */
 #include <stdlib.h>
@@ -108,7 +110,17 @@ static idem_code record_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n = 0;
     uint8_t head[HEAD_MAX];
-    idem_code code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
+    const idem_call *call = a->call;
+    idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
+    idem_code code = idem__store_txn_owns(t, &key, a->fence);
+    if (code == IDEM_ABORTED) {
+        return idem__err(IDEM_ABORTED, "claim lost: another run of this call owns its steps or "
+                                       "recorded its outcome; retry with the same key");
+    }
+    if (code != IDEM_OK) {
+        return code;
+    }
+    code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
     if (code == IDEM_NOT_FOUND) { /* the call's first step: the call goes with it */
         n = 8;
         if ((code = put_call(t, &a->j, a->call)) != IDEM_OK) {
@@ -118,9 +130,6 @@ static idem_code record_txn(idem_txn *t, void *arg)
         return code;
     } else if (n < 8 || (n - 8) % 32 != 0 || n > HEAD_MAX) {
         return idem__err(IDEM_DATA_LOSS, "step journal head has an unknown format");
-    } else if (idem__get_be64(v) > a->fence) {
-        return idem__err(IDEM_ABORTED, "claim lost: a newer run of this call owns its steps; "
-                                       "retry with the same key");
     } else {
         memcpy(head, v, n);
     }

@@ -302,6 +302,21 @@ idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, si
     return code;
 }
 
+idem_code idem__pg_txn_owns(idem_txn *base, const idem_key_ref *key, uint64_t owner)
+{
+    pg_args a = {0};
+    idem_code code;
+    arg_key(&a, key);
+    arg_i64(&a, owner);
+    PGresult *r = idem__pg_exec(pg_txn_of(base)->slot->c, S_OWNS, &a, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    bool owns = PQntuples(r) == 1;
+    PQclear(r);
+    return owns ? IDEM_OK : idem__err(IDEM_ABORTED, "claim lost: this run no longer owns the call");
+}
+
 /* A malloc'd copy of field f of row 0 (bytea in binary results). */
 static bool copy_field(const PGresult *r, int f, void **out, size_t *len)
 {
