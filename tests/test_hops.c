@@ -458,10 +458,11 @@ static void redriver_log(void *arg, idem_log_level level, const char *line)
 
 /* An order server whose re-driver looks every 20 ms; leases end 150 ms after a run
  * stops renewing (max_run_ms 150). */
-static void redriving_server(tu_server *ts, tu_backend *b)
+static void redriving_server(tu_server *ts, tu_backend *b, uint64_t result_ttl_ms)
 {
     idem_server_opts o;
     idem_server_opts_init(&o);
+    o.result_ttl_ms = result_ttl_ms;
     o.lease_ms = 150;
     o.max_run_ms = 150;
     o.redrive_interval_ms = 20;
@@ -498,7 +499,7 @@ Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
     tu_server rd;
     tu_backend rd_store = {0};
     idem_result r;
-    redriving_server(&rd, &rd_store);
+    redriving_server(&rd, &rd_store, 0);
     atomic_store(&abandon_first, 1);
     cr_assert_neq(checkout_at(rd.url, "cart-rd", 100, &r), IDEM_OK, "the client gave up");
     idem_result_clear(&r);
@@ -552,7 +553,7 @@ Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
     if (!tu_backend_is_pg()) {
         cr_skip_test("PostgreSQL only: a trigger makes the deletion fail");
     }
-    redriving_server(&rd, &rd_store);
+    redriving_server(&rd, &rd_store, 0);
     tu_pg_exec(rd_store.conninfo,
                "CREATE TABLE refuse_deletes (x int); INSERT INTO refuse_deletes VALUES (1);"
                "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
@@ -573,6 +574,30 @@ Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
     idem_result_clear(&r);
     tu_server_destroy(&rd, false);
     tu_backend_close(&rd_store);
+}
+
+/* A call released after a transient failure between its steps, whose client then
+ * gave up, has no record: its journal waits for a retry as long as a record would have
+ * replayed (the result TTL, here 300 ms), then the re-driver removes it, and the same
+ * key runs afresh. */
+Test(hops, the_redriver_removes_the_journal_of_a_released_call_after_the_result_ttl)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_result r;
+    redriving_server(&rd, &rd_store, 300);
+    atomic_store(&fail_between, 1);
+    cr_assert_eq(checkout_at(rd.url, "cart-gone", 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
+    idem_result_clear(&r);
+    await_flag(&journal_removed);
+    cr_assert(journal_removed, "the re-driver removed the released call's journal");
+    cr_assert_eq(checkout_at(rd.url, "cart-gone", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C1", "the reservation runs again, not replayed");
+    idem_result_clear(&r);
+    tu_server_destroy(&rd, false);
+    if (rd_store.st != NULL) {
+        tu_backend_close(&rd_store);
+    }
 }
 
 /* Off by default: without it, only the client's retry (after the lease) runs the call. */

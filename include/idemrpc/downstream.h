@@ -70,7 +70,9 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * that output instead of running fn. The journal lives in the store (business database
  * "idem.steps", LMDB or PostgreSQL) with the call's request (for the server's re-driver,
  * idem_server_opts.redrive_interval_ms) and is deleted when the call's outcome is
- * recorded; one whose deletion failed then is deleted by the re-driver.
+ * recorded. Without the re-driver, the journal of a call released after a transient
+ * failure stays until a retry records an outcome; the re-driver deletes it after the
+ * result TTL, and deletes journals whose deletion failed at completion.
  * For claim-mode handlers (IDEM_METHOD_CACHED and friends); a transactional handler's
  * writes already commit together (FAILED_PRECONDITION). Call steps in the same order on
  * every run. At most IDEM_MAX_STEPS steps per call, IDEM_MAX_STEP_OUTPUT bytes each. */

@@ -183,8 +183,9 @@ typedef struct idem_server_opts {
      * its stored request: one at a time, on a thread of its own, as the caller its first
      * run had, with max_run_ms as its deadline. Recorded steps replay, the rest run, and
      * the outcome is stored for the client's retry. It also deletes step journals that
-     * outlived their call's outcome. Each re-run is logged at the error level and
-     * counted (idem_redrives_total). */
+     * outlived their call's outcome, and, after result_ttl_ms, those of calls released
+     * after a transient failure (no record: not run again). Each re-run is logged at
+     * the error level and counted (idem_redrives_total). */
     uint64_t redrive_interval_ms;
     size_t redrive_batch; /* journaled calls looked at per pass; 0 = 16 */
 } idem_server_opts;

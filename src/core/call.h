@@ -229,6 +229,7 @@ typedef struct idem__journaled_call {
         char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
     } key_ref;            /* its record */
     bool caller_verified; /* how its first run knew the caller */
+    uint64_t at_ms;       /* when its first step was recorded (the server's clock) */
     void *request;        /* the packed idem.v1.Request of the run that recorded first */
     size_t request_len;
 } idem__journaled_call;

@@ -13,8 +13,10 @@
  *   record COMPLETED → the outcome is recorded but the journal outlived it (deleting
  *       it at completion failed): delete it, or a later call with the same key, once
  *       the record is gone, would replay its steps
- *   lease alive, or no record (released after a transient failure, or deleted) → leave
- *       it to its owner or to a client retry
+ *   no record (released after a transient failure, then its client gave up; or
+ *       deleted) → leave it to a client retry for the result TTL, as long as a
+ *       record would have replayed; then delete it
+ *   lease alive → leave it to its owner
  *
  * One call at a time, on this thread; every pass and every call is bounded. Each
  * re-run and each removal is logged (re-runs at the error level: an owner died). */
@@ -85,6 +87,17 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc)
     idem__dispatch_done(r->cfg.dispatch, &s);
 }
 
+static bool forget(idem_redriver *r, const idem__journaled_call *jc, const char *what)
+{
+    if (idem__steps_forget_journal(r->cfg.store, jc->base) != IDEM_OK) {
+        log_failure(r, "removing a step journal");
+        return false;
+    }
+    log_call(r, IDEM_LOG_INFO, jc, what);
+    idem__observe_redrive(r->cfg.rt->obs, false);
+    return true;
+}
+
 /* Decides about one journaled call. false: the store failed (logged), end the pass. */
 static bool visit(idem_redriver *r, const idem__journaled_call *jc)
 {
@@ -96,12 +109,12 @@ static bool visit(idem_redriver *r, const idem__journaled_call *jc)
     if (!ok) {
         log_failure(r, "reading a journaled call's record");
     } else if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED) {
-        if ((ok = idem__steps_forget_journal(r->cfg.store, jc->base) == IDEM_OK)) {
-            log_call(r, IDEM_LOG_INFO, jc, "removed the step journal of a completed call");
-            idem__observe_redrive(r->cfg.rt->obs, false);
-        } else {
-            log_failure(r, "removing a completed call's step journal");
-        }
+        ok = forget(r, jc, "removed the step journal of a completed call");
+    } else if (code == IDEM_NOT_FOUND && now >= jc->at_ms &&
+               now - jc->at_ms >= r->cfg.result_ttl_ms) {
+        ok = forget(r, jc,
+                    "removed the step journal of a call without a record, older than "
+                    "the result TTL");
     } else if (code == IDEM_OK && rec.lease_until_ms <= now) {
         const idem_method *m = r->cfg.find_method(r->cfg.find_arg, jc->key_ref.method);
         if (m != NULL && (m->opts.flags & IDEM_METHOD_STEPS)) {

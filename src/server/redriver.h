@@ -16,6 +16,7 @@ typedef struct idem_redriver_cfg {
     uint64_t interval_ms; /* between passes */
     size_t batch;         /* journaled calls looked at per pass */
     uint64_t run_ms;      /* the deadline a re-run call gets */
+    uint64_t result_ttl_ms; /* how long a journal without a record is kept */
 } idem_redriver_cfg;
 
 idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg);

@@ -490,7 +490,8 @@ static idem_code server_start(idem_server *srv)
                                .find_arg = srv,
                                .interval_ms = srv->opts.redrive_interval_ms,
                                .batch = srv->opts.redrive_batch,
-                               .run_ms = srv->opts.max_run_ms};
+                               .run_ms = srv->opts.max_run_ms,
+                               .result_ttl_ms = srv->opts.result_ttl_ms};
         if ((code = idem__redriver_start(&srv->redriver, &r)) != IDEM_OK) {
             return code;
         }

@@ -4,8 +4,9 @@
  * Business database "idem.steps" (both stores, through idem_txn_*):
  *   'j' base          → be64 fence ‖ the 32-byte names of the recorded steps
  *   's' H(base, step) → output, one per recorded step
- *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be16-prefixed caller,
- *                       method, effective key ‖ the packed idem.v1.Request
+ *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be64 when (ms) ‖
+ *                       be16-prefixed caller, method, effective key ‖ the packed
+ *                       idem.v1.Request
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. A record
  * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
@@ -76,7 +77,7 @@ static void put_lp16(uint8_t **p, const char *s)
 static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
 {
     const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
-    size_t n = 3 + protobuf_c_message_get_packed_size(&call->req->base);
+    size_t n = 3 + 8 + protobuf_c_message_get_packed_size(&call->req->base);
     for (int i = 0; i < 3; i++) {
         n += 2 + strlen(parts[i]);
     }
@@ -87,6 +88,8 @@ static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
     *p++ = CALL_MAGIC;
     *p++ = CALL_VERSION;
     *p++ = call->caller_verified ? CALL_VERIFIED : 0;
+    idem__put_be64(p, idem__rt_now_ms(call->rt));
+    p += 8;
     for (int i = 0; i < 3; i++) {
         put_lp16(&p, parts[i]);
     }
@@ -285,11 +288,12 @@ static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t ma
 static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
 {
     const uint8_t *p = e->val, *end = p + e->vlen;
-    if (e->vlen < 3 || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
+    if (e->vlen < 11 || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
     out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
-    p += 3;
+    out->at_ms = idem__get_be64(p + 3);
+    p += 11;
     if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
         !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||
         !get_lp16(&p, end, out->key_ref.key, IDEM_MAX_KEY)) {
