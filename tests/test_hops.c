@@ -361,8 +361,8 @@ Test(hops, a_call_without_a_key_or_a_bad_step_name_cannot_derive_one)
     idem_client_close(c);
 }
 
-static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t attempt_ms,
-                               idem_result *r)
+static idem_code checkout_at(const char *url, const char *key, uint32_t attempts,
+                             uint32_t attempt_ms, idem_result *r)
 {
     idem_client_opts o;
     idem_client *c;
@@ -371,11 +371,17 @@ static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t atte
     o.retry.period_ms = 20;
     o.attempt_timeout_ms = attempt_ms;
     o.deadline_ms = 8000;
-    cr_assert_eq(idem_client_open(&c, (const char *[]){order.url}, 1, &o), IDEM_OK);
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
     idem_request q = {.method = "order.Order/Checkout", .idempotency_key = key};
     idem_code code = idem_client_call(c, &q, r);
     idem_client_close(c);
     return code;
+}
+
+static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t attempt_ms,
+                               idem_result *r)
+{
+    return checkout_at(order.url, key, attempts, attempt_ms, r);
 }
 
 Test(hops, a_run_after_a_failure_between_two_steps_replays_the_first_and_runs_the_second)
@@ -476,18 +482,12 @@ static void redriving_server(tu_server *ts, tu_backend *b, uint64_t result_ttl_m
     tu_server_listen(ts);
 }
 
-static idem_code checkout_at(const char *url, const char *key, uint32_t attempt_ms, idem_result *r)
+static void redriving_server_destroy(tu_server *ts, tu_backend *b)
 {
-    idem_client_opts o;
-    idem_client *c;
-    idem_client_opts_init(&o);
-    o.retry.max_attempts = 1;
-    o.attempt_timeout_ms = attempt_ms;
-    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
-    idem_request q = {.method = "order.Order/Checkout", .idempotency_key = key};
-    idem_code code = idem_client_call(c, &q, r);
-    idem_client_close(c);
-    return code;
+    tu_server_destroy(ts, false);
+    if (b->st != NULL) {
+        tu_backend_close(b);
+    }
 }
 
 /* The first run reserves, then its owner "dies" between the steps (it stops, and its
@@ -501,7 +501,7 @@ Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
     idem_result r;
     redriving_server(&rd, &rd_store, 0);
     atomic_store(&abandon_first, 1);
-    cr_assert_neq(checkout_at(rd.url, "cart-rd", 100, &r), IDEM_OK, "the client gave up");
+    cr_assert_neq(checkout_at(rd.url, "cart-rd", 1, 100, &r), IDEM_OK, "the client gave up");
     idem_result_clear(&r);
 
     await_flag(&redriven);
@@ -509,15 +509,12 @@ Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
     cr_expect_eq(atomic_load(&checkout_runs), 2);
     cr_expect_eq(atomic_load(&reserves), 1, "stock reserved once");
     cr_expect_eq(atomic_load(&charged), 1, "charged once");
-    cr_assert_eq(checkout_at(rd.url, "cart-rd", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_assert_eq(checkout_at(rd.url, "cart-rd", 1, 2000, &r), IDEM_OK, "%s", r.message);
     cr_expect(r.replayed, "the client's retry replays the re-driven outcome");
     cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
     idem_result_clear(&r);
     raise_flag(&abandoned_released);
-    tu_server_destroy(&rd, false);
-    if (rd_store.st != NULL) {
-        tu_backend_close(&rd_store);
-    }
+    redriving_server_destroy(&rd, &rd_store);
 }
 
 /* The same dead run wakes after the new owner completed the call (and deleted its
@@ -527,7 +524,7 @@ Test(hops, a_run_that_wakes_after_the_call_completed_records_no_step)
 {
     idem_result r;
     atomic_store(&abandon_first, 1);
-    cr_assert_neq(checkout_at(order.url, "cart-late", 100, &r), IDEM_OK);
+    cr_assert_neq(checkout_call("cart-late", 1, 100, &r), IDEM_OK);
     idem_result_clear(&r);
     cr_assert_eq(checkout_call("cart-late", 50, 300, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
@@ -561,7 +558,7 @@ Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
                " END IF; RETURN OLD; END $$;"
                "CREATE TRIGGER refuse BEFORE DELETE ON idem_kv FOR EACH ROW"
                " EXECUTE FUNCTION refuse_delete();");
-    cr_assert_eq(checkout_at(rd.url, "cart-left", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_assert_eq(checkout_at(rd.url, "cart-left", 1, 2000, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "R1 C1");
     idem_result_clear(&r);
     tu_pg_exec(rd_store.conninfo, "DELETE FROM refuse_deletes");
@@ -569,11 +566,10 @@ Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
     cr_assert(journal_removed, "the re-driver removed the journal left after the outcome");
     idem_key_ref k = {"", "order.Order/Checkout", "cart-left"};
     cr_assert_eq(idem_store_delete(idem_server_store(rd.srv), &k), IDEM_OK);
-    cr_assert_eq(checkout_at(rd.url, "cart-left", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_assert_eq(checkout_at(rd.url, "cart-left", 1, 2000, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "R2 C2", "no step of the old call replays");
     idem_result_clear(&r);
-    tu_server_destroy(&rd, false);
-    tu_backend_close(&rd_store);
+    redriving_server_destroy(&rd, &rd_store);
 }
 
 /* A call released after a transient failure between its steps, whose client then
@@ -587,17 +583,14 @@ Test(hops, the_redriver_removes_the_journal_of_a_released_call_after_the_result_
     idem_result r;
     redriving_server(&rd, &rd_store, 300);
     atomic_store(&fail_between, 1);
-    cr_assert_eq(checkout_at(rd.url, "cart-gone", 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
+    cr_assert_eq(checkout_at(rd.url, "cart-gone", 1, 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
     idem_result_clear(&r);
     await_flag(&journal_removed);
     cr_assert(journal_removed, "the re-driver removed the released call's journal");
-    cr_assert_eq(checkout_at(rd.url, "cart-gone", 2000, &r), IDEM_OK, "%s", r.message);
+    cr_assert_eq(checkout_at(rd.url, "cart-gone", 1, 2000, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "R2 C1", "the reservation runs again, not replayed");
     idem_result_clear(&r);
-    tu_server_destroy(&rd, false);
-    if (rd_store.st != NULL) {
-        tu_backend_close(&rd_store);
-    }
+    redriving_server_destroy(&rd, &rd_store);
 }
 
 /* Off by default: without it, only the client's retry (after the lease) runs the call. */
@@ -608,7 +601,7 @@ Test(hops, without_the_redriver_an_abandoned_call_waits_for_a_client_retry)
     idem_server_opts_init(&o);
     cr_assert_eq(o.redrive_interval_ms, 0, "the re-driver is off by default");
     atomic_store(&abandon_first, 1);
-    cr_assert_neq(checkout_at(order.url, "cart-nord", 100, &r), IDEM_OK);
+    cr_assert_neq(checkout_call("cart-nord", 1, 100, &r), IDEM_OK);
     idem_result_clear(&r);
     cr_assert_eq(checkout_call("cart-nord", 50, 300, &r), IDEM_OK, "%s", r.message);
     cr_expect(!r.replayed, "the retry ran it (nothing else did)");

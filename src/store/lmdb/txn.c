@@ -249,6 +249,17 @@ idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "del");
 }
 
+/* A read txn and the handle of business database db, for the reads outside a txn. */
+static idem_code app_read_begin(lmdb_store *st, const char *db, MDB_dbi *dbi, MDB_txn **txn)
+{
+    idem_code code = store_dbi(st, db, dbi);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = idem__lmdb_read_begin(st, txn);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "read begin");
+}
+
 idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                              void **val, size_t *vlen)
 {
@@ -256,15 +267,11 @@ idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, 
     MDB_txn *txn;
     MDB_dbi dbi;
     MDB_val k = {klen, (void *)key}, v;
-    idem_code code;
-    int rc;
-    if ((code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+    idem_code code = app_read_begin(st, db, &dbi, &txn);
+    if (code != IDEM_OK) {
         return code;
     }
-    if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
-        return idem__lmdb_code(rc, "read begin");
-    }
-    rc = mdb_get(txn, dbi, &k, &v);
+    int rc = mdb_get(txn, dbi, &k, &v);
     if (rc == MDB_NOTFOUND) {
         code = idem__err(IDEM_NOT_FOUND, "no such key");
     } else if (rc != 0) {
@@ -303,15 +310,12 @@ idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *afte
     MDB_cursor *cur;
     MDB_dbi dbi;
     MDB_val k = {alen, (void *)after}, v;
-    idem_code code;
-    int rc;
-    if ((code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+    idem_code code = app_read_begin(st, db, &dbi, &txn);
+    if (code != IDEM_OK) {
         return code;
     }
-    if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
-        return idem__lmdb_code(rc, "read begin");
-    }
-    if ((rc = mdb_cursor_open(txn, dbi, &cur)) == 0) {
+    int rc = mdb_cursor_open(txn, dbi, &cur);
+    if (rc == 0) {
         /* The first key >= after (LMDB has no empty keys); the next when it is after. */
         rc = mdb_cursor_get(cur, &k, &v, alen == 0 ? MDB_FIRST : MDB_SET_RANGE);
         if (rc == 0 && k.mv_size == alen && memcmp(k.mv_data, after, alen) == 0) {
