@@ -20,30 +20,19 @@
  *
  * One call at a time, on this thread; every pass and every call is bounded. Each
  * re-run and each removal is logged (re-runs at the error level: an owner died). */
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "periodic.h"
 #include "redriver.h"
 #include "store.h"
 
 struct idem_redriver {
     idem_redriver_cfg cfg;
     uint8_t cursor[IDEM__JOURNAL_CURSOR]; /* where the last pass stopped */
-    pthread_mutex_t mu;
-    pthread_cond_t cv; /* stopping */
-    bool stopping;
-    pthread_t thread;
+    idem_periodic *thread;
 };
-
-static bool stopping(idem_redriver *r)
-{
-    pthread_mutex_lock(&r->mu);
-    bool v = r->stopping;
-    pthread_mutex_unlock(&r->mu);
-    return v;
-}
 
 static void log_call(idem_redriver *r, idem_log_level level, const idem__journaled_call *jc,
                      const char *what)
@@ -126,9 +115,10 @@ static bool visit(idem_redriver *r, const idem__journaled_call *jc)
 }
 
 /* One pass: up to batch journaled calls from where the last pass stopped. */
-static void pass(idem_redriver *r)
+static void pass(void *arg, idem_periodic *p)
 {
-    for (size_t i = 0; i < r->cfg.batch && !stopping(r); i++) {
+    idem_redriver *r = arg;
+    for (size_t i = 0; i < r->cfg.batch && !idem__periodic_stopping(p); i++) {
         idem__journaled_call jc;
         idem_code code = idem__steps_next_call(r->cfg.store, r->cursor, &jc);
         bool more = code == IDEM_OK || code == IDEM_DATA_LOSS;
@@ -146,25 +136,6 @@ static void pass(idem_redriver *r)
     }
 }
 
-static void *redriver_main(void *arg)
-{
-    idem_redriver *r = arg;
-    pthread_mutex_lock(&r->mu);
-    while (!r->stopping) {
-        struct timespec ts;
-        idem__abs_timespec(&ts, r->cfg.interval_ms);
-        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
-        if (r->stopping) {
-            break;
-        }
-        pthread_mutex_unlock(&r->mu);
-        pass(r);
-        pthread_mutex_lock(&r->mu);
-    }
-    pthread_mutex_unlock(&r->mu);
-    return NULL;
-}
-
 idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg)
 {
     idem_redriver *r = calloc(1, sizeof(*r));
@@ -173,13 +144,10 @@ idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     r->cfg = *cfg;
-    pthread_mutex_init(&r->mu, NULL);
-    idem__cond_init(&r->cv);
-    if (pthread_create(&r->thread, NULL, redriver_main, r) != 0) {
-        pthread_cond_destroy(&r->cv);
-        pthread_mutex_destroy(&r->mu);
+    idem_code code = idem__periodic_start(&r->thread, cfg->interval_ms, pass, r, "re-driver");
+    if (code != IDEM_OK) {
         free(r);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the re-driver thread");
+        return code;
     }
     *out = r;
     return IDEM_OK;
@@ -187,15 +155,8 @@ idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg
 
 void idem__redriver_stop(idem_redriver *r)
 {
-    if (r == NULL) {
-        return;
+    if (r != NULL) {
+        idem__periodic_stop(r->thread);
+        free(r);
     }
-    pthread_mutex_lock(&r->mu);
-    r->stopping = true;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    pthread_join(r->thread, NULL);
-    pthread_cond_destroy(&r->cv);
-    pthread_mutex_destroy(&r->mu);
-    free(r);
 }

@@ -13,9 +13,9 @@ typedef struct idem_redriver_cfg {
     idem_runtime *rt;
     const idem_method *(*find_method)(void *arg, const char *name);
     void *find_arg;
-    uint64_t interval_ms; /* between passes */
-    size_t batch;         /* journaled calls looked at per pass */
-    uint64_t run_ms;      /* the deadline a re-run call gets */
+    uint64_t interval_ms;   /* between passes */
+    size_t batch;           /* journaled calls looked at per pass */
+    uint64_t run_ms;        /* the deadline a re-run call gets */
     uint64_t result_ttl_ms; /* how long a journal without a record is kept */
 } idem_redriver_cfg;
 
