@@ -230,7 +230,8 @@ typedef struct idem__journaled_call {
     } key_ref;            /* its record */
     bool caller_verified; /* how its first run knew the caller */
     uint64_t at_ms;       /* when its first step was recorded (the server's clock) */
-    void *request;        /* the packed idem.v1.Request of the run that recorded first */
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* the request's */
+    void *request; /* the packed idem.v1.Request of the run that recorded first */
     size_t request_len;
 } idem__journaled_call;
 #define IDEM__JOURNAL_CURSOR 33

@@ -13,9 +13,10 @@
  *   record COMPLETED → the outcome is recorded but the journal outlived it (deleting
  *       it at completion failed): delete it, or a later call with the same key, once
  *       the record is gone, would replay its steps
- *   no record (released after a transient failure, then its client gave up; or
- *       deleted) → leave it to a client retry for the result TTL, as long as a
- *       record would have replayed; then delete it
+ *   no record of this request (released after a transient failure, then its client
+ *       gave up; or deleted; or the key since claimed by another request) → leave
+ *       it to a client retry for the result TTL, as long as a record would have
+ *       replayed; then delete it
  *   lease alive → leave it to its owner
  *
  * One call at a time, on this thread; every pass and every call is bounded. Each
@@ -95,20 +96,23 @@ static bool visit(idem_redriver *r, const idem__journaled_call *jc)
     idem_code code = idem_store_get(r->cfg.store, &key, &rec);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(r->cfg.rt);
     bool ok = code == IDEM_OK || code == IDEM_NOT_FOUND;
+    /* The record is this request's (a released key may since hold another request). */
+    bool ours =
+        code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    bool aged = now >= jc->at_ms && now - jc->at_ms >= r->cfg.result_ttl_ms;
     if (!ok) {
         log_failure(r, "reading a journaled call's record");
     } else if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED) {
         ok = forget(r, jc, "removed the step journal of a completed call");
-    } else if (code == IDEM_NOT_FOUND && now >= jc->at_ms &&
-               now - jc->at_ms >= r->cfg.result_ttl_ms) {
-        ok = forget(r, jc,
-                    "removed the step journal of a call without a record, older than "
-                    "the result TTL");
-    } else if (code == IDEM_OK && rec.lease_until_ms <= now) {
+    } else if (ours && rec.lease_until_ms <= now) {
         const idem_method *m = r->cfg.find_method(r->cfg.find_arg, jc->key_ref.method);
         if (m != NULL && (m->opts.flags & IDEM_METHOD_STEPS)) {
             rerun(r, jc);
         } /* else: another server's method on this store; its re-driver may run it */
+    } else if (!ours && aged) {
+        ok = forget(r, jc,
+                    "removed the step journal of a call without a record, older than the "
+                    "result TTL");
     }
     idem_record_clear(&rec);
     return ok;

@@ -5,8 +5,8 @@
  *   'j' base          → be64 fence ‖ the 32-byte names of the recorded steps
  *   's' H(base, step) → output, one per recorded step
  *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be64 when (ms) ‖
- *                       be16-prefixed caller, method, effective key ‖ the packed
- *                       idem.v1.Request
+ *                       request fingerprint ‖ be16-prefixed caller, method, effective
+ *                       key ‖ the packed idem.v1.Request
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. A record
  * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
@@ -32,6 +32,7 @@ _Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journa
 #define CALL_MAGIC 'R'
 #define CALL_VERSION 1
 #define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
+#define CALL_FIXED (3 + 8 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
 
 typedef struct journal {
@@ -77,7 +78,7 @@ static void put_lp16(uint8_t **p, const char *s)
 static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
 {
     const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
-    size_t n = 3 + 8 + protobuf_c_message_get_packed_size(&call->req->base);
+    size_t n = CALL_FIXED + protobuf_c_message_get_packed_size(&call->req->base);
     for (int i = 0; i < 3; i++) {
         n += 2 + strlen(parts[i]);
     }
@@ -89,7 +90,8 @@ static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
     *p++ = CALL_VERSION;
     *p++ = call->caller_verified ? CALL_VERIFIED : 0;
     idem__put_be64(p, idem__rt_now_ms(call->rt));
-    p += 8;
+    memcpy(p + 8, call->fingerprint, IDEM_FINGERPRINT_LEN); /* computed for the journal key */
+    p += 8 + IDEM_FINGERPRINT_LEN;
     for (int i = 0; i < 3; i++) {
         put_lp16(&p, parts[i]);
     }
@@ -288,12 +290,13 @@ static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t ma
 static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
 {
     const uint8_t *p = e->val, *end = p + e->vlen;
-    if (e->vlen < 11 || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
+    if (e->vlen < CALL_FIXED || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
     out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
     out->at_ms = idem__get_be64(p + 3);
-    p += 11;
+    memcpy(out->fingerprint, p + 11, IDEM_FINGERPRINT_LEN);
+    p += CALL_FIXED;
     if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
         !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||
         !get_lp16(&p, end, out->key_ref.key, IDEM_MAX_KEY)) {
