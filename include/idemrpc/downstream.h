@@ -60,7 +60,9 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * multi-effect handler exactly once end to end, as long as each downstream honours its
  * key: fn itself may still run twice if the process dies after fn's effect and before
  * its record, so give fn's effect the step's derived key (idem_call_downstream with the
- * same step name does).
+ * same step name does). The record rides out a store that is full or briefly unreachable
+ * (RESOURCE_EXHAUSTED, UNAVAILABLE) for up to 10 s, as the outcome's completion does;
+ * a record still refused after that is returned, and the next run runs fn again.
  *
  * Only an owner may write: a step is recorded only while the call's record is still
  * IN_PROGRESS under this run's claim (checked in the recording transaction). A run that

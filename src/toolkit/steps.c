@@ -34,6 +34,10 @@ _Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journa
 #define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
 #define CALL_FIXED (3 + 8 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
+/* A step's record rides out a store outage or a full store this long, as the outcome's
+ * completion does (interceptors/result_cache.c, RECORD_RETRY_MS): fn's effect is done,
+ * and a lost record makes the next run do it again. */
+#define STEP_RECORD_RETRY_MS 10000u
 
 typedef struct journal {
     uint8_t head_key[JKEY], step_key[JKEY], call_key[JKEY];
@@ -107,6 +111,7 @@ typedef struct record_args {
     uint64_t fence;
     const void *data;
     size_t len;
+    bool too_many; /* the call has IDEM_MAX_STEPS steps: no retry fixes that */
 } record_args;
 
 static idem_code record_txn(idem_txn *t, void *arg)
@@ -143,6 +148,7 @@ static idem_code record_txn(idem_txn *t, void *arg)
         listed = memcmp(head + off, a->j.step_key + 1, 32) == 0;
     }
     if (!listed && n == HEAD_MAX) {
+        a->too_many = true;
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d steps per call", IDEM_MAX_STEPS);
     }
     if (!listed) {
@@ -154,6 +160,24 @@ static idem_code record_txn(idem_txn *t, void *arg)
         return code;
     }
     return idem_txn_put(t, STEPS_DB, a->j.step_key, JKEY, a->data != NULL ? a->data : "", a->len);
+}
+
+/* Records the step, retrying an unreachable (UNAVAILABLE) or full (RESOURCE_EXHAUSTED)
+ * store for up to STEP_RECORD_RETRY_MS. Each attempt checks the claim again in its txn,
+ * so a run that lost its claim meanwhile gets ABORTED; an attempt whose commit did land
+ * but was not acknowledged is repeated harmlessly (the same output, still our claim). */
+static idem_code record_retrying(idem_call *call, record_args *a)
+{
+    uint64_t give_up = idem__mono_ms() + STEP_RECORD_RETRY_MS, backoff = 10;
+    for (;;) {
+        idem_code code = idem_store_run_txn(call->claim_store, record_txn, a);
+        bool again = code == IDEM_UNAVAILABLE || (code == IDEM_RESOURCE_EXHAUSTED && !a->too_many);
+        if (!again || idem__mono_ms() + backoff > give_up) {
+            return code;
+        }
+        idem__sleep_ms(backoff);
+        backoff = backoff * 2 > 500 ? 500 : backoff * 2;
+    }
 }
 
 void idem_step_result_clear(idem_step_result *r)
@@ -212,7 +236,7 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
     }
     a.data = out->data;
     a.len = out->len;
-    if ((code = idem_store_run_txn(call->claim_store, record_txn, &a)) != IDEM_OK) {
+    if ((code = record_retrying(call, &a)) != IDEM_OK) {
         idem_step_result_clear(out);
     }
     return code;
