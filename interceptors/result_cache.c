@@ -188,11 +188,12 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
 }
 
 /* The outcome is recorded: the journaled steps of the call have served (a failure to
- * delete them only leaves them behind, logged). */
-static void forget_steps(idem_call *call)
+ * delete them only leaves them behind, logged; a re-driver deletes them later). A
+ * release keeps them for the retry and only takes the call off the re-driver's list. */
+static void end_steps(idem_call *call, bool released)
 {
     if ((call->method->opts.flags & IDEM_METHOD_STEPS) &&
-        idem__call_steps_forget(call) != IDEM_OK) {
+        (released ? idem__call_steps_unlist(call) : idem__call_steps_forget(call)) != IDEM_OK) {
         log_error(call, idem_errmsg());
     }
 }
@@ -230,8 +231,8 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
         st = record_result(call, cfg, key, owner, txn); /* effect and record together */
     } else if (txn != NULL) {
         st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
-    } else if ((st = record_retrying(call, cfg, key, owner, !released)) == IDEM_OK && !released) {
-        forget_steps(call);
+    } else if ((st = record_retrying(call, cfg, key, owner, !released)) == IDEM_OK) {
+        end_steps(call, released);
     }
     call->claim_store = NULL;
     /* Renewed until now: recording may retry through a store outage for longer than a
@@ -407,7 +408,15 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
     const idem_method *m = call->method;
     const unsigned cached =
         IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_TRANSACTIONAL;
-    if (m == NULL || !(m->opts.flags & cached) || call->key_source == IDEM_KEY_NONE) {
+    bool keyed = m != NULL && (m->opts.flags & cached) && call->key_source != IDEM_KEY_NONE;
+    if (call->pinned_key != NULL && (!keyed || strcmp(call->pinned_key, call->key) != 0)) {
+        /* A re-driven call must claim the record its first run claimed: a changed key
+         * extractor or chain would otherwise run every step again under a new key. */
+        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_FAILED_PRECONDITION,
+                            "re-run: the request no longer resolves to the key its first run "
+                            "had; not run");
+    }
+    if (!keyed) {
         return idem_call_next(call, next);
     }
     idem_key_ref key = {idem_call_caller(call), m->name, call->key};

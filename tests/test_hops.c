@@ -84,13 +84,13 @@ static idem_code keyless(idem_call *call, void *arg)
 static atomic_int reserves, charged, checkout_runs, fail_between, fail_after, step_refusals;
 static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
-static atomic_int stall_first;         /* the first run stalls before its charge step */
-static bool second_charged;            /* the run that took over recorded its charge */
-static bool first_done;                /* the stalled run's charge step returned */
-static atomic_int abandon_first;       /* the first run stalls between its steps */
-static bool abandoned_released;        /* ... until the test lets it go on */
-static bool woken_done;                /* ... and its steps have returned */
-static bool redriven, journal_removed; /* the re-driver said so in its log */
+static atomic_int stall_first;                    /* the first run stalls before its charge step */
+static bool second_charged;                       /* the run that took over recorded its charge */
+static bool first_done;                           /* the stalled run's charge step returned */
+static atomic_int abandon_first;                  /* the first run stalls between its steps */
+static bool abandoned_released;                   /* ... until the test lets it go on */
+static bool woken_done;                           /* ... and its steps have returned */
+static bool redriven, journal_removed, not_rerun; /* the re-driver said so in its log */
 
 static idem_code numbered(idem_step_result *out, char tag, int n)
 {
@@ -208,10 +208,25 @@ static idem_code step_in_plain_method(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, idem_code_name(code), strlen(idem_code_name(code)));
 }
 
+/* order.Order/ByCart's business key: the payload, and "-v2" once rekeyed (a deploy that
+ * changed how keys are made). */
+static atomic_int rekeyed;
+static bool cart_key(const idem_call *call, char *buf, size_t cap, void *arg)
+{
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    (void)arg;
+    return snprintf(buf, cap, "%.*s%s", (int)n, (const char *)p,
+                    atomic_load(&rekeyed) ? "-v2" : "") < (int)cap;
+}
+
 static void register_steps(idem_server *srv)
 {
     idem_method_opts m = {.flags = IDEM_METHOD_STEPS};
+    idem_method_opts by_cart = {.flags = IDEM_METHOD_STEPS, .extractor = cart_key};
     cr_assert_eq(idem_server_register(srv, "order.Order/Checkout", checkout, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(srv, "order.Order/ByCart", checkout, NULL, &by_cart),
+                 IDEM_OK);
     cr_assert_eq(idem_server_register(srv, "order.Order/Plain", step_in_plain_method, NULL, NULL),
                  IDEM_OK);
 }
@@ -459,6 +474,9 @@ static void redriver_log(void *arg, idem_log_level level, const char *line)
         raise_flag(&redriven);
     } else if (strstr(line, "removed the step journal") != NULL) {
         raise_flag(&journal_removed);
+    } else if (strstr(line, "redrive") != NULL && strstr(line, "did not run it") != NULL) {
+        cr_log_info("%s", line);
+        raise_flag(&not_rerun);
     }
 }
 
@@ -514,12 +532,14 @@ Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
     cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
     idem_result_clear(&r);
     raise_flag(&abandoned_released);
+    await_flag(&woken_done);
+    cr_expect_eq(atomic_load(&charged), 1, "the dead run, woken, did not charge");
     redriving_server_destroy(&rd, &rd_store);
 }
 
 /* The same dead run wakes after the new owner completed the call (and deleted its
- * journal): its charge step is refused against the record, so no journal is left
- * behind for a later call with the same key to replay. */
+ * journal): its charge step is refused against the record before its fn runs, so it
+ * neither charges again nor leaves a journal for a later call with the same key. */
 Test(hops, a_run_that_wakes_after_the_call_completed_records_no_step)
 {
     idem_result r;
@@ -532,10 +552,12 @@ Test(hops, a_run_that_wakes_after_the_call_completed_records_no_step)
     raise_flag(&abandoned_released);
     await_flag(&woken_done);
     cr_expect_eq(atomic_load(&step_refusals), 1, "the woken run's charge step was refused");
+    cr_expect_eq(atomic_load(&charged), 1, "... before its fn ran");
     idem_key_ref k = {"", "order.Order/Checkout", "cart-late"};
     cr_assert_eq(idem_store_delete(idem_server_store(order.srv), &k), IDEM_OK);
     cr_assert_eq(checkout_call("cart-late", 1, 2000, &r), IDEM_OK, "%s", r.message);
-    cr_expect_str_eq(r.payload, "R2 C3", "no step of the old call replays");
+    cr_expect_str_eq(r.payload, "R2 C2", "no step of the old call replays");
+    cr_expect_eq(atomic_load(&charged), 2);
     idem_result_clear(&r);
 }
 
@@ -572,24 +594,62 @@ Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
     redriving_server_destroy(&rd, &rd_store);
 }
 
-/* A call released after a transient failure between its steps, whose client then
- * gave up, has no record: its journal waits for a retry as long as a record would have
- * replayed (the result TTL, here 300 ms), then the re-driver removes it, and the same
- * key runs afresh. */
-Test(hops, the_redriver_removes_the_journal_of_a_released_call_after_the_result_ttl)
+static void sleep_ms(long ms)
+{
+    nanosleep(&(struct timespec){ms / 1000, (ms % 1000) * 1000000}, NULL);
+}
+
+/* A call released after a transient failure keeps its journal for the client's retry
+ * however long it takes (past the result TTL, 300 ms here, and many re-driver passes):
+ * each retry replays what earlier runs recorded, and nothing runs twice. */
+Test(hops, a_released_call_keeps_its_journal_for_the_retry)
 {
     tu_server rd;
     tu_backend rd_store = {0};
     idem_result r;
     redriving_server(&rd, &rd_store, 300);
     atomic_store(&fail_between, 1);
-    cr_assert_eq(checkout_at(rd.url, "cart-gone", 1, 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
+    cr_assert_eq(checkout_at(rd.url, "cart-slow", 1, 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
     idem_result_clear(&r);
-    await_flag(&journal_removed);
-    cr_assert(journal_removed, "the re-driver removed the released call's journal");
-    cr_assert_eq(checkout_at(rd.url, "cart-gone", 1, 2000, &r), IDEM_OK, "%s", r.message);
-    cr_expect_str_eq(r.payload, "R2 C1", "the reservation runs again, not replayed");
+    sleep_ms(400); /* past the TTL: time itself is what this test waits for */
+    atomic_store(&fail_after, 1);
+    cr_assert_eq(checkout_at(rd.url, "cart-slow", 1, 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
     idem_result_clear(&r);
+    sleep_ms(400);
+    cr_assert_eq(checkout_at(rd.url, "cart-slow", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    cr_expect_eq(atomic_load(&reserves), 1, "reserved once over three runs");
+    cr_expect_eq(atomic_load(&charged), 1, "charged once over two runs");
+    idem_result_clear(&r);
+    redriving_server_destroy(&rd, &rd_store);
+}
+
+/* A re-run claims the record its first run claimed, or nothing: when the request now
+ * resolves to another key (the extractor changed), it is refused before any step
+ * would run again under a fresh journal. */
+Test(hops, a_rerun_that_resolves_another_key_runs_nothing)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_client *c;
+    idem_client_opts o;
+    idem_result r;
+    redriving_server(&rd, &rd_store, 0);
+    atomic_store(&abandon_first, 1);
+    idem_client_opts_init(&o);
+    o.retry.max_attempts = 1;
+    o.attempt_timeout_ms = 100;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){rd.url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "order.Order/ByCart", .payload = "cart-9", .payload_len = 6};
+    cr_assert_neq(idem_client_call(c, &q, &r), IDEM_OK, "the client gave up");
+    idem_result_clear(&r);
+    idem_client_close(c);
+    atomic_store(&rekeyed, 1);
+    await_flag(&not_rerun);
+    cr_assert(not_rerun, "the re-driver's re-run was refused");
+    cr_expect_eq(atomic_load(&checkout_runs), 1, "no second run");
+    cr_expect_eq(atomic_load(&reserves), 1);
+    raise_flag(&abandoned_released);
     redriving_server_destroy(&rd, &rd_store);
 }
 

@@ -48,9 +48,10 @@ static void teardown(void)
 
 TestSuite(shop, .init = setup, .fini = teardown, .timeout = 90);
 
-static void start_with(int role, const char *crash_at, const char *redrive_ms)
+/* redrive_ms: order's re-driver interval (NULL: off); logs: its log lines on stdout. */
+static void start_with(int role, const char *crash_at, const char *redrive_ms, bool logs)
 {
-    const char *argv[16] = {
+    const char *argv[20] = {
         getenv("SHOP_SERVER"), "--role", roles[role], "--listen", url[role], "--db", db[role]};
     int n = 7;
     if (role == ORDER) {
@@ -69,13 +70,16 @@ static void start_with(int role, const char *crash_at, const char *redrive_ms)
         argv[n++] = "--redrive-ms";
         argv[n++] = redrive_ms;
     }
+    if (logs) {
+        argv[n++] = "--log-stdout";
+    }
     argv[n] = NULL;
     tu_spawn(&proc[role], argv);
 }
 
 static void start(int role, const char *crash_at)
 {
-    start_with(role, crash_at, NULL);
+    start_with(role, crash_at, NULL, false);
 }
 
 struct order_call {
@@ -195,19 +199,19 @@ Test(shop, payment_killed_after_its_commit_before_its_answer)
     kill_and_recover(PAY, "after_commit");
 }
 
-/* Order is killed between its steps, its client gives up after one attempt, and order
- * restarts with its re-driver on: the re-driver finishes the order (the charge runs,
- * once) without a retry, and the client's next call replays it. */
+/* Order (its re-driver on) is killed between its steps, its client gives up after one
+ * attempt, and order restarts: the re-driver finishes the order (the charge runs,
+ * once) without a retry, and the client's next call replays it with the same id. */
 Test(shop, an_order_killed_between_its_steps_is_finished_by_the_redriver)
 {
-    for (int i = 0; i < N_ROLES; i++) {
-        start(i, i == ORDER ? "between" : NULL);
-    }
+    start(INV, NULL);
+    start(PAY, NULL);
+    start_with(ORDER, "between", "50", false);
     idem_result r;
     cr_assert_neq(place(&r, 1), IDEM_OK, "the client gave up after one attempt");
     idem_result_clear(&r);
     cr_assert_eq(tu_reap(&proc[ORDER]), SIGKILL, "order was killed between its steps");
-    start_with(ORDER, NULL, "50");
+    start_with(ORDER, NULL, "50", false);
 
     char state[128];
     for (int i = 0; i < 200; i++) { /* the lease (300 ms) runs out, then a pass runs it */
@@ -220,9 +224,42 @@ Test(shop, an_order_killed_between_its_steps_is_finished_by_the_redriver)
     cr_expect_str_eq(state, "total=250 charges=1", "the re-driver charged once");
     read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
     cr_expect_str_eq(state, "stock=99 reservations=1", "stock reserved once");
+    char first[64], again[64];
     cr_assert_eq(place(&r, 3), IDEM_OK, "%s", r.message);
     cr_expect(r.replayed, "the client's next call replays the re-driven order");
-    char id[64];
-    order_id(r.payload, id, sizeof(id));
+    order_id(r.payload, first, sizeof(first));
     idem_result_clear(&r);
+    cr_assert_eq(place(&r, 3), IDEM_OK, "%s", r.message);
+    order_id(r.payload, again, sizeof(again));
+    cr_expect_str_eq(again, first, "one order id");
+    idem_result_clear(&r);
+}
+
+/* A request that kills its process between its steps, every time: the re-driver re-runs
+ * it at most redrive_max_runs (3) times, then gives up (one error line), so the service
+ * stops crash-looping; the call waits for a client retry. */
+Test(shop, a_call_that_kills_every_run_is_re_run_three_times_then_left_to_its_client)
+{
+    start(INV, NULL);
+    start(PAY, NULL);
+    start_with(ORDER, "between", "50", true);
+    idem_result r;
+    cr_assert_neq(place(&r, 1), IDEM_OK);
+    idem_result_clear(&r);
+    cr_assert_eq(tu_reap(&proc[ORDER]), SIGKILL, "the first run died between its steps");
+    int reruns_died = 0;
+    bool gave_up = false;
+    while (!gave_up && reruns_died <= 4) {
+        start_with(ORDER, "between", "50", true);
+        char line[1024];
+        while (!gave_up && fgets(line, sizeof(line), proc[ORDER].out) != NULL) {
+            gave_up = strstr(line, "not re-run any more") != NULL;
+        }
+        if (!gave_up) { /* EOF: a re-run killed it */
+            cr_assert_eq(tu_reap(&proc[ORDER]), SIGKILL);
+            reruns_died++;
+        }
+    }
+    cr_expect(gave_up, "the re-driver gave up");
+    cr_expect_eq(reruns_died, 3, "three re-runs died, no more (%d)", reruns_died);
 }

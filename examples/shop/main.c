@@ -3,7 +3,7 @@
  *   idemrpc-shop --role inventory --listen URL --db DIR [--crash-at after_commit]
  *   idemrpc-shop --role payment   --listen URL --db DIR [--crash-at after_commit]
  *   idemrpc-shop --role order     --listen URL --db DIR --inventory URL --payment URL
- *                [--lease-ms N] [--redrive-ms N]
+ *                [--lease-ms N] [--redrive-ms N] [--log-stdout]
  *                [--crash-at before_reserve|between|after_charge]
  *
  *   order.Shop/Place        cached, key required: "SKU PRICE" → "order=ID reservation=R
@@ -33,6 +33,7 @@
 
 typedef struct shop {
     const char *role, *listen, *db, *inventory, *payment, *crash_at;
+    bool log_stdout;
     uint64_t lease_ms, redrive_ms;
     idem_client *to_inventory, *to_payment;
     idem_store *store;
@@ -263,6 +264,10 @@ static idem_code place(idem_call *call, void *arg)
 
 static bool parse(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[argc - 1], "--log-stdout") == 0) {
+        S.log_stdout = true; /* a flag without a value: last */
+        argc--;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (strcmp(k, "--role") == 0) {
@@ -290,6 +295,14 @@ static bool parse(int argc, char **argv)
         S.role != NULL && (strcmp(S.role, "inventory") == 0 || strcmp(S.role, "payment") == 0);
     return argc % 2 == 1 && S.listen != NULL && S.db != NULL && (leaf || order) &&
            (!order || (S.inventory != NULL && S.payment != NULL));
+}
+
+/* --log-stdout: the server's log lines on stdout, after "ready" (a test reads them). */
+static void log_stdout(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg, (void)level;
+    printf("%s\n", line);
+    fflush(stdout);
 }
 
 static idem_client *client_to(const char *url)
@@ -333,7 +346,7 @@ int main(int argc, char **argv)
     if (!parse(argc, argv)) {
         fprintf(stderr, "usage: idemrpc-shop --role inventory|payment|order --listen URL --db DIR\n"
                         "       [--inventory URL --payment URL] [--lease-ms N] [--redrive-ms N]\n"
-                        "       [--crash-at POINT]\n");
+                        "       [--crash-at POINT] [--log-stdout]\n");
         return 2;
     }
     sigset_t stop;
@@ -348,6 +361,7 @@ int main(int argc, char **argv)
     o.db_path = S.db;
     o.lease_ms = S.lease_ms;
     o.redrive_interval_ms = S.redrive_ms;
+    o.log_fn = S.log_stdout ? log_stdout : NULL;
     o.default_chain = strcmp(S.role, "order") == 0;
     bool order = strcmp(S.role, "order") == 0;
     if (order && ((S.to_inventory = client_to(S.inventory)) == NULL ||

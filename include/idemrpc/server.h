@@ -177,17 +177,21 @@ typedef struct idem_server_opts {
     bool require_verified_caller;
     /* ---- the re-driver (README "Calling other services") ----
      * 0 (default): off; a call whose owner died waits for its client's retry. Else,
-     * every redrive_interval_ms, the server looks at up to redrive_batch calls of its
-     * IDEM_METHOD_STEPS methods that recorded a step and whose owner's lease has run out
-     * (the process died, or the handler outlived max_run_ms), and runs each again from
-     * its stored request: one at a time, on a thread of its own, as the caller its first
-     * run had, with max_run_ms as its deadline. Recorded steps replay, the rest run, and
-     * the outcome is stored for the client's retry. It also deletes step journals that
-     * outlived their call's outcome, and, after result_ttl_ms, those of calls released
-     * after a transient failure (no record: not run again). Each re-run is logged at
-     * the error level and counted (idem_redrives_total). */
+     * calls of IDEM_METHOD_STEPS methods that record a step are listed (with their
+     * request) until their outcome is recorded or they are released, and every
+     * redrive_interval_ms the server looks at up to redrive_batch of them. One whose
+     * owner's lease has run out (the process died, or the handler outlived its
+     * max_run_ms) is run again from its stored request: one at a time, on a thread of
+     * its own, as the caller and under the key its first run had, with its method's
+     * max_run_ms (else the server's) as its deadline, at most redrive_max_runs times.
+     * Recorded steps replay, the rest run, and the outcome is stored for the client's
+     * retry. It also deletes step journals that outlived their call's outcome. Re-runs
+     * that ran the handler are logged at the error level; all are counted
+     * (idem_redrives_total). */
     uint64_t redrive_interval_ms;
-    size_t redrive_batch; /* journaled calls looked at per pass; 0 = 16 */
+    size_t redrive_batch; /* listed calls looked at per pass; 0 = 16 */
+    /* Re-runs of one call, then it waits for a client; 0 = 3, at most 254. */
+    unsigned redrive_max_runs;
 } idem_server_opts;
 
 typedef enum idem_builtin {

@@ -65,8 +65,16 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
 void idem__observe_in_flight(idem_observer *obs, int delta);
 void idem__observe_waiting(idem_observer *obs, int delta);
 void idem__observe_announcement(idem_observer *obs); /* one completion heard from the store */
-/* The re-driver ran an abandoned call again (ran) or removed a completed call's journal. */
-void idem__observe_redrive(idem_observer *obs, bool ran);
+/* What the re-driver did: ran a handler again, re-ran a call that did not execute
+ * (replayed, refused), removed a completed call's journal, gave up on a call. */
+enum idem__redrive_event {
+    IDEM__REDRIVE_RAN,
+    IDEM__REDRIVE_OTHER,
+    IDEM__REDRIVE_REMOVED,
+    IDEM__REDRIVE_GAVE_UP_COUNT,
+    IDEM__REDRIVE_EVENTS
+};
+void idem__observe_redrive(idem_observer *obs, enum idem__redrive_event what);
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
 
@@ -88,6 +96,8 @@ typedef struct idem_runtime {
     /* Every interceptor before result_cache is a built-in that only tail-calls, so a
      * waiting duplicate can leave the chain and resume at result_cache later. */
     bool can_park;
+    /* The server runs a re-driver: journaled calls are listed for it (steps.c). */
+    bool redrive;
 } idem_runtime;
 
 /* The token interceptor's and idem.Token/Issue's configuration. */
@@ -156,7 +166,9 @@ struct idem_call {
     bool has_fingerprint;
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
-    const char *reason;      /* static: why the library itself rejected the call, or NULL */
+    /* A re-driven call: the key its first run had (result_cache refuses another). */
+    const char *pinned_key;
+    const char *reason; /* static: why the library itself rejected the call, or NULL */
     void *user;
     idem_txn *txn; /* transactional handler's write txn, owned by result_cache */
     /* Locks the handler took through idem_call_lock (toolkit/lock.c): what it still
@@ -222,27 +234,45 @@ idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32]); /* computed 
  * recorded. */
 idem_code idem__call_steps_forget(idem_call *call);
 
-/* A call that recorded a journaled step, as the re-driver finds it (steps.c). */
+/* A call listed for the re-driver (steps.c): it recorded a step on a server that runs
+ * one, and has not been released nor recorded its outcome since. */
 typedef struct idem__journaled_call {
     uint8_t base[32]; /* its journal */
     struct {
         char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
-    } key_ref;            /* its record */
-    bool caller_verified; /* how its first run knew the caller */
-    uint64_t at_ms;       /* when its first step was recorded (the server's clock) */
+    } key_ref;                                 /* its record */
+    bool caller_verified;                      /* how its first run knew the caller */
+    unsigned runs;                             /* re-runs so far (max + 1: given up) */
     uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* the request's */
-    void *request; /* the packed idem.v1.Request of the run that recorded first */
+    void *request;                             /* the packed idem.v1.Request */
     size_t request_len;
 } idem__journaled_call;
 #define IDEM__JOURNAL_CURSOR 33
-/* The next journaled call after cursor (all zero: the first), advancing it;
+/* The next listed call after cursor (all zero: the first), advancing it;
  * IDEM_NOT_FOUND at the end of a round (cursor reset), IDEM_DATA_LOSS for an entry
  * that cannot be read (cursor past it). */
 idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[IDEM__JOURNAL_CURSOR],
                                 idem__journaled_call *out);
 void idem__journaled_call_clear(idem__journaled_call *c);
-/* Deletes a journal (its steps, head and call) by its base. */
-idem_code idem__steps_forget_journal(idem_store *st, const uint8_t base[32]);
+
+/* What a re-driver write found, deciding in its own txn on the record it read there. */
+typedef enum idem__redrive_verdict {
+    IDEM__REDRIVE_SKIP,    /* the record is not (or no longer) what the write needs */
+    IDEM__REDRIVE_DONE,    /* written */
+    IDEM__REDRIVE_GO,      /* count_run: counted, run it */
+    IDEM__REDRIVE_GAVE_UP, /* count_run: it has had its re-runs; noted, say so once */
+} idem__redrive_verdict;
+/* The record is this request's and COMPLETED: delete the whole journal. */
+idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
+                                       idem__redrive_verdict *verdict);
+/* No record of this request: delete the listing only (the journal stays for a retry). */
+idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
+                             idem__redrive_verdict *verdict);
+/* This request's IN_PROGRESS record: count a re-run, unless it had max_runs. */
+idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                                idem__redrive_verdict *verdict);
+/* After a release: unlists the call (steps.c), keeping its journal. */
+idem_code idem__call_steps_unlist(idem_call *call);
 
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);

@@ -66,6 +66,7 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
         uint32_t a = out->req->attempt;
         out->req->deadline_unix_ms = peer->redriven_deadline_ms;
         out->req->attempt = a < 2 ? 2 : a == UINT32_MAX ? a : a + 1; /* a retry, not a submit */
+        out->call.pinned_key = peer->redriven_key;
     }
     uint64_t deadline = out->req->deadline_unix_ms;
     /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */

@@ -21,6 +21,7 @@ typedef struct idem_peer {
     bool redriven;
     bool redriven_verified;
     char redriven_caller[IDEM_MAX_CALLER + 1];
+    char redriven_key[IDEM_MAX_KEY + 1]; /* the key it must resolve to (result_cache checks) */
     uint64_t redriven_deadline_ms;
 } idem_peer;
 

@@ -1,26 +1,29 @@
 /* The re-driver (brandur's "completer"): a call of an IDEM_METHOD_STEPS method that
  * recorded a step and whose owner then died (killed, or stuck past max_run_ms) keeps
- * an IN_PROGRESS record whose lease runs out; only a client retry would finish it. With
- * idem_server_opts.redrive_interval_ms set, this thread looks at up to redrive_batch of
- * the journaled calls (steps.c keeps each call's request with its first step) every
- * interval, and for each:
+ * an IN_PROGRESS record whose lease runs out; only a client retry would finish it. On
+ * a server with idem_server_opts.redrive_interval_ms set, every such call is listed in
+ * its journal (steps.c) while it may still need finishing, and this thread looks at up
+ * to redrive_batch listed calls every interval, and for each:
  *
- *   record IN_PROGRESS, lease expired → run the stored request again through the
- *       whole chain, as its first run's caller, with a new deadline: the claim takes
- *       the record over (or, if a client retry got there first, waits and replays),
- *       the recorded steps replay, the rest run, and the outcome is recorded for the
- *       client's next retry; the answer itself goes nowhere but the log
- *   record COMPLETED → the outcome is recorded but the journal outlived it (deleting
- *       it at completion failed): delete it, or a later call with the same key, once
- *       the record is gone, would replay its steps
- *   no record of this request (released after a transient failure, then its client
- *       gave up; or deleted; or the key since claimed by another request) → leave
- *       it to a client retry for the result TTL, as long as a record would have
- *       replayed; then delete it
+ *   this request's record, IN_PROGRESS, lease expired → count a re-run (at most
+ *       redrive_max_runs: a request that kills its process cannot crash-loop it) and
+ *       run the stored request again through the whole chain, as its first run's
+ *       caller, under its first run's key, with a new deadline: the claim takes the
+ *       record over (or, if a client retry got there first, waits and replays), the
+ *       recorded steps replay, the rest run, and the outcome is recorded for the
+ *       client's next retry; the answer itself goes only to the log
+ *   this request's record, COMPLETED → the outcome is recorded but the journal
+ *       outlived it (deleting it at completion failed): delete it, or a later call with
+ *       the same key, once the record is gone, would replay its steps
+ *   no record of this request (released, deleted, or the key since another request's)
+ *       → unlist it: the journal stays for the client's retry
  *   lease alive → leave it to its owner
  *
- * One call at a time, on this thread; every pass and every call is bounded. Each
- * re-run and each removal is logged (re-runs at the error level: an owner died). */
+ * Each write re-reads the record in its own txn, so a claim, completion or sweep
+ * between the look and the write is seen. One call at a time, on this thread; a pass
+ * looks at most redrive_batch listings, and stops with the server. Re-runs that
+ * executed the handler are logged at the error level (an owner died), the rest at info;
+ * all are counted (idem_redrives_total). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,12 +42,11 @@ static void log_call(idem_redriver *r, idem_log_level level, const idem__journal
                      const char *what)
 {
     char caller[IDEM_LOGQ_CAP], method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
-    idem__log(
-        r->cfg.rt->obs, level, "redrive method=%s caller=%s key_hash=%08x msg=%s",
-        idem__logfmt_quote(method, sizeof(method), jc->key_ref.method),
-        idem__logfmt_quote(caller, sizeof(caller), jc->key_ref.caller),
-        idem__key_hash(&(idem_key_ref){jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key}),
-        idem__logfmt_quote(msg, sizeof(msg), what));
+    idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
+    idem__log(r->cfg.rt->obs, level, "redrive method=%s caller=%s key_hash=%08x msg=%s",
+              idem__logfmt_quote(method, sizeof(method), jc->key_ref.method),
+              idem__logfmt_quote(caller, sizeof(caller), jc->key_ref.caller), idem__key_hash(&key),
+              idem__logfmt_quote(msg, sizeof(msg), what));
 }
 
 static void log_failure(idem_redriver *r, const char *what)
@@ -57,81 +59,106 @@ static void log_failure(idem_redriver *r, const char *what)
 
 /* Runs the stored request through decode, the chain and the handler, as a worker
  * would, and logs how it ended. */
-static void rerun(idem_redriver *r, const idem__journaled_call *jc)
+static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_method *m)
 {
     idem_peer peer = {.redriven = true, .redriven_verified = jc->caller_verified};
     idem_served s;
     char what[IDEM_LOGQ_CAP];
+    uint64_t run_ms = m->opts.max_run_ms ? m->opts.max_run_ms : r->cfg.run_ms;
     snprintf(peer.redriven_caller, sizeof(peer.redriven_caller), "%s", jc->key_ref.caller);
-    peer.redriven_deadline_ms = idem__add_sat(idem__rt_now_ms(r->cfg.rt), r->cfg.run_ms);
+    snprintf(peer.redriven_key, sizeof(peer.redriven_key), "%s", jc->key_ref.key);
+    peer.redriven_deadline_ms = idem__add_sat(idem__rt_now_ms(r->cfg.rt), run_ms);
     if (!idem__dispatch_run(r->cfg.dispatch, jc->request, jc->request_len, &peer, false, &s)) {
         idem__dispatch_discard(&s); /* cannot happen: this call neither defers nor parks */
         return;
     }
+    const idem_call *c = &s.call;
+    const char *how = c->executed   ? "ran it again"
+                      : c->replayed ? "another run had finished it: replayed its outcome"
+                                    : "did not run it";
     snprintf(what, sizeof(what),
-             "its owner's lease ran out: ran it again from its stored request: %s%s%s%s",
-             idem_code_name(s.call.code), s.call.replayed ? " (replayed)" : "",
-             s.call.message != NULL ? ": " : "", s.call.message != NULL ? s.call.message : "");
-    log_call(r, IDEM_LOG_ERROR, jc, what);
-    idem__observe_redrive(r->cfg.rt->obs, true);
+             "its owner's lease ran out; re-run %u of %u from its stored "
+             "request: %s: %s%s%s",
+             jc->runs + 1, r->cfg.max_runs, how, idem_code_name(c->code),
+             c->message != NULL ? ": " : "", c->message != NULL ? c->message : "");
+    log_call(r, c->executed ? IDEM_LOG_ERROR : IDEM_LOG_INFO, jc, what);
+    idem__observe_redrive(r->cfg.rt->obs, c->executed ? IDEM__REDRIVE_RAN : IDEM__REDRIVE_OTHER);
     idem__dispatch_done(r->cfg.dispatch, &s);
 }
 
-static bool forget(idem_redriver *r, const idem__journaled_call *jc, const char *what)
+/* An abandoned call: re-run it, unless it had its re-runs. */
+static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
 {
-    if (idem__steps_forget_journal(r->cfg.store, jc->base) != IDEM_OK) {
-        log_failure(r, "removing a step journal");
+    const idem_method *m = r->cfg.find_method(r->cfg.find_arg, jc->key_ref.method);
+    idem__redrive_verdict v;
+    if (m == NULL || !(m->opts.flags & IDEM_METHOD_STEPS)) {
+        return true; /* another server's method on this store; its re-driver may run it */
+    }
+    if (idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, &v) != IDEM_OK) {
+        log_failure(r, "counting a re-run");
         return false;
     }
-    log_call(r, IDEM_LOG_INFO, jc, what);
-    idem__observe_redrive(r->cfg.rt->obs, false);
+    if (v == IDEM__REDRIVE_GO) {
+        rerun(r, jc, m);
+    } else if (v == IDEM__REDRIVE_GAVE_UP) {
+        char what[160];
+        snprintf(what, sizeof(what),
+                 "its owner's lease ran out again after %u re-runs: not re-run any more; it "
+                 "waits for a client retry (or an operator)",
+                 r->cfg.max_runs);
+        log_call(r, IDEM_LOG_ERROR, jc, what);
+        idem__observe_redrive(r->cfg.rt->obs, IDEM__REDRIVE_GAVE_UP_COUNT);
+    }
     return true;
 }
 
-/* Decides about one journaled call. false: the store failed (logged), end the pass. */
+/* Decides about one listed call. false: the store failed (logged), end the pass. */
 static bool visit(idem_redriver *r, const idem__journaled_call *jc)
 {
     idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
     idem_record rec;
+    idem__redrive_verdict v = IDEM__REDRIVE_SKIP;
     idem_code code = idem_store_get(r->cfg.store, &key, &rec);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(r->cfg.rt);
-    bool ok = code == IDEM_OK || code == IDEM_NOT_FOUND;
-    /* The record is this request's (a released key may since hold another request). */
-    bool ours =
-        code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-    bool aged = now >= jc->at_ms && now - jc->at_ms >= r->cfg.result_ttl_ms;
-    if (!ok) {
-        log_failure(r, "reading a journaled call's record");
-    } else if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED) {
-        ok = forget(r, jc, "removed the step journal of a completed call");
+    bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
+    bool ok = true;
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        log_failure(r, "reading a listed call's record");
+        ok = false;
+    } else if (ours && rec.state == IDEM_REC_COMPLETED) {
+        if ((ok = idem__steps_forget_completed(r->cfg.store, jc, &v) == IDEM_OK) &&
+            v == IDEM__REDRIVE_DONE) {
+            log_call(r, IDEM_LOG_INFO, jc, "removed the step journal of a completed call");
+            idem__observe_redrive(r->cfg.rt->obs, IDEM__REDRIVE_REMOVED);
+        }
     } else if (ours && rec.lease_until_ms <= now) {
-        const idem_method *m = r->cfg.find_method(r->cfg.find_arg, jc->key_ref.method);
-        if (m != NULL && (m->opts.flags & IDEM_METHOD_STEPS)) {
-            rerun(r, jc);
-        } /* else: another server's method on this store; its re-driver may run it */
-    } else if (!ours && aged) {
-        ok = forget(r, jc,
-                    "removed the step journal of a call without a record, older than the "
-                    "result TTL");
+        ok = redrive(r, jc);
+    } else if (!ours) {
+        ok = idem__steps_unlist(r->cfg.store, jc, &v) == IDEM_OK;
+    }
+    if (!ok && code == IDEM_OK) {
+        log_failure(r, "writing a listed call's journal");
     }
     idem_record_clear(&rec);
     return ok;
 }
 
-/* One pass: up to batch journaled calls from where the last pass stopped. */
+/* One pass: up to batch listed calls from where the last pass stopped. */
 static void pass(void *arg, idem_periodic *p)
 {
     idem_redriver *r = arg;
-    for (size_t i = 0; i < r->cfg.batch && !idem__periodic_stopping(p); i++) {
+    for (size_t i = 0; i < r->cfg.batch && !idem__periodic_stopping(p) &&
+                       !idem__dispatch_stopping(r->cfg.dispatch);
+         i++) {
         idem__journaled_call jc;
         idem_code code = idem__steps_next_call(r->cfg.store, r->cursor, &jc);
         bool more = code == IDEM_OK || code == IDEM_DATA_LOSS;
         if (code == IDEM_OK) {
             more = visit(r, &jc);
         } else if (code == IDEM_DATA_LOSS) {
-            log_failure(r, "skipping an unreadable journaled call");
+            log_failure(r, "skipping an unreadable listing");
         } else if (code != IDEM_NOT_FOUND) { /* NOT_FOUND: the end; the next pass starts over */
-            log_failure(r, "reading the step journals");
+            log_failure(r, "reading the listed calls");
         }
         idem__journaled_call_clear(&jc);
         if (!more) {

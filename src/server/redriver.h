@@ -13,14 +13,15 @@ typedef struct idem_redriver_cfg {
     idem_runtime *rt;
     const idem_method *(*find_method)(void *arg, const char *name);
     void *find_arg;
-    uint64_t interval_ms;   /* between passes */
-    size_t batch;           /* journaled calls looked at per pass */
-    uint64_t run_ms;        /* the deadline a re-run call gets */
-    uint64_t result_ttl_ms; /* how long a journal without a record is kept */
+    uint64_t interval_ms; /* between passes */
+    size_t batch;         /* journaled calls looked at per pass */
+    uint64_t run_ms;      /* the deadline a re-run call gets, unless its method says */
+    unsigned max_runs;    /* re-runs per call */
 } idem_redriver_cfg;
 
 idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg);
-/* Wakes the thread, waits for a call it is running, joins and frees; NULL is a no-op. */
+/* Wakes the thread, waits for a call it is running, joins and frees; NULL is a no-op.
+ * Stop the dispatcher first: that ends a re-run's wait as a duplicate. */
 void idem__redriver_stop(idem_redriver *r);
 
 #endif

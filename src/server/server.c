@@ -71,6 +71,8 @@ static void opts_defaults(idem_server_opts *o)
     o->max_waiters = o->max_waiters ? o->max_waiters : 4096;
     o->http_max_pending = o->http_max_pending ? o->http_max_pending : 1024;
     o->redrive_batch = o->redrive_batch ? o->redrive_batch : 16;
+    o->redrive_max_runs = o->redrive_max_runs ? o->redrive_max_runs : 3;
+    o->redrive_max_runs = o->redrive_max_runs < 254 ? o->redrive_max_runs : 254;
 }
 
 static uint64_t system_clock(void *arg)
@@ -313,6 +315,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         goto fail;
     }
     srv->rt.clock = (idem_clock){system_clock, NULL};
+    srv->rt.redrive = srv->opts.redrive_interval_ms != 0;
     if ((srv->rt.obs = idem__observer_create(&srv->opts)) == NULL) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
         goto fail;
@@ -491,7 +494,7 @@ static idem_code server_start(idem_server *srv)
                                .interval_ms = srv->opts.redrive_interval_ms,
                                .batch = srv->opts.redrive_batch,
                                .run_ms = srv->opts.max_run_ms,
-                               .result_ttl_ms = srv->opts.result_ttl_ms};
+                               .max_runs = srv->opts.redrive_max_runs};
         if ((code = idem__redriver_start(&srv->redriver, &r)) != IDEM_OK) {
             return code;
         }
@@ -591,14 +594,13 @@ void idem_server_destroy(idem_server *srv)
     if (srv == NULL) {
         return;
     }
-    /* The re-driver first (it finishes a call it is running: nobody waits for its
-     * answer), then the workers: a running handler finishes and its front sends the
-     * reply while the socket is still open; queued and parked calls are dropped (their
-     * clients retry). */
-    idem__redriver_stop(srv->redriver);
+    /* Workers first: a running handler finishes and its front sends the reply while the
+     * socket is still open; queued and parked calls are dropped (their clients retry).
+     * Then the re-driver: a call it runs finishes (its wait as a duplicate has ended). */
     if (srv->dispatch != NULL) {
         idem__dispatch_stop(srv->dispatch);
     }
+    idem__redriver_stop(srv->redriver);
     idem__sweeper_stop(srv->sweeper);
     idem__http_stop(srv->http); /* waits for its callbacks; none can queue any more */
     idem__nng_front_close(srv->nng);

@@ -292,10 +292,11 @@ idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, si
     return code != IDEM_OK ? code : st->ops->app_get(st, db, key, klen, val, vlen);
 }
 
-idem_code idem__store_txn_owns(idem_txn *t, const idem_key_ref *key, uint64_t owner)
+idem_code idem__store_txn_record(idem_txn *t, const idem_key_ref *key, idem_record *rec)
 {
+    memset(rec, 0, sizeof(*rec));
     idem_code code = idem__key_check(key);
-    return code != IDEM_OK ? code : ops_of(t)->txn_owns(t, key, owner);
+    return code != IDEM_OK ? code : ops_of(t)->txn_record(t, key, rec);
 }
 
 void idem__app_entry_clear(idem_app_entry *e)

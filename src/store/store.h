@@ -74,9 +74,9 @@ typedef struct idem_store_ops {
      * in a read of its own; IDEM_NOT_FOUND when there is none. */
     idem_code (*app_next)(idem_store *st, const char *db, const void *after, size_t alen,
                           idem_app_entry *out);
-    /* IDEM_OK when key's record is IN_PROGRESS under owner, and stays so until t ends
-     * (the record is read in t, PostgreSQL: FOR SHARE); IDEM_ABORTED otherwise. */
-    idem_code (*txn_owns)(idem_txn *t, const idem_key_ref *key, uint64_t owner);
+    /* Key's record as t sees it, kept so until t ends (PostgreSQL: FOR SHARE): state,
+     * owner and fingerprint only (no response, no times). IDEM_NOT_FOUND when absent. */
+    idem_code (*txn_record)(idem_txn *t, const idem_key_ref *key, idem_record *rec);
     /* IDEM__STORE_CAP_TXN_CLAIM only. The claim inside t; IDEM_CLAIM_IN_PROGRESS also
      * when another session holds the key in its own handler txn (never waits for it). */
     idem_code (*txn_claim)(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
@@ -112,8 +112,8 @@ idem_code idem__store_token_put_at(idem_store *st, const char *token, const char
 #define IDEM__APP_MAX_KEY 511
 idem_code idem__app_check(const char *db, size_t klen);
 
-/* ops->txn_owns: whether t may still write on behalf of owner's claim of key. */
-idem_code idem__store_txn_owns(idem_txn *t, const idem_key_ref *key, uint64_t owner);
+/* ops->txn_record; rec is always initialised (clear it with idem_record_clear). */
+idem_code idem__store_txn_record(idem_txn *t, const idem_key_ref *key, idem_record *rec);
 
 /* idem_store_app_get's neighbour for scans (the re-driver): see ops->app_next. */
 idem_code idem__store_app_next(idem_store *st, const char *db, const void *after, size_t alen,

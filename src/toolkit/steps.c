@@ -4,9 +4,9 @@
  * Business database "idem.steps" (both stores, through idem_txn_*):
  *   'j' base          → be64 fence ‖ the 32-byte names of the recorded steps
  *   's' H(base, step) → output, one per recorded step
- *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be64 when (ms) ‖
- *                       request fingerprint ‖ be16-prefixed caller, method, effective
- *                       key ‖ the packed idem.v1.Request
+ *   'r' base          → the call, for the re-driver: 'R' 1 flags re-runs ‖ request
+ *                       fingerprint ‖ be16-prefixed caller, method, effective key ‖
+ *                       the packed idem.v1.Request
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. A record
  * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
@@ -14,9 +14,11 @@
  * the new owner's journal, nor leave one behind after the outcome). The 'j' entry is
  * the journal's head, with the fence of the last run that recorded: it lists every step
  * any run recorded, so the run that records the call's outcome deletes them all
- * (result_cache, for IDEM_METHOD_STEPS methods). The
- * 'r' entry is written with the head, by the first step recorded, and deleted with it:
- * the re-driver (src/server/redriver.c) scans them to find calls left unfinished. */
+ * (result_cache, for IDEM_METHOD_STEPS methods). The 'r' entry lists the call for the
+ * re-driver (src/server/redriver.c), only on a server that runs one: a step that finds
+ * it absent writes it; the outcome deletes it with the journal, and a release deletes it
+ * alone (the journal stays for the client's retry, which lists the call again). So the
+ * re-driver scans only calls that may still be running or abandoned. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,7 +34,7 @@ _Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journa
 #define CALL_MAGIC 'R'
 #define CALL_VERSION 1
 #define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
-#define CALL_FIXED (3 + 8 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
+#define CALL_FIXED (4 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
 /* A step's record rides out a store outage or a full store this long, as the outcome's
  * completion does (interceptors/result_cache.c, RECORD_RETRY_MS): fn's effect is done,
@@ -93,9 +95,9 @@ static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
     *p++ = CALL_MAGIC;
     *p++ = CALL_VERSION;
     *p++ = call->caller_verified ? CALL_VERIFIED : 0;
-    idem__put_be64(p, idem__rt_now_ms(call->rt));
-    memcpy(p + 8, call->fingerprint, IDEM_FINGERPRINT_LEN); /* computed for the journal key */
-    p += 8 + IDEM_FINGERPRINT_LEN;
+    *p++ = 0;                                           /* re-runs so far */
+    memcpy(p, call->fingerprint, IDEM_FINGERPRINT_LEN); /* computed for the journal key */
+    p += IDEM_FINGERPRINT_LEN;
     for (int i = 0; i < 3; i++) {
         put_lp16(&p, parts[i]);
     }
@@ -103,6 +105,26 @@ static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
     idem_code code = idem_txn_put(t, STEPS_DB, j->call_key, JKEY, buf, n);
     free(buf);
     return code;
+}
+
+/* IDEM_OK when the call's record is IN_PROGRESS under fence: in txn t (kept so until t
+ * ends), else (t NULL) by a plain read. A run that lost its claim gets ABORTED. */
+static idem_code claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
+{
+    idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
+    idem_record rec;
+    idem_code code = t != NULL ? idem__store_txn_record(t, &key, &rec)
+                               : idem_store_get(call->claim_store, &key, &rec);
+    bool held = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == fence;
+    idem_record_clear(&rec);
+    if (held) {
+        return IDEM_OK;
+    }
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    return idem__err(IDEM_ABORTED, "claim lost: another run of this call owns its steps or "
+                                   "recorded its outcome; retry with the same key");
 }
 
 typedef struct record_args {
@@ -120,22 +142,13 @@ static idem_code record_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n = 0;
     uint8_t head[HEAD_MAX];
-    const idem_call *call = a->call;
-    idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
-    idem_code code = idem__store_txn_owns(t, &key, a->fence);
-    if (code == IDEM_ABORTED) {
-        return idem__err(IDEM_ABORTED, "claim lost: another run of this call owns its steps or "
-                                       "recorded its outcome; retry with the same key");
-    }
+    idem_code code = claim_held(t, a->call, a->fence);
     if (code != IDEM_OK) {
         return code;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
-    if (code == IDEM_NOT_FOUND) { /* the call's first step: the call goes with it */
+    if (code == IDEM_NOT_FOUND) {
         n = 8;
-        if ((code = put_call(t, &a->j, a->call)) != IDEM_OK) {
-            return code;
-        }
     } else if (code != IDEM_OK) {
         return code;
     } else if (n < 8 || (n - 8) % 32 != 0 || n > HEAD_MAX) {
@@ -156,10 +169,16 @@ static idem_code record_txn(idem_txn *t, void *arg)
         n += 32;
     }
     idem__put_be64(head, a->fence);
-    if ((code = idem_txn_put(t, STEPS_DB, a->j.head_key, JKEY, head, n)) != IDEM_OK) {
+    if ((code = idem_txn_put(t, STEPS_DB, a->j.head_key, JKEY, head, n)) != IDEM_OK ||
+        (code = idem_txn_put(t, STEPS_DB, a->j.step_key, JKEY, a->data != NULL ? a->data : "",
+                             a->len)) != IDEM_OK) {
         return code;
     }
-    return idem_txn_put(t, STEPS_DB, a->j.step_key, JKEY, a->data != NULL ? a->data : "", a->len);
+    if (!a->call->rt->redrive) {
+        return IDEM_OK;
+    }
+    code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n); /* listed for the re-driver? */
+    return code == IDEM_NOT_FOUND ? put_call(t, &a->j, a->call) : code;
 }
 
 /* Records the step, retrying an unreachable (UNAVAILABLE) or full (RESOURCE_EXHAUSTED)
@@ -225,7 +244,10 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
         out->replayed = true;
         return IDEM_OK;
     }
-    if (code != IDEM_NOT_FOUND || (code = fn(call, arg, out)) != IDEM_OK) {
+    /* Not ours any more (a takeover, or the call's outcome is recorded): fn must not
+     * run. The record txn checks again, as the claim may go while fn runs. */
+    if (code != IDEM_NOT_FOUND || (code = claim_held(NULL, call, call->fence)) != IDEM_OK ||
+        (code = fn(call, arg, out)) != IDEM_OK) {
         idem_step_result_clear(out);
         return code;
     }
@@ -283,11 +305,143 @@ idem_code idem__call_steps_forget(idem_call *call)
     return idem_store_run_txn(call->claim_store, forget_txn, &j);
 }
 
-idem_code idem__steps_forget_journal(idem_store *st, const uint8_t base[32])
+static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out);
+
+/* The re-driver's writes: each re-reads the call's record in its txn (kept so until
+ * it ends), so no claim, completion or sweep slips in between its decision and its
+ * write. */
+typedef struct redrive_args {
+    const idem__journaled_call *jc;
+    journal j;
+    unsigned max_runs;
+    idem__redrive_verdict verdict;
+} redrive_args;
+
+/* The record as jc's txn sees it: 'c' ours and COMPLETED, 'p' ours and IN_PROGRESS,
+ * '-' absent or another request's. */
+static idem_code record_kind(idem_txn *t, const idem__journaled_call *jc, char *kind)
+{
+    idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
+    idem_record rec;
+    idem_code code = idem__store_txn_record(t, &key, &rec);
+    bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
+    *kind = !ours ? '-' : rec.state == IDEM_REC_COMPLETED ? 'c' : 'p';
+    idem_record_clear(&rec);
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+static idem_code forget_completed_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    char kind;
+    idem_code code = record_kind(t, a->jc, &kind);
+    if (code != IDEM_OK || kind != 'c') {
+        a->verdict = IDEM__REDRIVE_SKIP;
+        return code;
+    }
+    a->verdict = IDEM__REDRIVE_DONE;
+    return forget_txn(t, &a->j);
+}
+
+static idem_code unlist_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    char kind;
+    idem_code code = record_kind(t, a->jc, &kind);
+    if (code != IDEM_OK || kind != '-') {
+        a->verdict = IDEM__REDRIVE_SKIP;
+        return code;
+    }
+    a->verdict = IDEM__REDRIVE_DONE;
+    code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* Counts one more re-run in the 'r' entry, or says the call ran out of them. */
+static idem_code count_run_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    const void *v;
+    size_t n;
+    char kind;
+    a->verdict = IDEM__REDRIVE_SKIP;
+    idem_code code = record_kind(t, a->jc, &kind);
+    if (code != IDEM_OK || kind != 'p' ||
+        (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    }
+    if (n < CALL_FIXED) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
+    }
+    unsigned runs = ((const uint8_t *)v)[3];
+    if (runs > a->max_runs) {
+        return IDEM_OK; /* given up before, and said so */
+    }
+    uint8_t *copy = malloc(n);
+    if (copy == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(copy, v, n);
+    copy[3] = (uint8_t)(runs + 1); /* runs == max_runs: max_runs + 1 marks "gave up" */
+    a->verdict = runs < a->max_runs ? IDEM__REDRIVE_GO : IDEM__REDRIVE_GAVE_UP;
+    code = idem_txn_put(t, STEPS_DB, a->j.call_key, JKEY, copy, n);
+    free(copy);
+    return code;
+}
+
+static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                               idem_txn_fn fn, idem__redrive_verdict *verdict)
+{
+    redrive_args a = {.jc = jc, .max_runs = max_runs};
+    journal_of_base(jc->base, &a.j);
+    idem_code code = idem_store_run_txn(st, fn, &a);
+    *verdict = code == IDEM_OK ? a.verdict : IDEM__REDRIVE_SKIP;
+    return code;
+}
+
+idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
+                                       idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, 0, forget_completed_txn, verdict);
+}
+
+idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
+                             idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, 0, unlist_txn, verdict);
+}
+
+idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                                idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, max_runs, count_run_txn, verdict);
+}
+
+idem_code idem__call_steps_unlist(idem_call *call)
 {
     journal j;
-    journal_of_base(base, &j);
-    return idem_store_run_txn(st, forget_txn, &j);
+    void *v;
+    size_t n;
+    idem_code code = journal_keys(call, NULL, &j);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    code = idem_store_app_get(call->claim_store, STEPS_DB, j.call_key, JKEY, &v, &n);
+    if (code != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    }
+    idem_app_entry e = {.key = NULL, .val = v, .vlen = n};
+    idem__journaled_call jc;
+    memset(&jc, 0, sizeof(jc));
+    memcpy(jc.base, j.call_key + 1, 32);
+    code = parse_call(&e, &jc);
+    free(v);
+    idem__redrive_verdict verdict;
+    if (code == IDEM_OK) {
+        code = idem__steps_unlist(call->claim_store, &jc, &verdict);
+    }
+    idem__journaled_call_clear(&jc);
+    return code;
 }
 
 void idem__journaled_call_clear(idem__journaled_call *c)
@@ -318,8 +472,8 @@ static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
     out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
-    out->at_ms = idem__get_be64(p + 3);
-    memcpy(out->fingerprint, p + 11, IDEM_FINGERPRINT_LEN);
+    out->runs = p[3];
+    memcpy(out->fingerprint, p + 4, IDEM_FINGERPRINT_LEN);
     p += CALL_FIXED;
     if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
         !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||

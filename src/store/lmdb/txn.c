@@ -330,10 +330,9 @@ idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *afte
     return code;
 }
 
-idem_code idem__lmdb_txn_owns(idem_txn *t, const idem_key_ref *ref, uint64_t owner)
+idem_code idem__lmdb_txn_record(idem_txn *t, const idem_key_ref *ref, idem_record *rec)
 {
     rec_key k;
-    idem_record rec = {0};
     MDB_val key, v;
     idem_code code = idem__lmdb_rec_key_make(&k, ref);
     if (code != IDEM_OK) {
@@ -341,13 +340,8 @@ idem_code idem__lmdb_txn_owns(idem_txn *t, const idem_key_ref *ref, uint64_t own
     }
     key = (MDB_val){k.len, k.bytes};
     int rc = mdb_get(t->txn, t->st->records, &key, &v);
-    if (rc != 0 && rc != MDB_NOTFOUND) {
-        return idem__lmdb_code(rc, "get");
+    if (rc == MDB_NOTFOUND) {
+        return idem__err(IDEM_NOT_FOUND, "no record");
     }
-    if (rc == 0 && (code = idem__lmdb_rec_decode(&v, &rec, false)) != IDEM_OK) {
-        return code;
-    }
-    bool owns = rc == 0 && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == owner;
-    idem_record_clear(&rec);
-    return owns ? IDEM_OK : idem__err(IDEM_ABORTED, "claim lost: this run no longer owns the call");
+    return rc != 0 ? idem__lmdb_code(rc, "get") : idem__lmdb_rec_decode(&v, rec, false);
 }

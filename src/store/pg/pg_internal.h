@@ -59,7 +59,7 @@ enum stmt {
     S_KV_DEL,
     S_KV_READ,
     S_KV_NEXT,
-    S_OWNS,
+    S_TXN_RECORD,
     S_COUNT
 };
 
@@ -152,7 +152,10 @@ idem_code idem__pg_txn_del(idem_txn *t, const char *db, const void *key, size_t 
 idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                            void **val, size_t *vlen);
 
-idem_code idem__pg_txn_owns(idem_txn *t, const idem_key_ref *key, uint64_t owner);
+/* Fills rec from the record columns (REC_COLS) at column off of row r; the response only
+ * when want. */
+idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *rec, bool want);
+idem_code idem__pg_txn_record(idem_txn *t, const idem_key_ref *key, idem_record *rec);
 idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
                             idem_app_entry *out);
 

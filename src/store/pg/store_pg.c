@@ -120,9 +120,9 @@ static const char *const stmt_sql[S_COUNT] = {
     [S_KV_READ] = "SELECT v FROM idem_kv WHERE db = $1 AND k = $2 AND v IS NOT NULL",
     [S_KV_NEXT] = "SELECT k, v FROM idem_kv WHERE db = $1 AND k > $2 AND v IS NOT NULL"
                   " ORDER BY k LIMIT 1",
-    /* A row lock held to the end of the txn: no takeover can slip in before it commits. */
-    [S_OWNS] = "SELECT 1 FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1"
-               " FOR SHARE",
+    /* A row lock held to the end of the txn: no takeover, completion or sweep of the
+     * record can slip in before it commits. */
+    [S_TXN_RECORD] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR SHARE",
 };
 
 /* Idempotent, serialised across instances by a transaction-scoped advisory lock
@@ -412,7 +412,7 @@ static int col_i16(const PGresult *r, int row, int col)
 }
 
 /* Fills rec from the REC_COLS at column off of row; the response only when want. */
-static idem_code row_record(const PGresult *r, int row, int off, idem_record *rec, bool want)
+idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *rec, bool want)
 {
     memset(rec, 0, sizeof(*rec));
     int state = col_i16(r, row, off);
@@ -521,7 +521,7 @@ static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_a
         PQclear(r);
         return idem__err(IDEM_UNAVAILABLE, "record vanished during the claim; retry");
     }
-    code = row_record(r, 0, 0, &cur, true);
+    code = idem__pg_row_record(r, 0, 0, &cur, true);
     PQclear(r);
     if (code != IDEM_OK) {
         return code;
@@ -775,8 +775,8 @@ static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *
     if (code != IDEM_OK) {
         return code;
     }
-    code =
-        PQntuples(r) == 1 ? row_record(r, 0, 0, rec, true) : idem__err(IDEM_NOT_FOUND, "no record");
+    code = PQntuples(r) == 1 ? idem__pg_row_record(r, 0, 0, rec, true)
+                             : idem__err(IDEM_NOT_FOUND, "no record");
     PQclear(r);
     return code;
 }
@@ -880,7 +880,7 @@ static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
             snprintf(caller, sizeof(caller), "%s", PQgetvalue(r, i, 0));
             snprintf(method, sizeof(method), "%s", PQgetvalue(r, i, 1));
             snprintf(key, sizeof(key), "%s", PQgetvalue(r, i, 2));
-            if (row_record(r, i, 3, &rec, false) == IDEM_OK &&
+            if (idem__pg_row_record(r, i, 3, &rec, false) == IDEM_OK &&
                 !fn(arg, &(idem_key_ref){caller, method, key}, &rec)) {
                 PQclear(r);
                 return IDEM_OK;
@@ -933,7 +933,7 @@ const idem_store_ops idem__pg_ops = {
     .txn_del = idem__pg_txn_del,
     .app_get = idem__pg_app_get,
     .app_next = idem__pg_app_next,
-    .txn_owns = idem__pg_txn_owns,
+    .txn_record = idem__pg_txn_record,
     .txn_claim = idem__pg_txn_claim,
     .txn_undo = idem__pg_txn_undo,
     .watch = idem__pg_watch,

@@ -302,19 +302,19 @@ idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, si
     return code;
 }
 
-idem_code idem__pg_txn_owns(idem_txn *base, const idem_key_ref *key, uint64_t owner)
+idem_code idem__pg_txn_record(idem_txn *base, const idem_key_ref *key, idem_record *rec)
 {
     pg_args a = {0};
     idem_code code;
     arg_key(&a, key);
-    arg_i64(&a, owner);
-    PGresult *r = idem__pg_exec(pg_txn_of(base)->slot->c, S_OWNS, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(pg_txn_of(base)->slot->c, S_TXN_RECORD, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
-    bool owns = PQntuples(r) == 1;
+    code = PQntuples(r) == 1 ? idem__pg_row_record(r, 0, 0, rec, false)
+                             : idem__err(IDEM_NOT_FOUND, "no record");
     PQclear(r);
-    return owns ? IDEM_OK : idem__err(IDEM_ABORTED, "claim lost: this run no longer owns the call");
+    return code;
 }
 
 /* A malloc'd copy of field f of row 0 (bytea in binary results). */
