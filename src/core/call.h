@@ -250,7 +250,7 @@ typedef struct idem__journaled_call {
 #define IDEM__JOURNAL_CURSOR 33
 /* The next listed call after cursor (all zero: the first), advancing it;
  * IDEM_NOT_FOUND at the end of a round (cursor reset), IDEM_DATA_LOSS for an entry
- * that cannot be read (cursor past it). */
+ * that cannot be read (cursor past it; the listing is dropped, the journal kept). */
 idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[IDEM__JOURNAL_CURSOR],
                                 idem__journaled_call *out);
 void idem__journaled_call_clear(idem__journaled_call *c);

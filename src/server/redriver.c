@@ -156,7 +156,7 @@ static void pass(void *arg, idem_periodic *p)
         if (code == IDEM_OK) {
             more = visit(r, &jc);
         } else if (code == IDEM_DATA_LOSS) {
-            log_failure(r, "skipping an unreadable listing");
+            log_failure(r, "skipping a listing");
         } else if (code != IDEM_NOT_FOUND) { /* NOT_FOUND: the end; the next pass starts over */
             log_failure(r, "reading the listed calls");
         }

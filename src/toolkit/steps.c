@@ -488,6 +488,12 @@ static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
     return IDEM_OK;
 }
 
+static idem_code drop_listing_txn(idem_txn *t, void *arg)
+{
+    const journal *j = arg;
+    return idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
+}
+
 idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[JKEY], idem__journaled_call *out)
 {
     idem_app_entry e;
@@ -509,5 +515,11 @@ idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[JKEY], idem__jour
         code = parse_call(&e, out);
     }
     idem__app_entry_clear(&e);
+    if (code == IDEM_DATA_LOSS) { /* a listing nobody can act on: drop it, keep the journal */
+        journal j;
+        journal_of_base(cursor + 1, &j);
+        idem_store_run_txn(st, drop_listing_txn, &j); /* the caller reports the loss */
+        idem__err(IDEM_DATA_LOSS, "a listed call could not be read; its listing was dropped");
+    }
     return code;
 }
