@@ -29,8 +29,9 @@ struct idem_dispatch {
  * have replaced the one it sent. A token is not echoed. */
 static void answer_key(idem_call *call)
 {
-    if (call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_TOKEN) {
-        idem__call_set_meta(call, "idem-key", call->key);
+    const char *key = idem__call_answer_key(call);
+    if (key != NULL && call->replay_wire == NULL) { /* a stored-bytes replay: the front adds it */
+        idem__call_set_meta(call, "idem-key", key);
     }
 }
 
@@ -38,7 +39,7 @@ static void answer_key(idem_call *call)
  * suspended with DEFER: idem__dispatch_enqueue resumes it where it stopped), or
  * (parkable) the call parked in out->call.suspend; nothing to answer yet. */
 static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                bool fast_only, bool parkable, idem_served *out)
+                bool wire_reply, bool fast_only, bool parkable, idem_served *out)
 {
     idem_runtime *rt = d->cfg.rt;
     uint64_t start = idem__mono_us();
@@ -49,7 +50,8 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
                          len, d->cfg.max_frame);
     } else {
-        code = idem__decode_request(frame, len, &out->req);
+        idem__arena_init(&out->arena);
+        code = idem__decode_request_arena(frame, len, &out->arena, &out->req);
     }
     if (code != IDEM_OK) {
         idem__dispatch_reject(
@@ -62,6 +64,7 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
                     rt);
     out->call.fast_only = fast_only;
     out->call.parkable = parkable;
+    out->call.wire_reply = wire_reply;
     uint64_t deadline = out->req->deadline_unix_ms;
     /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
     bool identified = idem__identity_resolve(d->cfg.identity, peer, &out->call) == IDEM_OK;
@@ -84,9 +87,9 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
 }
 
 bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                        bool fast_only, idem_served *out)
+                        bool wire_reply, bool fast_only, idem_served *out)
 {
-    return run(d, frame, len, peer, fast_only, false, out);
+    return run(d, frame, len, peer, wire_reply, fast_only, false, out);
 }
 
 void idem__dispatch_done(idem_dispatch *d, idem_served *s)
@@ -147,8 +150,10 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
 void idem__dispatch_discard(idem_served *s)
 {
     idem__call_fini(&s->call);
-    idem__free_request(s->req);
-    s->req = NULL;
+    if (s->req != NULL) { /* the request and its strings live in the arena */
+        idem__arena_reset(&s->arena);
+        s->req = NULL;
+    }
 }
 
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)
@@ -265,7 +270,8 @@ static void job_step(idem_dispatch *d, idem_job *job)
     bool answered = false;
     slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
-        answered = run(d, job->frame, job->len, &job->peer, false, rt->can_park, &job->s);
+        answered =
+            run(d, job->frame, job->len, &job->peer, job->wire_reply, false, rt->can_park, &job->s);
     } else if (call->suspend == IDEM__SUSPEND_DEFER) { /* the fast path began it */
         call->suspend = IDEM__SUSPEND_NONE;
         call->fast_only = false;

@@ -67,7 +67,18 @@ static nng_msg *response_msg(idem_call *call)
     uint8_t *buf;
     size_t len;
     nng_msg *msg;
-    if (idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
+    if (call->replay_wire != NULL && call->meta_count == 0) {
+        /* A replay as its stored bytes plus the per-call fields: what the encoding
+         * below would write, without decoding and re-encoding the stored result. */
+        len = idem__replay_wire_size(call);
+        if (nng_msg_alloc(&msg, len) != 0) {
+            return NULL;
+        }
+        idem__replay_wire_write(call, nng_msg_body(msg));
+        return msg;
+    }
+    if (idem__call_materialize_replay(call) != IDEM_OK ||
+        idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
         idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
         idem__call_reset_response(call);
         idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
@@ -94,7 +105,7 @@ static nng_msg *served_msg(idem_dispatch *d, idem_served *s)
 nng_msg *idem__nng_serve_frame(idem_dispatch *d, const void *frame, size_t len)
 {
     idem_served s;
-    idem__dispatch_run(d, frame, len, NULL, false, &s);
+    idem__dispatch_run(d, frame, len, NULL, true, false, &s);
     return served_msg(d, &s);
 }
 
@@ -168,7 +179,7 @@ static void work_received(work *w)
     w->job.peer = msg_peer(w->front, w->msg);
     w->job.s.req = NULL;
     if (w->front->fast_path &&
-        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, &w->job.s)) {
+        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, true, &w->job.s)) {
         work_reply(w, served_msg(d, &w->job.s));
         return;
     }
@@ -250,6 +261,7 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
         work *w = &f->works[i];
         w->front = f;
         w->job.answer = work_answer;
+        w->job.wire_reply = true;
         w->job.drop = work_drop;
         /* Half the contexts at most wait on a running call: the rest keep receiving, so
          * one slow key cannot stall every other caller. */
