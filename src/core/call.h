@@ -244,11 +244,11 @@ idem_code idem__decode_request_arena(const void *buf, size_t len, idem_arena *a,
 bool idem__replay_wire_ok(const void *buf, size_t len);
 /* The key echoed in metadata idem-key (none for a token), or NULL. */
 const char *idem__call_answer_key(const idem_call *call);
-/* The wire reply of a call holding replay_wire and no response metadata: its size, and
- * the bytes into out (that many). Byte for byte what response_msg sent for the
- * materialised call. */
-size_t idem__replay_wire_size(const idem_call *call);
-void idem__replay_wire_write(const idem_call *call, uint8_t *out);
+/* The wire reply of a call holding replay_wire and no response metadata is
+ * replay_wire followed by this suffix (written into out; returns its length): byte for
+ * byte what the nng front sent for the materialised call. */
+#define IDEM_REPLAY_SUFFIX_MAX 1024
+size_t idem__replay_suffix(const idem_call *call, uint8_t out[IDEM_REPLAY_SUFFIX_MAX]);
 /* Turns a replay kept as bytes into the loaded form the decode + re-encode path has
  * (stored metadata, idem-first-at, what was set since, idem-key). No-op without
  * replay_wire. */

@@ -156,29 +156,12 @@ static bool wire_strings_have_nul(const uint8_t *p, const uint8_t *end, uint32_t
     return false;
 }
 
+static idem_code decode_request(const void *buf, size_t len, idem_arena *a,
+                                Idem__V1__Request **out);
+
 idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **out)
 {
-    *out = NULL;
-    if (len == 0) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "empty frame: expected an idem.v1.Request");
-    }
-    Idem__V1__Request *r = idem__v1__request__unpack(NULL, len, buf);
-    if (r == NULL) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
-    }
-    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
-     * metadata (5) is a map<string,string>. */
-    const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
-    idem_code code = idem__request_check(r);
-    if (code == IDEM_OK && wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5)) {
-        code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
-    }
-    if (code != IDEM_OK) {
-        idem__v1__request__free_unpacked(r, NULL);
-        return code;
-    }
-    *out = r;
-    return IDEM_OK;
+    return decode_request(buf, len, NULL, out);
 }
 
 void idem__free_request(Idem__V1__Request *req)
@@ -423,29 +406,45 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
     return r;
 }
 
-idem_code idem__decode_request_arena(const void *buf, size_t len, idem_arena *a,
-                                     Idem__V1__Request **out)
+/* Decodes with protobuf-c's allocator (a == NULL: free with idem__free_request) or into
+ * the arena a; then the envelope checks, the same for both. */
+static idem_code decode_request(const void *buf, size_t len, idem_arena *a, Idem__V1__Request **out)
 {
     *out = NULL;
     if (len == 0) {
         return idem__err(IDEM_INVALID_ARGUMENT, "empty frame: expected an idem.v1.Request");
     }
-    Idem__V1__Request *r = unpack_borrowing_payload(buf, len, a);
+    Idem__V1__Request *r = a != NULL ? unpack_borrowing_payload(buf, len, a)
+                                     : idem__v1__request__unpack(NULL, len, buf);
     if (r == NULL) {
-        idem__arena_reset(a);
+        if (a != NULL) {
+            idem__arena_reset(a);
+        }
         return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
     }
+    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
+     * metadata (5) is a map<string,string>. */
     const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
     idem_code code = idem__request_check(r);
     if (code == IDEM_OK && wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5)) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
     }
     if (code != IDEM_OK) {
-        idem__arena_reset(a);
+        if (a != NULL) {
+            idem__arena_reset(a);
+        } else {
+            idem__v1__request__free_unpacked(r, NULL);
+        }
         return code;
     }
     *out = r;
     return IDEM_OK;
+}
+
+idem_code idem__decode_request_arena(const void *buf, size_t len, idem_arena *a,
+                                     Idem__V1__Request **out)
+{
+    return decode_request(buf, len, a, out);
 }
 
 /* ---- replays as stored bytes ---- */
@@ -576,12 +575,6 @@ static size_t entry_body_size(size_t name_len, size_t value_len)
            (value_len > 0 ? 1 + varint_size(value_len) + value_len : 0);
 }
 
-static size_t entry_size(const char *name, const char *value)
-{
-    size_t body = entry_body_size(strlen(name), strlen(value));
-    return 1 + varint_size(body) + body;
-}
-
 static uint8_t *put_entry(uint8_t *p, const char *name, const char *value)
 {
     size_t nl = strlen(name), vl = strlen(value);
@@ -602,24 +595,13 @@ static uint8_t *put_entry(uint8_t *p, const char *name, const char *value)
 
 /* The per-call fields, in the order the decode + re-encode path has them: metadata
  * idem-first-at (result_cache), idem-key (dispatch), request-id (the nng front), then
- * replayed = true and request_id. */
-size_t idem__replay_wire_size(const idem_call *call)
+ * replayed = true and request_id. Each value is bounded (24, IDEM_MAX_KEY,
+ * IDEM_MAX_REQUEST_ID bytes), so they fit in IDEM_REPLAY_SUFFIX_MAX. */
+size_t idem__replay_suffix(const idem_call *call, uint8_t out[IDEM_REPLAY_SUFFIX_MAX])
 {
     const char *key = idem__call_answer_key(call);
-    size_t rid = strlen(call->request_id);
-    return call->replay_wire_len + entry_size("idem-first-at", call->replay_first_at) +
-           (key != NULL ? entry_size("idem-key", key) : 0) +
-           entry_size("request-id", call->request_id) + 2 +
-           (rid > 0 ? 1 + varint_size(rid) + rid : 0);
-}
-
-void idem__replay_wire_write(const idem_call *call, uint8_t *out)
-{
-    const char *key = idem__call_answer_key(call);
-    size_t rid = strlen(call->request_id);
-    memcpy(out, call->replay_wire, call->replay_wire_len);
-    uint8_t *p = out + call->replay_wire_len;
-    p = put_entry(p, "idem-first-at", call->replay_first_at);
+    size_t rid = strnlen(call->request_id, IDEM_MAX_REQUEST_ID);
+    uint8_t *p = put_entry(out, "idem-first-at", call->replay_first_at);
     if (key != NULL) {
         p = put_entry(p, "idem-key", key);
     }
@@ -630,7 +612,9 @@ void idem__replay_wire_write(const idem_call *call, uint8_t *out)
         *p++ = 0x32;
         p = put_varint(p, rid);
         memcpy(p, call->request_id, rid);
+        p += rid;
     }
+    return (size_t)(p - out);
 }
 
 idem_code idem__call_materialize_replay(idem_call *call)

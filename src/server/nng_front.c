@@ -70,11 +70,17 @@ static nng_msg *response_msg(idem_call *call)
     if (call->replay_wire != NULL && call->meta_count == 0) {
         /* A replay as its stored bytes plus the per-call fields: what the encoding
          * below would write, without decoding and re-encoding the stored result. */
-        len = idem__replay_wire_size(call);
-        if (nng_msg_alloc(&msg, len) != 0) {
+        uint8_t suffix[IDEM_REPLAY_SUFFIX_MAX];
+        len = idem__replay_suffix(call, suffix);
+        if (nng_msg_alloc(&msg, 0) != 0) {
             return NULL;
         }
-        idem__replay_wire_write(call, nng_msg_body(msg));
+        if (nng_msg_reserve(msg, call->replay_wire_len + len) != 0 ||
+            nng_msg_append(msg, call->replay_wire, call->replay_wire_len) != 0 ||
+            nng_msg_append(msg, suffix, len) != 0) {
+            nng_msg_free(msg);
+            return NULL;
+        }
         return msg;
     }
     if (idem__call_materialize_replay(call) != IDEM_OK ||
