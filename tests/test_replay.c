@@ -36,6 +36,9 @@ static idem_code h_echo(idem_call *call, void *arg)
     size_t n;
     const void *p = idem_call_payload(call, &n);
     atomic_fetch_add(&runs, 1);
+    if (n > 0 && ((const char *)p)[n] != '\0') { /* handlers read payloads with sscanf */
+        return idem_call_fail(call, IDEM_INTERNAL, "payload not followed by a NUL");
+    }
     if (idem_call_set_response_metadata(call, "note", "say \"hi\"") != IDEM_OK) {
         return idem_call_fail(call, IDEM_INTERNAL, "metadata refused");
     }
@@ -518,7 +521,7 @@ static void decode_both(const uint8_t *frame, size_t len, const char *what)
     idem__arena_init(a);
     idem_code c1 = idem__decode_request(frame, len, &plain);
     snprintf(msg, sizeof(msg), "%s", c1 == IDEM_OK ? "" : idem_errmsg());
-    idem_code c2 = idem__decode_request_arena(frame, len, a, &in_arena);
+    idem_code c2 = idem__decode_request_arena(frame, len, false, a, &in_arena);
     cr_expect_eq(c1, c2, "%s: %d vs %d", what, c1, c2);
     if (c1 != IDEM_OK) {
         cr_expect_str_eq(idem_errmsg(), msg, "%s", what);
@@ -542,15 +545,32 @@ Test(replay, arena_decode_is_the_plain_decode)
     bytes f = request(ECHO, "k", "rid", "payload", 7, meta, 3);
     decode_both(f.b, f.n, "one payload");
 
-    /* The payload is not copied: it points into the frame. */
+    /* In a writable frame the payload is not copied: it points into the frame, and the
+     * byte after it (decoded already) becomes a NUL. */
     idem_arena *a = malloc(sizeof(*a));
     Idem__V1__Request *r;
     cr_assert_not_null(a);
     idem__arena_init(a);
-    cr_assert_eq(idem__decode_request_arena(f.b, f.n, a, &r), IDEM_OK);
-    cr_expect(r->payload.data >= f.b && r->payload.data + 7 <= f.b + f.n);
+    cr_assert_eq(idem__decode_request_arena(f.b, f.n, true, a, &r), IDEM_OK);
+    cr_expect(r->payload.data >= f.b && r->payload.data + 7 < f.b + f.n);
+    cr_expect(r->payload.len == 7 && memcmp(r->payload.data, "payload", 7) == 0);
+    cr_expect_eq(r->payload.data[7], 0);
+    cr_expect_str_eq(r->caller, CALLER, "a field after the payload is decoded whole");
     cr_expect_not_null(a->chunks, "a 4 KiB value does not fit the arena's buffer");
     idem__arena_reset(a);
+    /* Not writable, or the payload last: copied, with a NUL after it. (A writable frame
+     * is used up: f is packed again.) */
+    free(f.b);
+    f = request(ECHO, "k", "rid", "payload", 7, meta, 3);
+    static const uint8_t last[] = {0x0a, 0x03, 'a', '/', 'b', 0x32, 0x02, 'p', 'q'};
+    for (int w = 0; w < 2; w++) {
+        const uint8_t *frame = w ? last : f.b;
+        size_t len = w ? sizeof(last) : f.n;
+        cr_assert_eq(idem__decode_request_arena(frame, len, w == 1, a, &r), IDEM_OK);
+        cr_expect(r->payload.data < frame || r->payload.data >= frame + len, "not copied");
+        cr_expect_eq(r->payload.data[r->payload.len], 0);
+        idem__arena_reset(a);
+    }
     free(a);
 
     /* Two payload fields (the last wins), none, an empty one, truncations. */

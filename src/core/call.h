@@ -216,9 +216,11 @@ idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8
 idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len);
 
 /* A request decoded into an arena: the Request and its strings live in buf (or in
- * chunks malloc'd when buf is full), and the payload, when the frame carries it once,
- * points into the frame itself, which must outlive the request. Released as a whole
- * by idem__arena_reset; the arena must not move while a request lives in it. */
+ * chunks malloc'd when buf is full). The payload, when the frame carries it once, is
+ * followed by a NUL byte; in a writable frame it may point into the frame itself
+ * (whose byte after the payload is then overwritten), which must then outlive the
+ * request. Released as a whole by idem__arena_reset; the arena must not move while a
+ * request lives in it. */
 #define IDEM_ARENA_BYTES 2048
 typedef struct idem_arena_chunk idem_arena_chunk;
 typedef struct idem_arena {
@@ -229,8 +231,9 @@ typedef struct idem_arena {
 } idem_arena;
 void idem__arena_init(idem_arena *a);
 void idem__arena_reset(idem_arena *a); /* frees the chunks; the arena is empty again */
-/* idem__decode_request into a (empty, initialised): on failure a is empty again. */
-idem_code idem__decode_request_arena(const void *buf, size_t len, idem_arena *a,
+/* idem__decode_request into a (empty, initialised): on failure a is empty again.
+ * writable: the decoder may write into buf (see above). */
+idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable, idem_arena *a,
                                      Idem__V1__Request **out);
 
 /* Stored replays sent as stored bytes. A stored Response is in canonical form when it

@@ -156,12 +156,12 @@ static bool wire_strings_have_nul(const uint8_t *p, const uint8_t *end, uint32_t
     return false;
 }
 
-static idem_code decode_request(const void *buf, size_t len, idem_arena *a,
+static idem_code decode_request(const void *buf, size_t len, bool writable, idem_arena *a,
                                 Idem__V1__Request **out);
 
 idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **out)
 {
-    return decode_request(buf, len, NULL, out);
+    return decode_request(buf, len, false, NULL, out);
 }
 
 void idem__free_request(Idem__V1__Request *req)
@@ -381,17 +381,22 @@ static bool find_payload(const uint8_t *p, const uint8_t *end, const uint8_t **f
     return found == 1;
 }
 
-/* protobuf-c copies every bytes field; a large payload would be copied once more for
- * nothing. The frame without its payload field (small: the envelope) is decoded from a
- * copy in the arena, and the payload then points into the frame: the same Request,
- * since fields are independent and the payload occurs once. */
-static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t len, idem_arena *a)
+/* protobuf-c copies every bytes field. The frame without its payload field (small:
+ * the envelope) is decoded from a copy in the arena instead, and the payload is set
+ * afterwards: the same Request, since fields are independent and the payload occurs
+ * once. Handlers have long read the payload as a C string (sscanf), so it is followed
+ * by a NUL: in a writable frame whose payload is not the last field, the payload stays
+ * where it is and the byte after it (the next field's first byte, decoded already from
+ * the copy) becomes that NUL; else the payload is copied into the arena with one. */
+static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t len, bool writable,
+                                                   idem_arena *a)
 {
     const uint8_t *field, *data, *field_end, *end = buf + len;
     if (!find_payload(buf, end, &field, &data, &field_end)) {
         return idem__v1__request__unpack(&a->pa, len, buf);
     }
     size_t before = (size_t)(field - buf), after = (size_t)(end - field_end);
+    size_t n = (size_t)(field_end - data);
     uint8_t *rest = arena_alloc(a, before + after + 1);
     if (rest == NULL) {
         return NULL;
@@ -399,22 +404,37 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
     memcpy(rest, buf, before);
     memcpy(rest + before, field_end, after);
     Idem__V1__Request *r = idem__v1__request__unpack(&a->pa, before + after, rest);
-    if (r != NULL) {
-        r->payload.len = (size_t)(field_end - data);
-        r->payload.data = r->payload.len > 0 ? (uint8_t *)data : NULL;
+    if (r == NULL || n == 0) {
+        return r; /* no payload: data NULL, as protobuf-c leaves it */
     }
+    uint8_t *payload = (uint8_t *)data;
+    if (!writable || after == 0) {
+        if ((payload = arena_alloc(a, n + 1)) == NULL) {
+            return NULL;
+        }
+        memcpy(payload, data, n);
+    }
+    payload[n] = '\0';
+    r->payload.data = payload;
+    r->payload.len = n;
     return r;
 }
 
 /* Decodes with protobuf-c's allocator (a == NULL: free with idem__free_request) or into
- * the arena a; then the envelope checks, the same for both. */
-static idem_code decode_request(const void *buf, size_t len, idem_arena *a, Idem__V1__Request **out)
+ * the arena a (writable: see unpack_borrowing_payload); then the envelope checks, the
+ * same for both. */
+static idem_code decode_request(const void *buf, size_t len, bool writable, idem_arena *a,
+                                Idem__V1__Request **out)
 {
     *out = NULL;
     if (len == 0) {
         return idem__err(IDEM_INVALID_ARGUMENT, "empty frame: expected an idem.v1.Request");
     }
-    Idem__V1__Request *r = a != NULL ? unpack_borrowing_payload(buf, len, a)
+    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
+     * metadata (5) is a map<string,string>. Walked before the decode may write. */
+    const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
+    bool nul = wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5);
+    Idem__V1__Request *r = a != NULL ? unpack_borrowing_payload(buf, len, writable, a)
                                      : idem__v1__request__unpack(NULL, len, buf);
     if (r == NULL) {
         if (a != NULL) {
@@ -422,11 +442,8 @@ static idem_code decode_request(const void *buf, size_t len, idem_arena *a, Idem
         }
         return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
     }
-    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
-     * metadata (5) is a map<string,string>. */
-    const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
     idem_code code = idem__request_check(r);
-    if (code == IDEM_OK && wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5)) {
+    if (code == IDEM_OK && nul) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
     }
     if (code != IDEM_OK) {
@@ -441,10 +458,10 @@ static idem_code decode_request(const void *buf, size_t len, idem_arena *a, Idem
     return IDEM_OK;
 }
 
-idem_code idem__decode_request_arena(const void *buf, size_t len, idem_arena *a,
+idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable, idem_arena *a,
                                      Idem__V1__Request **out)
 {
-    return decode_request(buf, len, a, out);
+    return decode_request(buf, len, writable, a, out);
 }
 
 /* ---- replays as stored bytes ---- */

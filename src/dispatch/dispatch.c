@@ -39,7 +39,7 @@ static void answer_key(idem_call *call)
  * suspended with DEFER: idem__dispatch_enqueue resumes it where it stopped), or
  * (parkable) the call parked in out->call.suspend; nothing to answer yet. */
 static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                bool wire_reply, bool fast_only, bool parkable, idem_served *out)
+                idem_run_opts opts, bool parkable, idem_served *out)
 {
     idem_runtime *rt = d->cfg.rt;
     uint64_t start = idem__mono_us();
@@ -51,7 +51,7 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
                          len, d->cfg.max_frame);
     } else {
         idem__arena_init(&out->arena);
-        code = idem__decode_request_arena(frame, len, &out->arena, &out->req);
+        code = idem__decode_request_arena(frame, len, opts.frame_writable, &out->arena, &out->req);
     }
     if (code != IDEM_OK) {
         idem__dispatch_reject(
@@ -62,9 +62,9 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
     out->start_us = start;
     idem__call_init(&out->call, out->req, d->cfg.find_method(d->cfg.find_arg, out->req->method),
                     rt);
-    out->call.fast_only = fast_only;
+    out->call.fast_only = opts.fast_only;
     out->call.parkable = parkable;
-    out->call.wire_reply = wire_reply;
+    out->call.wire_reply = opts.wire_reply;
     uint64_t deadline = out->req->deadline_unix_ms;
     /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
     bool identified = idem__identity_resolve(d->cfg.identity, peer, &out->call) == IDEM_OK;
@@ -87,9 +87,9 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
 }
 
 bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                        bool wire_reply, bool fast_only, idem_served *out)
+                        idem_run_opts opts, idem_served *out)
 {
-    return run(d, frame, len, peer, wire_reply, fast_only, false, out);
+    return run(d, frame, len, peer, opts, false, out);
 }
 
 void idem__dispatch_done(idem_dispatch *d, idem_served *s)
@@ -270,8 +270,8 @@ static void job_step(idem_dispatch *d, idem_job *job)
     bool answered = false;
     slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
-        answered =
-            run(d, job->frame, job->len, &job->peer, job->wire_reply, false, rt->can_park, &job->s);
+        idem_run_opts opts = {.wire_reply = job->wire_reply, .frame_writable = job->frame_writable};
+        answered = run(d, job->frame, job->len, &job->peer, opts, rt->can_park, &job->s);
     } else if (call->suspend == IDEM__SUSPEND_DEFER) { /* the fast path began it */
         call->suspend = IDEM__SUSPEND_NONE;
         call->fast_only = false;

@@ -111,7 +111,7 @@ static nng_msg *served_msg(idem_dispatch *d, idem_served *s)
 nng_msg *idem__nng_serve_frame(idem_dispatch *d, const void *frame, size_t len)
 {
     idem_served s;
-    idem__dispatch_run(d, frame, len, NULL, true, false, &s);
+    idem__dispatch_run(d, frame, len, NULL, (idem_run_opts){.wire_reply = true}, &s);
     return served_msg(d, &s);
 }
 
@@ -184,8 +184,9 @@ static void work_received(work *w)
     w->job.len = nng_msg_len(w->msg);
     w->job.peer = msg_peer(w->front, w->msg);
     w->job.s.req = NULL;
+    idem_run_opts fast = {.wire_reply = true, .frame_writable = true, .fast_only = true};
     if (w->front->fast_path &&
-        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, true, &w->job.s)) {
+        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, fast, &w->job.s)) {
         work_reply(w, served_msg(d, &w->job.s));
         return;
     }
@@ -268,6 +269,7 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
         w->front = f;
         w->job.answer = work_answer;
         w->job.wire_reply = true;
+        w->job.frame_writable = true; /* the received message, freed after the reply */
         w->job.drop = work_drop;
         /* Half the contexts at most wait on a running call: the rest keep receiving, so
          * one slow key cannot stall every other caller. */
