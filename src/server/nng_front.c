@@ -72,15 +72,12 @@ static nng_msg *response_msg(idem_call *call)
          * below would write, without decoding and re-encoding the stored result. */
         uint8_t suffix[IDEM_REPLAY_SUFFIX_MAX];
         len = idem__replay_suffix(call, suffix);
-        if (nng_msg_alloc(&msg, 0) != 0) {
+        if (nng_msg_alloc(&msg, call->replay_wire_len + len) != 0) {
             return NULL;
         }
-        if (nng_msg_reserve(msg, call->replay_wire_len + len) != 0 ||
-            nng_msg_append(msg, call->replay_wire, call->replay_wire_len) != 0 ||
-            nng_msg_append(msg, suffix, len) != 0) {
-            nng_msg_free(msg);
-            return NULL;
-        }
+        uint8_t *body = nng_msg_body(msg);
+        memcpy(body, call->replay_wire, call->replay_wire_len);
+        memcpy(body + call->replay_wire_len, suffix, len);
         return msg;
     }
     if (idem__call_materialize_replay(call) != IDEM_OK ||
