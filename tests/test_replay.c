@@ -619,3 +619,59 @@ Test(replay, arena_decode_is_the_plain_decode)
     free(bb);
     free(value);
 }
+
+/* ---- a replay kept as bytes, loaded after all ---- */
+
+/* What the decode + re-encode path sends for a replay of stored (the order in which
+ * result_cache, an entry set since, dispatch and the nng front set their metadata). */
+static bytes reencoded(const bytes stored, const char *first_at, const char *since_name,
+                       const char *key, const char *request_id)
+{
+    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
+    idem_call call;
+    idem__call_init(&call, &empty, NULL, NULL);
+    cr_assert_eq(idem__load_call_response(&call, stored.b, stored.n), IDEM_OK);
+    cr_assert_eq(idem__call_set_meta(&call, "idem-first-at", first_at), IDEM_OK);
+    cr_assert_eq(idem__call_set_meta(&call, since_name, "s"), IDEM_OK);
+    cr_assert_eq(idem__call_set_meta(&call, "idem-key", key), IDEM_OK);
+    cr_assert_eq(idem__call_set_meta(&call, "request-id", request_id), IDEM_OK);
+    call.replayed = true;
+    snprintf(call.request_id, sizeof(call.request_id), "%s", request_id);
+    bytes b;
+    cr_assert_eq(idem__encode_call_response(&call, true, &b.b, &b.n), IDEM_OK);
+    idem__call_fini(&call);
+    return b;
+}
+
+Test(replay, materialised_replay_is_the_loaded_one)
+{
+    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
+    bytes stored = stored_response(IDEM_NOT_FOUND, "gone", "p", 1, 3, 2);
+    /* An entry set after the replay: after idem-first-at; one named like a stored one or
+     * idem-key replaces it where it is. */
+    const char *since[] = {"extra", "m1", "idem-key"};
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(since); i++) {
+        idem_call call;
+        idem__call_init(&call, &empty, NULL, NULL);
+        call.key_source = IDEM_KEY_FIELD;
+        snprintf(call.key, sizeof(call.key), "the-key");
+        snprintf(call.request_id, sizeof(call.request_id), "rid-m");
+        cr_assert_not_null(call.replay_wire = malloc(stored.n));
+        memcpy(call.replay_wire, stored.b, stored.n);
+        call.replay_wire_len = stored.n;
+        call.code = IDEM_NOT_FOUND;
+        call.replayed = true;
+        snprintf(call.replay_first_at, sizeof(call.replay_first_at), "1234");
+        cr_assert_eq(idem__call_set_meta(&call, since[i], "s"), IDEM_OK);
+        cr_assert_eq(idem__call_materialize_replay(&call), IDEM_OK);
+        cr_expect_null(call.replay_wire);
+        cr_assert_eq(idem__call_set_meta(&call, "request-id", call.request_id), IDEM_OK);
+        bytes got, want = reencoded(stored, "1234", since[i], "the-key", "rid-m");
+        cr_assert_eq(idem__encode_call_response(&call, true, &got.b, &got.n), IDEM_OK);
+        cr_expect(got.n == want.n && memcmp(got.b, want.b, got.n) == 0, "%s: differs", since[i]);
+        free(got.b);
+        free(want.b);
+        idem__call_fini(&call);
+    }
+    free(stored.b);
+}
