@@ -675,3 +675,54 @@ Test(replay, materialised_replay_is_the_loaded_one)
     }
     free(stored.b);
 }
+
+/* The client decodes replies into an arena, the payload pointing into the reply. */
+Test(replay, arena_reply_decode_is_the_plain_decode)
+{
+    bytes stored = stored_response(IDEM_NOT_FOUND, "gone", "payload", 7, 60, 100);
+    size_t n = stored.n;
+    uint8_t *twice = malloc(n + 4);
+    cr_assert_not_null(twice);
+    memcpy(twice, stored.b, n);
+    memcpy(twice + n, (const uint8_t[]){0x1a, 0x02, 'z', 'z'}, 4); /* payload again: it wins */
+    static const uint8_t none[] = {0x08, 0x05, 0x12, 0x01, 'm'};
+    static const uint8_t wrong_type[] = {0x18, 0x01};
+    struct {
+        const uint8_t *b;
+        size_t n;
+    } frames[] = {{stored.b, n},        {twice, n + 4},
+                  {none, sizeof(none)}, {wrong_type, sizeof(wrong_type)},
+                  {stored.b, n - 3},    {stored.b, 9}};
+    idem_arena *a = malloc(sizeof(*a));
+    cr_assert_not_null(a);
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(frames); i++) {
+        idem__arena_init(a);
+        Idem__V1__Response *plain = idem__v1__response__unpack(NULL, frames[i].n, frames[i].b);
+        Idem__V1__Response *in_arena = idem__decode_response_arena(frames[i].b, frames[i].n, a);
+        cr_expect_eq(plain == NULL, in_arena == NULL, "frame %zu: decodes in one only", i);
+        if (plain != NULL && in_arena != NULL) {
+            cr_expect_eq(plain->code, in_arena->code);
+            cr_expect_str_eq(plain->message, in_arena->message);
+            cr_expect_str_eq(plain->request_id, in_arena->request_id);
+            cr_expect_eq(plain->replayed, in_arena->replayed);
+            cr_expect_eq(plain->payload.len, in_arena->payload.len, "frame %zu", i);
+            cr_expect(plain->payload.len == 0 ||
+                      memcmp(plain->payload.data, in_arena->payload.data, plain->payload.len) == 0);
+            cr_assert_eq(plain->n_metadata, in_arena->n_metadata);
+            for (size_t j = 0; j < plain->n_metadata; j++) {
+                cr_expect_str_eq(plain->metadata[j]->key, in_arena->metadata[j]->key);
+                cr_expect_str_eq(plain->metadata[j]->value, in_arena->metadata[j]->value);
+            }
+        }
+        if (in_arena == NULL) {
+            cr_expect_null(a->chunks, "frame %zu: a refused reply leaves the arena empty", i);
+        }
+        if (plain != NULL) {
+            idem__v1__response__free_unpacked(plain, NULL);
+        }
+        idem__arena_reset(a);
+    }
+    free(a);
+    free(twice);
+    free(stored.b);
+}

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 
+#include "arena.h"
 #include "idemrpc.pb-c.h"
 #include "internal.h"
 
@@ -215,24 +216,11 @@ idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8
 /* Loads a stored response into the call (code, message, payload, metadata). */
 idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len);
 
-/* A request decoded into an arena: the Request and its strings live in buf (or in
- * chunks malloc'd when buf is full). The payload, when the frame carries it once, is
- * followed by a NUL byte; in a writable frame it may point into the frame itself
- * (whose byte after the payload is then overwritten), which must then outlive the
- * request. Released as a whole by idem__arena_reset; the arena must not move while a
- * request lives in it. */
-#define IDEM_ARENA_BYTES 2048
-typedef struct idem_arena_chunk idem_arena_chunk;
-typedef struct idem_arena {
-    ProtobufCAllocator pa; /* allocator_data is the arena */
-    size_t used;
-    idem_arena_chunk *chunks;
-    _Alignas(16) uint8_t buf[IDEM_ARENA_BYTES];
-} idem_arena;
-void idem__arena_init(idem_arena *a);
-void idem__arena_reset(idem_arena *a); /* frees the chunks; the arena is empty again */
-/* idem__decode_request into a (empty, initialised): on failure a is empty again.
- * writable: the decoder may write into buf (see above). */
+/* Requests (and, in the client, replies) decoded into an arena: arena.h. */
+/* idem__decode_request into a (empty, initialised): on failure a is empty again. The
+ * payload, when the frame carries it once, is followed by a NUL byte; writable: it
+ * may point into buf itself (whose byte after the payload is then overwritten), which
+ * must then outlive the request. */
 idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable, idem_arena *a,
                                      Idem__V1__Request **out);
 

@@ -331,12 +331,12 @@ void idem__arena_reset(idem_arena *a)
     a->used = 0;
 }
 
-/* Where the frame's one payload field (6, length-delimited) is: its whole field
- * [*field, *field_end) and its bytes [*data, *field_end). false when the frame is not
- * well formed as far as this walk sees, or has no payload field, or more than one (the
+/* Where the frame's one bytes field number `number` (length-delimited) is: its whole
+ * field [*field, *field_end) and its bytes [*data, *field_end). false when the frame is
+ * not well formed as far as this walk sees, or has no such field, or more than one (the
  * plain decode then decides, as before). */
-static bool find_payload(const uint8_t *p, const uint8_t *end, const uint8_t **field,
-                         const uint8_t **data, const uint8_t **field_end)
+static bool find_bytes_field(const uint8_t *p, const uint8_t *end, uint64_t number,
+                             const uint8_t **field, const uint8_t **data, const uint8_t **field_end)
 {
     size_t found = 0;
     while (p < end) {
@@ -363,7 +363,7 @@ static bool find_payload(const uint8_t *p, const uint8_t *end, const uint8_t **f
             if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
                 return false;
             }
-            if (tag >> 3 == 6) {
+            if (tag >> 3 == number) {
                 *field = start;
                 *data = p;
                 *field_end = p + n;
@@ -374,8 +374,8 @@ static bool find_payload(const uint8_t *p, const uint8_t *end, const uint8_t **f
         default:
             return false;
         }
-        if (tag >> 3 == 6 && (tag & 7) != 2) {
-            return false; /* a payload of the wrong wire type: protobuf-c refuses it */
+        if (tag >> 3 == number && (tag & 7) != 2) {
+            return false; /* the field in the wrong wire type: protobuf-c refuses it */
         }
     }
     return found == 1;
@@ -392,7 +392,7 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
                                                    idem_arena *a)
 {
     const uint8_t *field, *data, *field_end, *end = buf + len;
-    if (!find_payload(buf, end, &field, &data, &field_end)) {
+    if (!find_bytes_field(buf, end, 6, &field, &data, &field_end)) {
         return idem__v1__request__unpack(&a->pa, len, buf);
     }
     size_t before = (size_t)(field - buf), after = (size_t)(end - field_end);
@@ -462,6 +462,32 @@ idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable,
                                      Idem__V1__Request **out)
 {
     return decode_request(buf, len, writable, a, out);
+}
+
+Idem__V1__Response *idem__decode_response_arena(const void *buf, size_t len, idem_arena *a)
+{
+    const uint8_t *field, *data, *field_end, *end = (const uint8_t *)buf + len;
+    Idem__V1__Response *r;
+    if (!find_bytes_field(buf, end, 3, &field, &data, &field_end)) {
+        r = idem__v1__response__unpack(&a->pa, len, buf);
+    } else { /* as unpack_borrowing_payload; the reader copies the payload itself */
+        size_t before = (size_t)(field - (const uint8_t *)buf), after = (size_t)(end - field_end);
+        uint8_t *rest = arena_alloc(a, before + after + 1);
+        r = NULL;
+        if (rest != NULL) {
+            memcpy(rest, buf, before);
+            memcpy(rest + before, field_end, after);
+            r = idem__v1__response__unpack(&a->pa, before + after, rest);
+        }
+        if (r != NULL) {
+            r->payload.len = (size_t)(field_end - data);
+            r->payload.data = r->payload.len > 0 ? (uint8_t *)data : NULL;
+        }
+    }
+    if (r == NULL) {
+        idem__arena_reset(a);
+    }
+    return r;
 }
 
 /* ---- replays as stored bytes ---- */
