@@ -2,7 +2,7 @@
  * the nng transport (a bare req/rep echo) and the storage (a raw LMDB put+commit loop).
  *
  *   idemrpc-bench [--clients 1,16,64] [--payload 64] [--transport tcp,ipc]
- *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i,j][,r,s,t,u]]
+ *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i,j][,r,s,t,u][,v]]
  *                 [--csv FILE] [--json FILE]
  *
  *   a  echo     bare nng rep0 echo: contexts + aio, the reply sent from the aio callback
@@ -12,6 +12,8 @@
  *   e  replay   each client cycles over its own 100 keys, all called once before the
  *               start: every timed call is a cache hit
  *   f  lmdb     raw LMDB, one put per durable transaction, one thread, no transport
+ *   v  fdatasync the disk itself: pwrite of the payload at offset 0 and fdatasync, one
+ *               thread, a file in a temp dir (f and v are the limits of b, c and k)
  *   g  pg-new   as c, on the PostgreSQL store ($IDEMRPC_BENCH_PG, a libpq conninfo)
  *   h  pg-new2  as g, two server instances on the one database, clients dial both
  *   i  pg-replay as e, on PostgreSQL
@@ -81,6 +83,7 @@ static const scenario scenarios[N_SCENARIOS] = {
     {'s', "s:redis-rep-always", run_redis, 0, KEYS_REPLAY, 0, "always", 0},
     {'t', "t:redis-new-everysec", run_redis, 0, KEYS_NEW, 0, "everysec", 0},
     {'u', "u:redis-rep-everysec", run_redis, 0, KEYS_REPLAY, 0, "everysec", 0},
+    {'v', "v:fdatasync", run_fsync, 0, KEYS_NONE, 0, NULL, 0},
 };
 
 static const scenario *scenario_of(char letter)
@@ -185,7 +188,7 @@ static void set_defaults(void)
     static char default_transports[] = "tcp,ipc";
     const char *redis = getenv("IDEMRPC_BENCH_REDIS");
     bool peer = redis != NULL && redis[0] != '\0';
-    grid_set(&cfg.grids[0], "1,16,64", "64", peer ? "abcdefrstu" : "abcdef");
+    grid_set(&cfg.grids[0], "1,16,64", "64", peer ? "abcdefrstuv" : "abcdefv");
     grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
@@ -301,7 +304,7 @@ static bool run_cell(const scenario *sc, const char *transport, int clients, lon
 }
 
 /* Every wanted cell of grid g; (a) first in every (transport, payload, clients)
- * group: the others' ratio needs it. f needs no transport and runs last, once per
+ * group: the others' ratio needs it. f and v need no transport and run last, once per
  * payload. */
 static bool run_grid(const bench_grid *g, const void *buf)
 {
@@ -311,7 +314,7 @@ static bool run_grid(const bench_grid *g, const void *buf)
             for (int k = 0; k < g->n_clients; k++) {
                 for (int s = 0; s < N_SCENARIOS; s++) {
                     const scenario *sc = &scenarios[s];
-                    if (g->want[sc->letter - 'a'] && sc->letter != 'f') {
+                    if (g->want[sc->letter - 'a'] && !storage_baseline(sc)) {
                         all_ok &= run_cell(sc, cfg.transports[t], (int)g->clients[k],
                                            g->payloads[p], buf);
                     }
@@ -319,8 +322,12 @@ static bool run_grid(const bench_grid *g, const void *buf)
             }
         }
     }
-    for (int p = 0; g->want['f' - 'a'] && p < g->n_payloads; p++) {
-        all_ok &= run_cell(scenario_of('f'), "-", 1, g->payloads[p], buf);
+    for (int p = 0; p < g->n_payloads; p++) {
+        for (const char *l = "fv"; *l != '\0'; l++) {
+            if (g->want[*l - 'a']) {
+                all_ok &= run_cell(scenario_of(*l), "-", 1, g->payloads[p], buf);
+            }
+        }
     }
     return all_ok;
 }

@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 17                       /* a..i, k..n, r..u */
+#define N_SCENARIOS 18                       /* a..i, k..n, r..v */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
@@ -79,7 +79,7 @@ typedef struct scenario {
 
 struct cell {
     const scenario *sc;
-    const char *transport; /* "tcp", "ipc", "inproc"; "-" for f */
+    const char *transport; /* "tcp", "ipc", "inproc"; "-" for f and v */
     int clients;
     size_t payload_len;
     const void *payload; /* payload_len bytes, read-only, shared by all threads */
@@ -87,7 +87,7 @@ struct cell {
     int warmup;          /* untimed calls per thread, set by the runner */
     char url[160];       /* what clients dial, set by the runner */
     char url2[160];      /* h: the second instance ("" when none) */
-    const char *dir;     /* f: the LMDB directory */
+    const char *dir;     /* f, v: the LMDB directory, the file's */
     void *peer;          /* r–u: the scenario's own state, for its client_ops */
 };
 
@@ -115,6 +115,12 @@ int run_echo(const scenario *sc, cell *c, cell_stats *out);  /* a, scenario_echo
 int run_chain(const scenario *sc, cell *c, cell_stats *out); /* b–e, scenario_chain.c */
 int run_pg(const scenario *sc, cell *c, cell_stats *out);    /* g–i, scenario_chain.c */
 int run_lmdb(const scenario *sc, cell *c, cell_stats *out);  /* f, scenario_lmdb.c */
+int run_fsync(const scenario *sc, cell *c, cell_stats *out); /* v, scenario_lmdb.c */
+/* f and v: the disk's baselines, no transport; they run once per payload, last. */
+static inline bool storage_baseline(const scenario *sc)
+{
+    return sc->letter == 'f' || sc->letter == 'v';
+}
 int run_redis(const scenario *sc, cell *c, cell_stats *out); /* r–u, scenario_redis.c */
 int run_pg_wait(void); /* j, scenario_pg_wait.c: prints its own table; 0 when measured */
 /* The preamble's line about $IDEMRPC_BENCH_REDIS (version, AOF directory), when any r–u
@@ -146,6 +152,7 @@ typedef struct bench_thread {
             MDB_env *env;
             MDB_dbi dbi;
         } lmdb; /* f */
+        int fd; /* v */
     } conn;
     latency_sample lat;
     uint64_t ok, errors, end_ns;

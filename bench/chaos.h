@@ -36,14 +36,14 @@ typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG } chaos_topology;
 typedef struct chaos_cfg {
     chaos_topology topology;
     uint64_t seconds, seed, lease_ms, clients;
-    uint64_t map_mib;     /* lmdb: the servers' and the agent's map size */
-    bool check_only;      /* --check: only the checker, on the files of a finished run */
-    char dir[512];        /* work dir: store, effect log, server logs, history */
-    char history[600];    /* history file (kept) */
-    char effects[600];    /* the effect log the servers append to */
-    char agent_log[600];  /* lmdb: the store agent's commit stalls */
-    char run[32];         /* prefix of every caller of this run; on pg its schema chaos_RUN */
-    const char *pg;       /* IDEMRPC_TEST_PG with this run's schema (pg topology) */
+    uint64_t map_mib;    /* lmdb: the servers' and the agent's map size */
+    bool check_only;     /* --check: only the checker, on the files of a finished run */
+    char dir[512];       /* work dir: store, effect log, server logs, history */
+    char history[600];   /* history file (kept) */
+    char effects[600];   /* the effect log the servers append to */
+    char agent_log[600]; /* lmdb: the store agent's commit stalls */
+    char run[32];        /* prefix of every caller of this run; on pg its schema chaos_RUN */
+    const char *pg;      /* IDEMRPC_TEST_PG with this run's schema (pg topology) */
     char pg_conninfo[1024];
     const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
     const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */

@@ -1,6 +1,12 @@
-/* Scenario f, the storage baseline: raw LMDB, one mdb_put of the payload per durable
- * write transaction, one thread, no transport and no idemrpc code. */
+/* The storage baselines, one thread, no transport and no idemrpc code:
+ *   f  raw LMDB, one mdb_put of the payload per durable write transaction
+ *   v  the disk: pwrite of the payload at offset 0 of one file, then fdatasync */
 #include <endian.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <lmdb.h>
 
@@ -77,6 +83,46 @@ int run_lmdb(const scenario *sc, cell *c, cell_stats *out)
     }
     c->warmup = WARMUP_CALLS;
     int rv = run_clients(&lmdb_ops, c, out);
+    tmp_dir_remove();
+    return rv;
+}
+
+static int fsync_open(bench_thread *t)
+{
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/fdatasync", t->cell->dir);
+    if ((t->conn.fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)) < 0) {
+        return thread_fail(t, "open %s: %s", path, strerror(errno));
+    }
+    return 0;
+}
+
+static int fsync_call(bench_thread *t)
+{
+    size_t n = t->cell->payload_len;
+    if (pwrite(t->conn.fd, t->cell->payload, n, 0) != (ssize_t)n) {
+        return thread_fail(t, "pwrite: %s", strerror(errno));
+    }
+    return fdatasync(t->conn.fd) == 0 ? 0 : thread_fail(t, "fdatasync: %s", strerror(errno));
+}
+
+static void fsync_close(bench_thread *t)
+{
+    if (t->conn.fd >= 0) {
+        close(t->conn.fd);
+    }
+}
+
+static const client_ops fsync_ops = {.open = fsync_open, .call = fsync_call, .close = fsync_close};
+
+int run_fsync(const scenario *sc, cell *c, cell_stats *out)
+{
+    (void)sc;
+    if ((c->dir = tmp_dir_create()) == NULL) {
+        return cell_fail(out, "mkdtemp under /tmp failed");
+    }
+    c->warmup = WARMUP_CALLS;
+    int rv = run_clients(&fsync_ops, c, out);
     tmp_dir_remove();
     return rv;
 }

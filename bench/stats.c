@@ -73,11 +73,11 @@ typedef struct row {
 static row rows[MAX_GRIDS * N_SCENARIOS * MAX_LIST * MAX_LIST * MAX_LIST];
 static size_t n_rows;
 
-/* (a) for the same transport, clients and payload; for f, (a) on the first transport
- * with the fewest clients. NULL when (a) was not run. */
+/* (a) for the same transport, clients and payload; for f and v, (a) on the first
+ * transport with the fewest clients. NULL when (a) was not run. */
 static const row *baseline_of(const row *r)
 {
-    bool storage = r->sc->letter == 'f';
+    bool storage = storage_baseline(r->sc);
     const char *transport = storage ? cfg.transports[0] : r->transport;
     const row *best = NULL;
     for (size_t i = 0; i < n_rows; i++) {
@@ -387,8 +387,9 @@ static void print_preamble(void)
     printf("latency: every call, up to %u samples per cell (uniform reservoir beyond); "
            "nearest-rank percentiles\n",
            LATENCY_BUDGET);
-    printf("f: %s, 1 thread; its ratio is vs a on %s with the fewest clients\n",
-           "one mdb_put per durable txn", cfg.transports[0]);
+    printf("f: one mdb_put per durable txn, v: pwrite + fdatasync of one file; 1 thread each, "
+           "their ratio is vs a on %s with the fewest clients\n",
+           cfg.transports[0]);
     printf("%s\n", cost_note);
     if (any_wanted('r', 'u')) {
         redis_preamble();

@@ -338,3 +338,80 @@ Test(chaos_findings, a_result_that_meets_a_full_store_is_recorded_when_space_ret
     cr_expect(retry.replayed);
     tu_server_destroy(&x, false);
 }
+
+/* ---- a journaled step whose record meets a full store ---- */
+
+static atomic_int step_runs;
+static atomic_bool step_running, step_go;
+
+/* The step's effect (counted), then its output once the test says so. */
+static idem_code step_when_told(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call;
+    (void)arg;
+    char buf[32];
+    int n = snprintf(buf, sizeof(buf), "charge %d", atomic_fetch_add(&step_runs, 1) + 1);
+    atomic_store(&step_running, true);
+    while (!atomic_load(&step_go)) {
+        usleep(1000);
+    }
+    cr_assert_not_null(out->data = malloc((size_t)n));
+    memcpy(out->data, buf, (size_t)n);
+    out->len = (size_t)n;
+    return IDEM_OK;
+}
+
+static idem_code pay_once(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_step_result r;
+    idem_code code = idem_call_step(call, "charge", step_when_told, NULL, &r);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    code = idem_call_reply(call, IDEM_OK, r.data, r.len);
+    idem_step_result_clear(&r);
+    return code;
+}
+
+/* downstream.h: a step's fn "may still run twice if the process dies after fn's effect
+ * and before its record". Found by idemrpc-chaos (chaos.Trip/Book, lmdb fill fault; the
+ * pg topology's PostgreSQL restart gives UNAVAILABLE the same way): a step whose record
+ * met a full store lost it at once, with no process dying: idem_call_step
+ * (src/toolkit/steps.c) returned the record txn's RESOURCE_EXHAUSTED, the call was
+ * released, and the client's retry ran the step's effect a second time (a second
+ * charge). The outcome's completion already waits out a full or unreachable store
+ * (record_retrying, interceptors/result_cache.c); the step's record did not. */
+Test(chaos_findings, a_step_whose_record_meets_a_full_store_runs_once)
+{
+    tu_server x;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.lease_ms = LEASE_MS;
+    o.map_size = 1 << 20;
+    tu_server_create(&x, &o);
+    idem_method_opts steps = {.flags = IDEM_METHOD_STEPS};
+    cr_assert_eq(idem_server_register(x.srv, "f.Pay/Once", pay_once, NULL, &steps), IDEM_OK);
+    tu_server_listen(&x);
+
+    bg_call first, retry;
+    bg_start(&first, x.url, "f.Pay/Once", "pay-1");
+    while (!atomic_load(&step_running)) {
+        usleep(1000);
+    }
+    ballast b = {.st = idem_server_store(x.srv)};
+    ballast_fill(&b);
+    atomic_store(&step_go, true); /* the step's effect is done; its record meets a full store */
+    usleep(3 * LEASE_MS * 1000);  /* full for three leases */
+    ballast_free(&b);
+    pthread_join(first.th, NULL);
+    bg_start(&retry, x.url, "f.Pay/Once", "pay-1");
+    pthread_join(retry.th, NULL);
+
+    cr_expect_eq(atomic_load(&step_runs), 1, "the step ran %d times for one call (first: %s)",
+                 atomic_load(&step_runs), idem_code_name(first.code));
+    cr_expect_eq(first.code, IDEM_OK, "%s", idem_code_name(first.code));
+    cr_expect_eq(retry.code, IDEM_OK, "%s", idem_code_name(retry.code));
+    cr_expect_str_eq(retry.payload, "charge 1", "retry '%s'", retry.payload);
+    tu_server_destroy(&x, false);
+}

@@ -84,9 +84,13 @@ static idem_code keyless(idem_call *call, void *arg)
 static atomic_int reserves, charged, checkout_runs, fail_between, fail_after, step_refusals;
 static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
-static atomic_int stall_first; /* the first run stalls before its charge step */
-static bool second_charged;    /* the run that took over recorded its charge */
-static bool first_done;        /* the stalled run's charge step returned */
+static atomic_int stall_first;         /* the first run stalls before its charge step */
+static bool second_charged;            /* the run that took over recorded its charge */
+static bool first_done;                /* the stalled run's charge step returned */
+static atomic_int abandon_first;       /* the first run stalls between its steps */
+static bool abandoned_released;        /* ... until the test lets it go on */
+static bool woken_done;                /* ... and its steps have returned */
+static bool redriven, journal_removed; /* the re-driver said so in its log */
 
 static idem_code numbered(idem_step_result *out, char tag, int n)
 {
@@ -164,6 +168,9 @@ static idem_code checkout(idem_call *call, void *arg)
     idem_step_result r = {0}, c = {0};
     int run = atomic_fetch_add(&checkout_runs, 1) + 1;
     idem_code code = idem_call_step(call, "reserve", reserve_fn, NULL, &r);
+    if (run == 1 && atomic_load(&abandon_first)) {
+        await_flag(&abandoned_released); /* its process "died" here: nobody renews its lease */
+    }
     if (code == IDEM_OK && atomic_fetch_sub(&fail_between, 1) > 0) {
         code = idem_call_fail(call, IDEM_UNAVAILABLE, "crashed between the steps");
     } else if (code == IDEM_OK) {
@@ -174,6 +181,9 @@ static idem_code checkout(idem_call *call, void *arg)
         if (atomic_load(&stall_first)) {
             handshake(run);
         }
+    }
+    if (run == 1 && atomic_load(&abandon_first)) {
+        raise_flag(&woken_done);
     }
     if (code == IDEM_OK && atomic_fetch_sub(&fail_after, 1) > 0) {
         code = idem_call_fail(call, IDEM_UNAVAILABLE, "crashed after the steps");
@@ -351,8 +361,8 @@ Test(hops, a_call_without_a_key_or_a_bad_step_name_cannot_derive_one)
     idem_client_close(c);
 }
 
-static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t attempt_ms,
-                               idem_result *r)
+static idem_code checkout_at(const char *url, const char *key, uint32_t attempts,
+                             uint32_t attempt_ms, idem_result *r)
 {
     idem_client_opts o;
     idem_client *c;
@@ -361,11 +371,17 @@ static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t atte
     o.retry.period_ms = 20;
     o.attempt_timeout_ms = attempt_ms;
     o.deadline_ms = 8000;
-    cr_assert_eq(idem_client_open(&c, (const char *[]){order.url}, 1, &o), IDEM_OK);
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
     idem_request q = {.method = "order.Order/Checkout", .idempotency_key = key};
     idem_code code = idem_client_call(c, &q, r);
     idem_client_close(c);
     return code;
+}
+
+static idem_code checkout_call(const char *key, uint32_t attempts, uint32_t attempt_ms,
+                               idem_result *r)
+{
+    return checkout_at(order.url, key, attempts, attempt_ms, r);
 }
 
 Test(hops, a_run_after_a_failure_between_two_steps_replays_the_first_and_runs_the_second)
@@ -431,4 +447,165 @@ Test(hops, steps_need_a_claim_mode_call)
     cr_expect_str_eq(r.payload, "FAILED_PRECONDITION");
     idem_result_clear(&r);
     idem_client_close(c);
+}
+
+/* ---- the re-driver ---- */
+
+static void redriver_log(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg, (void)level;
+    if (strstr(line, "redrive") != NULL && strstr(line, "ran it again") != NULL) {
+        cr_log_info("%s", line);
+        raise_flag(&redriven);
+    } else if (strstr(line, "removed the step journal") != NULL) {
+        raise_flag(&journal_removed);
+    }
+}
+
+/* An order server whose re-driver looks every 20 ms; leases end 150 ms after a run
+ * stops renewing (max_run_ms 150). */
+static void redriving_server(tu_server *ts, tu_backend *b, uint64_t result_ttl_ms)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.result_ttl_ms = result_ttl_ms;
+    o.lease_ms = 150;
+    o.max_run_ms = 150;
+    o.redrive_interval_ms = 20;
+    o.log_level = IDEM_LOG_INFO;
+    o.log_fn = redriver_log;
+    if (tu_backend_is_pg()) {
+        o.store = tu_backend_open(b, "hops_rd");
+    }
+    tu_server_create(ts, &o);
+    register_steps(ts->srv);
+    tu_server_listen(ts);
+}
+
+static void redriving_server_destroy(tu_server *ts, tu_backend *b)
+{
+    tu_server_destroy(ts, false);
+    if (b->st != NULL) {
+        tu_backend_close(b);
+    }
+}
+
+/* The first run reserves, then its owner "dies" between the steps (it stops, and its
+ * lease lapses), and its client gives up after one attempt. With no client retry, the
+ * re-driver runs the stored request again: the reserve replays, the charge runs once,
+ * the outcome is recorded, and the client's later retry replays it. */
+Test(hops, the_redriver_finishes_an_abandoned_call_from_its_stored_request)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_result r;
+    redriving_server(&rd, &rd_store, 0);
+    atomic_store(&abandon_first, 1);
+    cr_assert_neq(checkout_at(rd.url, "cart-rd", 1, 100, &r), IDEM_OK, "the client gave up");
+    idem_result_clear(&r);
+
+    await_flag(&redriven);
+    cr_assert(redriven, "the re-driver ran the abandoned call");
+    cr_expect_eq(atomic_load(&checkout_runs), 2);
+    cr_expect_eq(atomic_load(&reserves), 1, "stock reserved once");
+    cr_expect_eq(atomic_load(&charged), 1, "charged once");
+    cr_assert_eq(checkout_at(rd.url, "cart-rd", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect(r.replayed, "the client's retry replays the re-driven outcome");
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+    raise_flag(&abandoned_released);
+    redriving_server_destroy(&rd, &rd_store);
+}
+
+/* The same dead run wakes after the new owner completed the call (and deleted its
+ * journal): its charge step is refused against the record, so no journal is left
+ * behind for a later call with the same key to replay. */
+Test(hops, a_run_that_wakes_after_the_call_completed_records_no_step)
+{
+    idem_result r;
+    atomic_store(&abandon_first, 1);
+    cr_assert_neq(checkout_call("cart-late", 1, 100, &r), IDEM_OK);
+    idem_result_clear(&r);
+    cr_assert_eq(checkout_call("cart-late", 50, 300, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+    raise_flag(&abandoned_released);
+    await_flag(&woken_done);
+    cr_expect_eq(atomic_load(&step_refusals), 1, "the woken run's charge step was refused");
+    idem_key_ref k = {"", "order.Order/Checkout", "cart-late"};
+    cr_assert_eq(idem_store_delete(idem_server_store(order.srv), &k), IDEM_OK);
+    cr_assert_eq(checkout_call("cart-late", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C3", "no step of the old call replays");
+    idem_result_clear(&r);
+}
+
+/* A completion whose journal deletion failed (a trigger refuses deletes from idem_kv)
+ * leaves the journal; the re-driver removes it once it can, so that a later call with
+ * the same key (its record deleted) runs its steps afresh. */
+Test(hops, the_redriver_removes_a_journal_its_completion_could_not_delete)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_result r;
+    if (!tu_backend_is_pg()) {
+        cr_skip_test("PostgreSQL only: a trigger makes the deletion fail");
+    }
+    redriving_server(&rd, &rd_store, 0);
+    tu_pg_exec(rd_store.conninfo,
+               "CREATE TABLE refuse_deletes (x int); INSERT INTO refuse_deletes VALUES (1);"
+               "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+               " IF EXISTS (SELECT 1 FROM refuse_deletes) THEN RAISE EXCEPTION 'refused';"
+               " END IF; RETURN OLD; END $$;"
+               "CREATE TRIGGER refuse BEFORE DELETE ON idem_kv FOR EACH ROW"
+               " EXECUTE FUNCTION refuse_delete();");
+    cr_assert_eq(checkout_at(rd.url, "cart-left", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C1");
+    idem_result_clear(&r);
+    tu_pg_exec(rd_store.conninfo, "DELETE FROM refuse_deletes");
+    await_flag(&journal_removed);
+    cr_assert(journal_removed, "the re-driver removed the journal left after the outcome");
+    idem_key_ref k = {"", "order.Order/Checkout", "cart-left"};
+    cr_assert_eq(idem_store_delete(idem_server_store(rd.srv), &k), IDEM_OK);
+    cr_assert_eq(checkout_at(rd.url, "cart-left", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C2", "no step of the old call replays");
+    idem_result_clear(&r);
+    redriving_server_destroy(&rd, &rd_store);
+}
+
+/* A call released after a transient failure between its steps, whose client then
+ * gave up, has no record: its journal waits for a retry as long as a record would have
+ * replayed (the result TTL, here 300 ms), then the re-driver removes it, and the same
+ * key runs afresh. */
+Test(hops, the_redriver_removes_the_journal_of_a_released_call_after_the_result_ttl)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_result r;
+    redriving_server(&rd, &rd_store, 300);
+    atomic_store(&fail_between, 1);
+    cr_assert_eq(checkout_at(rd.url, "cart-gone", 1, 2000, &r), IDEM_UNAVAILABLE, "%s", r.message);
+    idem_result_clear(&r);
+    await_flag(&journal_removed);
+    cr_assert(journal_removed, "the re-driver removed the released call's journal");
+    cr_assert_eq(checkout_at(rd.url, "cart-gone", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C1", "the reservation runs again, not replayed");
+    idem_result_clear(&r);
+    redriving_server_destroy(&rd, &rd_store);
+}
+
+/* Off by default: without it, only the client's retry (after the lease) runs the call. */
+Test(hops, without_the_redriver_an_abandoned_call_waits_for_a_client_retry)
+{
+    idem_server_opts o;
+    idem_result r;
+    idem_server_opts_init(&o);
+    cr_assert_eq(o.redrive_interval_ms, 0, "the re-driver is off by default");
+    atomic_store(&abandon_first, 1);
+    cr_assert_neq(checkout_call("cart-nord", 1, 100, &r), IDEM_OK);
+    idem_result_clear(&r);
+    cr_assert_eq(checkout_call("cart-nord", 50, 300, &r), IDEM_OK, "%s", r.message);
+    cr_expect(!r.replayed, "the retry ran it (nothing else did)");
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+    raise_flag(&abandoned_released);
 }

@@ -2,13 +2,15 @@
  * (reserve) and order → payment (charge), each with its own LMDB store. One process
  * SIGKILLs itself at a chosen point of the first order; the test restarts it while the
  * client keeps retrying with attempts shorter than the call. Afterwards: stock
- * reserved once, money charged once, and every answer names the same order id. */
+ * reserved once, money charged once, and every answer names the same order id. With
+ * the order service's re-driver on, the client does not even retry. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "testutil.h"
 
@@ -46,7 +48,7 @@ static void teardown(void)
 
 TestSuite(shop, .init = setup, .fini = teardown, .timeout = 90);
 
-static void start(int role, const char *crash_at)
+static void start_with(int role, const char *crash_at, const char *redrive_ms)
 {
     const char *argv[16] = {
         getenv("SHOP_SERVER"), "--role", roles[role], "--listen", url[role], "--db", db[role]};
@@ -63,8 +65,17 @@ static void start(int role, const char *crash_at)
         argv[n++] = "--crash-at";
         argv[n++] = crash_at;
     }
+    if (redrive_ms != NULL) {
+        argv[n++] = "--redrive-ms";
+        argv[n++] = redrive_ms;
+    }
     argv[n] = NULL;
     tu_spawn(&proc[role], argv);
+}
+
+static void start(int role, const char *crash_at)
+{
+    start_with(role, crash_at, NULL);
 }
 
 struct order_call {
@@ -182,4 +193,36 @@ Test(shop, inventory_killed_after_its_commit_before_its_answer)
 Test(shop, payment_killed_after_its_commit_before_its_answer)
 {
     kill_and_recover(PAY, "after_commit");
+}
+
+/* Order is killed between its steps, its client gives up after one attempt, and order
+ * restarts with its re-driver on: the re-driver finishes the order (the charge runs,
+ * once) without a retry, and the client's next call replays it. */
+Test(shop, an_order_killed_between_its_steps_is_finished_by_the_redriver)
+{
+    for (int i = 0; i < N_ROLES; i++) {
+        start(i, i == ORDER ? "between" : NULL);
+    }
+    idem_result r;
+    cr_assert_neq(place(&r, 1), IDEM_OK, "the client gave up after one attempt");
+    idem_result_clear(&r);
+    cr_assert_eq(tu_reap(&proc[ORDER]), SIGKILL, "order was killed between its steps");
+    start_with(ORDER, NULL, "50");
+
+    char state[128];
+    for (int i = 0; i < 200; i++) { /* the lease (300 ms) runs out, then a pass runs it */
+        read_state(PAY, "pay.Pay/Total", "", state, sizeof(state));
+        if (strcmp(state, "total=0 charges=0") != 0) {
+            break;
+        }
+        nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL); /* another process: polled */
+    }
+    cr_expect_str_eq(state, "total=250 charges=1", "the re-driver charged once");
+    read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
+    cr_expect_str_eq(state, "stock=99 reservations=1", "stock reserved once");
+    cr_assert_eq(place(&r, 3), IDEM_OK, "%s", r.message);
+    cr_expect(r.replayed, "the client's next call replays the re-driven order");
+    char id[64];
+    order_id(r.payload, id, sizeof(id));
+    idem_result_clear(&r);
 }

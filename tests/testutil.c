@@ -84,15 +84,20 @@ static void quiet(void *arg, const char *message)
     (void)arg, (void)message;
 }
 
-static void pg_admin(const char *sql)
+void tu_pg_exec(const char *conninfo, const char *sql)
 {
-    PGconn *c = PQconnectdb(getenv("IDEMRPC_TEST_PG"));
+    PGconn *c = PQconnectdb(conninfo);
     cr_assert_eq(PQstatus(c), CONNECTION_OK, "%s", PQerrorMessage(c));
     PQsetNoticeProcessor(c, quiet, NULL); /* "drop cascades to ..." */
     PGresult *r = PQexec(c, sql);
     cr_assert_eq(PQresultStatus(r), PGRES_COMMAND_OK, "%s: %s", sql, PQresultErrorMessage(r));
     PQclear(r);
     PQfinish(c);
+}
+
+static void pg_admin(const char *sql)
+{
+    tu_pg_exec(getenv("IDEMRPC_TEST_PG"), sql);
 }
 
 char *tu_pg_schema_create(char schema[32])
@@ -129,6 +134,12 @@ char *tu_pg_schema_create(char schema[32])
 void tu_pg_schema_drop(const char *schema)
 {
     (void)schema;
+}
+
+void tu_pg_exec(const char *conninfo, const char *sql)
+{
+    (void)conninfo, (void)sql;
+    cr_skip_test("built without PostgreSQL");
 }
 #endif
 

@@ -51,6 +51,8 @@ const char *tu_app_value(idem_store *st, const char *db, const char *key);
  * that makes it the search_path (malloc'd); drop it with tu_pg_schema_drop. */
 char *tu_pg_schema_create(char schema[32]);
 void tu_pg_schema_drop(const char *schema);
+/* Runs sql (statements returning no rows) on a connection of its own. */
+void tu_pg_exec(const char *conninfo, const char *sql);
 
 /* A server process whose stdout is a pipe. */
 typedef struct tu_child {

@@ -3,7 +3,8 @@
  *   idemrpc-shop --role inventory --listen URL --db DIR [--crash-at after_commit]
  *   idemrpc-shop --role payment   --listen URL --db DIR [--crash-at after_commit]
  *   idemrpc-shop --role order     --listen URL --db DIR --inventory URL --payment URL
- *                [--lease-ms N] [--crash-at before_reserve|between|after_charge]
+ *                [--lease-ms N] [--redrive-ms N]
+ *                [--crash-at before_reserve|between|after_charge]
  *
  *   order.Shop/Place        cached, key required: "SKU PRICE" → "order=ID reservation=R
  *                           charge=C". Three journaled steps (downstream.h): the order
@@ -16,6 +17,9 @@
  * --crash-at makes the process SIGKILL itself at that point of its first effectful
  * call (the way kill -9 would), so a test can restart it and retry: after the restarts
  * stock is reserved once, money charged once, and the client sees one order id.
+ * --redrive-ms turns on the order service's re-driver (idem_server_opts): an order
+ * whose process died between its steps is finished after a restart without any
+ * client retry.
  * Prints "ready" once it listens; SIGTERM stops it. */
 #include <inttypes.h>
 #include <signal.h>
@@ -29,7 +33,7 @@
 
 typedef struct shop {
     const char *role, *listen, *db, *inventory, *payment, *crash_at;
-    uint64_t lease_ms;
+    uint64_t lease_ms, redrive_ms;
     idem_client *to_inventory, *to_payment;
     idem_store *store;
 } shop;
@@ -275,6 +279,8 @@ static bool parse(int argc, char **argv)
             S.crash_at = v;
         } else if (strcmp(k, "--lease-ms") == 0) {
             S.lease_ms = strtoull(v, NULL, 10);
+        } else if (strcmp(k, "--redrive-ms") == 0) {
+            S.redrive_ms = strtoull(v, NULL, 10);
         } else {
             return false;
         }
@@ -326,8 +332,8 @@ int main(int argc, char **argv)
 {
     if (!parse(argc, argv)) {
         fprintf(stderr, "usage: idemrpc-shop --role inventory|payment|order --listen URL --db DIR\n"
-                        "       [--inventory URL --payment URL] [--lease-ms N] [--crash-at "
-                        "POINT]\n");
+                        "       [--inventory URL --payment URL] [--lease-ms N] [--redrive-ms N]\n"
+                        "       [--crash-at POINT]\n");
         return 2;
     }
     sigset_t stop;
@@ -341,6 +347,7 @@ int main(int argc, char **argv)
     idem_server_opts_init(&o);
     o.db_path = S.db;
     o.lease_ms = S.lease_ms;
+    o.redrive_interval_ms = S.redrive_ms;
     o.default_chain = strcmp(S.role, "order") == 0;
     bool order = strcmp(S.role, "order") == 0;
     if (order && ((S.to_inventory = client_to(S.inventory)) == NULL ||

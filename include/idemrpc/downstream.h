@@ -60,16 +60,21 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * multi-effect handler exactly once end to end, as long as each downstream honours its
  * key: fn itself may still run twice if the process dies after fn's effect and before
  * its record, so give fn's effect the step's derived key (idem_call_downstream with the
- * same step name does).
+ * same step name does). The record rides out a store that is full or briefly unreachable
+ * (RESOURCE_EXHAUSTED, UNAVAILABLE) for up to 10 s, as the outcome's completion does;
+ * a record still refused after that is returned, and the next run runs fn again.
  *
- * Only an owner may write: a run that lost its claim (its lease expired and another
- * instance took over) gets IDEM_ABORTED instead of recording, so it cannot overwrite
- * what the new owner recorded; if it finds the step already recorded it gets that
- * output instead of running fn. Known gap: a stalled run that resumes only after the
- * new owner completed the call (and deleted the journal with its fence) can still
- * record the steps it then runs; those entries are read only by a later call with the
- * same caller, method, key and request (after the record is gone), and stay until then. The journal lives in the store (business database
- * "idem.steps", LMDB or PostgreSQL) and is deleted when the call's outcome is recorded.
+ * Only an owner may write: a step is recorded only while the call's record is still
+ * IN_PROGRESS under this run's claim (checked in the recording transaction). A run that
+ * lost its claim (its lease expired and another run took over, or completed the call)
+ * gets IDEM_ABORTED instead of recording, so it can neither overwrite what the new owner
+ * recorded nor leave a journal behind; if it finds the step already recorded it gets
+ * that output instead of running fn. The journal lives in the store (business database
+ * "idem.steps", LMDB or PostgreSQL) with the call's request (for the server's re-driver,
+ * idem_server_opts.redrive_interval_ms) and is deleted when the call's outcome is
+ * recorded. Without the re-driver, the journal of a call released after a transient
+ * failure stays until a retry records an outcome; the re-driver deletes it after the
+ * result TTL, and deletes journals whose deletion failed at completion.
  * For claim-mode handlers (IDEM_METHOD_CACHED and friends); a transactional handler's
  * writes already commit together (FAILED_PRECONDITION). Call steps in the same order on
  * every run. At most IDEM_MAX_STEPS steps per call, IDEM_MAX_STEP_OUTPUT bytes each. */

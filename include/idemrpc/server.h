@@ -175,6 +175,19 @@ typedef struct idem_server_opts {
     size_t n_ipc_callers;
     /* Calls without a verified caller get UNAUTHENTICATED (nothing runs). */
     bool require_verified_caller;
+    /* ---- the re-driver (README "Calling other services") ----
+     * 0 (default): off; a call whose owner died waits for its client's retry. Else,
+     * every redrive_interval_ms, the server looks at up to redrive_batch calls of its
+     * IDEM_METHOD_STEPS methods that recorded a step and whose owner's lease has run out
+     * (the process died, or the handler outlived max_run_ms), and runs each again from
+     * its stored request: one at a time, on a thread of its own, as the caller its first
+     * run had, with max_run_ms as its deadline. Recorded steps replay, the rest run, and
+     * the outcome is stored for the client's retry. It also deletes step journals that
+     * outlived their call's outcome, and, after result_ttl_ms, those of calls released
+     * after a transient failure (no record: not run again). Each re-run is logged at
+     * the error level and counted (idem_redrives_total). */
+    uint64_t redrive_interval_ms;
+    size_t redrive_batch; /* journaled calls looked at per pass; 0 = 16 */
 } idem_server_opts;
 
 typedef enum idem_builtin {

@@ -66,6 +66,8 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
 void idem__observe_in_flight(idem_observer *obs, int delta);
 void idem__observe_waiting(idem_observer *obs, int delta);
 void idem__observe_announcement(idem_observer *obs); /* one completion heard from the store */
+/* The re-driver ran an abandoned call again (ran) or removed a completed call's journal. */
+void idem__observe_redrive(idem_observer *obs, bool ran);
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
 
@@ -259,6 +261,29 @@ idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32]); /* computed 
 /* Deletes the call's step journal, every run's steps (steps.c), once its outcome is
  * recorded. */
 idem_code idem__call_steps_forget(idem_call *call);
+
+/* A call that recorded a journaled step, as the re-driver finds it (steps.c). */
+typedef struct idem__journaled_call {
+    uint8_t base[32]; /* its journal */
+    struct {
+        char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
+    } key_ref;            /* its record */
+    bool caller_verified; /* how its first run knew the caller */
+    uint64_t at_ms;       /* when its first step was recorded (the server's clock) */
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* the request's */
+    void *request; /* the packed idem.v1.Request of the run that recorded first */
+    size_t request_len;
+} idem__journaled_call;
+#define IDEM__JOURNAL_CURSOR 33
+/* The next journaled call after cursor (all zero: the first), advancing it;
+ * IDEM_NOT_FOUND at the end of a round (cursor reset), IDEM_DATA_LOSS for an entry
+ * that cannot be read (cursor past it). */
+idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[IDEM__JOURNAL_CURSOR],
+                                idem__journaled_call *out);
+void idem__journaled_call_clear(idem__journaled_call *c);
+/* Deletes a journal (its steps, head and call) by its base. */
+idem_code idem__steps_forget_journal(idem_store *st, const uint8_t base[32]);
+
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
 

@@ -25,6 +25,7 @@ struct idem_observer {
     atomic_ullong by_code[IDEM_CODE_COUNT];
     atomic_llong in_flight, waiting;
     atomic_ullong latency_us_sum, calls, announcements;
+    atomic_ullong redrives[2]; /* re-run, journal removed */
 };
 
 static void log_stderr(void *arg, idem_log_level level, const char *line)
@@ -200,6 +201,11 @@ void idem__observe_announcement(idem_observer *obs)
     atomic_fetch_add_explicit(&obs->announcements, 1, memory_order_relaxed);
 }
 
+void idem__observe_redrive(idem_observer *obs, bool ran)
+{
+    atomic_fetch_add_explicit(&obs->redrives[ran ? 0 : 1], 1, memory_order_relaxed);
+}
+
 void idem__observe_waiting(idem_observer *obs, int delta)
 {
     atomic_fetch_add_explicit(&obs->waiting, delta, memory_order_relaxed);
@@ -273,13 +279,19 @@ char *idem__metrics_text(idem_observer *obs)
                       "processes sharing the store (PostgreSQL NOTIFY), heard.\n"
                       "# TYPE idem_store_announcements_total counter\n"
                       "idem_store_announcements_total %llu\n"
+                      "# HELP idem_redrives_total Abandoned calls the re-driver ran again, and "
+                      "journals of completed calls it removed.\n"
+                      "# TYPE idem_redrives_total counter\n"
+                      "idem_redrives_total{result=\"run\"} %llu\n"
+                      "idem_redrives_total{result=\"journal_removed\"} %llu\n"
                       "# HELP idem_call_latency_microseconds Server-side call latency.\n"
                       "# TYPE idem_call_latency_microseconds summary\n"
                       "idem_call_latency_microseconds_sum %llu\n"
                       "idem_call_latency_microseconds_count %llu\n",
                       (long long)atomic_load_explicit(&obs->in_flight, memory_order_relaxed),
                       (long long)atomic_load_explicit(&obs->waiting, memory_order_relaxed),
-                      LOAD(obs->announcements), LOAD(obs->latency_us_sum), LOAD(obs->calls));
+                      LOAD(obs->announcements), LOAD(obs->redrives[0]), LOAD(obs->redrives[1]),
+                      LOAD(obs->latency_us_sum), LOAD(obs->calls));
     if (!ok) {
         free(b);
         return NULL;

@@ -65,6 +65,11 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
     out->call.fast_only = opts.fast_only;
     out->call.parkable = parkable;
     out->call.wire_reply = opts.wire_reply;
+    if (peer != NULL && peer->redriven) { /* its client's deadline has passed: a new one */
+        uint32_t a = out->req->attempt;
+        out->req->deadline_unix_ms = peer->redriven_deadline_ms;
+        out->req->attempt = a < 2 ? 2 : a == UINT32_MAX ? a : a + 1; /* a retry, not a submit */
+    }
     uint64_t deadline = out->req->deadline_unix_ms;
     /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
     bool identified = idem__identity_resolve(d->cfg.identity, peer, &out->call) == IDEM_OK;

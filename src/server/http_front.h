@@ -12,7 +12,7 @@ typedef struct idem_http_cfg {
     idem_dispatch *dispatch;
     idem_observer *obs; /* GET /metrics */
     size_t max_body, max_pending;
-    const char *caller_header;     /* NULL = "X-Caller" */
+    const char *caller_header;    /* NULL = "X-Caller" */
     const idem_tls_listener *tls; /* NULL: plain HTTP; else https with client certificates */
 } idem_http_cfg;
 idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out);

@@ -19,6 +19,7 @@
 #include "nng_front.h"
 #include "server_internal.h"
 #include "store.h"
+#include "redriver.h"
 #include "sweeper.h"
 
 #define DEFAULT_MAX_FRAME ((size_t)4 << 20)
@@ -41,6 +42,7 @@ struct idem_server {
     idem_nng_front *nng;
     idem_http *http;
     idem_sweeper *sweeper;
+    idem_redriver *redriver; /* NULL unless opts.redrive_interval_ms */
     idem_identity *identity; /* NULL: self-declared callers */
 };
 
@@ -68,6 +70,7 @@ static void opts_defaults(idem_server_opts *o)
     o->max_run_ms = o->max_run_ms ? o->max_run_ms : 5 * 60 * 1000ull;
     o->max_waiters = o->max_waiters ? o->max_waiters : 4096;
     o->http_max_pending = o->http_max_pending ? o->http_max_pending : 1024;
+    o->redrive_batch = o->redrive_batch ? o->redrive_batch : 16;
 }
 
 static uint64_t system_clock(void *arg)
@@ -480,6 +483,20 @@ static idem_code server_start(idem_server *srv)
                                     srv->opts.sweep_batch, srv->rt.obs)) != IDEM_OK) {
         return code;
     }
+    if (srv->opts.redrive_interval_ms != 0) {
+        idem_redriver_cfg r = {.dispatch = srv->dispatch,
+                               .store = srv->store,
+                               .rt = &srv->rt,
+                               .find_method = method_find,
+                               .find_arg = srv,
+                               .interval_ms = srv->opts.redrive_interval_ms,
+                               .batch = srv->opts.redrive_batch,
+                               .run_ms = srv->opts.max_run_ms,
+                               .result_ttl_ms = srv->opts.result_ttl_ms};
+        if ((code = idem__redriver_start(&srv->redriver, &r)) != IDEM_OK) {
+            return code;
+        }
+    }
     idem__nng_front_start(srv->nng, fast_path);
     srv->started = true;
     return IDEM_OK;
@@ -575,8 +592,11 @@ void idem_server_destroy(idem_server *srv)
     if (srv == NULL) {
         return;
     }
-    /* Workers first: a running handler finishes and its front sends the reply while the
-     * socket is still open; queued and parked calls are dropped (their clients retry). */
+    /* The re-driver first (it finishes a call it is running: nobody waits for its
+     * answer), then the workers: a running handler finishes and its front sends the
+     * reply while the socket is still open; queued and parked calls are dropped (their
+     * clients retry). */
+    idem__redriver_stop(srv->redriver);
     if (srv->dispatch != NULL) {
         idem__dispatch_stop(srv->dispatch);
     }

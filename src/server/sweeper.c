@@ -1,33 +1,22 @@
 /* The sweeper: deletes expired records and tokens in bounded batches, so that a store's
- * size follows rate × TTL. One thread per server; stopping wakes it at once. */
-#include <pthread.h>
+ * size follows rate × TTL. One thread per server (periodic.c); stopping wakes it. */
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "periodic.h"
 #include "sweeper.h"
 
 struct idem_sweeper {
     idem_store *store;
-    uint64_t interval_ms;
     size_t batch;
     idem_observer *obs;
-    pthread_mutex_t mu;
-    pthread_cond_t cv; /* stopping */
-    bool stopping;
-    pthread_t thread;
+    idem_periodic *thread;
 };
 
-static bool stopping(idem_sweeper *s)
-{
-    pthread_mutex_lock(&s->mu);
-    bool v = s->stopping;
-    pthread_mutex_unlock(&s->mu);
-    return v;
-}
-
 /* One sweep: batches until a batch comes back short (nothing more is due). */
-static void sweep_due(idem_sweeper *s)
+static void sweep_due(void *arg, idem_periodic *p)
 {
+    idem_sweeper *s = arg;
     size_t deleted;
     do {
         if (idem_store_sweep(s->store, idem__now_ms(), s->batch, &deleted) != IDEM_OK) {
@@ -37,26 +26,7 @@ static void sweep_due(idem_sweeper *s)
                       idem__logfmt_quote(msg, sizeof(msg), detail));
             return;
         }
-    } while (deleted == s->batch && !stopping(s));
-}
-
-static void *sweeper_main(void *arg)
-{
-    idem_sweeper *s = arg;
-    pthread_mutex_lock(&s->mu);
-    while (!s->stopping) {
-        struct timespec ts;
-        idem__abs_timespec(&ts, s->interval_ms);
-        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
-        if (s->stopping) {
-            break;
-        }
-        pthread_mutex_unlock(&s->mu);
-        sweep_due(s);
-        pthread_mutex_lock(&s->mu);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
+    } while (deleted == s->batch && !idem__periodic_stopping(p));
 }
 
 idem_code idem__sweeper_start(idem_sweeper **out, idem_store *store, uint64_t interval_ms,
@@ -67,14 +37,11 @@ idem_code idem__sweeper_start(idem_sweeper **out, idem_store *store, uint64_t in
     if (s == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    *s = (idem_sweeper){.store = store, .interval_ms = interval_ms, .batch = batch, .obs = obs};
-    pthread_mutex_init(&s->mu, NULL);
-    idem__cond_init(&s->cv);
-    if (pthread_create(&s->thread, NULL, sweeper_main, s) != 0) {
-        pthread_cond_destroy(&s->cv);
-        pthread_mutex_destroy(&s->mu);
+    *s = (idem_sweeper){.store = store, .batch = batch, .obs = obs};
+    idem_code code = idem__periodic_start(&s->thread, interval_ms, sweep_due, s, "sweeper");
+    if (code != IDEM_OK) {
         free(s);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start sweeper thread");
+        return code;
     }
     *out = s;
     return IDEM_OK;
@@ -82,15 +49,8 @@ idem_code idem__sweeper_start(idem_sweeper **out, idem_store *store, uint64_t in
 
 void idem__sweeper_stop(idem_sweeper *s)
 {
-    if (s == NULL) {
-        return;
+    if (s != NULL) {
+        idem__periodic_stop(s->thread);
+        free(s);
     }
-    pthread_mutex_lock(&s->mu);
-    s->stopping = true;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    pthread_join(s->thread, NULL);
-    pthread_cond_destroy(&s->cv);
-    pthread_mutex_destroy(&s->mu);
-    free(s);
 }

@@ -292,6 +292,31 @@ idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, si
     return code != IDEM_OK ? code : st->ops->app_get(st, db, key, klen, val, vlen);
 }
 
+idem_code idem__store_txn_owns(idem_txn *t, const idem_key_ref *key, uint64_t owner)
+{
+    idem_code code = idem__key_check(key);
+    return code != IDEM_OK ? code : ops_of(t)->txn_owns(t, key, owner);
+}
+
+void idem__app_entry_clear(idem_app_entry *e)
+{
+    free(e->key);
+    free(e->val);
+    memset(e, 0, sizeof(*e));
+}
+
+idem_code idem__store_app_next(idem_store *st, const char *db, const void *after, size_t alen,
+                               idem_app_entry *out)
+{
+    memset(out, 0, sizeof(*out));
+    idem_code code = idem__app_check(db, alen);
+    if (code == IDEM_OK && !idem__store_has(st, IDEM__STORE_CAP_TXN)) {
+        code =
+            idem__err(IDEM_UNIMPLEMENTED, "the %s store has no business databases", st->ops->name);
+    }
+    return code != IDEM_OK ? code : st->ops->app_next(st, db, after, alen, out);
+}
+
 /* ---- completion announcements ---- */
 
 idem_code idem__store_watch(idem_store *st, idem__store_watch_fn fn, void *arg)

@@ -24,6 +24,13 @@ enum idem__store_caps {
  * any process sharing the store; from the store's own thread. */
 typedef void (*idem__store_watch_fn)(void *arg, uint32_t key_hash);
 
+/* One business key-value entry, malloc'd (idem__app_entry_clear). */
+typedef struct idem_app_entry {
+    void *key, *val;
+    size_t klen, vlen;
+} idem_app_entry;
+void idem__app_entry_clear(idem_app_entry *e);
+
 /* Every backend's idem_txn starts with this, so that store.c finds the backend. */
 typedef struct idem_txn_head {
     const struct idem_store_ops *ops;
@@ -63,6 +70,13 @@ typedef struct idem_store_ops {
     idem_code (*txn_del)(idem_txn *t, const char *db, const void *key, size_t klen);
     idem_code (*app_get)(idem_store *st, const char *db, const void *key, size_t klen, void **val,
                          size_t *vlen);
+    /* The entry with the smallest key greater than after (byte order, shorter first),
+     * in a read of its own; IDEM_NOT_FOUND when there is none. */
+    idem_code (*app_next)(idem_store *st, const char *db, const void *after, size_t alen,
+                          idem_app_entry *out);
+    /* IDEM_OK when key's record is IN_PROGRESS under owner, and stays so until t ends
+     * (the record is read in t, PostgreSQL: FOR SHARE); IDEM_ABORTED otherwise. */
+    idem_code (*txn_owns)(idem_txn *t, const idem_key_ref *key, uint64_t owner);
     /* IDEM__STORE_CAP_TXN_CLAIM only. The claim inside t; IDEM_CLAIM_IN_PROGRESS also
      * when another session holds the key in its own handler txn (never waits for it). */
     idem_code (*txn_claim)(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
@@ -97,6 +111,13 @@ idem_code idem__store_token_put_at(idem_store *st, const char *token, const char
 /* The bounds of a business key-value access (idem_txn_*, idem_store_app_get). */
 #define IDEM__APP_MAX_KEY 511
 idem_code idem__app_check(const char *db, size_t klen);
+
+/* ops->txn_owns: whether t may still write on behalf of owner's claim of key. */
+idem_code idem__store_txn_owns(idem_txn *t, const idem_key_ref *key, uint64_t owner);
+
+/* idem_store_app_get's neighbour for scans (the re-driver): see ops->app_next. */
+idem_code idem__store_app_next(idem_store *st, const char *db, const void *after, size_t alen,
+                               idem_app_entry *out);
 
 /* FNV-1a (64 bits) over caller \0 method \0 key, and its 32-bit fold: the in-flight
  * buckets and the stores' completion announcements use the fold, PostgreSQL's advisory

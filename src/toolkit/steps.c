@@ -4,27 +4,53 @@
  * Business database "idem.steps" (both stores, through idem_txn_*):
  *   'j' base          → be64 fence ‖ the 32-byte names of the recorded steps
  *   's' H(base, step) → output, one per recorded step
+ *   'r' base          → the call, for the re-driver: 'R' 1 flags ‖ be64 when (ms) ‖
+ *                       request fingerprint ‖ be16-prefixed caller, method, effective
+ *                       key ‖ the packed idem.v1.Request
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
- * different request under a reused key never sees another request's steps. The 'j'
- * entry is the journal's head: a record txn refuses a fence older than the one it
- * holds (IDEM_ABORTED: a run that lost its claim cannot overwrite the new owner's
- * journal), and it lists every step any run recorded, so the run that records the
- * call's outcome deletes them all (result_cache, for IDEM_METHOD_STEPS methods). */
+ * different request under a reused key never sees another request's steps. A record
+ * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
+ * run's fence (IDEM_ABORTED otherwise: a run that lost its claim cannot write over
+ * the new owner's journal, nor leave one behind after the outcome). The 'j' entry is
+ * the journal's head, with the fence of the last run that recorded: it lists every step
+ * any run recorded, so the run that records the call's outcome deletes them all
+ * (result_cache, for IDEM_METHOD_STEPS methods). The
+ * 'r' entry is written with the head, by the first step recorded, and deleted with it:
+ * the re-driver (src/server/redriver.c) scans them to find calls left unfinished. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "call.h"
+#include "store.h"
 
 #include "idemrpc/downstream.h"
 #include "idemrpc/toolkit.h"
 
 #define STEPS_DB "idem.steps"
 #define JKEY 33 /* a prefix byte and a SHA-256 */
+_Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journal key");
+#define CALL_MAGIC 'R'
+#define CALL_VERSION 1
+#define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
+#define CALL_FIXED (3 + 8 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
+/* A step's record rides out a store outage or a full store this long, as the outcome's
+ * completion does (interceptors/result_cache.c, RECORD_RETRY_MS): fn's effect is done,
+ * and a lost record makes the next run do it again. */
+#define STEP_RECORD_RETRY_MS 10000u
 
 typedef struct journal {
-    uint8_t head_key[JKEY], step_key[JKEY];
+    uint8_t head_key[JKEY], step_key[JKEY], call_key[JKEY];
 } journal;
+
+static void journal_of_base(const uint8_t base[32], journal *j)
+{
+    j->head_key[0] = 'j';
+    j->step_key[0] = 's';
+    j->call_key[0] = 'r';
+    memcpy(j->head_key + 1, base, 32);
+    memcpy(j->call_key + 1, base, 32);
+}
 
 static idem_code journal_keys(idem_call *call, const char *step, journal *j)
 {
@@ -39,17 +65,53 @@ static idem_code journal_keys(idem_call *call, const char *step, journal *j)
                                        (const size_t[]){32, strlen(step)}, 2, j->step_key + 1))) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
-    j->head_key[0] = 'j';
-    memcpy(j->head_key + 1, base, 32);
-    j->step_key[0] = 's';
+    journal_of_base(base, j);
     return IDEM_OK;
 }
 
+static void put_lp16(uint8_t **p, const char *s)
+{
+    size_t n = strlen(s); /* every part is bounded far below 64 KiB */
+    (*p)[0] = (uint8_t)(n >> 8);
+    (*p)[1] = (uint8_t)n;
+    memcpy(*p + 2, s, n);
+    *p += 2 + n;
+}
+
+/* The 'r' entry of a call: who called, its record's key and the request itself. */
+static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
+{
+    const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
+    size_t n = CALL_FIXED + protobuf_c_message_get_packed_size(&call->req->base);
+    for (int i = 0; i < 3; i++) {
+        n += 2 + strlen(parts[i]);
+    }
+    uint8_t *buf = malloc(n), *p = buf;
+    if (buf == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    *p++ = CALL_MAGIC;
+    *p++ = CALL_VERSION;
+    *p++ = call->caller_verified ? CALL_VERIFIED : 0;
+    idem__put_be64(p, idem__rt_now_ms(call->rt));
+    memcpy(p + 8, call->fingerprint, IDEM_FINGERPRINT_LEN); /* computed for the journal key */
+    p += 8 + IDEM_FINGERPRINT_LEN;
+    for (int i = 0; i < 3; i++) {
+        put_lp16(&p, parts[i]);
+    }
+    protobuf_c_message_pack(&call->req->base, p);
+    idem_code code = idem_txn_put(t, STEPS_DB, j->call_key, JKEY, buf, n);
+    free(buf);
+    return code;
+}
+
 typedef struct record_args {
+    const idem_call *call;
     journal j;
     uint64_t fence;
     const void *data;
     size_t len;
+    bool too_many; /* the call has IDEM_MAX_STEPS steps: no retry fixes that */
 } record_args;
 
 static idem_code record_txn(idem_txn *t, void *arg)
@@ -58,16 +120,26 @@ static idem_code record_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n = 0;
     uint8_t head[HEAD_MAX];
-    idem_code code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
-    if (code == IDEM_NOT_FOUND) {
+    const idem_call *call = a->call;
+    idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
+    idem_code code = idem__store_txn_owns(t, &key, a->fence);
+    if (code == IDEM_ABORTED) {
+        return idem__err(IDEM_ABORTED, "claim lost: another run of this call owns its steps or "
+                                       "recorded its outcome; retry with the same key");
+    }
+    if (code != IDEM_OK) {
+        return code;
+    }
+    code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
+    if (code == IDEM_NOT_FOUND) { /* the call's first step: the call goes with it */
         n = 8;
+        if ((code = put_call(t, &a->j, a->call)) != IDEM_OK) {
+            return code;
+        }
     } else if (code != IDEM_OK) {
         return code;
     } else if (n < 8 || (n - 8) % 32 != 0 || n > HEAD_MAX) {
         return idem__err(IDEM_DATA_LOSS, "step journal head has an unknown format");
-    } else if (idem__get_be64(v) > a->fence) {
-        return idem__err(IDEM_ABORTED, "claim lost: a newer run of this call owns its steps; "
-                                       "retry with the same key");
     } else {
         memcpy(head, v, n);
     }
@@ -76,6 +148,7 @@ static idem_code record_txn(idem_txn *t, void *arg)
         listed = memcmp(head + off, a->j.step_key + 1, 32) == 0;
     }
     if (!listed && n == HEAD_MAX) {
+        a->too_many = true;
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d steps per call", IDEM_MAX_STEPS);
     }
     if (!listed) {
@@ -87,6 +160,24 @@ static idem_code record_txn(idem_txn *t, void *arg)
         return code;
     }
     return idem_txn_put(t, STEPS_DB, a->j.step_key, JKEY, a->data != NULL ? a->data : "", a->len);
+}
+
+/* Records the step, retrying an unreachable (UNAVAILABLE) or full (RESOURCE_EXHAUSTED)
+ * store for up to STEP_RECORD_RETRY_MS. Each attempt checks the claim again in its txn,
+ * so a run that lost its claim meanwhile gets ABORTED; an attempt whose commit did land
+ * but was not acknowledged is repeated harmlessly (the same output, still our claim). */
+static idem_code record_retrying(idem_call *call, record_args *a)
+{
+    uint64_t give_up = idem__mono_ms() + STEP_RECORD_RETRY_MS, backoff = 10;
+    for (;;) {
+        idem_code code = idem_store_run_txn(call->claim_store, record_txn, a);
+        bool again = code == IDEM_UNAVAILABLE || (code == IDEM_RESOURCE_EXHAUSTED && !a->too_many);
+        if (!again || idem__mono_ms() + backoff > give_up) {
+            return code;
+        }
+        idem__sleep_ms(backoff);
+        backoff = backoff * 2 > 500 ? 500 : backoff * 2;
+    }
 }
 
 void idem_step_result_clear(idem_step_result *r)
@@ -119,7 +210,7 @@ static idem_code step_check(const idem_call *call, const char *step, idem_step_f
 idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, void *arg,
                          idem_step_result *out)
 {
-    record_args a = {.fence = call != NULL ? call->fence : 0};
+    record_args a = {.call = call, .fence = call != NULL ? call->fence : 0};
     void *v;
     size_t n;
     memset(out, 0, sizeof(*out));
@@ -145,7 +236,7 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
     }
     a.data = out->data;
     a.len = out->len;
-    if ((code = idem_store_run_txn(call->claim_store, record_txn, &a)) != IDEM_OK) {
+    if ((code = record_retrying(call, &a)) != IDEM_OK) {
         idem_step_result_clear(out);
     }
     return code;
@@ -157,8 +248,9 @@ static idem_code forget_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n;
     uint8_t key[JKEY] = {'s'};
-    idem_code code = idem_txn_get(t, STEPS_DB, j->head_key, JKEY, &v, &n);
-    if (code != IDEM_OK) {
+    idem_code code = idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
+    if ((code != IDEM_OK && code != IDEM_NOT_FOUND) ||
+        (code = idem_txn_get(t, STEPS_DB, j->head_key, JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
     }
     uint8_t head[HEAD_MAX];
@@ -189,4 +281,79 @@ idem_code idem__call_steps_forget(idem_call *call)
     }
     free(v);
     return idem_store_run_txn(call->claim_store, forget_txn, &j);
+}
+
+idem_code idem__steps_forget_journal(idem_store *st, const uint8_t base[32])
+{
+    journal j;
+    journal_of_base(base, &j);
+    return idem_store_run_txn(st, forget_txn, &j);
+}
+
+void idem__journaled_call_clear(idem__journaled_call *c)
+{
+    free(c->request);
+    memset(c, 0, sizeof(*c));
+}
+
+static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t max)
+{
+    if (end - *p < 2) {
+        return false;
+    }
+    size_t n = (size_t)(*p)[0] << 8 | (*p)[1];
+    if (n > max || (size_t)(end - *p - 2) < n || memchr(*p + 2, '\0', n) != NULL) {
+        return false;
+    }
+    memcpy(out, *p + 2, n);
+    out[n] = '\0';
+    *p += 2 + n;
+    return true;
+}
+
+static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
+{
+    const uint8_t *p = e->val, *end = p + e->vlen;
+    if (e->vlen < CALL_FIXED || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
+    }
+    out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
+    out->at_ms = idem__get_be64(p + 3);
+    memcpy(out->fingerprint, p + 11, IDEM_FINGERPRINT_LEN);
+    p += CALL_FIXED;
+    if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
+        !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||
+        !get_lp16(&p, end, out->key_ref.key, IDEM_MAX_KEY)) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call is truncated");
+    }
+    out->request_len = (size_t)(end - p);
+    if ((out->request = malloc(out->request_len ? out->request_len : 1)) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(out->request, p, out->request_len);
+    return IDEM_OK;
+}
+
+idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[JKEY], idem__journaled_call *out)
+{
+    idem_app_entry e;
+    memset(out, 0, sizeof(*out));
+    /* cursor[0] is 'r' once a round started: the next 'r' key after it; else the first. */
+    size_t clen = cursor[0] == 'r' ? JKEY : 1;
+    if (clen == 1) {
+        cursor[0] = 'r';
+    }
+    idem_code code = idem__store_app_next(st, STEPS_DB, cursor, clen, &e);
+    if (code == IDEM_OK && (e.klen != JKEY || ((const uint8_t *)e.key)[0] != 'r')) {
+        code = idem__err(IDEM_NOT_FOUND, "no more journaled calls");
+    }
+    if (code != IDEM_OK) {
+        cursor[0] = 0; /* the next round starts at the first */
+    } else {
+        memcpy(cursor, e.key, JKEY);
+        memcpy(out->base, cursor + 1, 32);
+        code = parse_call(&e, out);
+    }
+    idem__app_entry_clear(&e);
+    return code;
 }

@@ -209,4 +209,6 @@ const idem_store_ops idem__lmdb_ops = {
     .txn_put = idem__lmdb_txn_put,
     .txn_del = idem__lmdb_txn_del,
     .app_get = idem__lmdb_app_get,
+    .app_next = idem__lmdb_app_next,
+    .txn_owns = idem__lmdb_txn_owns,
 };

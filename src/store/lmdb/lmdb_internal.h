@@ -162,6 +162,9 @@ idem_code idem__lmdb_txn_put(idem_txn *t, const char *db, const void *key, size_
 idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
 idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                              void **val, size_t *vlen);
+idem_code idem__lmdb_txn_owns(idem_txn *t, const idem_key_ref *ref, uint64_t owner);
+idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *after, size_t alen,
+                              idem_app_entry *out);
 idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                          const void *response, size_t len, uint64_t expires_ms,
                                          uint64_t now_ms);

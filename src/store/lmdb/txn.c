@@ -249,6 +249,17 @@ idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "del");
 }
 
+/* A read txn and the handle of business database db, for the reads outside a txn. */
+static idem_code app_read_begin(lmdb_store *st, const char *db, MDB_dbi *dbi, MDB_txn **txn)
+{
+    idem_code code = store_dbi(st, db, dbi);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = idem__lmdb_read_begin(st, txn);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "read begin");
+}
+
 idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                              void **val, size_t *vlen)
 {
@@ -256,15 +267,11 @@ idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, 
     MDB_txn *txn;
     MDB_dbi dbi;
     MDB_val k = {klen, (void *)key}, v;
-    idem_code code;
-    int rc;
-    if ((code = store_dbi(st, db, &dbi)) != IDEM_OK) {
+    idem_code code = app_read_begin(st, db, &dbi, &txn);
+    if (code != IDEM_OK) {
         return code;
     }
-    if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
-        return idem__lmdb_code(rc, "read begin");
-    }
-    rc = mdb_get(txn, dbi, &k, &v);
+    int rc = mdb_get(txn, dbi, &k, &v);
     if (rc == MDB_NOTFOUND) {
         code = idem__err(IDEM_NOT_FOUND, "no such key");
     } else if (rc != 0) {
@@ -277,4 +284,70 @@ idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, 
     }
     idem__lmdb_read_end(st, txn);
     return code;
+}
+
+/* Copies a cursor's key and value out of its read txn. */
+static idem_code copy_entry(const MDB_val *k, const MDB_val *v, idem_app_entry *out)
+{
+    out->key = malloc(k->mv_size ? k->mv_size : 1);
+    out->val = malloc(v->mv_size ? v->mv_size : 1);
+    if (out->key == NULL || out->val == NULL) {
+        idem__app_entry_clear(out);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(out->key, k->mv_data, k->mv_size);
+    memcpy(out->val, v->mv_data, v->mv_size);
+    out->klen = k->mv_size;
+    out->vlen = v->mv_size;
+    return IDEM_OK;
+}
+
+idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *after, size_t alen,
+                              idem_app_entry *out)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_dbi dbi;
+    MDB_val k = {alen, (void *)after}, v;
+    idem_code code = app_read_begin(st, db, &dbi, &txn);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = mdb_cursor_open(txn, dbi, &cur);
+    if (rc == 0) {
+        /* The first key >= after (LMDB has no empty keys); the next when it is after. */
+        rc = mdb_cursor_get(cur, &k, &v, alen == 0 ? MDB_FIRST : MDB_SET_RANGE);
+        if (rc == 0 && k.mv_size == alen && memcmp(k.mv_data, after, alen) == 0) {
+            rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT);
+        }
+        mdb_cursor_close(cur);
+    }
+    code = rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no key after it")
+           : rc != 0          ? idem__lmdb_code(rc, "cursor")
+                              : copy_entry(&k, &v, out);
+    idem__lmdb_read_end(st, txn);
+    return code;
+}
+
+idem_code idem__lmdb_txn_owns(idem_txn *t, const idem_key_ref *ref, uint64_t owner)
+{
+    rec_key k;
+    idem_record rec = {0};
+    MDB_val key, v;
+    idem_code code = idem__lmdb_rec_key_make(&k, ref);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    key = (MDB_val){k.len, k.bytes};
+    int rc = mdb_get(t->txn, t->st->records, &key, &v);
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        return idem__lmdb_code(rc, "get");
+    }
+    if (rc == 0 && (code = idem__lmdb_rec_decode(&v, &rec, false)) != IDEM_OK) {
+        return code;
+    }
+    bool owns = rc == 0 && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == owner;
+    idem_record_clear(&rec);
+    return owns ? IDEM_OK : idem__err(IDEM_ABORTED, "claim lost: this run no longer owns the call");
 }

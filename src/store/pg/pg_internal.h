@@ -58,6 +58,8 @@ enum stmt {
     S_KV_PUT,
     S_KV_DEL,
     S_KV_READ,
+    S_KV_NEXT,
+    S_OWNS,
     S_COUNT
 };
 
@@ -149,6 +151,10 @@ idem_code idem__pg_txn_put(idem_txn *t, const char *db, const void *key, size_t 
 idem_code idem__pg_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
 idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                            void **val, size_t *vlen);
+
+idem_code idem__pg_txn_owns(idem_txn *t, const idem_key_ref *key, uint64_t owner);
+idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
+                            idem_app_entry *out);
 
 /* listen.c */
 idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);

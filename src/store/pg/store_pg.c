@@ -118,6 +118,11 @@ static const char *const stmt_sql[S_COUNT] = {
                  " SET v = EXCLUDED.v",
     [S_KV_DEL] = "DELETE FROM idem_kv WHERE db = $1 AND k = $2",
     [S_KV_READ] = "SELECT v FROM idem_kv WHERE db = $1 AND k = $2 AND v IS NOT NULL",
+    [S_KV_NEXT] = "SELECT k, v FROM idem_kv WHERE db = $1 AND k > $2 AND v IS NOT NULL"
+                  " ORDER BY k LIMIT 1",
+    /* A row lock held to the end of the txn: no takeover can slip in before it commits. */
+    [S_OWNS] = "SELECT 1 FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1"
+               " FOR SHARE",
 };
 
 /* Idempotent, serialised across instances by a transaction-scoped advisory lock
@@ -927,6 +932,8 @@ const idem_store_ops idem__pg_ops = {
     .txn_put = idem__pg_txn_put,
     .txn_del = idem__pg_txn_del,
     .app_get = idem__pg_app_get,
+    .app_next = idem__pg_app_next,
+    .txn_owns = idem__pg_txn_owns,
     .txn_claim = idem__pg_txn_claim,
     .txn_undo = idem__pg_txn_undo,
     .watch = idem__pg_watch,

@@ -302,6 +302,54 @@ idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, si
     return code;
 }
 
+idem_code idem__pg_txn_owns(idem_txn *base, const idem_key_ref *key, uint64_t owner)
+{
+    pg_args a = {0};
+    idem_code code;
+    arg_key(&a, key);
+    arg_i64(&a, owner);
+    PGresult *r = idem__pg_exec(pg_txn_of(base)->slot->c, S_OWNS, &a, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    bool owns = PQntuples(r) == 1;
+    PQclear(r);
+    return owns ? IDEM_OK : idem__err(IDEM_ABORTED, "claim lost: this run no longer owns the call");
+}
+
+/* A malloc'd copy of field f of row 0 (bytea in binary results). */
+static bool copy_field(const PGresult *r, int f, void **out, size_t *len)
+{
+    *len = (size_t)PQgetlength(r, 0, f);
+    if ((*out = malloc(*len ? *len : 1)) == NULL) {
+        return false;
+    }
+    memcpy(*out, PQgetvalue(r, 0, f), *len);
+    return true;
+}
+
+idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
+                            idem_app_entry *out)
+{
+    pg_args a = {0};
+    PGresult *r;
+    arg_text(&a, db);
+    arg_bytes(&a, alen ? after : "", alen);
+    idem_code code = idem__pg_exec_pooled((pg_store *)base, S_KV_NEXT, &a, PGRES_TUPLES_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (PQntuples(r) != 1) {
+        code = idem__err(IDEM_NOT_FOUND, "no key after it");
+    } else if (!copy_field(r, 0, &out->key, &out->klen) ||
+               !copy_field(r, 1, &out->val, &out->vlen)) {
+        idem__app_entry_clear(out);
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    PQclear(r);
+    return code;
+}
+
 struct pg_conn *idem_txn_pg_conn(idem_txn *t)
 {
     return t != NULL && ((const idem_txn_head *)t)->ops == &idem__pg_ops ? pg_txn_of(t)->slot->c
