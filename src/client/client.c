@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "arena.h"
 #include "idemrpc.pb-c.h"
 #include "internal.h"
 
@@ -419,10 +420,28 @@ static idem_code result_fill(idem_result *out, const Idem__V1__Response *r)
     return IDEM_OK;
 }
 
+/* A decoded reply: the Response lives in arena, its payload in msg. */
+typedef struct reply {
+    nng_msg *msg;
+    Idem__V1__Response *resp;
+    idem_arena arena;
+} reply;
+
+static void reply_free(reply *rep)
+{
+    if (rep->resp != NULL) {
+        idem__arena_reset(&rep->arena);
+        rep->resp = NULL;
+    }
+    if (rep->msg != NULL) {
+        nng_msg_free(rep->msg);
+        rep->msg = NULL;
+    }
+}
+
 /* One attempt: send, wait up to timeout_ms for the reply. Returns the transport
- * outcome; on IDEM_OK *resp holds the decoded response. */
-static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
-                              Idem__V1__Response **resp)
+ * outcome; on IDEM_OK rep->resp holds the decoded response (free with reply_free). */
+static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms, reply *rep)
 {
     ctx_slot *slot = NULL;
     int rv;
@@ -445,10 +464,12 @@ static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
         nng_msg_free(nng_aio_get_msg(aio));
     }
     if (rv == 0) {
-        nng_msg *reply = nng_aio_get_msg(aio);
-        *resp = idem__v1__response__unpack(NULL, nng_msg_len(reply), nng_msg_body(reply));
-        nng_msg_free(reply);
-        if (*resp == NULL) {
+        rep->msg = nng_aio_get_msg(aio);
+        idem__arena_init(&rep->arena);
+        rep->resp =
+            idem__decode_response_arena(nng_msg_body(rep->msg), nng_msg_len(rep->msg), &rep->arena);
+        if (rep->resp == NULL) {
+            reply_free(rep);
             code = idem__err(IDEM_DATA_LOSS, "reply is not a valid idem.v1.Response");
         }
     } else if (rv == NNG_ETIMEDOUT) {
@@ -523,9 +544,10 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
     if ((code = fix_key(req, c->opts.never_generate_key, out->key, &key_generated)) != IDEM_OK) {
         return out->code = code;
     }
+    reply rep = {.msg = NULL, .resp = NULL};
     for (uint32_t attempt = 1;; attempt++) {
         Idem__V1__Response *resp = NULL;
-        nng_msg *msg;
+        nng_msg *msg = NULL;
         uint64_t now = idem__mono_ms();
         if (now >= end) {
             code = idem__err(IDEM_DEADLINE_EXCEEDED, "call deadline of %u ms passed", total_ms);
@@ -545,8 +567,9 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             break;
         }
         out->attempts = attempt;
-        code = attempt_once(c, msg, timeout, &resp);
+        code = attempt_once(c, msg, timeout, &rep);
         if (code == IDEM_OK) {
+            resp = rep.resp;
             code = (idem_code)resp->code;
         }
         uint32_t hint = retry_after_hint(resp);
@@ -558,7 +581,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
                 if (used != NULL && strlen(used) <= IDEM_CLIENT_KEY_MAX) {
                     strcpy(out->key, used); /* e.g. the method's business key */
                 }
-                idem__v1__response__free_unpacked(resp, NULL);
+                reply_free(&rep);
                 if (fill != IDEM_OK) {
                     idem_result_clear(out);
                     code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -567,9 +590,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             break;
         }
         uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
-        if (resp != NULL) {
-            idem__v1__response__free_unpacked(resp, NULL);
-        }
+        reply_free(&rep);
         wait = hint > wait ? hint : wait;
         now = idem__mono_ms();
         if (now + wait >= end) {

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 
+#include "arena.h"
 #include "idemrpc.pb-c.h"
 #include "internal.h"
 
@@ -162,6 +163,16 @@ struct idem_call {
     bool park_refused;      /* the in-flight table is full: answer "in progress" */
     uint64_t wait_until_ms; /* monotonic end of a duplicate's wait; 0 = not waiting yet */
     uint32_t poll_ms;       /* the next re-read interval while waiting */
+    /* The front sends the reply as a serialized Response (the nng front), so a replay
+     * may stay as the stored bytes: set before the chain runs. */
+    bool wire_reply;
+    /* A replay kept as stored bytes (result_cache, when wire_reply and the bytes are in
+     * the canonical form idem__replay_wire_ok checks): code and replayed are set, the
+     * message, payload and metadata are not loaded (idem__call_materialize_replay loads
+     * them). Owned by the call; freed with the response. */
+    uint8_t *replay_wire;
+    size_t replay_wire_len;
+    char replay_first_at[24];                  /* the idem-first-at value of that replay */
     uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* idem__call_fingerprint's, once computed */
     bool has_fingerprint;
     uint64_t fence;          /* owner id of the claim the handler runs under */
@@ -218,6 +229,35 @@ idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8
                                      size_t *len);
 /* Loads a stored response into the call (code, message, payload, metadata). */
 idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len);
+
+/* Requests (and, in the client, replies) decoded into an arena: arena.h. */
+/* idem__decode_request into a (empty, initialised): on failure a is empty again. The
+ * payload, when the frame carries it once, is followed by a NUL byte; writable: it
+ * may point into buf itself (whose byte after the payload is then overwritten), which
+ * must then outlive the request. */
+idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable, idem_arena *a,
+                                     Idem__V1__Request **out);
+
+/* Stored replays sent as stored bytes. A stored Response is in canonical form when it
+ * is exactly what idem__encode_call_response(for_wire=false) writes for the call that
+ * idem__load_call_response makes of it (fields in order, each at most once, no default
+ * value written, minimal varints, no unknown field, metadata names unique, non-empty,
+ * none a library name, at most IDEM_MAX_METADATA - IDEM_RESERVED_METADATA entries, all
+ * within bounds, no NUL in a string): then the Response the decode + re-encode path
+ * sends is these bytes followed by the per-call fields (metadata idem-first-at,
+ * idem-key, request-id; replayed; request_id), which protobuf-c writes after them. */
+bool idem__replay_wire_ok(const void *buf, size_t len);
+/* The key echoed in metadata idem-key (none for a token), or NULL. */
+const char *idem__call_answer_key(const idem_call *call);
+/* The wire reply of a call holding replay_wire and no response metadata is
+ * replay_wire followed by this suffix (written into out; returns its length): byte for
+ * byte what the nng front sent for the materialised call. */
+#define IDEM_REPLAY_SUFFIX_MAX 1024
+size_t idem__replay_suffix(const idem_call *call, uint8_t out[IDEM_REPLAY_SUFFIX_MAX]);
+/* Turns a replay kept as bytes into the loaded form the decode + re-encode path has
+ * (stored metadata, idem-first-at, what was set since, idem-key). No-op without
+ * replay_wire. */
+idem_code idem__call_materialize_replay(idem_call *call);
 
 /* ---- built-in interceptors and method ---- */
 idem_code idem__request_id_interceptor(idem_call *call, idem_next next, void *arg);

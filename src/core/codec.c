@@ -1,6 +1,7 @@
 /* protobuf-c glue: decode and validate Requests, encode Responses. protobuf-c checks
  * the wire format; the bounds and UTF-8 rules of the envelope are checked here, so
  * every later layer may treat the strings as bounded, NUL-free C strings. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -155,29 +156,12 @@ static bool wire_strings_have_nul(const uint8_t *p, const uint8_t *end, uint32_t
     return false;
 }
 
+static idem_code decode_request(const void *buf, size_t len, bool writable, idem_arena *a,
+                                Idem__V1__Request **out);
+
 idem_code idem__decode_request(const void *buf, size_t len, Idem__V1__Request **out)
 {
-    *out = NULL;
-    if (len == 0) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "empty frame: expected an idem.v1.Request");
-    }
-    Idem__V1__Request *r = idem__v1__request__unpack(NULL, len, buf);
-    if (r == NULL) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
-    }
-    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
-     * metadata (5) is a map<string,string>. */
-    const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
-    idem_code code = idem__request_check(r);
-    if (code == IDEM_OK && wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5)) {
-        code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
-    }
-    if (code != IDEM_OK) {
-        idem__v1__request__free_unpacked(r, NULL);
-        return code;
-    }
-    *out = r;
-    return IDEM_OK;
+    return decode_request(buf, len, false, NULL, out);
 }
 
 void idem__free_request(Idem__V1__Request *req)
@@ -291,4 +275,420 @@ idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32])
     }
     memcpy(out, call->fingerprint, sizeof(call->fingerprint));
     return IDEM_OK;
+}
+
+/* ---- the request arena ---- */
+
+struct idem_arena_chunk {
+    idem_arena_chunk *next;
+    _Alignas(16) uint8_t data[];
+};
+
+#define ARENA_ALIGN ((size_t)16)
+
+static void *arena_alloc(void *arg, size_t size)
+{
+    idem_arena *a = arg;
+    size_t n = (size + ARENA_ALIGN - 1) & ~(ARENA_ALIGN - 1);
+    if (n >= size && n <= sizeof(a->buf) - a->used) {
+        void *p = a->buf + a->used;
+        a->used += n;
+        return p;
+    }
+    if (size > SIZE_MAX - sizeof(idem_arena_chunk)) {
+        return NULL;
+    }
+    idem_arena_chunk *c = malloc(sizeof(*c) + size);
+    if (c == NULL) {
+        return NULL;
+    }
+    c->next = a->chunks;
+    a->chunks = c;
+    return c->data;
+}
+
+static void arena_free(void *arg, void *p)
+{
+    (void)arg, (void)p; /* everything goes at once, in idem__arena_reset */
+}
+
+void idem__arena_init(idem_arena *a)
+{
+    a->pa.alloc = arena_alloc;
+    a->pa.free = arena_free;
+    a->pa.allocator_data = a;
+    a->used = 0;
+    a->chunks = NULL;
+}
+
+void idem__arena_reset(idem_arena *a)
+{
+    for (idem_arena_chunk *c = a->chunks, *next; c != NULL; c = next) {
+        next = c->next;
+        free(c);
+    }
+    a->chunks = NULL;
+    a->used = 0;
+}
+
+/* Where the frame's one bytes field number `number` (length-delimited) is: its whole
+ * field [*field, *field_end) and its bytes [*data, *field_end). false when the frame is
+ * not well formed as far as this walk sees, or has no such field, or more than one (the
+ * plain decode then decides, as before). */
+static bool find_bytes_field(const uint8_t *p, const uint8_t *end, uint64_t number,
+                             const uint8_t **field, const uint8_t **data, const uint8_t **field_end)
+{
+    size_t found = 0;
+    while (p < end) {
+        const uint8_t *start = p;
+        uint64_t tag, n;
+        if (!read_varint(&p, end, &tag)) {
+            return false;
+        }
+        switch (tag & 7) {
+        case 0:
+            if (!read_varint(&p, end, &n)) {
+                return false;
+            }
+            break;
+        case 1:
+        case 5:
+            n = (tag & 7) == 1 ? 8 : 4;
+            if ((uint64_t)(end - p) < n) {
+                return false;
+            }
+            p += n;
+            break;
+        case 2:
+            if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+                return false;
+            }
+            if (tag >> 3 == number) {
+                *field = start;
+                *data = p;
+                *field_end = p + n;
+                found++;
+            }
+            p += n;
+            break;
+        default:
+            return false;
+        }
+        if (tag >> 3 == number && (tag & 7) != 2) {
+            return false; /* the field in the wrong wire type: protobuf-c refuses it */
+        }
+    }
+    return found == 1;
+}
+
+/* protobuf-c copies every bytes field. The frame without its payload field (small:
+ * the envelope) is decoded from a copy in the arena instead, and the payload is set
+ * afterwards: the same Request, since fields are independent and the payload occurs
+ * once. Handlers have long read the payload as a C string (sscanf), so it is followed
+ * by a NUL: in a writable frame whose payload is not the last field, the payload stays
+ * where it is and the byte after it (the next field's first byte, decoded already from
+ * the copy) becomes that NUL; else the payload is copied into the arena with one. */
+static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t len, bool writable,
+                                                   idem_arena *a)
+{
+    const uint8_t *field, *data, *field_end, *end = buf + len;
+    if (!find_bytes_field(buf, end, 6, &field, &data, &field_end)) {
+        return idem__v1__request__unpack(&a->pa, len, buf);
+    }
+    size_t before = (size_t)(field - buf), after = (size_t)(end - field_end);
+    size_t n = (size_t)(field_end - data);
+    uint8_t *rest = arena_alloc(a, before + after + 1);
+    if (rest == NULL) {
+        return NULL;
+    }
+    memcpy(rest, buf, before);
+    memcpy(rest + before, field_end, after);
+    Idem__V1__Request *r = idem__v1__request__unpack(&a->pa, before + after, rest);
+    if (r == NULL || n == 0) {
+        return r; /* no payload: data NULL, as protobuf-c leaves it */
+    }
+    uint8_t *payload = (uint8_t *)data;
+    if (!writable || after == 0) {
+        if ((payload = arena_alloc(a, n + 1)) == NULL) {
+            return NULL;
+        }
+        memcpy(payload, data, n);
+    }
+    payload[n] = '\0';
+    r->payload.data = payload;
+    r->payload.len = n;
+    return r;
+}
+
+/* Decodes with protobuf-c's allocator (a == NULL: free with idem__free_request) or into
+ * the arena a (writable: see unpack_borrowing_payload); then the envelope checks, the
+ * same for both. */
+static idem_code decode_request(const void *buf, size_t len, bool writable, idem_arena *a,
+                                Idem__V1__Request **out)
+{
+    *out = NULL;
+    if (len == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "empty frame: expected an idem.v1.Request");
+    }
+    /* Request string fields: method 1, idempotency_key 2, request_id 3, token 4, caller 9;
+     * metadata (5) is a map<string,string>. Walked before the decode may write. */
+    const uint32_t strings = (1u << 1) | (1u << 2) | (1u << 3) | (1u << 4) | (1u << 9);
+    bool nul = wire_strings_have_nul(buf, (const uint8_t *)buf + len, strings, 5);
+    Idem__V1__Request *r = a != NULL ? unpack_borrowing_payload(buf, len, writable, a)
+                                     : idem__v1__request__unpack(NULL, len, buf);
+    if (r == NULL) {
+        if (a != NULL) {
+            idem__arena_reset(a);
+        }
+        return idem__err(IDEM_INVALID_ARGUMENT, "frame is not a valid idem.v1.Request");
+    }
+    idem_code code = idem__request_check(r);
+    if (code == IDEM_OK && nul) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "string field contains a NUL byte");
+    }
+    if (code != IDEM_OK) {
+        if (a != NULL) {
+            idem__arena_reset(a);
+        } else {
+            idem__v1__request__free_unpacked(r, NULL);
+        }
+        return code;
+    }
+    *out = r;
+    return IDEM_OK;
+}
+
+idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable, idem_arena *a,
+                                     Idem__V1__Request **out)
+{
+    return decode_request(buf, len, writable, a, out);
+}
+
+Idem__V1__Response *idem__decode_response_arena(const void *buf, size_t len, idem_arena *a)
+{
+    const uint8_t *field, *data, *field_end, *end = (const uint8_t *)buf + len;
+    Idem__V1__Response *r;
+    if (!find_bytes_field(buf, end, 3, &field, &data, &field_end)) {
+        r = idem__v1__response__unpack(&a->pa, len, buf);
+    } else { /* as unpack_borrowing_payload; the reader copies the payload itself */
+        size_t before = (size_t)(field - (const uint8_t *)buf), after = (size_t)(end - field_end);
+        uint8_t *rest = arena_alloc(a, before + after + 1);
+        r = NULL;
+        if (rest != NULL) {
+            memcpy(rest, buf, before);
+            memcpy(rest + before, field_end, after);
+            r = idem__v1__response__unpack(&a->pa, before + after, rest);
+        }
+        if (r != NULL) {
+            r->payload.len = (size_t)(field_end - data);
+            r->payload.data = r->payload.len > 0 ? (uint8_t *)data : NULL;
+        }
+    }
+    if (r == NULL) {
+        idem__arena_reset(a);
+    }
+    return r;
+}
+
+/* ---- replays as stored bytes ---- */
+
+static size_t varint_size(uint64_t v)
+{
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static uint8_t *put_varint(uint8_t *p, uint64_t v)
+{
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+/* A length-delimited field's length, canonical (minimal varint) and within the buffer;
+ * *p then points at its bytes. */
+static bool read_len(const uint8_t **p, const uint8_t *end, uint64_t *n)
+{
+    const uint8_t *start = *p;
+    return read_varint(p, end, n) && (size_t)(*p - start) == varint_size(*n) &&
+           *n <= (uint64_t)(end - *p);
+}
+
+/* The names the library itself sets on a response (call.h IDEM_RESERVED_METADATA). */
+static bool library_name(const uint8_t *name, size_t n)
+{
+    static const char *const names[] = {"request-id", "idem-key", "idem-first-at",
+                                        "retry-after-ms"};
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(names); i++) {
+        if (strlen(names[i]) == n && memcmp(names[i], name, n) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* One metadata entry in canonical form: key (field 1) 1..IDEM_MAX_METADATA_NAME bytes,
+ * then optionally value (field 2) 1..IDEM_MAX_METADATA_VALUE bytes, neither with NUL. */
+static bool entry_ok(const uint8_t *p, const uint8_t *end, const uint8_t **name, size_t *name_len)
+{
+    uint64_t n;
+    if (p == end || *p++ != 0x0a || !read_len(&p, end, &n) || n == 0 ||
+        n > IDEM_MAX_METADATA_NAME || memchr(p, 0, n) != NULL) {
+        return false;
+    }
+    *name = p;
+    *name_len = n;
+    p += n;
+    if (p == end) {
+        return true;
+    }
+    if (*p++ != 0x12 || !read_len(&p, end, &n) || n == 0 || n > IDEM_MAX_METADATA_VALUE ||
+        memchr(p, 0, n) != NULL) {
+        return false;
+    }
+    return p + n == end;
+}
+
+bool idem__replay_wire_ok(const void *buf, size_t len)
+{
+    const uint8_t *p = buf, *end = p + len;
+    const uint8_t *names[IDEM_MAX_METADATA - IDEM_RESERVED_METADATA];
+    size_t name_lens[IDEM_MAX_METADATA - IDEM_RESERVED_METADATA], n_meta = 0;
+    unsigned last = 0;
+    while (p < end) {
+        uint8_t tag = *p++;
+        uint64_t n;
+        unsigned field = tag >> 3;
+        if (field < last || (field == last && field != 4)) {
+            return false; /* out of order, or a field repeated */
+        }
+        last = field;
+        switch (tag) {
+        case 0x08: /* code: a known nonzero code is one byte */
+            if (p == end || *p == 0 || *p >= IDEM_CODE_COUNT) {
+                return false;
+            }
+            p++;
+            break;
+        case 0x12: /* message */
+        case 0x1a: /* payload */
+            if (!read_len(&p, end, &n) || n == 0 || (tag == 0x12 && memchr(p, 0, n) != NULL)) {
+                return false;
+            }
+            p += n;
+            break;
+        case 0x22: /* a metadata entry */
+            if (n_meta == IDEM_ARRAY_LEN(names) || !read_len(&p, end, &n) ||
+                !entry_ok(p, p + n, &names[n_meta], &name_lens[n_meta]) ||
+                library_name(names[n_meta], name_lens[n_meta])) {
+                return false;
+            }
+            for (size_t i = 0; i < n_meta; i++) {
+                if (name_lens[i] == name_lens[n_meta] &&
+                    memcmp(names[i], names[n_meta], name_lens[i]) == 0) {
+                    return false;
+                }
+            }
+            n_meta++;
+            p += n;
+            break;
+        default: /* replayed, request_id (never stored) or a field unknown here */
+            return false;
+        }
+    }
+    return true;
+}
+
+const char *idem__call_answer_key(const idem_call *call)
+{
+    return call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_TOKEN ? call->key
+                                                                                   : NULL;
+}
+
+static size_t entry_body_size(size_t name_len, size_t value_len)
+{
+    return 1 + varint_size(name_len) + name_len +
+           (value_len > 0 ? 1 + varint_size(value_len) + value_len : 0);
+}
+
+static uint8_t *put_entry(uint8_t *p, const char *name, const char *value)
+{
+    size_t nl = strlen(name), vl = strlen(value);
+    *p++ = 0x22;
+    p = put_varint(p, entry_body_size(nl, vl));
+    *p++ = 0x0a;
+    p = put_varint(p, nl);
+    memcpy(p, name, nl);
+    p += nl;
+    if (vl > 0) {
+        *p++ = 0x12;
+        p = put_varint(p, vl);
+        memcpy(p, value, vl);
+        p += vl;
+    }
+    return p;
+}
+
+/* The per-call fields, in the order the decode + re-encode path has them: metadata
+ * idem-first-at (result_cache), idem-key (dispatch), request-id (the nng front), then
+ * replayed = true and request_id. Each value is bounded (24, IDEM_MAX_KEY,
+ * IDEM_MAX_REQUEST_ID bytes), so they fit in IDEM_REPLAY_SUFFIX_MAX. */
+size_t idem__replay_suffix(const idem_call *call, uint8_t out[IDEM_REPLAY_SUFFIX_MAX])
+{
+    const char *key = idem__call_answer_key(call);
+    size_t rid = strnlen(call->request_id, IDEM_MAX_REQUEST_ID);
+    uint8_t *p = put_entry(out, "idem-first-at", call->replay_first_at);
+    if (key != NULL) {
+        p = put_entry(p, "idem-key", key);
+    }
+    p = put_entry(p, "request-id", call->request_id);
+    *p++ = 0x28; /* replayed */
+    *p++ = 1;
+    if (rid > 0) {
+        *p++ = 0x32;
+        p = put_varint(p, rid);
+        memcpy(p, call->request_id, rid);
+        p += rid;
+    }
+    return (size_t)(p - out);
+}
+
+idem_code idem__call_materialize_replay(idem_call *call)
+{
+    uint8_t *wire = call->replay_wire;
+    if (wire == NULL) {
+        return IDEM_OK;
+    }
+    idem_kv *since = call->meta; /* set after the replay: they follow idem-first-at */
+    size_t n_since = call->meta_count;
+    const char *key = idem__call_answer_key(call);
+    call->meta = NULL;
+    call->meta_count = 0;
+    call->replay_wire = NULL;
+    idem_code code = idem__load_call_response(call, wire, call->replay_wire_len);
+    call->replay_wire_len = 0;
+    free(wire);
+    if (code == IDEM_OK) {
+        code = idem__call_set_meta(call, "idem-first-at", call->replay_first_at);
+    }
+    for (size_t i = 0; i < n_since; i++) {
+        if (code == IDEM_OK) {
+            code = idem__call_set_meta(call, since[i].name, since[i].value);
+        }
+        free(since[i].name);
+        free(since[i].value);
+    }
+    free(since);
+    if (code == IDEM_OK && key != NULL) {
+        code = idem__call_set_meta(call, "idem-key", key);
+    }
+    call->replayed = true;
+    return code;
 }

@@ -29,8 +29,9 @@ struct idem_dispatch {
  * have replaced the one it sent. A token is not echoed. */
 static void answer_key(idem_call *call)
 {
-    if (call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_TOKEN) {
-        idem__call_set_meta(call, "idem-key", call->key);
+    const char *key = idem__call_answer_key(call);
+    if (key != NULL && call->replay_wire == NULL) { /* a stored-bytes replay: the front adds it */
+        idem__call_set_meta(call, "idem-key", key);
     }
 }
 
@@ -38,7 +39,7 @@ static void answer_key(idem_call *call)
  * suspended with DEFER: idem__dispatch_enqueue resumes it where it stopped), or
  * (parkable) the call parked in out->call.suspend; nothing to answer yet. */
 static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                bool fast_only, bool parkable, idem_served *out)
+                idem_run_opts opts, bool parkable, idem_served *out)
 {
     idem_runtime *rt = d->cfg.rt;
     uint64_t start = idem__mono_us();
@@ -49,7 +50,8 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
                          len, d->cfg.max_frame);
     } else {
-        code = idem__decode_request(frame, len, &out->req);
+        idem__arena_init(&out->arena);
+        code = idem__decode_request_arena(frame, len, opts.frame_writable, &out->arena, &out->req);
     }
     if (code != IDEM_OK) {
         idem__dispatch_reject(
@@ -60,8 +62,9 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
     out->start_us = start;
     idem__call_init(&out->call, out->req, d->cfg.find_method(d->cfg.find_arg, out->req->method),
                     rt);
-    out->call.fast_only = fast_only;
+    out->call.fast_only = opts.fast_only;
     out->call.parkable = parkable;
+    out->call.wire_reply = opts.wire_reply;
     if (peer != NULL && peer->redriven) { /* its client's deadline has passed: a new one */
         uint32_t a = out->req->attempt;
         out->req->deadline_unix_ms = peer->redriven_deadline_ms;
@@ -90,9 +93,9 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
 }
 
 bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                        bool fast_only, idem_served *out)
+                        idem_run_opts opts, idem_served *out)
 {
-    return run(d, frame, len, peer, fast_only, false, out);
+    return run(d, frame, len, peer, opts, false, out);
 }
 
 void idem__dispatch_done(idem_dispatch *d, idem_served *s)
@@ -153,8 +156,10 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
 void idem__dispatch_discard(idem_served *s)
 {
     idem__call_fini(&s->call);
-    idem__free_request(s->req);
-    s->req = NULL;
+    if (s->req != NULL) { /* the request and its strings live in the arena */
+        idem__arena_reset(&s->arena);
+        s->req = NULL;
+    }
 }
 
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)
@@ -271,7 +276,8 @@ static void job_step(idem_dispatch *d, idem_job *job)
     bool answered = false;
     slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
-        answered = run(d, job->frame, job->len, &job->peer, false, rt->can_park, &job->s);
+        idem_run_opts opts = {.wire_reply = job->wire_reply, .frame_writable = job->frame_writable};
+        answered = run(d, job->frame, job->len, &job->peer, opts, rt->can_park, &job->s);
     } else if (call->suspend == IDEM__SUSPEND_DEFER) { /* the fast path began it */
         call->suspend = IDEM__SUSPEND_NONE;
         call->fast_only = false;

@@ -12,11 +12,13 @@
 #include "call.h"
 #include "identity.h"
 
-/* A served call: the decoded request and the call after the whole chain ran. */
+/* A served call: the decoded request (in arena) and the call after the whole chain
+ * ran. It must not move while req is set. */
 typedef struct idem_served {
     Idem__V1__Request *req;
     idem_call call;
     uint64_t start_us;
+    idem_arena arena;
 } idem_served;
 
 /* A unit of work for the workers: an nng context's call or an HTTP request. The front
@@ -30,6 +32,11 @@ struct idem_job {
     const void *frame;
     size_t len;
     idem_peer peer; /* what the transport says about the sender (identity.h) */
+    /* answer sends a serialized Response (idem_call.wire_reply): the nng front. */
+    bool wire_reply;
+    /* frame is the front's own buffer, not read again once decoded: the decoder may
+     * write into it (idem__decode_request_arena). */
+    bool frame_writable;
     /* Optional: the front's count of its parked jobs and its bound (a parked nng job
      * keeps its context: the nng front parks at most half of them). */
     atomic_size_t *parked;
@@ -73,13 +80,20 @@ idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job);
  * idem__dispatch_run kept; idem__dispatch_done is this after counting the call. */
 void idem__dispatch_discard(idem_served *s);
 
+/* How a front hands a frame over (idem__dispatch_run). */
+typedef struct idem_run_opts {
+    bool wire_reply;     /* the answer is sent as a serialized Response (idem_call) */
+    bool frame_writable; /* as idem_job.frame_writable */
+    bool fast_only;      /* an nng callback: see below */
+} idem_run_opts;
+
 /* One request frame through decode + identity + chain, on the caller's thread; every
  * outcome has a code and request id. peer may be NULL. fast_only (an nng callback):
  * returns false when the call needs a worker: out then holds the call, suspended, for
  * idem__dispatch_enqueue of the job whose s it is (the worker resumes it), or for
  * idem__dispatch_discard; else true. */
 bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
-                        bool fast_only, idem_served *out);
+                        idem_run_opts opts, idem_served *out);
 /* A call a front turns away before decoding (cheap: for nng callbacks). */
 void idem__dispatch_reject(idem_dispatch *d, idem_served *out, const char *reason, idem_code code,
                            const char *message);

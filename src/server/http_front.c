@@ -203,6 +203,11 @@ static void http_job_free(http_job *j)
 static void http_job_answer(idem_job *job)
 {
     http_job *j = (http_job *)job;
+    /* Its jobs do not ask for wire replies, so a replay is loaded already (a no-op). */
+    if (idem__call_materialize_replay(&job->s.call) != IDEM_OK) {
+        idem__call_reset_response(&job->s.call);
+        idem_call_fail(&job->s.call, IDEM_INTERNAL, "out of memory loading the replay");
+    }
     respond(j->aio, &job->s.call);
     idem__dispatch_done(j->h->d, &job->s);
     http_job_free(j);

@@ -67,7 +67,21 @@ static nng_msg *response_msg(idem_call *call)
     uint8_t *buf;
     size_t len;
     nng_msg *msg;
-    if (idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
+    if (call->replay_wire != NULL && call->meta_count == 0) {
+        /* A replay as its stored bytes plus the per-call fields: what the encoding
+         * below would write, without decoding and re-encoding the stored result. */
+        uint8_t suffix[IDEM_REPLAY_SUFFIX_MAX];
+        len = idem__replay_suffix(call, suffix);
+        if (nng_msg_alloc(&msg, call->replay_wire_len + len) != 0) {
+            return NULL;
+        }
+        uint8_t *body = nng_msg_body(msg);
+        memcpy(body, call->replay_wire, call->replay_wire_len);
+        memcpy(body + call->replay_wire_len, suffix, len);
+        return msg;
+    }
+    if (idem__call_materialize_replay(call) != IDEM_OK ||
+        idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
         idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
         idem__call_reset_response(call);
         idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
@@ -94,7 +108,7 @@ static nng_msg *served_msg(idem_dispatch *d, idem_served *s)
 nng_msg *idem__nng_serve_frame(idem_dispatch *d, const void *frame, size_t len)
 {
     idem_served s;
-    idem__dispatch_run(d, frame, len, NULL, false, &s);
+    idem__dispatch_run(d, frame, len, NULL, (idem_run_opts){.wire_reply = true}, &s);
     return served_msg(d, &s);
 }
 
@@ -167,8 +181,9 @@ static void work_received(work *w)
     w->job.len = nng_msg_len(w->msg);
     w->job.peer = msg_peer(w->front, w->msg);
     w->job.s.req = NULL;
+    idem_run_opts fast = {.wire_reply = true, .frame_writable = true, .fast_only = true};
     if (w->front->fast_path &&
-        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, true, &w->job.s)) {
+        idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, fast, &w->job.s)) {
         work_reply(w, served_msg(d, &w->job.s));
         return;
     }
@@ -250,6 +265,8 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
         work *w = &f->works[i];
         w->front = f;
         w->job.answer = work_answer;
+        w->job.wire_reply = true;
+        w->job.frame_writable = true; /* the received message, freed after the reply */
         w->job.drop = work_drop;
         /* Half the contexts at most wait on a running call: the rest keep receiving, so
          * one slow key cannot stall every other caller. */

@@ -257,7 +257,8 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out)
 {
-    bool answered = idem__dispatch_run(srv->dispatch, frame, len, NULL, fast_only, out);
+    idem_run_opts opts = {.wire_reply = true, .fast_only = fast_only};
+    bool answered = idem__dispatch_run(srv->dispatch, frame, len, NULL, opts, out);
     if (!answered) {
         idem__dispatch_discard(out); /* no worker here to hand it to */
     }
