@@ -109,6 +109,7 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
     while (!op.done) {
         if (gc->leader_active) {
             pthread_cond_wait(&gc->cv, &gc->mu);
+            gc->early_wakeups += !op.done && gc->leader_active; /* back to sleep */
             continue;
         }
         /* Lead: take up to max_batch queued ops (ours among them, or a later batch). */

@@ -39,6 +39,7 @@ typedef struct idem_group_commit {
     idem_write_op *head, *tail;
     bool leader_active;
     uint64_t commits, writes; /* batches run and operations in them (statistics) */
+    uint64_t early_wakeups;   /* a writer woke, then had to wait again (statistics) */
 } idem_group_commit;
 
 void idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_t max_batch);
