@@ -1,4 +1,4 @@
-/* Group commit of LMDB writes; see group_commit.h for the protocol. */
+/* Group commit of LMDB writes by one writer thread per store; see group_commit.h. */
 #include <stdio.h>
 #include <string.h>
 
@@ -8,26 +8,11 @@ struct idem_write_op {
     idem_write_fn fn;
     void *ctx;
     idem_code code;
-    bool done;
-    char err[256]; /* the leader's idem_errmsg() for this op, handed to its writer */
+    bool done;         /* under gc->mu: code and err are final */
+    pthread_cond_t cv; /* this op's writer waits here (with gc->mu) for done */
+    char err[256];     /* the writer thread's idem_errmsg() for this op, handed over */
     idem_write_op *next;
 };
-
-void idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_t max_batch)
-{
-    memset(gc, 0, sizeof(*gc));
-    gc->env = env;
-    gc->enabled = enabled;
-    gc->max_batch = max_batch ? max_batch : 1;
-    pthread_mutex_init(&gc->mu, NULL);
-    pthread_cond_init(&gc->cv, NULL);
-}
-
-void idem__gc_fini(idem_group_commit *gc)
-{
-    pthread_cond_destroy(&gc->cv);
-    pthread_mutex_destroy(&gc->mu);
-}
 
 idem_code idem__lmdb_code(int rc, const char *what)
 {
@@ -89,6 +74,86 @@ static void run_batch(idem_group_commit *gc, idem_write_op *batch)
     }
 }
 
+/* Takes up to max_batch queued ops off the queue (gc->mu held, the queue not empty). */
+static idem_write_op *batch_take(idem_group_commit *gc)
+{
+    idem_write_op *batch = gc->head, *last = batch;
+    size_t n = 1;
+    for (; n < gc->max_batch && last->next != NULL; n++) {
+        last = last->next;
+    }
+    gc->commits++;
+    gc->writes += n;
+    gc->head = last->next;
+    if (gc->head == NULL) {
+        gc->tail = NULL;
+    }
+    last->next = NULL;
+    return batch;
+}
+
+/* The writer thread: one batch per turn while ops are queued; asleep otherwise. It stops
+ * only once stopping is set and the queue is empty, so nothing queued is left behind. */
+static void *writer_main(void *arg)
+{
+    idem_group_commit *gc = arg;
+    pthread_mutex_lock(&gc->mu);
+    for (;;) {
+        while (gc->head == NULL && !gc->stopping) {
+            gc->writer_asleep = true;
+            pthread_cond_wait(&gc->cv, &gc->mu);
+        }
+        gc->writer_asleep = false;
+        if (gc->head == NULL) { /* stopping, nothing left */
+            break;
+        }
+        idem_write_op *batch = batch_take(gc);
+        pthread_mutex_unlock(&gc->mu);
+        run_batch(gc, batch);
+        pthread_mutex_lock(&gc->mu);
+        for (idem_write_op *o = batch, *next; o != NULL; o = next) {
+            next = o->next; /* o may be gone once done is set and gc->mu released */
+            o->done = true;
+            pthread_cond_signal(&o->cv); /* its writer, and nobody else */
+        }
+    }
+    pthread_mutex_unlock(&gc->mu);
+    return NULL;
+}
+
+idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_t max_batch)
+{
+    memset(gc, 0, sizeof(*gc));
+    gc->env = env;
+    gc->enabled = enabled;
+    gc->max_batch = max_batch ? max_batch : 1;
+    pthread_mutex_init(&gc->mu, NULL);
+    pthread_cond_init(&gc->cv, NULL);
+    if (enabled) {
+        if (pthread_create(&gc->writer, NULL, writer_main, gc) != 0) {
+            pthread_cond_destroy(&gc->cv);
+            pthread_mutex_destroy(&gc->mu);
+            return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the LMDB writer thread");
+        }
+        gc->started = true;
+    }
+    return IDEM_OK;
+}
+
+void idem__gc_fini(idem_group_commit *gc)
+{
+    if (gc->started) {
+        pthread_mutex_lock(&gc->mu);
+        gc->stopping = true;
+        pthread_cond_signal(&gc->cv);
+        pthread_mutex_unlock(&gc->mu);
+        pthread_join(gc->writer, NULL);
+        gc->started = false;
+    }
+    pthread_cond_destroy(&gc->cv);
+    pthread_mutex_destroy(&gc->mu);
+}
+
 idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
 {
     if (!gc->enabled) {
@@ -99,6 +164,7 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         return write_alone(gc->env, fn, ctx);
     }
     idem_write_op op = {.fn = fn, .ctx = ctx};
+    pthread_cond_init(&op.cv, NULL);
     pthread_mutex_lock(&gc->mu);
     if (gc->tail != NULL) {
         gc->tail->next = &op;
@@ -106,37 +172,18 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         gc->head = &op;
     }
     gc->tail = &op;
-    while (!op.done) {
-        if (gc->leader_active) {
-            pthread_cond_wait(&gc->cv, &gc->mu);
-            gc->early_wakeups += !op.done && gc->leader_active; /* back to sleep */
-            continue;
-        }
-        /* Lead: take up to max_batch queued ops (ours among them, or a later batch). */
-        gc->leader_active = true;
-        idem_write_op *batch = gc->head, *last = batch;
-        size_t n = 1;
-        for (; n < gc->max_batch && last->next != NULL; n++) {
-            last = last->next;
-        }
-        gc->commits++;
-        gc->writes += n;
-        gc->head = last->next;
-        if (gc->head == NULL) {
-            gc->tail = NULL;
-        }
-        last->next = NULL;
-        pthread_mutex_unlock(&gc->mu);
-        run_batch(gc, batch);
-        pthread_mutex_lock(&gc->mu);
-        for (idem_write_op *o = batch, *next; o != NULL; o = next) {
-            next = o->next; /* o may be freed by its writer once done is set */
-            o->done = true;
-        }
-        gc->leader_active = false;
-        pthread_cond_broadcast(&gc->cv);
+    if (gc->writer_asleep) { /* the first enqueue since it fell asleep: wake it, once */
+        gc->writer_asleep = false;
+        gc->wakeups++;
+        pthread_cond_signal(&gc->cv);
+    }
+    pthread_cond_wait(&op.cv, &gc->mu);
+    while (!op.done) { /* a spurious wake-up: POSIX allows them */
+        gc->early_wakeups++;
+        pthread_cond_wait(&op.cv, &gc->mu);
     }
     pthread_mutex_unlock(&gc->mu);
+    pthread_cond_destroy(&op.cv);
     if (op.code != IDEM_OK) {
         idem__err(op.code, "%s", op.err);
     }
