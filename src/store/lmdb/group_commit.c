@@ -1,4 +1,6 @@
 /* Group commit of LMDB writes by one writer thread per store; see group_commit.h. */
+#include <errno.h>
+#include <semaphore.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -8,9 +10,15 @@ struct idem_write_op {
     idem_write_fn fn;
     void *ctx;
     idem_code code;
-    bool done;         /* under gc->mu: code and err are final */
-    pthread_cond_t cv; /* this op's writer waits here (with gc->mu) for done */
-    char err[256];     /* the writer thread's idem_errmsg() for this op, handed over */
+    /* Posted by the writer thread once code and err are final; only this op's writer
+     * waits on it. A semaphore rather than a condition variable: no mutex to take on
+     * waking (a writer is woken once and runs), and its waiter may destroy it as soon as
+     * sem_wait returns: no thread is blocked on it then (POSIX: safe to destroy), and
+     * glibc's sem_post touches it no more than a futex wake by address, which at worst
+     * is a spurious wake-up elsewhere (futex users retry on those). sem_post and
+     * sem_wait order the memory of code and err (POSIX 4.12). */
+    sem_t done;
+    char err[256]; /* the writer thread's idem_errmsg() for this op, handed over */
     idem_write_op *next;
 };
 
@@ -110,12 +118,11 @@ static void *writer_main(void *arg)
         idem_write_op *batch = batch_take(gc);
         pthread_mutex_unlock(&gc->mu);
         run_batch(gc, batch);
-        pthread_mutex_lock(&gc->mu);
         for (idem_write_op *o = batch, *next; o != NULL; o = next) {
-            next = o->next; /* o may be gone once done is set and gc->mu released */
-            o->done = true;
-            pthread_cond_signal(&o->cv); /* its writer, and nobody else */
+            next = o->next;     /* o may be gone once posted */
+            sem_post(&o->done); /* its writer, and nobody else: cannot fail (0 → 1) */
         }
+        pthread_mutex_lock(&gc->mu);
     }
     pthread_mutex_unlock(&gc->mu);
     return NULL;
@@ -164,7 +171,9 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         return write_alone(gc->env, fn, ctx);
     }
     idem_write_op op = {.fn = fn, .ctx = ctx};
-    pthread_cond_init(&op.cv, NULL);
+    if (sem_init(&op.done, 0, 0) != 0) {
+        return idem__err(IDEM_INTERNAL, "sem_init: %s", strerror(errno));
+    }
     pthread_mutex_lock(&gc->mu);
     if (gc->tail != NULL) {
         gc->tail->next = &op;
@@ -172,18 +181,26 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         gc->head = &op;
     }
     gc->tail = &op;
-    if (gc->writer_asleep) { /* the first enqueue since it fell asleep: wake it, once */
-        gc->writer_asleep = false;
-        gc->wakeups++;
+    /* The first enqueue since the writer thread fell asleep wakes it, once. It is woken
+     * after gc->mu is released, so that it does not wake only to wait for gc->mu: it is
+     * in its wait (writer_asleep is set and cleared under gc->mu), so it cannot miss it. */
+    bool wake = gc->writer_asleep;
+    gc->writer_asleep = false;
+    gc->wakeups += wake;
+    pthread_mutex_unlock(&gc->mu);
+    if (wake) {
         pthread_cond_signal(&gc->cv);
     }
-    pthread_cond_wait(&op.cv, &gc->mu);
-    while (!op.done) { /* a spurious wake-up: POSIX allows them */
-        gc->early_wakeups++;
-        pthread_cond_wait(&op.cv, &gc->mu);
+    uint64_t early = 0;
+    while (sem_wait(&op.done) != 0) { /* only EINTR (a signal handler ran): wait again */
+        early++;
     }
-    pthread_mutex_unlock(&gc->mu);
-    pthread_cond_destroy(&op.cv);
+    sem_destroy(&op.done);
+    if (early > 0) {
+        pthread_mutex_lock(&gc->mu);
+        gc->early_wakeups += early;
+        pthread_mutex_unlock(&gc->mu);
+    }
     if (op.code != IDEM_OK) {
         idem__err(op.code, "%s", op.err);
     }
