@@ -107,7 +107,8 @@ static void *writer_main(void *arg)
     idem_group_commit *gc = arg;
     pthread_mutex_lock(&gc->mu);
     for (;;) {
-        while (gc->head == NULL && !gc->stopping) {
+        /* A caller committing inline (idem__gc_write) wakes it when it is done. */
+        while ((gc->head == NULL || gc->inline_busy) && !(gc->stopping && gc->head == NULL)) {
             gc->writer_asleep = true;
             pthread_cond_wait(&gc->cv, &gc->mu);
         }
@@ -116,6 +117,7 @@ static void *writer_main(void *arg)
             break;
         }
         idem_write_op *batch = batch_take(gc);
+        gc->writer_busy = true;
         pthread_mutex_unlock(&gc->mu);
         run_batch(gc, batch);
         for (idem_write_op *o = batch, *next; o != NULL; o = next) {
@@ -123,6 +125,7 @@ static void *writer_main(void *arg)
             sem_post(&o->done); /* its writer, and nobody else: cannot fail (0 → 1) */
         }
         pthread_mutex_lock(&gc->mu);
+        gc->writer_busy = false;
     }
     pthread_mutex_unlock(&gc->mu);
     return NULL;
@@ -161,6 +164,30 @@ void idem__gc_fini(idem_group_commit *gc)
     pthread_mutex_destroy(&gc->mu);
 }
 
+/* Nothing queued and nothing committing: the caller commits its write on its own thread,
+ * which saves two hand-offs (to the writer thread and back) when writes do not overlap.
+ * Writes that arrive meanwhile queue for the writer thread, woken at the end if asleep.
+ * Called with gc->mu held; releases it. */
+static idem_code write_inline(idem_group_commit *gc, idem_write_fn fn, void *ctx)
+{
+    gc->inline_busy = true;
+    gc->commits++;
+    gc->writes++;
+    pthread_mutex_unlock(&gc->mu);
+    /* Its own txn: its own exact result, and its message already on this thread. */
+    idem_code code = write_alone(gc->env, fn, ctx);
+    pthread_mutex_lock(&gc->mu);
+    gc->inline_busy = false;
+    bool wake = gc->head != NULL && gc->writer_asleep;
+    gc->writer_asleep = gc->writer_asleep && !wake;
+    gc->wakeups += wake;
+    pthread_mutex_unlock(&gc->mu);
+    if (wake) {
+        pthread_cond_signal(&gc->cv);
+    }
+    return code;
+}
+
 idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
 {
     if (!gc->enabled) {
@@ -170,6 +197,11 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         pthread_mutex_unlock(&gc->mu);
         return write_alone(gc->env, fn, ctx);
     }
+    pthread_mutex_lock(&gc->mu);
+    if (gc->head == NULL && !gc->writer_busy && !gc->inline_busy) {
+        return write_inline(gc, fn, ctx); /* releases gc->mu */
+    }
+    pthread_mutex_unlock(&gc->mu);
     idem_write_op op = {.fn = fn, .ctx = ctx};
     if (sem_init(&op.done, 0, 0) != 0) {
         return idem__err(IDEM_INTERNAL, "sem_init: %s", strerror(errno));
@@ -184,8 +216,8 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
     /* The first enqueue since the writer thread fell asleep wakes it, once. It is woken
      * after gc->mu is released, so that it does not wake only to wait for gc->mu: it is
      * in its wait (writer_asleep is set and cleared under gc->mu), so it cannot miss it. */
-    bool wake = gc->writer_asleep;
-    gc->writer_asleep = false;
+    bool wake = gc->writer_asleep && !gc->inline_busy;
+    gc->writer_asleep = gc->writer_asleep && !wake;
     gc->wakeups += wake;
     pthread_mutex_unlock(&gc->mu);
     if (wake) {
