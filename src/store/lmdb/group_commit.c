@@ -197,16 +197,15 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         pthread_mutex_unlock(&gc->mu);
         return write_alone(gc->env, fn, ctx);
     }
-    pthread_mutex_lock(&gc->mu);
-    if (gc->head == NULL && !gc->writer_busy && !gc->inline_busy) {
-        return write_inline(gc, fn, ctx); /* releases gc->mu */
-    }
-    pthread_mutex_unlock(&gc->mu);
     idem_write_op op = {.fn = fn, .ctx = ctx};
     if (sem_init(&op.done, 0, 0) != 0) {
         return idem__err(IDEM_INTERNAL, "sem_init: %s", strerror(errno));
     }
     pthread_mutex_lock(&gc->mu);
+    if (gc->head == NULL && !gc->writer_busy && !gc->inline_busy) {
+        sem_destroy(&op.done);
+        return write_inline(gc, fn, ctx); /* releases gc->mu */
+    }
     if (gc->tail != NULL) {
         gc->tail->next = &op;
     } else {
