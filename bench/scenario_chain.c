@@ -150,6 +150,15 @@ int run_chain(const scenario *sc, cell *c, cell_stats *out)
     }
 out:
     idem_server_destroy(srv);
+    idem_store_stats ss;
+    if (st != NULL && idem_store_stats_get(st, &ss) == IDEM_OK && ss.commits > 0) {
+        /* The store's own counters, warm-up included: on stderr, the table stays as it is. */
+        fprintf(stderr,
+                "lmdb %s, %d clients: %llu writes in %llu commits (%.2f per commit), "
+                "%llu early wake-ups\n",
+                sc->name, c->clients, (unsigned long long)ss.writes, (unsigned long long)ss.commits,
+                (double)ss.writes / (double)ss.commits, (unsigned long long)ss.early_wakeups);
+    }
     if (st != NULL) {
         idem_store_close(st);
     }

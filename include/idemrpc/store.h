@@ -89,6 +89,9 @@ typedef struct idem_store_stats {
     size_t records, in_progress, completed, tokens;
     size_t map_size, map_used; /* bytes */
     uint64_t commits, writes;  /* write txns and the writes they held, since open */
+    /* Times a writer waiting for its commit was woken and had to wait again (LMDB group
+     * commit): wake-ups that cost a context switch and did nothing. */
+    uint64_t early_wakeups;
 } idem_store_stats;
 
 enum idem_store_flags {

@@ -156,7 +156,14 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((rc = mdb_txn_commit(txn)) != 0) { /* commit frees txn even when it fails */
         goto fail;
     }
-    idem__gc_init(&st->gc, st->env, !(flags & IDEM_STORE_NO_GROUP_COMMIT), GROUP_COMMIT_BATCH);
+    /* A read-only store writes nothing: no writer thread (a write fails on its own). */
+    bool gc_on = !ro && !(flags & IDEM_STORE_NO_GROUP_COMMIT);
+    if ((code = idem__gc_init(&st->gc, st->env, gc_on, GROUP_COMMIT_BATCH)) != IDEM_OK) {
+        mdb_env_close(st->env);
+        open_list_leave(st);
+        free(st);
+        return code;
+    }
     pthread_mutex_init(&st->rpool_mu, NULL);
     pthread_mutex_init(&st->db_mu, NULL);
     st->base.ops = &idem__lmdb_ops;
@@ -174,12 +181,12 @@ static void lmdb_close(idem_store *base)
 {
     lmdb_store *st = (lmdb_store *)base;
     if (st != NULL) {
+        idem__gc_fini(&st->gc); /* runs what is queued, then stops the writer thread */
         for (size_t i = 0; i < st->rpool_n; i++) {
             mdb_txn_abort(st->rpool[i]);
         }
         pthread_mutex_destroy(&st->rpool_mu);
         pthread_mutex_destroy(&st->db_mu);
-        idem__gc_fini(&st->gc);
         mdb_env_close(st->env);
         open_list_leave(st);
         free(st);
