@@ -126,14 +126,15 @@ static struct {
         uint64_t calls, keys, abandoned, completed_ok, completed_other, no_record;
         uint64_t unstarted;     /* IN_PROGRESS, no step recorded, client gone */
         uint64_t held_released; /* no record, a journaled step: released, never finished */
-        uint64_t excused[4], redrives[3]; /* X_*; re-runs in the logs: OK, replayed, other */
+        uint64_t excused[5], redrives[3]; /* X_*; re-runs in the logs: OK, replayed, other */
     } bk;
 } ck;
 
-enum { X_KILLED, X_STOPPED, X_NO_WRITE, X_STORE_REFUSED };
-static const char *const x_names[] = {"their process was killed", "their process was stopped",
-                                      "the store took no write for 2/3 of a lease",
-                                      "the store refused the step's record for 10 s"};
+enum { X_KILLED, X_STOPPED, X_NO_WRITE, X_STORE_REFUSED, X_STALE };
+static const char *const x_names[] = {
+    "their process was killed", "their process was stopped",
+    "the store took no write for 2/3 of a lease", "the store refused the step's record for 10 s",
+    "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)"};
 static const char *const f_names[] = {"kill", "stop", "fill", "pg_restart", "redis_stop", "other"};
 
 enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
@@ -535,9 +536,12 @@ static const step_note *note_of(const step_log *l, const execution *x)
  * (any code but ABORTED) is excused only after the record rode it out for
  * STEP_RECORD_RETRY_MS (note time - effect time); "claim lost" (ABORTED), or no note at
  * all, needs the evidence duplicate_excuse uses, around x itself: its process killed
- * after it or stopped before or after it (a stopped run that lost its claim still runs
- * a step it had not found recorded), or a store that took no write for 2/3 of a lease
- * (no renewal). Returns X_* or -1. */
+ * after it or stopped after it (between the effect and its record), or a store that
+ * took no write for 2/3 of a lease (no renewal). A stop that began before x excuses it
+ * only with the note ABORTED: the run was stopped before the step, lost its claim, and
+ * on waking ran the step because it did not find it recorded (another run had recorded
+ * it and completed the call, which deletes the journal, or had not reached it yet), as
+ * downstream.h allows: its record is refused, fn's effect stays. Returns X_* or -1. */
 static int step_excuse(const step_log *l, const execution *x, const chaos_cfg *cfg)
 {
     const step_note *n = note_of(l, x);
@@ -550,8 +554,11 @@ static int step_excuse(const step_log *l, const execution *x, const chaos_cfg *c
     uint64_t window = 3 * cfg->lease_ms + 1000;
     for (size_t i = 0; i < ck.n_faults; i++) {
         const fault *f = &ck.faults[i];
-        if (f->pid == x->pid && f->t + window >= x->t && f->t <= x->t + window) {
+        if (f->pid == x->pid && f->t >= x->t && f->t <= x->t + window) {
             return f->stop ? X_STOPPED : X_KILLED;
+        }
+        if (f->pid == x->pid && f->stop && f->t < x->t && f->t + window >= x->t && n != NULL) {
+            return X_STALE; /* n is "unrecorded:ABORTED" here */
         }
     }
     for (size_t i = 0; i < ck.n_stalls; i++) {
@@ -933,7 +940,7 @@ uint64_t chaos_check(const chaos_cfg *cfg)
                x_names[X_STOPPED], ck.excused[X_NO_WRITE], x_names[X_NO_WRITE]);
     }
     uint64_t bx = ck.bk.excused[X_KILLED] + ck.bk.excused[X_STOPPED] + ck.bk.excused[X_NO_WRITE] +
-                  ck.bk.excused[X_STORE_REFUSED];
+                  ck.bk.excused[X_STORE_REFUSED] + ck.bk.excused[X_STALE];
     printf("chaos: steps: %" PRIu64 " Book calls, %" PRIu64 " keys (%" PRIu64
            " abandoned by their client): %" PRIu64 " completed OK, %" PRIu64
            " completed with an error, %" PRIu64 " without a record (released or never "
@@ -949,10 +956,11 @@ uint64_t chaos_check(const chaos_cfg *cfg)
     if (bx > 0) {
         printf("note: %" PRIu64 " step effects shown again where their owner could not record "
                "them (at-least-once, downstream.h): %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64
-               " %s, %" PRIu64 " %s\n",
+               " %s, %" PRIu64 " %s, %" PRIu64 " %s\n",
                bx, ck.bk.excused[X_KILLED], x_names[X_KILLED], ck.bk.excused[X_STOPPED],
                x_names[X_STOPPED], ck.bk.excused[X_NO_WRITE], x_names[X_NO_WRITE],
-               ck.bk.excused[X_STORE_REFUSED], x_names[X_STORE_REFUSED]);
+               ck.bk.excused[X_STORE_REFUSED], x_names[X_STORE_REFUSED], ck.bk.excused[X_STALE],
+               x_names[X_STALE]);
     }
     if (ck.exhausted > 0) {
         printf("note: %" PRIu64 " calls answered RESOURCE_EXHAUSTED, %" PRIu64
