@@ -2,6 +2,7 @@
  *
  *   idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]
  *                 [--clients K] [--lease-ms L] [--map-mib M] [--dir DIR]
+ *                 [--redrive-ms R]
  *   idemrpc-chaos --check --topology lmdb|pg --dir DIR   (checks a finished run again)
  *
  * The run: two servers (this binary, --serve) on ipc:// under DIR; K client threads and
@@ -29,11 +30,13 @@
 static const char usage[] =
     "usage: idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]\n"
     "                     [--clients K] [--lease-ms L] [--map-mib M] [--dir DIR]\n"
+    "                     [--redrive-ms R]\n"
     "       idemrpc-chaos --check --topology lmdb|pg --dir DIR  (check a finished run again)\n"
     "  lmdb: two server processes on one LMDB directory; pg: two on one PostgreSQL\n"
     "  (IDEMRPC_TEST_PG) with Redis debounce (IDEMRPC_TEST_REDIS), faults through\n"
     "  IDEMRPC_SERVICES (scripts/services.sh). Defaults: 16 clients, 500 ms lease,\n"
-    "  lmdb map of 32 MiB + 1 MiB per second of load.\n";
+    "  lmdb map of 32 MiB + 1 MiB per second of load, the servers' re-driver every\n"
+    "  100 ms (--redrive-ms 0: off, to see the checker's liveness check fail).\n";
 
 static int usage_error(const char *what)
 {
@@ -57,6 +60,7 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
                                           {"help", no_argument, NULL, 'h'},
                                           {"check", no_argument, NULL, 'C'},
                                           {"map-mib", required_argument, NULL, 'M'},
+                                          {"redrive-ms", required_argument, NULL, 'R'},
                                           {NULL, 0, NULL, 0}};
     bool topo = false, secs = false, seed = false;
     int c;
@@ -96,6 +100,11 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
                 return usage_error(NULL);
             }
             break;
+        case 'R':
+            if (!cli_parse_u64(p, "--redrive-ms", optarg, 0, 60000, &cfg->redrive_ms)) {
+                return usage_error(NULL);
+            }
+            break;
         case 'H':
             snprintf(cfg->history, sizeof(cfg->history), "%s", optarg);
             break;
@@ -130,10 +139,11 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
     return 0;
 }
 
-/* --check: the run id and the lease come from the history's "begin" event. */
+/* --check: the run id, the lease and the re-driver's interval come from the history's
+ * "begin" event. */
 static int read_begin(chaos_cfg *cfg)
 {
-    char line[1024] = "", lease[24] = "";
+    char line[1024] = "", lease[24] = "", redrive[24] = "";
     FILE *f = fopen(cfg->history, "r");
     if (f == NULL || fgets(line, sizeof(line), f) == NULL ||
         !chaos_history_field(line, "run", cfg->run, sizeof(cfg->run)) ||
@@ -146,6 +156,9 @@ static int read_begin(chaos_cfg *cfg)
     }
     fclose(f);
     cfg->lease_ms = strtoull(lease, NULL, 10);
+    if (chaos_history_field(line, "redrive_ms", redrive, sizeof(redrive))) {
+        cfg->redrive_ms = strtoull(redrive, NULL, 10);
+    }
     return 0;
 }
 
@@ -224,16 +237,18 @@ static int prepare(chaos_cfg *cfg)
 
 static void record_begin(const chaos_cfg *cfg)
 {
-    char seed[24], lease[24], secs[24];
+    char seed[24], lease[24], secs[24], redrive[24];
+    snprintf(redrive, sizeof(redrive), "%" PRIu64, cfg->redrive_ms);
     snprintf(seed, sizeof(seed), "%" PRIu64, cfg->seed);
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
     snprintf(secs, sizeof(secs), "%" PRIu64, cfg->seconds);
-    const char *f[] = {"topology", cfg->topology == CHAOS_PG ? "pg" : "lmdb",
-                       "seed",     seed,
-                       "seconds",  secs,
-                       "run",      cfg->run,
-                       "lease_ms", lease};
-    chaos_history_event("begin", 5, f);
+    const char *f[] = {"topology",   cfg->topology == CHAOS_PG ? "pg" : "lmdb",
+                       "seed",       seed,
+                       "seconds",    secs,
+                       "run",        cfg->run,
+                       "lease_ms",   lease,
+                       "redrive_ms", redrive};
+    chaos_history_event("begin", 6, f);
 }
 
 typedef struct fault_thread {
@@ -291,7 +306,9 @@ static void run(const chaos_cfg *cfg)
     chaos_servers_stop();
     f[1] = "end";
     chaos_history_event("settle", 1, f);
-    printf("chaos: settled, %" PRIu64 " operations still undecided\n", t.undecided);
+    printf("chaos: settled, %" PRIu64 " operations still undecided (and %" PRIu64
+           " abandoned Books, left to the re-driver)\n",
+           t.undecided, t.abandoned);
     fflush(stdout);
 }
 
@@ -303,7 +320,7 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--agent") == 0) {
         return chaos_agent(argc, argv);
     }
-    chaos_cfg cfg = {.lease_ms = 500, .clients = 16};
+    chaos_cfg cfg = {.lease_ms = 500, .clients = 16, .redrive_ms = CHAOS_REDRIVE_MS};
     bool done = false;
     int rc = parse(argc, argv, &cfg, &done);
     if (rc != 0 || done || (rc = prepare(&cfg)) != 0) {
@@ -313,8 +330,9 @@ int main(int argc, char **argv)
         return chaos_check(&cfg) == 0 ? 0 : 1;
     }
     record_begin(&cfg);
-    printf("chaos: topology %s, %" PRIu64 " s, seed %" PRIu64 ", history %s\n",
-           cfg.topology == CHAOS_PG ? "pg" : "lmdb", cfg.seconds, cfg.seed, cfg.history);
+    printf("chaos: topology %s, %" PRIu64 " s, seed %" PRIu64 ", re-driver %s, history %s\n",
+           cfg.topology == CHAOS_PG ? "pg" : "lmdb", cfg.seconds, cfg.seed,
+           cfg.redrive_ms > 0 ? "on" : "OFF", cfg.history);
     fflush(stdout);
     if (!chaos_servers_start(&cfg)) {
         chaos_servers_stop();

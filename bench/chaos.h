@@ -27,6 +27,10 @@
 #define CHAOS_METHOD_TRANSFER "chaos.Ledger/Transfer"
 #define CHAOS_METHOD_ORDER "chaos.Order/Submit"
 #define CHAOS_METHOD_ADD "chaos.Counter/Add"
+#define CHAOS_METHOD_BOOK "chaos.Trip/Book"
+/* The re-driver's interval in the servers (idem_server_opts.redrive_interval_ms) unless
+ * --redrive-ms says otherwise (0: off, to see the liveness check fail). */
+#define CHAOS_REDRIVE_MS 100
 /* lmdb: the free space a "fill" fault hands back when it ends (the rest of the map is
  * the agent's ballast, written once at the start). */
 #define CHAOS_HEADROOM_BYTES (16ull << 20)
@@ -37,6 +41,7 @@ typedef struct chaos_cfg {
     chaos_topology topology;
     uint64_t seconds, seed, lease_ms, clients;
     uint64_t map_mib;    /* lmdb: the servers' and the agent's map size */
+    uint64_t redrive_ms; /* the servers' re-driver interval; 0 = off */
     bool check_only;     /* --check: only the checker, on the files of a finished run */
     char dir[512];       /* work dir: store, effect log, server logs, history */
     char history[600];   /* history file (kept) */
@@ -89,6 +94,7 @@ void chaos_servers_stop(void);
 /* ---- the workload (chaos_workload.c) ---- */
 typedef struct chaos_totals {
     uint64_t calls, ops, decided, undecided;
+    uint64_t abandoned; /* Books whose client gave up, undecided: not settled */
 } chaos_totals;
 /* Runs cfg->clients threads until *stop, then lets their logical operations end. */
 void chaos_workload_run(const chaos_cfg *cfg, const volatile bool *stop, chaos_totals *out);

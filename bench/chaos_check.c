@@ -18,6 +18,15 @@
  *   records   a record of this run still IN_PROGRESS after the settle pass (every
  *             operation was retried until decided, past the lease); an operation that
  *             stayed undecided
+ *   steps     (chaos.Trip/Book) a step's effect ("hold", "pay") that shows more than
+ *             once for a (caller, key) without evidence that the owner could not record
+ *             it (killed or stopped around it, a store that took no write for 2/3 of a
+ *             lease, or the server's own note that the store refused the record for
+ *             10 s; a note "claim lost" needs the kill/stop/stall evidence too, and a
+ *             step the server noted as recorded has no excuse); OK answers or the
+ *             COMPLETED record naming step outputs that differ, or that no effect line
+ *             matches; a journaled call left IN_PROGRESS after settling (the re-driver
+ *             did not finish it); a journal that outlived its call's outcome
  *   memory    a server whose anonymous RSS (RssAnon: LMDB's map is file-backed and
  *             grows with the data) more than doubles + 16 MiB between a quarter of its
  *             life and its end, over a life of at least 20 s
@@ -29,6 +38,7 @@
 
 #include <idemrpc/idemrpc.h>
 
+#include "call.h" /* idem__steps_next_call: the journals the re-driver would see */
 #include "chaos.h"
 
 #define BUCKETS 65536
@@ -43,8 +53,34 @@ typedef struct execution {
     uint64_t fence, t;
 } execution;
 
+/* chaos.Trip/Book: per step, its effect lines and the server's notes of a step that ran
+ * but was not recorded. */
+enum { S_HOLD, S_PAY, N_STEPS };
+static const char *const step_names[N_STEPS] = {"hold", "pay"};
+
+typedef struct step_note {
+    long pid;
+    uint64_t fence, t;
+    bool recorded; /* "recorded" (else "unrecorded:CODE") */
+    char code[48];
+} step_note;
+
+typedef struct step_log {
+    size_t n, n_notes; /* n: effect lines (exec holds the first MAX_EFFECTS) */
+    execution exec[MAX_EFFECTS];
+    step_note notes[MAX_EFFECTS];
+} step_log;
+
+typedef struct book {
+    step_log steps[N_STEPS];
+    bool abandoned;           /* its client gave up after one attempt; the settle pass left it */
+    bool journaled;           /* its step journal is still in the store after the run */
+    char ok_out[N_STEPS][96]; /* the step outputs the first OK answer named */
+} book;
+
 typedef struct entry {
     struct entry *next;
+    book *book; /* chaos.Trip/Book only */
     char method[48], caller[80], key[160], payload[64];
     int n_definitive;
     char code[32], digest[24], body[512];
@@ -86,11 +122,19 @@ static struct {
     uint64_t full_from, full_to;   /* the fill in effect (history order), or the last one */
     uint64_t exhausted, when_full; /* RESOURCE_EXHAUSTED answers, and during a fill */
     uint64_t load_end;             /* the clients stopped: the store idles until settling */
+    struct {
+        uint64_t calls, keys, abandoned, completed_ok, completed_other, no_record;
+        uint64_t unstarted;     /* IN_PROGRESS, no step recorded, client gone */
+        uint64_t held_released; /* no record, a journaled step: released, never finished */
+        uint64_t excused[5], redrives[3]; /* X_*; re-runs in the logs: OK, replayed, other */
+    } bk;
 } ck;
 
-enum { X_KILLED, X_STOPPED, X_NO_WRITE };
-static const char *const x_names[] = {"their process was killed", "their process was stopped",
-                                      "the store took no write for 2/3 of a lease"};
+enum { X_KILLED, X_STOPPED, X_NO_WRITE, X_STORE_REFUSED, X_STALE };
+static const char *const x_names[] = {
+    "their process was killed", "their process was stopped",
+    "the store took no write for 2/3 of a lease", "the store refused the step's record for 10 s",
+    "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)"};
 static const char *const f_names[] = {"kill", "stop", "fill", "pg_restart", "redis_stop", "other"};
 
 enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
@@ -130,6 +174,10 @@ static entry *lookup(const char *method, const char *caller, const char *key, bo
         snprintf(e->method, sizeof(e->method), "%s", method);
         snprintf(e->caller, sizeof(e->caller), "%s", caller);
         snprintf(e->key, sizeof(e->key), "%s", key);
+        if (strcmp(method, CHAOS_METHOD_BOOK) == 0 && (e->book = calloc(1, sizeof(book))) == NULL) {
+            free(e);
+            return NULL;
+        }
         e->next = *b;
         *b = e;
     }
@@ -168,6 +216,38 @@ static void check_exhausted(const entry *e, uint64_t t, const char *body)
     }
 }
 
+/* The output of step `name` that a Book answer or record names (" name=OUTPUT"), into
+ * out ("" when absent). */
+static void step_output(const char *text, size_t len, const char *name, char *out, size_t cap)
+{
+    char pat[32];
+    int n = snprintf(pat, sizeof(pat), " %s=", name);
+    const char *p = memmem(text, len, pat, (size_t)n);
+    size_t o = 0, at = p != NULL ? (size_t)(p - text) + (size_t)n : len;
+    while (at < len && (unsigned char)text[at] > ' ' && o + 1 < cap) {
+        out[o++] = text[at++];
+    }
+    out[o] = '\0';
+}
+
+/* One outcome per key: every OK answer of a Book names the same step outputs. */
+static void check_book_answer(entry *e, const char *body)
+{
+    for (int i = 0; i < N_STEPS; i++) {
+        char out[96];
+        step_output(body, strlen(body), step_names[i], out, sizeof(out));
+        if (out[0] == '\0') {
+            violation(V_ANSWERS, "%s caller=%s key=%s: an OK answer without its %s output '%s'",
+                      e->method, e->caller, e->key, step_names[i], body);
+        } else if (e->book->ok_out[i][0] == '\0') {
+            snprintf(e->book->ok_out[i], sizeof(e->book->ok_out[i]), "%s", out);
+        } else if (strcmp(e->book->ok_out[i], out) != 0) {
+            violation(V_ANSWERS, "%s caller=%s key=%s: OK answers name %s %s and %s", e->method,
+                      e->caller, e->key, step_names[i], e->book->ok_out[i], out);
+        }
+    }
+}
+
 static void check_answer(entry *e, const char *code, const char *digest, const char *body)
 {
     bool ok = strcmp(code, "OK") == 0, fp = strcmp(code, "FAILED_PRECONDITION") == 0;
@@ -195,6 +275,9 @@ static void check_answer(entry *e, const char *code, const char *digest, const c
                   e->key, e->code, e->body, code, body);
     }
     e->acked_ok = e->acked_ok || ok;
+    if (ok && e->book != NULL) {
+        check_book_answer(e, body);
+    }
 }
 
 static void read_rss(const char *line)
@@ -288,7 +371,12 @@ static void read_line(const char *line)
         return;
     }
     if (strcmp(ev, "send") == 0) {
+        char mode[24] = "";
         chaos_history_field(line, "payload", e->payload, sizeof(e->payload));
+        chaos_history_field(line, "mode", mode, sizeof(mode));
+        if (e->book != NULL && strcmp(mode, "abandoned") == 0) {
+            e->book->abandoned = true;
+        }
     } else if (strcmp(ev, "recv") == 0) {
         char code[32] = "", digest[24] = "", body[512] = "", t[24] = "0";
         chaos_history_field(line, "code", code, sizeof(code));
@@ -296,6 +384,7 @@ static void read_line(const char *line)
         chaos_history_field(line, "body", body, sizeof(body));
         chaos_history_field(line, "t", t, sizeof(t));
         ck.calls++;
+        ck.bk.calls += e->book != NULL;
         if (strcmp(code, "RESOURCE_EXHAUSTED") == 0) {
             check_exhausted(e, strtoull(t, NULL, 10), body);
         }
@@ -320,23 +409,59 @@ static bool read_history(const chaos_cfg *cfg)
     return true;
 }
 
-/* METHOD CALLER KEY PID FENCE MONOTONIC_MS per execution of a claim-mode method. */
+/* METHOD CALLER KEY PID FENCE MONOTONIC_MS per execution of a claim-mode method; a
+ * Book step adds STEP, and a step that ran has a note line of how its record ended,
+ * STEP recorded or STEP unrecorded:CODE (not an effect). */
+static void read_effect_line(const char *line)
+{
+    char method[48], caller[80], key[160], step[16] = "", note[48] = "";
+    long pid;
+    uint64_t fence, t;
+    int n = sscanf(line, "%47s %79s %159s %ld %" SCNu64 " %" SCNu64 " %15s %47s", method, caller,
+                   key, &pid, &fence, &t, step, note);
+    entry *e = n >= 6 ? lookup(method, caller, key, true) : NULL;
+    if (e == NULL) {
+        return;
+    }
+    if (e->book == NULL) {
+        if (e->n_exec < MAX_EFFECTS) {
+            e->exec[e->n_exec++] = (execution){pid, fence, t};
+        }
+        e->effects++;
+        return;
+    }
+    int s = 0;
+    while (s < N_STEPS && strcmp(step_names[s], step) != 0) {
+        s++;
+    }
+    if (s == N_STEPS) {
+        violation(V_EFFECTS, "%s caller=%s key=%s: an effect line of no known step '%s'", method,
+                  caller, key, step);
+        return;
+    }
+    step_log *l = &e->book->steps[s];
+    bool recorded = strcmp(note, "recorded") == 0;
+    if ((recorded || strncmp(note, "unrecorded:", 11) == 0) && l->n_notes < MAX_EFFECTS) {
+        step_note *sn = &l->notes[l->n_notes++];
+        *sn = (step_note){.pid = pid, .fence = fence, .t = t, .recorded = recorded};
+        snprintf(sn->code, sizeof(sn->code), "%s", recorded ? "" : note + 11);
+    } else if (note[0] == '\0') {
+        if (l->n < MAX_EFFECTS) {
+            l->exec[l->n] = (execution){pid, fence, t};
+        }
+        l->n++;
+    }
+}
+
 static void read_effects(const chaos_cfg *cfg)
 {
     FILE *f = fopen(cfg->effects, "r");
-    char method[48], caller[80], key[160];
-    long pid;
-    uint64_t fence, t;
-    while (f != NULL && fscanf(f, "%47s %79s %159s %ld %" SCNu64 " %" SCNu64, method, caller, key,
-                               &pid, &fence, &t) == 6) {
-        entry *e = lookup(method, caller, key, true);
-        if (e != NULL && e->n_exec < MAX_EFFECTS) {
-            e->exec[e->n_exec++] = (execution){pid, fence, t};
-        }
-        if (e != NULL) {
-            e->effects++;
-        }
+    char *line = NULL;
+    size_t cap = 0;
+    while (f != NULL && getline(&line, &cap, f) > 0) {
+        read_effect_line(line);
     }
+    free(line);
     if (f != NULL) {
         fclose(f);
     }
@@ -391,8 +516,233 @@ static int duplicate_excuse(const entry *e, const chaos_cfg *cfg)
     return -1;
 }
 
-static long long ledger_expected[CHAOS_ACCOUNTS];
+/* A step's record rides out a full or unreachable store this long (src/toolkit/steps.c,
+ * STEP_RECORD_RETRY_MS, less its last backoff) before the store's refusal is returned. */
+#define STEP_RECORD_RETRY_MS 9000
+
+/* The server's note of how the record of step effect x ended (NULL: none). */
+static const step_note *note_of(const step_log *l, const execution *x)
+{
+    for (size_t i = 0; i < l->n_notes; i++) {
+        if (l->notes[i].pid == x->pid && l->notes[i].fence == x->fence) {
+            return &l->notes[i];
+        }
+    }
+    return NULL;
+}
+
+/* Why step effect x of a Book may show twice: the owner of its run could not record it
+ * (downstream.h). The server's note says how the record ended: refused by the store
+ * (any code but ABORTED) is excused only after the record rode it out for
+ * STEP_RECORD_RETRY_MS (note time - effect time); "claim lost" (ABORTED), or no note at
+ * all, needs the evidence duplicate_excuse uses, around x itself: its process killed
+ * after it or stopped after it (between the effect and its record), or a store that
+ * took no write for 2/3 of a lease (no renewal). A stop that began before x excuses it
+ * only with the note ABORTED: the run was stopped before the step, lost its claim, and
+ * on waking ran the step because it did not find it recorded (another run had recorded
+ * it and completed the call, which deletes the journal, or had not reached it yet), as
+ * downstream.h allows: its record is refused, fn's effect stays. Returns X_* or -1. */
+static int step_excuse(const step_log *l, const execution *x, const chaos_cfg *cfg)
+{
+    const step_note *n = note_of(l, x);
+    if (n != NULL && n->recorded) {
+        return -1; /* it was recorded: a later run must have replayed it */
+    }
+    if (n != NULL && strcmp(n->code, "ABORTED") != 0) {
+        return n->t >= x->t + STEP_RECORD_RETRY_MS ? X_STORE_REFUSED : -1;
+    }
+    uint64_t window = 3 * cfg->lease_ms + 1000;
+    for (size_t i = 0; i < ck.n_faults; i++) {
+        const fault *f = &ck.faults[i];
+        if (f->pid == x->pid && f->t >= x->t && f->t <= x->t + window) {
+            return f->stop ? X_STOPPED : X_KILLED;
+        }
+        if (f->pid == x->pid && f->stop && f->t < x->t && f->t + window >= x->t && n != NULL) {
+            return X_STALE; /* n is "unrecorded:ABORTED" here */
+        }
+    }
+    for (size_t i = 0; i < ck.n_stalls; i++) {
+        const stall *st = &ck.stalls[i];
+        if (3 * (st->to - st->from) >= 2 * cfg->lease_ms && st->to + 2 * cfg->lease_ms >= x->t &&
+            st->from <= x->t + window) {
+            return X_NO_WRITE;
+        }
+    }
+    return -1;
+}
+
+/* Step `s` of a Book: named is the output its COMPLETED OK record names ("" if none).
+ * Every effect line but the named one needs an excuse; with none named (no outcome, or
+ * not OK) one may stand without, unless no step of the call was recorded at all
+ * (unrecorded: no journal and no outcome), where none may. */
+static void check_step(entry *e, int s, const char *named, bool unrecorded, const chaos_cfg *cfg)
+{
+    const step_log *l = &e->book->steps[s];
+    size_t n = l->n < MAX_EFFECTS ? l->n : MAX_EFFECTS, found = 0, unexcused = 0;
+    long pid = 0;
+    uint64_t fence = 0;
+    if (named[0] != '\0' &&
+        sscanf(named + strlen(step_names[s]), ".%ld.%" SCNu64, &pid, &fence) != 2) {
+        violation(V_EFFECTS, "%s caller=%s key=%s: its record names %s output '%s'", e->method,
+                  e->caller, e->key, step_names[s], named);
+    }
+    int first_x = -1;
+    for (size_t i = 0; i < n; i++) {
+        const execution *x = &l->exec[i];
+        if (named[0] != '\0' && x->pid == pid && x->fence == fence && found++ == 0) {
+            continue;
+        }
+        int xc = step_excuse(l, x, cfg);
+        if (xc >= 0) {
+            ck.bk.excused[xc]++;
+        } else if (unexcused++ == 0) {
+            first_x = (int)i;
+        }
+    }
+    size_t allowed = named[0] != '\0' || unrecorded ? 0 : 1;
+    if (named[0] != '\0' && found == 0) {
+        violation(V_EFFECTS, "%s caller=%s key=%s: its outcome names %s %s, which no effect shows",
+                  e->method, e->caller, e->key, step_names[s], named);
+    }
+    if (unexcused > allowed || l->n > MAX_EFFECTS) {
+        const execution *x = &l->exec[first_x >= 0 ? first_x : 0];
+        const step_note *note = note_of(l, x);
+        char why[96] = "no note";
+        if (note != NULL && note->recorded) {
+            snprintf(why, sizeof(why), "RECORDED, yet a later run did not replay it");
+        } else if (note != NULL) {
+            snprintf(why, sizeof(why), "noted unrecorded:%s %" PRIu64 " ms after its effect",
+                     note->code, note->t - x->t);
+        }
+        violation(V_EFFECTS,
+                  "%s caller=%s key=%s: step %s took effect %zu times (%zu without evidence "
+                  "that its owner could not record it, e.g. pid %ld fence %" PRIu64 " at %" PRIu64
+                  ", %s; outcome names '%s')",
+                  e->method, e->caller, e->key, step_names[s], l->n, unexcused, x->pid, x->fence,
+                  x->t, why, named);
+    }
+}
+
+/* A Book after settling, from its record and its journal: safety (each step's effect
+ * once, but for the evidence of an owner that could not record it; the outcome's step
+ * outputs are the answers' and match effects) and the re-driver's liveness (a call
+ * with a journaled step is finished: left IN_PROGRESS is a violation). */
 static idem_store *app_store;
+
+static void check_book(entry *e, const chaos_cfg *cfg)
+{
+    book *b = e->book;
+    idem_key_ref ref = {e->caller, e->method, e->key};
+    idem_record rec;
+    char named[N_STEPS][96] = {"", ""};
+    memset(&rec, 0, sizeof(rec));
+    idem_code code = idem_store_get(app_store, &ref, &rec);
+    bool in_progress = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS;
+    bool completed = code == IDEM_OK && rec.state == IDEM_REC_COMPLETED;
+    bool ok = completed && rec.response != NULL &&
+              memmem(rec.response, rec.response_len, " pay=", 5) != NULL;
+    ck.bk.keys++;
+    ck.bk.abandoned += b->abandoned;
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        violation(V_RECORDS, "%s caller=%s key=%s: reading its record: %s", e->method, e->caller,
+                  e->key, idem_errmsg());
+        return;
+    }
+    for (int i = 0; ok && i < N_STEPS; i++) {
+        step_output(rec.response, rec.response_len, step_names[i], named[i], sizeof(named[i]));
+        if (b->ok_out[i][0] != '\0' && strcmp(b->ok_out[i], named[i]) != 0) {
+            violation(V_ANSWERS, "%s caller=%s key=%s: answered %s %s, its record names %s",
+                      e->method, e->caller, e->key, step_names[i], b->ok_out[i], named[i]);
+        }
+    }
+    if (in_progress && b->journaled) {
+        violation(V_RECORDS,
+                  "%s caller=%s key=%s left IN_PROGRESS (lease until %" PRIu64 ") with a "
+                  "journaled step after settling: the re-driver did not finish it (hold "
+                  "effects %zu, pay effects %zu%s)",
+                  e->method, e->caller, e->key, rec.lease_until_ms, b->steps[S_HOLD].n,
+                  b->steps[S_PAY].n, b->abandoned ? ", its client gave up" : "");
+    } else if (in_progress && !b->abandoned) {
+        violation(V_RECORDS, "%s caller=%s key=%s still IN_PROGRESS after the run settled",
+                  e->method, e->caller, e->key);
+    } else if (in_progress) {
+        ck.bk.unstarted++; /* nothing recorded to run again from: its client's decision */
+    } else if (completed && b->journaled) {
+        violation(V_RECORDS, "%s caller=%s key=%s: its step journal outlived its outcome",
+                  e->method, e->caller, e->key);
+    }
+    if (ok) {
+        ck.bk.completed_ok++;
+    } else if (completed) {
+        ck.bk.completed_other++;
+    } else if (!in_progress) {
+        ck.bk.no_record++; /* released after a transient failure, or never arrived */
+        ck.bk.held_released += b->journaled;
+    }
+    bool unrecorded = !completed && !b->journaled; /* not one step of it is in the store */
+    for (int i = 0; i < N_STEPS; i++) {
+        check_step(e, i, named[i], unrecorded, cfg);
+    }
+    if (e->acked_ok && !ok) {
+        violation(V_EFFECTS, "%s caller=%s key=%s acknowledged '%s' but has no OK record",
+                  e->method, e->caller, e->key, e->body);
+    }
+    if (e->n_definitive == 0 && !e->refused && !b->abandoned) {
+        violation(V_RECORDS, "%s caller=%s key=%s never decided, even by the settle pass",
+                  e->method, e->caller, e->key);
+    }
+    idem_record_clear(&rec);
+}
+
+/* The journals left in the store: each marks its Book as still journaled. */
+static void read_journals(idem_store *st)
+{
+    uint8_t cursor[IDEM__JOURNAL_CURSOR] = {0};
+    for (size_t i = 0; i < 10000000; i++) {
+        idem__journaled_call jc;
+        idem_code code = idem__steps_next_call(st, cursor, &jc);
+        if (code == IDEM_OK) {
+            entry *e = lookup(jc.key_ref.method, jc.key_ref.caller, jc.key_ref.key, false);
+            if (e != NULL && e->book != NULL) {
+                e->book->journaled = true;
+            }
+        } else if (code != IDEM_DATA_LOSS) {
+            if (code != IDEM_NOT_FOUND) {
+                violation(V_RECORDS, "reading the step journals: %s", idem_errmsg());
+            }
+            idem__journaled_call_clear(&jc);
+            return;
+        } else {
+            violation(V_RECORDS, "an unreadable step journal: %s", idem_errmsg());
+        }
+        idem__journaled_call_clear(&jc);
+    }
+}
+
+/* The servers' re-runs (error level: "redrive method=... ran it again ...: CODE"). */
+static void read_redrives(const chaos_cfg *cfg)
+{
+    for (size_t i = 0; i < CHAOS_SERVERS; i++) {
+        char path[700], *line = NULL;
+        size_t cap = 0;
+        snprintf(path, sizeof(path), "%s/server-%zu.log", cfg->dir, i);
+        FILE *f = fopen(path, "r");
+        while (f != NULL && getline(&line, &cap, f) > 0) {
+            const char *p = strstr(line, "redrive method=");
+            const char *r = p != NULL ? strstr(p, "ran it again from its stored request: ") : NULL;
+            if (r != NULL) {
+                r += strlen("ran it again from its stored request: ");
+                ck.bk.redrives[strncmp(r, "OK", 2) != 0 ? 2 : strstr(r, "(replayed)") ? 1 : 0]++;
+            }
+        }
+        free(line);
+        if (f != NULL) {
+            fclose(f);
+        }
+    }
+}
+
+static long long ledger_expected[CHAOS_ACCOUNTS];
 
 /* A transactional key (lmdb): its effect and its COMPLETED record commit together, so
  * they must agree; a refusal ("insufficient funds") is recorded without an effect. */
@@ -419,6 +769,10 @@ static void check_record(const entry *e)
 
 static void check_effects(entry *e, const chaos_cfg *cfg)
 {
+    if (e->book != NULL) {
+        check_book(e, cfg);
+        return;
+    }
     bool txn = strcmp(e->method, CHAOS_METHOD_ADD) != 0; /* transactional on both stores */
     if (e->payload[0] == '\0' && e->n_definitive == 0 && e->effects == 0) {
         return; /* only a token issue, never sent */
@@ -511,7 +865,7 @@ static bool visit_record(void *arg, const idem_key_ref *key, const idem_record *
 {
     const chaos_cfg *cfg = arg;
     if (strncmp(key->caller, cfg->run, strlen(cfg->run)) == 0 &&
-        rec->state == IDEM_REC_IN_PROGRESS) {
+        rec->state == IDEM_REC_IN_PROGRESS && strcmp(key->method, CHAOS_METHOD_BOOK) != 0) {
         violation(V_RECORDS, "%s caller=%s key=%s still IN_PROGRESS after the run settled",
                   key->method, key->caller, key->key);
     }
@@ -537,6 +891,7 @@ static bool check_store(const chaos_cfg *cfg)
         return false;
     }
     app_store = st;
+    read_journals(st);
     each_entry(read_app_counts, cfg);
     each_entry(check_effects, cfg);
     check_ledger(st);
@@ -571,6 +926,7 @@ uint64_t chaos_check(const chaos_cfg *cfg)
     } else {
         read_effects(cfg);
         read_stalls(cfg);
+        read_redrives(cfg);
         if (!check_store(cfg)) {
             ck.violations++;
         }
@@ -583,6 +939,29 @@ uint64_t chaos_check(const chaos_cfg *cfg)
                excused, ck.excused[X_KILLED], x_names[X_KILLED], ck.excused[X_STOPPED],
                x_names[X_STOPPED], ck.excused[X_NO_WRITE], x_names[X_NO_WRITE]);
     }
+    uint64_t bx = ck.bk.excused[X_KILLED] + ck.bk.excused[X_STOPPED] + ck.bk.excused[X_NO_WRITE] +
+                  ck.bk.excused[X_STORE_REFUSED] + ck.bk.excused[X_STALE];
+    printf("chaos: steps: %" PRIu64 " Book calls, %" PRIu64 " keys (%" PRIu64
+           " abandoned by their client): %" PRIu64 " completed OK, %" PRIu64
+           " completed with an error, %" PRIu64 " without a record (released or never "
+           "arrived; %" PRIu64 " of them released after a step was recorded), %" PRIu64
+           " abandoned before a step was recorded\n",
+           ck.bk.calls, ck.bk.keys, ck.bk.abandoned, ck.bk.completed_ok, ck.bk.completed_other,
+           ck.bk.no_record, ck.bk.held_released, ck.bk.unstarted);
+    printf("chaos: re-driver (%s): %" PRIu64 " re-runs in the servers' logs (%" PRIu64
+           " OK, %" PRIu64 " OK replayed, %" PRIu64 " other)\n",
+           cfg->redrive_ms > 0 ? "on" : "OFF",
+           ck.bk.redrives[0] + ck.bk.redrives[1] + ck.bk.redrives[2], ck.bk.redrives[0],
+           ck.bk.redrives[1], ck.bk.redrives[2]);
+    if (bx > 0) {
+        printf("note: %" PRIu64 " step effects shown again where their owner could not record "
+               "them (at-least-once, downstream.h): %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64
+               " %s, %" PRIu64 " %s, %" PRIu64 " %s\n",
+               bx, ck.bk.excused[X_KILLED], x_names[X_KILLED], ck.bk.excused[X_STOPPED],
+               x_names[X_STOPPED], ck.bk.excused[X_NO_WRITE], x_names[X_NO_WRITE],
+               ck.bk.excused[X_STORE_REFUSED], x_names[X_STORE_REFUSED], ck.bk.excused[X_STALE],
+               x_names[X_STALE]);
+    }
     if (ck.exhausted > 0) {
         printf("note: %" PRIu64 " calls answered RESOURCE_EXHAUSTED, %" PRIu64
                " of them while the store was full\n",
@@ -591,6 +970,13 @@ uint64_t chaos_check(const chaos_cfg *cfg)
     printf("chaos: faults: %" PRIu64 " kill, %" PRIu64 " stop, %" PRIu64 " fill, %" PRIu64
            " pg_restart, %" PRIu64 " redis_stop\n",
            ck.kinds[0], ck.kinds[1], ck.kinds[2], ck.kinds[3], ck.kinds[4]);
+    if (ck.violations > 0) {
+        printf("chaos: violations by kind:");
+        for (size_t k = 0; k < sizeof(v_names) / sizeof(v_names[0]); k++) {
+            printf(" %" PRIu64 " %s", ck.shown[k], v_names[k]);
+        }
+        printf("\n");
+    }
     printf("chaos: %" PRIu64 " calls, %" PRIu64 " faults, %" PRIu64 " violations\n", ck.calls,
            ck.fault_count, ck.violations);
     return ck.violations;

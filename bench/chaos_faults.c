@@ -71,18 +71,19 @@ static void server_exec(const char *const *argv, int out_fd, int err_fd)
 static bool server_start(size_t i)
 {
     const chaos_cfg *cfg = run_cfg;
-    char log[700], lease[24], store[600], map[24];
+    char log[700], lease[24], store[600], map[24], redrive[24];
     int fds[2];
     snprintf(log, sizeof(log), "%s/server-%zu.log", cfg->dir, i);
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
     snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
-    const char *lmdb[] = {self_exe,     "--serve",    "--listen", servers[i].url, "--effects",
-                          cfg->effects, "--lease-ms", lease,      "--db",         store,
-                          "--map-size", map,          NULL};
-    const char *pg[] = {self_exe,     "--serve",    "--listen", servers[i].url, "--effects",
-                        cfg->effects, "--lease-ms", lease,      "--pg",         cfg->pg,
-                        "--redis",    cfg->redis,   NULL};
+    snprintf(redrive, sizeof(redrive), "%" PRIu64, cfg->redrive_ms);
+    const char *lmdb[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
+                          cfg->effects, "--lease-ms", lease,          "--db",         store,
+                          "--map-size", map,          "--redrive-ms", redrive,        NULL};
+    const char *pg[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
+                        cfg->effects, "--lease-ms", lease,          "--pg",         cfg->pg,
+                        "--redis",    cfg->redis,   "--redrive-ms", redrive,        NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
         return false;

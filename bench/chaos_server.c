@@ -8,11 +8,19 @@
  *   chaos.Order/Submit     token required, transactional: counts in app db "orders"
  *                          under the key (the token).
  *   chaos.Counter/Add      claim mode (cached, key required): one line in the effect log.
+ *   chaos.Trip/Book        journaled steps (IDEM_METHOD_STEPS, key required): step "hold",
+ *                          10-60 ms (a slow provider), step "pay"; each step's function
+ *                          writes one effect line naming the step and returns the output
+ *                          "STEP.PID.FENCE"; the answer names both outputs (hold=, pay=),
+ *                          so a replayed step is recognisable. A step that ran then
+ *                          writes a note line: NOTE = recorded, or unrecorded:CODE.
  *
  * Every answer names the process, the fence, the caller and the key of the execution
  * that produced it, so two executions never give equal answers and a caller can tell
  * whose result it got. Effect log line (one write(2) on an O_APPEND fd, then fdatasync):
- *   METHOD CALLER KEY PID FENCE MONOTONIC_MS */
+ *   METHOD CALLER KEY PID FENCE MONOTONIC_MS [STEP [NOTE]]
+ * The servers run the re-driver (--redrive-ms, idem_server_opts.redrive_interval_ms):
+ * a Book whose owner died between its steps and whose client gave up is finished by it. */
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -40,15 +48,26 @@ static idem_code reply_execution(idem_call *call, idem_code code, const char *ex
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
+/* One line of the effect log (tail: "" or " STEP" or " STEP NOTE"), synced unless it
+ * is only a note; *written: the line is in the file (even if its fdatasync then failed). */
+static bool effect_write(idem_call *call, const char *tail, bool *written)
+{
+    bool note = strchr(tail + (tail[0] == ' '), ' ') != NULL;
+    char line[700];
+    int n = snprintf(line, sizeof(line), "%s %s %s %d %" PRIu64 " %" PRIu64 "%s\n",
+                     idem_call_method(call), idem_call_caller(call), idem_call_key(call),
+                     (int)getpid(), idem_call_fence(call), chaos_now_ms(), tail);
+    bool ok = n > 0 && (size_t)n < sizeof(line) && write(effects_fd, line, (size_t)n) == n;
+    if (written != NULL) {
+        *written = ok;
+    }
+    return ok && (note || fdatasync(effects_fd) == 0);
+}
+
 /* The durable effect of a claim-mode method: a line per execution. */
 static idem_code effect_log(idem_call *call)
 {
-    char line[600];
-    int n = snprintf(line, sizeof(line), "%s %s %s %d %" PRIu64 " %" PRIu64 "\n",
-                     idem_call_method(call), idem_call_caller(call), idem_call_key(call),
-                     (int)getpid(), idem_call_fence(call), chaos_now_ms());
-    if (n <= 0 || (size_t)n >= sizeof(line) || write(effects_fd, line, (size_t)n) != n ||
-        fdatasync(effects_fd) != 0) {
+    if (!effect_write(call, "", NULL)) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "effect log write failed");
     }
     return IDEM_OK;
@@ -128,16 +147,85 @@ static idem_code add(idem_call *call, void *arg)
     return code != IDEM_OK ? code : reply_execution(call, IDEM_OK, "");
 }
 
+/* A step of chaos.Trip/Book. ran: its function wrote its effect line in this run. */
+typedef struct book_step {
+    const char *name;
+    bool ran;
+} book_step;
+
+static idem_code book_step_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    book_step *s = arg;
+    char tail[80], output[96];
+    snprintf(tail, sizeof(tail), " %s", s->name);
+    if (!effect_write(call, tail, &s->ran)) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "effect log write failed");
+    }
+    int n = snprintf(output, sizeof(output), "%s.%d.%" PRIu64, s->name, (int)getpid(),
+                     idem_call_fence(call));
+    if ((out->data = malloc((size_t)n)) == NULL) {
+        return idem_call_fail(call, IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(out->data, output, (size_t)n);
+    out->len = (size_t)n;
+    return IDEM_OK;
+}
+
+/* Runs (or replays) step s and notes how its record ended when it ran: "recorded" (its
+ * effect must never show again: a recorded step replays) or "unrecorded:CODE" (the
+ * checker's evidence of why its effect may show twice). */
+static idem_code book_step_run(idem_call *call, book_step *s, idem_step_result *out)
+{
+    idem_code code = idem_call_step(call, s->name, book_step_fn, s, out);
+    if (code == IDEM_OK) {
+        if (s->ran) {
+            char tail[80];
+            snprintf(tail, sizeof(tail), " %s recorded", s->name);
+            effect_write(call, tail, NULL); /* best effort: a missing note excuses nothing */
+        }
+        return IDEM_OK;
+    }
+    char why[256], tail[96];
+    snprintf(why, sizeof(why), "%s", idem_errmsg());
+    if (s->ran) {
+        snprintf(tail, sizeof(tail), " %s unrecorded:%s", s->name, idem_code_name(code));
+        effect_write(call, tail, NULL); /* best effort: a missing note excuses nothing */
+    }
+    return idem_call_fail(call, code, "step %s: %s", s->name, why);
+}
+
+static idem_code book(idem_call *call, void *arg)
+{
+    (void)arg;
+    book_step hold = {"hold", false}, pay = {"pay", false};
+    idem_step_result h = {0}, p = {0};
+    const char *key = idem_call_key(call);
+    idem_code code = book_step_run(call, &hold, &h);
+    if (code == IDEM_OK) {
+        chaos_sleep_ms(10 + chaos_digest(key, strlen(key)) % 51); /* a slow provider */
+        code = book_step_run(call, &pay, &p);
+    }
+    if (code == IDEM_OK) {
+        char extra[256];
+        snprintf(extra, sizeof(extra), " hold=%.*s pay=%.*s", (int)h.len, (const char *)h.data,
+                 (int)p.len, (const char *)p.data);
+        code = reply_execution(call, IDEM_OK, extra);
+    }
+    idem_step_result_clear(&h);
+    idem_step_result_clear(&p);
+    return code;
+}
+
 typedef struct serve_opts {
     const char *listen, *db, *pg, *redis, *effects;
-    uint64_t lease_ms, map_size;
+    uint64_t lease_ms, map_size, redrive_ms;
 } serve_opts;
 
 static int serve_usage(void)
 {
     fprintf(stderr, "usage: idemrpc-chaos --serve --listen URL --effects FILE "
                     "(--db DIR [--map-size BYTES] | --pg CONNINFO [--redis URL])\n"
-                    "                     [--lease-ms N]\n");
+                    "                     [--lease-ms N] [--redrive-ms N]\n");
     return CLI_USAGE_ERROR;
 }
 
@@ -151,6 +239,7 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
                                           {"effects", required_argument, NULL, 'e'},
                                           {"lease-ms", required_argument, NULL, 'L'},
                                           {"map-size", required_argument, NULL, 'm'},
+                                          {"redrive-ms", required_argument, NULL, 'R'},
                                           {NULL, 0, NULL, 0}};
     int c;
     optind = 1;
@@ -184,6 +273,12 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
                 return false;
             }
             break;
+        case 'R':
+            if (!cli_parse_u64("idemrpc-chaos", "--redrive-ms", optarg, 0, 600000,
+                               &so->redrive_ms)) {
+                return false;
+            }
+            break;
         default:
             return false;
         }
@@ -198,6 +293,7 @@ static idem_code serve_register(idem_server *srv, bool lmdb)
     idem_method_opts token = {.flags =
                                   IDEM_METHOD_TOKEN_REQUIRED | window | IDEM_METHOD_TRANSACTIONAL};
     idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | window};
+    idem_method_opts steps = {.flags = IDEM_METHOD_STEPS | window}; /* a claim, a key */
     idem_code code;
     if ((code = idem_server_register(srv, CHAOS_METHOD_TRANSFER, transfer, NULL, &tx)) != IDEM_OK) {
         return code;
@@ -205,7 +301,10 @@ static idem_code serve_register(idem_server *srv, bool lmdb)
     if ((code = idem_server_register(srv, CHAOS_METHOD_ORDER, order, NULL, &token)) != IDEM_OK) {
         return code;
     }
-    return idem_server_register(srv, CHAOS_METHOD_ADD, add, NULL, &cached);
+    if ((code = idem_server_register(srv, CHAOS_METHOD_ADD, add, NULL, &cached)) != IDEM_OK) {
+        return code;
+    }
+    return idem_server_register(srv, CHAOS_METHOD_BOOK, book, NULL, &steps);
 }
 
 int chaos_serve(int argc, char **argv)
@@ -232,7 +331,8 @@ int chaos_serve(int argc, char **argv)
     o.workers = 8;
     o.sweep_interval_ms = 3600 * 1000; /* the checker reads every record the run wrote */
     o.db_path = so.db;
-    o.map_size = (size_t)so.map_size; /* the agent's too: its full is ours */
+    o.map_size = (size_t)so.map_size;      /* the agent's too: its full is ours */
+    o.redrive_interval_ms = so.redrive_ms; /* the lease stays the campaign's */
     if (so.pg != NULL &&
         (idem_store_open_postgres(&pg, so.pg, 8) != IDEM_OK ||
          (so.redis != NULL && idem_debounce_create(&window, so.redis, 200) != IDEM_OK))) {

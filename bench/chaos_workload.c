@@ -5,9 +5,13 @@
  * A logical operation (one caller, one key or token, one payload) is queued in copies:
  * one, two (a double click), ten (a payment callback redelivered), or one impatient
  * copy; a cached add is sometimes also sent by a second caller under the same key
- * (keys are scoped by caller: each must get its own result). Idle threads take copies
- * from the queue, so the copies of one operation run concurrently. Every operation
- * stays in `ops` for the settle pass, which retries the undecided ones. */
+ * (keys are scoped by caller: each must get its own result). A journaled Book is
+ * abandoned four times in ten (one impatient copy, mode "abandoned"): its client never
+ * comes back, so when a kill lands between its steps only the servers' re-driver can
+ * finish it. Idle threads take copies from the queue, so the copies of one operation
+ * run concurrently. Every operation stays in `ops` for the settle pass, which retries
+ * the undecided ones, except abandoned Books (the checker reads their outcome from the
+ * store: the re-driver's work). */
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -18,13 +22,14 @@
 
 #include "chaos.h"
 
-typedef enum op_kind { OP_TRANSFER, OP_ORDER, OP_ADD } op_kind;
+typedef enum op_kind { OP_TRANSFER, OP_ORDER, OP_ADD, OP_BOOK } op_kind;
 
 typedef struct op {
     op_kind kind;
     uint64_t id;
     char caller[64], key[160], payload[64]; /* key: the idempotency key or the token */
     bool decided;
+    bool abandoned; /* a Book whose client gave up: the settle pass leaves it alone */
 } op;
 
 typedef struct copy {
@@ -57,7 +62,8 @@ static const char *method_of(op_kind k)
 {
     return k == OP_TRANSFER ? CHAOS_METHOD_TRANSFER
            : k == OP_ORDER  ? CHAOS_METHOD_ORDER
-                            : CHAOS_METHOD_ADD;
+           : k == OP_ADD    ? CHAOS_METHOD_ADD
+                            : CHAOS_METHOD_BOOK;
 }
 
 static bool definitive(idem_code c)
@@ -213,7 +219,7 @@ static op *generate(worker *w, bool *impatient)
 {
     char caller[64];
     uint64_t pick = chaos_between(&w->rng, 0, 99), copies = chaos_between(&w->rng, 0, 99);
-    op_kind kind = pick < 40 ? OP_TRANSFER : pick < 65 ? OP_ORDER : OP_ADD;
+    op_kind kind = pick < 35 ? OP_TRANSFER : pick < 57 ? OP_ORDER : pick < 80 ? OP_ADD : OP_BOOK;
     snprintf(caller, sizeof(caller), "%s-c%zu", cfg->run, w->index);
     op *o = op_new(kind, caller);
     if (o == NULL) {
@@ -234,7 +240,8 @@ static op *generate(worker *w, bool *impatient)
     } else {
         snprintf(o->payload, sizeof(o->payload), "%" PRIu64, chaos_between(&w->rng, 1, 9));
     }
-    *impatient = copies < 10;
+    *impatient = copies < 10 || (kind == OP_BOOK && copies < 40);
+    o->abandoned = kind == OP_BOOK && *impatient;
     if (copies >= 70 && copies < 85) {
         push(o, false); /* a double click */
     } else if (copies >= 85 && copies < 90) {
@@ -262,7 +269,7 @@ static void *worker_main(void *arg)
             continue;
         }
         if (c.impatient) {
-            call_once(w->impatient, c.o, "impatient", 30);
+            call_once(w->impatient, c.o, c.o->abandoned ? "abandoned" : "impatient", 30);
         } else {
             run_patiently(w->patient, c.o, 8000, "patient");
         }
@@ -295,9 +302,13 @@ static void tally(chaos_totals *out)
     pthread_mutex_lock(&wl.mu);
     out->calls = wl.calls;
     out->ops = wl.n_ops;
-    out->decided = out->undecided = 0;
+    out->decided = out->undecided = out->abandoned = 0;
     for (size_t i = 0; i < wl.n_ops; i++) {
-        (wl.ops[i]->decided ? &out->decided : &out->undecided)[0]++;
+        if (wl.ops[i]->abandoned && !wl.ops[i]->decided) {
+            out->abandoned++; /* left to the re-driver, judged from the store */
+        } else {
+            (wl.ops[i]->decided ? &out->decided : &out->undecided)[0]++;
+        }
     }
     pthread_mutex_unlock(&wl.mu);
 }
@@ -342,7 +353,7 @@ static void *settle_main(void *arg)
         if (o == NULL) {
             return NULL;
         }
-        if (!o->decided && chaos_now_ms() < settle_deadline) {
+        if (!o->decided && !o->abandoned && chaos_now_ms() < settle_deadline) {
             run_patiently(w->patient, o, 15000, "settle");
         }
     }
