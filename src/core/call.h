@@ -308,9 +308,10 @@ idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_cal
 /* No record of this request: delete the listing only (the journal stays for a retry). */
 idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
                              idem__redrive_verdict *verdict);
-/* This request's IN_PROGRESS record: count a re-run, unless it had max_runs. */
+/* This request's IN_PROGRESS record: count a re-run, unless it had max_runs; refund:
+ * take one back (a re-run that never reached the handler: a full store, a live owner). */
 idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                                idem__redrive_verdict *verdict);
+                                bool refund, idem__redrive_verdict *verdict);
 /* After a release: unlists the call (steps.c), keeping its journal. */
 idem_code idem__call_steps_unlist(idem_call *call);
 

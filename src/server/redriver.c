@@ -84,6 +84,15 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
              jc->runs + 1, r->cfg.max_runs, how, idem_code_name(c->code),
              c->message != NULL ? ": " : "", c->message != NULL ? c->message : "");
     log_call(r, c->executed ? IDEM_LOG_ERROR : IDEM_LOG_INFO, jc, what);
+    /* A re-run turned away before the handler by something passing (a full or
+     * unreachable store, a live owner) does not count against redrive_max_runs. */
+    bool passing = c->code == IDEM_UNAVAILABLE || c->code == IDEM_RESOURCE_EXHAUSTED ||
+                   c->code == IDEM_ABORTED;
+    idem__redrive_verdict v;
+    if (!c->executed && !c->replayed && passing &&
+        idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, true, &v) != IDEM_OK) {
+        log_failure(r, "taking back a re-run that did not run");
+    }
     idem__observe_redrive(r->cfg.rt->obs, c->executed ? IDEM__REDRIVE_RAN : IDEM__REDRIVE_OTHER);
     idem__dispatch_done(r->cfg.dispatch, &s);
 }
@@ -96,7 +105,7 @@ static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
     if (m == NULL || !(m->opts.flags & IDEM_METHOD_STEPS)) {
         return true; /* another server's method on this store; its re-driver may run it */
     }
-    if (idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, &v) != IDEM_OK) {
+    if (idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, false, &v) != IDEM_OK) {
         log_failure(r, "counting a re-run");
         return false;
     }

@@ -314,6 +314,7 @@ typedef struct redrive_args {
     const idem__journaled_call *jc;
     journal j;
     unsigned max_runs;
+    bool refund; /* count_run: take back a re-run that did not run the handler */
     idem__redrive_verdict verdict;
 } redrive_args;
 
@@ -374,25 +375,28 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
     unsigned runs = ((const uint8_t *)v)[3];
-    if (runs > a->max_runs) {
-        return IDEM_OK; /* given up before, and said so */
+    if (runs > a->max_runs || (a->refund && runs == 0)) {
+        return IDEM_OK; /* given up before, and said so; or nothing to take back */
     }
     uint8_t *copy = malloc(n);
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     memcpy(copy, v, n);
-    copy[3] = (uint8_t)(runs + 1); /* runs == max_runs: max_runs + 1 marks "gave up" */
-    a->verdict = runs < a->max_runs ? IDEM__REDRIVE_GO : IDEM__REDRIVE_GAVE_UP;
+    /* runs == max_runs: max_runs + 1 marks "gave up" */
+    copy[3] = (uint8_t)(a->refund ? runs - 1 : runs + 1);
+    a->verdict = a->refund            ? IDEM__REDRIVE_DONE
+                 : runs < a->max_runs ? IDEM__REDRIVE_GO
+                                      : IDEM__REDRIVE_GAVE_UP;
     code = idem_txn_put(t, STEPS_DB, a->j.call_key, JKEY, copy, n);
     free(copy);
     return code;
 }
 
 static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                               idem_txn_fn fn, idem__redrive_verdict *verdict)
+                               bool refund, idem_txn_fn fn, idem__redrive_verdict *verdict)
 {
-    redrive_args a = {.jc = jc, .max_runs = max_runs};
+    redrive_args a = {.jc = jc, .max_runs = max_runs, .refund = refund};
     journal_of_base(jc->base, &a.j);
     idem_code code = idem_store_run_txn(st, fn, &a);
     *verdict = code == IDEM_OK ? a.verdict : IDEM__REDRIVE_SKIP;
@@ -402,19 +406,19 @@ static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, u
 idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
                                        idem__redrive_verdict *verdict)
 {
-    return redrive_write(st, jc, 0, forget_completed_txn, verdict);
+    return redrive_write(st, jc, 0, false, forget_completed_txn, verdict);
 }
 
 idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
                              idem__redrive_verdict *verdict)
 {
-    return redrive_write(st, jc, 0, unlist_txn, verdict);
+    return redrive_write(st, jc, 0, false, unlist_txn, verdict);
 }
 
 idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                                idem__redrive_verdict *verdict)
+                                bool refund, idem__redrive_verdict *verdict)
 {
-    return redrive_write(st, jc, max_runs, count_run_txn, verdict);
+    return redrive_write(st, jc, max_runs, refund, count_run_txn, verdict);
 }
 
 idem_code idem__call_steps_unlist(idem_call *call)
