@@ -98,9 +98,14 @@ bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const i
     return run(d, frame, len, peer, opts, false, out);
 }
 
-void idem__dispatch_done(idem_dispatch *d, idem_served *s)
+void idem__dispatch_count(idem_dispatch *d, const idem_served *s)
 {
     idem__observe_call(d->cfg.rt->obs, &s->call, idem__mono_us() - s->start_us);
+}
+
+void idem__dispatch_done(idem_dispatch *d, idem_served *s)
+{
+    idem__dispatch_count(d, s);
     idem__dispatch_discard(s);
 }
 

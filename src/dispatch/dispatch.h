@@ -99,7 +99,10 @@ void idem__dispatch_reject(idem_dispatch *d, idem_served *out, const char *reaso
                            const char *message);
 /* The answer for a call turned away by back-pressure, with retry-after-ms. */
 void idem__dispatch_busy(idem_dispatch *d, idem_served *out);
-/* Counts and logs the call, then frees it. */
+/* Counts and logs the call: before its answer leaves, so that what a client saw is
+ * already in the metrics. */
+void idem__dispatch_count(idem_dispatch *d, const idem_served *s);
+/* idem__dispatch_count, then frees it. */
 void idem__dispatch_done(idem_dispatch *d, idem_served *s);
 
 #endif

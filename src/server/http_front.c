@@ -208,8 +208,9 @@ static void http_job_answer(idem_job *job)
         idem__call_reset_response(&job->s.call);
         idem_call_fail(&job->s.call, IDEM_INTERNAL, "out of memory loading the replay");
     }
+    idem__dispatch_count(j->h->d, &job->s);
     respond(j->aio, &job->s.call);
-    idem__dispatch_done(j->h->d, &job->s);
+    idem__dispatch_discard(&job->s);
     http_job_free(j);
 }
 
@@ -343,8 +344,9 @@ uint8_t *idem__http_request_frame(nng_http_req *req, const char *caller_header, 
 
 static void respond_now(nng_aio *aio, idem_http *h, idem_served *s)
 {
+    idem__dispatch_count(h->d, s);
     respond(aio, &s->call);
-    idem__dispatch_done(h->d, s);
+    idem__dispatch_discard(s);
 }
 
 /* POST /{package.Service}/{Method}: runs on nng's thread, so it only hands over. */
