@@ -719,7 +719,9 @@ static void read_journals(idem_store *st)
     }
 }
 
-/* The servers' re-runs (error level: "redrive method=... ran it again ...: CODE"). */
+/* The servers' re-runs: "redrive method=... from its stored request: HOW: CODE", HOW
+ * "ran it again" (the error level), "another run had finished it: replayed its
+ * outcome" or "did not run it" (the info level, only in logs at that level). */
 static void read_redrives(const chaos_cfg *cfg)
 {
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
@@ -729,10 +731,12 @@ static void read_redrives(const chaos_cfg *cfg)
         FILE *f = fopen(path, "r");
         while (f != NULL && getline(&line, &cap, f) > 0) {
             const char *p = strstr(line, "redrive method=");
-            const char *r = p != NULL ? strstr(p, "ran it again from its stored request: ") : NULL;
+            const char *r = p != NULL ? strstr(p, "from its stored request: ") : NULL;
             if (r != NULL) {
-                r += strlen("ran it again from its stored request: ");
-                ck.bk.redrives[strncmp(r, "OK", 2) != 0 ? 2 : strstr(r, "(replayed)") ? 1 : 0]++;
+                r += strlen("from its stored request: ");
+                ck.bk.redrives[strncmp(r, "ran it again: OK", 16) == 0              ? 0
+                               : strncmp(r, "another run had finished it", 27) == 0 ? 1
+                                                                                    : 2]++;
             }
         }
         free(line);
