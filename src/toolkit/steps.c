@@ -181,22 +181,56 @@ static idem_code record_txn(idem_txn *t, void *arg)
     return code == IDEM_NOT_FOUND ? put_call(t, &a->j, a->call) : code;
 }
 
-/* Records the step, retrying an unreachable (UNAVAILABLE) or full (RESOURCE_EXHAUSTED)
- * store for up to STEP_RECORD_RETRY_MS. Each attempt checks the claim again in its txn,
- * so a run that lost its claim meanwhile gets ABORTED; an attempt whose commit did land
- * but was not acknowledged is repeated harmlessly (the same output, still our claim). */
+/* Riding out a store outage (or a full store) for up to STEP_RECORD_RETRY_MS: a step
+ * that fails transiently releases its call, and the journal then waits for a client
+ * retry that may never come. */
+typedef struct outage {
+    uint64_t give_up, backoff;
+} outage;
+
+static outage outage_start(void)
+{
+    return (outage){.give_up = idem__mono_ms() + STEP_RECORD_RETRY_MS, .backoff = 10};
+}
+
+/* True, after a pause, when a transient failure is worth another attempt. */
+static bool outage_again(outage *o, bool transient)
+{
+    if (!transient || idem__mono_ms() + o->backoff > o->give_up) {
+        return false;
+    }
+    idem__sleep_ms(o->backoff);
+    o->backoff = o->backoff * 2 > 500 ? 500 : o->backoff * 2;
+    return true;
+}
+
+/* Records the step. Each attempt checks the claim again in its txn, so a run that lost
+ * its claim meanwhile gets ABORTED; an attempt whose commit did land but was not
+ * acknowledged is repeated harmlessly (the same output, still our claim). */
 static idem_code record_retrying(idem_call *call, record_args *a)
 {
-    uint64_t give_up = idem__mono_ms() + STEP_RECORD_RETRY_MS, backoff = 10;
-    for (;;) {
-        idem_code code = idem_store_run_txn(call->claim_store, record_txn, a);
-        bool again = code == IDEM_UNAVAILABLE || (code == IDEM_RESOURCE_EXHAUSTED && !a->too_many);
-        if (!again || idem__mono_ms() + backoff > give_up) {
-            return code;
+    outage o = outage_start();
+    idem_code code;
+    do {
+        code = idem_store_run_txn(call->claim_store, record_txn, a);
+    } while (outage_again(&o, code == IDEM_UNAVAILABLE ||
+                                  (code == IDEM_RESOURCE_EXHAUSTED && !a->too_many)));
+    return code;
+}
+
+/* The step's recorded output (IDEM_OK), or IDEM_NOT_FOUND while the claim is still
+ * this run's (fn may run); ABORTED when it is not. */
+static idem_code look_up(idem_call *call, const record_args *a, void **v, size_t *n)
+{
+    outage o = outage_start();
+    idem_code code;
+    do {
+        code = idem_store_app_get(call->claim_store, STEPS_DB, a->j.step_key, JKEY, v, n);
+        if (code == IDEM_NOT_FOUND && (code = claim_held(NULL, call, call->fence)) == IDEM_OK) {
+            code = IDEM_NOT_FOUND;
         }
-        idem__sleep_ms(backoff);
-        backoff = backoff * 2 > 500 ? 500 : backoff * 2;
-    }
+    } while (outage_again(&o, code == IDEM_UNAVAILABLE));
+    return code;
 }
 
 void idem_step_result_clear(idem_step_result *r)
@@ -237,7 +271,7 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
     if (code != IDEM_OK || (code = journal_keys(call, step, &a.j)) != IDEM_OK) {
         return code;
     }
-    code = idem_store_app_get(call->claim_store, STEPS_DB, a.j.step_key, JKEY, &v, &n);
+    code = look_up(call, &a, &v, &n);
     if (code == IDEM_OK) { /* an earlier run recorded it */
         out->data = v;
         out->len = n;
@@ -246,8 +280,7 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
     }
     /* Not ours any more (a takeover, or the call's outcome is recorded): fn must not
      * run. The record txn checks again, as the claim may go while fn runs. */
-    if (code != IDEM_NOT_FOUND || (code = claim_held(NULL, call, call->fence)) != IDEM_OK ||
-        (code = fn(call, arg, out)) != IDEM_OK) {
+    if (code != IDEM_NOT_FOUND || (code = fn(call, arg, out)) != IDEM_OK) {
         idem_step_result_clear(out);
         return code;
     }
