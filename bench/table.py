@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""README's performance tables from several `idemrpc-bench --csv` runs of the default grid.
+
+    bench/table.py run1.csv run2.csv run3.csv
+
+Each cell is "median (min-max)" over the runs: calls/s for a, f and v, the ratio to a
+of the same run for the others. Then the issue-15 targets, each with its verdict.
+Only the standard library: python3 is all it needs."""
+import csv
+import statistics
+import sys
+
+
+def load(paths):
+    rows = {}  # (scenario letter, transport, clients, payload) -> [row per run]
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                key = (r["scenario"][0], r["transport"], int(r["clients"]), int(r["payload"]))
+                rows.setdefault(key, []).append(r)
+    return rows
+
+
+def values(rows, key, field):
+    return [float(r[field]) for r in rows.get(key, []) if r[field] not in ("", "-")]
+
+
+def cell(vals, digits):
+    if not vals:
+        return "-"
+    fmt = "{:,.0f}" if digits == 0 else "{:.%df}" % digits
+    med, lo, hi = statistics.median(vals), min(vals), max(vals)
+    s = fmt.format(med).replace(",", " ")
+    return s if len(vals) == 1 else "%s (%s–%s)" % (s, fmt.format(lo).replace(",", " "),
+                                                     fmt.format(hi).replace(",", " "))
+
+
+NAMES = {
+    "a": "a: bare nng echo (calls/s)",
+    "b": "b: new keys, durable, one commit per write",
+    "c": "c: new keys, durable, group commit (default)",
+    "d": "d: new keys, MDB_NOSYNC",
+    "e": "e: replay of stored results",
+    "r": "r: Redis peer, new keys, appendfsync always",
+    "s": "s: Redis peer, replay, always",
+    "t": "t: Redis peer, new keys, everysec",
+    "u": "u: Redis peer, replay, everysec",
+}
+
+
+def grid(rows, payload, letters, transports, clients):
+    cols = [(t, k) for t in transports for k in clients]
+    print("| scenario (%s payload) | %s |" % (size(payload), " | ".join("%s %d" % c for c in cols)))
+    print("|---|%s" % ("---|" * len(cols)))
+    for l in letters:
+        field, digits = ("calls_per_s", 0) if l == "a" else ("ratio_vs_a", 2)
+        cells = [cell(values(rows, (l, t, k, payload), field), digits) for t, k in cols]
+        if any(c != "-" for c in cells):
+            print("| %s | %s |" % (NAMES[l], " | ".join(cells)))
+    print()
+
+
+def size(n):
+    return "%d MiB" % (n >> 20) if n >= 1 << 20 else "%d KiB" % (n >> 10) if n >= 1024 else "%d B" % n
+
+
+def cost(rows, transport, clients):
+    print("| cost per call (%s, %d clients, 64 B) | CPU µs | vcsw | ivcsw | rwsys | allocs |" %
+          (transport, clients))
+    print("|---|---|---|---|---|---|")
+    for l in "acdrse":
+        key = (l, transport, clients, 64)
+        if key in rows:
+            print("| %s | %s | %s | %s | %s | %s |" % (NAMES[l].split(" (")[0], *(
+                cell(values(rows, key, f), d) for f, d in (("cpu_us_per_call", 0),
+                    ("vcsw_per_call", 1), ("ivcsw_per_call", 1), ("rw_syscalls_per_call", 1),
+                    ("allocs_per_call", 0)))))
+    print()
+
+
+def targets(rows, transport):
+    def med(l, k, p=64, field="ratio_vs_a"):
+        v = values(rows, (l, transport, k, p), field)
+        return statistics.median(v) if v else None
+
+    def vs(x, y, k):  # x's calls/s over y's, per run, median
+        xs = values(rows, (x, transport, k, 64), "calls_per_s")
+        ys = values(rows, (y, transport, k, 64), "calls_per_s")
+        return statistics.median([a / b for a, b in zip(xs, ys)]) if xs and ys else None
+
+    def ctx(l, k):
+        v = [a + b for a, b in zip(values(rows, (l, transport, k, 64), "vcsw_per_call"),
+                                   values(rows, (l, transport, k, 64), "ivcsw_per_call"))]
+        return statistics.median(v) if v else None
+
+    checks = [("e/a at 64 B, %d clients" % k, med("e", k), 0.93, ">=") for k in (1, 16, 64)]
+    checks += [("e/a at 64 KiB, 1 client", med("e", 1, 65536), 0.7, ">="),
+               ("e/a at 1 MiB, 1 client", med("e", 1, 1 << 20), 0.4, ">="),
+               ("c/a at 1 client", med("c", 1), 0.22, ">="),
+               ("c/a at 16 clients", med("c", 16), 0.5, ">="),
+               ("c/a at 64 clients", med("c", 64), 0.5, ">="),
+               ("d/a at 16 clients", med("d", 16), 0.55, ">="),
+               ("context switches per new key (d, 16 clients, client + server)", ctx("d", 16), 5, "<="),
+               ("context switches per new key (c, 16 clients, client + server)", ctx("c", 16), 5, "<="),
+               ("c vs Redis new keys, always (16 clients)", vs("c", "r", 16), 1.0, ">="),
+               ("e vs Redis replay (16 clients)", vs("e", "s", 16), 1.0, ">=")]
+    print("| target (%s, medians) | goal | measured | |" % transport)
+    print("|---|---|---|---|")
+    for name, got, goal, op in checks:
+        if got is None:
+            print("| %s | %s %s | not run | |" % (name, op.replace(">=", "≥").replace("<=", "≤"), goal))
+            continue
+        ok = got >= goal if op == ">=" else got <= goal
+        print("| %s | %s %s | %.2f | %s |" % (name, op.replace(">=", "≥").replace("<=", "≤"), goal,
+                                                got, "met" if ok else "missed"))
+    print()
+
+
+def main(paths):
+    rows = load(paths)
+    transports = [t for t in ("tcp", "ipc") if any(k[1] == t for k in rows)]
+    print("%d runs: %s\n" % (len(paths), ", ".join(paths)))
+    grid(rows, 64, "abcdersut", transports, (1, 16, 64))
+    for p in (4096, 65536, 1 << 20):
+        if any(k[3] == p for k in rows):
+            grid(rows, p, "aes", transports, (1,))
+    lim = [(l, p) for l in "fv" for p in (64,) if (l, "-", 1, p) in rows]
+    if lim:
+        print("| the disk's limits (64 B, 1 thread) | ops/s |\n|---|---|")
+        for l, p in lim:
+            label = "f: raw LMDB put + durable commit" if l == "f" else "v: pwrite + fdatasync"
+            print("| %s | %s |" % (label, cell(values(rows, (l, "-", 1, p), "calls_per_s"), 0)))
+        print()
+    for t in transports:
+        cost(rows, t, 16)
+    for t in transports:
+        targets(rows, t)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: bench/table.py RUN.csv [RUN.csv ...]")
+    main(sys.argv[1:])
