@@ -205,13 +205,24 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
     return record_result(call, cfg, key, owner, txn);
 }
 
-/* The outcome is recorded: the journaled steps of the call have served (a failure to
- * delete them only leaves them behind, logged; a re-driver deletes them later). A
- * release keeps them for the retry and only takes the call off the re-driver's list. */
-static void end_steps(idem_call *call, bool released)
+/* Journaled steps at the end of a run (IDEM_METHOD_STEPS). A release keeps them for the
+ * retry and first takes the call off the re-driver's list (the claim still live: a
+ * transient failure is the client's to retry), except when the re-driver ran it: its
+ * client is gone, so the re-driver tries again within its budget. A recorded outcome
+ * deletes them (a failure only leaves them behind, logged; a re-driver deletes them
+ * later). Failures are logged, never the call's answer. */
+static void steps_before_release(idem_call *call)
+{
+    if ((call->method->opts.flags & IDEM_METHOD_STEPS) && call->pinned_key == NULL &&
+        idem__call_steps_unlist(call) != IDEM_OK) {
+        log_error(call, idem_errmsg());
+    }
+}
+
+static void steps_after_outcome(idem_call *call)
 {
     if ((call->method->opts.flags & IDEM_METHOD_STEPS) &&
-        (released ? idem__call_steps_unlist(call) : idem__call_steps_forget(call)) != IDEM_OK) {
+        idem__call_steps_forget(call) != IDEM_OK) {
         log_error(call, idem_errmsg());
     }
 }
@@ -249,8 +260,13 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
         st = record_result(call, cfg, key, owner, txn); /* effect and record together */
     } else if (txn != NULL) {
         st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
-    } else if ((st = record_retrying(call, cfg, key, owner, !released)) == IDEM_OK) {
-        end_steps(call, released);
+    } else {
+        if (released) {
+            steps_before_release(call);
+        }
+        if ((st = record_retrying(call, cfg, key, owner, !released)) == IDEM_OK && !released) {
+            steps_after_outcome(call);
+        }
     }
     call->claim_store = NULL;
     /* Renewed until now: recording may retry through a store outage for longer than a
@@ -311,8 +327,8 @@ static idem_code wait_for_owner(idem_call *call, const idem_cache_cfg *cfg, idem
         call->wait_until_ms = wait_until(call, cfg);
         call->poll_ms = POLL_MS;
     }
-    if (now >= call->wait_until_ms || call->park_refused) {
-        return answer_in_progress(call);
+    if (now >= call->wait_until_ms || call->park_refused || call->pinned_key != NULL) {
+        return answer_in_progress(call); /* a re-driven call does not wait: it is no retry */
     }
     uint64_t wake = now + call->poll_ms;
     wake = wake < call->wait_until_ms ? wake : call->wait_until_ms;

@@ -84,13 +84,13 @@ static idem_code keyless(idem_call *call, void *arg)
 static atomic_int reserves, charged, checkout_runs, fail_between, fail_after, step_refusals;
 static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
-static atomic_int stall_first;                    /* the first run stalls before its charge step */
-static bool second_charged;                       /* the run that took over recorded its charge */
-static bool first_done;                           /* the stalled run's charge step returned */
-static atomic_int abandon_first;                  /* the first run stalls between its steps */
-static bool abandoned_released;                   /* ... until the test lets it go on */
-static bool woken_done;                           /* ... and its steps have returned */
-static bool redriven, journal_removed, not_rerun; /* the re-driver said so in its log */
+static atomic_int stall_first;   /* the first run stalls before its charge step */
+static bool second_charged;      /* the run that took over recorded its charge */
+static bool first_done;          /* the stalled run's charge step returned */
+static atomic_int abandon_first; /* the first run stalls between its steps */
+static bool abandoned_released;  /* ... until the test lets it go on */
+static bool woken_done;          /* ... and its steps have returned */
+static bool redriven, redriven_ok, journal_removed, not_rerun; /* the re-driver's log said */
 
 static idem_code numbered(idem_step_result *out, char tag, int n)
 {
@@ -472,6 +472,9 @@ static void redriver_log(void *arg, idem_log_level level, const char *line)
     if (strstr(line, "redrive") != NULL && strstr(line, "ran it again") != NULL) {
         cr_log_info("%s", line);
         raise_flag(&redriven);
+        if (strstr(line, "ran it again: OK") != NULL) {
+            raise_flag(&redriven_ok);
+        }
     } else if (strstr(line, "removed the step journal") != NULL) {
         raise_flag(&journal_removed);
     } else if (strstr(line, "redrive") != NULL && strstr(line, "did not run it") != NULL) {
@@ -622,6 +625,61 @@ Test(hops, a_released_call_keeps_its_journal_for_the_retry)
     cr_expect_eq(atomic_load(&charged), 1, "charged once over two runs");
     idem_result_clear(&r);
     redriving_server_destroy(&rd, &rd_store);
+}
+
+/* The re-run of an abandoned call fails transiently between its steps: its client is
+ * gone, so the release keeps it listed, and the next pass runs it again (within
+ * redrive_max_runs): the reserve replays, the charge runs once, the outcome is stored. */
+Test(hops, a_rerun_released_after_a_transient_failure_is_run_again)
+{
+    tu_server rd;
+    tu_backend rd_store = {0};
+    idem_result r;
+    redriving_server(&rd, &rd_store, 0);
+    atomic_store(&abandon_first, 1);
+    atomic_store(&fail_between, 1); /* run 1 stalls before it gets there: run 2 fails */
+    cr_assert_neq(checkout_at(rd.url, "cart-again", 1, 100, &r), IDEM_OK, "the client gave up");
+    idem_result_clear(&r);
+    await_flag(&redriven_ok);
+    cr_assert(redriven_ok, "a second re-run finished the call");
+    cr_expect_eq(atomic_load(&checkout_runs), 3);
+    cr_expect_eq(atomic_load(&reserves), 1);
+    cr_expect_eq(atomic_load(&charged), 1);
+    cr_assert_eq(checkout_at(rd.url, "cart-again", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect(r.replayed);
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
+    raise_flag(&abandoned_released);
+    redriving_server_destroy(&rd, &rd_store);
+}
+
+/* A run that stalled past its lease runs no further step even before anyone took the
+ * call over: a takeover may start it again any moment. */
+Test(hops, a_run_past_its_lease_starts_no_step)
+{
+    idem_result r;
+    idem_record rec;
+    idem_key_ref k = {"", "order.Order/Checkout", "cart-lapsed"};
+    atomic_store(&abandon_first, 1);
+    cr_assert_neq(checkout_call("cart-lapsed", 1, 100, &r), IDEM_OK);
+    idem_result_clear(&r);
+    for (int i = 0; i < 500; i++) { /* until the lease has run out (max_run_ms 150) */
+        cr_assert_eq(idem_store_get(idem_server_store(order.srv), &k, &rec), IDEM_OK);
+        uint64_t now = rec.now_ms ? rec.now_ms : (uint64_t)time(NULL) * 1000;
+        bool lapsed = rec.lease_until_ms + 1000 < now; /* a second of margin: whole seconds */
+        idem_record_clear(&rec);
+        if (lapsed) {
+            break;
+        }
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL); /* the clock: polled */
+    }
+    raise_flag(&abandoned_released);
+    await_flag(&woken_done);
+    cr_expect_eq(atomic_load(&step_refusals), 1, "the lapsed run's charge step was refused");
+    cr_expect_eq(atomic_load(&charged), 0, "... before its fn ran");
+    cr_assert_eq(checkout_call("cart-lapsed", 5, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R1 C1 (reserve replayed)");
+    idem_result_clear(&r);
 }
 
 /* A re-run claims the record its first run claimed, or nothing: when the request now

@@ -177,13 +177,17 @@ typedef struct idem_server_opts {
     bool require_verified_caller;
     /* ---- the re-driver (README "Calling other services") ----
      * 0 (default): off; a call whose owner died waits for its client's retry. Else,
-     * calls of IDEM_METHOD_STEPS methods that record a step are listed (with their
-     * request) until their outcome is recorded or they are released, and every
+     * calls of IDEM_METHOD_STEPS methods that record or replay a step are listed (with
+     * their packed request, payload and metadata included) until their outcome is
+     * recorded or their client's run releases them, and every
      * redrive_interval_ms the server looks at up to redrive_batch of them. One whose
      * owner's lease has run out (the process died, or the handler outlived its
      * max_run_ms) is run again from its stored request: one at a time, on a thread of
      * its own, as the caller and under the key its first run had, with its method's
-     * max_run_ms (else the server's) as its deadline, at most redrive_max_runs times.
+     * max_run_ms (else the server's) as its deadline, at most redrive_max_runs times
+     * (a re-run released after a transient failure stays listed and is run again).
+     * On a store shared by several instances, turn it on in all of them: calls an
+     * instance without it serves are not listed.
      * Recorded steps replay, the rest run, and the outcome is stored for the client's
      * retry. It also deletes step journals that outlived their call's outcome. Re-runs
      * that ran the handler are logged at the error level; all are counted

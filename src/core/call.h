@@ -290,7 +290,8 @@ typedef struct idem__journaled_call {
 #define IDEM__JOURNAL_CURSOR 33
 /* The next listed call after cursor (all zero: the first), advancing it;
  * IDEM_NOT_FOUND at the end of a round (cursor reset), IDEM_DATA_LOSS for an entry
- * that cannot be read (cursor past it; the listing is dropped, the journal kept). */
+ * that cannot be read (cursor past it; the listing is dropped, the journal kept),
+ * IDEM_UNIMPLEMENTED for a newer version's (cursor past it, left alone). */
 idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[IDEM__JOURNAL_CURSOR],
                                 idem__journaled_call *out);
 void idem__journaled_call_clear(idem__journaled_call *c);
@@ -305,14 +306,17 @@ typedef enum idem__redrive_verdict {
 /* The record is this request's and COMPLETED: delete the whole journal. */
 idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
                                        idem__redrive_verdict *verdict);
-/* No record of this request: delete the listing only (the journal stays for a retry). */
+/* Another request's record under the key: delete the listing only (the journal stays
+ * for this request's retry). */
 idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
                              idem__redrive_verdict *verdict);
-/* This request's IN_PROGRESS record: count a re-run, unless it had max_runs; refund:
- * take one back (a re-run that never reached the handler: a full store, a live owner). */
+/* This request's IN_PROGRESS record with its lease run out, or no record (a re-run
+ * released it): count a re-run, unless it had max_runs. refund: take one back (a re-run
+ * that never reached the handler: a full store, a live owner). */
 idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
                                 bool refund, idem__redrive_verdict *verdict);
-/* After a release: unlists the call (steps.c), keeping its journal. */
+/* Before its owner releases it: unlists the call (steps.c), keeping its journal; while
+ * the claim is live, so that no re-driver can take the release for its own re-run's. */
 idem_code idem__call_steps_unlist(idem_call *call);
 
 /* The default: SHA-256(method ‖ 0 ‖ payload). */

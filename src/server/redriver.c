@@ -5,7 +5,8 @@
  * its journal (steps.c) while it may still need finishing, and this thread looks at up
  * to redrive_batch listed calls every interval, and for each:
  *
- *   this request's record, IN_PROGRESS, lease expired → count a re-run (at most
+ *   this request's record, IN_PROGRESS, lease expired, or no record while listed (a
+ *       re-run of it was released after a transient failure) → count a re-run (at most
  *       redrive_max_runs: a request that kills its process cannot crash-loop it) and
  *       run the stored request again through the whole chain, as its first run's
  *       caller, under its first run's key, with a new deadline: the claim takes the
@@ -15,8 +16,8 @@
  *   this request's record, COMPLETED → the outcome is recorded but the journal
  *       outlived it (deleting it at completion failed): delete it, or a later call with
  *       the same key, once the record is gone, would replay its steps
- *   no record of this request (released, deleted, or the key since another request's)
- *       → unlist it: the journal stays for the client's retry
+ *   the key now another request's → unlist it: the journal stays for this request's
+ *       retry
  *   lease alive → leave it to its owner
  *
  * Each write re-reads the record in its own txn, so a claim, completion or sweep
@@ -97,13 +98,13 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
     idem__dispatch_done(r->cfg.dispatch, &s);
 }
 
-/* An abandoned call: re-run it, unless it had its re-runs. */
+/* An abandoned call: re-run it, unless it had its re-runs. false: the store failed. */
 static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
 {
     const idem_method *m = r->cfg.find_method(r->cfg.find_arg, jc->key_ref.method);
     idem__redrive_verdict v;
-    if (m == NULL || !(m->opts.flags & IDEM_METHOD_STEPS)) {
-        return true; /* another server's method on this store; its re-driver may run it */
+    if (m == NULL || !(m->opts.flags & IDEM_METHOD_STEPS) || jc->runs > r->cfg.max_runs) {
+        return true; /* another server's method on this store; or given up before */
     }
     if (idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, false, &v) != IDEM_OK) {
         log_failure(r, "counting a re-run");
@@ -137,18 +138,16 @@ static bool visit(idem_redriver *r, const idem__journaled_call *jc)
         log_failure(r, "reading a listed call's record");
         ok = false;
     } else if (ours && rec.state == IDEM_REC_COMPLETED) {
-        if ((ok = idem__steps_forget_completed(r->cfg.store, jc, &v) == IDEM_OK) &&
-            v == IDEM__REDRIVE_DONE) {
+        if (!(ok = idem__steps_forget_completed(r->cfg.store, jc, &v) == IDEM_OK)) {
+            log_failure(r, "removing a completed call's journal");
+        } else if (v == IDEM__REDRIVE_DONE) {
             log_call(r, IDEM_LOG_INFO, jc, "removed the step journal of a completed call");
             idem__observe_redrive(r->cfg.rt->obs, IDEM__REDRIVE_REMOVED);
         }
-    } else if (ours && rec.lease_until_ms <= now) {
-        ok = redrive(r, jc);
-    } else if (!ours) {
-        ok = idem__steps_unlist(r->cfg.store, jc, &v) == IDEM_OK;
-    }
-    if (!ok && code == IDEM_OK) {
-        log_failure(r, "writing a listed call's journal");
+    } else if (code == IDEM_NOT_FOUND || (ours && rec.lease_until_ms <= now)) {
+        ok = redrive(r, jc); /* abandoned, or a re-run of it was released: still listed */
+    } else if (!ours && !(ok = idem__steps_unlist(r->cfg.store, jc, &v) == IDEM_OK)) {
+        log_failure(r, "unlisting a call whose key another request holds");
     }
     idem_record_clear(&rec);
     return ok;
@@ -163,7 +162,7 @@ static void pass(void *arg, idem_periodic *p)
          i++) {
         idem__journaled_call jc;
         idem_code code = idem__steps_next_call(r->cfg.store, r->cursor, &jc);
-        bool more = code == IDEM_OK || code == IDEM_DATA_LOSS;
+        bool more = code == IDEM_OK || code == IDEM_DATA_LOSS || code == IDEM_UNIMPLEMENTED;
         if (code == IDEM_OK) {
             more = visit(r, &jc);
         } else if (code == IDEM_DATA_LOSS) {

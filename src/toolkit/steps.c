@@ -108,14 +108,18 @@ static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
 }
 
 /* IDEM_OK when the call's record is IN_PROGRESS under fence: in txn t (kept so until t
- * ends), else (t NULL) by a plain read. A run that lost its claim gets ABORTED. */
+ * ends: nobody else can have it), else (t NULL, before fn runs) by a plain read, and
+ * with its lease still running (once it has run out, a takeover may start fn again
+ * any moment). A run that lost its claim gets ABORTED. */
 static idem_code claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
 {
     idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
     idem_record rec;
     idem_code code = t != NULL ? idem__store_txn_record(t, &key, &rec)
                                : idem_store_get(call->claim_store, &key, &rec);
-    bool held = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == fence;
+    uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
+    bool held = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == fence &&
+                (t != NULL || rec.lease_until_ms > now);
     idem_record_clear(&rec);
     if (held) {
         return IDEM_OK;
@@ -260,6 +264,37 @@ static idem_code step_check(const idem_call *call, const char *step, idem_step_f
     return IDEM_OK;
 }
 
+static idem_code list_txn(idem_txn *t, void *arg)
+{
+    const record_args *a = arg;
+    const void *v;
+    size_t n;
+    idem_code code = claim_held(t, a->call, a->fence);
+    if (code == IDEM_OK &&
+        (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) == IDEM_NOT_FOUND) {
+        code = put_call(t, &a->j, a->call);
+    }
+    return code;
+}
+
+/* On a server with a re-driver: lists the call if it is not (a release unlisted it),
+ * reading first. Best effort: a failure only leaves the call to its client. */
+static void list_call(idem_call *call, const journal *j)
+{
+    void *v;
+    size_t n;
+    if (!call->rt->redrive) {
+        return;
+    }
+    idem_code code = idem_store_app_get(call->claim_store, STEPS_DB, j->call_key, JKEY, &v, &n);
+    if (code == IDEM_OK) {
+        free(v);
+    } else if (code == IDEM_NOT_FOUND) {
+        record_args a = {.call = call, .j = *j, .fence = call->fence};
+        idem_store_run_txn(call->claim_store, list_txn, &a);
+    }
+}
+
 idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, void *arg,
                          idem_step_result *out)
 {
@@ -276,6 +311,7 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
         out->data = v;
         out->len = n;
         out->replayed = true;
+        list_call(call, &a.j); /* a retry that only replays, then dies, is listed too */
         return IDEM_OK;
     }
     /* Not ours any more (a takeover, or the call's outcome is recorded): fn must not
@@ -347,19 +383,27 @@ typedef struct redrive_args {
     const idem__journaled_call *jc;
     journal j;
     unsigned max_runs;
-    bool refund; /* count_run: take back a re-run that did not run the handler */
+    uint64_t now_ms; /* this host's clock, for a store that keeps the callers' (LMDB) */
+    bool refund;     /* count_run: take back a re-run that did not run the handler */
     idem__redrive_verdict verdict;
 } redrive_args;
 
-/* The record as jc's txn sees it: 'c' ours and COMPLETED, 'p' ours and IN_PROGRESS,
- * '-' absent or another request's. */
-static idem_code record_kind(idem_txn *t, const idem__journaled_call *jc, char *kind)
+/* The record as a's txn sees it: 'c' this request's and COMPLETED, 'p' this request's
+ * and IN_PROGRESS with a live lease, 'x' the same with its lease run out, 'a' absent,
+ * 'o' another request's. */
+static idem_code record_kind(idem_txn *t, const redrive_args *a, char *kind)
 {
+    const idem__journaled_call *jc = a->jc;
     idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
     idem_record rec;
     idem_code code = idem__store_txn_record(t, &key, &rec);
+    uint64_t now = rec.now_ms ? rec.now_ms : a->now_ms;
     bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
-    *kind = !ours ? '-' : rec.state == IDEM_REC_COMPLETED ? 'c' : 'p';
+    *kind = code == IDEM_NOT_FOUND            ? 'a'
+            : !ours                           ? 'o'
+            : rec.state == IDEM_REC_COMPLETED ? 'c'
+            : rec.lease_until_ms <= now       ? 'x'
+                                              : 'p';
     idem_record_clear(&rec);
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
@@ -368,7 +412,7 @@ static idem_code forget_completed_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
     char kind;
-    idem_code code = record_kind(t, a->jc, &kind);
+    idem_code code = record_kind(t, a, &kind);
     if (code != IDEM_OK || kind != 'c') {
         a->verdict = IDEM__REDRIVE_SKIP;
         return code;
@@ -381,8 +425,8 @@ static idem_code unlist_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
     char kind;
-    idem_code code = record_kind(t, a->jc, &kind);
-    if (code != IDEM_OK || kind != '-') {
+    idem_code code = record_kind(t, a, &kind);
+    if (code != IDEM_OK || kind != 'o') {
         a->verdict = IDEM__REDRIVE_SKIP;
         return code;
     }
@@ -391,7 +435,10 @@ static idem_code unlist_txn(idem_txn *t, void *arg)
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
-/* Counts one more re-run in the 'r' entry, or says the call ran out of them. */
+/* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
+ * whose lease ran out, or whose record a re-run released (absent, still listed). Two
+ * re-drivers (instances on one database) serialise here; the second finds the lease
+ * the first one's re-run took. A refund takes one back, whatever the lease. */
 static idem_code count_run_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
@@ -399,8 +446,9 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
     size_t n;
     char kind;
     a->verdict = IDEM__REDRIVE_SKIP;
-    idem_code code = record_kind(t, a->jc, &kind);
-    if (code != IDEM_OK || kind != 'p' ||
+    idem_code code = record_kind(t, a, &kind);
+    bool eligible = kind == 'x' || kind == 'a' || (a->refund && kind == 'p');
+    if (code != IDEM_OK || !eligible ||
         (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
     }
@@ -429,7 +477,7 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
 static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
                                bool refund, idem_txn_fn fn, idem__redrive_verdict *verdict)
 {
-    redrive_args a = {.jc = jc, .max_runs = max_runs, .refund = refund};
+    redrive_args a = {.jc = jc, .max_runs = max_runs, .now_ms = idem__now_ms(), .refund = refund};
     journal_of_base(jc->base, &a.j);
     idem_code code = idem_store_run_txn(st, fn, &a);
     *verdict = code == IDEM_OK ? a.verdict : IDEM__REDRIVE_SKIP;
@@ -454,31 +502,32 @@ idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, 
     return redrive_write(st, jc, max_runs, refund, count_run_txn, verdict);
 }
 
+/* The owner's unlisting, before it releases: the claim is still its own. */
+static idem_code owner_unlist_txn(idem_txn *t, void *arg)
+{
+    const record_args *a = arg;
+    idem_code code = claim_held(t, a->call, a->fence);
+    if (code == IDEM_OK) {
+        code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
+    }
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
 idem_code idem__call_steps_unlist(idem_call *call)
 {
-    journal j;
+    record_args a = {.call = call, .fence = call->fence};
     void *v;
     size_t n;
-    idem_code code = journal_keys(call, NULL, &j);
+    idem_code code = journal_keys(call, NULL, &a.j);
     if (code != IDEM_OK) {
         return code;
     }
-    code = idem_store_app_get(call->claim_store, STEPS_DB, j.call_key, JKEY, &v, &n);
+    code = idem_store_app_get(call->claim_store, STEPS_DB, a.j.call_key, JKEY, &v, &n);
     if (code != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
     }
-    idem_app_entry e = {.key = NULL, .val = v, .vlen = n};
-    idem__journaled_call jc;
-    memset(&jc, 0, sizeof(jc));
-    memcpy(jc.base, j.call_key + 1, 32);
-    code = parse_call(&e, &jc);
     free(v);
-    idem__redrive_verdict verdict;
-    if (code == IDEM_OK) {
-        code = idem__steps_unlist(call->claim_store, &jc, &verdict);
-    }
-    idem__journaled_call_clear(&jc);
-    return code;
+    return idem_store_run_txn(call->claim_store, owner_unlist_txn, &a);
 }
 
 void idem__journaled_call_clear(idem__journaled_call *c)
@@ -505,6 +554,10 @@ static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t ma
 static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
 {
     const uint8_t *p = e->val, *end = p + e->vlen;
+    if (e->vlen >= 2 && p[0] == CALL_MAGIC && p[1] > CALL_VERSION) {
+        return idem__err(IDEM_UNIMPLEMENTED, "a listing of a newer version (an instance "
+                                             "upgraded before this one)");
+    }
     if (e->vlen < CALL_FIXED || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
