@@ -109,8 +109,10 @@ static int chain_server_start(cell *c, int instance, idem_store *st, idem_server
 {
     idem_server_opts o;
     int kind = c->sc->handler;
-    idem_method_opts m = {.flags = (kind < 0 ? IDEM_METHOD_TRANSACTIONAL : IDEM_METHOD_CACHED) |
-                                   IDEM_METHOD_KEY_REQUIRED};
+    unsigned kind_flag = kind < 0   ? IDEM_METHOD_TRANSACTIONAL
+                         : kind > 0 ? IDEM_METHOD_STEPS
+                                    : IDEM_METHOD_CACHED;
+    idem_method_opts m = {.flags = kind_flag | IDEM_METHOD_KEY_REQUIRED};
     idem_handler_fn fn = kind < 0 ? tx_handler : kind > 0 ? steps_handler : echo_handler;
     char url[160];
 
