@@ -296,6 +296,27 @@ static idem_code add_when_told(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
+/* Calls method/key on x in the background; once its handler says *running, fills the
+ * store, lets the handler go on (*go) into the full store, keeps it full for three
+ * leases, frees the space, then retries the call (*retry) once the first has ended. */
+static void call_into_a_full_store(tu_server *x, const char *method, const char *key,
+                                   atomic_bool *running, atomic_bool *go, bg_call *first,
+                                   bg_call *retry)
+{
+    bg_start(first, x->url, method, key);
+    while (!atomic_load(running)) {
+        usleep(1000);
+    }
+    ballast b = {.st = idem_server_store(x->srv)};
+    ballast_fill(&b);
+    atomic_store(go, true);      /* the handler ends into a full store */
+    usleep(3 * LEASE_MS * 1000); /* full for three leases: what the test is about */
+    ballast_free(&b);
+    pthread_join(first->th, NULL);
+    bg_start(retry, x->url, method, key);
+    pthread_join(retry->th, NULL);
+}
+
 /* README: store full → "RESOURCE_EXHAUSTED; nothing half-written", and a retry with the
  * same key replays the first result. Found by idemrpc-chaos's fill fault (lmdb topology):
  * a claim-mode handler that finished while the store was full answered OK, but
@@ -317,19 +338,8 @@ Test(chaos_findings, a_result_that_meets_a_full_store_is_recorded_when_space_ret
     tu_server_listen(&x);
 
     bg_call first, retry;
-    bg_start(&first, x.url, "f.Counter/Once", "once-1");
-    while (!atomic_load(&once_running)) {
-        usleep(1000);
-    }
-    ballast b = {.st = idem_server_store(x.srv)};
-    ballast_fill(&b);
-    atomic_store(&once_go, true); /* the handler ends into a full store */
-    usleep(3 * LEASE_MS * 1000);  /* full for three leases */
-    ballast_free(&b);
-    pthread_join(first.th, NULL);
+    call_into_a_full_store(&x, "f.Counter/Once", "once-1", &once_running, &once_go, &first, &retry);
     cr_assert_eq(first.code, IDEM_OK, "%s", idem_code_name(first.code));
-    bg_start(&retry, x.url, "f.Counter/Once", "once-1");
-    pthread_join(retry.th, NULL);
 
     cr_expect_eq(atomic_load(&once_runs), 1, "the handler ran %d times for one key",
                  atomic_load(&once_runs));
@@ -395,18 +405,7 @@ Test(chaos_findings, a_step_whose_record_meets_a_full_store_runs_once)
     tu_server_listen(&x);
 
     bg_call first, retry;
-    bg_start(&first, x.url, "f.Pay/Once", "pay-1");
-    while (!atomic_load(&step_running)) {
-        usleep(1000);
-    }
-    ballast b = {.st = idem_server_store(x.srv)};
-    ballast_fill(&b);
-    atomic_store(&step_go, true); /* the step's effect is done; its record meets a full store */
-    usleep(3 * LEASE_MS * 1000);  /* full for three leases */
-    ballast_free(&b);
-    pthread_join(first.th, NULL);
-    bg_start(&retry, x.url, "f.Pay/Once", "pay-1");
-    pthread_join(retry.th, NULL);
+    call_into_a_full_store(&x, "f.Pay/Once", "pay-1", &step_running, &step_go, &first, &retry);
 
     cr_expect_eq(atomic_load(&step_runs), 1, "the step ran %d times for one call (first: %s)",
                  atomic_load(&step_runs), idem_code_name(first.code));

@@ -408,29 +408,29 @@ static idem_code record_kind(idem_txn *t, const redrive_args *a, char *kind)
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
+/* Whether the record is of kind want in t: a->verdict DONE (the write may go on) or SKIP. */
+static idem_code record_is(idem_txn *t, redrive_args *a, char want)
+{
+    char kind;
+    idem_code code = record_kind(t, a, &kind);
+    a->verdict = code == IDEM_OK && kind == want ? IDEM__REDRIVE_DONE : IDEM__REDRIVE_SKIP;
+    return code;
+}
+
 static idem_code forget_completed_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
-    char kind;
-    idem_code code = record_kind(t, a, &kind);
-    if (code != IDEM_OK || kind != 'c') {
-        a->verdict = IDEM__REDRIVE_SKIP;
-        return code;
-    }
-    a->verdict = IDEM__REDRIVE_DONE;
-    return forget_txn(t, &a->j);
+    idem_code code = record_is(t, a, 'c');
+    return code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ? code : forget_txn(t, &a->j);
 }
 
 static idem_code unlist_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
-    char kind;
-    idem_code code = record_kind(t, a, &kind);
-    if (code != IDEM_OK || kind != 'o') {
-        a->verdict = IDEM__REDRIVE_SKIP;
+    idem_code code = record_is(t, a, 'o');
+    if (code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE) {
         return code;
     }
-    a->verdict = IDEM__REDRIVE_DONE;
     code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
