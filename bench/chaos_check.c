@@ -629,6 +629,21 @@ static void check_step(entry *e, int s, const char *named, bool unrecorded, cons
  * with a journaled step is finished: left IN_PROGRESS is a violation). */
 static idem_store *app_store;
 
+/* Whether the Book's request still has a step journal in the store (listed for the
+ * re-driver or not: a released call keeps its journal for a retry). */
+static bool journaled(const entry *e)
+{
+    idem_key_ref ref = {e->caller, e->method, e->key};
+    uint8_t fp[IDEM_FINGERPRINT_LEN];
+    bool exists = false;
+    if (!idem__fingerprint(e->method, e->payload, strlen(e->payload), fp) ||
+        idem__steps_journal_exists(app_store, &ref, fp, &exists) != IDEM_OK) {
+        violation(V_RECORDS, "%s caller=%s key=%s: reading its step journal: %s", e->method,
+                  e->caller, e->key, idem_errmsg());
+    }
+    return exists;
+}
+
 static void check_book(entry *e, const chaos_cfg *cfg)
 {
     book *b = e->book;
@@ -648,6 +663,7 @@ static void check_book(entry *e, const chaos_cfg *cfg)
                   e->key, idem_errmsg());
         return;
     }
+    b->journaled = journaled(e);
     for (int i = 0; ok && i < N_STEPS; i++) {
         step_output(rec.response, rec.response_len, step_names[i], named[i], sizeof(named[i]));
         if (b->ok_out[i][0] != '\0' && strcmp(b->ok_out[i], named[i]) != 0) {
@@ -692,31 +708,6 @@ static void check_book(entry *e, const chaos_cfg *cfg)
                   e->method, e->caller, e->key);
     }
     idem_record_clear(&rec);
-}
-
-/* The journals left in the store: each marks its Book as still journaled. */
-static void read_journals(idem_store *st)
-{
-    uint8_t cursor[IDEM__JOURNAL_CURSOR] = {0};
-    for (size_t i = 0; i < 10000000; i++) {
-        idem__journaled_call jc;
-        idem_code code = idem__steps_next_call(st, cursor, &jc);
-        if (code == IDEM_OK) {
-            entry *e = lookup(jc.key_ref.method, jc.key_ref.caller, jc.key_ref.key, false);
-            if (e != NULL && e->book != NULL) {
-                e->book->journaled = true;
-            }
-        } else if (code != IDEM_DATA_LOSS) {
-            if (code != IDEM_NOT_FOUND) {
-                violation(V_RECORDS, "reading the step journals: %s", idem_errmsg());
-            }
-            idem__journaled_call_clear(&jc);
-            return;
-        } else {
-            violation(V_RECORDS, "an unreadable step journal: %s", idem_errmsg());
-        }
-        idem__journaled_call_clear(&jc);
-    }
 }
 
 /* The servers' re-runs: "redrive method=... from its stored request: HOW: CODE", HOW
@@ -895,7 +886,6 @@ static bool check_store(const chaos_cfg *cfg)
         return false;
     }
     app_store = st;
-    read_journals(st);
     each_entry(read_app_counts, cfg);
     each_entry(check_effects, cfg);
     check_ledger(st);

@@ -264,8 +264,12 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
         if (released) {
             steps_before_release(call);
         }
-        if ((st = record_retrying(call, cfg, key, owner, !released)) == IDEM_OK && !released) {
+        st = record_retrying(call, cfg, key, owner, !released);
+        if (st == IDEM_OK && !released) {
             steps_after_outcome(call);
+        } else if (st != IDEM_OK && released && call->pinned_key == NULL &&
+                   (call->method->opts.flags & IDEM_METHOD_STEPS)) {
+            idem__call_steps_relist(call); /* best effort, as the listing itself */
         }
     }
     call->claim_store = NULL;

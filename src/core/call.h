@@ -295,6 +295,10 @@ typedef struct idem__journaled_call {
 idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[IDEM__JOURNAL_CURSOR],
                                 idem__journaled_call *out);
 void idem__journaled_call_clear(idem__journaled_call *c);
+/* Whether a request (its record key and fingerprint) has a step journal: a head, listed
+ * or not (the fault campaign's checker). */
+idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
+                                     const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *exists);
 
 /* What a re-driver write found, deciding in its own txn on the record it read there. */
 typedef enum idem__redrive_verdict {
@@ -318,6 +322,9 @@ idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, 
 /* Before its owner releases it: unlists the call (steps.c), keeping its journal; while
  * the claim is live, so that no re-driver can take the release for its own re-run's. */
 idem_code idem__call_steps_unlist(idem_call *call);
+/* The release that followed idem__call_steps_unlist failed (the call stays IN_PROGRESS
+ * until its lease ends): lists it again, so that a re-driver can finish it. */
+idem_code idem__call_steps_relist(idem_call *call);
 
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);

@@ -513,6 +513,16 @@ static idem_code owner_unlist_txn(idem_txn *t, void *arg)
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
+idem_code idem__call_steps_relist(idem_call *call)
+{
+    journal j;
+    idem_code code = journal_keys(call, NULL, &j);
+    if (code == IDEM_OK) {
+        list_call(call, &j);
+    }
+    return code;
+}
+
 idem_code idem__call_steps_unlist(idem_call *call)
 {
     record_args a = {.call = call, .fence = call->fence};
@@ -528,6 +538,27 @@ idem_code idem__call_steps_unlist(idem_call *call)
     }
     free(v);
     return idem_store_run_txn(call->claim_store, owner_unlist_txn, &a);
+}
+
+idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
+                                     const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *exists)
+{
+    const char *parts[3] = {key->caller != NULL ? key->caller : "", key->method, key->key};
+    uint8_t base[32];
+    journal j;
+    void *v;
+    size_t n;
+    *exists = false;
+    if (!idem__lp_sha256(parts, 3, fingerprint, IDEM_FINGERPRINT_LEN, base)) {
+        return idem__err(IDEM_INTERNAL, "sha256 failed");
+    }
+    journal_of_base(base, &j);
+    idem_code code = idem_store_app_get(st, STEPS_DB, j.head_key, JKEY, &v, &n);
+    if (code == IDEM_OK) {
+        free(v);
+        *exists = true;
+    }
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
 void idem__journaled_call_clear(idem__journaled_call *c)
