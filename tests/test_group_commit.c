@@ -2,6 +2,7 @@
  * commit holding its write. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include "call.h"
+#include "group_commit.h"
 #include "testutil.h"
 
 #define WRITERS 32
@@ -237,4 +239,55 @@ Test(group_commit, a_handler_txn_and_the_writer_thread_take_turns)
     idem_store_stats s;
     cr_assert_eq(idem_store_stats_get(st, &s), IDEM_OK);
     cr_expect_eq(s.in_progress, 4);
+}
+
+/* A write that finds nothing queued commits on its caller's thread; closing the store
+ * meanwhile must wait for it (the environment must outlive its txn), not return at once
+ * because the queue is empty. */
+static atomic_bool in_write, let_go, fini_done;
+
+static idem_code blocking_write(MDB_txn *txn, void *ctx)
+{
+    (void)txn, (void)ctx;
+    atomic_store(&in_write, true);
+    while (!atomic_load(&let_go)) {
+        usleep(1000);
+    }
+    return IDEM_OK;
+}
+
+static void *inline_writer(void *arg)
+{
+    return (void *)(long)idem__gc_write(arg, blocking_write, NULL);
+}
+
+static void *closer(void *arg)
+{
+    idem__gc_fini(arg);
+    atomic_store(&fini_done, true);
+    return NULL;
+}
+
+Test(group_commit, closing_waits_for_a_write_its_caller_commits)
+{
+    MDB_env *env;
+    idem_group_commit gc;
+    pthread_t w, f;
+    void *rv;
+    cr_assert_eq(mdb_env_create(&env), 0);
+    cr_assert_eq(mdb_env_open(env, dir, MDB_NOSYNC, 0600), 0);
+    cr_assert_eq(idem__gc_init(&gc, env, true, 64), IDEM_OK);
+    pthread_create(&w, NULL, inline_writer, &gc);
+    while (!atomic_load(&in_write)) {
+        usleep(1000);
+    }
+    pthread_create(&f, NULL, closer, &gc);
+    usleep(200 * 1000); /* time for a close that does not wait to return */
+    cr_expect(!atomic_load(&fini_done), "the close returned while a write was in its txn");
+    atomic_store(&let_go, true);
+    pthread_join(w, &rv);
+    pthread_join(f, NULL);
+    cr_expect_eq((long)rv, IDEM_OK);
+    cr_expect(atomic_load(&fini_done));
+    mdb_env_close(env);
 }

@@ -155,7 +155,10 @@ void idem__gc_fini(idem_group_commit *gc)
     if (gc->started) {
         pthread_mutex_lock(&gc->mu);
         gc->stopping = true;
-        pthread_cond_signal(&gc->cv);
+        pthread_cond_broadcast(&gc->cv);
+        while (gc->inline_busy) { /* a write its caller commits: the env must outlive it */
+            pthread_cond_wait(&gc->cv, &gc->mu);
+        }
         pthread_mutex_unlock(&gc->mu);
         pthread_join(gc->writer, NULL);
         gc->started = false;
@@ -179,10 +182,13 @@ static idem_code write_inline(idem_group_commit *gc, idem_write_fn fn, void *ctx
     pthread_mutex_lock(&gc->mu);
     gc->inline_busy = false;
     bool wake = gc->head != NULL && gc->writer_asleep;
+    bool closing = gc->stopping; /* idem__gc_fini waits for this write */
     gc->writer_asleep = gc->writer_asleep && !wake;
     gc->wakeups += wake;
     pthread_mutex_unlock(&gc->mu);
-    if (wake) {
+    if (closing) {
+        pthread_cond_broadcast(&gc->cv);
+    } else if (wake) {
         pthread_cond_signal(&gc->cv);
     }
     return code;
