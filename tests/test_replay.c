@@ -580,6 +580,13 @@ Test(replay, arena_decode_is_the_plain_decode)
     memcpy(twice, f.b, n);
     memcpy(twice + n, (const uint8_t[]){0x32, 0x03, 'l', 'a', 's'}, 5);
     decode_both(twice, n + 5, "payload twice");
+    idem_arena *b = malloc(sizeof(*b));
+    cr_assert_not_null(b);
+    idem__arena_init(b);
+    cr_assert_eq(idem__decode_request_arena(twice, n + 5, false, b, &r), IDEM_OK);
+    cr_expect(r->payload.len == 3 && r->payload.data[3] == 0, "the plain decode's payload, NUL");
+    idem__arena_reset(b);
+    free(b);
     for (size_t cut = 1; cut < n; cut += 97) {
         decode_both(f.b, n - cut, "truncated");
     }
@@ -592,6 +599,13 @@ Test(replay, arena_decode_is_the_plain_decode)
     decode_both(empty_payload, sizeof(empty_payload), "empty payload");
     static const uint8_t varint_payload[] = {0x0a, 0x03, 'a', '/', 'b', 0x30, 0x01};
     decode_both(varint_payload, sizeof(varint_payload), "payload as a varint");
+    /* Over 5 bytes for a length or a tag: protobuf-c refuses them, so must the walk. */
+    static const uint8_t long_len[] = {0x0a, 0x03, 'a',  '/',  'b',  0x32, 0x81,
+                                       0x80, 0x80, 0x80, 0x80, 0x80, 0x00, 'p'};
+    decode_both(long_len, sizeof(long_len), "a 7-byte payload length");
+    static const uint8_t long_tag[] = {0x0a, 0x03, 'a',  '/',  'b',  0xb2, 0x80,
+                                       0x80, 0x80, 0x80, 0x00, 0x01, 'p'};
+    decode_both(long_tag, sizeof(long_tag), "a 6-byte payload tag");
     static const uint8_t nul_key[] = {0x0a, 0x03, 'a',  '/',  'b',  0x12,
                                       0x02, 'k',  0x00, 0x32, 0x01, 'p'};
     decode_both(nul_key, sizeof(nul_key), "NUL in the key");
@@ -687,12 +701,17 @@ Test(replay, arena_reply_decode_is_the_plain_decode)
     memcpy(twice + n, (const uint8_t[]){0x1a, 0x02, 'z', 'z'}, 4); /* payload again: it wins */
     static const uint8_t none[] = {0x08, 0x05, 0x12, 0x01, 'm'};
     static const uint8_t wrong_type[] = {0x18, 0x01};
+    static const uint8_t long_len[] = {0x1a, 0x81, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00, 'z'};
     struct {
         const uint8_t *b;
         size_t n;
-    } frames[] = {{stored.b, n},        {twice, n + 4},
-                  {none, sizeof(none)}, {wrong_type, sizeof(wrong_type)},
-                  {stored.b, n - 3},    {stored.b, 9}};
+    } frames[] = {{stored.b, n},
+                  {twice, n + 4},
+                  {none, sizeof(none)},
+                  {wrong_type, sizeof(wrong_type)},
+                  {stored.b, n - 3},
+                  {stored.b, 9},
+                  {long_len, sizeof(long_len)}};
     idem_arena *a = malloc(sizeof(*a));
     cr_assert_not_null(a);
     for (size_t i = 0; i < IDEM_ARRAY_LEN(frames); i++) {

@@ -331,6 +331,14 @@ void idem__arena_reset(idem_arena *a)
     a->used = 0;
 }
 
+/* A tag or a length: protobuf-c takes at most 5 bytes and 32 bits for either, so this
+ * walk may not accept more (it would take a frame the plain decode refuses). */
+static bool read_varint32(const uint8_t **p, const uint8_t *end, uint64_t *v)
+{
+    const uint8_t *start = *p;
+    return read_varint(p, end, v) && *p - start <= 5 && *v <= UINT32_MAX;
+}
+
 /* Where the frame's one bytes field number `number` (length-delimited) is: its whole
  * field [*field, *field_end) and its bytes [*data, *field_end). false when the frame is
  * not well formed as far as this walk sees, or has no such field, or more than one (the
@@ -342,7 +350,7 @@ static bool find_bytes_field(const uint8_t *p, const uint8_t *end, uint64_t numb
     while (p < end) {
         const uint8_t *start = p;
         uint64_t tag, n;
-        if (!read_varint(&p, end, &tag)) {
+        if (!read_varint32(&p, end, &tag)) {
             return false;
         }
         switch (tag & 7) {
@@ -360,7 +368,7 @@ static bool find_bytes_field(const uint8_t *p, const uint8_t *end, uint64_t numb
             p += n;
             break;
         case 2:
-            if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+            if (!read_varint32(&p, end, &n) || n > (uint64_t)(end - p)) {
                 return false;
             }
             if (tag >> 3 == number) {
@@ -393,7 +401,19 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
 {
     const uint8_t *field, *data, *field_end, *end = buf + len;
     if (!find_bytes_field(buf, end, 6, &field, &data, &field_end)) {
-        return idem__v1__request__unpack(&a->pa, len, buf);
+        /* The plain decode decides (a payload field twice: the last wins); its payload
+         * copy gets the NUL too. */
+        Idem__V1__Request *r = idem__v1__request__unpack(&a->pa, len, buf);
+        uint8_t *payload;
+        if (r != NULL && r->payload.len > 0) {
+            if ((payload = arena_alloc(a, r->payload.len + 1)) == NULL) {
+                return NULL;
+            }
+            memcpy(payload, r->payload.data, r->payload.len);
+            payload[r->payload.len] = '\0';
+            r->payload.data = payload;
+        }
+        return r;
     }
     size_t before = (size_t)(field - buf), after = (size_t)(end - field_end);
     size_t n = (size_t)(field_end - data);
