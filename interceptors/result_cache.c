@@ -205,26 +205,28 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
     return record_result(call, cfg, key, owner, txn);
 }
 
-/* Journaled steps at the end of a run (IDEM_METHOD_STEPS). A release keeps them for the
- * retry and first takes the call off the re-driver's list (the claim still live: a
- * transient failure is the client's to retry), except when the re-driver ran it: its
- * client is gone, so the re-driver tries again within its budget. A recorded outcome
- * deletes them (a failure only leaves them behind, logged; a re-driver deletes them
- * later). Failures are logged, never the call's answer. */
-static void steps_before_release(idem_call *call)
+/* record_retrying for a claim-mode run, with its journaled steps (IDEM_METHOD_STEPS).
+ * A release keeps them for the retry and first takes the call off the re-driver's list
+ * (the claim still live: a transient failure is the client's to retry), listing it
+ * again if the release then fails; not when the re-driver ran it: its client is gone,
+ * so the re-driver tries again within its budget. A recorded outcome deletes them (a
+ * failure only leaves them behind; a re-driver deletes them later). Steps' failures
+ * are logged, never the call's answer. */
+static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
+                            uint64_t owner, bool released)
 {
-    if ((call->method->opts.flags & IDEM_METHOD_STEPS) && call->pinned_key == NULL &&
-        idem__call_steps_unlist(call) != IDEM_OK) {
+    bool steps = (call->method->opts.flags & IDEM_METHOD_STEPS) != 0;
+    bool unlist = steps && released && call->pinned_key == NULL;
+    if (unlist && idem__call_steps_unlist(call) != IDEM_OK) {
         log_error(call, idem_errmsg());
     }
-}
-
-static void steps_after_outcome(idem_call *call)
-{
-    if ((call->method->opts.flags & IDEM_METHOD_STEPS) &&
-        idem__call_steps_forget(call) != IDEM_OK) {
+    idem_code st = record_retrying(call, cfg, key, owner, !released);
+    if (st == IDEM_OK && steps && !released && idem__call_steps_forget(call) != IDEM_OK) {
         log_error(call, idem_errmsg());
+    } else if (st != IDEM_OK && unlist) {
+        idem__call_steps_relist(call); /* best effort, as the listing itself */
     }
+    return st;
 }
 
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
@@ -261,16 +263,7 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     } else if (txn != NULL) {
         st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
     } else {
-        if (released) {
-            steps_before_release(call);
-        }
-        st = record_retrying(call, cfg, key, owner, !released);
-        if (st == IDEM_OK && !released) {
-            steps_after_outcome(call);
-        } else if (st != IDEM_OK && released && call->pinned_key == NULL &&
-                   (call->method->opts.flags & IDEM_METHOD_STEPS)) {
-            idem__call_steps_relist(call); /* best effort, as the listing itself */
-        }
+        st = record_run(call, cfg, key, owner, released);
     }
     call->claim_store = NULL;
     /* Renewed until now: recording may retry through a store outage for longer than a

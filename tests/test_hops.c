@@ -690,7 +690,7 @@ Test(hops, a_run_past_its_lease_starts_no_step)
         if (lapsed) {
             break;
         }
-        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL); /* the clock: polled */
+        sleep_ms(10); /* the clock: polled */
     }
     raise_flag(&abandoned_released);
     await_flag(&woken_done);

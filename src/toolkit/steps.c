@@ -54,21 +54,42 @@ static void journal_of_base(const uint8_t base[32], journal *j)
     memcpy(j->call_key + 1, base, 32);
 }
 
+/* base = SHA-256(len-prefixed caller, method, key, request fingerprint). */
+static bool journal_base(const char *caller, const char *method, const char *key,
+                         const uint8_t fp[IDEM_FINGERPRINT_LEN], uint8_t base[32])
+{
+    const char *parts[3] = {caller, method, key};
+    return idem__lp_sha256(parts, 3, fp, IDEM_FINGERPRINT_LEN, base);
+}
+
 static idem_code journal_keys(idem_call *call, const char *step, journal *j)
 {
     uint8_t fp[IDEM_FINGERPRINT_LEN], base[32];
-    const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
     idem_code code = idem__call_fingerprint(call, fp);
     if (code != IDEM_OK) {
         return code;
     }
-    if (!idem__lp_sha256(parts, 3, fp, sizeof(fp), base) ||
+    if (!journal_base(idem_call_caller(call), call->req->method, call->key, fp, base) ||
         (step != NULL && !idem__sha256((const void *const[]){base, step},
                                        (const size_t[]){32, strlen(step)}, 2, j->step_key + 1))) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
     journal_of_base(base, j);
     return IDEM_OK;
+}
+
+/* Whether the journal entry key is in the store (a read, so that a write txn is opened
+ * only when there is something to write). */
+static idem_code entry_exists(idem_store *st, const uint8_t key[JKEY], bool *exists)
+{
+    void *v;
+    size_t n;
+    idem_code code = idem_store_app_get(st, STEPS_DB, key, JKEY, &v, &n);
+    *exists = code == IDEM_OK;
+    if (*exists) {
+        free(v);
+    }
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
 static void put_lp16(uint8_t **p, const char *s)
@@ -281,15 +302,9 @@ static idem_code list_txn(idem_txn *t, void *arg)
  * reading first. Best effort: a failure only leaves the call to its client. */
 static void list_call(idem_call *call, const journal *j)
 {
-    void *v;
-    size_t n;
-    if (!call->rt->redrive) {
-        return;
-    }
-    idem_code code = idem_store_app_get(call->claim_store, STEPS_DB, j->call_key, JKEY, &v, &n);
-    if (code == IDEM_OK) {
-        free(v);
-    } else if (code == IDEM_NOT_FOUND) {
+    bool listed;
+    if (call->rt->redrive && entry_exists(call->claim_store, j->call_key, &listed) == IDEM_OK &&
+        !listed) {
         record_args a = {.call = call, .j = *j, .fence = call->fence};
         idem_store_run_txn(call->claim_store, list_txn, &a);
     }
@@ -359,22 +374,14 @@ static idem_code forget_txn(idem_txn *t, void *arg)
 idem_code idem__call_steps_forget(idem_call *call)
 {
     journal j;
-    void *v;
-    size_t n;
+    bool any; /* a call may have recorded no step at all */
     idem_code code = journal_keys(call, NULL, &j);
-    if (code != IDEM_OK) {
+    if (code != IDEM_OK || (code = entry_exists(call->claim_store, j.head_key, &any)) != IDEM_OK ||
+        !any) {
         return code;
     }
-    /* A call may have recorded no step at all: read before writing. */
-    code = idem_store_app_get(call->claim_store, STEPS_DB, j.head_key, JKEY, &v, &n);
-    if (code != IDEM_OK) {
-        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
-    }
-    free(v);
     return idem_store_run_txn(call->claim_store, forget_txn, &j);
 }
-
-static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out);
 
 /* The re-driver's writes: each re-reads the call's record in its txn (kept so until
  * it ends), so no claim, completion or sweep slips in between its decision and its
@@ -526,39 +533,27 @@ idem_code idem__call_steps_relist(idem_call *call)
 idem_code idem__call_steps_unlist(idem_call *call)
 {
     record_args a = {.call = call, .fence = call->fence};
-    void *v;
-    size_t n;
+    bool listed;
     idem_code code = journal_keys(call, NULL, &a.j);
-    if (code != IDEM_OK) {
+    if (code != IDEM_OK ||
+        (code = entry_exists(call->claim_store, a.j.call_key, &listed)) != IDEM_OK || !listed) {
         return code;
     }
-    code = idem_store_app_get(call->claim_store, STEPS_DB, a.j.call_key, JKEY, &v, &n);
-    if (code != IDEM_OK) {
-        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
-    }
-    free(v);
     return idem_store_run_txn(call->claim_store, owner_unlist_txn, &a);
 }
 
 idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
                                      const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *exists)
 {
-    const char *parts[3] = {key->caller != NULL ? key->caller : "", key->method, key->key};
     uint8_t base[32];
     journal j;
-    void *v;
-    size_t n;
     *exists = false;
-    if (!idem__lp_sha256(parts, 3, fingerprint, IDEM_FINGERPRINT_LEN, base)) {
+    if (!journal_base(key->caller != NULL ? key->caller : "", key->method, key->key, fingerprint,
+                      base)) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
     journal_of_base(base, &j);
-    idem_code code = idem_store_app_get(st, STEPS_DB, j.head_key, JKEY, &v, &n);
-    if (code == IDEM_OK) {
-        free(v);
-        *exists = true;
-    }
-    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    return entry_exists(st, j.head_key, exists);
 }
 
 void idem__journaled_call_clear(idem__journaled_call *c)
