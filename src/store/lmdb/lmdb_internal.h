@@ -112,6 +112,10 @@ idem_code idem__lmdb_rec_decode(const MDB_val *v, idem_record *rec, bool want_re
 int idem__lmdb_rec_put(lmdb_store *st, MDB_txn *txn, const rec_key *key, const rec_hdr *h,
                        const void *response, size_t len);
 int idem__lmdb_rec_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t expires_ms);
+/* ref's record as txn sees it (IDEM_NOT_FOUND when absent); the response only when
+ * want_response. */
+idem_code idem__lmdb_rec_read(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
+                              idem_record *rec, bool want_response);
 idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec);
 idem_code idem__lmdb_delete(idem_store *base, const idem_key_ref *ref);
 idem_code idem__lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);

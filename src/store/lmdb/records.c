@@ -78,29 +78,31 @@ int idem__lmdb_rec_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint
     return rc != 0 ? rc : idem__lmdb_index_del(st, txn, expires_ms, key->bytes, key->len);
 }
 
+idem_code idem__lmdb_rec_read(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
+                              idem_record *rec, bool want_response)
+{
+    rec_key key;
+    MDB_val k, v;
+    idem_code code = idem__lmdb_rec_key_make(&key, ref);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    k = (MDB_val){key.len, key.bytes};
+    int rc = mdb_get(txn, st->records, &k, &v);
+    return rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no record")
+           : rc != 0          ? idem__lmdb_code(rc, "get")
+                              : idem__lmdb_rec_decode(&v, rec, want_response);
+}
+
 idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec)
 {
     lmdb_store *st = (lmdb_store *)base;
-    rec_key key;
     MDB_txn *txn;
-    MDB_val k, v;
-    idem_code code;
-    int rc;
-    if ((code = idem__lmdb_rec_key_make(&key, ref)) != IDEM_OK) {
-        return code;
-    }
-    if ((rc = idem__lmdb_read_begin(st, &txn)) != 0) {
+    int rc = idem__lmdb_read_begin(st, &txn);
+    if (rc != 0) {
         return idem__lmdb_code(rc, "get begin");
     }
-    k = (MDB_val){key.len, key.bytes};
-    rc = mdb_get(txn, st->records, &k, &v);
-    if (rc == MDB_NOTFOUND) {
-        code = idem__err(IDEM_NOT_FOUND, "no record");
-    } else if (rc != 0) {
-        code = idem__lmdb_code(rc, "get");
-    } else {
-        code = idem__lmdb_rec_decode(&v, rec, true);
-    }
+    idem_code code = idem__lmdb_rec_read(st, txn, ref, rec, true);
     idem__lmdb_read_end(st, txn);
     return code;
 }

@@ -332,16 +332,5 @@ idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *afte
 
 idem_code idem__lmdb_txn_record(idem_txn *t, const idem_key_ref *ref, idem_record *rec)
 {
-    rec_key k;
-    MDB_val key, v;
-    idem_code code = idem__lmdb_rec_key_make(&k, ref);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    key = (MDB_val){k.len, k.bytes};
-    int rc = mdb_get(t->txn, t->st->records, &key, &v);
-    if (rc == MDB_NOTFOUND) {
-        return idem__err(IDEM_NOT_FOUND, "no record");
-    }
-    return rc != 0 ? idem__lmdb_code(rc, "get") : idem__lmdb_rec_decode(&v, rec, false);
+    return idem__lmdb_rec_read(t->st, t->txn, ref, rec, false);
 }

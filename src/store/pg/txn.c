@@ -276,6 +276,17 @@ idem_code idem__pg_txn_del(idem_txn *base, const char *db, const void *key, size
     return idem__pg_run(t->slot->c, S_KV_DEL, &a, PGRES_COMMAND_OK);
 }
 
+/* A malloc'd copy of field f of row 0 (bytea in binary results). */
+static bool copy_field(const PGresult *r, int f, void **out, size_t *len)
+{
+    *len = (size_t)PQgetlength(r, 0, f);
+    if ((*out = malloc(*len ? *len : 1)) == NULL) {
+        return false;
+    }
+    memcpy(*out, PQgetvalue(r, 0, f), *len);
+    return true;
+}
+
 idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                            void **val, size_t *vlen)
 {
@@ -289,14 +300,8 @@ idem_code idem__pg_app_get(idem_store *base, const char *db, const void *key, si
     }
     if (PQntuples(r) != 1) {
         code = idem__err(IDEM_NOT_FOUND, "no such key");
-    } else {
-        size_t n = (size_t)PQgetlength(r, 0, 0);
-        if ((*val = malloc(n ? n : 1)) == NULL) {
-            code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-        } else {
-            memcpy(*val, PQgetvalue(r, 0, 0), n);
-            *vlen = n;
-        }
+    } else if (!copy_field(r, 0, val, vlen)) {
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     PQclear(r);
     return code;
@@ -315,17 +320,6 @@ idem_code idem__pg_txn_record(idem_txn *base, const idem_key_ref *key, idem_reco
                              : idem__err(IDEM_NOT_FOUND, "no record");
     PQclear(r);
     return code;
-}
-
-/* A malloc'd copy of field f of row 0 (bytea in binary results). */
-static bool copy_field(const PGresult *r, int f, void **out, size_t *len)
-{
-    *len = (size_t)PQgetlength(r, 0, f);
-    if ((*out = malloc(*len ? *len : 1)) == NULL) {
-        return false;
-    }
-    memcpy(*out, PQgetvalue(r, 0, f), *len);
-    return true;
 }
 
 idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
