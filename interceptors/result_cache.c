@@ -75,9 +75,10 @@ static idem_code answer_in_progress(idem_call *call)
 }
 
 /* Stores the call's response as the COMPLETED record: in the handler's own transaction
- * (committing its business writes with it) when it has one, else on its own. */
+ * (committing its business writes with it) when it has one, else on its own, or in its
+ * claim's commit when that is still open (ticket). */
 static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
-                               uint64_t owner, idem_txn *txn)
+                               uint64_t owner, idem_txn *txn, uint64_t ticket)
 {
     const idem_method_opts *o = &call->method->opts;
     uint64_t now = idem__rt_now_ms(call->rt);
@@ -89,10 +90,12 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
         if (txn != NULL) {
             idem__store_txn_abort(txn);
         }
+        idem__store_ticket_drop(cfg->store, ticket);
         return st;
     }
-    st = txn != NULL ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires, now)
-                     : idem__store_complete_at(cfg->store, key, owner, buf, len, expires, now);
+    st = txn != NULL
+             ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires, now)
+             : idem__store_complete_shared(cfg->store, key, owner, buf, len, expires, now, ticket);
     free(buf);
     return st;
 }
@@ -122,8 +125,10 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
     uint64_t give_up = idem__mono_ms() + RECORD_RETRY_MS, backoff = 10;
     bool retried = false;
     for (;;) {
-        idem_code st = complete ? record_result(call, cfg, key, owner, NULL)
-                                : idem_store_release(cfg->store, key, owner);
+        uint64_t ticket = call->claim_ticket; /* the first attempt ends a shared claim */
+        call->claim_ticket = 0;
+        idem_code st = complete ? record_result(call, cfg, key, owner, NULL, ticket)
+                                : idem__store_release_shared(cfg->store, key, owner, ticket);
         if (st == IDEM_ABORTED && retried && recorded_by_us(cfg, key, owner, complete)) {
             return IDEM_OK;
         }
@@ -202,7 +207,7 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
         idem__store_txn_abort(txn);
         return st;
     }
-    return record_result(call, cfg, key, owner, txn);
+    return record_result(call, cfg, key, owner, txn, 0);
 }
 
 /* record_retrying for a claim-mode run, with its journaled steps (IDEM_METHOD_STEPS).
@@ -230,10 +235,12 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
 }
 
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
- * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL. */
+ * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
+ * claim's shared commit, still open maybe (the completion then joins it), else 0. */
 static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
                            const idem_key_ref *key, uint64_t owner,
-                           const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], idem_txn *txn)
+                           const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], idem_txn *txn,
+                           uint64_t ticket)
 {
     const idem_method_opts *o = &call->method->opts;
     bool transactional = (o->flags & IDEM_METHOD_TRANSACTIONAL) != 0;
@@ -255,16 +262,19 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     call->txn = txn;
     call->fence = owner;
     call->claim_store = cfg->store;
+    call->claim_ticket = ticket;
     code = idem_call_next(call, next);
     call->txn = NULL;
     bool released = released_code(call, code);
     if (txn != NULL && code == IDEM_OK && !released) {
-        st = record_result(call, cfg, key, owner, txn); /* effect and record together */
+        st = record_result(call, cfg, key, owner, txn, 0); /* effect and record together */
     } else if (txn != NULL) {
         st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
     } else {
         st = record_run(call, cfg, key, owner, released);
     }
+    idem__store_ticket_drop(cfg->store, call->claim_ticket); /* no path above left one */
+    call->claim_ticket = 0;
     call->claim_store = NULL;
     /* Renewed until now: recording may retry through a store outage for longer than a
      * lease, and a lapse would let another instance take over and run it again. */
@@ -344,13 +354,21 @@ static idem_code wait_for_owner(idem_call *call, const idem_cache_cfg *cfg, idem
 }
 
 /* The claim: in a handler txn of its own (*txn) for a transactional method on a store
- * that claims there, else committed on its own. */
+ * that claims there; for a method whose handler neither writes in a txn of its own nor
+ * journals steps (both read or write the claim's record), shared with its completion's
+ * commit where the store can (*ticket: store.h); else committed on its own. */
 static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const idem_claim_req *req,
-                       idem_txn **txn, idem_claim_outcome *outcome, idem_record *rec)
+                       idem_txn **txn, idem_claim_outcome *outcome, idem_record *rec,
+                       uint64_t *ticket)
 {
     idem_code code;
+    unsigned flags = call->method->opts.flags;
     *txn = NULL;
-    if (!(call->method->opts.flags & IDEM_METHOD_TRANSACTIONAL) ||
+    *ticket = 0;
+    if (!(flags & (IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_STEPS))) {
+        return idem__store_claim_shared(cfg->store, req, outcome, rec, ticket);
+    }
+    if (!(flags & IDEM_METHOD_TRANSACTIONAL) ||
         !idem__store_has(cfg->store, IDEM__STORE_CAP_TXN_CLAIM)) {
         return idem_store_claim(cfg->store, req, outcome, rec);
     }
@@ -366,17 +384,19 @@ static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const i
 }
 
 /* One look at the store and, unless a live lease says wait, one claim. Returns an
- * answer, or IDEM_OK with *wait set. */
+ * answer, or IDEM_OK with *wait set, or with *again: a shared claim found another call's
+ * uncommitted outcome; that commit has ended since: look again. */
 static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
                                const idem_key_ref *key,
-                               const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *wait)
+                               const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *wait,
+                               bool *again)
 {
     const idem_method *m = call->method;
     idem_record rec;
     idem_code code = idem_store_get(cfg->store, key, &rec);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
     bool same = memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-    *wait = false;
+    *wait = *again = false;
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
         code = same ? replay(call, &rec) : reject_mismatch(call);
         idem_record_clear(&rec);
@@ -402,7 +422,8 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     req.lease_until_ms = idem__add_sat(req.now_ms, lease);
     req.expires_ms = idem__add_sat(req.lease_until_ms, cfg->result_ttl_ms);
     idem_txn *txn = NULL;
-    code = claim(call, cfg, &req, &txn, &outcome, &rec);
+    uint64_t ticket;
+    code = claim(call, cfg, &req, &txn, &outcome, &rec, &ticket);
     if (code != IDEM_OK) {
         bool token = code == IDEM_FAILED_PRECONDITION || code == IDEM_PERMISSION_DENIED;
         return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
@@ -412,11 +433,20 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     if (txn != NULL && !owned) {
         idem__store_txn_abort(txn);
     }
+    if (ticket != 0 && !owned) {
+        idem__store_ticket_drop(cfg->store, ticket);
+        if (outcome == IDEM_CLAIM_COMPLETED || outcome == IDEM_CLAIM_MISMATCH) {
+            idem__store_ticket_wait(cfg->store, ticket); /* nothing uncommitted is answered */
+            idem_record_clear(&rec);
+            *again = true;
+            return IDEM_OK;
+        }
+    }
     switch (outcome) {
     case IDEM_CLAIM_ACQUIRED:
     case IDEM_CLAIM_TAKEN_OVER:
         call->token_to_consume = NULL;
-        code = run_owned(call, next, cfg, key, rec.owner, fingerprint, txn);
+        code = run_owned(call, next, cfg, key, rec.owner, fingerprint, txn, ticket);
         break;
     case IDEM_CLAIM_COMPLETED:
         code = replay(call, &rec);
@@ -459,9 +489,12 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
                             "%s", idem_errmsg());
     }
     for (;;) {
-        bool wait;
+        bool wait, again;
         uint64_t gen = idem__inflight_gen(call->rt->inflight, bucket); /* before the read */
-        idem_code code = look_or_claim(call, cfg, next, &key, fingerprint, &wait);
+        idem_code code = look_or_claim(call, cfg, next, &key, fingerprint, &wait, &again);
+        if (again) {
+            continue;
+        }
         if (!wait || call->suspend != IDEM__SUSPEND_NONE) {
             return code;
         }

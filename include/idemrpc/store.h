@@ -92,6 +92,9 @@ typedef struct idem_store_stats {
     /* Times a writer waiting for its commit was woken and had to wait again (LMDB group
      * commit): wake-ups that cost a context switch and did nothing. */
     uint64_t early_wakeups;
+    /* Completions committed in the same transaction as their claim (LMDB group commit:
+     * one durable commit for a new key instead of two). */
+    uint64_t shared_commits;
 } idem_store_stats;
 
 enum idem_store_flags {

@@ -177,6 +177,7 @@ struct idem_call {
     bool has_fingerprint;
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
+    uint64_t claim_ticket;   /* its commit shared with the completion (store.h), or 0 */
     /* A re-driven call: the key its first run had (result_cache refuses another). */
     const char *pinned_key;
     const char *reason; /* static: why the library itself rejected the call, or NULL */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "store.h"
 
 idem_code idem__call_suspend(idem_call *call, idem_suspend why)
 {
@@ -161,6 +162,9 @@ idem_key_source idem_call_key_source(const idem_call *call)
 
 uint64_t idem_call_fence(const idem_call *call)
 {
+    /* A claim sharing its commit with the completion may not be on disk yet: a fence
+     * that leaves the process must be, or a crash would hand it out again. */
+    idem__store_ticket_wait(call->claim_store, call->claim_ticket);
     return call->fence;
 }
 

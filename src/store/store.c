@@ -54,12 +54,16 @@ void idem_store_close(idem_store *st)
     }
 }
 
-idem_code idem_store_claim(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
-                           idem_record *rec)
+/* idem_store_claim, shared when ticket is not NULL and the store can. */
+static idem_code claim(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
+                       idem_record *rec, uint64_t *ticket)
 {
     idem_code code;
     if (rec != NULL) {
         memset(rec, 0, sizeof(*rec));
+    }
+    if (ticket != NULL) {
+        *ticket = 0;
     }
     if ((code = idem__key_check(&req->key)) != IDEM_OK) {
         return code;
@@ -70,20 +74,72 @@ idem_code idem_store_claim(idem_store *st, const idem_claim_req *req, idem_claim
     if (req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
         return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
     }
-    code = st->ops->claim(st, req, outcome, rec);
+    code = ticket != NULL && st->ops->claim_shared != NULL
+               ? st->ops->claim_shared(st, req, outcome, rec, ticket)
+               : st->ops->claim(st, req, outcome, rec);
     if (code != IDEM_OK) {
         idem_record_clear(rec); /* e.g. the commit failed after a replay was read */
     }
     return code;
 }
 
+idem_code idem_store_claim(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
+                           idem_record *rec)
+{
+    return claim(st, req, outcome, rec, NULL);
+}
+
+idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
+                                   idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket)
+{
+    return claim(st, req, outcome, rec, ticket);
+}
+
+idem_code idem__store_complete_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                      const void *response, size_t len, uint64_t expires_ms,
+                                      uint64_t now_ms, uint64_t ticket)
+{
+    idem_code code = idem__key_check(key);
+    if (code != IDEM_OK) {
+        idem__store_ticket_drop(st, ticket);
+        return code;
+    }
+    return ticket != 0 ? st->ops->complete_shared(st, key, owner, response, len, expires_ms,
+                                                  now_ms, ticket)
+                       : st->ops->complete(st, key, owner, response, len, expires_ms, now_ms);
+}
+
+idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                     uint64_t ticket)
+{
+    idem_code code = idem__key_check(key);
+    if (code != IDEM_OK) {
+        idem__store_ticket_drop(st, ticket);
+        return code;
+    }
+    return ticket != 0 ? st->ops->release_shared(st, key, owner, ticket)
+                       : st->ops->release(st, key, owner);
+}
+
+void idem__store_ticket_drop(idem_store *st, uint64_t ticket)
+{
+    if (ticket != 0) {
+        st->ops->ticket_drop(st, ticket);
+    }
+}
+
+void idem__store_ticket_wait(idem_store *st, uint64_t ticket)
+{
+    if (ticket != 0) {
+        st->ops->ticket_wait(st, ticket);
+    }
+}
+
 idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                   const void *response, size_t len, uint64_t expires_ms,
                                   uint64_t now_ms)
 {
-    idem_code code = idem__key_check(key);
-    return code != IDEM_OK ? code
-                           : st->ops->complete(st, key, owner, response, len, expires_ms, now_ms);
+    return idem__store_complete_shared(st, key, owner, response, len, expires_ms, now_ms, 0);
 }
 
 idem_code idem_store_complete(idem_store *st, const idem_key_ref *key, uint64_t owner,
@@ -101,8 +157,7 @@ idem_code idem_store_renew(idem_store *st, const idem_key_ref *key, uint64_t own
 
 idem_code idem_store_release(idem_store *st, const idem_key_ref *key, uint64_t owner)
 {
-    idem_code code = idem__key_check(key);
-    return code != IDEM_OK ? code : st->ops->release(st, key, owner);
+    return idem__store_release_shared(st, key, owner, 0);
 }
 
 idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_record *rec)

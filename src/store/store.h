@@ -84,6 +84,21 @@ typedef struct idem_store_ops {
     /* Undoes every write since the claim, keeping the claim: a final error is then
      * recorded in t without the handler's effect. */
     idem_code (*txn_undo)(idem_txn *t);
+    /* Optional (NULL: claims and completions commit apart). A claim whose completion may
+     * share its commit (LMDB group commit, group_commit.h): it may return before its
+     * commit, with *ticket nonzero; the caller then ends it with complete_shared or
+     * release_shared (that ticket) or ticket_drop (no write follows), and calls
+     * ticket_wait before it answers anything decided on it other than "acquired", or
+     * hands the claim's owner to another system. ticket 0 everywhere: the plain ops. */
+    idem_code (*claim_shared)(idem_store *st, const idem_claim_req *req,
+                              idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
+    idem_code (*complete_shared)(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                 const void *response, size_t len, uint64_t expires_ms,
+                                 uint64_t now_ms, uint64_t ticket);
+    idem_code (*release_shared)(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                uint64_t ticket);
+    void (*ticket_drop)(idem_store *st, uint64_t ticket);
+    void (*ticket_wait)(idem_store *st, uint64_t ticket);
     /* IDEM__STORE_CAP_WATCH only. At most IDEM__STORE_MAX_WATCH watchers. */
     idem_code (*watch)(idem_store *st, idem__store_watch_fn fn, void *arg);
     void (*unwatch)(idem_store *st, idem__store_watch_fn fn, void *arg);
@@ -107,6 +122,19 @@ idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint6
                                   uint64_t now_ms);
 idem_code idem__store_token_put_at(idem_store *st, const char *token, const char *scope,
                                    uint64_t expires_ms, uint64_t now_ms);
+
+/* The shared-commit ops (store_ops.claim_shared): each falls back to the plain op (and
+ * *ticket 0) on a store without them; ticket 0 is a no-op for drop and wait. */
+idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
+                                   idem_claim_outcome *outcome, idem_record *rec,
+                                   uint64_t *ticket);
+idem_code idem__store_complete_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                      const void *response, size_t len, uint64_t expires_ms,
+                                      uint64_t now_ms, uint64_t ticket);
+idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                     uint64_t ticket);
+void idem__store_ticket_drop(idem_store *st, uint64_t ticket);
+void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
 
 /* The bounds of a business key-value access (idem_txn_*, idem_store_app_get). */
 #define IDEM__APP_MAX_KEY 511

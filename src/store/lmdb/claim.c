@@ -2,6 +2,9 @@
  * outcome), then complete, release or renew by its owner; and the fence counter that
  * hands out store-assigned owners. Each step runs in one write txn: a group-commit write,
  * or for idem__lmdb_complete_in the txn of a transactional handler. */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "lmdb_internal.h"
@@ -23,6 +26,24 @@ static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
     }
     *out = last + 1;
     idem__put_be64(b, *out);
+    v = (MDB_val){8, b};
+    rc = mdb_put(txn, st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
+}
+
+/* The counter at least owner: a shared claim re-applied with the owner it drew in a
+ * batch that failed (that draw was rolled back with it). */
+static idem_code fence_at_least(lmdb_store *st, MDB_txn *txn, uint64_t owner)
+{
+    MDB_val k = {5, "fence"}, v;
+    int rc = mdb_get(txn, st->meta, &k, &v);
+    if (rc == 0 && v.mv_size == 8 && idem__get_be64(v.mv_data) >= owner) {
+        return IDEM_OK;
+    } else if (rc != 0 && rc != MDB_NOTFOUND) {
+        return idem__lmdb_code(rc, "fence get");
+    }
+    uint8_t b[8];
+    idem__put_be64(b, owner);
     v = (MDB_val){8, b};
     rc = mdb_put(txn, st->meta, &k, &v, 0);
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
@@ -160,6 +181,91 @@ idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_cla
     return idem__lmdb_write(st, claim_apply, &c);
 }
 
+/* A shared claim (group_commit.h): its request and outputs live here, with the writer
+ * thread, which may re-apply the claim after its caller has moved on. */
+typedef struct shared_claim {
+    claim_ctx c; /* points at the members below */
+    idem_claim_req req;
+    rec_key key;
+    char caller[IDEM_MAX_CALLER + 1], token[IDEM_MAX_TOKEN + 1];
+    idem_claim_outcome outcome;
+    idem_record rec;
+    uint64_t owner; /* drawn when the claim acquired the record (0: it did not): redo's */
+    atomic_int refs;
+} shared_claim;
+
+static idem_code shared_apply(MDB_txn *txn, void *arg)
+{
+    shared_claim *h = arg;
+    idem_code code = claim_apply(txn, &h->c);
+    bool owned = h->outcome == IDEM_CLAIM_ACQUIRED || h->outcome == IDEM_CLAIM_TAKEN_OVER;
+    h->owner = code == IDEM_OK && owned ? h->rec.owner : 0;
+    return code;
+}
+
+/* The claim again, in a txn of its own, as it was first applied: same owner, the counter
+ * past it. Writes nothing unless it acquires (the key was taken meanwhile: its caller's
+ * completion then finds the claim lost). Only reads what its caller no longer writes. */
+static idem_code shared_redo(MDB_txn *txn, void *arg)
+{
+    const shared_claim *h = arg;
+    if (h->owner == 0) {
+        return IDEM_OK;
+    }
+    idem_claim_req req = h->req;
+    idem_claim_outcome outcome;
+    req.owner = h->owner;
+    claim_ctx c = {h->c.st, &req, &h->key, &outcome, NULL, h->c.entered_mono};
+    idem_code code = fence_at_least(h->c.st, txn, h->owner);
+    if (code == IDEM_OK && (code = claim_apply(txn, &c)) == IDEM_OK &&
+        outcome != IDEM_CLAIM_ACQUIRED && outcome != IDEM_CLAIM_TAKEN_OVER) {
+        code = idem__err(IDEM_ABORTED, "claim lost: taken while its batch was re-run");
+    }
+    return code;
+}
+
+static void shared_unref(void *arg)
+{
+    shared_claim *h = arg;
+    if (atomic_fetch_sub(&h->refs, 1) == 1) {
+        idem_record_clear(&h->rec);
+        free(h);
+    }
+}
+
+idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
+                                  idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    shared_claim *h = calloc(1, sizeof(*h));
+    *ticket = 0;
+    if (h == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a claim");
+    }
+    idem_code code = idem__lmdb_rec_key_make(&h->key, &req->key);
+    if (code != IDEM_OK) {
+        free(h);
+        return code;
+    }
+    h->req = *req;
+    snprintf(h->caller, sizeof(h->caller), "%s", req->key.caller); /* bounds checked */
+    h->req.key = (idem_key_ref){h->caller, NULL, NULL};             /* claim_apply: caller */
+    if (req->token != NULL) {
+        snprintf(h->token, sizeof(h->token), "%s", req->token);
+        h->req.token = h->token;
+    }
+    h->c = (claim_ctx){st, &h->req, &h->key, &h->outcome, &h->rec, idem__mono_ms()};
+    atomic_init(&h->refs, 2);
+    code = idem__lmdb_write_held(st, shared_apply, shared_redo, h, shared_unref, ticket);
+    if (code == IDEM_OK) {
+        *outcome = h->outcome;
+        *rec = h->rec; /* moved: the writer thread's runs are over for these */
+        memset(&h->rec, 0, sizeof(h->rec));
+    }
+    shared_unref(h);
+    return code;
+}
+
 /* Reads the record for key in txn and checks that owner holds it. */
 static idem_code owned_get(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t owner,
                            rec_hdr *h, rec_token *tok)
@@ -215,15 +321,22 @@ static idem_code complete_apply(MDB_txn *txn, void *arg)
     return idem__lmdb_complete_in(w->st, txn, w->ref, w->owner, w->response, w->len, w->ms);
 }
 
-idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                              const void *response, size_t len, uint64_t expires_ms,
-                              uint64_t now_ms)
+idem_code idem__lmdb_complete_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                                     const void *response, size_t len, uint64_t expires_ms,
+                                     uint64_t now_ms, uint64_t ticket)
 {
     (void)now_ms; /* LMDB keeps the caller's absolute times */
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {
         .st = st, .ref = ref, .owner = owner, .response = response, .len = len, .ms = expires_ms};
-    return idem__lmdb_write(st, complete_apply, &w);
+    return idem__lmdb_write_end(st, complete_apply, &w, ticket);
+}
+
+idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                              const void *response, size_t len, uint64_t expires_ms,
+                              uint64_t now_ms)
+{
+    return idem__lmdb_complete_shared(base, ref, owner, response, len, expires_ms, now_ms, 0);
 }
 
 static idem_code release_apply(MDB_txn *txn, void *arg)
@@ -282,10 +395,30 @@ idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t o
     return code != IDEM_OK ? code : idem__lmdb_write(st, renew_apply, &w);
 }
 
-idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner)
+idem_code idem__lmdb_release_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                                    uint64_t ticket)
 {
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .owner = owner};
     idem_code code = idem__lmdb_rec_key_make(&w.key, ref);
-    return code != IDEM_OK ? code : idem__lmdb_write(st, release_apply, &w);
+    if (code != IDEM_OK) {
+        idem__gc_drop(&st->gc, ticket);
+        return code;
+    }
+    return idem__lmdb_write_end(st, release_apply, &w, ticket);
+}
+
+idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner)
+{
+    return idem__lmdb_release_shared(base, ref, owner, 0);
+}
+
+void idem__lmdb_ticket_drop(idem_store *base, uint64_t ticket)
+{
+    idem__gc_drop(&((lmdb_store *)base)->gc, ticket);
+}
+
+void idem__lmdb_ticket_wait(idem_store *base, uint64_t ticket)
+{
+    idem__gc_wait(&((lmdb_store *)base)->gc, ticket);
 }

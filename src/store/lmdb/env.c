@@ -218,4 +218,9 @@ const idem_store_ops idem__lmdb_ops = {
     .app_get = idem__lmdb_app_get,
     .app_next = idem__lmdb_app_next,
     .txn_record = idem__lmdb_txn_record,
+    .claim_shared = idem__lmdb_claim_shared,
+    .complete_shared = idem__lmdb_complete_shared,
+    .release_shared = idem__lmdb_release_shared,
+    .ticket_drop = idem__lmdb_ticket_drop,
+    .ticket_wait = idem__lmdb_ticket_wait,
 };

@@ -66,7 +66,7 @@ idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t
     int rc;
 
     *deleted = 0;
-    if ((rc = mdb_txn_begin(st->env, NULL, 0, &txn)) != 0) {
+    if ((rc = idem__lmdb_write_begin(st, &txn)) != 0) {
         return idem__lmdb_code(rc, "sweep begin");
     }
     if ((rc = mdb_cursor_open(txn, st->expiry, &cur)) != 0) {

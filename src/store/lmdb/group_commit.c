@@ -1,14 +1,41 @@
 /* Group commit of LMDB writes by one writer thread per store; see group_commit.h. */
 #include <errno.h>
 #include <semaphore.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "group_commit.h"
+
+/* How long a batch takes new shared claims: the last commit's time, within these. A
+ * claim that arrives meanwhile would otherwise wait for the next txn anyway. */
+#define ACCEPT_MIN_US 50
+#define ACCEPT_MAX_US 1000
+/* How long a batch stays open for the completions of its shared claims: longer, and
+ * another process waiting for LMDB's writer lock would wait longer too. */
+#define HOLD_US 2000
+
+enum op_kind {
+    OP_PLAIN, /* idem__gc_write: a batch with one commits as soon as it can */
+    OP_HELD,  /* idem__gc_write_held: its caller is woken once it is applied */
+    OP_END,   /* idem__gc_write_end: may end a shared claim of its batch */
+};
 
 struct idem_write_op {
     idem_write_fn fn;
     void *ctx;
+    enum op_kind kind;
+    /* OP_END: the claim's ticket. OP_HELD: its batch's, once applied there with IDEM_OK
+     * (0: not shared; set before its caller is woken). */
+    uint64_t ticket;
+    /* OP_HELD: heap memory with two references, its caller's and the writer thread's
+     * (until its batch ends: a failed batch re-applies it with redo), and ctx's own. */
+    idem_write_fn redo;
+    void (*unref)(void *ctx);
+    atomic_int refs;
+    bool posted; /* its caller was woken (an OP_HELD: maybe before the commit) */
     idem_code code;
     /* Posted by the writer thread once code and err are final; only this op's writer
      * waits on it. A semaphore rather than a condition variable: no mutex to take on
@@ -20,7 +47,15 @@ struct idem_write_op {
     sem_t done;
     char err[256]; /* the writer thread's idem_errmsg() for this op, handed over */
     idem_write_op *next;
+    idem_write_op *held_next; /* OP_HELD ops of a batch, to drop the writer's reference */
 };
+
+/* The ops of one batch, in the order they were applied. */
+typedef struct batch {
+    idem_write_op *head, *tail, *held;
+    size_t n;
+    bool plain; /* an OP_PLAIN in it: commit without waiting for shared completions */
+} batch;
 
 idem_code idem__lmdb_code(int rc, const char *what)
 {
@@ -59,45 +94,224 @@ static void op_finish(idem_write_op *op, idem_code code)
     snprintf(op->err, sizeof(op->err), "%s", code == IDEM_OK ? "" : idem_errmsg());
 }
 
-/* Applies a batch in one txn; on a storage error, falls back to one txn per op. */
-static void run_batch(idem_group_commit *gc, idem_write_op *batch)
+/* Wakes op's caller; op may be gone once this returns (unless it is an OP_HELD). */
+static void op_post(idem_write_op *op)
 {
-    MDB_txn *txn = NULL;
-    int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
-    bool poisoned = rc != 0;
-    for (idem_write_op *op = batch; op != NULL && !poisoned; op = op->next) {
-        op_finish(op, op->fn(txn, op->ctx));
-        poisoned = poisons_txn(op->code);
-    }
-    if (!poisoned) {
-        if ((rc = mdb_txn_commit(txn)) == 0) {
-            return;
-        }
-        poisoned = true; /* commit freed the txn */
-    } else if (txn != NULL && rc == 0) {
-        mdb_txn_abort(txn);
-    }
-    for (idem_write_op *op = batch; op != NULL; op = op->next) {
-        op_finish(op, write_alone(gc->env, op->fn, op->ctx));
+    op->posted = true;
+    sem_post(&op->done); /* its writer, and nobody else: cannot fail (0 → 1) */
+}
+
+static void op_unref(idem_write_op *op)
+{
+    if (atomic_fetch_sub(&op->refs, 1) == 1) {
+        sem_destroy(&op->done);
+        op->unref(op->ctx);
+        free(op);
     }
 }
 
-/* Takes up to max_batch queued ops off the queue (gc->mu held, the queue not empty). */
-static idem_write_op *batch_take(idem_group_commit *gc)
+static uint64_t mono_us(void)
 {
-    idem_write_op *batch = gc->head, *last = batch;
-    size_t n = 1;
-    for (; n < gc->max_batch && last->next != NULL; n++) {
-        last = last->next;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static void batch_add(batch *b, idem_write_op *op)
+{
+    op->next = NULL;
+    if (b->tail != NULL) {
+        b->tail->next = op;
+    } else {
+        b->head = op;
     }
+    b->tail = op;
+    b->n++;
+    if (op->kind == OP_HELD) {
+        op->held_next = b->held;
+        b->held = op;
+    }
+}
+
+/* Takes queued ops off the queue (gc->mu held): up to room of any kind while the batch
+ * takes new shared claims (accept), else only the ends of shared claims (any number:
+ * there are no more of them than claims). */
+static idem_write_op *queue_take(idem_group_commit *gc, bool accept, size_t room)
+{
+    idem_write_op *got = NULL, **gt = &got, **pp = &gc->head;
+    gc->tail = NULL;
+    while (*pp != NULL) {
+        idem_write_op *op = *pp;
+        if (accept ? room == 0 : op->kind != OP_END) {
+            gc->tail = op;
+            pp = &op->next;
+            continue;
+        }
+        room -= accept;
+        *pp = op->next;
+        op->next = NULL;
+        *gt = op;
+        gt = &op->next;
+    }
+    return got;
+}
+
+static bool plain_queued(const idem_group_commit *gc)
+{
+    for (const idem_write_op *op = gc->head; op != NULL; op = op->next) {
+        if (op->kind == OP_PLAIN) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Applies ops in txn (the batch of ticket) and adds them to b; false once one poisoned
+ * the txn (the ops after it are added unapplied). A shared claim's caller is woken at
+ * once; the others when the batch ends. */
+static bool apply(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, idem_write_op *ops, batch *b)
+{
+    bool poisoned = false;
+    size_t ended = 0;
+    for (idem_write_op *op = ops, *next; op != NULL; op = next) {
+        next = op->next;
+        batch_add(b, op);
+        if (poisoned) {
+            continue;
+        }
+        op_finish(op, op->fn(txn, op->ctx));
+        if ((poisoned = poisons_txn(op->code))) {
+            continue;
+        }
+        if (op->kind == OP_HELD) {
+            if (op->code == IDEM_OK) {
+                pthread_mutex_lock(&gc->mu);
+                gc->awaiting++; /* before its caller can drop it */
+                pthread_mutex_unlock(&gc->mu);
+                op->ticket = ticket;
+            }
+            op_post(op);
+        } else if (op->kind == OP_END && op->ticket == ticket) {
+            ended++;
+        } else if (op->kind == OP_PLAIN) {
+            b->plain = true;
+        }
+    }
+    pthread_mutex_lock(&gc->mu);
+    gc->awaiting -= ended < gc->awaiting ? ended : gc->awaiting;
+    gc->shared += ended;
+    pthread_mutex_unlock(&gc->mu);
+    return !poisoned;
+}
+
+/* A failed batch, again one op per txn in order: a shared claim its caller holds is
+ * re-applied with its owner (redo), the other ops run as if for the first time. */
+static void run_alone(idem_group_commit *gc, batch *b)
+{
+    for (idem_write_op *op = b->head, *next; op != NULL; op = next) {
+        next = op->next;
+        if (op->kind == OP_HELD && op->posted) {
+            if (op->code == IDEM_OK) {
+                write_alone(gc->env, op->redo, op->ctx); /* a failure: its completion says */
+            }
+            continue;
+        }
+        op->ticket = op->kind == OP_HELD ? 0 : op->ticket;
+        op_finish(op, write_alone(gc->env, op->fn, op->ctx));
+        op_post(op);
+    }
+}
+
+/* Keeps the batch open until it should commit (group_commit.h), applying what comes.
+ * Called and returns with gc->mu held; false when the txn is poisoned. */
+static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint64_t began,
+                      batch *b)
+{
+    uint64_t accept_us = gc->last_commit_us < ACCEPT_MIN_US   ? ACCEPT_MIN_US
+                         : gc->last_commit_us > ACCEPT_MAX_US ? ACCEPT_MAX_US
+                                                              : gc->last_commit_us;
+    for (;;) {
+        uint64_t now = mono_us();
+        bool accept = now < began + accept_us && b->n < gc->max_batch;
+        idem_write_op *ops = queue_take(gc, accept, gc->max_batch - b->n);
+        if (ops != NULL) {
+            pthread_mutex_unlock(&gc->mu);
+            bool ok = apply(gc, txn, ticket, ops, b);
+            pthread_mutex_lock(&gc->mu);
+            if (!ok) {
+                return false;
+            }
+            continue;
+        }
+        if (b->plain || gc->awaiting == 0 || gc->flush || gc->stopping ||
+            now >= began + HOLD_US || plain_queued(gc)) {
+            return true;
+        }
+        uint64_t until = began + (accept ? accept_us : HOLD_US);
+        struct timespec ts = {(time_t)(until / 1000000u), (long)(until % 1000000u) * 1000};
+        gc->writer_holding = true;
+        pthread_cond_timedwait(&gc->cv, &gc->mu, &ts);
+        gc->writer_holding = false;
+    }
+}
+
+/* One batch: begin, apply and hold (hold_open), commit, wake; on a storage error or a
+ * failed commit, run_alone. */
+static void run_batch(idem_group_commit *gc)
+{
+    batch b = {0};
+    MDB_txn *txn = NULL;
+    int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
+    uint64_t began = mono_us();
+    pthread_mutex_lock(&gc->mu);
+    uint64_t ticket = ++gc->last_ticket;
+    gc->awaiting = 0;
+    gc->flush = false;
+    bool ok = rc == 0;
+    if (ok) {
+        gc->open_ticket = ticket;
+        ok = hold_open(gc, txn, ticket, began, &b);
+    } else {
+        for (idem_write_op *op = queue_take(gc, true, gc->max_batch), *next; op != NULL;
+             op = next) {
+            next = op->next;
+            batch_add(&b, op); /* run alone below, each txn begun again */
+        }
+    }
+    gc->open_ticket = 0;
     gc->commits++;
-    gc->writes += n;
-    gc->head = last->next;
-    if (gc->head == NULL) {
-        gc->tail = NULL;
+    gc->writes += b.n;
+    pthread_mutex_unlock(&gc->mu);
+
+    uint64_t t0 = mono_us();
+    if (ok && (rc = mdb_txn_commit(txn)) != 0) {
+        ok = false; /* commit freed the txn */
+        txn = NULL;
+    } else if (!ok && txn != NULL) {
+        mdb_txn_abort(txn);
     }
-    last->next = NULL;
-    return batch;
+    uint64_t commit_us = mono_us() - t0;
+    if (ok) {
+        for (idem_write_op *op = b.head, *next; op != NULL; op = next) {
+            next = op->next; /* op may be gone once posted */
+            if (!op->posted) {
+                op_post(op);
+            }
+        }
+    } else {
+        run_alone(gc, &b);
+    }
+    pthread_mutex_lock(&gc->mu);
+    gc->last_commit_us = ok ? commit_us : gc->last_commit_us;
+    gc->done_ticket = ticket;
+    if (gc->done_waiters > 0) {
+        pthread_cond_broadcast(&gc->done_cv);
+    }
+    pthread_mutex_unlock(&gc->mu);
+    for (idem_write_op *op = b.held, *next; op != NULL; op = next) {
+        next = op->held_next;
+        op_unref(op);
+    }
 }
 
 /* The writer thread: one batch per turn while ops are queued; asleep otherwise. It stops
@@ -116,14 +330,9 @@ static void *writer_main(void *arg)
         if (gc->head == NULL) { /* stopping, nothing left */
             break;
         }
-        idem_write_op *batch = batch_take(gc);
         gc->writer_busy = true;
         pthread_mutex_unlock(&gc->mu);
-        run_batch(gc, batch);
-        for (idem_write_op *o = batch, *next; o != NULL; o = next) {
-            next = o->next;     /* o may be gone once posted */
-            sem_post(&o->done); /* its writer, and nobody else: cannot fail (0 → 1) */
-        }
+        run_batch(gc);
         pthread_mutex_lock(&gc->mu);
         gc->writer_busy = false;
     }
@@ -133,14 +342,22 @@ static void *writer_main(void *arg)
 
 idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_t max_batch)
 {
+    pthread_condattr_t ca;
     memset(gc, 0, sizeof(*gc));
     gc->env = env;
     gc->enabled = enabled;
     gc->max_batch = max_batch ? max_batch : 1;
     pthread_mutex_init(&gc->mu, NULL);
-    pthread_cond_init(&gc->cv, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* hold_open's timed wait */
+    pthread_cond_init(&gc->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_cond_init(&gc->done_cv, NULL);
+    pthread_cond_init(&gc->inline_cv, NULL);
     if (enabled) {
         if (pthread_create(&gc->writer, NULL, writer_main, gc) != 0) {
+            pthread_cond_destroy(&gc->inline_cv);
+            pthread_cond_destroy(&gc->done_cv);
             pthread_cond_destroy(&gc->cv);
             pthread_mutex_destroy(&gc->mu);
             return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the LMDB writer thread");
@@ -157,14 +374,43 @@ void idem__gc_fini(idem_group_commit *gc)
         gc->stopping = true;
         pthread_cond_broadcast(&gc->cv);
         while (gc->inline_busy) { /* a write its caller commits: the env must outlive it */
-            pthread_cond_wait(&gc->cv, &gc->mu);
+            pthread_cond_wait(&gc->inline_cv, &gc->mu);
         }
         pthread_mutex_unlock(&gc->mu);
         pthread_join(gc->writer, NULL);
         gc->started = false;
     }
+    pthread_cond_destroy(&gc->inline_cv);
+    pthread_cond_destroy(&gc->done_cv);
     pthread_cond_destroy(&gc->cv);
     pthread_mutex_destroy(&gc->mu);
+}
+
+/* Wakes the writer thread for what was just queued, if it sleeps or holds a batch open:
+ * once, after gc->mu is released (so that it does not wake only to wait for gc->mu); it
+ * is in its wait then (both flags are set and cleared under gc->mu), so it cannot miss
+ * it. Called with gc->mu held; releases it. */
+static void wake_writer(idem_group_commit *gc)
+{
+    bool wake = (gc->writer_asleep && !gc->inline_busy) || gc->writer_holding;
+    gc->writer_asleep = gc->writer_asleep && !wake;
+    gc->writer_holding = gc->writer_holding && !wake;
+    gc->wakeups += wake;
+    pthread_mutex_unlock(&gc->mu);
+    if (wake) {
+        pthread_cond_signal(&gc->cv);
+    }
+}
+
+static void enqueue(idem_group_commit *gc, idem_write_op *op)
+{
+    op->next = NULL;
+    if (gc->tail != NULL) {
+        gc->tail->next = op;
+    } else {
+        gc->head = op;
+    }
+    gc->tail = op;
 }
 
 /* Nothing queued and nothing committing: the caller commits its write on its own thread,
@@ -181,20 +427,37 @@ static idem_code write_inline(idem_group_commit *gc, idem_write_fn fn, void *ctx
     idem_code code = write_alone(gc->env, fn, ctx);
     pthread_mutex_lock(&gc->mu);
     gc->inline_busy = false;
-    bool wake = gc->head != NULL && gc->writer_asleep;
-    bool closing = gc->stopping; /* idem__gc_fini waits for this write */
-    gc->writer_asleep = gc->writer_asleep && !wake;
-    gc->wakeups += wake;
-    pthread_mutex_unlock(&gc->mu);
-    if (closing) {
-        pthread_cond_broadcast(&gc->cv);
-    } else if (wake) {
-        pthread_cond_signal(&gc->cv);
+    if (gc->stopping) { /* idem__gc_fini waits for this write */
+        pthread_cond_broadcast(&gc->inline_cv);
+    }
+    if (gc->head != NULL) {
+        wake_writer(gc); /* releases gc->mu */
+    } else {
+        pthread_mutex_unlock(&gc->mu);
     }
     return code;
 }
 
-idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
+/* Waits for op's result, handing over its message. */
+static idem_code op_wait(idem_group_commit *gc, idem_write_op *op)
+{
+    uint64_t early = 0;
+    while (sem_wait(&op->done) != 0) { /* only EINTR (a signal handler ran): wait again */
+        early++;
+    }
+    if (early > 0) {
+        pthread_mutex_lock(&gc->mu);
+        gc->early_wakeups += early;
+        pthread_mutex_unlock(&gc->mu);
+    }
+    if (op->code != IDEM_OK) {
+        idem__err(op->code, "%s", op->err);
+    }
+    return op->code;
+}
+
+static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx,
+                              enum op_kind kind, uint64_t ticket)
 {
     if (!gc->enabled) {
         pthread_mutex_lock(&gc->mu);
@@ -203,7 +466,7 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         pthread_mutex_unlock(&gc->mu);
         return write_alone(gc->env, fn, ctx);
     }
-    idem_write_op op = {.fn = fn, .ctx = ctx};
+    idem_write_op op = {.fn = fn, .ctx = ctx, .kind = kind, .ticket = ticket};
     if (sem_init(&op.done, 0, 0) != 0) {
         return idem__err(IDEM_INTERNAL, "sem_init: %s", strerror(errno));
     }
@@ -212,34 +475,88 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
         sem_destroy(&op.done);
         return write_inline(gc, fn, ctx); /* releases gc->mu */
     }
-    if (gc->tail != NULL) {
-        gc->tail->next = &op;
-    } else {
-        gc->head = &op;
-    }
-    gc->tail = &op;
-    /* The first enqueue since the writer thread fell asleep wakes it, once. It is woken
-     * after gc->mu is released, so that it does not wake only to wait for gc->mu: it is
-     * in its wait (writer_asleep is set and cleared under gc->mu), so it cannot miss it. */
-    bool wake = gc->writer_asleep && !gc->inline_busy;
-    gc->writer_asleep = gc->writer_asleep && !wake;
-    gc->wakeups += wake;
-    pthread_mutex_unlock(&gc->mu);
-    if (wake) {
-        pthread_cond_signal(&gc->cv);
-    }
-    uint64_t early = 0;
-    while (sem_wait(&op.done) != 0) { /* only EINTR (a signal handler ran): wait again */
-        early++;
-    }
+    enqueue(gc, &op);
+    wake_writer(gc); /* releases gc->mu */
+    idem_code code = op_wait(gc, &op);
     sem_destroy(&op.done);
-    if (early > 0) {
-        pthread_mutex_lock(&gc->mu);
-        gc->early_wakeups += early;
-        pthread_mutex_unlock(&gc->mu);
+    return code;
+}
+
+idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
+{
+    return write_queued(gc, fn, ctx, OP_PLAIN, 0);
+}
+
+idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket)
+{
+    return write_queued(gc, fn, ctx, ticket != 0 ? OP_END : OP_PLAIN, ticket);
+}
+
+idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
+                              void *ctx, void (*unref)(void *ctx), uint64_t *ticket)
+{
+    *ticket = 0;
+    if (!gc->started) {
+        idem_code code = write_queued(gc, fn, ctx, OP_PLAIN, 0);
+        unref(ctx); /* the writer's reference: there is none */
+        return code;
     }
-    if (op.code != IDEM_OK) {
-        idem__err(op.code, "%s", op.err);
+    idem_write_op *op = calloc(1, sizeof(*op));
+    if (op == NULL || sem_init(&op->done, 0, 0) != 0) {
+        free(op);
+        unref(ctx);
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a store write");
     }
-    return op.code;
+    op->fn = fn;
+    op->redo = redo;
+    op->ctx = ctx;
+    op->unref = unref;
+    op->kind = OP_HELD;
+    atomic_init(&op->refs, 2);
+    pthread_mutex_lock(&gc->mu);
+    enqueue(gc, op);
+    wake_writer(gc); /* releases gc->mu */
+    idem_code code = op_wait(gc, op);
+    *ticket = op->ticket;
+    op_unref(op);
+    return code;
+}
+
+void idem__gc_drop(idem_group_commit *gc, uint64_t ticket)
+{
+    if (ticket == 0) {
+        return;
+    }
+    pthread_mutex_lock(&gc->mu);
+    if (ticket == gc->open_ticket && gc->awaiting > 0 && --gc->awaiting == 0) {
+        wake_writer(gc); /* releases gc->mu */
+        return;
+    }
+    pthread_mutex_unlock(&gc->mu);
+}
+
+void idem__gc_wait(idem_group_commit *gc, uint64_t ticket)
+{
+    pthread_mutex_lock(&gc->mu);
+    while (ticket != 0 && gc->done_ticket < ticket) {
+        if (ticket == gc->open_ticket && !gc->flush) {
+            gc->flush = true;
+            pthread_cond_signal(&gc->cv);
+        }
+        gc->done_waiters++;
+        pthread_cond_wait(&gc->done_cv, &gc->mu);
+        gc->done_waiters--;
+    }
+    pthread_mutex_unlock(&gc->mu);
+}
+
+void idem__gc_flush(idem_group_commit *gc)
+{
+    pthread_mutex_lock(&gc->mu);
+    if (gc->open_ticket != 0 && !gc->flush) {
+        gc->flush = true;
+        wake_writer(gc); /* releases gc->mu */
+        return;
+    }
+    pthread_mutex_unlock(&gc->mu);
 }

@@ -3,36 +3,64 @@
  * Each store has one writer thread (started by idem__gc_init, stopped by idem__gc_fini
  * once it has run what is queued). A caller of idem__gc_write queues its operation and
  * sleeps on a semaphore of its own. The writer thread sleeps while the queue is empty;
- * the enqueue that finds it asleep wakes it, once (after releasing the queue's lock). It
- * takes up to max_batch queued operations, applies them in order in one txn, commits,
- * and posts the semaphore of each operation of that batch, and of no other: no
- * broadcast, each caller is woken once, when its result is there. Nobody lingers: a
- * batch is what queued up while the previous commit was running, so 64 callers share an
- * fsync.
+ * the enqueue that finds it asleep (or holding a batch open, below) wakes it, once
+ * (after releasing the queue's lock). It begins a txn, applies what is queued in order,
+ * commits, and posts the semaphore of each operation of that batch, and of no other: no
+ * broadcast, each caller is woken once, when its result is there.
+ *
+ * Shared commits (idem__gc_write_held): a claim whose completion is expected soon (a
+ * cached handler that is not transactional and journals no steps) is applied in the
+ * open txn and its caller woken at once, before the commit: the handler runs while the
+ * txn stays open, and its completion (idem__gc_write_end with the claim's ticket) is
+ * applied in the same txn, so the claim and its completion reach the disk in ONE commit.
+ * The writer thread keeps a batch open while claims in it await their completions:
+ *   - it takes new claims for ACCEPT (the time the last commit took, within bounds),
+ *     then only completions and other writes, so that a batch ends;
+ *   - it commits once no claim in it awaits its completion, or HOLD after it began, or
+ *     at once when a write that is not a shared claim or completion is queued, when a
+ *     handler needs its claim on disk (idem__gc_wait: its fence), when a thread of this
+ *     process wants LMDB's writer lock for itself (idem__gc_flush), or when stopping.
+ * A claim still awaiting its completion then commits alone (IN_PROGRESS), as without
+ * sharing, and its completion joins a later batch.
+ *
+ * Why this keeps the promise: the open txn holds LMDB's writer lock, so no other claim of
+ * the same key can commit anywhere (another thread, another process) until this one has:
+ * a second claimer waits for the lock and then reads the claim, or the result. Nothing
+ * uncommitted is answered: a decision made on an uncommitted record (a shared claim that
+ * found the key completed, or another request's) waits for that commit (idem__gc_wait)
+ * before its caller answers, and the completion's caller is woken only after the commit.
+ * What changes is what a crash loses: a process or machine crash while the handler runs
+ * loses the uncommitted claim, so the retry runs at once instead of after the lease; an
+ * effect outside the store may then run twice, exactly as after a crash between the
+ * effect and a separately committed completion (README's at-least-once edge). The
+ * handler's fence is the one value another system could remember: idem_call_fence
+ * waits for the claim's commit before returning it, so a fence that left the process is
+ * on disk and the counter never hands it out again.
  *
  * A write that finds nothing queued and nothing committing (neither the writer thread
- * nor another such write) is committed on its caller's thread instead, in a txn of its
- * own: when writes do not overlap that saves the two hand-offs to the writer thread and
- * back (bench d, MDB_NOSYNC, 16 clients: 10.5 → 5.9 context switches per call). Writes
- * that arrive meanwhile queue for the writer thread, which that caller wakes at its end.
- * Either way each txn is begun and committed by one thread, as LMDB requires.
+ * nor another such write) and is not a shared claim is committed on its caller's
+ * thread instead, in a txn of its own: when writes do not overlap that saves the two
+ * hand-offs to the writer thread and back. Writes that arrive meanwhile queue for the
+ * writer thread, which that caller wakes at its end. Either way each txn is begun and
+ * committed by one thread, as LMDB requires, and only the writer thread uses a batch's.
  *
- * Every caller returns only after the commit holding its write is durable (or has
- * failed): claims, completions, releases and renewals alike, so a new key is two durable
- * commits (README, "Which writes reach the disk before which reply"). An operation that
- * fails with a storage error (e.g. MDB_MAP_FULL) poisons the txn; the batch is then
- * aborted and each operation re-run in a txn of its own, so every caller gets its own,
- * exact result and its own error message, handed over with it.
+ * Every caller but a shared claim's returns only after the commit holding its write is
+ * durable (or has failed). An operation that fails with a storage error (e.g.
+ * MDB_MAP_FULL) poisons the txn, and a commit may fail; the batch is then aborted and
+ * re-run one operation per txn, so every caller gets its own, exact result and its own
+ * error message, handed over with it. A shared claim that its caller already holds is
+ * re-applied first with its owner (redo), committed on its own, so its handler's
+ * completion still finds it: the two-commit case, not a lost claim.
  *
- * A transactional handler's txn (txn.c) is begun and committed on the handler's thread,
- * outside group commit. LMDB's writer lock (one write txn per env, across threads and
- * processes) keeps it and group commit apart: the writer thread's (or an inline
- * caller's) mdb_txn_begin waits while a handler holds it. A thread holding a handler txn
- * never queues here (txn.c refuses a nested write), so it never waits for the writer
- * thread while the writer thread waits for it.
+ * A transactional handler's txn (txn.c) and a sweep are begun and committed on their own
+ * thread, outside group commit, after idem__gc_flush. LMDB's writer lock (one write txn
+ * per env, across threads and processes) keeps them and group commit apart. A thread
+ * holding a handler txn never queues here (txn.c refuses a nested write), so it never
+ * waits for the writer thread while the writer thread waits for it.
  *
  * With enabled false (IDEM_STORE_NO_GROUP_COMMIT, or a read-only store) there is no
- * writer thread: each write is its own txn, on the caller's thread. */
+ * writer thread: each write is its own txn, on the caller's thread, and no claim is
+ * shared. */
 #ifndef IDEMRPC_GROUP_COMMIT_H
 #define IDEMRPC_GROUP_COMMIT_H
 
@@ -60,16 +88,27 @@ typedef struct idem_group_commit {
     MDB_env *env;
     bool enabled;
     size_t max_batch;
-    pthread_mutex_t mu; /* guards everything below */
-    pthread_cond_t cv;  /* the writer thread's: work queued, or stopping */
+    pthread_mutex_t mu;      /* guards everything below */
+    pthread_cond_t cv;       /* the writer thread's: work queued, a claim ended, stopping */
+    pthread_cond_t done_cv;  /* idem__gc_wait's: a batch ended */
+    pthread_cond_t inline_cv; /* idem__gc_fini's: an inline write ended */
     idem_write_op *head, *tail;
-    bool writer_asleep; /* in cv's wait with an empty queue: the next enqueue wakes it */
-    bool writer_busy;   /* the writer thread runs a batch */
-    bool inline_busy;   /* a caller commits its own write (nothing was queued or running) */
+    bool writer_asleep;  /* in cv's wait with an empty queue: the next enqueue wakes it */
+    bool writer_holding; /* in cv's timed wait with a batch open: enqueues wake it */
+    bool writer_busy;    /* the writer thread runs a batch */
+    bool inline_busy;    /* a caller commits its own write (nothing was queued or running) */
     bool stopping;
     bool started; /* the writer thread runs (enabled, and pthread_create succeeded) */
     pthread_t writer;
+    /* The batch the writer has open (its ticket, 0: none), its shared claims still
+     * awaiting their completion, and whether someone asked it to commit now. */
+    uint64_t open_ticket, last_ticket, done_ticket;
+    size_t awaiting;
+    bool flush;
+    size_t done_waiters;      /* threads in idem__gc_wait */
+    uint64_t last_commit_us;  /* how long the last batch's commit took */
     uint64_t commits, writes; /* batches run and operations in them (statistics) */
+    uint64_t shared;          /* completions committed with their claim (statistics) */
     uint64_t wakeups;         /* times an enqueue woke the writer thread (statistics) */
     uint64_t early_wakeups;   /* a writer woke, then had to wait again (statistics) */
 } idem_group_commit;
@@ -82,5 +121,25 @@ void idem__gc_fini(idem_group_commit *gc);
 
 /* Runs fn in a committed write txn (shared with other writers when enabled). */
 idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
+
+/* A claim that may share its commit with its completion (above): returns once fn has
+ * been applied, usually before the commit. ctx is shared with the writer thread, which
+ * may run redo(txn, ctx) after a batch failure (to re-apply a claim that fn applied:
+ * it must not touch what the caller reads from ctx) and calls unref(ctx) when done with
+ * it; the caller calls unref(ctx) too once it has read fn's outputs. *ticket: nonzero
+ * when fn returned IDEM_OK in an open batch: the claim's caller then ends it with
+ * idem__gc_write_end (its completion or release) or idem__gc_drop (no write follows). */
+idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
+                              void *ctx, void (*unref)(void *ctx), uint64_t *ticket);
+/* idem__gc_write of the write that ends a shared claim (ticket 0: none). */
+idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket);
+/* No write will end the shared claim of ticket: its batch need not wait for one. */
+void idem__gc_drop(idem_group_commit *gc, uint64_t ticket);
+/* Returns once the batch of ticket has ended (committed, or failed and re-run one write
+ * per txn), asking it to commit now. */
+void idem__gc_wait(idem_group_commit *gc, uint64_t ticket);
+/* Asks an open batch to commit now: a thread of this process is about to wait for
+ * LMDB's writer lock outside group commit. */
+void idem__gc_flush(idem_group_commit *gc);
 
 #endif

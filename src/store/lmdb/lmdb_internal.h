@@ -131,6 +131,16 @@ idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_
                               const void *response, size_t len, uint64_t expires_ms,
                               uint64_t now_ms);
 idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner);
+/* Shared commits of a claim and its completion (group_commit.h; store.h's ops). */
+idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
+                                  idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
+idem_code idem__lmdb_complete_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                                     const void *response, size_t len, uint64_t expires_ms,
+                                     uint64_t now_ms, uint64_t ticket);
+idem_code idem__lmdb_release_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                                    uint64_t ticket);
+void idem__lmdb_ticket_drop(idem_store *base, uint64_t ticket);
+void idem__lmdb_ticket_wait(idem_store *base, uint64_t ticket);
 idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                            uint64_t lease_until_ms, uint64_t now_ms);
 
@@ -156,6 +166,13 @@ idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t
 
 /* txn.c */
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
+/* idem__gc_write_held and idem__gc_write_end behind the same gate. */
+idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
+                                void (*unref)(void *ctx), uint64_t *ticket);
+idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket);
+/* A write txn of this thread's own, outside group commit (a handler txn, a sweep): asks
+ * an open shared batch to commit first, then waits for LMDB's writer lock. */
+int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn);
 idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out);
 void idem__lmdb_txn_abort(idem_txn *t);
 idem_code idem__lmdb_txn_commit(idem_txn *t);

@@ -223,6 +223,7 @@ idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out)
     out->commits = st->gc.commits;
     out->writes = st->gc.writes;
     out->early_wakeups = st->gc.early_wakeups;
+    out->shared_commits = st->gc.shared;
     pthread_mutex_unlock(&st->gc.mu);
     out->map_size = info.me_mapsize;
     out->map_used = (info.me_last_pgno + 1) * (size_t)ms.ms_psize;

@@ -23,6 +23,32 @@ idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx)
     return thread_write_txn != NULL ? nested_write() : idem__gc_write(&st->gc, fn, ctx);
 }
 
+idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
+                                void (*unref)(void *ctx), uint64_t *ticket)
+{
+    if (thread_write_txn != NULL) {
+        *ticket = 0;
+        unref(ctx); /* the writer thread's reference */
+        return nested_write();
+    }
+    return idem__gc_write_held(&st->gc, fn, redo, ctx, unref, ticket);
+}
+
+idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket)
+{
+    if (thread_write_txn != NULL) {
+        idem__gc_drop(&st->gc, ticket);
+        return nested_write();
+    }
+    return idem__gc_write_end(&st->gc, fn, ctx, ticket);
+}
+
+int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn)
+{
+    idem__gc_flush(&st->gc);
+    return mdb_txn_begin(st->env, NULL, 0, txn);
+}
+
 /* Business databases ("app.<name>") of transactional handlers.
  *
  * LMDB forbids mdb_dbi_open in concurrent txns, and a handle opened in a txn that aborts
@@ -158,7 +184,7 @@ idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out)
     if (t == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    int rc = mdb_txn_begin(st->env, NULL, 0, &t->txn);
+    int rc = idem__lmdb_write_begin(st, &t->txn);
     if (rc != 0) {
         free(t);
         return idem__lmdb_code(rc, "handler txn begin");
