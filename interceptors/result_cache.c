@@ -77,15 +77,23 @@ static idem_code answer_in_progress(idem_call *call)
 /* Stores the call's response as the COMPLETED record: in the handler's own transaction
  * (committing its business writes with it) when it has one, else on its own, or in its
  * claim's commit when that is still open (ticket). */
+/* The COMPLETED record's response (malloc'd) and times. */
+static idem_code encode_result(const idem_call *call, const idem_cache_cfg *cfg, uint8_t **buf,
+                               size_t *len, uint64_t *now, uint64_t *expires)
+{
+    const idem_method_opts *o = &call->method->opts;
+    *now = idem__rt_now_ms(call->rt);
+    *expires = idem__add_sat(*now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
+    return idem__encode_call_response(call, false, buf, len);
+}
+
 static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                                uint64_t owner, idem_txn *txn, uint64_t ticket)
 {
-    const idem_method_opts *o = &call->method->opts;
-    uint64_t now = idem__rt_now_ms(call->rt);
-    uint64_t expires = idem__add_sat(now, o->result_ttl_ms ? o->result_ttl_ms : cfg->result_ttl_ms);
+    uint64_t now, expires;
     uint8_t *buf;
     size_t len;
-    idem_code st = idem__encode_call_response(call, false, &buf, &len);
+    idem_code st = encode_result(call, cfg, &buf, &len, &now, &expires);
     if (st != IDEM_OK) {
         if (txn != NULL) {
             idem__store_txn_abort(txn);
@@ -234,52 +242,24 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
     return st;
 }
 
-/* Runs the handler as the claim owner and records the outcome. txn is the handler txn
- * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
- * claim's shared commit, still open maybe (the completion then joins it), else 0. */
-static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
-                           const idem_key_ref *key, uint64_t owner,
-                           const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], idem_txn *txn,
-                           uint64_t ticket)
+/* What follows the record of a run (st: how it went): the lease keeper stops, the key's
+ * waiters wake (unless the end of an asynchronous record did both: done), and a failed
+ * record decides the answer. */
+static idem_code after_record(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
+                              uint64_t owner, idem_keep *keep, idem_code code, idem_code st,
+                              bool claimed_in_txn, bool done)
 {
-    const idem_method_opts *o = &call->method->opts;
-    bool transactional = (o->flags & IDEM_METHOD_TRANSACTIONAL) != 0;
-    bool claimed_in_txn = txn != NULL;
+    bool transactional = (call->method->opts.flags & IDEM_METHOD_TRANSACTIONAL) != 0;
     uint32_t bucket = idem__inflight_bucket(key);
-    idem_keep *keep = NULL;
-    idem_code code, st;
-
-    if (transactional && txn == NULL && (st = idem__store_txn_begin(cfg->store, &txn)) != IDEM_OK) {
-        idem_store_release(cfg->store, key, owner);
-        idem__inflight_notify(call->rt->inflight, bucket);
-        return idem__reject(call, IDEM_REASON_STORE, st, "%s", idem_errmsg());
-    }
-    if (!transactional) { /* a handler txn holds its claim: nobody can take over */
-        uint64_t lease = o->lease_ms ? o->lease_ms : cfg->lease_ms;
-        keep = idem__inflight_keep(call->rt->inflight, key, owner, lease,
-                                   o->max_run_ms ? o->max_run_ms : cfg->max_run_ms);
-    }
-    call->txn = txn;
-    call->fence = owner;
-    call->claim_store = cfg->store;
-    call->claim_ticket = ticket;
-    code = idem_call_next(call, next);
-    call->txn = NULL;
-    bool released = released_code(call, code);
-    if (txn != NULL && code == IDEM_OK && !released) {
-        st = record_result(call, cfg, key, owner, txn, 0); /* effect and record together */
-    } else if (txn != NULL) {
-        st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
-    } else {
-        st = record_run(call, cfg, key, owner, released);
-    }
-    idem__store_ticket_drop(cfg->store, call->claim_ticket); /* no path above left one */
+    idem__store_ticket_drop(cfg->store, call->claim_ticket); /* no path before left one */
     call->claim_ticket = 0;
     call->claim_store = NULL;
-    /* Renewed until now: recording may retry through a store outage for longer than a
-     * lease, and a lapse would let another instance take over and run it again. */
-    idem__inflight_unkeep(call->rt->inflight, keep);
-    idem__inflight_notify(call->rt->inflight, bucket);
+    if (!done) {
+        /* Renewed until now: recording may retry through a store outage for longer than a
+         * lease, and a lapse would let another instance take over and run it again. */
+        idem__inflight_unkeep(call->rt->inflight, keep);
+        idem__inflight_notify(call->rt->inflight, bucket);
+    }
     if (st == IDEM_OK) {
         return code;
     }
@@ -300,7 +280,7 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
                             why);
     }
     if (st == IDEM_ABORTED) {
-        return claim_lost(call, cfg, key, fingerprint);
+        return claim_lost(call, cfg, key, call->fingerprint);
     }
     /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
      * ends, then a retry may run again (the documented at-least-once edge). */
@@ -308,6 +288,114 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     snprintf(detail, sizeof(detail), "recording the outcome failed: %s", idem_errmsg());
     log_error(call, detail);
     return code;
+}
+
+/* The store's writer thread: the commit of an asynchronous record has ended. A
+ * committed outcome frees the key's waiters at once; the worker that resumes the call
+ * does the rest (record_resumed). */
+static void recorded(void *arg, idem_code st, const char *err)
+{
+    idem_call *call = arg;
+    struct idem__recording *r = &call->recording;
+    r->st = st;
+    snprintf(r->err, sizeof(r->err), "%s", err);
+    if (st == IDEM_OK) {
+        idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
+        idem__inflight_unkeep(call->rt->inflight, r->keep); /* never waits for the store */
+        r->keep = NULL;
+        idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(&key));
+    }
+    call->rt->resume(call->rt->resume_arg, call);
+}
+
+/* Records a run's final outcome in its claim's shared commit without holding the worker
+ * while the commit runs: the call suspends (IDEM__SUSPEND_RECORD) and resumes here, at
+ * result_cache, once the commit has ended. false: not so (nothing queued; the worker
+ * records it itself). */
+static bool record_async(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
+                         uint64_t owner, idem_keep *keep, idem_code code, idem_next next)
+{
+    struct idem__recording *r = &call->recording;
+    uint64_t now, expires;
+    uint8_t *buf;
+    size_t len;
+    if (call->claim_ticket == 0 || !call->parkable || !call->rt->can_park ||
+        call->rt->resume == NULL || encode_result(call, cfg, &buf, &len, &now, &expires) != IDEM_OK) {
+        return false;
+    }
+    r->active = true;
+    r->code = code;
+    r->owner = owner;
+    r->keep = keep;
+    atomic_store(&r->turns, 2);
+    call->resume_pos = next.pos - 1; /* this interceptor */
+    if (idem__store_complete_async(cfg->store, key, owner, buf, len, expires, call->claim_ticket,
+                                   recorded, call) != IDEM_OK) {
+        r->active = false;
+        free(buf);
+        return false;
+    }
+    call->claim_ticket = 0; /* ended by that write */
+    idem__call_suspend(call, IDEM__SUSPEND_RECORD);
+    return true;
+}
+
+/* A call that record_async suspended, resumed on a worker once its commit has ended. */
+static idem_code record_resumed(idem_call *call, const idem_cache_cfg *cfg)
+{
+    struct idem__recording *r = &call->recording;
+    idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
+    idem_code st = r->st;
+    bool done = st == IDEM_OK; /* recorded() stopped the keeper and woke the waiters */
+    r->active = false;
+    if (st != IDEM_OK) {
+        idem__err(st, "%s", r->err);
+    }
+    if (st == IDEM_UNAVAILABLE || st == IDEM_RESOURCE_EXHAUSTED) {
+        st = record_retrying(call, cfg, &key, r->owner, true); /* as the worker would have */
+    }
+    return after_record(call, cfg, &key, r->owner, r->keep, r->code, st, false, done);
+}
+
+/* Runs the handler as the claim owner and records the outcome. txn is the handler txn
+ * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
+ * claim's shared commit, still open maybe (the completion then joins it), else 0. */
+static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
+                           const idem_key_ref *key, uint64_t owner, idem_txn *txn, uint64_t ticket)
+{
+    const idem_method_opts *o = &call->method->opts;
+    bool transactional = (o->flags & IDEM_METHOD_TRANSACTIONAL) != 0;
+    bool claimed_in_txn = txn != NULL;
+    idem_keep *keep = NULL;
+    idem_code code, st;
+
+    if (transactional && txn == NULL && (st = idem__store_txn_begin(cfg->store, &txn)) != IDEM_OK) {
+        idem_store_release(cfg->store, key, owner);
+        idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
+        return idem__reject(call, IDEM_REASON_STORE, st, "%s", idem_errmsg());
+    }
+    if (!transactional) { /* a handler txn holds its claim: nobody can take over */
+        uint64_t lease = o->lease_ms ? o->lease_ms : cfg->lease_ms;
+        keep = idem__inflight_keep(call->rt->inflight, key, owner, lease,
+                                   o->max_run_ms ? o->max_run_ms : cfg->max_run_ms);
+    }
+    call->txn = txn;
+    call->fence = owner;
+    call->claim_store = cfg->store;
+    call->claim_ticket = ticket;
+    code = idem_call_next(call, next);
+    call->txn = NULL;
+    bool released = released_code(call, code);
+    if (txn != NULL && code == IDEM_OK && !released) {
+        st = record_result(call, cfg, key, owner, txn, 0); /* effect and record together */
+    } else if (txn != NULL) {
+        st = end_txn_not_ok(call, cfg, key, owner, txn, claimed_in_txn, released);
+    } else if (!released && record_async(call, cfg, key, owner, keep, code, next)) {
+        return IDEM_OK; /* suspended: resumes in record_resumed */
+    } else {
+        st = record_run(call, cfg, key, owner, released);
+    }
+    return after_record(call, cfg, key, owner, keep, code, st, claimed_in_txn, false);
 }
 
 /* How long a duplicate may wait (monotonic): its own deadline (a little before it, so
@@ -446,7 +534,7 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     case IDEM_CLAIM_ACQUIRED:
     case IDEM_CLAIM_TAKEN_OVER:
         call->token_to_consume = NULL;
-        code = run_owned(call, next, cfg, key, rec.owner, fingerprint, txn, ticket);
+        code = run_owned(call, next, cfg, key, rec.owner, txn, ticket);
         break;
     case IDEM_CLAIM_COMPLETED:
         code = replay(call, &rec);
@@ -479,6 +567,9 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
     }
     if (!keyed) {
         return idem_call_next(call, next);
+    }
+    if (call->recording.active) { /* resumed once its outcome's commit has ended */
+        return record_resumed(call, cfg);
     }
     idem_key_ref key = {idem_call_caller(call), m->name, call->key};
     uint32_t bucket = idem__inflight_bucket(&key);

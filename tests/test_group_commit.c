@@ -291,3 +291,232 @@ Test(group_commit, closing_waits_for_a_write_its_caller_commits)
     cr_expect(atomic_load(&fini_done));
     mdb_env_close(env);
 }
+
+/* ---- shared commits: a claim and its completion in one txn (group_commit.h) ---- */
+
+static atomic_int redo_runs;
+
+static idem_code put_x(MDB_txn *txn, void *ctx)
+{
+    (void)ctx;
+    MDB_dbi dbi;
+    MDB_val k = {1, "x"}, v = {1, "1"};
+    int rc = mdb_dbi_open(txn, NULL, 0, &dbi);
+    return rc == 0 && mdb_put(txn, dbi, &k, &v, 0) == 0 ? IDEM_OK
+                                                        : idem__err(IDEM_INTERNAL, "put x");
+}
+
+static idem_code redo_x(MDB_txn *txn, void *ctx)
+{
+    atomic_fetch_add(&redo_runs, 1);
+    return put_x(txn, ctx);
+}
+
+static idem_code map_full(MDB_txn *txn, void *ctx)
+{
+    (void)txn, (void)ctx;
+    return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (simulated)");
+}
+
+static idem_code nothing(MDB_txn *txn, void *ctx)
+{
+    (void)txn, (void)ctx;
+    return IDEM_OK;
+}
+
+static void no_unref(void *ctx)
+{
+    (void)ctx;
+}
+
+static bool x_committed(MDB_env *env)
+{
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k = {1, "x"}, v;
+    cr_assert_eq(mdb_txn_begin(env, NULL, MDB_RDONLY, &txn), 0);
+    bool found = mdb_dbi_open(txn, NULL, 0, &dbi) == 0 && mdb_get(txn, dbi, &k, &v) == 0;
+    mdb_txn_abort(txn);
+    return found;
+}
+
+/* A group committer whose batches stay open for their shared claims as long as a test
+ * needs (hold_us), so that what follows a claim meets it in its open txn. */
+static MDB_env *gc_env;
+static idem_group_commit gc_held;
+
+static void held_setup(void)
+{
+    dir = tu_tempdir("gc");
+    cr_assert_eq(mdb_env_create(&gc_env), 0);
+    cr_assert_eq(mdb_env_open(gc_env, dir, MDB_NOSYNC, 0600), 0);
+    cr_assert_eq(idem__gc_init(&gc_held, gc_env, true, 64), IDEM_OK);
+    gc_held.hold_us = 30u * 1000 * 1000; /* before any write: the writer thread sleeps */
+    atomic_store(&redo_runs, 0);
+}
+
+static void held_teardown(void)
+{
+    idem__gc_fini(&gc_held);
+    mdb_env_close(gc_env);
+    tu_rmtree(dir);
+}
+
+TestSuite(shared_commit, .init = held_setup, .fini = held_teardown, .timeout = 10);
+
+Test(shared_commit, a_claim_and_its_completion_are_one_commit)
+{
+    uint64_t ticket;
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_neq(ticket, 0, "applied in an open batch");
+    cr_expect(!x_committed(gc_env), "the claim's caller runs before the commit");
+    cr_assert_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK);
+    cr_expect(x_committed(gc_env));
+    cr_expect_eq(gc_held.commits, 1);
+    cr_expect_eq(gc_held.writes, 2);
+    cr_expect_eq(gc_held.shared, 1);
+}
+
+/* A storage error in the batch aborts it; the claim its caller already holds is applied
+ * again on its own, so that its completion (which met the error) finds it and retries,
+ * instead of a second claim running the handler again. */
+Test(shared_commit, a_failed_batch_keeps_the_shared_claims_their_callers_hold)
+{
+    uint64_t ticket;
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_neq(ticket, 0);
+    cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket), IDEM_RESOURCE_EXHAUSTED);
+    cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
+    cr_expect_eq(atomic_load(&redo_runs), 1);
+    cr_expect(x_committed(gc_env), "the claim was applied again and committed");
+}
+
+/* Nobody waits for a batch held open for a completion (hold_us is 30 s here; the test's
+ * timeout 10 s): a write of another kind, a wait for the claim's commit (a fence) and a
+ * flush (a thread about to take LMDB's writer lock itself) each commit it at once. */
+Test(shared_commit, a_plain_write_commits_an_open_batch_at_once)
+{
+    uint64_t ticket;
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write(&gc_held, nothing, NULL), IDEM_OK);
+    cr_expect(x_committed(gc_env));
+    idem__gc_drop(&gc_held, ticket);
+}
+
+Test(shared_commit, a_wait_for_the_claims_commit_commits_it_at_once)
+{
+    uint64_t ticket;
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    idem__gc_wait(&gc_held, ticket);
+    cr_expect(x_committed(gc_env));
+    idem__gc_drop(&gc_held, ticket);
+}
+
+Test(shared_commit, a_flush_commits_an_open_batch_at_once)
+{
+    uint64_t ticket;
+    MDB_txn *txn;
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    idem__gc_flush(&gc_held);
+    cr_assert_eq(mdb_txn_begin(gc_env, NULL, 0, &txn), 0); /* LMDB's writer lock */
+    mdb_txn_abort(txn);
+    cr_expect(x_committed(gc_env));
+    idem__gc_drop(&gc_held, ticket);
+}
+
+/* ---- through the server ---- */
+
+static idem_code echo(idem_call *call, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const void *p = idem_call_payload(call, &n);
+    return idem_call_reply(call, IDEM_OK, p, n);
+}
+
+/* The fence the handler reads is the owner of a claim already committed: another system
+ * may keep it, and a crash must not let the counter hand it out again. */
+static idem_code fence_then_look(idem_call *call, void *arg)
+{
+    uint64_t fence = idem_call_fence(call);
+    idem_key_ref k = {idem_call_caller(call), idem_call_method(call), idem_call_key(call)};
+    idem_record rec;
+    idem_code c = idem_store_get(arg, &k, &rec);
+    bool seen = fence != 0 && c == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS &&
+                rec.owner == fence;
+    idem_record_clear(&rec);
+    return idem_call_reply(call, IDEM_OK, seen ? "seen" : "unseen", seen ? 4 : 6);
+}
+
+static void call_key(idem_client *c, const char *method, const char *key, idem_result *r)
+{
+    idem_request q = {.method = method, .idempotency_key = key, .payload = key,
+                      .payload_len = strlen(key)};
+    cr_assert_eq(idem_client_call(c, &q, r), IDEM_OK, "%s", r->message ? r->message : "");
+}
+
+TestSuite(shared_server, .timeout = 60);
+
+/* A new key on LMDB is one durable commit: the claim and the completion share it (a
+ * handler slower than the batch's hold makes it two, as before; hence at least half). */
+Test(shared_server, a_new_key_is_one_durable_commit)
+{
+    enum { N = 40 };
+    tu_server x;
+    tu_server_create(&x, NULL);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(x.srv, "s.Echo/Once", echo, NULL, &cached), IDEM_OK);
+    tu_server_listen(&x);
+    idem_client *c = tu_client(x.url, 2000);
+    idem_store_stats before, after;
+    cr_assert_eq(idem_store_stats_get(idem_server_store(x.srv), &before), IDEM_OK);
+    for (int i = 0; i < N; i++) {
+        char key[16];
+        idem_result r;
+        snprintf(key, sizeof(key), "k%d", i);
+        call_key(c, "s.Echo/Once", key, &r);
+        cr_expect(!r.replayed);
+        idem_result_clear(&r);
+    }
+    cr_assert_eq(idem_store_stats_get(idem_server_store(x.srv), &after), IDEM_OK);
+    uint64_t commits = after.commits - before.commits;
+    uint64_t shared = after.shared_commits - before.shared_commits;
+    cr_expect_eq(commits, 2 * N - shared, "%llu commits, %llu shared",
+                 (unsigned long long)commits, (unsigned long long)shared);
+    cr_expect_geq(shared, N / 2, "%llu of %d new keys in one commit", (unsigned long long)shared,
+                  N);
+    for (int i = 0; i < N; i++) { /* each is on disk: it replays */
+        char key[16];
+        idem_result r;
+        snprintf(key, sizeof(key), "k%d", i);
+        call_key(c, "s.Echo/Once", key, &r);
+        cr_expect(r.replayed);
+        cr_expect(r.payload_len == strlen(key) && memcmp(r.payload, key, r.payload_len) == 0);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    tu_server_destroy(&x, false);
+}
+
+Test(shared_server, a_fence_is_the_owner_of_a_committed_claim)
+{
+    tu_server x;
+    tu_server_create(&x, NULL);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(x.srv, "s.Fence/Look", fence_then_look,
+                                      idem_server_store(x.srv), &cached),
+                 IDEM_OK);
+    tu_server_listen(&x);
+    idem_client *c = tu_client(x.url, 2000);
+    for (int i = 0; i < 10; i++) {
+        char key[16];
+        idem_result r;
+        snprintf(key, sizeof(key), "f%d", i);
+        call_key(c, "s.Fence/Look", key, &r);
+        cr_expect(r.payload_len == 4 && memcmp(r.payload, "seen", 4) == 0, "%.*s",
+                  (int)r.payload_len, (const char *)r.payload);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    tu_server_destroy(&x, false);
+}

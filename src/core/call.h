@@ -5,6 +5,7 @@
 #define IDEMRPC_CALL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 #include "arena.h"
 #include "idemrpc.pb-c.h"
@@ -99,6 +100,11 @@ typedef struct idem_runtime {
     bool can_park;
     /* The server runs a re-driver: journaled calls are listed for it (steps.c). */
     bool redrive;
+    /* Hands back a call suspended with IDEM__SUSPEND_RECORD once its commit has ended
+     * (idem__call_recorded): the dispatcher queues it for a worker. NULL: no call is
+     * suspended so; its outcome is committed on the worker's thread. */
+    void (*resume)(void *arg, idem_call *call);
+    void *resume_arg;
 } idem_runtime;
 
 /* The token interceptor's and idem.Token/Issue's configuration. */
@@ -123,6 +129,9 @@ typedef enum idem_suspend {
     IDEM__SUSPEND_DEFER,
     /* A duplicate waits for its key: park the call, resume it at resume_pos. */
     IDEM__SUSPEND_PARK,
+    /* The handler's outcome is being committed (idem_call.recording): the store hands the
+     * call back (idem_runtime.resume) and it resumes at resume_pos. */
+    IDEM__SUSPEND_RECORD,
 } idem_suspend;
 
 typedef struct idem_kv {
@@ -178,6 +187,17 @@ struct idem_call {
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
     uint64_t claim_ticket;   /* its commit shared with the completion (store.h), or 0 */
+    /* IDEM__SUSPEND_RECORD: what result_cache needs once the commit of the handler's
+     * outcome has ended (st, err), and the turns of the worker that suspended the call
+     * and of the commit's end: the second to come hands the call on (idem__call_recorded). */
+    struct idem__recording {
+        bool active;
+        idem_code code, st; /* the handler's, the commit's */
+        uint64_t owner;
+        struct idem_keep *keep;
+        atomic_int turns;
+        char err[256];
+    } recording;
     /* A re-driven call: the key its first run had (result_cache refuses another). */
     const char *pinned_key;
     const char *reason; /* static: why the library itself rejected the call, or NULL */
@@ -198,6 +218,10 @@ typedef struct idem_interceptor {
     bool builtin;      /* a built-in that returns what idem_call_next returned, untouched */
     idem_builtin kind; /* which built-in (when builtin) */
 } idem_interceptor;
+
+/* The end of one of the two turns of a call suspended with IDEM__SUSPEND_RECORD: true
+ * for the second, which then owns the call (resumes it). */
+bool idem__call_recorded(idem_call *call);
 
 /* What a suspending step returns; the answer comes later (call->suspend says why). */
 idem_code idem__call_suspend(idem_call *call, idem_suspend why);

@@ -13,6 +13,11 @@ idem_code idem__call_suspend(idem_call *call, idem_suspend why)
     return IDEM_UNAVAILABLE; /* never sent: the server answers once the call resumes */
 }
 
+bool idem__call_recorded(idem_call *call)
+{
+    return atomic_fetch_sub(&call->recording.turns, 1) == 1;
+}
+
 idem_code idem__call_defer(idem_call *call, size_t pos)
 {
     call->resume_pos = pos;

@@ -7,6 +7,7 @@
  * and parks; the completion of its key (or its re-read time) queues it again, and a
  * worker resumes it where it left. */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,10 @@ struct idem_dispatch {
     idem_job *head, *tail;
     size_t n_queued;
     bool stopping;
+    /* Calls suspended while the store commits their outcome (IDEM__SUSPEND_RECORD): the
+     * store hands each back once; stopping waits for them. */
+    size_t recording;
+    pthread_cond_t recorded_cv;
     pthread_t *threads;
     size_t n_threads;
 };
@@ -242,6 +247,42 @@ static void resume_job(void *arg, idem_job *job)
     }
 }
 
+static void recording_count(idem_dispatch *d, bool more)
+{
+    pthread_mutex_lock(&d->mu);
+    d->recording += more ? 1 : (size_t)-1;
+    if (d->recording == 0 && d->stopping) {
+        pthread_cond_broadcast(&d->recorded_cv);
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+/* A call whose outcome the store commits without its worker: true when the store hands
+ * it back later (resume_recorded); false when it already has: resume it now. The job
+ * must not be touched once this returned true. */
+static bool record_wait(idem_dispatch *d, idem_job *job)
+{
+    job->parked_before = true; /* s holds the call */
+    job->s.call.suspend = IDEM__SUSPEND_NONE;
+    recording_count(d, true);
+    if (!idem__call_recorded(&job->s.call)) {
+        return true;
+    }
+    recording_count(d, false);
+    return false;
+}
+
+/* The store's writer thread hands back a call whose outcome it committed. */
+static void resume_recorded(void *arg, idem_call *call)
+{
+    idem_dispatch *d = arg;
+    idem_job *job = (idem_job *)((char *)call - offsetof(idem_job, s.call));
+    if (idem__call_recorded(call)) {
+        resume_job(d, job); /* queued, or dropped when stopping */
+        recording_count(d, false);
+    }
+}
+
 /* NULL when stopping (queued jobs are then dropped, not run). */
 static idem_job *queue_pop(idem_dispatch *d)
 {
@@ -292,7 +333,12 @@ static void job_step(idem_dispatch *d, idem_job *job)
         if (call->suspend == IDEM__SUSPEND_PARK && park(d, job)) {
             return;
         }
-        idem__call_reset_response(call);
+        if (call->suspend == IDEM__SUSPEND_RECORD && record_wait(d, job)) {
+            return;
+        }
+        if (!call->recording.active) { /* a recorded call keeps its answer */
+            idem__call_reset_response(call);
+        }
         idem_call_next(call, (idem_next){d->cfg.chain, call->resume_pos});
         if (call->suspend == IDEM__SUSPEND_NONE) {
             answer_key(call);
@@ -326,6 +372,9 @@ idem_code idem__dispatch_create(idem_dispatch **out, const idem_dispatch_cfg *cf
     d->cfg = *cfg;
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
+    pthread_cond_init(&d->recorded_cv, NULL);
+    cfg->rt->resume = resume_recorded;
+    cfg->rt->resume_arg = d;
     idem_code code = idem__inflight_create(&cfg->rt->inflight, cfg->rt, cfg->store,
                                            cfg->max_waiters, resume_job, d);
     if (code != IDEM_OK) {
@@ -369,6 +418,11 @@ void idem__dispatch_stop(idem_dispatch *d)
         pthread_join(d->threads[i], NULL);
     }
     d->n_threads = 0;
+    pthread_mutex_lock(&d->mu); /* the store hands these back within its batch's time */
+    while (d->recording > 0) {
+        pthread_cond_wait(&d->recorded_cv, &d->mu);
+    }
+    pthread_mutex_unlock(&d->mu);
     for (idem_job *job = d->head, *next; job != NULL; job = next) {
         next = job->next; /* no job is queued once stopping is set */
         drop_job(d, job);
@@ -384,6 +438,8 @@ void idem__dispatch_destroy(idem_dispatch *d)
     idem__dispatch_stop(d);
     idem__inflight_destroy(d->cfg.rt->inflight);
     d->cfg.rt->inflight = NULL;
+    d->cfg.rt->resume = NULL;
+    pthread_cond_destroy(&d->recorded_cv);
     pthread_cond_destroy(&d->cv);
     pthread_mutex_destroy(&d->mu);
     free(d->threads);

@@ -121,6 +121,16 @@ idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, ui
                        : st->ops->release(st, key, owner);
 }
 
+idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                     void *response, size_t len, uint64_t expires_ms,
+                                     uint64_t ticket, idem__store_done_fn done, void *arg)
+{
+    if (ticket == 0 || st->ops->complete_async == NULL) {
+        return idem__err(IDEM_UNAVAILABLE, "no asynchronous completion here");
+    }
+    return st->ops->complete_async(st, key, owner, response, len, expires_ms, ticket, done, arg);
+}
+
 void idem__store_ticket_drop(idem_store *st, uint64_t ticket)
 {
     if (ticket != 0) {

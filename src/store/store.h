@@ -24,6 +24,10 @@ enum idem__store_caps {
  * any process sharing the store; from the store's own thread. */
 typedef void (*idem__store_watch_fn)(void *arg, uint32_t key_hash);
 
+/* How an asynchronous store write reports its end (err: the message when code is not
+ * IDEM_OK). */
+typedef void (*idem__store_done_fn)(void *arg, idem_code code, const char *err);
+
 /* One business key-value entry, malloc'd (idem__app_entry_clear). */
 typedef struct idem_app_entry {
     void *key, *val;
@@ -97,6 +101,13 @@ typedef struct idem_store_ops {
                                  uint64_t now_ms, uint64_t ticket);
     idem_code (*release_shared)(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                 uint64_t ticket);
+    /* complete_shared without waiting: IDEM_OK when queued (response, malloc'd, is the
+     * store's then), and done(arg, code, err) is called once the commit has ended, on the
+     * store's writer thread (it must not wait for a store write); any other code: nothing
+     * queued, response still the caller's. */
+    idem_code (*complete_async)(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                void *response, size_t len, uint64_t expires_ms, uint64_t ticket,
+                                idem__store_done_fn done, void *arg);
     void (*ticket_drop)(idem_store *st, uint64_t ticket);
     void (*ticket_wait)(idem_store *st, uint64_t ticket);
     /* IDEM__STORE_CAP_WATCH only. At most IDEM__STORE_MAX_WATCH watchers. */
@@ -133,6 +144,10 @@ idem_code idem__store_complete_shared(idem_store *st, const idem_key_ref *key, u
                                       uint64_t now_ms, uint64_t ticket);
 idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                      uint64_t ticket);
+/* ops->complete_async; IDEM_UNAVAILABLE (nothing queued) without it or a ticket. */
+idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                     void *response, size_t len, uint64_t expires_ms,
+                                     uint64_t ticket, idem__store_done_fn done, void *arg);
 void idem__store_ticket_drop(idem_store *st, uint64_t ticket);
 void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
 

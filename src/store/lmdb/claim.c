@@ -332,6 +332,53 @@ idem_code idem__lmdb_complete_shared(idem_store *base, const idem_key_ref *ref, 
     return idem__lmdb_write_end(st, complete_apply, &w, ticket);
 }
 
+/* An asynchronous completion: its key and response, with the writer thread until done. */
+typedef struct async_complete {
+    write_args w;
+    idem_key_ref ref;
+    char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
+    void *response;
+    idem__store_done_fn done;
+    void *arg;
+} async_complete;
+
+static void async_complete_done(void *ctx, idem_code code, const char *err)
+{
+    async_complete *a = ctx;
+    a->done(a->arg, code, err);
+    free(a->response);
+    free(a);
+}
+
+idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                                    void *response, size_t len, uint64_t expires_ms,
+                                    uint64_t ticket, idem__store_done_fn done, void *arg)
+{
+    async_complete *a = calloc(1, sizeof(*a));
+    if (a == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a completion");
+    }
+    snprintf(a->caller, sizeof(a->caller), "%s", ref->caller); /* bounds checked */
+    snprintf(a->method, sizeof(a->method), "%s", ref->method);
+    snprintf(a->key, sizeof(a->key), "%s", ref->key);
+    a->ref = (idem_key_ref){a->caller, a->method, a->key};
+    a->w = (write_args){.st = (lmdb_store *)base,
+                        .ref = &a->ref,
+                        .owner = owner,
+                        .response = response,
+                        .len = len,
+                        .ms = expires_ms};
+    a->response = response;
+    a->done = done;
+    a->arg = arg;
+    idem_code code =
+        idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, async_complete_done);
+    if (code != IDEM_OK) {
+        free(a); /* the response stays the caller's */
+    }
+    return code;
+}
+
 idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms,
                               uint64_t now_ms)

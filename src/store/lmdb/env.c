@@ -221,6 +221,7 @@ const idem_store_ops idem__lmdb_ops = {
     .claim_shared = idem__lmdb_claim_shared,
     .complete_shared = idem__lmdb_complete_shared,
     .release_shared = idem__lmdb_release_shared,
+    .complete_async = idem__lmdb_complete_async,
     .ticket_drop = idem__lmdb_ticket_drop,
     .ticket_wait = idem__lmdb_ticket_wait,
 };

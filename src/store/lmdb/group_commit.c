@@ -35,6 +35,8 @@ struct idem_write_op {
     idem_write_fn redo;
     void (*unref)(void *ctx);
     atomic_int refs;
+    /* Asynchronous (idem__gc_write_end_async): heap memory, handed to done, freed then. */
+    void (*on_done)(void *ctx, idem_code code, const char *err);
     bool posted; /* its caller was woken (an OP_HELD: maybe before the commit) */
     idem_code code;
     /* Posted by the writer thread once code and err are final; only this op's writer
@@ -94,10 +96,16 @@ static void op_finish(idem_write_op *op, idem_code code)
     snprintf(op->err, sizeof(op->err), "%s", code == IDEM_OK ? "" : idem_errmsg());
 }
 
-/* Wakes op's caller; op may be gone once this returns (unless it is an OP_HELD). */
+/* Wakes op's caller, or hands an asynchronous op's result over; op may be gone once
+ * this returns (unless it is an OP_HELD). */
 static void op_post(idem_write_op *op)
 {
     op->posted = true;
+    if (op->on_done != NULL) {
+        op->on_done(op->ctx, op->code, op->err);
+        free(op);
+        return;
+    }
     sem_post(&op->done); /* its writer, and nobody else: cannot fail (0 → 1) */
 }
 
@@ -244,10 +252,10 @@ static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint
             continue;
         }
         if (b->plain || gc->awaiting == 0 || gc->flush || gc->stopping ||
-            now >= began + HOLD_US || plain_queued(gc)) {
+            now >= began + gc->hold_us || plain_queued(gc)) {
             return true;
         }
-        uint64_t until = began + (accept ? accept_us : HOLD_US);
+        uint64_t until = began + (accept ? accept_us : gc->hold_us);
         struct timespec ts = {(time_t)(until / 1000000u), (long)(until % 1000000u) * 1000};
         gc->writer_holding = true;
         pthread_cond_timedwait(&gc->cv, &gc->mu, &ts);
@@ -347,6 +355,7 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     gc->env = env;
     gc->enabled = enabled;
     gc->max_batch = max_batch ? max_batch : 1;
+    gc->hold_us = HOLD_US;
     pthread_mutex_init(&gc->mu, NULL);
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* hold_open's timed wait */
@@ -520,6 +529,25 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
     *ticket = op->ticket;
     op_unref(op);
     return code;
+}
+
+idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,
+                                   uint64_t ticket,
+                                   void (*done)(void *ctx, idem_code code, const char *err))
+{
+    idem_write_op *op;
+    if (!gc->started || ticket == 0 || (op = calloc(1, sizeof(*op))) == NULL) {
+        return idem__err(IDEM_UNAVAILABLE, "no asynchronous write here: write and wait");
+    }
+    op->fn = fn;
+    op->ctx = ctx;
+    op->kind = OP_END;
+    op->ticket = ticket;
+    op->on_done = done;
+    pthread_mutex_lock(&gc->mu);
+    enqueue(gc, op);
+    wake_writer(gc); /* releases gc->mu */
+    return IDEM_OK;
 }
 
 void idem__gc_drop(idem_group_commit *gc, uint64_t ticket)

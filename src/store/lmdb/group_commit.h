@@ -45,7 +45,8 @@
  * committed by one thread, as LMDB requires, and only the writer thread uses a batch's.
  *
  * Every caller but a shared claim's returns only after the commit holding its write is
- * durable (or has failed). An operation that fails with a storage error (e.g.
+ * durable (or has failed), or, for a completion written asynchronously, hears of it
+ * then (idem__gc_write_end_async: the server's worker does not wait for the disk). An operation that fails with a storage error (e.g.
  * MDB_MAP_FULL) poisons the txn, and a commit may fail; the batch is then aborted and
  * re-run one operation per txn, so every caller gets its own, exact result and its own
  * error message, handed over with it. A shared claim that its caller already holds is
@@ -107,6 +108,7 @@ typedef struct idem_group_commit {
     bool flush;
     size_t done_waiters;      /* threads in idem__gc_wait */
     uint64_t last_commit_us;  /* how long the last batch's commit took */
+    uint64_t hold_us;         /* the longest a batch stays open (HOLD; tests set it) */
     uint64_t commits, writes; /* batches run and operations in them (statistics) */
     uint64_t shared;          /* completions committed with their claim (statistics) */
     uint64_t wakeups;         /* times an enqueue woke the writer thread (statistics) */
@@ -133,6 +135,13 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
                               void *ctx, void (*unref)(void *ctx), uint64_t *ticket);
 /* idem__gc_write of the write that ends a shared claim (ticket 0: none). */
 idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket);
+/* idem__gc_write_end without waiting: queued, and IDEM_OK, when the writer thread runs
+ * and ticket is not 0, else an error and nothing queued. done(ctx, code, err) is called
+ * once, on the writer thread, when the batch holding the write has ended (err: its
+ * idem_errmsg when code is not IDEM_OK); it must not wait for a store write. */
+idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,
+                                   uint64_t ticket,
+                                   void (*done)(void *ctx, idem_code code, const char *err));
 /* No write will end the shared claim of ticket: its batch need not wait for one. */
 void idem__gc_drop(idem_group_commit *gc, uint64_t ticket);
 /* Returns once the batch of ticket has ended (committed, or failed and re-run one write

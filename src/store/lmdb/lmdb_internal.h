@@ -139,6 +139,9 @@ idem_code idem__lmdb_complete_shared(idem_store *base, const idem_key_ref *ref, 
                                      uint64_t now_ms, uint64_t ticket);
 idem_code idem__lmdb_release_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                                     uint64_t ticket);
+idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                                    void *response, size_t len, uint64_t expires_ms,
+                                    uint64_t ticket, idem__store_done_fn done, void *arg);
 void idem__lmdb_ticket_drop(idem_store *base, uint64_t ticket);
 void idem__lmdb_ticket_wait(idem_store *base, uint64_t ticket);
 idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t owner,
@@ -170,6 +173,8 @@ idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
 idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
                                 void (*unref)(void *ctx), uint64_t *ticket);
 idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket);
+idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
+                                     void (*done)(void *ctx, idem_code code, const char *err));
 /* A write txn of this thread's own, outside group commit (a handler txn, a sweep): asks
  * an open shared batch to commit first, then waits for LMDB's writer lock. */
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn);

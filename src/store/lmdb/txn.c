@@ -43,6 +43,13 @@ idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint
     return idem__gc_write_end(&st->gc, fn, ctx, ticket);
 }
 
+idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
+                                     void (*done)(void *ctx, idem_code code, const char *err))
+{
+    return thread_write_txn != NULL ? nested_write()
+                                    : idem__gc_write_end_async(&st->gc, fn, ctx, ticket, done);
+}
+
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn)
 {
     idem__gc_flush(&st->gc);
