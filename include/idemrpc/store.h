@@ -104,7 +104,9 @@ enum idem_store_flags {
     IDEM_STORE_READONLY = 1u << 1,
     /* Group commit is on by default: concurrent claims, completions and releases share
      * one write transaction and one fsync; each caller returns only after the commit
-     * that holds its write. This flag makes every write its own transaction. */
+     * that holds its write, except a server's claim of a cached method, which shares its
+     * commit with its completion (README "Which writes reach the disk"). This flag makes
+     * every write its own transaction, and a new key two commits. */
     IDEM_STORE_NO_GROUP_COMMIT = 1u << 2,
 };
 
