@@ -157,9 +157,10 @@ out:
         /* The store's own counters, warm-up included: on stderr, the table stays as it is. */
         fprintf(stderr,
                 "lmdb %s, %d clients: %llu writes in %llu commits (%.2f per commit), "
-                "%llu early wake-ups\n",
+                "%llu completions in their claim's commit, %llu early wake-ups\n",
                 sc->name, c->clients, (unsigned long long)ss.writes, (unsigned long long)ss.commits,
-                (double)ss.writes / (double)ss.commits, (unsigned long long)ss.early_wakeups);
+                (double)ss.writes / (double)ss.commits, (unsigned long long)ss.shared_commits,
+                (unsigned long long)ss.early_wakeups);
     }
     if (st != NULL) {
         idem_store_close(st);

@@ -74,9 +74,6 @@ static idem_code answer_in_progress(idem_call *call)
     return IDEM_ABORTED;
 }
 
-/* Stores the call's response as the COMPLETED record: in the handler's own transaction
- * (committing its business writes with it) when it has one, else on its own, or in its
- * claim's commit when that is still open (ticket). */
 /* The COMPLETED record's response (malloc'd) and times. */
 static idem_code encode_result(const idem_call *call, const idem_cache_cfg *cfg, uint8_t **buf,
                                size_t *len, uint64_t *now, uint64_t *expires)
@@ -87,6 +84,9 @@ static idem_code encode_result(const idem_call *call, const idem_cache_cfg *cfg,
     return idem__encode_call_response(call, false, buf, len);
 }
 
+/* Stores the call's response as the COMPLETED record: in the handler's own transaction
+ * (committing its business writes with it) when it has one, else on its own, or in its
+ * claim's commit when that is still open (ticket). */
 static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                                uint64_t owner, idem_txn *txn, uint64_t ticket)
 {
