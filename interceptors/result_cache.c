@@ -472,8 +472,9 @@ static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const i
 }
 
 /* One look at the store and, unless a live lease says wait, one claim. Returns an
- * answer, or IDEM_OK with *wait set, or with *again: a shared claim found another call's
- * uncommitted outcome; that commit has ended since: look again. */
+ * answer, or IDEM_OK with *wait set, or with *again: a shared claim found a result its
+ * txn may not have committed; that commit has ended since: look again (the read then
+ * finds it, or it expired and the claim acquires: no third look). */
 static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
                                const idem_key_ref *key,
                                const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *wait,
@@ -525,6 +526,8 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
         idem__store_ticket_drop(cfg->store, ticket);
         if (outcome == IDEM_CLAIM_COMPLETED || outcome == IDEM_CLAIM_MISMATCH) {
             idem__store_ticket_wait(cfg->store, ticket); /* nothing uncommitted is answered */
+        }
+        if (outcome == IDEM_CLAIM_COMPLETED) { /* replayed from the store, as committed */
             idem_record_clear(&rec);
             *again = true;
             return IDEM_OK;

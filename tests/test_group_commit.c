@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -306,6 +308,22 @@ static idem_code put_x(MDB_txn *txn, void *ctx)
                                                         : idem__err(IDEM_INTERNAL, "put x");
 }
 
+/* fdatasync(2) as LMDB calls it, failing with EIO the next failing_syncs times (a disk
+ * error at commit); this program's definition wins over libc's for liblmdb. */
+static atomic_int failing_syncs;
+
+int fdatasync(int fd)
+{
+    int left = atomic_load(&failing_syncs);
+    while (left > 0 && !atomic_compare_exchange_weak(&failing_syncs, &left, left - 1)) {
+    }
+    if (left > 0) {
+        errno = EIO;
+        return -1;
+    }
+    return (int)syscall(SYS_fdatasync, fd);
+}
+
 static idem_code redo_x(MDB_txn *txn, void *ctx)
 {
     atomic_fetch_add(&redo_runs, 1);
@@ -349,7 +367,7 @@ static void held_setup(void)
 {
     dir = tu_tempdir("gc");
     cr_assert_eq(mdb_env_create(&gc_env), 0);
-    cr_assert_eq(mdb_env_open(gc_env, dir, MDB_NOSYNC, 0600), 0);
+    cr_assert_eq(mdb_env_open(gc_env, dir, 0, 0600), 0); /* durable: commits call fdatasync */
     cr_assert_eq(idem__gc_init(&gc_held, gc_env, true, 64), IDEM_OK);
     gc_held.hold_us = 30u * 1000 * 1000; /* before any write: the writer thread sleeps */
     atomic_store(&redo_runs, 0);
@@ -377,23 +395,41 @@ Test(shared_commit, a_claim_and_its_completion_are_one_commit)
     cr_expect_eq(gc_held.shared, 1);
 }
 
-/* A storage error in the batch aborts it; the claim its caller already holds is applied
- * again on its own, so that its completion (which met the error) finds it and retries,
- * instead of a second claim running the handler again. */
-Test(shared_commit, a_failed_batch_keeps_the_shared_claims_their_callers_hold)
+/* A write that meets a full map fails alone (it runs in a child txn of the batch's):
+ * the claims of the batch, whose handlers already run, commit all the same, and the
+ * completion that met the error retries against its claim, never against an empty key
+ * another claimer could take meanwhile. */
+Test(shared_commit, a_storage_error_fails_only_its_own_write_not_the_claims)
 {
     uint64_t ticket;
     cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
     cr_assert_neq(ticket, 0);
     cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket), IDEM_RESOURCE_EXHAUSTED);
     cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
+    cr_expect(x_committed(gc_env), "the claim committed with its batch");
+    cr_expect_eq(gc_held.commits, 1);
+    cr_expect_eq(atomic_load(&redo_runs), 0, "nothing to apply again");
+}
+
+/* A commit that fails (here: its fdatasync answers EIO) loses the whole batch; the claim
+ * its caller already holds is applied again on its own, with its owner, so that its
+ * completion finds it. */
+Test(shared_commit, a_failed_commit_applies_the_held_claims_again)
+{
+    uint64_t ticket;
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_neq(ticket, 0);
+    atomic_store(&failing_syncs, 1);
+    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK, "%s",
+                 idem_errmsg());
+    cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch's commit met the failure");
     cr_expect_eq(atomic_load(&redo_runs), 1);
     cr_expect(x_committed(gc_env), "the claim was applied again and committed");
 }
 
 /* Nobody waits for a batch held open for a completion (hold_us is 30 s here; the test's
  * timeout 10 s): a write of another kind, a wait for the claim's commit (a fence) and a
- * flush (a thread about to take LMDB's writer lock itself) each commit it at once. */
+ * thread about to take LMDB's writer lock itself each commit it at once. */
 Test(shared_commit, a_plain_write_commits_an_open_batch_at_once)
 {
     uint64_t ticket;
@@ -412,13 +448,14 @@ Test(shared_commit, a_wait_for_the_claims_commit_commits_it_at_once)
     idem__gc_drop(&gc_held, ticket);
 }
 
-Test(shared_commit, a_flush_commits_an_open_batch_at_once)
+Test(shared_commit, a_thread_wanting_the_writer_lock_commits_an_open_batch_at_once)
 {
     uint64_t ticket;
     MDB_txn *txn;
     cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
-    idem__gc_flush(&gc_held);
+    idem__gc_lock_wanted(&gc_held, true);
     cr_assert_eq(mdb_txn_begin(gc_env, NULL, 0, &txn), 0); /* LMDB's writer lock */
+    idem__gc_lock_wanted(&gc_held, false);
     mdb_txn_abort(txn);
     cr_expect(x_committed(gc_env));
     idem__gc_drop(&gc_held, ticket);
@@ -517,6 +554,47 @@ Test(shared_server, a_fence_is_the_owner_of_a_committed_claim)
                   (int)r.payload_len, (const char *)r.payload);
         idem_result_clear(&r);
     }
+    idem_client_close(c);
+    tu_server_destroy(&x, false);
+}
+
+/* A crashed owner left the key IN_PROGRESS with its lease run out; a request reusing
+ * the key with another payload is answered "key reused" at once (found by review: a
+ * shared claim that saw the other request's record looked again, and again). */
+static atomic_int reused_runs;
+
+static idem_code count_runs(idem_call *call, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&reused_runs, 1);
+    return idem_call_reply(call, IDEM_OK, "ran", 3);
+}
+
+Test(shared_server, another_request_under_a_crashed_owners_key_is_refused_at_once)
+{
+    tu_server x;
+    tu_server_create(&x, NULL);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(x.srv, "s.Pay/Charge", count_runs, NULL, &cached), IDEM_OK);
+    tu_server_listen(&x);
+    uint64_t now = idem__now_ms();
+    idem_claim_req req = {.key = {"", "s.Pay/Charge", "k-1"},
+                          .owner = 7,
+                          .now_ms = now - 1000,
+                          .lease_until_ms = now - 1,
+                          .expires_ms = now + 3600 * 1000};
+    idem_claim_outcome out;
+    idem__fingerprint("s.Pay/Charge", "100", 3, req.fingerprint);
+    cr_assert_eq(idem_store_claim(idem_server_store(x.srv), &req, &out, NULL), IDEM_OK);
+    idem_client *c = tu_client(x.url, 2000);
+    idem_request q = {
+        .method = "s.Pay/Charge", .idempotency_key = "k-1", .payload = "999", .payload_len = 3};
+    idem_result r;
+    cr_expect_eq(idem_client_call(c, &q, &r), IDEM_INVALID_ARGUMENT, "%s",
+                 r.message ? r.message : "");
+    cr_expect(r.message != NULL && strstr(r.message, "reused") != NULL);
+    cr_expect_eq(atomic_load(&reused_runs), 0);
+    idem_result_clear(&r);
     idem_client_close(c);
     tu_server_destroy(&x, false);
 }

@@ -73,7 +73,9 @@ IDEM_API idem_key_source idem_call_key_source(const idem_call *call);
 /* The fencing token of the claim this handler runs under: strictly increasing per store,
  * so a downstream system that remembers the highest fence it has seen can refuse a
  * write from an older claim ("UPDATE … WHERE fence < $fence"). 0 when the call runs
- * without a claim (uncached method, no key). */
+ * without a claim (uncached method, no key). On LMDB the claim may share its commit
+ * with the completion: the first call then waits for that claim's commit (one LMDB
+ * commit, asked for at once), so that a fence that leaves the process is on disk. */
 IDEM_API uint64_t idem_call_fence(const idem_call *call);
 
 /* ---- the response ---- */

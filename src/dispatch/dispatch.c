@@ -135,7 +135,8 @@ void idem__dispatch_busy(idem_dispatch *d, idem_served *s)
 
 /* ---- the queue ---- */
 
-/* A resumed job skips the max_queue check: it was admitted once already. */
+/* A resumed job (a woken duplicate, a call whose outcome is committed) skips the
+ * max_queue check and goes first: it was admitted before any call still queued. */
 static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
 {
     pthread_mutex_lock(&d->mu);
@@ -148,12 +149,15 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
         return IDEM_RESOURCE_EXHAUSTED;
     }
     job->next = NULL;
-    if (d->tail != NULL) {
-        d->tail->next = job;
-    } else {
+    if (!fresh && d->head != NULL) {
+        job->next = d->head;
         d->head = job;
+    } else if (d->tail != NULL) {
+        d->tail->next = job;
+        d->tail = job;
+    } else {
+        d->head = d->tail = job;
     }
-    d->tail = job;
     d->n_queued++;
     pthread_cond_signal(&d->cv);
     pthread_mutex_unlock(&d->mu);

@@ -92,8 +92,9 @@ typedef struct idem_store_ops {
      * share its commit (LMDB group commit, group_commit.h): it may return before its
      * commit, with *ticket nonzero; the caller then ends it with complete_shared or
      * release_shared (that ticket) or ticket_drop (no write follows), and calls
-     * ticket_wait before it answers anything decided on it other than "acquired", or
-     * hands the claim's owner to another system. ticket 0 everywhere: the plain ops. */
+     * ticket_wait before it answers a result or a refusal decided on it (COMPLETED,
+     * MISMATCH), or hands the claim's owner to another system. ticket 0 everywhere: the
+     * plain ops. */
     idem_code (*claim_shared)(idem_store *st, const idem_claim_req *req,
                               idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
     idem_code (*complete_shared)(idem_store *st, const idem_key_ref *key, uint64_t owner,

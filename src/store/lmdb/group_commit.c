@@ -67,12 +67,6 @@ idem_code idem__lmdb_code(int rc, const char *what)
     return idem__err(IDEM_INTERNAL, "%s: %s", what, mdb_strerror(rc));
 }
 
-/* A storage error (a code idem__lmdb_code returns) may leave the txn half-applied. */
-static bool poisons_txn(idem_code code)
-{
-    return code == IDEM_RESOURCE_EXHAUSTED || code == IDEM_INTERNAL;
-}
-
 /* One operation in a txn of its own. */
 static idem_code write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
 {
@@ -174,8 +168,33 @@ static bool plain_queued(const idem_group_commit *gc)
     return false;
 }
 
-/* Applies ops in txn (the batch of ticket) and adds them to b; false once one poisoned
- * the txn (the ops after it are added unapplied). A shared claim's caller is woken at
+/* op->fn in a child txn of txn: a storage error (a full map) then undoes op's writes
+ * alone, where in txn itself it would leave txn unusable (LMDB refuses every further
+ * operation of a txn whose write failed) and take every other write of the batch with
+ * it, shared claims whose handlers already run included. *poisoned: LMDB could not
+ * begin or merge the child. */
+static idem_code apply_nested(MDB_txn *txn, idem_write_op *op, bool *poisoned)
+{
+    MDB_txn *child;
+    int rc = mdb_txn_begin(mdb_txn_env(txn), txn, 0, &child);
+    if (rc != 0) {
+        *poisoned = true;
+        return idem__lmdb_code(rc, "write begin");
+    }
+    idem_code code = op->fn(child, op->ctx);
+    if (code != IDEM_OK) {
+        mdb_txn_abort(child);
+        return code;
+    }
+    if ((rc = mdb_txn_commit(child)) != 0) {
+        *poisoned = true;
+        return idem__lmdb_code(rc, "commit");
+    }
+    return IDEM_OK;
+}
+
+/* Applies ops in txn (the batch of ticket) and adds them to b; false once the txn is
+ * poisoned (the ops after it are added unapplied). A shared claim's caller is woken at
  * once; the others when the batch ends. */
 static bool apply(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, idem_write_op *ops, batch *b)
 {
@@ -187,8 +206,8 @@ static bool apply(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, idem_wri
         if (poisoned) {
             continue;
         }
-        op_finish(op, op->fn(txn, op->ctx));
-        if ((poisoned = poisons_txn(op->code))) {
+        op_finish(op, apply_nested(txn, op, &poisoned));
+        if (poisoned) {
             continue;
         }
         if (op->kind == OP_HELD) {
@@ -238,9 +257,11 @@ static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint
     uint64_t accept_us = gc->last_commit_us < ACCEPT_MIN_US   ? ACCEPT_MIN_US
                          : gc->last_commit_us > ACCEPT_MAX_US ? ACCEPT_MAX_US
                                                               : gc->last_commit_us;
+    gc->accept_until = began + accept_us;
     for (;;) {
         uint64_t now = mono_us();
-        bool accept = now < began + accept_us && b->n < gc->max_batch;
+        /* The first take always: what woke the writer thread is in it. */
+        bool accept = (b->n == 0 || now < gc->accept_until) && b->n < gc->max_batch;
         idem_write_op *ops = queue_take(gc, accept, gc->max_batch - b->n);
         if (ops != NULL) {
             pthread_mutex_unlock(&gc->mu);
@@ -251,11 +272,11 @@ static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint
             }
             continue;
         }
-        if (b->plain || gc->awaiting == 0 || gc->flush || gc->stopping ||
+        if (b->plain || gc->awaiting == 0 || gc->flush || gc->lock_wanted > 0 || gc->stopping ||
             now >= began + gc->hold_us || plain_queued(gc)) {
             return true;
         }
-        uint64_t until = began + (accept ? accept_us : gc->hold_us);
+        uint64_t until = accept ? gc->accept_until : began + gc->hold_us;
         struct timespec ts = {(time_t)(until / 1000000u), (long)(until % 1000000u) * 1000};
         gc->writer_holding = true;
         pthread_cond_timedwait(&gc->cv, &gc->mu, &ts);
@@ -395,13 +416,13 @@ void idem__gc_fini(idem_group_commit *gc)
     pthread_mutex_destroy(&gc->mu);
 }
 
-/* Wakes the writer thread for what was just queued, if it sleeps or holds a batch open:
- * once, after gc->mu is released (so that it does not wake only to wait for gc->mu); it
- * is in its wait then (both flags are set and cleared under gc->mu), so it cannot miss
- * it. Called with gc->mu held; releases it. */
-static void wake_writer(idem_group_commit *gc)
+/* Wakes the writer thread if it sleeps, or (holding) if it holds a batch open: once,
+ * after gc->mu is released (so that it does not wake only to wait for gc->mu); it is in
+ * its wait then (both flags are set and cleared under gc->mu), so it cannot miss it.
+ * Called with gc->mu held; releases it. */
+static void wake_writer(idem_group_commit *gc, bool holding)
 {
-    bool wake = (gc->writer_asleep && !gc->inline_busy) || gc->writer_holding;
+    bool wake = (gc->writer_asleep && !gc->inline_busy) || (holding && gc->writer_holding);
     gc->writer_asleep = gc->writer_asleep && !wake;
     gc->writer_holding = gc->writer_holding && !wake;
     gc->wakeups += wake;
@@ -440,7 +461,7 @@ static idem_code write_inline(idem_group_commit *gc, idem_write_fn fn, void *ctx
         pthread_cond_broadcast(&gc->inline_cv);
     }
     if (gc->head != NULL) {
-        wake_writer(gc); /* releases gc->mu */
+        wake_writer(gc, true); /* releases gc->mu */
     } else {
         pthread_mutex_unlock(&gc->mu);
     }
@@ -485,7 +506,7 @@ static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx
         return write_inline(gc, fn, ctx); /* releases gc->mu */
     }
     enqueue(gc, &op);
-    wake_writer(gc); /* releases gc->mu */
+    wake_writer(gc, true); /* releases gc->mu */
     idem_code code = op_wait(gc, &op);
     sem_destroy(&op.done);
     return code;
@@ -524,7 +545,8 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
     atomic_init(&op->refs, 2);
     pthread_mutex_lock(&gc->mu);
     enqueue(gc, op);
-    wake_writer(gc); /* releases gc->mu */
+    /* A batch past taking claims has no use for it until it has committed. */
+    wake_writer(gc, mono_us() < gc->accept_until); /* releases gc->mu */
     idem_code code = op_wait(gc, op);
     *ticket = op->ticket;
     op_unref(op);
@@ -546,7 +568,7 @@ idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void
     op->on_done = done;
     pthread_mutex_lock(&gc->mu);
     enqueue(gc, op);
-    wake_writer(gc); /* releases gc->mu */
+    wake_writer(gc, true); /* releases gc->mu */
     return IDEM_OK;
 }
 
@@ -557,7 +579,7 @@ void idem__gc_drop(idem_group_commit *gc, uint64_t ticket)
     }
     pthread_mutex_lock(&gc->mu);
     if (ticket == gc->open_ticket && gc->awaiting > 0 && --gc->awaiting == 0) {
-        wake_writer(gc); /* releases gc->mu */
+        wake_writer(gc, true); /* releases gc->mu */
         return;
     }
     pthread_mutex_unlock(&gc->mu);
@@ -578,12 +600,12 @@ void idem__gc_wait(idem_group_commit *gc, uint64_t ticket)
     pthread_mutex_unlock(&gc->mu);
 }
 
-void idem__gc_flush(idem_group_commit *gc)
+void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting)
 {
     pthread_mutex_lock(&gc->mu);
-    if (gc->open_ticket != 0 && !gc->flush) {
-        gc->flush = true;
-        wake_writer(gc); /* releases gc->mu */
+    gc->lock_wanted += wanting ? 1 : (size_t)-1;
+    if (wanting) {
+        wake_writer(gc, true); /* releases gc->mu */
         return;
     }
     pthread_mutex_unlock(&gc->mu);

@@ -15,11 +15,12 @@
  * applied in the same txn, so the claim and its completion reach the disk in ONE commit.
  * The writer thread keeps a batch open while claims in it await their completions:
  *   - it takes new claims for ACCEPT (the time the last commit took, within bounds),
- *     then only completions and other writes, so that a batch ends;
+ *     then only completions, so that a batch ends;
  *   - it commits once no claim in it awaits its completion, or HOLD after it began, or
  *     at once when a write that is not a shared claim or completion is queued, when a
  *     handler needs its claim on disk (idem__gc_wait: its fence), when a thread of this
- *     process wants LMDB's writer lock for itself (idem__gc_flush), or when stopping.
+ *     process wants LMDB's writer lock for itself (idem__gc_lock_wanted), or when
+ *     stopping.
  * A claim still awaiting its completion then commits alone (IN_PROGRESS), as without
  * sharing, and its completion joins a later batch.
  *
@@ -46,15 +47,20 @@
  *
  * Every caller but a shared claim's returns only after the commit holding its write is
  * durable (or has failed), or, for a completion written asynchronously, hears of it
- * then (idem__gc_write_end_async: the server's worker does not wait for the disk). An operation that fails with a storage error (e.g.
- * MDB_MAP_FULL) poisons the txn, and a commit may fail; the batch is then aborted and
- * re-run one operation per txn, so every caller gets its own, exact result and its own
- * error message, handed over with it. A shared claim that its caller already holds is
- * re-applied first with its owner (redo), committed on its own, so its handler's
- * completion still finds it: the two-commit case, not a lost claim.
+ * then (idem__gc_write_end_async: the server's worker does not wait for the disk).
+ * Each operation runs in a child txn of the batch's: one that fails with a storage
+ * error (MDB_MAP_FULL) undoes only its own writes, and the batch commits the others,
+ * shared claims included. A commit that fails (an I/O error) loses the batch; it is
+ * then re-run one operation per txn, in order, so every caller gets its own, exact
+ * result and its own error message, handed over with it; a shared claim that its
+ * caller already holds is re-applied with the owner it drew (redo), so that its
+ * completion finds it. Between the failed commit and the redo LMDB's writer lock is
+ * free: another writer may take the key (or, in this process, draw the same fence)
+ * first, and the completion then finds its claim lost: on a disk that fails a write,
+ * the same at-least-once edge as a crash.
  *
  * A transactional handler's txn (txn.c) and a sweep are begun and committed on their own
- * thread, outside group commit, after idem__gc_flush. LMDB's writer lock (one write txn
+ * thread, outside group commit, inside idem__gc_lock_wanted. LMDB's writer lock (one write txn
  * per env, across threads and processes) keeps them and group commit apart. A thread
  * holding a handler txn never queues here (txn.c refuses a nested write), so it never
  * waits for the writer thread while the writer thread waits for it.
@@ -105,6 +111,8 @@ typedef struct idem_group_commit {
      * awaiting their completion, and whether someone asked it to commit now. */
     uint64_t open_ticket, last_ticket, done_ticket;
     size_t awaiting;
+    uint64_t accept_until; /* the open batch takes new shared claims until then (mono µs) */
+    size_t lock_wanted;    /* threads waiting for LMDB's writer lock (idem__gc_lock_wanted) */
     bool flush;
     size_t done_waiters;      /* threads in idem__gc_wait */
     uint64_t last_commit_us;  /* how long the last batch's commit took */
@@ -147,8 +155,9 @@ void idem__gc_drop(idem_group_commit *gc, uint64_t ticket);
 /* Returns once the batch of ticket has ended (committed, or failed and re-run one write
  * per txn), asking it to commit now. */
 void idem__gc_wait(idem_group_commit *gc, uint64_t ticket);
-/* Asks an open batch to commit now: a thread of this process is about to wait for
- * LMDB's writer lock outside group commit. */
-void idem__gc_flush(idem_group_commit *gc);
+/* A thread of this process is about to wait for LMDB's writer lock outside group commit
+ * (wanting), or has it now (!wanting): while one waits, a batch commits as soon as it
+ * can instead of holding for completions, whether it is open yet or not. */
+void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting);
 
 #endif

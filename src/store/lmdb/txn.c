@@ -52,8 +52,10 @@ idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx
 
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn)
 {
-    idem__gc_flush(&st->gc);
-    return mdb_txn_begin(st->env, NULL, 0, txn);
+    idem__gc_lock_wanted(&st->gc, true);
+    int rc = mdb_txn_begin(st->env, NULL, 0, txn);
+    idem__gc_lock_wanted(&st->gc, false);
+    return rc;
 }
 
 /* Business databases ("app.<name>") of transactional handlers.
