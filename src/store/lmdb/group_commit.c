@@ -112,13 +112,6 @@ static void op_unref(idem_write_op *op)
     }
 }
 
-static uint64_t mono_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
 static void batch_add(batch *b, idem_write_op *op)
 {
     op->next = NULL;
@@ -259,7 +252,7 @@ static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint
                                                               : gc->last_commit_us;
     gc->accept_until = began + accept_us;
     for (;;) {
-        uint64_t now = mono_us();
+        uint64_t now = idem__mono_us();
         /* The first take always: what woke the writer thread is in it. */
         bool accept = (b->n == 0 || now < gc->accept_until) && b->n < gc->max_batch;
         idem_write_op *ops = queue_take(gc, accept, gc->max_batch - b->n);
@@ -291,7 +284,7 @@ static void run_batch(idem_group_commit *gc)
     batch b = {0};
     MDB_txn *txn = NULL;
     int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
-    uint64_t began = mono_us();
+    uint64_t began = idem__mono_us();
     pthread_mutex_lock(&gc->mu);
     uint64_t ticket = ++gc->last_ticket;
     gc->awaiting = 0;
@@ -312,14 +305,14 @@ static void run_batch(idem_group_commit *gc)
     gc->writes += b.n;
     pthread_mutex_unlock(&gc->mu);
 
-    uint64_t t0 = mono_us();
+    uint64_t t0 = idem__mono_us();
     if (ok && (rc = mdb_txn_commit(txn)) != 0) {
         ok = false; /* commit freed the txn */
         txn = NULL;
     } else if (!ok && txn != NULL) {
         mdb_txn_abort(txn);
     }
-    uint64_t commit_us = mono_us() - t0;
+    uint64_t commit_us = idem__mono_us() - t0;
     if (ok) {
         for (idem_write_op *op = b.head, *next; op != NULL; op = next) {
             next = op->next; /* op may be gone once posted */
@@ -546,7 +539,7 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
     pthread_mutex_lock(&gc->mu);
     enqueue(gc, op);
     /* A batch past taking claims has no use for it until it has committed. */
-    wake_writer(gc, mono_us() < gc->accept_until); /* releases gc->mu */
+    wake_writer(gc, idem__mono_us() < gc->accept_until); /* releases gc->mu */
     idem_code code = op_wait(gc, op);
     *ticket = op->ticket;
     op_unref(op);
