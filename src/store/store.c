@@ -104,9 +104,7 @@ idem_code idem__store_complete_shared(idem_store *st, const idem_key_ref *key, u
         idem__store_ticket_drop(st, ticket);
         return code;
     }
-    return ticket != 0 ? st->ops->complete_shared(st, key, owner, response, len, expires_ms,
-                                                  now_ms, ticket)
-                       : st->ops->complete(st, key, owner, response, len, expires_ms, now_ms);
+    return st->ops->complete(st, key, owner, response, len, expires_ms, now_ms, ticket);
 }
 
 idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
@@ -117,8 +115,7 @@ idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, ui
         idem__store_ticket_drop(st, ticket);
         return code;
     }
-    return ticket != 0 ? st->ops->release_shared(st, key, owner, ticket)
-                       : st->ops->release(st, key, owner);
+    return st->ops->release(st, key, owner, ticket);
 }
 
 idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, uint64_t owner,

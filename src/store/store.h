@@ -45,9 +45,12 @@ typedef struct idem_store_ops {
     unsigned caps; /* idem__store_caps */
     idem_code (*claim)(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
                        idem_record *rec);
+    /* complete and release: ticket 0, or a shared claim's (claim_shared) to end it. */
     idem_code (*complete)(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                          const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms);
-    idem_code (*release)(idem_store *st, const idem_key_ref *key, uint64_t owner);
+                          const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms,
+                          uint64_t ticket);
+    idem_code (*release)(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                         uint64_t ticket);
     idem_code (*renew)(idem_store *st, const idem_key_ref *key, uint64_t owner,
                        uint64_t lease_until_ms, uint64_t now_ms);
     idem_code (*get)(idem_store *st, const idem_key_ref *key, idem_record *rec);
@@ -90,19 +93,14 @@ typedef struct idem_store_ops {
     idem_code (*txn_undo)(idem_txn *t);
     /* Optional (NULL: claims and completions commit apart). A claim whose completion may
      * share its commit (LMDB group commit, group_commit.h): it may return before its
-     * commit, with *ticket nonzero; the caller then ends it with complete_shared or
-     * release_shared (that ticket) or ticket_drop (no write follows), and calls
+     * commit, with *ticket nonzero; the caller then ends it with complete or release
+     * (that ticket) or ticket_drop (no write follows), and calls
      * ticket_wait before it answers a result or a refusal decided on it (COMPLETED,
      * MISMATCH), or hands the claim's owner to another system. ticket 0 everywhere: the
      * plain ops. */
     idem_code (*claim_shared)(idem_store *st, const idem_claim_req *req,
                               idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
-    idem_code (*complete_shared)(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                                 const void *response, size_t len, uint64_t expires_ms,
-                                 uint64_t now_ms, uint64_t ticket);
-    idem_code (*release_shared)(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                                uint64_t ticket);
-    /* complete_shared without waiting: IDEM_OK when queued (response, malloc'd, is the
+    /* complete without waiting: IDEM_OK when queued (response, malloc'd, is the
      * store's then), and done(arg, code, err) is called once the commit has ended, on the
      * store's writer thread (it must not wait for a store write); any other code: nothing
      * queued, response still the caller's. */

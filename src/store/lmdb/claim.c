@@ -321,9 +321,9 @@ static idem_code complete_apply(MDB_txn *txn, void *arg)
     return idem__lmdb_complete_in(w->st, txn, w->ref, w->owner, w->response, w->len, w->ms);
 }
 
-idem_code idem__lmdb_complete_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                                     const void *response, size_t len, uint64_t expires_ms,
-                                     uint64_t now_ms, uint64_t ticket)
+idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                              const void *response, size_t len, uint64_t expires_ms,
+                              uint64_t now_ms, uint64_t ticket)
 {
     (void)now_ms; /* LMDB keeps the caller's absolute times */
     lmdb_store *st = (lmdb_store *)base;
@@ -377,13 +377,6 @@ idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, u
         free(a); /* the response stays the caller's */
     }
     return code;
-}
-
-idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                              const void *response, size_t len, uint64_t expires_ms,
-                              uint64_t now_ms)
-{
-    return idem__lmdb_complete_shared(base, ref, owner, response, len, expires_ms, now_ms, 0);
 }
 
 static idem_code release_apply(MDB_txn *txn, void *arg)
@@ -442,8 +435,8 @@ idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t o
     return code != IDEM_OK ? code : idem__lmdb_write(st, renew_apply, &w);
 }
 
-idem_code idem__lmdb_release_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                                    uint64_t ticket)
+idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                             uint64_t ticket)
 {
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {.st = st, .owner = owner};
@@ -453,11 +446,6 @@ idem_code idem__lmdb_release_shared(idem_store *base, const idem_key_ref *ref, u
         return code;
     }
     return idem__lmdb_write_end(st, release_apply, &w, ticket);
-}
-
-idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner)
-{
-    return idem__lmdb_release_shared(base, ref, owner, 0);
 }
 
 void idem__lmdb_ticket_drop(idem_store *base, uint64_t ticket)

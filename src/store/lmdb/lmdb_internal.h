@@ -127,18 +127,15 @@ idem_code idem__lmdb_complete_in(lmdb_store *st, MDB_txn *txn, const idem_key_re
                                  uint64_t expires_ms);
 idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
                            idem_record *rec);
+/* complete and release end a shared claim when ticket is its (group_commit.h). */
 idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms,
-                              uint64_t now_ms);
-idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner);
+                              uint64_t now_ms, uint64_t ticket);
+idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t owner,
+                             uint64_t ticket);
 /* Shared commits of a claim and its completion (group_commit.h; store.h's ops). */
 idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
                                   idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
-idem_code idem__lmdb_complete_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                                     const void *response, size_t len, uint64_t expires_ms,
-                                     uint64_t now_ms, uint64_t ticket);
-idem_code idem__lmdb_release_shared(idem_store *base, const idem_key_ref *ref, uint64_t owner,
-                                    uint64_t ticket);
 idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                                     void *response, size_t len, uint64_t expires_ms,
                                     uint64_t ticket, idem__store_done_fn done, void *arg);

@@ -726,9 +726,12 @@ idem_code idem__pg_complete_on(pg_store *st, PGconn *c, const idem_key_ref *key,
     return r != NULL ? announced_one(r) : code;
 }
 
+/* ticket: LMDB's shared commits; each PostgreSQL write is a commit of its own. */
 static idem_code pg_complete(idem_store *base, const idem_key_ref *key, uint64_t owner,
-                             const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms)
+                             const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms,
+                             uint64_t ticket)
 {
+    (void)ticket;
     pg_args a = {0};
     PGresult *r;
     pg_store *st = (pg_store *)base;
@@ -737,8 +740,10 @@ static idem_code pg_complete(idem_store *base, const idem_key_ref *key, uint64_t
     return code != IDEM_OK ? code : announced_one(r);
 }
 
-static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t owner)
+static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t owner,
+                            uint64_t ticket)
 {
+    (void)ticket;
     pg_args a = {0};
     PGresult *r;
     pg_store *st = (pg_store *)base;
