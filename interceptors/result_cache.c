@@ -103,7 +103,7 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
     }
     st = txn != NULL
              ? idem__store_txn_complete_commit(txn, key, owner, buf, len, expires, now)
-             : idem__store_complete_shared(cfg->store, key, owner, buf, len, expires, now, ticket);
+             : idem__store_complete_at(cfg->store, key, owner, buf, len, expires, now, ticket);
     free(buf);
     return st;
 }

@@ -95,9 +95,9 @@ idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
     return claim(st, req, outcome, rec, ticket);
 }
 
-idem_code idem__store_complete_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                                      const void *response, size_t len, uint64_t expires_ms,
-                                      uint64_t now_ms, uint64_t ticket)
+idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                  const void *response, size_t len, uint64_t expires_ms,
+                                  uint64_t now_ms, uint64_t ticket)
 {
     idem_code code = idem__key_check(key);
     if (code != IDEM_OK) {
@@ -142,17 +142,10 @@ void idem__store_ticket_wait(idem_store *st, uint64_t ticket)
     }
 }
 
-idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                                  const void *response, size_t len, uint64_t expires_ms,
-                                  uint64_t now_ms)
-{
-    return idem__store_complete_shared(st, key, owner, response, len, expires_ms, now_ms, 0);
-}
-
 idem_code idem_store_complete(idem_store *st, const idem_key_ref *key, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms)
 {
-    return idem__store_complete_at(st, key, owner, response, len, expires_ms, idem__now_ms());
+    return idem__store_complete_at(st, key, owner, response, len, expires_ms, idem__now_ms(), 0);
 }
 
 idem_code idem_store_renew(idem_store *st, const idem_key_ref *key, uint64_t owner,

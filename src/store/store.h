@@ -126,10 +126,11 @@ bool idem__store_has(const idem_store *st, unsigned cap);
 idem_code idem__key_check(const idem_key_ref *ref);
 
 /* idem_store_complete and idem_store_token_put with the caller's clock: expires_ms -
- * now_ms is what PostgreSQL adds to its own clock. The public forms use this host's. */
+ * now_ms is what PostgreSQL adds to its own clock. The public forms use this host's.
+ * ticket: a shared claim's (idem__store_claim_shared) that the completion ends, or 0. */
 idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                   const void *response, size_t len, uint64_t expires_ms,
-                                  uint64_t now_ms);
+                                  uint64_t now_ms, uint64_t ticket);
 idem_code idem__store_token_put_at(idem_store *st, const char *token, const char *scope,
                                    uint64_t expires_ms, uint64_t now_ms);
 
@@ -138,9 +139,6 @@ idem_code idem__store_token_put_at(idem_store *st, const char *token, const char
 idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
                                    idem_claim_outcome *outcome, idem_record *rec,
                                    uint64_t *ticket);
-idem_code idem__store_complete_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                                      const void *response, size_t len, uint64_t expires_ms,
-                                      uint64_t now_ms, uint64_t ticket);
 idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                      uint64_t ticket);
 /* ops->complete_async; IDEM_UNAVAILABLE (nothing queued) without it or a ticket. */

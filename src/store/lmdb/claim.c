@@ -9,44 +9,47 @@
 
 #include "lmdb_internal.h"
 
-/* The next store-assigned owner: a counter that only grows, in the claim's txn. */
-static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
+/* The store-assigned owners' counter in txn: *last the last one handed out (0: none). */
+static idem_code fence_last(lmdb_store *st, MDB_txn *txn, uint64_t *last)
+{
+    MDB_val k = {5, "fence"}, v;
+    int rc = mdb_get(txn, st->meta, &k, &v);
+    *last = rc == 0 && v.mv_size == 8 ? idem__get_be64(v.mv_data) : 0;
+    return rc == 0 || rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "fence get");
+}
+
+static idem_code fence_put(lmdb_store *st, MDB_txn *txn, uint64_t value)
 {
     MDB_val k = {5, "fence"}, v;
     uint8_t b[8];
-    uint64_t last = 0;
+    idem__put_be64(b, value);
+    v = (MDB_val){8, b};
+    int rc = mdb_put(txn, st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
+}
+
+/* The next store-assigned owner: a counter that only grows, in the claim's txn. */
+static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
+{
+    uint64_t last;
+    idem_code code;
     if (!st->has_meta) {
         return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
     }
-    int rc = mdb_get(txn, st->meta, &k, &v);
-    if (rc == 0 && v.mv_size == 8) {
-        last = idem__get_be64(v.mv_data);
-    } else if (rc != 0 && rc != MDB_NOTFOUND) {
-        return idem__lmdb_code(rc, "fence get");
+    if ((code = fence_last(st, txn, &last)) != IDEM_OK) {
+        return code;
     }
     *out = last + 1;
-    idem__put_be64(b, *out);
-    v = (MDB_val){8, b};
-    rc = mdb_put(txn, st->meta, &k, &v, 0);
-    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
+    return fence_put(st, txn, *out);
 }
 
 /* The counter at least owner: a shared claim re-applied with the owner it drew in a
  * batch that failed (that draw was rolled back with it). */
 static idem_code fence_at_least(lmdb_store *st, MDB_txn *txn, uint64_t owner)
 {
-    MDB_val k = {5, "fence"}, v;
-    int rc = mdb_get(txn, st->meta, &k, &v);
-    if (rc == 0 && v.mv_size == 8 && idem__get_be64(v.mv_data) >= owner) {
-        return IDEM_OK;
-    } else if (rc != 0 && rc != MDB_NOTFOUND) {
-        return idem__lmdb_code(rc, "fence get");
-    }
-    uint8_t b[8];
-    idem__put_be64(b, owner);
-    v = (MDB_val){8, b};
-    rc = mdb_put(txn, st->meta, &k, &v, 0);
-    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
+    uint64_t last;
+    idem_code code = fence_last(st, txn, &last);
+    return code != IDEM_OK || last >= owner ? code : fence_put(st, txn, owner);
 }
 
 /* Writes a fresh IN_PROGRESS record keeping tok (replacing `old` when it is not NULL). */
