@@ -17,12 +17,15 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <libpq-fe.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#ifdef CHAOS_HAVE_PG
+#include <libpq-fe.h>
+#endif
 
 #include "chaos.h"
 #include "cli.h"
@@ -166,6 +169,11 @@ static int read_begin(chaos_cfg *cfg)
  * accounts and counts of an earlier run on the same database must not be counted. */
 static int pg_schema(chaos_cfg *cfg, const char *base)
 {
+#ifndef CHAOS_HAVE_PG
+    (void)cfg, (void)base;
+    fprintf(stderr, "idemrpc-chaos: built without libpq: no pg topology\n");
+    return CLI_USAGE_ERROR;
+#else
     char sql[96];
     snprintf(cfg->pg_conninfo, sizeof(cfg->pg_conninfo), "%s options='-csearch_path=chaos_%s'",
              base, cfg->run);
@@ -183,6 +191,7 @@ static int pg_schema(chaos_cfg *cfg, const char *base)
     PQclear(r);
     PQfinish(c);
     return ok ? 0 : 1;
+#endif
 }
 
 /* The environment the pg topology needs; the work dir and file names. */
