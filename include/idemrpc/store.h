@@ -95,6 +95,9 @@ typedef struct idem_store_stats {
     /* Completions committed in the same transaction as their claim (LMDB group commit:
      * one durable commit for a new key instead of two). */
     uint64_t shared_commits;
+    /* Connections re-opened after one broke or went unanswered (PostgreSQL: a restart,
+     * a failover, a partition), since open. */
+    uint64_t reconnects;
 } idem_store_stats;
 
 enum idem_store_flags {
@@ -132,6 +135,22 @@ typedef struct idem_pg_opts {
      * 20..200 ms. Set for engines without LISTEN/NOTIFY (CockroachDB) or a pooler in
      * transaction mode; every instance should agree. */
     bool no_notify;
+    /* Bounds on every statement the store sends, so that no call, renewal or sweep waits
+     * unboundedly for a row another session holds, a database that stopped answering or
+     * a network that drops packets. statement_timeout_ms: the longest round trip of one
+     * statement, on the database (statement_timeout) and on the client, which then
+     * drops the connection (a write's outcome is then unknown, and is re-read before
+     * anything is answered). 0 = 5000. lock_timeout_ms: the longest wait for a row lock
+     * (lock_timeout), answered UNAVAILABLE; lease renewals never wait for one. 0 = 1000. */
+    uint32_t statement_timeout_ms;
+    uint32_t lock_timeout_ms;
+    /* How long an operation retries a connection that broke or could not be opened
+     * (a failover: the multi-host conninfo finds the new leader), with backoff, before it
+     * answers UNAVAILABLE. 0 = 10000. */
+    uint32_t reconnect_ms;
+    /* A pooler in transaction mode (PgBouncer pool_mode=transaction) is in front: no
+     * named prepared statements, no session settings, no LISTEN (implies no_notify). */
+    bool pooler;
 } idem_pg_opts;
 
 /* idem_store_open_postgres with options; opts may be NULL (defaults). */

@@ -1,26 +1,34 @@
 /* The lease keeper: a claim whose owner is still working keeps its lease.
  *
- * Every lease/3 the keeper thread renews each kept lease in the store (idem_store_renew)
- * to now + lease, up to the claim's max run time. So only an owner that died, stopped
- * (SIGSTOP, a GC-like pause: the keeper stops with its process) or outlived its max run
- * time loses its claim. The keeper is a thread of its own: a renewal may block on the
- * store, and must hold up neither a server's waker nor anything else for long. One
- * renewal runs at a time, on a copy of the entry and outside the lock, so unkeep never
- * waits for the store. A renewal answered IDEM_ABORTED (the record was completed,
- * released or taken over meanwhile) stops that entry and marks it lost. */
+ * Every lease/3 the keeper thread renews each kept lease in the store to now + lease, up
+ * to the claim's max run time. So only an owner that died, stopped (SIGSTOP, a GC-like
+ * pause: the keeper stops with its process) or outlived its max run time loses its
+ * claim. The keeper is a thread of its own: a renewal round may block on the store, and
+ * must hold up neither a server's waker nor anything else for long.
+ *
+ * One round renews every due lease in one store call (idem__store_renew_batch), on
+ * copies and outside the lock, so unkeep never waits for the store, and a lease whose
+ * row another session holds (a stalled claimer on another instance) delays no other
+ * lease: the store skips that row, and the keeper tries it again every lease/10.
+ * A lease is held until valid_until, the moment its last successful renewal was asked
+ * for plus the lease (the store's clock counts from later); past it the entry is lost,
+ * and logged once: the owner must not treat the claim as held, since another claimer
+ * may have taken it. A renewal answered IDEM_ABORTED (the record was completed,
+ * released or taken over meanwhile) stops the entry and marks it lost too. */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "keeper.h"
 
-#define IDLE_MS 1000 /* the longest sleep */
+#define IDLE_MS 1000  /* the longest sleep */
+#define ROUND_MAX 128 /* leases renewed in one store call */
 
 /* A running claim whose lease is renewed. */
 struct idem_keep {
     idem_keep *next;
     uint64_t id, owner, lease_ms;
-    uint64_t renew_at, stop_at; /* monotonic ms */
-    bool lost;                  /* a renewal answered IDEM_ABORTED */
+    uint64_t renew_at, stop_at, valid_until; /* monotonic ms */
+    bool lost;                               /* aborted, or valid_until passed */
     char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
 };
 
@@ -34,6 +42,8 @@ struct idem_keeper {
     pthread_t thread;
     idem_store *store;
     const idem_runtime *rt; /* may be NULL */
+    idem_keep round[ROUND_MAX];       /* copies of this round's leases (keeper thread) */
+    idem__renewal batch[ROUND_MAX];   /* and their renewals */
 };
 
 static uint64_t wall_ms(const idem_keeper *k)
@@ -41,52 +51,109 @@ static uint64_t wall_ms(const idem_keeper *k)
     return k->rt != NULL ? idem__rt_now_ms(k->rt) : idem__now_ms();
 }
 
-static void log_failure(const idem_keeper *k, const idem_keep *copy, idem_code code)
+static void log_lease(const idem_keeper *k, const idem_keep *kp, idem_code code, const char *what)
 {
-    char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
     if (k->rt == NULL) {
         return;
     }
-    snprintf(detail, sizeof(detail), "lease renewal failed: %s", idem_errmsg());
     idem__log(k->rt->obs, code == IDEM_ABORTED ? IDEM_LOG_INFO : IDEM_LOG_ERROR, "method=%s msg=%s",
-              idem__logfmt_quote(method, sizeof(method), copy->method),
-              idem__logfmt_quote(msg, sizeof(msg), detail));
+              idem__logfmt_quote(method, sizeof(method), kp->method),
+              idem__logfmt_quote(msg, sizeof(msg), what));
 }
 
-/* Renews one due lease outside the lock (a store write may block). */
-static void renew_one(idem_keeper *k, idem_keep *kp, uint64_t now)
+static uint64_t retry_ms(const idem_keep *kp)
 {
-    idem_keep copy = *kp;
-    kp->renew_at = now + (kp->lease_ms / 3 ? kp->lease_ms / 3 : 1);
-    pthread_mutex_unlock(&k->mu);
-    idem_key_ref ref = {copy.caller, copy.method, copy.key};
-    uint64_t wall = wall_ms(k);
-    idem_code code = idem_store_renew(k->store, &ref, copy.owner, wall + copy.lease_ms, wall);
-    if (code != IDEM_OK) { /* ABORTED: completed or released meanwhile, as a rule */
-        log_failure(k, &copy, code);
-    }
-    pthread_mutex_lock(&k->mu);
-    for (idem_keep *p = k->keeps; code == IDEM_ABORTED && p != NULL; p = p->next) {
-        if (p->id == copy.id) { /* still kept: the claim is gone, nothing left to renew */
-            p->stop_at = 0;
-            p->lost = true;
-        }
-    }
+    return kp->lease_ms / 10 ? kp->lease_ms / 10 : 1;
 }
 
-/* Renews the first due lease; true when it did (the list may have changed). */
-static bool renew_due(idem_keeper *k, uint64_t now, uint64_t *next_wake)
+/* Marks the leases that ran out without a renewal lost (once each, logged). */
+static void lapse_due(idem_keeper *k, uint64_t now)
 {
     for (idem_keep *kp = k->keeps; kp != NULL; kp = kp->next) {
-        if (kp->renew_at <= now && now < kp->stop_at) {
-            renew_one(k, kp, now);
-            return true;
-        }
-        if (now < kp->stop_at) {
-            *next_wake = kp->renew_at < *next_wake ? kp->renew_at : *next_wake;
+        if (!kp->lost && now >= kp->valid_until && now < kp->stop_at) {
+            kp->lost = true;
+            kp->stop_at = 0;
+            log_lease(k, kp, IDEM_UNAVAILABLE,
+                      "lease lapsed: no renewal reached the store in time; the claim is no "
+                      "longer held");
         }
     }
-    return false;
+}
+
+/* Copies the due leases into k->round; the count. */
+static size_t collect_due(idem_keeper *k, uint64_t now)
+{
+    size_t n = 0;
+    for (idem_keep *kp = k->keeps; kp != NULL && n < ROUND_MAX; kp = kp->next) {
+        if (kp->renew_at <= now && now < kp->stop_at) {
+            kp->renew_at = now + (kp->lease_ms / 3 ? kp->lease_ms / 3 : 1);
+            k->round[n] = *kp;
+            k->batch[n] = (idem__renewal){
+                .key = {k->round[n].caller, k->round[n].method, k->round[n].key},
+                .owner = kp->owner};
+            n++;
+        }
+    }
+    return n;
+}
+
+/* Applies a round's answers to the entries still kept. */
+static void apply_round(idem_keeper *k, size_t n, uint64_t asked)
+{
+    for (size_t i = 0; i < n; i++) {
+        idem_code code = k->batch[i].code;
+        for (idem_keep *p = k->keeps; p != NULL; p = p->next) {
+            if (p->id != k->round[i].id || p->lost) {
+                continue;
+            }
+            if (code == IDEM_OK) {
+                p->valid_until = asked + p->lease_ms;
+            } else if (code == IDEM_ABORTED) { /* completed or released meanwhile, as a rule */
+                p->stop_at = 0;
+                p->lost = true;
+                log_lease(k, p, code, "lease renewal: the claim is gone");
+            } else {
+                p->renew_at = asked + retry_ms(p); /* held or unreachable: try again soon */
+            }
+        }
+    }
+}
+
+/* Renews the due leases in one store call, outside the lock; true when there were any. */
+static bool renew_round(idem_keeper *k, uint64_t now)
+{
+    size_t n = collect_due(k, now);
+    if (n == 0) {
+        return false;
+    }
+    pthread_mutex_unlock(&k->mu);
+    uint64_t wall = wall_ms(k);
+    for (size_t i = 0; i < n; i++) {
+        k->batch[i].now_ms = wall;
+        k->batch[i].lease_until_ms = wall + k->round[i].lease_ms;
+        k->batch[i].code = IDEM_UNAVAILABLE;
+    }
+    idem_code code = idem__store_renew_batch(k->store, k->batch, n);
+    if (code != IDEM_OK) {
+        log_lease(k, &k->round[0], code, idem_errmsg());
+    }
+    pthread_mutex_lock(&k->mu);
+    apply_round(k, n, now);
+    return true;
+}
+
+/* The next moment anything is due: a renewal or a lapse. */
+static uint64_t next_due(const idem_keeper *k, uint64_t now)
+{
+    uint64_t next = now + IDLE_MS;
+    for (const idem_keep *kp = k->keeps; kp != NULL; kp = kp->next) {
+        if (now < kp->stop_at) {
+            next = kp->renew_at < next ? kp->renew_at : next;
+            next = kp->valid_until < next ? kp->valid_until : next;
+        }
+    }
+    return next > now ? next : now + 1;
 }
 
 static void *keeper_main(void *arg)
@@ -94,10 +161,12 @@ static void *keeper_main(void *arg)
     idem_keeper *k = arg;
     pthread_mutex_lock(&k->mu);
     while (!k->stopping) {
-        uint64_t now = idem__mono_ms(), next_wake = now + IDLE_MS;
-        if (renew_due(k, now, &next_wake)) {
+        uint64_t now = idem__mono_ms();
+        lapse_due(k, now);
+        if (renew_round(k, now)) {
             continue;
         }
+        uint64_t next_wake = next_due(k, now);
         struct timespec ts;
         idem__abs_timespec(&ts, next_wake - now);
         k->wake = next_wake;
@@ -164,6 +233,7 @@ idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t o
     kp->lease_ms = lease_ms;
     kp->renew_at = now + (lease_ms / 3 ? lease_ms / 3 : 1);
     kp->stop_at = idem__add_sat(now, max_run_ms);
+    kp->valid_until = idem__add_sat(now, lease_ms); /* the claim was granted before now */
     pthread_mutex_lock(&k->mu);
     kp->id = ++k->next_id;
     kp->next = k->keeps;
@@ -197,7 +267,7 @@ bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp)
         return false;
     }
     pthread_mutex_lock(&k->mu);
-    bool lost = kp->lost;
+    bool lost = kp->lost || idem__mono_ms() >= kp->valid_until;
     pthread_mutex_unlock(&k->mu);
     return lost;
 }

@@ -17,14 +17,16 @@ idem_code idem__keeper_create(idem_keeper **out, idem_store *st, const idem_runt
 /* Stops the thread (a renewal in flight finishes first) and frees what is still kept. */
 void idem__keeper_destroy(idem_keeper *k);
 
-/* Renews the lease of (key, owner) to now + lease_ms every lease_ms/3, for up to
- * max_run_ms from now, until idem__keeper_unkeep. NULL (no renewal) only when out of
+/* Renews the lease of (key, owner) to now + lease_ms every lease_ms/3 (every lease_ms/10
+ * after a round that could not renew it), for up to max_run_ms from now, until
+ * idem__keeper_unkeep. NULL (no renewal) only when out of
  * memory. */
 idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t owner,
                              uint64_t lease_ms, uint64_t max_run_ms);
 /* Stops renewing and frees kp (NULL is a no-op). */
 void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp);
-/* True once a renewal of kp answered IDEM_ABORTED: the claim is no longer its owner's. */
+/* True once a renewal of kp answered IDEM_ABORTED (the claim is no longer its owner's)
+ * or its lease ran out without a renewal (another claimer may hold it now). */
 bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp);
 
 #endif

@@ -155,6 +155,17 @@ idem_code idem_store_renew(idem_store *st, const idem_key_ref *key, uint64_t own
     return code != IDEM_OK ? code : st->ops->renew(st, key, owner, lease_until_ms, now_ms);
 }
 
+idem_code idem__store_renew_batch(idem_store *st, idem__renewal *r, size_t n)
+{
+    if (st->ops->renew_batch != NULL) {
+        return st->ops->renew_batch(st, r, n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        r[i].code = idem_store_renew(st, &r[i].key, r[i].owner, r[i].lease_until_ms, r[i].now_ms);
+    }
+    return IDEM_OK;
+}
+
 idem_code idem_store_release(idem_store *st, const idem_key_ref *key, uint64_t owner)
 {
     return idem__store_release_shared(st, key, owner, 0);

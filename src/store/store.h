@@ -40,6 +40,13 @@ typedef struct idem_txn_head {
     const struct idem_store_ops *ops;
 } idem_txn_head;
 
+/* One lease of a renewal round (renew_batch): lease_until_ms - now_ms is the lease. */
+typedef struct idem__renewal {
+    idem_key_ref key;
+    uint64_t owner, lease_until_ms, now_ms;
+    idem_code code; /* out */
+} idem__renewal;
+
 typedef struct idem_store_ops {
     const char *name;
     unsigned caps; /* idem__store_caps */
@@ -53,6 +60,12 @@ typedef struct idem_store_ops {
                          uint64_t ticket);
     idem_code (*renew)(idem_store *st, const idem_key_ref *key, uint64_t owner,
                        uint64_t lease_until_ms, uint64_t now_ms);
+    /* Optional (NULL: renew, one at a time). Renews every lease of r[0..n) at once and
+     * never waits for a row another session holds: each r[i].code is IDEM_OK (renewed),
+     * IDEM_ABORTED (not the owner's any more) or another code (not renewed this time:
+     * the row was held, or the store did not answer). The function's own code is
+     * IDEM_OK unless nothing could be tried at all. */
+    idem_code (*renew_batch)(idem_store *st, idem__renewal *r, size_t n);
     idem_code (*get)(idem_store *st, const idem_key_ref *key, idem_record *rec);
     idem_code (*del)(idem_store *st, const idem_key_ref *key);
     idem_code (*sweep)(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
@@ -147,6 +160,9 @@ idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, ui
                                      uint64_t ticket, idem__store_done_fn done, void *arg);
 void idem__store_ticket_drop(idem_store *st, uint64_t ticket);
 void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
+
+/* ops->renew_batch, or renew for each when the backend has no batch. */
+idem_code idem__store_renew_batch(idem_store *st, idem__renewal *r, size_t n);
 
 /* The bounds of a business key-value access (idem_txn_*, idem_store_app_get). */
 #define IDEM__APP_MAX_KEY 511

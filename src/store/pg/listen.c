@@ -6,7 +6,13 @@
  * The listener is an optimisation, never the truth: a woken waiter reads the store, and
  * waiters keep their re-read timers, so a lost notification, a listening connection
  * that is down (reconnected with backoff) or a store opened with no_notify only costs
- * latency. A self-pipe wakes the thread for shutdown. */
+ * latency. A self-pipe wakes the thread for shutdown.
+ *
+ * A listening connection can go quiet without breaking: its server was partitioned
+ * away, stopped, or demoted by a failover (NOTIFY is not replicated, so a standby
+ * hears nothing). So every CHECK_MS the listener asks whether its server is still
+ * a primary that answers (bounded by CHECK_BOUND_MS) and otherwise
+ * listens anew: the multi-host conninfo leads it to the new leader. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -20,6 +26,8 @@
 #define RETRY_MIN_MS 100 /* reconnect backoff, doubling */
 #define RETRY_MAX_MS 2000
 #define LISTEN_CONNECT_S "2" /* seconds */
+#define CHECK_MS 3000 /* how often the listener checks its server */
+#define CHECK_BOUND_MS 2000
 
 typedef struct watcher {
     idem__store_watch_fn fn;
@@ -49,14 +57,22 @@ static void deliver(pg_listener *l, uint32_t hash)
 static PGconn *listen_connect(pg_listener *l)
 {
     PGconn *c;
-    if (idem__pg_connect(l->st->conninfo, LISTEN_CONNECT_S, &c) != IDEM_OK) {
-        return NULL;
+    return idem__pg_connect(l->st->conninfo, LISTEN_CONNECT_S, "LISTEN " PG_CHANNEL,
+                            CHECK_BOUND_MS, &c) == IDEM_OK
+               ? c
+               : NULL;
+}
+
+/* True when c's server answers in time and is a primary (not in recovery). */
+static bool still_leader(PGconn *c)
+{
+    PGresult *r;
+    if (idem__pg_conn_query(c, "SELECT pg_is_in_recovery()", CHECK_BOUND_MS, &r) != IDEM_OK) {
+        return false;
     }
-    if (idem__pg_exec_simple(c, "LISTEN " PG_CHANNEL) == IDEM_OK) {
-        return c;
-    }
-    PQfinish(c);
-    return NULL;
+    bool primary = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "f") == 0;
+    PQclear(r);
+    return primary;
 }
 
 /* Waits up to ms for the socket (or only for the wake pipe when fd < 0). False when
@@ -89,6 +105,7 @@ static void *listen_main(void *arg)
     pg_listener *l = arg;
     PGconn *c = NULL;
     int backoff = RETRY_MIN_MS;
+    uint64_t checked = idem__mono_ms();
     while (!__atomic_load_n(&l->stop, __ATOMIC_ACQUIRE)) {
         if (c == NULL && (c = listen_connect(l)) == NULL) {
             if (!wait_readable(l, -1, backoff)) {
@@ -106,7 +123,12 @@ static void *listen_main(void *arg)
         if (!wait_readable(l, PQsocket(c), IDLE_MS)) {
             break;
         }
-        if (!drain(l, c)) {
+        bool ok = drain(l, c);
+        if (ok && idem__mono_ms() - checked >= CHECK_MS) {
+            checked = idem__mono_ms();
+            ok = still_leader(c) && drain(l, c); /* what arrived during the check */
+        }
+        if (!ok) {
             PQfinish(c); /* waiters re-read on their timers meanwhile */
             c = NULL;
             backoff = RETRY_MIN_MS;

@@ -1,5 +1,7 @@
-/* The PostgreSQL backend's parts (store_pg.c records, tokens and the pool; txn.c handler
- * transactions and business key-value data; listen.c completion announcements). */
+/* The PostgreSQL backend's parts: store_pg.c the statements and the single-statement
+ * operations; conn.c the pool and bounded statements; claim.c the claim and token
+ * consumption; txn.c handler transactions and business key-value data; listen.c
+ * completion announcements. */
 #ifndef IDEMRPC_STORE_PG_INTERNAL_H
 #define IDEMRPC_STORE_PG_INTERNAL_H
 
@@ -15,9 +17,16 @@
  * idem__key_hash in decimal. */
 #define PG_CHANNEL "idem_done"
 
+struct pg_store;
+
+/* One pooled connection; c is NULL after a statement got no answer (reconnected by the
+ * next idem__pg_pool_get). */
 typedef struct pool_slot {
     PGconn *c;
     bool busy;
+    struct pg_store *st;
+    uint32_t bound_ms; /* the client's bound on each statement; set by pool_get */
+    bool opened;       /* a connection was made before: the next is a reconnect */
 } pool_slot;
 
 typedef struct pg_listener pg_listener;
@@ -26,6 +35,11 @@ typedef struct pg_store {
     idem_store base; /* first */
     char *conninfo;
     bool notify;       /* announce completions (NOTIFY) and hear others' (LISTEN) */
+    bool pooler;       /* transaction pooling: unnamed statements, no session state */
+    uint32_t stmt_ms, lock_ms, reconnect_ms;
+    uint64_t reconnects; /* atomic */
+    char session_sql[256]; /* the session's keepalives and bounds (not through a pooler) */
+    char txn_sql[128];     /* BEGIN with the same bounds, transaction-local */
     bool schema_ready; /* the tables exist (checked by this store's first connection) */
     pthread_mutex_t mu;
     pthread_cond_t cv; /* a connection was returned */
@@ -60,6 +74,8 @@ enum stmt {
     S_KV_READ,
     S_KV_NEXT,
     S_TXN_RECORD,
+    S_RENEW_BATCH,
+    S_CLAIM_READ,
     S_COUNT
 };
 
@@ -109,30 +125,53 @@ static inline void arg_announce(pg_args *a, const pg_store *st, const idem_key_r
 }
 
 extern const idem_store_ops idem__pg_ops;
+extern const char *const idem__pg_sql[S_COUNT];
 
-/* store_pg.c */
-/* A new connection to conninfo with the store's defaults (connect timeout, keepalives);
- * connect_timeout (seconds, may be NULL) overrides the conninfo's. */
-idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout, PGconn **out);
+/* conn.c */
+/* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
+ * then session_sql (may be NULL) bounded by bound_ms; connect_timeout (seconds, may be
+ * NULL) overrides the conninfo's. */
+idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
+                           const char *session_sql, uint32_t bound_ms, PGconn **out);
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
+/* A connected slot (reconnecting with backoff for up to reconnect_ms). */
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
 void idem__pg_pool_put(pg_store *st, pool_slot *slot);
-PGresult *idem__pg_exec(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
+/* Statement s on pc, bounded by pc->bound_ms: its result, or NULL and *code (pc->c is
+ * then NULL when no answer came: the outcome is unknown). */
+PGresult *idem__pg_exec(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusType want,
                         idem_code *code);
-idem_code idem__pg_exec_simple(PGconn *c, const char *sql);
 /* idem__pg_exec for a statement whose result is not read: only its code. */
-idem_code idem__pg_run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want);
+idem_code idem__pg_run(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusType want);
+/* Plain SQL (several ;-separated statements), bounded the same way. */
+idem_code idem__pg_exec_simple(pool_slot *pc, const char *sql);
+idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out);
+/* The same on a connection outside the pool (the listener's), bounded by bound_ms; *out
+ * may be NULL. */
+idem_code idem__pg_conn_query(PGconn *c, const char *sql, uint32_t bound_ms, PGresult **out);
+/* s1 then s2 in one round trip (pipeline mode); s2 does not run when s1 failed. */
+idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enum stmt s2,
+                             const pg_args *a2, PGresult **r1, PGresult **r2);
 idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
                                PGresult **out);
+
+/* store_pg.c */
+idem_code idem__pg_schema_ensure(pool_slot *pc);
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col);
+/* Runs S_COMPLETE on pc; IDEM_ABORTED when the claim is not (key, owner) any more. */
+idem_code idem__pg_complete_on(pg_store *st, pool_slot *pc, const idem_key_ref *key,
+                               uint64_t owner, const void *response, size_t len,
+                               uint64_t expires_ms, uint64_t now_ms);
+
+/* claim.c */
 /* The claim's statements inside an open transaction; *got is the claimed row. */
-idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
-                                idem_record *rec, idem_record *got);
-/* Runs S_COMPLETE on c; IDEM_ABORTED when the claim is not (key, owner) any more. */
-idem_code idem__pg_complete_on(pg_store *st, PGconn *c, const idem_key_ref *key, uint64_t owner,
-                               const void *response, size_t len, uint64_t expires_ms,
-                               uint64_t now_ms);
+idem_code idem__pg_claim_in_txn(pool_slot *pc, const idem_claim_req *req,
+                                idem_claim_outcome *outcome, idem_record *rec, idem_record *got);
+idem_code idem__pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
+                         idem_record *rec);
+idem_code idem__pg_token_consume(idem_store *base, const char *token, const char *scope,
+                                 uint64_t now_ms);
 
 /* txn.c */
 idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out);

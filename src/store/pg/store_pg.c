@@ -13,9 +13,11 @@
  * expired-lease takeover or a token consumption is decided under the row lock, in the
  * same transaction. A store-assigned owner is drawn from idem_fence only once the row is
  * the claim's, so one key's successive owners only grow. Completion and release are
- * conditional on (key, owner, state).
+ * conditional on (key, owner, state); the claim itself is in claim.c.
  * Connection failures map to UNAVAILABLE, so the client's retryer carries calls across
- * a database restart; statements are prepared once per connection.
+ * a database restart; statements are prepared once per connection (conn.c), or sent
+ * unnamed through a pooler. Lease renewals come in rounds (S_RENEW_BATCH), one
+ * statement each, that skip a row another session holds instead of waiting for it.
  *
  * Completions and releases announce themselves (NOTIFY PG_CHANNEL, sent at commit) so
  * that waiters in other instances wake at once (listen.c); handler transactions and the
@@ -25,7 +27,6 @@
 
 #include "pg_internal.h"
 
-#define POOL_WAIT_MS 5000
 #define FOREACH_PAGE 500
 
 #define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -44,7 +45,7 @@
     ", n AS (SELECT pg_notify('" PG_CHANNEL "', " param ") FROM d WHERE " param " <> '' LIMIT 1)"  \
     " SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM n)"
 
-static const char *const stmt_sql[S_COUNT] = {
+const char *const idem__pg_sql[S_COUNT] = {
     /* Inserts, or locks the existing row without changing it (DO UPDATE … WHERE false
      * locks the conflicting row and returns nothing), so that the row cannot be released
      * or swept between this statement and S_CLAIM_LOCK. A store-assigned owner ($5 = 0)
@@ -123,6 +124,24 @@ static const char *const stmt_sql[S_COUNT] = {
     /* A row lock held to the end of the txn: no takeover, completion or sweep of the
      * record can slip in before it commits. */
     [S_TXN_RECORD] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR SHARE",
+    /* One renewal round: $1..$5 arrays of callers, methods, keys, owners and leases.
+     * Rows of this owner, IN_PROGRESS, are renewed unless another session holds them
+     * (SKIP LOCKED: never queue behind a stalled claimer); each such row answers its
+     * ordinal and whether it was renewed. A lease absent from the answer is lost. */
+    [S_RENEW_BATCH] =
+        "WITH v AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[],"
+        " $5::bigint[]) WITH ORDINALITY AS v(caller, method, key, owner, lease_ms, i)),"
+        " mine AS (SELECT v.* FROM v JOIN idem_records r USING (caller, method, key)"
+        " WHERE r.owner = v.owner AND r.state = 1),"
+        " l AS (SELECT r.caller, r.method, r.key FROM idem_records r JOIN mine m USING (caller,"
+        " method, key) FOR UPDATE OF r SKIP LOCKED),"
+        " u AS (UPDATE idem_records r SET lease_until_ms = " DBNOW " + m.lease_ms, expires_ms ="
+        " GREATEST(r.expires_ms, " DBNOW " + m.lease_ms) FROM mine m JOIN l USING (caller,"
+        " method, key) WHERE r.caller = m.caller AND r.method = m.method AND r.key = m.key"
+        " AND r.owner = m.owner AND r.state = 1 RETURNING m.i)"
+        " SELECT m.i, m.i IN (SELECT i FROM u) FROM mine m",
+    /* Is the claim (key, owner) committed? (A COMMIT whose answer was lost.) */
+    [S_CLAIM_READ] = "SELECT 1 FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
 };
 
 /* Idempotent, serialised across instances by a transaction-scoped advisory lock
@@ -155,244 +174,17 @@ static const char schema_sql[] =
     " db text NOT NULL, k bytea NOT NULL, v bytea, PRIMARY KEY (db, k));"
     "CREATE INDEX IF NOT EXISTS idem_kv_empty ON idem_kv (db) WHERE v IS NULL;";
 
-/* Maps a failed result (or a dead connection) to a code: connection trouble and
- * serialisation conflicts are transient (UNAVAILABLE), a full disk RESOURCE_EXHAUSTED. */
-idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
+/* Creates what SCHEMA_PRESENT finds missing. */
+idem_code idem__pg_schema_ensure(pool_slot *pc)
 {
-    const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
-    const char *msg = r != NULL ? PQresultErrorMessage(r) : PQerrorMessage(c);
-    idem_code code = IDEM_INTERNAL;
-    if (PQstatus(c) != CONNECTION_OK || state == NULL || strncmp(state, "08", 2) == 0 ||
-        strncmp(state, "57P", 3) == 0 || strcmp(state, "40001") == 0 ||
-        strcmp(state, "40P01") == 0) {
-        code = IDEM_UNAVAILABLE;
-    } else if (strcmp(state, "53100") == 0 || strcmp(state, "53200") == 0) {
-        code = IDEM_RESOURCE_EXHAUSTED;
-    }
-    idem__err(code, "postgres %s: %.200s", what, msg != NULL ? msg : "");
-    if (r != NULL) {
-        PQclear(r);
-    }
-    return code;
-}
-
-static idem_code pg_prepare(PGconn *c)
-{
-    char name[8];
-    for (int i = 0; i < S_COUNT; i++) {
-        snprintf(name, sizeof(name), "s%d", i);
-        PGresult *r = PQprepare(c, name, stmt_sql[i], 0, NULL);
-        if (PQresultStatus(r) != PGRES_COMMAND_OK) {
-            return idem__pg_fail(c, r, "prepare");
-        }
-        PQclear(r);
-    }
-    return IDEM_OK;
-}
-
-static void ignore_notice(void *arg, const char *message)
-{
-    (void)arg, (void)message;
-}
-
-/* Connection defaults a conninfo may override: bounded connects, and TCP keepalives on
- * both ends, so that a host that vanished (its handler transaction with it) is noticed
- * in about a minute, not the kernel's two hours. */
-idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout, PGconn **out)
-{
-    const char *keys[] = {"connect_timeout",
-                          "keepalives",
-                          "keepalives_idle",
-                          "keepalives_interval",
-                          "keepalives_count",
-                          "dbname",
-                          connect_timeout != NULL ? "connect_timeout" : NULL,
-                          NULL};
-    const char *vals[] = {"10", "1", "30", "10", "3", conninfo, connect_timeout, NULL};
-    PGconn *c = PQconnectdbParams(keys, vals, 1); /* dbname: the conninfo, expanded */
-    idem_code code = IDEM_OK;
-    if (PQstatus(c) != CONNECTION_OK) {
-        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
-    } else if (PQstatus(c) == CONNECTION_OK && PQsocket(c) >= 0) {
-        /* The server's side of the keepalive (ignored on a Unix socket). */
-        code =
-            idem__pg_exec_simple(c, "SET tcp_keepalives_idle = 30; SET"
-                                    " tcp_keepalives_interval = 10; SET tcp_keepalives_count = 3");
-    }
+    PGresult *r;
+    idem_code code = idem__pg_query_simple(pc, schema_present_sql, &r);
     if (code != IDEM_OK) {
-        PQfinish(c);
-        c = NULL;
-    }
-    *out = c;
-    return code;
-}
-
-static idem_code schema_ensure(PGconn *c)
-{
-    PGresult *r = PQexec(c, schema_present_sql);
-    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
-        return idem__pg_fail(c, r, "schema check");
+        return code;
     }
     bool present = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
     PQclear(r);
-    return present ? IDEM_OK : idem__pg_exec_simple(c, schema_sql);
-}
-
-/* (Re)connects a pool slot and prepares the statements. */
-static idem_code pg_connect(pg_store *st, pool_slot *pc)
-{
-    if (pc->c != NULL && PQstatus(pc->c) == CONNECTION_OK) {
-        return IDEM_OK;
-    }
-    if (pc->c != NULL) {
-        PQfinish(pc->c);
-    }
-    idem_code code = idem__pg_connect(st->conninfo, NULL, &pc->c);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
-    if (!__atomic_load_n(&st->schema_ready, __ATOMIC_ACQUIRE) &&
-        (code = schema_ensure(pc->c)) == IDEM_OK) {
-        __atomic_store_n(&st->schema_ready, true, __ATOMIC_RELEASE);
-    }
-    if (code == IDEM_OK) {
-        code = pg_prepare(pc->c);
-    }
-    if (code != IDEM_OK) {
-        PQfinish(pc->c);
-        pc->c = NULL;
-    }
-    return code;
-}
-
-idem_code idem__pg_pool_get(pg_store *st, pool_slot **out)
-{
-    struct timespec ts;
-    idem__abs_timespec(&ts, POOL_WAIT_MS);
-    pthread_mutex_lock(&st->mu);
-    for (;;) {
-        for (size_t i = 0; i < st->n; i++) {
-            if (!st->pool[i].busy) {
-                st->pool[i].busy = true;
-                pthread_mutex_unlock(&st->mu);
-                *out = &st->pool[i];
-                idem_code code = pg_connect(st, *out);
-                if (code != IDEM_OK) {
-                    pthread_mutex_lock(&st->mu);
-                    (*out)->busy = false;
-                    pthread_cond_signal(&st->cv);
-                    pthread_mutex_unlock(&st->mu);
-                }
-                return code;
-            }
-        }
-        if (pthread_cond_timedwait(&st->cv, &st->mu, &ts) != 0) {
-            pthread_mutex_unlock(&st->mu);
-            return idem__err(IDEM_UNAVAILABLE, "no postgres connection free for %d ms",
-                             POOL_WAIT_MS);
-        }
-    }
-}
-
-void idem__pg_pool_put(pg_store *st, pool_slot *pc)
-{
-    if (pc->c != NULL && PQtransactionStatus(pc->c) != PQTRANS_IDLE) {
-        PQfinish(pc->c); /* reconnected by the next idem__pg_pool_get */
-        pc->c = NULL;
-    }
-    pthread_mutex_lock(&st->mu);
-    pc->busy = false;
-    pthread_cond_signal(&st->cv);
-    pthread_mutex_unlock(&st->mu);
-}
-
-/* ---- statements ---- */
-
-/* Runs prepared statement s on connection c, with binary results; NULL (and *code)
- * on failure. */
-PGresult *idem__pg_exec(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want,
-                        idem_code *code)
-{
-    char name[8];
-    snprintf(name, sizeof(name), "s%d", (int)s);
-    PGresult *r = PQexecPrepared(c, name, a != NULL ? a->n : 0, a != NULL ? a->v : NULL,
-                                 a != NULL ? a->len : NULL, a != NULL ? a->fmt : NULL, 1);
-    if (PQresultStatus(r) != want) {
-        *code = idem__pg_fail(c, r, stmt_sql[s]);
-        return NULL;
-    }
-    return r;
-}
-
-idem_code idem__pg_run(PGconn *c, enum stmt s, const pg_args *a, ExecStatusType want)
-{
-    idem_code code;
-    PGresult *r = idem__pg_exec(c, s, a, want, &code);
-    if (r == NULL) {
-        return code;
-    }
-    PQclear(r);
-    return IDEM_OK;
-}
-
-idem_code idem__pg_exec_simple(PGconn *c, const char *sql)
-{
-    PGresult *r = PQexec(c, sql);
-    if (PQresultStatus(r) != PGRES_COMMAND_OK) {
-        return idem__pg_fail(c, r, sql);
-    }
-    PQclear(r);
-    return IDEM_OK;
-}
-
-/* One statement's result in pipeline mode, and the NULL that ends it. */
-static PGresult *pipeline_result(PGconn *c)
-{
-    PGresult *r = PQgetResult(c), *end;
-    while (r != NULL && (end = PQgetResult(c)) != NULL) {
-        PQclear(end);
-    }
-    return r;
-}
-
-/* Runs prepared statements s1 and s2 in one round trip (libpq pipeline mode): s2 runs
- * once s1 has finished, and not at all when s1 failed. Both results are checked for
- * PGRES_TUPLES_OK. A connection left in pipeline mode by a failure fails its next
- * statement; inside a transaction (every caller) the pool then closes it. */
-static idem_code exec_pair(PGconn *c, enum stmt s1, const pg_args *a1, enum stmt s2,
-                           const pg_args *a2, PGresult **r1, PGresult **r2)
-{
-    char n1[8], n2[8];
-    snprintf(n1, sizeof(n1), "s%d", (int)s1);
-    snprintf(n2, sizeof(n2), "s%d", (int)s2);
-    *r1 = *r2 = NULL;
-    if (!PQenterPipelineMode(c) || !PQsendQueryPrepared(c, n1, a1->n, a1->v, a1->len, a1->fmt, 1) ||
-        !PQsendQueryPrepared(c, n2, a2->n, a2->v, a2->len, a2->fmt, 1) || !PQpipelineSync(c)) {
-        return idem__pg_fail(c, NULL, "pipeline send");
-    }
-    PGresult *got1 = pipeline_result(c), *got2 = pipeline_result(c), *sync = PQgetResult(c);
-    bool ended = sync != NULL && PQresultStatus(sync) == PGRES_PIPELINE_SYNC &&
-                 PQexitPipelineMode(c) == 1; /* also after a failed statement */
-    PQclear(sync);
-    idem_code code = IDEM_OK;
-    if (PQresultStatus(got1) != PGRES_TUPLES_OK) {
-        code = idem__pg_fail(c, got1, stmt_sql[s1]);
-        got1 = NULL;
-    } else if (PQresultStatus(got2) != PGRES_TUPLES_OK) {
-        code = idem__pg_fail(c, got2, stmt_sql[s2]);
-        got2 = NULL;
-    } else if (!ended) {
-        code = idem__pg_fail(c, NULL, "pipeline end");
-    }
-    if (code != IDEM_OK) {
-        PQclear(got1);
-        PQclear(got2);
-        return code;
-    }
-    *r1 = got1;
-    *r2 = got2;
-    return IDEM_OK;
+    return present ? IDEM_OK : idem__pg_exec_simple(pc, schema_sql);
 }
 
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col)
@@ -410,6 +202,7 @@ static int col_i16(const PGresult *r, int row, int col)
     const unsigned char *p = (const unsigned char *)PQgetvalue(r, row, col);
     return PQgetlength(r, row, col) == 2 ? (int16_t)(p[0] << 8 | p[1]) : -1;
 }
+
 
 /* Fills rec from the REC_COLS at column off of row; the response only when want. */
 idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *rec, bool want)
@@ -438,248 +231,7 @@ idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *
     return IDEM_OK;
 }
 
-/* ---- the claim ---- */
-
-/* Consumes a token inside the open transaction (the caller rolls back on error); its
- * expiry is judged on the database clock. */
-static idem_code token_take(PGconn *c, const char *token, const char *scope, uint64_t *expires_ms)
-{
-    pg_args a = {0};
-    idem_code code;
-    arg_text(&a, token);
-    PGresult *r = idem__pg_exec(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
-    if (r == NULL) {
-        return code;
-    }
-    if (PQntuples(r) != 1) {
-        code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown or already used");
-    } else if (strcmp(PQgetvalue(r, 0, 0), scope != NULL ? scope : "") != 0) {
-        code = idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
-    } else if (idem__pg_col_i64(r, 0, 1) <= idem__pg_col_i64(r, 0, 2)) {
-        code = idem__err(IDEM_FAILED_PRECONDITION, "token expired");
-    } else {
-        *expires_ms = (uint64_t)idem__pg_col_i64(r, 0, 1);
-        code = IDEM_OK;
-    }
-    PQclear(r);
-    return code;
-}
-
-static void claim_args(pg_args *a, const idem_claim_req *req)
-{
-    arg_key(a, &req->key);
-    arg_bytes(a, req->fingerprint, IDEM_FINGERPRINT_LEN);
-    arg_i64(a, req->owner);
-    arg_i64(a, req->lease_until_ms - req->now_ms);
-    arg_i64(a, req->expires_ms - req->now_ms);
-}
-
-/* Consumes the claim's token and keeps it in the claimed row (a release restores it). */
-static idem_code token_take_keep(PGconn *c, const idem_claim_req *req, const pg_args *a)
-{
-    uint64_t expires;
-    idem_code code = token_take(c, req->token, req->key.caller, &expires);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    pg_args k = *a;
-    k.n = 3; /* the key columns lead the claim's arguments */
-    arg_text(&k, req->token);
-    arg_text(&k, req->key.caller != NULL ? req->key.caller : "");
-    arg_i64(&k, expires);
-    return idem__pg_run(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK);
-}
-
-/* The claimed row as RETURNING gave it (CLAIM_RETURNING). */
-static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_record *rec)
-{
-    memset(rec, 0, sizeof(*rec));
-    rec->state = IDEM_REC_IN_PROGRESS;
-    rec->owner = (uint64_t)idem__pg_col_i64(r, 0, 0);
-    rec->lease_until_ms = (uint64_t)idem__pg_col_i64(r, 0, 1);
-    rec->first_at_ms = (uint64_t)idem__pg_col_i64(r, 0, 2);
-    rec->expires_ms = (uint64_t)idem__pg_col_i64(r, 0, 3);
-    rec->now_ms = (uint64_t)idem__pg_col_i64(r, 0, 4);
-    memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
-}
-
-/* The row exists, locked by the insert: decide under that lock, on the database clock.
- * Returns with *outcome set (and *got the row when this claim acquired it), or an
- * error. */
-static idem_code claim_existing(PGconn *c, const idem_claim_req *req, const pg_args *a,
-                                idem_claim_outcome *outcome, idem_record *rec, idem_record *got)
-{
-    idem_code code;
-    idem_record cur;
-    pg_args key = *a;
-    key.n = 3;
-    PGresult *r = idem__pg_exec(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
-    if (r == NULL) {
-        return code;
-    }
-    if (PQntuples(r) != 1) { /* cannot be: the insert locked it */
-        PQclear(r);
-        return idem__err(IDEM_UNAVAILABLE, "record vanished during the claim; retry");
-    }
-    code = idem__pg_row_record(r, 0, 0, &cur, true);
-    PQclear(r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= cur.now_ms;
-    bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-    if (!expired && (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > cur.now_ms)) {
-        *outcome = !same                             ? IDEM_CLAIM_MISMATCH
-                   : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
-                                                     : IDEM_CLAIM_IN_PROGRESS;
-        if (rec != NULL) {
-            *rec = cur;
-        } else {
-            idem_record_clear(&cur);
-        }
-        return IDEM_OK;
-    }
-    bool took_over = cur.state == IDEM_REC_IN_PROGRESS;
-    idem_record_clear(&cur);
-    if ((r = idem__pg_exec(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
-        return code;
-    }
-    claimed_row(r, req, got);
-    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
-     * token must be valid, and is consumed. */
-    bool kept = took_over && req->token != NULL && !PQgetisnull(r, 0, 5) &&
-                strcmp(PQgetvalue(r, 0, 5), req->token) == 0;
-    PQclear(r);
-    if (req->token != NULL && !kept && (code = token_take_keep(c, req, a)) != IDEM_OK) {
-        return code;
-    }
-    *outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
-    return IDEM_OK;
-}
-
-/* The claim's insert; for a store-assigned owner with the fence drawn in the same round
- * trip (S_CLAIM_FENCE). *inserted when the row is this claim's (then in *got). */
-static idem_code claim_insert(PGconn *c, const idem_claim_req *req, const pg_args *a,
-                              bool *inserted, idem_record *got)
-{
-    idem_code code = IDEM_OK;
-    PGresult *r, *f = NULL;
-    pg_args key = *a;
-    key.n = 3;
-    if (req->owner != 0) {
-        r = idem__pg_exec(c, S_CLAIM_INSERT, a, PGRES_TUPLES_OK, &code);
-    } else if ((code = exec_pair(c, S_CLAIM_INSERT, a, S_CLAIM_FENCE, &key, &r, &f)) != IDEM_OK) {
-        r = NULL;
-    }
-    if (r == NULL) {
-        return code;
-    }
-    *inserted = PQntuples(r) == 1; /* the unique key decided */
-    if (*inserted) {
-        claimed_row(r, req, got);
-        if (f != NULL && PQntuples(f) == 1) {
-            got->owner = (uint64_t)idem__pg_col_i64(f, 0, 0);
-        } else if (f != NULL) {
-            code = idem__err(IDEM_INTERNAL, "postgres: no owner drawn for the claim");
-        }
-    }
-    PQclear(r);
-    PQclear(f);
-    return code;
-}
-
-idem_code idem__pg_claim_in_txn(PGconn *c, const idem_claim_req *req, idem_claim_outcome *outcome,
-                                idem_record *rec, idem_record *got)
-{
-    pg_args a = {0};
-    bool inserted = false;
-    claim_args(&a, req);
-    idem_code code = claim_insert(c, req, &a, &inserted, got);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    if (!inserted) {
-        return claim_existing(c, req, &a, outcome, rec, got);
-    }
-    if (req->token != NULL && (code = token_take_keep(c, req, &a)) != IDEM_OK) {
-        return code;
-    }
-    *outcome = IDEM_CLAIM_ACQUIRED;
-    return IDEM_OK;
-}
-
-/* Runs fn in a transaction on a pooled connection: COMMIT when it returns IDEM_OK, else
- * ROLLBACK (keeping fn's error detail). */
-static idem_code pooled_txn(pg_store *st, idem_code (*fn)(PGconn *c, void *arg), void *arg)
-{
-    pool_slot *pc;
-    idem_code code = idem__pg_pool_get(st, &pc);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    if ((code = idem__pg_exec_simple(pc->c, "BEGIN")) == IDEM_OK) {
-        code = fn(pc->c, arg);
-        if (code == IDEM_OK) {
-            code = idem__pg_exec_simple(pc->c, "COMMIT");
-        } else {
-            idem_errkeep keep;
-            idem__err_keep(&keep);
-            idem__pg_exec_simple(pc->c, "ROLLBACK");
-            idem__err_put(&keep, code);
-        }
-    }
-    idem__pg_pool_put(st, pc);
-    return code;
-}
-
-typedef struct claim_call {
-    const idem_claim_req *req;
-    idem_claim_outcome *outcome;
-    idem_record *rec, got;
-} claim_call;
-
-static idem_code claim_fn(PGconn *c, void *arg)
-{
-    claim_call *a = arg;
-    return idem__pg_claim_in_txn(c, a->req, a->outcome, a->rec, &a->got);
-}
-
-static idem_code pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
-                          idem_record *rec)
-{
-    claim_call a = {.req = req, .outcome = outcome, .rec = rec};
-    idem_code code = pooled_txn((pg_store *)base, claim_fn, &a);
-    if (code == IDEM_OK && rec != NULL &&
-        (*outcome == IDEM_CLAIM_ACQUIRED || *outcome == IDEM_CLAIM_TAKEN_OVER)) {
-        *rec = a.got;
-    }
-    return code;
-}
-
 /* ---- single-statement operations ---- */
-
-/* Runs prepared statement s on a connection from the pool; *out (may be NULL) gets
- * the result. */
-idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
-                               PGresult **out)
-{
-    pool_slot *pc;
-    idem_code code = idem__pg_pool_get(st, &pc);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    PGresult *r = idem__pg_exec(pc->c, s, a, want, &code);
-    idem__pg_pool_put(st, pc);
-    if (r != NULL) {
-        if (out != NULL) {
-            *out = r;
-        } else {
-            PQclear(r);
-        }
-        return IDEM_OK;
-    }
-    return code;
-}
 
 /* Runs a statement that must change exactly one row; else_code when it changed none. */
 static idem_code pooled_exec_one_row(pg_store *st, enum stmt s, const pg_args *a,
@@ -715,9 +267,9 @@ static void complete_args(pg_args *a, const pg_store *st, const idem_key_ref *ke
     arg_announce(a, st, key);
 }
 
-idem_code idem__pg_complete_on(pg_store *st, PGconn *c, const idem_key_ref *key, uint64_t owner,
-                               const void *response, size_t len, uint64_t expires_ms,
-                               uint64_t now_ms)
+idem_code idem__pg_complete_on(pg_store *st, pool_slot *c, const idem_key_ref *key,
+                               uint64_t owner, const void *response, size_t len,
+                               uint64_t expires_ms, uint64_t now_ms)
 {
     pg_args a = {0};
     idem_code code;
@@ -762,6 +314,88 @@ static idem_code pg_renew(idem_store *base, const idem_key_ref *key, uint64_t ow
     arg_i64(&a, owner);
     arg_i64(&a, lease_until_ms - now_ms);
     return pooled_exec_one_row((pg_store *)base, S_RENEW, &a, IDEM_ABORTED, CLAIM_LOST);
+}
+
+/* Writes x as a quoted element of an array literal. */
+static void array_put(FILE *f, bool first, const char *x)
+{
+    fputs(first ? "{\"" : ",\"", f);
+    for (; *x != '\0'; x++) {
+        if (*x == '"' || *x == '\\') {
+            fputc('\\', f);
+        }
+        fputc(*x, f);
+    }
+    fputc('"', f);
+}
+
+/* The five array literals of S_RENEW_BATCH for r[0..n), malloc'd into col. */
+static bool renew_arrays(char *col[5], const idem__renewal *r, size_t n)
+{
+    size_t len[5];
+    FILE *f[5];
+    bool ok = true;
+    for (int c = 0; c < 5; c++) {
+        ok = (f[c] = open_memstream(&col[c], &len[c])) != NULL && ok;
+    }
+    for (size_t i = 0; ok && i < n; i++) {
+        char owner[24], lease[24];
+        snprintf(owner, sizeof(owner), "%lld", (long long)r[i].owner);
+        snprintf(lease, sizeof(lease), "%lld", (long long)(r[i].lease_until_ms - r[i].now_ms));
+        array_put(f[0], i == 0, r[i].key.caller != NULL ? r[i].key.caller : "");
+        array_put(f[1], i == 0, r[i].key.method);
+        array_put(f[2], i == 0, r[i].key.key);
+        array_put(f[3], i == 0, owner);
+        array_put(f[4], i == 0, lease);
+    }
+    for (int c = 0; c < 5; c++) {
+        if (f[c] != NULL) {
+            fputc('}', f[c]);
+            ok = fclose(f[c]) == 0 && ok;
+        }
+    }
+    return ok;
+}
+
+/* One round trip, bounded by half the shortest lease (a renewal later than that is of
+ * little use): rows another session holds are skipped and tried again next round. */
+static idem_code pg_renew_batch(idem_store *base, idem__renewal *r, size_t n)
+{
+    pg_store *st = (pg_store *)base;
+    char *col[5] = {0};
+    pg_args a = {0};
+    uint64_t shortest = UINT64_MAX;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t lease = r[i].lease_until_ms - r[i].now_ms;
+        shortest = lease < shortest ? lease : shortest;
+        r[i].code = IDEM_ABORTED; /* unless the answer has the row */
+    }
+    idem_code code = renew_arrays(col, r, n) ? IDEM_OK
+                                              : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    for (int c = 0; c < 5; c++) {
+        arg_text(&a, col[c] != NULL ? col[c] : "{}");
+    }
+    pool_slot *pc;
+    PGresult *res = NULL;
+    if (code == IDEM_OK && (code = idem__pg_pool_get(st, &pc)) == IDEM_OK) {
+        pc->bound_ms = shortest / 2 < pc->bound_ms ? (uint32_t)(shortest / 2) + 1 : pc->bound_ms;
+        res = idem__pg_exec(pc, S_RENEW_BATCH, &a, PGRES_TUPLES_OK, &code);
+        idem__pg_pool_put(st, pc);
+    }
+    for (int c = 0; c < 5; c++) {
+        free(col[c]);
+    }
+    for (size_t i = 0; code != IDEM_OK && i < n; i++) {
+        r[i].code = code; /* not tried, or no answer: not renewed this time */
+    }
+    for (int row = 0; res != NULL && row < PQntuples(res); row++) {
+        int64_t i = idem__pg_col_i64(res, row, 0) - 1;
+        if (i >= 0 && (size_t)i < n) {
+            r[i].code = *PQgetvalue(res, row, 1) ? IDEM_OK : IDEM_UNAVAILABLE;
+        }
+    }
+    PQclear(res);
+    return IDEM_OK;
 }
 
 static idem_code pg_delete(idem_store *base, const idem_key_ref *key)
@@ -829,25 +463,6 @@ static idem_code pg_token_put(idem_store *base, const char *token, const char *s
                                "token exists");
 }
 
-typedef struct token_call {
-    const char *token, *scope;
-} token_call;
-
-static idem_code token_fn(PGconn *c, void *arg)
-{
-    token_call *a = arg;
-    uint64_t expires;
-    return token_take(c, a->token, a->scope, &expires);
-}
-
-static idem_code pg_token_consume(idem_store *base, const char *token, const char *scope,
-                                  uint64_t now_ms)
-{
-    (void)now_ms; /* the database clock decides */
-    token_call a = {token, scope};
-    return pooled_txn((pg_store *)base, token_fn, &a);
-}
-
 static idem_code pg_stats(idem_store *base, idem_store_stats *out)
 {
     PGresult *r;
@@ -861,6 +476,7 @@ static idem_code pg_stats(idem_store *base, idem_store_stats *out)
         out->completed = (size_t)idem__pg_col_i64(r, 0, 2);
         out->tokens = (size_t)idem__pg_col_i64(r, 0, 3);
     }
+    out->reconnects = __atomic_load_n(&((pg_store *)base)->reconnects, __ATOMIC_RELAXED);
     PQclear(r);
     return IDEM_OK;
 }
@@ -917,15 +533,16 @@ static void pg_close(idem_store *base)
 const idem_store_ops idem__pg_ops = {
     .name = "postgres",
     .caps = IDEM__STORE_CAP_TXN | IDEM__STORE_CAP_TXN_CLAIM | IDEM__STORE_CAP_WATCH,
-    .claim = pg_claim,
+    .claim = idem__pg_claim,
     .complete = pg_complete,
     .release = pg_release,
     .renew = pg_renew,
+    .renew_batch = pg_renew_batch,
     .get = pg_get,
     .del = pg_delete,
     .sweep = pg_sweep,
     .token_put = pg_token_put,
-    .token_consume = pg_token_consume,
+    .token_consume = idem__pg_token_consume,
     .stats = pg_stats,
     .foreach = pg_foreach,
     .close = pg_close,
@@ -966,16 +583,30 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     }
     st->base.ops = &idem__pg_ops;
     st->n = pool_size;
-    st->notify = !opts->no_notify;
+    st->pooler = opts->pooler;
+    st->notify = !opts->no_notify && !opts->pooler;
+    st->stmt_ms = opts->statement_timeout_ms ? opts->statement_timeout_ms : 5000;
+    st->lock_ms = opts->lock_timeout_ms ? opts->lock_timeout_ms : 1000;
+    /* The server's side of the keepalive (ignored on a Unix socket), and its bounds. */
+    snprintf(st->session_sql, sizeof(st->session_sql),
+             "SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
+             " SET tcp_keepalives_count = 3; SET statement_timeout = %u; SET lock_timeout = %u",
+             st->stmt_ms, st->lock_ms);
+    snprintf(st->txn_sql, sizeof(st->txn_sql),
+             "BEGIN; SET LOCAL statement_timeout = %u; SET LOCAL lock_timeout = %u", st->stmt_ms,
+             st->lock_ms);
     pthread_mutex_init(&st->mu, NULL);
     idem__cond_init(&st->cv);
-    idem_code code = pg_connect(st, &st->pool[0]); /* fail early on a bad conninfo */
+    pool_slot *pc;
+    idem_code code = idem__pg_pool_get(st, &pc); /* fail early on a bad conninfo */
     if (code != IDEM_OK) {
         idem_errkeep keep;
         idem__err_keep(&keep);
         pg_close(&st->base);
         return idem__err_put(&keep, code);
     }
+    idem__pg_pool_put(st, pc);
+    st->reconnect_ms = opts->reconnect_ms ? opts->reconnect_ms : 10000; /* 0 while opening */
     *out = &st->base;
     return IDEM_OK;
 }

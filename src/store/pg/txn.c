@@ -85,8 +85,9 @@ idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out)
      * locks and this connection for ever: PostgreSQL ends a session idle in a
      * transaction for HANDLER_IDLE_MS; its commit then fails and the retry runs. */
     if ((code = idem__pg_exec_simple(
-             t->slot->c,
-             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = " HANDLER_IDLE_MS)) !=
+             t->slot,
+             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = " HANDLER_IDLE_MS
+             "; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")) !=
         IDEM_OK) {
         txn_free(t);
         return code;
@@ -100,7 +101,7 @@ static void announce_rollback(pg_txn *t)
 {
     pg_args a = {0};
     arg_announce(&a, t->st, &t->claim);
-    idem__pg_run(t->slot->c, S_NOTIFY, &a, PGRES_TUPLES_OK);
+    idem__pg_run(t->slot, S_NOTIFY, &a, PGRES_TUPLES_OK);
 }
 
 void idem__pg_txn_abort(idem_txn *base)
@@ -108,7 +109,7 @@ void idem__pg_txn_abort(idem_txn *base)
     pg_txn *t = pg_txn_of(base);
     idem_errkeep keep;
     idem__err_keep(&keep); /* the reason for the abort is what the caller reports */
-    if (idem__pg_exec_simple(t->slot->c, "ROLLBACK") == IDEM_OK && t->claimed && t->st->notify) {
+    if (idem__pg_exec_simple(t->slot, "ROLLBACK") == IDEM_OK && t->claimed && t->st->notify) {
         announce_rollback(t); /* best effort: waiters also re-read on their timers */
     }
     idem__err_put(&keep, IDEM_OK);
@@ -118,7 +119,7 @@ void idem__pg_txn_abort(idem_txn *base)
 idem_code idem__pg_txn_commit(idem_txn *base)
 {
     pg_txn *t = pg_txn_of(base);
-    idem_code code = idem__pg_exec_simple(t->slot->c, "COMMIT");
+    idem_code code = idem__pg_exec_simple(t->slot, "COMMIT");
     if (code != IDEM_OK) {
         idem__err(code, "the commit failed or its outcome is unknown (%s)", idem_errmsg());
     }
@@ -132,7 +133,7 @@ idem_code idem__pg_txn_complete_commit(idem_txn *base, const idem_key_ref *ref, 
 {
     pg_txn *t = pg_txn_of(base);
     idem_code code =
-        idem__pg_complete_on(t->st, t->slot->c, ref, owner, response, len, expires_ms, now_ms);
+        idem__pg_complete_on(t->st, t->slot, ref, owner, response, len, expires_ms, now_ms);
     if (code != IDEM_OK) {
         idem__pg_txn_abort(base);
         return code;
@@ -141,7 +142,7 @@ idem_code idem__pg_txn_complete_commit(idem_txn *base, const idem_key_ref *ref, 
 }
 
 /* True when this transaction now holds the key's advisory lock. */
-static idem_code lock_key(PGconn *c, const idem_key_ref *key, bool *locked)
+static idem_code lock_key(pool_slot *c, const idem_key_ref *key, bool *locked)
 {
     pg_args a = {0};
     idem_code code;
@@ -159,7 +160,7 @@ idem_code idem__pg_txn_claim(idem_txn *base, const idem_claim_req *req, idem_cla
                              idem_record *rec)
 {
     pg_txn *t = pg_txn_of(base);
-    PGconn *c = t->slot->c;
+    pool_slot *c = t->slot;
     idem_record got;
     bool locked = false;
     idem_code code = lock_key(c, &req->key, &locked);
@@ -187,7 +188,7 @@ idem_code idem__pg_txn_undo(idem_txn *base)
 {
     pg_txn *t = pg_txn_of(base);
     drop_kept(t);
-    return idem__pg_exec_simple(t->slot->c, "ROLLBACK TO SAVEPOINT " SAVEPOINT_NAME);
+    return idem__pg_exec_simple(t->slot, "ROLLBACK TO SAVEPOINT " SAVEPOINT_NAME);
 }
 
 /* Locks (db, key) for the rest of the transaction and returns its row's result. */
@@ -197,7 +198,7 @@ static idem_code kv_lock(pg_txn *t, const char *db, const void *key, size_t klen
     idem_code code;
     arg_text(&a, db);
     arg_bytes(&a, key, klen);
-    PGresult *r = idem__pg_exec(t->slot->c, S_KV_LOCK, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(t->slot, S_KV_LOCK, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -254,7 +255,7 @@ idem_code idem__pg_txn_put(idem_txn *base, const char *db, const void *key, size
     arg_text(&a, db);
     arg_bytes(&a, key, klen);
     arg_bytes(&a, val != NULL ? val : "", vlen);
-    return idem__pg_run(t->slot->c, S_KV_PUT, &a, PGRES_COMMAND_OK);
+    return idem__pg_run(t->slot, S_KV_PUT, &a, PGRES_COMMAND_OK);
 }
 
 idem_code idem__pg_txn_del(idem_txn *base, const char *db, const void *key, size_t klen)
@@ -273,7 +274,7 @@ idem_code idem__pg_txn_del(idem_txn *base, const char *db, const void *key, size
     pg_args a = {0};
     arg_text(&a, db);
     arg_bytes(&a, key, klen);
-    return idem__pg_run(t->slot->c, S_KV_DEL, &a, PGRES_COMMAND_OK);
+    return idem__pg_run(t->slot, S_KV_DEL, &a, PGRES_COMMAND_OK);
 }
 
 /* A malloc'd copy of field f of row 0 (bytea in binary results). */
@@ -312,7 +313,7 @@ idem_code idem__pg_txn_record(idem_txn *base, const idem_key_ref *key, idem_reco
     pg_args a = {0};
     idem_code code;
     arg_key(&a, key);
-    PGresult *r = idem__pg_exec(pg_txn_of(base)->slot->c, S_TXN_RECORD, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(pg_txn_of(base)->slot, S_TXN_RECORD, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }

@@ -1,0 +1,293 @@
+/* The claim on PostgreSQL: decided by the unique key inside one transaction.
+ *
+ * INSERT … ON CONFLICT either inserts (this caller owns the key) or locks the existing
+ * row, which is then read so that an expired-lease takeover or a token consumption is
+ * decided under the row lock, in the same transaction. A store-assigned owner is drawn
+ * from idem_fence only once the row is the claim's, so one key's successive owners only
+ * grow.
+ *
+ * The transaction carries the store's lock and statement timeouts (SET LOCAL), so a
+ * claim behind another session's uncommitted claim (a stalled instance) ends with
+ * UNAVAILABLE after lock_timeout_ms instead of holding a worker. A COMMIT whose answer
+ * was lost (the connection died after it was sent) leaves the outcome unknown: the row
+ * is re-read, and the claim is this call's exactly when it holds the owner drawn. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pg_internal.h"
+
+/* Consumes a token inside the open transaction (the caller rolls back on error); its
+ * expiry is judged on the database clock. */
+static idem_code token_take(pool_slot *c, const char *token, const char *scope, uint64_t *expires_ms)
+{
+    pg_args a = {0};
+    idem_code code;
+    arg_text(&a, token);
+    PGresult *r = idem__pg_exec(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    if (PQntuples(r) != 1) {
+        code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown or already used");
+    } else if (strcmp(PQgetvalue(r, 0, 0), scope != NULL ? scope : "") != 0) {
+        code = idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
+    } else if (idem__pg_col_i64(r, 0, 1) <= idem__pg_col_i64(r, 0, 2)) {
+        code = idem__err(IDEM_FAILED_PRECONDITION, "token expired");
+    } else {
+        *expires_ms = (uint64_t)idem__pg_col_i64(r, 0, 1);
+        code = IDEM_OK;
+    }
+    PQclear(r);
+    return code;
+}
+
+static void claim_args(pg_args *a, const idem_claim_req *req)
+{
+    arg_key(a, &req->key);
+    arg_bytes(a, req->fingerprint, IDEM_FINGERPRINT_LEN);
+    arg_i64(a, req->owner);
+    arg_i64(a, req->lease_until_ms - req->now_ms);
+    arg_i64(a, req->expires_ms - req->now_ms);
+}
+
+/* Consumes the claim's token and keeps it in the claimed row (a release restores it). */
+static idem_code token_take_keep(pool_slot *c, const idem_claim_req *req, const pg_args *a)
+{
+    uint64_t expires;
+    idem_code code = token_take(c, req->token, req->key.caller, &expires);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    pg_args k = *a;
+    k.n = 3; /* the key columns lead the claim's arguments */
+    arg_text(&k, req->token);
+    arg_text(&k, req->key.caller != NULL ? req->key.caller : "");
+    arg_i64(&k, expires);
+    return idem__pg_run(c, S_TOKEN_KEEP, &k, PGRES_COMMAND_OK);
+}
+
+/* The claimed row as RETURNING gave it (CLAIM_RETURNING). */
+static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_record *rec)
+{
+    memset(rec, 0, sizeof(*rec));
+    rec->state = IDEM_REC_IN_PROGRESS;
+    rec->owner = (uint64_t)idem__pg_col_i64(r, 0, 0);
+    rec->lease_until_ms = (uint64_t)idem__pg_col_i64(r, 0, 1);
+    rec->first_at_ms = (uint64_t)idem__pg_col_i64(r, 0, 2);
+    rec->expires_ms = (uint64_t)idem__pg_col_i64(r, 0, 3);
+    rec->now_ms = (uint64_t)idem__pg_col_i64(r, 0, 4);
+    memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
+}
+
+/* The row exists, locked by the insert: decide under that lock, on the database clock.
+ * Returns with *outcome set (and *got the row when this claim acquired it), or an
+ * error. */
+static idem_code claim_existing(pool_slot *c, const idem_claim_req *req, const pg_args *a,
+                                idem_claim_outcome *outcome, idem_record *rec, idem_record *got)
+{
+    idem_code code;
+    idem_record cur;
+    pg_args key = *a;
+    key.n = 3;
+    PGresult *r = idem__pg_exec(c, S_CLAIM_LOCK, &key, PGRES_TUPLES_OK, &code);
+    if (r == NULL) {
+        return code;
+    }
+    if (PQntuples(r) != 1) { /* cannot be: the insert locked it */
+        PQclear(r);
+        return idem__err(IDEM_UNAVAILABLE, "record vanished during the claim; retry");
+    }
+    code = idem__pg_row_record(r, 0, 0, &cur, true);
+    PQclear(r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= cur.now_ms;
+    bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    if (!expired && (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > cur.now_ms)) {
+        *outcome = !same                             ? IDEM_CLAIM_MISMATCH
+                   : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
+                                                     : IDEM_CLAIM_IN_PROGRESS;
+        if (rec != NULL) {
+            *rec = cur;
+        } else {
+            idem_record_clear(&cur);
+        }
+        return IDEM_OK;
+    }
+    bool took_over = cur.state == IDEM_REC_IN_PROGRESS;
+    idem_record_clear(&cur);
+    if ((r = idem__pg_exec(c, S_CLAIM_TAKE, a, PGRES_TUPLES_OK, &code)) == NULL) {
+        return code;
+    }
+    claimed_row(r, req, got);
+    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
+     * token must be valid, and is consumed. */
+    bool kept = took_over && req->token != NULL && !PQgetisnull(r, 0, 5) &&
+                strcmp(PQgetvalue(r, 0, 5), req->token) == 0;
+    PQclear(r);
+    if (req->token != NULL && !kept && (code = token_take_keep(c, req, a)) != IDEM_OK) {
+        return code;
+    }
+    *outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
+    return IDEM_OK;
+}
+
+/* The claim's insert; for a store-assigned owner with the fence drawn in the same round
+ * trip (S_CLAIM_FENCE). *inserted when the row is this claim's (then in *got). */
+static idem_code claim_insert(pool_slot *c, const idem_claim_req *req, const pg_args *a,
+                              bool *inserted, idem_record *got)
+{
+    idem_code code = IDEM_OK;
+    PGresult *r, *f = NULL;
+    pg_args key = *a;
+    key.n = 3;
+    if (req->owner != 0) {
+        r = idem__pg_exec(c, S_CLAIM_INSERT, a, PGRES_TUPLES_OK, &code);
+    } else if ((code = idem__pg_exec_pair(c, S_CLAIM_INSERT, a, S_CLAIM_FENCE, &key, &r, &f)) != IDEM_OK) {
+        r = NULL;
+    }
+    if (r == NULL) {
+        return code;
+    }
+    *inserted = PQntuples(r) == 1; /* the unique key decided */
+    if (*inserted) {
+        claimed_row(r, req, got);
+        if (f != NULL && PQntuples(f) == 1) {
+            got->owner = (uint64_t)idem__pg_col_i64(f, 0, 0);
+        } else if (f != NULL) {
+            code = idem__err(IDEM_INTERNAL, "postgres: no owner drawn for the claim");
+        }
+    }
+    PQclear(r);
+    PQclear(f);
+    return code;
+}
+
+idem_code idem__pg_claim_in_txn(pool_slot *c, const idem_claim_req *req, idem_claim_outcome *outcome,
+                                idem_record *rec, idem_record *got)
+{
+    pg_args a = {0};
+    bool inserted = false;
+    claim_args(&a, req);
+    idem_code code = claim_insert(c, req, &a, &inserted, got);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (!inserted) {
+        return claim_existing(c, req, &a, outcome, rec, got);
+    }
+    if (req->token != NULL && (code = token_take_keep(c, req, &a)) != IDEM_OK) {
+        return code;
+    }
+    *outcome = IDEM_CLAIM_ACQUIRED;
+    return IDEM_OK;
+}
+
+/* Runs fn in a transaction on a pooled connection, with the store's bounds made
+ * transaction-local (so that they hold through a pooler too): COMMIT when it returns
+ * IDEM_OK, else ROLLBACK (keeping fn's error detail). *unknown when the COMMIT was sent
+ * and its answer lost: the transaction may or may not have committed. */
+static idem_code pooled_txn(pg_store *st, idem_code (*fn)(pool_slot *c, void *arg), void *arg,
+                            bool *unknown)
+{
+    pool_slot *pc;
+    *unknown = false;
+    idem_code code = idem__pg_pool_get(st, &pc);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if ((code = idem__pg_exec_simple(pc, st->txn_sql)) == IDEM_OK) {
+        code = fn(pc, arg);
+        if (code == IDEM_OK) {
+            code = idem__pg_exec_simple(pc, "COMMIT");
+            *unknown = code != IDEM_OK && (pc->c == NULL || PQstatus(pc->c) != CONNECTION_OK);
+        } else {
+            idem_errkeep keep;
+            idem__err_keep(&keep);
+            idem__pg_exec_simple(pc, "ROLLBACK");
+            idem__err_put(&keep, code);
+        }
+    }
+    idem__pg_pool_put(st, pc);
+    return code;
+}
+
+typedef struct claim_call {
+    const idem_claim_req *req;
+    idem_claim_outcome *outcome;
+    idem_record *rec, got;
+} claim_call;
+
+static idem_code claim_fn(pool_slot *c, void *arg)
+{
+    claim_call *a = arg;
+    return idem__pg_claim_in_txn(c, a->req, a->outcome, a->rec, &a->got);
+}
+
+/* A claim whose COMMIT went unanswered: it took effect exactly when the row now holds
+ * the owner it drew, IN_PROGRESS. Read (retrying a lost connection for reconnect_ms)
+ * before anything is answered or run; IDEM_UNAVAILABLE when it cannot be told. */
+static idem_code claim_committed(pg_store *st, const idem_claim_req *req, uint64_t owner,
+                                 bool *committed)
+{
+    pg_args a = {0};
+    PGresult *r;
+    arg_key(&a, &req->key);
+    arg_i64(&a, owner);
+    idem_code code = idem__pg_exec_pooled(st, S_CLAIM_READ, &a, PGRES_TUPLES_OK, &r);
+    if (code == IDEM_OK) {
+        *committed = PQntuples(r) == 1;
+        PQclear(r);
+    }
+    return code;
+}
+
+idem_code idem__pg_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
+                         idem_record *rec)
+{
+    pg_store *st = (pg_store *)base;
+    for (int tries = 0;; tries++) {
+        claim_call a = {.req = req, .outcome = outcome, .rec = rec};
+        bool unknown, committed = false;
+        *outcome = 0;
+        idem_code code = pooled_txn(st, claim_fn, &a, &unknown);
+        bool mine = *outcome == IDEM_CLAIM_ACQUIRED || *outcome == IDEM_CLAIM_TAKEN_OVER;
+        if (unknown && mine) {
+            idem_errkeep keep;
+            idem__err_keep(&keep);
+            if (claim_committed(st, req, a.got.owner, &committed) != IDEM_OK) {
+                return idem__err_put(&keep, code); /* cannot tell: the client retries */
+            }
+            code = committed ? IDEM_OK : code;
+        }
+        if (code == IDEM_OK && rec != NULL && mine) {
+            *rec = a.got;
+        }
+        if (code == IDEM_OK || !unknown || tries > 0) {
+            return code; /* a claim that did not commit is tried once more */
+        }
+    }
+}
+
+typedef struct token_call {
+    const char *token, *scope;
+} token_call;
+
+static idem_code token_fn(pool_slot *c, void *arg)
+{
+    token_call *a = arg;
+    uint64_t expires;
+    return token_take(c, a->token, a->scope, &expires);
+}
+
+/* A consumption whose COMMIT went unanswered is reported UNAVAILABLE: the token may be
+ * spent (a retry then hears "unknown or already used"). */
+idem_code idem__pg_token_consume(idem_store *base, const char *token, const char *scope,
+                                 uint64_t now_ms)
+{
+    (void)now_ms; /* the database clock decides */
+    token_call a = {token, scope};
+    bool unknown;
+    return pooled_txn((pg_store *)base, token_fn, &a, &unknown);
+}

@@ -1,0 +1,464 @@
+/* The PostgreSQL backend's connections: the pool, and statements that never wait
+ * unboundedly.
+ *
+ * Every statement is sent asynchronously and its answer awaited with poll until a
+ * deadline (the store's statement_timeout_ms plus a margin, or a shorter bound the
+ * caller sets on the slot). A connection that did not answer in time is closed: the
+ * statement's outcome is then unknown (it may still commit on the server), and the
+ * caller must re-read before it answers or re-runs anything. On a direct connection the
+ * server bounds the same statement first (statement_timeout, lock_timeout, set per
+ * session at connect), so a lock wait normally ends with a definite error.
+ *
+ * A slot whose connection broke is reconnected by the next idem__pg_pool_get, with
+ * backoff for up to reconnect_ms: a failover ends there, since a multi-host conninfo
+ * with target_session_attrs=read-write finds the new leader.
+ *
+ * Through a pooler in transaction mode (st->pooler) nothing lives in the session: the
+ * statements are sent unnamed (parsed each time), and no SET is made at connect. */
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pg_internal.h"
+
+#define POOL_WAIT_MS 5000
+#define CLIENT_MARGIN_MS 500 /* past the server's own statement_timeout */
+#define RECONNECT_MIN_MS 50  /* doubling */
+#define RECONNECT_MAX_MS 1000
+
+/* Maps a failed result (or a dead connection) to a code: connection trouble, a lock or
+ * statement timeout and serialisation conflicts are transient (UNAVAILABLE), a full disk
+ * RESOURCE_EXHAUSTED. */
+idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
+{
+    const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+    const char *msg = r != NULL ? PQresultErrorMessage(r) : PQerrorMessage(c);
+    idem_code code = IDEM_INTERNAL;
+    if (c == NULL || PQstatus(c) != CONNECTION_OK || state == NULL ||
+        strncmp(state, "08", 2) == 0 || strncmp(state, "57P", 3) == 0 ||
+        strcmp(state, "57014") == 0 || strcmp(state, "55P03") == 0 ||
+        strcmp(state, "40001") == 0 || strcmp(state, "40P01") == 0 ||
+        strcmp(state, "25006") == 0) { /* read-only: a demoted leader */
+        code = IDEM_UNAVAILABLE;
+    } else if (strcmp(state, "53100") == 0 || strcmp(state, "53200") == 0) {
+        code = IDEM_RESOURCE_EXHAUSTED;
+    }
+    idem__err(code, "postgres %s: %.200s", what, msg != NULL ? msg : "");
+    if (r != NULL) {
+        PQclear(r);
+    }
+    return code;
+}
+
+/* Flushes what libpq holds to send and waits until a result can be read without
+ * blocking. False when deadline (monotonic ms) passed or the connection broke. */
+static bool await_readable(PGconn *c, uint64_t deadline)
+{
+    int fd = PQsocket(c);
+    for (;;) {
+        int f = PQflush(c);
+        if (f < 0 || fd < 0) {
+            return false;
+        }
+        if (f == 0 && !PQisBusy(c)) {
+            return true;
+        }
+        uint64_t now = idem__mono_ms();
+        if (now >= deadline) {
+            return false;
+        }
+        struct pollfd p = {.fd = fd, .events = POLLIN | (f == 1 ? POLLOUT : 0)};
+        int rc = poll(&p, 1, (int)(deadline - now));
+        if (rc < 0 && errno != EINTR) {
+            return false;
+        }
+        if (rc > 0 && (p.revents & (POLLIN | POLLERR | POLLHUP)) && !PQconsumeInput(c)) {
+            return false;
+        }
+    }
+}
+
+/* A statement got no answer in time, or the connection broke: the connection is closed
+ * (reconnected by the next pool_get). */
+static idem_code drop_unanswered(pool_slot *pc, const char *what)
+{
+    bool broke = PQstatus(pc->c) != CONNECTION_OK;
+    idem_code code = idem__err(IDEM_UNAVAILABLE,
+                               "postgres %.120s: %s; the connection was dropped, and a write's "
+                               "outcome is unknown",
+                               what, broke ? "the connection broke" : "no answer in time");
+    PQfinish(pc->c);
+    pc->c = NULL;
+    return code;
+}
+
+static uint64_t slot_deadline(const pool_slot *pc)
+{
+    return idem__mono_ms() + pc->bound_ms;
+}
+
+/* The next result of the query in flight, waiting until deadline; NULL at its end.
+ * *lost when no answer came (the connection is then dropped). */
+static PGresult *next_result(pool_slot *pc, uint64_t deadline, bool *lost)
+{
+    if (!await_readable(pc->c, deadline)) {
+        *lost = true;
+        return NULL;
+    }
+    return PQgetResult(pc->c);
+}
+
+/* Reads every result of the query in flight: the first that is not want, else the
+ * last. NULL and *code when none came in time. */
+static PGresult *finish_query(pool_slot *pc, uint64_t deadline, ExecStatusType want,
+                              const char *what, idem_code *code)
+{
+    PGresult *keep = NULL, *r;
+    bool lost = false;
+    while ((r = next_result(pc, deadline, &lost)) != NULL) {
+        if (keep == NULL || PQresultStatus(keep) == want) {
+            PQclear(keep);
+            keep = r;
+        } else {
+            PQclear(r);
+        }
+    }
+    if (lost) {
+        PQclear(keep);
+        *code = drop_unanswered(pc, what);
+        return NULL;
+    }
+    return keep;
+}
+
+static int send_stmt(const pool_slot *pc, enum stmt s, const pg_args *a)
+{
+    int n = a != NULL ? a->n : 0;
+    const char *const *v = a != NULL ? a->v : NULL;
+    const int *len = a != NULL ? a->len : NULL, *fmt = a != NULL ? a->fmt : NULL;
+    if (pc->st->pooler) {
+        return PQsendQueryParams(pc->c, idem__pg_sql[s], n, NULL, v, len, fmt, 1);
+    }
+    char name[8];
+    snprintf(name, sizeof(name), "s%d", (int)s);
+    return PQsendQueryPrepared(pc->c, name, n, v, len, fmt, 1);
+}
+
+PGresult *idem__pg_exec(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusType want,
+                        idem_code *code)
+{
+    if (pc->c == NULL || !send_stmt(pc, s, a)) {
+        *code = pc->c == NULL ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
+                              : drop_unanswered(pc, idem__pg_sql[s]);
+        return NULL;
+    }
+    PGresult *r = finish_query(pc, slot_deadline(pc), want, idem__pg_sql[s], code);
+    if (r != NULL && PQresultStatus(r) != want) {
+        *code = idem__pg_fail(pc->c, r, idem__pg_sql[s]);
+        return NULL;
+    }
+    return r;
+}
+
+idem_code idem__pg_run(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusType want)
+{
+    idem_code code;
+    PGresult *r = idem__pg_exec(pc, s, a, want, &code);
+    if (r == NULL) {
+        return code;
+    }
+    PQclear(r);
+    return IDEM_OK;
+}
+
+/* sql (several statements may be ;-separated) on c, bounded by deadline: the first
+ * failed result, else the last (NULL and *lost when no answer came in time; the
+ * connection is then left to the caller). */
+static PGresult *simple_on(PGconn *c, const char *sql, uint64_t deadline, bool *lost)
+{
+    PGresult *keep = NULL, *r;
+    *lost = !PQsendQuery(c, sql);
+    while (!*lost && !(*lost = !await_readable(c, deadline)) && (r = PQgetResult(c)) != NULL) {
+        ExecStatusType k = keep != NULL ? PQresultStatus(keep) : PGRES_COMMAND_OK;
+        if (k == PGRES_COMMAND_OK || k == PGRES_TUPLES_OK) {
+            PQclear(keep);
+            keep = r;
+        } else {
+            PQclear(r);
+        }
+    }
+    if (*lost) {
+        PQclear(keep);
+        idem__err(IDEM_UNAVAILABLE, "postgres %.120s: no answer in time", sql);
+        return NULL;
+    }
+    return keep;
+}
+
+/* simple_on's result checked: *out (may be NULL) gets it. */
+static idem_code simple_checked(PGconn *c, const char *sql, uint64_t deadline, bool *lost,
+                                PGresult **out)
+{
+    PGresult *r = simple_on(c, sql, deadline, lost);
+    if (r == NULL) {
+        return *lost ? IDEM_UNAVAILABLE : idem__err(IDEM_INTERNAL, "postgres: no result");
+    }
+    if (PQresultStatus(r) != PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_TUPLES_OK) {
+        return idem__pg_fail(c, r, sql);
+    }
+    if (out != NULL) {
+        *out = r;
+    } else {
+        PQclear(r);
+    }
+    return IDEM_OK;
+}
+
+idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out)
+{
+    bool lost;
+    if (pc->c == NULL) {
+        return idem__err(IDEM_UNAVAILABLE, "postgres: connection lost");
+    }
+    idem_code code = simple_checked(pc->c, sql, slot_deadline(pc), &lost, out);
+    return lost ? drop_unanswered(pc, sql) : code;
+}
+
+idem_code idem__pg_conn_query(PGconn *c, const char *sql, uint32_t bound_ms, PGresult **out)
+{
+    bool lost;
+    return simple_checked(c, sql, idem__mono_ms() + bound_ms, &lost, out);
+}
+
+idem_code idem__pg_exec_simple(pool_slot *pc, const char *sql)
+{
+    return idem__pg_query_simple(pc, sql, NULL);
+}
+
+/* Runs prepared statements s1 and s2 in one round trip (libpq pipeline mode): s2 runs
+ * once s1 has finished, and not at all when s1 failed. Both results are checked for
+ * PGRES_TUPLES_OK. A connection left in pipeline mode by a failure is dropped. */
+idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enum stmt s2,
+                             const pg_args *a2, PGresult **r1, PGresult **r2)
+{
+    *r1 = *r2 = NULL;
+    if (pc->c == NULL || !PQenterPipelineMode(pc->c) || !send_stmt(pc, s1, a1) ||
+        !send_stmt(pc, s2, a2) || !PQpipelineSync(pc->c)) {
+        return pc->c == NULL ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
+                             : drop_unanswered(pc, "pipeline send");
+    }
+    uint64_t deadline = slot_deadline(pc);
+    bool lost = false;
+    PGresult *got[2] = {NULL, NULL}, *r;
+    for (int i = 0; i < 2 && !lost; i++) {
+        while ((r = next_result(pc, deadline, &lost)) != NULL) { /* one result, then NULL */
+            if (got[i] == NULL) {
+                got[i] = r;
+            } else {
+                PQclear(r);
+            }
+        }
+    }
+    PGresult *sync = lost ? NULL : next_result(pc, deadline, &lost);
+    bool ended = !lost && PQresultStatus(sync) == PGRES_PIPELINE_SYNC && PQexitPipelineMode(pc->c);
+    PQclear(sync);
+    idem_code code = IDEM_OK;
+    if (lost || !ended) {
+        code = drop_unanswered(pc, "pipeline");
+    } else if (PQresultStatus(got[0]) != PGRES_TUPLES_OK) {
+        code = idem__pg_fail(pc->c, got[0], idem__pg_sql[s1]);
+        got[0] = NULL;
+    } else if (PQresultStatus(got[1]) != PGRES_TUPLES_OK) {
+        code = idem__pg_fail(pc->c, got[1], idem__pg_sql[s2]);
+        got[1] = NULL;
+    }
+    if (code != IDEM_OK) {
+        PQclear(got[0]);
+        PQclear(got[1]);
+        return code;
+    }
+    *r1 = got[0];
+    *r2 = got[1];
+    return IDEM_OK;
+}
+
+/* ---- connections ---- */
+
+/* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
+ * then session_sql (may be NULL), bounded like a statement (bound_ms). connect_timeout
+ * (seconds, may be NULL) overrides the conninfo's. */
+idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
+                           const char *session_sql, uint32_t bound_ms, PGconn **out)
+{
+    const char *keys[] = {"connect_timeout",
+                          "keepalives",
+                          "keepalives_idle",
+                          "keepalives_interval",
+                          "keepalives_count",
+                          "dbname",
+                          connect_timeout != NULL ? "connect_timeout" : NULL,
+                          NULL};
+    const char *vals[] = {"10", "1", "30", "10", "3", conninfo, connect_timeout, NULL};
+    PGconn *c = PQconnectdbParams(keys, vals, 1); /* dbname: the conninfo, expanded */
+    idem_code code = IDEM_OK;
+    bool lost = false;
+    if (PQstatus(c) != CONNECTION_OK) {
+        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
+    } else if (PQsetnonblocking(c, 1) != 0) {
+        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
+    } else if (session_sql != NULL) {
+        code = simple_checked(c, session_sql, idem__mono_ms() + bound_ms, &lost, NULL);
+    }
+    if (code != IDEM_OK) {
+        PQfinish(c);
+        c = NULL;
+    }
+    *out = c;
+    return code;
+}
+
+static void ignore_notice(void *arg, const char *message)
+{
+    (void)arg, (void)message;
+}
+
+static idem_code prepare_all(pool_slot *pc)
+{
+    char name[8];
+    for (int i = 0; i < S_COUNT; i++) {
+        snprintf(name, sizeof(name), "s%d", i);
+        if (!PQsendPrepare(pc->c, name, idem__pg_sql[i], 0, NULL)) {
+            return drop_unanswered(pc, "prepare");
+        }
+        idem_code code;
+        PGresult *r = finish_query(pc, slot_deadline(pc), PGRES_COMMAND_OK, "prepare", &code);
+        if (r == NULL) {
+            return code;
+        }
+        if (PQresultStatus(r) != PGRES_COMMAND_OK) {
+            return idem__pg_fail(pc->c, r, "prepare");
+        }
+        PQclear(r);
+    }
+    return IDEM_OK;
+}
+
+/* (Re)connects a pool slot: the session's bounds, the schema and the statements. */
+static idem_code slot_connect(pg_store *st, pool_slot *pc)
+{
+    if (pc->c != NULL && PQstatus(pc->c) == CONNECTION_OK) {
+        return IDEM_OK;
+    }
+    PQfinish(pc->c);
+    idem_code code = idem__pg_connect(st->conninfo, NULL, st->pooler ? NULL : st->session_sql,
+                                      pc->bound_ms, &pc->c);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (pc->opened) {
+        __atomic_add_fetch(&st->reconnects, 1, __ATOMIC_RELAXED);
+    }
+    pc->opened = true;
+    PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
+    if (!__atomic_load_n(&st->schema_ready, __ATOMIC_ACQUIRE) &&
+        (code = idem__pg_schema_ensure(pc)) == IDEM_OK) {
+        __atomic_store_n(&st->schema_ready, true, __ATOMIC_RELEASE);
+    }
+    if (code == IDEM_OK && !st->pooler) {
+        code = prepare_all(pc);
+    }
+    if (code != IDEM_OK) {
+        PQfinish(pc->c);
+        pc->c = NULL;
+    }
+    return code;
+}
+
+/* Connects pc, retrying a connection the database refused or did not answer (a
+ * failover, a restart) with backoff for up to reconnect_ms. */
+static idem_code slot_connect_retrying(pg_store *st, pool_slot *pc)
+{
+    uint64_t give_up = idem__mono_ms() + st->reconnect_ms, backoff = RECONNECT_MIN_MS;
+    for (;;) {
+        idem_code code = slot_connect(st, pc);
+        if (code != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
+            return code;
+        }
+        idem__sleep_ms(backoff);
+        backoff = backoff * 2 > RECONNECT_MAX_MS ? RECONNECT_MAX_MS : backoff * 2;
+    }
+}
+
+idem_code idem__pg_pool_get(pg_store *st, pool_slot **out)
+{
+    struct timespec ts;
+    idem__abs_timespec(&ts, POOL_WAIT_MS);
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        for (size_t i = 0; i < st->n; i++) {
+            if (!st->pool[i].busy) {
+                pool_slot *pc = &st->pool[i];
+                pc->busy = true;
+                pthread_mutex_unlock(&st->mu);
+                pc->st = st;
+                pc->bound_ms = st->stmt_ms + CLIENT_MARGIN_MS;
+                idem_code code = slot_connect_retrying(st, pc);
+                if (code != IDEM_OK) {
+                    idem__pg_pool_put(st, pc);
+                    return code;
+                }
+                *out = pc;
+                return IDEM_OK;
+            }
+        }
+        if (pthread_cond_timedwait(&st->cv, &st->mu, &ts) != 0) {
+            pthread_mutex_unlock(&st->mu);
+            return idem__err(IDEM_UNAVAILABLE, "no postgres connection free for %d ms",
+                             POOL_WAIT_MS);
+        }
+    }
+}
+
+void idem__pg_pool_put(pg_store *st, pool_slot *pc)
+{
+    if (pc->c != NULL && (PQtransactionStatus(pc->c) != PQTRANS_IDLE ||
+                          PQpipelineStatus(pc->c) != PQ_PIPELINE_OFF)) {
+        PQfinish(pc->c); /* reconnected by the next idem__pg_pool_get */
+        pc->c = NULL;
+    }
+    pthread_mutex_lock(&st->mu);
+    pc->busy = false;
+    pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+}
+
+/* Runs statement s on a connection from the pool; *out (may be NULL) gets the result.
+ * A read that lost its connection is tried again on a new one (reconnect_ms). */
+idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
+                               PGresult **out)
+{
+    bool read = s == S_GET || s == S_STATS || s == S_PAGE || s == S_KV_READ || s == S_KV_NEXT;
+    uint64_t give_up = idem__mono_ms() + st->reconnect_ms;
+    for (;;) {
+        pool_slot *pc;
+        idem_code code = idem__pg_pool_get(st, &pc);
+        if (code != IDEM_OK) {
+            return code;
+        }
+        PGresult *r = idem__pg_exec(pc, s, a, want, &code);
+        bool dropped = r == NULL && (pc->c == NULL || PQstatus(pc->c) != CONNECTION_OK);
+        idem__pg_pool_put(st, pc);
+        if (r != NULL) {
+            if (out != NULL) {
+                *out = r;
+            } else {
+                PQclear(r);
+            }
+            return IDEM_OK;
+        }
+        if (!read || !dropped || idem__mono_ms() >= give_up) {
+            return code;
+        }
+    }
+}
