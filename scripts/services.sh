@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Starts (or stops) throwaway PostgreSQL and Redis servers on loopback for the tests.
+# Starts (or stops) throwaway PostgreSQL, PgBouncer (transaction mode, in front of that
+# PostgreSQL) and Redis servers on loopback for the tests.
 #   bash scripts/services.sh start   # prints the environment for the tests to stdout
 #   bash scripts/services.sh stop
 #   bash scripts/services.sh restart-pg | stop-redis | start-redis   (used by the tests)
@@ -9,6 +10,7 @@ set -euo pipefail
 DIR=${IDEMRPC_SERVICES_DIR:-/tmp/idemrpc-services}
 PG_PORT=${IDEMRPC_PG_PORT:-55432}
 REDIS_PORT=${IDEMRPC_REDIS_PORT:-56379}
+PGB_PORT=${IDEMRPC_PGBOUNCER_PORT:-$((PG_PORT + 1000))}
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
 
 as_pg() { if [ "$(id -u)" -eq 0 ]; then su postgres -s /bin/sh -c "$1"; else sh -c "$1"; fi; }
@@ -16,6 +18,7 @@ pg_ctl_cmd() { echo "$PGBIN/pg_ctl -D $DIR/pg -l $DIR/pg.log -w -o '-c listen_ad
 
 stop() {
     [ -f "$DIR/redis.pid" ] && kill "$(cat "$DIR/redis.pid")" 2>/dev/null || true
+    [ -f "$DIR/pgbouncer.pid" ] && kill "$(cat "$DIR/pgbouncer.pid")" 2>/dev/null || true
     [ -d "$DIR/pg" ] && as_pg "$(pg_ctl_cmd) -m immediate stop" >/dev/null 2>&1 || true
     rm -rf "$DIR"
 }
@@ -29,11 +32,46 @@ start() {
         { cat "$DIR/initdb.log" >&2; stop; exit 1; }
     as_pg "$(pg_ctl_cmd) start" >/dev/null || { cat "$DIR/pg.log" >&2; stop; exit 1; }
     start_redis || { echo "services: redis-server did not start" >&2; stop; exit 1; }
+    local pgb_env=""
+    if command -v pgbouncer >/dev/null 2>&1; then
+        start_pgbouncer || { echo "services: pgbouncer did not start" >&2; stop; exit 1; }
+        pgb_env="export IDEMRPC_TEST_PGBOUNCER='host=127.0.0.1 port=$PGB_PORT user=postgres dbname=postgres connect_timeout=2'"
+    fi
+    echo "$pgb_env"
     cat <<ENV
 export IDEMRPC_TEST_PG='host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres connect_timeout=2'
 export IDEMRPC_TEST_REDIS='redis://127.0.0.1:$REDIS_PORT'
 export IDEMRPC_SERVICES='bash $(cd "$(dirname "$0")" && pwd)/services.sh'
 ENV
+}
+
+# Transaction pooling, as teams run it in front of PostgreSQL: any database name maps
+# to the server's database of that name (the tests' throwaway databases).
+start_pgbouncer() {
+    cat >"$DIR/pgbouncer.ini" <<INI
+[databases]
+* = host=127.0.0.1 port=$PG_PORT
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $PGB_PORT
+unix_socket_dir =
+auth_type = trust
+auth_file = $DIR/pgbouncer.users
+pool_mode = transaction
+max_client_conn = 1000
+default_pool_size = 60
+logfile = $DIR/pgbouncer.log
+pidfile = $DIR/pgbouncer.pid
+INI
+    echo '"postgres" ""' >"$DIR/pgbouncer.users"
+    [ "$(id -u)" -eq 0 ] && chown postgres "$DIR/pgbouncer.ini" "$DIR/pgbouncer.users"
+    as_pg "pgbouncer -d $DIR/pgbouncer.ini" >/dev/null 2>&1 || return 1
+    for _ in $(seq 100); do
+        psql "host=127.0.0.1 port=$PGB_PORT user=postgres dbname=postgres connect_timeout=1" \
+            -Atc 'SELECT 1' >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    return 1
 }
 
 start_redis() {

@@ -714,7 +714,7 @@ Test(locked_update, daily_settlement_on_two_instances_settles_each_day_exactly_o
         idem_server_opts_init(&o);
         in[i].st = st;
         if (i == 1 && backend.conninfo != NULL) { /* a second instance: its own pool */
-            idem_pg_opts po = {.pool_size = 4};
+            idem_pg_opts po = {.pool_size = 4, .pooler = tu_pg_pooler()};
             cr_assert_eq(idem_store_open_postgres_ex(&in[i].st, backend.conninfo, &po), IDEM_OK);
         }
         o.store = in[i].st;

@@ -22,7 +22,7 @@ static void setup(void)
     if (pg == NULL) {
         cr_skip_test("IDEMRPC_TEST_PG not set (bash scripts/services.sh start sets it)");
     }
-    cr_assert_eq(idem_store_open_postgres(&st, pg, 4), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(tu_pg_open(&st, pg, 4), IDEM_OK, "%s", idem_errmsg());
     snprintf(prefix, sizeof(prefix), "t%016llx", (unsigned long long)idem__random_u64());
 }
 
@@ -257,7 +257,7 @@ static void start_instances(void)
         idem_server_opts_init(&o);
         o.contexts = 16;
         o.log_level = IDEM_LOG_OFF; /* the restart test makes calls fail on purpose */
-        cr_assert_eq(idem_store_open_postgres(&stores[i], getenv("IDEMRPC_TEST_PG"), 16), IDEM_OK);
+        cr_assert_eq(tu_pg_open(&stores[i], getenv("IDEMRPC_TEST_PG"), 16), IDEM_OK);
         o.store = stores[i];
         tu_server_create(&srv[i], &o);
         idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
@@ -471,7 +471,7 @@ static void tx_server(tu_server *ts, idem_store **store, size_t pool, idem_handl
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.contexts = 8;
-    idem_pg_opts po = {.pool_size = pool, .no_notify = tx_no_notify};
+    idem_pg_opts po = {.pool_size = pool, .no_notify = tx_no_notify, .pooler = tu_pg_pooler()};
     cr_assert_eq(idem_store_open_postgres_ex(store, tx_conninfo, &po), IDEM_OK, "%s",
                  idem_errmsg());
     o.store = *store;
@@ -656,7 +656,7 @@ static void duplicate_on_another_instance(void)
     cr_expect(dup.r.replayed, "B replays A's result");
     cr_expect_str_eq(dup.r.payload, "o1");
     long heard = metric(idem_server_http_port(b.srv), "idem_store_announcements_total");
-    if (tx_no_notify) {
+    if (tx_no_notify || tu_pg_pooler()) { /* a pooler implies no_notify */
         cr_expect_eq(heard, 0, "no announcements without NOTIFY");
     } else {
         cr_expect_gt(heard, 0, "B heard A's commit announced");
@@ -706,7 +706,7 @@ Test(pg, the_sweep_removes_the_empty_rows_reads_leave_and_keeps_values)
     idem_store *s2;
     size_t deleted;
     tx_schema_create();
-    cr_assert_eq(idem_store_open_postgres(&s2, tx_conninfo, 2), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(tu_pg_open(&s2, tx_conninfo, 2), IDEM_OK, "%s", idem_errmsg());
     cr_assert_eq(idem_store_run_txn(s2, read_absent_keys, NULL), IDEM_OK, "%s", idem_errmsg());
     cr_expect_str_eq(tx_query("SELECT count(*) FROM idem_kv WHERE v IS NULL"), "5");
     cr_assert_eq(idem_store_sweep(s2, idem__now_ms(), 100, &deleted), IDEM_OK, "%s", idem_errmsg());
@@ -764,7 +764,7 @@ static void start_skewed_pair(void)
         idem_server_opts_init(&o);
         o.contexts = 8;
         o.max_wait_ms = 300; /* B's duplicate gives up waiting soon: the gate is shut */
-        cr_assert_eq(idem_store_open_postgres(&stores[i], getenv("IDEMRPC_TEST_PG"), 4), IDEM_OK,
+        cr_assert_eq(tu_pg_open(&stores[i], getenv("IDEMRPC_TEST_PG"), 4), IDEM_OK,
                      "%s", idem_errmsg());
         o.store = stores[i];
         tu_server_create(&srv[i], &o);
@@ -879,7 +879,7 @@ static atomic_int rv_opened = -1;
 static void *open_late(void *p)
 {
     idem_store **out = p;
-    atomic_store(&rv_opened, idem_store_open_postgres(out, tx_conninfo, 1));
+    atomic_store(&rv_opened, tu_pg_open(out, tx_conninfo, 1));
     return NULL;
 }
 
@@ -939,7 +939,7 @@ static void *first_consumer(void *arg)
 Test(pg, consumers_of_different_messages_do_not_wait_for_each_others_fn)
 {
     tx_schema_create();
-    cr_assert_eq(idem_store_open_postgres(&rv_store, tx_conninfo, 4), IDEM_OK);
+    cr_assert_eq(tu_pg_open(&rv_store, tx_conninfo, 4), IDEM_OK);
     pthread_t a;
     pthread_create(&a, NULL, first_consumer, NULL);
     cr_assert(await_int(&first_in_fn, 0), "the first consumer's fn never ran");

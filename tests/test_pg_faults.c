@@ -87,7 +87,10 @@ static void start_instance(int i, size_t workers)
                      0);
         ci = via;
     }
-    idem_pg_opts po = {.pool_size = 8, .statement_timeout_ms = 2000, .lock_timeout_ms = 300};
+    idem_pg_opts po = {.pool_size = 8,
+                       .statement_timeout_ms = 2000,
+                       .lock_timeout_ms = 300,
+                       .pooler = tu_pg_pooler()};
     cr_assert_eq(idem_store_open_postgres_ex(&stores[i], ci, &po), IDEM_OK, "%s", idem_errmsg());
     free(via);
     idem_server_opts o;

@@ -76,6 +76,18 @@ idem_store *tu_store_open(const char *tag, char **dir)
     return st;
 }
 
+bool tu_pg_pooler(void)
+{
+    const char *p = getenv("IDEMRPC_TEST_PG_POOLER");
+    return p != NULL && *p != '\0' && strcmp(p, "0") != 0;
+}
+
+idem_code tu_pg_open(idem_store **out, const char *conninfo, size_t pool)
+{
+    idem_pg_opts o = {.pool_size = pool, .pooler = tu_pg_pooler()};
+    return idem_store_open_postgres_ex(out, conninfo, &o);
+}
+
 #if TU_HAVE_PG
 #include <libpq-fe.h>
 
@@ -111,6 +123,12 @@ char *tu_pg_schema_create(char schema[32])
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     snprintf(schema, 32, "tu_%d_%lx_%d", (int)getpid(), (unsigned long)ts.tv_nsec, seq++);
+    if (tu_pg_pooler()) { /* the pooler maps any database name to the server's */
+        snprintf(sql, sizeof(sql), "CREATE DATABASE %s", schema);
+        pg_admin(sql);
+        cr_assert_gt(asprintf(&conninfo, "%s dbname=%s", pg, schema), 0);
+        return conninfo;
+    }
     snprintf(sql, sizeof(sql), "CREATE SCHEMA %s", schema);
     pg_admin(sql);
     cr_assert_gt(asprintf(&conninfo, "%s options='-csearch_path=%s'", pg, schema), 0);
@@ -120,9 +138,12 @@ char *tu_pg_schema_create(char schema[32])
 void tu_pg_schema_drop(const char *schema)
 {
     char sql[96];
-    snprintf(sql, sizeof(sql), "DROP SCHEMA %s CASCADE", schema);
+    snprintf(sql, sizeof(sql), tu_pg_pooler() ? "DROP DATABASE %s WITH (FORCE)"
+                                              : "DROP SCHEMA %s CASCADE",
+             schema);
     pg_admin(sql);
 }
+
 #else
 char *tu_pg_schema_create(char schema[32])
 {
@@ -169,9 +190,7 @@ idem_store *tu_backend_open(tu_backend *b, const char *tag)
         return b->st = tu_store_open(tag, &b->dir);
     }
     b->conninfo = tu_pg_schema_create(b->schema);
-    idem_pg_opts opts = {.pool_size = 8};
-    cr_assert_eq(idem_store_open_postgres_ex(&b->st, b->conninfo, &opts), IDEM_OK, "%s",
-                 idem_errmsg());
+    cr_assert_eq(tu_pg_open(&b->st, b->conninfo, 8), IDEM_OK, "%s", idem_errmsg());
     return b->st;
 }
 

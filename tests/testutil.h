@@ -51,6 +51,12 @@ const char *tu_app_value(idem_store *st, const char *db, const char *key);
  * that makes it the search_path (malloc'd); drop it with tu_pg_schema_drop. */
 char *tu_pg_schema_create(char schema[32]);
 void tu_pg_schema_drop(const char *schema);
+/* True when the tests run through a pooler in transaction mode (tests/pooled.sh sets
+ * IDEMRPC_TEST_PG_POOLER): stores are opened with idem_pg_opts.pooler, and a "schema"
+ * is a database of its own (a pooler passes no search_path). */
+bool tu_pg_pooler(void);
+/* idem_store_open_postgres_ex with pool connections, and pooler as tu_pg_pooler says. */
+idem_code tu_pg_open(idem_store **out, const char *conninfo, size_t pool);
 /* Runs sql (statements returning no rows) on a connection of its own. */
 void tu_pg_exec(const char *conninfo, const char *sql);
 
