@@ -83,8 +83,7 @@ static void start_instance(int i, size_t workers)
 {
     char *ci = conninfo, *via = NULL;
     if (proxy != NULL) {
-        cr_assert_gt(asprintf(&via, "%s host=127.0.0.1 port=%d", conninfo, pgproxy_port(proxy)),
-                     0);
+        cr_assert_gt(asprintf(&via, "%s host=127.0.0.1 port=%d", conninfo, pgproxy_port(proxy)), 0);
         ci = via;
     }
     idem_pg_opts po = {.pool_size = 8,
@@ -197,8 +196,10 @@ Test(pg_faults, a_held_row_lock_does_not_stop_the_renewal_of_another_live_call)
 {
     start_instance(0, 4);
     start_instance(1, 4);
-    struct bg_call slow = {.url = srv[0].url, .method = "f.T/Slow", .key = "k-slow", .deadline_ms = 20000};
-    struct bg_call held = {.url = srv[0].url, .method = "f.T/Held", .key = "k-held", .deadline_ms = 20000};
+    struct bg_call slow = {
+        .url = srv[0].url, .method = "f.T/Slow", .key = "k-slow", .deadline_ms = 20000};
+    struct bg_call held = {
+        .url = srv[0].url, .method = "f.T/Held", .key = "k-held", .deadline_ms = 20000};
     bg_start(&slow);
     cr_assert(await_entered(1));
     bg_start(&held); /* kept after slow: the keeper's list has it first */
@@ -264,4 +265,85 @@ Test(pg_faults, a_claim_behind_a_stalled_claimer_is_answered_in_bounded_time)
     cr_expect_eq(call_once(srv[0].url, "f.T/Held", "k-locked", 5000), IDEM_OK);
     stop_instances(1);
     cr_expect_eq(atomic_load(&G.runs_held), 1);
+}
+
+/* ---- through the fault proxy: instance A reaches the database only through it ---- */
+
+static void start_proxied_pair(void)
+{
+    proxy = pgproxy_start(conninfo);
+    start_instance(0, 4); /* A, through the proxy */
+    pgproxy *keep = proxy;
+    proxy = NULL;
+    start_instance(1, 4); /* B, direct */
+    proxy = keep;
+}
+
+static void stop_proxied_pair(void)
+{
+    stop_instances(2);
+    pgproxy_stop(proxy);
+    proxy = NULL;
+}
+
+/* A partition: A's connections go silent (no FIN, no RST) for 3 leases while it runs a
+ * call, then come back. Whatever ran where, no client hears two different OKs for the
+ * key; A answers in bounded time during the cut, and serves again once it is mended. */
+Test(pg_faults, a_partitioned_instance_never_answers_a_second_different_ok)
+{
+    start_proxied_pair();
+    struct bg_call first = {
+        .url = srv[0].url, .method = "f.T/Slow", .key = "k-cut", .deadline_ms = 20000};
+    bg_start(&first);
+    cr_assert(await_entered(1));
+    pgproxy_cut(proxy, true);
+    uint64_t cut_at = idem__mono_ms();
+    gate_open(); /* A's handler ends during the cut: its result cannot be recorded */
+    struct bg_call dup[8];
+    int n = 0;
+    while (idem__mono_ms() < cut_at + 3 * LEASE_MS && n < 8) { /* duplicates on B */
+        dup[n] = (struct bg_call){
+            .url = srv[1].url, .method = "f.T/Slow", .key = "k-cut", .deadline_ms = 400};
+        bg_call_main(&dup[n++]);
+    }
+    pgproxy_cut(proxy, false);
+    pthread_join(first.t, NULL);
+    const char *ok = first.code == IDEM_OK ? first.answer : NULL;
+    for (int i = 0; i < n; i++) {
+        if (dup[i].code != IDEM_OK) {
+            continue;
+        }
+        if (ok == NULL) {
+            ok = dup[i].answer;
+        }
+        cr_expect_str_eq(dup[i].answer, ok, "two different OKs for one key");
+    }
+    struct bg_call again = {
+        .url = srv[0].url, .method = "f.T/Slow", .key = "k-cut", .deadline_ms = 10000};
+    bg_call_main(&again);
+    cr_expect_eq(again.code, IDEM_OK, "A does not serve the key after the partition: %s",
+                 idem_code_name(again.code));
+    if (ok != NULL && again.code == IDEM_OK) {
+        cr_expect_str_eq(again.answer, ok, "two different OKs for one key");
+    }
+    cr_expect_eq(call_once(srv[0].url, "f.T/Other", "k-after-cut", 10000), IDEM_OK,
+                 "A did not recover after the partition");
+    stop_proxied_pair();
+}
+
+/* A slow database (every chunk delayed 60 ms, a tenth of the lease) costs latency, not
+ * correctness: each key runs once and every call is answered OK. */
+Test(pg_faults, a_slow_database_runs_each_key_once)
+{
+    start_proxied_pair();
+    gate_open();
+    pgproxy_delay(proxy, 60);
+    char key[16];
+    for (int i = 0; i < 6; i++) {
+        snprintf(key, sizeof(key), "k-slow-%d", i);
+        cr_expect_eq(call_once(srv[0].url, "f.T/Other", key, 10000), IDEM_OK, "%s", key);
+        cr_expect_eq(call_once(srv[1].url, "f.T/Other", key, 10000), IDEM_OK, "%s", key);
+    }
+    cr_expect_eq(atomic_load(&G.runs_other), 6, "a key ran more than once");
+    stop_proxied_pair();
 }

@@ -41,9 +41,9 @@ struct idem_keeper {
     bool stopping;
     pthread_t thread;
     idem_store *store;
-    const idem_runtime *rt; /* may be NULL */
-    idem_keep round[ROUND_MAX];       /* copies of this round's leases (keeper thread) */
-    idem__renewal batch[ROUND_MAX];   /* and their renewals */
+    const idem_runtime *rt;         /* may be NULL */
+    idem_keep round[ROUND_MAX];     /* copies of this round's leases (keeper thread) */
+    idem__renewal batch[ROUND_MAX]; /* and their renewals */
 };
 
 static uint64_t wall_ms(const idem_keeper *k)
@@ -89,9 +89,9 @@ static size_t collect_due(idem_keeper *k, uint64_t now)
         if (kp->renew_at <= now && now < kp->stop_at) {
             kp->renew_at = now + (kp->lease_ms / 3 ? kp->lease_ms / 3 : 1);
             k->round[n] = *kp;
-            k->batch[n] = (idem__renewal){
-                .key = {k->round[n].caller, k->round[n].method, k->round[n].key},
-                .owner = kp->owner};
+            k->batch[n] =
+                (idem__renewal){.key = {k->round[n].caller, k->round[n].method, k->round[n].key},
+                                .owner = kp->owner};
             n++;
         }
     }

@@ -18,7 +18,8 @@
 
 /* Consumes a token inside the open transaction (the caller rolls back on error); its
  * expiry is judged on the database clock. */
-static idem_code token_take(pool_slot *c, const char *token, const char *scope, uint64_t *expires_ms)
+static idem_code token_take(pool_slot *c, const char *token, const char *scope,
+                            uint64_t *expires_ms)
 {
     pg_args a = {0};
     idem_code code;
@@ -144,7 +145,8 @@ static idem_code claim_insert(pool_slot *c, const idem_claim_req *req, const pg_
     key.n = 3;
     if (req->owner != 0) {
         r = idem__pg_exec(c, S_CLAIM_INSERT, a, PGRES_TUPLES_OK, &code);
-    } else if ((code = idem__pg_exec_pair(c, S_CLAIM_INSERT, a, S_CLAIM_FENCE, &key, &r, &f)) != IDEM_OK) {
+    } else if ((code = idem__pg_exec_pair(c, S_CLAIM_INSERT, a, S_CLAIM_FENCE, &key, &r, &f)) !=
+               IDEM_OK) {
         r = NULL;
     }
     if (r == NULL) {
@@ -164,8 +166,8 @@ static idem_code claim_insert(pool_slot *c, const idem_claim_req *req, const pg_
     return code;
 }
 
-idem_code idem__pg_claim_in_txn(pool_slot *c, const idem_claim_req *req, idem_claim_outcome *outcome,
-                                idem_record *rec, idem_record *got)
+idem_code idem__pg_claim_in_txn(pool_slot *c, const idem_claim_req *req,
+                                idem_claim_outcome *outcome, idem_record *rec, idem_record *got)
 {
     pg_args a = {0};
     bool inserted = false;

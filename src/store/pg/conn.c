@@ -37,8 +37,8 @@ idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
     idem_code code = IDEM_INTERNAL;
     if (c == NULL || PQstatus(c) != CONNECTION_OK || state == NULL ||
         strncmp(state, "08", 2) == 0 || strncmp(state, "57P", 3) == 0 ||
-        strcmp(state, "57014") == 0 || strcmp(state, "55P03") == 0 ||
-        strcmp(state, "40001") == 0 || strcmp(state, "40P01") == 0 ||
+        strcmp(state, "57014") == 0 || strcmp(state, "55P03") == 0 || strcmp(state, "40001") == 0 ||
+        strcmp(state, "40P01") == 0 ||
         strcmp(state, "25006") == 0) { /* read-only: a demoted leader */
         code = IDEM_UNAVAILABLE;
     } else if (strcmp(state, "53100") == 0 || strcmp(state, "53200") == 0) {
@@ -377,9 +377,9 @@ static idem_code slot_connect(pg_store *st, pool_slot *pc)
 
 /* Connects pc, retrying a connection the database refused or did not answer (a
  * failover, a restart) with backoff for up to reconnect_ms. */
-static idem_code slot_connect_retrying(pg_store *st, pool_slot *pc)
+static idem_code slot_connect_retrying(pg_store *st, pool_slot *pc, uint32_t within_ms)
 {
-    uint64_t give_up = idem__mono_ms() + st->reconnect_ms, backoff = RECONNECT_MIN_MS;
+    uint64_t give_up = idem__mono_ms() + within_ms, backoff = RECONNECT_MIN_MS;
     for (;;) {
         idem_code code = slot_connect(st, pc);
         if (code != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
@@ -392,6 +392,11 @@ static idem_code slot_connect_retrying(pg_store *st, pool_slot *pc)
 
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out)
 {
+    return idem__pg_pool_get_within(st, st->reconnect_ms, out);
+}
+
+idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot **out)
+{
     struct timespec ts;
     idem__abs_timespec(&ts, POOL_WAIT_MS);
     pthread_mutex_lock(&st->mu);
@@ -403,7 +408,7 @@ idem_code idem__pg_pool_get(pg_store *st, pool_slot **out)
                 pthread_mutex_unlock(&st->mu);
                 pc->st = st;
                 pc->bound_ms = st->stmt_ms + CLIENT_MARGIN_MS;
-                idem_code code = slot_connect_retrying(st, pc);
+                idem_code code = slot_connect_retrying(st, pc, within_ms);
                 if (code != IDEM_OK) {
                     idem__pg_pool_put(st, pc);
                     return code;

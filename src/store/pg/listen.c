@@ -26,7 +26,7 @@
 #define RETRY_MIN_MS 100 /* reconnect backoff, doubling */
 #define RETRY_MAX_MS 2000
 #define LISTEN_CONNECT_S "2" /* seconds */
-#define CHECK_MS 3000 /* how often the listener checks its server */
+#define CHECK_MS 3000        /* how often the listener checks its server */
 #define CHECK_BOUND_MS 2000
 
 typedef struct watcher {
@@ -57,8 +57,8 @@ static void deliver(pg_listener *l, uint32_t hash)
 static PGconn *listen_connect(pg_listener *l)
 {
     PGconn *c;
-    return idem__pg_connect(l->st->conninfo, LISTEN_CONNECT_S, "LISTEN " PG_CHANNEL,
-                            CHECK_BOUND_MS, &c) == IDEM_OK
+    return idem__pg_connect(l->st->conninfo, LISTEN_CONNECT_S, "LISTEN " PG_CHANNEL, CHECK_BOUND_MS,
+                            &c) == IDEM_OK
                ? c
                : NULL;
 }

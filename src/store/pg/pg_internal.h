@@ -136,6 +136,8 @@ idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
 /* A connected slot (reconnecting with backoff for up to reconnect_ms). */
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
+/* The same, reconnecting for at most within_ms. */
+idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot **out);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
 void idem__pg_pool_put(pg_store *st, pool_slot *slot);
 /* Statement s on pc, bounded by pc->bound_ms: its result, or NULL and *code (pc->c is

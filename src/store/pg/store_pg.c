@@ -203,7 +203,6 @@ static int col_i16(const PGresult *r, int row, int col)
     return PQgetlength(r, row, col) == 2 ? (int16_t)(p[0] << 8 | p[1]) : -1;
 }
 
-
 /* Fills rec from the REC_COLS at column off of row; the response only when want. */
 idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *rec, bool want)
 {
@@ -267,9 +266,9 @@ static void complete_args(pg_args *a, const pg_store *st, const idem_key_ref *ke
     arg_announce(a, st, key);
 }
 
-idem_code idem__pg_complete_on(pg_store *st, pool_slot *c, const idem_key_ref *key,
-                               uint64_t owner, const void *response, size_t len,
-                               uint64_t expires_ms, uint64_t now_ms)
+idem_code idem__pg_complete_on(pg_store *st, pool_slot *c, const idem_key_ref *key, uint64_t owner,
+                               const void *response, size_t len, uint64_t expires_ms,
+                               uint64_t now_ms)
 {
     pg_args a = {0};
     idem_code code;
@@ -357,8 +356,9 @@ static bool renew_arrays(char *col[5], const idem__renewal *r, size_t n)
     return ok;
 }
 
-/* One round trip, bounded by half the shortest lease (a renewal later than that is of
- * little use): rows another session holds are skipped and tried again next round. */
+/* One round trip, its connection and its answer bounded by half the shortest lease (a
+ * renewal later than that is of little use): rows another session holds are skipped
+ * and tried again next round. */
 static idem_code pg_renew_batch(idem_store *base, idem__renewal *r, size_t n)
 {
     pg_store *st = (pg_store *)base;
@@ -370,15 +370,16 @@ static idem_code pg_renew_batch(idem_store *base, idem__renewal *r, size_t n)
         shortest = lease < shortest ? lease : shortest;
         r[i].code = IDEM_ABORTED; /* unless the answer has the row */
     }
-    idem_code code = renew_arrays(col, r, n) ? IDEM_OK
-                                              : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    idem_code code =
+        renew_arrays(col, r, n) ? IDEM_OK : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     for (int c = 0; c < 5; c++) {
         arg_text(&a, col[c] != NULL ? col[c] : "{}");
     }
     pool_slot *pc;
     PGresult *res = NULL;
-    if (code == IDEM_OK && (code = idem__pg_pool_get(st, &pc)) == IDEM_OK) {
-        pc->bound_ms = shortest / 2 < pc->bound_ms ? (uint32_t)(shortest / 2) + 1 : pc->bound_ms;
+    uint32_t bound = shortest / 2 < st->stmt_ms ? (uint32_t)(shortest / 2) + 1 : st->stmt_ms;
+    if (code == IDEM_OK && (code = idem__pg_pool_get_within(st, bound, &pc)) == IDEM_OK) {
+        pc->bound_ms = bound;
         res = idem__pg_exec(pc, S_RENEW_BATCH, &a, PGRES_TUPLES_OK, &code);
         idem__pg_pool_put(st, pc);
     }
