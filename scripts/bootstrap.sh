@@ -7,7 +7,8 @@ PKGS=(build-essential meson ninja-build pkg-config cmake
       libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler libssl-dev
       liblmdb-dev lmdb-utils libcriterion-dev
       clang libclang-rt-dev curl openssl
-      libpq-dev libhiredis-dev postgresql redis-server pgbouncer)
+      libpq-dev libhiredis-dev postgresql redis-server pgbouncer
+      patroni etcd-server etcd-client)
 
 missing=()
 for p in "${PKGS[@]}"; do
