@@ -1,0 +1,570 @@
+/* The HTTP front's connections: nng streams, the strict parser, one request at a time.
+ *
+ * A connection reads into one buffer, frames the next request from it (http_parse.c),
+ * hands a complete request to the front and reads nothing more until the front has
+ * answered it and the answer is sent; then the bytes of that request are dropped and
+ * the next one (pipelined, already buffered) is framed. A refused request is answered
+ * with Connection: close, the connection then reads (and discards) what the client is
+ * still sending for at most LINGER_MS of quiet, so that the client sees the answer
+ * rather than a reset, and closes. Each connection holds a reference per pending
+ * operation (receive, send, a request with the front); the last one frees it. */
+#include <nng/nng.h>
+#include <nng/supplemental/tls/tls.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "http_conn.h"
+#include "json.h"
+
+#define LINGER_MS 100             /* quiet time before a refused connection closes */
+#define LINGER_MAX (64 * 1024)    /* bytes discarded at most while lingering */
+#define INITIAL_BUF 4096
+
+struct idem_hsrv {
+    idem_hsrv_cfg cfg;
+    nng_stream_listener *l;
+    nng_aio *acc;
+    pthread_mutex_t mtx;
+    pthread_cond_t cv;
+    idem_hconn *conns;
+    size_t n;
+    size_t max_buf;
+    bool closing;
+};
+
+struct idem_hconn {
+    idem_hsrv *srv;
+    idem_hconn *prev, *next;
+    nng_stream *st;
+    nng_aio *rx, *tx;
+    pthread_mutex_t mtx;
+    int refs;
+    bool closed, eof, busy, rx_pending, head_done, head_only, close_after, lingering,
+        interim, continued;
+    char *buf;
+    size_t len, cap, req_len, lingered;
+    idem_hreq req;
+    idem_hchunk ck;
+    uint64_t req_start; /* ms: the first byte of the request being read; 0 none */
+    char *out;
+    size_t out_len, out_off;
+};
+
+static const char continue_100[] = "HTTP/1.1 100 Continue\r\n\r\n";
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static nng_duration duration(uint64_t ms)
+{
+    return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
+}
+
+/* ---- responses ---- */
+
+static void hres_append(idem_hres *res, const void *p, size_t n)
+{
+    if (res->oom || res->len + n + 1 > res->cap) {
+        size_t cap = res->cap ? res->cap : 512;
+        while (cap < res->len + n + 1) {
+            cap *= 2;
+        }
+        char *b = res->oom ? NULL : realloc(res->buf, cap);
+        if (b == NULL) {
+            res->oom = true;
+            return;
+        }
+        res->buf = b;
+        res->cap = cap;
+    }
+    memcpy(res->buf + res->len, p, n);
+    res->len += n;
+}
+
+void idem__hres_start(idem_hres *res, int status, const char *reason)
+{
+    char line[128];
+    memset(res, 0, sizeof(*res));
+    int n = snprintf(line, sizeof(line), "HTTP/1.1 %d %s\r\n", status, reason);
+    hres_append(res, line, (size_t)n);
+}
+
+void idem__hres_header(idem_hres *res, const char *name, const char *value)
+{
+    hres_append(res, name, strlen(name));
+    hres_append(res, ": ", 2);
+    hres_append(res, value, strlen(value));
+    hres_append(res, "\r\n", 2);
+}
+
+/* ---- connection life ---- */
+
+static void conn_close_locked(idem_hconn *c)
+{
+    if (!c->closed) {
+        c->closed = true;
+        nng_stream_close(c->st); /* pending operations finish with NNG_ECLOSED */
+    }
+}
+
+static void conn_destroy(idem_hconn *c)
+{
+    idem_hsrv *s = c->srv;
+    pthread_mutex_lock(&s->mtx);
+    *(c->prev != NULL ? &c->prev->next : &s->conns) = c->next;
+    if (c->next != NULL) {
+        c->next->prev = c->prev;
+    }
+    s->n--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mtx);
+    nng_stream_free(c->st); /* nng reaps streams and aios, even from their callbacks */
+    nng_aio_reap(c->rx);
+    nng_aio_reap(c->tx);
+    pthread_mutex_destroy(&c->mtx);
+    if (c->out != continue_100) {
+        free(c->out);
+    }
+    free(c->buf);
+    free(c);
+}
+
+/* Unlocks c; frees it when nothing refers to it any more. */
+static void conn_unlock(idem_hconn *c)
+{
+    if (c->refs > 0) {
+        pthread_mutex_unlock(&c->mtx);
+        return;
+    }
+    conn_close_locked(c);
+    pthread_mutex_unlock(&c->mtx);
+    conn_destroy(c);
+}
+
+static void start_send(idem_hconn *c)
+{
+    nng_iov iov = {.iov_buf = c->out + c->out_off, .iov_len = c->out_len - c->out_off};
+    if (nng_aio_set_iov(c->tx, 1, &iov) != 0) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_aio_set_timeout(c->tx, duration(c->srv->cfg.request_timeout_ms));
+    c->refs++;
+    nng_stream_send(c->st, c->tx);
+}
+
+static void send_locked(idem_hconn *c, char *out, size_t len, bool close)
+{
+    c->out = out;
+    c->out_len = len;
+    c->out_off = 0;
+    c->close_after = c->close_after || close;
+    start_send(c);
+}
+
+static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen);
+
+/* A refusal: status, a JSON body, Connection: close; nothing after it is read. (While
+ * a 100 Continue is still being sent, the connection just closes.) */
+static void refuse(idem_hconn *c, int status, const char *msg)
+{
+    if (c->out != NULL) {
+        conn_close_locked(c);
+        return;
+    }
+    static const struct {
+        int status;
+        const char *reason, *code;
+    } kinds[] = {
+        {400, "Bad Request", "INVALID_ARGUMENT"},
+        {408, "Request Timeout", "DEADLINE_EXCEEDED"},
+        {413, "Content Too Large", "RESOURCE_EXHAUSTED"},
+        {417, "Expectation Failed", "INVALID_ARGUMENT"},
+        {505, "HTTP Version Not Supported", "UNIMPLEMENTED"},
+    };
+    size_t k = 0;
+    while (k + 1 < sizeof(kinds) / sizeof(kinds[0]) && kinds[k].status != status) {
+        k++;
+    }
+    k = kinds[k].status == status ? k : 0;
+    char json[384], m[320];
+    if (!idem__json_string(m, sizeof(m), msg)) {
+        strcpy(m, "\"\"");
+    }
+    int n = snprintf(json, sizeof(json), "{\"code\":\"%s\",\"message\":%s}", kinds[k].code, m);
+    idem_hres res;
+    idem__hres_start(&res, kinds[k].status, kinds[k].reason);
+    idem__hres_header(&res, "Content-Type", "application/json");
+    res.close = true;
+    c->head_only = false;
+    respond_locked(c, &res, json, (size_t)n);
+}
+
+/* Receives more: after the request's own deadline has passed, 408. */
+static void need_more(idem_hconn *c)
+{
+    const idem_hsrv_cfg *cfg = &c->srv->cfg;
+    if (c->eof || c->closed) {
+        conn_close_locked(c); /* an incomplete request at the client's eof: nothing to do */
+        return;
+    }
+    if (c->rx_pending) {
+        return;
+    }
+    if (c->len == c->cap) {
+        size_t cap = c->cap * 2 < c->srv->max_buf ? c->cap * 2 : c->srv->max_buf;
+        char *b = cap > c->cap ? realloc(c->buf, cap) : NULL;
+        if (b == NULL) {
+            refuse(c, 400, "a request over the size bound");
+            return;
+        }
+        c->buf = b;
+        c->cap = cap;
+    }
+    uint64_t ms = cfg->idle_timeout_ms, now = now_ms();
+    if (c->req_start != 0) {
+        if (now >= c->req_start + cfg->request_timeout_ms) {
+            refuse(c, 408, "the request did not arrive within the request timeout");
+            return;
+        }
+        ms = c->req_start + cfg->request_timeout_ms - now;
+    }
+    nng_iov iov = {.iov_buf = c->buf + c->len, .iov_len = c->cap - c->len};
+    if (nng_aio_set_iov(c->rx, 1, &iov) != 0) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_aio_set_timeout(c->rx, duration(ms));
+    c->rx_pending = true;
+    c->refs++;
+    nng_stream_recv(c->st, c->rx);
+}
+
+/* While a body is awaited: 100 Continue once, if the client asked for it. */
+static void maybe_continue(idem_hconn *c)
+{
+    if (c->req.expect_continue && !c->continued && c->out == NULL) {
+        c->continued = c->interim = true;
+        send_locked(c, (char *)continue_100, sizeof(continue_100) - 1, false);
+    }
+}
+
+/* The body of a request whose head is parsed: true when complete. */
+static bool have_body(idem_hconn *c, const void **body, size_t *blen)
+{
+    size_t hl = c->req.head_len;
+    idem_hp_err err;
+    if (!c->req.chunked) {
+        if (c->len - hl < c->req.content_length) {
+            return false;
+        }
+        *body = c->buf + hl;
+        *blen = (size_t)c->req.content_length;
+        c->req_len = hl + *blen;
+        return true;
+    }
+    idem_hp hp = idem__http_dechunk(c->buf + hl, c->len - hl, &c->ck, c->srv->cfg.max_body, &err);
+    if (hp == IDEM_HP_BAD) {
+        refuse(c, err.status, err.msg);
+        return false;
+    }
+    if (hp == IDEM_HP_MORE) { /* drop the framing decoded so far */
+        memmove(c->buf + hl + c->ck.wpos, c->buf + hl + c->ck.rpos, c->len - hl - c->ck.rpos);
+        c->len -= c->ck.rpos - c->ck.wpos;
+        c->ck.rpos = c->ck.wpos;
+        return false;
+    }
+    *body = c->buf + hl;
+    *blen = c->ck.wpos;
+    c->req_len = hl + c->ck.rpos;
+    return true;
+}
+
+/* Frames the next request from the buffer: true when one is complete. */
+static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
+{
+    idem_hp_err err;
+    if (c->closed || c->busy || c->lingering || c->out != NULL) {
+        return false;
+    }
+    if (!c->head_done) {
+        c->req_start = c->req_start == 0 && c->len > 0 ? now_ms() : c->req_start;
+        idem_hp hp = idem__http_parse_head(c->buf, c->len, &c->req, &err);
+        if (hp != IDEM_HP_OK) {
+            hp == IDEM_HP_BAD ? refuse(c, err.status, err.msg) : need_more(c);
+            return false;
+        }
+        c->head_done = true;
+        c->continued = false;
+        memset(&c->ck, 0, sizeof(c->ck));
+        if (c->req.content_length > c->srv->cfg.max_body) {
+            refuse(c, 413, "a body over the size limit");
+            return false;
+        }
+    }
+    if (!have_body(c, body, blen)) {
+        if (!c->closed && c->out == NULL) {
+            maybe_continue(c);
+            need_more(c); /* a receive may run beside the 100 Continue's send */
+        }
+        return false;
+    }
+    return true;
+}
+
+/* Runs the connection as far as it goes; c->mtx held on entry, released on return. */
+static void conn_run(idem_hconn *c)
+{
+    const void *body;
+    size_t blen;
+    if (!conn_advance(c, &body, &blen)) {
+        conn_unlock(c);
+        return;
+    }
+    c->busy = true;
+    c->refs++;
+    c->head_only = c->req.mlen == 4 && memcmp(c->req.method, "HEAD", 4) == 0;
+    pthread_mutex_unlock(&c->mtx);
+    c->srv->cfg.on_request(c, &c->req, body, blen, c->srv->cfg.arg);
+}
+
+/* Completes res (Content-Length, Connection, body) and sends it. */
+static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
+{
+    char num[32];
+    bool close = res->close || !c->req.keep_alive || c->srv->closing || c->closed;
+    snprintf(num, sizeof(num), "%zu", blen);
+    idem__hres_header(res, "Content-Length", num);
+    if (close) {
+        idem__hres_header(res, "Connection", "close");
+    }
+    hres_append(res, "\r\n", 2);
+    if (!c->head_only) {
+        hres_append(res, body, blen);
+    }
+    if (res->oom) {
+        static const char oom[] = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                  "Connection: close\r\n\r\n";
+        free(res->buf);
+        res->buf = strdup(oom);
+        res->len = res->buf != NULL ? sizeof(oom) - 1 : 0;
+        close = true;
+    }
+    if (c->closed || res->buf == NULL) {
+        free(res->buf);
+        conn_close_locked(c);
+    } else {
+        send_locked(c, res->buf, res->len, close);
+    }
+}
+
+void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
+{
+    pthread_mutex_lock(&c->mtx);
+    c->busy = false;
+    c->refs--;
+    respond_locked(c, res, body, blen);
+    conn_unlock(c);
+}
+
+/* ---- aio callbacks ---- */
+
+static void linger_more(idem_hconn *c)
+{
+    if (c->eof || c->closed || c->lingered > LINGER_MAX) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_iov iov = {.iov_buf = c->buf, .iov_len = c->cap};
+    if (nng_aio_set_iov(c->rx, 1, &iov) != 0) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_aio_set_timeout(c->rx, LINGER_MS);
+    c->rx_pending = true;
+    c->refs++;
+    nng_stream_recv(c->st, c->rx);
+}
+
+static void rx_cb(void *arg)
+{
+    idem_hconn *c = arg;
+    int rv = nng_aio_result(c->rx);
+    pthread_mutex_lock(&c->mtx);
+    c->rx_pending = false;
+    c->refs--;
+    size_t n = rv == 0 ? nng_aio_count(c->rx) : 0;
+    if (c->lingering) {
+        c->lingered += n;
+        rv == 0 ? linger_more(c) : conn_close_locked(c);
+        conn_unlock(c);
+        return;
+    }
+    if (rv == NNG_ECONNSHUT) {
+        c->eof = true;
+    } else if (rv == NNG_ETIMEDOUT && (c->req_start != 0 || c->head_done)) {
+        refuse(c, 408, "the request did not arrive within the request timeout");
+    } else if (rv != 0) {
+        conn_close_locked(c);
+    }
+    c->len += n;
+    conn_run(c);
+}
+
+static void tx_cb(void *arg)
+{
+    idem_hconn *c = arg;
+    int rv = nng_aio_result(c->tx);
+    pthread_mutex_lock(&c->mtx);
+    c->refs--;
+    c->out_off += rv == 0 ? nng_aio_count(c->tx) : 0;
+    if (rv == 0 && c->out_off < c->out_len) {
+        start_send(c);
+        conn_unlock(c);
+        return;
+    }
+    if (c->out != continue_100) {
+        free(c->out);
+    }
+    c->out = NULL;
+    if (rv != 0) {
+        conn_close_locked(c);
+    } else if (c->interim) {
+        c->interim = false;
+    } else if (c->close_after) {
+        c->lingering = true;
+        c->rx_pending ? (void)0 : linger_more(c);
+    } else { /* the next request, if one is buffered */
+        memmove(c->buf, c->buf + c->req_len, c->len - c->req_len);
+        c->len -= c->req_len;
+        c->head_done = false;
+        c->req_start = 0;
+    }
+    conn_run(c);
+}
+
+/* ---- the listener ---- */
+
+static void accept_cb(void *arg)
+{
+    idem_hsrv *s = arg;
+    int rv = nng_aio_result(s->acc);
+    nng_stream *st = rv == 0 ? nng_aio_get_output(s->acc, 0) : NULL;
+    idem_hconn *c = NULL;
+    pthread_mutex_lock(&s->mtx);
+    if (st != NULL && !s->closing && s->n < s->cfg.max_conns &&
+        (c = calloc(1, sizeof(*c))) != NULL && (c->buf = malloc(INITIAL_BUF)) != NULL &&
+        nng_aio_alloc(&c->rx, rx_cb, c) == 0 && nng_aio_alloc(&c->tx, tx_cb, c) == 0) {
+        pthread_mutex_init(&c->mtx, NULL);
+        c->srv = s;
+        c->st = st;
+        c->cap = INITIAL_BUF;
+        c->next = s->conns;
+        if (s->conns != NULL) {
+            s->conns->prev = c;
+        }
+        s->conns = c;
+        s->n++;
+        st = NULL;
+    } else if (c != NULL) {
+        c->rx != NULL ? nng_aio_free(c->rx) : (void)0;
+        free(c->buf);
+        free(c);
+        c = NULL;
+    }
+    if (st != NULL) {
+        nng_stream_free(st); /* over max_conns, out of memory, or closing */
+    }
+    if (!s->closing && rv != NNG_ECLOSED) {
+        nng_stream_listener_accept(s->l, s->acc);
+    }
+    pthread_mutex_unlock(&s->mtx);
+    if (c != NULL) {
+        pthread_mutex_lock(&c->mtx);
+        conn_run(c);
+    }
+}
+
+/* http://H:P → tcp://H:P, https://H:P → tls+tcp://H:P. */
+static int stream_url(const char *url, bool tls, char *out, size_t cap)
+{
+    nng_url *u;
+    int rv = nng_url_parse(&u, url);
+    if (rv != 0) {
+        return rv;
+    }
+    bool v6 = strchr(u->u_hostname, ':') != NULL;
+    int n = snprintf(out, cap, "%s://%s%s%s:%s", tls ? "tls+tcp" : "tcp", v6 ? "[" : "",
+                     u->u_hostname, v6 ? "]" : "", u->u_port);
+    rv = strcmp(u->u_scheme, tls ? "https" : "http") != 0 || n >= (int)cap ? NNG_EADDRINVAL : 0;
+    nng_url_free(u);
+    return rv;
+}
+
+int idem__hsrv_start(const char *url, const idem_hsrv_cfg *cfg, idem_hsrv **out, int *port)
+{
+    char surl[512];
+    idem_hsrv *s = calloc(1, sizeof(*s));
+    int rv = s == NULL ? NNG_ENOMEM : stream_url(url, cfg->tls != NULL, surl, sizeof(surl));
+    if (rv != 0) {
+        free(s);
+        return rv;
+    }
+    s->cfg = *cfg;
+    s->max_buf = IDEM_HTTP_MAX_HEAD + 2 * IDEM_HTTP_MAX_LINE + (size_t)cfg->max_body + 64;
+    pthread_mutex_init(&s->mtx, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if ((rv = nng_aio_alloc(&s->acc, accept_cb, s)) != 0 ||
+        (rv = nng_stream_listener_alloc(&s->l, surl)) != 0 ||
+        (cfg->tls != NULL &&
+         (rv = nng_stream_listener_set_ptr(s->l, NNG_OPT_TLS_CONFIG, cfg->tls)) != 0) ||
+        (rv = nng_stream_listener_listen(s->l)) != 0 ||
+        (rv = nng_stream_listener_get_int(s->l, NNG_OPT_TCP_BOUND_PORT, port)) != 0) {
+        idem__hsrv_stop(s);
+        return rv;
+    }
+    nng_stream_listener_accept(s->l, s->acc);
+    *out = s;
+    return 0;
+}
+
+void idem__hsrv_stop(idem_hsrv *s)
+{
+    if (s == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&s->mtx);
+    s->closing = true;
+    pthread_mutex_unlock(&s->mtx);
+    if (s->l != NULL) {
+        nng_stream_listener_close(s->l);
+    }
+    if (s->acc != NULL) {
+        nng_aio_stop(s->acc); /* no accept callback runs after this */
+    }
+    pthread_mutex_lock(&s->mtx);
+    for (idem_hconn *c = s->conns; c != NULL; c = c->next) {
+        pthread_mutex_lock(&c->mtx);
+        conn_close_locked(c);
+        pthread_mutex_unlock(&c->mtx);
+    }
+    while (s->n > 0) {
+        pthread_cond_wait(&s->cv, &s->mtx);
+    }
+    pthread_mutex_unlock(&s->mtx);
+    nng_aio_free(s->acc);
+    if (s->l != NULL) {
+        nng_stream_listener_free(s->l);
+    }
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mtx);
+    free(s);
+}
