@@ -109,6 +109,7 @@ typedef struct resp {
     int status;
     bool close;
     char body[64];
+    size_t blen;
 } resp;
 
 /* Splits what arrived into responses (each framed by its Content-Length). */
@@ -131,6 +132,7 @@ static int parse_responses(const char *buf, size_t len, resp *out, int max)
             break;
         }
         snprintf(r->body, sizeof(r->body), "%.*s", (int)blen, he);
+        r->blen = blen;
         p = he + blen;
         n++;
     }
@@ -227,6 +229,40 @@ Test(http_hostile, a_valid_chunked_request_is_decoded)
     cr_assert_eq(r[0].status, 200);
     cr_assert_str_eq(r[0].body, "1234567890abc");
     cr_assert_eq(atomic_load(&runs), 1);
+}
+
+/* A body far larger than the first read, sent in pieces (the buffer grows meanwhile). */
+Test(http_hostile, a_large_body_sent_in_pieces_arrives_whole)
+{
+    enum { BIG = 200 * 1000 };
+    char *body = malloc(BIG);
+    cr_assert_not_null(body);
+    memset(body, 'b', BIG);
+    for (int chunked = 0; chunked < 2; chunked++) {
+        char head[256];
+        int n = chunked ? snprintf(head, sizeof(head), POST_HEAD "Transfer-Encoding: chunked\r\n"
+                                   "Connection: close\r\n\r\n%x\r\n", BIG)
+                        : snprintf(head, sizeof(head), POST_HEAD "Content-Length: %d\r\n"
+                                   "Expect: 100-continue\r\nConnection: close\r\n\r\n", BIG);
+        int fd = dial();
+        send_all(fd, head, (size_t)n);
+        for (size_t off = 0; off < BIG; off += 10000) {
+            send_all(fd, body + off, 10000);
+        }
+        send_all(fd, "\r\n0\r\n\r\n", chunked ? 7 : 0);
+        size_t got;
+        bool eof;
+        char *buf = read_to_eof(fd, &got, &eof);
+        close(fd);
+        const char *final = strstr(buf, "HTTP/1.1 100 Continue\r\n\r\n") == buf ? buf + 25 : buf;
+        resp r[MAX_RESP];
+        cr_assert_eq(parse_responses(final, got - (size_t)(final - buf), r, MAX_RESP), 1);
+        cr_assert_eq(r[0].status, 200, "chunked=%d: %d", chunked, r[0].status);
+        cr_assert_eq(r[0].blen, (size_t)BIG);
+        free(buf);
+    }
+    free(body);
+    cr_assert_eq(atomic_load(&runs), 2);
 }
 
 /* ---- smuggling ---- */

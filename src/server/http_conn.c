@@ -317,6 +317,11 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
         }
         return false;
     }
+    /* The buffer may have moved while the body arrived: the head again, in place. */
+    if (idem__http_parse_head(c->buf, c->len, &c->req, &err) != IDEM_HP_OK) {
+        refuse(c, 400, err.msg); /* not reached: these bytes parsed before */
+        return false;
+    }
     return true;
 }
 
