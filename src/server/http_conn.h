@@ -11,6 +11,7 @@
 #define IDEMRPC_HTTP_CONN_H
 
 #include <nng/nng.h>
+#include <pthread.h>
 #include <nng/supplemental/tls/tls.h>
 
 #include "http_parse.h"
@@ -44,6 +45,26 @@ int idem__hsrv_start(const char *url, const idem_hsrv_cfg *cfg, idem_hsrv **out,
 /* Closes the listener and every connection and waits until all are gone: every request
  * handed to on_request must be answered (idem__hconn_send) for this to return. */
 void idem__hsrv_stop(idem_hsrv *s);
+
+/* ---- between the listener (http_listen.c) and the connections (http_conn.c) ---- */
+struct idem_hsrv {
+    idem_hsrv_cfg cfg;
+    nng_stream_listener *l;
+    nng_aio *acc;
+    pthread_mutex_t mtx; /* conns, n, closing; taken before a connection's own */
+    pthread_cond_t cv;   /* a connection went away */
+    idem_hconn *conns;
+    size_t n;
+    size_t max_buf; /* a connection's buffer: head, body, one chunk line */
+    bool closing;
+};
+/* A connection serving st, linked into s (s->mtx held); NULL when out of memory. */
+idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st);
+/* Its first receive (s->mtx not held). */
+void idem__hconn_start(idem_hconn *c);
+/* Closes it; it unlinks and frees itself once nothing refers to it. */
+void idem__hconn_close(idem_hconn *c);
+idem_hconn *idem__hconn_next(const idem_hconn *c);
 
 void idem__hres_start(idem_hres *res, int status, const char *reason);
 void idem__hres_header(idem_hres *res, const char *name, const char *value);
