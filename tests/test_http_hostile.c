@@ -323,6 +323,7 @@ Test(http_hostile, bare_cr_or_lf_and_control_bytes_are_refused)
     refused("no colon", POST_HEAD "X-A\r\nContent-Length: 0\r\n\r\n", 400);
     refused("two spaces", "POST  /" ADD " HTTP/1.1\r\nHost: x\r\n\r\n", 400);
     refused("two hosts", POST_HEAD "Host: y\r\nContent-Length: 0\r\n\r\n", 400);
+    refused("a Host with a slash", "POST /" ADD " HTTP/1.1\r\nHost: a/b\r\n\r\n", 400);
     good_call_works();
 }
 
@@ -359,7 +360,7 @@ static char *repeat(const char *prefix, char c, size_t n, const char *suffix)
 Test(http_hostile, oversized_lines_headers_and_chunks_are_refused)
 {
     char *s = repeat("POST /", 'a', 9000, " HTTP/1.1\r\nHost: x\r\n\r\n");
-    refused("request line of 9 KB", s, 400);
+    refused("request line of 9 KB", s, 414);
     free(s);
     s = repeat(POST_HEAD "X-Big: ", 'a', 9000, "\r\nContent-Length: 0\r\n\r\n");
     refused("header line of 9 KB", s, 400);
@@ -377,6 +378,14 @@ Test(http_hostile, oversized_lines_headers_and_chunks_are_refused)
             POST_HEAD "Transfer-Encoding: chunked\r\n\r\nfffffff\r\n123\r\n0\r\n\r\n", 413);
     refused("chunk size not hex",
             POST_HEAD "Transfer-Encoding: chunked\r\n\r\n3x\r\n123\r\n0\r\n\r\n", 400);
+    s = repeat(POST_HEAD "Transfer-Encoding: chunked\r\n\r\n", 'x', 0, "");
+    for (int i = 0; i < 20; i++) { /* 20 chunks of one byte, each with a 4 KB extension */
+        char *ext = repeat("1;e=", 'x', 4000, "\r\n1\r\n"), *t = s;
+        s = repeat(t, 'x', 0, ext);
+        free(t), free(ext);
+    }
+    refused("80 KB of chunk extensions for 20 bytes", s, 400);
+    free(s);
     refused("chunk without its CRLF",
             POST_HEAD "Transfer-Encoding: chunked\r\n\r\n3\r\n1234\r\n0\r\n\r\n", 400);
     good_call_works();

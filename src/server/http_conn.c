@@ -176,6 +176,7 @@ static void refuse(idem_hconn *c, int status, const char *msg)
         {400, "Bad Request", "INVALID_ARGUMENT"},
         {408, "Request Timeout", "DEADLINE_EXCEEDED"},
         {413, "Content Too Large", "RESOURCE_EXHAUSTED"},
+        {414, "URI Too Long", "INVALID_ARGUMENT"},
         {417, "Expectation Failed", "INVALID_ARGUMENT"},
         {505, "HTTP Version Not Supported", "UNIMPLEMENTED"},
     };

@@ -6,6 +6,7 @@
  * by the former (§6.1, §6.3), a Content-Length list of equal values is refused like any
  * other list (§8.6). What is refused never becomes a request, and nothing after it on
  * the connection is read as one: the front closes the connection. */
+#include <ctype.h>
 #include <string.h>
 #include <strings.h>
 
@@ -14,6 +15,7 @@
 enum { CK_SIZE, CK_DATA, CK_DATA_END, CK_TRAILER, CK_DONE };
 
 static const char *const bad_cr = "a CR not followed by LF";
+static const char *const too_long = "a line over the length bound";
 
 static bool is_tchar(unsigned char c)
 {
@@ -41,7 +43,7 @@ static idem_hp find_line(const char *buf, size_t pos, size_t len, size_t max, si
 {
     for (size_t i = pos; i < len; i++) {
         if (i - pos > max) {
-            return bad(err, 400, "a line over the length bound");
+            return bad(err, 400, too_long);
         }
         if (buf[i] == '\n') {
             return bad(err, 400, "a bare LF (lines end with CRLF)");
@@ -57,7 +59,7 @@ static idem_hp find_line(const char *buf, size_t pos, size_t len, size_t max, si
             return IDEM_HP_OK;
         }
     }
-    return len - pos > max ? bad(err, 400, "a line over the length bound") : IDEM_HP_MORE;
+    return len - pos > max ? bad(err, 400, too_long) : IDEM_HP_MORE;
 }
 
 /* method SP request-target SP HTTP-version, exactly. */
@@ -218,6 +220,11 @@ static idem_hp semantics(idem_hreq *r, idem_hp_err *err)
     if (hosts > 1 || (hosts == 0 && r->minor >= 1)) {
         return bad(err, 400, hosts > 1 ? "more than one Host" : "an HTTP/1.1 request without Host");
     }
+    for (size_t i = 0; hosts == 1 && i < vl; i++) { /* uri-host [ ":" port ] (§3.2) */
+        if (!isalnum((unsigned char)v[i]) && strchr("-._~%!$&'()*+,;=:[]", v[i]) == NULL) {
+            return bad(err, 400, "a Host that is not a host and port");
+        }
+    }
     r->keep_alive = r->minor >= 1;
     for (size_t i = 0; i < r->nf; i++) {
         if (r->f[i].nlen == 10 && strncasecmp(r->f[i].name, "Connection", 10) == 0 &&
@@ -243,6 +250,9 @@ idem_hp idem__http_parse_head(const char *buf, size_t len, idem_hreq *r, idem_hp
         pos += 2; /* empty lines before a request are ignored (§2.2) */
     }
     if ((hp = find_line(buf, pos, len, IDEM_HTTP_MAX_LINE, &end, err)) != IDEM_HP_OK) {
+        if (hp == IDEM_HP_BAD && err->msg == too_long) {
+            return bad(err, 414, "a request line over the length bound"); /* §3 */
+        }
         return hp == IDEM_HP_MORE && len > IDEM_HTTP_MAX_HEAD
                    ? bad(err, 400, "a request head over the size bound")
                    : hp;
@@ -330,6 +340,10 @@ static idem_hp dechunk_step(char *buf, size_t len, idem_hchunk *c, uint64_t max_
     }
     if ((hp = find_line(buf, c->rpos, len, IDEM_HTTP_MAX_LINE, &end, err)) != IDEM_HP_OK) {
         return hp;
+    }
+    c->framing += end + 2 - c->rpos;
+    if (c->framing > IDEM_HTTP_MAX_CHUNK_FRAMING + c->wpos) {
+        return bad(err, 400, "more chunk framing (size lines, extensions, trailers) than the bound");
     }
     if (c->state == CK_SIZE) {
         if ((hp = chunk_size(buf + c->rpos, end - c->rpos, &c->left, err)) != IDEM_HP_OK) {

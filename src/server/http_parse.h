@@ -17,6 +17,9 @@
 #define IDEM_HTTP_MAX_HEAD 32768   /* request line and header section with their CRLFs */
 #define IDEM_HTTP_MAX_FIELDS 64    /* header lines; trailer lines of a chunked body */
 #define IDEM_HTTP_MAX_CHUNK_HEX 8  /* hex digits of a chunk size (below 4 GiB) */
+/* Bytes of chunk-size lines (with extensions) and trailers of one body, beyond the data
+ * bytes decoded so far. */
+#define IDEM_HTTP_MAX_CHUNK_FRAMING 65536
 
 typedef enum { IDEM_HP_MORE, IDEM_HP_OK, IDEM_HP_BAD } idem_hp;
 
@@ -38,7 +41,7 @@ typedef struct idem_hreq {
     bool expect_continue;
 } idem_hreq;
 
-/* A refusal: the status to answer (400, 417, 505) and why. */
+/* A refusal: the status to answer (400, 413, 414, 417, 505) and why. */
 typedef struct idem_hp_err {
     int status;
     const char *msg;
@@ -54,6 +57,7 @@ typedef struct idem_hchunk {
     uint64_t left;     /* data bytes left in the current chunk */
     int state;
     size_t trailers;
+    size_t framing; /* bytes of size lines and trailer lines so far */
 } idem_hchunk;
 
 /* Decodes the chunked body at buf[0..len) in place: the data moves to buf[0..wpos).

@@ -290,7 +290,8 @@ static void serve(const uint8_t *data, size_t size)
 static void http_refusal(const idem_hp_err *err)
 {
     if (err->msg == NULL || err->msg[0] == '\0' ||
-        (err->status != 400 && err->status != 413 && err->status != 417 && err->status != 505)) {
+        (err->status != 400 && err->status != 413 && err->status != 414 && err->status != 417 &&
+         err->status != 505)) {
         die("http", "a refusal without a message or with another status");
     }
 }
