@@ -12,6 +12,7 @@
 
 #include <nng/nng.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <nng/supplemental/tls/tls.h>
 
 #include "http_parse.h"
@@ -56,7 +57,7 @@ struct idem_hsrv {
     idem_hconn *conns;
     size_t n;
     size_t max_buf; /* a connection's buffer: head, body, one chunk line */
-    bool closing;
+    atomic_bool closing;
 };
 /* A connection serving st, linked into s (s->mtx held); NULL when out of memory. */
 idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st);
