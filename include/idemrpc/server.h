@@ -196,6 +196,15 @@ typedef struct idem_server_opts {
     size_t redrive_batch; /* listed calls looked at per pass; 0 = 16 */
     /* Re-runs of one call, then it waits for a client; 0 = 3, at most 254. */
     unsigned redrive_max_runs;
+    /* ---- HTTP front bounds (README "Security") ----
+     * A request must arrive whole within http_request_timeout_ms of its first byte, else
+     * 408 and the connection closes (0 = 10 s); a keep-alive connection with no request
+     * begun closes after http_idle_timeout_ms (0 = 60 s); a response not taken by the
+     * client within http_request_timeout_ms closes the connection. At most
+     * http_max_conns connections at once (0 = 1024): more are closed when accepted. */
+    uint64_t http_request_timeout_ms;
+    uint64_t http_idle_timeout_ms;
+    size_t http_max_conns;
 } idem_server_opts;
 
 typedef enum idem_builtin {

@@ -561,7 +561,10 @@ static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_l
                          .max_body = srv->opts.max_frame,
                          .caller_header = srv->opts.http_caller_header,
                          .max_pending = srv->opts.http_max_pending,
-                         .tls = tls};
+                         .tls = tls,
+                         .request_timeout_ms = srv->opts.http_request_timeout_ms,
+                         .idle_timeout_ms = srv->opts.http_idle_timeout_ms,
+                         .max_conns = srv->opts.http_max_conns};
     return idem__http_start(url, &cfg, &srv->http);
 }
 

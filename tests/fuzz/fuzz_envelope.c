@@ -1,9 +1,12 @@
 /* libFuzzer target: one request frame through the whole server path.
  *
- * An input that starts with "HTTP\n" is an HTTP request instead: a URI line, header
- * lines "Name: value" (a name may repeat), an empty line, the body. It goes through
- * the HTTP front's translation (idem__http_request_frame: Idempotency-Key parsing, the
- * headers taken whole) and, when that accepts it, through the same server path.
+ * An input that starts with "HTTP\n" is the raw bytes of an HTTP connection instead:
+ * the front's strict parser frames them (http_parse.c: request line, header lines,
+ * Content-Length or chunked body, pipelined requests) exactly as a connection does,
+ * and each request it accepts goes through the front's translation
+ * (idem__http_request_frame) and, when that accepts it, through the same server path.
+ * A refusal must carry a status and a message; a head must not parse without its last
+ * byte; the chunked decoder must stay inside its buffer.
  *
  * Every input goes through idem__server_serve_frame(): decoder and envelope checks,
  * request id and key resolution, token, result cache (claim, replay, mismatch, wait),
@@ -39,6 +42,7 @@
 #define FUZZ_MAX_FRAME ((size_t)64 << 10)
 #define FUZZ_MAX_WAIT_MS 20  /* a duplicate of a stuck claim must not hit -timeout */
 #define FUZZ_CHECK_EVERY 512 /* inputs between two store-fill checks */
+#define FUZZ_MAX_PIPELINED 4 /* requests of one HTTP input served */
 #define FUZZ_TXN_DB "fuzz.balances"
 
 /* Tokens a seed can use without calling idem.Token/Issue first (issued tokens are
@@ -267,81 +271,10 @@ static void check_response(nng_msg *out)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-/* Fills req from "URI\nName: value\n...\n\nbody"; *body points into text. */
-static bool http_parse(char *text, size_t size, nng_http_req *req, const char **body,
-                       size_t *blen)
+/* One request through the fast path, then the whole chain as a worker runs it. */
+static void serve(const uint8_t *data, size_t size)
 {
-    char *end = text + size, *line = text, *nl;
-    if ((nl = memchr(line, '\n', (size_t)(end - line))) == NULL) {
-        return false;
-    }
-    *nl = '\0';
-    if (nng_http_req_set_uri(req, line[0] == '/' ? line : "/") != 0) {
-        return false;
-    }
-    for (line = nl + 1; line < end && (nl = memchr(line, '\n', (size_t)(end - line))) != NULL;
-         line = nl + 1) {
-        *nl = '\0';
-        if (line[0] == '\0') {
-            line = nl + 1;
-            break;
-        }
-        char *colon = strchr(line, ':');
-        if (colon == NULL) {
-            return false;
-        }
-        *colon = '\0';
-        nng_http_req_add_header(req, line, colon + 1 + strspn(colon + 1, " "));
-    }
-    *body = line < end ? line : end;
-    *blen = (size_t)(end - *body);
-    return true;
-}
-
-/* An "HTTP\n" input as the frame the HTTP front would make of it (NULL: refused or not
- * an HTTP input; a refusal must carry a message). */
-static uint8_t *http_frame(const uint8_t *data, size_t size, size_t *len)
-{
-    static const char tag[] = "HTTP\n";
-    nng_http_req *req;
-    const char *body, *err = NULL;
-    size_t blen;
-    uint8_t *frame = NULL;
-    if (size < sizeof(tag) - 1 || memcmp(data, tag, sizeof(tag) - 1) != 0 ||
-        nng_http_req_alloc(&req, NULL) != 0) {
-        return NULL;
-    }
-    size_t n = size - (sizeof(tag) - 1);
-    char *text = malloc(n + 1);
-    if (text != NULL) {
-        memcpy(text, data + sizeof(tag) - 1, n);
-        text[n] = '\0';
-        if (http_parse(text, n, req, &body, &blen)) {
-            frame = idem__http_request_frame(req, "X-Caller", body, blen, len, &err);
-            if (frame == NULL && (err == NULL || err[0] == '\0')) {
-                die("http", "a refused request without a message");
-            }
-        }
-    }
-    free(text);
-    nng_http_req_free(req);
-    return frame;
-}
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
-    if (fz.srv == NULL) {
-        server_start();
-    }
-    server_refresh_if_full();
-    put_seed_tokens();
-    size_t http_len;
-    uint8_t *http = http_frame(data, size, &http_len);
-    if (http != NULL) {
-        data = http, size = http_len;
-    }
-    /* The callback's fast path first (it must answer or defer, never fail), then the
-     * whole chain as a worker runs it. */
+    /* The callback's fast path first (it must answer or defer, never fail). */
     idem_served fast;
     if (idem__server_run(fz.srv, data, size, true, &fast)) {
         if (fast.call.request_id[0] == '\0' || (unsigned)fast.call.code >= IDEM_CODE_COUNT) {
@@ -352,6 +285,110 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     nng_msg *out = idem__server_serve_frame(fz.srv, data, size);
     check_response(out);
     nng_msg_free(out);
-    free(http);
+}
+
+static void http_refusal(const idem_hp_err *err)
+{
+    if (err->msg == NULL || err->msg[0] == '\0' ||
+        (err->status != 400 && err->status != 413 && err->status != 414 && err->status != 417 &&
+         err->status != 505)) {
+        die("http", "a refusal without a message or with another status");
+    }
+}
+
+/* The body of the request whose head is r, at buf[head_len..len): false when it is not
+ * complete (or refused); else *used is the request's length. */
+static bool http_body(char *buf, size_t len, const idem_hreq *r, size_t *blen, size_t *used)
+{
+    idem_hp_err err;
+    if (!r->chunked) {
+        if (r->content_length > len - r->head_len) {
+            return false;
+        }
+        *blen = (size_t)r->content_length;
+        *used = r->head_len + *blen;
+        return true;
+    }
+    idem_hchunk ck = {0};
+    idem_hp hp = idem__http_dechunk(buf + r->head_len, len - r->head_len, &ck, FUZZ_MAX_FRAME,
+                                    &err);
+    if (ck.wpos > ck.rpos || ck.rpos > len - r->head_len) {
+        die("http", "the chunked decoder left its buffer");
+    }
+    if (hp == IDEM_HP_BAD) {
+        http_refusal(&err);
+    }
+    *blen = ck.wpos;
+    *used = r->head_len + ck.rpos;
+    return hp == IDEM_HP_OK;
+}
+
+/* The next request framed from buf[0..len) as the HTTP front frames it (http_parse.c):
+ * false when there is none (incomplete or refused: the connection would end); else
+ * *frame is what the front hands to the workers (NULL: refused with a 400 by the
+ * translation, the connection goes on) and *used its length in buf. */
+static bool http_next(char *buf, size_t len, size_t *used, uint8_t **frame, size_t *flen)
+{
+    idem_hreq r, again;
+    idem_hp_err err;
+    size_t blen;
+    idem_hp hp = idem__http_parse_head(buf, len, &r, &err);
+    *frame = NULL;
+    if (hp == IDEM_HP_BAD) {
+        http_refusal(&err);
+    }
+    if (hp != IDEM_HP_OK) {
+        return false;
+    }
+    if (r.head_len > len || (r.chunked && r.content_length != 0) ||
+        idem__http_parse_head(buf, r.head_len - 1, &again, &err) == IDEM_HP_OK) {
+        die("http", "a head longer than its input, framed twice, or complete without its end");
+    }
+    if (!http_body(buf, len, &r, &blen, used)) {
+        return false;
+    }
+    const char *e = NULL;
+    *frame = idem__http_request_frame(&r, "X-Caller", buf + r.head_len, blen, flen, &e);
+    if (*frame == NULL && (e == NULL || e[0] == '\0')) {
+        die("http", "a refused request without a message");
+    }
+    return true;
+}
+
+/* An "HTTP\n" input: the rest is the raw bytes of a connection; each request the front
+ * would hand over (at most FUZZ_MAX_PIPELINED) goes through the server path. */
+static void http_input(const uint8_t *data, size_t size)
+{
+    char *buf = malloc(size ? size : 1);
+    if (buf == NULL) {
+        return;
+    }
+    memcpy(buf, data, size);
+    size_t off = 0, used, flen;
+    uint8_t *frame;
+    for (int i = 0; i < FUZZ_MAX_PIPELINED && http_next(buf + off, size - off, &used, &frame, &flen);
+         i++) {
+        if (frame != NULL) {
+            serve(frame, flen);
+            free(frame);
+        }
+        off += used;
+    }
+    free(buf);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    static const char tag[] = "HTTP\n";
+    if (fz.srv == NULL) {
+        server_start();
+    }
+    server_refresh_if_full();
+    put_seed_tokens();
+    if (size >= sizeof(tag) - 1 && memcmp(data, tag, sizeof(tag) - 1) == 0) {
+        http_input(data + sizeof(tag) - 1, size - (sizeof(tag) - 1));
+    } else {
+        serve(data, size);
+    }
     return 0;
 }

@@ -79,13 +79,19 @@ raw invalid-utf8 '\x0a\x10fuzz.Counter/Get\x12\x03k\xff\xfe'
 # method "fuzz.Counter/Get", idempotency_key "a\0b".
 raw embedded-nul '\x0a\x10fuzz.Counter/Get\x12\x03a\x00b'
 
-echo "make_corpus: $(find "$out" -type f | wc -l) files in $out"
-
-# ---- HTTP requests (the HTTP front's translation first) ----
-raw http-charge 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "order-981:charge"\nX-Caller: checkout\n\n100'
-raw http-two-keys 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: a\nIdempotency-Key: b\n\n100'
-raw http-key-list 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "a", "b"\n\n100'
-raw http-key-params 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "k";p=1\nX-Request-Id: x","code":"OK\n\n1'
-raw http-token 'HTTP\n/fuzz.Order/Submit\nIdem-Token: fuzz-token-anon\n\n{}'
+# ---- HTTP connections: "HTTP\n", then the raw bytes (the front's strict parser first) ----
+H='POST /fuzz.Ledger/Charge HTTP/1.1\r\nHost: x\r\n'
+raw http-charge "HTTP\n${H}"'Idempotency-Key: "order-981:charge"\r\nX-Caller: checkout\r\nContent-Length: 3\r\n\r\n100'
+raw http-two-keys "HTTP\n${H}"'Idempotency-Key: a\r\nIdempotency-Key: b\r\nContent-Length: 3\r\n\r\n100'
+raw http-key-list "HTTP\n${H}"'Idempotency-Key: "a", "b"\r\nContent-Length: 3\r\n\r\n100'
+raw http-key-params "HTTP\n${H}"'Idempotency-Key: "k";p=1\r\nX-Request-Id: x","code":"OK\r\nContent-Length: 1\r\n\r\n1'
+raw http-token 'HTTP\nPOST /fuzz.Order/Submit HTTP/1.1\r\nHost: x\r\nIdem-Token: fuzz-token-anon\r\nContent-Length: 2\r\n\r\n{}'
 # found by the fuzzer: a quoted key ending in a backslash read past the header's end
-raw http-trailing-backslash 'HTTP\n/fuzz.Ledger/Charge\nIdempotency-Key: "abc\\\n\n1'
+raw http-trailing-backslash "HTTP\n${H}"'Idempotency-Key: "abc\\\r\nContent-Length: 1\r\n\r\n1'
+raw http-chunked "HTTP\n${H}"'Idempotency-Key: ch\r\nTransfer-Encoding: chunked\r\n\r\n2;e=1\r\n10\r\n1\r\n0\r\n0\r\nT: v\r\n\r\n'
+raw http-pipelined "HTTP\n${H}"'Idempotency-Key: p1\r\nContent-Length: 1\r\n\r\n1'"${H}"'Idempotency-Key: p2\r\nContent-Length: 1\r\n\r\n2'
+raw http-cl-te "HTTP\n${H}"'Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n'"${H}"'Idempotency-Key: hidden\r\nContent-Length: 3\r\n\r\n100'
+raw http-obs-fold "HTTP\n${H}"'X-A: b\r\n Transfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n'
+raw http-bare-lf "HTTP\nPOST /fuzz.Ledger/Charge HTTP/1.1\nHost: x\n\n"
+
+echo "make_corpus: $(find "$out" -type f | wc -l) files in $out"

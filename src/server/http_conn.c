@@ -1,0 +1,494 @@
+/* The HTTP front's connections: nng streams, the strict parser, one request at a time.
+ *
+ * A connection reads into one buffer, frames the next request from it (http_parse.c),
+ * hands a complete request to the front and reads nothing more until the front has
+ * answered it and the answer is sent; then the bytes of that request are dropped and
+ * the next one (pipelined, already buffered) is framed. A refused request is answered
+ * with Connection: close, the connection then reads (and discards) what the client is
+ * still sending for at most LINGER_MS of quiet, so that the client sees the answer
+ * rather than a reset, and closes. Each connection holds a reference per pending
+ * operation (receive, send, a request with the front); the last one frees it. */
+#include <nng/nng.h>
+#include <nng/supplemental/tls/tls.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "http_conn.h"
+#include "json.h"
+
+#define LINGER_MS 100             /* quiet time before a refused connection closes */
+#define LINGER_MAX (64 * 1024)    /* bytes discarded at most while lingering */
+#define INITIAL_BUF 4096
+
+
+struct idem_hconn {
+    idem_hsrv *srv;
+    idem_hconn *prev, *next;
+    nng_stream *st;
+    nng_aio *rx, *tx;
+    pthread_mutex_t mtx;
+    int refs;
+    bool closed, eof, busy, rx_pending, head_done, head_only, close_after, lingering,
+        interim, continued;
+    char *buf;
+    size_t len, cap, req_len, lingered;
+    idem_hreq req;
+    idem_hchunk ck;
+    uint64_t req_start; /* ms: the first byte of the request being read; 0 none */
+    char *out;
+    size_t out_len, out_off;
+};
+
+static const char continue_100[] = "HTTP/1.1 100 Continue\r\n\r\n";
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static nng_duration duration(uint64_t ms)
+{
+    return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
+}
+
+/* ---- responses ---- */
+
+static void hres_append(idem_hres *res, const void *p, size_t n)
+{
+    if (res->oom || res->len + n + 1 > res->cap) {
+        size_t cap = res->cap ? res->cap : 512;
+        while (cap < res->len + n + 1) {
+            cap *= 2;
+        }
+        char *b = res->oom ? NULL : realloc(res->buf, cap);
+        if (b == NULL) {
+            res->oom = true;
+            return;
+        }
+        res->buf = b;
+        res->cap = cap;
+    }
+    memcpy(res->buf + res->len, p, n);
+    res->len += n;
+}
+
+void idem__hres_start(idem_hres *res, int status, const char *reason)
+{
+    char line[128];
+    memset(res, 0, sizeof(*res));
+    int n = snprintf(line, sizeof(line), "HTTP/1.1 %d %s\r\n", status, reason);
+    hres_append(res, line, (size_t)n);
+}
+
+void idem__hres_header(idem_hres *res, const char *name, const char *value)
+{
+    hres_append(res, name, strlen(name));
+    hres_append(res, ": ", 2);
+    hres_append(res, value, strlen(value));
+    hres_append(res, "\r\n", 2);
+}
+
+/* ---- connection life ---- */
+
+static void conn_close_locked(idem_hconn *c)
+{
+    if (!c->closed) {
+        c->closed = true;
+        nng_stream_close(c->st); /* pending operations finish with NNG_ECLOSED */
+    }
+}
+
+static void conn_destroy(idem_hconn *c)
+{
+    idem_hsrv *s = c->srv;
+    pthread_mutex_lock(&s->mtx);
+    *(c->prev != NULL ? &c->prev->next : &s->conns) = c->next;
+    if (c->next != NULL) {
+        c->next->prev = c->prev;
+    }
+    s->n--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mtx);
+    nng_stream_free(c->st); /* nng reaps streams and aios, even from their callbacks */
+    nng_aio_reap(c->rx);
+    nng_aio_reap(c->tx);
+    pthread_mutex_destroy(&c->mtx);
+    if (c->out != continue_100) {
+        free(c->out);
+    }
+    free(c->buf);
+    free(c);
+}
+
+/* Unlocks c; frees it when nothing refers to it any more. */
+static void conn_unlock(idem_hconn *c)
+{
+    if (c->refs > 0) {
+        pthread_mutex_unlock(&c->mtx);
+        return;
+    }
+    conn_close_locked(c);
+    pthread_mutex_unlock(&c->mtx);
+    conn_destroy(c);
+}
+
+static void start_send(idem_hconn *c)
+{
+    nng_iov iov = {.iov_buf = c->out + c->out_off, .iov_len = c->out_len - c->out_off};
+    if (nng_aio_set_iov(c->tx, 1, &iov) != 0) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_aio_set_timeout(c->tx, duration(c->srv->cfg.request_timeout_ms));
+    c->refs++;
+    nng_stream_send(c->st, c->tx);
+}
+
+static void send_locked(idem_hconn *c, char *out, size_t len, bool close)
+{
+    c->out = out;
+    c->out_len = len;
+    c->out_off = 0;
+    c->close_after = c->close_after || close;
+    start_send(c);
+}
+
+static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen);
+
+/* A refusal: status, a JSON body, Connection: close; nothing after it is read. (While
+ * a 100 Continue is still being sent, the connection just closes.) */
+static void refuse(idem_hconn *c, int status, const char *msg)
+{
+    if (c->out != NULL) {
+        conn_close_locked(c);
+        return;
+    }
+    static const struct {
+        int status;
+        const char *reason, *code;
+    } kinds[] = {
+        {400, "Bad Request", "INVALID_ARGUMENT"},
+        {408, "Request Timeout", "DEADLINE_EXCEEDED"},
+        {413, "Content Too Large", "RESOURCE_EXHAUSTED"},
+        {414, "URI Too Long", "INVALID_ARGUMENT"},
+        {417, "Expectation Failed", "INVALID_ARGUMENT"},
+        {505, "HTTP Version Not Supported", "UNIMPLEMENTED"},
+    };
+    size_t k = 0;
+    while (k + 1 < sizeof(kinds) / sizeof(kinds[0]) && kinds[k].status != status) {
+        k++;
+    }
+    k = kinds[k].status == status ? k : 0;
+    char json[384], m[320];
+    if (!idem__json_string(m, sizeof(m), msg)) {
+        strcpy(m, "\"\"");
+    }
+    int n = snprintf(json, sizeof(json), "{\"code\":\"%s\",\"message\":%s}", kinds[k].code, m);
+    idem_hres res;
+    idem__hres_start(&res, kinds[k].status, kinds[k].reason);
+    idem__hres_header(&res, "Content-Type", "application/json");
+    res.close = true;
+    c->head_only = false;
+    respond_locked(c, &res, json, (size_t)n);
+}
+
+/* Receives more: after the request's own deadline has passed, 408. */
+static void need_more(idem_hconn *c)
+{
+    const idem_hsrv_cfg *cfg = &c->srv->cfg;
+    if (c->eof || c->closed) {
+        conn_close_locked(c); /* an incomplete request at the client's eof: nothing to do */
+        return;
+    }
+    if (c->rx_pending) {
+        return;
+    }
+    if (c->len == c->cap) {
+        size_t cap = c->cap * 2 < c->srv->max_buf ? c->cap * 2 : c->srv->max_buf;
+        char *b = cap > c->cap ? realloc(c->buf, cap) : NULL;
+        if (b == NULL) {
+            refuse(c, 400, "a request over the size bound");
+            return;
+        }
+        c->buf = b;
+        c->cap = cap;
+    }
+    uint64_t ms = cfg->idle_timeout_ms, now = now_ms();
+    if (c->req_start != 0) {
+        if (now >= c->req_start + cfg->request_timeout_ms) {
+            refuse(c, 408, "the request did not arrive within the request timeout");
+            return;
+        }
+        ms = c->req_start + cfg->request_timeout_ms - now;
+    }
+    nng_iov iov = {.iov_buf = c->buf + c->len, .iov_len = c->cap - c->len};
+    if (nng_aio_set_iov(c->rx, 1, &iov) != 0) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_aio_set_timeout(c->rx, duration(ms));
+    c->rx_pending = true;
+    c->refs++;
+    nng_stream_recv(c->st, c->rx);
+}
+
+/* While a body is awaited: 100 Continue once, if the client asked for it. */
+static void maybe_continue(idem_hconn *c)
+{
+    if (c->req.expect_continue && !c->continued && c->out == NULL) {
+        c->continued = c->interim = true;
+        send_locked(c, (char *)continue_100, sizeof(continue_100) - 1, false);
+    }
+}
+
+/* The body of a request whose head is parsed: true when complete. */
+static bool have_body(idem_hconn *c, const void **body, size_t *blen)
+{
+    size_t hl = c->req.head_len;
+    idem_hp_err err;
+    if (!c->req.chunked) {
+        if (c->len - hl < c->req.content_length) {
+            return false;
+        }
+        *body = c->buf + hl;
+        *blen = (size_t)c->req.content_length;
+        c->req_len = hl + *blen;
+        return true;
+    }
+    idem_hp hp = idem__http_dechunk(c->buf + hl, c->len - hl, &c->ck, c->srv->cfg.max_body, &err);
+    if (hp == IDEM_HP_BAD) {
+        refuse(c, err.status, err.msg);
+        return false;
+    }
+    if (hp == IDEM_HP_MORE) { /* drop the framing decoded so far */
+        memmove(c->buf + hl + c->ck.wpos, c->buf + hl + c->ck.rpos, c->len - hl - c->ck.rpos);
+        c->len -= c->ck.rpos - c->ck.wpos;
+        c->ck.rpos = c->ck.wpos;
+        return false;
+    }
+    *body = c->buf + hl;
+    *blen = c->ck.wpos;
+    c->req_len = hl + c->ck.rpos;
+    return true;
+}
+
+/* Frames the next request from the buffer: true when one is complete. */
+static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
+{
+    idem_hp_err err;
+    if (c->closed || c->busy || c->lingering || c->out != NULL) {
+        return false;
+    }
+    if (!c->head_done) {
+        c->req_start = c->req_start == 0 && c->len > 0 ? now_ms() : c->req_start;
+        idem_hp hp = idem__http_parse_head(c->buf, c->len, &c->req, &err);
+        if (hp != IDEM_HP_OK) {
+            hp == IDEM_HP_BAD ? refuse(c, err.status, err.msg) : need_more(c);
+            return false;
+        }
+        c->head_done = true;
+        c->continued = false;
+        memset(&c->ck, 0, sizeof(c->ck));
+        if (c->req.content_length > c->srv->cfg.max_body) {
+            refuse(c, 413, "a body over the size limit");
+            return false;
+        }
+    }
+    if (!have_body(c, body, blen)) {
+        if (!c->closed && c->out == NULL) {
+            maybe_continue(c);
+            need_more(c); /* a receive may run beside the 100 Continue's send */
+        }
+        return false;
+    }
+    /* The buffer may have moved while the body arrived: the head again, in place. */
+    if (idem__http_parse_head(c->buf, c->len, &c->req, &err) != IDEM_HP_OK) {
+        refuse(c, 400, err.msg); /* not reached: these bytes parsed before */
+        return false;
+    }
+    return true;
+}
+
+/* Runs the connection as far as it goes; c->mtx held on entry, released on return. */
+static void conn_run(idem_hconn *c)
+{
+    const void *body;
+    size_t blen;
+    if (!conn_advance(c, &body, &blen)) {
+        conn_unlock(c);
+        return;
+    }
+    c->busy = true;
+    c->refs++;
+    c->head_only = c->req.mlen == 4 && memcmp(c->req.method, "HEAD", 4) == 0;
+    pthread_mutex_unlock(&c->mtx);
+    c->srv->cfg.on_request(c, &c->req, body, blen, c->srv->cfg.arg);
+}
+
+/* Completes res (Content-Length, Connection, body) and sends it. */
+static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
+{
+    char num[32];
+    bool close = res->close || !c->req.keep_alive || c->srv->closing || c->closed;
+    snprintf(num, sizeof(num), "%zu", blen);
+    idem__hres_header(res, "Content-Length", num);
+    if (close) {
+        idem__hres_header(res, "Connection", "close");
+    }
+    hres_append(res, "\r\n", 2);
+    if (!c->head_only) {
+        hres_append(res, body, blen);
+    }
+    if (res->oom) {
+        static const char oom[] = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                  "Connection: close\r\n\r\n";
+        free(res->buf);
+        res->buf = strdup(oom);
+        res->len = res->buf != NULL ? sizeof(oom) - 1 : 0;
+        close = true;
+    }
+    if (c->closed || res->buf == NULL) {
+        free(res->buf);
+        conn_close_locked(c);
+    } else {
+        send_locked(c, res->buf, res->len, close);
+    }
+}
+
+void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
+{
+    pthread_mutex_lock(&c->mtx);
+    c->busy = false;
+    c->refs--;
+    respond_locked(c, res, body, blen);
+    conn_unlock(c);
+}
+
+/* ---- aio callbacks ---- */
+
+static void linger_more(idem_hconn *c)
+{
+    if (c->eof || c->closed || c->lingered > LINGER_MAX) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_iov iov = {.iov_buf = c->buf, .iov_len = c->cap};
+    if (nng_aio_set_iov(c->rx, 1, &iov) != 0) {
+        conn_close_locked(c);
+        return;
+    }
+    nng_aio_set_timeout(c->rx, LINGER_MS);
+    c->rx_pending = true;
+    c->refs++;
+    nng_stream_recv(c->st, c->rx);
+}
+
+static void rx_cb(void *arg)
+{
+    idem_hconn *c = arg;
+    int rv = nng_aio_result(c->rx);
+    pthread_mutex_lock(&c->mtx);
+    c->rx_pending = false;
+    c->refs--;
+    size_t n = rv == 0 ? nng_aio_count(c->rx) : 0;
+    if (c->lingering) {
+        c->lingered += n;
+        rv == 0 ? linger_more(c) : conn_close_locked(c);
+        conn_unlock(c);
+        return;
+    }
+    if (rv == NNG_ECONNSHUT) {
+        c->eof = true;
+    } else if (rv == NNG_ETIMEDOUT && (c->req_start != 0 || c->head_done)) {
+        refuse(c, 408, "the request did not arrive within the request timeout");
+    } else if (rv != 0) {
+        conn_close_locked(c);
+    }
+    c->len += n;
+    conn_run(c);
+}
+
+static void tx_cb(void *arg)
+{
+    idem_hconn *c = arg;
+    int rv = nng_aio_result(c->tx);
+    pthread_mutex_lock(&c->mtx);
+    c->refs--;
+    c->out_off += rv == 0 ? nng_aio_count(c->tx) : 0;
+    if (rv == 0 && c->out_off < c->out_len) {
+        start_send(c);
+        conn_unlock(c);
+        return;
+    }
+    if (c->out != continue_100) {
+        free(c->out);
+    }
+    c->out = NULL;
+    if (rv != 0) {
+        conn_close_locked(c);
+    } else if (c->interim) {
+        c->interim = false;
+    } else if (c->close_after) {
+        c->lingering = true;
+        c->rx_pending ? (void)0 : linger_more(c);
+    } else { /* the next request, if one is buffered */
+        memmove(c->buf, c->buf + c->req_len, c->len - c->req_len);
+        c->len -= c->req_len;
+        c->head_done = false;
+        c->req_start = 0;
+    }
+    conn_run(c);
+}
+
+/* ---- the listener's side ---- */
+
+idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
+{
+    idem_hconn *c = calloc(1, sizeof(*c));
+    if (c == NULL || (c->buf = malloc(INITIAL_BUF)) == NULL ||
+        nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0) {
+        if (c != NULL && c->rx != NULL) {
+            nng_aio_free(c->rx);
+        }
+        if (c != NULL) {
+            free(c->buf);
+        }
+        free(c);
+        return NULL;
+    }
+    pthread_mutex_init(&c->mtx, NULL);
+    c->srv = s;
+    c->st = st;
+    c->cap = INITIAL_BUF;
+    c->next = s->conns;
+    if (s->conns != NULL) {
+        s->conns->prev = c;
+    }
+    s->conns = c;
+    s->n++;
+    return c;
+}
+
+void idem__hconn_start(idem_hconn *c)
+{
+    pthread_mutex_lock(&c->mtx);
+    conn_run(c);
+}
+
+void idem__hconn_close(idem_hconn *c)
+{
+    pthread_mutex_lock(&c->mtx);
+    conn_close_locked(c);
+    pthread_mutex_unlock(&c->mtx);
+}
+
+idem_hconn *idem__hconn_next(const idem_hconn *c)
+{
+    return c->next;
+}

@@ -1,0 +1,76 @@
+/* The HTTP front's own HTTP/1.1 server (http_conn.c): nng only as the byte stream.
+ *
+ * nng 1.5.2's HTTP server frames a request by Content-Length even when it also carries
+ * Transfer-Encoding, ignores chunked request bodies, and after some of its own 400/404/
+ * 405 answers reads the unread body as the next request (README "Security"): a request
+ * smuggling hole that its handlers cannot close. So the front listens with an
+ * nng_stream_listener (tcp, or tls+tcp for https) and frames every request with the
+ * strict parser (http_parse.c); one request at a time per connection, answered in
+ * order; a refusal is answered with Connection: close and ends the connection. */
+#ifndef IDEMRPC_HTTP_CONN_H
+#define IDEMRPC_HTTP_CONN_H
+
+#include <nng/nng.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <nng/supplemental/tls/tls.h>
+
+#include "http_parse.h"
+
+typedef struct idem_hsrv idem_hsrv;
+typedef struct idem_hconn idem_hconn;
+
+/* A response being built: the status line and header lines, then the body. */
+typedef struct idem_hres {
+    char *buf;
+    size_t len, cap;
+    bool oom;
+    bool close; /* send Connection: close and end the connection after it */
+} idem_hres;
+
+typedef struct idem_hsrv_cfg {
+    uint64_t max_body;           /* a larger body is 413 and closes the connection */
+    uint64_t request_timeout_ms; /* first byte to last byte of a request; also a send */
+    uint64_t idle_timeout_ms;    /* between requests */
+    size_t max_conns;
+    nng_tls_config *tls; /* NULL: plain tcp */
+    /* A complete request: answer it once with idem__hconn_send (now or from any thread
+     * later). body is valid until then. */
+    void (*on_request)(idem_hconn *c, const idem_hreq *r, const void *body, size_t blen,
+                       void *arg);
+    void *arg;
+} idem_hsrv_cfg;
+
+/* Listens on url ("http://HOST:PORT" or "https://HOST:PORT"); *port is the bound one. */
+int idem__hsrv_start(const char *url, const idem_hsrv_cfg *cfg, idem_hsrv **out, int *port);
+/* Closes the listener and every connection and waits until all are gone: every request
+ * handed to on_request must be answered (idem__hconn_send) for this to return. */
+void idem__hsrv_stop(idem_hsrv *s);
+
+/* ---- between the listener (http_listen.c) and the connections (http_conn.c) ---- */
+struct idem_hsrv {
+    idem_hsrv_cfg cfg;
+    nng_stream_listener *l;
+    nng_aio *acc;
+    pthread_mutex_t mtx; /* conns, n, closing; taken before a connection's own */
+    pthread_cond_t cv;   /* a connection went away */
+    idem_hconn *conns;
+    size_t n;
+    size_t max_buf; /* a connection's buffer: head, body, one chunk line */
+    atomic_bool closing;
+};
+/* A connection serving st, linked into s (s->mtx held); NULL when out of memory. */
+idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st);
+/* Its first receive (s->mtx not held). */
+void idem__hconn_start(idem_hconn *c);
+/* Closes it; it unlinks and frees itself once nothing refers to it. */
+void idem__hconn_close(idem_hconn *c);
+idem_hconn *idem__hconn_next(const idem_hconn *c);
+
+void idem__hres_start(idem_hres *res, int status, const char *reason);
+void idem__hres_header(idem_hres *res, const char *name, const char *value);
+/* Appends Content-Length (and Connection: close), then the body unless head_only, and
+ * sends it on c; takes res->buf. Out of memory: a bare 500 and the connection closes. */
+void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t blen);
+
+#endif
