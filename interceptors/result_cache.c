@@ -242,19 +242,58 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
     return st;
 }
 
+/* A final outcome the store could not record (a commit that failed on a disk error, or
+ * an outage or a full store that outlasted RECORD_RETRY_MS): no answer that is stored
+ * and replayed, OK least of all, leaves for it, or a retry after the lease could run
+ * the handler again and contradict it. The claim stays: the lease keeper renews it and
+ * records the outcome later (keeper.c), duplicates wait for it meanwhile, and this
+ * client hears UNAVAILABLE: its retry with the same key waits for the record and
+ * replays it. Only when even that cannot be arranged (no keeper entry: out of memory)
+ * does the lease run out; the client was never told OK either way. */
+static idem_code record_later(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
+                              idem_keep *keep)
+{
+    char why[256], detail[IDEM_LOGQ_CAP], hint[16];
+    uint8_t *buf = NULL;
+    size_t len;
+    uint64_t now, expires;
+    snprintf(why, sizeof(why), "%s", idem_errmsg());
+    bool later = keep != NULL && encode_result(call, cfg, &buf, &len, &now, &expires) == IDEM_OK;
+    if (later) {
+        idem__inflight_record_later(call->rt->inflight, keep, buf, len, expires - now);
+    } else {
+        idem__inflight_unkeep(call->rt->inflight, keep);
+        idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
+    }
+    snprintf(detail, sizeof(detail), "recording the outcome failed: %s; %s", why,
+             later ? "it is recorded again in the background" : "its lease runs out");
+    log_error(call, detail);
+    idem__call_reset_response(call);
+    idem__reject(call, IDEM_REASON_STORE, IDEM_UNAVAILABLE,
+                 "the outcome is not on disk yet (%s); retry with the same key: the retry "
+                 "gets it once it is recorded",
+                 why);
+    snprintf(hint, sizeof(hint), "%u", RETRY_AFTER_MS);
+    idem__call_set_meta(call, "retry-after-ms", hint);
+    return IDEM_UNAVAILABLE;
+}
+
 /* What follows the record of a run (st: how it went): the lease keeper stops, the key's
- * waiters wake (unless the end of an asynchronous record did both: done), and a failed
- * record decides the answer. */
+ * waiters wake (unless the end of an asynchronous record did both: done, or the keeper
+ * records the outcome later), and a failed record decides the answer. */
 static idem_code after_record(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                               uint64_t owner, idem_keep *keep, idem_code code, idem_code st,
                               bool claimed_in_txn, bool done)
 {
     bool transactional = (call->method->opts.flags & IDEM_METHOD_TRANSACTIONAL) != 0;
+    bool refused = call->fence_state == IDEM__FENCE_REFUSED;
+    bool later = st != IDEM_OK && st != IDEM_ABORTED && !transactional && !refused &&
+                 !released_code(call, code);
     uint32_t bucket = idem__inflight_bucket(key);
     idem__store_ticket_drop(cfg->store, call->claim_ticket); /* no path before left one */
     call->claim_ticket = 0;
     call->claim_store = NULL;
-    if (!done) {
+    if (!done && !later) {
         /* Renewed until now: recording may retry through a store outage for longer than a
          * lease, and a lapse would let another instance take over and run it again. */
         idem__inflight_unkeep(call->rt->inflight, keep);
@@ -279,11 +318,14 @@ static idem_code after_record(idem_call *call, const idem_cache_cfg *cfg, const 
                             "key",
                             why);
     }
-    if (st == IDEM_ABORTED) {
-        return claim_lost(call, cfg, key, call->fingerprint);
+    if (st == IDEM_ABORTED) { /* a refused fence: its claim is gone, as its answer says */
+        return refused ? code : claim_lost(call, cfg, key, call->fingerprint);
     }
-    /* The handler ran; its answer stands. The record stays IN_PROGRESS until its lease
-     * ends, then a retry may run again (the documented at-least-once edge). */
+    if (later) {
+        return record_later(call, cfg, key, keep);
+    }
+    /* A release that failed: its answer (transient, or a refusal) stands, and the record
+     * stays IN_PROGRESS until its lease ends. */
     char detail[IDEM_LOGQ_CAP];
     snprintf(detail, sizeof(detail), "recording the outcome failed: %s", idem_errmsg());
     log_error(call, detail);
@@ -357,6 +399,18 @@ static idem_code record_resumed(idem_call *call, const idem_cache_cfg *cfg)
     return after_record(call, cfg, &key, r->owner, r->keep, r->code, st, false, done);
 }
 
+/* The handler asked for its fence and the claim was not on disk (its commit and the
+ * redo of it failed, or the key or the fence was taken meanwhile): it must not have
+ * acted on it, so nothing it answered is kept. UNAVAILABLE, not stored: the retry with
+ * the same key runs under a claim of its own (tests/test_disk.c). */
+static idem_code fence_refused(idem_call *call)
+{
+    idem__call_reset_response(call);
+    return idem__reject(call, IDEM_REASON_STORE, IDEM_UNAVAILABLE,
+                        "the claim did not reach the disk, so no fence was handed out; retry "
+                        "with the same key");
+}
+
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
  * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
  * claim's shared commit, still open maybe (the completion then joins it), else 0. */
@@ -381,11 +435,15 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     }
     call->txn = txn;
     call->fence = owner;
+    call->fence_state = IDEM__FENCE_UNCHECKED;
     call->claim_store = cfg->store;
     call->claim_ticket = ticket;
     code = idem_call_next(call, next);
     call->txn = NULL;
-    bool released = released_code(call, code);
+    if (call->fence_state == IDEM__FENCE_REFUSED) {
+        code = fence_refused(call);
+    }
+    bool released = call->fence_state == IDEM__FENCE_REFUSED || released_code(call, code);
     if (txn != NULL && code == IDEM_OK && !released) {
         st = record_result(call, cfg, key, owner, txn, 0); /* effect and record together */
     } else if (txn != NULL) {
@@ -471,10 +529,22 @@ static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const i
     return code;
 }
 
+/* The committed record under key belongs to another request (another fingerprint). */
+static bool other_request_on_disk(const idem_cache_cfg *cfg, const idem_key_ref *key,
+                                  const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
+{
+    idem_record rec;
+    idem_code code = idem_store_get(cfg->store, key, &rec);
+    bool other = code == IDEM_OK && memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) != 0;
+    idem_record_clear(&rec);
+    return other || (code != IDEM_OK && code != IDEM_NOT_FOUND); /* unreadable: as decided */
+}
+
 /* One look at the store and, unless a live lease says wait, one claim. Returns an
- * answer, or IDEM_OK with *wait set, or with *again: a shared claim found a result its
- * txn may not have committed; that commit has ended since: look again (the read then
- * finds it, or it expired and the claim acquires: no third look). */
+ * answer, or IDEM_OK with *wait set, or with *again: a shared claim found a result (or
+ * another request whose record the disk does not hold) in a txn that may not have
+ * committed; that commit has ended since: look again (the read then finds it, or it
+ * expired or never landed and the claim acquires: no third look). */
 static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
                                const idem_key_ref *key,
                                const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *wait,
@@ -527,7 +597,10 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
         if (outcome == IDEM_CLAIM_COMPLETED || outcome == IDEM_CLAIM_MISMATCH) {
             idem__store_ticket_wait(cfg->store, ticket); /* nothing uncommitted is answered */
         }
-        if (outcome == IDEM_CLAIM_COMPLETED) { /* replayed from the store, as committed */
+        /* Replayed from the store, as committed; and "key reused" only for a request the
+         * disk holds: that commit may have failed, and its redo with it. */
+        if (outcome == IDEM_CLAIM_COMPLETED ||
+            (outcome == IDEM_CLAIM_MISMATCH && !other_request_on_disk(cfg, key, fingerprint))) {
             idem_record_clear(&rec);
             *again = true;
             return IDEM_OK;

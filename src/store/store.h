@@ -147,6 +147,13 @@ idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, ui
                                      uint64_t ticket, idem__store_done_fn done, void *arg);
 void idem__store_ticket_drop(idem_store *st, uint64_t ticket);
 void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
+/* The claim (key, owner) of a shared commit (ticket) is on disk: waits for its batch
+ * (asking it to commit now), then reads the claim back from the store. IDEM_OK at once
+ * for ticket 0 (the claim committed before its handler ran); IDEM_UNAVAILABLE when the
+ * claim is not there as (IN_PROGRESS, owner): its commit failed and its redo too, or
+ * another writer took the key or the fence meanwhile. */
+idem_code idem__store_claim_durable(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                    uint64_t ticket);
 
 /* The bounds of a business key-value access (idem_txn_*, idem_store_app_get). */
 #define IDEM__APP_MAX_KEY 511

@@ -43,13 +43,23 @@ static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
     return fence_put(st, txn, *out);
 }
 
-/* The counter at least owner: a shared claim re-applied with the owner it drew in a
- * batch that failed (that draw was rolled back with it). */
-static idem_code fence_at_least(lmdb_store *st, MDB_txn *txn, uint64_t owner)
+/* The counter moved to owner: a shared claim re-applied with the owner it drew in a
+ * batch that failed (that draw was rolled back with it). The counter already at owner
+ * or past it means another writer drew owner (or a later fence) between the failed
+ * commit and this redo: owner may be that writer's now, and a fence is never held by
+ * two claims, so the claim is lost (ABORTED) instead. */
+static idem_code fence_redraw(lmdb_store *st, MDB_txn *txn, uint64_t owner)
 {
     uint64_t last;
     idem_code code = fence_last(st, txn, &last);
-    return code != IDEM_OK || last >= owner ? code : fence_put(st, txn, owner);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (last >= owner) {
+        return idem__err(IDEM_ABORTED, "claim lost: its fence was drawn again while its "
+                                       "failed batch was re-run");
+    }
+    return fence_put(st, txn, owner);
 }
 
 /* Writes a fresh IN_PROGRESS record keeping tok (replacing `old` when it is not NULL). */
@@ -207,8 +217,9 @@ static idem_code shared_apply(MDB_txn *txn, void *arg)
 }
 
 /* The claim again, in a txn of its own, as it was first applied: same owner, the counter
- * past it. Writes nothing unless it acquires (the key was taken meanwhile: its caller's
- * completion then finds the claim lost). Only reads what its caller no longer writes. */
+ * moved to it. Writes nothing unless it acquires with that owner (the key was taken, or
+ * the fence drawn, meanwhile: its caller's completion then finds the claim lost, and
+ * its fence is refused). Only reads what its caller no longer writes. */
 static idem_code shared_redo(MDB_txn *txn, void *arg)
 {
     const shared_claim *h = arg;
@@ -219,7 +230,7 @@ static idem_code shared_redo(MDB_txn *txn, void *arg)
     idem_claim_outcome outcome;
     req.owner = h->owner;
     claim_ctx c = {h->c.st, &req, &h->key, &outcome, NULL, h->c.entered_mono};
-    idem_code code = fence_at_least(h->c.st, txn, h->owner);
+    idem_code code = fence_redraw(h->c.st, txn, h->owner);
     if (code == IDEM_OK && (code = claim_apply(txn, &c)) == IDEM_OK &&
         outcome != IDEM_CLAIM_ACQUIRED && outcome != IDEM_CLAIM_TAKEN_OVER) {
         code = idem__err(IDEM_ABORTED, "claim lost: taken while its batch was re-run");

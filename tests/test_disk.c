@@ -1,0 +1,265 @@
+/* A disk that fails: LMDB commits whose fdatasync answers EIO, through the real server
+ * and client. Nothing the disk may not keep is answered: a fence is handed out only once
+ * its claim is on disk and is never held by two claims, and a stored outcome (OK above
+ * all) reaches its client only once it is on disk; meanwhile the client hears
+ * UNAVAILABLE and its retry waits for the outcome, recorded in the background. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "call.h"
+#include "lmdb_internal.h"
+#include "testutil.h"
+
+/* fdatasync(2) as LMDB calls it, failing with EIO the next failing_syncs times (a disk
+ * error at commit); this program's definition wins over libc's for liblmdb. */
+static atomic_int failing_syncs;
+
+int fdatasync(int fd)
+{
+    int left = atomic_load(&failing_syncs);
+    while (left > 0 && !atomic_compare_exchange_weak(&failing_syncs, &left, left - 1)) {
+    }
+    if (left > 0) {
+        errno = EIO;
+        return -1;
+    }
+    return (int)syscall(SYS_fdatasync, fd);
+}
+
+static char *dir;
+static idem_store *store;
+static tu_server srv;
+static atomic_int runs;
+static uint64_t fences[8];
+static int fails_at_run; /* the syncs that fail once the first run has its fence */
+
+/* A server on a store of its own whose batches stay open for their shared claims (30 s):
+ * what the handler does next meets its claim in the open txn. */
+static void setup(void)
+{
+    dir = tu_tempdir("disk");
+    cr_assert_eq(idem_store_open_lmdb(&store, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    ((lmdb_store *)store)->gc.hold_us = 30u * 1000 * 1000; /* before its first write */
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = store;
+    tu_server_create(&srv, &o);
+    atomic_store(&runs, 0);
+    atomic_store(&failing_syncs, 0);
+    memset(fences, 0, sizeof(fences));
+}
+
+static void teardown(void)
+{
+    atomic_store(&failing_syncs, 0);
+    tu_server_destroy(&srv, false);
+    idem_store_close(store);
+    tu_rmtree(dir);
+}
+
+TestSuite(disk, .init = setup, .fini = teardown, .timeout = 60);
+
+static idem_client *client(uint32_t attempts)
+{
+    idem_client_opts o;
+    idem_client *c;
+    const char *url = srv.url;
+    idem_client_opts_init(&o);
+    o.attempt_timeout_ms = 5000;
+    o.retry.max_attempts = attempts;
+    o.retry.period_ms = 20;
+    o.retry.max_period_ms = 100;
+    cr_assert_eq(idem_client_open(&c, &url, 1, &o), IDEM_OK, "%s", idem_errmsg());
+    return c;
+}
+
+static idem_code call(idem_client *c, const char *method, const char *key, idem_result *r)
+{
+    idem_request q = {.method = method, .idempotency_key = key, .payload = "100",
+                      .payload_len = 3};
+    return idem_client_call(c, &q, r);
+}
+
+static void listen_with(const char *method, idem_handler_fn fn, uint64_t lease_ms,
+                        uint64_t max_run_ms)
+{
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
+                          .lease_ms = lease_ms,
+                          .max_run_ms = max_run_ms};
+    cr_assert_eq(idem_server_register(srv.srv, method, fn, NULL, &m), IDEM_OK, "%s",
+                 idem_errmsg());
+    tu_server_listen(&srv);
+}
+
+/* ---- item 2: a fence is on disk before it leaves, and never held by two claims ---- */
+
+/* The first run makes the next fail_syncs commits fail (its claim's batch, then the redo
+ * of it) and asks for its fence; every run answers with the fence it was handed. */
+static idem_code fence_handler(idem_call *c, void *arg)
+{
+    (void)arg;
+    int run = atomic_fetch_add(&runs, 1);
+    if (run == 0) {
+        atomic_store(&failing_syncs, fails_at_run);
+    }
+    uint64_t fence = idem_call_fence(c);
+    char out[40];
+    int n = snprintf(out, sizeof(out), "fence %" PRIu64, fence);
+    if (run < 8) {
+        fences[run] = fence;
+    }
+    return idem_call_reply(c, IDEM_OK, out, (size_t)n); /* even with no fence: not kept */
+}
+
+Test(disk, a_fence_whose_claim_and_its_redo_fail_to_commit_is_refused_not_handed_out_twice)
+{
+    fails_at_run = 2;
+    listen_with("d.Fence/Draw", fence_handler, 0, 0);
+    idem_client *once = client(1), *retrying = client(5);
+    idem_result r1, r2;
+    idem_code c1 = call(once, "d.Fence/Draw", "k1", &r1);
+    cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch and its redo met the failures");
+    cr_expect_eq(fences[0], 0, "run 1 was handed fence %" PRIu64 " for a claim not on disk",
+                 fences[0]);
+    cr_expect_neq(c1, IDEM_OK, "run 1 had no durable fence, yet its client got OK: %.*s",
+                  (int)r1.payload_len, (const char *)r1.payload);
+    cr_assert_eq(call(retrying, "d.Fence/Draw", "k1", &r2), IDEM_OK, "%s",
+                 r2.message ? r2.message : "");
+    cr_expect_eq(atomic_load(&runs), 2);
+    cr_expect_neq(fences[1], 0);
+    cr_expect(fences[0] == 0 || fences[0] != fences[1], "fence %" PRIu64 " handed to two runs",
+              fences[1]);
+    char want[40];
+    snprintf(want, sizeof(want), "fence %" PRIu64, fences[1]);
+    cr_expect(r2.payload_len == strlen(want) && memcmp(r2.payload, want, r2.payload_len) == 0);
+    idem_result_clear(&r1);
+    idem_result_clear(&r2);
+    idem_client_close(once);
+    idem_client_close(retrying);
+}
+
+/* Between a failed commit and its redo another writer (here: as another process would)
+ * draws the next fence from the counter the failed commit rolled back: the redo must
+ * not apply the claim with that same fence. */
+static void draw_a_fence(void *arg)
+{
+    lmdb_store *st = arg;
+    MDB_txn *txn;
+    MDB_val k = {5, "fence"}, v;
+    uint8_t b[8];
+    cr_assert_eq(mdb_txn_begin(st->env, NULL, 0, &txn), 0);
+    int rc = mdb_get(txn, st->meta, &k, &v);
+    uint64_t last = rc == 0 && v.mv_size == 8 ? idem__get_be64(v.mv_data) : 0;
+    idem__put_be64(b, last + 1);
+    v = (MDB_val){8, b};
+    cr_assert_eq(mdb_put(txn, st->meta, &k, &v, 0), 0);
+    cr_assert_eq(mdb_txn_commit(txn), 0);
+    fences[7] = last + 1; /* the other writer's */
+}
+
+Test(disk, a_redo_never_applies_a_fence_another_writer_drew_meanwhile)
+{
+    fails_at_run = 1; /* the batch's commit fails; the redo could commit */
+    ((lmdb_store *)store)->gc.on_failed_commit_arg = store;
+    ((lmdb_store *)store)->gc.on_failed_commit = draw_a_fence;
+    listen_with("d.Fence/Draw", fence_handler, 0, 0);
+    idem_client *retrying = client(5);
+    idem_result r;
+    cr_assert_eq(call(retrying, "d.Fence/Draw", "k2", &r), IDEM_OK, "%s",
+                 r.message ? r.message : "");
+    cr_assert_neq(fences[7], 0, "the other writer drew a fence");
+    cr_expect_neq(fences[0], fences[7], "fence %" PRIu64 " held by two claims", fences[7]);
+    cr_expect_neq(fences[1], fences[7]);
+    cr_expect_neq(fences[1], 0);
+    idem_result_clear(&r);
+    idem_client_close(retrying);
+}
+
+/* ---- item 3: no OK for an outcome that is not on disk ---- */
+
+/* Its claim on disk first (the fence commits it), then the completion's commit and the
+ * redo of it fail (fails_at_run syncs); each run says a larger balance. */
+static idem_code balance_handler(idem_call *c, void *arg)
+{
+    (void)arg;
+    int run = atomic_fetch_add(&runs, 1) + 1;
+    if (idem_call_fence(c) == 0) { /* a later run on a disk that still fails */
+        return idem_call_fail(c, IDEM_UNAVAILABLE, "no fence: %s", idem_errmsg());
+    }
+    if (run == 1) {
+        atomic_store(&failing_syncs, fails_at_run);
+    }
+    char out[32];
+    int n = snprintf(out, sizeof(out), "balance %d", run * 100);
+    return idem_call_reply(c, IDEM_OK, out, (size_t)n);
+}
+
+static bool says(const idem_result *r, const char *text)
+{
+    return r->payload_len == strlen(text) && memcmp(r->payload, text, r->payload_len) == 0;
+}
+
+Test(disk, an_outcome_that_fails_to_commit_is_not_answered_ok_and_its_retry_replays_it)
+{
+    fails_at_run = 2; /* the completion's batch, then the completion alone */
+    listen_with("d.Bank/Pay", balance_handler, 300, 10000);
+    idem_client *once = client(1), *retrying = client(5);
+    idem_result r1, r2, r3;
+    idem_code c1 = call(once, "d.Bank/Pay", "p1", &r1);
+    cr_expect_eq(atomic_load(&failing_syncs), 0, "the completion and its redo met the failures");
+    cr_expect_eq(c1, IDEM_UNAVAILABLE, "the first caller was told %s %.*s", idem_code_name(c1),
+                 (int)r1.payload_len, (const char *)r1.payload);
+    /* The retry waits for the outcome recorded in the background and replays it. */
+    cr_assert_eq(call(retrying, "d.Bank/Pay", "p1", &r2), IDEM_OK, "%s",
+                 r2.message ? r2.message : "");
+    cr_expect(says(&r2, "balance 100"), "%.*s", (int)r2.payload_len, (const char *)r2.payload);
+    cr_expect(r2.replayed);
+    /* Long after the lease (300 ms): still that one outcome, never a second run. */
+    idem__sleep_ms(700);
+    cr_assert_eq(call(retrying, "d.Bank/Pay", "p1", &r3), IDEM_OK, "%s",
+                 r3.message ? r3.message : "");
+    cr_expect(says(&r3, "balance 100") && r3.replayed, "%.*s replayed=%d", (int)r3.payload_len,
+              (const char *)r3.payload, r3.replayed);
+    cr_expect_eq(atomic_load(&runs), 1);
+    idem_result_clear(&r1);
+    idem_result_clear(&r2);
+    idem_result_clear(&r3);
+    idem_client_close(once);
+    idem_client_close(retrying);
+}
+
+/* The disk keeps failing past max_run_ms: the background record gives up, the lease runs
+ * out, and a retry once the disk is back runs again. Its client was never told OK, so
+ * every OK anyone got for the key is the same one. */
+Test(disk, an_outcome_that_never_reaches_the_disk_is_never_answered_ok)
+{
+    fails_at_run = 1 << 30;
+    listen_with("d.Bank/Pay", balance_handler, 300, 600);
+    idem_client *once = client(1);
+    idem_result r1, r2;
+    idem_code c1 = call(once, "d.Bank/Pay", "p2", &r1);
+    cr_expect_neq(c1, IDEM_OK, "the first caller was told OK %.*s", (int)r1.payload_len,
+                  (const char *)r1.payload);
+    idem_result_clear(&r1);
+    idem__sleep_ms(600 + 300 + 200); /* past max_run_ms and the lease after it */
+    atomic_store(&failing_syncs, 0);
+    idem_client *retrying = client(10);
+    cr_assert_eq(call(retrying, "d.Bank/Pay", "p2", &r1), IDEM_OK, "%s",
+                 r1.message ? r1.message : "");
+    cr_assert_eq(call(retrying, "d.Bank/Pay", "p2", &r2), IDEM_OK);
+    cr_expect(r1.payload_len == r2.payload_len &&
+                  memcmp(r1.payload, r2.payload, r1.payload_len) == 0,
+              "two different OKs for one key");
+    cr_expect(r2.replayed);
+    cr_expect_eq(atomic_load(&runs), 2, "the outcome given up on was not answered: it ran again");
+    idem_result_clear(&r1);
+    idem_result_clear(&r2);
+    idem_client_close(once);
+    idem_client_close(retrying);
+}
