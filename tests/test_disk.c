@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -135,6 +136,8 @@ Test(disk, a_fence_whose_claim_and_its_redo_fail_to_commit_is_refused_not_handed
     cr_expect_neq(fences[1], 0);
     cr_expect(fences[0] == 0 || fences[0] != fences[1], "fence %" PRIu64 " handed to two runs",
               fences[1]);
+    cr_expect_gt(fences[1], 1, "fence 1 (drawn for run 1, whose claim never reached the disk) "
+                               "was drawn again");
     char want[40];
     snprintf(want, sizeof(want), "fence %" PRIu64, fences[1]);
     cr_expect(r2.payload_len == strlen(want) && memcmp(r2.payload, want, r2.payload_len) == 0);
@@ -262,4 +265,83 @@ Test(disk, an_outcome_that_never_reaches_the_disk_is_never_answered_ok)
     idem_result_clear(&r2);
     idem_client_close(once);
     idem_client_close(retrying);
+}
+
+/* ---- what a shared claim meets in an open batch whose commit then fails ---- */
+
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static bool first_running, first_may_answer;
+
+/* Payload "100" (the first request) waits at the gate; any other answers at once. */
+static idem_code gated_handler(idem_call *c, void *arg)
+{
+    (void)arg;
+    size_t n;
+    const char *p = idem_call_payload(c, &n);
+    atomic_fetch_add(&runs, 1);
+    if (n == 3 && memcmp(p, "100", 3) == 0) {
+        pthread_mutex_lock(&gate_mu);
+        first_running = true;
+        pthread_cond_broadcast(&gate_cv);
+        while (!first_may_answer) {
+            pthread_cond_wait(&gate_cv, &gate_mu);
+        }
+        pthread_mutex_unlock(&gate_mu);
+    }
+    char out[32];
+    int len = snprintf(out, sizeof(out), "ran %.*s", (int)n, p);
+    return idem_call_reply(c, IDEM_OK, out, (size_t)len);
+}
+
+typedef struct first_call {
+    idem_client *c;
+    idem_result r;
+    idem_code code;
+} first_call;
+
+static void *send_first(void *arg)
+{
+    first_call *f = arg;
+    f->code = call(f->c, "d.Gate/Pay", "m1", &f->r);
+    return NULL;
+}
+
+/* Request A (payload 100) claims the key in a batch held open; request B (payload 999,
+ * the same key) meets A's claim there. The batch's commit and A's redo then fail: the
+ * disk never holds A's request, so B is no "key reused": it is answered from the disk,
+ * where the key is free, and runs. */
+Test(disk, another_request_met_in_a_batch_that_fails_to_commit_is_not_key_reused)
+{
+    lmdb_store *lst = (lmdb_store *)store;
+    lst->gc.accept_min_us = lst->gc.accept_max_us = 30u * 1000 * 1000; /* B joins A's batch */
+    listen_with("d.Gate/Pay", gated_handler, 0, 0);
+    first_call a = {.c = client(1)};
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, send_first, &a), 0);
+    pthread_mutex_lock(&gate_mu);
+    while (!first_running) {
+        pthread_cond_wait(&gate_cv, &gate_mu);
+    }
+    pthread_mutex_unlock(&gate_mu);
+    atomic_store(&failing_syncs, 2); /* the batch holding both, then A's redo */
+    idem_client *b_client = client(1);
+    idem_result b;
+    idem_request q = {.method = "d.Gate/Pay", .idempotency_key = "m1", .payload = "999",
+                      .payload_len = 3};
+    idem_code bc = idem_client_call(b_client, &q, &b);
+    cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch and A's redo met the failures");
+    cr_expect_eq(bc, IDEM_OK, "B was told %s \"%s\" about a request the disk does not hold",
+                 idem_code_name(bc), b.message ? b.message : "");
+    cr_expect(says(&b, "ran 999"), "%.*s", (int)b.payload_len, (const char *)b.payload);
+    pthread_mutex_lock(&gate_mu);
+    first_may_answer = true;
+    pthread_cond_broadcast(&gate_cv);
+    pthread_mutex_unlock(&gate_mu);
+    pthread_join(t, NULL);
+    cr_expect_neq(a.code, IDEM_OK, "A's claim never reached the disk, yet A got OK");
+    idem_result_clear(&a.r);
+    idem_result_clear(&b);
+    idem_client_close(a.c);
+    idem_client_close(b_client);
 }

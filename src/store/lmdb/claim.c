@@ -28,10 +28,12 @@ static idem_code fence_put(lmdb_store *st, MDB_txn *txn, uint64_t value)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
 }
 
-/* The next store-assigned owner: a counter that only grows, in the claim's txn. */
+/* The next store-assigned owner: a counter that only grows, in the claim's txn, and
+ * past any fence a redo of this process tried (fence_floor): a fence drawn in a batch
+ * whose commit and redo failed is not drawn again here. */
 static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
 {
-    uint64_t last;
+    uint64_t last, floor = atomic_load(&st->fence_floor);
     idem_code code;
     if (!st->has_meta) {
         return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
@@ -39,7 +41,7 @@ static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
     if ((code = fence_last(st, txn, &last)) != IDEM_OK) {
         return code;
     }
-    *out = last + 1;
+    *out = (last > floor ? last : floor) + 1;
     return fence_put(st, txn, *out);
 }
 
@@ -50,7 +52,9 @@ static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
  * two claims, so the claim is lost (ABORTED) instead. */
 static idem_code fence_redraw(lmdb_store *st, MDB_txn *txn, uint64_t owner)
 {
-    uint64_t last;
+    uint64_t last, floor = atomic_load(&st->fence_floor);
+    while (floor < owner && !atomic_compare_exchange_weak(&st->fence_floor, &floor, owner)) {
+    }
     idem_code code = fence_last(st, txn, &last);
     if (code != IDEM_OK) {
         return code;

@@ -19,6 +19,10 @@
 /* How long a batch stays open for the completions of its shared claims: longer, and
  * another process waiting for LMDB's writer lock would wait longer too. */
 #define HOLD_US 2000
+/* How long a batch takes new shared claims: the last commit's time, within these. A
+ * claim that arrives meanwhile would otherwise wait for the next txn anyway. */
+#define ACCEPT_MIN_US 50
+#define ACCEPT_MAX_US 1000
 idem_code idem__lmdb_code(int rc, const char *what)
 {
     if (rc == MDB_MAP_FULL || rc == MDB_TXN_FULL) {
@@ -35,6 +39,8 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     gc->enabled = enabled;
     gc->max_batch = max_batch ? max_batch : 1;
     gc->hold_us = HOLD_US;
+    gc->accept_min_us = ACCEPT_MIN_US;
+    gc->accept_max_us = ACCEPT_MAX_US;
     pthread_mutex_init(&gc->mu, NULL);
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* hold_open's timed wait */

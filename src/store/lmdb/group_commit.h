@@ -123,6 +123,7 @@ typedef struct idem_group_commit {
     size_t done_waiters;      /* threads in idem__gc_wait */
     uint64_t last_commit_us;  /* how long the last batch's commit took */
     uint64_t hold_us;         /* the longest a batch stays open (HOLD; tests set it) */
+    uint64_t accept_min_us, accept_max_us; /* ACCEPT's bounds (tests set them) */
     uint64_t commits, writes; /* batches run and operations in them (statistics) */
     uint64_t shared;          /* completions committed with their claim (statistics) */
     uint64_t wakeups;         /* times an enqueue woke the writer thread (statistics) */

@@ -15,11 +15,6 @@
 
 #include "group_commit_op.h"
 
-/* How long a batch takes new shared claims: the last commit's time, within these. A
- * claim that arrives meanwhile would otherwise wait for the next txn anyway. */
-#define ACCEPT_MIN_US 50
-#define ACCEPT_MAX_US 1000
-
 static void batch_add(idem_gc_batch *b, idem_write_op *op)
 {
     op->next = NULL;
@@ -139,9 +134,9 @@ static bool apply(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, idem_wri
 static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint64_t began,
                       idem_gc_batch *b)
 {
-    uint64_t accept_us = gc->last_commit_us < ACCEPT_MIN_US   ? ACCEPT_MIN_US
-                         : gc->last_commit_us > ACCEPT_MAX_US ? ACCEPT_MAX_US
-                                                              : gc->last_commit_us;
+    uint64_t accept_us = gc->last_commit_us < gc->accept_min_us   ? gc->accept_min_us
+                         : gc->last_commit_us > gc->accept_max_us ? gc->accept_max_us
+                                                                  : gc->last_commit_us;
     gc->accept_until = began + accept_us;
     for (;;) {
         uint64_t now = idem__mono_us();

@@ -20,6 +20,7 @@
 #define IDEMRPC_LMDB_INTERNAL_H
 
 #include <lmdb.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <sys/types.h>
 
@@ -57,6 +58,10 @@ typedef struct lmdb_store {
     bool has_meta;  /* false only for a read-only open of a store older than "meta" */
     bool read_only; /* IDEM_STORE_READONLY */
     idem_group_commit gc;
+    /* The largest fence a shared claim's redo re-applied or tried to (claim.c): a redo
+     * that failed leaves the counter on disk below it, and no claim of this process
+     * draws it again. */
+    _Atomic uint64_t fence_floor;
     pthread_mutex_t db_mu; /* guards dbs */
     app_db dbs[IDEM_LMDB_MAX_DBS];
     size_t n_dbs;
