@@ -345,3 +345,98 @@ Test(disk, another_request_met_in_a_batch_that_fails_to_commit_is_not_key_reused
     idem_client_close(a.c);
     idem_client_close(b_client);
 }
+
+/* ---- a refusal read from an open batch (group commit itself) ---- */
+
+static MDB_env *raw_env;
+static idem_group_commit raw_gc;
+static char *raw_dir;
+static atomic_int refusal_runs;
+static bool refusal_applied;
+
+static void raw_setup(void)
+{
+    raw_dir = tu_tempdir("disk-gc");
+    cr_assert_eq(mdb_env_create(&raw_env), 0);
+    cr_assert_eq(mdb_env_open(raw_env, raw_dir, 0, 0600), 0); /* commits call fdatasync */
+    cr_assert_eq(idem__gc_init(&raw_gc, raw_env, true, 64), IDEM_OK);
+    raw_gc.hold_us = 30u * 1000 * 1000; /* before any write: the writer thread sleeps */
+    raw_gc.accept_min_us = raw_gc.accept_max_us = 30u * 1000 * 1000;
+    atomic_store(&failing_syncs, 0);
+    atomic_store(&refusal_runs, 0);
+    refusal_applied = false;
+}
+
+static void raw_teardown(void)
+{
+    atomic_store(&failing_syncs, 0);
+    idem__gc_fini(&raw_gc);
+    mdb_env_close(raw_env);
+    tu_rmtree(raw_dir);
+}
+
+TestSuite(disk_gc, .init = raw_setup, .fini = raw_teardown, .timeout = 10);
+
+/* Writes key x (a commit without a write would not sync). */
+static idem_code applied_ok(MDB_txn *txn, void *ctx)
+{
+    (void)ctx;
+    MDB_dbi dbi;
+    MDB_val k = {1, "x"}, v = {1, "1"};
+    int rc = mdb_dbi_open(txn, NULL, 0, &dbi);
+    return rc == 0 && mdb_put(txn, dbi, &k, &v, 0) == 0 ? IDEM_OK
+                                                        : idem__err(IDEM_INTERNAL, "put x");
+}
+
+static void no_unref(void *ctx)
+{
+    (void)ctx;
+}
+
+/* As a claim whose token another claim of the open batch consumed: refused there (and
+ * the disk then fails that batch's commit); alone, on what the disk holds, it passes. */
+static idem_code refused_in_the_batch(MDB_txn *txn, void *ctx)
+{
+    (void)txn, (void)ctx;
+    if (atomic_fetch_add(&refusal_runs, 1) > 0) {
+        return IDEM_OK;
+    }
+    atomic_store(&failing_syncs, 1);
+    pthread_mutex_lock(&gate_mu);
+    refusal_applied = true;
+    pthread_cond_broadcast(&gate_cv);
+    pthread_mutex_unlock(&gate_mu);
+    return idem__err(IDEM_FAILED_PRECONDITION, "token used up (in the open batch)");
+}
+
+static void *claim_refused(void *arg)
+{
+    uint64_t ticket;
+    idem_code *out = arg;
+    *out = idem__gc_write_held(&raw_gc, refused_in_the_batch, applied_ok, NULL, no_unref, &ticket);
+    idem__gc_drop(&raw_gc, ticket);
+    return NULL;
+}
+
+Test(disk_gc, a_shared_claim_refused_in_a_batch_that_fails_to_commit_is_decided_again)
+{
+    uint64_t ticket;
+    idem_code refused = IDEM_UNKNOWN;
+    pthread_t t;
+    cr_assert_eq(idem__gc_write_held(&raw_gc, applied_ok, applied_ok, NULL, no_unref, &ticket),
+                 IDEM_OK);
+    cr_assert_neq(ticket, 0);
+    cr_assert_eq(pthread_create(&t, NULL, claim_refused, &refused), 0);
+    pthread_mutex_lock(&gate_mu);
+    while (!refusal_applied) {
+        pthread_cond_wait(&gate_cv, &gate_mu);
+    }
+    pthread_mutex_unlock(&gate_mu);
+    cr_assert_eq(idem__gc_write_end(&raw_gc, applied_ok, NULL, ticket), IDEM_OK, "%s",
+                 idem_errmsg()); /* the batch commits: its fdatasync fails */
+    pthread_join(t, NULL);
+    cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch's commit met the failure");
+    cr_expect_eq(refused, IDEM_OK, "refused from a batch the disk never held: %s",
+                 idem_code_name(refused));
+    cr_expect_eq(atomic_load(&refusal_runs), 2, "decided again alone");
+}
