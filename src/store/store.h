@@ -96,8 +96,10 @@ typedef struct idem_store_ops {
      * commit, with *ticket nonzero; the caller then ends it with complete or release
      * (that ticket) or ticket_drop (no write follows), and calls
      * ticket_wait before it answers a result or a refusal decided on it (COMPLETED,
-     * MISMATCH), or hands the claim's owner to another system. ticket 0 everywhere: the
-     * plain ops. */
+     * MISMATCH), then reads it back (the batch may have failed: only what the disk holds
+     * is answered), and idem__store_claim_durable before it hands the claim's owner to
+     * another system. A refusal (an error code) is returned only once decided on what
+     * the disk holds. ticket 0 everywhere: the plain ops. */
     idem_code (*claim_shared)(idem_store *st, const idem_claim_req *req,
                               idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
     /* complete without waiting: IDEM_OK when queued (response, malloc'd, is the
