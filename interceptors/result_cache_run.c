@@ -309,7 +309,8 @@ static bool record_async(idem_call *call, const idem_cache_cfg *cfg, const idem_
     uint8_t *buf;
     size_t len;
     if (call->claim_ticket == 0 || !call->parkable || !call->rt->can_park ||
-        call->rt->resume == NULL || encode_result(call, cfg, &buf, &len, &now, &expires) != IDEM_OK) {
+        call->rt->resume == NULL ||
+        encode_result(call, cfg, &buf, &len, &now, &expires) != IDEM_OK) {
         return false;
     }
     r->active = true;
@@ -403,4 +404,3 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     }
     return after_record(call, cfg, key, owner, keep, code, st, claimed_in_txn, false);
 }
-

@@ -82,8 +82,7 @@ static idem_client *client(uint32_t attempts)
 
 static idem_code call(idem_client *c, const char *method, const char *key, idem_result *r)
 {
-    idem_request q = {.method = method, .idempotency_key = key, .payload = "100",
-                      .payload_len = 3};
+    idem_request q = {.method = method, .idempotency_key = key, .payload = "100", .payload_len = 3};
     return idem_client_call(c, &q, r);
 }
 
@@ -93,8 +92,7 @@ static void listen_with(const char *method, idem_handler_fn fn, uint64_t lease_m
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
                           .lease_ms = lease_ms,
                           .max_run_ms = max_run_ms};
-    cr_assert_eq(idem_server_register(srv.srv, method, fn, NULL, &m), IDEM_OK, "%s",
-                 idem_errmsg());
+    cr_assert_eq(idem_server_register(srv.srv, method, fn, NULL, &m), IDEM_OK, "%s", idem_errmsg());
     tu_server_listen(&srv);
 }
 
@@ -136,8 +134,9 @@ Test(disk, a_fence_whose_claim_and_its_redo_fail_to_commit_is_refused_not_handed
     cr_expect_neq(fences[1], 0);
     cr_expect(fences[0] == 0 || fences[0] != fences[1], "fence %" PRIu64 " handed to two runs",
               fences[1]);
-    cr_expect_gt(fences[1], 1, "fence 1 (drawn for run 1, whose claim never reached the disk) "
-                               "was drawn again");
+    cr_expect_gt(fences[1], 1,
+                 "fence 1 (drawn for run 1, whose claim never reached the disk) "
+                 "was drawn again");
     char want[40];
     snprintf(want, sizeof(want), "fence %" PRIu64, fences[1]);
     cr_expect(r2.payload_len == strlen(want) && memcmp(r2.payload, want, r2.payload_len) == 0);
@@ -327,8 +326,8 @@ Test(disk, another_request_met_in_a_batch_that_fails_to_commit_is_not_key_reused
     atomic_store(&failing_syncs, 2); /* the batch holding both, then A's redo */
     idem_client *b_client = client(1);
     idem_result b;
-    idem_request q = {.method = "d.Gate/Pay", .idempotency_key = "m1", .payload = "999",
-                      .payload_len = 3};
+    idem_request q = {
+        .method = "d.Gate/Pay", .idempotency_key = "m1", .payload = "999", .payload_len = 3};
     idem_code bc = idem_client_call(b_client, &q, &b);
     cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch and A's redo met the failures");
     cr_expect_eq(bc, IDEM_OK, "B was told %s \"%s\" about a request the disk does not hold",

@@ -166,8 +166,8 @@ static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint
 
 /* Opens the batch of ticket and holds it (gc->mu held); false: LMDB could not begin it,
  * or its txn is poisoned (what was taken is in b, to run alone). */
-static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t ticket,
-                       uint64_t began, idem_gc_batch *b)
+static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t ticket, uint64_t began,
+                       idem_gc_batch *b)
 {
     if (rc == 0) {
         gc->open_ticket = ticket;
