@@ -4,35 +4,19 @@
  * all) reaches its client only once it is on disk; meanwhile the client hears
  * UNAVAILABLE and its retry waits for the outcome, recorded in the background. */
 #include <criterion/criterion.h>
-#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "call.h"
 #include "lmdb_internal.h"
+#include "failing_disk.h"
 #include "testutil.h"
 
-/* fdatasync(2) as LMDB calls it, failing with EIO the next failing_syncs times (a disk
- * error at commit); this program's definition wins over libc's for liblmdb. */
-static atomic_int failing_syncs;
-
-int fdatasync(int fd)
-{
-    int left = atomic_load(&failing_syncs);
-    while (left > 0 && !atomic_compare_exchange_weak(&failing_syncs, &left, left - 1)) {
-    }
-    if (left > 0) {
-        errno = EIO;
-        return -1;
-    }
-    return (int)syscall(SYS_fdatasync, fd);
-}
-
+/* failing_syncs: the next commits whose fdatasync answers EIO (failing_disk.c). */
 static char *dir;
 static idem_store *store;
 static tu_server srv;
@@ -376,16 +360,7 @@ static void raw_teardown(void)
 
 TestSuite(disk_gc, .init = raw_setup, .fini = raw_teardown, .timeout = 10);
 
-/* Writes key x (a commit without a write would not sync). */
-static idem_code applied_ok(MDB_txn *txn, void *ctx)
-{
-    (void)ctx;
-    MDB_dbi dbi;
-    MDB_val k = {1, "x"}, v = {1, "1"};
-    int rc = mdb_dbi_open(txn, NULL, 0, &dbi);
-    return rc == 0 && mdb_put(txn, dbi, &k, &v, 0) == 0 ? IDEM_OK
-                                                        : idem__err(IDEM_INTERNAL, "put x");
-}
+static const idem_write_fn applied_ok = failing_disk_put_x; /* a write: a commit syncs */
 
 static void no_unref(void *ctx)
 {
