@@ -15,6 +15,7 @@
 #include "call.h"
 #include "group_commit.h"
 #include "lmdb_internal.h"
+#include "failing_disk.h"
 #include "testutil.h"
 
 #define WRITERS 32
@@ -299,32 +300,9 @@ Test(group_commit, closing_waits_for_a_write_its_caller_commits)
 
 static atomic_int redo_runs;
 
-static idem_code put_x(MDB_txn *txn, void *ctx)
-{
-    (void)ctx;
-    MDB_dbi dbi;
-    MDB_val k = {1, "x"}, v = {1, "1"};
-    int rc = mdb_dbi_open(txn, NULL, 0, &dbi);
-    return rc == 0 && mdb_put(txn, dbi, &k, &v, 0) == 0 ? IDEM_OK
-                                                        : idem__err(IDEM_INTERNAL, "put x");
-}
+static const idem_write_fn put_x = failing_disk_put_x; /* a write: a commit syncs */
 
-/* fdatasync(2) as LMDB calls it, failing with EIO the next failing_syncs times (a disk
- * error at commit); this program's definition wins over libc's for liblmdb. */
-static atomic_int failing_syncs;
-
-int fdatasync(int fd)
-{
-    int left = atomic_load(&failing_syncs);
-    while (left > 0 && !atomic_compare_exchange_weak(&failing_syncs, &left, left - 1)) {
-    }
-    if (left > 0) {
-        errno = EIO;
-        return -1;
-    }
-    return (int)syscall(SYS_fdatasync, fd);
-}
-
+/* failing_syncs: the next commits whose fdatasync answers EIO (failing_disk.c). */
 static idem_code redo_x(MDB_txn *txn, void *ctx)
 {
     atomic_fetch_add(&redo_runs, 1);

@@ -73,10 +73,18 @@ IDEM_API idem_key_source idem_call_key_source(const idem_call *call);
 /* The fencing token of the claim this handler runs under: strictly increasing per store,
  * so a downstream system that remembers the highest fence it has seen can refuse a
  * write from an older claim ("UPDATE … WHERE fence < $fence"). 0 when the call runs
- * without a claim (uncached method, no key). On LMDB the claim may share its commit
- * with the completion: the first call then waits for that claim's commit (one LMDB
- * commit, asked for at once), so that a fence that leaves the process is on disk. */
+ * without a claim (uncached method, no key), and 0 when the claim could not be made
+ * durable (see idem_call_durable_fence). On LMDB the claim may share its commit with
+ * the completion: the first call then waits for that claim's commit (one LMDB commit,
+ * asked for at once) and reads the claim back from the disk, so that a fence that
+ * leaves the process is on disk and is never handed out again. */
 IDEM_API uint64_t idem_call_fence(const idem_call *call);
+/* idem_call_fence with the failure said: IDEM_OK and *fence (0: no claim), or
+ * IDEM_UNAVAILABLE and *fence 0 when the claim did not reach the disk (its commit and
+ * the redo of it failed: a disk error) or was taken meanwhile; idem_errmsg() says
+ * which. The handler must then not use a fence: whatever it answers, its client gets
+ * UNAVAILABLE (retry with the same key) and nothing is recorded. */
+IDEM_API idem_code idem_call_durable_fence(idem_call *call, uint64_t *fence);
 
 /* ---- the response ---- */
 /* Sets the response code and payload (copied). Returns code, so a handler can end with

@@ -187,6 +187,10 @@ struct idem_call {
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
     uint64_t claim_ticket;   /* its commit shared with the completion (store.h), or 0 */
+    /* Whether fence was read back from the disk (idem_call_fence): a refused fence
+     * means the claim is not durable, and the call is answered UNAVAILABLE whatever its
+     * handler said (result_cache). Reset with fence. */
+    enum { IDEM__FENCE_UNCHECKED, IDEM__FENCE_DURABLE, IDEM__FENCE_REFUSED } fence_state;
     /* IDEM__SUSPEND_RECORD: what result_cache needs once the commit of the handler's
      * outcome has ended (st, err), and the turns of the worker that suspended the call
      * and of the commit's end: the second to come hands the call on (idem__call_recorded). */

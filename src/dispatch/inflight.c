@@ -182,6 +182,18 @@ void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)
     idem__keeper_unkeep(t->keeper, k);
 }
 
+void idem__inflight_record_later(idem_inflight *t, idem_keep *k, uint8_t *response, size_t len,
+                                 uint64_t ttl_ms)
+{
+    idem__keeper_record_later(t->keeper, k, response, len, ttl_ms);
+}
+
+/* The keeper has recorded an outcome later (or given up): the key's waiters look again. */
+static void recorded_later(void *arg, const idem_key_ref *key)
+{
+    idem__inflight_notify(arg, idem__inflight_bucket(key));
+}
+
 idem_keeper *idem__inflight_keeper(idem_inflight *t)
 {
     return t->keeper;
@@ -226,6 +238,7 @@ idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_stor
         idem__inflight_destroy(t);
         return code;
     }
+    idem__keeper_on_end(t->keeper, recorded_later, t);
     /* Announcements only save latency: without them waiters re-read on their timers. */
     if (idem__store_watch(store, heard, t) == IDEM_OK) {
         t->watching = true;

@@ -42,6 +42,11 @@ bool idem__inflight_wait(idem_inflight *t, uint32_t bucket, uint64_t seen_gen, u
 idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
                                uint64_t lease_ms, uint64_t max_run_ms);
 void idem__inflight_unkeep(idem_inflight *t, idem_keep *k);
+/* Instead of unkeep, for a final outcome the store could not record: the keeper renews
+ * the lease and records it later (idem__keeper_record_later); the key's waiters are
+ * woken when that ends. */
+void idem__inflight_record_later(idem_inflight *t, idem_keep *k, uint8_t *response, size_t len,
+                                 uint64_t ttl_ms);
 /* The table's keeper and store: a lock a handler takes through its call (lock.c) is
  * renewed by the same heartbeat as the handler's claim. */
 idem_keeper *idem__inflight_keeper(idem_inflight *t);

@@ -14,14 +14,27 @@
  * for plus the lease (the store's clock counts from later); past it the entry is lost,
  * and logged once: the owner must not treat the claim as held, since another claimer
  * may have taken it. A renewal answered IDEM_ABORTED (the record was completed,
- * released or taken over meanwhile) stops the entry and marks it lost too. */
+ * released or taken over meanwhile) stops the entry and marks it lost too.
+ *
+ * Recording later (idem__keeper_record_later). A handler's final outcome that the store
+ * could not record (a commit that failed on a disk error, an outage or a full store
+ * outlasting the worker's own retries) is handed to the keeper with its claim's entry:
+ * its client is answered UNAVAILABLE, never an OK the disk may not keep. The keeper
+ * keeps renewing the lease (duplicates wait for the key meanwhile) and completes the
+ * claim again with a backoff (RECORD_FIRST_MS doubling up to RECORD_MAX_MS) until it
+ * lands, the claim is lost (taken over, or gone with a failed batch), or the claim's
+ * max run time passes; then the entry goes and the key's waiters are woken (on_end).
+ * After a give-up the lease runs out and a retry runs again: its first client was
+ * never told OK. The keeper owns such an entry: nobody unkeeps it. */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "keeper.h"
 
-#define IDLE_MS 1000  /* the longest sleep */
-#define ROUND_MAX 128 /* leases renewed in one store call */
+#define IDLE_MS 1000       /* the longest sleep */
+#define ROUND_MAX 128      /* leases renewed in one store call */
+#define RECORD_FIRST_MS 10 /* the first retry of an outcome recorded later */
+#define RECORD_MAX_MS 1000 /* the longest pause between two of them */
 
 /* A running claim whose lease is renewed. */
 struct idem_keep {
@@ -30,6 +43,11 @@ struct idem_keep {
     uint64_t renew_at, stop_at, valid_until; /* monotonic ms */
     bool lost;                               /* aborted, or valid_until passed */
     char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
+    /* An outcome recorded later (the keeper's then): the encoded response, its TTL, when
+     * to try next (monotonic) and the pause after that. NULL: a handler still runs. */
+    uint8_t *record;
+    size_t record_len;
+    uint64_t record_ttl_ms, record_at, record_pause;
 };
 
 struct idem_keeper {
@@ -44,6 +62,8 @@ struct idem_keeper {
     const idem_runtime *rt;         /* may be NULL */
     idem_keep round[ROUND_MAX];     /* copies of this round's leases (keeper thread) */
     idem__renewal batch[ROUND_MAX]; /* and their renewals */
+    void (*on_end)(void *arg, const idem_key_ref *key); /* an outcome recorded later ended */
+    void *on_end_arg;
 };
 
 static uint64_t wall_ms(const idem_keeper *k)
@@ -156,6 +176,103 @@ static uint64_t next_due(const idem_keeper *k, uint64_t now)
     return next > now ? next : now + 1;
 }
 
+static void log_record(const idem_keeper *k, const idem_keep *kp, idem_log_level level,
+                       const char *what)
+{
+    char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
+    if (k->rt != NULL) {
+        idem__log(k->rt->obs, level, "method=%s msg=%s",
+                  idem__logfmt_quote(method, sizeof(method), kp->method),
+                  idem__logfmt_quote(msg, sizeof(msg), what));
+    }
+}
+
+/* One attempt to record kp's outcome (outside the lock): true when it is over (landed,
+ * or the claim is no longer kp's). */
+static bool record_once(idem_keeper *k, idem_keep *kp)
+{
+    idem_key_ref ref = {kp->caller, kp->method, kp->key};
+    uint64_t now = wall_ms(k);
+    idem_code code = idem__store_complete_at(k->store, &ref, kp->owner, kp->record, kp->record_len,
+                                             idem__add_sat(now, kp->record_ttl_ms), now, 0);
+    char detail[IDEM_LOGQ_CAP];
+    if (code == IDEM_OK) {
+        log_record(k, kp, IDEM_LOG_INFO, "an outcome recorded later has reached the store");
+        return true;
+    }
+    idem_record rec;
+    bool ours = code == IDEM_ABORTED && idem_store_get(k->store, &ref, &rec) == IDEM_OK &&
+                rec.state == IDEM_REC_COMPLETED && rec.owner == kp->owner;
+    if (code == IDEM_ABORTED) {
+        idem_record_clear(&rec);
+        snprintf(detail, sizeof(detail), "an outcome recorded later %s",
+                 ours ? "had reached the store" : "found its claim lost; given up");
+        log_record(k, kp, ours ? IDEM_LOG_INFO : IDEM_LOG_ERROR, detail);
+        return true;
+    }
+    return false;
+}
+
+/* Removes kp from the list (k->mu held). */
+static void unlink_keep(idem_keeper *k, idem_keep *kp)
+{
+    for (idem_keep **pp = &k->keeps; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == kp) {
+            *pp = kp->next;
+            return;
+        }
+    }
+}
+
+/* The outcome kp records later is over: kp goes, and the key's waiters look again. */
+static void record_end(idem_keeper *k, idem_keep *kp)
+{
+    unlink_keep(k, kp);
+    pthread_mutex_unlock(&k->mu);
+    idem_key_ref ref = {kp->caller, kp->method, kp->key};
+    if (k->on_end != NULL) {
+        k->on_end(k->on_end_arg, &ref);
+    }
+    free(kp->record);
+    free(kp);
+    pthread_mutex_lock(&k->mu);
+}
+
+/* Tries the first due outcome recorded later; true when it did (the list may have
+ * changed). Past the claim's max run time it gives up: the lease then runs out. */
+static bool record_due(idem_keeper *k, uint64_t now, uint64_t *next_wake)
+{
+    for (idem_keep *kp = k->keeps; kp != NULL; kp = kp->next) {
+        if (kp->record == NULL) {
+            continue;
+        }
+        if (kp->lost || now >= kp->stop_at) {
+            log_record(k, kp, IDEM_LOG_ERROR,
+                       kp->lost ? "an outcome recorded later found its claim lost; given up"
+                                : "an outcome recorded later did not reach the store within "
+                                  "max_run_ms; given up: its lease runs out");
+            record_end(k, kp);
+            return true;
+        }
+        if (kp->record_at > now) {
+            *next_wake = kp->record_at < *next_wake ? kp->record_at : *next_wake;
+            continue;
+        }
+        pthread_mutex_unlock(&k->mu); /* only this thread frees kp */
+        bool over = record_once(k, kp);
+        pthread_mutex_lock(&k->mu);
+        if (over) {
+            record_end(k, kp);
+        } else {
+            kp->record_at = idem__mono_ms() + kp->record_pause;
+            kp->record_pause =
+                kp->record_pause * 2 > RECORD_MAX_MS ? RECORD_MAX_MS : kp->record_pause * 2;
+        }
+        return true;
+    }
+    return false;
+}
+
 static void *keeper_main(void *arg)
 {
     idem_keeper *k = arg;
@@ -163,10 +280,10 @@ static void *keeper_main(void *arg)
     while (!k->stopping) {
         uint64_t now = idem__mono_ms();
         lapse_due(k, now);
-        if (renew_round(k, now)) {
+        uint64_t next_wake = next_due(k, now);
+        if (renew_round(k, now) || record_due(k, now, &next_wake)) {
             continue;
         }
-        uint64_t next_wake = next_due(k, now);
         struct timespec ts;
         idem__abs_timespec(&ts, next_wake - now);
         k->wake = next_wake;
@@ -208,9 +325,15 @@ void idem__keeper_destroy(idem_keeper *k)
     pthread_cond_broadcast(&k->cv);
     pthread_mutex_unlock(&k->mu);
     pthread_join(k->thread, NULL);
-    while (k->keeps != NULL) { /* its owners have finished: nothing should be left */
+    while (k->keeps != NULL) { /* its owners have finished: only outcomes recorded later */
         idem_keep *kp = k->keeps;
         k->keeps = kp->next;
+        if (kp->record != NULL && !kp->lost && !record_once(k, kp)) {
+            log_record(k, kp, IDEM_LOG_ERROR,
+                       "an outcome recorded later was still not in "
+                       "the store at shutdown; its lease runs out");
+        }
+        free(kp->record);
         free(kp);
     }
     pthread_cond_destroy(&k->cv);
@@ -251,14 +374,32 @@ void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp)
         return;
     }
     pthread_mutex_lock(&k->mu);
-    for (idem_keep **pp = &k->keeps; *pp != NULL; pp = &(*pp)->next) {
-        if (*pp == kp) {
-            *pp = kp->next;
-            break;
-        }
-    }
+    unlink_keep(k, kp);
     pthread_mutex_unlock(&k->mu); /* a renewal in flight works on a copy */
     free(kp);
+}
+
+void idem__keeper_record_later(idem_keeper *k, idem_keep *kp, uint8_t *response, size_t len,
+                               uint64_t ttl_ms)
+{
+    pthread_mutex_lock(&k->mu);
+    kp->record = response;
+    kp->record_len = len;
+    kp->record_ttl_ms = ttl_ms;
+    kp->record_pause = RECORD_FIRST_MS;
+    kp->record_at = idem__mono_ms() + RECORD_FIRST_MS;
+    if (k->wake != 0 && kp->record_at < k->wake) {
+        pthread_cond_signal(&k->cv);
+    }
+    pthread_mutex_unlock(&k->mu);
+}
+
+void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_ref *key), void *arg)
+{
+    pthread_mutex_lock(&k->mu);
+    k->on_end = fn;
+    k->on_end_arg = arg;
+    pthread_mutex_unlock(&k->mu);
 }
 
 bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp)

@@ -25,6 +25,17 @@ idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t o
                              uint64_t lease_ms, uint64_t max_run_ms);
 /* Stops renewing and frees kp (NULL is a no-op). */
 void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp);
+/* Hands kp over to the keeper with the claim's final outcome (response, malloc'd: the
+ * keeper's now), which the store could not record: the keeper goes on renewing the lease
+ * and completes the claim again, with a backoff, until it lands, the claim is lost or
+ * kp's max run time passes (keeper.c); then it frees kp and calls on_end. kp's owner
+ * must not use kp again. ttl_ms: how long the record is kept once it lands. */
+void idem__keeper_record_later(idem_keeper *k, idem_keep *kp, uint8_t *response, size_t len,
+                               uint64_t ttl_ms);
+/* fn(arg, key) runs on the keeper thread when an outcome recorded later has ended
+ * (recorded or given up): the key's waiters should read the store again. */
+void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_ref *key),
+                         void *arg);
 /* True once a renewal of kp answered IDEM_ABORTED (the claim is no longer its owner's)
  * or its lease ran out without a renewal (another claimer may hold it now). */
 bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp);

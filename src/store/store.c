@@ -142,6 +142,26 @@ void idem__store_ticket_wait(idem_store *st, uint64_t ticket)
     }
 }
 
+idem_code idem__store_claim_durable(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                    uint64_t ticket)
+{
+    if (ticket == 0) {
+        return IDEM_OK; /* committed before the handler ran */
+    }
+    st->ops->ticket_wait(st, ticket);
+    idem_record rec;
+    idem_code code = idem_store_get(st, key, &rec);
+    bool ours = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == owner;
+    idem_record_clear(&rec);
+    if (ours) {
+        return IDEM_OK;
+    }
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return idem__err(IDEM_UNAVAILABLE, "the claim could not be read back: %s", idem_errmsg());
+    }
+    return idem__err(IDEM_UNAVAILABLE, "the claim did not reach the disk (its commit failed)");
+}
+
 idem_code idem_store_complete(idem_store *st, const idem_key_ref *key, uint64_t owner,
                               const void *response, size_t len, uint64_t expires_ms)
 {

@@ -109,8 +109,10 @@ typedef struct idem_store_ops {
      * commit, with *ticket nonzero; the caller then ends it with complete or release
      * (that ticket) or ticket_drop (no write follows), and calls
      * ticket_wait before it answers a result or a refusal decided on it (COMPLETED,
-     * MISMATCH), or hands the claim's owner to another system. ticket 0 everywhere: the
-     * plain ops. */
+     * MISMATCH), then reads it back (the batch may have failed: only what the disk holds
+     * is answered), and idem__store_claim_durable before it hands the claim's owner to
+     * another system. A refusal (an error code) is returned only once decided on what
+     * the disk holds. ticket 0 everywhere: the plain ops. */
     idem_code (*claim_shared)(idem_store *st, const idem_claim_req *req,
                               idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
     /* complete without waiting: IDEM_OK when queued (response, malloc'd, is the
@@ -160,6 +162,13 @@ idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, ui
                                      uint64_t ticket, idem__store_done_fn done, void *arg);
 void idem__store_ticket_drop(idem_store *st, uint64_t ticket);
 void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
+/* The claim (key, owner) of a shared commit (ticket) is on disk: waits for its batch
+ * (asking it to commit now), then reads the claim back from the store. IDEM_OK at once
+ * for ticket 0 (the claim committed before its handler ran); IDEM_UNAVAILABLE when the
+ * claim is not there as (IN_PROGRESS, owner): its commit failed and its redo too, or
+ * another writer took the key or the fence meanwhile. */
+idem_code idem__store_claim_durable(idem_store *st, const idem_key_ref *key, uint64_t owner,
+                                    uint64_t ticket);
 
 /* ops->renew_batch, or renew for each when the backend has no batch. */
 idem_code idem__store_renew_batch(idem_store *st, idem__renewal *r, size_t n);

@@ -28,10 +28,12 @@ static idem_code fence_put(lmdb_store *st, MDB_txn *txn, uint64_t value)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
 }
 
-/* The next store-assigned owner: a counter that only grows, in the claim's txn. */
+/* The next store-assigned owner: a counter that only grows, in the claim's txn, and
+ * past any fence a redo of this process tried (fence_floor): a fence drawn in a batch
+ * whose commit and redo failed is not drawn again here. */
 static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
 {
-    uint64_t last;
+    uint64_t last, floor = atomic_load(&st->fence_floor);
     idem_code code;
     if (!st->has_meta) {
         return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
@@ -39,17 +41,29 @@ static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
     if ((code = fence_last(st, txn, &last)) != IDEM_OK) {
         return code;
     }
-    *out = last + 1;
+    *out = (last > floor ? last : floor) + 1;
     return fence_put(st, txn, *out);
 }
 
-/* The counter at least owner: a shared claim re-applied with the owner it drew in a
- * batch that failed (that draw was rolled back with it). */
-static idem_code fence_at_least(lmdb_store *st, MDB_txn *txn, uint64_t owner)
+/* The counter moved to owner: a shared claim re-applied with the owner it drew in a
+ * batch that failed (that draw was rolled back with it). The counter already at owner
+ * or past it means another writer drew owner (or a later fence) between the failed
+ * commit and this redo: owner may be that writer's now, and a fence is never held by
+ * two claims, so the claim is lost (ABORTED) instead. */
+static idem_code fence_redraw(lmdb_store *st, MDB_txn *txn, uint64_t owner)
 {
-    uint64_t last;
+    uint64_t last, floor = atomic_load(&st->fence_floor);
+    while (floor < owner && !atomic_compare_exchange_weak(&st->fence_floor, &floor, owner)) {
+    }
     idem_code code = fence_last(st, txn, &last);
-    return code != IDEM_OK || last >= owner ? code : fence_put(st, txn, owner);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (last >= owner) {
+        return idem__err(IDEM_ABORTED, "claim lost: its fence was drawn again while its "
+                                       "failed batch was re-run");
+    }
+    return fence_put(st, txn, owner);
 }
 
 /* Writes a fresh IN_PROGRESS record keeping tok (replacing `old` when it is not NULL). */
@@ -207,8 +221,9 @@ static idem_code shared_apply(MDB_txn *txn, void *arg)
 }
 
 /* The claim again, in a txn of its own, as it was first applied: same owner, the counter
- * past it. Writes nothing unless it acquires (the key was taken meanwhile: its caller's
- * completion then finds the claim lost). Only reads what its caller no longer writes. */
+ * moved to it. Writes nothing unless it acquires with that owner (the key was taken, or
+ * the fence drawn, meanwhile: its caller's completion then finds the claim lost, and
+ * its fence is refused). Only reads what its caller no longer writes. */
 static idem_code shared_redo(MDB_txn *txn, void *arg)
 {
     const shared_claim *h = arg;
@@ -219,7 +234,7 @@ static idem_code shared_redo(MDB_txn *txn, void *arg)
     idem_claim_outcome outcome;
     req.owner = h->owner;
     claim_ctx c = {h->c.st, &req, &h->key, &outcome, NULL, h->c.entered_mono};
-    idem_code code = fence_at_least(h->c.st, txn, h->owner);
+    idem_code code = fence_redraw(h->c.st, txn, h->owner);
     if (code == IDEM_OK && (code = claim_apply(txn, &c)) == IDEM_OK &&
         outcome != IDEM_CLAIM_ACQUIRED && outcome != IDEM_CLAIM_TAKEN_OVER) {
         code = idem__err(IDEM_ABORTED, "claim lost: taken while its batch was re-run");

@@ -35,8 +35,9 @@
  * effect outside the store may then run twice, exactly as after a crash between the
  * effect and a separately committed completion (README's at-least-once edge). The
  * handler's fence is the one value another system could remember: idem_call_fence
- * waits for the claim's commit before returning it, so a fence that left the process is
- * on disk and the counter never hands it out again.
+ * waits for the claim's batch to end and reads the claim back from the disk before
+ * returning it (else it returns 0: refused), so a fence that left the process is on
+ * disk and the counter never hands it out again.
  *
  * A write that finds nothing queued and nothing committing (neither the writer thread
  * nor another such write) and is not a shared claim is committed on its caller's
@@ -55,9 +56,14 @@
  * result and its own error message, handed over with it; a shared claim that its
  * caller already holds is re-applied with the owner it drew (redo), so that its
  * completion finds it. Between the failed commit and the redo LMDB's writer lock is
- * free: another writer may take the key (or, in this process, draw the same fence)
- * first, and the completion then finds its claim lost: on a disk that fails a write,
- * the same at-least-once edge as a crash.
+ * free: another writer may take the key, or draw the same fence from the counter the
+ * failed commit rolled back, first; the redo then applies nothing (a fence is never
+ * held by two claims), and the completion finds its claim lost: on a disk that fails a
+ * write, the same at-least-once edge as a crash. A shared claim refused from the open
+ * txn (a token another claim of the batch consumed) is not answered before the commit:
+ * its caller is woken with the other writes, or after deciding it again alone.
+ * idem__gc_wait says only that a batch ended, not that it is durable: whoever needs a
+ * shared claim on disk (a fence) reads it back from the store after the wait.
  *
  * A transactional handler's txn (txn.c) and a sweep are begun and committed on their own
  * thread, outside group commit, inside idem__gc_lock_wanted. LMDB's writer lock (one write txn
@@ -117,10 +123,16 @@ typedef struct idem_group_commit {
     size_t done_waiters;      /* threads in idem__gc_wait */
     uint64_t last_commit_us;  /* how long the last batch's commit took */
     uint64_t hold_us;         /* the longest a batch stays open (HOLD; tests set it) */
+    uint64_t accept_min_us, accept_max_us; /* ACCEPT's bounds (tests set them) */
     uint64_t commits, writes; /* batches run and operations in them (statistics) */
     uint64_t shared;          /* completions committed with their claim (statistics) */
     uint64_t wakeups;         /* times an enqueue woke the writer thread (statistics) */
     uint64_t early_wakeups;   /* a writer woke, then had to wait again (statistics) */
+    /* Called on the writer thread after a batch's commit failed, before its redo (NULL:
+     * nothing). Tests set it, before the first write, to act in that window as another
+     * process could. */
+    void (*on_failed_commit)(void *arg);
+    void *on_failed_commit_arg;
 } idem_group_commit;
 
 /* Starts the writer thread when enabled. IDEM_RESOURCE_EXHAUSTED when it cannot. */

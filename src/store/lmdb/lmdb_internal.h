@@ -4,7 +4,9 @@
  *   records  effective key → rec_hdr + serialized idem.v1.Response (COMPLETED only)
  *   tokens   token         → tok_hdr + scope
  *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
- *   meta     "fence" → be64 last owner id handed out (store-assigned owners)
+ *   meta     "fence" → be64 last owner id handed out (store-assigned owners); a fence a
+ *            redo of this process tried is not drawn again here even when that redo
+ *            failed and the counter did not move (lmdb_store.fence_floor)
  * An IN_PROGRESS record keeps, after its header, the token its claim consumed
  * (be64 token expiry ‖ token bytes; the scope is the key's caller), so that a release
  * can put the token back in the same txn. Every record and token has exactly one expiry
@@ -15,11 +17,14 @@
  * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
  * renew, the fence counter), tokens.c (tokens and the token an IN_PROGRESS record keeps),
  * expiry.c (the expiry index and the sweep), txn.c (the write gate, business databases,
- * idem_txn_* and the handler-txn ops). */
+ * idem_txn_* and the handler-txn ops); group commit (group_commit.h): group_commit.c
+ * (the callers' queue), group_commit_batch.c (the writer thread's batches),
+ * group_commit_redo.c (a batch whose commit failed). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H
 
 #include <lmdb.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <sys/types.h>
 
@@ -57,6 +62,10 @@ typedef struct lmdb_store {
     bool has_meta;  /* false only for a read-only open of a store older than "meta" */
     bool read_only; /* IDEM_STORE_READONLY */
     idem_group_commit gc;
+    /* The largest fence a shared claim's redo re-applied or tried to (claim.c): a redo
+     * that failed leaves the counter on disk below it, and no claim of this process
+     * draws it again. */
+    _Atomic uint64_t fence_floor;
     pthread_mutex_t db_mu; /* guards dbs */
     app_db dbs[IDEM_LMDB_MAX_DBS];
     size_t n_dbs;

@@ -1,0 +1,265 @@
+/* Group commit: the writer thread and its batches.
+ *
+ * One batch per turn while ops are queued: begin a txn, apply what is queued (each op in
+ * a child txn), hold it open while shared claims in it await their completions, commit,
+ * then post every op of the batch not posted yet, and only those. Invariants:
+ *   - only this thread uses a batch's txn, and it begins and commits it (LMDB's rule);
+ *   - a caller is posted before its batch's commit only for a shared claim that applied
+ *     IDEM_OK (its handler runs meanwhile); a shared claim refused from the open txn (a
+ *     token another claim of the batch consumed, a full map) is posted with the others,
+ *     once the commit is durable, or decided again alone when it failed;
+ *   - a batch ends (done_ticket, done_cv) only after its commit, or after the redo of
+ *     a failed one (group_commit_redo.c): a waiter for a ticket then finds in the store
+ *     whatever of it is durable, and nothing else. */
+#include <time.h>
+
+#include "group_commit_op.h"
+
+static void batch_add(idem_gc_batch *b, idem_write_op *op)
+{
+    op->next = NULL;
+    if (b->tail != NULL) {
+        b->tail->next = op;
+    } else {
+        b->head = op;
+    }
+    b->tail = op;
+    b->n++;
+    if (op->kind == OP_HELD) {
+        op->held_next = b->held;
+        b->held = op;
+    }
+}
+
+idem_write_op *idem__gc_queue_take(idem_group_commit *gc, bool accept, size_t room)
+{
+    idem_write_op *got = NULL, **gt = &got, **pp = &gc->head;
+    gc->tail = NULL;
+    while (*pp != NULL) {
+        idem_write_op *op = *pp;
+        if (accept ? room == 0 : op->kind != OP_END) {
+            gc->tail = op;
+            pp = &op->next;
+            continue;
+        }
+        room -= accept;
+        *pp = op->next;
+        op->next = NULL;
+        *gt = op;
+        gt = &op->next;
+    }
+    return got;
+}
+
+bool idem__gc_plain_queued(const idem_group_commit *gc)
+{
+    for (const idem_write_op *op = gc->head; op != NULL; op = op->next) {
+        if (op->kind == OP_PLAIN) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* op->fn in a child txn of txn: a storage error (a full map) then undoes op's writes
+ * alone, where in txn itself it would leave txn unusable (LMDB refuses every further
+ * operation of a txn whose write failed) and take every other write of the batch with
+ * it, shared claims whose handlers already run included. *poisoned: LMDB could not
+ * begin or merge the child. */
+static idem_code apply_nested(MDB_txn *txn, idem_write_op *op, bool *poisoned)
+{
+    MDB_txn *child;
+    int rc = mdb_txn_begin(mdb_txn_env(txn), txn, 0, &child);
+    if (rc != 0) {
+        *poisoned = true;
+        return idem__lmdb_code(rc, "write begin");
+    }
+    idem_code code = op->fn(child, op->ctx);
+    if (code != IDEM_OK) {
+        mdb_txn_abort(child);
+        return code;
+    }
+    if ((rc = mdb_txn_commit(child)) != 0) {
+        *poisoned = true;
+        return idem__lmdb_code(rc, "commit");
+    }
+    return IDEM_OK;
+}
+
+/* A shared claim applied IDEM_OK in the batch of ticket: counted as awaiting its end
+ * (before its caller can drop it), and its caller woken at once. */
+static void held_applied(idem_group_commit *gc, idem_write_op *op, uint64_t ticket)
+{
+    pthread_mutex_lock(&gc->mu);
+    gc->awaiting++;
+    pthread_mutex_unlock(&gc->mu);
+    op->ticket = ticket;
+    idem__gc_op_post(op);
+}
+
+/* Applies ops in txn (the batch of ticket) and adds them to b; false once the txn is
+ * poisoned (the ops after it are added unapplied). */
+static bool apply(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, idem_write_op *ops,
+                  idem_gc_batch *b)
+{
+    bool poisoned = false;
+    size_t ended = 0;
+    for (idem_write_op *op = ops, *next; op != NULL; op = next) {
+        next = op->next;
+        batch_add(b, op);
+        if (poisoned) {
+            continue;
+        }
+        idem__gc_op_finish(op, apply_nested(txn, op, &poisoned));
+        if (poisoned) {
+            continue;
+        }
+        if (op->kind == OP_HELD && op->code == IDEM_OK) {
+            held_applied(gc, op, ticket);
+        } else if (op->kind == OP_END && op->ticket == ticket) {
+            ended++;
+        } else if (op->kind == OP_PLAIN) {
+            b->plain = true;
+        }
+    }
+    pthread_mutex_lock(&gc->mu);
+    gc->awaiting -= ended < gc->awaiting ? ended : gc->awaiting;
+    gc->shared += ended;
+    pthread_mutex_unlock(&gc->mu);
+    return !poisoned;
+}
+
+/* Keeps the batch open until it should commit (group_commit.h), applying what comes.
+ * Called and returns with gc->mu held; false when the txn is poisoned. */
+static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint64_t began,
+                      idem_gc_batch *b)
+{
+    uint64_t accept_us = gc->last_commit_us < gc->accept_min_us   ? gc->accept_min_us
+                         : gc->last_commit_us > gc->accept_max_us ? gc->accept_max_us
+                                                                  : gc->last_commit_us;
+    gc->accept_until = began + accept_us;
+    for (;;) {
+        uint64_t now = idem__mono_us();
+        /* The first take always: what woke the writer thread is in it. */
+        bool accept = (b->n == 0 || now < gc->accept_until) && b->n < gc->max_batch;
+        idem_write_op *ops = idem__gc_queue_take(gc, accept, gc->max_batch - b->n);
+        if (ops != NULL) {
+            pthread_mutex_unlock(&gc->mu);
+            bool ok = apply(gc, txn, ticket, ops, b);
+            pthread_mutex_lock(&gc->mu);
+            if (!ok) {
+                return false;
+            }
+            continue;
+        }
+        if (b->plain || gc->awaiting == 0 || gc->flush || gc->lock_wanted > 0 || gc->stopping ||
+            now >= began + gc->hold_us || idem__gc_plain_queued(gc)) {
+            return true;
+        }
+        uint64_t until = accept ? gc->accept_until : began + gc->hold_us;
+        struct timespec ts = {(time_t)(until / 1000000u), (long)(until % 1000000u) * 1000};
+        gc->writer_holding = true;
+        pthread_cond_timedwait(&gc->cv, &gc->mu, &ts);
+        gc->writer_holding = false;
+    }
+}
+
+/* Opens the batch of ticket and holds it (gc->mu held); false: LMDB could not begin it,
+ * or its txn is poisoned (what was taken is in b, to run alone). */
+static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t ticket, uint64_t began,
+                       idem_gc_batch *b)
+{
+    if (rc == 0) {
+        gc->open_ticket = ticket;
+        return hold_open(gc, txn, ticket, began, b);
+    }
+    for (idem_write_op *op = idem__gc_queue_take(gc, true, gc->max_batch), *next; op != NULL;
+         op = next) {
+        next = op->next;
+        batch_add(b, op); /* run alone, each txn begun again */
+    }
+    return false;
+}
+
+/* The batch of ticket has ended: its waiters wake, the writer's references go. */
+static void batch_ended(idem_group_commit *gc, idem_gc_batch *b, uint64_t ticket, bool ok,
+                        uint64_t commit_us)
+{
+    pthread_mutex_lock(&gc->mu);
+    gc->last_commit_us = ok ? commit_us : gc->last_commit_us;
+    gc->done_ticket = ticket;
+    if (gc->done_waiters > 0) {
+        pthread_cond_broadcast(&gc->done_cv);
+    }
+    pthread_mutex_unlock(&gc->mu);
+    for (idem_write_op *op = b->held, *next; op != NULL; op = next) {
+        next = op->held_next;
+        idem__gc_op_unref(op);
+    }
+}
+
+/* One batch: begin, apply and hold (hold_open), commit, wake; on a storage error or a
+ * failed commit, the redo. */
+static void run_batch(idem_group_commit *gc)
+{
+    idem_gc_batch b = {0};
+    MDB_txn *txn = NULL;
+    int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
+    uint64_t began = idem__mono_us();
+    pthread_mutex_lock(&gc->mu);
+    uint64_t ticket = ++gc->last_ticket;
+    gc->awaiting = 0;
+    gc->flush = false;
+    bool ok = open_batch(gc, txn, rc, ticket, began, &b);
+    gc->open_ticket = 0;
+    gc->commits++;
+    gc->writes += b.n;
+    pthread_mutex_unlock(&gc->mu);
+
+    uint64_t t0 = idem__mono_us();
+    if (ok && (rc = mdb_txn_commit(txn)) != 0) {
+        ok = false; /* commit freed the txn */
+        txn = NULL;
+    } else if (!ok && txn != NULL) {
+        mdb_txn_abort(txn);
+    }
+    uint64_t commit_us = idem__mono_us() - t0;
+    if (ok) {
+        for (idem_write_op *op = b.head, *next; op != NULL; op = next) {
+            next = op->next; /* op may be gone once posted */
+            if (!op->posted) {
+                idem__gc_op_post(op);
+            }
+        }
+    } else {
+        if (gc->on_failed_commit != NULL) {
+            gc->on_failed_commit(gc->on_failed_commit_arg);
+        }
+        idem__gc_redo(gc, &b);
+    }
+    batch_ended(gc, &b, ticket, ok, commit_us);
+}
+
+void *idem__gc_writer_main(void *arg)
+{
+    idem_group_commit *gc = arg;
+    pthread_mutex_lock(&gc->mu);
+    for (;;) {
+        /* A caller committing inline (idem__gc_write) wakes it when it is done. */
+        while ((gc->head == NULL || gc->inline_busy) && !(gc->stopping && gc->head == NULL)) {
+            gc->writer_asleep = true;
+            pthread_cond_wait(&gc->cv, &gc->mu);
+        }
+        gc->writer_asleep = false;
+        if (gc->head == NULL) { /* stopping, nothing left */
+            break;
+        }
+        gc->writer_busy = true;
+        pthread_mutex_unlock(&gc->mu);
+        run_batch(gc);
+        pthread_mutex_lock(&gc->mu);
+        gc->writer_busy = false;
+    }
+    pthread_mutex_unlock(&gc->mu);
+    return NULL;
+}

@@ -1,0 +1,76 @@
+/* Group commit: an op on its own, and a batch whose commit failed, again.
+ *
+ * A commit that fails (an I/O error: fdatasync said EIO) loses the whole batch, and
+ * LMDB's writer lock is free until the redo takes it again. Invariants of the redo:
+ *   - one op per txn, in the batch's order, so every caller gets its own exact result
+ *     and message, and one op that fails again takes no other with it;
+ *   - an op whose caller was not woken yet runs as if for the first time (fn), and is
+ *     posted with that result: a refusal or a result read from the lost batch is never
+ *     what its caller hears;
+ *   - a shared claim its caller already holds (posted: it applied IDEM_OK) is re-applied
+ *     with the owner it drew (redo), and with nothing else: never another owner, and not
+ *     at all when the key or that owner's fence was taken meanwhile (claim.c says how
+ *     it knows). Its caller learns how it went from the store: a completion finds its
+ *     claim or "claim lost", and a fence is handed out only once read back from the disk
+ *     (idem__store_claim_durable). */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "group_commit_op.h"
+
+idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
+{
+    MDB_txn *txn;
+    int rc = mdb_txn_begin(env, NULL, 0, &txn);
+    if (rc != 0) {
+        return idem__lmdb_code(rc, "write begin");
+    }
+    idem_code code = fn(txn, ctx);
+    if (code != IDEM_OK) {
+        mdb_txn_abort(txn);
+        return code;
+    }
+    rc = mdb_txn_commit(txn);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "commit");
+}
+
+void idem__gc_op_finish(idem_write_op *op, idem_code code)
+{
+    op->code = code;
+    snprintf(op->err, sizeof(op->err), "%s", code == IDEM_OK ? "" : idem_errmsg());
+}
+
+void idem__gc_op_post(idem_write_op *op)
+{
+    op->posted = true;
+    if (op->on_done != NULL) {
+        op->on_done(op->ctx, op->code, op->err);
+        free(op);
+        return;
+    }
+    sem_post(&op->done); /* its writer, and nobody else: cannot fail (0 → 1) */
+}
+
+void idem__gc_op_unref(idem_write_op *op)
+{
+    if (atomic_fetch_sub(&op->refs, 1) == 1) {
+        sem_destroy(&op->done);
+        op->unref(op->ctx);
+        free(op);
+    }
+}
+
+void idem__gc_redo(idem_group_commit *gc, idem_gc_batch *b)
+{
+    for (idem_write_op *op = b->head, *next; op != NULL; op = next) {
+        next = op->next; /* op may be gone once posted */
+        if (op->kind == OP_HELD && op->posted) {
+            /* A failure here: the claim is not in the store, and whoever asks finds so. */
+            (void)idem__gc_write_alone(gc->env, op->redo, op->ctx);
+            continue;
+        }
+        op->ticket = op->kind == OP_HELD ? 0 : op->ticket;
+        idem__gc_op_finish(op, idem__gc_write_alone(gc->env, op->fn, op->ctx));
+        idem__gc_op_post(op);
+    }
+}
