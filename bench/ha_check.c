@@ -25,6 +25,8 @@
 
 #include <idemrpc/idemrpc.h>
 
+#include "cli.h"
+
 #define CLIENTS 4
 #define MAX_OK 200000
 #define MAX_FAULTS 64
@@ -266,18 +268,51 @@ static int start_instances(idem_store *st[2], idem_server *srv[2])
     return 0;
 }
 
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: idemrpc-ha-check [--seconds N]\n"
+               "  the fault campaign on HA PostgreSQL; needs IDEMRPC_TEST_HA and IDEMRPC_HA:\n"
+               "  eval \"$(bash scripts/ha.sh start)\"\n"
+               "  --seconds N   how long the run lasts (default 60; faults start until 20 s\n"
+               "                before its end)\n");
+}
+
+/* True to run; false with *status the exit status (0 after --help, 2 after a usage
+ * error, which getopt_long or cli_parse_u64 has named). */
+static bool parse(int argc, char **argv, unsigned *seconds, int *status)
+{
+    static const struct option longs[] = {{"seconds", required_argument, NULL, 's'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {NULL, 0, NULL, 0}};
+    int opt;
+    uint64_t v;
+    *status = CLI_USAGE_ERROR;
+    while ((opt = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
+        if (opt == 'h') {
+            usage(stdout);
+            *status = 0;
+            return false;
+        }
+        if (opt == '?' || !cli_parse_u64("idemrpc-ha-check", "--seconds", optarg, 1, 86400, &v)) {
+            usage(stderr);
+            return false;
+        }
+        *seconds = (unsigned)v;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "idemrpc-ha-check: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return false;
+    }
+    return true;
+}
+
 int main(int argc, char **argv)
 {
     unsigned seconds = 60;
-    int opt;
-    while ((opt = getopt(argc, argv, "s:h")) != -1) {
-        if (opt == 's') {
-            seconds = (unsigned)strtoul(optarg, NULL, 10);
-        } else {
-            printf("usage: idemrpc-ha-check [-s SECONDS]   (needs IDEMRPC_TEST_HA, IDEMRPC_HA:"
-                   " eval \"$(bash scripts/ha.sh start)\")\n");
-            return opt == 'h' ? 0 : 2;
-        }
+    int status;
+    if (!parse(argc, argv, &seconds, &status)) {
+        return status;
     }
     H.conninfo = getenv("IDEMRPC_TEST_HA");
     H.script = getenv("IDEMRPC_HA");
