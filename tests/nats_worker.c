@@ -3,7 +3,10 @@
  *   nats_worker URL STREAM DURABLE FILTER DEAD STORE ACK_WAIT_MS CRASH
  * STORE is "lmdb:DIR" or "pg:CONNINFO"; CRASH "committed" kills the process (SIGKILL)
  * right after the first effect commits, before its ack; "none" runs to the end. Prints
- * "ready" once bound, and "stats committed=.. duplicates=.. acked=.." at exit. */
+ * "ready" once bound, and "stats committed=.. duplicates=.. acked=.." at exit.
+ *   nats_worker relay URL STORE
+ * relays the store's outbox and kills itself (SIGKILL) right after the first publish
+ * the broker acked, before its removal from the outbox. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,11 +38,39 @@ static idem_store *store_open(const char *spec)
     return st;
 }
 
+static void crash_after_publish(const idem_outbox_msg *m, bool duplicate, void *arg)
+{
+    (void)m, (void)duplicate, (void)arg;
+    raise(SIGKILL);
+}
+
+static int relay_main(const char *url, const char *store)
+{
+    idem_nats_relay_opts o;
+    idem_nats_relay *r;
+    idem_store *st = store_open(store);
+    idem_nats_relay_opts_init(&o);
+    o.url = url;
+    o.on_published = crash_after_publish;
+    if (idem_nats_relay_open(&r, st, &o) != IDEM_OK) {
+        fprintf(stderr, "nats_worker: relay: %s\n", idem_errmsg());
+        return 2;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    idem_code code = idem_nats_relay_run_once(r, NULL);
+    fprintf(stderr, "nats_worker: relay round ended without a crash: %s\n", idem_code_name(code));
+    return 3;
+}
+
 int main(int argc, char **argv)
 {
     idem_nats_consumer_opts o;
     idem_nats_consumer *c;
     idem_nats_stats s;
+    if (argc == 4 && strcmp(argv[1], "relay") == 0) {
+        return relay_main(argv[2], argv[3]);
+    }
     if (argc != 9) {
         fprintf(stderr, "usage: nats_worker URL STREAM DURABLE FILTER DEAD STORE ACK_WAIT CRASH\n");
         return 2;

@@ -35,6 +35,7 @@
 #include "server.h"
 #include "status.h"
 #include "store.h"
+#include "toolkit.h"
 #include "txn.h"
 
 #ifdef __cplusplus
@@ -150,6 +151,50 @@ IDEM_API void idem_nats_consumer_stats(idem_nats_consumer *c, idem_nats_stats *o
 /* Stops the thread (after the message in hand), then disconnects. The durable stays on
  * the broker; a delivery not acked yet is redelivered after ack_wait_ms. */
 IDEM_API void idem_nats_consumer_close(idem_nats_consumer *c);
+
+/* ---- the outbox relay ----
+ * Publishes the store's transactional outbox (toolkit.h, idem_outbox_put) to JetStream,
+ * oldest first, each with Nats-Msg-Id and Idem-Key set to its msg_id, and removes a
+ * message only after the broker acked its publish. A crash between the ack and the
+ * removal publishes it again: inside the stream's duplicate window (nats-server's
+ * default: 2 minutes) the broker drops it (a "duplicate" ack, then removed); after it,
+ * the consumer's idem_consume marker makes the second copy an ack without effect.
+ * Off by default: nothing is relayed until a program starts a relay in its server
+ * process. Several relays on one shared store may publish a message twice: the same two
+ * guards cover it. */
+
+typedef struct idem_nats_relay_opts {
+    const char *url;          /* required */
+    unsigned batch;           /* default 64 (1..IDEM_OUTBOX_MAX_BATCH): messages per round */
+    unsigned idle_ms;         /* default 100: an empty outbox is looked at this often */
+    unsigned publish_wait_ms; /* default 5000: one publish waits this long for its ack */
+    /* Called after a publish was acked, before its removal (tests crash here). */
+    void (*on_published)(const idem_outbox_msg *m, bool duplicate, void *arg);
+    void *event_arg;
+    idem_log_fn log_fn; /* failures once per outage, and one line per round at INFO */
+    void *log_arg;
+} idem_nats_relay_opts;
+
+typedef struct idem_nats_relay_counts {
+    uint64_t published;  /* publishes the broker acked (stored) */
+    uint64_t duplicates; /* publishes the broker's dedupe window dropped */
+    uint64_t removed;    /* messages removed from the outbox after their ack */
+    uint64_t failures;   /* publishes or removals that failed (the message stays) */
+} idem_nats_relay_counts;
+
+typedef struct idem_nats_relay idem_nats_relay;
+
+IDEM_API void idem_nats_relay_opts_init(idem_nats_relay_opts *o);
+IDEM_API idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st,
+                                        const idem_nats_relay_opts *o);
+/* One round on the caller's thread: publishes up to batch messages in order, stopping at
+ * the first failure (order kept), then removes the acked ones. *relayed (may be NULL):
+ * messages acked this round. IDEM_OK also for an empty outbox. */
+IDEM_API idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed);
+/* Rounds on a thread of its own until idem_nats_relay_close. */
+IDEM_API idem_code idem_nats_relay_start(idem_nats_relay *r);
+IDEM_API void idem_nats_relay_stats(idem_nats_relay *r, idem_nats_relay_counts *out);
+IDEM_API void idem_nats_relay_close(idem_nats_relay *r);
 
 #ifdef __cplusplus
 }

@@ -49,3 +49,42 @@ void idem_nats_consumer_close(idem_nats_consumer *c)
 {
     (void)c;
 }
+
+void idem_nats_relay_opts_init(idem_nats_relay_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+}
+
+idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem_nats_relay_opts *o)
+{
+    (void)st;
+    (void)o;
+    *out = NULL;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
+{
+    (void)r;
+    if (relayed != NULL) {
+        *relayed = 0;
+    }
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_relay_start(idem_nats_relay *r)
+{
+    (void)r;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+void idem_nats_relay_stats(idem_nats_relay *r, idem_nats_relay_counts *out)
+{
+    (void)r;
+    memset(out, 0, sizeof(*out));
+}
+
+void idem_nats_relay_close(idem_nats_relay *r)
+{
+    (void)r;
+}
