@@ -14,7 +14,7 @@
 
 #include "nats_effect.h"
 
-#define IDLE_POLLS 10/* consecutive empty fetches of fetch_wait_ms: the durable is idle */
+#define IDLE_POLLS 10 /* consecutive empty fetches of fetch_wait_ms: the durable is idle */
 
 static void crash_after_commit(idem_nats_event ev, const idem_nats_msg *m, const char *reason,
                                void *arg)

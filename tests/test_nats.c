@@ -122,7 +122,7 @@ Test(nats, naks_a_transient_failure_and_dead_letters_after_max_deliveries)
     nt_opts(&e, &o, "credit");
     o.max_deliver = 3;
     idem_nats_consumer *c = nt_consumer(&e, &o);
-    nt_publish(&e, "flaky", NULL, "fail=2");   /* fails twice, then takes effect */
+    nt_publish(&e, "flaky", NULL, "fail=2");    /* fails twice, then takes effect */
     nt_publish(&e, "broken", NULL, "fail=all"); /* fails every time */
     nt_drain(&e, c, "credit");
     cr_expect_eq(nt_effects(&e, "flaky"), 1);  /* the failed deliveries' writes rolled back */

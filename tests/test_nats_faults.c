@@ -35,8 +35,8 @@ static void worker_spawn(tu_child *w, nt *e, const char *ack_wait_ms, const char
 {
     const char *prog = getenv("NATS_WORKER");
     cr_assert_not_null(prog, "NATS_WORKER not set (meson test sets it)");
-    const char *argv[] = {prog, e->url, e->stream, "credit", e->in, e->dead, nt_store_spec(e),
-                          ack_wait_ms, crash, NULL};
+    const char *argv[] = {prog,    e->url,           e->stream,   "credit", e->in,
+                          e->dead, nt_store_spec(e), ack_wait_ms, crash,    NULL};
     tu_spawn(w, argv);
 }
 

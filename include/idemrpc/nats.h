@@ -45,9 +45,9 @@ extern "C" {
 #define IDEM_NATS_KEY_HEADER "Idem-Key"
 #define IDEM_NATS_MSG_ID_HEADER "Nats-Msg-Id"
 /* Headers of a dead letter (its payload is the original message's). */
-#define IDEM_NATS_DEAD_REASON "Idem-Dead-Reason"     /* why, e.g. "no key", "max deliveries" */
-#define IDEM_NATS_DEAD_SUBJECT "Idem-Dead-Subject"   /* the original subject */
-#define IDEM_NATS_DEAD_SEQ "Idem-Dead-Stream-Seq"    /* its sequence in the stream */
+#define IDEM_NATS_DEAD_REASON "Idem-Dead-Reason"       /* why, e.g. "no key", "max deliveries" */
+#define IDEM_NATS_DEAD_SUBJECT "Idem-Dead-Subject"     /* the original subject */
+#define IDEM_NATS_DEAD_SEQ "Idem-Dead-Stream-Seq"      /* its sequence in the stream */
 #define IDEM_NATS_DEAD_DELIVERED "Idem-Dead-Delivered" /* deliveries, this one included */
 #define IDEM_NATS_MAX_BATCH 256
 #define IDEM_NATS_MAX_DELIVER 1000
@@ -99,14 +99,14 @@ typedef struct idem_nats_consumer_opts {
     void *key_arg;
     idem_nats_handler handler; /* required */
     void *handler_arg;
-    unsigned max_deliver;    /* default 5 (1..IDEM_NATS_MAX_DELIVER): failed deliveries before
-                                the dead letter */
-    unsigned ack_wait_ms;    /* default 30000: an unacked delivery is redelivered after this
-                                (set when this call creates the durable) */
-    unsigned backoff_ms;     /* default 100: nak delay after a first failure, doubled per delivery */
-    unsigned backoff_max_ms; /* default 5000 */
-    unsigned batch;          /* default 16 (1..IDEM_NATS_MAX_BATCH): messages per fetch */
-    unsigned fetch_wait_ms;  /* default 500: a fetch waits this long for a first message */
+    unsigned max_deliver; /* default 5 (1..IDEM_NATS_MAX_DELIVER): failed deliveries before
+                             the dead letter */
+    unsigned ack_wait_ms; /* default 30000: an unacked delivery is redelivered after this
+                             (set when this call creates the durable) */
+    unsigned backoff_ms;  /* default 100: nak delay after a first failure, doubled per delivery */
+    unsigned backoff_max_ms;     /* default 5000 */
+    unsigned batch;              /* default 16 (1..IDEM_NATS_MAX_BATCH): messages per fetch */
+    unsigned fetch_wait_ms;      /* default 500: a fetch waits this long for a first message */
     idem_nats_event_fn on_event; /* may be NULL */
     void *event_arg;
     idem_log_fn log_fn; /* dead letters and broker errors; NULL: stderr */
@@ -148,9 +148,19 @@ IDEM_API idem_code idem_nats_consumer_start(idem_nats_consumer *c);
 
 IDEM_API void idem_nats_consumer_stats(idem_nats_consumer *c, idem_nats_stats *out);
 
+/* Asks the broker how many messages of the durable are not acked yet: not delivered, or
+ * delivered and waiting for their ack (a nak'd one too). 0: everything published so far
+ * was acked or dead-lettered. UNAVAILABLE while the broker is away. */
+IDEM_API idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending);
+
 /* Stops the thread (after the message in hand), then disconnects. The durable stays on
  * the broker; a delivery not acked yet is redelivered after ack_wait_ms. */
 IDEM_API void idem_nats_consumer_close(idem_nats_consumer *c);
+
+/* Creates stream (file storage, the broker's default 2-minute duplicate window) taking
+ * subjects[0..n) if no stream of that name exists; an existing one is kept as it is. */
+IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
+                                           const char *const *subjects, size_t n);
 
 /* ---- the outbox relay ----
  * Publishes the store's transactional outbox (toolkit.h, idem_outbox_put) to JetStream,

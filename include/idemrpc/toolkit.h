@@ -206,9 +206,9 @@ IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t
 
 /* The reserved business database of outbox messages (stored as "app.idem.outbox"). */
 #define IDEM_OUTBOX_DB "idem.outbox"
-#define IDEM_OUTBOX_MAX_SUBJECT 255          /* bytes */
-#define IDEM_OUTBOX_MAX_MSG_ID 255           /* bytes: = IDEM_MAX_MSG_KEY, the consumer's key */
-#define IDEM_OUTBOX_MAX_DATA (1024 * 1024)   /* bytes (nats-server's default max payload) */
+#define IDEM_OUTBOX_MAX_SUBJECT 255        /* bytes */
+#define IDEM_OUTBOX_MAX_MSG_ID 255         /* bytes: = IDEM_MAX_MSG_KEY, the consumer's key */
+#define IDEM_OUTBOX_MAX_DATA (1024 * 1024) /* bytes (nats-server's default max payload) */
 #define IDEM_OUTBOX_MAX_BATCH 1024
 
 /* Inside t: queues data for subject. The message exists if and only if t commits (no

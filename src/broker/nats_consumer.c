@@ -92,8 +92,8 @@ static bool key_of(delivery *d)
         v = d->key;
     } else if (natsMsgHeader_Get(d->m, o->key_header, &v) != NATS_OK &&
                natsMsgHeader_Get(d->m, IDEM_NATS_MSG_ID_HEADER, &v) != NATS_OK) {
-        snprintf(d->reason, sizeof(d->reason), "no key: neither %s nor %s header",
-                 o->key_header, IDEM_NATS_MSG_ID_HEADER);
+        snprintf(d->reason, sizeof(d->reason), "no key: neither %s nor %s header", o->key_header,
+                 IDEM_NATS_MSG_ID_HEADER);
         return false;
     }
     size_t n = strnlen(v, IDEM_MAX_MSG_KEY + 1);
@@ -172,9 +172,8 @@ static void dead_letter(delivery *d)
     if (code != IDEM_OK) { /* never dropped: naked, dead-lettered on a later delivery */
         count(c, &c->stats.dead_failures);
         idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
-                       "nats consumer=%s seq=%llu dead letter failed (%s): %s; naked",
-                       c->o.durable, (unsigned long long)d->im.stream_seq, d->reason,
-                       idem_errmsg());
+                       "nats consumer=%s seq=%llu dead letter failed (%s): %s; naked", c->o.durable,
+                       (unsigned long long)d->im.stream_seq, d->reason, idem_errmsg());
         nak(d);
         return;
     }
@@ -202,8 +201,8 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
         ack(&d, info.duplicate);
         return;
     }
-    const char *why = v == IDEM_CONSUME_REJECT ? "rejected"
-                      : !transient(info.code)  ? "final failure"
+    const char *why = v == IDEM_CONSUME_REJECT             ? "rejected"
+                      : !transient(info.code)              ? "final failure"
                       : d.im.delivered >= c->o.max_deliver ? "max deliveries"
                                                            : "transient failure";
     const char *detail = idem_errmsg();
@@ -227,8 +226,8 @@ idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
     if (c == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "nats consumer: NULL");
     }
-    natsStatus s = natsSubscription_Fetch(&list, c->sub, (int)c->o.batch,
-                                          (int64_t)c->o.fetch_wait_ms, &jerr);
+    natsStatus s =
+        natsSubscription_Fetch(&list, c->sub, (int)c->o.batch, (int64_t)c->o.fetch_wait_ms, &jerr);
     for (int i = 0; i < list.Count; i++) {
         count(c, &c->stats.fetched);
         handle(c, list.Msgs[i]);
@@ -237,7 +236,8 @@ idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
         *handled = (unsigned)list.Count;
     }
     natsMsgList_Destroy(&list);
-    if (s == NATS_OK || (s == NATS_TIMEOUT && natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)) {
+    if (s == NATS_OK ||
+        (s == NATS_TIMEOUT && natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)) {
         return IDEM_OK;
     }
     return idem__nats_code(s == NATS_TIMEOUT ? NATS_CONNECTION_DISCONNECTED : s, jerr,
@@ -285,8 +285,12 @@ static idem_code opts_check(const idem_nats_consumer_opts *o)
 /* Copies the caller's strings, so that its options may be freed after open. */
 static idem_code opts_copy(idem_nats_consumer *c, const idem_nats_consumer_opts *o)
 {
-    const char **fields[6] = {&c->o.url, &c->o.stream, &c->o.durable,
-                              &c->o.filter_subject, &c->o.dead_letter_subject, &c->o.key_header};
+    const char **fields[6] = {&c->o.url,
+                              &c->o.stream,
+                              &c->o.durable,
+                              &c->o.filter_subject,
+                              &c->o.dead_letter_subject,
+                              &c->o.key_header};
     c->o = *o;
     if (c->o.key_header == NULL) {
         c->o.key_header = IDEM_NATS_KEY_HEADER;
@@ -314,9 +318,9 @@ static idem_code bind_durable(idem_nats_consumer *c)
     cc.MaxDeliver = -1; /* unlimited at the broker: max_deliver ends in our dead letter */
     cc.FilterSubject = c->o.filter_subject;
     natsStatus s = js_AddConsumer(&ci, c->js, c->o.stream, &cc, NULL, &jerr);
-    if (s != NATS_OK && (jerr == JSStreamNotFoundErr ||
-                         js_GetConsumerInfo(&ci, c->js, c->o.stream, c->o.durable, NULL, &jerr) !=
-                             NATS_OK)) {
+    if (s != NATS_OK &&
+        (jerr == JSStreamNotFoundErr ||
+         js_GetConsumerInfo(&ci, c->js, c->o.stream, c->o.durable, NULL, &jerr) != NATS_OK)) {
         return idem__nats_code(s, jerr, "nats consumer: create durable");
     }
     jsConsumerInfo_Destroy(ci);
@@ -411,6 +415,20 @@ idem_code idem_nats_consumer_start(idem_nats_consumer *c)
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats consumer: no thread");
     }
     c->started = true;
+    return IDEM_OK;
+}
+
+idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending)
+{
+    jsConsumerInfo *ci = NULL;
+    jsErrCode jerr = 0;
+    *pending = 0;
+    natsStatus s = js_GetConsumerInfo(&ci, c->js, c->o.stream, c->o.durable, NULL, &jerr);
+    if (s != NATS_OK) {
+        return idem__nats_code(s, jerr, "nats consumer: info");
+    }
+    *pending = ci->NumPending + (uint64_t)ci->NumAckPending;
+    jsConsumerInfo_Destroy(ci);
     return IDEM_OK;
 }
 

@@ -31,8 +31,8 @@ static natsStatus dead_headers(natsMsg *dm, const char *durable, natsMsg *orig,
     return s;
 }
 
-idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable,
-                                 natsMsg *orig, const idem_nats_msg *im, const char *reason)
+idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable, natsMsg *orig,
+                                 const idem_nats_msg *im, const char *reason)
 {
     natsMsg *dm = NULL;
     bool duplicate;

@@ -88,3 +88,17 @@ void idem_nats_relay_close(idem_nats_relay *r)
 {
     (void)r;
 }
+
+idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending)
+{
+    (void)c;
+    *pending = 0;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_ensure_stream(const char *url, const char *stream, const char *const *subjects,
+                                  size_t n)
+{
+    (void)url, (void)stream, (void)subjects, (void)n;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}

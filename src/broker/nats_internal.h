@@ -31,7 +31,7 @@ idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *dupl
  * (IDEM_NATS_DEAD_* headers) and Nats-Msg-Id "dead.<stream seq>.<durable>", so that a
  * dead letter published again (its Term lost, a crash) is dropped inside the broker's
  * dedupe window. IDEM_OK once the broker acked the publish. */
-idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable,
-                                 natsMsg *orig, const idem_nats_msg *im, const char *reason);
+idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable, natsMsg *orig,
+                                 const idem_nats_msg *im, const char *reason);
 
 #endif
