@@ -163,3 +163,37 @@ Test(nats_faults, a_broker_restart_mid_stream_loses_nothing_and_doubles_nothing)
     expect_each_effect_once(&e, 200);
     nt_teardown(&e);
 }
+
+/* max_deliver 1: a failure of the message itself would be its dead letter at once; a
+ * PostgreSQL restart under the consumer must only delay the messages it catches. */
+Test(nats_faults, a_store_outage_naks_and_never_dead_letters)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    char cmd[512];
+    const char *svc = getenv("IDEMRPC_SERVICES");
+    if (!tu_backend_is_pg() || svc == NULL) {
+        cr_skip_test("a PostgreSQL store and IDEMRPC_SERVICES (to restart it) only");
+    }
+    nt_setup(&e, "outage");
+    nt_opts(&e, &o, "credit");
+    o.max_deliver = 1;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    cr_assert_eq(idem_nats_consumer_start(c), IDEM_OK);
+    publish_orders(&e, 0, 100, "amount=1");
+    s.acked = 0;
+    for (int i = 0; s.acked < 20 && i < WAIT_ROUNDS; i++) {
+        nats_Sleep(10);
+        idem_nats_consumer_stats(c, &s);
+    }
+    snprintf(cmd, sizeof(cmd), "%s restart-pg", svc);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    publish_orders(&e, 100, 200, "amount=1");
+    await_settled(&e, &c, 1, 200);
+    idem_nats_consumer_stats(c, &s);
+    idem_nats_consumer_close(c);
+    cr_expect_eq(s.dead_lettered, 0, "%llu dead letters", (unsigned long long)s.dead_lettered);
+    expect_each_effect_once(&e, 200);
+    nt_teardown(&e);
+}

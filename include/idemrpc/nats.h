@@ -15,10 +15,13 @@
  *            the consumed marker commit in one transaction, or neither does.
  *   ack      only after that commit (or when the marker shows an earlier commit: a
  *            duplicate, the handler does not run). Never for an effect that did not commit.
- *   nak      a transient failure (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL,
- *            RESOURCE_EXHAUSTED, ABORTED, CANCELLED, UNKNOWN, from the handler or the store):
- *            redelivered after backoff_ms · 2^(delivery-1), at most backoff_max_ms.
- *   dead     after max_deliver transient failures, or at once for a final one (bad input,
+ *   nak      a transient failure of the handler (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL,
+ *            RESOURCE_EXHAUSTED, ABORTED, CANCELLED, UNKNOWN), and any failure of the store
+ *            (unreachable, a commit that failed or whose outcome is unknown): redelivered
+ *            after backoff_ms · 2^(delivery-1), at most backoff_max_ms. A store failure
+ *            says nothing about the message: it never leads to the dead letter.
+ *   dead     after max_deliver transient failures of the handler, or at once for a final
+ *            one (bad input,
  *            a handler's other codes, idem_consume's REJECT): the message is published to
  *            dead_letter_subject with its reason (headers below), and only after that
  *            publish is acked is it terminated (Term: JetStream never redelivers it). A
@@ -137,7 +140,8 @@ IDEM_API void idem_nats_consumer_opts_init(idem_nats_consumer_opts *o);
 IDEM_API idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store *st,
                                            const idem_nats_consumer_opts *o);
 
-/* One fetch on the caller's thread: handles up to batch messages (*handled may be NULL).
+/* One fetch on the caller's thread (one thread at a time per consumer: open one consumer
+ * per thread): handles up to batch messages (*handled may be NULL).
  * IDEM_OK also when none came within fetch_wait_ms; UNAVAILABLE when the broker is
  * unreachable (call again: the connection reconnects by itself). */
 IDEM_API idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled);

@@ -41,6 +41,7 @@ typedef struct delivery {
     idem_nats_msg im;
     char key[IDEM_MAX_MSG_KEY + 2];
     char reason[REASON_MAX];
+    bool handler_failed; /* the handler ran and returned an error (else: the store did) */
 } delivery;
 
 static void count(idem_nats_consumer *c, uint64_t *counter)
@@ -64,6 +65,7 @@ static void delivery_init(delivery *d, idem_nats_consumer *c, natsMsg *m)
     d->c = c;
     d->m = m;
     d->key[0] = d->reason[0] = '\0';
+    d->handler_failed = false;
     d->im.subject = natsMsg_GetSubject(m);
     d->im.data = natsMsg_GetData(m);
     d->im.len = (size_t)natsMsg_GetDataLength(m);
@@ -112,7 +114,9 @@ static idem_code run_handler(idem_txn *t, void *arg)
 {
     delivery *d = arg;
     idem__err_clear(); /* the reason of a failure is then the handler's own, or none */
-    return d->c->o.handler(t, &d->im, d->c->o.handler_arg);
+    idem_code code = d->c->o.handler(t, &d->im, d->c->o.handler_arg);
+    d->handler_failed = code != IDEM_OK;
+    return code;
 }
 
 /* The codes a redelivery may cure (DESIGN: the ones that release a claim). */
@@ -186,11 +190,33 @@ static void dead_letter(delivery *d)
     emit(d, IDEM_NATS_DEAD_LETTERED, d->reason);
 }
 
+/* Why a delivery that was not acked failed, and whether that ends in the dead letter.
+ * Only the message's own failures do: a store that failed (unreachable, a commit lost)
+ * says nothing about the message, which is naked however often it comes back. */
+static const char *failure_kind(const delivery *d, idem_consume_verdict v, idem_code code,
+                                bool *dead)
+{
+    *dead = true;
+    if (v == IDEM_CONSUME_REJECT) {
+        return "rejected";
+    }
+    if (!d->handler_failed) {
+        *dead = false;
+        return "store failure";
+    }
+    if (!transient(code)) {
+        return "final failure";
+    }
+    *dead = d->im.delivered >= d->c->o.max_deliver;
+    return *dead ? "max deliveries" : "transient failure";
+}
+
 /* The whole life of one delivery. */
 static void handle(idem_nats_consumer *c, natsMsg *m)
 {
     delivery d;
     idem_consume_info info;
+    bool dead;
     delivery_init(&d, c, m);
     if (!key_of(&d)) {
         dead_letter(&d);
@@ -201,19 +227,20 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
         ack(&d, info.duplicate);
         return;
     }
-    const char *why = v == IDEM_CONSUME_REJECT             ? "rejected"
-                      : !transient(info.code)              ? "final failure"
-                      : d.im.delivered >= c->o.max_deliver ? "max deliveries"
-                                                           : "transient failure";
-    const char *detail = idem_errmsg();
+    const char *why = failure_kind(&d, v, info.code, &dead), *detail = idem_errmsg();
     snprintf(d.reason, sizeof(d.reason), "%s (delivery %llu): %s%s%s", why,
              (unsigned long long)d.im.delivered, idem_code_name(info.code),
              detail[0] != '\0' ? ": " : "", detail);
-    if (v == IDEM_CONSUME_RETRY && transient(info.code) && d.im.delivered < c->o.max_deliver) {
-        nak(&d);
-    } else {
+    if (dead) {
         dead_letter(&d);
+        return;
     }
+    if (!d.handler_failed && d.im.delivered % c->o.max_deliver == 0) { /* not every time */
+        idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
+                       "nats consumer=%s seq=%llu key=%s naked: %s", c->o.durable,
+                       (unsigned long long)d.im.stream_seq, d.key, d.reason);
+    }
+    nak(&d);
 }
 
 idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
