@@ -216,7 +216,9 @@ IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t
  * derived from the business change (e.g. "order-42:platform-fee"), never random: the
  * relay publishes it as the broker's dedupe id (Nats-Msg-Id) and the consumer's key
  * (Idem-Key), which is what makes a second publish after a crash harmless. Messages are
- * relayed in put order. */
+ * relayed in put order. Every put writes the outbox's one bounds row: on PostgreSQL it
+ * stays locked until t ends, so txns that put run one after the other from their put
+ * on (put last); on LMDB there is one writer anyway. */
 IDEM_API idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id,
                                    const void *data, size_t len);
 
