@@ -134,12 +134,23 @@ Test(nats_faults, an_ack_wait_shorter_than_the_handler_redelivers_and_takes_effe
     nt_teardown(&e);
 }
 
+/* Once c acked some messages (mid-stream), runs `$IDEMRPC_SERVICES what`. */
+static void restart_mid_stream(idem_nats_consumer *c, const char *svc, const char *what)
+{
+    idem_nats_stats s = {0};
+    char cmd[512];
+    for (int i = 0; s.acked < 20 && i < WAIT_ROUNDS; i++) {
+        nats_Sleep(10);
+        idem_nats_consumer_stats(c, &s);
+    }
+    snprintf(cmd, sizeof(cmd), "%s %s", svc, what);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
 Test(nats_faults, a_broker_restart_mid_stream_loses_nothing_and_doubles_nothing)
 {
     nt e;
     idem_nats_consumer_opts o;
-    idem_nats_stats s;
-    char cmd[512];
     const char *svc = getenv("IDEMRPC_SERVICES");
     if (svc == NULL) {
         cr_skip_test("IDEMRPC_SERVICES not set: cannot restart nats-server");
@@ -150,13 +161,7 @@ Test(nats_faults, a_broker_restart_mid_stream_loses_nothing_and_doubles_nothing)
     idem_nats_consumer *c = nt_consumer(&e, &o);
     cr_assert_eq(idem_nats_consumer_start(c), IDEM_OK);
     publish_orders(&e, 0, 100, "amount=1");
-    s.acked = 0;
-    for (int i = 0; s.acked < 20 && i < WAIT_ROUNDS; i++) { /* mid-stream: some acked */
-        nats_Sleep(10);
-        idem_nats_consumer_stats(c, &s);
-    }
-    snprintf(cmd, sizeof(cmd), "%s restart-nats", svc);
-    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    restart_mid_stream(c, svc, "restart-nats");
     publish_orders(&e, 100, 200, "amount=1"); /* retried until the broker is back */
     await_settled(&e, &c, 1, 200);
     idem_nats_consumer_close(c);
@@ -171,7 +176,6 @@ Test(nats_faults, a_store_outage_naks_and_never_dead_letters)
     nt e;
     idem_nats_consumer_opts o;
     idem_nats_stats s;
-    char cmd[512];
     const char *svc = getenv("IDEMRPC_SERVICES");
     if (!tu_backend_is_pg() || svc == NULL) {
         cr_skip_test("a PostgreSQL store and IDEMRPC_SERVICES (to restart it) only");
@@ -182,13 +186,7 @@ Test(nats_faults, a_store_outage_naks_and_never_dead_letters)
     idem_nats_consumer *c = nt_consumer(&e, &o);
     cr_assert_eq(idem_nats_consumer_start(c), IDEM_OK);
     publish_orders(&e, 0, 100, "amount=1");
-    s.acked = 0;
-    for (int i = 0; s.acked < 20 && i < WAIT_ROUNDS; i++) {
-        nats_Sleep(10);
-        idem_nats_consumer_stats(c, &s);
-    }
-    snprintf(cmd, sizeof(cmd), "%s restart-pg", svc);
-    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    restart_mid_stream(c, svc, "restart-pg");
     publish_orders(&e, 100, 200, "amount=1");
     await_settled(&e, &c, 1, 200);
     idem_nats_consumer_stats(c, &s);

@@ -27,10 +27,7 @@ struct idem_nats_consumer {
     natsConnection *nc;
     jsCtx *js;
     natsSubscription *sub;
-    pthread_mutex_t mu; /* guards stats and stopping */
-    pthread_cond_t cv;  /* stopping */
-    bool stopping, started;
-    pthread_t thread;
+    idem__nats_loop loop; /* its mu guards stats */
     idem_nats_stats stats;
 };
 
@@ -46,9 +43,7 @@ typedef struct delivery {
 
 static void count(idem_nats_consumer *c, uint64_t *counter)
 {
-    pthread_mutex_lock(&c->mu);
-    (*counter)++;
-    pthread_mutex_unlock(&c->mu);
+    idem__nats_add(&c->loop, counter, 1);
 }
 
 static void emit(delivery *d, idem_nats_event ev, const char *reason)
@@ -374,8 +369,7 @@ idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store *st,
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats consumer: out of memory");
     }
     c->st = st;
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
+    idem__nats_loop_init(&c->loop);
     if ((code = opts_copy(c, o)) == IDEM_OK &&
         (code = idem__nats_connect(c->o.url, API_WAIT_MS, &c->nc, &c->js)) == IDEM_OK) {
         code = bind_durable(c);
@@ -390,30 +384,11 @@ idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store *st,
     return IDEM_OK;
 }
 
-/* Waits ms unless stopping; true when stopping. */
-static bool pause_or_stop(idem_nats_consumer *c, uint64_t ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += (time_t)(ms / 1000);
-    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    pthread_mutex_lock(&c->mu);
-    while (!c->stopping && pthread_cond_timedwait(&c->cv, &c->mu, &ts) == 0) {
-    }
-    bool stopping = c->stopping;
-    pthread_mutex_unlock(&c->mu);
-    return stopping;
-}
-
 static void *consumer_main(void *arg)
 {
     idem_nats_consumer *c = arg;
     uint64_t wait_ms = 0;
-    while (!pause_or_stop(c, wait_ms)) {
+    while (!idem__nats_loop_pause(&c->loop, wait_ms)) {
         idem_code code = idem_nats_consumer_poll(c, NULL);
         if (code == IDEM_OK) {
             if (wait_ms != 0) {
@@ -435,14 +410,10 @@ static void *consumer_main(void *arg)
 
 idem_code idem_nats_consumer_start(idem_nats_consumer *c)
 {
-    if (c == NULL || c->started) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "nats consumer: NULL or started before");
+    if (c == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "nats consumer: NULL");
     }
-    if (pthread_create(&c->thread, NULL, consumer_main, c) != 0) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats consumer: no thread");
-    }
-    c->started = true;
-    return IDEM_OK;
+    return idem__nats_loop_start(&c->loop, consumer_main, c, "nats consumer");
 }
 
 idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending)
@@ -461,9 +432,9 @@ idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending)
 
 void idem_nats_consumer_stats(idem_nats_consumer *c, idem_nats_stats *out)
 {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->loop.mu);
     *out = c->stats;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->loop.mu);
 }
 
 void idem_nats_consumer_close(idem_nats_consumer *c)
@@ -471,19 +442,11 @@ void idem_nats_consumer_close(idem_nats_consumer *c)
     if (c == NULL) {
         return;
     }
-    if (c->started) {
-        pthread_mutex_lock(&c->mu);
-        c->stopping = true;
-        pthread_cond_broadcast(&c->cv);
-        pthread_mutex_unlock(&c->mu);
-        pthread_join(c->thread, NULL);
-    }
+    idem__nats_loop_fini(&c->loop);   /* the thread first: it uses what follows */
     natsSubscription_Destroy(c->sub); /* not Unsubscribe: the durable stays */
     idem__nats_disconnect(c->nc, c->js);
     for (int i = 0; i < 6; i++) {
         free(c->strs[i]);
     }
-    pthread_cond_destroy(&c->cv);
-    pthread_mutex_destroy(&c->mu);
     free(c);
 }

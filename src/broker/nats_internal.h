@@ -27,6 +27,25 @@ void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char 
  * window dropped it (its Nats-Msg-Id was seen). */
 idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate);
 
+/* The thread of a consumer or a relay (nats_loop.c). mu also guards its owner's
+ * counters; cv wakes a pause at the stop (monotonic clock). */
+typedef struct idem__nats_loop {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopping, started;
+    pthread_t thread;
+} idem__nats_loop;
+
+void idem__nats_loop_init(idem__nats_loop *l);
+idem_code idem__nats_loop_start(idem__nats_loop *l, void *(*fn)(void *), void *arg,
+                                const char *what);
+/* Waits ms unless stopping; true when stopping. */
+bool idem__nats_loop_pause(idem__nats_loop *l, uint64_t ms);
+/* Stops and joins the thread if it was started, then destroys the loop. */
+void idem__nats_loop_fini(idem__nats_loop *l);
+/* *counter += n under l->mu. */
+void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
+
 /* Publishes the payload of orig to subject with the reason and where it came from
  * (IDEM_NATS_DEAD_* headers) and Nats-Msg-Id "dead.<stream seq>.<durable>", so that a
  * dead letter published again (its Term lost, a crash) is dropped inside the broker's

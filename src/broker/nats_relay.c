@@ -19,18 +19,13 @@ struct idem_nats_relay {
     jsCtx *js;
     idem_outbox_msg *msgs; /* batch slots */
     uint64_t *seqs;
-    pthread_mutex_t mu; /* guards stats and stopping */
-    pthread_cond_t cv;
-    bool stopping, started;
-    pthread_t thread;
+    idem__nats_loop loop; /* its mu guards stats */
     idem_nats_relay_counts stats;
 };
 
 static void add(idem_nats_relay *r, uint64_t *counter, uint64_t n)
 {
-    pthread_mutex_lock(&r->mu);
-    *counter += n;
-    pthread_mutex_unlock(&r->mu);
+    idem__nats_add(&r->loop, counter, n);
 }
 
 static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool *duplicate)
@@ -122,8 +117,7 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     }
     r->st = st;
     r->o = *o;
-    pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
+    idem__nats_loop_init(&r->loop);
     r->url = strdup(o->url);
     r->msgs = calloc(o->batch, sizeof(*r->msgs));
     r->seqs = calloc(o->batch, sizeof(*r->seqs));
@@ -141,31 +135,12 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     return IDEM_OK;
 }
 
-/* Waits ms unless stopping; true when stopping. */
-static bool pause_or_stop(idem_nats_relay *r, uint64_t ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += (time_t)(ms / 1000);
-    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    pthread_mutex_lock(&r->mu);
-    while (!r->stopping && pthread_cond_timedwait(&r->cv, &r->mu, &ts) == 0) {
-    }
-    bool stopping = r->stopping;
-    pthread_mutex_unlock(&r->mu);
-    return stopping;
-}
-
 static void *relay_main(void *arg)
 {
     idem_nats_relay *r = arg;
     uint64_t wait_ms = 0;
     bool failing = false;
-    while (!pause_or_stop(r, wait_ms)) {
+    while (!idem__nats_loop_pause(&r->loop, wait_ms)) {
         unsigned n = 0;
         idem_code code = idem_nats_relay_run_once(r, &n);
         if (code != IDEM_OK && !failing) { /* once per outage */
@@ -186,21 +161,17 @@ static void *relay_main(void *arg)
 
 idem_code idem_nats_relay_start(idem_nats_relay *r)
 {
-    if (r == NULL || r->started) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "nats relay: NULL or started before");
+    if (r == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "nats relay: NULL");
     }
-    if (pthread_create(&r->thread, NULL, relay_main, r) != 0) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: no thread");
-    }
-    r->started = true;
-    return IDEM_OK;
+    return idem__nats_loop_start(&r->loop, relay_main, r, "nats relay");
 }
 
 void idem_nats_relay_stats(idem_nats_relay *r, idem_nats_relay_counts *out)
 {
-    pthread_mutex_lock(&r->mu);
+    pthread_mutex_lock(&r->loop.mu);
     *out = r->stats;
-    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_unlock(&r->loop.mu);
 }
 
 void idem_nats_relay_close(idem_nats_relay *r)
@@ -208,18 +179,10 @@ void idem_nats_relay_close(idem_nats_relay *r)
     if (r == NULL) {
         return;
     }
-    if (r->started) {
-        pthread_mutex_lock(&r->mu);
-        r->stopping = true;
-        pthread_cond_broadcast(&r->cv);
-        pthread_mutex_unlock(&r->mu);
-        pthread_join(r->thread, NULL);
-    }
+    idem__nats_loop_fini(&r->loop); /* the thread first: it uses what follows */
     idem__nats_disconnect(r->nc, r->js);
     free(r->msgs);
     free(r->seqs);
     free(r->url);
-    pthread_cond_destroy(&r->cv);
-    pthread_mutex_destroy(&r->mu);
     free(r);
 }
