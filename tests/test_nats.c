@@ -137,3 +137,35 @@ Test(nats, naks_a_transient_failure_and_dead_letters_after_max_deliveries)
     idem_nats_consumer_close(c);
     nt_teardown(&e);
 }
+
+static idem_code no_effect(idem_txn *t, const idem_nats_msg *m, void *arg)
+{
+    (void)t, (void)m, (void)arg;
+    return IDEM_OK;
+}
+
+Test(nats, open_refuses_bad_options_a_missing_stream_and_an_unreachable_broker)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_consumer *c = NULL;
+    nt_setup(&e, "open");
+    nt_opts(&e, &o, "credit");
+    o.handler = no_effect;
+    o.durable = "has.dot";
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_INVALID_ARGUMENT);
+    o.durable = "credit";
+    o.batch = IDEM_NATS_MAX_BATCH + 1;
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_INVALID_ARGUMENT);
+    o.batch = 16;
+    o.dead_letter_subject = NULL;
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_INVALID_ARGUMENT);
+    o.dead_letter_subject = e.dead;
+    o.stream = "NOSUCHSTREAM";
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_NOT_FOUND, "%s", idem_errmsg());
+    o.stream = e.stream;
+    o.url = "nats://127.0.0.1:1"; /* nothing listens there */
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_UNAVAILABLE, "%s", idem_errmsg());
+    cr_expect_null(c);
+    nt_teardown(&e);
+}

@@ -149,8 +149,8 @@ static void *relay_main(void *arg)
         } else if (code == IDEM_OK && failing) {
             idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_ERROR, "nats relay back");
         }
-        if (n > 0 && r->o.log_fn != NULL) {
-            r->o.log_fn(r->o.log_arg, IDEM_LOG_INFO, "nats relay round published");
+        if (n > 0 && r->o.log_fn != NULL) { /* INFO only where the program asked for it */
+            idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_INFO, "nats relay published=%u", n);
         }
         failing = code != IDEM_OK;
         /* More waiting: go on at once. Empty or failing: look again after idle_ms. */
