@@ -27,6 +27,7 @@ struct idem_nats_consumer {
     natsConnection *nc;
     jsCtx *js;
     natsSubscription *sub;
+    uint64_t ack_wait_ms; /* the durable's own, read when binding */
     idem__nats_loop loop; /* its mu guards stats */
     idem_nats_stats stats;
 };
@@ -250,7 +251,16 @@ idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
     }
     natsStatus s =
         natsSubscription_Fetch(&list, c->sub, (int)c->o.batch, (int64_t)c->o.fetch_wait_ms, &jerr);
+    uint64_t since = idem__mono_ms();
     for (int i = 0; i < list.Count; i++) {
+        if (idem__mono_ms() - since >= c->ack_wait_ms / 2) {
+            /* Waiting behind slow handlers, the rest of the batch would reach its ack
+             * wait and be redelivered to another consumer: restart their ack waits. */
+            for (int j = i; j < list.Count; j++) {
+                natsMsg_InProgress(list.Msgs[j], NULL);
+            }
+            since = idem__mono_ms();
+        }
         count(c, &c->stats.fetched);
         handle(c, list.Msgs[i]);
     }
@@ -345,6 +355,9 @@ static idem_code bind_durable(idem_nats_consumer *c)
          js_GetConsumerInfo(&ci, c->js, c->o.stream, c->o.durable, NULL, &jerr) != NATS_OK)) {
         return idem__nats_code(s, jerr, "nats consumer: create durable");
     }
+    c->ack_wait_ms = ci->Config != NULL && ci->Config->AckWait > 0
+                         ? (uint64_t)ci->Config->AckWait / 1000000
+                         : c->o.ack_wait_ms;
     jsConsumerInfo_Destroy(ci);
     jsSubOptions_Init(&so);
     so.Stream = c->o.stream;
