@@ -34,6 +34,9 @@
  *   t, u                    as r, s with appendfsync everysec
  *   (r-u run when asked for with --scenarios, or by default when $IDEMRPC_BENCH_REDIS
  *   is set; "c vs redis-new(always)" and "e vs redis-replay" lines follow)
+ *   w  nats     messages/s through the JetStream consumer binding (idem_consume, ack
+ *               after the commit) next to a bare consume-and-ack loop, at 1 and 8
+ *               consumers ($IDEMRPC_BENCH_NATS; scenario_nats.c; only by --scenarios)
  *
  * The default run is two grids on tcp and ipc: a-f at 1, 16 and 64 clients with 64 B
  * payloads, and the payload sweep, a and e at 1 client with 4 KiB, 64 KiB and 1 MiB;
@@ -110,6 +113,7 @@ static void usage(FILE *f)
             "  g pg new keys  h pg two instances  i pg replay  j pg duplicate wait "
             "($IDEMRPC_BENCH_PG)\n"
             "  k transactional (lmdb)  l transactional (pg)  m 1 journaled step  n 3 steps\n"
+            "  w nats consumer vs bare consume-and-ack, 1 and 8 consumers ($IDEMRPC_BENCH_NATS)\n"
             "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
             "everysec\n"
             "    ($IDEMRPC_BENCH_REDIS=redis://HOST[:PORT], a throwaway Redis 7: the bench sets "
@@ -154,12 +158,12 @@ static bool parse_transports(char *s)
     return cfg.n_transports > 0;
 }
 
-/* Letters of known scenarios, commas between them; j (its own table, no cells) too. */
+/* Letters of known scenarios, commas between them; j and w (own tables, no cells) too. */
 static bool parse_scenarios(const char *s, bool *want)
 {
     memset(want, 0, N_LETTERS * sizeof(*want));
     for (; *s != '\0'; s++) {
-        if (scenario_of(*s) != NULL || *s == 'j') {
+        if (scenario_of(*s) != NULL || *s == 'j' || *s == 'w') {
             want[*s - 'a'] = true;
         } else if (*s != ',') {
             return false;
@@ -231,7 +235,7 @@ static bool parse_option(int opt, const char *name, char *v)
         cfg.count = count;
         break;
     case 'S':
-        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-j, r-u";
+        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-n, r-w";
         break;
     }
     if (want != NULL) {
@@ -364,6 +368,9 @@ int main(int argc, char **argv)
     report_peer_ratios();
     if (cfg.grids[0].want['j' - 'a']) { /* only ever by --scenarios: one grid */
         all_ok &= run_pg_wait() == 0;
+    }
+    if (cfg.grids[0].want['w' - 'a']) { /* only ever by --scenarios: one grid */
+        all_ok &= run_nats() == 0;
     }
     if (cfg.csv != NULL && report_write_csv(cfg.csv) != 0) {
         fprintf(stderr, "idemrpc-bench: cannot write %s\n", cfg.csv);

@@ -123,6 +123,7 @@ static inline bool storage_baseline(const scenario *sc)
 }
 int run_redis(const scenario *sc, cell *c, cell_stats *out); /* r–u, scenario_redis.c */
 int run_pg_wait(void); /* j, scenario_pg_wait.c: prints its own table; 0 when measured */
+int run_nats(void);    /* w, scenario_nats.c: prints its own table; 0 when measured */
 /* The preamble's line about $IDEMRPC_BENCH_REDIS (version, AOF directory), when any r–u
  * cell will run. */
 void redis_preamble(void);

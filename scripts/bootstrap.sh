@@ -8,7 +8,7 @@ PKGS=(build-essential meson ninja-build pkg-config cmake
       liblmdb-dev lmdb-utils libcriterion-dev
       clang libclang-rt-dev curl openssl
       libpq-dev libhiredis-dev postgresql redis-server pgbouncer
-      patroni etcd-server etcd-client)
+      patroni etcd-server etcd-client nats-server libnats-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do

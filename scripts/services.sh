@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Starts (or stops) throwaway PostgreSQL, PgBouncer (transaction mode, in front of that
-# PostgreSQL) and Redis servers on loopback for the tests.
+# PostgreSQL), Redis and NATS JetStream servers on loopback for the tests.
 #   bash scripts/services.sh start   # prints the environment for the tests to stdout
 #   bash scripts/services.sh stop
-#   bash scripts/services.sh restart-pg | stop-redis | start-redis   (used by the tests)
+#   bash scripts/services.sh restart-pg | stop-redis | start-redis | restart-nats   (tests)
 # Data lives in $IDEMRPC_SERVICES_DIR (default /tmp/idemrpc-services), removed by stop.
 # As root, PostgreSQL runs as the "postgres" user (initdb refuses root).
 set -euo pipefail
@@ -11,12 +11,14 @@ DIR=${IDEMRPC_SERVICES_DIR:-/tmp/idemrpc-services}
 PG_PORT=${IDEMRPC_PG_PORT:-55432}
 REDIS_PORT=${IDEMRPC_REDIS_PORT:-56379}
 PGB_PORT=${IDEMRPC_PGBOUNCER_PORT:-$((PG_PORT + 1000))}
+NATS_PORT=${IDEMRPC_NATS_PORT:-54222}
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
 
 as_pg() { if [ "$(id -u)" -eq 0 ]; then su postgres -s /bin/sh -c "$1"; else sh -c "$1"; fi; }
 pg_ctl_cmd() { echo "$PGBIN/pg_ctl -D $DIR/pg -l $DIR/pg.log -w -o '-c listen_addresses=127.0.0.1 -p $PG_PORT -k $DIR/sock -c fsync=off'"; }
 
 stop() {
+    stop_nats
     [ -f "$DIR/redis.pid" ] && kill "$(cat "$DIR/redis.pid")" 2>/dev/null || true
     [ -f "$DIR/pgbouncer.pid" ] && kill "$(cat "$DIR/pgbouncer.pid")" 2>/dev/null || true
     [ -d "$DIR/pg" ] && as_pg "$(pg_ctl_cmd) -m immediate stop" >/dev/null 2>&1 || true
@@ -43,6 +45,7 @@ export IDEMRPC_TEST_PG='host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgr
 export IDEMRPC_TEST_REDIS='redis://127.0.0.1:$REDIS_PORT'
 export IDEMRPC_SERVICES='bash $(cd "$(dirname "$0")" && pwd)/services.sh'
 ENV
+    start_nats && echo "export IDEMRPC_TEST_NATS='nats://127.0.0.1:$NATS_PORT'" || true
 }
 
 # Transaction pooling, as teams run it in front of PostgreSQL: any database name maps
@@ -84,11 +87,36 @@ start_redis() {
     return 1
 }
 
+# JetStream on file storage in $DIR/nats (kept by restart-nats). Optional: without
+# nats-server installed IDEMRPC_TEST_NATS stays unset and the broker tests skip.
+start_nats() {
+    command -v nats-server >/dev/null || return 1
+    mkdir -p "$DIR/nats"
+    nats-server -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$DIR/nats" -P "$DIR/nats.pid" \
+        -l "$DIR/nats.log" </dev/null >/dev/null 2>&1 &
+    for _ in $(seq 100); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$NATS_PORT") 2>/dev/null && return 0
+        sleep 0.1
+    done
+    echo "services: nats-server did not start" >&2
+    return 1
+}
+
+stop_nats() {
+    [ -f "$DIR/nats.pid" ] || return 0
+    local pid
+    pid=$(cat "$DIR/nats.pid")
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    rm -f "$DIR/nats.pid"
+}
+
 case "${1:-}" in
 start) start ;;
 stop) stop ;;
 restart-pg) as_pg "$(pg_ctl_cmd) -m fast restart" >/dev/null ;;
 stop-redis) redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true ;;
 start-redis) start_redis ;;
+restart-nats) stop_nats && start_nats ;;
 *) echo "usage: bash scripts/services.sh start|stop" >&2; exit 2 ;;
 esac

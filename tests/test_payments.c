@@ -9,7 +9,12 @@
  * its own, dropped after it, and most tests run TWO instances on it behind one client,
  * with the channel's callbacks spread over both. There the tests also read the
  * service's own tables (pay_order, pay_callback) with SQL. The tests that kill the
- * server restart it on the same directory or schema. */
+ * server restart it on the same directory or schema.
+ *
+ * As `payments_nats` / `payments_nats_pg` (PAYMENTS_BROKER=nats) every instance runs with
+ * --nats $IDEMRPC_TEST_NATS on a stream of the test's own: the commission messages go
+ * through the library's outbox, its relay and a JetStream durable consumer shared by the
+ * instances, and the same checks must hold (skipped without IDEMRPC_TEST_NATS). */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
@@ -36,6 +41,7 @@ static char *dir;
 static char urls[INSTANCES][256], db[256];
 static char *pg; /* conninfo of this test's schema; NULL on LMDB */
 static char schema[32];
+static char nats_stream[32]; /* PAYMENTS_BROKER=nats: this test's stream */
 /* The live servers, killed by teardown if a test fails. */
 static tu_child servers[INSTANCES] = {{-1, NULL}, {-1, NULL}};
 /* The one client in front of every live instance, opened by spawn and kept until stop.
@@ -61,6 +67,25 @@ static void setup(void)
     }
     snprintf(db, sizeof(db), "%s/db", dir);
     pg = tu_backend_is_pg() ? tu_pg_schema_create(schema) : NULL;
+    snprintf(nats_stream, sizeof(nats_stream), "PAY%08x", (unsigned)(getpid() ^ rand()));
+}
+
+/* --nats URL --nats-stream S when the suite runs on the broker; false when it should but
+ * no broker was given. */
+static bool broker_args(const char **argv, size_t *n)
+{
+    const char *broker = getenv("PAYMENTS_BROKER"), *url = getenv("IDEMRPC_TEST_NATS");
+    if (broker == NULL) {
+        return true;
+    }
+    if (url == NULL) {
+        return false;
+    }
+    argv[(*n)++] = "--nats";
+    argv[(*n)++] = url;
+    argv[(*n)++] = "--nats-stream";
+    argv[(*n)++] = nats_stream;
+    return true;
 }
 
 static void teardown(void)
@@ -91,6 +116,9 @@ static void spawn_instance(int i, const char *const *extra)
     const char *argv[MAX_ARGS] = {getenv("PAYMENTS_SERVER"), "--listen", urls[i],
                                   pg != NULL ? "--store" : "--db", pg != NULL ? pg : db};
     size_t n = 5;
+    if (!broker_args(argv, &n)) {
+        cr_skip_test("PAYMENTS_BROKER set without IDEMRPC_TEST_NATS");
+    }
     for (; extra != NULL && *extra != NULL && n < MAX_ARGS - 1; extra++) {
         argv[n++] = *extra;
     }

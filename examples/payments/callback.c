@@ -77,7 +77,7 @@ static idem_code record_callback(idem_txn *t, const notify *nt, bool *first)
  * recorded and replayed, a transient one frees the key for the retry). */
 idem_code pay_callback_notify(idem_call *call, void *arg)
 {
-    (void)arg;
+    pay_service *svc = arg;
     idem_txn *t = idem_call_txn(call);
     notify nt;
     char merchant[PAY_MAX_FIELD], account[PAY_MAX_FIELD + 16];
@@ -113,7 +113,7 @@ idem_code pay_callback_notify(idem_call *call, void *arg)
     if (out == IDEM_SM_ADVANCED) { /* the one time this order is paid */
         snprintf(account, sizeof(account), "merchant:%s", merchant);
         if ((code = pay_ledger_add(t, account, amount, NULL)) != IDEM_OK ||
-            (code = pay_commission_enqueue(t, nt.trade_no, merchant, amount)) != IDEM_OK) {
+            (code = pay_commission_enqueue(svc, t, nt.trade_no, merchant, amount)) != IDEM_OK) {
             return pay_rollback(call, code, "credit");
         }
     }

@@ -94,26 +94,31 @@ static idem_code meta_put(idem_txn *t, uint64_t head, uint64_t next)
     return idem_txn_put(t, PAY_DB_OUTBOX, META_KEY, 1, v, sizeof(v));
 }
 
-idem_code pay_commission_enqueue(idem_txn *t, const char *order_id, const char *merchant,
-                                 long long amount)
+idem_code pay_commission_enqueue(pay_service *svc, idem_txn *t, const char *order_id,
+                                 const char *merchant, long long amount)
 {
     (void)merchant;
-    uint64_t head, next;
+    uint64_t head = 0, next = 0;
     uint8_t k[9];
-    char msg[MSG_MAX];
-    idem_code code = meta_get(t, &head, &next);
+    char msg[MSG_MAX], id[2 * PAY_MAX_FIELD + 2];
+    idem_code code = svc->nats_url != NULL ? IDEM_OK : meta_get(t, &head, &next);
     for (size_t i = 0; code == IDEM_OK && i < sizeof(rules) / sizeof(rules[0]); i++) {
         int n = snprintf(msg, sizeof(msg), "order_id=%s&rule_id=%s&account=%s&amount=%lld",
                          order_id, rules[i].id, rules[i].account, amount * rules[i].bps / 10000);
+        if (svc->nats_url != NULL) { /* the library's outbox, relayed to JetStream */
+            snprintf(id, sizeof(id), "%s:%s", order_id, rules[i].id);
+            code = idem_outbox_put(t, svc->nats_subject, id, msg, (size_t)n);
+            continue;
+        }
         msg_key(k, next++);
         code = idem_txn_put(t, PAY_DB_OUTBOX, k, sizeof(k), msg, (size_t)n);
     }
-    return code != IDEM_OK ? code : meta_put(t, head, next);
+    return code != IDEM_OK || svc->nats_url != NULL ? code : meta_put(t, head, next);
 }
 
 /* ---- the broker ---- */
 
-static double rand_unit(pay_service *svc)
+double pay_rand_unit(pay_service *svc)
 {
     uint64_t x = svc->rng; /* xorshift64*: reproducible from --seed */
     x ^= x >> 12;
@@ -123,7 +128,7 @@ static double rand_unit(pay_service *svc)
     return (double)((x * UINT64_C(2685821657736338717)) >> 11) / (double)(UINT64_C(1) << 53);
 }
 
-static void maybe_crash(pay_service *svc, const char *point)
+void pay_maybe_crash(pay_service *svc, const char *point)
 {
     if (svc->faults.crash_at != NULL && strcmp(svc->faults.crash_at, point) == 0 &&
         svc->consumes == svc->faults.crash_on) {
@@ -131,7 +136,7 @@ static void maybe_crash(pay_service *svc, const char *point)
     }
 }
 
-static void count(pay_service *svc, uint64_t *counter)
+void pay_count(pay_service *svc, uint64_t *counter)
 {
     pthread_mutex_lock(&svc->mu);
     (*counter)++;
@@ -156,9 +161,9 @@ static idem_code credit_commission(idem_txn *t, void *arg)
     pay_form_amount(d->msg, d->len, "amount", &amount); /* 0 when the commission rounds to 0 */
     d->svc->consumes++;
     idem_code code = pay_ledger_add(t, account, amount, NULL);
-    maybe_crash(d->svc, "consume"); /* after the write, before the commit */
-    if (code == IDEM_OK && rand_unit(d->svc) < d->svc->faults.fail_rate) {
-        count(d->svc, &d->svc->stats.failures);
+    pay_maybe_crash(d->svc, "consume"); /* after the write, before the commit */
+    if (code == IDEM_OK && pay_rand_unit(d->svc) < d->svc->faults.fail_rate) {
+        pay_count(d->svc, &d->svc->stats.failures);
         return IDEM_UNAVAILABLE; /* the consumer throws after its write */
     }
     return code;
@@ -207,10 +212,10 @@ static void deliver(pay_service *svc, uint64_t seq, const char *msg, size_t len)
         return; /* unreadable: stays in the outbox for a person to look at */
     }
     snprintf(key, sizeof(key), "%s:%s", order_id, rule_id); /* one credit per (order, rule) */
-    int copies = rand_unit(svc) < svc->faults.redeliver_rate ? 2 : 1;
+    int copies = pay_rand_unit(svc) < svc->faults.redeliver_rate ? 2 : 1;
     bool acked = false;
     for (int i = 0; i < copies; i++) {
-        count(svc, i == 0 ? &svc->stats.delivered : &svc->stats.redeliveries);
+        pay_count(svc, i == 0 ? &svc->stats.delivered : &svc->stats.redeliveries);
         idem_consume_verdict v =
             idem_consume_ex(svc->store, CONSUMER_GROUP, key, credit_commission, &d, &info);
         if (v == IDEM_CONSUME_REJECT) { /* no redelivery can succeed: dead-letter it */
@@ -222,9 +227,9 @@ static void deliver(pay_service *svc, uint64_t seq, const char *msg, size_t len)
         if (v != IDEM_CONSUME_ACK) {
             continue; /* RETRY: nothing recorded, the next round redelivers */
         }
-        count(svc, info.duplicate ? &svc->stats.duplicates : &svc->stats.consumed);
+        pay_count(svc, info.duplicate ? &svc->stats.duplicates : &svc->stats.consumed);
         if (!acked) {
-            maybe_crash(svc, "before_ack"); /* consumed, not yet acked: a redelivery follows */
+            pay_maybe_crash(svc, "before_ack"); /* consumed, not yet acked: a redelivery follows */
             acked = idem_store_run_txn(svc->store, ack_txn, &seq) == IDEM_OK;
         }
     }
@@ -297,6 +302,9 @@ static void *dispatcher_main(void *arg)
 
 idem_code pay_commission_start(pay_service *svc)
 {
+    if (svc->nats_url != NULL) {
+        return pay_broker_start(svc);
+    }
     svc->rng = svc->faults.seed != 0 ? svc->faults.seed : UINT64_C(0x9e3779b97f4a7c15);
     svc->pending = UINT64_MAX;
     if (pthread_create(&svc->dispatcher, NULL, dispatcher_main, svc) != 0) {
@@ -307,6 +315,10 @@ idem_code pay_commission_start(pay_service *svc)
 
 void pay_commission_stop(pay_service *svc)
 {
+    if (svc->nats_url != NULL) {
+        pay_broker_stop(svc);
+        return;
+    }
     pthread_mutex_lock(&svc->mu);
     svc->stopping = true;
     pthread_cond_broadcast(&svc->cv);
@@ -344,6 +356,9 @@ idem_code pay_commission_drain(idem_call *call, void *arg)
     long long wait_ms = 5000;
     pay_form_amount(p, n, "timeout_ms", &wait_ms); /* optional */
     wait_ms = wait_ms < DRAIN_MAX_MS ? wait_ms : DRAIN_MAX_MS;
+    if (svc->nats_url != NULL) {
+        return pay_broker_drain(call, svc, (uint64_t)wait_ms);
+    }
     pthread_mutex_lock(&svc->mu);
     bool drained = wait_drained(svc, (uint64_t)wait_ms);
     pay_stats s = svc->stats;

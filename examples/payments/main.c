@@ -2,14 +2,16 @@
  *
  *   idemrpc-payments --listen URL --store DIR|POSTGRES [--seed N] [--fail-rate P]
  *                    [--redeliver-rate P] [--crash-at consume|before_ack] [--crash-on N]
- *                    [--create-delay-ms N] [--lease-ms N]
+ *                    [--create-delay-ms N] [--lease-ms N] [--nats URL [--nats-stream NAME]]
  *
  * --store takes an LMDB directory, or a PostgreSQL database as a URL (postgres://...,
  * postgresql://...) or a libpq keyword=value string ("host=... dbname=..."): any value
  * with '=' in it. --db DIR is the LMDB-only spelling (also for a directory whose name has
  * an '='). Several instances may serve one PostgreSQL database. Prints "ready" on stdout
  * once it listens; SIGTERM or SIGINT stops it cleanly. The fault options drive the
- * tests' at-least-once harness (README.md). */
+ * tests' at-least-once harness (README.md). --nats moves the commission messages onto a
+ * NATS JetStream broker (stream NAME, default PAY; commission_nats.c); without it they
+ * stay in the store's own queue. */
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -19,15 +21,17 @@
 #include "payments.h"
 
 /* On PostgreSQL a transactional handler holds a pool connection while it runs, and so do
- * the commission dispatcher and the sweeper: the pool is their sum. */
+ * the commission dispatcher (with --nats: the relay and the consumer) and the sweeper:
+ * the pool is their sum. */
 #define PG_WORKERS 8
-#define PG_POOL (PG_WORKERS + 2)
+#define PG_POOL (PG_WORKERS + 3)
 
 typedef struct options {
     const char *listen, *store;
     bool pg; /* --store named a PostgreSQL database */
     uint64_t lease_ms;
     pay_faults faults;
+    const char *nats_url, *nats_stream;
 } options;
 
 static bool bad_option(const char *k, const char *v, const char *why)
@@ -113,6 +117,13 @@ static bool parse_option(options *o, const char *k, const char *v)
         o->faults.create_delay_ms = (unsigned)n;
     } else if (strcmp(k, "--lease-ms") == 0) {
         return opt_uint(k, v, UINT32_MAX, &o->lease_ms);
+    } else if (strcmp(k, "--nats") == 0) {
+        o->nats_url = v;
+    } else if (strcmp(k, "--nats-stream") == 0) {
+        if (*v == '\0' || strlen(v) >= PAY_MAX_FIELD || strpbrk(v, ". *>") != NULL) {
+            return bad_option(k, v, "a stream name: 1..63 bytes without '.', ' ', '*', '>'");
+        }
+        o->nats_stream = v;
     } else {
         return bad_option(k, v, "unknown option");
     }
@@ -185,7 +196,8 @@ static idem_code prepare_store(idem_txn *t, void *arg)
         return pay_sql_create_tables(t);
     }
     static const char *const dbs[] = {PAY_DB_ORDERS, PAY_DB_SEQ,    PAY_DB_BALANCES,
-                                      PAY_DB_OUTBOX, "order_state", IDEM_CONSUME_DB};
+                                      PAY_DB_OUTBOX, "order_state", IDEM_CONSUME_DB,
+                                      IDEM_OUTBOX_DB};
     const void *v;
     size_t n;
     for (size_t i = 0; i < sizeof(dbs) / sizeof(dbs[0]); i++) {
@@ -208,6 +220,12 @@ static int service_init(pay_service *svc, const options *o)
         return -1;
     }
     pthread_condattr_destroy(&ca);
+    if ((svc->nats_url = o->nats_url) != NULL) {
+        const char *stream = o->nats_stream != NULL ? o->nats_stream : "PAY";
+        snprintf(svc->nats_stream, sizeof(svc->nats_stream), "%s", stream);
+        snprintf(svc->nats_subject, sizeof(svc->nats_subject), "%s.commission", stream);
+        snprintf(svc->nats_dead, sizeof(svc->nats_dead), "%s.dead", stream);
+    }
     idem_pg_opts pg = {.pool_size = PG_POOL};
     svc->pg = o->pg;
     idem_code code = o->pg ? idem_store_open_postgres_ex(&svc->store, o->store, &pg)
@@ -256,7 +274,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: idemrpc-payments --listen URL --store DIR|postgres://...|CONNINFO "
                         "[--seed N] [--fail-rate P] [--redeliver-rate P] "
                         "[--crash-at consume|before_ack] [--crash-on N] [--create-delay-ms N] "
-                        "[--lease-ms N]\n");
+                        "[--lease-ms N] [--nats URL [--nats-stream NAME]]\n");
         return 2;
     }
     /* Block the stop signals before any thread starts, so that only sigwait sees them. */

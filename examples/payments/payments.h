@@ -6,6 +6,8 @@
  *   ledger.c      versioned balances; pay.Merchant/Settle, pay.Merchant/SettleDay (the
  *                 daily payout under a lease lock), pay.Account/Balance
  *   commission.c  the outbox and its at-least-once dispatcher; pay.Commission/Drain
+ *   commission_nats.c  the same on NATS JetStream (--nats): the library's outbox, its
+ *                 relay and a durable consumer
  *   pg_tables.c   PostgreSQL: the service's own tables pay_order and pay_callback
  *   form.c        "k=v&k=v" payloads
  * Money is integer cents. Everything the service knows lives in one store: an LMDB
@@ -18,6 +20,7 @@
 #include <stdint.h>
 
 #include <idemrpc/idemrpc.h>
+#include <idemrpc/nats.h>
 
 #define PAY_MAX_AMOUNT 100000000000LL /* 1e9 units of currency, in cents */
 #define PAY_MAX_FIELD 64
@@ -54,6 +57,12 @@ typedef struct pay_service {
     uint64_t rng;      /* dispatcher thread only */
     unsigned consumes; /* dispatcher thread only: consume calls, for crash_on */
     pthread_t dispatcher;
+    /* --nats: commissions through JetStream instead of the in-store dispatcher */
+    const char *nats_url;
+    char nats_stream[PAY_MAX_FIELD], nats_subject[PAY_MAX_FIELD + 16],
+        nats_dead[PAY_MAX_FIELD + 16];
+    idem_nats_relay *relay;
+    idem_nats_consumer *consumer;
 } pay_service;
 
 extern const idem_state_machine pay_order_machine;
@@ -122,11 +131,24 @@ idem_code pay_sql_callback_insert(idem_txn *t, const char *trade_no, const char 
                                   long long amount, bool *first);
 
 /* ---- commission.c ---- */
-/* Queues the commission messages of a paid order in t (the transactional outbox). */
-idem_code pay_commission_enqueue(idem_txn *t, const char *order_id, const char *merchant,
-                                 long long amount);
+/* Queues the commission messages of a paid order in t (the transactional outbox: the
+ * example's own, or with --nats the library's, keyed "<order_id>:<rule_id>"). */
+idem_code pay_commission_enqueue(pay_service *svc, idem_txn *t, const char *order_id,
+                                 const char *merchant, long long amount);
 idem_code pay_commission_start(pay_service *svc);
 void pay_commission_stop(pay_service *svc);
 idem_code pay_commission_drain(idem_call *call, void *arg);
+/* The fault harness, shared with commission_nats.c: the PRNG of --seed, the crash of
+ * --crash-at/--crash-on, a counter under mu. */
+double pay_rand_unit(pay_service *svc);
+void pay_maybe_crash(pay_service *svc, const char *point);
+void pay_count(pay_service *svc, uint64_t *counter);
+
+/* ---- commission_nats.c ---- */
+/* Ensures the stream, starts the outbox relay and the commission consumer. */
+idem_code pay_broker_start(pay_service *svc);
+void pay_broker_stop(pay_service *svc);
+/* pay.Commission/Drain with --nats: until the outbox and the durable are both empty. */
+idem_code pay_broker_drain(idem_call *call, pay_service *svc, uint64_t wait_ms);
 
 #endif

@@ -6,6 +6,7 @@
  *   versioned      records with a version: update-if-version (optimistic lock), and a
  *                  bounded retry helper for version conflicts
  *   consume        at-least-once messages consumed once per (group, key) (防重表)
+ *   outbox         messages written in the business txn, relayed to a broker (nats.h)
  *
  * Every function works on both stores with the same code (txn.h says how each keeps
  * its transactions). Functions taking an idem_store and writing (idem_store_run_txn,
@@ -200,6 +201,44 @@ IDEM_API idem_code idem_consume_lookup(idem_store *st, const char *group, const 
  * consumed again. purged may be NULL. */
 IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max,
                                       size_t *purged);
+
+/* ---- transactional outbox ---- */
+
+/* The reserved business database of outbox messages (stored as "app.idem.outbox"). */
+#define IDEM_OUTBOX_DB "idem.outbox"
+#define IDEM_OUTBOX_MAX_SUBJECT 255        /* bytes */
+#define IDEM_OUTBOX_MAX_MSG_ID 255         /* bytes: = IDEM_MAX_MSG_KEY, the consumer's key */
+#define IDEM_OUTBOX_MAX_DATA (1024 * 1024) /* bytes (nats-server's default max payload) */
+#define IDEM_OUTBOX_MAX_BATCH 1024
+
+/* Inside t: queues data for subject. The message exists if and only if t commits (no
+ * message for a change that rolled back, no change without its message). msg_id must be
+ * derived from the business change (e.g. "order-42:platform-fee"), never random: the
+ * relay publishes it as the broker's dedupe id (Nats-Msg-Id) and the consumer's key
+ * (Idem-Key), which is what makes a second publish after a crash harmless. Messages are
+ * relayed in put order. Every put writes the outbox's one bounds row: on PostgreSQL it
+ * stays locked until t ends, so txns that put run one after the other from their put
+ * on (put last); on LMDB there is one writer anyway. */
+IDEM_API idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id,
+                                   const void *data, size_t len);
+
+typedef struct idem_outbox_msg {
+    uint64_t seq; /* its place in the outbox, for idem_outbox_remove */
+    char subject[IDEM_OUTBOX_MAX_SUBJECT + 1];
+    char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1];
+    void *data; /* malloc'd (NUL after len): idem_outbox_msgs_free */
+    size_t len;
+} idem_outbox_msg;
+
+/* Outside a txn: up to max (≤ IDEM_OUTBOX_MAX_BATCH) of the oldest messages into out[],
+ * *n of them. Free them with idem_outbox_msgs_free. */
+IDEM_API idem_code idem_outbox_peek(idem_store *st, idem_outbox_msg *out, size_t max, size_t *n);
+IDEM_API void idem_outbox_msgs_free(idem_outbox_msg *msgs, size_t n);
+/* Removes the messages seqs[0..n) (n ≤ IDEM_OUTBOX_MAX_BATCH) in one write txn: call it only
+ * after the broker acked their publish. A message removed before is no error. */
+IDEM_API idem_code idem_outbox_remove(idem_store *st, const uint64_t *seqs, size_t n);
+/* Messages put and not yet removed (an upper bound while removals are out of order). */
+IDEM_API idem_code idem_outbox_pending(idem_store *st, uint64_t *pending);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,216 @@
+/* idemrpc on NATS JetStream: a durable pull consumer whose messages take effect once
+ * through idem_consume (toolkit.h), and the relay that publishes the transactional outbox
+ * (toolkit.h, idem_outbox_put) to JetStream.
+ *
+ * Optional at build time (meson -Dnats=enabled|disabled|auto, libnats 3.4): in a build
+ * without it every function here answers IDEM_UNIMPLEMENTED, so a program offering the
+ * broker as an option links against either build. This header does not include
+ * <nats/nats.h>: programs need libnats only when they use it themselves.
+ *
+ * The consumer's rule, per message (README "Consuming from a broker"):
+ *   key      from the payload (key_fn, the business number) when set, else the header
+ *            key_header ("Idem-Key"), else "Nats-Msg-Id". None, empty, over
+ *            IDEM_MAX_MSG_KEY bytes, or a payload key_fn cannot decode: dead letter.
+ *   effect   handler(txn, msg) inside idem_consume(store, durable, key): the effect and
+ *            the consumed marker commit in one transaction, or neither does.
+ *   ack      only after that commit (or when the marker shows an earlier commit: a
+ *            duplicate, the handler does not run). Never for an effect that did not commit.
+ *   nak      a transient failure of the handler (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL,
+ *            RESOURCE_EXHAUSTED, ABORTED, CANCELLED, UNKNOWN), and any failure of the store
+ *            (unreachable, a commit that failed or whose outcome is unknown): redelivered
+ *            after backoff_ms · 2^(delivery-1), at most backoff_max_ms. A store failure
+ *            says nothing about the message: it never leads to the dead letter.
+ *   dead     after max_deliver transient failures of the handler, or at once for a final
+ *            one (bad input,
+ *            a handler's other codes, idem_consume's REJECT): the message is published to
+ *            dead_letter_subject with its reason (headers below), and only after that
+ *            publish is acked is it terminated (Term: JetStream never redelivers it). A
+ *            dead-letter publish that fails naks the message instead: nothing is dropped.
+ * Several consumers (threads or processes) may share one durable: JetStream hands each
+ * message to one of them at a time, and idem_consume settles a redelivery that overlaps. */
+#ifndef IDEMRPC_NATS_H
+#define IDEMRPC_NATS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "server.h"
+#include "status.h"
+#include "store.h"
+#include "toolkit.h"
+#include "txn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define IDEM_NATS_KEY_HEADER "Idem-Key"
+#define IDEM_NATS_MSG_ID_HEADER "Nats-Msg-Id"
+/* Headers of a dead letter (its payload is the original message's). */
+#define IDEM_NATS_DEAD_REASON "Idem-Dead-Reason"       /* why, e.g. "no key", "max deliveries" */
+#define IDEM_NATS_DEAD_SUBJECT "Idem-Dead-Subject"     /* the original subject */
+#define IDEM_NATS_DEAD_SEQ "Idem-Dead-Stream-Seq"      /* its sequence in the stream */
+#define IDEM_NATS_DEAD_DELIVERED "Idem-Dead-Delivered" /* deliveries, this one included */
+#define IDEM_NATS_MAX_BATCH 256
+#define IDEM_NATS_MAX_DELIVER 1000
+
+/* A message as the handler sees it; valid during the call only. */
+typedef struct idem_nats_msg {
+    const char *subject;
+    const void *data;
+    size_t len;
+    const char *key;     /* the idempotency key (NULL before it is known) */
+    uint64_t stream_seq; /* the message's sequence in its stream */
+    uint64_t delivered;  /* 1 on the first delivery */
+} idem_nats_msg;
+
+/* The business key from the payload: writes 1..cap-1 bytes and a NUL into key. Returns
+ * IDEM_OK, IDEM_NOT_FOUND (the payload names no key) or IDEM_INVALID_ARGUMENT (it cannot
+ * be decoded); both are dead-lettered with that reason. cap is IDEM_MAX_MSG_KEY + 2: a key
+ * of IDEM_MAX_MSG_KEY + 1 bytes is over the bound, dead-lettered, never cut. */
+typedef idem_code (*idem_nats_key_fn)(const void *data, size_t len, char *key, size_t cap,
+                                      void *arg);
+
+/* The effect of one message, in idem_consume's write txn: IDEM_OK commits it with the
+ * marker; a transient code rolls back and naks; any other code rolls back and
+ * dead-letters (the message itself is wrong: no redelivery fixes it). */
+typedef idem_code (*idem_nats_handler)(idem_txn *t, const idem_nats_msg *m, void *arg);
+
+typedef enum idem_nats_event {
+    IDEM_NATS_COMMITTED = 1, /* effect and marker committed; the ack comes next */
+    IDEM_NATS_DUPLICATE,     /* consumed before (marker found); the ack comes next */
+    IDEM_NATS_ACKED,         /* the broker confirmed the ack */
+    IDEM_NATS_NAKED,         /* transient failure: redelivered after a delay */
+    IDEM_NATS_DEAD_LETTERED, /* published to the dead-letter subject and terminated */
+} idem_nats_event;
+
+/* Observes each step (reason: NULL, or why it was naked or dead-lettered). Runs on the
+ * consumer's thread; keep it short. Tests crash the process here. */
+typedef void (*idem_nats_event_fn)(idem_nats_event ev, const idem_nats_msg *m, const char *reason,
+                                   void *arg);
+
+typedef struct idem_nats_consumer_opts {
+    const char *url;                 /* required: "nats://127.0.0.1:4222" (commas: a list) */
+    const char *stream;              /* required: an existing stream */
+    const char *durable;             /* required: the durable pull consumer, created when
+                                        absent; also idem_consume's group (1..64 bytes, no '.') */
+    const char *filter_subject;      /* the stream's subjects this durable takes; NULL: all */
+    const char *dead_letter_subject; /* required: captured by a stream, not by this durable */
+    const char *key_header;          /* NULL: IDEM_NATS_KEY_HEADER, then Nats-Msg-Id */
+    idem_nats_key_fn key_fn;         /* set: the key comes from the payload only */
+    void *key_arg;
+    idem_nats_handler handler; /* required */
+    void *handler_arg;
+    unsigned max_deliver; /* default 5 (1..IDEM_NATS_MAX_DELIVER): failed deliveries before
+                             the dead letter */
+    unsigned ack_wait_ms; /* default 30000: an unacked delivery is redelivered after this
+                             (set when this call creates the durable) */
+    unsigned backoff_ms;  /* default 100: nak delay after a first failure, doubled per delivery */
+    unsigned backoff_max_ms;     /* default 5000 */
+    unsigned batch;              /* default 16 (1..IDEM_NATS_MAX_BATCH): messages per fetch */
+    unsigned fetch_wait_ms;      /* default 500: a fetch waits this long for a first message */
+    idem_nats_event_fn on_event; /* may be NULL */
+    void *event_arg;
+    idem_log_fn log_fn; /* dead letters and broker errors; NULL: stderr */
+    void *log_arg;
+} idem_nats_consumer_opts;
+
+typedef struct idem_nats_stats {
+    uint64_t fetched;       /* deliveries received (redeliveries included) */
+    uint64_t committed;     /* handler ran and its txn committed */
+    uint64_t duplicates;    /* acked without running: consumed before */
+    uint64_t acked;         /* acks the broker confirmed */
+    uint64_t ack_failures;  /* acks not confirmed: the redelivery will be a duplicate */
+    uint64_t naked;         /* transient failures, redelivered */
+    uint64_t dead_lettered; /* published to the dead-letter subject and terminated */
+    uint64_t dead_failures; /* dead-letter publishes that failed (the message was naked) */
+} idem_nats_stats;
+
+typedef struct idem_nats_consumer idem_nats_consumer;
+
+/* Zeroes o and sets the defaults above. */
+IDEM_API void idem_nats_consumer_opts_init(idem_nats_consumer_opts *o);
+
+/* Connects (reconnecting forever afterwards), creates the durable if absent (explicit
+ * acks, unlimited broker-side deliveries: max_deliver is enforced here, with a dead
+ * letter) and binds to it. st must outlive the consumer. UNAVAILABLE when the broker
+ * cannot be reached, NOT_FOUND when the stream does not exist, INVALID_ARGUMENT for
+ * options out of bounds. */
+IDEM_API idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store *st,
+                                           const idem_nats_consumer_opts *o);
+
+/* One fetch on the caller's thread (one thread at a time per consumer: open one consumer
+ * per thread): handles up to batch messages (*handled may be NULL).
+ * IDEM_OK also when none came within fetch_wait_ms; UNAVAILABLE when the broker is
+ * unreachable (call again: the connection reconnects by itself). */
+IDEM_API idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled);
+
+/* Polls on a thread of its own until idem_nats_consumer_close; a broker that is away is
+ * retried every 100 ms to 1 s, logged once per outage. */
+IDEM_API idem_code idem_nats_consumer_start(idem_nats_consumer *c);
+
+IDEM_API void idem_nats_consumer_stats(idem_nats_consumer *c, idem_nats_stats *out);
+
+/* Asks the broker how many messages of the durable are not acked yet: not delivered, or
+ * delivered and waiting for their ack (a nak'd one too). 0: everything published so far
+ * was acked or dead-lettered. UNAVAILABLE while the broker is away. */
+IDEM_API idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending);
+
+/* Stops the thread (after the message in hand), then disconnects. The durable stays on
+ * the broker; a delivery not acked yet is redelivered after ack_wait_ms. */
+IDEM_API void idem_nats_consumer_close(idem_nats_consumer *c);
+
+/* Creates stream (file storage, the broker's default 2-minute duplicate window) taking
+ * subjects[0..n) if no stream of that name exists; an existing one is kept as it is. */
+IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
+                                           const char *const *subjects, size_t n);
+
+/* ---- the outbox relay ----
+ * Publishes the store's transactional outbox (toolkit.h, idem_outbox_put) to JetStream,
+ * oldest first, each with Nats-Msg-Id and Idem-Key set to its msg_id, and removes a
+ * message only after the broker acked its publish. A crash between the ack and the
+ * removal publishes it again: inside the stream's duplicate window (nats-server's
+ * default: 2 minutes) the broker drops it (a "duplicate" ack, then removed); after it,
+ * the consumer's idem_consume marker makes the second copy an ack without effect.
+ * Off by default: nothing is relayed until a program starts a relay in its server
+ * process. Several relays on one shared store may publish a message twice: the same two
+ * guards cover it. */
+
+typedef struct idem_nats_relay_opts {
+    const char *url;          /* required */
+    unsigned batch;           /* default 64 (1..IDEM_OUTBOX_MAX_BATCH): messages per round */
+    unsigned idle_ms;         /* default 100: an empty outbox is looked at this often */
+    unsigned publish_wait_ms; /* default 5000: one publish waits this long for its ack */
+    /* Called after a publish was acked, before its removal (tests crash here). */
+    void (*on_published)(const idem_outbox_msg *m, bool duplicate, void *arg);
+    void *event_arg;
+    idem_log_fn log_fn; /* failures once per outage, and one line per round at INFO */
+    void *log_arg;
+} idem_nats_relay_opts;
+
+typedef struct idem_nats_relay_counts {
+    uint64_t published;  /* publishes the broker acked (stored) */
+    uint64_t duplicates; /* publishes the broker's dedupe window dropped */
+    uint64_t removed;    /* messages removed from the outbox after their ack */
+    uint64_t failures;   /* publishes or removals that failed (the message stays) */
+} idem_nats_relay_counts;
+
+typedef struct idem_nats_relay idem_nats_relay;
+
+IDEM_API void idem_nats_relay_opts_init(idem_nats_relay_opts *o);
+IDEM_API idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st,
+                                        const idem_nats_relay_opts *o);
+/* One round on the caller's thread: publishes up to batch messages in order, stopping at
+ * the first failure (order kept), then removes the acked ones. *relayed (may be NULL):
+ * messages acked this round. IDEM_OK also for an empty outbox. */
+IDEM_API idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed);
+/* Rounds on a thread of its own until idem_nats_relay_close. */
+IDEM_API idem_code idem_nats_relay_start(idem_nats_relay *r);
+IDEM_API void idem_nats_relay_stats(idem_nats_relay *r, idem_nats_relay_counts *out);
+IDEM_API void idem_nats_relay_close(idem_nats_relay *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

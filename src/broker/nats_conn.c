@@ -1,0 +1,149 @@
+/* The NATS connection both the consumer and the relay use: reconnecting forever, since a
+ * broker restart must not end a consumer; each call that needs the broker is bounded by
+ * the JetStream context's wait instead. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "nats_internal.h"
+
+#define RECONNECT_WAIT_MS 100
+#define CONNECT_TIMEOUT_MS 2000
+
+static idem_code options_make(natsOptions **o, const char *url)
+{
+    natsStatus s = natsOptions_Create(o);
+    if (s == NATS_OK) {
+        s = natsOptions_SetURL(*o, url); /* a comma list: libnats splits it */
+    }
+    if (s == NATS_OK) {
+        s = natsOptions_SetMaxReconnect(*o, -1);
+    }
+    if (s == NATS_OK) {
+        s = natsOptions_SetReconnectWait(*o, RECONNECT_WAIT_MS);
+    }
+    if (s == NATS_OK) {
+        s = natsOptions_SetTimeout(*o, CONNECT_TIMEOUT_MS);
+    }
+    return s == NATS_OK ? IDEM_OK : idem__nats_code(s, 0, "nats options");
+}
+
+idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConnection **nc,
+                             jsCtx **js)
+{
+    natsOptions *o = NULL;
+    jsOptions jo;
+    *nc = NULL;
+    *js = NULL;
+    if (url == NULL || *url == '\0') {
+        return idem__err(IDEM_INVALID_ARGUMENT, "nats: a url is required");
+    }
+    idem_code code = options_make(&o, url);
+    natsStatus s = NATS_OK;
+    if (code == IDEM_OK && (s = natsConnection_Connect(nc, o)) != NATS_OK) {
+        code = idem__err(IDEM_UNAVAILABLE, "nats: connect to %s: %s", url, natsStatus_GetText(s));
+    }
+    natsOptions_Destroy(o);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    jsOptions_Init(&jo);
+    jo.Wait = publish_wait_ms;
+    if ((s = natsConnection_JetStream(js, *nc, &jo)) != NATS_OK) {
+        idem__nats_disconnect(*nc, NULL);
+        *nc = NULL;
+        return idem__nats_code(s, 0, "nats: jetstream context");
+    }
+    return IDEM_OK;
+}
+
+void idem__nats_disconnect(natsConnection *nc, jsCtx *js)
+{
+    jsCtx_Destroy(js);
+    if (nc != NULL) {
+        natsConnection_Close(nc);
+        natsConnection_Destroy(nc);
+    }
+}
+
+idem_code idem__nats_code(natsStatus s, jsErrCode jerr, const char *what)
+{
+    idem_code code = IDEM_INTERNAL;
+    switch (s) {
+    case NATS_TIMEOUT:
+    case NATS_CONNECTION_CLOSED:
+    case NATS_CONNECTION_DISCONNECTED:
+    case NATS_NO_SERVER:
+    case NATS_NOT_YET_CONNECTED:
+    case NATS_NO_RESPONDERS:
+    case NATS_IO_ERROR:
+    case NATS_STALE_CONNECTION:
+        code = IDEM_UNAVAILABLE;
+        break;
+    case NATS_NOT_FOUND:
+        code = IDEM_NOT_FOUND;
+        break;
+    default:
+        break;
+    }
+    if (jerr == JSStreamNotFoundErr || jerr == JSConsumerNotFoundErr) {
+        code = IDEM_NOT_FOUND;
+    }
+    return idem__err(code, "%s: %s (jetstream error %d)", what, natsStatus_GetText(s), (int)jerr);
+}
+
+void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char *fmt, ...)
+{
+    char line[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    if (fn != NULL) {
+        fn(arg, level, line);
+    } else {
+        fprintf(stderr, "%s\n", line);
+    }
+}
+
+idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate)
+{
+    jsPubAck *ack = NULL;
+    jsErrCode jerr = 0;
+    natsStatus s = js_PublishMsg(&ack, js, m, NULL, &jerr);
+    *duplicate = false;
+    if (s != NATS_OK) {
+        return idem__nats_code(s, jerr, what);
+    }
+    *duplicate = ack->Duplicate;
+    jsPubAck_Destroy(ack);
+    return IDEM_OK;
+}
+
+idem_code idem_nats_ensure_stream(const char *url, const char *stream, const char *const *subjects,
+                                  size_t n)
+{
+    natsConnection *nc;
+    jsCtx *js;
+    jsStreamConfig sc;
+    jsStreamInfo *si = NULL;
+    jsErrCode jerr = 0;
+    if (stream == NULL || *stream == '\0' || subjects == NULL || n == 0 || n > 64) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "nats stream: a name and 1..64 subjects");
+    }
+    idem_code code = idem__nats_connect(url, 5000, &nc, &js);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    jsStreamConfig_Init(&sc);
+    sc.Name = stream;
+    sc.Subjects = (const char **)subjects;
+    sc.SubjectsLen = (int)n;
+    natsStatus s = js_GetStreamInfo(&si, js, stream, NULL, &jerr);
+    if (s == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr) {
+        s = js_AddStream(&si, js, &sc, NULL, &jerr);
+    }
+    code = s == NATS_OK ? IDEM_OK : idem__nats_code(s, jerr, "nats stream");
+    jsStreamInfo_Destroy(si);
+    idem__nats_disconnect(nc, js);
+    return code;
+}

@@ -1,0 +1,56 @@
+/* Shared by the NATS binding's files: the connection, status mapping, logging. */
+#ifndef IDEMRPC_NATS_INTERNAL_H
+#define IDEMRPC_NATS_INTERNAL_H
+
+#include <nats/nats.h>
+
+#include "internal.h"
+
+#include "idemrpc/nats.h"
+
+/* Connects to url (reconnecting forever, every 100 ms, afterwards) and opens its
+ * JetStream context; publish_wait_ms bounds each publish and JetStream API call. */
+idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConnection **nc,
+                             jsCtx **js);
+void idem__nats_disconnect(natsConnection *nc, jsCtx *js);
+
+/* An idem_code for a libnats failure, with idem_errmsg() naming what and libnats' text:
+ * UNAVAILABLE for a broker that is away or timed out, NOT_FOUND for a missing stream or
+ * consumer, else INTERNAL. */
+idem_code idem__nats_code(natsStatus s, jsErrCode jerr, const char *what);
+
+/* One logfmt line through fn (NULL: stderr). */
+void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Publishes m to JetStream within the context's wait; *duplicate when the broker's dedupe
+ * window dropped it (its Nats-Msg-Id was seen). */
+idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate);
+
+/* The thread of a consumer or a relay (nats_loop.c). mu also guards its owner's
+ * counters; cv wakes a pause at the stop (monotonic clock). */
+typedef struct idem__nats_loop {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopping, started;
+    pthread_t thread;
+} idem__nats_loop;
+
+void idem__nats_loop_init(idem__nats_loop *l);
+idem_code idem__nats_loop_start(idem__nats_loop *l, void *(*fn)(void *), void *arg,
+                                const char *what);
+/* Waits ms unless stopping; true when stopping. */
+bool idem__nats_loop_pause(idem__nats_loop *l, uint64_t ms);
+/* Stops and joins the thread if it was started, then destroys the loop. */
+void idem__nats_loop_fini(idem__nats_loop *l);
+/* *counter += n under l->mu. */
+void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
+
+/* Publishes the payload of orig to subject with the reason and where it came from
+ * (IDEM_NATS_DEAD_* headers) and Nats-Msg-Id "dead.<stream seq>.<durable>", so that a
+ * dead letter published again (its Term lost, a crash) is dropped inside the broker's
+ * dedupe window. IDEM_OK once the broker acked the publish. */
+idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable, natsMsg *orig,
+                                 const idem_nats_msg *im, const char *reason);
+
+#endif

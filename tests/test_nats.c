@@ -1,0 +1,171 @@
+/* The JetStream consumer binding (nats.h) against a real nats-server -js: each message's
+ * effect exactly once, every message acked or dead-lettered, none lost, through
+ * redeliveries, crashes, a broker restart and consumers sharing one durable. Needs
+ * $IDEMRPC_TEST_NATS (scripts/services.sh exports it); skipped without it. Runs on the
+ * store $IDEMRPC_TEST_BACKEND names (nats: LMDB, nats_pg: PostgreSQL). */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nats_util.h"
+
+Test(nats, acks_each_message_after_its_effect_commits)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    char key[32];
+    nt_setup(&e, "ack");
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    for (int i = 0; i < 50; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        nt_publish(&e, key, NULL, "amount=1");
+    }
+    nt_drain(&e, c, "credit");
+    for (int i = 0; i < 50; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        cr_expect_eq(nt_effects(&e, key), 1, "%s", key);
+    }
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.committed, 50);
+    cr_expect_eq(s.acked, 50);
+    cr_expect_eq(s.dead_lettered, 0);
+    idem_nats_consumer_close(c);
+    nt_teardown(&e);
+}
+
+Test(nats, a_message_published_again_takes_effect_once)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    nt_setup(&e, "dup");
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    /* Two msg ids: the broker's window does not drop the second; idem_consume must. */
+    nt_publish(&e, "order-7", "pub-1", "amount=1");
+    nt_publish(&e, "order-7", "pub-2", "amount=1");
+    /* No Idem-Key: the key is Nats-Msg-Id, the same both times (inside the window the
+     * broker drops the second publish itself). */
+    nt_publish(&e, NULL, "order-8", "amount=1");
+    nt_drain(&e, c, "credit");
+    cr_expect_eq(nt_effects(&e, "order-7"), 1);
+    cr_expect_eq(nt_effects(&e, "order-8"), 1);
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.committed, 2);
+    cr_expect_eq(s.duplicates, 1);
+    cr_expect_eq(s.acked, 3);
+    idem_nats_consumer_close(c);
+    nt_teardown(&e);
+}
+
+/* The business number from the payload: "order=<id>&..."; undecodable without "order=". */
+static idem_code order_key(const void *data, size_t len, char *key, size_t cap, void *arg)
+{
+    (void)arg;
+    if (len < 6 || memcmp(data, "order=", 6) != 0) {
+        return memmem(data, len, "order", 5) != NULL ? IDEM_NOT_FOUND : IDEM_INVALID_ARGUMENT;
+    }
+    const char *p = (const char *)data + 6, *end = memchr(p, '&', len - 6);
+    size_t n = end != NULL ? (size_t)(end - p) : len - 6;
+    n = n < cap - 1 ? n : cap - 1;
+    memcpy(key, p, n);
+    key[n] = '\0';
+    return IDEM_OK;
+}
+
+Test(nats, dead_letters_bad_input_with_its_reason)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    char reasons[8][256], long_key[300];
+    nt_setup(&e, "bad");
+    memset(long_key, 'k', 256);
+    long_key[256] = '\0';
+    nt_publish(&e, NULL, NULL, "amount=1");     /* no key */
+    nt_publish(&e, long_key, NULL, "amount=1"); /* 256 bytes: over the bound */
+    nt_publish(&e, "order-1", NULL, "final");   /* the handler: INVALID_ARGUMENT */
+    nt_opts(&e, &o, "headers");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    nt_drain(&e, c, "headers");
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.dead_lettered, 3);
+    cr_expect_eq(s.acked, 0);
+    idem_nats_consumer_close(c);
+    /* A second durable on the same messages keys them from the payload instead. */
+    nt_opts(&e, &o, "payload");
+    o.key_fn = order_key;
+    c = nt_consumer(&e, &o);
+    nt_drain(&e, c, "payload");
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.dead_lettered, 3);
+    idem_nats_consumer_close(c);
+    cr_assert_eq(nt_dead_letters(&e, reasons, 8), 6);
+    cr_expect(strstr(reasons[0], "no key") != NULL, "%s", reasons[0]);
+    cr_expect(strstr(reasons[1], "key over 255 bytes") != NULL, "%s", reasons[1]);
+    cr_expect(strstr(reasons[2], "final failure") != NULL, "%s", reasons[2]);
+    cr_expect(strstr(reasons[3], "undecodable payload") != NULL, "%s", reasons[3]);
+    cr_expect_eq(nt_effects(&e, "order-1"), 0);
+    nt_teardown(&e);
+}
+
+Test(nats, naks_a_transient_failure_and_dead_letters_after_max_deliveries)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    char reasons[4][256];
+    nt_setup(&e, "nak");
+    nt_opts(&e, &o, "credit");
+    o.max_deliver = 3;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    nt_publish(&e, "flaky", NULL, "fail=2");    /* fails twice, then takes effect */
+    nt_publish(&e, "broken", NULL, "fail=all"); /* fails every time */
+    nt_drain(&e, c, "credit");
+    cr_expect_eq(nt_effects(&e, "flaky"), 1);  /* the failed deliveries' writes rolled back */
+    cr_expect_eq(nt_effects(&e, "broken"), 0); /* never acked, never committed */
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.acked, 1);
+    cr_expect_eq(s.naked, 4); /* flaky 2, broken 2; broken's third is the dead letter */
+    cr_expect_eq(s.dead_lettered, 1);
+    cr_assert_eq(nt_dead_letters(&e, reasons, 4), 1);
+    cr_expect(strstr(reasons[0], "max deliveries (delivery 3): UNAVAILABLE") != NULL, "%s",
+              reasons[0]);
+    idem_nats_consumer_close(c);
+    nt_teardown(&e);
+}
+
+static idem_code no_effect(idem_txn *t, const idem_nats_msg *m, void *arg)
+{
+    (void)t, (void)m, (void)arg;
+    return IDEM_OK;
+}
+
+Test(nats, open_refuses_bad_options_a_missing_stream_and_an_unreachable_broker)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_consumer *c = NULL;
+    nt_setup(&e, "open");
+    nt_opts(&e, &o, "credit");
+    o.handler = no_effect;
+    o.durable = "has.dot";
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_INVALID_ARGUMENT);
+    o.durable = "credit";
+    o.batch = IDEM_NATS_MAX_BATCH + 1;
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_INVALID_ARGUMENT);
+    o.batch = 16;
+    o.dead_letter_subject = NULL;
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_INVALID_ARGUMENT);
+    o.dead_letter_subject = e.dead;
+    o.stream = "NOSUCHSTREAM";
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_NOT_FOUND, "%s", idem_errmsg());
+    o.stream = e.stream;
+    o.url = "nats://127.0.0.1:1"; /* nothing listens there */
+    cr_expect_eq(idem_nats_consumer_open(&c, e.st, &o), IDEM_UNAVAILABLE, "%s", idem_errmsg());
+    cr_expect_null(c);
+    nt_teardown(&e);
+}

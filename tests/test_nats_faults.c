@@ -1,0 +1,197 @@
+/* The JetStream consumer binding under faults: kill -9 between the effect and the ack, a
+ * broker restart mid-stream, redelivery on purpose (an ack wait shorter than the
+ * handler), two consumer processes on one durable. Every test ends with each effect
+ * exactly once and the durable settled: every message acked (or dead-lettered), none
+ * lost. Needs $IDEMRPC_TEST_NATS; the restart also $IDEMRPC_SERVICES. */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nats_util.h"
+
+#define WAIT_ROUNDS 3000 /* 10 ms each: a hang guard, not a timing assertion */
+
+static void expect_each_effect_once(nt *e, int n)
+{
+    char key[32];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        cr_expect_eq(nt_effects(e, key), 1, "%s: %ld effects", key, nt_effects(e, key));
+    }
+}
+
+static void publish_orders(nt *e, int from, int to, const char *payload)
+{
+    char key[32];
+    for (int i = from; i < to; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        nt_publish(e, key, NULL, payload);
+    }
+}
+
+static void worker_spawn(tu_child *w, nt *e, const char *ack_wait_ms, const char *crash)
+{
+    const char *prog = getenv("NATS_WORKER");
+    cr_assert_not_null(prog, "NATS_WORKER not set (meson test sets it)");
+    const char *argv[] = {prog,    e->url,           e->stream,   "credit", e->in,
+                          e->dead, nt_store_spec(e), ack_wait_ms, crash,    NULL};
+    tu_spawn(w, argv);
+}
+
+Test(nats_faults, kill_9_after_the_effect_before_the_ack_redelivers_a_duplicate)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    tu_child w;
+    nt_setup(&e, "kill");
+    publish_orders(&e, 0, 5, "amount=1");
+    worker_spawn(&w, &e, "300", "committed"); /* creates the durable, ack wait 300 ms */
+    cr_assert_eq(tu_reap(&w), SIGKILL);
+    cr_assert_eq(nt_effects(&e, "order-0"), 1, "the effect committed before the kill");
+    cr_assert(!nt_settled(&e, "credit"), "order-0 was never acked");
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    nt_drain(&e, c, "credit"); /* redelivered after the ack wait */
+    expect_each_effect_once(&e, 5);
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.duplicates, 1); /* order-0: acked now, its effect not run again */
+    cr_expect_eq(s.committed, 4);
+    cr_expect_eq(s.acked, 5);
+    idem_nats_consumer_close(c);
+    nt_teardown(&e);
+}
+
+static unsigned long long stat_of(const char *line, const char *name)
+{
+    const char *p = strstr(line, name);
+    return p != NULL ? strtoull(p + strlen(name), NULL, 10) : 0;
+}
+
+Test(nats_faults, two_consumer_processes_on_one_durable_apply_each_effect_once)
+{
+    nt e;
+    tu_child w[2];
+    char line[2][256];
+    nt_setup(&e, "two");
+    worker_spawn(&w[0], &e, "30000", "none");
+    worker_spawn(&w[1], &e, "30000", "none");
+    publish_orders(&e, 0, 200, "amount=1");
+    for (int i = 0; i < 2; i++) { /* each exits once it has seen the durable idle */
+        cr_assert_not_null(fgets(line[i], sizeof(line[i]), w[i].out));
+        cr_assert_eq(tu_reap(&w[i]), 0);
+    }
+    cr_assert(nt_settled(&e, "credit"), "messages left unacked");
+    expect_each_effect_once(&e, 200);
+    cr_expect_eq(stat_of(line[0], "committed=") + stat_of(line[1], "committed="), 200, "%s%s",
+                 line[0], line[1]);
+    cr_expect_eq(stat_of(line[0], "acked=") + stat_of(line[1], "acked="), 200);
+    nt_teardown(&e);
+}
+
+static uint64_t fetched(idem_nats_consumer *const *c, int n)
+{
+    idem_nats_stats s;
+    uint64_t sum = 0;
+    for (int i = 0; i < n; i++) {
+        idem_nats_consumer_stats(c[i], &s);
+        sum += s.fetched;
+    }
+    return sum;
+}
+
+/* Waits until the durable settled with every message fetched more than once in all. */
+static void await_settled(nt *e, idem_nats_consumer *const *c, int n, uint64_t min_fetched)
+{
+    int i = 0;
+    while ((fetched(c, n) < min_fetched || !nt_settled(e, "credit")) && i++ < WAIT_ROUNDS) {
+        nats_Sleep(10);
+    }
+    cr_assert(nt_settled(e, "credit"), "the durable never settled");
+    cr_assert_geq(fetched(c, n), min_fetched);
+}
+
+Test(nats_faults, an_ack_wait_shorter_than_the_handler_redelivers_and_takes_effect_once)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_consumer *c[2];
+    nt_setup(&e, "slow");
+    nt_opts(&e, &o, "credit");
+    o.ack_wait_ms = 150; /* the first delivery's handler takes 400 ms */
+    for (int i = 0; i < 2; i++) {
+        c[i] = nt_consumer(&e, &o);
+        cr_assert_eq(idem_nats_consumer_start(c[i]), IDEM_OK);
+    }
+    publish_orders(&e, 0, 4, "sleep=400");
+    await_settled(&e, c, 2, 5); /* at least one redelivery while a handler ran */
+    for (int i = 0; i < 2; i++) {
+        idem_nats_consumer_close(c[i]);
+    }
+    expect_each_effect_once(&e, 4);
+    nt_teardown(&e);
+}
+
+/* Once c acked some messages (mid-stream), runs `$IDEMRPC_SERVICES what`. */
+static void restart_mid_stream(idem_nats_consumer *c, const char *svc, const char *what)
+{
+    idem_nats_stats s = {0};
+    char cmd[512];
+    for (int i = 0; s.acked < 20 && i < WAIT_ROUNDS; i++) {
+        nats_Sleep(10);
+        idem_nats_consumer_stats(c, &s);
+    }
+    snprintf(cmd, sizeof(cmd), "%s %s", svc, what);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+Test(nats_faults, a_broker_restart_mid_stream_loses_nothing_and_doubles_nothing)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    const char *svc = getenv("IDEMRPC_SERVICES");
+    if (svc == NULL) {
+        cr_skip_test("IDEMRPC_SERVICES not set: cannot restart nats-server");
+    }
+    nt_setup(&e, "restart");
+    nt_opts(&e, &o, "credit");
+    o.ack_wait_ms = 1000;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    cr_assert_eq(idem_nats_consumer_start(c), IDEM_OK);
+    publish_orders(&e, 0, 100, "amount=1");
+    restart_mid_stream(c, svc, "restart-nats");
+    publish_orders(&e, 100, 200, "amount=1"); /* retried until the broker is back */
+    await_settled(&e, &c, 1, 200);
+    idem_nats_consumer_close(c);
+    expect_each_effect_once(&e, 200);
+    nt_teardown(&e);
+}
+
+/* max_deliver 1: a failure of the message itself would be its dead letter at once; a
+ * PostgreSQL restart under the consumer must only delay the messages it catches. */
+Test(nats_faults, a_store_outage_naks_and_never_dead_letters)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    const char *svc = getenv("IDEMRPC_SERVICES");
+    if (!tu_backend_is_pg() || svc == NULL) {
+        cr_skip_test("a PostgreSQL store and IDEMRPC_SERVICES (to restart it) only");
+    }
+    nt_setup(&e, "outage");
+    nt_opts(&e, &o, "credit");
+    o.max_deliver = 1;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    cr_assert_eq(idem_nats_consumer_start(c), IDEM_OK);
+    publish_orders(&e, 0, 100, "amount=1");
+    restart_mid_stream(c, svc, "restart-pg");
+    publish_orders(&e, 100, 200, "amount=1");
+    await_settled(&e, &c, 1, 200);
+    idem_nats_consumer_stats(c, &s);
+    idem_nats_consumer_close(c);
+    cr_expect_eq(s.dead_lettered, 0, "%llu dead letters", (unsigned long long)s.dead_lettered);
+    expect_each_effect_once(&e, 200);
+    nt_teardown(&e);
+}

@@ -1,0 +1,157 @@
+/* The outbox relay (nats.h) against a real nats-server -js: a message exists iff its
+ * txn committed, leaves the outbox only after the broker acked it, and a crash between
+ * the ack and the removal publishes it again without a second stored message or effect.
+ * Needs $IDEMRPC_TEST_NATS; runs on LMDB (nats_relay) and PostgreSQL (nats_relay_pg). */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nats_util.h"
+
+typedef struct put_args {
+    const char *subject;
+    int from, to;
+    idem_code result; /* what the txn returns after its puts */
+} put_args;
+
+static idem_code put_orders(idem_txn *t, void *arg)
+{
+    put_args *a = arg;
+    char id[32];
+    idem_code code = IDEM_OK;
+    for (int i = a->from; code == IDEM_OK && i < a->to; i++) {
+        snprintf(id, sizeof(id), "order-%d", i);
+        code = idem_outbox_put(t, a->subject, id, "amount=1", 8);
+    }
+    return code != IDEM_OK ? code : a->result;
+}
+
+static uint64_t pending(nt *e)
+{
+    uint64_t n;
+    cr_assert_eq(idem_outbox_pending(e->st, &n), IDEM_OK, "%s", idem_errmsg());
+    return n;
+}
+
+static uint64_t stream_msgs(nt *e)
+{
+    jsStreamInfo *si = NULL;
+    cr_assert_eq(js_GetStreamInfo(&si, e->js, e->stream, NULL, NULL), NATS_OK);
+    uint64_t n = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    return n;
+}
+
+static idem_nats_relay *relay_open(nt *e)
+{
+    idem_nats_relay_opts o;
+    idem_nats_relay *r;
+    idem_nats_relay_opts_init(&o);
+    o.url = e->url;
+    o.batch = 7; /* several rounds for 20 messages */
+    cr_assert_eq(idem_nats_relay_open(&r, e->st, &o), IDEM_OK, "%s", idem_errmsg());
+    return r;
+}
+
+static void relay_all(nt *e, idem_nats_relay *r)
+{
+    for (int i = 0; i < 100 && pending(e) > 0; i++) {
+        cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
+    }
+    cr_assert_eq(pending(e), 0);
+}
+
+static void consume_all(nt *e, int n)
+{
+    idem_nats_consumer_opts o;
+    char key[32];
+    nt_opts(e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(e, &o);
+    nt_drain(e, c, "credit");
+    idem_nats_consumer_close(c);
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        cr_expect_eq(nt_effects(e, key), 1, "%s", key);
+    }
+}
+
+Test(nats_relay, relays_committed_messages_and_removes_them_after_the_ack)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    nt_setup(&e, "relay");
+    put_args ok = {e.in, 0, 20, IDEM_OK}, rolled_back = {e.in, 20, 25, IDEM_ABORTED};
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &ok), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &rolled_back), IDEM_ABORTED);
+    cr_assert_eq(pending(&e), 20); /* the rolled-back txn left no message */
+    idem_nats_relay *r = relay_open(&e);
+    relay_all(&e, r);
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.published, 20);
+    cr_expect_eq(s.removed, 20);
+    cr_expect_eq(stream_msgs(&e), 20);
+    idem_nats_relay_close(r);
+    consume_all(&e, 20); /* keyed by the msg_id the relay put in Idem-Key */
+    cr_expect_eq(nt_effects(&e, "order-20"), 0);
+    nt_teardown(&e);
+}
+
+Test(nats_relay, a_publish_the_broker_refuses_keeps_the_message)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    nt_setup(&e, "refuse");
+    put_args nowhere = {"nostream.anywhere", 0, 1, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &nowhere), IDEM_OK);
+    idem_nats_relay *r = relay_open(&e);
+    cr_expect_neq(idem_nats_relay_run_once(r, NULL), IDEM_OK); /* no stream: no ack */
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.failures, 1);
+    cr_expect_eq(s.removed, 0);
+    cr_expect_eq(pending(&e), 1);
+    idem_nats_relay_close(r);
+    nt_teardown(&e);
+}
+
+Test(nats_relay, a_crash_between_the_publish_ack_and_the_removal_stores_one_message)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    tu_child w;
+    nt_setup(&e, "crash");
+    put_args ok = {e.in, 0, 10, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &ok), IDEM_OK, "%s", idem_errmsg());
+    const char *argv[] = {getenv("NATS_WORKER"), "relay", e.url, nt_store_spec(&e), NULL};
+    cr_assert_not_null(argv[0], "NATS_WORKER not set (meson test sets it)");
+    tu_spawn(&w, argv);
+    cr_assert_eq(tu_reap(&w), SIGKILL);
+    cr_assert_eq(stream_msgs(&e), 1, "order-0 published");
+    cr_assert_eq(pending(&e), 10, "and not removed");
+    idem_nats_relay *r = relay_open(&e);
+    relay_all(&e, r);
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.duplicates, 1); /* order-0 again: the broker's window dropped it */
+    cr_expect_eq(s.published, 9);
+    cr_expect_eq(stream_msgs(&e), 10);
+    idem_nats_relay_close(r);
+    consume_all(&e, 10);
+    nt_teardown(&e);
+}
+
+Test(nats_relay, the_outbox_refuses_messages_out_of_bounds)
+{
+    tu_backend b;
+    idem_store *st = tu_backend_open(&b, "bounds");
+    char big[300];
+    memset(big, 'x', 256);
+    big[256] = '\0';
+    put_args no_subject = {"", 0, 1, IDEM_OK}, long_subject = {big, 0, 1, IDEM_OK};
+    cr_expect_eq(idem_store_run_txn(st, put_orders, &no_subject), IDEM_INVALID_ARGUMENT);
+    cr_expect_eq(idem_store_run_txn(st, put_orders, &long_subject), IDEM_INVALID_ARGUMENT);
+    uint64_t n = 1;
+    cr_expect_eq(idem_outbox_pending(st, &n), IDEM_OK);
+    cr_expect_eq(n, 0);
+    tu_backend_close(&b);
+}
