@@ -20,17 +20,15 @@
  *             stayed undecided
  *   steps     (chaos.Trip/Book) a step's effect ("hold", "pay") that shows more than
  *             once for a (caller, key) without evidence that the owner could not record
- *             it (killed or stopped around it, a store that took no write for 2/3 of a
- *             lease, or the server's own note that the store refused the record for
- *             10 s; a note "claim lost" needs the kill/stop/stall evidence too, and a
- *             step the server noted as recorded has no excuse); OK answers or the
- *             COMPLETED record naming step outputs that differ, or that no effect line
- *             matches; a journaled call left IN_PROGRESS after settling (the re-driver
- *             did not finish it); a journal that outlived its call's outcome
- *   memory    a server whose anonymous RSS (RssAnon: LMDB's map is file-backed and
- *             grows with the data) more than doubles + 16 MiB between a quarter of its
- *             life and its end, over a life of at least 20 s
- *   crashes   a server that died without being killed, or did not stop on SIGTERM */
+ *             it (killed, stopped or partitioned around it, a store that took no write
+ *             for 2/3 of a lease: the agent's no_commit, a PostgreSQL restart, or the server's own
+ * note that the store refused the record for 10 s; a note "claim lost" needs the kill/stop/stall
+ * evidence too, and a step the server noted as recorded has no excuse); OK answers or the COMPLETED
+ * record naming step outputs that differ, or that no effect line matches; a journaled call left
+ * IN_PROGRESS after settling (the re-driver did not finish it); a journal that outlived its call's
+ * outcome memory    a server whose anonymous RSS (RssAnon: LMDB's map is file-backed and grows with
+ * the data) more than doubles + 16 MiB between a quarter of its life and its end, over a life of at
+ * least 20 s crashes   a server that died without being killed, or did not stop on SIGTERM */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,11 +112,12 @@ static struct {
     size_t n_faults;
     stall stalls[MAX_STALLS];
     size_t n_stalls;
+    uint64_t restart_from; /* the PostgreSQL restart under way (pg) */
     rss_life *lives;
     size_t n_lives;
     uint64_t calls, fault_count, violations;
     uint64_t shown[8], excused[3];
-    uint64_t kinds[6];             /* faults by kind: f_names */
+    uint64_t kinds[8];             /* faults by kind: f_names */
     uint64_t full_from, full_to;   /* the fill in effect (history order), or the last one */
     uint64_t exhausted, when_full; /* RESOURCE_EXHAUSTED answers, and during a fill */
     uint64_t load_end;             /* the clients stopped: the store idles until settling */
@@ -135,7 +134,8 @@ static const char *const x_names[] = {
     "their process was killed", "their process was stopped",
     "the store took no write for 2/3 of a lease", "the store refused the step's record for 10 s",
     "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)"};
-static const char *const f_names[] = {"kill", "stop", "fill", "pg_restart", "redis_stop", "other"};
+static const char *const f_names[] = {"kill",       "stop",      "fill",    "pg_restart",
+                                      "redis_stop", "partition", "slow_db", "other"};
 
 enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
 static const char *const v_names[] = {"answers", "effects", "callers",
@@ -322,6 +322,13 @@ static void read_fault(const char *line, bool end)
         ck.full_from = end ? ck.full_from : strtoull(t, NULL, 10);
         ck.full_to = end ? strtoull(t, NULL, 10) : 0;
     }
+    /* A PostgreSQL restart is a window in which the store takes no write (pg's stall:
+     * no lease can be renewed, as in the agent's no_commit on lmdb). */
+    if (strcmp(kind, "pg_restart") == 0 && !end) {
+        ck.restart_from = strtoull(t, NULL, 10);
+    } else if (strcmp(kind, "pg_restart") == 0 && ck.n_stalls < MAX_STALLS) {
+        ck.stalls[ck.n_stalls++] = (stall){ck.restart_from, strtoull(t, NULL, 10)};
+    }
     if (end) {
         return;
     }
@@ -331,13 +338,15 @@ static void read_fault(const char *line, bool end)
     }
     ck.fault_count++;
     size_t k = 0;
-    while (k < 5 && strcmp(f_names[k], kind) != 0) {
+    while (k < 7 && strcmp(f_names[k], kind) != 0) {
         k++;
     }
     ck.kinds[k]++;
-    if ((strcmp(kind, "kill") == 0 || strcmp(kind, "stop") == 0) && ck.n_faults < MAX_FAULTS) {
-        ck.faults[ck.n_faults++] =
-            (fault){strtoull(t, NULL, 10), atol(pid), strcmp(kind, "stop") == 0};
+    /* A partition is a stop of the process's store, not of the process: the same excuse
+     * (it cannot renew; another claimer may run the call again). */
+    bool stop = strcmp(kind, "stop") == 0 || strcmp(kind, "partition") == 0;
+    if ((stop || strcmp(kind, "kill") == 0) && ck.n_faults < MAX_FAULTS) {
+        ck.faults[ck.n_faults++] = (fault){strtoull(t, NULL, 10), atol(pid), stop};
     }
 }
 
@@ -962,8 +971,9 @@ uint64_t chaos_check(const chaos_cfg *cfg)
                ck.exhausted, ck.when_full);
     }
     printf("chaos: faults: %" PRIu64 " kill, %" PRIu64 " stop, %" PRIu64 " fill, %" PRIu64
-           " pg_restart, %" PRIu64 " redis_stop\n",
-           ck.kinds[0], ck.kinds[1], ck.kinds[2], ck.kinds[3], ck.kinds[4]);
+           " pg_restart, %" PRIu64 " redis_stop, %" PRIu64 " partition, %" PRIu64 " slow_db\n",
+           ck.kinds[0], ck.kinds[1], ck.kinds[2], ck.kinds[3], ck.kinds[4], ck.kinds[5],
+           ck.kinds[6]);
     if (ck.violations > 0) {
         printf("chaos: violations by kind:");
         for (size_t k = 0; k < sizeof(v_names) / sizeof(v_names[0]); k++) {

@@ -1,11 +1,14 @@
 /* The two server processes and the faults done to them, on a schedule drawn from the
  * seed: SIGKILL then restart, SIGSTOP for 1.5-3 leases then SIGCONT; on the lmdb
  * topology a full store (the store agent fills the map, holds it full for 1-4 leases,
- * then frees CHAOS_HEADROOM_BYTES); on the pg topology a PostgreSQL restart and Redis
- * stopped for 0.5-2 s. One fault at a time, each ended before the next; a server that
- * dies without being killed is a "crash" event (the checker counts it as a violation).
- * Only the fault thread touches the table while the run goes on; chaos_faults_heal and
- * chaos_servers_stop come after it.
+ * then frees CHAOS_HEADROOM_BYTES); on the pg topology a PostgreSQL restart, Redis
+ * stopped for 0.5-2 s, a partition (server i's connections to the database go silent,
+ * no FIN or RST, for 1-3 leases) and a slow database (every chunk between server i and
+ * the database delayed 20-80 ms for 2-4 leases): on pg each server reaches the
+ * database through a fault proxy of its own (tests/pgproxy.c). One fault at a time, each ended
+ * before the next; a server that dies without being killed is a "crash" event (the checker counts
+ * it as a violation). Only the fault thread touches the table while the run goes on;
+ * chaos_faults_heal and chaos_servers_stop come after it.
  *
  * lmdb: the agent (chaos_agent.c) opens the store before the servers and writes its
  * ballast once: everything but CHAOS_HEADROOM_BYTES of the map. A fill then only has to
@@ -24,6 +27,9 @@
 #include <unistd.h>
 
 #include "chaos.h"
+#ifdef CHAOS_HAVE_PG
+#include "pgproxy.h"
+#endif
 
 typedef struct server {
     pid_t pid; /* 0 = not running */
@@ -32,6 +38,10 @@ typedef struct server {
 } server;
 
 static server servers[CHAOS_SERVERS];
+#ifdef CHAOS_HAVE_PG
+static pgproxy *proxies[CHAOS_SERVERS]; /* pg: each server's way to the database */
+static char pg_via[CHAOS_SERVERS][700];
+#endif
 static char self_exe[PATH_MAX];
 static const chaos_cfg *run_cfg;
 
@@ -81,8 +91,12 @@ static bool server_start(size_t i)
     const char *lmdb[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
                           cfg->effects, "--lease-ms", lease,          "--db",         store,
                           "--map-size", map,          "--redrive-ms", redrive,        NULL};
+    const char *via = cfg->pg;
+#ifdef CHAOS_HAVE_PG
+    via = proxies[i] != NULL ? pg_via[i] : cfg->pg;
+#endif
     const char *pg[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
-                        cfg->effects, "--lease-ms", lease,          "--pg",         cfg->pg,
+                        cfg->effects, "--lease-ms", lease,          "--pg",         via,
                         "--redis",    cfg->redis,   "--redrive-ms", redrive,        NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
@@ -207,6 +221,13 @@ bool chaos_servers_start(const chaos_cfg *cfg)
     }
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         snprintf(servers[i].url, sizeof(servers[i].url), "ipc://%s/s%zu.ipc", cfg->dir, i);
+#ifdef CHAOS_HAVE_PG
+        if (cfg->topology == CHAOS_PG) { /* later keywords win in a conninfo */
+            proxies[i] = pgproxy_start(cfg->pg);
+            snprintf(pg_via[i], sizeof(pg_via[i]), "%s host=127.0.0.1 port=%d", cfg->pg,
+                     pgproxy_port(proxies[i]));
+        }
+#endif
         if (!server_start(i)) {
             fprintf(stderr, "idemrpc-chaos: server %zu did not start (see %s/server-%zu.log)\n", i,
                     cfg->dir, i);
@@ -346,6 +367,26 @@ static void fault_service(uint64_t *rng, const char *kind)
     chaos_history_event("fault_end", 1, f);
 }
 
+#ifdef CHAOS_HAVE_PG
+/* Server i's database connections go silent (partition) or slow for a while. */
+static void fault_network(uint64_t *rng, size_t i, bool cut)
+{
+    uint64_t lease = run_cfg->lease_ms;
+    const char *kind = cut ? "partition" : "slow_db";
+    server_event("fault", kind, i, servers[i].pid);
+    if (cut) {
+        pgproxy_cut(proxies[i], true);
+        chaos_sleep_ms(chaos_between(rng, lease, 3 * lease));
+        pgproxy_cut(proxies[i], false);
+    } else {
+        pgproxy_delay(proxies[i], (unsigned)chaos_between(rng, 20, 80));
+        chaos_sleep_ms(chaos_between(rng, 2 * lease, 4 * lease));
+        pgproxy_delay(proxies[i], 0);
+    }
+    server_event("fault_end", kind, i, servers[i].pid);
+}
+#endif
+
 /* Waits ms in 100 ms steps, sampling RSS every second and reaping crashes. */
 static void fault_wait(uint64_t ms, const volatile bool *stop)
 {
@@ -367,10 +408,14 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
     while (!*stop) {
         uint64_t pick = chaos_between(&rng, 0, 99);
         size_t i = (size_t)chaos_between(&rng, 0, CHAOS_SERVERS - 1);
-        if (cfg->topology == CHAOS_PG && pick >= 80) {
+        if (cfg->topology == CHAOS_PG && pick >= 85) {
             fault_service(&rng, "redis_stop");
-        } else if (cfg->topology == CHAOS_PG && pick >= 60) {
+        } else if (cfg->topology == CHAOS_PG && pick >= 70) {
             fault_service(&rng, "pg_restart");
+#ifdef CHAOS_HAVE_PG
+        } else if (cfg->topology == CHAOS_PG && pick >= 50 && servers[i].pid > 0) {
+            fault_network(&rng, i, pick >= 60);
+#endif
         } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
             fault_fill(&rng);
         } else if (pick % 2 == 0 && servers[i].pid > 0) {
@@ -436,4 +481,12 @@ void chaos_servers_stop(void)
         servers[i].pid = 0;
     }
     agent_stop();
+#ifdef CHAOS_HAVE_PG
+    for (size_t i = 0; i < CHAOS_SERVERS; i++) {
+        if (proxies[i] != NULL) {
+            pgproxy_stop(proxies[i]);
+            proxies[i] = NULL;
+        }
+    }
+#endif
 }

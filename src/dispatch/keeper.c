@@ -11,10 +11,12 @@
  * row another session holds (a stalled claimer on another instance) delays no other
  * lease: the store skips that row, and the keeper tries it again every lease/10.
  * A lease is held until valid_until, the moment its last successful renewal was asked
- * for plus the lease (the store's clock counts from later); past it the entry is lost,
- * and logged once: the owner must not treat the claim as held, since another claimer
- * may have taken it. A renewal answered IDEM_ABORTED (the record was completed,
- * released or taken over meanwhile) stops the entry and marks it lost too.
+ * for plus the lease (the store's clock counts from later). Past it the entry has
+ * lapsed, logged once: the owner must not treat the claim as held (idem__keeper_lost),
+ * since another claimer may take it. The keeper goes on renewing: a renewal is
+ * conditional on the owner, so one that succeeds proves nobody took the key, and the
+ * claim is held again. A renewal answered IDEM_ABORTED (the record was completed,
+ * released or taken over meanwhile) stops the entry and marks it lost for good.
  *
  * Recording later (idem__keeper_record_later). A handler's final outcome that the store
  * could not record (a commit that failed on a disk error, an outage or a full store
@@ -41,7 +43,8 @@ struct idem_keep {
     idem_keep *next;
     uint64_t id, owner, lease_ms;
     uint64_t renew_at, stop_at, valid_until; /* monotonic ms */
-    bool lost;                               /* aborted, or valid_until passed */
+    bool lost;   /* a renewal answered IDEM_ABORTED: another claim holds the key */
+    bool lapsed; /* valid_until passed (logged); renewals go on */
     char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
     /* An outcome recorded later (the keeper's then): the encoded response, its TTL, when
      * to try next (monotonic) and the pause after that. NULL: a handler still runs. */
@@ -71,13 +74,14 @@ static uint64_t wall_ms(const idem_keeper *k)
     return k->rt != NULL ? idem__rt_now_ms(k->rt) : idem__now_ms();
 }
 
-static void log_lease(const idem_keeper *k, const idem_keep *kp, idem_code code, const char *what)
+static void log_lease(const idem_keeper *k, const idem_keep *kp, idem_log_level level,
+                      const char *what)
 {
     char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
     if (k->rt == NULL) {
         return;
     }
-    idem__log(k->rt->obs, code == IDEM_ABORTED ? IDEM_LOG_INFO : IDEM_LOG_ERROR, "method=%s msg=%s",
+    idem__log(k->rt->obs, level, "method=%s msg=%s",
               idem__logfmt_quote(method, sizeof(method), kp->method),
               idem__logfmt_quote(msg, sizeof(msg), what));
 }
@@ -91,12 +95,11 @@ static uint64_t retry_ms(const idem_keep *kp)
 static void lapse_due(idem_keeper *k, uint64_t now)
 {
     for (idem_keep *kp = k->keeps; kp != NULL; kp = kp->next) {
-        if (!kp->lost && now >= kp->valid_until && now < kp->stop_at) {
-            kp->lost = true;
-            kp->stop_at = 0;
-            log_lease(k, kp, IDEM_UNAVAILABLE,
-                      "lease lapsed: no renewal reached the store in time; the claim is no "
-                      "longer held");
+        if (!kp->lost && !kp->lapsed && now >= kp->valid_until && now < kp->stop_at) {
+            kp->lapsed = true;
+            log_lease(k, kp, IDEM_LOG_ERROR,
+                      "lease lapsed: no renewal reached the store in time; the claim is not "
+                      "held until a renewal finds it still this owner's");
         }
     }
 }
@@ -127,12 +130,18 @@ static void apply_round(idem_keeper *k, size_t n, uint64_t asked)
             if (p->id != k->round[i].id || p->lost) {
                 continue;
             }
-            if (code == IDEM_OK) {
+            if (code == IDEM_OK) { /* the owner is unchanged: nobody took the key meanwhile */
                 p->valid_until = asked + p->lease_ms;
+                if (p->lapsed) {
+                    p->lapsed = false;
+                    log_lease(k, p, IDEM_LOG_INFO,
+                              "lease renewed again after a lapse: the "
+                              "claim was still this owner's");
+                }
             } else if (code == IDEM_ABORTED) { /* completed or released meanwhile, as a rule */
                 p->stop_at = 0;
                 p->lost = true;
-                log_lease(k, p, code, "lease renewal: the claim is gone");
+                log_lease(k, p, IDEM_LOG_INFO, "lease renewal: the claim is gone");
             } else {
                 p->renew_at = asked + retry_ms(p); /* held or unreachable: try again soon */
             }
@@ -156,7 +165,7 @@ static bool renew_round(idem_keeper *k, uint64_t now)
     }
     idem_code code = idem__store_renew_batch(k->store, k->batch, n);
     if (code != IDEM_OK) {
-        log_lease(k, &k->round[0], code, idem_errmsg());
+        log_lease(k, &k->round[0], IDEM_LOG_ERROR, idem_errmsg());
     }
     pthread_mutex_lock(&k->mu);
     apply_round(k, n, now);

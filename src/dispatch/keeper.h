@@ -36,8 +36,8 @@ void idem__keeper_record_later(idem_keeper *k, idem_keep *kp, uint8_t *response,
  * (recorded or given up): the key's waiters should read the store again. */
 void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_ref *key),
                          void *arg);
-/* True once a renewal of kp answered IDEM_ABORTED (the claim is no longer its owner's)
- * or its lease ran out without a renewal (another claimer may hold it now). */
+/* True once a renewal of kp answered IDEM_ABORTED (the claim is no longer its owner's),
+ * and while its lease has run out without a renewal (another claimer may take it). */
 bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp);
 
 #endif
