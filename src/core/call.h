@@ -351,6 +351,12 @@ idem_code idem__call_steps_unlist(idem_call *call);
  * until its lease ends): lists it again, so that a re-driver can finish it. */
 idem_code idem__call_steps_relist(idem_call *call);
 
+/* The claim of an IDEM_METHOD_STEPS call (steps.c), in a store txn of its own: on a
+ * server with a re-driver the call is listed in the same commit when the claim acquires
+ * or takes over. IDEM_UNIMPLEMENTED when the store cannot claim in a txn. */
+idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
+                                 idem_claim_outcome *outcome, idem_record *rec);
+
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
 

@@ -15,8 +15,10 @@
  * the journal's head, with the fence of the last run that recorded: it lists every step
  * any run recorded, so the run that records the call's outcome deletes them all
  * (result_cache, for IDEM_METHOD_STEPS methods). The 'r' entry lists the call for the
- * re-driver (src/server/redriver.c), only on a server that runs one: a step that finds
- * it absent writes it; the outcome deletes it with the journal, and a release deletes it
+ * re-driver (src/server/redriver.c), only on a server that runs one: the call's claim
+ * writes it in its own commit (idem__call_steps_claim: a run that dies inside its first
+ * step is listed too), and a step that finds it absent writes it; the outcome deletes
+ * it with the journal, and a release deletes it
  * alone (the journal stays for the client's retry, which lists the call again). So the
  * re-driver scans only calls that may still be running or abandoned. */
 #include <stdlib.h>
@@ -376,9 +378,12 @@ idem_code idem__call_steps_forget(idem_call *call)
     journal j;
     bool any; /* a call may have recorded no step at all */
     idem_code code = journal_keys(call, NULL, &j);
-    if (code != IDEM_OK || (code = entry_exists(call->claim_store, j.head_key, &any)) != IDEM_OK ||
-        !any) {
+    if (code != IDEM_OK || (code = entry_exists(call->claim_store, j.head_key, &any)) != IDEM_OK) {
         return code;
+    }
+    if (!any && (!call->rt->redrive ||
+                 (code = entry_exists(call->claim_store, j.call_key, &any)) != IDEM_OK || !any)) {
+        return code; /* listed at its claim, even without a step */
     }
     return idem_store_run_txn(call->claim_store, forget_txn, &j);
 }
@@ -518,6 +523,53 @@ static idem_code owner_unlist_txn(idem_txn *t, void *arg)
         code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
     }
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* ---- the claim of a journaled call ---- */
+
+typedef struct claim_args {
+    idem_call *call;
+    journal j;
+    const idem_claim_req *req;
+    idem_claim_outcome *outcome;
+    idem_record *rec;
+} claim_args;
+
+/* The claim, and when it acquires (or takes over) the listing for the re-driver in the
+ * same txn: a run that dies inside its first step is finished too. A listing already
+ * there (a takeover) is kept with its count of re-runs. */
+static idem_code claim_txn(idem_txn *t, claim_args *a)
+{
+    const void *v;
+    size_t n;
+    idem_code code = idem__store_txn_claim(t, a->req, a->outcome, a->rec);
+    bool owned = *a->outcome == IDEM_CLAIM_ACQUIRED || *a->outcome == IDEM_CLAIM_TAKEN_OVER;
+    if (code != IDEM_OK || !owned || !a->call->rt->redrive) {
+        return code;
+    }
+    code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n);
+    return code == IDEM_NOT_FOUND ? put_call(t, &a->j, a->call) : code;
+}
+
+idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
+                                 idem_claim_outcome *outcome, idem_record *rec)
+{
+    claim_args a = {.call = call, .req = req, .outcome = outcome, .rec = rec};
+    idem_txn *t;
+    memset(rec, 0, sizeof(*rec));
+    idem_code code = journal_keys(call, NULL, &a.j);
+    if (code != IDEM_OK || (code = idem__store_txn_begin(st, &t)) != IDEM_OK) {
+        return code;
+    }
+    if ((code = claim_txn(t, &a)) != IDEM_OK) {
+        idem__store_txn_abort(t);
+        idem_record_clear(rec);
+        return code;
+    }
+    if ((code = idem__store_txn_commit(t)) != IDEM_OK) {
+        idem_record_clear(rec); /* not committed, or unknown: the client retries */
+    }
+    return code;
 }
 
 idem_code idem__call_steps_relist(idem_call *call)
