@@ -17,11 +17,13 @@ static tu_backend order_store;
 static idem_client *to_inv, *to_pay;
 
 /* Effects as the downstreams saw them. */
-static atomic_int reserved, released, charged, charged_total, reserve_runs;
+static atomic_int reserved, released, charged, charged_total, reserve_runs, charge_asks;
 static atomic_int die_in_reserve; /* the next run "dies" inside its reserve step */
+static atomic_int die_in_undo;    /* ... inside the undo of its reserve step */
+static char reserve_keys[4][80];  /* the downstream keys of the reservations */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-static bool redriven_ok, dead_released, dead_done;
+static bool redriven_ok, redriven_failed, dead_released, dead_done;
 
 static void await_flag(const bool *flag)
 {
@@ -49,7 +51,11 @@ static idem_code inv_reserve(idem_call *call, void *arg)
 {
     char out[16];
     (void)arg;
-    int n = snprintf(out, sizeof(out), "R%d", atomic_fetch_add(&reserved, 1) + 1);
+    int i = atomic_fetch_add(&reserved, 1);
+    if (i < 4) {
+        snprintf(reserve_keys[i], sizeof(reserve_keys[i]), "%s", idem_call_key(call));
+    }
+    int n = snprintf(out, sizeof(out), "R%d", i + 1);
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
@@ -69,6 +75,7 @@ static idem_code pay_charge(idem_call *call, void *arg)
     const char *p = idem_call_payload(call, &n);
     char buf[32];
     (void)arg;
+    atomic_fetch_add(&charge_asks, 1);
     snprintf(buf, sizeof(buf), "%.*s", (int)(n < 31 ? n : 31), p != NULL ? p : "");
     int amount = atoi(buf);
     if (amount <= 0) {
@@ -124,7 +131,24 @@ static idem_code charge_fn(idem_call *call, void *arg, idem_step_result *out)
     return call_hop(call, "charge", arg, out);
 }
 
-/* saga.Order/Place "SKU QTY AMOUNT": reserve (the whole order), then charge AMOUNT. */
+/* The reserve step's undo: the reservation goes back, with the undo's derived key. */
+static idem_code unreserve(idem_call *call, const char *step, const idem_step_result *done,
+                           void *arg)
+{
+    idem_request q = {.method = "inv.Stock/Release", .payload = done->data,
+                      .payload_len = done->len};
+    idem_result r;
+    (void)arg;
+    idem_code code = idem_call_downstream(call, to_inv, step, &q, &r);
+    idem_result_clear(&r);
+    if (atomic_exchange(&die_in_undo, 0)) {
+        await_flag(&dead_released); /* its process "died" inside the undo */
+    }
+    return code;
+}
+
+/* saga.Order/Place "SKU QTY AMOUNT": reserve (the whole order; undone by a release),
+ * then charge AMOUNT. saga.Order/PlaceNoUndo: the same, its reservation cannot be undone. */
 static idem_code place(idem_call *call, void *arg)
 {
     size_t n;
@@ -134,8 +158,8 @@ static idem_code place(idem_call *call, void *arg)
     hop reserve = {to_inv, "inv.Stock/Reserve", p, n};
     hop charge = {to_pay, "pay.Pay/Charge", amount != NULL ? amount + 1 : "",
                   amount != NULL ? (size_t)(p + n - amount - 1) : 0};
-    (void)arg;
-    idem_code code = idem_call_step(call, "reserve", reserve_fn, &reserve, &r);
+    idem_step_opts undo = {.undo = arg != NULL ? unreserve : NULL};
+    idem_code code = idem_call_step_with(call, "reserve", reserve_fn, &reserve, &undo, &r);
     bool dead = code != IDEM_OK && atomic_load(&die_in_reserve) == 0 && dead_released;
     if (code == IDEM_OK) {
         code = idem_call_step(call, "charge", charge_fn, &charge, &c);
@@ -159,8 +183,15 @@ static idem_code place(idem_call *call, void *arg)
 static void order_log(void *arg, idem_log_level level, const char *line)
 {
     (void)arg, (void)level;
+    if (strstr(line, "redrive") != NULL || strstr(line, "compensation") != NULL) {
+        cr_log_info("%s", line);
+    }
     if (strstr(line, "redrive") != NULL && strstr(line, "ran it again: OK") != NULL) {
         raise_flag(&redriven_ok);
+    }
+    if (strstr(line, "redrive") != NULL &&
+        strstr(line, "ran it again: FAILED_PRECONDITION") != NULL) {
+        raise_flag(&redriven_failed);
     }
 }
 
@@ -197,7 +228,7 @@ static void setup(void)
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.lease_ms = 150;
-    o.max_run_ms = 150; /* a dead run's lease ends soon */
+    o.max_run_ms = 500; /* a dead run's lease ends soon; a busy machine still finishes a run */
     o.redrive_interval_ms = 20;
     o.log_level = IDEM_LOG_INFO;
     o.log_fn = order_log;
@@ -206,7 +237,9 @@ static void setup(void)
     }
     tu_server_create(&order, &o);
     idem_method_opts m = {.flags = IDEM_METHOD_STEPS | IDEM_METHOD_KEY_REQUIRED};
-    cr_assert_eq(idem_server_register(order.srv, "saga.Order/Place", place, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(order.srv, "saga.Order/Place", place, "undo", &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(order.srv, "saga.Order/PlaceNoUndo", place, NULL, &m),
+                 IDEM_OK);
     tu_server_listen(&order);
 }
 
@@ -225,8 +258,8 @@ static void teardown(void)
 
 TestSuite(sagas, .init = setup, .fini = teardown, .timeout = 60);
 
-static idem_code place_order(const char *key, const char *payload, uint32_t attempts,
-                             uint32_t attempt_ms, idem_result *r)
+static idem_code place_via(const char *method, const char *key, const char *payload,
+                           uint32_t attempts, uint32_t attempt_ms, idem_result *r)
 {
     idem_client_opts o;
     idem_client *c;
@@ -237,13 +270,19 @@ static idem_code place_order(const char *key, const char *payload, uint32_t atte
     o.attempt_timeout_ms = attempt_ms;
     o.deadline_ms = 8000;
     cr_assert_eq(idem_client_open(&c, (const char *[]){order.url}, 1, &o), IDEM_OK);
-    idem_request q = {.method = "saga.Order/Place",
+    idem_request q = {.method = method,
                       .idempotency_key = key,
                       .payload = payload,
                       .payload_len = strlen(payload)};
     idem_code code = idem_client_call(c, &q, r);
     idem_client_close(c);
     return code;
+}
+
+static idem_code place_order(const char *key, const char *payload, uint32_t attempts,
+                             uint32_t attempt_ms, idem_result *r)
+{
+    return place_via("saga.Order/Place", key, payload, attempts, attempt_ms, r);
 }
 
 /* ---- item 3: a run that dies inside its first step ---- */
@@ -270,4 +309,93 @@ Test(sagas, the_redriver_finishes_a_call_that_died_inside_its_first_step)
     raise_flag(&dead_released);
     await_flag(&dead_done);
     cr_expect_eq(atomic_load(&reserved), 1, "the dead run, woken, reserved nothing more");
+}
+
+/* ---- a failure after an effect ---- */
+
+/* Case 1 without an undo: the charge refuses amount 0 after the reservation. The
+ * reservation stands, so the INVALID_ARGUMENT is stored (not released as by default):
+ * the same request replays it, the caller sees the payment's own reason, and the
+ * corrected request is told by the order service itself to use a new key; the inventory
+ * never sees the key again. */
+Test(sagas, a_failure_after_a_step_without_undo_is_stored_with_the_downstreams_reason)
+{
+    idem_result r;
+    cr_assert_eq(place_via("saga.Order/PlaceNoUndo", "cart-2", "sku-1 1 0", 1, 2000, &r),
+                 IDEM_INVALID_ARGUMENT);
+    cr_expect(strstr(r.message, "amount must be positive") != NULL, "the reason: '%s'", r.message);
+    idem_result_clear(&r);
+    cr_assert_eq(place_via("saga.Order/PlaceNoUndo", "cart-2", "sku-1 1 0", 1, 2000, &r),
+                 IDEM_INVALID_ARGUMENT);
+    cr_expect(r.replayed, "the stored failure replays: its effect stands");
+    idem_result_clear(&r);
+    cr_assert_eq(place_via("saga.Order/PlaceNoUndo", "cart-2", "sku-1 1 6", 1, 2000, &r),
+                 IDEM_INVALID_ARGUMENT);
+    cr_expect(strstr(r.message, "idempotency key reused") != NULL, "%s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&reserved), 1, "one reservation");
+    cr_expect_eq(atomic_load(&charge_asks), 1, "one charge asked");
+}
+
+/* Case 1 with an undo: the reservation is released (compensated), the key is released,
+ * and the corrected request runs afresh with new derived keys: a new reservation (no
+ * "key reused" from the inventory, no replay of the first one), charged 6. */
+Test(sagas, a_corrected_request_after_a_compensated_validation_error_runs_afresh)
+{
+    idem_result r;
+    cr_assert_eq(place_order("cart-3", "sku-1 1 0", 1, 2000, &r), IDEM_INVALID_ARGUMENT);
+    cr_expect(strstr(r.message, "amount must be positive") != NULL, "the reason: '%s'", r.message);
+    cr_expect_str_eq(idem_result_metadata(&r, "idem-compensated"), "all");
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&released), 1, "the reservation was given back");
+    cr_assert_eq(place_order("cart-3", "sku-1 1 6", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C1", "a new reservation, then the charge");
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&reserved), 2);
+    cr_expect_str_neq(reserve_keys[0], reserve_keys[1], "the run derived a new key");
+    cr_expect_eq(atomic_load(&charged_total), 6, "charged 6, not an old amount");
+    cr_assert_eq(place_order("cart-3", "sku-1 1 6", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect(r.replayed);
+    idem_result_clear(&r);
+}
+
+/* Case 2: insufficient funds (a final failure) after the reservation: the undo gives it
+ * back before the answer; the key is released, and the same request retried runs afresh
+ * (new keys: a new reservation, given back again). */
+Test(sagas, a_final_failure_after_a_step_gives_its_effect_back)
+{
+    idem_result r;
+    cr_assert_eq(place_order("cart-4", "sku-1 1 500", 1, 2000, &r), IDEM_FAILED_PRECONDITION);
+    cr_expect(strstr(r.message, "insufficient funds") != NULL, "the reason: '%s'", r.message);
+    cr_expect_str_eq(idem_result_metadata(&r, "idem-compensated"), "all");
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&reserved), 1);
+    cr_expect_eq(atomic_load(&released), 1, "the reservation was given back");
+    cr_assert_eq(place_order("cart-4", "sku-1 1 500", 1, 2000, &r), IDEM_FAILED_PRECONDITION);
+    cr_expect(!r.replayed, "released: the retry ran again");
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&reserved), 2, "a new reservation under a new key");
+    cr_expect_str_neq(reserve_keys[0], reserve_keys[1]);
+    cr_expect_eq(atomic_load(&released), 2);
+    cr_expect_eq(atomic_load(&charged), 0);
+}
+
+/* The run dies inside the undo (after the inventory released): the re-driver finishes
+ * the compensation: the reserve replays, the charge does not run again, the undo runs
+ * again with its own derived key (the inventory replays: released once). */
+Test(sagas, the_redriver_finishes_a_compensation_that_died_inside_an_undo)
+{
+    idem_result r;
+    atomic_store(&die_in_undo, 1);
+    cr_assert_neq(place_order("cart-5", "sku-1 1 500", 1, 100, &r), IDEM_OK, "the client gave up");
+    idem_result_clear(&r);
+    await_flag(&redriven_failed);
+    cr_assert(redriven_failed, "the re-driver finished the compensation");
+    cr_expect_eq(atomic_load(&reserved), 1);
+    cr_expect_eq(atomic_load(&released), 1, "the undo's effect happened once");
+    cr_expect_eq(atomic_load(&charge_asks), 1, "the charge was not asked again");
+    raise_flag(&dead_released);
+    cr_assert_eq(place_order("cart-5", "sku-1 1 50", 20, 300, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C1", "released: the corrected request runs afresh");
+    idem_result_clear(&r);
 }

@@ -90,6 +90,9 @@ void idem__call_reset_response(idem_call *call)
 
 void idem__call_fini(idem_call *call)
 {
+    if (call->saga_free != NULL) {
+        call->saga_free(call);
+    }
     idem__call_reset_response(call);
 }
 
