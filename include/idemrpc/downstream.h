@@ -134,6 +134,9 @@ typedef idem_code (*idem_undo_fn)(idem_call *call, const char *step, const idem_
 typedef struct idem_step_opts {
     idem_undo_fn undo; /* NULL: the step's effect stands whatever happens after */
     void *undo_arg;
+    /* The step changes nothing outside (it makes an id, reads a price): nothing to
+     * undo, and it does not keep a compensated call's key. */
+    bool effect_free;
 } idem_step_opts;
 
 /* idem_call_step with options (opts may be NULL: idem_call_step). An undo may not itself

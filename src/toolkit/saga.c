@@ -21,6 +21,7 @@ typedef struct saga_step {
     char name[IDEM_MAX_STEP + 1];
     idem_undo_fn undo;
     void *arg;
+    bool effect_free;
     idem_step_result done; /* a copy of the step's output */
 } saga_step;
 
@@ -59,6 +60,7 @@ idem_code idem__saga_add(idem_call *call, const char *step, const idem_step_opts
     snprintf(e->name, sizeof(e->name), "%s", step);
     e->undo = opts != NULL ? opts->undo : NULL;
     e->arg = opts != NULL ? opts->undo_arg : NULL;
+    e->effect_free = opts != NULL && opts->effect_free;
     if (out->len > 0 && (e->done.data = malloc(out->len)) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
@@ -190,6 +192,9 @@ static idem_code run_undos(idem_call *call, size_t *stands)
     *stands = 0;
     for (size_t i = s != NULL ? s->n : 0; i-- > 0;) {
         saga_step *e = &s->steps[i];
+        if (e->undo == NULL && e->effect_free) {
+            continue; /* nothing to give back */
+        }
         idem_code code = e->undo != NULL ? undo_step(call, e) : IDEM_FAILED_PRECONDITION;
         uint32_t transient = IDEM_TRANSIENT_CODES | IDEM_CODE_BIT(IDEM_ABORTED);
         if (code != IDEM_OK && (unsigned)code < IDEM_CODE_COUNT &&
@@ -233,6 +238,18 @@ static bool any_undo(const idem_call *call)
         }
     }
     return false;
+}
+
+/* Whether every step the journal lists is one of this run's effect-free ones. */
+static bool no_effect(const idem_call *call, size_t recorded)
+{
+    size_t n = call->saga != NULL ? call->saga->n : 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!call->saga->steps[i].effect_free) {
+            return false;
+        }
+    }
+    return n == recorded;
 }
 
 /* A compensation that could not finish now answers UNAVAILABLE: a retry (or the
@@ -308,7 +325,8 @@ idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool releas
     if (recorded_steps(call, &a.j, &recorded) != IDEM_OK) {
         return unfinished(call, code);
     }
-    if (recorded == 0) { /* no effect: a release moves the key on, a final code is stored */
+    if (recorded == 0 || no_effect(call, recorded)) {
+        /* nothing to give back: a release moves the key on, a final code is stored */
         return released ? fresh(call, &a, code, NULL) : IDEM__SAGA_AS_IS;
     }
     return compensate(call, &a, code, false);
