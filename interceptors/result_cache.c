@@ -388,8 +388,8 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     code = idem_call_next(call, next);
     call->txn = NULL;
     bool released = released_code(call, code);
-    idem__saga_end saga = txn == NULL ? idem__call_saga_end(call, &code, released)
-                                      : IDEM__SAGA_AS_IS;
+    idem__saga_end saga =
+        txn == NULL ? idem__call_saga_end(call, &code, released) : IDEM__SAGA_AS_IS;
     if (saga != IDEM__SAGA_AS_IS) { /* the undos ran: the key's fate is the saga's */
         released = saga != IDEM__SAGA_STORE;
     }

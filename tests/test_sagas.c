@@ -67,6 +67,25 @@ static idem_code inv_release(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, "released", 8);
 }
 
+/* inv.Stock/Slow: work that takes 500 ms, longer than one attempt of the upstream
+ * caller (its work, not a synchronisation), bound by its caller's deadline as a
+ * statement timeout would be: it does not start what cannot finish in time. */
+static atomic_int slow_runs;
+static idem_code inv_slow(idem_call *call, void *arg)
+{
+    struct timespec now;
+    (void)arg;
+    clock_gettime(CLOCK_REALTIME, &now);
+    uint64_t now_ms = (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
+    uint64_t deadline = idem_call_deadline_ms(call);
+    if (deadline != 0 && deadline < now_ms + 500) {
+        return idem_call_fail(call, IDEM_DEADLINE_EXCEEDED, "not enough time left for the work");
+    }
+    atomic_fetch_add(&slow_runs, 1);
+    nanosleep(&(struct timespec){0, 500 * 1000 * 1000}, NULL);
+    return idem_call_reply(call, IDEM_OK, "slow", 4);
+}
+
 /* pay.Pay/Charge "AMOUNT": 0 is INVALID_ARGUMENT (released: fix and retry), over 100
  * is FAILED_PRECONDITION "insufficient funds" (stored: final). */
 static idem_code pay_charge(idem_call *call, void *arg)
@@ -135,8 +154,8 @@ static idem_code charge_fn(idem_call *call, void *arg, idem_step_result *out)
 static idem_code unreserve(idem_call *call, const char *step, const idem_step_result *done,
                            void *arg)
 {
-    idem_request q = {.method = "inv.Stock/Release", .payload = done->data,
-                      .payload_len = done->len};
+    idem_request q = {
+        .method = "inv.Stock/Release", .payload = done->data, .payload_len = done->len};
     idem_result r;
     (void)arg;
     idem_code code = idem_call_downstream(call, to_inv, step, &q, &r);
@@ -144,6 +163,25 @@ static idem_code unreserve(idem_call *call, const char *step, const idem_step_re
     if (atomic_exchange(&die_in_undo, 0)) {
         await_flag(&dead_released); /* its process "died" inside the undo */
     }
+    return code;
+}
+
+static idem_code slow_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    hop h = {to_inv, "inv.Stock/Slow", "", 0};
+    (void)arg;
+    return call_hop(call, "slow", &h, out);
+}
+
+/* saga.Order/Slow: one step, a downstream slower than an upstream attempt. */
+static idem_code order_slow(idem_call *call, void *arg)
+{
+    idem_step_result r;
+    (void)arg;
+    idem_code code = idem_call_step(call, "slow", slow_fn, NULL, &r);
+    code = code == IDEM_OK ? idem_call_reply(call, IDEM_OK, r.data, r.len)
+                           : idem_call_fail(call, code, "%s", idem_errmsg());
+    idem_step_result_clear(&r);
     return code;
 }
 
@@ -195,14 +233,18 @@ static void order_log(void *arg, idem_log_level level, const char *line)
     }
 }
 
-static void downstream(tu_server *ts, const char *m1, idem_handler_fn f1, const char *m2,
-                       idem_handler_fn f2)
+typedef struct method {
+    const char *name;
+    idem_handler_fn fn;
+} ds_method;
+
+static void downstream(tu_server *ts, const ds_method *methods, size_t n)
 {
     idem_method_opts o = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
     tu_server_create(ts, NULL);
-    cr_assert_eq(idem_server_register(ts->srv, m1, f1, NULL, &o), IDEM_OK);
-    if (m2 != NULL) {
-        cr_assert_eq(idem_server_register(ts->srv, m2, f2, NULL, &o), IDEM_OK);
+    for (size_t i = 0; i < n; i++) {
+        cr_assert_eq(idem_server_register(ts->srv, methods[i].name, methods[i].fn, NULL, &o),
+                     IDEM_OK);
     }
     tu_server_listen(ts);
 }
@@ -220,15 +262,19 @@ static idem_client *client_of(const char *url)
 
 static void setup(void)
 {
-    downstream(&inv, "inv.Stock/Reserve", inv_reserve, "inv.Stock/Release", inv_release);
-    downstream(&pay, "pay.Pay/Charge", pay_charge, NULL, NULL);
+    static const ds_method inv_methods[] = {{"inv.Stock/Reserve", inv_reserve},
+                                            {"inv.Stock/Release", inv_release},
+                                            {"inv.Stock/Slow", inv_slow}};
+    static const ds_method pay_methods[] = {{"pay.Pay/Charge", pay_charge}};
+    downstream(&inv, inv_methods, 3);
+    downstream(&pay, pay_methods, 1);
     to_inv = client_of(inv.url);
     to_pay = client_of(pay.url);
 
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.lease_ms = 150;
-    o.max_run_ms = 500; /* a dead run's lease ends soon; a busy machine still finishes a run */
+    o.max_run_ms = 1000; /* a dead run's lease ends soon; a busy machine still finishes a run */
     o.redrive_interval_ms = 20;
     o.log_level = IDEM_LOG_INFO;
     o.log_fn = order_log;
@@ -240,6 +286,8 @@ static void setup(void)
     cr_assert_eq(idem_server_register(order.srv, "saga.Order/Place", place, "undo", &m), IDEM_OK);
     cr_assert_eq(idem_server_register(order.srv, "saga.Order/PlaceNoUndo", place, NULL, &m),
                  IDEM_OK);
+    cr_assert_eq(idem_server_register(order.srv, "saga.Order/Slow", order_slow, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_listen_http(order.srv, "http://127.0.0.1:0"), IDEM_OK);
     tu_server_listen(&order);
 }
 
@@ -398,4 +446,64 @@ Test(sagas, the_redriver_finishes_a_compensation_that_died_inside_an_undo)
     cr_assert_eq(place_order("cart-5", "sku-1 1 50", 20, 300, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "R2 C1", "released: the corrected request runs afresh");
     idem_result_clear(&r);
+}
+
+/* ---- case 4: whole-call deadlines ---- */
+
+/* The inventory takes 500 ms; each attempt of the upstream client only 300 ms, its
+ * whole call 8 s. The downstream call gets the whole call's deadline (less a margin),
+ * not the attempt's: it finishes, the first attempt times out, the retry waits for the
+ * run and replays its answer. (With the attempt's deadline every attempt failed with
+ * DEADLINE_EXCEEDED and released.) */
+Test(sagas, a_downstream_slower_than_an_attempt_gets_the_whole_calls_deadline)
+{
+    idem_result r;
+    cr_assert_eq(place_via("saga.Order/Slow", "cart-slow", "", 20, 300, &r), IDEM_OK, "%s",
+                 r.message);
+    cr_expect_str_eq(r.payload, "slow");
+    cr_expect_gt(r.attempts, 1, "the first attempt timed out");
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&slow_runs), 1, "the downstream ran once");
+}
+
+static int http_port(void)
+{
+    return idem_server_http_port(order.srv);
+}
+
+static void post_slow(tu_http *out, const char *key, const char *timeout)
+{
+    char k[64], t[64];
+    snprintf(k, sizeof(k), "Idempotency-Key: %s", key);
+    snprintf(t, sizeof(t), "Grpc-Timeout: %s", timeout != NULL ? timeout : "");
+    const char *headers[] = {k, t};
+    tu_http_post(out, http_port(), "/saga.Order/Slow", headers, timeout != NULL ? 2 : 1, "", 0);
+}
+
+/* Over HTTP the caller's deadline is Grpc-Timeout: a generous one lets the slow
+ * downstream finish; a short one is what the downstream call gets (504). */
+Test(sagas, an_http_request_carries_its_deadline_in_grpc_timeout)
+{
+    tu_http h;
+    post_slow(&h, "http-1", "5S");
+    cr_expect_eq(h.status, 200, "%s", h.body);
+    tu_http_free(&h);
+    post_slow(&h, "http-2", "200m");
+    cr_expect_eq(h.status, 504, "the downstream call had 200 ms: %s", h.body);
+    tu_http_free(&h);
+}
+
+Test(sagas, a_bad_grpc_timeout_is_a_400_naming_the_header)
+{
+    static const char *const bad[] = {"5",   "S",   "5s",        "123456789S",
+                                      "5 S", "-5S", "99999999H", "5S, 6S"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tu_http h;
+        post_slow(&h, "http-bad", bad[i]);
+        cr_expect_eq(h.status, 400, "'%s' is refused", bad[i]);
+        cr_expect(h.body != NULL && strstr(h.body, "Grpc-Timeout") != NULL, "'%s': %s", bad[i],
+                  h.body);
+        tu_http_free(&h);
+    }
+    cr_expect_eq(atomic_load(&slow_runs), 0, "nothing ran");
 }

@@ -295,8 +295,8 @@ static void kill_and_compensate(int role, const char *point)
         start(role, NULL); /* the client is still retrying */
     }
     pthread_join(t, NULL);
-    cr_assert_eq(oc.code, IDEM_FAILED_PRECONDITION, "after a kill of %s at %s: %s",
-                 roles[role], point ? point : "-", oc.r.message);
+    cr_assert_eq(oc.code, IDEM_FAILED_PRECONDITION, "after a kill of %s at %s: %s", roles[role],
+                 point ? point : "-", oc.r.message);
     cr_expect(strstr(oc.r.message, "insufficient funds") != NULL, "%s", oc.r.message);
     cr_expect_str_eq(idem_result_metadata(&oc.r, "idem-compensated"), "all");
     idem_result_clear(&oc.r);

@@ -13,7 +13,10 @@
  * request changes (another fingerprint claims the key): the next run's downstream keys
  * are then new (see compensation below). The downstream caller is this
  * service (the client's own caller and signing identity), never the upstream caller.
- * The call also inherits the upstream deadline (minus a margin, so that the answer
+ * The call also inherits the upstream caller's whole-call deadline
+ * (idem_call_overall_deadline_ms: over all of its attempts, not the one attempt that
+ * reached us; an attempt that times out is retried and waits for this run) minus a
+ * margin, so that the answer
  * still gets back in time), the request id, and W3C trace context (metadata
  * traceparent / tracestate, passed on unchanged: the downstream's parent is the
  * upstream's caller's span, as a proxy would leave it), so one logical request can be

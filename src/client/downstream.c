@@ -74,10 +74,11 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
     return IDEM_OK;
 }
 
-/* The upstream's deadline left for the hop, minus the margin; *ms = 0 when no deadline. */
+/* The upstream's whole-call deadline left for the hop (not its attempt's: an attempt that
+ * times out is retried and waits for this run), minus the margin; *ms = 0 when none. */
 static idem_code hop_deadline(const idem_call *call, uint32_t *ms)
 {
-    uint64_t deadline = idem_call_deadline_ms(call), now = idem__rt_now_ms(call->rt);
+    uint64_t deadline = idem_call_overall_deadline_ms(call), now = idem__rt_now_ms(call->rt);
     *ms = 0;
     if (deadline == 0) {
         return IDEM_OK;

@@ -368,9 +368,9 @@ idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_cla
  * of its steps on a final failure (the call's answer may change: a compensation in
  * progress answers its recorded failure). */
 typedef enum idem__saga_end {
-    IDEM__SAGA_AS_IS,    /* record or release as the code says */
-    IDEM__SAGA_STORE,    /* store the (failure) answer: an effect stands */
-    IDEM__SAGA_FRESH,    /* released, journal gone, the key's generation moved on */
+    IDEM__SAGA_AS_IS,     /* record or release as the code says */
+    IDEM__SAGA_STORE,     /* store the (failure) answer: an effect stands */
+    IDEM__SAGA_FRESH,     /* released, journal gone, the key's generation moved on */
     IDEM__SAGA_UNFINISHED /* release keeping the journal and its listing: finish later */
 } idem__saga_end;
 idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool released);

@@ -137,6 +137,15 @@ uint64_t idem_call_deadline_ms(const idem_call *call)
     return call->req->deadline_unix_ms;
 }
 
+uint64_t idem_call_overall_deadline_ms(const idem_call *call)
+{
+    uint64_t attempt = call->req->deadline_unix_ms, whole = call->req->call_deadline_unix_ms;
+    if (attempt == 0 || whole == 0) { /* no bound on the attempt, or not sent: the other */
+        return attempt == 0 ? whole : attempt;
+    }
+    return whole > attempt ? whole : attempt; /* never shorter than the attempt's */
+}
+
 const char *idem_call_metadata(const idem_call *call, const char *name)
 {
     for (size_t i = 0; i < call->req->n_metadata; i++) {

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "http_deadline.h"
 #include "http_front.h"
 #include "tls.h"
 #include "json.h"
@@ -323,7 +324,9 @@ uint8_t *idem__http_request_frame(nng_http_req *req, const char *caller_header, 
         }
     }
     q.metadata = meta_ptrs;
-    if (method != NULL && key != NULL) {
+    if (method != NULL && key != NULL &&
+        idem__http_deadline(req, idem__now_ms(), &q.deadline_unix_ms, &q.call_deadline_unix_ms,
+                            err)) {
         q.method = method;
         q.idempotency_key = key;
         q.request_id = (char *)header(req, "X-Request-Id");

@@ -80,8 +80,8 @@ static idem_code saga_read(idem_call *call, const idem__journal *j, idem_code *f
 {
     void *v;
     size_t n;
-    idem_code code = idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j->saga_key, IDEM__JKEY,
-                                        &v, &n);
+    idem_code code =
+        idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j->saga_key, IDEM__JKEY, &v, &n);
     *fail = IDEM_OK;
     msg[0] = '\0';
     if (code != IDEM_OK) {
@@ -89,7 +89,7 @@ static idem_code saga_read(idem_call *call, const idem__journal *j, idem_code *f
     }
     const uint8_t *p = v;
     uint32_t c = n >= 4 ? (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]
-                       : IDEM_UNKNOWN;
+                        : IDEM_UNKNOWN;
     size_t len = n >= 4 ? n - 4 : 0;
     snprintf(msg, cap, "%.*s", (int)(len < cap ? len : cap - 1), (const char *)p + 4);
     free(v);
@@ -199,16 +199,18 @@ static idem_code run_undos(idem_call *call, size_t *stands)
         uint32_t transient = IDEM_TRANSIENT_CODES | IDEM_CODE_BIT(IDEM_ABORTED);
         if (code != IDEM_OK && (unsigned)code < IDEM_CODE_COUNT &&
             (IDEM_CODE_BIT(code) & transient)) {
-            snprintf(what, sizeof(what), "compensation: the undo of %s did not finish: %s",
-                     e->name, idem_errmsg());
+            snprintf(what, sizeof(what), "compensation: the undo of %s did not finish: %s", e->name,
+                     idem_errmsg());
             log_saga(call, IDEM_LOG_ERROR, what);
             return idem__err(code, "%s", what);
         }
         if (code != IDEM_OK) {
             (*stands)++;
             if (e->undo != NULL) {
-                snprintf(what, sizeof(what), "compensation: the undo of %s failed: %s: its "
-                         "effect stands", e->name, idem_errmsg());
+                snprintf(what, sizeof(what),
+                         "compensation: the undo of %s failed: %s: its "
+                         "effect stands",
+                         e->name, idem_errmsg());
                 log_saga(call, IDEM_LOG_ERROR, what);
             }
         }
@@ -221,8 +223,8 @@ static idem_code recorded_steps(idem_call *call, const idem__journal *j, size_t 
 {
     void *v;
     size_t n;
-    idem_code code = idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j->head_key, IDEM__JKEY,
-                                        &v, &n);
+    idem_code code =
+        idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j->head_key, IDEM__JKEY, &v, &n);
     *count = code == IDEM_OK && n >= 8 ? (n - 8) / 32 : 0;
     if (code == IDEM_OK) {
         free(v);

@@ -57,7 +57,7 @@ void idem__journal_of_base(const uint8_t base[32], idem__journal *j)
 
 /* base = SHA-256(len-prefixed caller, method, key, request fingerprint). */
 bool idem__journal_base(const char *caller, const char *method, const char *key,
-                         const uint8_t fp[IDEM_FINGERPRINT_LEN], uint8_t base[32])
+                        const uint8_t fp[IDEM_FINGERPRINT_LEN], uint8_t base[32])
 {
     const char *parts[3] = {caller, method, key};
     return idem__lp_sha256(parts, 3, fp, IDEM_FINGERPRINT_LEN, base);
@@ -337,8 +337,8 @@ static idem_code list_txn(idem_txn *t, void *arg)
 static void list_call(idem_call *call, const journal *j)
 {
     bool listed;
-    if (call->rt->redrive && idem__journal_entry_exists(call->claim_store, j->call_key, &listed) == IDEM_OK &&
-        !listed) {
+    if (call->rt->redrive &&
+        idem__journal_entry_exists(call->claim_store, j->call_key, &listed) == IDEM_OK && !listed) {
         record_args a = {.call = call, .j = *j, .fence = call->fence};
         idem_store_run_txn(call->claim_store, list_txn, &a);
     }
@@ -477,7 +477,8 @@ idem_code idem__call_steps_unlist(idem_call *call)
     bool listed;
     idem_code code = journal_keys(call, NULL, &a.j);
     if (code != IDEM_OK ||
-        (code = idem__journal_entry_exists(call->claim_store, a.j.call_key, &listed)) != IDEM_OK || !listed) {
+        (code = idem__journal_entry_exists(call->claim_store, a.j.call_key, &listed)) != IDEM_OK ||
+        !listed) {
         return code;
     }
     return idem_store_run_txn(call->claim_store, owner_unlist_txn, &a);

@@ -84,7 +84,6 @@ idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_cla
     return code;
 }
 
-
 /* The re-driver's writes: each re-reads the call's record in its txn (kept so until
  * it ends), so no claim, completion or sweep slips in between its decision and its
  * write. */
@@ -130,7 +129,8 @@ static idem_code forget_completed_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
     idem_code code = record_is(t, a, 'c');
-    return code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ? code : idem__journal_forget_txn(t, &a->j);
+    return code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ? code
+                                                               : idem__journal_forget_txn(t, &a->j);
 }
 
 static idem_code unlist_txn(idem_txn *t, void *arg)
@@ -217,8 +217,8 @@ idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
     uint8_t base[32];
     idem__journal j;
     *exists = false;
-    if (!idem__journal_base(key->caller != NULL ? key->caller : "", key->method, key->key, fingerprint,
-                      base)) {
+    if (!idem__journal_base(key->caller != NULL ? key->caller : "", key->method, key->key,
+                            fingerprint, base)) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
     idem__journal_of_base(base, &j);
