@@ -100,6 +100,9 @@ static idem_code pay_charge(idem_call *call, void *arg)
     if (amount <= 0) {
         return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "amount must be positive");
     }
+    if (amount == 99) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "payment system down"); /* transient */
+    }
     if (amount > 100) {
         return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "insufficient funds");
     }
@@ -446,6 +449,23 @@ Test(sagas, the_redriver_finishes_a_compensation_that_died_inside_an_undo)
     cr_assert_eq(place_order("cart-5", "sku-1 1 50", 20, 300, &r), IDEM_OK, "%s", r.message);
     cr_expect_str_eq(r.payload, "R2 C1", "released: the corrected request runs afresh");
     idem_result_clear(&r);
+}
+
+/* A transient failure keeps the journal for the same request's retry; a different
+ * request that then claims the key (the caller changed the order) moves the key's
+ * generation on: its derived keys are new, so the inventory reserves afresh instead
+ * of answering "key reused with a different request". */
+Test(sagas, another_request_after_a_transient_release_derives_new_keys)
+{
+    idem_result r;
+    cr_assert_eq(place_order("cart-6", "sku-1 1 99", 1, 2000, &r), IDEM_UNAVAILABLE, "%s",
+                 r.message);
+    cr_expect(strstr(r.message, "payment system down") != NULL, "%s", r.message);
+    idem_result_clear(&r);
+    cr_assert_eq(place_order("cart-6", "sku-1 2 7", 1, 2000, &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, "R2 C1");
+    idem_result_clear(&r);
+    cr_expect_str_neq(reserve_keys[0], reserve_keys[1], "a new derived key");
 }
 
 /* ---- case 4: whole-call deadlines ---- */
