@@ -278,10 +278,23 @@ static void *place_unaffordable(void *arg)
     return NULL;
 }
 
+/* "releases=N reserves=M": every reservation ever made was released exactly once. */
+static int released_each_once(void)
+{
+    char state[128];
+    int back = -1, made = -2;
+    read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
+    cr_assert_eq(sscanf(state, "releases=%d reserves=%d", &back, &made), 2, "%s", state);
+    cr_expect_eq(back, made, "each reservation released once: %s", state);
+    return back;
+}
+
 /* Kills `role` at `point` (none: NULL) during an order whose charge fails finally
  * (insufficient funds), restarts it while the client retries, and checks that the
- * stock and the money are back where they started, the release committed once, and
- * the key is free (the same order runs afresh and is compensated again). */
+ * stock and the money are back where they started, each reservation was released
+ * once, and the key is free (the same order runs afresh and is compensated again).
+ * A client attempt that timed out while the order compensated waits for it and, the
+ * key being released, runs afresh too: so one or two reservations, each released. */
 static void kill_and_compensate(int role, const char *point)
 {
     for (int i = 0; i < N_ROLES; i++) {
@@ -305,9 +318,8 @@ static void kill_and_compensate(int role, const char *point)
     read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
     cr_expect_str_eq(state, "stock=100 reservations=0", "stock back (%s at %s)", roles[role],
                      point ? point : "-");
-    read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
-    cr_expect_str_eq(state, "releases=1", "the undo took effect once (%s at %s)", roles[role],
-                     point ? point : "-");
+    int first = released_each_once();
+    cr_expect(first >= 1, "the undo took effect (%s at %s)", roles[role], point ? point : "-");
     read_state(PAY, "pay.Pay/Total", "", state, sizeof(state));
     cr_expect_str_eq(state, "total=0 charges=0", "no money moved");
 
@@ -318,8 +330,7 @@ static void kill_and_compensate(int role, const char *point)
     idem_result_clear(&again);
     read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
     cr_expect_str_eq(state, "stock=100 reservations=0", "and gave its new reservation back");
-    read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
-    cr_expect_str_eq(state, "releases=2");
+    cr_expect_gt(released_each_once(), first, "a new reservation, released");
 }
 
 Test(shop, a_charge_that_fails_finally_gives_the_reservation_back)
@@ -358,12 +369,12 @@ Test(shop, the_redriver_finishes_a_compensation_whose_process_died)
     char state[128] = "";
     for (int i = 0; i < 200; i++) { /* another process: polled */
         read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
-        if (strcmp(state, "releases=0") != 0) {
+        if (strncmp(state, "releases=0", 10) != 0) {
             break;
         }
         nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL);
     }
-    cr_expect_str_eq(state, "releases=1", "the re-driver released the stock");
+    cr_expect_str_eq(state, "releases=1 reserves=1", "the re-driver released the stock");
     read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
     cr_expect_str_eq(state, "stock=100 reservations=0");
     cr_assert_eq(place_priced(&r, 3, "sku-1 5000"), IDEM_FAILED_PRECONDITION, "%s", r.message);

@@ -16,7 +16,7 @@
  *   inv.Stock/Reserve       transactional: stock[SKU] -= 1 (starts at 100), the
  *                           reservation counted with it; inv.Stock/Level reads them.
  *   inv.Stock/Release       transactional: the reverse, releases[SKU] += 1;
- *                           inv.Stock/Releases reads that count.
+ *                           inv.Stock/Releases reads it and the reservations ever made.
  *   pay.Pay/Charge          transactional: total += PRICE, charges += 1 (a PRICE over
  *                           1000 is FAILED_PRECONDITION "insufficient funds"); pay.Pay/Total.
  *
@@ -196,7 +196,8 @@ static idem_code releases(idem_call *call, void *arg)
     (void)arg;
     char sku[64];
     payload_str(call, sku, sizeof(sku));
-    return reply_fmt(call, "releases=%lld", read_ll("releases", sku, 0), 0);
+    long long back = read_ll("releases", sku, 0), held = read_ll("reservations", sku, 0);
+    return reply_fmt(call, "releases=%lld reserves=%lld", back, back + held);
 }
 
 static idem_code total(idem_call *call, void *arg)
