@@ -348,6 +348,11 @@ Test(shop, order_killed_inside_its_undo_after_the_release)
     kill_and_compensate(ORDER, "in_undo");
 }
 
+Test(shop, order_killed_after_its_compensation_before_its_answer)
+{
+    kill_and_compensate(ORDER, "after_compensation");
+}
+
 Test(shop, inventory_killed_after_the_releases_commit_before_its_answer)
 {
     kill_and_compensate(INV, "after_release_commit");

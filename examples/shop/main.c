@@ -4,7 +4,8 @@
  *   idemrpc-shop --role payment   --listen URL --db DIR [--crash-at after_commit]
  *   idemrpc-shop --role order     --listen URL --db DIR --inventory URL --payment URL
  *                [--lease-ms N] [--redrive-ms N] [--log-stdout]
- *                [--crash-at before_reserve|between|after_charge|before_undo|in_undo]
+ *                [--crash-at before_reserve|between|after_charge|before_undo|in_undo|
+ *                            after_compensation]
  *
  *   order.Shop/Place        cached, key required: "SKU PRICE" → "order=ID reservation=R
  *                           charge=C". Three journaled steps (downstream.h): the order
@@ -222,6 +223,18 @@ static idem_code after_commit(idem_call *call, idem_next next, void *arg)
     return code;
 }
 
+/* order: in front of result_cache, so after a compensated order's key was released and
+ * before its answer leaves. */
+static idem_code after_compensation(idem_call *call, idem_next next, void *arg)
+{
+    (void)arg;
+    idem_code code = idem_call_next(call, next);
+    if (idem_call_response_metadata(call, "idem-compensated") != NULL) {
+        crash_point("after_compensation");
+    }
+    return code;
+}
+
 /* ---- order: three journaled steps ---- */
 
 typedef struct hop {
@@ -391,6 +404,12 @@ static idem_code register_role(idem_server *srv)
     idem_code code;
     if (strcmp(S.role, "order") == 0) {
         idem_method_opts steps = {.flags = IDEM_METHOD_STEPS}; /* cached, key required */
+        /* only to crash there: an interceptor before result_cache stops duplicates parking */
+        bool hook = S.crash_at != NULL && strcmp(S.crash_at, "after_compensation") == 0;
+        if (hook && (code = idem_server_use_first(srv, "after_compensation", after_compensation,
+                                                  NULL)) != IDEM_OK) {
+            return code;
+        }
         return idem_server_register(srv, "order.Shop/Place", place, NULL, &steps);
     }
     if ((code = idem_server_use_builtin(srv, IDEM_BUILTIN_REQUEST_ID)) != IDEM_OK ||
