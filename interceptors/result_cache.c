@@ -385,7 +385,11 @@ static idem_code run_owned(idem_call *call, idem_next next, const idem_cache_cfg
     call->fence = owner;
     call->claim_store = cfg->store;
     call->claim_ticket = ticket;
-    code = idem_call_next(call, next);
+    if ((o->flags & IDEM_METHOD_STEPS) && (st = idem__call_steps_begin(call)) != IDEM_OK) {
+        code = idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
+    } else {
+        code = idem_call_next(call, next);
+    }
     call->txn = NULL;
     bool released = released_code(call, code);
     idem__saga_end saga =
@@ -464,7 +468,8 @@ static idem_code claim(idem_call *call, const idem_cache_cfg *cfg, const idem_cl
     if (!(flags & (IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_STEPS))) {
         return idem__store_claim_shared(cfg->store, req, outcome, rec, ticket);
     }
-    if (!(flags & IDEM_METHOD_TRANSACTIONAL) && idem__store_has(cfg->store, IDEM__STORE_CAP_TXN)) {
+    if (!(flags & IDEM_METHOD_TRANSACTIONAL) && call->rt->redrive &&
+        idem__store_has(cfg->store, IDEM__STORE_CAP_TXN)) {
         return idem__call_steps_claim(call, cfg->store, req, outcome, rec); /* and its listing */
     }
     if (!(flags & IDEM_METHOD_TRANSACTIONAL) ||

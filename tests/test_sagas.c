@@ -12,8 +12,8 @@
 
 #include "testutil.h"
 
-static tu_server inv, pay, order;
-static tu_backend order_store;
+static tu_server inv, pay, order, plain;
+static tu_backend order_store, plain_store;
 static idem_client *to_inv, *to_pay;
 
 /* Effects as the downstreams saw them. */
@@ -301,6 +301,13 @@ static void teardown(void)
     if (order_store.st != NULL) {
         tu_backend_close(&order_store);
     }
+    if (plain.srv != NULL) {
+        tu_server_destroy(&plain, false);
+        plain.srv = NULL;
+    }
+    if (plain_store.st != NULL) {
+        tu_backend_close(&plain_store);
+    }
     idem_client_close(to_inv);
     idem_client_close(to_pay);
     tu_server_destroy(&inv, false);
@@ -328,6 +335,21 @@ static idem_code place_via(const char *method, const char *key, const char *payl
     idem_code code = idem_client_call(c, &q, r);
     idem_client_close(c);
     return code;
+}
+
+/* An order server without a re-driver (the key's generation is then read at the start
+ * of a run and written with its first step's record, not at the claim). */
+static void plain_start(void)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    if (tu_backend_is_pg()) {
+        o.store = tu_backend_open(&plain_store, "sagas_plain");
+    }
+    tu_server_create(&plain, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_STEPS | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(plain.srv, "saga.Order/Place", place, "undo", &m), IDEM_OK);
+    tu_server_listen(&plain);
 }
 
 static idem_code place_order(const char *key, const char *payload, uint32_t attempts,
@@ -466,6 +488,32 @@ Test(sagas, another_request_after_a_transient_release_derives_new_keys)
     cr_expect_str_eq(r.payload, "R2 C1");
     idem_result_clear(&r);
     cr_expect_str_neq(reserve_keys[0], reserve_keys[1], "a new derived key");
+}
+
+/* The same two rules on a server without a re-driver. */
+Test(sagas, without_a_redriver_a_compensated_or_changed_request_also_derives_new_keys)
+{
+    idem_client *c;
+    idem_result r;
+    plain_start();
+    c = tu_client(plain.url, 2000);
+    const char *const payloads[] = {"sku-1 1 0", "sku-1 1 6", "sku-1 1 99", "sku-1 2 7"};
+    const char *const keys[] = {"cart-p1", "cart-p1", "cart-p2", "cart-p2"};
+    const idem_code want[] = {IDEM_INVALID_ARGUMENT, IDEM_OK, IDEM_UNAVAILABLE, IDEM_OK};
+    for (int i = 0; i < 4; i++) {
+        idem_request q = {.method = "saga.Order/Place",
+                          .idempotency_key = keys[i],
+                          .payload = payloads[i],
+                          .payload_len = strlen(payloads[i])};
+        cr_assert_eq(idem_client_call(c, &q, &r), want[i], "%s: %s", payloads[i], r.message);
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    cr_expect_eq(atomic_load(&reserved), 4, "each run reserved under its own key");
+    cr_expect_str_neq(reserve_keys[0], reserve_keys[1]);
+    cr_expect_str_neq(reserve_keys[2], reserve_keys[3]);
+    cr_expect_eq(atomic_load(&released), 1, "the compensated one was given back");
+    cr_expect_eq(atomic_load(&charged_total), 13);
 }
 
 /* ---- case 4: whole-call deadlines ---- */

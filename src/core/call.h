@@ -358,11 +358,14 @@ idem_code idem__call_steps_unlist(idem_call *call);
  * until its lease ends): lists it again, so that a re-driver can finish it. */
 idem_code idem__call_steps_relist(idem_call *call);
 
-/* The claim of an IDEM_METHOD_STEPS call (steps.c), in a store txn of its own: on a
- * server with a re-driver the call is listed in the same commit when the claim acquires
- * or takes over. IDEM_UNIMPLEMENTED when the store cannot claim in a txn. */
+/* The claim of an IDEM_METHOD_STEPS call on a server with a re-driver (steps_redrive.c),
+ * in a store txn of its own: the call is listed in the same commit when the claim
+ * acquires or takes over. IDEM_UNIMPLEMENTED when the store cannot claim in a txn. */
 idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
                                  idem_claim_outcome *outcome, idem_record *rec);
+/* Before the handler of a journaled call runs under its claim: reads the key's
+ * generation (call->step_gen, for derived keys). A failed read runs nothing. */
+idem_code idem__call_steps_begin(idem_call *call);
 
 /* How a journaled call ends after its handler returned code (saga.c): runs the undos
  * of its steps on a final failure (the call's answer may change: a compensation in

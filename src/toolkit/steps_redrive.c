@@ -1,5 +1,5 @@
 /* The re-driver's side of the step journal (steps.c): the claim of a journaled call,
- * which lists it (and fixes the generation of its derived keys), and what
+ * which lists it, and what
  * src/server/redriver.c reads (the listed calls) and writes (forget a completed call's
  * journal, unlist, count a re-run), each write deciding on the record it re-reads in
  * its own txn. */
@@ -10,8 +10,6 @@
 
 #define STEPS_DB IDEM__STEPS_DB
 #define JKEY IDEM__JKEY
-#define GEN_LEN (8 + IDEM_FINGERPRINT_LEN) /* 'g': be64 generation ‖ the fingerprint */
-
 /* ---- the claim of a journaled call ---- */
 
 typedef struct claim_args {
@@ -25,38 +23,13 @@ typedef struct claim_args {
 /* The claim, and when it acquires (or takes over) the listing for the re-driver in the
  * same txn: a run that dies inside its first step is finished too. A listing already
  * there (a takeover) is kept with its count of re-runs. */
-/* The key's generation for this run: the stored one while the same request holds the
- * key, the next one when another request (fingerprint) claims it. */
-static idem_code claim_generation(idem_txn *t, claim_args *a)
-{
-    const void *v;
-    size_t n;
-    uint8_t g[GEN_LEN] = {0};
-    a->call->step_gen = 0;
-    idem_code code = idem_txn_get(t, STEPS_DB, a->j.gen_key, JKEY, &v, &n);
-    if (code == IDEM_OK && n == GEN_LEN) {
-        uint64_t gen = idem__get_be64(v);
-        bool same = memcmp((const uint8_t *)v + 8, a->req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-        a->call->step_gen = same ? gen : gen + 1;
-        if (same) {
-            return IDEM_OK;
-        }
-    } else if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
-        return code;
-    }
-    idem__put_be64(g, a->call->step_gen);
-    memcpy(g + 8, a->req->fingerprint, IDEM_FINGERPRINT_LEN);
-    return idem_txn_put(t, STEPS_DB, a->j.gen_key, JKEY, g, GEN_LEN);
-}
-
 static idem_code claim_txn(idem_txn *t, claim_args *a)
 {
     const void *v;
     size_t n;
     idem_code code = idem__store_txn_claim(t, a->req, a->outcome, a->rec);
     bool owned = *a->outcome == IDEM_CLAIM_ACQUIRED || *a->outcome == IDEM_CLAIM_TAKEN_OVER;
-    if (code != IDEM_OK || !owned || (code = claim_generation(t, a)) != IDEM_OK ||
-        !a->call->rt->redrive) {
+    if (code != IDEM_OK || !owned) {
         return code;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n);
