@@ -6,7 +6,9 @@
  *                    no new step runs and every run of the call answers that failure.
  *   'u' H(base, s) → "" once the undo of step s has run (s's hash as in its 's' entry,
  *                    so the journal's head lists it and the outcome deletes it).
- *   'g' H(caller, method, key) → be64 generation ‖ fingerprint (steps.c, at the claim).
+ *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: read before a run
+ *                    (idem__call_steps_begin), kept with its first record, moved on
+ *                    by a release for good (fresh_txn).
  *
  * A run knows the undos of the steps it completed or replayed (idem_call_step_with, in
  * order); a step recorded by an earlier run that this run did not reach has no known
@@ -16,6 +18,47 @@
 #include <string.h>
 
 #include "steps_internal.h"
+
+#define GEN_LEN (8 + IDEM_FINGERPRINT_LEN) /* 'g': be64 generation ‖ the fingerprint */
+
+/* The key's generation as this run derives with it, kept with this request's
+ * fingerprint: written with the run's first record (no extra commit), rewritten only
+ * when it changed (another request claimed the key). */
+idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, const idem__journal *j)
+{
+    const void *v;
+    size_t n;
+    uint8_t g[GEN_LEN];
+    idem__put_be64(g, call->step_gen);
+    memcpy(g + 8, call->fingerprint, IDEM_FINGERPRINT_LEN);
+    idem_code code = idem_txn_get(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, &v, &n);
+    if (code == IDEM_OK && n == GEN_LEN && memcmp(v, g, GEN_LEN) == 0) {
+        return IDEM_OK;
+    }
+    return code == IDEM_OK || code == IDEM_NOT_FOUND
+               ? idem_txn_put(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, g, GEN_LEN)
+               : code;
+}
+
+idem_code idem__call_steps_begin(idem_call *call)
+{
+    idem__journal j;
+    void *v;
+    size_t n;
+    call->step_gen = 0;
+    idem_code code = idem__journal_keys(call, NULL, &j);
+    if (code != IDEM_OK || (code = idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j.gen_key,
+                                                      IDEM__JKEY, &v, &n)) != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* none yet: generation 0 */
+    }
+    if (n == GEN_LEN) {
+        bool same = memcmp((const uint8_t *)v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+        call->step_gen = idem__get_be64(v) + (same ? 0 : 1); /* another request: new keys */
+    }
+    free(v);
+    return n == GEN_LEN ? IDEM_OK
+                        : idem__err(IDEM_DATA_LOSS, "a key's generation has an unknown format");
+}
 
 typedef struct saga_step {
     char name[IDEM_MAX_STEP + 1];

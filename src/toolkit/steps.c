@@ -10,7 +10,8 @@
  *   'u' H(base, step) → "" once the step's undo ran; 'c' base → the failure a
  *                       compensation answers (saga.c)
  *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: the generation mixed
- *                       into the run's derived keys (steps_redrive.c, at the claim)
+ *                       into the run's derived keys (saga.c: read before the run,
+ *                       kept with its first record)
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. A record
  * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
@@ -34,7 +35,6 @@
 
 #define STEPS_DB IDEM__STEPS_DB
 #define JKEY IDEM__JKEY
-#define GEN_LEN (8 + IDEM_FINGERPRINT_LEN) /* 'g': be64 generation ‖ the fingerprint */
 _Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journal key");
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
 /* A step's record rides out a store outage or a full store this long, as the outcome's
@@ -179,45 +179,6 @@ typedef struct record_args {
     bool too_many; /* the call has IDEM_MAX_STEPS steps: no retry fixes that */
 } record_args;
 
-/* The key's generation as this run derives with it, kept with this request's
- * fingerprint: written with the run's first record (no extra commit), rewritten only
- * when it changed (another request claimed the key). */
-static idem_code keep_generation(idem_txn *t, const record_args *a)
-{
-    const void *v;
-    size_t n;
-    uint8_t g[GEN_LEN];
-    idem__put_be64(g, a->call->step_gen);
-    memcpy(g + 8, a->call->fingerprint, IDEM_FINGERPRINT_LEN);
-    idem_code code = idem_txn_get(t, STEPS_DB, a->j.gen_key, JKEY, &v, &n);
-    if (code == IDEM_OK && n == GEN_LEN && memcmp(v, g, GEN_LEN) == 0) {
-        return IDEM_OK;
-    }
-    return code == IDEM_OK || code == IDEM_NOT_FOUND
-               ? idem_txn_put(t, STEPS_DB, a->j.gen_key, JKEY, g, GEN_LEN)
-               : code;
-}
-
-idem_code idem__call_steps_begin(idem_call *call)
-{
-    journal j;
-    void *v;
-    size_t n;
-    call->step_gen = 0;
-    idem_code code = journal_keys(call, NULL, &j);
-    if (code != IDEM_OK || (code = idem_store_app_get(call->claim_store, STEPS_DB, j.gen_key,
-                                                      JKEY, &v, &n)) != IDEM_OK) {
-        return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* none yet: generation 0 */
-    }
-    if (n == GEN_LEN) {
-        bool same = memcmp((const uint8_t *)v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-        call->step_gen = idem__get_be64(v) + (same ? 0 : 1); /* another request: new keys */
-    }
-    free(v);
-    return n == GEN_LEN ? IDEM_OK
-                        : idem__err(IDEM_DATA_LOSS, "a key's generation has an unknown format");
-}
-
 static idem_code record_txn(idem_txn *t, void *arg)
 {
     record_args *a = arg;
@@ -225,7 +186,7 @@ static idem_code record_txn(idem_txn *t, void *arg)
     size_t n = 0;
     uint8_t head[HEAD_MAX];
     idem_code code = claim_held(t, a->call, a->fence);
-    if (code != IDEM_OK || (code = keep_generation(t, a)) != IDEM_OK) {
+    if (code != IDEM_OK || (code = idem__journal_keep_generation(t, a->call, &a->j)) != IDEM_OK) {
         return code;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);

@@ -47,6 +47,9 @@ idem_code idem__journal_record(idem_call *call, const idem__journal *j, const vo
 idem_code idem__journal_claim_held(idem_txn *t, const idem_call *call, uint64_t fence);
 /* Deletes the journal of j (head, steps, listing, compensation) in t. */
 idem_code idem__journal_forget_txn(idem_txn *t, void *j);
+/* Keeps the run's generation with its fingerprint in t (a record's txn): written when
+ * absent or changed (saga.c). */
+idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, const idem__journal *j);
 /* The saga's bookkeeping of a step this run completed or replayed (saga.c). */
 idem_code idem__saga_add(idem_call *call, const char *step, const idem_step_opts *opts,
                          const idem_step_result *out);
