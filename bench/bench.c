@@ -24,8 +24,12 @@
  *   l  tx-pg    as k, on PostgreSQL (one instance)
  *   m  1-step   as c, the handler runs one journaled step (idem_call_step, 64 B out)
  *   n  3-steps  as m, three steps
+ *   o  1-undo   as m, the step has an undo (registered; the call succeeds, no undo runs)
+ *   p  compensated  as o, then the handler fails finally: the undo runs (journaled) and
+ *               the key is released; every call answers FAILED_PRECONDITION
+ *               "idem-compensated: all"
  *   (g-n run only when asked for with --scenarios; "pg vs lmdb", "tx pg vs lmdb" and
- *   "steps vs cached" lines follow)
+ *   "steps vs cached" lines follow; o and p also run only when asked for)
  *   r  redis-new-always     the peer a user would pick instead: a plain Redis
  *                           idempotency layer behind the same nng hop (raw req0
  *                           clients), new keys, appendfsync always ($IDEMRPC_BENCH_REDIS,
@@ -82,6 +86,8 @@ static const scenario scenarios[N_SCENARIOS] = {
     {'l', "l:tx-pg", run_pg, 0, KEYS_NEW, 1, NULL, -1},
     {'m', "m:1-step", run_chain, 0, KEYS_NEW, 0, NULL, 1},
     {'n', "n:3-steps", run_chain, 0, KEYS_NEW, 0, NULL, 3},
+    {'o', "o:1-undo", run_chain, 0, KEYS_NEW, 0, NULL, HANDLER_UNDO},
+    {'p', "p:compensated", run_chain, 0, KEYS_NEW, 0, NULL, HANDLER_COMPENSATED},
     {'r', "r:redis-new-always", run_redis, 0, KEYS_NEW, 0, "always", 0},
     {'s', "s:redis-rep-always", run_redis, 0, KEYS_REPLAY, 0, "always", 0},
     {'t', "t:redis-new-everysec", run_redis, 0, KEYS_NEW, 0, "everysec", 0},
@@ -114,6 +120,7 @@ static void usage(FILE *f)
             "($IDEMRPC_BENCH_PG)\n"
             "  k transactional (lmdb)  l transactional (pg)  m 1 journaled step  n 3 steps\n"
             "  w nats consumer vs bare consume-and-ack, 1 and 8 consumers ($IDEMRPC_BENCH_NATS)\n"
+            "  o 1 step with an undo  p a compensated call (the undo runs, the key is released)\n"
             "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
             "everysec\n"
             "    ($IDEMRPC_BENCH_REDIS=redis://HOST[:PORT], a throwaway Redis 7: the bench sets "

@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 18                       /* a..i, k..n, r..v */
+#define N_SCENARIOS 20                       /* a..i, k..p, r..v */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
@@ -72,10 +72,14 @@ typedef struct scenario {
     key_mode keys;           /* b–e, g–i */
     int instances;           /* g–i: servers on one PostgreSQL database */
     const char *appendfsync; /* r–u: Redis's fsync policy, "always" or "everysec" */
-    /* b–e, g–i, k–n: the method's kind. 0 cached; -1 transactional (k, l: one
-     * idem_txn_put with the record); N > 0 cached with N journaled steps (m, n). */
+    /* b–e, g–i, k–p: the method's kind. 0 cached; -1 transactional (k, l: one
+     * idem_txn_put with the record); 1..3 cached with N journaled steps (m, n);
+     * HANDLER_UNDO one step with an undo (o), HANDLER_COMPENSATED the same, then a final
+     * failure that runs the undo (p). */
     int handler;
 } scenario;
+#define HANDLER_UNDO 10
+#define HANDLER_COMPENSATED 11
 
 struct cell {
     const scenario *sc;

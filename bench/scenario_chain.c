@@ -40,11 +40,36 @@ static idem_code step_fn(idem_call *call, void *arg, idem_step_result *out)
     return IDEM_OK;
 }
 
-/* m, n: the echo after arg (an int) journaled steps. */
+/* o, p: the undo (a local no-op: the cost measured is the library's). */
+static idem_code undo_fn(idem_call *call, const char *step, const idem_step_result *done, void *arg)
+{
+    (void)call, (void)step, (void)done, (void)arg;
+    return IDEM_OK;
+}
+
+/* o, p: one step with an undo; p then fails finally, so the undo runs. */
+static idem_code undo_handler(idem_call *call, int kind)
+{
+    idem_step_opts opts = {.undo = undo_fn};
+    idem_step_result r;
+    idem_code code = idem_call_step_with(call, "one", step_fn, NULL, &opts, &r);
+    idem_step_result_clear(&r);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "step: %s", idem_errmsg());
+    }
+    return kind == HANDLER_COMPENSATED
+               ? idem_call_fail(call, IDEM_FAILED_PRECONDITION, "insufficient funds")
+               : echo_handler(call, NULL);
+}
+
+/* m, n: the echo after arg (an int) journaled steps; o, p: undo_handler. */
 static idem_code steps_handler(idem_call *call, void *arg)
 {
     static const char *const names[] = {"one", "two", "three"};
     int n = *(const int *)arg;
+    if (n >= HANDLER_UNDO) {
+        return undo_handler(call, n);
+    }
     for (int i = 0; i < n && i < 3; i++) {
         idem_step_result r;
         idem_code code = idem_call_step(call, names[i], step_fn, NULL, &r);
@@ -86,7 +111,12 @@ static int chain_call(bench_thread *t)
     idem_result r;
     idem_code code = idem_client_call(t->conn.client, &q, &r);
     int rv = 0;
-    if (code != IDEM_OK) {
+    if (c->sc->handler == HANDLER_COMPENSATED && code == IDEM_FAILED_PRECONDITION) {
+        const char *how = idem_result_metadata(&r, "idem-compensated");
+        rv = how != NULL && strcmp(how, "all") == 0
+                 ? 0
+                 : thread_fail(t, "call: not compensated: %s", r.message ? r.message : "");
+    } else if (code != IDEM_OK) {
         rv = thread_fail(t, "call: %s %s", idem_code_name(code),
                          r.message != NULL ? r.message : idem_errmsg());
     } else if (r.payload_len != c->payload_len || r.replayed != want_replayed) {

@@ -419,6 +419,8 @@ static const struct {
     {'k', 'c', "tx vs cached"},
     {'m', 'c', "1 step vs cached"},
     {'n', 'c', "3 steps vs cached"},
+    {'o', 'c', "1 step with undo vs cached"},
+    {'p', 'c', "compensated vs cached"},
     {'c', 'r', "c vs redis-new(always)"},
     {'d', 't', "d vs redis-new(everysec)"},
     {'e', 's', "e vs redis-replay"},

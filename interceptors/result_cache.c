@@ -121,8 +121,9 @@ static idem_code wait_for_owner(idem_call *call, const idem_cache_cfg *cfg, idem
 /* The claim: in a handler txn of its own (*txn) for a transactional method on a store
  * that claims there; for a method whose handler neither writes in a txn of its own nor
  * journals steps (both read or write the claim's record), shared with its completion's
- * commit where the store can (*ticket: store.h); else committed on its own. */
-static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const idem_claim_req *req,
+ * commit where the store can (*ticket: store.h); for a journaled one (STEPS) in a txn
+ * with its re-driver listing (steps.c); else committed on its own. */
+static idem_code claim(idem_call *call, const idem_cache_cfg *cfg, const idem_claim_req *req,
                        idem_txn **txn, idem_claim_outcome *outcome, idem_record *rec,
                        uint64_t *ticket)
 {
@@ -132,6 +133,10 @@ static idem_code claim(const idem_call *call, const idem_cache_cfg *cfg, const i
     *ticket = 0;
     if (!(flags & (IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_STEPS))) {
         return idem__store_claim_shared(cfg->store, req, outcome, rec, ticket);
+    }
+    if (!(flags & IDEM_METHOD_TRANSACTIONAL) && call->rt->redrive &&
+        idem__store_has(cfg->store, IDEM__STORE_CAP_TXN)) {
+        return idem__call_steps_claim(call, cfg->store, req, outcome, rec); /* and its listing */
     }
     if (!(flags & IDEM_METHOD_TRANSACTIONAL) ||
         !idem__store_has(cfg->store, IDEM__STORE_CAP_TXN_CLAIM)) {

@@ -173,10 +173,12 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
  * failure only leaves them behind; a re-driver deletes them later). Steps' failures
  * are logged, never the call's answer. */
 static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
-                            uint64_t owner, bool released)
+                            uint64_t owner, bool released, idem__saga_end saga)
 {
     bool steps = (call->method->opts.flags & IDEM_METHOD_STEPS) != 0;
-    bool unlist = steps && released && call->pinned_key == NULL;
+    /* A compensation's release: FRESH deleted the journal, UNFINISHED keeps it listed
+     * for the re-driver to finish. */
+    bool unlist = steps && released && call->pinned_key == NULL && saga == IDEM__SAGA_AS_IS;
     if (unlist && idem__call_steps_unlist(call) != IDEM_OK) {
         log_error(call, idem_errmsg());
     }
@@ -387,12 +389,22 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     call->fence_state = IDEM__FENCE_UNCHECKED;
     call->claim_store = cfg->store;
     call->claim_ticket = ticket;
-    code = idem_call_next(call, next);
+    if ((o->flags & IDEM_METHOD_STEPS) && (st = idem__call_steps_begin(call)) != IDEM_OK) {
+        code = idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
+    } else {
+        code = idem_call_next(call, next);
+    }
     call->txn = NULL;
-    if (call->fence_state == IDEM__FENCE_REFUSED) {
+    bool refused = call->fence_state == IDEM__FENCE_REFUSED;
+    if (refused) {
         code = fence_refused(call);
     }
-    bool released = call->fence_state == IDEM__FENCE_REFUSED || released_code(call, code);
+    bool released = refused || released_code(call, code);
+    idem__saga_end saga = txn == NULL && !refused ? idem__call_saga_end(call, &code, released)
+                                                  : IDEM__SAGA_AS_IS;
+    if (saga != IDEM__SAGA_AS_IS) { /* the undos ran: the key's fate is the saga's */
+        released = saga != IDEM__SAGA_STORE;
+    }
     if (txn != NULL && code == IDEM_OK && !released) {
         st = record_result(call, cfg, key, owner, txn, 0); /* effect and record together */
     } else if (txn != NULL) {
@@ -400,7 +412,7 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     } else if (!released && record_async(call, cfg, key, owner, keep, code, next)) {
         return IDEM_OK; /* suspended: resumes in record_resumed */
     } else {
-        st = record_run(call, cfg, key, owner, released);
+        st = record_run(call, cfg, key, owner, released, saga);
     }
     return after_record(call, cfg, key, owner, keep, code, st, claimed_in_txn, false);
 }

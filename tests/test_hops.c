@@ -58,9 +58,10 @@ static idem_code place(idem_call *call, void *arg)
         code = idem_call_fail(call, IDEM_UNAVAILABLE, "crashed after the charge");
     } else {
         char out[700];
+        /* the upstream caller's whole call: what the hop's deadline is taken from */
         int n = snprintf(out, sizeof(out), "up_deadline=%llu %.*s",
-                         (unsigned long long)idem_call_deadline_ms(call), (int)r.payload_len,
-                         (const char *)r.payload);
+                         (unsigned long long)idem_call_overall_deadline_ms(call),
+                         (int)r.payload_len, (const char *)r.payload);
         code = idem_call_reply(call, IDEM_OK, out, (size_t)n);
     }
     idem_result_clear(&r);

@@ -48,6 +48,12 @@ if [ "$sanitize" != none ]; then # the library needs the sanitizer runtime linke
     cflags=("-fsanitize=$sanitize")
     meson_args=("-Db_sanitize=$sanitize" -Db_lundef=false)
 fi
+# A handler that runs SQL on idem_txn_pg_conn() calls libpq itself: with libpq in the
+# build, `pkg-config --libs idemrpc` gives -lpq (libpq is in Requires, not .private).
+if grep -q '^Requires.*libpq' "$pc"; then
+    pkg-config --libs idemrpc | grep -q -- '-lpq' ||
+        fail "libpq in the build, no -lpq from pkg-config --libs: $(pkg-config --libs idemrpc)"
+fi
 cp -r "$consumer" "$dest/consumer"
 meson setup "$dest/consumer-build" "$dest/consumer" "${meson_args[@]}" >"$dest/meson.log" 2>&1 ||
     { cat "$dest/meson.log"; fail "consumer: meson setup"; }

@@ -87,7 +87,7 @@ struct order_call {
     idem_result r;
 };
 
-static idem_code place(idem_result *r, uint32_t attempts)
+static idem_code place_priced(idem_result *r, uint32_t attempts, const char *payload)
 {
     idem_client_opts o;
     idem_client *c;
@@ -101,11 +101,16 @@ static idem_code place(idem_result *r, uint32_t attempts)
     cr_assert_eq(idem_client_open(&c, (const char *[]){url[ORDER]}, 1, &o), IDEM_OK);
     idem_request q = {.method = "order.Shop/Place",
                       .idempotency_key = "cart-1",
-                      .payload = "sku-1 250",
-                      .payload_len = 9};
+                      .payload = payload,
+                      .payload_len = strlen(payload)};
     idem_code code = idem_client_call(c, &q, r);
     idem_client_close(c);
     return code;
+}
+
+static idem_code place(idem_result *r, uint32_t attempts)
+{
+    return place_priced(r, attempts, "sku-1 250");
 }
 
 static void *place_thread(void *arg)
@@ -262,4 +267,122 @@ Test(shop, a_call_that_kills_every_run_is_re_run_three_times_then_left_to_its_cl
     }
     cr_expect(gave_up, "the re-driver gave up");
     cr_expect_eq(reruns_died, 3, "three re-runs died, no more (%d)", reruns_died);
+}
+
+/* ---- compensation: a charge that fails finally gives the reservation back ---- */
+
+static void *place_unaffordable(void *arg)
+{
+    struct order_call *oc = arg;
+    oc->code = place_priced(&oc->r, 100, "sku-1 5000");
+    return NULL;
+}
+
+/* "releases=N reserves=M": every reservation ever made was released exactly once. */
+static int released_each_once(void)
+{
+    char state[128];
+    int back = -1, made = -2;
+    read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
+    cr_assert_eq(sscanf(state, "releases=%d reserves=%d", &back, &made), 2, "%s", state);
+    cr_expect_eq(back, made, "each reservation released once: %s", state);
+    return back;
+}
+
+/* Kills `role` at `point` (none: NULL) during an order whose charge fails finally
+ * (insufficient funds), restarts it while the client retries, and checks that the
+ * stock and the money are back where they started, each reservation was released
+ * once, and the key is free (the same order runs afresh and is compensated again).
+ * A client attempt that timed out while the order compensated waits for it and, the
+ * key being released, runs afresh too: so one or two reservations, each released. */
+static void kill_and_compensate(int role, const char *point)
+{
+    for (int i = 0; i < N_ROLES; i++) {
+        start(i, point != NULL && i == role ? point : NULL);
+    }
+    struct order_call oc = {0};
+    pthread_t t;
+    pthread_create(&t, NULL, place_unaffordable, &oc);
+    if (point != NULL) {
+        cr_assert_eq(tu_reap(&proc[role]), SIGKILL, "%s was killed at %s", roles[role], point);
+        start(role, NULL); /* the client is still retrying */
+    }
+    pthread_join(t, NULL);
+    cr_assert_eq(oc.code, IDEM_FAILED_PRECONDITION, "after a kill of %s at %s: %s", roles[role],
+                 point ? point : "-", oc.r.message);
+    cr_expect(strstr(oc.r.message, "insufficient funds") != NULL, "%s", oc.r.message);
+    cr_expect_str_eq(idem_result_metadata(&oc.r, "idem-compensated"), "all");
+    idem_result_clear(&oc.r);
+
+    char state[128];
+    read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
+    cr_expect_str_eq(state, "stock=100 reservations=0", "stock back (%s at %s)", roles[role],
+                     point ? point : "-");
+    int first = released_each_once();
+    cr_expect(first >= 1, "the undo took effect (%s at %s)", roles[role], point ? point : "-");
+    read_state(PAY, "pay.Pay/Total", "", state, sizeof(state));
+    cr_expect_str_eq(state, "total=0 charges=0", "no money moved");
+
+    idem_result again;
+    cr_assert_eq(place_priced(&again, 3, "sku-1 5000"), IDEM_FAILED_PRECONDITION, "%s",
+                 again.message);
+    cr_expect(!again.replayed, "released: the retry ran afresh");
+    idem_result_clear(&again);
+    read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
+    cr_expect_str_eq(state, "stock=100 reservations=0", "and gave its new reservation back");
+    cr_expect_gt(released_each_once(), first, "a new reservation, released");
+}
+
+Test(shop, a_charge_that_fails_finally_gives_the_reservation_back)
+{
+    kill_and_compensate(ORDER, NULL);
+}
+
+Test(shop, order_killed_before_its_undo)
+{
+    kill_and_compensate(ORDER, "before_undo");
+}
+
+Test(shop, order_killed_inside_its_undo_after_the_release)
+{
+    kill_and_compensate(ORDER, "in_undo");
+}
+
+Test(shop, order_killed_after_its_compensation_before_its_answer)
+{
+    kill_and_compensate(ORDER, "after_compensation");
+}
+
+Test(shop, inventory_killed_after_the_releases_commit_before_its_answer)
+{
+    kill_and_compensate(INV, "after_release_commit");
+}
+
+/* Order (its re-driver on) dies just before its undo, its client gives up after one
+ * attempt: after the restart the re-driver finishes the compensation with no client
+ * retry (the stock comes back), and the order's key is then free. */
+Test(shop, the_redriver_finishes_a_compensation_whose_process_died)
+{
+    start(INV, NULL);
+    start(PAY, NULL);
+    start_with(ORDER, "before_undo", "50", false);
+    idem_result r;
+    cr_assert_neq(place_priced(&r, 1, "sku-1 5000"), IDEM_OK);
+    idem_result_clear(&r);
+    cr_assert_eq(tu_reap(&proc[ORDER]), SIGKILL, "order was killed before its undo");
+    start_with(ORDER, NULL, "50", false);
+    char state[128] = "";
+    for (int i = 0; i < 200; i++) { /* another process: polled */
+        read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
+        if (strncmp(state, "releases=0", 10) != 0) {
+            break;
+        }
+        nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL);
+    }
+    cr_expect_str_eq(state, "releases=1 reserves=1", "the re-driver released the stock");
+    read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
+    cr_expect_str_eq(state, "stock=100 reservations=0");
+    cr_assert_eq(place_priced(&r, 3, "sku-1 5000"), IDEM_FAILED_PRECONDITION, "%s", r.message);
+    cr_expect(!r.replayed, "the compensated key was released: a fresh run");
+    idem_result_clear(&r);
 }

@@ -4,16 +4,24 @@
  *   idemrpc-shop --role payment   --listen URL --db DIR [--crash-at after_commit]
  *   idemrpc-shop --role order     --listen URL --db DIR --inventory URL --payment URL
  *                [--lease-ms N] [--redrive-ms N] [--log-stdout]
- *                [--crash-at before_reserve|between|after_charge]
+ *                [--crash-at before_reserve|between|after_charge|before_undo|in_undo|
+ *                            after_compensation]
  *
  *   order.Shop/Place        cached, key required: "SKU PRICE" → "order=ID reservation=R
  *                           charge=C". Three journaled steps (downstream.h): the order
  *                           id (random, made once), the reservation (inventory) and the
  *                           charge (payment), each downstream call with its derived key.
+ *                           The reservation's undo releases it: a charge that fails
+ *                           finally (insufficient funds) gives the stock back before the
+ *                           order answers, and the order's key is free again.
  *   inv.Stock/Reserve       transactional: stock[SKU] -= 1 (starts at 100), the
  *                           reservation counted with it; inv.Stock/Level reads them.
- *   pay.Pay/Charge          transactional: total += PRICE, charges += 1; pay.Pay/Total.
+ *   inv.Stock/Release       transactional: the reverse, releases[SKU] += 1;
+ *                           inv.Stock/Releases reads it and the reservations ever made.
+ *   pay.Pay/Charge          transactional: total += PRICE, charges += 1 (a PRICE over
+ *                           1000 is FAILED_PRECONDITION "insufficient funds"); pay.Pay/Total.
  *
+ * (inventory also: --crash-at after_release_commit, after a release's commit.)
  * --crash-at makes the process SIGKILL itself at that point of its first effectful
  * call (the way kill -9 would), so a test can restart it and retry: after the restarts
  * stock is reserved once, money charged once, and the client sees one order id.
@@ -108,6 +116,32 @@ static idem_code reserve(idem_call *call, void *arg)
     return reply_fmt(call, "R%lld stock=%lld", made + 1, stock - 1);
 }
 
+/* The reservation's undo, at the inventory: the stock goes back. */
+static idem_code release(idem_call *call, void *arg)
+{
+    (void)arg;
+    char sku[64];
+    idem_txn *t = idem_call_txn(call);
+    payload_str(call, sku, sizeof(sku));
+    long long stock = INITIAL_STOCK, made = 0, back = 0;
+    idem_code code;
+    if ((code = get_ll(t, "stock", sku, &stock)) != IDEM_OK ||
+        (code = get_ll(t, "reservations", sku, &made)) != IDEM_OK ||
+        (code = get_ll(t, "releases", sku, &back)) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "reading the stock: %s",
+                              idem_code_name(code));
+    }
+    if (made <= 0) {
+        return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "no reservation to release");
+    }
+    if ((code = put_ll(t, "stock", sku, stock + 1)) != IDEM_OK ||
+        (code = put_ll(t, "reservations", sku, made - 1)) != IDEM_OK ||
+        (code = put_ll(t, "releases", sku, back + 1)) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "%s", idem_errmsg());
+    }
+    return reply_fmt(call, "released=%lld stock=%lld", back + 1, stock + 1);
+}
+
 static idem_code charge(idem_call *call, void *arg)
 {
     (void)arg;
@@ -117,6 +151,9 @@ static idem_code charge(idem_call *call, void *arg)
     long long amount = atoll(price);
     if (amount <= 0) {
         return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "bad amount '%s'", price);
+    }
+    if (amount > 1000) { /* final: stored, and the order compensates */
+        return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "insufficient funds");
     }
     long long total = 0, n = 0;
     idem_code code;
@@ -155,6 +192,15 @@ static idem_code level(idem_call *call, void *arg)
                      read_ll("reservations", sku, 0));
 }
 
+static idem_code releases(idem_call *call, void *arg)
+{
+    (void)arg;
+    char sku[64];
+    payload_str(call, sku, sizeof(sku));
+    long long back = read_ll("releases", sku, 0), held = read_ll("reservations", sku, 0);
+    return reply_fmt(call, "releases=%lld reserves=%lld", back, back + held);
+}
+
 static idem_code total(idem_call *call, void *arg)
 {
     (void)arg;
@@ -170,6 +216,21 @@ static idem_code after_commit(idem_call *call, idem_next next, void *arg)
     if (strstr(idem_call_method(call), "Reserve") != NULL ||
         strstr(idem_call_method(call), "Charge") != NULL) {
         crash_point("after_commit");
+    }
+    if (strstr(idem_call_method(call), "Release") != NULL) {
+        crash_point("after_release_commit");
+    }
+    return code;
+}
+
+/* order: in front of result_cache, so after a compensated order's key was released and
+ * before its answer leaves. */
+static idem_code after_compensation(idem_call *call, idem_next next, void *arg)
+{
+    (void)arg;
+    idem_code code = idem_call_next(call, next);
+    if (idem_call_response_metadata(call, "idem-compensated") != NULL) {
+        crash_point("after_compensation");
     }
     return code;
 }
@@ -224,6 +285,24 @@ static idem_code new_order_id(idem_call *call, void *arg, idem_step_result *out)
     return IDEM_OK;
 }
 
+/* The reservation's undo: inv.Stock/Release of the order's SKU, with the undo's own
+ * derived key (idem_call_downstream inside an undo). */
+static idem_code unreserve(idem_call *call, const char *step, const idem_step_result *done,
+                           void *arg)
+{
+    const char *sku = arg;
+    idem_request q = {.method = "inv.Stock/Release", .payload = sku, .payload_len = strlen(sku)};
+    idem_result r;
+    (void)done; /* "R<n> stock=<m>": the SKU is the order's */
+    crash_point("before_undo");
+    idem_code code = idem_call_downstream(call, S.to_inventory, step, &q, &r);
+    idem_result_clear(&r);
+    if (code == IDEM_OK) {
+        crash_point("in_undo"); /* released downstream, not yet journaled here */
+    }
+    return code;
+}
+
 static idem_code place(idem_call *call, void *arg)
 {
     (void)arg;
@@ -238,9 +317,11 @@ static idem_code place(idem_call *call, void *arg)
     snprintf(pay.payload, sizeof(pay.payload), "%s", price);
     idem_step_result id = {0}, r = {0}, c = {0};
     crash_point("before_reserve");
-    idem_code code = idem_call_step(call, "order-id", new_order_id, NULL, &id);
+    idem_step_opts local = {.effect_free = true}; /* an id: nothing to give back */
+    idem_code code = idem_call_step_with(call, "order-id", new_order_id, NULL, &local, &id);
+    idem_step_opts undo = {.undo = unreserve, .undo_arg = sku};
     if (code == IDEM_OK &&
-        (code = idem_call_step(call, "reserve", hop_step, &inv, &r)) == IDEM_OK) {
+        (code = idem_call_step_with(call, "reserve", hop_step, &inv, &undo, &r)) == IDEM_OK) {
         crash_point("between");
         code = idem_call_step(call, "charge", hop_step, &pay, &c);
     }
@@ -323,6 +404,12 @@ static idem_code register_role(idem_server *srv)
     idem_code code;
     if (strcmp(S.role, "order") == 0) {
         idem_method_opts steps = {.flags = IDEM_METHOD_STEPS}; /* cached, key required */
+        /* only to crash there: an interceptor before result_cache stops duplicates parking */
+        bool hook = S.crash_at != NULL && strcmp(S.crash_at, "after_compensation") == 0;
+        if (hook && (code = idem_server_use_first(srv, "after_compensation", after_compensation,
+                                                  NULL)) != IDEM_OK) {
+            return code;
+        }
         return idem_server_register(srv, "order.Shop/Place", place, NULL, &steps);
     }
     if ((code = idem_server_use_builtin(srv, IDEM_BUILTIN_REQUEST_ID)) != IDEM_OK ||
@@ -331,10 +418,15 @@ static idem_code register_role(idem_server *srv)
         return code;
     }
     if (strcmp(S.role, "inventory") == 0) {
-        return (code = idem_server_register(srv, "inv.Stock/Reserve", reserve, NULL, &tx)) !=
-                       IDEM_OK
-                   ? code
-                   : idem_server_register(srv, "inv.Stock/Level", level, NULL, NULL);
+        if ((code = idem_server_register(srv, "inv.Stock/Reserve", reserve, NULL, &tx)) !=
+                IDEM_OK ||
+            (code = idem_server_register(srv, "inv.Stock/Release", release, NULL, &tx)) !=
+                IDEM_OK ||
+            (code = idem_server_register(srv, "inv.Stock/Releases", releases, NULL, NULL)) !=
+                IDEM_OK) {
+            return code;
+        }
+        return idem_server_register(srv, "inv.Stock/Level", level, NULL, NULL);
     }
     return (code = idem_server_register(srv, "pay.Pay/Charge", charge, NULL, &tx)) != IDEM_OK
                ? code

@@ -62,6 +62,11 @@ IDEM_API const char *idem_call_token(const idem_call *call);
 IDEM_API const void *idem_call_payload(const idem_call *call, size_t *len);
 IDEM_API uint32_t idem_call_attempt(const idem_call *call);
 IDEM_API uint64_t idem_call_deadline_ms(const idem_call *call); /* 0 = none */
+/* The caller's deadline for the whole call, over all its attempts (unix ms, 0 = none):
+ * Request.call_deadline_unix_ms (an HTTP request's grpc-timeout), never before this
+ * attempt's; the attempt's when the caller sent none (an older client).
+ * idem_call_downstream gives downstream calls this one, less a margin. */
+IDEM_API uint64_t idem_call_overall_deadline_ms(const idem_call *call);
 /* NULL when absent. */
 IDEM_API const char *idem_call_metadata(const idem_call *call, const char *name);
 IDEM_API size_t idem_call_metadata_count(const idem_call *call);

@@ -4,12 +4,19 @@
  * retry of its own call, or each upstream retry becomes a second downstream effect (a
  * second charge). idem_call_downstream() derives that key from the call itself:
  *
- *   key = "d-" hex(SHA-256(len-prefixed caller, method, effective key, step))
+ *   key = "d-" hex(SHA-256(len-prefixed caller, method, effective key, step
+ *                          [, "undo" inside an undo] [‖ be64 generation when > 0]))
  *
  * so every attempt, every re-run after a crash or a lease takeover, on any instance,
- * sends the same downstream key for the same step. The downstream caller is this
+ * sends the same downstream key for the same step. The generation of a key (journaled
+ * steps only) moves on when a call under it is released after a final failure or its
+ * request changes (another fingerprint claims the key): the next run's downstream keys
+ * are then new (see compensation below). The downstream caller is this
  * service (the client's own caller and signing identity), never the upstream caller.
- * The call also inherits the upstream deadline (minus a margin, so that the answer
+ * The call also inherits the upstream caller's whole-call deadline
+ * (idem_call_overall_deadline_ms: over all of its attempts, not the one attempt that
+ * reached us; an attempt that times out is retried and waits for this run) minus a
+ * margin, so that the answer
  * still gets back in time), the request id, and W3C trace context (metadata
  * traceparent / tracestate, passed on unchanged: the downstream's parent is the
  * upstream's caller's span, as a proxy would leave it), so one logical request can be
@@ -95,6 +102,51 @@ typedef idem_code (*idem_step_fn)(idem_call *call, void *arg, idem_step_result *
 IDEM_API idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, void *arg,
                                   idem_step_result *out);
 IDEM_API void idem_step_result_clear(idem_step_result *r);
+
+/* ---- compensation (sagas) ----
+ *
+ * A step whose effect can be taken back names its undo. When the call then ends in a
+ * final failure (the handler's own final code, a step's final error, INVALID_ARGUMENT
+ * whether the method stores it or not), the undos of the steps this run completed or
+ * replayed run in reverse order before the answer is recorded. Each undo is journaled like
+ * a step: it runs once per call even across crashes, and a run that finds it recorded
+ * skips it. Inside an undo, idem_call_downstream() and idem_call_derive_key() with the
+ * undone step's name give the undo's own derived key (not the step's), so a downstream
+ * dedupes the undo too.
+ *
+ * Once compensation has started, the call's outcome is that failure: a later run (a
+ * client retry, or the re-driver after a crash) replays the recorded steps, runs no new
+ * step (idem_call_step returns the failure without running fn), and finishes the undos.
+ *
+ * The key afterwards (README "Sagas"):
+ *   every completed step undone → the call is RELEASED, the caller gets the failure with
+ *       metadata idem-compensated=all, and the next request with this key (the corrected
+ *       one, or the same) runs afresh: its derived keys are new (a generation of the key
+ *       is mixed in), so no downstream says "key reused" and none replays an old effect;
+ *   a completed step without an undo (or whose undo failed finally) → the failure is
+ *       STORED and replayed to the same request (metadata idem-compensated=partial when
+ *       some undos ran); another request needs another key;
+ *   an undo failed transiently → the call is released with its journal (the caller gets
+ *       UNAVAILABLE): a retry, or the re-driver, finishes the compensation.
+ * A release after a final failure with no step completed also moves the key to a new
+ * generation. Undos run while the call still holds its claim (max_run_ms bounds the
+ * handler and its compensation together); duplicates wait as for a running call. */
+typedef idem_code (*idem_undo_fn)(idem_call *call, const char *step, const idem_step_result *done,
+                                  void *arg);
+
+typedef struct idem_step_opts {
+    idem_undo_fn undo; /* NULL: the step's effect stands whatever happens after */
+    void *undo_arg;
+    /* The step changes nothing outside (it makes an id, reads a price): nothing to
+     * undo, and it does not keep a compensated call's key. */
+    bool effect_free;
+} idem_step_opts;
+
+/* idem_call_step with options (opts may be NULL: idem_call_step). An undo may not itself
+ * run steps (FAILED_PRECONDITION). */
+IDEM_API idem_code idem_call_step_with(idem_call *call, const char *step, idem_step_fn fn,
+                                       void *arg, const idem_step_opts *opts,
+                                       idem_step_result *out);
 
 #ifdef __cplusplus
 }

@@ -134,6 +134,8 @@ IDEM_API const char *idem_lock_scope(const idem_lock *l);
  * check and write. On PostgreSQL the read locks the fence row, so concurrent fenced txns
  * of one lock serialise. token 0 or a bad name is IDEM_INVALID_ARGUMENT. */
 IDEM_API idem_code idem_txn_fence(idem_txn *t, const char *scope, const char *name, uint64_t token);
+/* idem_txn_fence with the lock's own scope, name and token. */
+IDEM_API idem_code idem_txn_fence_lock(idem_txn *t, const idem_lock *lock);
 
 /* ---- 一锁、二判、三更新: lock, check, update, release in one call ---- */
 
@@ -157,6 +159,17 @@ typedef enum idem_locked_outcome {
 IDEM_API idem_code idem_locked_update(idem_store *st, const char *scope, const char *name,
                                       const idem_lock_opts *opts, idem_txn_fn check,
                                       idem_txn_fn update, void *arg, idem_locked_outcome *outcome);
+
+/* A check or update that is handed the held lock: idem_lock_token(lock) is the fencing
+ * token this txn was fenced with (record it with the row, e.g. which holder wrote a
+ * settlement). The lock is valid only during the call. */
+typedef idem_code (*idem_locked_fn)(idem_txn *t, const idem_lock *lock, void *arg);
+
+/* idem_locked_update whose check and update receive the lock (check may be NULL). */
+IDEM_API idem_code idem_locked_update_with(idem_store *st, const char *scope, const char *name,
+                                           const idem_lock_opts *opts, idem_locked_fn check,
+                                           idem_locked_fn update, void *arg,
+                                           idem_locked_outcome *outcome);
 
 #ifdef __cplusplus
 }

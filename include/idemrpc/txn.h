@@ -61,13 +61,19 @@ IDEM_API idem_code idem_txn_put(idem_txn *t, const char *db, const void *key, si
                                 const void *val, size_t vlen);
 IDEM_API idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);
 
-/* The PostgreSQL connection of a handler transaction on the PostgreSQL store, NULL
- * otherwise. Run the business SQL of the handler on it (it is inside the transaction
- * that will hold the record: READ COMMITTED, with the claim already made). Do not
- * COMMIT, ROLLBACK, or change the isolation level: the server ends the transaction.
- * A failed statement aborts the transaction: return its error code (IDEM_UNAVAILABLE for
- * serialization failures and deadlocks, so that the client retries). Valid only during
- * the handler; the type is libpq's PGconn (include <libpq-fe.h>). */
+/* The PostgreSQL connection of any transaction on the PostgreSQL store, NULL on another
+ * store. It works in every idem_txn:
+ *   - a transactional handler's (idem_call_txn(call)): inside the transaction that
+ *     will hold the record (READ COMMITTED, the claim already made);
+ *   - idem_store_run_txn's fn: the transaction fn's return commits or aborts;
+ *   - idem_locked_update's (and _with's) check and update: after the fence, so what
+ *     they write commits with it (a superseded holder's writes are refused together).
+ * Run your own SQL on it; do not COMMIT, ROLLBACK or change the isolation level: the
+ * library ends the transaction. A failed statement aborts the transaction: return its
+ * error code (IDEM_UNAVAILABLE for serialization failures and deadlocks, so that the
+ * client or the caller retries). Valid only while that transaction runs; the type is
+ * libpq's PGconn (include <libpq-fe.h>; `pkg-config --cflags --libs idemrpc` gives
+ * libpq's flags when the library was built with it). */
 IDEM_API struct pg_conn *idem_txn_pg_conn(idem_txn *t);
 
 /* Reads a business value outside a handler (own read txn); *val is malloc'd. */

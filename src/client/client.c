@@ -339,7 +339,7 @@ static idem_code sign_attempt(const idem_client *c, const Idem__V1__Request *m,
 /* Encodes the request for one attempt into a new nng message. */
 static idem_code build_msg(const idem_client *c, const idem_request *r, const char *caller,
                            const char *key, bool key_generated, uint32_t attempt, uint64_t deadline,
-                           nng_msg **out)
+                           uint64_t call_deadline, nng_msg **out)
 {
     Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
     Idem__V1__Request__MetadataEntry entries[64], *ptrs[64]; /* the server takes 64 */
@@ -370,6 +370,7 @@ static idem_code build_msg(const idem_client *c, const idem_request *r, const ch
     m.payload.len = r->payload_len;
     m.attempt = attempt;
     m.deadline_unix_ms = deadline;
+    m.call_deadline_unix_ms = call_deadline; /* the handler's downstream calls inherit it */
     idem_code code;
     if (c->secret != NULL && (code = sign_attempt(c, &m, entries, ptrs, &n, ts, sig)) != IDEM_OK) {
         return code;
@@ -563,7 +564,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             attempt_deadline = deadline_unix;
         }
         if ((code = build_msg(c, req, caller, out->key, key_generated, attempt, attempt_deadline,
-                              &msg)) != IDEM_OK) {
+                              deadline_unix, &msg)) != IDEM_OK) {
             break;
         }
         out->attempts = attempt;

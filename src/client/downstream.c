@@ -60,9 +60,12 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
                          "(make %s KEY_REQUIRED)",
                          call->req->method);
     }
-    const char *parts[4] = {idem_call_caller(call), call->req->method, call->key, step};
-    uint8_t d[32];
-    if (!idem__lp_sha256(parts, 4, NULL, 0, d)) {
+    /* An undo's key is its own; a generation past 0 makes every key of the run new. */
+    const char *parts[5] = {idem_call_caller(call), call->req->method, call->key, step, "undo"};
+    uint8_t d[32], gen[8];
+    idem__put_be64(gen, call->step_gen);
+    if (!idem__lp_sha256(parts, call->undoing != NULL ? 5 : 4, call->step_gen ? gen : NULL,
+                         sizeof(gen), d)) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
     out[0] = 'd';
@@ -71,10 +74,11 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
     return IDEM_OK;
 }
 
-/* The upstream's deadline left for the hop, minus the margin; *ms = 0 when no deadline. */
+/* The upstream's whole-call deadline left for the hop (not its attempt's: an attempt that
+ * times out is retried and waits for this run), minus the margin; *ms = 0 when none. */
 static idem_code hop_deadline(const idem_call *call, uint32_t *ms)
 {
-    uint64_t deadline = idem_call_deadline_ms(call), now = idem__rt_now_ms(call->rt);
+    uint64_t deadline = idem_call_overall_deadline_ms(call), now = idem__rt_now_ms(call->rt);
     *ms = 0;
     if (deadline == 0) {
         return IDEM_OK;
@@ -144,5 +148,9 @@ idem_code idem_call_downstream(idem_call *call, idem_client *client, const char 
     }
     hop.metadata = n > 0 ? meta : NULL;
     hop.metadata_count = n;
-    return idem_client_call(client, &hop, out);
+    code = idem_client_call(client, &hop, out);
+    if (code != IDEM_OK && out->message != NULL && out->message[0] != '\0') {
+        idem__err(code, "%s: %s", req->method, out->message); /* the downstream's own words */
+    }
+    return code;
 }

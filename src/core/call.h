@@ -202,6 +202,13 @@ struct idem_call {
         atomic_int turns;
         char err[256];
     } recording;
+    /* Journaled steps (toolkit/steps.c, saga.c): the generation of the derived keys,
+     * read at the claim; the step whose undo runs now (its derived keys are the undo's);
+     * the steps this run completed with their undos, freed by saga_free (idem__call_fini). */
+    uint64_t step_gen;
+    const char *undoing;
+    struct idem__saga *saga;
+    void (*saga_free)(idem_call *call);
     /* A re-driven call: the key its first run had (result_cache refuses another). */
     const char *pinned_key;
     const char *reason; /* static: why the library itself rejected the call, or NULL */
@@ -354,6 +361,26 @@ idem_code idem__call_steps_unlist(idem_call *call);
 /* The release that followed idem__call_steps_unlist failed (the call stays IN_PROGRESS
  * until its lease ends): lists it again, so that a re-driver can finish it. */
 idem_code idem__call_steps_relist(idem_call *call);
+
+/* The claim of an IDEM_METHOD_STEPS call on a server with a re-driver (steps_redrive.c),
+ * in a store txn of its own: the call is listed in the same commit when the claim
+ * acquires or takes over. IDEM_UNIMPLEMENTED when the store cannot claim in a txn. */
+idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
+                                 idem_claim_outcome *outcome, idem_record *rec);
+/* Before the handler of a journaled call runs under its claim: reads the key's
+ * generation (call->step_gen, for derived keys). A failed read runs nothing. */
+idem_code idem__call_steps_begin(idem_call *call);
+
+/* How a journaled call ends after its handler returned code (saga.c): runs the undos
+ * of its steps on a final failure (the call's answer may change: a compensation in
+ * progress answers its recorded failure). */
+typedef enum idem__saga_end {
+    IDEM__SAGA_AS_IS,     /* record or release as the code says */
+    IDEM__SAGA_STORE,     /* store the (failure) answer: an effect stands */
+    IDEM__SAGA_FRESH,     /* released, journal gone, the key's generation moved on */
+    IDEM__SAGA_UNFINISHED /* release keeping the journal and its listing: finish later */
+} idem__saga_end;
+idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool released);
 
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);

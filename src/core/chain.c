@@ -90,6 +90,9 @@ void idem__call_reset_response(idem_call *call)
 
 void idem__call_fini(idem_call *call)
 {
+    if (call->saga_free != NULL) {
+        call->saga_free(call);
+    }
     idem__call_reset_response(call);
 }
 
@@ -132,6 +135,15 @@ uint32_t idem_call_attempt(const idem_call *call)
 uint64_t idem_call_deadline_ms(const idem_call *call)
 {
     return call->req->deadline_unix_ms;
+}
+
+uint64_t idem_call_overall_deadline_ms(const idem_call *call)
+{
+    uint64_t attempt = call->req->deadline_unix_ms, whole = call->req->call_deadline_unix_ms;
+    if (attempt == 0 || whole == 0) { /* no bound on the attempt, or not sent: the other */
+        return attempt == 0 ? whole : attempt;
+    }
+    return whole > attempt ? whole : attempt; /* never shorter than the attempt's */
 }
 
 const char *idem_call_metadata(const idem_call *call, const char *name)

@@ -73,6 +73,7 @@ static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer
     if (peer != NULL && peer->redriven) { /* its client's deadline has passed: a new one */
         uint32_t a = out->req->attempt;
         out->req->deadline_unix_ms = peer->redriven_deadline_ms;
+        out->req->call_deadline_unix_ms = peer->redriven_deadline_ms;
         out->req->attempt = a < 2 ? 2 : a == UINT32_MAX ? a : a + 1; /* a retry, not a submit */
         out->call.pinned_key = peer->redriven_key;
     }

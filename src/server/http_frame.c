@@ -2,7 +2,8 @@
  *
  * Header values are taken whole: their bounds are checked once, for both fronts, by the
  * request decoder. A header that names a field of the frame (Idempotency-Key, the caller
- * header, X-Request-Id, Idem-Token, Idem-Signature, Idem-Timestamp, Idem-Signer) may
+ * header, X-Request-Id, Idem-Token, Grpc-Timeout, Idem-Signature, Idem-Timestamp,
+ * Idem-Signer) may
  * appear once: a repeat is a 400 (a gateway and this server must not pick different
  * copies). */
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "http_deadline.h"
 #include "http_front.h"
 
 static const char many[] = "more than one Idempotency-Key value (a list or a repeated "
@@ -100,7 +102,7 @@ static const struct {
 };
 
 /* Singletons of the frame, by field: which header, and where its value goes. */
-enum { H_REQUEST_ID, H_CALLER, H_TOKEN, H_SIG0, H_COUNT = H_SIG0 + 3 };
+enum { H_REQUEST_ID, H_CALLER, H_TOKEN, H_TIMEOUT, H_SIG0, H_COUNT = H_SIG0 + 3 };
 
 /* method from the target's path: origin-form /a/b, or absolute-form http://host/a/b. */
 static char *target_method(const idem_hreq *r)
@@ -142,7 +144,8 @@ uint8_t *idem__http_request_frame(const idem_hreq *r, const char *caller_header,
     Idem__V1__Request q = IDEM__V1__REQUEST__INIT;
     Idem__V1__Request__MetadataEntry meta[IDEM_ARRAY_LEN(signature_headers)];
     Idem__V1__Request__MetadataEntry *meta_ptrs[IDEM_ARRAY_LEN(signature_headers)];
-    const char *names[H_COUNT] = {"X-Request-Id", caller_header, "Idem-Token"};
+    const char *names[H_COUNT] = {"X-Request-Id", caller_header, "Idem-Token",
+                                  IDEM_HTTP_TIMEOUT_HEADER};
     char *v[H_COUNT] = {NULL};
     char *method = target_method(r), *key = idempotency_key(r, err);
     bool ok = method != NULL && key != NULL;
@@ -162,6 +165,8 @@ uint8_t *idem__http_request_frame(const idem_hreq *r, const char *caller_header,
     q.metadata = meta_ptrs;
     q.method = method;
     q.idempotency_key = key;
+    ok = ok && idem__http_deadline(v[H_TIMEOUT], idem__now_ms(), &q.deadline_unix_ms,
+                                   &q.call_deadline_unix_ms, err);
     uint8_t *frame = ok ? pack(&q, v, body, blen, len) : NULL;
     for (size_t i = 0; i < H_COUNT; i++) {
         free(v[i]);

@@ -97,8 +97,10 @@ typedef struct idem_store_ops {
     /* Key's record as t sees it, kept so until t ends (PostgreSQL: FOR SHARE): state,
      * owner and fingerprint only (no response, no times). IDEM_NOT_FOUND when absent. */
     idem_code (*txn_record)(idem_txn *t, const idem_key_ref *key, idem_record *rec);
-    /* IDEM__STORE_CAP_TXN_CLAIM only. The claim inside t; IDEM_CLAIM_IN_PROGRESS also
-     * when another session holds the key in its own handler txn (never waits for it). */
+    /* Every backend with IDEM__STORE_CAP_TXN_CLAIM; one without may set it too (then
+     * only a journaled call's claim uses it, to list the call in the claim's own commit:
+     * toolkit/steps.c). The claim inside t; IDEM_CLAIM_IN_PROGRESS also when another
+     * session holds the key in its own handler txn (never waits for it). */
     idem_code (*txn_claim)(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
                            idem_record *rec);
     /* Undoes every write since the claim, keeping the claim: a final error is then

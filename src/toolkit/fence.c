@@ -51,3 +51,11 @@ idem_code idem_txn_fence(idem_txn *t, const char *scope, const char *name, uint6
     idem__put_be64(val, token);
     return idem_txn_put(t, IDEM_FENCE_DB, key, klen, val, sizeof(val));
 }
+
+idem_code idem_txn_fence_lock(idem_txn *t, const idem_lock *lock)
+{
+    if (lock == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "fence needs a lock");
+    }
+    return idem_txn_fence(t, idem_lock_scope(lock), idem_lock_name(lock), idem_lock_token(lock));
+}

@@ -7,6 +7,11 @@
  *   'r' base          → the call, for the re-driver: 'R' 1 flags re-runs ‖ request
  *                       fingerprint ‖ be16-prefixed caller, method, effective key ‖
  *                       the packed idem.v1.Request
+ *   'u' H(base, step) → "" once the step's undo ran; 'c' base → the failure a
+ *                       compensation answers (saga.c)
+ *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: the generation mixed
+ *                       into the run's derived keys (saga.c: read before the run,
+ *                       kept with its first record)
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. A record
  * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
@@ -15,48 +20,45 @@
  * the journal's head, with the fence of the last run that recorded: it lists every step
  * any run recorded, so the run that records the call's outcome deletes them all
  * (result_cache, for IDEM_METHOD_STEPS methods). The 'r' entry lists the call for the
- * re-driver (src/server/redriver.c), only on a server that runs one: a step that finds
- * it absent writes it; the outcome deletes it with the journal, and a release deletes it
+ * re-driver (src/server/redriver.c), only on a server that runs one: the call's claim
+ * writes it in its own commit (idem__call_steps_claim: a run that dies inside its first
+ * step is listed too), and a step that finds it absent writes it; the outcome deletes
+ * it with the journal, and a release deletes it
  * alone (the journal stays for the client's retry, which lists the call again). So the
  * re-driver scans only calls that may still be running or abandoned. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "call.h"
-#include "store.h"
+#include "steps_internal.h"
 
-#include "idemrpc/downstream.h"
 #include "idemrpc/toolkit.h"
 
-#define STEPS_DB "idem.steps"
-#define JKEY 33 /* a prefix byte and a SHA-256 */
+#define STEPS_DB IDEM__STEPS_DB
+#define JKEY IDEM__JKEY
 _Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journal key");
-#define CALL_MAGIC 'R'
-#define CALL_VERSION 1
-#define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
-#define CALL_FIXED (4 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
 /* A step's record rides out a store outage or a full store this long, as the outcome's
  * completion does (interceptors/result_cache.c, RECORD_RETRY_MS): fn's effect is done,
  * and a lost record makes the next run do it again. */
 #define STEP_RECORD_RETRY_MS 10000u
 
-typedef struct journal {
-    uint8_t head_key[JKEY], step_key[JKEY], call_key[JKEY];
-} journal;
+typedef idem__journal journal;
 
-static void journal_of_base(const uint8_t base[32], journal *j)
+void idem__journal_of_base(const uint8_t base[32], idem__journal *j)
 {
+    memset(j, 0, sizeof(*j)); /* gen_key[0] 0: unknown (the re-driver's journals) */
     j->head_key[0] = 'j';
     j->step_key[0] = 's';
     j->call_key[0] = 'r';
+    j->saga_key[0] = 'c';
     memcpy(j->head_key + 1, base, 32);
     memcpy(j->call_key + 1, base, 32);
+    memcpy(j->saga_key + 1, base, 32);
 }
 
 /* base = SHA-256(len-prefixed caller, method, key, request fingerprint). */
-static bool journal_base(const char *caller, const char *method, const char *key,
-                         const uint8_t fp[IDEM_FINGERPRINT_LEN], uint8_t base[32])
+bool idem__journal_base(const char *caller, const char *method, const char *key,
+                        const uint8_t fp[IDEM_FINGERPRINT_LEN], uint8_t base[32])
 {
     const char *parts[3] = {caller, method, key};
     return idem__lp_sha256(parts, 3, fp, IDEM_FINGERPRINT_LEN, base);
@@ -64,23 +66,34 @@ static bool journal_base(const char *caller, const char *method, const char *key
 
 static idem_code journal_keys(idem_call *call, const char *step, journal *j)
 {
-    uint8_t fp[IDEM_FINGERPRINT_LEN], base[32];
+    uint8_t fp[IDEM_FINGERPRINT_LEN], base[32], gen[32];
+    const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
     idem_code code = idem__call_fingerprint(call, fp);
     if (code != IDEM_OK) {
         return code;
     }
-    if (!journal_base(idem_call_caller(call), call->req->method, call->key, fp, base) ||
-        (step != NULL && !idem__sha256((const void *const[]){base, step},
-                                       (const size_t[]){32, strlen(step)}, 2, j->step_key + 1))) {
+    if (!idem__journal_base(parts[0], parts[1], parts[2], fp, base) ||
+        !idem__lp_sha256(parts, 3, NULL, 0, gen)) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
-    journal_of_base(base, j);
+    idem__journal_of_base(base, j);
+    if (step != NULL && !idem__sha256((const void *const[]){base, step},
+                                      (const size_t[]){32, strlen(step)}, 2, j->step_key + 1)) {
+        return idem__err(IDEM_INTERNAL, "sha256 failed");
+    }
+    j->gen_key[0] = 'g';
+    memcpy(j->gen_key + 1, gen, 32);
     return IDEM_OK;
+}
+
+idem_code idem__journal_keys(idem_call *call, const char *step, idem__journal *j)
+{
+    return journal_keys(call, step, j);
 }
 
 /* Whether the journal entry key is in the store (a read, so that a write txn is opened
  * only when there is something to write). */
-static idem_code entry_exists(idem_store *st, const uint8_t key[JKEY], bool *exists)
+idem_code idem__journal_entry_exists(idem_store *st, const uint8_t key[JKEY], bool *exists)
 {
     void *v;
     size_t n;
@@ -102,7 +115,7 @@ static void put_lp16(uint8_t **p, const char *s)
 }
 
 /* The 'r' entry of a call: who called, its record's key and the request itself. */
-static idem_code put_call(idem_txn *t, const journal *j, const idem_call *call)
+idem_code idem__journal_put_call(idem_txn *t, const idem__journal *j, const idem_call *call)
 {
     const char *parts[3] = {idem_call_caller(call), call->req->method, call->key};
     size_t n = CALL_FIXED + protobuf_c_message_get_packed_size(&call->req->base);
@@ -152,6 +165,11 @@ static idem_code claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
                                    "recorded its outcome; retry with the same key");
 }
 
+idem_code idem__journal_claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
+{
+    return claim_held(t, call, fence);
+}
+
 typedef struct record_args {
     const idem_call *call;
     journal j;
@@ -168,7 +186,7 @@ static idem_code record_txn(idem_txn *t, void *arg)
     size_t n = 0;
     uint8_t head[HEAD_MAX];
     idem_code code = claim_held(t, a->call, a->fence);
-    if (code != IDEM_OK) {
+    if (code != IDEM_OK || (code = idem__journal_keep_generation(t, a->call, &a->j)) != IDEM_OK) {
         return code;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.head_key, JKEY, &v, &n);
@@ -203,7 +221,7 @@ static idem_code record_txn(idem_txn *t, void *arg)
         return IDEM_OK;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n); /* listed for the re-driver? */
-    return code == IDEM_NOT_FOUND ? put_call(t, &a->j, a->call) : code;
+    return code == IDEM_NOT_FOUND ? idem__journal_put_call(t, &a->j, a->call) : code;
 }
 
 /* Riding out a store outage (or a full store) for up to STEP_RECORD_RETRY_MS: a step
@@ -258,6 +276,19 @@ static idem_code look_up(idem_call *call, const record_args *a, void **v, size_t
     return code;
 }
 
+idem_code idem__journal_look_up(idem_call *call, const idem__journal *j, void **v, size_t *n)
+{
+    record_args a = {.call = call, .j = *j, .fence = call->fence};
+    return look_up(call, &a, v, n);
+}
+
+idem_code idem__journal_record(idem_call *call, const idem__journal *j, const void *data,
+                               size_t len)
+{
+    record_args a = {.call = call, .j = *j, .fence = call->fence, .data = data, .len = len};
+    return record_retrying(call, &a);
+}
+
 void idem_step_result_clear(idem_step_result *r)
 {
     if (r != NULL) {
@@ -282,6 +313,10 @@ static idem_code step_check(const idem_call *call, const char *step, idem_step_f
     if (call->claim_store == NULL || call->key_source == IDEM_KEY_NONE) {
         return idem__err(IDEM_FAILED_PRECONDITION, "steps run only inside the call's claim");
     }
+    if (call->undoing != NULL) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "an undo runs no step (undoing %s)",
+                         call->undoing);
+    }
     return IDEM_OK;
 }
 
@@ -293,7 +328,7 @@ static idem_code list_txn(idem_txn *t, void *arg)
     idem_code code = claim_held(t, a->call, a->fence);
     if (code == IDEM_OK &&
         (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) == IDEM_NOT_FOUND) {
-        code = put_call(t, &a->j, a->call);
+        code = idem__journal_put_call(t, &a->j, a->call);
     }
     return code;
 }
@@ -303,15 +338,34 @@ static idem_code list_txn(idem_txn *t, void *arg)
 static void list_call(idem_call *call, const journal *j)
 {
     bool listed;
-    if (call->rt->redrive && entry_exists(call->claim_store, j->call_key, &listed) == IDEM_OK &&
-        !listed) {
+    if (call->rt->redrive &&
+        idem__journal_entry_exists(call->claim_store, j->call_key, &listed) == IDEM_OK && !listed) {
         record_args a = {.call = call, .j = *j, .fence = call->fence};
         idem_store_run_txn(call->claim_store, list_txn, &a);
     }
 }
 
+/* Runs fn for a step not recorded yet: the thread's error detail is fn's own (or says
+ * which step failed), never a stale one from the journal's reads. */
+static idem_code run_fn(idem_call *call, const char *step, idem_step_fn fn, void *arg,
+                        idem_step_result *out)
+{
+    idem__err_clear();
+    idem_code code = fn(call, arg, out);
+    if (code != IDEM_OK && idem_errmsg()[0] == '\0') {
+        idem__err(code, "step %s failed: %s", step, idem_code_name(code));
+    }
+    return code;
+}
+
 idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, void *arg,
                          idem_step_result *out)
+{
+    return idem_call_step_with(call, step, fn, arg, NULL, out);
+}
+
+idem_code idem_call_step_with(idem_call *call, const char *step, idem_step_fn fn, void *arg,
+                              const idem_step_opts *opts, idem_step_result *out)
 {
     record_args a = {.call = call, .fence = call != NULL ? call->fence : 0};
     void *v;
@@ -327,11 +381,13 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
         out->len = n;
         out->replayed = true;
         list_call(call, &a.j); /* a retry that only replays, then dies, is listed too */
-        return IDEM_OK;
+        return idem__saga_add(call, step, opts, out);
     }
     /* Not ours any more (a takeover, or the call's outcome is recorded): fn must not
-     * run. The record txn checks again, as the claim may go while fn runs. */
-    if (code != IDEM_NOT_FOUND || (code = fn(call, arg, out)) != IDEM_OK) {
+     * run. The record txn checks again, as the claim may go while fn runs. Nor once a
+     * compensation has started: the call's outcome is its failure. */
+    if (code != IDEM_NOT_FOUND || (code = idem__saga_check(call, &a.j)) != IDEM_OK ||
+        (code = run_fn(call, step, fn, arg, out)) != IDEM_OK) {
         idem_step_result_clear(out);
         return code;
     }
@@ -342,7 +398,8 @@ idem_code idem_call_step(idem_call *call, const char *step, idem_step_fn fn, voi
     }
     a.data = out->data;
     a.len = out->len;
-    if ((code = record_retrying(call, &a)) != IDEM_OK) {
+    if ((code = record_retrying(call, &a)) != IDEM_OK ||
+        (code = idem__saga_add(call, step, opts, out)) != IDEM_OK) {
         idem_step_result_clear(out);
     }
     return code;
@@ -354,7 +411,13 @@ static idem_code forget_txn(idem_txn *t, void *arg)
     const void *v;
     size_t n;
     uint8_t key[JKEY] = {'s'};
-    idem_code code = idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
+    idem_code code = idem_txn_del(t, STEPS_DB, j->saga_key, JKEY);
+    if ((code == IDEM_OK || code == IDEM_NOT_FOUND) && j->gen_key[0] == 'g') {
+        code = idem_txn_del(t, STEPS_DB, j->gen_key, JKEY);
+    }
+    if (code == IDEM_OK || code == IDEM_NOT_FOUND) {
+        code = idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
+    }
     if ((code != IDEM_OK && code != IDEM_NOT_FOUND) ||
         (code = idem_txn_get(t, STEPS_DB, j->head_key, JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
@@ -364,149 +427,34 @@ static idem_code forget_txn(idem_txn *t, void *arg)
     memcpy(head, v, n); /* v is gone once the txn writes (LMDB) */
     for (size_t off = 8; off + 32 <= n; off += 32) {
         memcpy(key + 1, head + off, 32);
-        if ((code = idem_txn_del(t, STEPS_DB, key, JKEY)) != IDEM_OK && code != IDEM_NOT_FOUND) {
-            return code;
+        for (int i = 0; i < 2; i++) { /* the step's output, its undo's record */
+            key[0] = i == 0 ? 's' : 'u';
+            if ((code = idem_txn_del(t, STEPS_DB, key, JKEY)) != IDEM_OK &&
+                code != IDEM_NOT_FOUND) {
+                return code;
+            }
         }
     }
     return idem_txn_del(t, STEPS_DB, j->head_key, JKEY);
 }
 
+idem_code idem__journal_forget_txn(idem_txn *t, void *j)
+{
+    return forget_txn(t, j);
+}
+
+/* The whole journal, its listing and the key's generation, when there is any (a read
+ * first: most calls of a method that records no step have none). */
 idem_code idem__call_steps_forget(idem_call *call)
 {
     journal j;
-    bool any; /* a call may have recorded no step at all */
+    bool any = false;
     idem_code code = journal_keys(call, NULL, &j);
-    if (code != IDEM_OK || (code = entry_exists(call->claim_store, j.head_key, &any)) != IDEM_OK ||
-        !any) {
-        return code;
+    const uint8_t *keys[3] = {j.head_key, j.gen_key, j.call_key};
+    for (int i = 0; code == IDEM_OK && !any && i < (call->rt->redrive ? 3 : 2); i++) {
+        code = idem__journal_entry_exists(call->claim_store, keys[i], &any);
     }
-    return idem_store_run_txn(call->claim_store, forget_txn, &j);
-}
-
-/* The re-driver's writes: each re-reads the call's record in its txn (kept so until
- * it ends), so no claim, completion or sweep slips in between its decision and its
- * write. */
-typedef struct redrive_args {
-    const idem__journaled_call *jc;
-    journal j;
-    unsigned max_runs;
-    uint64_t now_ms; /* this host's clock, for a store that keeps the callers' (LMDB) */
-    bool refund;     /* count_run: take back a re-run that did not run the handler */
-    idem__redrive_verdict verdict;
-} redrive_args;
-
-/* The record as a's txn sees it: 'c' this request's and COMPLETED, 'p' this request's
- * and IN_PROGRESS with a live lease, 'x' the same with its lease run out, 'a' absent,
- * 'o' another request's. */
-static idem_code record_kind(idem_txn *t, const redrive_args *a, char *kind)
-{
-    const idem__journaled_call *jc = a->jc;
-    idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
-    idem_record rec;
-    idem_code code = idem__store_txn_record(t, &key, &rec);
-    uint64_t now = rec.now_ms ? rec.now_ms : a->now_ms;
-    bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
-    *kind = code == IDEM_NOT_FOUND            ? 'a'
-            : !ours                           ? 'o'
-            : rec.state == IDEM_REC_COMPLETED ? 'c'
-            : rec.lease_until_ms <= now       ? 'x'
-                                              : 'p';
-    idem_record_clear(&rec);
-    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
-}
-
-/* Whether the record is of kind want in t: a->verdict DONE (the write may go on) or SKIP. */
-static idem_code record_is(idem_txn *t, redrive_args *a, char want)
-{
-    char kind;
-    idem_code code = record_kind(t, a, &kind);
-    a->verdict = code == IDEM_OK && kind == want ? IDEM__REDRIVE_DONE : IDEM__REDRIVE_SKIP;
-    return code;
-}
-
-static idem_code forget_completed_txn(idem_txn *t, void *arg)
-{
-    redrive_args *a = arg;
-    idem_code code = record_is(t, a, 'c');
-    return code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ? code : forget_txn(t, &a->j);
-}
-
-static idem_code unlist_txn(idem_txn *t, void *arg)
-{
-    redrive_args *a = arg;
-    idem_code code = record_is(t, a, 'o');
-    if (code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE) {
-        return code;
-    }
-    code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
-    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
-}
-
-/* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
- * whose lease ran out, or whose record a re-run released (absent, still listed). Two
- * re-drivers (instances on one database) serialise here; the second finds the lease
- * the first one's re-run took. A refund takes one back, whatever the lease. */
-static idem_code count_run_txn(idem_txn *t, void *arg)
-{
-    redrive_args *a = arg;
-    const void *v;
-    size_t n;
-    char kind;
-    a->verdict = IDEM__REDRIVE_SKIP;
-    idem_code code = record_kind(t, a, &kind);
-    bool eligible = kind == 'x' || kind == 'a' || (a->refund && kind == 'p');
-    if (code != IDEM_OK || !eligible ||
-        (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) != IDEM_OK) {
-        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
-    }
-    if (n < CALL_FIXED) {
-        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
-    }
-    unsigned runs = ((const uint8_t *)v)[3];
-    if (runs > a->max_runs || (a->refund && runs == 0)) {
-        return IDEM_OK; /* given up before, and said so; or nothing to take back */
-    }
-    uint8_t *copy = malloc(n);
-    if (copy == NULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    memcpy(copy, v, n);
-    /* runs == max_runs: max_runs + 1 marks "gave up" */
-    copy[3] = (uint8_t)(a->refund ? runs - 1 : runs + 1);
-    a->verdict = a->refund            ? IDEM__REDRIVE_DONE
-                 : runs < a->max_runs ? IDEM__REDRIVE_GO
-                                      : IDEM__REDRIVE_GAVE_UP;
-    code = idem_txn_put(t, STEPS_DB, a->j.call_key, JKEY, copy, n);
-    free(copy);
-    return code;
-}
-
-static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                               bool refund, idem_txn_fn fn, idem__redrive_verdict *verdict)
-{
-    redrive_args a = {.jc = jc, .max_runs = max_runs, .now_ms = idem__now_ms(), .refund = refund};
-    journal_of_base(jc->base, &a.j);
-    idem_code code = idem_store_run_txn(st, fn, &a);
-    *verdict = code == IDEM_OK ? a.verdict : IDEM__REDRIVE_SKIP;
-    return code;
-}
-
-idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
-                                       idem__redrive_verdict *verdict)
-{
-    return redrive_write(st, jc, 0, false, forget_completed_txn, verdict);
-}
-
-idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
-                             idem__redrive_verdict *verdict)
-{
-    return redrive_write(st, jc, 0, false, unlist_txn, verdict);
-}
-
-idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                                bool refund, idem__redrive_verdict *verdict)
-{
-    return redrive_write(st, jc, max_runs, refund, count_run_txn, verdict);
+    return code != IDEM_OK || !any ? code : idem_store_run_txn(call->claim_store, forget_txn, &j);
 }
 
 /* The owner's unlisting, before it releases: the claim is still its own. */
@@ -536,106 +484,9 @@ idem_code idem__call_steps_unlist(idem_call *call)
     bool listed;
     idem_code code = journal_keys(call, NULL, &a.j);
     if (code != IDEM_OK ||
-        (code = entry_exists(call->claim_store, a.j.call_key, &listed)) != IDEM_OK || !listed) {
+        (code = idem__journal_entry_exists(call->claim_store, a.j.call_key, &listed)) != IDEM_OK ||
+        !listed) {
         return code;
     }
     return idem_store_run_txn(call->claim_store, owner_unlist_txn, &a);
-}
-
-idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
-                                     const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *exists)
-{
-    uint8_t base[32];
-    journal j;
-    *exists = false;
-    if (!journal_base(key->caller != NULL ? key->caller : "", key->method, key->key, fingerprint,
-                      base)) {
-        return idem__err(IDEM_INTERNAL, "sha256 failed");
-    }
-    journal_of_base(base, &j);
-    return entry_exists(st, j.head_key, exists);
-}
-
-void idem__journaled_call_clear(idem__journaled_call *c)
-{
-    free(c->request);
-    memset(c, 0, sizeof(*c));
-}
-
-static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t max)
-{
-    if (end - *p < 2) {
-        return false;
-    }
-    size_t n = (size_t)(*p)[0] << 8 | (*p)[1];
-    if (n > max || (size_t)(end - *p - 2) < n || memchr(*p + 2, '\0', n) != NULL) {
-        return false;
-    }
-    memcpy(out, *p + 2, n);
-    out[n] = '\0';
-    *p += 2 + n;
-    return true;
-}
-
-static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
-{
-    const uint8_t *p = e->val, *end = p + e->vlen;
-    if (e->vlen >= 2 && p[0] == CALL_MAGIC && p[1] > CALL_VERSION) {
-        return idem__err(IDEM_UNIMPLEMENTED, "a listing of a newer version (an instance "
-                                             "upgraded before this one)");
-    }
-    if (e->vlen < CALL_FIXED || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
-        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
-    }
-    out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
-    out->runs = p[3];
-    memcpy(out->fingerprint, p + 4, IDEM_FINGERPRINT_LEN);
-    p += CALL_FIXED;
-    if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
-        !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||
-        !get_lp16(&p, end, out->key_ref.key, IDEM_MAX_KEY)) {
-        return idem__err(IDEM_DATA_LOSS, "a journaled call is truncated");
-    }
-    out->request_len = (size_t)(end - p);
-    if ((out->request = malloc(out->request_len ? out->request_len : 1)) == NULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    memcpy(out->request, p, out->request_len);
-    return IDEM_OK;
-}
-
-static idem_code drop_listing_txn(idem_txn *t, void *arg)
-{
-    const journal *j = arg;
-    return idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
-}
-
-idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[JKEY], idem__journaled_call *out)
-{
-    idem_app_entry e;
-    memset(out, 0, sizeof(*out));
-    /* cursor[0] is 'r' once a round started: the next 'r' key after it; else the first. */
-    size_t clen = cursor[0] == 'r' ? JKEY : 1;
-    if (clen == 1) {
-        cursor[0] = 'r';
-    }
-    idem_code code = idem__store_app_next(st, STEPS_DB, cursor, clen, &e);
-    if (code == IDEM_OK && (e.klen != JKEY || ((const uint8_t *)e.key)[0] != 'r')) {
-        code = idem__err(IDEM_NOT_FOUND, "no more journaled calls");
-    }
-    if (code != IDEM_OK) {
-        cursor[0] = 0; /* the next round starts at the first */
-    } else {
-        memcpy(cursor, e.key, JKEY);
-        memcpy(out->base, cursor + 1, 32);
-        code = parse_call(&e, out);
-    }
-    idem__app_entry_clear(&e);
-    if (code == IDEM_DATA_LOSS) { /* a listing nobody can act on: drop it, keep the journal */
-        journal j;
-        journal_of_base(cursor + 1, &j);
-        idem_store_run_txn(st, drop_listing_txn, &j); /* the caller reports the loss */
-        idem__err(IDEM_DATA_LOSS, "a listed call could not be read; its listing was dropped");
-    }
-    return code;
 }

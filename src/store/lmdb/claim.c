@@ -198,6 +198,22 @@ idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_cla
     return idem__lmdb_write(st, claim_apply, &c);
 }
 
+/* The claim inside a write txn this thread holds (a handler txn: txn.c): what a
+ * journaled call uses to list itself for the re-driver in its claim's own commit. The
+ * store does not advertise IDEM__STORE_CAP_TXN_CLAIM: transactional handlers still
+ * claim first, through group commit. */
+idem_code idem__lmdb_claim_in(lmdb_store *st, MDB_txn *txn, const idem_claim_req *req,
+                              idem_claim_outcome *outcome, idem_record *rec)
+{
+    rec_key key;
+    idem_code code = idem__lmdb_rec_key_make(&key, &req->key);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    claim_ctx c = {st, req, &key, outcome, rec, idem__mono_ms()};
+    return claim_apply(txn, &c);
+}
+
 /* A shared claim (group_commit.h): its request and outputs live here, with the writer
  * thread, which may re-apply the claim after its caller has moved on. */
 typedef struct shared_claim {

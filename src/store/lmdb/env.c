@@ -218,6 +218,7 @@ const idem_store_ops idem__lmdb_ops = {
     .app_get = idem__lmdb_app_get,
     .app_next = idem__lmdb_app_next,
     .txn_record = idem__lmdb_txn_record,
+    .txn_claim = idem__lmdb_txn_claim,
     .claim_shared = idem__lmdb_claim_shared,
     .complete_async = idem__lmdb_complete_async,
     .ticket_drop = idem__lmdb_ticket_drop,

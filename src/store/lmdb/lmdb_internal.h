@@ -134,6 +134,8 @@ idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out);
 idem_code idem__lmdb_complete_in(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
                                  uint64_t owner, const void *response, size_t len,
                                  uint64_t expires_ms);
+idem_code idem__lmdb_claim_in(lmdb_store *st, MDB_txn *txn, const idem_claim_req *req,
+                              idem_claim_outcome *outcome, idem_record *rec);
 idem_code idem__lmdb_claim(idem_store *base, const idem_claim_req *req, idem_claim_outcome *outcome,
                            idem_record *rec);
 /* complete and release end a shared claim when ticket is its (group_commit.h). */
@@ -195,6 +197,9 @@ idem_code idem__lmdb_txn_del(idem_txn *t, const char *db, const void *key, size_
 idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, size_t klen,
                              void **val, size_t *vlen);
 idem_code idem__lmdb_txn_record(idem_txn *t, const idem_key_ref *ref, idem_record *rec);
+/* The claim in a handler txn (ops.txn_claim; the cap is not advertised: see claim.c). */
+idem_code idem__lmdb_txn_claim(idem_txn *t, const idem_claim_req *req,
+                               idem_claim_outcome *outcome, idem_record *rec);
 idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *after, size_t alen,
                               idem_app_entry *out);
 idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,

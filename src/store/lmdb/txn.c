@@ -369,3 +369,9 @@ idem_code idem__lmdb_txn_record(idem_txn *t, const idem_key_ref *ref, idem_recor
 {
     return idem__lmdb_rec_read(t->st, t->txn, ref, rec, false);
 }
+
+idem_code idem__lmdb_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                               idem_record *rec)
+{
+    return idem__lmdb_claim_in(t->st, t->txn, req, outcome, rec);
+}

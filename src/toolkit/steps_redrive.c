@@ -1,0 +1,283 @@
+/* The re-driver's side of the step journal (steps.c): the claim of a journaled call,
+ * which lists it, and what
+ * src/server/redriver.c reads (the listed calls) and writes (forget a completed call's
+ * journal, unlist, count a re-run), each write deciding on the record it re-reads in
+ * its own txn. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "steps_internal.h"
+
+#define STEPS_DB IDEM__STEPS_DB
+#define JKEY IDEM__JKEY
+/* ---- the claim of a journaled call ---- */
+
+typedef struct claim_args {
+    idem_call *call;
+    idem__journal j;
+    const idem_claim_req *req;
+    idem_claim_outcome *outcome;
+    idem_record *rec;
+} claim_args;
+
+/* The claim, and when it acquires (or takes over) the listing for the re-driver in the
+ * same txn: a run that dies inside its first step is finished too. A listing already
+ * there (a takeover) is kept with its count of re-runs. */
+static idem_code claim_txn(idem_txn *t, claim_args *a)
+{
+    const void *v;
+    size_t n;
+    idem_code code = idem__store_txn_claim(t, a->req, a->outcome, a->rec);
+    bool owned = *a->outcome == IDEM_CLAIM_ACQUIRED || *a->outcome == IDEM_CLAIM_TAKEN_OVER;
+    if (code != IDEM_OK || !owned) {
+        return code;
+    }
+    code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n);
+    return code == IDEM_NOT_FOUND ? idem__journal_put_call(t, &a->j, a->call) : code;
+}
+
+idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
+                                 idem_claim_outcome *outcome, idem_record *rec)
+{
+    claim_args a = {.call = call, .req = req, .outcome = outcome, .rec = rec};
+    idem_txn *t;
+    memset(rec, 0, sizeof(*rec));
+    idem_code code = idem__journal_keys(call, NULL, &a.j);
+    if (code != IDEM_OK || (code = idem__store_txn_begin(st, &t)) != IDEM_OK) {
+        return code;
+    }
+    if ((code = claim_txn(t, &a)) != IDEM_OK) {
+        idem__store_txn_abort(t);
+        idem_record_clear(rec);
+        return code;
+    }
+    if ((code = idem__store_txn_commit(t)) != IDEM_OK) {
+        idem_record_clear(rec); /* not committed, or unknown: the client retries */
+    }
+    return code;
+}
+
+/* The re-driver's writes: each re-reads the call's record in its txn (kept so until
+ * it ends), so no claim, completion or sweep slips in between its decision and its
+ * write. */
+typedef struct redrive_args {
+    const idem__journaled_call *jc;
+    idem__journal j;
+    unsigned max_runs;
+    uint64_t now_ms; /* this host's clock, for a store that keeps the callers' (LMDB) */
+    bool refund;     /* count_run: take back a re-run that did not run the handler */
+    idem__redrive_verdict verdict;
+} redrive_args;
+
+/* The record as a's txn sees it: 'c' this request's and COMPLETED, 'p' this request's
+ * and IN_PROGRESS with a live lease, 'x' the same with its lease run out, 'a' absent,
+ * 'o' another request's. */
+static idem_code record_kind(idem_txn *t, const redrive_args *a, char *kind)
+{
+    const idem__journaled_call *jc = a->jc;
+    idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
+    idem_record rec;
+    idem_code code = idem__store_txn_record(t, &key, &rec);
+    uint64_t now = rec.now_ms ? rec.now_ms : a->now_ms;
+    bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
+    *kind = code == IDEM_NOT_FOUND            ? 'a'
+            : !ours                           ? 'o'
+            : rec.state == IDEM_REC_COMPLETED ? 'c'
+            : rec.lease_until_ms <= now       ? 'x'
+                                              : 'p';
+    idem_record_clear(&rec);
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* Whether the record is of kind want in t: a->verdict DONE (the write may go on) or SKIP. */
+static idem_code record_is(idem_txn *t, redrive_args *a, char want)
+{
+    char kind;
+    idem_code code = record_kind(t, a, &kind);
+    a->verdict = code == IDEM_OK && kind == want ? IDEM__REDRIVE_DONE : IDEM__REDRIVE_SKIP;
+    return code;
+}
+
+static idem_code forget_completed_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    idem_code code = record_is(t, a, 'c');
+    return code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ? code
+                                                               : idem__journal_forget_txn(t, &a->j);
+}
+
+static idem_code unlist_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    idem_code code = record_is(t, a, 'o');
+    if (code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE) {
+        return code;
+    }
+    code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
+ * whose lease ran out, or whose record a re-run released (absent, still listed). Two
+ * re-drivers (instances on one database) serialise here; the second finds the lease
+ * the first one's re-run took. A refund takes one back, whatever the lease. */
+static idem_code count_run_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    const void *v;
+    size_t n;
+    char kind;
+    a->verdict = IDEM__REDRIVE_SKIP;
+    idem_code code = record_kind(t, a, &kind);
+    bool eligible = kind == 'x' || kind == 'a' || (a->refund && kind == 'p');
+    if (code != IDEM_OK || !eligible ||
+        (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    }
+    if (n < CALL_FIXED) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
+    }
+    unsigned runs = ((const uint8_t *)v)[3];
+    if (runs > a->max_runs || (a->refund && runs == 0)) {
+        return IDEM_OK; /* given up before, and said so; or nothing to take back */
+    }
+    uint8_t *copy = malloc(n);
+    if (copy == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(copy, v, n);
+    /* runs == max_runs: max_runs + 1 marks "gave up" */
+    copy[3] = (uint8_t)(a->refund ? runs - 1 : runs + 1);
+    a->verdict = a->refund            ? IDEM__REDRIVE_DONE
+                 : runs < a->max_runs ? IDEM__REDRIVE_GO
+                                      : IDEM__REDRIVE_GAVE_UP;
+    code = idem_txn_put(t, STEPS_DB, a->j.call_key, JKEY, copy, n);
+    free(copy);
+    return code;
+}
+
+static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                               bool refund, idem_txn_fn fn, idem__redrive_verdict *verdict)
+{
+    redrive_args a = {.jc = jc, .max_runs = max_runs, .now_ms = idem__now_ms(), .refund = refund};
+    idem__journal_of_base(jc->base, &a.j);
+    idem_code code = idem_store_run_txn(st, fn, &a);
+    *verdict = code == IDEM_OK ? a.verdict : IDEM__REDRIVE_SKIP;
+    return code;
+}
+
+idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
+                                       idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, 0, false, forget_completed_txn, verdict);
+}
+
+idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
+                             idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, 0, false, unlist_txn, verdict);
+}
+
+idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                                bool refund, idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, max_runs, refund, count_run_txn, verdict);
+}
+
+idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
+                                     const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *exists)
+{
+    uint8_t base[32];
+    idem__journal j;
+    *exists = false;
+    if (!idem__journal_base(key->caller != NULL ? key->caller : "", key->method, key->key,
+                            fingerprint, base)) {
+        return idem__err(IDEM_INTERNAL, "sha256 failed");
+    }
+    idem__journal_of_base(base, &j);
+    return idem__journal_entry_exists(st, j.head_key, exists);
+}
+
+void idem__journaled_call_clear(idem__journaled_call *c)
+{
+    free(c->request);
+    memset(c, 0, sizeof(*c));
+}
+
+static bool get_lp16(const uint8_t **p, const uint8_t *end, char *out, size_t max)
+{
+    if (end - *p < 2) {
+        return false;
+    }
+    size_t n = (size_t)(*p)[0] << 8 | (*p)[1];
+    if (n > max || (size_t)(end - *p - 2) < n || memchr(*p + 2, '\0', n) != NULL) {
+        return false;
+    }
+    memcpy(out, *p + 2, n);
+    out[n] = '\0';
+    *p += 2 + n;
+    return true;
+}
+
+static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
+{
+    const uint8_t *p = e->val, *end = p + e->vlen;
+    if (e->vlen >= 2 && p[0] == CALL_MAGIC && p[1] > CALL_VERSION) {
+        return idem__err(IDEM_UNIMPLEMENTED, "a listing of a newer version (an instance "
+                                             "upgraded before this one)");
+    }
+    if (e->vlen < CALL_FIXED || p[0] != CALL_MAGIC || p[1] != CALL_VERSION) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
+    }
+    out->caller_verified = (p[2] & CALL_VERIFIED) != 0;
+    out->runs = p[3];
+    memcpy(out->fingerprint, p + 4, IDEM_FINGERPRINT_LEN);
+    p += CALL_FIXED;
+    if (!get_lp16(&p, end, out->key_ref.caller, IDEM_MAX_CALLER) ||
+        !get_lp16(&p, end, out->key_ref.method, IDEM_MAX_METHOD) ||
+        !get_lp16(&p, end, out->key_ref.key, IDEM_MAX_KEY)) {
+        return idem__err(IDEM_DATA_LOSS, "a journaled call is truncated");
+    }
+    out->request_len = (size_t)(end - p);
+    if ((out->request = malloc(out->request_len ? out->request_len : 1)) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(out->request, p, out->request_len);
+    return IDEM_OK;
+}
+
+static idem_code drop_listing_txn(idem_txn *t, void *arg)
+{
+    const idem__journal *j = arg;
+    return idem_txn_del(t, STEPS_DB, j->call_key, JKEY);
+}
+
+idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[JKEY], idem__journaled_call *out)
+{
+    idem_app_entry e;
+    memset(out, 0, sizeof(*out));
+    /* cursor[0] is 'r' once a round started: the next 'r' key after it; else the first. */
+    size_t clen = cursor[0] == 'r' ? JKEY : 1;
+    if (clen == 1) {
+        cursor[0] = 'r';
+    }
+    idem_code code = idem__store_app_next(st, STEPS_DB, cursor, clen, &e);
+    if (code == IDEM_OK && (e.klen != JKEY || ((const uint8_t *)e.key)[0] != 'r')) {
+        code = idem__err(IDEM_NOT_FOUND, "no more journaled calls");
+    }
+    if (code != IDEM_OK) {
+        cursor[0] = 0; /* the next round starts at the first */
+    } else {
+        memcpy(cursor, e.key, JKEY);
+        memcpy(out->base, cursor + 1, 32);
+        code = parse_call(&e, out);
+    }
+    idem__app_entry_clear(&e);
+    if (code == IDEM_DATA_LOSS) { /* a listing nobody can act on: drop it, keep the journal */
+        idem__journal j;
+        idem__journal_of_base(cursor + 1, &j);
+        idem_store_run_txn(st, drop_listing_txn, &j); /* the caller reports the loss */
+        idem__err(IDEM_DATA_LOSS, "a listed call could not be read; its listing was dropped");
+    }
+    return code;
+}
