@@ -28,7 +28,10 @@
  *   p  compensated  as o, then the handler fails finally: the undo runs (journaled) and
  *               the key is released; every call answers FAILED_PRECONDITION
  *               "idem-compensated: all"
- *   (g-n run only when asked for with --scenarios; "pg vs lmdb", "tx pg vs lmdb" and
+ *   x, y   as g, i on the HA topology (scripts/ha.sh: a synchronous standby) at
+ *          $IDEMRPC_BENCH_PG_HA: "ha vs single" lines set them against g, i of the
+ *          same run, the price of synchronous replication
+ *   (g-n, x, y run only when asked for with --scenarios; "pg vs lmdb", "tx pg vs lmdb" and
  *   "steps vs cached" lines follow; o and p also run only when asked for)
  *   r  redis-new-always     the peer a user would pick instead: a plain Redis
  *                           idempotency layer behind the same nng hop (raw req0
@@ -82,6 +85,8 @@ static const scenario scenarios[N_SCENARIOS] = {
     {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1, NULL, 0},
     {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2, NULL, 0},
     {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1, NULL, 0},
+    {'x', "x:pg-ha-new", run_pg, 0, KEYS_NEW, 1, NULL, 0},
+    {'y', "y:pg-ha-rep", run_pg, 0, KEYS_REPLAY, 1, NULL, 0},
     {'k', "k:tx-lmdb", run_chain, 0, KEYS_NEW, 0, NULL, -1},
     {'l', "l:tx-pg", run_pg, 0, KEYS_NEW, 1, NULL, -1},
     {'m', "m:1-step", run_chain, 0, KEYS_NEW, 0, NULL, 1},
@@ -242,7 +247,7 @@ static bool parse_option(int opt, const char *name, char *v)
         cfg.count = count;
         break;
     case 'S':
-        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-n, r-w";
+        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-p, r-y";
         break;
     }
     if (want != NULL) {

@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 20                       /* a..i, k..p, r..v */
+#define N_SCENARIOS 22 /* a..i, k..p, r..v, x, y */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */

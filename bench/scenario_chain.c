@@ -199,16 +199,19 @@ out:
     return rv;
 }
 
-/* g–i: the same chain on PostgreSQL, with one or two server instances. */
+/* g–i: the same chain on PostgreSQL, with one or two server instances; x, y: on the HA
+ * topology. */
 int run_pg(const scenario *sc, cell *c, cell_stats *out)
 {
-    const char *conninfo = getenv("IDEMRPC_BENCH_PG");
+    bool ha = sc->letter == 'x' || sc->letter == 'y';
+    const char *env = ha ? "IDEMRPC_BENCH_PG_HA" : "IDEMRPC_BENCH_PG";
+    const char *conninfo = getenv(env);
     idem_store *st[2] = {NULL, NULL};
     idem_server *srv[2] = {NULL, NULL};
     int rv = -1;
 
     if (conninfo == NULL) {
-        return cell_fail(out, "set IDEMRPC_BENCH_PG to a libpq conninfo");
+        return cell_fail(out, "set %s to a libpq conninfo", env);
     }
     for (int i = 0; i < sc->instances; i++) {
         if (idem_store_open_postgres(&st[i], conninfo, server_contexts(c->clients)) != IDEM_OK) {

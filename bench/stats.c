@@ -416,6 +416,8 @@ static const struct {
     {'h', 'c', "pg vs lmdb"},
     {'i', 'e', "pg vs lmdb"},
     {'l', 'k', "tx pg vs lmdb"},
+    {'x', 'g', "ha vs single"},
+    {'y', 'i', "ha vs single"},
     {'k', 'c', "tx vs cached"},
     {'m', 'c', "1 step vs cached"},
     {'n', 'c', "3 steps vs cached"},
