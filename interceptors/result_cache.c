@@ -143,7 +143,10 @@ static idem_code claim(idem_call *call, const idem_cache_cfg *cfg, const idem_cl
         return idem_store_claim(cfg->store, req, outcome, rec);
     }
     memset(rec, 0, sizeof(*rec));
-    if ((code = idem__store_txn_begin(cfg->store, txn)) != IDEM_OK) {
+    /* The claim lives as long as the txn's session: one left idle for a lease (its
+     * process stopped, or cut off) is ended, and the key freed. */
+    uint64_t lease = call->method->opts.lease_ms ? call->method->opts.lease_ms : cfg->lease_ms;
+    if ((code = idem__store_txn_begin_idle(cfg->store, lease, txn)) != IDEM_OK) {
         return code;
     }
     if ((code = idem__store_txn_claim(*txn, req, outcome, rec)) != IDEM_OK) {

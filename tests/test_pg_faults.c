@@ -53,6 +53,23 @@ static idem_code h_gated(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
+/* Transactional: the first run waits at the gate inside its transaction (a process that
+ * stopped there, as far as PostgreSQL can tell: a session idle in a transaction); later
+ * runs go through. */
+static atomic_int tx_runs;
+static idem_code h_tx(idem_call *call, void *arg)
+{
+    (void)arg;
+    if (atomic_fetch_add(&tx_runs, 1) == 0) {
+        h_gated(call, &G.runs_held);
+    }
+    idem_txn *t = idem_call_txn(call);
+    if (idem_txn_put(t, "tx", "k", 1, "v", 1) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_INTERNAL, "%s", idem_errmsg());
+    }
+    return idem_call_reply(call, IDEM_OK, "tx", 2);
+}
+
 static idem_code h_plain(idem_call *call, void *arg)
 {
     atomic_fetch_add((atomic_int *)arg, 1);
@@ -63,6 +80,7 @@ static void setup(void)
 {
     conninfo = tu_pg_schema_create(schema);
     memset(&G, 0, sizeof(G));
+    atomic_store(&tx_runs, 0);
     pthread_mutex_init(&G.mu, NULL);
     pthread_cond_init(&G.cv, NULL);
 }
@@ -105,6 +123,8 @@ static void start_instance(int i, size_t workers)
     cr_assert_eq(idem_server_register(srv[i].srv, "f.T/Held", h_gated, &G.runs_held, &m), IDEM_OK);
     cr_assert_eq(idem_server_register(srv[i].srv, "f.T/Other", h_plain, &G.runs_other, &m),
                  IDEM_OK);
+    idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL, .lease_ms = LEASE_MS};
+    cr_assert_eq(idem_server_register(srv[i].srv, "f.T/Tx", h_tx, NULL, &tx), IDEM_OK);
     tu_server_listen(&srv[i]);
 }
 
@@ -346,4 +366,38 @@ Test(pg_faults, a_slow_database_runs_each_key_once)
     }
     cr_expect_eq(atomic_load(&G.runs_other), 6, "a key ran more than once");
     stop_proxied_pair();
+}
+
+/* A transactional call holds its claim in its handler's transaction. An instance that
+ * stops inside it (here: a handler that never returns, so its session sits idle in the
+ * transaction) holds the key for about one lease, not for the 5 minutes of the default
+ * idle timeout: then the database ends the session, and a retry on another instance
+ * runs the call once. */
+Test(pg_faults, a_stopped_transactional_claim_frees_its_key_after_a_lease)
+{
+    start_instance(0, 4);
+    start_instance(1, 4);
+    struct bg_call first = {
+        .url = srv[0].url, .method = "f.T/Tx", .key = "k-tx", .deadline_ms = 20000};
+    bg_start(&first);
+    cr_assert(await_entered(1));
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.deadline_ms = 6 * LEASE_MS + 4000; /* a lease, retries and slack: not 5 minutes */
+    o.attempt_timeout_ms = 1000;
+    o.retry.max_attempts = 50;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){srv[1].url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "f.T/Tx", .idempotency_key = "k-tx"};
+    idem_result r;
+    idem_code code = idem_client_call(c, &q, &r);
+    cr_expect_eq(code, IDEM_OK, "the retry on B did not run: %s %s", idem_code_name(code),
+                 r.message);
+    idem_result_clear(&r);
+    idem_client_close(c);
+    gate_open();
+    pthread_join(first.t, NULL);
+    cr_expect_neq(first.code, IDEM_OK, "A answered OK from a transaction the database ended");
+    stop_instances(2);
+    cr_expect_eq(atomic_load(&tx_runs), 2, "one run ended by the database, one that committed");
 }

@@ -134,6 +134,10 @@ char *idem__strdup(const char *s);
 /* Handler transactions (txn.h), backend-neutral: begin; then either abort, or write the COMPLETED
  * record into the same txn and commit both (the txn is freed either way). */
 idem_code idem__store_txn_begin(idem_store *st, idem_txn **out);
+/* The same for a handler that holds its claim in the txn: a session left idle in it for
+ * idle_ms (its process stopped, or cut off) is ended by the database, so that a stopped
+ * instance holds the key for a bounded time (PostgreSQL; 0: the default, 5 min). */
+idem_code idem__store_txn_begin_idle(idem_store *st, uint64_t idle_ms, idem_txn **out);
 void idem__store_txn_abort(idem_txn *t);
 /* Commits the business writes alone (no idempotency record); frees t. */
 idem_code idem__store_txn_commit(idem_txn *t);

@@ -266,14 +266,19 @@ bool idem__store_has(const idem_store *st, unsigned cap)
 
 /* ---- handler transactions, on backends with IDEM__STORE_CAP_TXN ---- */
 
-idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
+idem_code idem__store_txn_begin_idle(idem_store *st, uint64_t idle_ms, idem_txn **out)
 {
     *out = NULL;
     if (!idem__store_has(st, IDEM__STORE_CAP_TXN)) {
         return idem__err(IDEM_UNIMPLEMENTED, "the %s store has no handler transactions",
                          st->ops->name);
     }
-    return st->ops->txn_begin(st, out);
+    return st->ops->txn_begin(st, idle_ms, out);
+}
+
+idem_code idem__store_txn_begin(idem_store *st, idem_txn **out)
+{
+    return idem__store_txn_begin_idle(st, 0, out);
 }
 
 static const idem_store_ops *ops_of(const idem_txn *t)

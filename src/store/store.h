@@ -77,7 +77,9 @@ typedef struct idem_store_ops {
     idem_code (*foreach)(idem_store *st, idem_store_visit_fn fn, void *arg);
     void (*close)(idem_store *st);
     /* IDEM__STORE_CAP_TXN only (see idem__store_txn_* in internal.h). */
-    idem_code (*txn_begin)(idem_store *st, idem_txn **out);
+    /* idle_ms: how long the database lets the txn's session sit idle in it (0: the
+     * backend's default); LMDB has no sessions to end. */
+    idem_code (*txn_begin)(idem_store *st, uint64_t idle_ms, idem_txn **out);
     void (*txn_abort)(idem_txn *t);
     idem_code (*txn_commit)(idem_txn *t);
     idem_code (*txn_complete_commit)(idem_txn *t, const idem_key_ref *ref, uint64_t owner,

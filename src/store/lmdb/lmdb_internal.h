@@ -186,7 +186,7 @@ idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx
 /* A write txn of this thread's own, outside group commit (a handler txn, a sweep): asks
  * an open shared batch to commit first, then waits for LMDB's writer lock. */
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn);
-idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out);
+idem_code idem__lmdb_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out);
 void idem__lmdb_txn_abort(idem_txn *t);
 idem_code idem__lmdb_txn_commit(idem_txn *t);
 idem_code idem__lmdb_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,

@@ -183,8 +183,9 @@ static idem_code store_dbi(lmdb_store *st, const char *db, MDB_dbi *dbi)
     return IDEM_OK;
 }
 
-idem_code idem__lmdb_txn_begin(idem_store *base, idem_txn **out)
+idem_code idem__lmdb_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out)
 {
+    (void)idle_ms; /* one process's lock: it goes with the process */
     lmdb_store *st = (lmdb_store *)base;
     if (thread_write_txn != NULL) {
         return nested_write();

@@ -176,7 +176,7 @@ idem_code idem__pg_token_consume(idem_store *base, const char *token, const char
                                  uint64_t now_ms);
 
 /* txn.c */
-idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out);
+idem_code idem__pg_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out);
 void idem__pg_txn_abort(idem_txn *t);
 idem_code idem__pg_txn_commit(idem_txn *t);
 idem_code idem__pg_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,

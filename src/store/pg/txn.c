@@ -37,7 +37,7 @@ typedef struct pg_txn {
 } pg_txn;
 
 #define SAVEPOINT_NAME "idem_claimed"
-#define HANDLER_IDLE_MS "300000" /* the server's default max_run_ms, 5 min */
+#define HANDLER_IDLE_MS 300000ull /* the server's default max_run_ms, 5 min */
 
 static pg_txn *pg_txn_of(idem_txn *t)
 {
@@ -61,8 +61,9 @@ static void txn_free(pg_txn *t)
     free(t);
 }
 
-idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out)
+idem_code idem__pg_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out)
 {
+    char begin[192];
     pg_store *st = (pg_store *)base;
     if (thread_in_txn) {
         return idem__err(IDEM_FAILED_PRECONDITION,
@@ -81,14 +82,16 @@ idem_code idem__pg_txn_begin(idem_store *base, idem_txn **out)
     t->head.ops = &idem__pg_ops;
     t->st = st;
     thread_in_txn = true;
-    /* A handler that hangs (or whose host vanished) must not hold its claim, its row
-     * locks and this connection for ever: PostgreSQL ends a session idle in a
-     * transaction for HANDLER_IDLE_MS; its commit then fails and the retry runs. */
-    if ((code = idem__pg_exec_simple(
-             t->slot,
-             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = " HANDLER_IDLE_MS
-             "; SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")) !=
-        IDEM_OK) {
+    /* A handler that hangs, or whose process stopped or was cut off, must not hold its
+     * claim, its row locks and this connection for ever: PostgreSQL ends a session idle
+     * in a transaction for idle_ms (a claim's lease; HANDLER_IDLE_MS without one), its
+     * commit then fails and the retry runs. The handler's own SQL is bounded by the
+     * handler: no statement or lock timeout. */
+    snprintf(begin, sizeof(begin),
+             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = %llu;"
+             " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0",
+             (unsigned long long)(idle_ms ? idle_ms : HANDLER_IDLE_MS));
+    if ((code = idem__pg_exec_simple(t->slot, begin)) != IDEM_OK) {
         txn_free(t);
         return code;
     }
