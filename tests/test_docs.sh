@@ -18,6 +18,9 @@
 # Only `word/word` pairs whose name has an underscore or a `*` are citations (test names
 # are snake_case sentences), and not paths of the tree (src/…, bench/…).
 # The check first proves it can fail: a made-up citation must be reported.
+# And one version: CHANGELOG.md lists meson.build's ($IDEMRPC_VERSION) and the documents
+# name its soname ($IDEMRPC_SOVERSION), as the tools and the .pc do (test_tools.sh,
+# test_install.sh).
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: test_docs.sh SRCDIR" >&2; exit 2; }
 src=$1
@@ -128,7 +131,22 @@ if ! check_files "${docs[@]}" >"$work/out"; then
     echo "FAIL: documents cite tests that do not exist (above)" >&2
     exit 1
 fi
+# One version: CHANGELOG.md has a release of meson.build's version, and the documents
+# name the current soname (docs/upgrading.md and CHANGELOG.md tell the history too).
+: "${IDEMRPC_VERSION:?the docs test needs IDEMRPC_VERSION and IDEMRPC_SOVERSION (tests/meson.build)}"
+: "${IDEMRPC_SOVERSION:?the docs test needs IDEMRPC_SOVERSION (tests/meson.build)}"
+grep -qF "## [$IDEMRPC_VERSION]" "$src/CHANGELOG.md" ||
+    { echo "FAIL: CHANGELOG.md has no '## [$IDEMRPC_VERSION]' (meson.build's version)" >&2; exit 1; }
+for f in "${docs[@]}"; do
+    [ "$f" = "$src/docs/upgrading.md" ] && continue
+    if grep -oP 'libidemrpc\.so\.\K[0-9]+' "$f" | grep -vqx "$IDEMRPC_SOVERSION"; then
+        echo "FAIL: ${f#"$src/"} names a soname other than libidemrpc.so.$IDEMRPC_SOVERSION" >&2
+        exit 1
+    fi
+done
+
 n=$(for f in "${docs[@]}"; do
     grep -oP '(?<![A-Za-z0-9_./:*-])[a-z][a-z0-9_]*(/|::)[A-Za-z0-9_*]*(_|\*)[A-Za-z0-9_*]*(?![A-Za-z0-9_.*/:-])' "$f"
 done | sort -u | wc -l)
-echo "test_docs: ${#docs[@]} documents, $n distinct citations, every one names a test"
+echo "test_docs: ${#docs[@]} documents, $n distinct citations, every one names a test;" \
+    "version $IDEMRPC_VERSION, soname $IDEMRPC_SOVERSION"
