@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What `meson install` puts on disk is enough to use idemrpc (README "Use it from your
+# What `meson install` puts on disk is enough to use idemrpc (docs/guide.md, "Use it from your
 # project"): the headers, idemrpc.pc (no absolute library paths), the wire contract
 # under share/idemrpc/, tools that run without LD_LIBRARY_PATH, and examples/consumer
 # builds with meson and with make through pkg-config and runs.
@@ -29,6 +29,21 @@ bin=$prefix/bin
 grep -q '^Libs:.*-lidemrpc' "$pc" || fail "Libs: $(grep '^Libs:' "$pc")"
 grep -q '^Libs.private:.*-lnng' "$pc" || fail "no -lnng: $(grep '^Libs.private:' "$pc")"
 grep -E '^Libs.*(/[^ ]*\.(so|a)\b)' "$pc" && fail "absolute library path in idemrpc.pc"
+
+# One version (meson.build, given as IDEMRPC_VERSION and IDEMRPC_SOVERSION): the .pc's,
+# the installed library's soname, what the installed tools print.
+if [ -n "${IDEMRPC_VERSION:-}" ]; then
+    : "${IDEMRPC_SOVERSION:?IDEMRPC_VERSION comes with IDEMRPC_SOVERSION (tests/meson.build)}"
+    grep -qx "Version: $IDEMRPC_VERSION" "$pc" || fail "idemrpc.pc: $(grep '^Version:' "$pc")"
+    lib=$(find "$dest/root" -name "libidemrpc.so.$IDEMRPC_SOVERSION" | head -n 1)
+    [ -n "$lib" ] || fail "no libidemrpc.so.$IDEMRPC_SOVERSION installed"
+    objdump -p "$lib" | grep -q "SONAME *libidemrpc.so.$IDEMRPC_SOVERSION\$" ||
+        fail "soname: $(objdump -p "$lib" | grep SONAME)"
+    for tool in idemrpc-demo idemrpc-call idemctl; do
+        [ "$("$bin/$tool" --version)" = "$tool $IDEMRPC_VERSION" ] ||
+            fail "installed $tool --version: $("$bin/$tool" --version)"
+    done
+fi
 
 # An installed tool finds the installed library through its RUNPATH.
 sock=ipc://$dest/demo.sock

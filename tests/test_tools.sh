@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The command-line contract of every program (tools/cli.h): --help prints the usage on
-# stdout and exits 0 without doing anything else; an unknown option, a stray argument,
+# stdout and exits 0 without doing anything else (and the installed tools' --version
+# prints "NAME VERSION"); an unknown option, a stray argument,
 # a missing value or a bad number exits 2 with the usage on stderr and names what was
 # wrong. "Every" is checked: each executable() of bench/ and tools/ meson.build, and
 # each script there, must be one of the programs given.
@@ -52,6 +53,18 @@ for prog in "${programs[@]}"; do
     *) grep -q -- stray-word "$work/err" || fail "$name does not name the stray argument" ;;
     esac
 done
+
+# --version: the installed tools print "NAME VERSION" (meson.build's, $IDEMRPC_VERSION)
+# on stdout and exit 0; idemrpc-call also after its positional arguments.
+: "${IDEMRPC_VERSION:?the tools test needs IDEMRPC_VERSION (tests/meson.build sets it)}"
+for prog in "$demo" "$call" "$ctl"; do
+    name=$(basename "$prog")
+    expect 0 "^$name $IDEMRPC_VERSION\$" out "$prog" --version
+    if [ "$(wc -l <"$work/out")" != 1 ] || [ -s "$work/err" ]; then
+        fail "$name --version: $(cat "$work/out" "$work/err")"
+    fi
+done
+expect 0 "^idemrpc-call $IDEMRPC_VERSION\$" out "$call" tcp://127.0.0.1:1 demo.Counter/Add 5 --version
 
 # Bad numbers and missing values name their option.
 expect 2 "--delay-ms" err "$demo" --delay-ms 10x

@@ -24,3 +24,12 @@ bool cli_parse_u64(const char *prog, const char *opt, const char *arg, uint64_t 
             arg, min, max);
     return false;
 }
+
+#ifndef IDEMRPC_VERSION
+#error "IDEMRPC_VERSION comes from meson.build (tools/meson.build)"
+#endif
+
+void cli_print_version(const char *prog)
+{
+    printf("%s %s\n", prog, IDEMRPC_VERSION);
+}

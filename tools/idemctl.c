@@ -46,7 +46,8 @@ static void usage(FILE *f)
                "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n"
                "  options may come before or after the command; --limit defaults to 100;\n"
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
-               "  records by the key digest of a log line (key=HEX, a SHA-256 prefix)\n");
+               "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
+               "  idemctl --version prints the version\n");
 }
 
 /* The positional arguments each command takes after its name. */
@@ -131,26 +132,33 @@ static bool parse_option(int opt, const char *v, args *a)
     }
 }
 
+/* The long options of parse. */
+static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
+                                      {"caller", required_argument, NULL, 'c'},
+                                      {"state", required_argument, NULL, 's'},
+                                      {"limit", required_argument, NULL, 'n'},
+                                      {"json", no_argument, NULL, 'j'},
+                                      {"force", no_argument, NULL, 'f'},
+                                      {"expired", no_argument, NULL, 'e'},
+                                      {"digest", required_argument, NULL, 'g'},
+                                      {"help", no_argument, NULL, 'h'},
+                                      {"version", no_argument, NULL, CLI_OPT_VERSION},
+                                      {NULL, 0, NULL, 0}};
+
 /* Options and positional arguments in any order (getopt_long's "-" mode hands the
  * positionals over in place, whatever POSIXLY_CORRECT says); after "--" all are
  * positional. True to run; false with *status the exit status (0 after --help, 2
  * after a usage error). */
 static bool parse(int argc, char **argv, args *a, int *status)
 {
-    static const struct option longs[] = {
-        {"db", required_argument, NULL, 'd'},    {"caller", required_argument, NULL, 'c'},
-        {"state", required_argument, NULL, 's'}, {"limit", required_argument, NULL, 'n'},
-        {"json", no_argument, NULL, 'j'},        {"force", no_argument, NULL, 'f'},
-        {"expired", no_argument, NULL, 'e'},     {"digest", required_argument, NULL, 'g'},
-        {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0}};
     const char *pos[4] = {0};
     int npos = 0, opt;
 
     *a = (args){.caller = "", .limit = 100};
     *status = CLI_USAGE_ERROR;
     while ((opt = getopt_long(argc, argv, "-h", longs, NULL)) != -1) {
-        if (opt == 'h') {
-            usage(stdout);
+        if (opt == 'h' || opt == CLI_OPT_VERSION) {
+            opt == 'h' ? usage(stdout) : cli_print_version("idemctl");
             *status = 0;
             return false;
         }

@@ -28,7 +28,8 @@ static void usage(FILE *f)
                "  --timeout-ms N  one attempt's reply wait (default 2000)\n"
                "  --tls-ca FILE   tls+tcp:// URLs: the CA of the server's certificate (PEM)\n"
                "  --tls-cert FILE this client's certificate and key (PEM)\n"
-               "  --tls-server-name NAME  the name the server's certificate must carry\n");
+               "  --tls-server-name NAME  the name the server's certificate must carry\n"
+               "  idemrpc-call --version prints the version\n");
 }
 
 /* The three positional arguments are taken by place, so that a payload such as "-5"
@@ -47,11 +48,17 @@ static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *op
                                           {"tls-cert", required_argument, NULL, 'e'},
                                           {"tls-server-name", required_argument, NULL, 'n'},
                                           {"help", no_argument, NULL, 'h'},
+                                          {"version", no_argument, NULL, CLI_OPT_VERSION},
                                           {NULL, 0, NULL, 0}};
     uint64_t ms;
     int opt;
 
     *status = CLI_USAGE_ERROR;
+    if (argc >= 2 && strcmp(argv[1], "--version") == 0) {
+        cli_print_version("idemrpc-call");
+        *status = 0;
+        return false;
+    }
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         usage(stdout);
         *status = 0;
@@ -106,6 +113,10 @@ static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *op
             break;
         case 'h':
             usage(stdout);
+            *status = 0;
+            return false;
+        case CLI_OPT_VERSION:
+            cli_print_version("idemrpc-call");
             *status = 0;
             return false;
         default:

@@ -197,7 +197,8 @@ static void usage(FILE *f)
                "  --tls-client-ca FILE  the CA whose clients may connect (PEM)\n"
                "  --tls-caller NAME     the caller every such client is\n"
                "  Without these, callers are taken as they name themselves: trusted network\n"
-               "  only (README \"Security\").\n");
+               "  only (docs/security.md).\n"
+               "  --version      print the version and exit\n");
 }
 
 static bool parse_level(const char *s, idem_log_level *out)
@@ -388,13 +389,14 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
                                           {"tls-client-ca", required_argument, NULL, 'A'},
                                           {"tls-caller", required_argument, NULL, 'N'},
                                           {"help", no_argument, NULL, 'h'},
+                                          {"version", no_argument, NULL, CLI_OPT_VERSION},
                                           {NULL, 0, NULL, 0}};
     int opt;
 
     *status = CLI_USAGE_ERROR;
     while ((opt = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (opt == 'h') {
-            usage(stdout);
+        if (opt == 'h' || opt == CLI_OPT_VERSION) {
+            opt == 'h' ? usage(stdout) : cli_print_version("idemrpc-demo");
             *status = 0;
             return false;
         }

@@ -1,4 +1,4 @@
-/* A program built against an installed idemrpc (README "Use it from your project"): a
+/* A program built against an installed idemrpc (docs/guide.md, "Use it from your project"): a
  * server with one cached method on inproc://, called twice with one key through
  * idem_client. The second call replays the first answer instead of running again.
  *   consumer [LMDB_DIR]      (default ./consumer-db, created if missing) */
