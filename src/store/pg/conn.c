@@ -467,3 +467,17 @@ idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, Exec
         }
     }
 }
+
+/* Runs a statement that must change exactly one row; else_code when it changed none. */
+idem_code idem__pg_exec_one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code else_code,
+                                const char *else_msg)
+{
+    PGresult *r;
+    idem_code code = idem__pg_exec_pooled(st, s, a, PGRES_COMMAND_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool changed = strcmp(PQcmdTuples(r), "1") == 0;
+    PQclear(r);
+    return changed ? IDEM_OK : idem__err(else_code, "%s", else_msg);
+}

@@ -1,7 +1,7 @@
 /* The PostgreSQL backend's parts: store_pg.c the statements and the single-statement
  * operations; conn.c the pool and bounded statements; claim.c the claim and token
- * consumption; txn.c handler transactions and business key-value data; listen.c
- * completion announcements. */
+ * consumption; renew.c lease renewals; admin.c the sweep, counts and walks; txn.c handler
+ * transactions and business key-value data; listen.c completion announcements. */
 #ifndef IDEMRPC_STORE_PG_INTERNAL_H
 #define IDEMRPC_STORE_PG_INTERNAL_H
 
@@ -34,13 +34,13 @@ typedef struct pg_listener pg_listener;
 typedef struct pg_store {
     idem_store base; /* first */
     char *conninfo;
-    bool notify;       /* announce completions (NOTIFY) and hear others' (LISTEN) */
-    bool pooler;       /* transaction pooling: unnamed statements, no session state */
+    bool notify; /* announce completions (NOTIFY) and hear others' (LISTEN) */
+    bool pooler; /* transaction pooling: unnamed statements, no session state */
     uint32_t stmt_ms, lock_ms, reconnect_ms;
-    uint64_t reconnects; /* atomic */
+    uint64_t reconnects;   /* atomic */
     char session_sql[256]; /* the session's keepalives and bounds (not through a pooler) */
     char txn_sql[128];     /* BEGIN with the same bounds, transaction-local */
-    bool schema_ready; /* the tables exist (checked by this store's first connection) */
+    bool schema_ready;     /* the tables exist (checked by this store's first connection) */
     pthread_mutex_t mu;
     pthread_cond_t cv; /* a connection was returned */
     pool_slot *pool;
@@ -157,14 +157,28 @@ idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enu
                              const pg_args *a2, PGresult **r1, PGresult **r2);
 idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
                                PGresult **out);
+/* A pooled statement that must change exactly one row; else_code (else_msg) when it
+ * changed none. */
+idem_code idem__pg_exec_one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code else_code,
+                                const char *else_msg);
+
+/* renew.c */
+idem_code idem__pg_renew(idem_store *base, const idem_key_ref *key, uint64_t owner,
+                         uint64_t lease_until_ms, uint64_t now_ms);
+idem_code idem__pg_renew_batch(idem_store *base, idem__renewal *r, size_t n);
+
+/* admin.c */
+idem_code idem__pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
+idem_code idem__pg_stats(idem_store *base, idem_store_stats *out);
+idem_code idem__pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 
 /* store_pg.c */
 idem_code idem__pg_schema_ensure(pool_slot *pc);
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col);
 /* Runs S_COMPLETE on pc; IDEM_ABORTED when the claim is not (key, owner) any more. */
-idem_code idem__pg_complete_on(pg_store *st, pool_slot *pc, const idem_key_ref *key,
-                               uint64_t owner, const void *response, size_t len,
-                               uint64_t expires_ms, uint64_t now_ms);
+idem_code idem__pg_complete_on(pg_store *st, pool_slot *pc, const idem_key_ref *key, uint64_t owner,
+                               const void *response, size_t len, uint64_t expires_ms,
+                               uint64_t now_ms);
 
 /* claim.c */
 /* The claim's statements inside an open transaction; *got is the claimed row. */

@@ -27,8 +27,6 @@
 
 #include "pg_internal.h"
 
-#define FOREACH_PAGE 500
-
 #define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 #define SWEEPNOW "(extract(epoch FROM statement_timestamp()) * 1000)::bigint + $1::bigint"
 #define REC_COLS                                                                                   \
@@ -232,20 +230,6 @@ idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *
 
 /* ---- single-statement operations ---- */
 
-/* Runs a statement that must change exactly one row; else_code when it changed none. */
-static idem_code pooled_exec_one_row(pg_store *st, enum stmt s, const pg_args *a,
-                                     idem_code else_code, const char *else_msg)
-{
-    PGresult *r;
-    idem_code code = idem__pg_exec_pooled(st, s, a, PGRES_COMMAND_OK, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    bool changed = strcmp(PQcmdTuples(r), "1") == 0;
-    PQclear(r);
-    return changed ? IDEM_OK : idem__err(else_code, "%s", else_msg);
-}
-
 #define CLAIM_LOST "claim lost: the record is gone or owned by another claim"
 
 /* The count of d from an ANNOUNCE statement. */
@@ -305,105 +289,11 @@ static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t 
     return code != IDEM_OK ? code : announced_one(r);
 }
 
-static idem_code pg_renew(idem_store *base, const idem_key_ref *key, uint64_t owner,
-                          uint64_t lease_until_ms, uint64_t now_ms)
-{
-    pg_args a = {0};
-    arg_key(&a, key);
-    arg_i64(&a, owner);
-    arg_i64(&a, lease_until_ms - now_ms);
-    return pooled_exec_one_row((pg_store *)base, S_RENEW, &a, IDEM_ABORTED, CLAIM_LOST);
-}
-
-/* Writes x as a quoted element of an array literal. */
-static void array_put(FILE *f, bool first, const char *x)
-{
-    fputs(first ? "{\"" : ",\"", f);
-    for (; *x != '\0'; x++) {
-        if (*x == '"' || *x == '\\') {
-            fputc('\\', f);
-        }
-        fputc(*x, f);
-    }
-    fputc('"', f);
-}
-
-/* The five array literals of S_RENEW_BATCH for r[0..n), malloc'd into col. */
-static bool renew_arrays(char *col[5], const idem__renewal *r, size_t n)
-{
-    size_t len[5];
-    FILE *f[5];
-    bool ok = true;
-    for (int c = 0; c < 5; c++) {
-        ok = (f[c] = open_memstream(&col[c], &len[c])) != NULL && ok;
-    }
-    for (size_t i = 0; ok && i < n; i++) {
-        char owner[24], lease[24];
-        snprintf(owner, sizeof(owner), "%lld", (long long)r[i].owner);
-        snprintf(lease, sizeof(lease), "%lld", (long long)(r[i].lease_until_ms - r[i].now_ms));
-        array_put(f[0], i == 0, r[i].key.caller != NULL ? r[i].key.caller : "");
-        array_put(f[1], i == 0, r[i].key.method);
-        array_put(f[2], i == 0, r[i].key.key);
-        array_put(f[3], i == 0, owner);
-        array_put(f[4], i == 0, lease);
-    }
-    for (int c = 0; c < 5; c++) {
-        if (f[c] != NULL) {
-            fputc('}', f[c]);
-            ok = fclose(f[c]) == 0 && ok;
-        }
-    }
-    return ok;
-}
-
-/* One round trip, its connection and its answer bounded by half the shortest lease (a
- * renewal later than that is of little use): rows another session holds are skipped
- * and tried again next round. */
-static idem_code pg_renew_batch(idem_store *base, idem__renewal *r, size_t n)
-{
-    pg_store *st = (pg_store *)base;
-    char *col[5] = {0};
-    pg_args a = {0};
-    uint64_t shortest = UINT64_MAX;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t lease = r[i].lease_until_ms - r[i].now_ms;
-        shortest = lease < shortest ? lease : shortest;
-        r[i].code = IDEM_ABORTED; /* unless the answer has the row */
-    }
-    idem_code code =
-        renew_arrays(col, r, n) ? IDEM_OK : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    for (int c = 0; c < 5; c++) {
-        arg_text(&a, col[c] != NULL ? col[c] : "{}");
-    }
-    pool_slot *pc;
-    PGresult *res = NULL;
-    uint32_t bound = shortest / 2 < st->stmt_ms ? (uint32_t)(shortest / 2) + 1 : st->stmt_ms;
-    if (code == IDEM_OK && (code = idem__pg_pool_get_within(st, bound, &pc)) == IDEM_OK) {
-        pc->bound_ms = bound;
-        res = idem__pg_exec(pc, S_RENEW_BATCH, &a, PGRES_TUPLES_OK, &code);
-        idem__pg_pool_put(st, pc);
-    }
-    for (int c = 0; c < 5; c++) {
-        free(col[c]);
-    }
-    for (size_t i = 0; code != IDEM_OK && i < n; i++) {
-        r[i].code = code; /* not tried, or no answer: not renewed this time */
-    }
-    for (int row = 0; res != NULL && row < PQntuples(res); row++) {
-        int64_t i = idem__pg_col_i64(res, row, 0) - 1;
-        if (i >= 0 && (size_t)i < n) {
-            r[i].code = *PQgetvalue(res, row, 1) ? IDEM_OK : IDEM_UNAVAILABLE;
-        }
-    }
-    PQclear(res);
-    return IDEM_OK;
-}
-
 static idem_code pg_delete(idem_store *base, const idem_key_ref *key)
 {
     pg_args a = {0};
     arg_key(&a, key);
-    return pooled_exec_one_row((pg_store *)base, S_DELETE, &a, IDEM_NOT_FOUND, "no record");
+    return idem__pg_exec_one_row((pg_store *)base, S_DELETE, &a, IDEM_NOT_FOUND, "no record");
 }
 
 static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *rec)
@@ -421,38 +311,6 @@ static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *
     return code;
 }
 
-/* S_SWEEP_KV takes only the limit. */
-static idem_code sweep_table(pg_store *st, enum stmt s, uint64_t now_ms, size_t max,
-                             size_t *deleted)
-{
-    pg_args a = {0};
-    PGresult *r;
-    if (s != S_SWEEP_KV) {
-        arg_i64(&a, now_ms - idem__now_ms()); /* a shift of the database clock */
-    }
-    arg_i64(&a, max);
-    idem_code code = idem__pg_exec_pooled(st, s, &a, PGRES_COMMAND_OK, &r);
-    if (code == IDEM_OK) {
-        *deleted += strtoul(PQcmdTuples(r), NULL, 10);
-        PQclear(r);
-    }
-    return code;
-}
-
-static idem_code pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted)
-{
-    pg_store *st = (pg_store *)base;
-    idem_code code = sweep_table(st, S_SWEEP_RECORDS, now_ms, max, deleted);
-    if (code == IDEM_OK && *deleted < max) {
-        code = sweep_table(st, S_SWEEP_TOKENS, now_ms, max - *deleted, deleted);
-    }
-    if (code == IDEM_OK && *deleted < max) {
-        size_t empty = 0; /* not records or tokens: not counted */
-        code = sweep_table(st, S_SWEEP_KV, now_ms, max - *deleted, &empty);
-    }
-    return code;
-}
-
 static idem_code pg_token_put(idem_store *base, const char *token, const char *scope,
                               uint64_t expires_ms, uint64_t now_ms)
 {
@@ -460,59 +318,8 @@ static idem_code pg_token_put(idem_store *base, const char *token, const char *s
     arg_text(&a, token);
     arg_text(&a, scope);
     arg_i64(&a, expires_ms - now_ms);
-    return pooled_exec_one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS,
-                               "token exists");
-}
-
-static idem_code pg_stats(idem_store *base, idem_store_stats *out)
-{
-    PGresult *r;
-    idem_code code = idem__pg_exec_pooled((pg_store *)base, S_STATS, NULL, PGRES_TUPLES_OK, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    if (PQntuples(r) == 1) {
-        out->records = (size_t)idem__pg_col_i64(r, 0, 0);
-        out->in_progress = (size_t)idem__pg_col_i64(r, 0, 1);
-        out->completed = (size_t)idem__pg_col_i64(r, 0, 2);
-        out->tokens = (size_t)idem__pg_col_i64(r, 0, 3);
-    }
-    out->reconnects = __atomic_load_n(&((pg_store *)base)->reconnects, __ATOMIC_RELAXED);
-    PQclear(r);
-    return IDEM_OK;
-}
-
-/* Pages through the records in key order (keyset pagination, 500 per query). */
-static idem_code pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg)
-{
-    char caller[IDEM_MAX_CALLER + 1] = "", method[IDEM_MAX_METHOD + 1] = "",
-                                  key[IDEM_MAX_KEY + 1] = "";
-    for (;;) {
-        pg_args a = {0};
-        PGresult *r;
-        arg_key(&a, &(idem_key_ref){caller, method, key});
-        idem_code code = idem__pg_exec_pooled((pg_store *)base, S_PAGE, &a, PGRES_TUPLES_OK, &r);
-        if (code != IDEM_OK) {
-            return code;
-        }
-        int n = PQntuples(r);
-        bool go_on = n == FOREACH_PAGE;
-        for (int i = 0; i < n; i++) {
-            idem_record rec;
-            snprintf(caller, sizeof(caller), "%s", PQgetvalue(r, i, 0));
-            snprintf(method, sizeof(method), "%s", PQgetvalue(r, i, 1));
-            snprintf(key, sizeof(key), "%s", PQgetvalue(r, i, 2));
-            if (idem__pg_row_record(r, i, 3, &rec, false) == IDEM_OK &&
-                !fn(arg, &(idem_key_ref){caller, method, key}, &rec)) {
-                PQclear(r);
-                return IDEM_OK;
-            }
-        }
-        PQclear(r);
-        if (!go_on) {
-            return IDEM_OK;
-        }
-    }
+    return idem__pg_exec_one_row((pg_store *)base, S_TOKEN_PUT, &a, IDEM_ALREADY_EXISTS,
+                                 "token exists");
 }
 
 static void pg_close(idem_store *base)
@@ -537,15 +344,15 @@ const idem_store_ops idem__pg_ops = {
     .claim = idem__pg_claim,
     .complete = pg_complete,
     .release = pg_release,
-    .renew = pg_renew,
-    .renew_batch = pg_renew_batch,
+    .renew = idem__pg_renew,
+    .renew_batch = idem__pg_renew_batch,
     .get = pg_get,
     .del = pg_delete,
-    .sweep = pg_sweep,
+    .sweep = idem__pg_sweep,
     .token_put = pg_token_put,
     .token_consume = idem__pg_token_consume,
-    .stats = pg_stats,
-    .foreach = pg_foreach,
+    .stats = idem__pg_stats,
+    .foreach = idem__pg_foreach,
     .close = pg_close,
     .txn_begin = idem__pg_txn_begin,
     .txn_abort = idem__pg_txn_abort,
