@@ -18,6 +18,7 @@
 #define LEASE_MS 600
 
 static char schema[32], *conninfo;
+static size_t pool_of_a; /* instance A's pool_size when set (0: 8) */
 static tu_server srv[2];
 static idem_store *stores[2];
 static pgproxy *proxy;
@@ -70,6 +71,18 @@ static idem_code h_tx(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, "tx", 2);
 }
 
+/* Transactional, and holds its pooled connection for 2.5 s (within its 5 s lease). */
+static idem_code h_tx_long(idem_call *call, void *arg)
+{
+    (void)arg;
+    struct timespec ts = {2, 500000000L};
+    nanosleep(&ts, NULL); /* the handler's work, inside its transaction */
+    if (idem_txn_put(idem_call_txn(call), "tx", "long", 4, "v", 1) != IDEM_OK) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "%s", idem_errmsg());
+    }
+    return idem_call_reply(call, IDEM_OK, "tx", 2);
+}
+
 static idem_code h_plain(idem_call *call, void *arg)
 {
     atomic_fetch_add((atomic_int *)arg, 1);
@@ -80,6 +93,7 @@ static void setup(void)
 {
     conninfo = tu_pg_schema_create(schema);
     memset(&G, 0, sizeof(G));
+    pool_of_a = 0;
     atomic_store(&tx_runs, 0);
     pthread_mutex_init(&G.mu, NULL);
     pthread_cond_init(&G.cv, NULL);
@@ -104,7 +118,7 @@ static void start_instance(int i, size_t workers)
         cr_assert_gt(asprintf(&via, "%s host=127.0.0.1 port=%d", conninfo, pgproxy_port(proxy)), 0);
         ci = via;
     }
-    idem_pg_opts po = {.pool_size = 8,
+    idem_pg_opts po = {.pool_size = i == 0 && pool_of_a ? pool_of_a : 8,
                        .statement_timeout_ms = 2000,
                        .lock_timeout_ms = 300,
                        .pooler = tu_pg_pooler()};
@@ -125,6 +139,8 @@ static void start_instance(int i, size_t workers)
                  IDEM_OK);
     idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL, .lease_ms = LEASE_MS};
     cr_assert_eq(idem_server_register(srv[i].srv, "f.T/Tx", h_tx, NULL, &tx), IDEM_OK);
+    idem_method_opts txl = {.flags = IDEM_METHOD_TRANSACTIONAL, .lease_ms = 5000};
+    cr_assert_eq(idem_server_register(srv[i].srv, "f.T/TxLong", h_tx_long, NULL, &txl), IDEM_OK);
     tu_server_listen(&srv[i]);
 }
 
@@ -400,4 +416,49 @@ Test(pg_faults, a_stopped_transactional_claim_frees_its_key_after_a_lease)
     cr_expect_neq(first.code, IDEM_OK, "A answered OK from a transaction the database ended");
     stop_instances(2);
     cr_expect_eq(atomic_load(&tx_runs), 2, "one run ended by the database, one that committed");
+}
+
+/* Renewals have a connection of their own: a transactional handler that holds A's only
+ * pooled connection (the default pool_size) for longer than another call's lease does
+ * not stop that call's renewals, so B never takes the live call over. (Found in review:
+ * the live call ran twice.) */
+Test(pg_faults, renewals_do_not_wait_for_a_pooled_connection_a_handler_holds)
+{
+    pool_of_a = 1;
+    start_instance(0, 4);
+    start_instance(1, 4);
+    struct bg_call slow = {
+        .url = srv[0].url, .method = "f.T/Slow", .key = "k-starve", .deadline_ms = 20000};
+    bg_start(&slow);
+    cr_assert(await_entered(1));
+    struct bg_call txl = {
+        .url = srv[0].url, .method = "f.T/TxLong", .key = "k-long", .deadline_ms = 20000};
+    bg_start(&txl);
+    uint64_t until = idem__mono_ms() + 2500;
+    while (idem__mono_ms() < until) { /* duplicates on B while the pool is held */
+        cr_expect_neq(call_once(srv[1].url, "f.T/Slow", "k-starve", 300), IDEM_OK,
+                      "B answered a call that is still running");
+    }
+    gate_open();
+    pthread_join(slow.t, NULL);
+    pthread_join(txl.t, NULL);
+    cr_expect_eq(slow.code, IDEM_OK);
+    cr_expect_eq(txl.code, IDEM_OK);
+    stop_instances(2);
+    cr_expect_eq(atomic_load(&G.runs_slow), 1, "a live call ran again: its renewals waited");
+}
+
+/* Every session of the pool ended by the database (a restart, an administrator): the
+ * next call finds its connection broken before anything was sent, and runs on a new
+ * one instead of failing. */
+Test(pg_faults, a_call_after_the_database_ended_the_pools_sessions_runs)
+{
+    start_instance(0, 4);
+    gate_open();
+    cr_assert_eq(call_once(srv[0].url, "f.T/Other", "k-warm", 5000), IDEM_OK);
+    tu_pg_exec(conninfo, "DO $$ BEGIN PERFORM pg_terminate_backend(pid) FROM pg_stat_activity"
+                         " WHERE pid <> pg_backend_pid() AND datname = current_database() AND"
+                         " backend_type = 'client backend'; END $$");
+    cr_expect_eq(call_once(srv[0].url, "f.T/Other", "k-after", 5000), IDEM_OK);
+    stop_instances(1);
 }

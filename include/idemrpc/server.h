@@ -80,7 +80,11 @@ typedef struct idem_method_opts {
     void *extractor_arg;
     uint64_t result_ttl_ms;  /* 0 = server default (24 h) */
     uint64_t lease_ms;       /* 0 = server default (30 s): renewed every lease/3 while the
-                                handler runs, so only a dead or stuck owner loses it */
+                                handler runs, so only a dead or stuck owner loses it. A
+                                transactional handler on PostgreSQL holds its claim in its
+                                transaction instead: its session may sit idle in it (work
+                                between two statements) for at most lease_ms, after which
+                                the database ends it and the retry runs */
     uint32_t transient_mask; /* codes released instead of stored; 0 = IDEM_TRANSIENT_CODES */
     /* Longest run the lease is renewed for; past it the lease lapses and a retry may
      * take over. 0 = server default (5 min). */

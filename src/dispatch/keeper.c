@@ -12,8 +12,8 @@
  * lease: the store skips that row, and the keeper tries it again every lease/10.
  * A lease is held until valid_until, the moment its last successful renewal was asked
  * for plus the lease (the store's clock counts from later). Past it the entry has
- * lapsed, logged once: the owner must not treat the claim as held (idem__keeper_lost),
- * since another claimer may take it. The keeper goes on renewing: a renewal is
+ * lapsed, logged once: another claimer may take it from then on. idem__keeper_lost says
+ * so (a lock's fence check asks it); a call's completion is conditional on its owner. The keeper goes on renewing: a renewal is
  * conditional on the owner, so one that succeeds proves nobody took the key, and the
  * claim is held again. A renewal answered IDEM_ABORTED (the record was completed,
  * released or taken over meanwhile) stops the entry and marks it lost for good.
@@ -290,7 +290,9 @@ static void *keeper_main(void *arg)
         uint64_t now = idem__mono_ms();
         lapse_due(k, now);
         uint64_t next_wake = next_due(k, now);
-        if (renew_round(k, now) || record_due(k, now, &next_wake)) {
+        /* Both each time: steady renewals must not starve the outcomes recorded later. */
+        bool renewed = renew_round(k, now);
+        if (record_due(k, now, &next_wake) || renewed) {
             continue;
         }
         struct timespec ts;

@@ -203,7 +203,7 @@ static idem_code pooled_txn(pg_store *st, idem_code (*fn)(pool_slot *c, void *ar
         code = fn(pc, arg);
         if (code == IDEM_OK) {
             code = idem__pg_exec_simple(pc, "COMMIT");
-            *unknown = code != IDEM_OK && (pc->c == NULL || PQstatus(pc->c) != CONNECTION_OK);
+            *unknown = code != IDEM_OK && (pc->dead || PQstatus(pc->c) != CONNECTION_OK);
         } else {
             idem_errkeep keep;
             idem__err_keep(&keep);
@@ -228,8 +228,9 @@ static idem_code claim_fn(pool_slot *c, void *arg)
 }
 
 /* A claim whose COMMIT went unanswered: it took effect exactly when the row now holds
- * the owner it drew, IN_PROGRESS. Read (retrying a lost connection for reconnect_ms)
- * before anything is answered or run; IDEM_UNAVAILABLE when it cannot be told. */
+ * the owner it drew, IN_PROGRESS. Asked (retrying a lost connection for reconnect_ms)
+ * before anything is answered or run, and its lease started again, since the claim is
+ * older than its lease says; IDEM_UNAVAILABLE when it cannot be told. */
 static idem_code claim_committed(pg_store *st, const idem_claim_req *req, uint64_t owner,
                                  bool *committed)
 {
@@ -237,7 +238,8 @@ static idem_code claim_committed(pg_store *st, const idem_claim_req *req, uint64
     PGresult *r;
     arg_key(&a, &req->key);
     arg_i64(&a, owner);
-    idem_code code = idem__pg_exec_pooled(st, S_CLAIM_READ, &a, PGRES_TUPLES_OK, &r);
+    arg_i64(&a, req->lease_until_ms - req->now_ms);
+    idem_code code = idem__pg_exec_pooled(st, S_CLAIM_CONFIRM, &a, PGRES_TUPLES_OK, &r);
     if (code == IDEM_OK) {
         *committed = PQntuples(r) == 1;
         PQclear(r);
@@ -262,6 +264,8 @@ idem_code idem__pg_claim(idem_store *base, const idem_claim_req *req, idem_claim
                 return idem__err_put(&keep, code); /* cannot tell: the client retries */
             }
             code = committed ? IDEM_OK : code;
+        } else if (unknown && *outcome != 0) {
+            code = IDEM_OK; /* only read: the commit of nothing does not matter */
         }
         if (code == IDEM_OK && rec != NULL && mine) {
             *rec = a.got;

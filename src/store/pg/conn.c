@@ -88,9 +88,13 @@ static idem_code drop_unanswered(pool_slot *pc, const char *what)
                                "postgres %.120s: %s; the connection was dropped, and a write's "
                                "outcome is unknown",
                                what, broke ? "the connection broke" : "no answer in time");
-    PQfinish(pc->c);
-    pc->c = NULL;
+    pc->dead = true; /* closed when the slot is put back: a handler may hold the pointer */
     return code;
+}
+
+static bool slot_usable(const pool_slot *pc)
+{
+    return pc->c != NULL && !pc->dead;
 }
 
 static uint64_t slot_deadline(const pool_slot *pc)
@@ -148,9 +152,9 @@ static int send_stmt(const pool_slot *pc, enum stmt s, const pg_args *a)
 PGresult *idem__pg_exec(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusType want,
                         idem_code *code)
 {
-    if (pc->c == NULL || !send_stmt(pc, s, a)) {
-        *code = pc->c == NULL ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
-                              : drop_unanswered(pc, idem__pg_sql[s]);
+    if (!slot_usable(pc) || !send_stmt(pc, s, a)) {
+        *code = !slot_usable(pc) ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
+                                 : drop_unanswered(pc, idem__pg_sql[s]);
         return NULL;
     }
     PGresult *r = finish_query(pc, slot_deadline(pc), want, idem__pg_sql[s], code);
@@ -218,7 +222,7 @@ static idem_code simple_checked(PGconn *c, const char *sql, uint64_t deadline, b
 idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out)
 {
     bool lost;
-    if (pc->c == NULL) {
+    if (!slot_usable(pc)) {
         return idem__err(IDEM_UNAVAILABLE, "postgres: connection lost");
     }
     idem_code code = simple_checked(pc->c, sql, slot_deadline(pc), &lost, out);
@@ -243,10 +247,10 @@ idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enu
                              const pg_args *a2, PGresult **r1, PGresult **r2)
 {
     *r1 = *r2 = NULL;
-    if (pc->c == NULL || !PQenterPipelineMode(pc->c) || !send_stmt(pc, s1, a1) ||
+    if (!slot_usable(pc) || !PQenterPipelineMode(pc->c) || !send_stmt(pc, s1, a1) ||
         !send_stmt(pc, s2, a2) || !PQpipelineSync(pc->c)) {
-        return pc->c == NULL ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
-                             : drop_unanswered(pc, "pipeline send");
+        return !slot_usable(pc) ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
+                                : drop_unanswered(pc, "pipeline send");
     }
     uint64_t deadline = slot_deadline(pc);
     bool lost = false;
@@ -347,10 +351,12 @@ static idem_code prepare_all(pool_slot *pc)
 /* (Re)connects a pool slot: the session's bounds, the schema and the statements. */
 static idem_code slot_connect(pg_store *st, pool_slot *pc)
 {
-    if (pc->c != NULL && PQstatus(pc->c) == CONNECTION_OK) {
+    if (slot_usable(pc) && PQstatus(pc->c) == CONNECTION_OK) {
         return IDEM_OK;
     }
     PQfinish(pc->c);
+    pc->c = NULL;
+    pc->dead = false;
     idem_code code = idem__pg_connect(st->conninfo, NULL, st->pooler ? NULL : st->session_sql,
                                       pc->bound_ms, &pc->c);
     if (code != IDEM_OK) {
@@ -398,7 +404,8 @@ idem_code idem__pg_pool_get(pg_store *st, pool_slot **out)
 idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot **out)
 {
     struct timespec ts;
-    idem__abs_timespec(&ts, POOL_WAIT_MS);
+    uint32_t wait = within_ms < POOL_WAIT_MS ? (within_ms ? within_ms : 1) : POOL_WAIT_MS;
+    idem__abs_timespec(&ts, wait);
     pthread_mutex_lock(&st->mu);
     for (;;) {
         for (size_t i = 0; i < st->n; i++) {
@@ -419,19 +426,42 @@ idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot *
         }
         if (pthread_cond_timedwait(&st->cv, &st->mu, &ts) != 0) {
             pthread_mutex_unlock(&st->mu);
-            return idem__err(IDEM_UNAVAILABLE, "no postgres connection free for %d ms",
-                             POOL_WAIT_MS);
+            return idem__err(IDEM_UNAVAILABLE, "no postgres connection free for %u ms", wait);
         }
     }
 }
 
+/* A connection that went unanswered, or was left in a transaction or a pipeline (a
+ * failed ROLLBACK), is closed: the next get reconnects. */
+static void slot_settle(pool_slot *pc)
+{
+    if (pc->c != NULL && (pc->dead || PQtransactionStatus(pc->c) != PQTRANS_IDLE ||
+                          PQpipelineStatus(pc->c) != PQ_PIPELINE_OFF)) {
+        PQfinish(pc->c);
+        pc->c = NULL;
+        pc->dead = false;
+    }
+}
+
+idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out)
+{
+    pthread_mutex_lock(&st->renew_mu);
+    pool_slot *pc = &st->renew_slot;
+    pc->st = st;
+    pc->bound_ms = within_ms;
+    *out = pc;
+    return slot_connect_retrying(st, pc, within_ms);
+}
+
+void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc)
+{
+    slot_settle(pc);
+    pthread_mutex_unlock(&st->renew_mu);
+}
+
 void idem__pg_pool_put(pg_store *st, pool_slot *pc)
 {
-    if (pc->c != NULL && (PQtransactionStatus(pc->c) != PQTRANS_IDLE ||
-                          PQpipelineStatus(pc->c) != PQ_PIPELINE_OFF)) {
-        PQfinish(pc->c); /* reconnected by the next idem__pg_pool_get */
-        pc->c = NULL;
-    }
+    slot_settle(pc);
     pthread_mutex_lock(&st->mu);
     pc->busy = false;
     pthread_cond_signal(&st->cv);
@@ -443,7 +473,9 @@ void idem__pg_pool_put(pg_store *st, pool_slot *pc)
 idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
                                PGresult **out)
 {
-    bool read = s == S_GET || s == S_STATS || s == S_PAGE || s == S_KV_READ || s == S_KV_NEXT;
+    /* Reads, and S_CLAIM_CONFIRM (it only extends a lease this claim holds), may run twice. */
+    bool read = s == S_GET || s == S_STATS || s == S_PAGE || s == S_KV_READ || s == S_KV_NEXT ||
+                s == S_CLAIM_CONFIRM;
     uint64_t give_up = idem__mono_ms() + st->reconnect_ms;
     for (;;) {
         pool_slot *pc;
@@ -452,7 +484,7 @@ idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, Exec
             return code;
         }
         PGresult *r = idem__pg_exec(pc, s, a, want, &code);
-        bool dropped = r == NULL && (pc->c == NULL || PQstatus(pc->c) != CONNECTION_OK);
+        bool dropped = r == NULL && (!slot_usable(pc) || PQstatus(pc->c) != CONNECTION_OK);
         idem__pg_pool_put(st, pc);
         if (r != NULL) {
             if (out != NULL) {

@@ -19,11 +19,12 @@
 
 struct pg_store;
 
-/* One pooled connection; c is NULL after a statement got no answer (reconnected by the
- * next idem__pg_pool_get). */
+/* One pooled connection. dead: a statement got no answer in time and the connection is
+ * not used again (closed when the slot is put back, reconnected by the next get; a
+ * handler's idem_txn_pg_conn pointer stays valid until its txn ends). */
 typedef struct pool_slot {
     PGconn *c;
-    bool busy;
+    bool busy, dead;
     struct pg_store *st;
     uint32_t bound_ms; /* the client's bound on each statement; set by pool_get */
     bool opened;       /* a connection was made before: the next is a reconnect */
@@ -39,12 +40,16 @@ typedef struct pg_store {
     uint32_t stmt_ms, lock_ms, reconnect_ms;
     uint64_t reconnects;   /* atomic */
     char session_sql[256]; /* the session's keepalives and bounds (not through a pooler) */
-    char txn_sql[128];     /* BEGIN with the same bounds, transaction-local */
+    char txn_sql[192];     /* BEGIN with the same bounds, transaction-local */
     bool schema_ready;     /* the tables exist (checked by this store's first connection) */
     pthread_mutex_t mu;
     pthread_cond_t cv; /* a connection was returned */
     pool_slot *pool;
     size_t n;
+    /* The lease keeper's own connection (renew.c): renewals never wait for a pooled one
+     * that handlers hold. renew_mu: one round at a time (servers sharing the store). */
+    pool_slot renew_slot;
+    pthread_mutex_t renew_mu;
     pg_listener *listener; /* started by the first watch */
 } pg_store;
 
@@ -75,7 +80,7 @@ enum stmt {
     S_KV_NEXT,
     S_TXN_RECORD,
     S_RENEW_BATCH,
-    S_CLAIM_READ,
+    S_CLAIM_CONFIRM,
     S_COUNT
 };
 
@@ -136,8 +141,12 @@ idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
 /* A connected slot (reconnecting with backoff for up to reconnect_ms). */
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
-/* The same, reconnecting for at most within_ms. */
+/* The same, waiting and reconnecting for at most within_ms. */
 idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot **out);
+/* The renewal connection (st->renew_slot, under st->renew_mu), connected within within_ms;
+ * put back with idem__pg_renew_slot_put (also after a failure). */
+idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out);
+void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
 void idem__pg_pool_put(pg_store *st, pool_slot *slot);
 /* Statement s on pc, bounded by pc->bound_ms: its result, or NULL and *code (pc->c is

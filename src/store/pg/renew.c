@@ -87,10 +87,11 @@ idem_code idem__pg_renew_batch(idem_store *base, idem__renewal *r, size_t n)
     pool_slot *pc;
     PGresult *res = NULL;
     uint32_t bound = shortest / 2 < st->stmt_ms ? (uint32_t)(shortest / 2) + 1 : st->stmt_ms;
-    if (code == IDEM_OK && (code = idem__pg_pool_get_within(st, bound, &pc)) == IDEM_OK) {
-        pc->bound_ms = bound;
-        res = idem__pg_exec(pc, S_RENEW_BATCH, &a, PGRES_TUPLES_OK, &code);
-        idem__pg_pool_put(st, pc);
+    if (code == IDEM_OK) { /* its own connection: handlers may hold every pooled one */
+        if ((code = idem__pg_renew_slot_get(st, bound, &pc)) == IDEM_OK) {
+            res = idem__pg_exec(pc, S_RENEW_BATCH, &a, PGRES_TUPLES_OK, &code);
+        }
+        idem__pg_renew_slot_put(st, pc);
     }
     for (int c = 0; c < 5; c++) {
         free(col[c]);

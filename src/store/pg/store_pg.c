@@ -138,8 +138,11 @@ const char *const idem__pg_sql[S_COUNT] = {
         " method, key) WHERE r.caller = m.caller AND r.method = m.method AND r.key = m.key"
         " AND r.owner = m.owner AND r.state = 1 RETURNING m.i)"
         " SELECT m.i, m.i IN (SELECT i FROM u) FROM mine m",
-    /* Is the claim (key, owner) committed? (A COMMIT whose answer was lost.) */
-    [S_CLAIM_READ] = "SELECT 1 FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND state = 1",
+    /* Is the claim (key, owner) committed? (A COMMIT whose answer was lost.) If so its
+     * lease starts again from now ($5): the claim is older than its lease says. */
+    [S_CLAIM_CONFIRM] =
+        "UPDATE idem_records SET lease_until_ms = " DBNOW " + $5::bigint WHERE " KEY_WHERE
+        " AND owner = $4 AND state = 1 RETURNING 1",
 };
 
 /* Idempotent, serialised across instances by a transaction-scoped advisory lock
@@ -331,6 +334,10 @@ static void pg_close(idem_store *base)
             PQfinish(st->pool[i].c);
         }
     }
+    if (st->renew_slot.c != NULL) {
+        PQfinish(st->renew_slot.c);
+    }
+    pthread_mutex_destroy(&st->renew_mu);
     pthread_cond_destroy(&st->cv);
     pthread_mutex_destroy(&st->mu);
     free(st->pool);
@@ -393,17 +400,22 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     st->n = pool_size;
     st->pooler = opts->pooler;
     st->notify = !opts->no_notify && !opts->pooler;
+    /* Bounded to an hour: a poll() timeout and a margin must fit in an int. */
     st->stmt_ms = opts->statement_timeout_ms ? opts->statement_timeout_ms : 5000;
+    st->stmt_ms = st->stmt_ms > 3600000 ? 3600000 : st->stmt_ms;
     st->lock_ms = opts->lock_timeout_ms ? opts->lock_timeout_ms : 1000;
+    st->lock_ms = st->lock_ms > st->stmt_ms ? st->stmt_ms : st->lock_ms;
     /* The server's side of the keepalive (ignored on a Unix socket), and its bounds. */
     snprintf(st->session_sql, sizeof(st->session_sql),
              "SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
              " SET tcp_keepalives_count = 3; SET statement_timeout = %u; SET lock_timeout = %u",
              st->stmt_ms, st->lock_ms);
     snprintf(st->txn_sql, sizeof(st->txn_sql),
-             "BEGIN; SET LOCAL statement_timeout = %u; SET LOCAL lock_timeout = %u", st->stmt_ms,
-             st->lock_ms);
+             "BEGIN; SET LOCAL statement_timeout = %u; SET LOCAL lock_timeout = %u;"
+             " SET LOCAL idle_in_transaction_session_timeout = %u",
+             st->stmt_ms, st->lock_ms, st->stmt_ms);
     pthread_mutex_init(&st->mu, NULL);
+    pthread_mutex_init(&st->renew_mu, NULL);
     idem__cond_init(&st->cv);
     pool_slot *pc;
     idem_code code = idem__pg_pool_get(st, &pc); /* fail early on a bad conninfo */
@@ -415,6 +427,7 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     }
     idem__pg_pool_put(st, pc);
     st->reconnect_ms = opts->reconnect_ms ? opts->reconnect_ms : 10000; /* 0 while opening */
+    st->reconnect_ms = st->reconnect_ms > 3600000 ? 3600000 : st->reconnect_ms;
     *out = &st->base;
     return IDEM_OK;
 }

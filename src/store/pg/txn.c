@@ -166,8 +166,14 @@ idem_code idem__pg_txn_claim(idem_txn *base, const idem_claim_req *req, idem_cla
     pool_slot *c = t->slot;
     idem_record got;
     bool locked = false;
-    idem_code code = lock_key(c, &req->key, &locked);
-    if (code != IDEM_OK) {
+    char bounds[128];
+    /* The claim waits for no row lock longer than any claim does; the handler's own SQL,
+     * after the savepoint, is bounded by the handler. */
+    snprintf(bounds, sizeof(bounds),
+             "SET LOCAL statement_timeout = %u; SET LOCAL lock_timeout = %u", t->st->stmt_ms,
+             t->st->lock_ms);
+    idem_code code = idem__pg_exec_simple(c, bounds);
+    if (code != IDEM_OK || (code = lock_key(c, &req->key, &locked)) != IDEM_OK) {
         return code;
     }
     if (!locked) { /* another session's handler txn has it */
@@ -182,7 +188,8 @@ idem_code idem__pg_txn_claim(idem_txn *base, const idem_claim_req *req, idem_cla
         *rec = got;
         t->claimed = true;
         t->claim = req->key;
-        return idem__pg_exec_simple(c, "SAVEPOINT " SAVEPOINT_NAME);
+        return idem__pg_exec_simple(c, "SAVEPOINT " SAVEPOINT_NAME "; SET LOCAL statement_timeout"
+                                       " = 0; SET LOCAL lock_timeout = 0");
     }
     return IDEM_OK;
 }
