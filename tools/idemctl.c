@@ -24,6 +24,7 @@
 #include "cli.h"
 #include "json.h"
 #include "idemrpc.pb-c.h"
+#include "internal.h" /* idem__sha256 (src/supplemental, in the tools' helper library) */
 
 typedef struct args {
     const char *db, *cmd, *caller, *state, *method, *key;
@@ -31,9 +32,6 @@ typedef struct args {
     bool json, force, expired, caller_set;
     long limit;
 } args;
-
-/* SHA-256 (src/supplemental/sha256.c, compiled into the tools' helper library). */
-void idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
 
 static void usage(FILE *f)
 {
@@ -299,7 +297,10 @@ static void key_digest(const char *key, char hex[65])
 {
     uint8_t d[32];
     size_t len = strlen(key);
-    idem__sha256((const void *const[]){key}, &len, 1, d);
+    if (!idem__sha256((const void *const[]){key}, &len, 1, d)) {
+        snprintf(hex, 65, "%s", "unavailable"); /* only allocation fails */
+        return;
+    }
     for (int i = 0; i < 32; i++) {
         snprintf(hex + 2 * i, 3, "%02x", d[i]);
     }
