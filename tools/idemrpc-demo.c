@@ -297,6 +297,44 @@ static bool number_long(const char *opt, const char *v, long *out)
     return true;
 }
 
+/* One option about who may call and how (caller secrets, uids, TLS, the log level) and
+ * its value v; false on a bad value or an unknown option. */
+static bool parse_caller_option(int opt, const char *v, demo_args *a, idem_server_opts *o)
+{
+    switch (opt) {
+    case 'S':
+        return load_secrets(v, a);
+    case 'U':
+        return parse_uid(v, a);
+    case 'V':
+        o->require_verified_caller = true;
+        return true;
+    case 't':
+        a->tls_url = v;
+        return true;
+    case 'T':
+        a->https_url = v;
+        return true;
+    case 'C':
+        a->tls.cert_key_file = v;
+        return true;
+    case 'A':
+        a->tls.client_ca_file = v;
+        return true;
+    case 'N':
+        a->tls.caller = v;
+        return true;
+    case 'v':
+        if (!parse_level(v, &a->level)) {
+            fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
+            return false;
+        }
+        return true;
+    default:
+        return false; /* getopt_long said which option */
+    }
+}
+
 /* One option (getopt_long's opt) and its value v; false on a bad value. */
 static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts *o, demo *d)
 {
@@ -330,36 +368,8 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
         return number("--max-run-ms", v, &o->max_run_ms);
     case 'Q':
         return number("--http-request-timeout-ms", v, &o->http_request_timeout_ms);
-    case 'S':
-        return load_secrets(v, a);
-    case 'U':
-        return parse_uid(v, a);
-    case 'V':
-        o->require_verified_caller = true;
-        return true;
-    case 't':
-        a->tls_url = v;
-        return true;
-    case 'T':
-        a->https_url = v;
-        return true;
-    case 'C':
-        a->tls.cert_key_file = v;
-        return true;
-    case 'A':
-        a->tls.client_ca_file = v;
-        return true;
-    case 'N':
-        a->tls.caller = v;
-        return true;
-    case 'v':
-        if (!parse_level(v, &a->level)) {
-            fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
-            return false;
-        }
-        return true;
     default:
-        return false; /* getopt_long said which option */
+        return parse_caller_option(opt, v, a, o);
     }
 }
 
@@ -413,6 +423,69 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
     return true;
 }
 
+/* The shared stores the options name (PostgreSQL, Redis debounce), set into opts;
+ * false (after saying why) when one does not open. */
+static bool open_stores(const demo_args *a, idem_server_opts *opts, idem_store **shared,
+                        idem_debounce **debounce)
+{
+    if (a->store_url != NULL &&
+        idem_store_open_postgres(shared, a->store_url, opts->workers ? opts->workers : 16) !=
+            IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return false;
+    }
+    if (a->debounce_url != NULL &&
+        idem_debounce_create(debounce, a->debounce_url, 2000) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return false;
+    }
+    opts->store = *shared;
+    opts->debounce = *debounce;
+    return true;
+}
+
+/* The server with the demo's four methods, listening where the options say; false
+ * (after saying why) on any failure. */
+static bool start_server(idem_server **srv, const demo_args *a, const idem_server_opts *opts,
+                         demo *d)
+{
+    idem_method_opts add = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_DEBOUNCE};
+    idem_method_opts notify = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
+                               .extractor = notify_key,
+                               .fingerprint = notify_fingerprint};
+    if (idem_server_create(srv, opts) != IDEM_OK ||
+        idem_server_register(*srv, "demo.Counter/Add", counter_add, d, &add) != IDEM_OK ||
+        idem_server_register(*srv, "demo.Counter/Get", counter_get, d, NULL) != IDEM_OK ||
+        idem_server_register(*srv, "demo.Order/Submit", order_submit, d, &submit) != IDEM_OK ||
+        idem_server_register(*srv, "demo.Pay/Notify", pay_notify, d, &notify) != IDEM_OK ||
+        idem_server_listen(*srv, a->listen) != IDEM_OK ||
+        (a->tls_url != NULL && idem_server_listen_tls(*srv, a->tls_url, &a->tls) != IDEM_OK) ||
+        (a->https_url != NULL &&
+         idem_server_listen_https(*srv, a->https_url, &a->tls) != IDEM_OK) ||
+        (a->http != NULL && idem_server_listen_http(*srv, a->http) != IDEM_OK)) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return false;
+    }
+    return true;
+}
+
+/* The lines a script waits for: the HTTP port, then where it listens and for whom. */
+static void print_banner(idem_server *srv, const demo_args *a, const idem_server_opts *opts)
+{
+    if (a->http != NULL || a->https_url != NULL) {
+        printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
+    }
+    printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a->listen,
+           opts->store != NULL ? "postgres" : a->db,
+           opts->debounce != NULL ? ", redis debounce 2 s" : "",
+           opts->require_verified_caller ? "verified only"
+           : a->n_secrets > 0 || a->n_uids > 0 || a->tls_url != NULL || a->https_url != NULL
+               ? "verified when signed, mapped or over TLS"
+               : "self-declared, trusted network only");
+    fflush(stdout);
+}
+
 int main(int argc, char **argv)
 {
     demo_args a = {
@@ -440,47 +513,11 @@ int main(int argc, char **argv)
     opts.n_ipc_callers = a.n_uids;
     idem_store *shared = NULL;
     idem_debounce *debounce = NULL;
-    if (a.store_url != NULL &&
-        idem_store_open_postgres(&shared, a.store_url, opts.workers ? opts.workers : 16) !=
-            IDEM_OK) {
-        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
-        return 1;
-    }
-    if (a.debounce_url != NULL &&
-        idem_debounce_create(&debounce, a.debounce_url, 2000) != IDEM_OK) {
-        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
-        return 1;
-    }
-    opts.store = shared;
-    opts.debounce = debounce;
     idem_server *srv;
-    idem_method_opts add = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
-    idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_DEBOUNCE};
-    idem_method_opts notify = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
-                               .extractor = notify_key,
-                               .fingerprint = notify_fingerprint};
-    if (idem_server_create(&srv, &opts) != IDEM_OK ||
-        idem_server_register(srv, "demo.Counter/Add", counter_add, &d, &add) != IDEM_OK ||
-        idem_server_register(srv, "demo.Counter/Get", counter_get, &d, NULL) != IDEM_OK ||
-        idem_server_register(srv, "demo.Order/Submit", order_submit, &d, &submit) != IDEM_OK ||
-        idem_server_register(srv, "demo.Pay/Notify", pay_notify, &d, &notify) != IDEM_OK ||
-        idem_server_listen(srv, a.listen) != IDEM_OK ||
-        (a.tls_url != NULL && idem_server_listen_tls(srv, a.tls_url, &a.tls) != IDEM_OK) ||
-        (a.https_url != NULL && idem_server_listen_https(srv, a.https_url, &a.tls) != IDEM_OK) ||
-        (a.http != NULL && idem_server_listen_http(srv, a.http) != IDEM_OK)) {
-        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+    if (!open_stores(&a, &opts, &shared, &debounce) || !start_server(&srv, &a, &opts, &d)) {
         return 1;
     }
-    if (a.http != NULL || a.https_url != NULL) {
-        printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
-    }
-    printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a.listen,
-           shared != NULL ? "postgres" : a.db, debounce != NULL ? ", redis debounce 2 s" : "",
-           opts.require_verified_caller ? "verified only"
-           : a.n_secrets > 0 || a.n_uids > 0 || a.tls_url != NULL || a.https_url != NULL
-               ? "verified when signed, mapped or over TLS"
-               : "self-declared, trusted network only");
-    fflush(stdout);
+    print_banner(srv, &a, &opts);
 
     int sig;
     sigwait(&stop, &sig);
