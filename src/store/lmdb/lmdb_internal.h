@@ -15,7 +15,7 @@
  *
  * The files, by concern: env.c (open/close, the read-txn pool, the ops table),
  * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
- * renew, the fence counter), tokens.c (tokens and the token an IN_PROGRESS record keeps),
+ * renew), fence.c (the fence counter of store-assigned owners), tokens.c (tokens and the token an IN_PROGRESS record keeps),
  * expiry.c (the expiry index and the sweep), txn.c (the write gate, business databases,
  * idem_txn_* and the handler-txn ops); group commit (group_commit.h): group_commit.c
  * (the callers' queue), group_commit_batch.c (the writer thread's batches),
@@ -129,6 +129,10 @@ idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record 
 idem_code idem__lmdb_delete(idem_store *base, const idem_key_ref *ref);
 idem_code idem__lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out);
+
+/* fence.c: the next store-assigned owner; a redo's owner drawn again (or ABORTED). */
+idem_code idem__lmdb_next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out);
+idem_code idem__lmdb_fence_redraw(lmdb_store *st, MDB_txn *txn, uint64_t owner);
 
 /* claim.c */
 idem_code idem__lmdb_complete_in(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
