@@ -67,11 +67,12 @@ static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, u
 }
 
 /* Completes (or releases) the claim, retrying a transient store failure (a database
- * restarting) for up to IDEM_OUTAGE_RETRY_MS: the handler has run, and a lost record would
- * let the next retry run it again once the lease ends. A completion also waits out a
- * full store (RESOURCE_EXHAUSTED: nothing was written), which gets room back when
- * records expire or another writer deletes; a release does not need to (a lost release
- * only keeps the key until its lease ends), so a refused call is answered at once. */
+ * restarting) for up to IDEM_OUTAGE_RETRY_MS (idem__outage_again): the handler has run,
+ * and a lost record would let the next retry run it again once the lease ends. A
+ * completion also waits out a full store (RESOURCE_EXHAUSTED: nothing was written),
+ * which gets room back when records expire or another writer deletes; a release does
+ * not need to (a lost release only keeps the key until its lease ends), so a refused
+ * call is answered at once. */
 static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
                                  const idem_key_ref *key, uint64_t owner, bool complete)
 {
@@ -188,9 +189,9 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
 }
 
 /* A final outcome the store could not record (a commit that failed on a disk error, or
- * an outage or a full store that outlasted IDEM_OUTAGE_RETRY_MS): no answer that is stored
- * and replayed, OK least of all, leaves for it, or a retry after the lease could run
- * the handler again and contradict it. The claim stays: the lease keeper renews it and
+ * an outage or a full store that outlasted IDEM_OUTAGE_RETRY_MS): no answer that is
+ * stored and replayed, OK least of all, leaves for it, or a retry after the lease could
+ * run the handler again and contradict it. The claim stays: the lease keeper renews it and
  * records the outcome later (keeper.c), duplicates wait for it meanwhile, and this
  * client hears UNAVAILABLE: its retry with the same key waits for the record and
  * replays it. Only when even that cannot be arranged (no keeper entry: out of memory)

@@ -12,12 +12,12 @@
 #include <string.h>
 
 #include "call.h"
-#include "server_setup.h"
 #include "dispatch.h"
 #include "http_front.h"
 #include "identity.h"
 #include "nng_front.h"
 #include "server_internal.h"
+#include "server_setup.h"
 #include "store.h"
 #include "redriver.h"
 #include "sweeper.h"

@@ -222,9 +222,11 @@ static idem_code record_txn(idem_txn *t, void *arg)
 
 /* Records the step, riding out a store outage or a full store (idem__outage_again), as
  * the outcome's completion does (interceptors/result_cache_run.c): fn's effect is done,
- * and a lost record makes the next run do it again. Each attempt checks the claim again
- * in its txn, so a run that lost its claim meanwhile gets ABORTED; an attempt whose commit did land
- * but was not acknowledged is repeated harmlessly (the same output, still our claim). */
+ * and a lost record makes the next run do it again; a step that fails transiently
+ * releases its call, and the journal then waits for a client retry that may never come.
+ * Each attempt checks the claim again in its txn, so a run that lost its claim meanwhile
+ * gets ABORTED; an attempt whose commit did land but was not acknowledged is repeated
+ * harmlessly (the same output, still our claim). */
 static idem_code record_retrying(idem_call *call, record_args *a)
 {
     idem_outage o = idem__outage_start();
