@@ -1,5 +1,6 @@
 /* idem_server_opts: what idem_server_opts_init sets, and the default each field left 0
- * takes when the server is created (README and docs/operations.md document them). */
+ * takes when the server is created (docs/operations.md and docs/semantics.md document
+ * them). */
 #include <string.h>
 #include <unistd.h>
 
