@@ -19,8 +19,6 @@
 
 #include "result_cache.h"
 
-#define RECORD_RETRY_MS 10000u /* keep trying to record an outcome through a store outage */
-
 /* The COMPLETED record's response (malloc'd) and times. */
 static idem_code encode_result(const idem_call *call, const idem_cache_cfg *cfg, uint8_t **buf,
                                size_t *len, uint64_t *now, uint64_t *expires)
@@ -69,15 +67,16 @@ static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, u
 }
 
 /* Completes (or releases) the claim, retrying a transient store failure (a database
- * restarting) for up to RECORD_RETRY_MS: the handler has run, and a lost record would
- * let the next retry run it again once the lease ends. A completion also waits out a
- * full store (RESOURCE_EXHAUSTED: nothing was written), which gets room back when
- * records expire or another writer deletes; a release does not need to (a lost release
- * only keeps the key until its lease ends), so a refused call is answered at once. */
+ * restarting) for up to IDEM_OUTAGE_RETRY_MS (idem__outage_again): the handler has run,
+ * and a lost record would let the next retry run it again once the lease ends. A
+ * completion also waits out a full store (RESOURCE_EXHAUSTED: nothing was written),
+ * which gets room back when records expire or another writer deletes; a release does
+ * not need to (a lost release only keeps the key until its lease ends), so a refused
+ * call is answered at once. */
 static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
                                  const idem_key_ref *key, uint64_t owner, bool complete)
 {
-    uint64_t give_up = idem__mono_ms() + RECORD_RETRY_MS, backoff = 10;
+    idem_outage o = idem__outage_start();
     bool retried = false;
     for (;;) {
         uint64_t ticket = call->claim_ticket; /* the first attempt ends a shared claim */
@@ -88,11 +87,9 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
             return IDEM_OK;
         }
         bool again = st == IDEM_UNAVAILABLE || (complete && st == IDEM_RESOURCE_EXHAUSTED);
-        if (!again || idem__mono_ms() + backoff > give_up) {
+        if (!idem__outage_again(&o, again)) {
             return st;
         }
-        idem__sleep_ms(backoff); /* before the next attempt */
-        backoff = backoff * 2 > 500 ? 500 : backoff * 2;
         retried = true;
     }
 }
@@ -192,9 +189,9 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
 }
 
 /* A final outcome the store could not record (a commit that failed on a disk error, or
- * an outage or a full store that outlasted RECORD_RETRY_MS): no answer that is stored
- * and replayed, OK least of all, leaves for it, or a retry after the lease could run
- * the handler again and contradict it. The claim stays: the lease keeper renews it and
+ * an outage or a full store that outlasted IDEM_OUTAGE_RETRY_MS): no answer that is
+ * stored and replayed, OK least of all, leaves for it, or a retry after the lease could
+ * run the handler again and contradict it. The claim stays: the lease keeper renews it and
  * records the outcome later (keeper.c), duplicates wait for it meanwhile, and this
  * client hears UNAVAILABLE: its retry with the same key waits for the record and
  * replays it. Only when even that cannot be arranged (no keeper entry: out of memory)
@@ -400,8 +397,8 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
         code = fence_refused(call);
     }
     bool released = refused || released_code(call, code);
-    idem__saga_end saga = txn == NULL && !refused ? idem__call_saga_end(call, &code, released)
-                                                  : IDEM__SAGA_AS_IS;
+    idem__saga_end saga =
+        txn == NULL && !refused ? idem__call_saga_end(call, &code, released) : IDEM__SAGA_AS_IS;
     if (saga != IDEM__SAGA_AS_IS) { /* the undos ran: the key's fate is the saga's */
         released = saga != IDEM__SAGA_STORE;
     }

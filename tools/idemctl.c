@@ -10,9 +10,7 @@
  *   idemctl --db DIR delete METHOD KEY [--caller C] [--force]
  *
  * Exit status: 0 done, 1 not found / refused / store error, 2 bad usage. */
-#include <getopt.h>
 #include <inttypes.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,165 +20,10 @@
 #include <idemrpc/idemrpc.h>
 
 #include "cli.h"
+#include "idemctl.h"
 #include "json.h"
 #include "idemrpc.pb-c.h"
-
-typedef struct args {
-    const char *db, *cmd, *caller, *state, *method, *key;
-    const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
-    bool json, force, expired, caller_set;
-    long limit;
-} args;
-
-/* SHA-256 (src/supplemental/sha256.c, compiled into the tools' helper library). */
-void idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32]);
-
-static void usage(FILE *f)
-{
-    fprintf(f, "usage: idemctl --db DIR [--json] stats\n"
-               "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
-               " [--limit N]\n"
-               "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
-               "       idemctl --db DIR [--json] show --digest HEX [--caller C]\n"
-               "       idemctl --db DIR purge --expired\n"
-               "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n"
-               "  options may come before or after the command; --limit defaults to 100;\n"
-               "  show without --caller finds the record of any caller; --digest HEX finds\n"
-               "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
-               "  idemctl --version prints the version\n");
-}
-
-/* The positional arguments each command takes after its name. */
-static bool check_positionals(const args *a, int npos)
-{
-    bool show = strcmp(a->cmd, "show") == 0;
-    if (a->digest != NULL && !show) {
-        fprintf(stderr, "idemctl: --digest is an option of show\n");
-        return false;
-    }
-    bool needs_key = (show && a->digest == NULL) || strcmp(a->cmd, "delete") == 0;
-    if (needs_key && npos != 3) {
-        fprintf(stderr, "idemctl: %s needs METHOD KEY%s\n", a->cmd,
-                show ? " (or --digest HEX)" : "");
-        return false;
-    }
-    if (!needs_key && npos != 1) {
-        fprintf(stderr, "idemctl: %s takes no argument\n", a->cmd);
-        return false;
-    }
-    return true;
-}
-
-/* What the options and arguments together must satisfy. */
-static bool check_args(const args *a, int npos)
-{
-    if (a->db == NULL) {
-        fprintf(stderr, "idemctl: --db DIR is required\n");
-        return false;
-    }
-    if (a->cmd == NULL) {
-        fprintf(stderr, "idemctl: no command (stats, list, show, purge, delete)\n");
-        return false;
-    }
-    if (a->state != NULL && strcmp(a->state, "in_progress") != 0 &&
-        strcmp(a->state, "completed") != 0) {
-        fprintf(stderr, "idemctl: --state: '%s' is not in_progress or completed\n", a->state);
-        return false;
-    }
-    return check_positionals(a, npos);
-}
-
-/* One option (getopt_long's opt) and its value v into a; false on a bad value. */
-static bool parse_option(int opt, const char *v, args *a)
-{
-    uint64_t limit;
-    switch (opt) {
-    case 'd':
-        a->db = v;
-        return true;
-    case 'c':
-        a->caller = v;
-        a->caller_set = true;
-        return true;
-    case 'g':
-        if (strlen(v) == 0 || strlen(v) > 64 || strspn(v, "0123456789abcdefABCDEF") != strlen(v)) {
-            fprintf(stderr, "idemctl: --digest: '%s' is not 1 to 64 hex digits\n", v);
-            return false;
-        }
-        a->digest = v;
-        return true;
-    case 's':
-        a->state = v;
-        return true;
-    case 'n':
-        if (!cli_parse_u64("idemctl", "--limit", v, 0, LONG_MAX, &limit)) {
-            return false;
-        }
-        a->limit = (long)limit;
-        return true;
-    case 'j':
-        a->json = true;
-        return true;
-    case 'f':
-        a->force = true;
-        return true;
-    case 'e':
-        a->expired = true;
-        return true;
-    default:
-        return false; /* getopt_long said which option */
-    }
-}
-
-/* The long options of parse. */
-static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
-                                      {"caller", required_argument, NULL, 'c'},
-                                      {"state", required_argument, NULL, 's'},
-                                      {"limit", required_argument, NULL, 'n'},
-                                      {"json", no_argument, NULL, 'j'},
-                                      {"force", no_argument, NULL, 'f'},
-                                      {"expired", no_argument, NULL, 'e'},
-                                      {"digest", required_argument, NULL, 'g'},
-                                      {"help", no_argument, NULL, 'h'},
-                                      {"version", no_argument, NULL, CLI_OPT_VERSION},
-                                      {NULL, 0, NULL, 0}};
-
-/* Options and positional arguments in any order (getopt_long's "-" mode hands the
- * positionals over in place, whatever POSIXLY_CORRECT says); after "--" all are
- * positional. True to run; false with *status the exit status (0 after --help, 2
- * after a usage error). */
-static bool parse(int argc, char **argv, args *a, int *status)
-{
-    const char *pos[4] = {0};
-    int npos = 0, opt;
-
-    *a = (args){.caller = "", .limit = 100};
-    *status = CLI_USAGE_ERROR;
-    while ((opt = getopt_long(argc, argv, "-h", longs, NULL)) != -1) {
-        if (opt == 'h' || opt == CLI_OPT_VERSION) {
-            opt == 'h' ? usage(stdout) : cli_print_version("idemctl");
-            *status = 0;
-            return false;
-        }
-        if (opt == 1 && npos < 4) {
-            pos[npos++] = optarg; /* a positional argument */
-        } else if (opt != 1 && !parse_option(opt, optarg, a)) {
-            goto bad;
-        }
-    }
-    for (; optind < argc && npos < 4; optind++) {
-        pos[npos++] = argv[optind]; /* after "--" */
-    }
-    a->cmd = pos[0], a->method = pos[1], a->key = pos[2];
-    if (npos == 4) {
-        fprintf(stderr, "idemctl: unexpected argument '%s'\n", pos[3]);
-    } else if (check_args(a, npos)) {
-        return true;
-    }
-bad:
-    usage(stderr);
-    return false;
-}
+#include "internal.h" /* idem__sha256 (src/supplemental, in the tools' helper library) */
 
 static const char *state_name(idem_record_state s)
 {
@@ -299,7 +142,10 @@ static void key_digest(const char *key, char hex[65])
 {
     uint8_t d[32];
     size_t len = strlen(key);
-    idem__sha256((const void *const[]){key}, &len, 1, d);
+    if (!idem__sha256((const void *const[]){key}, &len, 1, d)) {
+        snprintf(hex, 65, "%s", "unavailable"); /* only allocation fails */
+        return;
+    }
     for (int i = 0; i < 32; i++) {
         snprintf(hex + 2 * i, 3, "%02x", d[i]);
     }
@@ -504,7 +350,7 @@ int main(int argc, char **argv)
                 {"delete", cmd_delete, true}};
     args a;
     int status;
-    if (!parse(argc, argv, &a, &status)) {
+    if (!idemctl_parse(argc, argv, &a, &status)) {
         return status;
     }
     for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
@@ -523,6 +369,6 @@ int main(int argc, char **argv)
         return rc;
     }
     fprintf(stderr, "idemctl: unknown command '%s'\n", a.cmd);
-    usage(stderr);
+    idemctl_usage(stderr);
     return CLI_USAGE_ERROR;
 }

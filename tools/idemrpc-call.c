@@ -32,27 +32,11 @@ static void usage(FILE *f)
                "  idemrpc-call --version prints the version\n");
 }
 
-/* The three positional arguments are taken by place, so that a payload such as "-5"
- * is not read as an option; getopt_long then parses what follows them, in order (a
- * stray argument among the options is an error, as an option before them is). True to
- * run; false with *status the exit status (0 after --help, 2 after a usage error). */
-static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *opts, int *status)
+/* The three positional arguments, taken by place so that a payload such as "-5" is not
+ * read as an option (and --help/--version in their place). True to go on; false with
+ * *status the exit status (0 after --help, 2 after a usage error). */
+static bool take_positionals(int argc, char **argv, idem_request *req, int *status)
 {
-    static const struct option longs[] = {{"key", required_argument, NULL, 'k'},
-                                          {"token", required_argument, NULL, 't'},
-                                          {"caller", required_argument, NULL, 'c'},
-                                          {"timeout-ms", required_argument, NULL, 'T'},
-                                          {"secret", required_argument, NULL, 's'},
-                                          {"signer", required_argument, NULL, 'p'},
-                                          {"tls-ca", required_argument, NULL, 'a'},
-                                          {"tls-cert", required_argument, NULL, 'e'},
-                                          {"tls-server-name", required_argument, NULL, 'n'},
-                                          {"help", no_argument, NULL, 'h'},
-                                          {"version", no_argument, NULL, CLI_OPT_VERSION},
-                                          {NULL, 0, NULL, 0}};
-    uint64_t ms;
-    int opt;
-
     *status = CLI_USAGE_ERROR;
     if (argc >= 2 && strcmp(argv[1], "--version") == 0) {
         cli_print_version("idemrpc-call");
@@ -75,52 +59,88 @@ static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *op
         return false;
     }
     *req = (idem_request){.method = argv[2], .payload = argv[3], .payload_len = strlen(argv[3])};
+    return true;
+}
+
+/* One option from getopt_long (its argument in optarg). True to go on; false with
+ * *status the exit status, as for take_positionals. */
+static bool take_option(int opt, idem_request *req, idem_client_opts *opts, int *status)
+{
+    uint64_t ms;
+    switch (opt) {
+    case 'k':
+        req->idempotency_key = optarg;
+        return true;
+    case 't':
+        req->token = optarg;
+        return true;
+    case 'c':
+        req->caller = optarg;
+        opts->caller = optarg; /* idem.Token/Issue signs as it too */
+        return true;
+    case 's':
+        opts->signing_secret = optarg;
+        return true;
+    case 'p':
+        opts->signer = optarg;
+        return true;
+    case 'a':
+        opts->tls_ca_file = optarg;
+        return true;
+    case 'e':
+        opts->tls_cert_key_file = optarg;
+        return true;
+    case 'n':
+        opts->tls_server_name = optarg;
+        return true;
+    case 'T':
+        if (!cli_parse_u64("idemrpc-call", "--timeout-ms", optarg, 0, UINT32_MAX, &ms)) {
+            usage(stderr);
+            return false;
+        }
+        opts->attempt_timeout_ms = (uint32_t)ms;
+        return true;
+    case 'h':
+        usage(stdout);
+        *status = 0;
+        return false;
+    case CLI_OPT_VERSION:
+        cli_print_version("idemrpc-call");
+        *status = 0;
+        return false;
+    default:
+        usage(stderr); /* getopt_long said which option */
+        return false;
+    }
+}
+
+/* The positional arguments first (take_positionals); getopt_long then parses what
+ * follows them, in order (a stray argument among the options is an error, as an option
+ * before them is). True to run; false with *status the exit status (0 after --help, 2
+ * after a usage error). */
+static bool parse(int argc, char **argv, idem_request *req, idem_client_opts *opts, int *status)
+{
+    static const struct option longs[] = {{"key", required_argument, NULL, 'k'},
+                                          {"token", required_argument, NULL, 't'},
+                                          {"caller", required_argument, NULL, 'c'},
+                                          {"timeout-ms", required_argument, NULL, 'T'},
+                                          {"secret", required_argument, NULL, 's'},
+                                          {"signer", required_argument, NULL, 'p'},
+                                          {"tls-ca", required_argument, NULL, 'a'},
+                                          {"tls-cert", required_argument, NULL, 'e'},
+                                          {"tls-server-name", required_argument, NULL, 'n'},
+                                          {"help", no_argument, NULL, 'h'},
+                                          {"version", no_argument, NULL, CLI_OPT_VERSION},
+                                          {NULL, 0, NULL, 0}};
+    int opt;
+
+    if (!take_positionals(argc, argv, req, status)) {
+        return false;
+    }
     argv[3] = argv[0]; /* getopt_long sees "idemrpc-call [options]" and names it in errors */
     argc -= 3, argv += 3;
     while ((opt = getopt_long(argc, argv, "+h", longs, NULL)) != -1) {
-        switch (opt) {
-        case 'k':
-            req->idempotency_key = optarg;
-            break;
-        case 't':
-            req->token = optarg;
-            break;
-        case 'c':
-            req->caller = optarg;
-            opts->caller = optarg; /* idem.Token/Issue signs as it too */
-            break;
-        case 's':
-            opts->signing_secret = optarg;
-            break;
-        case 'p':
-            opts->signer = optarg;
-            break;
-        case 'a':
-            opts->tls_ca_file = optarg;
-            break;
-        case 'e':
-            opts->tls_cert_key_file = optarg;
-            break;
-        case 'n':
-            opts->tls_server_name = optarg;
-            break;
-        case 'T':
-            if (!cli_parse_u64("idemrpc-call", "--timeout-ms", optarg, 0, UINT32_MAX, &ms)) {
-                usage(stderr);
-                return false;
-            }
-            opts->attempt_timeout_ms = (uint32_t)ms;
-            break;
-        case 'h':
-            usage(stdout);
-            *status = 0;
-            return false;
-        case CLI_OPT_VERSION:
-            cli_print_version("idemrpc-call");
-            *status = 0;
-            return false;
-        default:
-            usage(stderr); /* getopt_long said which option */
+        if (!take_option(opt, req, opts, status)) {
             return false;
         }
     }

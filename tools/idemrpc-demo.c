@@ -1,13 +1,7 @@
 /* idemrpc-demo: a server whose Counter/Add is deliberately NOT idempotent (it adds to
  * an in-memory total), so that the result cache is the only thing standing between a
- * retried call and a double add.
- *
- *   demo.Counter/Add     payload "N" → new total; cached, key required; metadata "fence"
- *   demo.Counter/Get     → total; plain (read-only: nothing to dedupe)
- *   demo.Order/Submit    → "ORD-000001"...; needs a token from idem.Token/Issue
- *   demo.Pay/Notify      payload "out_trade_no=T&amount=N&sign=S" → adds N to the total;
- *                        key = out_trade_no, fingerprint = out_trade_no + amount (a
- *                        re-signed redelivery replays, another amount is key reuse) */
+ * retried call and a double add. The methods are in demo_methods.c; this file is the
+ * command line, the stores and the server's life. */
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -22,150 +16,7 @@
 #include <idemrpc/idemrpc.h>
 
 #include "cli.h"
-
-typedef struct demo {
-    pthread_mutex_t mu;
-    long long total;
-    unsigned long orders;
-    long delay_ms; /* --delay-ms: makes Add slow, to show duplicates waiting */
-    long flaky;    /* --flaky: this many executions answer UNAVAILABLE first */
-} demo;
-
-/* --flaky N: the first N executions (of any method) fail transiently. */
-static bool flaky_now(demo *d)
-{
-    pthread_mutex_lock(&d->mu);
-    bool fail = d->flaky > 0;
-    d->flaky -= fail;
-    pthread_mutex_unlock(&d->mu);
-    return fail;
-}
-
-static bool parse_ll(const void *p, size_t n, long long *out)
-{
-    char buf[32];
-    if (n == 0 || n >= sizeof(buf)) {
-        return false;
-    }
-    memcpy(buf, p, n);
-    buf[n] = '\0';
-    char *end;
-    errno = 0;
-    *out = strtoll(buf, &end, 10);
-    return errno == 0 && *end == '\0';
-}
-
-static idem_code reply_number(idem_call *call, long long v)
-{
-    char out[32];
-    int n = snprintf(out, sizeof(out), "%lld", v);
-    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
-}
-
-static idem_code add_to_total(idem_call *call, demo *d, long long delta)
-{
-    char fence[24];
-    if (flaky_now(d)) {
-        return idem_call_fail(call, IDEM_UNAVAILABLE, "flaky: try again");
-    }
-    if (d->delay_ms > 0) {
-        struct timespec ts = {d->delay_ms / 1000, (d->delay_ms % 1000) * 1000000L};
-        nanosleep(&ts, NULL);
-    }
-    pthread_mutex_lock(&d->mu);
-    long long total = d->total += delta;
-    pthread_mutex_unlock(&d->mu);
-    snprintf(fence, sizeof(fence), "%" PRIu64, idem_call_fence(call));
-    idem_call_set_response_metadata(call, "fence", fence);
-    return reply_number(call, total);
-}
-
-static idem_code counter_add(idem_call *call, void *arg)
-{
-    size_t n;
-    const void *p = idem_call_payload(call, &n);
-    long long delta;
-    if (!parse_ll(p, n, &delta)) {
-        return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "payload must be a decimal integer");
-    }
-    return add_to_total(call, arg, delta);
-}
-
-/* The value of field name in an "a=1&b=2" payload into out (cap bytes); false if absent. */
-static bool form_field(const idem_call *call, const char *name, char *out, size_t cap)
-{
-    size_t n, nl = strlen(name);
-    const char *p = idem_call_payload(call, &n), *end = p + n;
-    while (p < end) {
-        const char *amp = memchr(p, '&', (size_t)(end - p));
-        const char *stop = amp != NULL ? amp : end;
-        if ((size_t)(stop - p) > nl && memcmp(p, name, nl) == 0 && p[nl] == '=') {
-            size_t vl = (size_t)(stop - p) - nl - 1;
-            if (vl == 0 || vl >= cap) {
-                return false;
-            }
-            memcpy(out, p + nl + 1, vl);
-            out[vl] = '\0';
-            return true;
-        }
-        p = stop + 1;
-    }
-    return false;
-}
-
-static bool notify_key(const idem_call *call, char *buf, size_t cap, void *arg)
-{
-    (void)arg;
-    return form_field(call, "out_trade_no", buf, cap);
-}
-
-/* out_trade_no and amount make two notifications the same; sign and the rest do not. */
-static bool notify_fingerprint(const idem_call *call, void *buf, size_t cap, size_t *len, void *arg)
-{
-    (void)arg;
-    char trade_no[256], amount[32];
-    if (!form_field(call, "out_trade_no", trade_no, sizeof(trade_no)) ||
-        !form_field(call, "amount", amount, sizeof(amount))) {
-        return false;
-    }
-    int n = snprintf(buf, cap, "%s|%s", trade_no, amount);
-    *len = (size_t)n;
-    return n > 0 && (size_t)n < cap;
-}
-
-static idem_code pay_notify(idem_call *call, void *arg)
-{
-    char amount[32];
-    long long cents;
-    if (!form_field(call, "amount", amount, sizeof(amount)) ||
-        !parse_ll(amount, strlen(amount), &cents)) {
-        return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "amount must be a decimal integer");
-    }
-    return add_to_total(call, arg, cents);
-}
-
-static idem_code counter_get(idem_call *call, void *arg)
-{
-    demo *d = arg;
-    pthread_mutex_lock(&d->mu);
-    long long total = d->total;
-    pthread_mutex_unlock(&d->mu);
-    return reply_number(call, total);
-}
-
-static idem_code order_submit(idem_call *call, void *arg)
-{
-    demo *d = arg;
-    char out[32];
-    if (flaky_now(d)) {
-        return idem_call_fail(call, IDEM_UNAVAILABLE, "flaky: try again");
-    }
-    pthread_mutex_lock(&d->mu);
-    unsigned long no = ++d->orders;
-    pthread_mutex_unlock(&d->mu);
-    int n = snprintf(out, sizeof(out), "ORD-%06lu", no);
-    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
-}
+#include "demo.h"
 
 static void usage(FILE *f)
 {
@@ -297,6 +148,44 @@ static bool number_long(const char *opt, const char *v, long *out)
     return true;
 }
 
+/* One option about who may call and how (caller secrets, uids, TLS, the log level) and
+ * its value v; false on a bad value or an unknown option. */
+static bool parse_caller_option(int opt, const char *v, demo_args *a, idem_server_opts *o)
+{
+    switch (opt) {
+    case 'S':
+        return load_secrets(v, a);
+    case 'U':
+        return parse_uid(v, a);
+    case 'V':
+        o->require_verified_caller = true;
+        return true;
+    case 't':
+        a->tls_url = v;
+        return true;
+    case 'T':
+        a->https_url = v;
+        return true;
+    case 'C':
+        a->tls.cert_key_file = v;
+        return true;
+    case 'A':
+        a->tls.client_ca_file = v;
+        return true;
+    case 'N':
+        a->tls.caller = v;
+        return true;
+    case 'v':
+        if (!parse_level(v, &a->level)) {
+            fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
+            return false;
+        }
+        return true;
+    default:
+        return false; /* getopt_long said which option */
+    }
+}
+
 /* One option (getopt_long's opt) and its value v; false on a bad value. */
 static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts *o, demo *d)
 {
@@ -330,36 +219,8 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
         return number("--max-run-ms", v, &o->max_run_ms);
     case 'Q':
         return number("--http-request-timeout-ms", v, &o->http_request_timeout_ms);
-    case 'S':
-        return load_secrets(v, a);
-    case 'U':
-        return parse_uid(v, a);
-    case 'V':
-        o->require_verified_caller = true;
-        return true;
-    case 't':
-        a->tls_url = v;
-        return true;
-    case 'T':
-        a->https_url = v;
-        return true;
-    case 'C':
-        a->tls.cert_key_file = v;
-        return true;
-    case 'A':
-        a->tls.client_ca_file = v;
-        return true;
-    case 'N':
-        a->tls.caller = v;
-        return true;
-    case 'v':
-        if (!parse_level(v, &a->level)) {
-            fprintf(stderr, "idemrpc-demo: --log-level: '%s' is not off, error or info\n", v);
-            return false;
-        }
-        return true;
     default:
-        return false; /* getopt_long said which option */
+        return parse_caller_option(opt, v, a, o);
     }
 }
 
@@ -413,6 +274,60 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
     return true;
 }
 
+/* The shared stores the options name (PostgreSQL, Redis debounce), set into opts;
+ * false (after saying why) when one does not open. */
+static bool open_stores(const demo_args *a, idem_server_opts *opts, idem_store **shared,
+                        idem_debounce **debounce)
+{
+    if (a->store_url != NULL &&
+        idem_store_open_postgres(shared, a->store_url, opts->workers ? opts->workers : 16) !=
+            IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return false;
+    }
+    if (a->debounce_url != NULL &&
+        idem_debounce_create(debounce, a->debounce_url, 2000) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return false;
+    }
+    opts->store = *shared;
+    opts->debounce = *debounce;
+    return true;
+}
+
+/* The server with the demo's four methods, listening where the options say; false
+ * (after saying why) on any failure. */
+static bool start_server(idem_server **srv, const demo_args *a, const idem_server_opts *opts,
+                         demo *d)
+{
+    if (idem_server_create(srv, opts) != IDEM_OK || demo_register(*srv, d) != IDEM_OK ||
+        idem_server_listen(*srv, a->listen) != IDEM_OK ||
+        (a->tls_url != NULL && idem_server_listen_tls(*srv, a->tls_url, &a->tls) != IDEM_OK) ||
+        (a->https_url != NULL &&
+         idem_server_listen_https(*srv, a->https_url, &a->tls) != IDEM_OK) ||
+        (a->http != NULL && idem_server_listen_http(*srv, a->http) != IDEM_OK)) {
+        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+        return false;
+    }
+    return true;
+}
+
+/* The lines a script waits for: the HTTP port, then where it listens and for whom. */
+static void print_banner(idem_server *srv, const demo_args *a, const idem_server_opts *opts)
+{
+    if (a->http != NULL || a->https_url != NULL) {
+        printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
+    }
+    printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a->listen,
+           opts->store != NULL ? "postgres" : a->db,
+           opts->debounce != NULL ? ", redis debounce 2 s" : "",
+           opts->require_verified_caller ? "verified only"
+           : a->n_secrets > 0 || a->n_uids > 0 || a->tls_url != NULL || a->https_url != NULL
+               ? "verified when signed, mapped or over TLS"
+               : "self-declared, trusted network only");
+    fflush(stdout);
+}
+
 int main(int argc, char **argv)
 {
     demo_args a = {
@@ -440,47 +355,11 @@ int main(int argc, char **argv)
     opts.n_ipc_callers = a.n_uids;
     idem_store *shared = NULL;
     idem_debounce *debounce = NULL;
-    if (a.store_url != NULL &&
-        idem_store_open_postgres(&shared, a.store_url, opts.workers ? opts.workers : 16) !=
-            IDEM_OK) {
-        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
-        return 1;
-    }
-    if (a.debounce_url != NULL &&
-        idem_debounce_create(&debounce, a.debounce_url, 2000) != IDEM_OK) {
-        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
-        return 1;
-    }
-    opts.store = shared;
-    opts.debounce = debounce;
     idem_server *srv;
-    idem_method_opts add = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
-    idem_method_opts submit = {.flags = IDEM_METHOD_TOKEN_REQUIRED | IDEM_METHOD_DEBOUNCE};
-    idem_method_opts notify = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
-                               .extractor = notify_key,
-                               .fingerprint = notify_fingerprint};
-    if (idem_server_create(&srv, &opts) != IDEM_OK ||
-        idem_server_register(srv, "demo.Counter/Add", counter_add, &d, &add) != IDEM_OK ||
-        idem_server_register(srv, "demo.Counter/Get", counter_get, &d, NULL) != IDEM_OK ||
-        idem_server_register(srv, "demo.Order/Submit", order_submit, &d, &submit) != IDEM_OK ||
-        idem_server_register(srv, "demo.Pay/Notify", pay_notify, &d, &notify) != IDEM_OK ||
-        idem_server_listen(srv, a.listen) != IDEM_OK ||
-        (a.tls_url != NULL && idem_server_listen_tls(srv, a.tls_url, &a.tls) != IDEM_OK) ||
-        (a.https_url != NULL && idem_server_listen_https(srv, a.https_url, &a.tls) != IDEM_OK) ||
-        (a.http != NULL && idem_server_listen_http(srv, a.http) != IDEM_OK)) {
-        fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
+    if (!open_stores(&a, &opts, &shared, &debounce) || !start_server(&srv, &a, &opts, &d)) {
         return 1;
     }
-    if (a.http != NULL || a.https_url != NULL) {
-        printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
-    }
-    printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a.listen,
-           shared != NULL ? "postgres" : a.db, debounce != NULL ? ", redis debounce 2 s" : "",
-           opts.require_verified_caller ? "verified only"
-           : a.n_secrets > 0 || a.n_uids > 0 || a.tls_url != NULL || a.https_url != NULL
-               ? "verified when signed, mapped or over TLS"
-               : "self-declared, trusted network only");
-    fflush(stdout);
+    print_banner(srv, &a, &opts);
 
     int sig;
     sigwait(&stop, &sig);

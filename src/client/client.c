@@ -13,28 +13,9 @@
 #include <time.h>
 
 #include "arena.h"
-#include "idemrpc.pb-c.h"
-#include "internal.h"
+#include "client_internal.h"
 
 #define DEFAULT_MAX_FRAME (((size_t)4 << 20) + ((size_t)64 << 10))
-
-#define CTX_CACHE 64 /* idle (context, aio) pairs kept for reuse */
-
-/* One nng context with its aio: one outstanding request at a time. */
-typedef struct ctx_slot {
-    nng_ctx ctx;
-    nng_aio *aio;
-    struct ctx_slot *next;
-} ctx_slot;
-
-struct idem_client {
-    nng_socket sock;
-    idem_client_opts opts;
-    char *caller, *secret, *signer; /* copies; secret and signer NULL when unsigned */
-    pthread_mutex_t mu;             /* guards idle */
-    ctx_slot *idle;
-    size_t n_idle;
-};
 
 void idem_client_opts_init(idem_client_opts *opts)
 {
@@ -290,137 +271,6 @@ static void slot_put(idem_client *c, ctx_slot *s, bool clean)
     }
 }
 
-/* Appends one metadata entry the library adds (the room was checked). */
-static void add_entry(Idem__V1__Request__MetadataEntry *e, Idem__V1__Request__MetadataEntry **ptrs,
-                      size_t *n, const char *name, const char *value)
-{
-    idem__v1__request__metadata_entry__init(&e[*n]);
-    e[*n].key = (char *)name;
-    e[*n].value = (char *)value;
-    ptrs[*n] = &e[*n];
-    (*n)++;
-}
-
-/* The signature entries of one attempt (README "Security"): signed anew every time, so
- * that a retry never falls out of the server's clock window. */
-static idem_code sign_attempt(const idem_client *c, const Idem__V1__Request *m,
-                              Idem__V1__Request__MetadataEntry *e,
-                              Idem__V1__Request__MetadataEntry **ptrs, size_t *n, char ts[24],
-                              char sig[IDEM_SIGNATURE_HEX + 1])
-{
-    const char *meta_key = NULL, *generated = NULL;
-    for (size_t i = 0; i < *n; i++) { /* the server refuses duplicate names */
-        meta_key = strcmp(e[i].key, "idempotency-key") == 0 ? e[i].value : meta_key;
-        generated = strcmp(e[i].key, IDEM_META_KEY_GENERATED) == 0 ? e[i].value : generated;
-    }
-    uint64_t now = idem__now_ms();
-    idem_signed_fields f = {.signer = c->signer,
-                            .caller = m->caller,
-                            .method = m->method,
-                            .key = idem__signed_key(m->idempotency_key, meta_key),
-                            .key_generated = generated,
-                            .token = m->token,
-                            .payload = m->payload.data,
-                            .payload_len = m->payload.len,
-                            .timestamp_ms = now};
-    if (!idem__signature(c->secret, &f, sig)) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "cannot sign the request (a field is over its "
-                                                "bound)");
-    }
-    snprintf(ts, 24, "%llu", (unsigned long long)now);
-    add_entry(e, ptrs, n, IDEM_META_SIGNATURE, sig);
-    add_entry(e, ptrs, n, IDEM_META_TIMESTAMP, ts);
-    if (c->signer != NULL) {
-        add_entry(e, ptrs, n, IDEM_META_SIGNER, c->signer);
-    }
-    return IDEM_OK;
-}
-
-/* Encodes the request for one attempt into a new nng message. */
-static idem_code build_msg(const idem_client *c, const idem_request *r, const char *caller,
-                           const char *key, bool key_generated, uint32_t attempt, uint64_t deadline,
-                           uint64_t call_deadline, nng_msg **out)
-{
-    Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
-    Idem__V1__Request__MetadataEntry entries[64], *ptrs[64]; /* the server takes 64 */
-    char ts[24], sig[IDEM_SIGNATURE_HEX + 1];
-    nng_msg *msg;
-    size_t n = r->metadata_count;
-    size_t ours = key_generated + (c->secret != NULL ? 2 + (c->signer != NULL) : 0);
-
-    if (n + ours > IDEM_ARRAY_LEN(entries)) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "at most %zu metadata entries",
-                         IDEM_ARRAY_LEN(entries) - ours);
-    }
-    for (size_t i = 0; i < n; i++) {
-        idem__v1__request__metadata_entry__init(&entries[i]);
-        entries[i].key = (char *)r->metadata[i].name;
-        entries[i].value = (char *)r->metadata[i].value;
-        ptrs[i] = &entries[i];
-    }
-    if (key_generated) { /* lets a business key (the method's extractor) win over ours */
-        add_entry(entries, ptrs, &n, IDEM_META_KEY_GENERATED, "1");
-    }
-    m.method = (char *)r->method;
-    m.idempotency_key = (char *)key;
-    m.request_id = (char *)(r->request_id ? r->request_id : "");
-    m.token = (char *)(r->token ? r->token : "");
-    m.caller = (char *)caller;
-    m.payload.data = (uint8_t *)r->payload;
-    m.payload.len = r->payload_len;
-    m.attempt = attempt;
-    m.deadline_unix_ms = deadline;
-    m.call_deadline_unix_ms = call_deadline; /* the handler's downstream calls inherit it */
-    idem_code code;
-    if (c->secret != NULL && (code = sign_attempt(c, &m, entries, ptrs, &n, ts, sig)) != IDEM_OK) {
-        return code;
-    }
-    m.n_metadata = n;
-    m.metadata = ptrs;
-    size_t len = idem__v1__request__get_packed_size(&m);
-    if (nng_msg_alloc(&msg, len) != 0) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    idem__v1__request__pack(&m, nng_msg_body(msg));
-    *out = msg;
-    return IDEM_OK;
-}
-
-static char *dup_bytes(const void *p, size_t n)
-{
-    char *s = malloc(n + 1);
-    if (s != NULL) {
-        if (n > 0) {
-            memcpy(s, p, n);
-        }
-        s[n] = '\0';
-    }
-    return s;
-}
-
-static idem_code result_fill(idem_result *out, const Idem__V1__Response *r)
-{
-    out->code = (idem_code)r->code;
-    out->replayed = r->replayed;
-    out->message = idem__strdup(r->message);
-    out->request_id = idem__strdup(r->request_id);
-    out->payload = dup_bytes(r->payload.data, r->payload.len);
-    out->payload_len = r->payload.len;
-    out->metadata = calloc(r->n_metadata + 1, sizeof(idem_metadata_kv));
-    if (out->message == NULL || out->request_id == NULL || out->payload == NULL ||
-        out->metadata == NULL) {
-        return IDEM_RESOURCE_EXHAUSTED;
-    }
-    for (size_t i = 0; i < r->n_metadata; i++) {
-        char *k = idem__strdup(r->metadata[i]->key), *v = idem__strdup(r->metadata[i]->value);
-        out->metadata[out->metadata_count++] = (idem_metadata_kv){k, v};
-        if (k == NULL || v == NULL) {
-            return IDEM_RESOURCE_EXHAUSTED;
-        }
-    }
-    return IDEM_OK;
-}
-
 /* A decoded reply: the Response lives in arena, its payload in msg. */
 typedef struct reply {
     nng_msg *msg;
@@ -528,6 +378,37 @@ uint32_t idem__client_deadline_ms(const idem_client *c)
     return c->opts.deadline_ms;
 }
 
+/* The last reply (resp, in rep) copied into out, with the key the server used (e.g. the
+ * method's business key); code, or RESOURCE_EXHAUSTED when a copy failed. */
+static idem_code call_result(idem_result *out, reply *rep, const Idem__V1__Response *resp,
+                             idem_code code)
+{
+    idem_code fill = idem__client_result_fill(out, resp);
+    const char *used = idem_result_metadata(out, "idem-key");
+    if (used != NULL && strlen(used) <= IDEM_CLIENT_KEY_MAX) {
+        strcpy(out->key, used); /* e.g. the method's business key */
+    }
+    reply_free(rep);
+    if (fill != IDEM_OK) {
+        idem_result_clear(out);
+        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    return code;
+}
+
+/* The pause before attempt+1: the policy's backoff, or the server's retry-after hint
+ * when longer, cut to what is left before end (monotonic ms). */
+static void backoff_wait(const idem_client *c, uint32_t attempt, uint32_t hint, uint64_t end)
+{
+    uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
+    wait = hint > wait ? hint : wait;
+    uint64_t now = idem__mono_ms();
+    if (now + wait >= end) {
+        wait = end > now ? (uint32_t)(end - now) : 0;
+    }
+    idem__sleep_ms(wait);
+}
+
 idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out)
 {
     const char *caller = req->caller != NULL ? req->caller : c->caller;
@@ -563,8 +444,8 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (attempt_deadline > deadline_unix) {
             attempt_deadline = deadline_unix;
         }
-        if ((code = build_msg(c, req, caller, out->key, key_generated, attempt, attempt_deadline,
-                              deadline_unix, &msg)) != IDEM_OK) {
+        if ((code = idem__client_build_msg(c, req, caller, out->key, key_generated, attempt,
+                                           attempt_deadline, deadline_unix, &msg)) != IDEM_OK) {
             break;
         }
         out->attempts = attempt;
@@ -574,30 +455,12 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
             code = (idem_code)resp->code;
         }
         uint32_t hint = retry_after_hint(resp);
-        bool again = retryable(code, hint) && attempt < c->opts.retry.max_attempts;
-        if (!again) {
-            if (resp != NULL) {
-                idem_code fill = result_fill(out, resp);
-                const char *used = idem_result_metadata(out, "idem-key");
-                if (used != NULL && strlen(used) <= IDEM_CLIENT_KEY_MAX) {
-                    strcpy(out->key, used); /* e.g. the method's business key */
-                }
-                reply_free(&rep);
-                if (fill != IDEM_OK) {
-                    idem_result_clear(out);
-                    code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-                }
-            }
+        if (!retryable(code, hint) || attempt >= c->opts.retry.max_attempts) {
+            code = resp != NULL ? call_result(out, &rep, resp, code) : code;
             break;
         }
-        uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
         reply_free(&rep);
-        wait = hint > wait ? hint : wait;
-        now = idem__mono_ms();
-        if (now + wait >= end) {
-            wait = end > now ? (uint32_t)(end - now) : 0;
-        }
-        idem__sleep_ms(wait);
+        backoff_wait(c, attempt, hint, end);
     }
     if (out->message == NULL && code != IDEM_OK) {
         out->message = idem__strdup(idem_errmsg());
@@ -633,30 +496,4 @@ idem_code idem_client_issue_token(idem_client *c, const char *caller, char *buf,
     }
     idem_result_clear(&res);
     return code;
-}
-
-const char *idem_result_metadata(const idem_result *r, const char *name)
-{
-    for (size_t i = 0; i < r->metadata_count; i++) {
-        if (r->metadata[i].name != NULL && strcmp(r->metadata[i].name, name) == 0) {
-            return r->metadata[i].value;
-        }
-    }
-    return NULL;
-}
-
-void idem_result_clear(idem_result *r)
-{
-    for (size_t i = 0; i < r->metadata_count; i++) {
-        free((char *)r->metadata[i].name);
-        free((char *)r->metadata[i].value);
-    }
-    free(r->metadata);
-    free(r->message);
-    free(r->payload);
-    free(r->request_id);
-    r->metadata = NULL;
-    r->metadata_count = 0;
-    r->message = r->payload = r->request_id = NULL;
-    r->payload_len = 0;
 }

@@ -21,6 +21,8 @@ typedef struct idem_arena {
 
 void idem__arena_init(idem_arena *a);
 void idem__arena_reset(idem_arena *a); /* frees the chunks; the arena is empty again */
+/* size bytes, 16-byte aligned, that live until the reset; NULL when out of memory. */
+void *idem__arena_alloc(idem_arena *a, size_t size);
 
 /* A Response decoded into a (empty, initialised); its payload, when it occurs once,
  * points into buf, which must outlive it. NULL when buf is not a Response (a is then

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "wire.h"
 
 /* No C0 control characters or DEL: the field is echoed in logs and headers. */
 static idem_code check_printable(const char *field, const char *s)
@@ -95,19 +96,6 @@ idem_code idem__request_check(const Idem__V1__Request *r)
         }
     }
     return IDEM_OK;
-}
-
-static bool read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v)
-{
-    *v = 0;
-    for (int shift = 0; *p < end && shift < 64; shift += 7) {
-        uint8_t b = *(*p)++;
-        *v |= (uint64_t)(b & 0x7f) << shift;
-        if (!(b & 0x80)) {
-            return true;
-        }
-    }
-    return false;
 }
 
 /* protobuf-c hands strings over as C strings, so a string with an embedded NUL would be
@@ -277,59 +265,7 @@ idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32])
     return IDEM_OK;
 }
 
-/* ---- the request arena ---- */
-
-struct idem_arena_chunk {
-    idem_arena_chunk *next;
-    _Alignas(16) uint8_t data[];
-};
-
-#define ARENA_ALIGN ((size_t)16)
-
-static void *arena_alloc(void *arg, size_t size)
-{
-    idem_arena *a = arg;
-    size_t n = (size + ARENA_ALIGN - 1) & ~(ARENA_ALIGN - 1);
-    if (n >= size && n <= sizeof(a->buf) - a->used) {
-        void *p = a->buf + a->used;
-        a->used += n;
-        return p;
-    }
-    if (size > SIZE_MAX - sizeof(idem_arena_chunk)) {
-        return NULL;
-    }
-    idem_arena_chunk *c = malloc(sizeof(*c) + size);
-    if (c == NULL) {
-        return NULL;
-    }
-    c->next = a->chunks;
-    a->chunks = c;
-    return c->data;
-}
-
-static void arena_free(void *arg, void *p)
-{
-    (void)arg, (void)p; /* everything goes at once, in idem__arena_reset */
-}
-
-void idem__arena_init(idem_arena *a)
-{
-    a->pa.alloc = arena_alloc;
-    a->pa.free = arena_free;
-    a->pa.allocator_data = a;
-    a->used = 0;
-    a->chunks = NULL;
-}
-
-void idem__arena_reset(idem_arena *a)
-{
-    for (idem_arena_chunk *c = a->chunks, *next; c != NULL; c = next) {
-        next = c->next;
-        free(c);
-    }
-    a->chunks = NULL;
-    a->used = 0;
-}
+/* ---- the request decode into an arena (arena.c) ---- */
 
 /* A tag or a length: protobuf-c takes at most 5 bytes and 32 bits for either, so this
  * walk may not accept more (it would take a frame the plain decode refuses). */
@@ -406,7 +342,7 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
         Idem__V1__Request *r = idem__v1__request__unpack(&a->pa, len, buf);
         uint8_t *payload;
         if (r != NULL && r->payload.len > 0) {
-            if ((payload = arena_alloc(a, r->payload.len + 1)) == NULL) {
+            if ((payload = idem__arena_alloc(a, r->payload.len + 1)) == NULL) {
                 return NULL;
             }
             memcpy(payload, r->payload.data, r->payload.len);
@@ -417,7 +353,7 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
     }
     size_t before = (size_t)(field - buf), after = (size_t)(end - field_end);
     size_t n = (size_t)(field_end - data);
-    uint8_t *rest = arena_alloc(a, before + after + 1);
+    uint8_t *rest = idem__arena_alloc(a, before + after + 1);
     if (rest == NULL) {
         return NULL;
     }
@@ -429,7 +365,7 @@ static Idem__V1__Request *unpack_borrowing_payload(const uint8_t *buf, size_t le
     }
     uint8_t *payload = (uint8_t *)data;
     if (!writable || after == 0) {
-        if ((payload = arena_alloc(a, n + 1)) == NULL) {
+        if ((payload = idem__arena_alloc(a, n + 1)) == NULL) {
             return NULL;
         }
         memcpy(payload, data, n);
@@ -492,7 +428,7 @@ Idem__V1__Response *idem__decode_response_arena(const void *buf, size_t len, ide
         r = idem__v1__response__unpack(&a->pa, len, buf);
     } else { /* as unpack_borrowing_payload; the reader copies the payload itself */
         size_t before = (size_t)(field - (const uint8_t *)buf), after = (size_t)(end - field_end);
-        uint8_t *rest = arena_alloc(a, before + after + 1);
+        uint8_t *rest = idem__arena_alloc(a, before + after + 1);
         r = NULL;
         if (rest != NULL) {
             memcpy(rest, buf, before);
@@ -508,207 +444,4 @@ Idem__V1__Response *idem__decode_response_arena(const void *buf, size_t len, ide
         idem__arena_reset(a);
     }
     return r;
-}
-
-/* ---- replays as stored bytes ---- */
-
-static size_t varint_size(uint64_t v)
-{
-    size_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
-}
-
-static uint8_t *put_varint(uint8_t *p, uint64_t v)
-{
-    while (v >= 0x80) {
-        *p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (uint8_t)v;
-    return p;
-}
-
-/* A length-delimited field's length, canonical (minimal varint) and within the buffer;
- * *p then points at its bytes. */
-static bool read_len(const uint8_t **p, const uint8_t *end, uint64_t *n)
-{
-    const uint8_t *start = *p;
-    return read_varint(p, end, n) && (size_t)(*p - start) == varint_size(*n) &&
-           *n <= (uint64_t)(end - *p);
-}
-
-/* The names the library itself sets on a response (call.h IDEM_RESERVED_METADATA). */
-static bool library_name(const uint8_t *name, size_t n)
-{
-    static const char *const names[] = {"request-id", "idem-key", "idem-first-at",
-                                        "retry-after-ms"};
-    for (size_t i = 0; i < IDEM_ARRAY_LEN(names); i++) {
-        if (strlen(names[i]) == n && memcmp(names[i], name, n) == 0) {
-            return true;
-        }
-    }
-    return false;
-}
-
-/* One metadata entry in canonical form: key (field 1) 1..IDEM_MAX_METADATA_NAME bytes,
- * then optionally value (field 2) 1..IDEM_MAX_METADATA_VALUE bytes, neither with NUL. */
-static bool entry_ok(const uint8_t *p, const uint8_t *end, const uint8_t **name, size_t *name_len)
-{
-    uint64_t n;
-    if (p == end || *p++ != 0x0a || !read_len(&p, end, &n) || n == 0 ||
-        n > IDEM_MAX_METADATA_NAME || memchr(p, 0, n) != NULL) {
-        return false;
-    }
-    *name = p;
-    *name_len = n;
-    p += n;
-    if (p == end) {
-        return true;
-    }
-    if (*p++ != 0x12 || !read_len(&p, end, &n) || n == 0 || n > IDEM_MAX_METADATA_VALUE ||
-        memchr(p, 0, n) != NULL) {
-        return false;
-    }
-    return p + n == end;
-}
-
-bool idem__replay_wire_ok(const void *buf, size_t len)
-{
-    const uint8_t *p = buf, *end = p + len;
-    const uint8_t *names[IDEM_MAX_METADATA - IDEM_RESERVED_METADATA];
-    size_t name_lens[IDEM_MAX_METADATA - IDEM_RESERVED_METADATA], n_meta = 0;
-    unsigned last = 0;
-    while (p < end) {
-        uint8_t tag = *p++;
-        uint64_t n;
-        unsigned field = tag >> 3;
-        if (field < last || (field == last && field != 4)) {
-            return false; /* out of order, or a field repeated */
-        }
-        last = field;
-        switch (tag) {
-        case 0x08: /* code: a known nonzero code is one byte */
-            if (p == end || *p == 0 || *p >= IDEM_CODE_COUNT) {
-                return false;
-            }
-            p++;
-            break;
-        case 0x12: /* message */
-        case 0x1a: /* payload */
-            if (!read_len(&p, end, &n) || n == 0 || (tag == 0x12 && memchr(p, 0, n) != NULL)) {
-                return false;
-            }
-            p += n;
-            break;
-        case 0x22: /* a metadata entry */
-            if (n_meta == IDEM_ARRAY_LEN(names) || !read_len(&p, end, &n) ||
-                !entry_ok(p, p + n, &names[n_meta], &name_lens[n_meta]) ||
-                library_name(names[n_meta], name_lens[n_meta])) {
-                return false;
-            }
-            for (size_t i = 0; i < n_meta; i++) {
-                if (name_lens[i] == name_lens[n_meta] &&
-                    memcmp(names[i], names[n_meta], name_lens[i]) == 0) {
-                    return false;
-                }
-            }
-            n_meta++;
-            p += n;
-            break;
-        default: /* replayed, request_id (never stored) or a field unknown here */
-            return false;
-        }
-    }
-    return true;
-}
-
-const char *idem__call_answer_key(const idem_call *call)
-{
-    return call->key_source != IDEM_KEY_NONE && call->key_source != IDEM_KEY_TOKEN ? call->key
-                                                                                   : NULL;
-}
-
-static size_t entry_body_size(size_t name_len, size_t value_len)
-{
-    return 1 + varint_size(name_len) + name_len +
-           (value_len > 0 ? 1 + varint_size(value_len) + value_len : 0);
-}
-
-static uint8_t *put_entry(uint8_t *p, const char *name, const char *value)
-{
-    size_t nl = strlen(name), vl = strlen(value);
-    *p++ = 0x22;
-    p = put_varint(p, entry_body_size(nl, vl));
-    *p++ = 0x0a;
-    p = put_varint(p, nl);
-    memcpy(p, name, nl);
-    p += nl;
-    if (vl > 0) {
-        *p++ = 0x12;
-        p = put_varint(p, vl);
-        memcpy(p, value, vl);
-        p += vl;
-    }
-    return p;
-}
-
-/* The per-call fields, in the order the decode + re-encode path has them: metadata
- * idem-first-at (result_cache), idem-key (dispatch), request-id (the nng front), then
- * replayed = true and request_id. Each value is bounded (24, IDEM_MAX_KEY,
- * IDEM_MAX_REQUEST_ID bytes), so they fit in IDEM_REPLAY_SUFFIX_MAX. */
-size_t idem__replay_suffix(const idem_call *call, uint8_t out[IDEM_REPLAY_SUFFIX_MAX])
-{
-    const char *key = idem__call_answer_key(call);
-    size_t rid = strnlen(call->request_id, IDEM_MAX_REQUEST_ID);
-    uint8_t *p = put_entry(out, "idem-first-at", call->replay_first_at);
-    if (key != NULL) {
-        p = put_entry(p, "idem-key", key);
-    }
-    p = put_entry(p, "request-id", call->request_id);
-    *p++ = 0x28; /* replayed */
-    *p++ = 1;
-    if (rid > 0) {
-        *p++ = 0x32;
-        p = put_varint(p, rid);
-        memcpy(p, call->request_id, rid);
-        p += rid;
-    }
-    return (size_t)(p - out);
-}
-
-idem_code idem__call_materialize_replay(idem_call *call)
-{
-    uint8_t *wire = call->replay_wire;
-    if (wire == NULL) {
-        return IDEM_OK;
-    }
-    idem_kv *since = call->meta; /* set after the replay: they follow idem-first-at */
-    size_t n_since = call->meta_count;
-    const char *key = idem__call_answer_key(call);
-    call->meta = NULL;
-    call->meta_count = 0;
-    call->replay_wire = NULL;
-    idem_code code = idem__load_call_response(call, wire, call->replay_wire_len);
-    call->replay_wire_len = 0;
-    free(wire);
-    if (code == IDEM_OK) {
-        code = idem__call_set_meta(call, "idem-first-at", call->replay_first_at);
-    }
-    for (size_t i = 0; i < n_since; i++) {
-        if (code == IDEM_OK) {
-            code = idem__call_set_meta(call, since[i].name, since[i].value);
-        }
-        free(since[i].name);
-        free(since[i].value);
-    }
-    free(since);
-    if (code == IDEM_OK && key != NULL) {
-        code = idem__call_set_meta(call, "idem-key", key);
-    }
-    call->replayed = true;
-    return code;
 }

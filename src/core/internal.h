@@ -33,6 +33,18 @@ uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);
 void idem__sleep_ms(uint64_t ms); /* the whole time, across signals */
 
+/* Riding out a transient store failure (a database restarting, a full store): up to
+ * IDEM_OUTAGE_RETRY_MS of attempts, pausing 10 ms, doubled up to 500 ms, between them.
+ *   idem_outage o = idem__outage_start();
+ *   do { code = attempt(); } while (idem__outage_again(&o, code == IDEM_UNAVAILABLE)); */
+#define IDEM_OUTAGE_RETRY_MS 10000u
+typedef struct idem_outage {
+    uint64_t give_up, backoff;
+} idem_outage;
+idem_outage idem__outage_start(void);
+/* True, after a pause, when a transient failure is worth another attempt. */
+bool idem__outage_again(idem_outage *o, bool transient);
+
 /* Big-endian u64: byte order = numeric order, so keys built with it sort by number. */
 static inline void idem__put_be64(uint8_t *p, uint64_t v)
 {

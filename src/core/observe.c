@@ -239,63 +239,75 @@ static bool append(char **buf, size_t *len, size_t *cap, const char *fmt, ...)
 
 #define LOAD(x) ((unsigned long long)atomic_load_explicit(&(x), memory_order_relaxed))
 
-char *idem__metrics_text(idem_observer *obs)
+/* The call counters: calls by outcome, rejections by reason, responses by code. */
+static bool metrics_calls(char **b, size_t *len, size_t *cap, idem_observer *obs)
 {
-    size_t len = 0, cap = 4096;
-    char *b = malloc(cap);
-    bool ok = b != NULL;
-    ok = ok && append(&b, &len, &cap,
-                      "# HELP idem_calls_total Calls by outcome.\n"
-                      "# TYPE idem_calls_total counter\n"
-                      "idem_calls_total{outcome=\"executed\"} %llu\n"
-                      "idem_calls_total{outcome=\"replayed\"} %llu\n",
-                      LOAD(obs->executed), LOAD(obs->replayed));
+    bool ok = append(b, len, cap,
+                     "# HELP idem_calls_total Calls by outcome.\n"
+                     "# TYPE idem_calls_total counter\n"
+                     "idem_calls_total{outcome=\"executed\"} %llu\n"
+                     "idem_calls_total{outcome=\"replayed\"} %llu\n",
+                     LOAD(obs->executed), LOAD(obs->replayed));
     unsigned long long rejected = 0;
     for (size_t i = 0; i <= N_REASONS; i++) {
         rejected += LOAD(obs->rejected[i]);
     }
-    ok = ok && append(&b, &len, &cap,
+    ok = ok && append(b, len, cap,
                       "idem_calls_total{outcome=\"rejected\"} %llu\n"
                       "# HELP idem_rejected_total Calls the library rejected, "
                       "by reason.\n# TYPE idem_rejected_total counter\n",
                       rejected);
     for (size_t i = 0; i <= N_REASONS && ok; i++) {
-        ok = append(&b, &len, &cap, "idem_rejected_total{reason=\"%s\"} %llu\n",
+        ok = append(b, len, cap, "idem_rejected_total{reason=\"%s\"} %llu\n",
                     i < N_REASONS ? reasons[i] : "other", LOAD(obs->rejected[i]));
     }
-    ok = ok && append(&b, &len, &cap,
+    ok = ok && append(b, len, cap,
                       "# HELP idem_responses_total Responses by code.\n"
                       "# TYPE idem_responses_total counter\n");
     for (int c = 0; c < IDEM_CODE_COUNT && ok; c++) {
-        ok = append(&b, &len, &cap, "idem_responses_total{code=\"%s\"} %llu\n", idem_code_name(c),
+        ok = append(b, len, cap, "idem_responses_total{code=\"%s\"} %llu\n", idem_code_name(c),
                     LOAD(obs->by_code[c]));
     }
-    ok = ok && append(&b, &len, &cap,
-                      "# HELP idem_in_flight Calls received and not yet answered.\n"
-                      "# TYPE idem_in_flight gauge\nidem_in_flight %lld\n"
-                      "# HELP idem_waiting_duplicates Duplicates parked on a running first call.\n"
-                      "# TYPE idem_waiting_duplicates gauge\nidem_waiting_duplicates %lld\n"
-                      "# HELP idem_store_announcements_total Completions announced by other "
-                      "processes sharing the store (PostgreSQL NOTIFY), heard.\n"
-                      "# TYPE idem_store_announcements_total counter\n"
-                      "idem_store_announcements_total %llu\n"
-                      "# HELP idem_redrives_total What the re-driver did with abandoned calls: "
-                      "ran the handler again, re-ran one that did not execute (replayed, "
-                      "refused), removed a completed call's journal, gave up.\n"
-                      "# TYPE idem_redrives_total counter\n"
-                      "idem_redrives_total{result=\"run\"} %llu\n"
-                      "idem_redrives_total{result=\"not_run\"} %llu\n"
-                      "idem_redrives_total{result=\"journal_removed\"} %llu\n"
-                      "idem_redrives_total{result=\"gave_up\"} %llu\n"
-                      "# HELP idem_call_latency_microseconds Server-side call latency.\n"
-                      "# TYPE idem_call_latency_microseconds summary\n"
-                      "idem_call_latency_microseconds_sum %llu\n"
-                      "idem_call_latency_microseconds_count %llu\n",
-                      (long long)atomic_load_explicit(&obs->in_flight, memory_order_relaxed),
-                      (long long)atomic_load_explicit(&obs->waiting, memory_order_relaxed),
-                      LOAD(obs->announcements), LOAD(obs->redrives[0]), LOAD(obs->redrives[1]),
-                      LOAD(obs->redrives[2]), LOAD(obs->redrives[3]), LOAD(obs->latency_us_sum),
-                      LOAD(obs->calls));
+    return ok;
+}
+
+/* The gauges (in flight, waiting), the announcements and re-drives, and the latency. */
+static bool metrics_gauges(char **b, size_t *len, size_t *cap, idem_observer *obs)
+{
+    return append(b, len, cap,
+                  "# HELP idem_in_flight Calls received and not yet answered.\n"
+                  "# TYPE idem_in_flight gauge\nidem_in_flight %lld\n"
+                  "# HELP idem_waiting_duplicates Duplicates parked on a running first call.\n"
+                  "# TYPE idem_waiting_duplicates gauge\nidem_waiting_duplicates %lld\n"
+                  "# HELP idem_store_announcements_total Completions announced by other "
+                  "processes sharing the store (PostgreSQL NOTIFY), heard.\n"
+                  "# TYPE idem_store_announcements_total counter\n"
+                  "idem_store_announcements_total %llu\n"
+                  "# HELP idem_redrives_total What the re-driver did with abandoned calls: "
+                  "ran the handler again, re-ran one that did not execute (replayed, "
+                  "refused), removed a completed call's journal, gave up.\n"
+                  "# TYPE idem_redrives_total counter\n"
+                  "idem_redrives_total{result=\"run\"} %llu\n"
+                  "idem_redrives_total{result=\"not_run\"} %llu\n"
+                  "idem_redrives_total{result=\"journal_removed\"} %llu\n"
+                  "idem_redrives_total{result=\"gave_up\"} %llu\n"
+                  "# HELP idem_call_latency_microseconds Server-side call latency.\n"
+                  "# TYPE idem_call_latency_microseconds summary\n"
+                  "idem_call_latency_microseconds_sum %llu\n"
+                  "idem_call_latency_microseconds_count %llu\n",
+                  (long long)atomic_load_explicit(&obs->in_flight, memory_order_relaxed),
+                  (long long)atomic_load_explicit(&obs->waiting, memory_order_relaxed),
+                  LOAD(obs->announcements), LOAD(obs->redrives[0]), LOAD(obs->redrives[1]),
+                  LOAD(obs->redrives[2]), LOAD(obs->redrives[3]), LOAD(obs->latency_us_sum),
+                  LOAD(obs->calls));
+}
+
+char *idem__metrics_text(idem_observer *obs)
+{
+    size_t len = 0, cap = 4096;
+    char *b = malloc(cap);
+    bool ok =
+        b != NULL && metrics_calls(&b, &len, &cap, obs) && metrics_gauges(&b, &len, &cap, obs);
     if (!ok) {
         free(b);
         return NULL;

@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "call.h"
 #include "dispatch.h"
@@ -18,12 +17,10 @@
 #include "identity.h"
 #include "nng_front.h"
 #include "server_internal.h"
+#include "server_setup.h"
 #include "store.h"
 #include "redriver.h"
 #include "sweeper.h"
-
-#define DEFAULT_MAX_FRAME ((size_t)4 << 20)
-#define DEFAULT_CONTEXTS 256 /* parked duplicates hold a context, not a thread */
 
 struct idem_server {
     idem_server_opts opts;
@@ -45,35 +42,6 @@ struct idem_server {
     idem_redriver *redriver; /* NULL unless opts.redrive_interval_ms */
     idem_identity *identity; /* NULL: self-declared callers */
 };
-
-void idem_server_opts_init(idem_server_opts *opts)
-{
-    memset(opts, 0, sizeof(*opts));
-    opts->default_chain = true;
-    opts->log_level = IDEM_LOG_ERROR;
-}
-
-static void opts_defaults(idem_server_opts *o)
-{
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    o->contexts = o->contexts ? o->contexts : DEFAULT_CONTEXTS;
-    if (o->workers == 0) {
-        o->workers = (size_t)(cores > 0 ? cores : 1) * 2;
-    }
-    o->max_frame = o->max_frame ? o->max_frame : DEFAULT_MAX_FRAME;
-    o->result_ttl_ms = o->result_ttl_ms ? o->result_ttl_ms : 24 * 3600 * 1000ull;
-    o->lease_ms = o->lease_ms ? o->lease_ms : 30 * 1000ull;
-    o->token_ttl_ms = o->token_ttl_ms ? o->token_ttl_ms : 10 * 60 * 1000ull;
-    o->max_wait_ms = o->max_wait_ms ? o->max_wait_ms : 10 * 1000ull;
-    o->sweep_interval_ms = o->sweep_interval_ms ? o->sweep_interval_ms : 60 * 1000ull;
-    o->sweep_batch = o->sweep_batch ? o->sweep_batch : 1000;
-    o->max_run_ms = o->max_run_ms ? o->max_run_ms : 5 * 60 * 1000ull;
-    o->max_waiters = o->max_waiters ? o->max_waiters : 4096;
-    o->http_max_pending = o->http_max_pending ? o->http_max_pending : 1024;
-    o->redrive_batch = o->redrive_batch ? o->redrive_batch : 16;
-    o->redrive_max_runs = o->redrive_max_runs ? o->redrive_max_runs : 3;
-    o->redrive_max_runs = o->redrive_max_runs < 254 ? o->redrive_max_runs : 254;
-}
 
 static uint64_t system_clock(void *arg)
 {
@@ -297,6 +265,34 @@ static idem_code server_default_setup(idem_server *srv)
     return idem_server_use_builtin(srv, IDEM_BUILTIN_RESULT_CACHE);
 }
 
+/* The interceptors' configurations, the default methods and chain, the dispatcher and
+ * the nng front (not started). */
+static idem_code server_open(idem_server *srv)
+{
+    srv->token = (idem_token_cfg){.store = srv->store, .ttl_ms = srv->opts.token_ttl_ms};
+    srv->cache = (idem_cache_cfg){.store = srv->store,
+                                  .result_ttl_ms = srv->opts.result_ttl_ms,
+                                  .lease_ms = srv->opts.lease_ms,
+                                  .max_wait_ms = srv->opts.max_wait_ms,
+                                  .max_run_ms = srv->opts.max_run_ms};
+    idem_dispatch_cfg d = {.chain = &srv->chain,
+                           .find_method = method_find,
+                           .find_arg = srv,
+                           .rt = &srv->rt,
+                           .store = srv->store,
+                           .identity = srv->identity,
+                           .workers = srv->opts.workers,
+                           .max_queue = srv->opts.max_queue,
+                           .max_frame = srv->opts.max_frame,
+                           .max_waiters = srv->opts.max_waiters};
+    idem_code code;
+    if ((code = server_default_setup(srv)) != IDEM_OK ||
+        (code = idem__dispatch_create(&srv->dispatch, &d)) != IDEM_OK) {
+        return code;
+    }
+    return idem__nng_front_open(&srv->nng, srv->dispatch, srv->opts.contexts, srv->opts.max_frame);
+}
+
 idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
 {
     idem_server *srv;
@@ -308,7 +304,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     srv->opts = *opts;
-    opts_defaults(&srv->opts);
+    idem__server_opts_defaults(&srv->opts);
     srv->opts.db_path = NULL;        /* not retained */
     srv->opts.caller_secrets = NULL; /* copied into srv->identity */
     srv->opts.ipc_callers = NULL;
@@ -329,26 +325,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
         }
         srv->owns_store = true;
     }
-    srv->token = (idem_token_cfg){.store = srv->store, .ttl_ms = srv->opts.token_ttl_ms};
-    srv->cache = (idem_cache_cfg){.store = srv->store,
-                                  .result_ttl_ms = srv->opts.result_ttl_ms,
-                                  .lease_ms = srv->opts.lease_ms,
-                                  .max_wait_ms = srv->opts.max_wait_ms,
-                                  .max_run_ms = srv->opts.max_run_ms};
-    idem_dispatch_cfg d = {.chain = &srv->chain,
-                           .find_method = method_find,
-                           .find_arg = srv,
-                           .rt = &srv->rt,
-                           .store = srv->store,
-                           .identity = srv->identity,
-                           .workers = srv->opts.workers,
-                           .max_queue = srv->opts.max_queue,
-                           .max_frame = srv->opts.max_frame,
-                           .max_waiters = srv->opts.max_waiters};
-    if ((code = server_default_setup(srv)) != IDEM_OK ||
-        (code = idem__dispatch_create(&srv->dispatch, &d)) != IDEM_OK ||
-        (code = idem__nng_front_open(&srv->nng, srv->dispatch, srv->opts.contexts,
-                                     srv->opts.max_frame)) != IDEM_OK) {
+    if ((code = server_open(srv)) != IDEM_OK) {
         goto fail;
     }
     *out = srv;
@@ -361,125 +338,13 @@ fail:;
     return idem__err_put(&keep, code);
 }
 
-/* The built-ins in the only order that keeps their guarantees: the key is resolved
- * before anything uses it, a token is checked before a claim can replay, the debounce
- * window sits in front of the claim. */
-static const idem_builtin builtin_order[] = {IDEM_BUILTIN_REQUEST_ID, IDEM_BUILTIN_TOKEN,
-                                             IDEM_BUILTIN_DEBOUNCE, IDEM_BUILTIN_RESULT_CACHE};
-static const char *const builtin_names[] = {"request_id", "token", "result_cache", "debounce"};
-
-/* Where each built-in sits (by idem_builtin); -1 when absent. Refuses one twice. */
-static idem_code builtin_positions(const idem_chain *c, long pos[4])
-{
-    for (int b = 0; b < 4; b++) {
-        pos[b] = -1;
-    }
-    for (size_t i = 0; i < c->n; i++) {
-        const idem_interceptor *it = &c->items[i];
-        if (!it->builtin) {
-            continue;
-        }
-        if (pos[it->kind] >= 0) {
-            return idem__err(IDEM_FAILED_PRECONDITION, "the chain has %s twice",
-                             builtin_names[it->kind]);
-        }
-        pos[it->kind] = (long)i;
-    }
-    return IDEM_OK;
-}
-
-/* A custom chain (default_chain = false) may leave built-ins out, but never reorder them. */
-static idem_code chain_order_check(const long pos[4])
-{
-    for (size_t i = 0; i < IDEM_ARRAY_LEN(builtin_order); i++) {
-        for (size_t j = i + 1; j < IDEM_ARRAY_LEN(builtin_order); j++) {
-            long a = pos[builtin_order[i]], b = pos[builtin_order[j]];
-            if (a < 0 || b < 0 || a < b) {
-                continue;
-            }
-            return idem__err(IDEM_FAILED_PRECONDITION,
-                             "the chain runs %s before %s%s; the built-ins must run in the "
-                             "order request_id, token, debounce, result_cache",
-                             builtin_names[builtin_order[j]], builtin_names[builtin_order[i]],
-                             builtin_order[i] == IDEM_BUILTIN_TOKEN &&
-                                     builtin_order[j] == IDEM_BUILTIN_RESULT_CACHE
-                                 ? " (a token-protected call would be claimed and replayed "
-                                   "before its token is checked)"
-                                 : "");
-        }
-    }
-    return IDEM_OK;
-}
-
-/* One method's flags need the built-ins that enforce them. */
-static idem_code method_guard_check(const idem_server *srv, const idem_method *m, const long pos[4])
-{
-    unsigned f = m->opts.flags;
-    if ((f & IDEM_METHOD_KEY_REQUIRED) && pos[IDEM_BUILTIN_REQUEST_ID] < 0) {
-        return idem__err(IDEM_FAILED_PRECONDITION,
-                         "%s requires a key but the chain has no request_id (which resolves "
-                         "keys and refuses calls without one)",
-                         m->name);
-    }
-    if ((f & IDEM_METHOD_TOKEN_REQUIRED) && pos[IDEM_BUILTIN_TOKEN] < 0) {
-        return idem__err(IDEM_FAILED_PRECONDITION,
-                         "%s requires a token but the chain has no token interceptor: calls "
-                         "would pass without one",
-                         m->name);
-    }
-    if ((f & (IDEM_METHOD_CACHED | IDEM_METHOD_TRANSACTIONAL)) &&
-        pos[IDEM_BUILTIN_RESULT_CACHE] < 0) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "%s is %s but the chain has no result_cache",
-                         m->name, (f & IDEM_METHOD_TRANSACTIONAL) ? "transactional" : "cached");
-    }
-    if ((f & IDEM_METHOD_TRANSACTIONAL) && !idem__store_has(srv->store, IDEM__STORE_CAP_TXN)) {
-        return idem__err(IDEM_FAILED_PRECONDITION,
-                         "%s is transactional: the %s store has no handler transactions", m->name,
-                         idem_store_backend(srv->store));
-    }
-    return IDEM_OK;
-}
-
-/* The chain must keep the promises of every registered method: checked at the first
- * listen, so that a configuration cannot silently weaken a guarantee. */
-static idem_code server_check(const idem_server *srv)
-{
-    long pos[4];
-    idem_code code;
-    if ((code = builtin_positions(&srv->chain, pos)) != IDEM_OK ||
-        (code = chain_order_check(pos)) != IDEM_OK) {
-        return code;
-    }
-    for (size_t i = 0; i < srv->n_methods; i++) {
-        if ((code = method_guard_check(srv, &srv->methods[i], pos)) != IDEM_OK) {
-            return code;
-        }
-    }
-    return IDEM_OK;
-}
-
-/* A waiting call can leave the chain and resume at result_cache later only when every
- * interceptor before it is a built-in that just returns what the rest returned. */
-static void find_resume_point(idem_server *srv)
-{
-    bool all_builtin = true;
-    for (size_t i = 0; i < srv->chain.n; i++) {
-        const idem_interceptor *it = &srv->chain.items[i];
-        if (it->builtin && it->kind == IDEM_BUILTIN_RESULT_CACHE) {
-            srv->rt.can_park = all_builtin;
-            return;
-        }
-        all_builtin = all_builtin && srv->chain.items[i].builtin;
-    }
-}
-
 static idem_code server_start(idem_server *srv)
 {
     bool fast_path = idem__store_has(srv->store, IDEM__STORE_CAP_NONBLOCKING_READ);
     for (size_t i = 0; i < srv->chain.n; i++) {
         fast_path = fast_path && srv->chain.items[i].fast_safe;
     }
-    find_resume_point(srv);
+    srv->rt.can_park = idem__chain_can_park(&srv->chain);
     idem_code code;
     if ((code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
         (code = idem__sweeper_start(&srv->sweeper, srv->store, srv->opts.sweep_interval_ms,
@@ -509,7 +374,8 @@ static idem_code listen_nng(idem_server *srv, const char *url, const idem_tls_li
 {
     idem_code code;
     idem__err_clear();
-    if (!srv->started && (code = server_check(srv)) != IDEM_OK) {
+    if (!srv->started && (code = idem__chain_check(&srv->chain, srv->methods, srv->n_methods,
+                                                   srv->store)) != IDEM_OK) {
         return code;
     }
     if ((code = idem__nng_front_listen(srv->nng, url, tls)) != IDEM_OK) {
@@ -552,8 +418,9 @@ static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_l
     if (srv->http != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "the server already has an HTTP listener");
     }
-    if (!srv->started &&
-        ((code = server_check(srv)) != IDEM_OK || (code = server_start(srv)) != IDEM_OK)) {
+    if (!srv->started && ((code = idem__chain_check(&srv->chain, srv->methods, srv->n_methods,
+                                                    srv->store)) != IDEM_OK ||
+                          (code = server_start(srv)) != IDEM_OK)) {
         return code;
     }
     idem_http_cfg cfg = {.dispatch = srv->dispatch,

@@ -35,6 +35,21 @@ void idem__sleep_ms(uint64_t ms)
     }
 }
 
+idem_outage idem__outage_start(void)
+{
+    return (idem_outage){.give_up = idem__mono_ms() + IDEM_OUTAGE_RETRY_MS, .backoff = 10};
+}
+
+bool idem__outage_again(idem_outage *o, bool transient)
+{
+    if (!transient || idem__mono_ms() + o->backoff > o->give_up) {
+        return false;
+    }
+    idem__sleep_ms(o->backoff);
+    o->backoff = o->backoff * 2 > 500 ? 500 : o->backoff * 2;
+    return true;
+}
+
 void idem__cond_init(pthread_cond_t *cv)
 {
     pthread_condattr_t ca;

@@ -37,10 +37,6 @@
 #define JKEY IDEM__JKEY
 _Static_assert(JKEY == IDEM__JOURNAL_CURSOR, "the re-driver's cursor is a journal key");
 #define HEAD_MAX (8 + IDEM_MAX_STEPS * 32)
-/* A step's record rides out a store outage or a full store this long, as the outcome's
- * completion does (interceptors/result_cache.c, RECORD_RETRY_MS): fn's effect is done,
- * and a lost record makes the next run do it again. */
-#define STEP_RECORD_RETRY_MS 10000u
 
 typedef idem__journal journal;
 
@@ -224,40 +220,21 @@ static idem_code record_txn(idem_txn *t, void *arg)
     return code == IDEM_NOT_FOUND ? idem__journal_put_call(t, &a->j, a->call) : code;
 }
 
-/* Riding out a store outage (or a full store) for up to STEP_RECORD_RETRY_MS: a step
- * that fails transiently releases its call, and the journal then waits for a client
- * retry that may never come. */
-typedef struct outage {
-    uint64_t give_up, backoff;
-} outage;
-
-static outage outage_start(void)
-{
-    return (outage){.give_up = idem__mono_ms() + STEP_RECORD_RETRY_MS, .backoff = 10};
-}
-
-/* True, after a pause, when a transient failure is worth another attempt. */
-static bool outage_again(outage *o, bool transient)
-{
-    if (!transient || idem__mono_ms() + o->backoff > o->give_up) {
-        return false;
-    }
-    idem__sleep_ms(o->backoff);
-    o->backoff = o->backoff * 2 > 500 ? 500 : o->backoff * 2;
-    return true;
-}
-
-/* Records the step. Each attempt checks the claim again in its txn, so a run that lost
- * its claim meanwhile gets ABORTED; an attempt whose commit did land but was not
- * acknowledged is repeated harmlessly (the same output, still our claim). */
+/* Records the step, riding out a store outage or a full store (idem__outage_again), as
+ * the outcome's completion does (interceptors/result_cache_run.c): fn's effect is done,
+ * and a lost record makes the next run do it again; a step that fails transiently
+ * releases its call, and the journal then waits for a client retry that may never come.
+ * Each attempt checks the claim again in its txn, so a run that lost its claim meanwhile
+ * gets ABORTED; an attempt whose commit did land but was not acknowledged is repeated
+ * harmlessly (the same output, still our claim). */
 static idem_code record_retrying(idem_call *call, record_args *a)
 {
-    outage o = outage_start();
+    idem_outage o = idem__outage_start();
     idem_code code;
     do {
         code = idem_store_run_txn(call->claim_store, record_txn, a);
-    } while (outage_again(&o, code == IDEM_UNAVAILABLE ||
-                                  (code == IDEM_RESOURCE_EXHAUSTED && !a->too_many)));
+    } while (idem__outage_again(&o, code == IDEM_UNAVAILABLE ||
+                                        (code == IDEM_RESOURCE_EXHAUSTED && !a->too_many)));
     return code;
 }
 
@@ -265,14 +242,14 @@ static idem_code record_retrying(idem_call *call, record_args *a)
  * this run's (fn may run); ABORTED when it is not. */
 static idem_code look_up(idem_call *call, const record_args *a, void **v, size_t *n)
 {
-    outage o = outage_start();
+    idem_outage o = idem__outage_start();
     idem_code code;
     do {
         code = idem_store_app_get(call->claim_store, STEPS_DB, a->j.step_key, JKEY, v, n);
         if (code == IDEM_NOT_FOUND && (code = claim_held(NULL, call, call->fence)) == IDEM_OK) {
             code = IDEM_NOT_FOUND;
         }
-    } while (outage_again(&o, code == IDEM_UNAVAILABLE));
+    } while (idem__outage_again(&o, code == IDEM_UNAVAILABLE));
     return code;
 }
 

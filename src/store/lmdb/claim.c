@@ -1,6 +1,6 @@
 /* The claim lifecycle of a record: claim (acquire, take over, or report the stored
- * outcome), then complete, release or renew by its owner; and the fence counter that
- * hands out store-assigned owners. Each step runs in one write txn: a group-commit write,
+ * outcome), then complete, release or renew by its owner (store-assigned owners come
+ * from the fence counter, fence.c). Each step runs in one write txn: a group-commit write,
  * or for idem__lmdb_complete_in the txn of a transactional handler. */
 #include <stdatomic.h>
 #include <stdio.h>
@@ -8,63 +8,6 @@
 #include <string.h>
 
 #include "lmdb_internal.h"
-
-/* The store-assigned owners' counter in txn: *last the last one handed out (0: none). */
-static idem_code fence_last(lmdb_store *st, MDB_txn *txn, uint64_t *last)
-{
-    MDB_val k = {5, "fence"}, v;
-    int rc = mdb_get(txn, st->meta, &k, &v);
-    *last = rc == 0 && v.mv_size == 8 ? idem__get_be64(v.mv_data) : 0;
-    return rc == 0 || rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "fence get");
-}
-
-static idem_code fence_put(lmdb_store *st, MDB_txn *txn, uint64_t value)
-{
-    MDB_val k = {5, "fence"}, v;
-    uint8_t b[8];
-    idem__put_be64(b, value);
-    v = (MDB_val){8, b};
-    int rc = mdb_put(txn, st->meta, &k, &v, 0);
-    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "fence put");
-}
-
-/* The next store-assigned owner: a counter that only grows, in the claim's txn, and
- * past any fence a redo of this process tried (fence_floor): a fence drawn in a batch
- * whose commit and redo failed is not drawn again here. */
-static idem_code next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
-{
-    uint64_t last, floor = atomic_load(&st->fence_floor);
-    idem_code code;
-    if (!st->has_meta) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
-    }
-    if ((code = fence_last(st, txn, &last)) != IDEM_OK) {
-        return code;
-    }
-    *out = (last > floor ? last : floor) + 1;
-    return fence_put(st, txn, *out);
-}
-
-/* The counter moved to owner: a shared claim re-applied with the owner it drew in a
- * batch that failed (that draw was rolled back with it). The counter already at owner
- * or past it means another writer drew owner (or a later fence) between the failed
- * commit and this redo: owner may be that writer's now, and a fence is never held by
- * two claims, so the claim is lost (ABORTED) instead. */
-static idem_code fence_redraw(lmdb_store *st, MDB_txn *txn, uint64_t owner)
-{
-    uint64_t last, floor = atomic_load(&st->fence_floor);
-    while (floor < owner && !atomic_compare_exchange_weak(&st->fence_floor, &floor, owner)) {
-    }
-    idem_code code = fence_last(st, txn, &last);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    if (last >= owner) {
-        return idem__err(IDEM_ABORTED, "claim lost: its fence was drawn again while its "
-                                       "failed batch was re-run");
-    }
-    return fence_put(st, txn, owner);
-}
 
 /* Writes a fresh IN_PROGRESS record keeping tok (replacing `old` when it is not NULL). */
 static int claim_write(lmdb_store *st, MDB_txn *txn, const rec_key *key, const idem_claim_req *req,
@@ -112,14 +55,55 @@ static void claim_acquired(const claim_ctx *c, const idem_claim_req *at, bool to
     }
 }
 
+/* Reads the key's record, if any, into *old (an IN_PROGRESS one's token into *tok) and
+ * sets *decided when that record answers the claim: a different fingerprint (MISMATCH),
+ * a live result (COMPLETED) or a live lease (IN_PROGRESS), with c->rec filled. Otherwise
+ * the claim goes on: a new key, an expired result, or a lease to take over. */
+static idem_code look_existing(MDB_txn *txn, const claim_ctx *c, rec_hdr *old, rec_token *tok,
+                               bool *have_old, bool *decided)
+{
+    const idem_claim_req *req = c->req;
+    MDB_val k = {c->key->len, (void *)c->key->bytes}, v;
+    idem_code code;
+    int rc = mdb_get(txn, c->st->records, &k, &v);
+    if (rc == MDB_NOTFOUND) {
+        return IDEM_OK;
+    }
+    if (rc != 0) {
+        return idem__lmdb_code(rc, "claim get");
+    }
+    if ((code = idem__lmdb_rec_decode(&v, NULL, false)) != IDEM_OK) {
+        return code;
+    }
+    memcpy(old, v.mv_data, sizeof(*old));
+    *have_old = true;
+    if (old->state == IDEM_REC_IN_PROGRESS) {
+        idem__lmdb_rec_token_read(tok, &v); /* a takeover inherits the consumed token */
+    }
+    if (old->state == IDEM_REC_COMPLETED && old->expires_ms <= req->now_ms) {
+        return IDEM_OK; /* expired */
+    }
+    if (memcmp(old->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
+        *c->outcome = IDEM_CLAIM_MISMATCH;
+        *decided = true;
+        return c->rec != NULL ? idem__lmdb_rec_decode(&v, c->rec, false) : IDEM_OK;
+    }
+    if (old->state == IDEM_REC_COMPLETED || old->lease_until_ms > req->now_ms) {
+        *c->outcome =
+            old->state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED : IDEM_CLAIM_IN_PROGRESS;
+        *decided = true;
+        return c->rec != NULL ? idem__lmdb_rec_decode(&v, c->rec, true) : IDEM_OK;
+    }
+    return IDEM_OK; /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
+}
+
 static idem_code claim_apply(MDB_txn *txn, void *arg)
 {
     const claim_ctx *c = arg;
     const idem_claim_req *req = c->req;
-    MDB_val k = {c->key->len, (void *)c->key->bytes}, v;
     rec_hdr old;
     rec_token tok = {.len = 0};
-    bool have_old = false;
+    bool have_old = false, decided = false;
     uint64_t owner = req->owner;
     idem_code code;
     int rc;
@@ -128,32 +112,9 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
         idem_record_clear(c->rec);
         memset(c->rec, 0, sizeof(*c->rec));
     }
-    rc = mdb_get(txn, c->st->records, &k, &v);
-    if (rc != 0 && rc != MDB_NOTFOUND) {
-        return idem__lmdb_code(rc, "claim get");
-    }
-    if (rc == 0) {
-        if ((code = idem__lmdb_rec_decode(&v, NULL, false)) != IDEM_OK) {
-            return code;
-        }
-        memcpy(&old, v.mv_data, sizeof(old));
-        have_old = true;
-        if (old.state == IDEM_REC_IN_PROGRESS) {
-            idem__lmdb_rec_token_read(&tok, &v); /* a takeover inherits the consumed token */
-        }
-        bool expired = old.state == IDEM_REC_COMPLETED && old.expires_ms <= req->now_ms;
-        if (!expired) {
-            if (memcmp(old.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
-                *c->outcome = IDEM_CLAIM_MISMATCH;
-                return c->rec != NULL ? idem__lmdb_rec_decode(&v, c->rec, false) : IDEM_OK;
-            }
-            if (old.state == IDEM_REC_COMPLETED || old.lease_until_ms > req->now_ms) {
-                *c->outcome =
-                    old.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED : IDEM_CLAIM_IN_PROGRESS;
-                return c->rec != NULL ? idem__lmdb_rec_decode(&v, c->rec, true) : IDEM_OK;
-            }
-            /* IN_PROGRESS with an expired lease: the owner crashed or hung. */
-        }
+    code = look_existing(txn, c, &old, &tok, &have_old, &decided);
+    if (code != IDEM_OK || decided) {
+        return code;
     }
     bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
     /* The lease runs from this commit, not from the request: a claim that waited for the
@@ -175,7 +136,7 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
         }
         idem__lmdb_rec_token_make(&tok, req->token, tok_expires);
     }
-    if (owner == 0 && (code = next_fence(c->st, txn, &owner)) != IDEM_OK) {
+    if (owner == 0 && (code = idem__lmdb_next_fence(c->st, txn, &owner)) != IDEM_OK) {
         return code;
     }
     if ((rc = claim_write(c->st, txn, c->key, &at, owner, have_old ? &old : NULL, &tok)) != 0) {
@@ -250,7 +211,7 @@ static idem_code shared_redo(MDB_txn *txn, void *arg)
     idem_claim_outcome outcome;
     req.owner = h->owner;
     claim_ctx c = {h->c.st, &req, &h->key, &outcome, NULL, h->c.entered_mono};
-    idem_code code = fence_redraw(h->c.st, txn, h->owner);
+    idem_code code = idem__lmdb_fence_redraw(h->c.st, txn, h->owner);
     if (code == IDEM_OK && (code = claim_apply(txn, &c)) == IDEM_OK &&
         outcome != IDEM_CLAIM_ACQUIRED && outcome != IDEM_CLAIM_TAKEN_OVER) {
         code = idem__err(IDEM_ABORTED, "claim lost: taken while its batch was re-run");
@@ -283,7 +244,7 @@ idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
     }
     h->req = *req;
     snprintf(h->caller, sizeof(h->caller), "%s", req->key.caller); /* bounds checked */
-    h->req.key = (idem_key_ref){h->caller, NULL, NULL};             /* claim_apply: caller */
+    h->req.key = (idem_key_ref){h->caller, NULL, NULL};            /* claim_apply: caller */
     if (req->token != NULL) {
         snprintf(h->token, sizeof(h->token), "%s", req->token);
         h->req.token = h->token;

@@ -97,10 +97,55 @@ void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn)
     }
 }
 
+/* The LMDB environment of dir (st->env; closed again on failure). */
+static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsigned flags)
+{
+    bool ro = (flags & IDEM_STORE_READONLY) != 0;
+    unsigned env_flags =
+        MDB_NOTLS | (ro ? MDB_RDONLY : 0) | ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
+    int rc;
+    if ((rc = mdb_env_create(&st->env)) != 0 ||
+        (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
+        (rc = mdb_env_set_maxreaders(st->env, 512)) != 0 ||
+        (rc = mdb_env_set_mapsize(st->env, map_size ? map_size : DEFAULT_MAP_SIZE)) != 0 ||
+        (rc = mdb_env_open(st->env, dir, env_flags, 0600)) != 0) {
+        idem_code c = idem__err(IDEM_UNAVAILABLE, "open LMDB store %s: %s", dir, mdb_strerror(rc));
+        if (st->env != NULL) {
+            mdb_env_close(st->env);
+        }
+        return c;
+    }
+    return IDEM_OK;
+}
+
+/* Opens (creates unless read-only) the named databases in one txn; an LMDB error. */
+static int open_dbis(lmdb_store *st, bool ro)
+{
+    MDB_txn *txn = NULL;
+    unsigned dbi_flags = ro ? 0 : MDB_CREATE;
+    int rc;
+    if ((rc = mdb_txn_begin(st->env, NULL, ro ? MDB_RDONLY : 0, &txn)) != 0) {
+        return rc;
+    }
+    if ((rc = mdb_dbi_open(txn, "records", dbi_flags, &st->records)) != 0 ||
+        (rc = mdb_dbi_open(txn, "tokens", dbi_flags, &st->tokens)) != 0 ||
+        (rc = mdb_dbi_open(txn, "expiry", dbi_flags, &st->expiry)) != 0) {
+        mdb_txn_abort(txn);
+        return rc;
+    }
+    rc = mdb_dbi_open(txn, "meta", dbi_flags, &st->meta);
+    st->has_meta = rc == 0;
+    st->read_only = ro;
+    if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
+        mdb_txn_abort(txn);
+        return rc;
+    }
+    return mdb_txn_commit(txn); /* commit frees txn even when it fails */
+}
+
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
 {
     lmdb_store *st;
-    MDB_txn *txn = NULL;
     int rc;
     bool ro = (flags & IDEM_STORE_READONLY) != 0;
 
@@ -119,62 +164,31 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
         free(st);
         return code;
     }
-    unsigned env_flags =
-        MDB_NOTLS | (ro ? MDB_RDONLY : 0) | ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
-    if ((rc = mdb_env_create(&st->env)) != 0 ||
-        (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
-        (rc = mdb_env_set_maxreaders(st->env, 512)) != 0 ||
-        (rc = mdb_env_set_mapsize(st->env, map_size ? map_size : DEFAULT_MAP_SIZE)) != 0 ||
-        (rc = mdb_env_open(st->env, dir, env_flags, 0600)) != 0) {
-        idem_code c = idem__err(IDEM_UNAVAILABLE, "open LMDB store %s: %s", dir, mdb_strerror(rc));
-        if (st->env != NULL) {
-            mdb_env_close(st->env);
-        }
-        open_list_leave(st);
-        free(st);
-        return c;
+    if ((code = open_env(st, dir, map_size, flags)) != IDEM_OK) {
+        goto out;
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
-    unsigned dbi_flags = ro ? 0 : MDB_CREATE;
-    if ((rc = mdb_txn_begin(st->env, NULL, ro ? MDB_RDONLY : 0, &txn)) != 0) {
-        goto fail;
-    }
-    if ((rc = mdb_dbi_open(txn, "records", dbi_flags, &st->records)) != 0 ||
-        (rc = mdb_dbi_open(txn, "tokens", dbi_flags, &st->tokens)) != 0 ||
-        (rc = mdb_dbi_open(txn, "expiry", dbi_flags, &st->expiry)) != 0) {
-        mdb_txn_abort(txn);
-        goto fail;
-    }
-    rc = mdb_dbi_open(txn, "meta", dbi_flags, &st->meta);
-    st->has_meta = rc == 0;
-    st->read_only = ro;
-    if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
-        mdb_txn_abort(txn);
-        goto fail;
-    }
-    if ((rc = mdb_txn_commit(txn)) != 0) { /* commit frees txn even when it fails */
-        goto fail;
+    if ((rc = open_dbis(st, ro)) != 0) {
+        code = idem__lmdb_code(rc, "open databases");
+        mdb_env_close(st->env);
+        goto out;
     }
     /* A read-only store writes nothing: no writer thread (a write fails on its own). */
     bool gc_on = !ro && !(flags & IDEM_STORE_NO_GROUP_COMMIT);
     if ((code = idem__gc_init(&st->gc, st->env, gc_on, GROUP_COMMIT_BATCH)) != IDEM_OK) {
         mdb_env_close(st->env);
-        open_list_leave(st);
-        free(st);
-        return code;
+        goto out;
     }
     pthread_mutex_init(&st->rpool_mu, NULL);
     pthread_mutex_init(&st->db_mu, NULL);
     st->base.ops = &idem__lmdb_ops;
     *out = &st->base;
     return IDEM_OK;
-fail:;
-    idem_code c = idem__lmdb_code(rc, "open databases");
-    mdb_env_close(st->env);
+out:
     open_list_leave(st);
     free(st);
-    return c;
+    return code;
 }
 
 static void lmdb_close(idem_store *base)

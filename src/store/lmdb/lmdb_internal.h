@@ -15,11 +15,11 @@
  *
  * The files, by concern: env.c (open/close, the read-txn pool, the ops table),
  * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
- * renew, the fence counter), tokens.c (tokens and the token an IN_PROGRESS record keeps),
- * expiry.c (the expiry index and the sweep), txn.c (the write gate, business databases,
- * idem_txn_* and the handler-txn ops); group commit (group_commit.h): group_commit.c
- * (the callers' queue), group_commit_batch.c (the writer thread's batches),
- * group_commit_redo.c (a batch whose commit failed). */
+ * renew), fence.c (the fence counter of store-assigned owners), tokens.c (tokens and the
+ * token an IN_PROGRESS record keeps), expiry.c (the expiry index and the sweep), txn.c
+ * (the write gate, business databases, idem_txn_* and the handler-txn ops); group commit
+ * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
+ * thread's batches), group_commit_redo.c (a batch whose commit failed). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H
 
@@ -130,6 +130,10 @@ idem_code idem__lmdb_delete(idem_store *base, const idem_key_ref *ref);
 idem_code idem__lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out);
 
+/* fence.c: the next store-assigned owner; a redo's owner drawn again (or ABORTED). */
+idem_code idem__lmdb_next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out);
+idem_code idem__lmdb_fence_redraw(lmdb_store *st, MDB_txn *txn, uint64_t owner);
+
 /* claim.c */
 idem_code idem__lmdb_complete_in(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
                                  uint64_t owner, const void *response, size_t len,
@@ -198,8 +202,8 @@ idem_code idem__lmdb_app_get(idem_store *base, const char *db, const void *key, 
                              void **val, size_t *vlen);
 idem_code idem__lmdb_txn_record(idem_txn *t, const idem_key_ref *ref, idem_record *rec);
 /* The claim in a handler txn (ops.txn_claim; the cap is not advertised: see claim.c). */
-idem_code idem__lmdb_txn_claim(idem_txn *t, const idem_claim_req *req,
-                               idem_claim_outcome *outcome, idem_record *rec);
+idem_code idem__lmdb_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                               idem_record *rec);
 idem_code idem__lmdb_app_next(idem_store *base, const char *db, const void *after, size_t alen,
                               idem_app_entry *out);
 idem_code idem__lmdb_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,

@@ -1,0 +1,21 @@
+/* idemctl's parsed command line (idemctl_args.c), shared with the commands (idemctl.c). */
+#ifndef IDEMCTL_H
+#define IDEMCTL_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+typedef struct args {
+    const char *db, *cmd, *caller, *state, *method, *key;
+    const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
+    bool json, force, expired, caller_set;
+    long limit;
+} args;
+
+/* Prints the usage text to f. */
+void idemctl_usage(FILE *f);
+/* True to run; false with *status the exit status (0 after --help, 2 after a usage
+ * error). */
+bool idemctl_parse(int argc, char **argv, args *a, int *status);
+
+#endif
