@@ -3,9 +3,10 @@
  *
  * Every statement is sent asynchronously and its answer awaited with poll until a
  * deadline (the store's statement_timeout_ms plus a margin, or a shorter bound the
- * caller sets on the slot). A connection that did not answer in time is closed: the
- * statement's outcome is then unknown (it may still commit on the server), and the
- * caller must re-read before it answers or re-runs anything. On a direct connection the
+ * caller sets on the slot). A connection that did not answer in time is marked dead
+ * (closed when its slot is put back, so that a handler's idem_txn_pg_conn pointer stays
+ * valid): the statement's outcome is then unknown (it may still commit on the server),
+ * and the caller must re-read before it answers or re-runs anything. On a direct connection the
  * server bounds the same statement first (statement_timeout, lock_timeout, set per
  * session at connect), so a lock wait normally ends with a definite error.
  *
@@ -14,7 +15,9 @@
  * with target_session_attrs=read-write finds the new leader.
  *
  * Through a pooler in transaction mode (st->pooler) nothing lives in the session: the
- * statements are sent unnamed (parsed each time), and no SET is made at connect. */
+ * statements are sent unnamed (parsed each time), and no SET is made at connect.
+ * The lease keeper's renewals have a slot of their own (renew_slot), so that handlers
+ * holding every pooled connection never delay them. */
 #include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
@@ -466,50 +469,4 @@ void idem__pg_pool_put(pg_store *st, pool_slot *pc)
     pc->busy = false;
     pthread_cond_signal(&st->cv);
     pthread_mutex_unlock(&st->mu);
-}
-
-/* Runs statement s on a connection from the pool; *out (may be NULL) gets the result.
- * A read that lost its connection is tried again on a new one (reconnect_ms). */
-idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
-                               PGresult **out)
-{
-    /* Reads, and S_CLAIM_CONFIRM (it only extends a lease this claim holds), may run twice. */
-    bool read = s == S_GET || s == S_STATS || s == S_PAGE || s == S_KV_READ || s == S_KV_NEXT ||
-                s == S_CLAIM_CONFIRM;
-    uint64_t give_up = idem__mono_ms() + st->reconnect_ms;
-    for (;;) {
-        pool_slot *pc;
-        idem_code code = idem__pg_pool_get(st, &pc);
-        if (code != IDEM_OK) {
-            return code;
-        }
-        PGresult *r = idem__pg_exec(pc, s, a, want, &code);
-        bool dropped = r == NULL && (!slot_usable(pc) || PQstatus(pc->c) != CONNECTION_OK);
-        idem__pg_pool_put(st, pc);
-        if (r != NULL) {
-            if (out != NULL) {
-                *out = r;
-            } else {
-                PQclear(r);
-            }
-            return IDEM_OK;
-        }
-        if (!read || !dropped || idem__mono_ms() >= give_up) {
-            return code;
-        }
-    }
-}
-
-/* Runs a statement that must change exactly one row; else_code when it changed none. */
-idem_code idem__pg_exec_one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code else_code,
-                                const char *else_msg)
-{
-    PGresult *r;
-    idem_code code = idem__pg_exec_pooled(st, s, a, PGRES_COMMAND_OK, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    bool changed = strcmp(PQcmdTuples(r), "1") == 0;
-    PQclear(r);
-    return changed ? IDEM_OK : idem__err(else_code, "%s", else_msg);
 }

@@ -233,6 +233,52 @@ idem_code idem__pg_row_record(const PGresult *r, int row, int off, idem_record *
 
 /* ---- single-statement operations ---- */
 
+/* Runs statement s on a connection from the pool; *out (may be NULL) gets the result.
+ * A read that lost its connection is tried again on a new one (reconnect_ms). */
+idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, ExecStatusType want,
+                               PGresult **out)
+{
+    /* Reads, and S_CLAIM_CONFIRM (it only extends a lease this claim holds), may run twice. */
+    bool read = s == S_GET || s == S_STATS || s == S_PAGE || s == S_KV_READ || s == S_KV_NEXT ||
+                s == S_CLAIM_CONFIRM;
+    uint64_t give_up = idem__mono_ms() + st->reconnect_ms;
+    for (;;) {
+        pool_slot *pc;
+        idem_code code = idem__pg_pool_get(st, &pc);
+        if (code != IDEM_OK) {
+            return code;
+        }
+        PGresult *r = idem__pg_exec(pc, s, a, want, &code);
+        bool dropped = r == NULL && (pc->dead || pc->c == NULL || PQstatus(pc->c) != CONNECTION_OK);
+        idem__pg_pool_put(st, pc);
+        if (r != NULL) {
+            if (out != NULL) {
+                *out = r;
+            } else {
+                PQclear(r);
+            }
+            return IDEM_OK;
+        }
+        if (!read || !dropped || idem__mono_ms() >= give_up) {
+            return code;
+        }
+    }
+}
+
+/* Runs a statement that must change exactly one row; else_code when it changed none. */
+idem_code idem__pg_exec_one_row(pg_store *st, enum stmt s, const pg_args *a, idem_code else_code,
+                                const char *else_msg)
+{
+    PGresult *r;
+    idem_code code = idem__pg_exec_pooled(st, s, a, PGRES_COMMAND_OK, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool changed = strcmp(PQcmdTuples(r), "1") == 0;
+    PQclear(r);
+    return changed ? IDEM_OK : idem__err(else_code, "%s", else_msg);
+}
+
 #define CLAIM_LOST "claim lost: the record is gone or owned by another claim"
 
 /* The count of d from an ANNOUNCE statement. */
