@@ -22,7 +22,6 @@ REST=$((BASE + 2460))                 # Patroni REST API on REST+1, REST+2
 ETCD=$((BASE + 2500))                 # etcd client port; peer ETCD+1
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
 
-as_pg() { if [ "$(id -u)" -eq 0 ]; then setpriv --reuid=postgres --regid=postgres --init-groups "$@"; else "$@"; fi; }
 
 node_yaml() { # node number
     local n=$1
@@ -104,14 +103,20 @@ has_sync() {
     [ -n "$l" ] && [ "$(http_code $((REST + $(other "$l"))) /sync)" = 200 ]
 }
 
+# Patroni is started so that the pid recorded is Patroni's own (setsid and setpriv exec;
+# no wrapper process): kill and SIGSTOP must reach it.
 start_node() {
     local n=$1
     mkdir -p "$DIR/node$n"
     [ "$(id -u)" -eq 0 ] && chown -R postgres "$DIR/node$n"
     node_yaml "$n" >"$DIR/node$n.yml"
-    setsid bash -c "$(declare -f as_pg); as_pg patroni '$DIR/node$n.yml' >>'$DIR/node$n.log' 2>&1 &
-                    echo \$! >'$DIR/node$n.pid'"
-    wait_for 5 test -s "$DIR/node$n.pid"
+    if [ "$(id -u)" -eq 0 ]; then
+        setsid setpriv --reuid=postgres --regid=postgres --init-groups \
+            patroni "$DIR/node$n.yml" >>"$DIR/node$n.log" 2>&1 &
+    else
+        setsid patroni "$DIR/node$n.yml" >>"$DIR/node$n.log" 2>&1 &
+    fi
+    echo $! >"$DIR/node$n.pid"
 }
 
 start() {
@@ -151,6 +156,7 @@ stop() {
         [ -n "$pm" ] && { kill -CONT "$pm" 2>/dev/null; kill -9 "$pm" 2>/dev/null; } || true
     done
     [ -f "$DIR/etcd.pid" ] && kill -9 "$(cat "$DIR/etcd.pid")" 2>/dev/null || true
+    pkill -9 -f "patroni $DIR/node" 2>/dev/null || true # whatever a pid file missed
     pkill -9 -f "postgres -D $DIR/" 2>/dev/null || true
     rm -rf "$DIR"
 }
