@@ -169,6 +169,9 @@ typedef struct idem_consume_info {
     bool duplicate;          /* ACK for a message consumed before: fn did not run */
     idem_code code;          /* IDEM_OK on ACK; else fn's code or the store's error */
     uint64_t consumed_at_ms; /* ACK: when the (first) consumption committed, unix ms */
+    /* RETRY: fn failed while the store's connection under its txn broke (a database
+     * restart or failover): the store failed, not the message. */
+    bool store_failed;
 } idem_consume_info;
 
 /* For an at-least-once consumer: runs fn(txn, arg) once per (group, msg_key). The marker

@@ -223,6 +223,9 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
         ack(&d, info.duplicate);
         return;
     }
+    if (info.store_failed) { /* the handler failed because the store did */
+        d.handler_failed = false;
+    }
     const char *why = failure_kind(&d, v, info.code, &dead), *detail = idem_errmsg();
     snprintf(d.reason, sizeof(d.reason), "%s (delivery %llu): %s%s%s", why,
              (unsigned long long)d.im.delivered, idem_code_name(info.code),

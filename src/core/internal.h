@@ -151,6 +151,9 @@ idem_code idem__store_txn_begin(idem_store *st, idem_txn **out);
  * instance holds the key for a bounded time (PostgreSQL; 0: the default, 5 min). */
 idem_code idem__store_txn_begin_idle(idem_store *st, uint64_t idle_ms, idem_txn **out);
 void idem__store_txn_abort(idem_txn *t);
+/* True when t's connection to the store broke (PostgreSQL: a restart, a failover, a
+ * statement that got no answer): whatever failed in t failed for the store's sake. */
+bool idem__store_txn_broken(const idem_txn *t);
 /* Commits the business writes alone (no idempotency record); frees t. */
 idem_code idem__store_txn_commit(idem_txn *t);
 idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,

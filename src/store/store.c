@@ -286,6 +286,11 @@ static const idem_store_ops *ops_of(const idem_txn *t)
     return ((const idem_txn_head *)t)->ops;
 }
 
+bool idem__store_txn_broken(const idem_txn *t)
+{
+    return ops_of(t)->txn_broken != NULL && ops_of(t)->txn_broken(t);
+}
+
 void idem__store_txn_abort(idem_txn *t)
 {
     ops_of(t)->txn_abort(t);

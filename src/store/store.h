@@ -81,6 +81,8 @@ typedef struct idem_store_ops {
      * backend's default); LMDB has no sessions to end. */
     idem_code (*txn_begin)(idem_store *st, uint64_t idle_ms, idem_txn **out);
     void (*txn_abort)(idem_txn *t);
+    /* Optional (NULL: never): the txn's connection to the store broke. */
+    bool (*txn_broken)(const idem_txn *t);
     idem_code (*txn_commit)(idem_txn *t);
     idem_code (*txn_complete_commit)(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                      const void *response, size_t len, uint64_t expires_ms,

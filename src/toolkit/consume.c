@@ -160,6 +160,7 @@ static idem_consume_verdict verdict(idem_consume_info *info, idem_code code, boo
     info->code = code;
     info->duplicate = code == IDEM_OK && duplicate;
     info->consumed_at_ms = code == IDEM_OK ? at : 0;
+    info->store_failed = false;
     return code == IDEM_OK ? IDEM_CONSUME_ACK : IDEM_CONSUME_RETRY;
 }
 
@@ -206,8 +207,11 @@ idem_consume_verdict idem_consume_ex(idem_store *st, const char *group, const ch
         code = marker_write(t, &k, idem__now_ms(), &at); /* the shared log row: last */
     }
     if (code != IDEM_OK) {
+        bool broken = idem__store_txn_broken(t);
         idem__store_txn_abort(t); /* neither the marker nor fn's writes remain */
-        return verdict(info, code, false, 0);
+        idem_consume_verdict v = verdict(info, code, false, 0);
+        info->store_failed = broken;
+        return v;
     }
     return verdict(info, idem__store_txn_commit(t), false, at);
 }

@@ -201,6 +201,7 @@ idem_code idem__pg_token_consume(idem_store *base, const char *token, const char
 /* txn.c */
 idem_code idem__pg_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out);
 void idem__pg_txn_abort(idem_txn *t);
+bool idem__pg_txn_broken(const idem_txn *t);
 idem_code idem__pg_txn_commit(idem_txn *t);
 idem_code idem__pg_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
                                        const void *response, size_t len, uint64_t expires_ms,

@@ -409,6 +409,7 @@ const idem_store_ops idem__pg_ops = {
     .close = pg_close,
     .txn_begin = idem__pg_txn_begin,
     .txn_abort = idem__pg_txn_abort,
+    .txn_broken = idem__pg_txn_broken,
     .txn_commit = idem__pg_txn_commit,
     .txn_complete_commit = idem__pg_txn_complete_commit,
     .txn_get = idem__pg_txn_get,

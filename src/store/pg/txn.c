@@ -107,6 +107,12 @@ static void announce_rollback(pg_txn *t)
     idem__pg_run(t->slot, S_NOTIFY, &a, PGRES_TUPLES_OK);
 }
 
+bool idem__pg_txn_broken(const idem_txn *base)
+{
+    const pool_slot *pc = ((const pg_txn *)base)->slot;
+    return pc->dead || pc->c == NULL || PQstatus(pc->c) != CONNECTION_OK;
+}
+
 void idem__pg_txn_abort(idem_txn *base)
 {
     pg_txn *t = pg_txn_of(base);
