@@ -438,13 +438,15 @@ Test(sagas, a_corrected_request_after_a_compensated_validation_error_runs_afresh
 Test(sagas, a_final_failure_after_a_step_gives_its_effect_back)
 {
     idem_result r;
-    cr_assert_eq(place_order("cart-4", "sku-1 1 500", 1, 2000, &r), IDEM_FAILED_PRECONDITION);
+    cr_assert_eq(place_order("cart-4", "sku-1 1 500", 1, 2000, &r), IDEM_FAILED_PRECONDITION, "%s",
+                 r.message);
     cr_expect(strstr(r.message, "insufficient funds") != NULL, "the reason: '%s'", r.message);
     cr_expect_str_eq(idem_result_metadata(&r, "idem-compensated"), "all");
     idem_result_clear(&r);
     cr_expect_eq(atomic_load(&reserved), 1);
     cr_expect_eq(atomic_load(&released), 1, "the reservation was given back");
-    cr_assert_eq(place_order("cart-4", "sku-1 1 500", 1, 2000, &r), IDEM_FAILED_PRECONDITION);
+    cr_assert_eq(place_order("cart-4", "sku-1 1 500", 1, 2000, &r), IDEM_FAILED_PRECONDITION, "%s",
+                 r.message);
     cr_expect(!r.replayed, "released: the retry ran again");
     idem_result_clear(&r);
     cr_expect_eq(atomic_load(&reserved), 2, "a new reservation under a new key");

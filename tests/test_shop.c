@@ -242,8 +242,10 @@ Test(shop, an_order_killed_between_its_steps_is_finished_by_the_redriver)
 
 /* A request that kills its process between its steps, every time: the re-driver re-runs
  * it at most redrive_max_runs (3) times, then gives up (one error line), so the service
- * stops crash-looping; the call waits for a client retry. */
-Test(shop, a_call_that_kills_every_run_is_re_run_three_times_then_left_to_its_client)
+ * stops crash-looping, and compensates it: the reservation its first step recorded is
+ * released, by a run that stops after replaying that step (the crash point is not
+ * reached again). Stock is back where it started. */
+Test(shop, a_call_that_kills_every_run_is_re_run_three_times_then_compensated)
 {
     start(INV, NULL);
     start(PAY, NULL);
@@ -253,10 +255,10 @@ Test(shop, a_call_that_kills_every_run_is_re_run_three_times_then_left_to_its_cl
     idem_result_clear(&r);
     cr_assert_eq(tu_reap(&proc[ORDER]), SIGKILL, "the first run died between its steps");
     int reruns_died = 0;
-    bool gave_up = false;
+    bool gave_up = false, compensated = false;
+    char line[1024];
     while (!gave_up && reruns_died <= 4) {
         start_with(ORDER, "between", "50", true);
-        char line[1024];
         while (!gave_up && fgets(line, sizeof(line), proc[ORDER].out) != NULL) {
             gave_up = strstr(line, "not re-run any more") != NULL;
         }
@@ -267,6 +269,25 @@ Test(shop, a_call_that_kills_every_run_is_re_run_three_times_then_left_to_its_cl
     }
     cr_expect(gave_up, "the re-driver gave up");
     cr_expect_eq(reruns_died, 3, "three re-runs died, no more (%d)", reruns_died);
+    char state[128] = "";
+    for (int i = 0; i < 200 && gave_up; i++) { /* another process: polled */
+        read_state(INV, "inv.Stock/Releases", "sku-1", state, sizeof(state));
+        if (strncmp(state, "releases=0", 10) != 0) {
+            break;
+        }
+        nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL);
+    }
+    cr_assert_str_eq(state, "releases=1 reserves=1", "the re-driver released the stock");
+    while (!compensated && fgets(line, sizeof(line), proc[ORDER].out) != NULL) {
+        compensated = strstr(line, "compensating run 1") != NULL;
+    }
+    cr_assert(compensated, "the re-driver ran the compensation");
+    cr_expect(strstr(line, "INTERNAL") != NULL && strstr(line, "gave up") != NULL,
+              "its outcome is the give-up: %s", line);
+    read_state(INV, "inv.Stock/Level", "sku-1", state, sizeof(state));
+    cr_expect_str_eq(state, "stock=100 reservations=0");
+    read_state(PAY, "pay.Pay/Total", "", state, sizeof(state));
+    cr_expect_str_eq(state, "total=0 charges=0", "nothing charged");
 }
 
 /* ---- compensation: a charge that fails finally gives the reservation back ---- */

@@ -198,7 +198,9 @@ typedef struct idem_server_opts {
      * (idem_redrives_total). */
     uint64_t redrive_interval_ms;
     size_t redrive_batch; /* listed calls looked at per pass; 0 = 16 */
-    /* Re-runs of one call, then it waits for a client; 0 = 3, at most 254. */
+    /* Re-runs of one call; 0 = 3, at most 254. Then a call with recorded steps is
+     * compensated (its failure: INTERNAL, at most as many runs again to finish that),
+     * one without waits for a client. */
     unsigned redrive_max_runs;
     /* ---- HTTP front bounds (README "Security") ----
      * A request must arrive whole within http_request_timeout_ms of its first byte, else

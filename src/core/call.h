@@ -342,7 +342,11 @@ typedef enum idem__redrive_verdict {
     IDEM__REDRIVE_DONE,    /* written */
     IDEM__REDRIVE_GO,      /* count_run: counted, run it */
     IDEM__REDRIVE_GAVE_UP, /* count_run: it has had its re-runs; noted, say so once */
+    IDEM__REDRIVE_COMPENSATE, /* ... and its compensation started: run it to finish that */
 } idem__redrive_verdict;
+/* Re-runs of one call in all: redrive_max_runs, then as many to finish a compensation
+ * whose run died (the count is one byte of the listing). */
+#define IDEM__REDRIVE_LIMIT(max_runs) ((max_runs) * 2 + 1 < 255 ? (max_runs) * 2 + 1 : 255)
 /* The record is this request's and COMPLETED: delete the whole journal. */
 idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
                                        idem__redrive_verdict *verdict);

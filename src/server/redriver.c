@@ -79,11 +79,16 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
     const char *how = c->executed   ? "ran it again"
                       : c->replayed ? "another run had finished it: replayed its outcome"
                                     : "did not run it";
+    char run[48];
+    if (jc->runs < r->cfg.max_runs) {
+        snprintf(run, sizeof(run), "re-run %u of %u", jc->runs + 1, r->cfg.max_runs);
+    } else {
+        snprintf(run, sizeof(run), "compensating run %u", jc->runs - r->cfg.max_runs + 1);
+    }
     snprintf(what, sizeof(what),
-             "its owner's lease ran out; re-run %u of %u from its stored "
-             "request: %s: %s%s%s",
-             jc->runs + 1, r->cfg.max_runs, how, idem_code_name(c->code),
-             c->message != NULL ? ": " : "", c->message != NULL ? c->message : "");
+             "its owner's lease ran out; %s from its stored request: %s: %s%s%s", run, how,
+             idem_code_name(c->code), c->message != NULL ? ": " : "",
+             c->message != NULL ? c->message : "");
     log_call(r, c->executed ? IDEM_LOG_ERROR : IDEM_LOG_INFO, jc, what);
     /* A re-run turned away before the handler by something passing (a full or
      * unreachable store, a live owner) does not count against redrive_max_runs. */
@@ -103,23 +108,29 @@ static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
 {
     const idem_method *m = r->cfg.find_method(r->cfg.find_arg, jc->key_ref.method);
     idem__redrive_verdict v;
-    if (m == NULL || !(m->opts.flags & IDEM_METHOD_STEPS) || jc->runs > r->cfg.max_runs) {
+    if (m == NULL || !(m->opts.flags & IDEM_METHOD_STEPS) ||
+        jc->runs >= IDEM__REDRIVE_LIMIT(r->cfg.max_runs)) {
         return true; /* another server's method on this store; or given up before */
     }
     if (idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, false, &v) != IDEM_OK) {
         log_failure(r, "counting a re-run");
         return false;
     }
-    if (v == IDEM__REDRIVE_GO) {
-        rerun(r, jc, m);
-    } else if (v == IDEM__REDRIVE_GAVE_UP) {
-        char what[160];
+    if (v == IDEM__REDRIVE_GAVE_UP || v == IDEM__REDRIVE_COMPENSATE) {
+        char what[200];
         snprintf(what, sizeof(what),
-                 "its owner's lease ran out again after %u re-runs: not re-run any more; it "
-                 "waits for a client retry (or an operator)",
-                 r->cfg.max_runs);
+                 "its owner's lease ran out again after %u re-runs: not re-run any more; %s",
+                 r->cfg.max_runs,
+                 v == IDEM__REDRIVE_COMPENSATE
+                     ? "compensating: the undos of its recorded steps run, and its failure "
+                       "is its outcome"
+                     : "nothing recorded to give back: it waits for a client retry (or an "
+                       "operator)");
         log_call(r, IDEM_LOG_ERROR, jc, what);
         idem__observe_redrive(r->cfg.rt->obs, IDEM__REDRIVE_GAVE_UP_COUNT);
+    }
+    if (v == IDEM__REDRIVE_GO || v == IDEM__REDRIVE_COMPENSATE) {
+        rerun(r, jc, m);
     }
     return true;
 }

@@ -2,8 +2,9 @@
  *
  * Business database "idem.steps", next to the journal (steps.c):
  *   'c' base       → be32 code ‖ message: the final failure a compensation answers.
- *                    Written (under the claim) before the first undo runs; from then on
- *                    no new step runs and every run of the call answers that failure.
+ *                    Written (under the claim) before the first undo runs, or by the
+ *                    re-driver when it gives up on a call (steps_redrive.c); from then
+ *                    on no new step runs and every run of the call answers that failure.
  *   'u' H(base, s) → "" once the undo of step s has run (s's hash as in its 's' entry,
  *                    so the journal's head lists it and the outcome deletes it).
  *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: read before a run
@@ -147,6 +148,33 @@ idem_code idem__saga_check(idem_call *call, const idem__journal *j)
     return code != IDEM_OK ? code : fail == IDEM_OK ? IDEM_OK : idem__err(fail, "%s", msg);
 }
 
+/* Steps the journal lists (every run's), read from its head. */
+static idem_code recorded_steps(idem_call *call, const idem__journal *j, size_t *count)
+{
+    void *v;
+    size_t n;
+    idem_code code =
+        idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j->head_key, IDEM__JKEY, &v, &n);
+    *count = code == IDEM_OK && n >= 8 ? (n - 8) / 32 : 0;
+    if (code == IDEM_OK) {
+        free(v);
+    }
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+idem_code idem__saga_replayed(idem_call *call, const idem__journal *j)
+{
+    char msg[IDEM_MAX_MESSAGE + 1];
+    size_t recorded;
+    idem_code fail, code = saga_read(call, j, &fail, msg, sizeof(msg));
+    if (code != IDEM_OK || fail == IDEM_OK ||
+        (code = recorded_steps(call, j, &recorded)) != IDEM_OK) {
+        return code;
+    }
+    size_t known = call->saga != NULL ? call->saga->n : 0;
+    return known < recorded ? IDEM_OK : idem__err(fail, "%s", msg);
+}
+
 typedef struct saga_args {
     idem_call *call;
     idem__journal j;
@@ -259,20 +287,6 @@ static idem_code run_undos(idem_call *call, size_t *stands)
         }
     }
     return IDEM_OK;
-}
-
-/* Steps the journal lists (every run's), read from its head. */
-static idem_code recorded_steps(idem_call *call, const idem__journal *j, size_t *count)
-{
-    void *v;
-    size_t n;
-    idem_code code =
-        idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j->head_key, IDEM__JKEY, &v, &n);
-    *count = code == IDEM_OK && n >= 8 ? (n - 8) / 32 : 0;
-    if (code == IDEM_OK) {
-        free(v);
-    }
-    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
 static bool any_undo(const idem_call *call)

@@ -358,7 +358,11 @@ idem_code idem_call_step_with(idem_call *call, const char *step, idem_step_fn fn
         out->len = n;
         out->replayed = true;
         list_call(call, &a.j); /* a retry that only replays, then dies, is listed too */
-        return idem__saga_add(call, step, opts, out);
+        if ((code = idem__saga_add(call, step, opts, out)) != IDEM_OK ||
+            (code = idem__saga_replayed(call, &a.j)) != IDEM_OK) {
+            idem_step_result_clear(out);
+        }
+        return code;
     }
     /* Not ours any more (a takeover, or the call's outcome is recorded): fn must not
      * run. The record txn checks again, as the claim may go while fn runs. Nor once a

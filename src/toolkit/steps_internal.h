@@ -56,5 +56,10 @@ idem_code idem__saga_add(idem_call *call, const char *step, const idem_step_opts
 /* IDEM_OK when no compensation has started; else its failure (idem_errmsg: its message):
  * no new step runs. */
 idem_code idem__saga_check(idem_call *call, const idem__journal *j);
+/* After a recorded step replayed (and was added): IDEM_OK, or, in a call whose
+ * compensation has started once this run knows every recorded step, that failure, so
+ * no code of the handler's after its last recorded step runs (a run that kept dying
+ * there is compensated all the same). */
+idem_code idem__saga_replayed(idem_call *call, const idem__journal *j);
 
 #endif

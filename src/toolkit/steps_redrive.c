@@ -3,6 +3,7 @@
  * src/server/redriver.c reads (the listed calls) and writes (forget a completed call's
  * journal, unlist, count a re-run), each write deciding on the record it re-reads in
  * its own txn. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -117,6 +118,65 @@ static idem_code unlist_txn(idem_txn *t, void *arg)
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
+/* Whether the journal's head lists a recorded step, and whether a compensation has
+ * started ('c'), as t sees them. */
+static idem_code journal_state(idem_txn *t, const idem__journal *j, bool *steps, bool *saga)
+{
+    const void *v;
+    size_t n;
+    idem_code code = idem_txn_get(t, STEPS_DB, j->head_key, JKEY, &v, &n);
+    *steps = code == IDEM_OK && n > 8;
+    if (code == IDEM_OK || code == IDEM_NOT_FOUND) {
+        code = idem_txn_get(t, STEPS_DB, j->saga_key, JKEY, &v, &n);
+    }
+    *saga = code == IDEM_OK;
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* Giving up on a call whose steps recorded effects: its compensation starts here, in
+ * the txn that counts the last re-run, so whichever run comes next (the re-driver's,
+ * or a client's retry) gives the effects back instead of running the call again. */
+static idem_code give_up_txn(idem_txn *t, const redrive_args *a, bool *compensate)
+{
+    bool steps, saga;
+    char msg[IDEM_MAX_MESSAGE + 1];
+    uint8_t buf[4 + IDEM_MAX_MESSAGE];
+    idem_code code = journal_state(t, &a->j, &steps, &saga);
+    *compensate = code == IDEM_OK && (steps || saga);
+    if (code != IDEM_OK || !steps || saga) {
+        return code; /* nothing recorded to give back (the call waits for its client), or
+                      * a compensation already started */
+    }
+    int len = snprintf(msg, sizeof(msg),
+                       "abandoned: %u re-runs of the call died (redrive_max_runs); the "
+                       "re-driver gave up and compensated its steps",
+                       a->max_runs);
+    idem__put_be32(buf, (uint32_t)IDEM_INTERNAL);
+    memcpy(buf + 4, msg, (size_t)len);
+    return idem_txn_put(t, STEPS_DB, a->j.saga_key, JKEY, buf, 4 + (size_t)len);
+}
+
+/* The verdict on a call that has had runs re-runs: GO up to max_runs; at max_runs,
+ * COMPENSATE (its compensation starts, give_up_txn; the run performs it) or GAVE_UP
+ * (nothing to give back); past it, GO only to finish a compensation whose run died,
+ * at most IDEM__REDRIVE_LIMIT(max_runs) runs in all. */
+static idem_code verdict_of(idem_txn *t, const redrive_args *a, unsigned runs,
+                            idem__redrive_verdict *v)
+{
+    bool steps, saga, compensate;
+    idem_code code = IDEM_OK;
+    *v = IDEM__REDRIVE_GO;
+    if (runs == a->max_runs) {
+        code = give_up_txn(t, a, &compensate);
+        *v = compensate ? IDEM__REDRIVE_COMPENSATE : IDEM__REDRIVE_GAVE_UP;
+    } else if (runs > a->max_runs) {
+        code = journal_state(t, &a->j, &steps, &saga);
+        *v = saga && runs < IDEM__REDRIVE_LIMIT(a->max_runs) ? IDEM__REDRIVE_GO
+                                                             : IDEM__REDRIVE_SKIP;
+    }
+    return code;
+}
+
 /* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
  * whose lease ran out, or whose record a re-run released (absent, still listed). Two
  * re-drivers (instances on one database) serialise here; the second finds the lease
@@ -138,19 +198,21 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
     unsigned runs = ((const uint8_t *)v)[3];
-    if (runs > a->max_runs || (a->refund && runs == 0)) {
-        return IDEM_OK; /* given up before, and said so; or nothing to take back */
+    idem__redrive_verdict verdict = IDEM__REDRIVE_DONE;
+    if ((a->refund && runs == 0) ||
+        (!a->refund && (code = verdict_of(t, a, runs, &verdict)) != IDEM_OK)) {
+        return code; /* nothing to take back; or the store failed */
+    }
+    if (verdict == IDEM__REDRIVE_SKIP) {
+        return IDEM_OK; /* given up before, and said so */
     }
     uint8_t *copy = malloc(n);
     if (copy == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     memcpy(copy, v, n);
-    /* runs == max_runs: max_runs + 1 marks "gave up" */
     copy[3] = (uint8_t)(a->refund ? runs - 1 : runs + 1);
-    a->verdict = a->refund            ? IDEM__REDRIVE_DONE
-                 : runs < a->max_runs ? IDEM__REDRIVE_GO
-                                      : IDEM__REDRIVE_GAVE_UP;
+    a->verdict = verdict;
     code = idem_txn_put(t, STEPS_DB, a->j.call_key, JKEY, copy, n);
     free(copy);
     return code;
