@@ -18,7 +18,6 @@
 
 #define MARKER_MAX (1 + IDEM_MAX_CONSUMER_GROUP + 1 + IDEM_MAX_MSG_KEY)
 #define LOG_KEY_LEN 9
-static const uint8_t META_KEY[1] = {'q'};
 
 typedef struct marker_key {
     uint8_t bytes[MARKER_MAX];
@@ -48,33 +47,6 @@ static void log_key(uint8_t out[LOG_KEY_LEN], uint64_t seq)
     idem__put_be64(out + 1, seq);
 }
 
-static idem_code meta_get(idem_txn *t, uint64_t *head, uint64_t *next)
-{
-    const void *v;
-    size_t n;
-    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, META_KEY, sizeof(META_KEY), &v, &n);
-    *head = *next = 0;
-    if (code == IDEM_NOT_FOUND) {
-        return IDEM_OK;
-    }
-    if (code == IDEM_OK && n != 16) {
-        return idem__err(IDEM_DATA_LOSS, "consume: bad log bounds");
-    }
-    if (code == IDEM_OK) {
-        *head = idem__get_be64(v);
-        *next = idem__get_be64((const uint8_t *)v + 8);
-    }
-    return code;
-}
-
-static idem_code meta_put(idem_txn *t, uint64_t head, uint64_t next)
-{
-    uint8_t v[16];
-    idem__put_be64(v, head);
-    idem__put_be64(v + 8, next);
-    return idem_txn_put(t, IDEM_CONSUME_DB, META_KEY, sizeof(META_KEY), v, sizeof(v));
-}
-
 /* The locking read of the marker: IDEM_NOT_FOUND when (group, key) is new, else
  * IDEM_ALREADY_EXISTS (and *consumed_at). On PostgreSQL the marker's row stays locked
  * until the txn ends, so a concurrent consumer of the same message waits here. */
@@ -97,7 +69,7 @@ static idem_code marker_write(idem_txn *t, const marker_key *k, uint64_t now, ui
 {
     uint64_t head, next;
     uint8_t mval[16], lkey[LOG_KEY_LEN], lval[8 + MARKER_MAX];
-    idem_code code = meta_get(t, &head, &next);
+    idem_code code = idem__log_bounds_get(t, IDEM_CONSUME_DB, &head, &next);
     if (code != IDEM_OK) {
         return code;
     }
@@ -111,7 +83,7 @@ static idem_code marker_write(idem_txn *t, const marker_key *k, uint64_t now, ui
         return code;
     }
     *consumed_at = now;
-    return meta_put(t, head, next + 1);
+    return idem__log_bounds_put(t, IDEM_CONSUME_DB, head, next + 1);
 }
 
 /* Marks (group, key) consumed by t. IDEM_ALREADY_EXISTS (and *consumed_at) when marked
@@ -261,7 +233,7 @@ static idem_code purge_txn(idem_txn *t, void *arg)
     purge_args *a = arg;
     uint64_t head, next, seq;
     bool stop = false;
-    idem_code code = meta_get(t, &head, &next);
+    idem_code code = idem__log_bounds_get(t, IDEM_CONSUME_DB, &head, &next);
     /* At most max log slots are looked at, deleted or not: the txn stays bounded. */
     for (seq = head; code == IDEM_OK && seq < next && seq - head < a->max; seq++) {
         if ((code = purge_one(t, a, seq, &stop)) != IDEM_OK || stop) {
@@ -271,7 +243,7 @@ static idem_code purge_txn(idem_txn *t, void *arg)
     if (code != IDEM_OK || seq == head) {
         return code;
     }
-    return meta_put(t, seq, next);
+    return idem__log_bounds_put(t, IDEM_CONSUME_DB, seq, next);
 }
 
 idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max, size_t *purged)

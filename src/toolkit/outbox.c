@@ -16,42 +16,11 @@
 #include "idemrpc/toolkit.h"
 
 #define MSG_KEY_LEN 9
-static const uint8_t META_KEY[1] = {'q'};
 
 static void msg_key(uint8_t k[MSG_KEY_LEN], uint64_t seq)
 {
     k[0] = 'm';
     idem__put_be64(k + 1, seq);
-}
-
-static idem_code bounds_decode(const void *v, size_t n, uint64_t *head, uint64_t *next)
-{
-    if (n != 16) {
-        return idem__err(IDEM_DATA_LOSS, "outbox: bad bounds");
-    }
-    *head = idem__get_be64(v);
-    *next = idem__get_be64((const uint8_t *)v + 8);
-    return IDEM_OK;
-}
-
-static idem_code bounds_get(idem_txn *t, uint64_t *head, uint64_t *next)
-{
-    const void *v;
-    size_t n;
-    idem_code code = idem_txn_get(t, IDEM_OUTBOX_DB, META_KEY, sizeof(META_KEY), &v, &n);
-    *head = *next = 0;
-    if (code == IDEM_NOT_FOUND) {
-        return IDEM_OK;
-    }
-    return code != IDEM_OK ? code : bounds_decode(v, n, head, next);
-}
-
-static idem_code bounds_put(idem_txn *t, uint64_t head, uint64_t next)
-{
-    uint8_t v[16];
-    idem__put_be64(v, head);
-    idem__put_be64(v + 8, next);
-    return idem_txn_put(t, IDEM_OUTBOX_DB, META_KEY, sizeof(META_KEY), v, sizeof(v));
 }
 
 idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, const void *data,
@@ -77,13 +46,13 @@ idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, 
     if (len > 0) {
         memcpy(v + 4 + ls + li, data, len);
     }
-    idem_code code = bounds_get(t, &head, &next);
+    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
         msg_key(k, next);
         code = idem_txn_put(t, IDEM_OUTBOX_DB, k, sizeof(k), v, 4 + ls + li + len);
     }
     free(v);
-    return code != IDEM_OK ? code : bounds_put(t, head, next + 1);
+    return code != IDEM_OK ? code : idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next + 1);
 }
 
 /* Splits a stored message into out (data copied). */
@@ -111,26 +80,10 @@ static idem_code msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbo
     return IDEM_OK;
 }
 
-static idem_code bounds_read(idem_store *st, uint64_t *head, uint64_t *next)
-{
-    void *v;
-    size_t n;
-    idem_code code = idem_store_app_get(st, IDEM_OUTBOX_DB, META_KEY, sizeof(META_KEY), &v, &n);
-    *head = *next = 0;
-    if (code == IDEM_NOT_FOUND) {
-        return IDEM_OK;
-    }
-    if (code == IDEM_OK) {
-        code = bounds_decode(v, n, head, next);
-        free(v);
-    }
-    return code;
-}
-
 idem_code idem_outbox_pending(idem_store *st, uint64_t *pending)
 {
     uint64_t head, next;
-    idem_code code = bounds_read(st, &head, &next);
+    idem_code code = idem__log_bounds_read(st, IDEM_OUTBOX_DB, &head, &next);
     *pending = code == IDEM_OK ? next - head : 0;
     return code;
 }
@@ -146,7 +99,7 @@ idem_code idem_outbox_peek(idem_store *st, idem_outbox_msg *out, size_t max, siz
         return idem__err(IDEM_INVALID_ARGUMENT, "outbox peek: a store, at most %d messages",
                          IDEM_OUTBOX_MAX_BATCH);
     }
-    idem_code code = bounds_read(st, &head, &next);
+    idem_code code = idem__log_bounds_read(st, IDEM_OUTBOX_DB, &head, &next);
     /* Looks at no more than 2·max slots: removed ones behind a slow head are skipped. */
     for (uint64_t seq = head; code == IDEM_OK && seq < next && *n < max && seq - head < 2 * max;
          seq++) {
@@ -190,7 +143,7 @@ static idem_code remove_txn(idem_txn *t, void *arg)
     uint8_t k[MSG_KEY_LEN];
     const void *v;
     size_t n;
-    idem_code code = bounds_get(t, &head, &next);
+    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
         msg_key(k, a->seqs[i]);
         if ((code = idem_txn_del(t, IDEM_OUTBOX_DB, k, sizeof(k))) == IDEM_NOT_FOUND) {
@@ -209,7 +162,7 @@ static idem_code remove_txn(idem_txn *t, void *arg)
     if (code != IDEM_OK) {
         return code;
     }
-    return head != start ? bounds_put(t, head, next) : IDEM_OK;
+    return head != start ? idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next) : IDEM_OK;
 }
 
 idem_code idem_outbox_remove(idem_store *st, const uint64_t *seqs, size_t n)

@@ -7,11 +7,20 @@
 
 #include "internal.h"
 
+#include "idemrpc/toolkit.h"
+
 /* Length of s if it is 1..max bytes, else 0. */
 static inline size_t idem__bounded_len(const char *s, size_t max)
 {
     size_t n = s != NULL ? strnlen(s, max + 1) : 0;
     return n <= max ? n : 0;
 }
+
+/* The bounds of an append-only log in business database db (log_bounds.c): head, the
+ * oldest entry that may still be there, and next, the next append's number; 0, 0 when
+ * absent. _read: outside a txn. */
+idem_code idem__log_bounds_get(idem_txn *t, const char *db, uint64_t *head, uint64_t *next);
+idem_code idem__log_bounds_read(idem_store *st, const char *db, uint64_t *head, uint64_t *next);
+idem_code idem__log_bounds_put(idem_txn *t, const char *db, uint64_t head, uint64_t next);
 
 #endif
