@@ -171,8 +171,8 @@ static idem_code verdict_of(idem_txn *t, const redrive_args *a, unsigned runs,
         *v = compensate ? IDEM__REDRIVE_COMPENSATE : IDEM__REDRIVE_GAVE_UP;
     } else if (runs > a->max_runs) {
         code = journal_state(t, &a->j, &steps, &saga);
-        *v = saga && runs < IDEM__REDRIVE_LIMIT(a->max_runs) ? IDEM__REDRIVE_GO
-                                                             : IDEM__REDRIVE_SKIP;
+        *v =
+            saga && runs < IDEM__REDRIVE_LIMIT(a->max_runs) ? IDEM__REDRIVE_GO : IDEM__REDRIVE_SKIP;
     }
     return code;
 }
