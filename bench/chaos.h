@@ -117,6 +117,10 @@ uint64_t chaos_check(const chaos_cfg *cfg);
 #define CHAOS_NATS_DURABLE "commissions"
 #define CHAOS_NATS_ACK_WAIT_MS 2000 /* a stopped consumer's delivery goes to the other */
 #define CHAOS_NATS_MAX_DELIVER 5
+/* The stream's duplicate window: far shorter than nats-server's default (2 min), so that
+ * a copy a relay publishes again after a kill (or a second relay on the same outbox)
+ * often gets past the broker's dedupe and reaches the consumers: the marker's case. */
+#define CHAOS_NATS_DUP_WINDOW_MS 200
 int chaos_nats_producer(int argc, char **argv); /* --nats-producer: payments + relay */
 int chaos_nats_consumer(int argc, char **argv); /* --nats-consumer: the commissions */
 /* --topology nats: broker, processes, load and faults, settling, the stream's dump, the

@@ -106,10 +106,11 @@ static bool broker_listens(void)
 /* The argument vector of process i (static storage). */
 static const char *const *proc_argv(size_t i)
 {
-    static char db[NP_COUNT][600], port[24], store[600], lease[24];
+    static char db[NP_COUNT][600], port[24], store[600], lease[24], events[600];
     static const char *argv[NP_COUNT][16];
     const chaos_cfg *cfg = run_cfg;
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
+    snprintf(events, sizeof(events), "%s/events.log", cfg->dir);
     if (i == NP_BROKER) {
         snprintf(port, sizeof(port), "%d", broker_port);
         snprintf(store, sizeof(store), "%s/nats", cfg->dir);
@@ -117,13 +118,14 @@ static const char *const *proc_argv(size_t i)
         memcpy(argv[i], a, sizeof(a));
     } else if (i <= NP_PRODUCER1) {
         snprintf(db[i], sizeof(db[i]), "%s/producer", cfg->dir);
-        const char *a[] = {self_exe, "--nats-producer", "--listen", producer_urls[i], "--db",
-                           db[i],    "--nats",          broker_url, "--lease-ms",     lease,
-                           NULL};
+        const char *a[] = {
+            self_exe,   "--nats-producer", "--listen", producer_urls[i], "--db", db[i], "--nats",
+            broker_url, "--events",        events,     "--lease-ms",     lease,  NULL};
         memcpy(argv[i], a, sizeof(a));
     } else {
         snprintf(db[i], sizeof(db[i]), "%s/consumer", cfg->dir);
-        const char *a[] = {self_exe, "--nats-consumer", "--db", db[i], "--nats", broker_url, NULL};
+        const char *a[] = {self_exe,   "--nats-consumer", "--db", db[i], "--nats",
+                           broker_url, "--events",        events, NULL};
         memcpy(argv[i], a, sizeof(a));
     }
     return argv[i];

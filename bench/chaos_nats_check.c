@@ -271,6 +271,26 @@ static void credit_row(const char *key, size_t klen, const void *val, size_t vle
     }
 }
 
+/* events.log (chaos_nats_proc.c): "WHAT KEY PID" lines, counted by what. */
+static uint64_t relay_dups, consumer_dups;
+
+static void read_events(const chaos_cfg *cfg)
+{
+    char path[700], line[512], what[32], key[300];
+    snprintf(path, sizeof(path), "%s/events.log", cfg->dir);
+    FILE *f = fopen(path, "r");
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        if (sscanf(line, "%31s %299s", what, key) != 2) {
+            continue;
+        }
+        relay_dups += strcmp(what, "relay_dup") == 0;
+        consumer_dups += strcmp(what, "consumer_dup") == 0;
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+}
+
 /* stream.tsv: SEQ SUBJECT KEY REASON PAYLOAD. */
 static bool read_stream(const chaos_cfg *cfg)
 {
@@ -362,6 +382,10 @@ static void summary(const tally *t)
            " dead-lettered twice; credited total %lld (expected %lld)\n",
            t->produced, t->by_kind[0], t->by_kind[1], t->by_kind[2], t->by_kind[3], t->credited,
            t->dead_lettered, t->extra_copies, t->dead_twice, credited_total, t->expected_total);
+    printf("chaos: nats: evidence: %" PRIu64 " copies a relay published again were dropped by "
+           "the broker's dedupe, %" PRIu64 " reached the stream; the consumers acked %" PRIu64
+           " deliveries as duplicates (marker found, no effect)\n",
+           relay_dups, t->extra_copies, consumer_dups);
     printf("chaos: faults:");
     for (int f = 0; f < F_COUNT; f++) {
         printf(" %" PRIu64 " %s%s", nc.faults[f], f_names[f], f + 1 < F_COUNT ? "," : "\n");
@@ -387,6 +411,7 @@ uint64_t chaos_nats_check(const chaos_cfg *cfg)
     bool ok = read_history(cfg) && each_row(prod, "payments", payment_row) &&
               each_row(cons, "effects", effect_row) && each_row(cons, "credit", credit_row) &&
               read_stream(cfg);
+    read_events(cfg);
     if (!ok) {
         nc.violations++;
         printf("chaos: the checker could not read the run (above)\n");

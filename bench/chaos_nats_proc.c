@@ -14,6 +14,7 @@
  * writing: rolled back, then credited); final (INVALID_ARGUMENT: dead-lettered at once);
  * poison (every delivery fails UNAVAILABLE: dead-lettered after max_deliver). Both print
  * "ready" once serving and stop on SIGTERM. */
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <signal.h>
@@ -30,20 +31,20 @@
 
 #define OPEN_TRIES 100 /* 200 ms apart: a broker restart takes at most a few seconds */
 
+static int events_fd = -1;
+
 typedef struct proc_opts {
-    const char *listen, *db, *nats;
+    const char *listen, *db, *nats, *events;
     uint64_t lease_ms;
 } proc_opts;
 
 static bool proc_parse(int argc, char **argv, proc_opts *po)
 {
-    static const struct option longs[] = {{"nats-producer", no_argument, NULL, 'P'},
-                                          {"nats-consumer", no_argument, NULL, 'C'},
-                                          {"listen", required_argument, NULL, 'l'},
-                                          {"db", required_argument, NULL, 'd'},
-                                          {"nats", required_argument, NULL, 'n'},
-                                          {"lease-ms", required_argument, NULL, 'L'},
-                                          {NULL, 0, NULL, 0}};
+    static const struct option longs[] = {
+        {"nats-producer", no_argument, NULL, 'P'}, {"nats-consumer", no_argument, NULL, 'C'},
+        {"listen", required_argument, NULL, 'l'},  {"db", required_argument, NULL, 'd'},
+        {"nats", required_argument, NULL, 'n'},    {"lease-ms", required_argument, NULL, 'L'},
+        {"events", required_argument, NULL, 'e'},  {NULL, 0, NULL, 0}};
     int c;
     optind = 1;
     po->lease_ms = 500;
@@ -54,6 +55,8 @@ static bool proc_parse(int argc, char **argv, proc_opts *po)
             po->db = optarg;
         } else if (c == 'n') {
             po->nats = optarg;
+        } else if (c == 'e') {
+            po->events = optarg;
         } else if (c == 'L') {
             if (!cli_parse_u64("idemrpc-chaos", "--lease-ms", optarg, 1, 600000, &po->lease_ms)) {
                 return false;
@@ -62,12 +65,46 @@ static bool proc_parse(int argc, char **argv, proc_opts *po)
             return false;
         }
     }
-    if (po->db == NULL || po->nats == NULL) {
-        fprintf(stderr, "usage: idemrpc-chaos --nats-producer --listen URL --db DIR --nats URL\n"
-                        "       idemrpc-chaos --nats-consumer --db DIR --nats URL\n");
+    if (po->db == NULL || po->nats == NULL || po->events == NULL) {
+        fprintf(stderr, "usage: idemrpc-chaos --nats-producer --listen URL --db DIR --nats URL "
+                        "--events FILE\n"
+                        "       idemrpc-chaos --nats-consumer --db DIR --nats URL --events FILE\n");
+        return false;
+    }
+    if ((events_fd = open(po->events, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600)) < 0) {
+        perror(po->events);
         return false;
     }
     return true;
+}
+
+/* One line "WHAT KEY PID" of the events file (one write on an O_APPEND fd): the
+ * checker's evidence that the faults hit the windows the guards are for. */
+static void event_line(const char *what, const char *key)
+{
+    char line[400];
+    int n = snprintf(line, sizeof(line), "%s %s %d\n", what, key, (int)getpid());
+    if (n > 0 && (size_t)n < sizeof(line) && write(events_fd, line, (size_t)n) != n) {
+        perror("events"); /* evidence only: the run goes on */
+    }
+}
+
+/* The relay's publish was acked as a duplicate: the broker's dedupe dropped a copy. */
+static void on_published(const idem_outbox_msg *m, bool duplicate, void *arg)
+{
+    (void)arg;
+    if (duplicate) {
+        event_line("relay_dup", m->msg_id);
+    }
+}
+
+/* A delivery acked without running (its marker was found), or one dead-lettered. */
+static void on_event(idem_nats_event ev, const idem_nats_msg *m, const char *reason, void *arg)
+{
+    (void)reason, (void)arg;
+    if (ev == IDEM_NATS_DUPLICATE || ev == IDEM_NATS_DEAD_LETTERED) {
+        event_line(ev == IDEM_NATS_DUPLICATE ? "consumer_dup" : "dead", m->key);
+    }
 }
 
 /* Blocks SIGTERM (sigwait takes it), prints "ready", waits for it. */
@@ -139,6 +176,7 @@ int chaos_nats_producer(int argc, char **argv)
     ro.url = po.nats;
     ro.idle_ms = 20;
     ro.publish_wait_ms = 2000;
+    ro.on_published = on_published;
     idem_code code;
     for (int i = 0;
          (code = idem_nats_relay_open(&relay, idem_server_store(srv), &ro)) == IDEM_UNAVAILABLE &&
@@ -234,6 +272,7 @@ int chaos_nats_consumer(int argc, char **argv)
     o.backoff_ms = 50;
     o.backoff_max_ms = 1000;
     o.fetch_wait_ms = 200;
+    o.on_event = on_event;
     idem_code code;
     for (int i = 0;
          (code = idem_nats_consumer_open(&c, st, &o)) == IDEM_UNAVAILABLE && i < OPEN_TRIES; i++) {

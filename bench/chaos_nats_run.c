@@ -244,19 +244,38 @@ static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW 
     return remove(path);
 }
 
+/* The stream: file storage, the campaign's duplicate window (chaos.h). */
+static natsStatus add_stream(jsCtx *js)
+{
+    const char *subjects[] = {CHAOS_NATS_SUBJECT, CHAOS_NATS_DEAD};
+    jsStreamConfig sc;
+    jsStreamInfo *si = NULL;
+    jsStreamConfig_Init(&sc);
+    sc.Name = CHAOS_NATS_STREAM;
+    sc.Subjects = subjects;
+    sc.SubjectsLen = 2;
+    sc.Storage = js_FileStorage;
+    sc.Duplicates = (int64_t)CHAOS_NATS_DUP_WINDOW_MS * 1000000;
+    natsStatus s = js_AddStream(&si, js, &sc, NULL, NULL);
+    jsStreamInfo_Destroy(si);
+    return s;
+}
+
 /* Starts the producers and the consumers (the stream first: they bind to it). */
 static bool start_all(const chaos_cfg *cfg)
 {
-    const char *subjects[] = {CHAOS_NATS_SUBJECT, CHAOS_NATS_DEAD};
-    idem_code code = IDEM_UNAVAILABLE;
-    for (int i = 0; i < 50 && code == IDEM_UNAVAILABLE; i++) { /* JetStream starting */
-        if ((code = idem_nats_ensure_stream(chaos_nats_url(), CHAOS_NATS_STREAM, subjects, 2)) ==
-            IDEM_UNAVAILABLE) {
-            chaos_sleep_ms(200);
+    natsConnection *nc = NULL;
+    jsCtx *js = NULL;
+    natsStatus s = NATS_ERR;
+    if (broker_connect(&nc, &js)) {
+        for (int i = 0; i < 50 && (s = add_stream(js)) != NATS_OK; i++) {
+            chaos_sleep_ms(200); /* JetStream is starting */
         }
+        jsCtx_Destroy(js);
+        natsConnection_Destroy(nc);
     }
-    if (code != IDEM_OK) {
-        fprintf(stderr, "idemrpc-chaos: stream: %s\n", idem_errmsg());
+    if (s != NATS_OK) {
+        fprintf(stderr, "idemrpc-chaos: stream %s: %s\n", CHAOS_NATS_STREAM, natsStatus_GetText(s));
         return false;
     }
     for (size_t i = 0; i < NP_BROKER; i++) {
