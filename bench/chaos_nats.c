@@ -255,9 +255,9 @@ uint64_t chaos_nats_faults(const chaos_cfg *cfg, const volatile bool *stop)
         } else if (pick < 75 && procs[producer].pid > 0) {
             fault_kill(&rng, producer, "relay_kill", SIGKILL, 100, 800);
         } else if (pick < 90 && procs[NP_BROKER].pid > 0) {
-            fault_kill(&rng, NP_BROKER, "broker_kill", SIGKILL, 200, 1500);
+            fault_kill(&rng, NP_BROKER, "broker_kill", SIGKILL, 200, 4000);
         } else if (procs[NP_BROKER].pid > 0) {
-            fault_kill(&rng, NP_BROKER, "broker_term", SIGTERM, 200, 1500);
+            fault_kill(&rng, NP_BROKER, "broker_term", SIGTERM, 200, 4000);
         } else {
             continue;
         }
