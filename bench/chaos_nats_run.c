@@ -197,9 +197,13 @@ static void settle(const chaos_cfg *cfg, jsCtx *js)
 /* One stream message as a line of stream.tsv. */
 static void dump_one(FILE *out, natsMsg *m, uint64_t seq)
 {
-    const char *key = "-", *reason = "-";
-    natsMsgHeader_Get(m, IDEM_NATS_KEY_HEADER, &key);
-    natsMsgHeader_Get(m, IDEM_NATS_DEAD_REASON, &reason);
+    const char *key = NULL, *reason = NULL; /* "-": the header is absent */
+    if (natsMsgHeader_Get(m, IDEM_NATS_KEY_HEADER, &key) != NATS_OK || key == NULL) {
+        key = "-";
+    }
+    if (natsMsgHeader_Get(m, IDEM_NATS_DEAD_REASON, &reason) != NATS_OK || reason == NULL) {
+        reason = "-";
+    }
     fprintf(out, "%" PRIu64 "\t%s\t%s\t%s\t%.*s\n", seq, natsMsg_GetSubject(m), key, reason,
             natsMsg_GetDataLength(m), natsMsg_GetData(m));
 }
