@@ -347,7 +347,7 @@ static void check_entry(const entry *e, tally *t)
     for (int k = 0; k < 4; k++) {
         t->by_kind[k] += strcmp(e->kind, kinds[k]) == 0;
     }
-    t->credited += e->effects > 0;
+    t->credited += e->effects == 1;
     t->dead_lettered += e->dead > 0;
     t->dead_twice += e->dead > 1;
     t->extra_copies += e->copies > 1 ? e->copies - 1 : 0;
