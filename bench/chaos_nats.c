@@ -195,12 +195,36 @@ bool chaos_nats_setup(const chaos_cfg *cfg)
 }
 
 /* SIGKILL (or SIGTERM) process i and reap it; restart it after lo..hi ms. */
+/* Sends sig to pid and reaps it; SIGKILL after 10 s (a shutdown that hangs). Returns
+ * its wait status; *hung: it had to be killed. */
+static int end_process(pid_t pid, int sig, bool *hung)
+{
+    int st = 0;
+    uint64_t end = chaos_now_ms() + 10000;
+    *hung = false;
+    kill(pid, sig);
+    kill(pid, SIGCONT);
+    while (waitpid(pid, &st, WNOHANG) == 0) {
+        if (chaos_now_ms() > end) {
+            *hung = true;
+            kill(pid, SIGKILL);
+            waitpid(pid, &st, 0);
+            break;
+        }
+        chaos_sleep_ms(10);
+    }
+    return st;
+}
+
 static void fault_kill(uint64_t *rng, size_t i, const char *kind, int sig, uint64_t lo, uint64_t hi)
 {
     pid_t pid = procs[i].pid;
+    bool hung;
     proc_event("fault", kind, i, pid);
-    kill(pid, sig);
-    waitpid(pid, NULL, 0);
+    end_process(pid, sig, &hung);
+    if (hung) {
+        proc_event("fault", "crash", i, pid); /* it did not stop on SIGTERM */
+    }
     procs[i].pid = children[i] = 0;
     proc_event("fault_end", kind, i, pid);
     chaos_sleep_ms(chaos_between(rng, lo, hi));
@@ -286,24 +310,14 @@ void chaos_nats_heal(void)
 /* SIGTERM, then SIGKILL after 10 s (a "crash": it did not stop); reaps it. */
 static void stop_one(size_t i)
 {
-    int st = 0;
     pid_t pid = procs[i].pid;
-    uint64_t end = chaos_now_ms() + 10000;
+    bool hung;
     if (pid <= 0) {
         return;
     }
-    kill(pid, SIGCONT);
-    kill(pid, SIGTERM);
-    while (waitpid(pid, &st, WNOHANG) == 0) {
-        if (chaos_now_ms() > end) {
-            kill(pid, SIGKILL);
-            waitpid(pid, &st, 0);
-            break;
-        }
-        chaos_sleep_ms(50);
-    }
+    int st = end_process(pid, SIGTERM, &hung);
     /* nats-server exits 1 after a clean shutdown on SIGTERM ("Server Exiting..") */
-    bool clean = WIFEXITED(st) && (WEXITSTATUS(st) == 0 || i == NP_BROKER);
+    bool clean = !hung && WIFEXITED(st) && (WEXITSTATUS(st) == 0 || i == NP_BROKER);
     proc_event(clean ? "stop" : "fault", clean ? "exit" : "crash", i, pid);
     procs[i].pid = children[i] = 0;
 }
