@@ -135,6 +135,46 @@ static entry *get(const char *key, size_t n)
     return e;
 }
 
+/* The faults in time order, to attribute the consumers' duplicates to the fault before
+ * them (at most ATTRIBUTE_MS before: else "none"). */
+#define ATTRIBUTE_MS 10000
+typedef struct fault_at {
+    uint64_t t;
+    int kind;
+} fault_at;
+static fault_at *fault_log;
+static size_t n_fault_log, cap_fault_log;
+
+static void log_fault(const char *line, int kind)
+{
+    char t[24] = "";
+    if (n_fault_log == cap_fault_log) {
+        size_t cap = cap_fault_log == 0 ? 256 : cap_fault_log * 2;
+        fault_at *p = realloc(fault_log, cap * sizeof(*p));
+        if (p == NULL) {
+            return;
+        }
+        fault_log = p, cap_fault_log = cap;
+    }
+    chaos_history_field(line, "t", t, sizeof(t));
+    fault_log[n_fault_log++] = (fault_at){strtoull(t, NULL, 10), kind};
+}
+
+/* The kind of the last fault at most ATTRIBUTE_MS before t; F_COUNT: none. */
+static int fault_before(uint64_t t)
+{
+    size_t lo = 0, hi = n_fault_log; /* the first fault after t */
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (fault_log[mid].t <= t) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo > 0 && t - fault_log[lo - 1].t <= ATTRIBUTE_MS ? fault_log[lo - 1].kind : F_COUNT;
+}
+
 static void read_fault(const char *line)
 {
     char kind[32] = "", proc[32] = "";
@@ -144,7 +184,10 @@ static void read_fault(const char *line)
         violation(V_CRASH, "%s exited without being killed (see its log)", proc);
     }
     for (int f = 0; f < F_COUNT; f++) {
-        nc.faults[f] += strcmp(kind, f_names[f]) == 0;
+        if (strcmp(kind, f_names[f]) == 0) {
+            nc.faults[f]++;
+            log_fault(line, f);
+        }
     }
 }
 
@@ -272,7 +315,7 @@ static void credit_row(const char *key, size_t klen, const void *val, size_t vle
 }
 
 /* events.log (chaos_nats_proc.c): "WHAT KEY PID" lines, counted by what. */
-static uint64_t relay_dups, consumer_dups;
+static uint64_t relay_dups, consumer_dups, dups_after[F_COUNT + 1];
 
 static void read_events(const chaos_cfg *cfg)
 {
@@ -280,11 +323,16 @@ static void read_events(const chaos_cfg *cfg)
     snprintf(path, sizeof(path), "%s/events.log", cfg->dir);
     FILE *f = fopen(path, "r");
     while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
-        if (sscanf(line, "%31s %299s", what, key) != 2) {
+        int pid;
+        unsigned long long t = 0;
+        if (sscanf(line, "%31s %299s %d %llu", what, key, &pid, &t) < 2) {
             continue;
         }
         relay_dups += strcmp(what, "relay_dup") == 0;
-        consumer_dups += strcmp(what, "consumer_dup") == 0;
+        if (strcmp(what, "consumer_dup") == 0) {
+            consumer_dups++;
+            dups_after[fault_before(t)]++;
+        }
     }
     if (f != NULL) {
         fclose(f);
@@ -386,6 +434,12 @@ static void summary(const tally *t)
            "the broker's dedupe, %" PRIu64 " reached the stream; the consumers acked %" PRIu64
            " deliveries as duplicates (marker found, no effect)\n",
            relay_dups, t->extra_copies, consumer_dups);
+    printf("chaos: nats: the consumers' duplicates by the fault in the %d s before them:",
+           ATTRIBUTE_MS / 1000);
+    for (int f = 0; f <= F_COUNT; f++) {
+        printf(" %" PRIu64 " %s%s", dups_after[f], f < F_COUNT ? f_names[f] : "none",
+               f < F_COUNT ? "," : "\n");
+    }
     printf("chaos: faults:");
     for (int f = 0; f < F_COUNT; f++) {
         printf(" %" PRIu64 " %s%s", nc.faults[f], f_names[f], f + 1 < F_COUNT ? "," : "\n");
@@ -430,5 +484,6 @@ uint64_t chaos_nats_check(const chaos_cfg *cfg)
         free(nc.tab[i].key);
     }
     free(nc.tab);
+    free(fault_log);
     return nc.violations;
 }

@@ -78,12 +78,13 @@ static bool proc_parse(int argc, char **argv, proc_opts *po)
     return true;
 }
 
-/* One line "WHAT KEY PID" of the events file (one write on an O_APPEND fd): the
+/* One line "WHAT KEY PID MONOTONIC_MS" of the events file (one write on an O_APPEND fd): the
  * checker's evidence that the faults hit the windows the guards are for. */
 static void event_line(const char *what, const char *key)
 {
     char line[400];
-    int n = snprintf(line, sizeof(line), "%s %s %d\n", what, key, (int)getpid());
+    int n = snprintf(line, sizeof(line), "%s %s %d %" PRIu64 "\n", what, key, (int)getpid(),
+                     chaos_now_ms());
     if (n > 0 && (size_t)n < sizeof(line) && write(events_fd, line, (size_t)n) != n) {
         perror("events"); /* evidence only: the run goes on */
     }
