@@ -31,15 +31,18 @@
 #include "cli.h"
 
 static const char usage[] =
-    "usage: idemrpc-chaos --topology lmdb|pg --seconds N --seed S [--history FILE]\n"
+    "usage: idemrpc-chaos --topology lmdb|pg|nats --seconds N --seed S [--history FILE]\n"
     "                     [--clients K] [--lease-ms L] [--map-mib M] [--dir DIR]\n"
     "                     [--redrive-ms R]\n"
-    "       idemrpc-chaos --check --topology lmdb|pg --dir DIR  (check a finished run again)\n"
+    "       idemrpc-chaos --check --topology lmdb|pg|nats --dir DIR  (check a finished run again)\n"
     "  lmdb: two server processes on one LMDB directory; pg: two on one PostgreSQL\n"
     "  (IDEMRPC_TEST_PG) with Redis debounce (IDEMRPC_TEST_REDIS), faults through\n"
     "  IDEMRPC_SERVICES (scripts/services.sh). Defaults: 16 clients, 500 ms lease,\n"
     "  lmdb map of 32 MiB + 1 MiB per second of load, the servers' re-driver every\n"
-    "  100 ms (--redrive-ms 0: off, to see the checker's liveness check fail).\n";
+    "  100 ms (--redrive-ms 0: off, to see the checker's liveness check fail).\n"
+    "  nats (a build with libnats): a nats-server -js of its own (nats-server on PATH),\n"
+    "  two payment servers with outbox relays, two consumers on one durable; consumer\n"
+    "  kill and stop, relay kill, broker restart; 4 clients unless --clients says.\n";
 
 static int usage_error(const char *what)
 {
@@ -48,6 +51,19 @@ static int usage_error(const char *what)
     }
     fputs(usage, stderr);
     return CLI_USAGE_ERROR;
+}
+
+static bool parse_topology(const char *arg, chaos_topology *out)
+{
+    static const char *const names[] = {"lmdb", "pg", "nats"};
+    static const chaos_topology topologies[] = {CHAOS_LMDB, CHAOS_PG, CHAOS_NATS};
+    for (size_t i = 0; i < 3; i++) {
+        if (strcmp(arg, names[i]) == 0) {
+            *out = topologies[i];
+            return true;
+        }
+    }
+    return false;
 }
 
 /* 0 = parsed, else the exit status (--help: 0 via *done). */
@@ -72,10 +88,9 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
         const char *p = "idemrpc-chaos";
         switch (c) {
         case 't':
-            if (strcmp(optarg, "lmdb") != 0 && strcmp(optarg, "pg") != 0) {
-                return usage_error("--topology: 'lmdb' or 'pg'");
+            if (!parse_topology(optarg, &cfg->topology)) {
+                return usage_error("--topology: 'lmdb', 'pg' or 'nats'");
             }
-            cfg->topology = strcmp(optarg, "pg") == 0 ? CHAOS_PG : CHAOS_LMDB;
             topo = true;
             break;
         case 's':
@@ -251,12 +266,11 @@ static void record_begin(const chaos_cfg *cfg)
     snprintf(seed, sizeof(seed), "%" PRIu64, cfg->seed);
     snprintf(lease, sizeof(lease), "%" PRIu64, cfg->lease_ms);
     snprintf(secs, sizeof(secs), "%" PRIu64, cfg->seconds);
-    const char *f[] = {"topology",   cfg->topology == CHAOS_PG ? "pg" : "lmdb",
-                       "seed",       seed,
-                       "seconds",    secs,
-                       "run",        cfg->run,
-                       "lease_ms",   lease,
-                       "redrive_ms", redrive};
+    const char *topology = cfg->topology == CHAOS_PG     ? "pg"
+                           : cfg->topology == CHAOS_NATS ? "nats"
+                                                         : "lmdb";
+    const char *f[] = {"topology", topology, "seed",     seed,  "seconds",    secs,
+                       "run",      cfg->run, "lease_ms", lease, "redrive_ms", redrive};
     chaos_history_event("begin", 6, f);
 }
 
@@ -321,6 +335,42 @@ static void run(const chaos_cfg *cfg)
     fflush(stdout);
 }
 
+/* The broker topology's process roles; -1: not one of them. */
+static int nats_role(int argc, char **argv)
+{
+    bool producer = argc > 1 && strcmp(argv[1], "--nats-producer") == 0;
+    bool consumer = argc > 1 && strcmp(argv[1], "--nats-consumer") == 0;
+    if (!producer && !consumer) {
+        return -1;
+    }
+#ifdef CHAOS_HAVE_NATS
+    return producer ? chaos_nats_producer(argc, argv) : chaos_nats_consumer(argc, argv);
+#else
+    fprintf(stderr, "idemrpc-chaos: built without libnats (-Dnats): no broker topology\n");
+    return CLI_USAGE_ERROR;
+#endif
+}
+
+static int nats_run(const chaos_cfg *cfg)
+{
+#ifdef CHAOS_HAVE_NATS
+    return chaos_nats_run(cfg);
+#else
+    (void)cfg;
+    fprintf(stderr, "idemrpc-chaos: built without libnats (-Dnats): no broker topology\n");
+    return CLI_USAGE_ERROR;
+#endif
+}
+
+static uint64_t nats_check(const chaos_cfg *cfg)
+{
+#ifdef CHAOS_HAVE_NATS
+    return chaos_nats_check(cfg);
+#else
+    return nats_run(cfg) == 0 ? 0 : 1;
+#endif
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--serve") == 0) {
@@ -329,16 +379,30 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--agent") == 0) {
         return chaos_agent(argc, argv);
     }
-    chaos_cfg cfg = {.lease_ms = 500, .clients = 16, .redrive_ms = CHAOS_REDRIVE_MS};
+    int rc = nats_role(argc, argv);
+    if (rc >= 0) {
+        return rc;
+    }
+    chaos_cfg cfg = {.lease_ms = 500, .redrive_ms = CHAOS_REDRIVE_MS};
     bool done = false;
-    int rc = parse(argc, argv, &cfg, &done);
+    rc = parse(argc, argv, &cfg, &done);
+    if (cfg.clients == 0) {
+        cfg.clients = cfg.topology == CHAOS_NATS ? 4 : 16;
+    }
     if (rc != 0 || done || (rc = prepare(&cfg)) != 0) {
         return rc;
     }
     if (cfg.check_only) {
-        return chaos_check(&cfg) == 0 ? 0 : 1;
+        return (cfg.topology == CHAOS_NATS ? nats_check(&cfg) : chaos_check(&cfg)) == 0 ? 0 : 1;
     }
     record_begin(&cfg);
+    if (cfg.topology == CHAOS_NATS) {
+        printf("chaos: topology nats, %" PRIu64 " s, seed %" PRIu64 ", %" PRIu64
+               " clients, history %s\n",
+               cfg.seconds, cfg.seed, cfg.clients, cfg.history);
+        fflush(stdout);
+        return nats_run(&cfg);
+    }
     printf("chaos: topology %s, %" PRIu64 " s, seed %" PRIu64 ", re-driver %s, history %s\n",
            cfg.topology == CHAOS_PG ? "pg" : "lmdb", cfg.seconds, cfg.seed,
            cfg.redrive_ms > 0 ? "on" : "OFF", cfg.history);

@@ -9,6 +9,10 @@
  *   chaos_agent.c    the store agent (lmdb): fills and frees the store, logs commit stalls
  *   chaos_history.c  the history file (one JSON line per event) and its reader
  *   chaos_check.c    the checker: history + final store + effect log → violations
+ *   chaos_nats*.c    the broker topology (a build with libnats): a JetStream broker, two
+ *                    payment servers with their outbox relays, two consumers on one
+ *                    durable; consumer kill and stop, relay kill, broker restart; its
+ *                    checker counts the effects per message id
  *
  * Every time is CLOCK_MONOTONIC in ms, shared by the campaign and the servers (the
  * servers stamp the effect log with it). */
@@ -35,7 +39,7 @@
  * the agent's ballast, written once at the start). */
 #define CHAOS_HEADROOM_BYTES (16ull << 20)
 
-typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG } chaos_topology;
+typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG, CHAOS_NATS } chaos_topology;
 
 typedef struct chaos_cfg {
     chaos_topology topology;
@@ -104,5 +108,26 @@ void chaos_workload_settle(const chaos_cfg *cfg, chaos_totals *out);
 /* ---- the checker (chaos_check.c) ---- */
 /* Reads the history and the final state; prints each violation; returns their number. */
 uint64_t chaos_check(const chaos_cfg *cfg);
+
+/* ---- the broker topology (chaos_nats.c, chaos_nats_proc.c, chaos_nats_check.c) ---- */
+#define CHAOS_METHOD_PAY "chaos.Pay/Charge"
+#define CHAOS_NATS_STREAM "CHAOS"
+#define CHAOS_NATS_SUBJECT "chaos.commission"
+#define CHAOS_NATS_DEAD "chaos.dead"
+#define CHAOS_NATS_DURABLE "commissions"
+#define CHAOS_NATS_ACK_WAIT_MS 2000 /* a stopped consumer's delivery goes to the other */
+#define CHAOS_NATS_MAX_DELIVER 5
+/* The stream's duplicate window: far shorter than nats-server's default (2 min), so that
+ * a copy a relay publishes again after a kill (or a second relay on the same outbox)
+ * often gets past the broker's dedupe and reaches the consumers: the marker's case. */
+#define CHAOS_NATS_DUP_WINDOW_MS 200
+int chaos_nats_producer(int argc, char **argv); /* --nats-producer: payments + relay */
+int chaos_nats_consumer(int argc, char **argv); /* --nats-consumer: the commissions */
+/* --topology nats: broker, processes, load and faults, settling, the stream's dump, the
+ * checker; returns the exit status. */
+int chaos_nats_run(const chaos_cfg *cfg);
+/* Reads the history, the stores and the stream's dump (stream.tsv); prints each
+ * violation; returns their number. */
+uint64_t chaos_nats_check(const chaos_cfg *cfg);
 
 #endif
