@@ -10,6 +10,7 @@
 #include "arena.h"
 #include "idemrpc.pb-c.h"
 #include "internal.h"
+#include "runtime.h"
 
 #define IDEM_MAX_METADATA 64 /* entries per request or response */
 /* Response entries kept for the library (request-id, idem-key, idem-first-at,
@@ -80,33 +81,6 @@ void idem__observe_redrive(idem_observer *obs, enum idem__redrive_event what);
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
 
-/* The wall clock the library's lease and expiry arithmetic uses (ms since the epoch);
- * tests inject a skewed one. */
-typedef struct idem_clock {
-    uint64_t (*now_ms)(void *arg);
-    void *arg;
-} idem_clock;
-
-typedef struct idem_inflight idem_inflight;
-
-/* What every call may use, owned by the server: the clock, counters and logs, and the
- * in-flight table. Each built-in interceptor has a configuration of its own (below). */
-typedef struct idem_runtime {
-    idem_clock clock;
-    idem_observer *obs;
-    idem_inflight *inflight; /* keyed waiters and the lease keeper (inflight.c) */
-    /* Every interceptor before result_cache is a built-in that only tail-calls, so a
-     * waiting duplicate can leave the chain and resume at result_cache later. */
-    bool can_park;
-    /* The server runs a re-driver: journaled calls are listed for it (steps.c). */
-    bool redrive;
-    /* Hands back a call suspended with IDEM__SUSPEND_RECORD once its commit has ended
-     * (idem__call_recorded): the dispatcher queues it for a worker. NULL: no call is
-     * suspended so; its outcome is committed on the worker's thread. */
-    void (*resume)(void *arg, idem_call *call);
-    void *resume_arg;
-} idem_runtime;
-
 /* The token interceptor's and idem.Token/Issue's configuration. */
 typedef struct idem_token_cfg {
     idem_store *store;
@@ -119,8 +93,6 @@ typedef struct idem_cache_cfg {
     idem_store *store;
     uint64_t result_ttl_ms, lease_ms, max_wait_ms, max_run_ms;
 } idem_cache_cfg;
-
-uint64_t idem__rt_now_ms(const idem_runtime *rt);
 
 /* Why a chain returned without an answer. */
 typedef enum idem_suspend {
