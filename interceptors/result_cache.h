@@ -5,6 +5,8 @@
 #define IDEMRPC_RESULT_CACHE_H
 
 #include "call.h"
+#include "builtins.h"
+#include "journal.h"
 #include "store.h"
 
 #include "inflight.h"

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "builtins.h"
 #include "dispatch.h"
 #include "http_front.h"
 #include "identity.h"

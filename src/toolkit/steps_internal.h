@@ -3,6 +3,7 @@
 #define IDEMRPC_STEPS_INTERNAL_H
 
 #include "call.h"
+#include "journal.h"
 #include "store.h"
 
 #include "idemrpc/downstream.h"
