@@ -1,7 +1,8 @@
 /* The PostgreSQL backend's parts: store_pg.c the statements and the single-statement
  * operations; conn.c the pool and bounded statements; claim.c the claim and token
  * consumption; renew.c lease renewals; admin.c the sweep, counts and walks; txn.c handler
- * transactions and business key-value data; listen.c completion announcements. */
+ * transactions and business key-value data; listen.c completion announcements (its
+ * listener knows nothing of pg_store), watch.c the store's watch ops on it. */
 #ifndef IDEMRPC_STORE_PG_INTERNAL_H
 #define IDEMRPC_STORE_PG_INTERNAL_H
 
@@ -224,10 +225,17 @@ idem_code idem__pg_txn_record(idem_txn *t, const idem_key_ref *key, idem_record 
 idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
                             idem_app_entry *out);
 
-/* listen.c */
+/* listen.c: the listener thread, on conninfo (borrowed until stop) and nothing else of
+ * the store. */
+idem_code idem__pg_listener_start(const char *conninfo, pg_listener **out);
+/* At most IDEM__STORE_MAX_WATCH watchers (RESOURCE_EXHAUSTED beyond). */
+idem_code idem__pg_listener_add(pg_listener *l, idem__store_watch_fn fn, void *arg);
+/* Waits for a delivery to fn in progress. */
+void idem__pg_listener_remove(pg_listener *l, idem__store_watch_fn fn, void *arg);
+/* Stops the thread and frees l (NULL: nothing). */
+void idem__pg_listener_stop(pg_listener *l);
+/* watch.c: the store's watch and unwatch ops. */
 idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);
 void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg);
-/* Stops the listener thread, if any (store close). */
-void idem__pg_listener_stop(pg_store *st);
 
 #endif

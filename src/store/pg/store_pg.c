@@ -374,7 +374,7 @@ static idem_code pg_token_put(idem_store *base, const char *token, const char *s
 static void pg_close(idem_store *base)
 {
     pg_store *st = (pg_store *)base;
-    idem__pg_listener_stop(st);
+    idem__pg_listener_stop(st->listener);
     for (size_t i = 0; i < st->n; i++) {
         if (st->pool[i].c != NULL) {
             PQfinish(st->pool[i].c);
