@@ -36,7 +36,7 @@
 
 #include <idemrpc/idemrpc.h>
 
-#include "call.h" /* idem__steps_next_call: the journals the re-driver would see */
+#include "journal.h" /* idem__steps_next_call: the journals the re-driver would see */
 #include "chaos.h"
 
 #define BUCKETS 65536

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "call.h"
+#include "builtins.h"
 
 #define POOL 8
 #define IO_TIMEOUT_MS 100 /* connect and command timeout: Redis must not slow calls */

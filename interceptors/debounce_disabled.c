@@ -2,7 +2,7 @@
  * without hiredis installed). meson compiles this file instead of debounce.c: no window
  * can be created, so the interceptor is never installed with one, and a program that
  * offers debounce as an option still links and learns at run time that it is missing. */
-#include "call.h"
+#include "builtins.h"
 
 idem_code idem_debounce_create(idem_debounce **out, const char *url, uint32_t window_ms)
 {

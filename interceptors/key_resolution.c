@@ -6,7 +6,7 @@
  * scoped later by (caller, method). */
 #include <string.h>
 
-#include "call.h"
+#include "builtins.h"
 
 static void resolve_request_id(idem_call *call)
 {

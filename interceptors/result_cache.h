@@ -1,18 +1,20 @@
-/* result_cache's two files: the looking side (result_cache.c: read, claim, wait,
- * replay) and the owner's side (result_cache_run.c: run, record, answer a failed record).
- * Private to them. */
+/* result_cache's files: the looking side (result_cache.c: read, claim, wait), the owner's
+ * side (result_cache_run.c: run, record, answer a failed record) and the replay both use
+ * (result_cache_replay.c). Private to them. */
 #ifndef IDEMRPC_RESULT_CACHE_H
 #define IDEMRPC_RESULT_CACHE_H
 
 #include "call.h"
+#include "builtins.h"
+#include "journal.h"
 #include "store.h"
 
 #include "inflight.h"
 
 #define IDEM__RC_RETRY_AFTER_MS 100u /* hint given with ABORTED "in progress", UNAVAILABLE */
 
-/* Answers the stored first result rec (its response may move into the call), with
- * metadata idem-first-at, replayed. */
+/* result_cache_replay.c: answers the stored first result rec (its response may move
+ * into the call), with metadata idem-first-at, replayed. */
 idem_code idem__rc_replay(idem_call *call, idem_record *rec);
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
  * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the

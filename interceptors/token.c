@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "call.h"
+#include "builtins.h"
 #include "store.h"
 
 #define TOKEN_BYTES 16

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "builtins.h"
 #include "testutil.h"
 
 #define METHOD "shop.Orders/Create"

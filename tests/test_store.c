@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "store.h"
 #include "testutil.h"
 
 #define T0 UINT64_C(1700000000000) /* the fake "now", unix ms */

@@ -34,4 +34,7 @@ idem_code idem__client_build_msg(const idem_client *c, const idem_request *r, co
 /* Copies a response into out (IDEM_RESOURCE_EXHAUSTED when a copy fails: clear out). */
 idem_code idem__client_result_fill(idem_result *out, const Idem__V1__Response *r);
 
+/* The client's whole-call deadline for requests that set none (after defaults). */
+uint32_t idem__client_deadline_ms(const idem_client *c);
+
 #endif

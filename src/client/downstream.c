@@ -4,47 +4,9 @@
 #include <string.h>
 
 #include "call.h"
+#include "client_internal.h"
 
 #include "idemrpc/downstream.h"
-
-bool idem__step_name_ok(const char *step)
-{
-    size_t n = step != NULL ? strlen(step) : 0;
-    if (n == 0 || n > IDEM_MAX_STEP) {
-        return false;
-    }
-    for (size_t i = 0; i < n; i++) {
-        char ch = step[i];
-        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-              ch == '.' || ch == '_' || ch == '-')) {
-            return false;
-        }
-    }
-    return true;
-}
-
-bool idem__lp_sha256(const char *const *parts, size_t n, const void *tail, size_t tail_len,
-                     uint8_t out[32])
-{
-    enum { MAX_PARTS = 8 };
-    const void *p[2 * MAX_PARTS + 1];
-    size_t lens[2 * MAX_PARTS + 1];
-    uint8_t len_be[MAX_PARTS][4];
-    if (n > MAX_PARTS) {
-        return false;
-    }
-    for (size_t i = 0; i < n; i++) {
-        uint32_t len = (uint32_t)strlen(parts[i]);
-        idem__put_be32(len_be[i], len);
-        p[2 * i] = len_be[i];
-        lens[2 * i] = 4;
-        p[2 * i + 1] = parts[i];
-        lens[2 * i + 1] = len;
-    }
-    p[2 * n] = tail != NULL ? tail : "";
-    lens[2 * n] = tail != NULL ? tail_len : 0;
-    return idem__sha256(p, lens, 2 * n + 1, out);
-}
 
 idem_code idem_call_derive_key(const idem_call *call, const char *step,
                                char out[IDEM_DERIVED_KEY_LEN + 1])

@@ -10,6 +10,7 @@
 #include "arena.h"
 #include "idemrpc.pb-c.h"
 #include "internal.h"
+#include "runtime.h"
 
 #define IDEM_MAX_METADATA 64 /* entries per request or response */
 /* Response entries kept for the library (request-id, idem-key, idem-first-at,
@@ -80,33 +81,6 @@ void idem__observe_redrive(idem_observer *obs, enum idem__redrive_event what);
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
 
-/* The wall clock the library's lease and expiry arithmetic uses (ms since the epoch);
- * tests inject a skewed one. */
-typedef struct idem_clock {
-    uint64_t (*now_ms)(void *arg);
-    void *arg;
-} idem_clock;
-
-typedef struct idem_inflight idem_inflight;
-
-/* What every call may use, owned by the server: the clock, counters and logs, and the
- * in-flight table. Each built-in interceptor has a configuration of its own (below). */
-typedef struct idem_runtime {
-    idem_clock clock;
-    idem_observer *obs;
-    idem_inflight *inflight; /* keyed waiters and the lease keeper (inflight.c) */
-    /* Every interceptor before result_cache is a built-in that only tail-calls, so a
-     * waiting duplicate can leave the chain and resume at result_cache later. */
-    bool can_park;
-    /* The server runs a re-driver: journaled calls are listed for it (steps.c). */
-    bool redrive;
-    /* Hands back a call suspended with IDEM__SUSPEND_RECORD once its commit has ended
-     * (idem__call_recorded): the dispatcher queues it for a worker. NULL: no call is
-     * suspended so; its outcome is committed on the worker's thread. */
-    void (*resume)(void *arg, idem_call *call);
-    void *resume_arg;
-} idem_runtime;
-
 /* The token interceptor's and idem.Token/Issue's configuration. */
 typedef struct idem_token_cfg {
     idem_store *store;
@@ -119,8 +93,6 @@ typedef struct idem_cache_cfg {
     idem_store *store;
     uint64_t result_ttl_ms, lease_ms, max_wait_ms, max_run_ms;
 } idem_cache_cfg;
-
-uint64_t idem__rt_now_ms(const idem_runtime *rt);
 
 /* Why a chain returned without an answer. */
 typedef enum idem_suspend {
@@ -295,97 +267,10 @@ size_t idem__replay_suffix(const idem_call *call, uint8_t out[IDEM_REPLAY_SUFFIX
  * replay_wire. */
 idem_code idem__call_materialize_replay(idem_call *call);
 
-/* ---- built-in interceptors and method ---- */
-idem_code idem__request_id_interceptor(idem_call *call, idem_next next, void *arg);
-idem_code idem__token_interceptor(idem_call *call, idem_next next, void *arg);
-idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *arg);
-idem_code idem__debounce_interceptor(idem_call *call, idem_next next, void *arg);
-idem_code idem__token_issue_handler(idem_call *call, void *arg);
-
 /* Fingerprint = SHA-256(method ‖ 0 ‖ payload), or with the method's fingerprint
  * extractor SHA-256(method ‖ 0 ‖ 'F' ‖ extracted bytes): which fields make two requests
  * "the same". INVALID_ARGUMENT when the extractor overflows its buffer. */
 idem_code idem__call_fingerprint(idem_call *call, uint8_t out[32]); /* computed once */
-/* Deletes the call's step journal, every run's steps (steps.c), once its outcome is
- * recorded. */
-idem_code idem__call_steps_forget(idem_call *call);
-
-/* A call listed for the re-driver (steps.c): it recorded a step on a server that runs
- * one, and has not been released nor recorded its outcome since. */
-typedef struct idem__journaled_call {
-    uint8_t base[32]; /* its journal */
-    struct {
-        char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
-    } key_ref;                                 /* its record */
-    bool caller_verified;                      /* how its first run knew the caller */
-    unsigned runs;                             /* re-runs so far (max + 1: given up) */
-    uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* the request's */
-    void *request;                             /* the packed idem.v1.Request */
-    size_t request_len;
-} idem__journaled_call;
-#define IDEM__JOURNAL_CURSOR 33
-/* The next listed call after cursor (all zero: the first), advancing it;
- * IDEM_NOT_FOUND at the end of a round (cursor reset), IDEM_DATA_LOSS for an entry
- * that cannot be read (cursor past it; the listing is dropped, the journal kept),
- * IDEM_UNIMPLEMENTED for a newer version's (cursor past it, left alone). */
-idem_code idem__steps_next_call(idem_store *st, uint8_t cursor[IDEM__JOURNAL_CURSOR],
-                                idem__journaled_call *out);
-void idem__journaled_call_clear(idem__journaled_call *c);
-/* Whether a request (its record key and fingerprint) has a step journal: a head, listed
- * or not (the fault campaign's checker). */
-idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
-                                     const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], bool *exists);
-
-/* What a re-driver write found, deciding in its own txn on the record it read there. */
-typedef enum idem__redrive_verdict {
-    IDEM__REDRIVE_SKIP,    /* the record is not (or no longer) what the write needs */
-    IDEM__REDRIVE_DONE,    /* written */
-    IDEM__REDRIVE_GO,      /* count_run: counted, run it */
-    IDEM__REDRIVE_GAVE_UP, /* count_run: it has had its re-runs; noted, say so once */
-    IDEM__REDRIVE_COMPENSATE, /* ... and its compensation started: run it to finish that */
-} idem__redrive_verdict;
-/* Re-runs of one call in all: redrive_max_runs, then as many to finish a compensation
- * whose run died (the count is one byte of the listing). */
-#define IDEM__REDRIVE_LIMIT(max_runs) ((max_runs) * 2 + 1 < 255 ? (max_runs) * 2 + 1 : 255)
-/* The record is this request's and COMPLETED: delete the whole journal. */
-idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
-                                       idem__redrive_verdict *verdict);
-/* Another request's record under the key: delete the listing only (the journal stays
- * for this request's retry). */
-idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
-                             idem__redrive_verdict *verdict);
-/* This request's IN_PROGRESS record with its lease run out, or no record (a re-run
- * released it): count a re-run, unless it had max_runs. refund: take one back (a re-run
- * that never reached the handler: a full store, a live owner). */
-idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                                bool refund, idem__redrive_verdict *verdict);
-/* Before its owner releases it: unlists the call (steps.c), keeping its journal; while
- * the claim is live, so that no re-driver can take the release for its own re-run's. */
-idem_code idem__call_steps_unlist(idem_call *call);
-/* The release that followed idem__call_steps_unlist failed (the call stays IN_PROGRESS
- * until its lease ends): lists it again, so that a re-driver can finish it. */
-idem_code idem__call_steps_relist(idem_call *call);
-
-/* The claim of an IDEM_METHOD_STEPS call on a server with a re-driver (steps_redrive.c),
- * in a store txn of its own: the call is listed in the same commit when the claim
- * acquires or takes over. IDEM_UNIMPLEMENTED when the store cannot claim in a txn. */
-idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
-                                 idem_claim_outcome *outcome, idem_record *rec);
-/* Before the handler of a journaled call runs under its claim: reads the key's
- * generation (call->step_gen, for derived keys). A failed read runs nothing. */
-idem_code idem__call_steps_begin(idem_call *call);
-
-/* How a journaled call ends after its handler returned code (saga.c): runs the undos
- * of its steps on a final failure (the call's answer may change: a compensation in
- * progress answers its recorded failure). */
-typedef enum idem__saga_end {
-    IDEM__SAGA_AS_IS,     /* record or release as the code says */
-    IDEM__SAGA_STORE,     /* store the (failure) answer: an effect stands */
-    IDEM__SAGA_FRESH,     /* released, journal gone, the key's generation moved on */
-    IDEM__SAGA_UNFINISHED /* release keeping the journal and its listing: finish later */
-} idem__saga_end;
-idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool released);
-
 /* The default: SHA-256(method ‖ 0 ‖ payload). */
 bool idem__fingerprint(const char *method, const void *payload, size_t len, uint8_t out[32]);
 

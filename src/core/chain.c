@@ -5,7 +5,6 @@
 #include <string.h>
 
 #include "call.h"
-#include "store.h"
 
 idem_code idem__call_suspend(idem_call *call, idem_suspend why)
 {
@@ -175,35 +174,6 @@ const char *idem_call_key(const idem_call *call)
 idem_key_source idem_call_key_source(const idem_call *call)
 {
     return call->key_source;
-}
-
-idem_code idem_call_durable_fence(idem_call *call, uint64_t *fence)
-{
-    *fence = 0;
-    if (call->fence_state == IDEM__FENCE_REFUSED) {
-        return idem__err(IDEM_UNAVAILABLE, "fence refused: the claim did not reach the disk");
-    }
-    /* A claim sharing its commit with the completion may not be on disk yet: a fence
-     * that leaves the process must be, or a crash (or a failed commit, whose counter
-     * rolls back) would hand it out again. Read back once, then it stays on disk. */
-    if (call->fence != 0 && call->fence_state == IDEM__FENCE_UNCHECKED) {
-        idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
-        idem_code code =
-            idem__store_claim_durable(call->claim_store, &key, call->fence, call->claim_ticket);
-        call->fence_state = code == IDEM_OK ? IDEM__FENCE_DURABLE : IDEM__FENCE_REFUSED;
-        if (code != IDEM_OK) {
-            return idem__err(code, "fence refused: %s", idem_errmsg());
-        }
-    }
-    *fence = call->fence;
-    return IDEM_OK;
-}
-
-uint64_t idem_call_fence(const idem_call *call)
-{
-    uint64_t fence;
-    /* The call is the handler's, never a constant object: the read-back is cached in it. */
-    return idem_call_durable_fence((idem_call *)call, &fence) == IDEM_OK ? fence : 0;
 }
 
 idem_code idem_call_reply(idem_call *call, idem_code code, const void *payload, size_t len)

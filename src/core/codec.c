@@ -56,6 +56,22 @@ idem_code idem__method_name_check(const char *m)
                           "method must look like \"package.Service/Method\"");
 }
 
+bool idem__step_name_ok(const char *step)
+{
+    size_t n = step != NULL ? strlen(step) : 0;
+    if (n == 0 || n > IDEM_MAX_STEP) {
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        char ch = step[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '.' || ch == '_' || ch == '-')) {
+            return false;
+        }
+    }
+    return true;
+}
+
 bool idem__caller_name_ok(const char *caller)
 {
     return caller != NULL && caller[0] != '\0' &&

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "periodic.h"
+#include "journal.h"
 #include "redriver.h"
 #include "store.h"
 

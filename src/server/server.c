@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "call.h"
+#include "builtins.h"
 #include "dispatch.h"
 #include "http_front.h"
 #include "identity.h"
@@ -42,17 +43,6 @@ struct idem_server {
     idem_redriver *redriver; /* NULL unless opts.redrive_interval_ms */
     idem_identity *identity; /* NULL: self-declared callers */
 };
-
-static uint64_t system_clock(void *arg)
-{
-    (void)arg;
-    return idem__now_ms();
-}
-
-uint64_t idem__rt_now_ms(const idem_runtime *rt)
-{
-    return rt->clock.now_ms(rt->clock.arg);
-}
 
 void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), void *arg)
 {
@@ -311,7 +301,7 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     if ((code = idem__identity_create(&srv->identity, opts)) != IDEM_OK) {
         goto fail;
     }
-    srv->rt.clock = (idem_clock){system_clock, NULL};
+    srv->rt.clock = (idem_clock){idem__system_clock, NULL};
     srv->rt.redrive = srv->opts.redrive_interval_ms != 0;
     if ((srv->rt.obs = idem__observer_create(&srv->opts)) == NULL) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");

@@ -201,4 +201,26 @@ uint32_t idem__key_hash(const idem_key_ref *key);
 idem_code idem__store_watch(idem_store *st, idem__store_watch_fn fn, void *arg);
 void idem__store_unwatch(idem_store *st, idem__store_watch_fn fn, void *arg);
 
+/* Handler transactions (txn.h), backend-neutral: begin; then either abort, or write the COMPLETED
+ * record into the same txn and commit both (the txn is freed either way). */
+idem_code idem__store_txn_begin(idem_store *st, idem_txn **out);
+/* The same for a handler that holds its claim in the txn: a session left idle in it for
+ * idle_ms (its process stopped, or cut off) is ended by the database, so that a stopped
+ * instance holds the key for a bounded time (PostgreSQL; 0: the default, 5 min). */
+idem_code idem__store_txn_begin_idle(idem_store *st, uint64_t idle_ms, idem_txn **out);
+void idem__store_txn_abort(idem_txn *t);
+/* True when t's connection to the store broke (PostgreSQL: a restart, a failover, a
+ * statement that got no answer): whatever failed in t failed for the store's sake. */
+bool idem__store_txn_broken(const idem_txn *t);
+/* Commits the business writes alone (no idempotency record); frees t. */
+idem_code idem__store_txn_commit(idem_txn *t);
+idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uint64_t owner,
+                                          const void *response, size_t len, uint64_t expires_ms,
+                                          uint64_t now_ms);
+/* Stores with IDEM__STORE_CAP_TXN_CLAIM (store.h): the claim inside t (rec always
+ * initialised); then, for a final error, undo the handler's writes but keep the claim. */
+idem_code idem__store_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
+                                idem_record *rec);
+idem_code idem__store_txn_undo(idem_txn *t);
+
 #endif

@@ -3,8 +3,9 @@
  * this file held before, which made hashing most of a large replay's server time).
  * The inputs are streamed as a list of parts so callers need not concatenate. */
 #include <openssl/evp.h>
+#include <string.h>
 
-#include "internal.h"
+#include "supplemental.h"
 
 bool idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_t out[32])
 {
@@ -17,4 +18,27 @@ bool idem__sha256(const void *const *parts, const size_t *lens, size_t n, uint8_
     ok = ok && EVP_DigestFinal_ex(ctx, out, &len) == 1 && len == 32;
     EVP_MD_CTX_free(ctx);
     return ok; /* only allocation fails */
+}
+
+bool idem__lp_sha256(const char *const *parts, size_t n, const void *tail, size_t tail_len,
+                     uint8_t out[32])
+{
+    enum { MAX_PARTS = 8 };
+    const void *p[2 * MAX_PARTS + 1];
+    size_t lens[2 * MAX_PARTS + 1];
+    uint8_t len_be[MAX_PARTS][4];
+    if (n > MAX_PARTS) {
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint32_t len = (uint32_t)strlen(parts[i]);
+        idem__put_be32(len_be[i], len);
+        p[2 * i] = len_be[i];
+        lens[2 * i] = 4;
+        p[2 * i + 1] = parts[i];
+        lens[2 * i + 1] = len;
+    }
+    p[2 * n] = tail != NULL ? tail : "";
+    lens[2 * n] = tail != NULL ? tail_len : 0;
+    return idem__sha256(p, lens, 2 * n + 1, out);
 }

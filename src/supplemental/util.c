@@ -5,7 +5,7 @@
 #include <sys/random.h>
 #include <time.h>
 
-#include "internal.h"
+#include "supplemental.h"
 
 uint64_t idem__now_ms(void)
 {

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store.h"
 #include "toolkit_internal.h"
 
 #include "idemrpc/toolkit.h"

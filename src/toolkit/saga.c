@@ -20,27 +20,6 @@
 
 #include "steps_internal.h"
 
-#define GEN_LEN (8 + IDEM_FINGERPRINT_LEN) /* 'g': be64 generation ‖ the fingerprint */
-
-/* The key's generation as this run derives with it, kept with this request's
- * fingerprint: written with the run's first record (no extra commit), rewritten only
- * when it changed (another request claimed the key). */
-idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, const idem__journal *j)
-{
-    const void *v;
-    size_t n;
-    uint8_t g[GEN_LEN];
-    idem__put_be64(g, call->step_gen);
-    memcpy(g + 8, call->fingerprint, IDEM_FINGERPRINT_LEN);
-    idem_code code = idem_txn_get(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, &v, &n);
-    if (code == IDEM_OK && n == GEN_LEN && memcmp(v, g, GEN_LEN) == 0) {
-        return IDEM_OK;
-    }
-    return code == IDEM_OK || code == IDEM_NOT_FOUND
-               ? idem_txn_put(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, g, GEN_LEN)
-               : code;
-}
-
 idem_code idem__call_steps_begin(idem_call *call)
 {
     idem__journal j;

@@ -3,12 +3,14 @@
 #define IDEMRPC_STEPS_INTERNAL_H
 
 #include "call.h"
+#include "journal.h"
 #include "store.h"
 
 #include "idemrpc/downstream.h"
 
 #define IDEM__STEPS_DB "idem.steps"
-#define IDEM__JKEY 33 /* a prefix byte and a SHA-256 */
+#define IDEM__JKEY 33                      /* a prefix byte and a SHA-256 */
+#define GEN_LEN (8 + IDEM_FINGERPRINT_LEN) /* 'g': be64 generation ‖ the fingerprint */
 
 /* The keys of a call's journal entries (steps.c's header says what each holds). */
 typedef struct idem__journal {
@@ -48,7 +50,7 @@ idem_code idem__journal_claim_held(idem_txn *t, const idem_call *call, uint64_t 
 /* Deletes the journal of j (head, steps, listing, compensation) in t. */
 idem_code idem__journal_forget_txn(idem_txn *t, void *j);
 /* Keeps the run's generation with its fingerprint in t (a record's txn): written when
- * absent or changed (saga.c). */
+ * absent or changed (steps.c). */
 idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, const idem__journal *j);
 /* The saga's bookkeeping of a step this run completed or replayed (saga.c). */
 idem_code idem__saga_add(idem_call *call, const char *step, const idem_step_opts *opts,

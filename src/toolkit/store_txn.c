@@ -1,5 +1,5 @@
 /* idem_store_run_txn: a business write transaction outside an RPC call. */
-#include "internal.h"
+#include "store.h"
 
 #include "idemrpc/toolkit.h"
 

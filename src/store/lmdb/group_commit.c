@@ -23,14 +23,6 @@
  * claim that arrives meanwhile would otherwise wait for the next txn anyway. */
 #define ACCEPT_MIN_US 50
 #define ACCEPT_MAX_US 1000
-idem_code idem__lmdb_code(int rc, const char *what)
-{
-    if (rc == MDB_MAP_FULL || rc == MDB_TXN_FULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (%s): %s", what, mdb_strerror(rc));
-    }
-    return idem__err(IDEM_INTERNAL, "%s: %s", what, mdb_strerror(rc));
-}
-
 idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_t max_batch)
 {
     pthread_condattr_t ca;

@@ -86,7 +86,13 @@
 /* The idem_code and message (idem_errmsg) of a failed LMDB call: IDEM_RESOURCE_EXHAUSTED
  * when the map or txn is full, IDEM_INTERNAL otherwise. The one mapping of an LMDB rc,
  * used by group commit and by every file of the LMDB store. */
-idem_code idem__lmdb_code(int rc, const char *what);
+static inline idem_code idem__lmdb_code(int rc, const char *what)
+{
+    if (rc == MDB_MAP_FULL || rc == MDB_TXN_FULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (%s): %s", what, mdb_strerror(rc));
+    }
+    return idem__err(IDEM_INTERNAL, "%s: %s", what, mdb_strerror(rc));
+}
 
 /* Applies one operation inside txn. A code other than IDEM_OK must leave the txn
  * unchanged unless it is IDEM_RESOURCE_EXHAUSTED or IDEM_INTERNAL (storage errors). The

@@ -16,8 +16,9 @@
  * The files, by concern: env.c (open/close, the read-txn pool, the ops table),
  * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
  * renew), fence.c (the fence counter of store-assigned owners), tokens.c (tokens and the
- * token an IN_PROGRESS record keeps), expiry.c (the expiry index and the sweep), txn.c
- * (the write gate, business databases, idem_txn_* and the handler-txn ops); group commit
+ * token an IN_PROGRESS record keeps), expiry.c (the expiry index and the sweep), gate.c
+ * (the write gate: group commit, or the thread's own handler txn), txn.c (business
+ * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
  * thread's batches), group_commit_redo.c (a batch whose commit failed). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
@@ -179,7 +180,7 @@ int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const v
                          size_t len);
 idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
 
-/* txn.c */
+/* gate.c */
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
 /* idem__gc_write_held and idem__gc_write_end behind the same gate. */
 idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
@@ -190,6 +191,12 @@ idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx
 /* A write txn of this thread's own, outside group commit (a handler txn, a sweep): asks
  * an open shared batch to commit first, then waits for LMDB's writer lock. */
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn);
+/* IDEM_FAILED_PRECONDITION when this thread holds a handler txn, else IDEM_OK. */
+idem_code idem__lmdb_gate_check(void);
+/* The handler txn this thread holds from now on (NULL: none). */
+void idem__lmdb_gate_set(const void *txn);
+
+/* txn.c */
 idem_code idem__lmdb_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out);
 void idem__lmdb_txn_abort(idem_txn *t);
 idem_code idem__lmdb_txn_commit(idem_txn *t);

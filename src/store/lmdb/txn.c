@@ -1,62 +1,10 @@
-/* Transactional handlers (txn.h): the write gate (every write outside a handler txn goes
- * through group commit), business databases, idem_txn_* and the handler-txn ops. */
+/* Transactional handlers (txn.h): business databases, idem_txn_* and the handler-txn ops.
+ * A handler txn holds the write gate (gate.c) of its thread while it is open. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "lmdb_internal.h"
-
-/* The handler txn this thread holds, if any. LMDB's writer lock is not recursive: a
- * second write txn begun on this thread would wait for itself forever. */
-static _Thread_local const void *thread_write_txn;
-
-static idem_code nested_write(void)
-{
-    return idem__err(IDEM_FAILED_PRECONDITION,
-                     "this thread holds a transactional handler's write txn: use idem_txn_* "
-                     "inside it, not another store write");
-}
-
-/* Every write outside a handler txn goes through the group committer. */
-idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx)
-{
-    return thread_write_txn != NULL ? nested_write() : idem__gc_write(&st->gc, fn, ctx);
-}
-
-idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
-                                void (*unref)(void *ctx), uint64_t *ticket)
-{
-    if (thread_write_txn != NULL) {
-        *ticket = 0;
-        unref(ctx); /* the writer thread's reference */
-        return nested_write();
-    }
-    return idem__gc_write_held(&st->gc, fn, redo, ctx, unref, ticket);
-}
-
-idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket)
-{
-    if (thread_write_txn != NULL) {
-        idem__gc_drop(&st->gc, ticket);
-        return nested_write();
-    }
-    return idem__gc_write_end(&st->gc, fn, ctx, ticket);
-}
-
-idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
-                                     void (*done)(void *ctx, idem_code code, const char *err))
-{
-    return thread_write_txn != NULL ? nested_write()
-                                    : idem__gc_write_end_async(&st->gc, fn, ctx, ticket, done);
-}
-
-int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn)
-{
-    idem__gc_lock_wanted(&st->gc, true);
-    int rc = mdb_txn_begin(st->env, NULL, 0, txn);
-    idem__gc_lock_wanted(&st->gc, false);
-    return rc;
-}
 
 /* Business databases ("app.<name>") of transactional handlers.
  *
@@ -187,8 +135,9 @@ idem_code idem__lmdb_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **ou
 {
     (void)idle_ms; /* one process's lock: it goes with the process */
     lmdb_store *st = (lmdb_store *)base;
-    if (thread_write_txn != NULL) {
-        return nested_write();
+    idem_code code = idem__lmdb_gate_check();
+    if (code != IDEM_OK) {
+        return code;
     }
     idem_txn *t = calloc(1, sizeof(*t));
     if (t == NULL) {
@@ -201,21 +150,21 @@ idem_code idem__lmdb_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **ou
     }
     t->head.ops = &idem__lmdb_ops;
     t->st = st;
-    thread_write_txn = t;
+    idem__lmdb_gate_set(t);
     *out = t;
     return IDEM_OK;
 }
 
 void idem__lmdb_txn_abort(idem_txn *t)
 {
-    thread_write_txn = NULL;
+    idem__lmdb_gate_set(NULL);
     mdb_txn_abort(t->txn);
     free(t);
 }
 
 idem_code idem__lmdb_txn_commit(idem_txn *t)
 {
-    thread_write_txn = NULL;
+    idem__lmdb_gate_set(NULL);
     idem_code code = idem__lmdb_commit(t->txn);
     for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
         app_db_cache(t->st, &t->opened[i]);

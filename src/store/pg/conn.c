@@ -352,6 +352,19 @@ static idem_code prepare_all(pool_slot *pc)
 }
 
 /* (Re)connects a pool slot: the session's bounds, the schema and the statements. */
+/* Creates what SCHEMA_PRESENT finds missing. */
+idem_code idem__pg_schema_ensure(pool_slot *pc)
+{
+    PGresult *r;
+    idem_code code = idem__pg_query_simple(pc, idem__pg_schema_present_sql, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    bool present = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+    PQclear(r);
+    return present ? IDEM_OK : idem__pg_exec_simple(pc, idem__pg_schema_sql);
+}
+
 static idem_code slot_connect(pg_store *st, pool_slot *pc)
 {
     if (slot_usable(pc) && PQstatus(pc->c) == CONNECTION_OK) {

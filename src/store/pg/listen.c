@@ -6,7 +6,8 @@
  * The listener is an optimisation, never the truth: a woken waiter reads the store, and
  * waiters keep their re-read timers, so a lost notification, a listening connection
  * that is down (reconnected with backoff) or a store opened with no_notify only costs
- * latency. A self-pipe wakes the thread for shutdown.
+ * latency. A self-pipe wakes the thread for shutdown. The listener knows only its
+ * conninfo and its watchers: the store starts and stops it (watch.c, store_pg.c).
  *
  * A listening connection can go quiet without breaking: its server was partitioned
  * away, stopped, or demoted by a failover (NOTIFY is not replicated, so a standby
@@ -35,7 +36,7 @@ typedef struct watcher {
 } watcher;
 
 struct pg_listener {
-    pg_store *st;
+    const char *conninfo; /* borrowed: the store's, freed after idem__pg_listener_stop */
     pthread_t thread;
     int wake[2];        /* self-pipe: closing */
     pthread_mutex_t mu; /* watchers; held while they are called, so unwatch waits */
@@ -57,7 +58,7 @@ static void deliver(pg_listener *l, uint32_t hash)
 static PGconn *listen_connect(pg_listener *l)
 {
     PGconn *c;
-    return idem__pg_connect(l->st->conninfo, LISTEN_CONNECT_S, "LISTEN " PG_CHANNEL, CHECK_BOUND_MS,
+    return idem__pg_connect(l->conninfo, LISTEN_CONNECT_S, "LISTEN " PG_CHANNEL, CHECK_BOUND_MS,
                             &c) == IDEM_OK
                ? c
                : NULL;
@@ -138,13 +139,13 @@ static void *listen_main(void *arg)
     return NULL;
 }
 
-static idem_code listener_start(pg_store *st)
+idem_code idem__pg_listener_start(const char *conninfo, pg_listener **out)
 {
     pg_listener *l = calloc(1, sizeof(*l));
     if (l == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    l->st = st;
+    l->conninfo = conninfo;
     if (pipe2(l->wake, O_CLOEXEC) != 0) {
         free(l);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "pipe: %s", strerror(errno));
@@ -157,26 +158,13 @@ static idem_code listener_start(pg_store *st)
         free(l);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the postgres listener");
     }
-    st->listener = l;
+    *out = l;
     return IDEM_OK;
 }
 
-idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg)
+idem_code idem__pg_listener_add(pg_listener *l, idem__store_watch_fn fn, void *arg)
 {
-    pg_store *st = (pg_store *)base;
     idem_code code = IDEM_OK;
-    if (!st->notify) {
-        return IDEM_OK; /* waiters re-read on their timers */
-    }
-    pthread_mutex_lock(&st->mu);
-    if (st->listener == NULL) {
-        code = listener_start(st);
-    }
-    pthread_mutex_unlock(&st->mu);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    pg_listener *l = st->listener;
     pthread_mutex_lock(&l->mu);
     if (l->n == IDEM__STORE_MAX_WATCH) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d servers share one postgres store",
@@ -188,12 +176,8 @@ idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg)
     return code;
 }
 
-void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg)
+void idem__pg_listener_remove(pg_listener *l, idem__store_watch_fn fn, void *arg)
 {
-    pg_listener *l = ((pg_store *)base)->listener;
-    if (l == NULL) {
-        return;
-    }
     pthread_mutex_lock(&l->mu);
     for (size_t i = 0; i < l->n; i++) {
         if (l->w[i].fn == fn && l->w[i].arg == arg) {
@@ -204,9 +188,8 @@ void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg)
     pthread_mutex_unlock(&l->mu);
 }
 
-void idem__pg_listener_stop(pg_store *st)
+void idem__pg_listener_stop(pg_listener *l)
 {
-    pg_listener *l = st->listener;
     if (l == NULL) {
         return;
     }
@@ -220,5 +203,4 @@ void idem__pg_listener_stop(pg_store *st)
     close(l->wake[1]);
     pthread_mutex_destroy(&l->mu);
     free(l);
-    st->listener = NULL;
 }

@@ -1,7 +1,9 @@
-/* The PostgreSQL backend's parts: store_pg.c the statements and the single-statement
- * operations; conn.c the pool and bounded statements; claim.c the claim and token
- * consumption; renew.c lease renewals; admin.c the sweep, counts and walks; txn.c handler
- * transactions and business key-value data; listen.c completion announcements. */
+/* The PostgreSQL backend's parts: sql.c the statements and the schema; store_pg.c the
+ * single-statement operations; conn.c the pool and bounded statements; claim.c the
+ * claim and token consumption; renew.c lease renewals; admin.c the sweep, counts and
+ * walks; txn.c handler transactions and business key-value data; listen.c completion
+ * announcements (its listener knows nothing of pg_store), watch.c the store's watch ops
+ * on it. */
 #ifndef IDEMRPC_STORE_PG_INTERNAL_H
 #define IDEMRPC_STORE_PG_INTERNAL_H
 
@@ -130,7 +132,10 @@ static inline void arg_announce(pg_args *a, const pg_store *st, const idem_key_r
 }
 
 extern const idem_store_ops idem__pg_ops;
+/* sql.c: the statements, and the schema: what is present, what creates it. */
 extern const char *const idem__pg_sql[S_COUNT];
+extern const char idem__pg_schema_present_sql[];
+extern const char idem__pg_schema_sql[];
 
 /* conn.c */
 /* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
@@ -181,8 +186,10 @@ idem_code idem__pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *
 idem_code idem__pg_stats(idem_store *base, idem_store_stats *out);
 idem_code idem__pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 
-/* store_pg.c */
+/* conn.c: creates what idem__pg_schema_present_sql finds missing. */
 idem_code idem__pg_schema_ensure(pool_slot *pc);
+
+/* store_pg.c */
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col);
 /* Runs S_COMPLETE on pc; IDEM_ABORTED when the claim is not (key, owner) any more. */
 idem_code idem__pg_complete_on(pg_store *st, pool_slot *pc, const idem_key_ref *key, uint64_t owner,
@@ -224,10 +231,17 @@ idem_code idem__pg_txn_record(idem_txn *t, const idem_key_ref *key, idem_record 
 idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
                             idem_app_entry *out);
 
-/* listen.c */
+/* listen.c: the listener thread, on conninfo (borrowed until stop) and nothing else of
+ * the store. */
+idem_code idem__pg_listener_start(const char *conninfo, pg_listener **out);
+/* At most IDEM__STORE_MAX_WATCH watchers (RESOURCE_EXHAUSTED beyond). */
+idem_code idem__pg_listener_add(pg_listener *l, idem__store_watch_fn fn, void *arg);
+/* Waits for a delivery to fn in progress. */
+void idem__pg_listener_remove(pg_listener *l, idem__store_watch_fn fn, void *arg);
+/* Stops the thread and frees l (NULL: nothing). */
+void idem__pg_listener_stop(pg_listener *l);
+/* watch.c: the store's watch and unwatch ops. */
 idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);
 void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg);
-/* Stops the listener thread, if any (store close). */
-void idem__pg_listener_stop(pg_store *st);
 
 #endif

@@ -21,172 +21,11 @@
  *
  * Completions and releases announce themselves (NOTIFY PG_CHANNEL, sent at commit) so
  * that waiters in other instances wake at once (listen.c); handler transactions and the
- * business key-value table are in txn.c. */
+ * business key-value table are in txn.c. The statements and the schema are in sql.c. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "pg_internal.h"
-
-#define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-#define SWEEPNOW "(extract(epoch FROM statement_timestamp()) * 1000)::bigint + $1::bigint"
-#define REC_COLS                                                                                   \
-    "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response, " DBNOW
-#define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
-/* $5 = 0 asks for a store-assigned owner; $6, $7 = lease and expiry durations. */
-#define CLAIM_OWNER "CASE WHEN $5::bigint = 0 THEN nextval('idem_fence') ELSE $5::bigint END"
-#define CLAIM_RETURNING                                                                            \
-    " RETURNING owner, lease_until_ms, first_at_ms, expires_ms, " DBNOW ", token"
-#define KEEP_IF_TAKEOVER(col) " " col " = CASE WHEN state = 1 THEN " col " END"
-/* Ends a statement whose CTE d holds the changed rows: the count of d, and a NOTIFY
- * with the payload in param when d is not empty and param is not "". */
-#define ANNOUNCE(param)                                                                            \
-    ", n AS (SELECT pg_notify('" PG_CHANNEL "', " param ") FROM d WHERE " param " <> '' LIMIT 1)"  \
-    " SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM n)"
-
-const char *const idem__pg_sql[S_COUNT] = {
-    /* Inserts, or locks the existing row without changing it (DO UPDATE … WHERE false
-     * locks the conflicting row and returns nothing), so that the row cannot be released
-     * or swept between this statement and S_CLAIM_LOCK. A store-assigned owner ($5 = 0)
-     * is drawn by S_CLAIM_FENCE after the insert: a value drawn here, before the insert
-     * waited for a conflicting transaction, could be older than that of a claim which
-     * came, held the key and left meanwhile, and fences must only grow. */
-    [S_CLAIM_INSERT] =
-        "INSERT INTO idem_records (caller, method, key, state, fingerprint, owner,"
-        " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, $5::bigint, " DBNOW
-        " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint) ON CONFLICT (caller, method, key)"
-        " DO UPDATE SET state = idem_records.state WHERE false" CLAIM_RETURNING,
-    /* Sent with S_CLAIM_INSERT (one round trip): only a row inserted just now has owner 0. */
-    [S_CLAIM_FENCE] = "UPDATE idem_records SET owner = nextval('idem_fence') WHERE " KEY_WHERE
-                      " AND owner = 0 RETURNING owner",
-    [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
-    /* A takeover inherits the consumed token; re-claiming an expired result drops it. */
-    [S_CLAIM_TAKE] =
-        "UPDATE idem_records SET state = 1, fingerprint = $4, owner = " CLAIM_OWNER
-        ", lease_until_ms = " DBNOW " + $6::bigint, first_at_ms = " DBNOW ", expires_ms = " DBNOW
-        " + $7::bigint, response = NULL," KEEP_IF_TAKEOVER("token") "," KEEP_IF_TAKEOVER(
-            "token_scope") "," KEEP_IF_TAKEOVER("token_expires_ms") " WHERE " KEY_WHERE
-            CLAIM_RETURNING,
-    /* A token another transaction is consuming right now (a handler's, on PostgreSQL)
-     * is skipped, not waited for: "unknown or already used", and the caller retries. */
-    [S_TOKEN_TAKE] =
-        "DELETE FROM idem_tokens WHERE token IN (SELECT token FROM idem_tokens"
-        " WHERE token = $1 FOR UPDATE SKIP LOCKED) RETURNING scope, expires_ms, " DBNOW,
-    [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
-                     " WHERE " KEY_WHERE,
-    /* $7: the announcement's payload, "" for none (ANNOUNCE). */
-    [S_COMPLETE] =
-        "WITH d AS (UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
-        " + $6::bigint, token = NULL, token_scope = NULL, token_expires_ms = NULL"
-        " WHERE " KEY_WHERE " AND owner = $4 AND state = 1 RETURNING 1)" ANNOUNCE("$7"),
-    /* The consumed token goes back in the same statement (one transaction). */
-    [S_RELEASE] =
-        "WITH d AS (DELETE FROM idem_records WHERE " KEY_WHERE " AND owner = $4 AND"
-        " state = 1 RETURNING token, token_scope, token_expires_ms), t AS (INSERT INTO"
-        " idem_tokens (token, scope, expires_ms) SELECT token, token_scope,"
-        " token_expires_ms FROM d WHERE token IS NOT NULL ON CONFLICT DO NOTHING)" ANNOUNCE("$5"),
-    [S_RENEW] = "UPDATE idem_records SET lease_until_ms = " DBNOW " + $5::bigint, expires_ms ="
-                " GREATEST(expires_ms, " DBNOW " + $5::bigint) WHERE " KEY_WHERE
-                " AND owner = $4 AND state = 1",
-    [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
-    [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
-    /* Batches by primary key (plain SQL; no ctid), skipping rows a live transaction holds
-     * (a handler's: never wait for it, nor deadlock with it). The outer condition is
-     * checked again on the newest row version, so a row renewed or written meanwhile
-     * stays. SWEEPNOW is stable within the statement, so the expiry index is used. */
-    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE expires_ms <= " SWEEPNOW " AND"
-                        " (caller, method, key) IN (SELECT caller, method, key FROM idem_records"
-                        " WHERE expires_ms <= " SWEEPNOW " LIMIT $2 FOR UPDATE SKIP LOCKED)",
-    [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE expires_ms <= " SWEEPNOW " AND token IN"
-                       " (SELECT token FROM idem_tokens WHERE expires_ms <= " SWEEPNOW
-                       " LIMIT $2 FOR UPDATE SKIP LOCKED)",
-    /* The empty rows reads leave behind (txn.c). */
-    [S_SWEEP_KV] = "DELETE FROM idem_kv WHERE v IS NULL AND (db, k) IN (SELECT db, k FROM idem_kv"
-                   " WHERE v IS NULL LIMIT $1 FOR UPDATE SKIP LOCKED)",
-    [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, " DBNOW
-                    " + $3::bigint) ON CONFLICT DO NOTHING",
-    [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"
-                " (WHERE state = 2), (SELECT count(*) FROM idem_tokens) FROM idem_records",
-    [S_PAGE] = "SELECT caller, method, key, " REC_COLS " FROM idem_records WHERE (caller,"
-               " method, key) > ($1, $2, $3) ORDER BY caller, method, key LIMIT 500",
-    /* txn.c */
-    [S_TRY_LOCK] = "SELECT pg_try_advisory_xact_lock($1::bigint)",
-    [S_NOTIFY] = "SELECT pg_notify('" PG_CHANNEL "', $1)",
-    [S_KV_LOCK] = "INSERT INTO idem_kv (db, k) VALUES ($1, $2) ON CONFLICT (db, k) DO UPDATE"
-                  " SET v = idem_kv.v RETURNING v",
-    [S_KV_PUT] = "INSERT INTO idem_kv (db, k, v) VALUES ($1, $2, $3) ON CONFLICT (db, k) DO UPDATE"
-                 " SET v = EXCLUDED.v",
-    [S_KV_DEL] = "DELETE FROM idem_kv WHERE db = $1 AND k = $2",
-    [S_KV_READ] = "SELECT v FROM idem_kv WHERE db = $1 AND k = $2 AND v IS NOT NULL",
-    [S_KV_NEXT] = "SELECT k, v FROM idem_kv WHERE db = $1 AND k > $2 AND v IS NOT NULL"
-                  " ORDER BY k LIMIT 1",
-    /* A row lock held to the end of the txn: no takeover, completion or sweep of the
-     * record can slip in before it commits. */
-    [S_TXN_RECORD] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR SHARE",
-    /* One renewal round: $1..$5 arrays of callers, methods, keys, owners and leases.
-     * Rows of this owner, IN_PROGRESS, are renewed unless another session holds them
-     * (SKIP LOCKED: never queue behind a stalled claimer); each such row answers its
-     * ordinal and whether it was renewed. A lease absent from the answer is lost. */
-    [S_RENEW_BATCH] =
-        "WITH v AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[],"
-        " $5::bigint[]) WITH ORDINALITY AS v(caller, method, key, owner, lease_ms, i)),"
-        " mine AS (SELECT v.* FROM v JOIN idem_records r USING (caller, method, key)"
-        " WHERE r.owner = v.owner AND r.state = 1),"
-        " l AS (SELECT r.caller, r.method, r.key FROM idem_records r JOIN mine m USING (caller,"
-        " method, key) FOR UPDATE OF r SKIP LOCKED),"
-        " u AS (UPDATE idem_records r SET lease_until_ms = " DBNOW " + m.lease_ms, expires_ms ="
-        " GREATEST(r.expires_ms, " DBNOW " + m.lease_ms) FROM mine m JOIN l USING (caller,"
-        " method, key) WHERE r.caller = m.caller AND r.method = m.method AND r.key = m.key"
-        " AND r.owner = m.owner AND r.state = 1 RETURNING m.i)"
-        " SELECT m.i, m.i IN (SELECT i FROM u) FROM mine m",
-    /* Is the claim (key, owner) committed? (A COMMIT whose answer was lost.) If so its
-     * lease starts again from now ($5): the claim is older than its lease says. */
-    [S_CLAIM_CONFIRM] =
-        "UPDATE idem_records SET lease_until_ms = " DBNOW " + $5::bigint WHERE " KEY_WHERE
-        " AND owner = $4 AND state = 1 RETURNING 1",
-};
-
-/* Idempotent, serialised across instances by a transaction-scoped advisory lock
- * ("idmp"). Run only when SCHEMA_PRESENT says something is missing, once per store:
- * its ALTER TABLE and CREATE INDEX take table locks even when there is nothing to do,
- * and would wait for every open handler transaction (on any instance). */
-static const char schema_present_sql[] =
-    "SELECT to_regclass('idem_records') IS NOT NULL AND to_regclass('idem_tokens') IS NOT NULL"
-    " AND to_regclass('idem_kv') IS NOT NULL AND to_regclass('idem_kv_empty') IS NOT NULL"
-    " AND to_regclass('idem_fence') IS NOT NULL AND EXISTS (SELECT 1 FROM"
-    " information_schema.columns WHERE table_name = 'idem_records' AND column_name ="
-    " 'token_expires_ms' AND table_schema = (SELECT n.nspname FROM pg_class c JOIN"
-    " pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('idem_records')))";
-
-static const char schema_sql[] =
-    "SELECT pg_advisory_xact_lock(1768189296);"
-    "CREATE TABLE IF NOT EXISTS idem_records ("
-    " caller text NOT NULL, method text NOT NULL, key text NOT NULL,"
-    " state smallint NOT NULL CHECK (state IN (1, 2)), fingerprint bytea NOT NULL,"
-    " owner bigint NOT NULL, lease_until_ms bigint NOT NULL, first_at_ms bigint NOT NULL,"
-    " expires_ms bigint NOT NULL, response bytea, PRIMARY KEY (caller, method, key));"
-    "CREATE INDEX IF NOT EXISTS idem_records_expires ON idem_records (expires_ms);"
-    "CREATE TABLE IF NOT EXISTS idem_tokens ("
-    " token text PRIMARY KEY, scope text NOT NULL, expires_ms bigint NOT NULL);"
-    "CREATE INDEX IF NOT EXISTS idem_tokens_expires ON idem_tokens (expires_ms);"
-    "ALTER TABLE idem_records ADD COLUMN IF NOT EXISTS token text,"
-    " ADD COLUMN IF NOT EXISTS token_scope text, ADD COLUMN IF NOT EXISTS token_expires_ms bigint;"
-    "CREATE SEQUENCE IF NOT EXISTS idem_fence;"
-    "CREATE TABLE IF NOT EXISTS idem_kv ("
-    " db text NOT NULL, k bytea NOT NULL, v bytea, PRIMARY KEY (db, k));"
-    "CREATE INDEX IF NOT EXISTS idem_kv_empty ON idem_kv (db) WHERE v IS NULL;";
-
-/* Creates what SCHEMA_PRESENT finds missing. */
-idem_code idem__pg_schema_ensure(pool_slot *pc)
-{
-    PGresult *r;
-    idem_code code = idem__pg_query_simple(pc, schema_present_sql, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    bool present = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
-    PQclear(r);
-    return present ? IDEM_OK : idem__pg_exec_simple(pc, schema_sql);
-}
 
 int64_t idem__pg_col_i64(const PGresult *r, int row, int col)
 {
@@ -374,7 +213,7 @@ static idem_code pg_token_put(idem_store *base, const char *token, const char *s
 static void pg_close(idem_store *base)
 {
     pg_store *st = (pg_store *)base;
-    idem__pg_listener_stop(st);
+    idem__pg_listener_stop(st->listener);
     for (size_t i = 0; i < st->n; i++) {
         if (st->pool[i].c != NULL) {
             PQfinish(st->pool[i].c);
