@@ -48,6 +48,12 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     pthread_condattr_destroy(&ca);
     pthread_cond_init(&gc->done_cv, NULL);
     pthread_cond_init(&gc->inline_cv, NULL);
+    unsigned flags = 0;
+    MDB_envinfo info;
+    gc->pipelined = enabled && mdb_env_get_flags(env, &flags) == 0 &&
+                    (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC);
+    /* The caller synced the env after opening it (env.c). */
+    atomic_init(&gc->durable_txnid, mdb_env_info(env, &info) == 0 ? info.me_last_txnid : 0);
     if (enabled) {
         if (pthread_create(&gc->writer, NULL, idem__gc_writer_main, gc) != 0) {
             pthread_cond_destroy(&gc->inline_cv);
@@ -273,4 +279,7 @@ void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting)
         return;
     }
     pthread_mutex_unlock(&gc->mu);
+    /* It holds LMDB's writer lock now, and may answer from what it reads: a batch's
+     * meta page still waiting for a sync goes to disk first. */
+    idem__gc_sync_pending(gc);
 }

@@ -79,7 +79,9 @@
 
 #include <lmdb.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "internal.h"
 
@@ -133,6 +135,14 @@ typedef struct idem_group_commit {
      * process could. */
     void (*on_failed_commit)(void *arg);
     void *on_failed_commit_arg;
+    /* Pipelined durability (group_commit_pipe.c): the env has MDB_NOMETASYNC, so a
+     * batch's commit syncs its data but not its meta page, and its callers are woken
+     * only once a later sync has flushed that page. pending_ticket: the last batch
+     * committed and not yet known durable (0: none); durable_txnid: the newest LMDB
+     * txnid known on disk (read without gc->mu). */
+    bool pipelined;
+    uint64_t pending_ticket;
+    _Atomic uint64_t durable_txnid;
 } idem_group_commit;
 
 /* Starts the writer thread when enabled. IDEM_RESOURCE_EXHAUSTED when it cannot. */
@@ -171,5 +181,13 @@ void idem__gc_wait(idem_group_commit *gc, uint64_t ticket);
  * (wanting), or has it now (!wanting): while one waits, a batch commits as soon as it
  * can instead of holding for completions, whether it is open yet or not. */
 void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting);
+/* Returns once the state of LMDB txnid is on disk (at once unless pipelined): a reader
+ * that found a record in a snapshot of txnid calls it before answering from it. It asks
+ * the writer thread to end its batch, or syncs itself when nothing of the writer thread
+ * is pending. IDEM_INTERNAL when that sync fails. */
+idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid);
+/* mdb_txn_commit, then, on a MDB_NOMETASYNC env, mdb_env_sync: durable on IDEM_OK. Every
+ * commit outside a batch goes through it. */
+idem_code idem__gc_commit_durable(MDB_txn *txn);
 
 #endif
