@@ -14,7 +14,6 @@
 
 #include "power_cut.h"
 
-
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int log_fd = -1;

@@ -54,7 +54,8 @@ long power_cut_apply(const char *log, const char *data)
     uint64_t size_then = UINT64_MAX;
     for (size_t i = n; fd >= 0 && i-- > 0 && recs[i] >= durable; undone++) {
         memcpy(&r, p + recs[i], sizeof(r));
-        if (r.len > 0 && pwrite(fd, p + recs[i] + sizeof(r), r.len, (off_t)r.off) != (ssize_t)r.len) {
+        if (r.len > 0 &&
+            pwrite(fd, p + recs[i] + sizeof(r), r.len, (off_t)r.off) != (ssize_t)r.len) {
             undone = -1;
             break;
         }

@@ -33,7 +33,7 @@ static char *dir;
 static char url[600], store[512], data[600];
 static answer answers[MAX_ANSWERS];
 static size_t n_answers;
-static size_t failures; /* calls that failed while the server was up */
+static size_t failures;       /* calls that failed while the server was up */
 static bool stopping, killed; /* killed: calls may fail from then on */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t answered = PTHREAD_COND_INITIALIZER;
@@ -69,7 +69,8 @@ static tu_child spawn_server(const char *undo_log)
 
 static idem_code call(idem_client *cl, const char *key, idem_result *r)
 {
-    idem_request q = {.method = "cut.Note/Put", .idempotency_key = key, .payload = "", .payload_len = 0};
+    idem_request q = {
+        .method = "cut.Note/Put", .idempotency_key = key, .payload = "", .payload_len = 0};
     return idem_client_call(cl, &q, r);
 }
 
@@ -101,7 +102,8 @@ static void *client_main(void *arg)
         if (code == IDEM_OK && n_answers < MAX_ANSWERS) {
             answer *a = &answers[n_answers++];
             snprintf(a->key, sizeof(a->key), "%s", key);
-            snprintf(a->payload, sizeof(a->payload), "%.*s", (int)r.payload_len, (const char *)r.payload);
+            snprintf(a->payload, sizeof(a->payload), "%.*s", (int)r.payload_len,
+                     (const char *)r.payload);
             pthread_cond_signal(&answered);
         } else if (code != IDEM_OK && !killed) {
             failures++;

@@ -49,6 +49,10 @@
  * Every caller but a shared claim's returns only after the commit holding its write is
  * durable (or has failed), or, for a completion written asynchronously, hears of it
  * then (idem__gc_write_end_async: the server's worker does not wait for the disk).
+ * Durable means the meta page too: on a pipelined store (MDB_NOMETASYNC, one fdatasync
+ * per commit) a batch's callers wait for the next batch's commit, or for an explicit
+ * sync when none follows, and a batch ends (idem__gc_wait) only then
+ * (group_commit_pipe.c says why that sync flushes the page).
  * Each operation runs in a child txn of the batch's: one that fails with a storage
  * error (MDB_MAP_FULL) undoes only its own writes, and the batch commits the others,
  * shared claims included. A commit that fails (an I/O error) loses the batch; it is

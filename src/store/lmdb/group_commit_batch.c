@@ -2,13 +2,15 @@
  *
  * One batch per turn while ops are queued: begin a txn, apply what is queued (each op in
  * a child txn), hold it open while shared claims in it await their completions, commit,
- * then post every op of the batch not posted yet, and only those. Invariants:
+ * then post every op of the batch not posted yet, and only those, once the commit is on
+ * disk meta page included (group_commit_pipe.c: at the next batch's commit, or at a sync
+ * when nothing is queued). Invariants:
  *   - only this thread uses a batch's txn, and it begins and commits it (LMDB's rule);
  *   - a caller is posted before its batch's commit only for a shared claim that applied
  *     IDEM_OK (its handler runs meanwhile); a shared claim refused from the open txn (a
  *     token another claim of the batch consumed, a full map) is posted with the others,
  *     once the commit is durable, or decided again alone when it failed;
- *   - a batch ends (done_ticket, done_cv) only after its commit, or after the redo of
+ *   - a batch ends (done_ticket, done_cv) only after its commit is durable, or after the redo of
  *     a failed one (group_commit_redo.c): a waiter for a ticket then finds in the store
  *     whatever of it is durable, and nothing else. */
 #include <time.h>

@@ -67,8 +67,8 @@ idem_code idem__gc_commit_durable(MDB_txn *txn)
     if (rc != 0) {
         return idem__lmdb_code(rc, "commit");
     }
-    if (mdb_env_get_flags(env, &flags) == 0 && (flags & MDB_NOMETASYNC) &&
-        !(flags & MDB_NOSYNC) && (rc = mdb_env_sync(env, 1)) != 0) {
+    if (mdb_env_get_flags(env, &flags) == 0 && (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC) &&
+        (rc = mdb_env_sync(env, 1)) != 0) {
         return idem__lmdb_code(rc, "sync after commit");
     }
     return IDEM_OK;
