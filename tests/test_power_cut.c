@@ -21,7 +21,7 @@
 #include "power_cut.h"
 #include "testutil.h"
 
-#define ROUNDS 4
+#define ROUNDS 8
 #define CLIENTS 8
 #define MAX_ANSWERS 4096
 
