@@ -65,8 +65,7 @@ static idem_code open_list_claim(lmdb_store *st, const char *dir)
 
 idem_code idem__lmdb_commit(MDB_txn *txn)
 {
-    int rc = mdb_txn_commit(txn);
-    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "commit");
+    return idem__gc_commit_durable(txn); /* its meta page too (MDB_NOMETASYNC) */
 }
 
 int idem__lmdb_read_begin(lmdb_store *st, MDB_txn **txn)
@@ -101,8 +100,12 @@ void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn)
 static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsigned flags)
 {
     bool ro = (flags & IDEM_STORE_READONLY) != 0;
-    unsigned env_flags =
-        MDB_NOTLS | (ro ? MDB_RDONLY : 0) | ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0);
+    /* A durable store with group commit writes meta pages unsynced: its batches wait for
+     * the next sync instead (group_commit_pipe.c), one fdatasync per commit. */
+    bool pipelined = !ro && !(flags & (IDEM_STORE_NOSYNC | IDEM_STORE_NO_GROUP_COMMIT));
+    unsigned env_flags = MDB_NOTLS | (ro ? MDB_RDONLY : 0) |
+                         ((flags & IDEM_STORE_NOSYNC) ? MDB_NOSYNC : 0) |
+                         (pipelined ? MDB_NOMETASYNC : 0);
     int rc;
     if ((rc = mdb_env_create(&st->env)) != 0 ||
         (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
@@ -169,7 +172,7 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
-    if ((rc = open_dbis(st, ro)) != 0) {
+    if ((rc = open_dbis(st, ro)) != 0 || (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
         code = idem__lmdb_code(rc, "open databases");
         mdb_env_close(st->env);
         goto out;

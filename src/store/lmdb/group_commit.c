@@ -7,7 +7,11 @@
  * caller wakes the writer thread at most once per enqueue, after releasing gc->mu, and
  * only when it sleeps (or holds a batch open that can use the op). A write that finds
  * nothing queued and nothing committing commits on its caller's thread (write_inline),
- * and the writer thread then waits until it is done: LMDB has one writer at a time. */
+ * and the writer thread then waits until it is done: LMDB has one writer at a time.
+ * An inline write syncs its own meta page (idem__gc_commit_durable); it never starts
+ * while the writer thread holds committed batches waiting for a sync (writer_busy stays
+ * set until group_commit_pipe.c, which says why one fdatasync per commit is durable,
+ * has woken them). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +44,12 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     pthread_condattr_destroy(&ca);
     pthread_cond_init(&gc->done_cv, NULL);
     pthread_cond_init(&gc->inline_cv, NULL);
+    unsigned flags = 0;
+    MDB_envinfo info;
+    gc->pipelined = enabled && mdb_env_get_flags(env, &flags) == 0 &&
+                    (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC);
+    /* The caller synced the env after opening it (env.c). */
+    atomic_init(&gc->durable_txnid, mdb_env_info(env, &info) == 0 ? info.me_last_txnid : 0);
     if (enabled) {
         if (pthread_create(&gc->writer, NULL, idem__gc_writer_main, gc) != 0) {
             pthread_cond_destroy(&gc->inline_cv);
@@ -265,4 +275,7 @@ void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting)
         return;
     }
     pthread_mutex_unlock(&gc->mu);
+    /* It holds LMDB's writer lock now, and may answer from what it reads: a batch's
+     * meta page still waiting for a sync goes to disk first. */
+    idem__gc_sync_pending(gc);
 }

@@ -49,6 +49,10 @@
  * Every caller but a shared claim's returns only after the commit holding its write is
  * durable (or has failed), or, for a completion written asynchronously, hears of it
  * then (idem__gc_write_end_async: the server's worker does not wait for the disk).
+ * Durable means the meta page too: on a pipelined store (MDB_NOMETASYNC, one fdatasync
+ * per commit) a batch's callers wait for the next batch's commit, or for an explicit
+ * sync when none follows, and a batch ends (idem__gc_wait) only then
+ * (group_commit_pipe.c says why that sync flushes the page).
  * Each operation runs in a child txn of the batch's: one that fails with a storage
  * error (MDB_MAP_FULL) undoes only its own writes, and the batch commits the others,
  * shared claims included. A commit that fails (an I/O error) loses the batch; it is
@@ -79,7 +83,9 @@
 
 #include <lmdb.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "internal.h"
 
@@ -107,9 +113,9 @@ typedef struct idem_group_commit {
     MDB_env *env;
     bool enabled;
     size_t max_batch;
-    pthread_mutex_t mu;      /* guards everything below */
-    pthread_cond_t cv;       /* the writer thread's: work queued, a claim ended, stopping */
-    pthread_cond_t done_cv;  /* idem__gc_wait's: a batch ended */
+    pthread_mutex_t mu;       /* guards everything below */
+    pthread_cond_t cv;        /* the writer thread's: work queued, a claim ended, stopping */
+    pthread_cond_t done_cv;   /* idem__gc_wait's: a batch ended */
     pthread_cond_t inline_cv; /* idem__gc_fini's: an inline write ended */
     idem_write_op *head, *tail;
     bool writer_asleep;  /* in cv's wait with an empty queue: the next enqueue wakes it */
@@ -126,19 +132,27 @@ typedef struct idem_group_commit {
     uint64_t accept_until; /* the open batch takes new shared claims until then (mono µs) */
     size_t lock_wanted;    /* threads waiting for LMDB's writer lock (idem__gc_lock_wanted) */
     bool flush;
-    size_t done_waiters;      /* threads in idem__gc_wait */
-    uint64_t last_commit_us;  /* how long the last batch's commit took */
-    uint64_t hold_us;         /* the longest a batch stays open (HOLD; tests set it) */
+    size_t done_waiters;                   /* threads in idem__gc_wait */
+    uint64_t last_commit_us;               /* how long the last batch's commit took */
+    uint64_t hold_us;                      /* the longest a batch stays open (HOLD; tests set it) */
     uint64_t accept_min_us, accept_max_us; /* ACCEPT's bounds (tests set them) */
-    uint64_t commits, writes; /* batches run and operations in them (statistics) */
-    uint64_t shared;          /* completions committed with their claim (statistics) */
-    uint64_t wakeups;         /* times an enqueue woke the writer thread (statistics) */
-    uint64_t early_wakeups;   /* a writer woke, then had to wait again (statistics) */
+    uint64_t commits, writes;              /* batches run and operations in them (statistics) */
+    uint64_t shared;                       /* completions committed with their claim (statistics) */
+    uint64_t wakeups;       /* times an enqueue woke the writer thread (statistics) */
+    uint64_t early_wakeups; /* a writer woke, then had to wait again (statistics) */
     /* Called on the writer thread after a batch's commit failed, before its redo (NULL:
      * nothing). Tests set it, before the first write, to act in that window as another
      * process could. */
     void (*on_failed_commit)(void *arg);
     void *on_failed_commit_arg;
+    /* Pipelined durability (group_commit_pipe.c): the env has MDB_NOMETASYNC, so a
+     * batch's commit syncs its data but not its meta page, and its callers are woken
+     * only once a later sync has flushed that page. pending_ticket: the last batch
+     * committed and not yet known durable (0: none); durable_txnid: the newest LMDB
+     * txnid known on disk (read without gc->mu). */
+    bool pipelined;
+    uint64_t pending_ticket;
+    _Atomic uint64_t durable_txnid;
 } idem_group_commit;
 
 /* Starts the writer thread when enabled. IDEM_RESOURCE_EXHAUSTED when it cannot. */
@@ -177,5 +191,26 @@ void idem__gc_wait(idem_group_commit *gc, uint64_t ticket);
  * (wanting), or has it now (!wanting): while one waits, a batch commits as soon as it
  * can instead of holding for completions, whether it is open yet or not. */
 void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting);
+/* Returns once the state of LMDB txnid is on disk (at once unless pipelined): a reader
+ * that found a record in a snapshot of txnid calls it before answering from it. It asks
+ * the writer thread to end its batch, or syncs itself when nothing of the writer thread
+ * is pending. IDEM_INTERNAL when that sync fails. */
+idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid);
+/* mdb_txn_commit, then, on a MDB_NOMETASYNC env, mdb_env_sync: durable on IDEM_OK. Every
+ * commit outside a batch goes through it. */
+static inline idem_code idem__gc_commit_durable(MDB_txn *txn)
+{
+    MDB_env *env = mdb_txn_env(txn);
+    unsigned flags = 0;
+    int rc = mdb_txn_commit(txn);
+    if (rc != 0) {
+        return idem__lmdb_code(rc, "commit");
+    }
+    if (mdb_env_get_flags(env, &flags) == 0 && (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC) &&
+        (rc = mdb_env_sync(env, 1)) != 0) {
+        return idem__lmdb_code(rc, "sync after commit");
+    }
+    return IDEM_OK;
+}
 
 #endif

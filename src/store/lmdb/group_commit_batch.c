@@ -2,13 +2,15 @@
  *
  * One batch per turn while ops are queued: begin a txn, apply what is queued (each op in
  * a child txn), hold it open while shared claims in it await their completions, commit,
- * then post every op of the batch not posted yet, and only those. Invariants:
+ * then post every op of the batch not posted yet, and only those, once the commit is on
+ * disk meta page included (group_commit_pipe.c: at the next batch's commit, or at a sync
+ * when nothing is queued). Invariants:
  *   - only this thread uses a batch's txn, and it begins and commits it (LMDB's rule);
  *   - a caller is posted before its batch's commit only for a shared claim that applied
  *     IDEM_OK (its handler runs meanwhile); a shared claim refused from the open txn (a
  *     token another claim of the batch consumed, a full map) is posted with the others,
  *     once the commit is durable, or decided again alone when it failed;
- *   - a batch ends (done_ticket, done_cv) only after its commit, or after the redo of
+ *   - a batch ends (done_ticket, done_cv) only after its commit is durable, or after the redo of
  *     a failed one (group_commit_redo.c): a waiter for a ticket then finds in the store
  *     whatever of it is durable, and nothing else. */
 #include <time.h>
@@ -153,7 +155,8 @@ static bool hold_open(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, uint
             continue;
         }
         if (b->plain || gc->awaiting == 0 || gc->flush || gc->lock_wanted > 0 || gc->stopping ||
-            now >= began + gc->hold_us || idem__gc_plain_queued(gc)) {
+            now >= began + gc->hold_us || idem__gc_plain_queued(gc) ||
+            (gc->done_waiters > 0 && gc->pending_ticket != 0)) {
             return true;
         }
         uint64_t until = accept ? gc->accept_until : began + gc->hold_us;
@@ -181,26 +184,10 @@ static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t tic
     return false;
 }
 
-/* The batch of ticket has ended: its waiters wake, the writer's references go. */
-static void batch_ended(idem_group_commit *gc, idem_gc_batch *b, uint64_t ticket, bool ok,
-                        uint64_t commit_us)
-{
-    pthread_mutex_lock(&gc->mu);
-    gc->last_commit_us = ok ? commit_us : gc->last_commit_us;
-    gc->done_ticket = ticket;
-    if (gc->done_waiters > 0) {
-        pthread_cond_broadcast(&gc->done_cv);
-    }
-    pthread_mutex_unlock(&gc->mu);
-    for (idem_write_op *op = b->held, *next; op != NULL; op = next) {
-        next = op->held_next;
-        idem__gc_op_unref(op);
-    }
-}
-
-/* One batch: begin, apply and hold (hold_open), commit, wake; on a storage error or a
- * failed commit, the redo. */
-static void run_batch(idem_group_commit *gc)
+/* One batch: begin, apply and hold (hold_open), commit, then its callers wait in pipe
+ * for a later sync (group_commit_pipe.c); on a storage error or a failed commit, the
+ * redo. */
+static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
 {
     idem_gc_batch b = {0};
     MDB_txn *txn = NULL;
@@ -224,41 +211,52 @@ static void run_batch(idem_group_commit *gc)
         mdb_txn_abort(txn);
     }
     uint64_t commit_us = idem__mono_us() - t0;
-    if (ok) {
-        for (idem_write_op *op = b.head, *next; op != NULL; op = next) {
-            next = op->next; /* op may be gone once posted */
-            if (!op->posted) {
-                idem__gc_op_post(op);
-            }
-        }
-    } else {
+    if (!ok) {
+        idem__gc_pipe_flush(gc, pipe); /* the redo's answers must not overtake these */
         if (gc->on_failed_commit != NULL) {
             gc->on_failed_commit(gc->on_failed_commit_arg);
         }
         idem__gc_redo(gc, &b);
     }
-    batch_ended(gc, &b, ticket, ok, commit_us);
+    idem__gc_pipe_committed(gc, pipe, &b, ticket, ok, commit_us);
+}
+
+/* Sleeps until ops are queued and no caller commits inline; false: stopping, nothing
+ * left. What a pipe holds is synced first (nothing queued would flush it), or when a
+ * thread wants LMDB's writer lock. Called and returns with gc->mu held. */
+static bool await_work(idem_group_commit *gc, idem_gc_pipe *pipe)
+{
+    for (;;) {
+        if (pipe->ticket != 0 && (gc->head == NULL || gc->lock_wanted > 0)) {
+            pthread_mutex_unlock(&gc->mu);
+            idem__gc_pipe_flush(gc, pipe);
+            pthread_mutex_lock(&gc->mu);
+            continue;
+        }
+        gc->writer_busy = false;
+        if (gc->head != NULL && !gc->inline_busy) {
+            return true;
+        }
+        if (gc->stopping && gc->head == NULL) {
+            return false;
+        }
+        /* A caller committing inline (idem__gc_write) wakes it when it is done. */
+        gc->writer_asleep = true;
+        pthread_cond_wait(&gc->cv, &gc->mu);
+        gc->writer_asleep = false;
+    }
 }
 
 void *idem__gc_writer_main(void *arg)
 {
     idem_group_commit *gc = arg;
+    idem_gc_pipe pipe = {0};
     pthread_mutex_lock(&gc->mu);
-    for (;;) {
-        /* A caller committing inline (idem__gc_write) wakes it when it is done. */
-        while ((gc->head == NULL || gc->inline_busy) && !(gc->stopping && gc->head == NULL)) {
-            gc->writer_asleep = true;
-            pthread_cond_wait(&gc->cv, &gc->mu);
-        }
-        gc->writer_asleep = false;
-        if (gc->head == NULL) { /* stopping, nothing left */
-            break;
-        }
+    while (await_work(gc, &pipe)) {
         gc->writer_busy = true;
         pthread_mutex_unlock(&gc->mu);
-        run_batch(gc);
+        run_batch(gc, &pipe);
         pthread_mutex_lock(&gc->mu);
-        gc->writer_busy = false;
     }
     pthread_mutex_unlock(&gc->mu);
     return NULL;

@@ -1,8 +1,9 @@
-/* Group commit's private types, shared by its three files (the public contract and the
+/* Group commit's private types, shared by its four files (the public contract and the
  * invariants of the whole are in group_commit.h):
  *   group_commit.c        the callers' side: the queue, its life cycle, waiting
  *   group_commit_batch.c  the writer thread: take, apply, hold open, commit, wake
  *   group_commit_redo.c   a batch whose commit failed, again one op per txn
+ *   group_commit_pipe.c   committed batches whose callers wait for a later sync
  *
  * An op lives on its caller's stack (idem__gc_write, _end) or on the heap (a shared
  * claim: two references; an asynchronous end: freed once handed over). It is on the
@@ -61,6 +62,27 @@ typedef struct idem_gc_batch {
     size_t n;
     bool plain; /* an OP_PLAIN in it: commit without waiting for shared completions */
 } idem_gc_batch;
+
+/* The batches committed and not yet known durable (group_commit_pipe.c), merged in
+ * order; only the writer thread touches it. */
+typedef struct idem_gc_pipe {
+    idem_gc_batch b;    /* their ops not posted yet, and their shared claims */
+    uint64_t ticket;    /* the last of them (0: none) */
+    uint64_t txnid;     /* the LMDB state their answers rest on */
+    uint64_t commit_us; /* how long the last one's commit took */
+} idem_gc_pipe;
+
+/* The batch of ticket has committed (ok) or run again alone: on a pipelined store its
+ * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c). */
+void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
+                             uint64_t ticket, bool ok, uint64_t commit_us);
+/* A thread that now holds LMDB's writer lock syncs what a pipe left unsynced. */
+void idem__gc_sync_pending(idem_group_commit *gc);
+/* Syncs the file and wakes what pipe holds (with the sync's error if it failed). */
+void idem__gc_pipe_flush(idem_group_commit *gc, idem_gc_pipe *pipe);
+/* The batch of ticket has ended: its waiters wake, the writer's references go. */
+void idem__gc_batch_ended(idem_group_commit *gc, idem_gc_batch *b, uint64_t ticket, bool ok,
+                          uint64_t commit_us);
 
 /* One operation in a txn of its own (group_commit_redo.c). */
 idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx);

@@ -30,8 +30,7 @@ idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
         mdb_txn_abort(txn);
         return code;
     }
-    rc = mdb_txn_commit(txn);
-    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "commit");
+    return idem__gc_commit_durable(txn); /* its own sync: no batch follows to flush it */
 }
 
 void idem__gc_op_finish(idem_write_op *op, idem_code code)

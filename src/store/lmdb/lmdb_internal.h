@@ -20,7 +20,8 @@
  * (the write gate: group commit, or the thread's own handler txn), txn.c (business
  * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
- * thread's batches), group_commit_redo.c (a batch whose commit failed). */
+ * thread's batches), group_commit_redo.c (a batch whose commit failed), group_commit_pipe.c
+ * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H
 

@@ -103,7 +103,12 @@ idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record 
         return idem__lmdb_code(rc, "get begin");
     }
     idem_code code = idem__lmdb_rec_read(st, txn, ref, rec, true);
+    uint64_t snapshot = mdb_txn_id(txn);
     idem__lmdb_read_end(st, txn);
+    /* An answer from a record of a batch whose meta page is not on disk yet waits. */
+    if (code == IDEM_OK && (code = idem__gc_durable_wait(&st->gc, snapshot)) != IDEM_OK) {
+        idem_record_clear(rec);
+    }
     return code;
 }
 

@@ -1,0 +1,160 @@
+/* See power_cut.h. The program's definitions of pwrite, write, writev, fdatasync and fsync
+ * win over libc's for liblmdb (ELF interposition); they reach the kernel by syscall. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "power_cut.h"
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int log_fd = -1;
+static const char *data_path;
+
+static void init(void)
+{
+    const char *log = getenv("IDEMRPC_UNDO_LOG");
+    data_path = getenv("IDEMRPC_UNDO_DATA");
+    if (log != NULL && data_path != NULL) {
+        log_fd = (int)syscall(SYS_openat, AT_FDCWD, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    }
+}
+
+/* fd is the data file, written without O_DSYNC. */
+static bool logged_fd(int fd)
+{
+    struct stat a, b;
+    pthread_once(&once, init);
+    if (log_fd < 0 || fstat(fd, &a) != 0 || !S_ISREG(a.st_mode) || stat(data_path, &b) != 0) {
+        return false;
+    }
+    return a.st_ino == b.st_ino && a.st_dev == b.st_dev && !(fcntl(fd, F_GETFL) & O_DSYNC);
+}
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    for (size_t done = 0; done < n;) {
+        ssize_t w = syscall(SYS_write, fd, (const char *)p + done, n - done);
+        if (w <= 0) {
+            return -1;
+        }
+        done += (size_t)w;
+    }
+    return 0;
+}
+
+/* Logs the bytes [off, off + n) of fd's file before they are overwritten (mu held).
+ * Exits the process when it cannot: a write it could not undo would void the test. */
+static void log_preimage(int fd, uint64_t off, uint64_t n)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        _exit(97);
+    }
+    uint64_t size = (uint64_t)st.st_size;
+    uint64_t have = off >= size ? 0 : (off + n > size ? size - off : n);
+    undo_rec r = {POWER_CUT_WRITE, off, have, size};
+    char *buf = malloc(have + 1);
+    if (buf == NULL || (have > 0 && pread(fd, buf, have, (off_t)off) != (ssize_t)have)) {
+        _exit(97);
+    }
+    /* One write: a SIGKILL leaves the record whole or absent (a regular file). */
+    char *rec = malloc(sizeof(r) + have);
+    if (rec == NULL) {
+        _exit(97);
+    }
+    memcpy(rec, &r, sizeof(r));
+    memcpy(rec + sizeof(r), buf, have);
+    if (write_all(log_fd, rec, sizeof(r) + have) != 0) {
+        _exit(97);
+    }
+    free(rec);
+    free(buf);
+}
+
+/* liblmdb binds "pwrite"; a program built with _FILE_OFFSET_BITS=64 names it pwrite64. */
+ssize_t pwrite_recorded(int fd, const void *buf, size_t n, off_t off) __asm__("pwrite");
+ssize_t pwrite_recorded(int fd, const void *buf, size_t n, off_t off)
+{
+    if (!logged_fd(fd)) {
+        return syscall(SYS_pwrite64, fd, buf, n, off);
+    }
+    pthread_mutex_lock(&mu);
+    log_preimage(fd, (uint64_t)off, n);
+    ssize_t rc = syscall(SYS_pwrite64, fd, buf, n, off);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+ssize_t pwrite64_recorded(int fd, const void *buf, size_t n, off_t off) __asm__("pwrite64");
+ssize_t pwrite64_recorded(int fd, const void *buf, size_t n, off_t off)
+{
+    return pwrite_recorded(fd, buf, n, off);
+}
+
+ssize_t writev(int fd, const struct iovec *iov, int cnt)
+{
+    if (!logged_fd(fd)) {
+        return syscall(SYS_writev, fd, iov, cnt);
+    }
+    size_t n = 0;
+    for (int i = 0; i < cnt; i++) {
+        n += iov[i].iov_len;
+    }
+    pthread_mutex_lock(&mu);
+    log_preimage(fd, (uint64_t)lseek(fd, 0, SEEK_CUR), n);
+    ssize_t rc = syscall(SYS_writev, fd, iov, cnt);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+ssize_t write(int fd, const void *buf, size_t n)
+{
+    if (!logged_fd(fd)) {
+        return syscall(SYS_write, fd, buf, n);
+    }
+    pthread_mutex_lock(&mu);
+    log_preimage(fd, (uint64_t)lseek(fd, 0, SEEK_CUR), n);
+    ssize_t rc = syscall(SYS_write, fd, buf, n);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* A successful sync of the data file marks what was logged before it began as on disk. */
+static int synced(int fd, long nr)
+{
+    if (!logged_fd(fd)) {
+        return (int)syscall(nr, fd);
+    }
+    pthread_mutex_lock(&mu);
+    off_t before = lseek(log_fd, 0, SEEK_END);
+    pthread_mutex_unlock(&mu);
+    int rc = (int)syscall(nr, fd);
+    if (rc == 0) {
+        undo_rec r = {POWER_CUT_SYNC, (uint64_t)before, 0, 0};
+        pthread_mutex_lock(&mu);
+        if (write_all(log_fd, &r, sizeof(r)) != 0) {
+            _exit(97);
+        }
+        pthread_mutex_unlock(&mu);
+    }
+    return rc;
+}
+
+int fdatasync(int fd)
+{
+    return synced(fd, SYS_fdatasync);
+}
+
+int fsync(int fd)
+{
+    return synced(fd, SYS_fsync);
+}

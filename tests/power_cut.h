@@ -1,0 +1,33 @@
+/* A power cut for the programs that link power_cut.c: every write to the LMDB data file
+ * that no fdatasync/fsync has covered yet is undone, as a disk that loses its cache would.
+ *
+ * Recording (in the process writing the store): with $IDEMRPC_UNDO_LOG and
+ * $IDEMRPC_UNDO_DATA (the data file's path) set, pwrite, write and writev on that file
+ * first append the bytes they overwrite (and the file's size) to the undo log, and
+ * fdatasync/fsync of it append a mark: everything logged before the sync began is on
+ * disk. A write through an O_DSYNC descriptor is on disk when it returns: not logged.
+ * The log is written before the data, so a SIGKILL leaves it complete.
+ *
+ * The cut (in the test, after the SIGKILL): power_cut_apply restores, newest first, the
+ * bytes of every write logged after the last mark, then the file's size. */
+#ifndef IDEMRPC_TEST_POWER_CUT_H
+#define IDEMRPC_TEST_POWER_CUT_H
+
+#include <stdint.h>
+
+enum { POWER_CUT_WRITE = 0x57, POWER_CUT_SYNC = 0x53 };
+
+/* One log record; a write's is followed by its pre-image (len bytes). */
+typedef struct undo_rec {
+    uint64_t type;
+    uint64_t off;      /* write: where; sync: the log's size when the sync began */
+    uint64_t len;      /* bytes of pre-image that follow */
+    uint64_t old_size; /* write: the file's size before it */
+} undo_rec;
+
+/* power_cut_apply.c, linked by the test (power_cut.c, the recorder, by the server). */
+/* Undoes the unsynced writes log recorded to data; the number undone, or -1 (errno set)
+ * when a file cannot be read or written. */
+long power_cut_apply(const char *log, const char *data);
+
+#endif

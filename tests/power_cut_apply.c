@@ -1,0 +1,73 @@
+/* The power cut of power_cut.h: the recorded unsynced writes undone, newest first. */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "power_cut.h"
+
+/* The log's bytes (malloc'd) and size; NULL when it cannot be read. */
+static char *slurp(const char *path, size_t *size)
+{
+    int fd = open(path, O_RDONLY);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return NULL;
+    }
+    char *p = malloc((size_t)st.st_size + 1);
+    ssize_t got = p != NULL ? pread(fd, p, (size_t)st.st_size, 0) : -1;
+    close(fd);
+    if (got != st.st_size) {
+        free(p);
+        return NULL;
+    }
+    *size = (size_t)st.st_size;
+    return p;
+}
+
+long power_cut_apply(const char *log, const char *data)
+{
+    size_t size, at = 0, durable = 0, n = 0;
+    char *p = slurp(log, &size);
+    if (p == NULL) {
+        return -1;
+    }
+    size_t *recs = malloc(sizeof(size_t) * (size / sizeof(undo_rec) + 1));
+    undo_rec r;
+    for (; recs != NULL && at + sizeof(r) <= size; at += sizeof(r) + r.len) {
+        memcpy(&r, p + at, sizeof(r));
+        if (at + sizeof(r) + r.len > size) {
+            break; /* cannot happen (one write per record); its data write did not either */
+        }
+        if (r.type == POWER_CUT_SYNC) {
+            durable = r.off > durable ? r.off : durable;
+        } else {
+            recs[n++] = at;
+        }
+    }
+    int fd = recs != NULL ? open(data, O_WRONLY) : -1;
+    long undone = 0;
+    uint64_t size_then = UINT64_MAX;
+    for (size_t i = n; fd >= 0 && i-- > 0 && recs[i] >= durable; undone++) {
+        memcpy(&r, p + recs[i], sizeof(r));
+        if (r.len > 0 &&
+            pwrite(fd, p + recs[i] + sizeof(r), r.len, (off_t)r.off) != (ssize_t)r.len) {
+            undone = -1;
+            break;
+        }
+        size_then = r.old_size;
+    }
+    if (fd >= 0 && undone > 0 && size_then != UINT64_MAX && ftruncate(fd, (off_t)size_then) != 0) {
+        undone = -1;
+    }
+    if (fd < 0 || close(fd) != 0) {
+        undone = -1;
+    }
+    free(recs);
+    free(p);
+    return undone;
+}
