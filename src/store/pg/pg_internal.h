@@ -11,6 +11,7 @@
 
 #include "idemrpc/txn.h"
 
+#include "replay_cache.h"
 #include "store.h"
 
 /* The NOTIFY channel of completions and releases; the payload is the key's
@@ -51,6 +52,7 @@ typedef struct pg_store {
     pool_slot renew_slot;
     pthread_mutex_t renew_mu;
     pg_listener *listener; /* started by the first watch */
+    pg_rcache *rcache;     /* COMPLETED records read here (replay_cache.h); NULL: off */
 } pg_store;
 
 enum stmt {
@@ -227,6 +229,12 @@ idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after,
 /* listen.c */
 idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);
 void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg);
+/* cached_read.c: the ops' get and del, and the replay cache's setup (opts: the
+ * store's; nothing when replay_cache_entries is 0). */
+idem_code idem__pg_get(idem_store *base, const idem_key_ref *key, idem_record *rec);
+idem_code idem__pg_delete(idem_store *base, const idem_key_ref *key);
+idem_code idem__pg_rcache_open(pg_store *st, const idem_pg_opts *opts);
+
 /* Stops the listener thread, if any (store close). */
 void idem__pg_listener_stop(pg_store *st);
 
