@@ -31,8 +31,9 @@
  * moves into the call) when the front sends wire replies, nothing before result_cache
  * can look at the response (every interceptor there is a built-in that tail-calls) and
  * the bytes are canonical: the nng front then sends them with the per-call fields
- * appended, as the decode + re-encode below would have written them. */
-idem_code idem__rc_replay(idem_call *call, idem_record *rec)
+ * appended, as the decode + re-encode below would have written them. A response the
+ * store lent (borrow, may be NULL) moves into the call with its borrow. */
+static idem_code replay(idem_call *call, idem_record *rec, idem_borrow *borrow)
 {
     char first_at[24];
     snprintf(first_at, sizeof(first_at), "%" PRIu64, rec->first_at_ms);
@@ -43,6 +44,10 @@ idem_code idem__rc_replay(idem_call *call, idem_record *rec)
         call->code = rec->response_len > 0 && w[0] == 0x08 ? (idem_code)w[1] : IDEM_OK;
         call->replay_wire = rec->response;
         call->replay_wire_len = rec->response_len;
+        if (borrow != NULL) {
+            call->replay_borrow = *borrow;
+            borrow->end = NULL;
+        }
         rec->response = NULL;
         rec->response_len = 0;
         memcpy(call->replay_first_at, first_at, sizeof(first_at));
@@ -56,6 +61,22 @@ idem_code idem__rc_replay(idem_call *call, idem_record *rec)
     idem__call_set_meta(call, "idem-first-at", first_at);
     call->replayed = true;
     return call->code;
+}
+
+idem_code idem__rc_replay(idem_call *call, idem_record *rec)
+{
+    return replay(call, rec, NULL);
+}
+
+/* Clears what a read left in rec; a response still lent goes back to the store. */
+static void record_end(idem_record *rec, idem_borrow *borrow)
+{
+    if (borrow->end != NULL) {
+        rec->response = NULL;
+        borrow->end(borrow->a, borrow->b);
+        borrow->end = NULL;
+    }
+    idem_record_clear(rec);
 }
 
 static idem_code reject_mismatch(idem_call *call)
@@ -231,17 +252,18 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
                                bool *again)
 {
     idem_record rec;
-    idem_code code = idem_store_get(cfg->store, key, &rec);
+    idem_borrow borrow;
+    idem_code code = idem__store_get_borrowed(cfg->store, key, &rec, &borrow);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
     bool same = memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0;
     *wait = *again = false;
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
-        code = same ? idem__rc_replay(call, &rec) : reject_mismatch(call);
-        idem_record_clear(&rec);
+        code = same ? replay(call, &rec, &borrow) : reject_mismatch(call);
+        record_end(&rec, &borrow);
         return code;
     }
     bool leased = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms > now;
-    idem_record_clear(&rec);
+    record_end(&rec, &borrow);
     if (call->fast_only) { /* claiming writes, waiting waits: a worker resumes here */
         return idem__call_defer(call, next.pos - 1);
     }

@@ -76,9 +76,7 @@ void idem__call_reset_response(idem_call *call)
         free(call->meta[i].value);
     }
     free(call->meta);
-    free(call->replay_wire);
-    call->replay_wire = NULL;
-    call->replay_wire_len = 0;
+    idem__call_drop_replay_wire(call);
     call->message = NULL;
     call->payload = NULL;
     call->payload_len = 0;

@@ -28,6 +28,13 @@ typedef struct idem_errkeep {
 void idem__err_keep(idem_errkeep *k);
 idem_code idem__err_put(const idem_errkeep *k, idem_code code);
 
+/* Bytes lent by their owner (e.g. a record in a store's open read transaction): valid
+ * until end(a, b) is called, once; end NULL: nothing is lent. */
+typedef struct idem_borrow {
+    void (*end)(void *a, void *b);
+    void *a, *b;
+} idem_borrow;
+
 uint64_t idem__now_ms(void);  /* CLOCK_REALTIME, unix ms: stored in records */
 uint64_t idem__mono_ms(void); /* CLOCK_MONOTONIC: for waits and timeouts */
 uint64_t idem__mono_us(void);

@@ -67,6 +67,12 @@ typedef struct idem_store_ops {
      * IDEM_OK unless nothing could be tried at all. */
     idem_code (*renew_batch)(idem_store *st, idem__renewal *r, size_t n);
     idem_code (*get)(idem_store *st, const idem_key_ref *key, idem_record *rec);
+    /* Optional (NULL: get). As get, but a COMPLETED record's response may be lent
+     * (*borrow set: rec->response is the store's, valid until borrow->end; never free
+     * it, never clear rec with it): LMDB's read transaction, held until the reply is
+     * built, spares a copy of the record. Ended on every other outcome. */
+    idem_code (*get_borrowed)(idem_store *st, const idem_key_ref *key, idem_record *rec,
+                              idem_borrow *borrow);
     idem_code (*del)(idem_store *st, const idem_key_ref *key);
     idem_code (*sweep)(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
     idem_code (*token_put)(idem_store *st, const char *token, const char *scope,
@@ -142,6 +148,10 @@ struct idem_store {
 };
 
 bool idem__store_has(const idem_store *st, unsigned cap);
+/* idem_store_get through get_borrowed where the store has it (borrow->end NULL when
+ * nothing was lent). */
+idem_code idem__store_get_borrowed(idem_store *st, const idem_key_ref *key, idem_record *rec,
+                                   idem_borrow *borrow);
 
 /* The bounds every backend enforces on an effective key (IDEM_MAX_*). */
 idem_code idem__key_check(const idem_key_ref *ref);
