@@ -215,7 +215,7 @@ int run_pg(const scenario *sc, cell *c, cell_stats *out)
     }
     for (int i = 0; i < sc->instances; i++) {
         idem_pg_opts po = {.pool_size = server_contexts(c->clients),
-                           .replay_cache_entries = sc->letter == 'q' ? 4096 : 0};
+                           .replay_cache_entries = sc->letter == 'q' ? 16384 : 0};
         if (idem_store_open_postgres_ex(&st[i], conninfo, &po) != IDEM_OK) {
             cell_fail(out, "idem_store_open_postgres: %s", idem_errmsg());
             goto out;
