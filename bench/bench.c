@@ -19,7 +19,8 @@
  *   i  pg-replay as e, on PostgreSQL
  *   q  pg-rep-cached  as i, the store's replay cache on (idem_pg_opts
  *               replay_cache_entries 16384: every client's 100 keys fit at 64 clients;
- *               the other bounds their defaults)
+ *               the other bounds their defaults; each key replayed once more in the
+ *               warm-up, the read that fills the cache: q is the steady state)
  *   j  pg-wait  a duplicate on instance B of a call running on instance A: how long its
  *               answer lags A's, woken by LISTEN/NOTIFY and by re-reads (scenario_pg_wait.c)
  *   k  tx-lmdb  as c, the method transactional: its handler writes one idem_txn_put
