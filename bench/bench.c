@@ -17,6 +17,10 @@
  *   g  pg-new   as c, on the PostgreSQL store ($IDEMRPC_BENCH_PG, a libpq conninfo)
  *   h  pg-new2  as g, two server instances on the one database, clients dial both
  *   i  pg-replay as e, on PostgreSQL
+ *   q  pg-rep-cached  as i, the store's replay cache on (idem_pg_opts
+ *               replay_cache_entries 16384: every client's 100 keys fit at 64 clients;
+ *               the other bounds their defaults; each key replayed once more in the
+ *               warm-up, the read that fills the cache: q is the steady state)
  *   j  pg-wait  a duplicate on instance B of a call running on instance A: how long its
  *               answer lags A's, woken by LISTEN/NOTIFY and by re-reads (scenario_pg_wait.c)
  *   k  tx-lmdb  as c, the method transactional: its handler writes one idem_txn_put
@@ -31,7 +35,7 @@
  *   x, y   as g, i on the HA topology (scripts/ha.sh: a synchronous standby) at
  *          $IDEMRPC_BENCH_PG_HA: "ha vs single" lines set them against g, i of the
  *          same run, the price of synchronous replication
- *   (g-n, x, y run only when asked for with --scenarios; "pg vs lmdb", "tx pg vs lmdb" and
+ *   (g-n, q, x, y run only when asked for with --scenarios; "pg vs lmdb", "tx pg vs lmdb" and
  *   "steps vs cached" lines follow; o and p also run only when asked for)
  *   r  redis-new-always     the peer a user would pick instead: a plain Redis
  *                           idempotency layer behind the same nng hop (raw req0
@@ -85,6 +89,7 @@ static const scenario scenarios[N_SCENARIOS] = {
     {'g', "g:pg-new", run_pg, 0, KEYS_NEW, 1, NULL, 0},
     {'h', "h:pg-new2", run_pg, 0, KEYS_NEW, 2, NULL, 0},
     {'i', "i:pg-rep", run_pg, 0, KEYS_REPLAY, 1, NULL, 0},
+    {'q', "q:pg-rep-cached", run_pg, 0, KEYS_REPLAY, 1, NULL, 0},
     {'x', "x:pg-ha-new", run_pg, 0, KEYS_NEW, 1, NULL, 0},
     {'y', "y:pg-ha-rep", run_pg, 0, KEYS_REPLAY, 1, NULL, 0},
     {'k', "k:tx-lmdb", run_chain, 0, KEYS_NEW, 0, NULL, -1},

@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 22 /* a..i, k..p, r..v, x, y */
+#define N_SCENARIOS 23 /* a..i, k..v, x, y */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
@@ -117,7 +117,7 @@ struct cell_stats {
  * saying why not. Each undoes all it set up before returning. */
 int run_echo(const scenario *sc, cell *c, cell_stats *out);  /* a, scenario_echo.c */
 int run_chain(const scenario *sc, cell *c, cell_stats *out); /* b–e, scenario_chain.c */
-int run_pg(const scenario *sc, cell *c, cell_stats *out);    /* g–i, scenario_chain.c */
+int run_pg(const scenario *sc, cell *c, cell_stats *out);    /* g–i, l, q, x, y */
 int run_lmdb(const scenario *sc, cell *c, cell_stats *out);  /* f, scenario_lmdb.c */
 int run_fsync(const scenario *sc, cell *c, cell_stats *out); /* v, scenario_lmdb.c */
 /* f and v: the disk's baselines, no transport; they run once per payload, last. */

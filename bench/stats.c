@@ -415,6 +415,8 @@ static const struct {
     {'g', 'c', "pg vs lmdb"},
     {'h', 'c', "pg vs lmdb"},
     {'i', 'e', "pg vs lmdb"},
+    {'q', 'e', "pg vs lmdb"},
+    {'q', 'i', "cached vs round trip"},
     {'l', 'k', "tx pg vs lmdb"},
     {'x', 'g', "ha vs single"},
     {'y', 'i', "ha vs single"},

@@ -27,6 +27,17 @@
 #define MAX_POLL_MS 200     /* the re-read interval doubles up to this */
 #define REPLY_MARGIN_MS 50u /* stop waiting this long (at most 10%) before the deadline */
 
+/* Clears what a read left in rec; a response still lent goes back to the store. */
+static void record_end(idem_record *rec, idem_borrow *borrow)
+{
+    if (borrow->end != NULL) {
+        rec->response = NULL;
+        borrow->end(borrow->a, borrow->b);
+        borrow->end = NULL;
+    }
+    idem_record_clear(rec);
+}
+
 static idem_code reject_mismatch(idem_call *call)
 {
     return idem__reject(call, IDEM_REASON_KEY_REUSED, IDEM_INVALID_ARGUMENT,
@@ -170,8 +181,8 @@ static idem_claim_req claim_request(const idem_call *call, const idem_cache_cfg 
 
 /* What a claim's outcome (rec: the record it read or wrote) makes of the call. */
 static idem_code after_claim(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
-                             const idem_key_ref *key, idem_claim_outcome outcome,
-                             idem_record *rec, idem_txn *txn, uint64_t ticket, bool *wait)
+                             const idem_key_ref *key, idem_claim_outcome outcome, idem_record *rec,
+                             idem_txn *txn, uint64_t ticket, bool *wait)
 {
     switch (outcome) {
     case IDEM_CLAIM_ACQUIRED:
@@ -200,17 +211,18 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
                                bool *again)
 {
     idem_record rec;
-    idem_code code = idem_store_get(cfg->store, key, &rec);
+    idem_borrow borrow;
+    idem_code code = idem__store_get_borrowed(cfg->store, key, &rec, &borrow);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
     bool same = memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0;
     *wait = *again = false;
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
-        code = same ? idem__rc_replay(call, &rec) : reject_mismatch(call);
-        idem_record_clear(&rec);
+        code = same ? idem__rc_replay_borrowed(call, &rec, &borrow) : reject_mismatch(call);
+        record_end(&rec, &borrow);
         return code;
     }
     bool leased = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms > now;
-    idem_record_clear(&rec);
+    record_end(&rec, &borrow);
     if (call->fast_only) { /* claiming writes, waiting waits: a worker resumes here */
         return idem__call_defer(call, next.pos - 1);
     }

@@ -16,6 +16,8 @@
 /* result_cache_replay.c: answers the stored first result rec (its response may move
  * into the call), with metadata idem-first-at, replayed. */
 idem_code idem__rc_replay(idem_call *call, idem_record *rec);
+/* The same, for a response the store lent (borrow: it moves into the call). */
+idem_code idem__rc_replay_borrowed(idem_call *call, idem_record *rec, idem_borrow *borrow);
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
  * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
  * claim's shared commit, still open maybe (the completion then joins it), else 0. May

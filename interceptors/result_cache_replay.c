@@ -11,8 +11,9 @@
  * moves into the call) when the front sends wire replies, nothing before result_cache
  * can look at the response (every interceptor there is a built-in that tail-calls) and
  * the bytes are canonical: the nng front then sends them with the per-call fields
- * appended, as the decode + re-encode below would have written them. */
-idem_code idem__rc_replay(idem_call *call, idem_record *rec)
+ * appended, as the decode + re-encode below would have written them. A response the
+ * store lent (borrow, may be NULL) moves into the call with its borrow. */
+idem_code idem__rc_replay_borrowed(idem_call *call, idem_record *rec, idem_borrow *borrow)
 {
     char first_at[24];
     snprintf(first_at, sizeof(first_at), "%" PRIu64, rec->first_at_ms);
@@ -23,6 +24,10 @@ idem_code idem__rc_replay(idem_call *call, idem_record *rec)
         call->code = rec->response_len > 0 && w[0] == 0x08 ? (idem_code)w[1] : IDEM_OK;
         call->replay_wire = rec->response;
         call->replay_wire_len = rec->response_len;
+        if (borrow != NULL) {
+            call->replay_borrow = *borrow;
+            borrow->end = NULL;
+        }
         rec->response = NULL;
         rec->response_len = 0;
         memcpy(call->replay_first_at, first_at, sizeof(first_at));
@@ -36,4 +41,9 @@ idem_code idem__rc_replay(idem_call *call, idem_record *rec)
     idem__call_set_meta(call, "idem-first-at", first_at);
     call->replayed = true;
     return call->code;
+}
+
+idem_code idem__rc_replay(idem_call *call, idem_record *rec)
+{
+    return idem__rc_replay_borrowed(call, rec, NULL);
 }

@@ -73,7 +73,10 @@ typedef struct idem_request {
     uint32_t deadline_ms; /* 0 = the client's default */
 } idem_request;
 
-/* The result of a call; owned by the caller, free with idem_result_clear(). */
+/* The result of a call; owned by the caller, free with idem_result_clear(). message,
+ * request_id and the metadata strings live in one block with the metadata table (free
+ * none of them alone); payload is a malloc'd buffer of its own, which a caller may take
+ * (then set payload to NULL before the clear). */
 typedef struct idem_result {
     idem_code code;
     char *message;

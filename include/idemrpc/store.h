@@ -151,6 +151,20 @@ typedef struct idem_pg_opts {
     /* A pooler in transaction mode (PgBouncer pool_mode=transaction) is in front: no
      * named prepared statements, no session settings, no LISTEN (implies no_notify). */
     bool pooler;
+    /* A local cache of COMPLETED records, so that a replay on this instance needs no
+     * round trip (a completed record does not change until it expires). Off by default:
+     * it changes what a forget means. After idem_store_delete (`idemctl delete`) on
+     * another instance, this one may still replay the old result until that forget's
+     * announcement arrives (NOTIFY idem_done, as completions; milliseconds), and never
+     * longer than replay_cache_ttl_ms (an announcement lost while the listening
+     * connection was down, no_notify, pooler). replay_cache_entries: 0 = off, at most
+     * 1048576. replay_cache_bytes: keys and responses held, 0 = 16 MiB (a larger
+     * response is not cached). replay_cache_ttl_ms: how long one read may be answered
+     * from, 0 = 5000, at most 3600000; an entry also ends at its record's expiry.
+     * Evicted least recently used. docs/semantics.md "Replay cache (PostgreSQL)". */
+    size_t replay_cache_entries;
+    size_t replay_cache_bytes;
+    uint32_t replay_cache_ttl_ms;
 } idem_pg_opts;
 
 /* idem_store_open_postgres with options; opts may be NULL (defaults). */

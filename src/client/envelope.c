@@ -116,26 +116,42 @@ static char *dup_bytes(const void *p, size_t n)
     return s;
 }
 
+/* s copied to *at, which moves past it. */
+static char *put_str(char **at, const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *copy = memcpy(*at, s, n);
+    *at += n;
+    return copy;
+}
+
+/* The response's metadata table, message, request id and metadata strings are one
+ * block (out->metadata is its start), the payload a buffer of its own (a caller may
+ * take it): two allocations per result, not two per metadata entry. */
 idem_code idem__client_result_fill(idem_result *out, const Idem__V1__Response *r)
 {
+    size_t n = r->n_metadata, size = (n + 1) * sizeof(idem_metadata_kv);
+    size += strlen(r->message) + strlen(r->request_id) + 2;
+    for (size_t i = 0; i < n; i++) {
+        size += strlen(r->metadata[i]->key) + strlen(r->metadata[i]->value) + 2;
+    }
     out->code = (idem_code)r->code;
     out->replayed = r->replayed;
-    out->message = idem__strdup(r->message);
-    out->request_id = idem__strdup(r->request_id);
     out->payload = dup_bytes(r->payload.data, r->payload.len);
     out->payload_len = r->payload.len;
-    out->metadata = calloc(r->n_metadata + 1, sizeof(idem_metadata_kv));
-    if (out->message == NULL || out->request_id == NULL || out->payload == NULL ||
-        out->metadata == NULL) {
+    out->metadata = malloc(size);
+    if (out->payload == NULL || out->metadata == NULL) {
         return IDEM_RESOURCE_EXHAUSTED;
     }
-    for (size_t i = 0; i < r->n_metadata; i++) {
-        char *k = idem__strdup(r->metadata[i]->key), *v = idem__strdup(r->metadata[i]->value);
-        out->metadata[out->metadata_count++] = (idem_metadata_kv){k, v};
-        if (k == NULL || v == NULL) {
-            return IDEM_RESOURCE_EXHAUSTED;
-        }
+    char *at = (char *)(out->metadata + n + 1);
+    out->message = put_str(&at, r->message);
+    out->request_id = put_str(&at, r->request_id);
+    for (size_t i = 0; i < n; i++) {
+        const char *k = put_str(&at, r->metadata[i]->key);
+        out->metadata[i] = (idem_metadata_kv){k, put_str(&at, r->metadata[i]->value)};
     }
+    out->metadata[n] = (idem_metadata_kv){NULL, NULL};
+    out->metadata_count = n;
     return IDEM_OK;
 }
 
@@ -151,14 +167,12 @@ const char *idem_result_metadata(const idem_result *r, const char *name)
 
 void idem_result_clear(idem_result *r)
 {
-    for (size_t i = 0; i < r->metadata_count; i++) {
-        free((char *)r->metadata[i].name);
-        free((char *)r->metadata[i].value);
+    if (r->metadata == NULL) { /* no response was copied: an error message of its own */
+        free(r->message);
+        free(r->request_id);
     }
-    free(r->metadata);
-    free(r->message);
+    free(r->metadata); /* the block that holds message, request_id and the entries */
     free(r->payload);
-    free(r->request_id);
     r->metadata = NULL;
     r->metadata_count = 0;
     r->message = r->payload = r->request_id = NULL;

@@ -150,9 +150,11 @@ struct idem_call {
     /* A replay kept as stored bytes (result_cache, when wire_reply and the bytes are in
      * the canonical form idem__replay_wire_ok checks): code and replayed are set, the
      * message, payload and metadata are not loaded (idem__call_materialize_replay loads
-     * them). Owned by the call; freed with the response. */
+     * them). Owned by the call; freed with the response, or, when replay_borrow.end is
+     * set, lent by the store (its read held open until the reply is built): ended then. */
     uint8_t *replay_wire;
     size_t replay_wire_len;
+    idem_borrow replay_borrow;
     char replay_first_at[24];                  /* the idem-first-at value of that replay */
     uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* idem__call_fingerprint's, once computed */
     bool has_fingerprint;
@@ -255,6 +257,8 @@ idem_code idem__decode_request_arena(const void *buf, size_t len, bool writable,
  * sends is these bytes followed by the per-call fields (metadata idem-first-at,
  * idem-key, request-id; replayed; request_id), which protobuf-c writes after them. */
 bool idem__replay_wire_ok(const void *buf, size_t len);
+/* Lets go of call->replay_wire (freed, or its borrow ended) and clears it. */
+void idem__call_drop_replay_wire(idem_call *call);
 /* The key echoed in metadata idem-key (none for a token), or NULL. */
 const char *idem__call_answer_key(const idem_call *call);
 /* The wire reply of a call holding replay_wire and no response metadata is

@@ -66,6 +66,19 @@ void idem__call_init(idem_call *call, const Idem__V1__Request *req, const idem_m
     snprintf(call->caller, sizeof(call->caller), "%s", req->caller != NULL ? req->caller : "");
 }
 
+void idem__call_drop_replay_wire(idem_call *call)
+{
+    idem_borrow b = call->replay_borrow;
+    if (b.end != NULL) {
+        b.end(b.a, b.b);
+    } else {
+        free(call->replay_wire);
+    }
+    call->replay_borrow.end = NULL;
+    call->replay_wire = NULL;
+    call->replay_wire_len = 0;
+}
+
 void idem__call_reset_response(idem_call *call)
 {
     free(call->message);
@@ -75,9 +88,7 @@ void idem__call_reset_response(idem_call *call)
         free(call->meta[i].value);
     }
     free(call->meta);
-    free(call->replay_wire);
-    call->replay_wire = NULL;
-    call->replay_wire_len = 0;
+    idem__call_drop_replay_wire(call);
     call->message = NULL;
     call->payload = NULL;
     call->payload_len = 0;

@@ -29,6 +29,13 @@ typedef struct idem_errkeep {
 void idem__err_keep(idem_errkeep *k);
 idem_code idem__err_put(const idem_errkeep *k, idem_code code);
 
+/* Bytes lent by their owner (e.g. a record in a store's open read transaction): valid
+ * until end(a, b) is called, once; end NULL: nothing is lent. */
+typedef struct idem_borrow {
+    void (*end)(void *a, void *b);
+    void *a, *b;
+} idem_borrow;
+
 /* ---- signed requests (signature.c, README "Security") ---- */
 #define IDEM_META_SIGNATURE "idem-signature" /* hex HMAC-SHA256; HTTP Idem-Signature */
 #define IDEM_META_TIMESTAMP "idem-timestamp" /* unix ms, decimal; HTTP Idem-Timestamp */

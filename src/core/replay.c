@@ -169,10 +169,8 @@ idem_code idem__call_materialize_replay(idem_call *call)
     const char *key = idem__call_answer_key(call);
     call->meta = NULL;
     call->meta_count = 0;
-    call->replay_wire = NULL;
     idem_code code = idem__load_call_response(call, wire, call->replay_wire_len);
-    call->replay_wire_len = 0;
-    free(wire);
+    idem__call_drop_replay_wire(call); /* the load copied what it keeps */
     if (code == IDEM_OK) {
         code = idem__call_set_meta(call, "idem-first-at", call->replay_first_at);
     }

@@ -198,6 +198,19 @@ idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_record *r
     return code != IDEM_OK ? code : st->ops->get(st, key, rec);
 }
 
+idem_code idem__store_get_borrowed(idem_store *st, const idem_key_ref *key, idem_record *rec,
+                                   idem_borrow *borrow)
+{
+    memset(rec, 0, sizeof(*rec));
+    borrow->end = NULL;
+    idem_code code = idem__key_check(key);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    return st->ops->get_borrowed != NULL ? st->ops->get_borrowed(st, key, rec, borrow)
+                                         : st->ops->get(st, key, rec);
+}
+
 idem_code idem_store_delete(idem_store *st, const idem_key_ref *key)
 {
     idem_code code = idem__key_check(key);

@@ -56,8 +56,7 @@ typedef struct idem_store_ops {
     idem_code (*complete)(idem_store *st, const idem_key_ref *key, uint64_t owner,
                           const void *response, size_t len, uint64_t expires_ms, uint64_t now_ms,
                           uint64_t ticket);
-    idem_code (*release)(idem_store *st, const idem_key_ref *key, uint64_t owner,
-                         uint64_t ticket);
+    idem_code (*release)(idem_store *st, const idem_key_ref *key, uint64_t owner, uint64_t ticket);
     idem_code (*renew)(idem_store *st, const idem_key_ref *key, uint64_t owner,
                        uint64_t lease_until_ms, uint64_t now_ms);
     /* Optional (NULL: renew, one at a time). Renews every lease of r[0..n) at once and
@@ -67,6 +66,12 @@ typedef struct idem_store_ops {
      * IDEM_OK unless nothing could be tried at all. */
     idem_code (*renew_batch)(idem_store *st, idem__renewal *r, size_t n);
     idem_code (*get)(idem_store *st, const idem_key_ref *key, idem_record *rec);
+    /* Optional (NULL: get). As get, but a COMPLETED record's response may be lent
+     * (*borrow set: rec->response is the store's, valid until borrow->end; never free
+     * it, never clear rec with it): LMDB's read transaction, held until the reply is
+     * built, spares a copy of the record. Ended on every other outcome. */
+    idem_code (*get_borrowed)(idem_store *st, const idem_key_ref *key, idem_record *rec,
+                              idem_borrow *borrow);
     idem_code (*del)(idem_store *st, const idem_key_ref *key);
     idem_code (*sweep)(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
     idem_code (*token_put)(idem_store *st, const char *token, const char *scope,
@@ -142,6 +147,10 @@ struct idem_store {
 };
 
 bool idem__store_has(const idem_store *st, unsigned cap);
+/* idem_store_get through get_borrowed where the store has it (borrow->end NULL when
+ * nothing was lent). */
+idem_code idem__store_get_borrowed(idem_store *st, const idem_key_ref *key, idem_record *rec,
+                                   idem_borrow *borrow);
 
 /* The bounds every backend enforces on an effective key (IDEM_MAX_*). */
 idem_code idem__key_check(const idem_key_ref *ref);
@@ -158,8 +167,7 @@ idem_code idem__store_token_put_at(idem_store *st, const char *token, const char
 /* The shared-commit ops (store_ops.claim_shared): each falls back to the plain op (and
  * *ticket 0) on a store without them; ticket 0 is a no-op for drop and wait. */
 idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
-                                   idem_claim_outcome *outcome, idem_record *rec,
-                                   uint64_t *ticket);
+                                   idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
 idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                      uint64_t ticket);
 /* ops->complete_async; IDEM_UNAVAILABLE (nothing queued) without it or a ticket. */

@@ -218,6 +218,7 @@ const idem_store_ops idem__lmdb_ops = {
     .release = idem__lmdb_release,
     .renew = idem__lmdb_renew,
     .get = idem__lmdb_get,
+    .get_borrowed = idem__lmdb_get_borrowed,
     .del = idem__lmdb_delete,
     .sweep = idem__lmdb_sweep,
     .token_put = idem__lmdb_token_put,

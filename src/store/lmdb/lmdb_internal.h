@@ -128,6 +128,8 @@ int idem__lmdb_rec_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint
 idem_code idem__lmdb_rec_read(lmdb_store *st, MDB_txn *txn, const idem_key_ref *ref,
                               idem_record *rec, bool want_response);
 idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec);
+idem_code idem__lmdb_get_borrowed(idem_store *base, const idem_key_ref *ref, idem_record *rec,
+                                  idem_borrow *borrow);
 idem_code idem__lmdb_delete(idem_store *base, const idem_key_ref *ref);
 idem_code idem__lmdb_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out);

@@ -112,6 +112,38 @@ idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record 
     return code;
 }
 
+static void read_end_borrowed(void *st, void *txn)
+{
+    idem__lmdb_read_end(st, txn);
+}
+
+/* The response stays in the map: the read transaction is lent with it. */
+idem_code idem__lmdb_get_borrowed(idem_store *base, const idem_key_ref *ref, idem_record *rec,
+                                  idem_borrow *borrow)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    MDB_txn *txn;
+    rec_key key;
+    MDB_val k, v;
+    idem_code code = idem__lmdb_rec_key_make(&key, ref);
+    int rc = code == IDEM_OK ? idem__lmdb_read_begin(st, &txn) : 0;
+    if (code != IDEM_OK || rc != 0) {
+        return code != IDEM_OK ? code : idem__lmdb_code(rc, "get begin");
+    }
+    k = (MDB_val){key.len, key.bytes};
+    rc = mdb_get(txn, st->records, &k, &v);
+    code = rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no record")
+           : rc != 0          ? idem__lmdb_code(rc, "get")
+                              : idem__lmdb_rec_decode(&v, rec, false);
+    if (code != IDEM_OK || rec->response_len == 0) {
+        idem__lmdb_read_end(st, txn);
+        return code;
+    }
+    rec->response = (uint8_t *)v.mv_data + (v.mv_size - rec->response_len);
+    *borrow = (idem_borrow){read_end_borrowed, st, txn};
+    return IDEM_OK;
+}
+
 static idem_code delete_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;

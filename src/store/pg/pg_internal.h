@@ -13,6 +13,7 @@
 
 #include "idemrpc/txn.h"
 
+#include "replay_cache.h"
 #include "store.h"
 
 /* The NOTIFY channel of completions and releases; the payload is the key's
@@ -53,6 +54,7 @@ typedef struct pg_store {
     pool_slot renew_slot;
     pthread_mutex_t renew_mu;
     pg_listener *listener; /* started by the first watch */
+    pg_rcache *rcache;     /* COMPLETED records read here (replay_cache.h); NULL: off */
 } pg_store;
 
 enum stmt {
@@ -243,5 +245,11 @@ void idem__pg_listener_stop(pg_listener *l);
 /* watch.c: the store's watch and unwatch ops. */
 idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);
 void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg);
+/* The replay cache's setup (opts: the store's; nothing when replay_cache_entries is 0),
+ * watching announcements (watch.c). */
+idem_code idem__pg_rcache_open(pg_store *st, const idem_pg_opts *opts);
+/* cached_read.c: the ops' get and del. */
+idem_code idem__pg_get(idem_store *base, const idem_key_ref *key, idem_record *rec);
+idem_code idem__pg_delete(idem_store *base, const idem_key_ref *key);
 
 #endif

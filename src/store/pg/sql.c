@@ -64,7 +64,10 @@ const char *const idem__pg_sql[S_COUNT] = {
                 " GREATEST(expires_ms, " DBNOW " + $5::bigint) WHERE " KEY_WHERE
                 " AND owner = $4 AND state = 1",
     [S_GET] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE,
-    [S_DELETE] = "DELETE FROM idem_records WHERE " KEY_WHERE,
+    /* A forget announces itself too: other instances drop the key from their replay
+     * caches (replay_cache.h). */
+    [S_DELETE] =
+        "WITH d AS (DELETE FROM idem_records WHERE " KEY_WHERE " RETURNING 1)" ANNOUNCE("$4"),
     /* Batches by primary key (plain SQL; no ctid), skipping rows a live transaction holds
      * (a handler's: never wait for it, nor deadlock with it). The outer condition is
      * checked again on the newest row version, so a row renewed or written meanwhile

@@ -177,28 +177,6 @@ static idem_code pg_release(idem_store *base, const idem_key_ref *key, uint64_t 
     return code != IDEM_OK ? code : announced_one(r);
 }
 
-static idem_code pg_delete(idem_store *base, const idem_key_ref *key)
-{
-    pg_args a = {0};
-    arg_key(&a, key);
-    return idem__pg_exec_one_row((pg_store *)base, S_DELETE, &a, IDEM_NOT_FOUND, "no record");
-}
-
-static idem_code pg_get(idem_store *base, const idem_key_ref *key, idem_record *rec)
-{
-    pg_args a = {0};
-    PGresult *r;
-    arg_key(&a, key);
-    idem_code code = idem__pg_exec_pooled((pg_store *)base, S_GET, &a, PGRES_TUPLES_OK, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    code = PQntuples(r) == 1 ? idem__pg_row_record(r, 0, 0, rec, true)
-                             : idem__err(IDEM_NOT_FOUND, "no record");
-    PQclear(r);
-    return code;
-}
-
 static idem_code pg_token_put(idem_store *base, const char *token, const char *scope,
                               uint64_t expires_ms, uint64_t now_ms)
 {
@@ -214,6 +192,7 @@ static void pg_close(idem_store *base)
 {
     pg_store *st = (pg_store *)base;
     idem__pg_listener_stop(st->listener);
+    idem__pg_rcache_destroy(st->rcache); /* its watch ended with the listener */
     for (size_t i = 0; i < st->n; i++) {
         if (st->pool[i].c != NULL) {
             PQfinish(st->pool[i].c);
@@ -238,8 +217,8 @@ const idem_store_ops idem__pg_ops = {
     .release = pg_release,
     .renew = idem__pg_renew,
     .renew_batch = idem__pg_renew_batch,
-    .get = pg_get,
-    .del = pg_delete,
+    .get = idem__pg_get,
+    .del = idem__pg_delete,
     .sweep = idem__pg_sweep,
     .token_put = pg_token_put,
     .token_consume = idem__pg_token_consume,
@@ -305,13 +284,16 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     idem__cond_init(&st->cv);
     pool_slot *pc;
     idem_code code = idem__pg_pool_get(st, &pc); /* fail early on a bad conninfo */
+    if (code == IDEM_OK) {
+        idem__pg_pool_put(st, pc);
+        code = idem__pg_rcache_open(st, opts);
+    }
     if (code != IDEM_OK) {
         idem_errkeep keep;
         idem__err_keep(&keep);
         pg_close(&st->base);
         return idem__err_put(&keep, code);
     }
-    idem__pg_pool_put(st, pc);
     st->reconnect_ms = opts->reconnect_ms ? opts->reconnect_ms : 10000; /* 0 while opening */
     st->reconnect_ms = st->reconnect_ms > 3600000 ? 3600000 : st->reconnect_ms;
     *out = &st->base;

@@ -1,0 +1,224 @@
+/* The PostgreSQL store's replay cache (idem_pg_opts.replay_cache_*), through real servers
+ * and clients on a schema of the test's own in $IDEMRPC_TEST_PG: what it answers, what
+ * a forget on another instance costs, and its bounds. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../src/store/pg/pg_internal.h"
+#include "testutil.h"
+
+#define METHOD "cache.Test/Op"
+#define CALLER "shop"
+
+static char schema[32];
+static char *conninfo;
+static atomic_int runs;
+
+static void setup(void)
+{
+    conninfo = tu_pg_schema_create(schema);
+    atomic_store(&runs, 0);
+}
+
+static void teardown(void)
+{
+    if (conninfo != NULL) {
+        tu_pg_schema_drop(schema);
+        free(conninfo);
+        conninfo = NULL;
+    }
+}
+
+TestSuite(pg_cache, .init = setup, .fini = teardown, .timeout = 120);
+
+/* Answers "<key> run <n>" followed by pad bytes of the request's payload length. */
+static idem_code h_op(idem_call *call, void *arg)
+{
+    (void)arg;
+    char out[8192];
+    size_t pad = 0;
+    idem_call_payload(call, &pad);
+    int len = snprintf(out, sizeof(out), "%s run %d", idem_call_key(call),
+                       atomic_fetch_add(&runs, 1) + 1);
+    pad = pad < sizeof(out) - (size_t)len ? pad : sizeof(out) - (size_t)len;
+    memset(out + len, 'p', pad);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)len + pad);
+}
+
+static idem_store *open_store(const idem_pg_opts *extra)
+{
+    idem_pg_opts o = extra != NULL ? *extra : (idem_pg_opts){0};
+    idem_store *st;
+    o.pool_size = 4;
+    o.pooler = tu_pg_pooler();
+    cr_assert_eq(idem_store_open_postgres_ex(&st, conninfo, &o), IDEM_OK, "%s", idem_errmsg());
+    return st;
+}
+
+static void server_on(tu_server *ts, idem_store *st)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.contexts = 8;
+    o.store = st;
+    tu_server_create(ts, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(ts->srv, METHOD, h_op, NULL, &m), IDEM_OK, "%s",
+                 idem_errmsg());
+    tu_server_listen(ts);
+}
+
+/* One call of key on url with pad payload bytes; the result in *r (cleared by caller). */
+static void call(const char *url, const char *key, size_t pad, idem_result *r)
+{
+    static const char payload[4096];
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.retry.max_attempts = 3;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = METHOD,
+                      .caller = CALLER,
+                      .idempotency_key = key,
+                      .payload = payload,
+                      .payload_len = pad < sizeof(payload) ? pad : sizeof(payload)};
+    memset(r, 0, sizeof(*r));
+    cr_assert_eq(idem_client_call(c, &q, r), IDEM_OK, "%s: %s", key, r->message);
+    idem_client_close(c);
+}
+
+static pg_rcache_stats stats_of(idem_store *st)
+{
+    pg_rcache_stats s;
+    idem__pg_rcache_stats(((pg_store *)st)->rcache, &s);
+    return s;
+}
+
+static bool same_result(const idem_result *a, const idem_result *b)
+{
+    return a->code == b->code && a->payload_len == b->payload_len &&
+           memcmp(a->payload, b->payload, a->payload_len) == 0;
+}
+
+Test(pg_cache, a_replay_served_from_the_cache_returns_the_bytes_the_database_holds)
+{
+    idem_store *st = open_store(&(idem_pg_opts){.replay_cache_entries = 64});
+    tu_server a;
+    server_on(&a, st);
+    idem_result first, from_db, from_cache;
+    call(a.url, "k1", 100, &first);
+    call(a.url, "k1", 100, &from_db); /* read from the database: fills the cache */
+    pg_rcache_stats before = stats_of(st);
+    call(a.url, "k1", 100, &from_cache);
+    pg_rcache_stats after = stats_of(st);
+    cr_expect(!first.replayed && from_db.replayed && from_cache.replayed);
+    cr_expect_eq(after.hits, before.hits + 1, "the third call was answered by the cache");
+    cr_expect(same_result(&first, &from_db) && same_result(&first, &from_cache));
+    cr_expect_str_eq(idem_result_metadata(&from_cache, "idem-first-at"),
+                     idem_result_metadata(&from_db, "idem-first-at"));
+    cr_expect_eq(atomic_load(&runs), 1);
+    idem_result_clear(&first);
+    idem_result_clear(&from_db);
+    idem_result_clear(&from_cache);
+    tu_server_destroy(&a, false);
+    idem_store_close(st);
+}
+
+/* Replays key on url until the handler runs it again (a result that is no replay), at
+ * most max_calls times, 20 ms apart; true when it ran again. */
+static bool runs_again_within(const char *url, const char *key, int max_calls)
+{
+    for (int i = 0; i < max_calls; i++) {
+        idem_result r;
+        call(url, key, 0, &r);
+        bool ran = !r.replayed;
+        idem_result_clear(&r);
+        if (ran) {
+            return true;
+        }
+        struct timespec ts = {0, 20000000L};
+        nanosleep(&ts, NULL); /* a bounded poll for a condition another process brings */
+    }
+    return false;
+}
+
+/* A cached replay on a, then the key forgotten through another store (idemctl's way):
+ * a stops replaying it, bounded by max_calls polls. */
+static void forget_elsewhere(const idem_pg_opts *cached, int max_calls)
+{
+    idem_store *st = open_store(cached), *other = open_store(NULL);
+    tu_server a;
+    server_on(&a, st);
+    idem_result r;
+    for (int i = 0; i < 3; i++) { /* run, replay from the database, replay from the cache */
+        call(a.url, "k-forget", 0, &r);
+        idem_result_clear(&r);
+    }
+    cr_assert_geq(stats_of(st).hits, 1, "the key is replayed from the cache");
+    idem_key_ref key = {CALLER, METHOD, "k-forget"};
+    cr_assert_eq(idem_store_delete(other, &key), IDEM_OK, "%s", idem_errmsg());
+    cr_expect(runs_again_within(a.url, "k-forget", max_calls),
+              "the forgotten key still replays after %d polls", max_calls);
+    cr_expect_eq(atomic_load(&runs), 2);
+    tu_server_destroy(&a, false);
+    idem_store_close(st);
+    idem_store_close(other);
+}
+
+Test(pg_cache, a_key_forgotten_on_another_instance_stops_replaying_when_its_announcement_arrives)
+{
+    if (tu_pg_pooler()) {
+        cr_skip_test("no LISTEN through a pooler: the ttl bounds it (the next test)");
+    }
+    /* a ttl of an hour: only the announcement can end the entry within the poll */
+    forget_elsewhere(&(idem_pg_opts){.replay_cache_entries = 64, .replay_cache_ttl_ms = 3600000},
+                     250);
+}
+
+Test(pg_cache, without_announcements_a_forgotten_key_stops_replaying_within_the_ttl)
+{
+    forget_elsewhere(
+        &(idem_pg_opts){.replay_cache_entries = 64, .replay_cache_ttl_ms = 300, .no_notify = true},
+        250);
+}
+
+Test(pg_cache, entries_and_bytes_never_exceed_their_bounds)
+{
+    const size_t max_entries = 4, max_bytes = 3000;
+    idem_store *st = open_store(
+        &(idem_pg_opts){.replay_cache_entries = max_entries, .replay_cache_bytes = max_bytes});
+    tu_server a;
+    server_on(&a, st);
+    idem_result r;
+    for (int round = 0; round < 3; round++) {
+        for (int k = 0; k < 12; k++) {
+            char key[16];
+            snprintf(key, sizeof(key), "b%d", k);
+            call(a.url, key, k % 3 == 0 ? 1000 : 10, &r); /* some ~1 KB responses */
+            idem_result_clear(&r);
+            pg_rcache_stats s = stats_of(st);
+            cr_assert_leq(s.entries, max_entries);
+            cr_assert_leq(s.bytes, max_bytes);
+        }
+    }
+    cr_expect_gt(stats_of(st).entries, 0);
+    call(a.url, "huge", 4000, &r); /* over the bytes bound: never cached, still replayed */
+    idem_result_clear(&r);
+    call(a.url, "huge", 4000, &r);
+    cr_expect(r.replayed && r.payload_len > 4000);
+    idem_result_clear(&r);
+    cr_expect_leq(stats_of(st).bytes, max_bytes);
+    tu_server_destroy(&a, false);
+    idem_store_close(st);
+}
+
+Test(pg_cache, is_off_unless_asked_for)
+{
+    idem_store *st = open_store(NULL);
+    cr_expect_null(((pg_store *)st)->rcache);
+    idem_store_close(st);
+}
