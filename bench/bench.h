@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 22 /* a..i, k..p, r..v, x, y */
+#define N_SCENARIOS 22 /* a..i, k..p, r..v, x, y; j, w and z print their own tables */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
@@ -54,6 +54,10 @@ typedef struct bench_config {
     double seconds;
     unsigned long long count; /* 0 = bounded by time only */
     const char *csv, *json;
+    /* z (scenario_scale.c): where the preloaded stores are kept, their sizes, its CSV */
+    const char *scale_dir, *scale_csv;
+    long scale_sizes[MAX_LIST];
+    int n_scale_sizes;
 } bench_config;
 
 extern bench_config cfg;
@@ -100,6 +104,7 @@ struct cell {
 typedef struct proc_usage {
     double cpu_us;      /* user + system CPU, getrusage(RUSAGE_SELF) */
     double vcsw, ivcsw; /* voluntary, involuntary context switches, the same */
+    double minflt, majflt; /* page faults without and with I/O, the same (z) */
     double rw_syscalls; /* /proc/self/io syscr + syscw: read/write-family calls only */
     double allocs;      /* malloc, calloc and realloc calls (alloc_count.c) */
     double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */
@@ -128,6 +133,7 @@ static inline bool storage_baseline(const scenario *sc)
 int run_redis(const scenario *sc, cell *c, cell_stats *out); /* r–u, scenario_redis.c */
 int run_pg_wait(void); /* j, scenario_pg_wait.c: prints its own table; 0 when measured */
 int run_nats(void);    /* w, scenario_nats.c: prints its own table; 0 when measured */
+int run_scale(void);   /* z, scenario_scale.c: prints its own table; 0 when measured */
 /* The preamble's line about $IDEMRPC_BENCH_REDIS (version, AOF directory), when any r–u
  * cell will run. */
 void redis_preamble(void);

@@ -1,0 +1,144 @@
+/* z: the scale stores, preloaded once and cached in --scale-dir: DIR/records-N holds
+ * an LMDB store of N COMPLETED records of the bench's method (64 B echo results, one
+ * expiry entry each), written by the store's own bulk load (load.c: sorted keys,
+ * MDB_APPEND, 100 000 records per txn), not through the network. A marker file says
+ * what the directory holds; a directory whose marker matches is reused as it is.
+ *
+ * The keys: record i is "%016llx" of i * (2^64 / N) + stride/2, so the N keys are
+ * sorted by i and spread evenly over the space of random 64-bit keys; a new key of a
+ * timed call is a random 64-bit value in the same format (scale_new_key), which lands
+ * between two stored ones at a uniformly random place, as a UUID would. Record i
+ * expires at SCALE_EXPIRY_BASE + i ms: far ahead (no sweep takes it), and before any
+ * expiry the bench's server gives a new record (SCALE_TTL_MS), so new entries of the
+ * expiry index append as in a live store. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "bench.h"
+#include "lmdb/store_lmdb.h"
+#include "scale.h"
+
+#define MARKER "idemrpc-scale.marker"
+
+void scale_key(char out[17], uint64_t n, uint64_t i)
+{
+    uint64_t stride = UINT64_MAX / n;
+    snprintf(out, 17, "%016llx", (unsigned long long)(i * stride + stride / 2));
+}
+
+typedef struct load_arg {
+    uint64_t n;
+    char key[17];
+} load_arg;
+
+static void load_key_at(void *arg, size_t i, idem_key_ref *ref, uint64_t *expires_ms)
+{
+    load_arg *a = arg;
+    scale_key(a->key, a->n, i);
+    *ref = (idem_key_ref){SCALE_CALLER, METHOD, a->key};
+    *expires_ms = SCALE_EXPIRY_BASE + i;
+}
+
+/* The marker's text for a store of n records. */
+static void marker_text(char *buf, size_t cap, uint64_t n)
+{
+    snprintf(buf, cap, "idemrpc-scale format %d records %llu payload %d\n", SCALE_FORMAT,
+             (unsigned long long)n, SCALE_PAYLOAD);
+}
+
+static bool marker_ok(const char *dir, uint64_t n)
+{
+    char path[4200], want[128], got[128] = "";
+    snprintf(path, sizeof(path), "%s/" MARKER, dir);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        return false;
+    }
+    size_t len = fread(got, 1, sizeof(got) - 1, f);
+    fclose(f);
+    got[len] = '\0';
+    marker_text(want, sizeof(want), n);
+    return strcmp(got, want) == 0;
+}
+
+static int marker_write(const char *dir, uint64_t n)
+{
+    char path[4200], text[128];
+    snprintf(path, sizeof(path), "%s/" MARKER, dir);
+    marker_text(text, sizeof(text), n);
+    FILE *f = fopen(path, "w");
+    if (f == NULL || fputs(text, f) < 0) {
+        if (f != NULL) {
+            fclose(f);
+        }
+        return -1;
+    }
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+/* Removes what an unfinished load left (data.mdb, lock.mdb, the marker). */
+static int store_files_remove(const char *dir)
+{
+    static const char *const names[] = {"data.mdb", "lock.mdb", MARKER};
+    char path[4200];
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, names[i]);
+        if (remove(path) != 0 && errno != ENOENT) {
+            fprintf(stderr, "idemrpc-bench: remove %s: %s\n", path, strerror(errno));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Loads n records after the template into the empty store st. */
+static int load_into(idem_store *st, uint64_t n, const idem_record *tmpl)
+{
+    load_arg a = {.n = n};
+    idem__lmdb_load_src src = {.n = n, .tmpl = tmpl, .key_at = load_key_at, .arg = &a};
+    if (idem__lmdb_load(st, &src) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-bench: load: %s\n", idem_errmsg());
+        return -1;
+    }
+    return 0;
+}
+
+int scale_store_ready(const char *dir, uint64_t n, const char *transport)
+{
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        fprintf(stderr, "idemrpc-bench: mkdir %s: %s\n", dir, strerror(errno));
+        return -1;
+    }
+    if (marker_ok(dir, n)) {
+        printf("z: %s: %llu records, reused\n", dir, (unsigned long long)n);
+        return 0;
+    }
+    if (store_files_remove(dir) != 0) {
+        return -1;
+    }
+    uint64_t t0 = now_ns();
+    idem_record tmpl;
+    idem_store *st = NULL;
+    int rv = -1;
+    if (idem_store_open_lmdb(&st, dir, SCALE_MAP_SIZE, 0) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-bench: open %s: %s\n", dir, idem_errmsg());
+        return -1;
+    }
+    if (scale_template(st, transport, &tmpl) == 0) {
+        rv = load_into(st, n, &tmpl);
+        idem_record_clear(&tmpl);
+    }
+    idem_store_close(st);
+    if (rv == 0 && (rv = marker_write(dir, n)) != 0) {
+        fprintf(stderr, "idemrpc-bench: cannot write the marker in %s\n", dir);
+    }
+    if (rv == 0) {
+        printf("z: %s: %llu records loaded in %.1f s\n", dir, (unsigned long long)n,
+               (double)(now_ns() - t0) / 1e9);
+    }
+    return rv;
+}
