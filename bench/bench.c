@@ -133,7 +133,8 @@ static void usage(FILE *f)
             "10k, 1M, 10M\n"
             "    records (--scale-dir DIR: where they are kept between runs, required; "
             "--scale-sizes N,..;\n"
-            "    --scale-csv FILE: its rows for bench/table.py)\n"
+            "    --scale-kinds new,replay; --clients, default 1,16; --scale-csv FILE: its rows "
+            "for bench/table.py)\n"
             "  o 1 step with an undo  p a compensated call (the undo runs, the key is released)\n"
             "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
             "everysec\n"
@@ -219,6 +220,7 @@ static void set_defaults(void)
     grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
+    cfg.scale_kinds = 3;
     parse_longs("10000,1000000,10000000", cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000);
     parse_transports(default_transports);
 }
@@ -235,6 +237,7 @@ static bool parse_option(int opt, const char *name, char *v)
     }
     switch (opt) {
     case 'k':
+        cfg.clients_given = true;
         want = parse_longs(v, g->clients, &g->n_clients, 1, MAX_CLIENTS)
                    ? NULL
                    : "a list of up to 16 client counts from 1 to 1024";
@@ -287,6 +290,7 @@ static args_result parse_args(int argc, char **argv)
                                           {"scale-dir", required_argument, NULL, 'D'},
                                           {"scale-sizes", required_argument, NULL, 'Z'},
                                           {"scale-csv", required_argument, NULL, 'C'},
+                                          {"scale-kinds", required_argument, NULL, 'K'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     bool seconds_given = false;
@@ -302,6 +306,9 @@ static args_result parse_args(int argc, char **argv)
             cfg.csv = optarg;
         } else if (opt == 'j') {
             cfg.json = optarg;
+        } else if (opt == 'K') {
+            cfg.scale_kinds = strstr(optarg, "new") ? 1 : 0;
+            cfg.scale_kinds |= strstr(optarg, "replay") ? 2 : 0;
         } else if (opt == 'D' || opt == 'C') {
             *(opt == 'D' ? &cfg.scale_dir : &cfg.scale_csv) = optarg;
         } else if (!parse_option(opt, longs[index].name, optarg)) {

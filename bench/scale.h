@@ -25,4 +25,7 @@ int scale_template(idem_store *st, const char *transport, idem_record *out);
  * loaded otherwise (the time it took printed). */
 int scale_store_ready(const char *dir, uint64_t n, const char *transport);
 
+/* Counts keys put into dir's store and deleted again (reloaded past 1 % of it). */
+void scale_churn_add(const char *dir, uint64_t keys);
+
 #endif

@@ -10,7 +10,11 @@
  * between two stored ones at a uniformly random place, as a UUID would. Record i
  * expires at SCALE_EXPIRY_BASE + i ms: far ahead (no sweep takes it), and before any
  * expiry the bench's server gives a new record (SCALE_TTL_MS), so new entries of the
- * expiry index append as in a live store. */
+ * expiry index append as in a live store.
+ *
+ * A new-key cell deletes its keys again (scenario_scale.c), but the splits they caused
+ * stay: the churn file counts them, and a store churned by more than 1 % of its records
+ * is loaded afresh, so every run measures stores of the same shape. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +27,7 @@
 #include "scale.h"
 
 #define MARKER "idemrpc-scale.marker"
+#define CHURN "idemrpc-scale.churn" /* new keys put and deleted again since the load */
 
 void scale_key(char out[17], uint64_t n, uint64_t i)
 {
@@ -80,12 +85,41 @@ static int marker_write(const char *dir, uint64_t n)
     return fclose(f) == 0 ? 0 : -1;
 }
 
+static uint64_t churn_read(const char *dir)
+{
+    char path[4200];
+    unsigned long long v = 0;
+    snprintf(path, sizeof(path), "%s/" CHURN, dir);
+    FILE *f = fopen(path, "r");
+    if (f != NULL) {
+        if (fscanf(f, "%llu", &v) != 1) {
+            v = 0;
+        }
+        fclose(f);
+    }
+    return v;
+}
+
+void scale_churn_add(const char *dir, uint64_t keys)
+{
+    char path[4200];
+    uint64_t v = churn_read(dir) + keys;
+    snprintf(path, sizeof(path), "%s/" CHURN, dir);
+    FILE *f = fopen(path, "w");
+    if (f == NULL || fprintf(f, "%llu\n", (unsigned long long)v) < 0 || fclose(f) != 0) {
+        fprintf(stderr, "idemrpc-bench: cannot write %s: the store is loaded again\n", path);
+        remove(path);
+        snprintf(path, sizeof(path), "%s/" MARKER, dir);
+        remove(path);
+    }
+}
+
 /* Removes what an unfinished load left (data.mdb, lock.mdb, the marker). */
 static int store_files_remove(const char *dir)
 {
-    static const char *const names[] = {"data.mdb", "lock.mdb", MARKER};
+    static const char *const names[] = {"data.mdb", "lock.mdb", MARKER, CHURN};
     char path[4200];
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         snprintf(path, sizeof(path), "%s/%s", dir, names[i]);
         if (remove(path) != 0 && errno != ENOENT) {
             fprintf(stderr, "idemrpc-bench: remove %s: %s\n", path, strerror(errno));
@@ -113,8 +147,10 @@ int scale_store_ready(const char *dir, uint64_t n, const char *transport)
         fprintf(stderr, "idemrpc-bench: mkdir %s: %s\n", dir, strerror(errno));
         return -1;
     }
-    if (marker_ok(dir, n)) {
-        printf("z: %s: %llu records, reused\n", dir, (unsigned long long)n);
+    uint64_t churn = churn_read(dir);
+    if (marker_ok(dir, n) && churn <= n / 100) {
+        printf("z: %s: %llu records, reused (churn %llu)\n", dir, (unsigned long long)n,
+               (unsigned long long)churn);
         return 0;
     }
     if (store_files_remove(dir) != 0) {

@@ -218,7 +218,7 @@ static void new_keys_delete(const char *dir, const scale_cell *z, int clients)
         }
     }
     idem_store_close(st);
-    fprintf(stderr, "z: %zu new keys deleted from %s\n", gone, dir);
+    scale_churn_add(dir, gone);
 }
 
 /* One cell on the store in dir; false when it could not be measured. */
@@ -326,12 +326,18 @@ int run_scale(void)
         uint64_t n = (uint64_t)cfg.scale_sizes[i];
         char dir[4200];
         snprintf(dir, sizeof(dir), "%s/records-%llu", cfg.scale_dir, (unsigned long long)n);
-        if (scale_store_ready(dir, n, cfg.transports[0]) != 0) {
-            return -1;
-        }
-        double bpr = bytes_per_record(dir, n);
-        for (int k = 0; k < 4; k++) {
-            ok &= scale_cell_run(dir, n, k >= 2, k % 2 == 0 ? 1 : 16, bpr);
+        double bpr;
+        static const long two[] = {1, 16};
+        const long *ks = cfg.clients_given ? cfg.grids[0].clients : two;
+        int n_ks = cfg.clients_given ? cfg.grids[0].n_clients : 2;
+        for (int kind = 0; kind < 2; kind++) {
+            for (int k = 0; k < n_ks && (cfg.scale_kinds >> kind & 1); k++) {
+                if (scale_store_ready(dir, n, cfg.transports[0]) != 0) {
+                    return -1;
+                }
+                bpr = bytes_per_record(dir, n);
+                ok &= scale_cell_run(dir, n, kind == 1, (int)ks[k], bpr);
+            }
         }
     }
     scale_ratios();
