@@ -133,7 +133,7 @@ static void usage(FILE *f)
             "10k, 1M, 10M\n"
             "    records (--scale-dir DIR: where they are kept between runs, required; "
             "--scale-sizes N,..;\n"
-            "    --scale-kinds new,replay; --clients, default 1,16; --scale-csv FILE: its rows "
+            "    --scale-kinds new,replay,grown; --clients, default 1,16; --scale-csv FILE: its rows "
             "for bench/table.py)\n"
             "  o 1 step with an undo  p a compensated call (the undo runs, the key is released)\n"
             "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
@@ -220,7 +220,7 @@ static void set_defaults(void)
     grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
-    cfg.scale_kinds = 3;
+    cfg.scale_kinds = 7;
     parse_longs("10000,1000000,10000000", cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000);
     parse_transports(default_transports);
 }
@@ -309,6 +309,7 @@ static args_result parse_args(int argc, char **argv)
         } else if (opt == 'K') {
             cfg.scale_kinds = strstr(optarg, "new") ? 1 : 0;
             cfg.scale_kinds |= strstr(optarg, "replay") ? 2 : 0;
+            cfg.scale_kinds |= strstr(optarg, "grown") ? 4 : 0;
         } else if (opt == 'D' || opt == 'C') {
             *(opt == 'D' ? &cfg.scale_dir : &cfg.scale_csv) = optarg;
         } else if (!parse_option(opt, longs[index].name, optarg)) {

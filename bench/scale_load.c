@@ -2,7 +2,10 @@
  * an LMDB store of N COMPLETED records of the bench's method (64 B echo results, one
  * expiry entry each), written by the store's own bulk load (load.c: sorted keys,
  * MDB_APPEND, 100 000 records per txn), not through the network. A marker file says
- * what the directory holds; a directory whose marker matches is reused as it is.
+ * what the directory holds; a directory whose marker matches is reused as it is. Every
+ * SCALE_EVERY-th record goes in a second pass that splits the packed pages (load.c):
+ * leaves end about as full as random inserts leave them, and a new key lands in a page
+ * with room as often as in a live store, not in a full one every time.
  *
  * The keys: record i is "%016llx" of i * (2^64 / N) + stride/2, so the N keys are
  * sorted by i and spread evenly over the space of random 64-bit keys; a new key of a
@@ -133,7 +136,8 @@ static int store_files_remove(const char *dir)
 static int load_into(idem_store *st, uint64_t n, const idem_record *tmpl)
 {
     load_arg a = {.n = n};
-    idem__lmdb_load_src src = {.n = n, .tmpl = tmpl, .key_at = load_key_at, .arg = &a};
+    idem__lmdb_load_src src = {
+        .n = n, .every = SCALE_EVERY, .tmpl = tmpl, .key_at = load_key_at, .arg = &a};
     if (idem__lmdb_load(st, &src) != IDEM_OK) {
         fprintf(stderr, "idemrpc-bench: load: %s\n", idem_errmsg());
         return -1;
@@ -177,4 +181,93 @@ int scale_store_ready(const char *dir, uint64_t n, const char *transport)
                (double)(now_ns() - t0) / 1e9);
     }
     return rv;
+}
+
+/* ---- a store grown as a server grows it ---- */
+
+/* Pages of database name in the env at dir: leaf + branch + overflow; its depth. */
+static int db_pages(MDB_env *env, const char *name, size_t *pages, unsigned *depth)
+{
+    MDB_txn *txn = NULL;
+    MDB_dbi dbi;
+    MDB_stat s;
+    int rc = mdb_txn_begin(env, NULL, MDB_RDONLY, &txn);
+    if (rc == 0 && (rc = mdb_dbi_open(txn, name, 0, &dbi)) == 0 &&
+        (rc = mdb_stat(txn, dbi, &s)) == 0) {
+        *pages = s.ms_leaf_pages + s.ms_branch_pages + s.ms_overflow_pages;
+        *depth = s.ms_depth;
+    }
+    if (txn != NULL) {
+        mdb_txn_abort(txn);
+    }
+    return rc;
+}
+
+int scale_shape(const char *dir, scale_shape_t *out)
+{
+    MDB_env *env;
+    MDB_envinfo info;
+    int rc = mdb_env_create(&env);
+    if (rc != 0) {
+        return rc;
+    }
+    if ((rc = mdb_env_set_maxdbs(env, 64)) == 0 &&
+        (rc = mdb_env_open(env, dir, MDB_RDONLY, 0600)) == 0 &&
+        (rc = db_pages(env, "records", &out->records_pages, &out->records_depth)) == 0 &&
+        (rc = db_pages(env, "expiry", &out->expiry_pages, &out->expiry_depth)) == 0) {
+        mdb_env_info(env, &info);
+        out->used_pages = info.me_last_pgno + 1;
+    }
+    mdb_env_close(env);
+    return rc;
+}
+
+/* Claims and completes record i of the grown store as the result cache does: lease
+ * 30 s, the claim's expiry the lease's end plus the TTL, the completion's now + TTL. */
+static idem_code grow_one(idem_store *st, uint64_t i, const idem_record *tmpl)
+{
+    char key[17];
+    snprintf(key, sizeof(key), "%016llx", (unsigned long long)(i * 0x9e3779b97f4a7c15ull));
+    uint64_t now = SCALE_EXPIRY_BASE + i;
+    idem_claim_req req = {.key = {SCALE_CALLER, METHOD, key},
+                          .owner = i + 1,
+                          .now_ms = now,
+                          .lease_until_ms = now + 30000,
+                          .expires_ms = now + 30000 + SCALE_TTL_MS};
+    idem_claim_outcome outcome;
+    memcpy(req.fingerprint, tmpl->fingerprint, sizeof(req.fingerprint));
+    idem_code code = idem_store_claim(st, &req, &outcome, NULL);
+    if (code == IDEM_OK && outcome != IDEM_CLAIM_ACQUIRED) {
+        fprintf(stderr, "idemrpc-bench: z: grown: claim of %s did not acquire\n", key);
+        return IDEM_ABORTED;
+    }
+    return code != IDEM_OK ? code
+                           : idem_store_complete(st, &req.key, i + 1, tmpl->response,
+                                                 tmpl->response_len, now + 1 + SCALE_TTL_MS);
+}
+
+int scale_grow(const char *dir, uint64_t n, const idem_record *tmpl, scale_shape_t *out)
+{
+    idem_store *st;
+    if (store_files_remove(dir) != 0 ||
+        idem_store_open_lmdb(&st, dir, SCALE_MAP_SIZE,
+                             IDEM_STORE_NOSYNC | IDEM_STORE_NO_GROUP_COMMIT) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-bench: z: grown store %s: %s\n", dir, idem_errmsg());
+        return -1;
+    }
+    idem_code code = IDEM_OK;
+    for (uint64_t i = 0; i < n && code == IDEM_OK; i++) {
+        code = grow_one(st, i, tmpl);
+    }
+    idem_store_close(st);
+    if (code != IDEM_OK) {
+        fprintf(stderr, "idemrpc-bench: z: grown store: %s\n", idem_errmsg());
+        return -1;
+    }
+    int rc = scale_shape(dir, out);
+    if (rc != 0) {
+        fprintf(stderr, "idemrpc-bench: z: mdb_stat %s: %s\n", dir, mdb_strerror(rc));
+    }
+    store_files_remove(dir);
+    return rc == 0 ? 0 : -1;
 }

@@ -160,9 +160,10 @@ int scale_template(idem_store *st, const char *transport, idem_record *out)
 /* What one cell measured, for the ratio lines and --scale-csv. */
 typedef struct scale_row {
     uint64_t n;
-    bool replay;
+    const char *kind; /* "new", "replay"; "grown": the grown store's bytes per record */
     int clients;
     double calls_s, p50_us, p99_us, cpu_us, minflt, majflt, rss_mib, bytes_per_rec;
+    unsigned depth; /* of the records B-tree */
 } scale_row;
 
 #define MAX_SCALE_ROWS (MAX_LIST * 4)
@@ -222,7 +223,8 @@ static void new_keys_delete(const char *dir, const scale_cell *z, int clients)
 }
 
 /* One cell on the store in dir; false when it could not be measured. */
-static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients, double bpr)
+static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients, double bpr,
+                           unsigned depth)
 {
     static const scenario sc_new = {'z', "z:scale-new", NULL, 0, KEYS_NEW, 0, NULL, 0};
     static const scenario sc_rep = {'z', "z:scale-replay", NULL, 0, KEYS_REPLAY, 0, NULL, 0};
@@ -258,12 +260,12 @@ static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients
     }
     double calls = (double)(s.ok + s.errors);
     scale_row *r = &scale_rows[n_scale_rows++];
-    *r = (scale_row){n,         replay,   clients,         (double)s.ok / s.seconds,
+    *r = (scale_row){n,         replay ? "replay" : "new", clients, (double)s.ok / s.seconds,
                      s.p50_us,  s.p99_us, s.cost.cpu_us / calls,
-                     s.cost.minflt / calls, s.cost.majflt / calls, rss, bpr};
-    printf("%-15s %10llu %7d %10.0f %8.0f %8.0f %7.0f %7.2f %7.3f %7.0f %6.0f\n", c.sc->name,
-           (unsigned long long)n, clients, r->calls_s, r->p50_us, r->p99_us, r->cpu_us, r->minflt,
-           r->majflt, r->rss_mib, bpr);
+                     s.cost.minflt / calls, s.cost.majflt / calls, rss, bpr, depth};
+    printf("%-15s %10llu %7d %10.0f %8.0f %8.0f %7.0f %7.2f %7.3f %7.0f %6.0f %5u\n",
+           c.sc->name, (unsigned long long)n, clients, r->calls_s, r->p50_us, r->p99_us, r->cpu_us,
+           r->minflt, r->majflt, r->rss_mib, bpr, depth);
     if (s.errors > 0) {
         fprintf(stderr, "  %s: %llu errors, first: %s\n", c.sc->name,
                 (unsigned long long)s.errors, s.error);
@@ -281,9 +283,9 @@ static void scale_ratios(void)
         const scale_row *r = &scale_rows[i];
         for (int j = 0; j < n_scale_rows; j++) {
             const scale_row *b = &scale_rows[j];
-            if (b->n == (uint64_t)cfg.scale_sizes[0] && b->replay == r->replay &&
-                b->clients == r->clients && r->n != b->n) {
-                printf("  %-7s %2d clients at %10llu: %.2f\n", r->replay ? "replay" : "new",
+            if (b->n == (uint64_t)cfg.scale_sizes[0] && strcmp(b->kind, r->kind) == 0 &&
+                strcmp(r->kind, "grown") != 0 && b->clients == r->clients && r->n != b->n) {
+                printf("  %-7s %2d clients at %10llu: %.2f\n", r->kind,
                        r->clients, (unsigned long long)r->n, r->calls_s / b->calls_s);
             }
         }
@@ -297,15 +299,60 @@ static int scale_csv(const char *path)
         return -1;
     }
     fprintf(f, "records,kind,clients,calls_per_s,p50_us,p99_us,cpu_us_per_call,"
-               "minflt_per_call,majflt_per_call,rss_mib,bytes_per_record\n");
+               "minflt_per_call,majflt_per_call,rss_mib,bytes_per_record,records_depth\n");
     for (int i = 0; i < n_scale_rows; i++) {
         const scale_row *r = &scale_rows[i];
-        fprintf(f, "%llu,%s,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.4f,%.0f,%.1f\n",
-                (unsigned long long)r->n, r->replay ? "replay" : "new", r->clients, r->calls_s,
-                r->p50_us, r->p99_us, r->cpu_us, r->minflt, r->majflt, r->rss_mib,
-                r->bytes_per_rec);
+        fprintf(f, "%llu,%s,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.4f,%.0f,%.1f,%u\n",
+                (unsigned long long)r->n, r->kind, r->clients, r->calls_s, r->p50_us, r->p99_us,
+                r->cpu_us, r->minflt, r->majflt, r->rss_mib, r->bytes_per_rec, r->depth);
     }
     return fclose(f) == 0 ? 0 : -1;
+}
+
+#define GROWN_KEYS 100000
+
+/* The template of the preloaded store in dir (record 0), for the grown store. */
+static int template_of(const char *dir, uint64_t n, idem_record *out)
+{
+    idem_store *st;
+    char key[17];
+    scale_key(key, n, 0);
+    idem_key_ref ref = {SCALE_CALLER, METHOD, key};
+    if (idem_store_open_lmdb(&st, dir, SCALE_MAP_SIZE, IDEM_STORE_READONLY) != IDEM_OK) {
+        return -1;
+    }
+    idem_code code = idem_store_get(st, &ref, out);
+    idem_store_close(st);
+    return code == IDEM_OK ? 0 : -1;
+}
+
+/* Bytes per record of a store grown by GROWN_KEYS random keys as a server writes them
+ * (splits, the claim's expiry entry replaced by the completion's), with its shape. */
+static void scale_grown(const char *first_dir, uint64_t n)
+{
+    char dir[4200];
+    idem_record tmpl;
+    scale_shape_t sh;
+    snprintf(dir, sizeof(dir), "%s/grown", cfg.scale_dir);
+    if (template_of(first_dir, n, &tmpl) != 0) {
+        fprintf(stderr, "idemrpc-bench: z: no template in %s: %s\n", first_dir, idem_errmsg());
+        return;
+    }
+    uint64_t t0 = now_ns();
+    int rv = scale_grow(dir, GROWN_KEYS, &tmpl, &sh);
+    idem_record_clear(&tmpl);
+    if (rv != 0 || n_scale_rows >= MAX_SCALE_ROWS) {
+        return;
+    }
+    double bpr = (double)sh.used_pages * 4096 / GROWN_KEYS;
+    scale_rows[n_scale_rows++] = (scale_row){.n = GROWN_KEYS, .kind = "grown",
+        .calls_s = GROWN_KEYS / ((double)(now_ns() - t0) / 1e9), .p50_us = NAN, .p99_us = NAN,
+        .cpu_us = NAN, .minflt = NAN, .majflt = NAN, .rss_mib = NAN, .bytes_per_rec = bpr,
+        .depth = sh.records_depth};
+    printf("z: grown by %d random keys through claim + complete: %.0f B/record; records "
+           "%zu pages (depth %u), expiry %zu pages (depth %u), %zu pages used in all\n",
+           GROWN_KEYS, bpr, sh.records_pages, sh.records_depth, sh.expiry_pages,
+           sh.expiry_depth, sh.used_pages);
 }
 
 int run_scale(void)
@@ -319,9 +366,9 @@ int run_scale(void)
         fprintf(stderr, "idemrpc-bench: mkdir %s: %s\n", cfg.scale_dir, strerror(errno));
         return -1;
     }
-    printf("\n%-15s %10s %7s %10s %8s %8s %7s %7s %7s %7s %6s\n", "z: scale", "records",
+    printf("\n%-15s %10s %7s %10s %8s %8s %7s %7s %7s %7s %6s %5s\n", "z: scale", "records",
            "clients", "calls/s", "p50us", "p99us", "cpu_us", "minflt", "majflt", "rssMiB",
-           "B/rec");
+           "B/rec", "depth");
     for (int i = 0; i < cfg.n_scale_sizes && ok; i++) {
         uint64_t n = (uint64_t)cfg.scale_sizes[i];
         char dir[4200];
@@ -335,10 +382,17 @@ int run_scale(void)
                 if (scale_store_ready(dir, n, cfg.transports[0]) != 0) {
                     return -1;
                 }
+                scale_shape_t sh = {.records_depth = 0};
                 bpr = bytes_per_record(dir, n);
-                ok &= scale_cell_run(dir, n, kind == 1, (int)ks[k], bpr);
+                scale_shape(dir, &sh); /* depth 0 when it cannot say */
+                ok &= scale_cell_run(dir, n, kind == 1, (int)ks[k], bpr, sh.records_depth);
             }
         }
+    }
+    if (ok && cfg.n_scale_sizes > 0 && (cfg.scale_kinds & 4)) {
+        char first[4200];
+        snprintf(first, sizeof(first), "%s/records-%ld", cfg.scale_dir, cfg.scale_sizes[0]);
+        scale_grown(first, (uint64_t)cfg.scale_sizes[0]);
     }
     scale_ratios();
     if (cfg.scale_csv != NULL && scale_csv(cfg.scale_csv) != 0) {
