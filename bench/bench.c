@@ -133,7 +133,8 @@ static void usage(FILE *f)
             "10k, 1M, 10M\n"
             "    records (--scale-dir DIR: where they are kept between runs, required; "
             "--scale-sizes N,..;\n"
-            "    --scale-kinds new,replay,grown; --clients, default 1,16; --scale-csv FILE: its rows "
+            "    --scale-kinds new,replay,grown; --scale-rounds R: every size in turn, R times; "
+            "--clients, default 1,16; --scale-csv FILE: its rows "
             "for bench/table.py)\n"
             "  o 1 step with an undo  p a compensated call (the undo runs, the key is released)\n"
             "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
@@ -221,6 +222,7 @@ static void set_defaults(void)
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
     cfg.scale_kinds = 7;
+    cfg.scale_rounds = 1;
     parse_longs("10000,1000000,10000000", cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000);
     parse_transports(default_transports);
 }
@@ -232,6 +234,8 @@ static bool parse_option(int opt, const char *name, char *v)
     bench_grid *g = &cfg.grids[0];
     const char *want = NULL;
     uint64_t count;
+    long rounds = 1;
+    int n = 0;
     if (opt == 'k' || opt == 'p' || opt == 'S') {
         cfg.n_grids = 1;
     }
@@ -262,6 +266,10 @@ static bool parse_option(int opt, const char *name, char *v)
     case 'S':
         want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-p, r-z";
         break;
+    case 'R':
+        want = parse_longs(v, &rounds, &n, 1, 20) && n == 1 ? NULL : "a count from 1 to 20";
+        cfg.scale_rounds = (int)rounds;
+        break;
     case 'Z':
         want = parse_longs(v, cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000)
                    ? NULL
@@ -291,6 +299,7 @@ static args_result parse_args(int argc, char **argv)
                                           {"scale-sizes", required_argument, NULL, 'Z'},
                                           {"scale-csv", required_argument, NULL, 'C'},
                                           {"scale-kinds", required_argument, NULL, 'K'},
+                                          {"scale-rounds", required_argument, NULL, 'R'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     bool seconds_given = false;

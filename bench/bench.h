@@ -58,6 +58,7 @@ typedef struct bench_config {
     const char *scale_dir, *scale_csv;
     long scale_sizes[MAX_LIST];
     int n_scale_sizes;
+    int scale_rounds;    /* z: every size in turn, this many times */
     int scale_kinds;     /* bits: 1 new keys, 2 replays, 4 the grown store */
     bool clients_given;  /* --clients: also z's client counts (default 1 and 16) */
 } bench_config;

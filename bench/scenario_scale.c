@@ -163,10 +163,12 @@ typedef struct scale_row {
     const char *kind; /* "new", "replay"; "grown": the grown store's bytes per record */
     int clients;
     double calls_s, p50_us, p99_us, cpu_us, minflt, majflt, rss_mib, bytes_per_rec;
-    unsigned depth; /* of the records B-tree */
+    unsigned depth;       /* of the records B-tree */
+    int round;            /* of --scale-rounds */
+    double pages_per_cmt; /* bytes LMDB wrote (wchar) over the cell's commits, in pages */
 } scale_row;
 
-#define MAX_SCALE_ROWS (MAX_LIST * 4)
+#define MAX_SCALE_ROWS 1024
 static scale_row scale_rows[MAX_SCALE_ROWS];
 static int n_scale_rows;
 
@@ -222,8 +224,68 @@ static void new_keys_delete(const char *dir, const scale_cell *z, int clients)
     scale_churn_add(dir, gone);
 }
 
+/* /proc/self/io's write_bytes: bytes this process dirtied in the page cache (LMDB's
+ * pwrite of each page it commits; sockets do not count); NAN when unknown. */
+static double dirtied_bytes(void)
+{
+    char line[128];
+    double v = NAN;
+    FILE *f = fopen("/proc/self/io", "r");
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        if (strncmp(line, "write_bytes:", 12) == 0) {
+            v = strtod(line + 12, NULL);
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+    return v;
+}
+
+/* The cell's row and its line of the table. */
+static void scale_report(const cell *c, const cell_stats *s, scale_row *r)
+{
+    double calls = (double)(s->ok + s->errors);
+    r->calls_s = (double)s->ok / s->seconds;
+    r->p50_us = s->p50_us;
+    r->p99_us = s->p99_us;
+    r->cpu_us = s->cost.cpu_us / calls;
+    r->minflt = s->cost.minflt / calls;
+    r->majflt = s->cost.majflt / calls;
+    printf("%-15s %10llu %7d %10.0f %8.0f %8.0f %7.0f %7.2f %7.3f %7.0f %6.0f %5u %6.1f\n",
+           c->sc->name, (unsigned long long)r->n, r->clients, r->calls_s, r->p50_us, r->p99_us,
+           r->cpu_us, r->minflt, r->majflt, r->rss_mib, r->bytes_per_rec, r->depth,
+           r->pages_per_cmt);
+    if (s->errors > 0) {
+        fprintf(stderr, "  %s: %llu errors, first: %s\n", c->sc->name,
+                (unsigned long long)s->errors, s->error);
+    }
+    fflush(stdout);
+}
+
+/* Runs cell c on the store in dir with a server of its own; the store's counters into r. */
+static int scale_measure(const char *dir, cell *c, cell_stats *s, scale_row *r)
+{
+    idem_store *st;
+    idem_store_stats ss = {.commits = 0};
+    if (idem_store_open_lmdb(&st, dir, SCALE_MAP_SIZE, 0) != IDEM_OK) {
+        fprintf(stderr, "idemrpc-bench: z: open %s: %s\n", dir, idem_errmsg());
+        return -1;
+    }
+    double dirtied = dirtied_bytes();
+    idem_server *srv = server_start(c, st);
+    int rv = srv != NULL ? run_clients(&scale_ops, c, s) : -1;
+    r->rss_mib = rss_mib();
+    idem_server_destroy(srv);
+    (void)idem_store_stats_get(st, &ss);
+    r->pages_per_cmt = ss.commits > 0 ? (dirtied_bytes() - dirtied) / 4096 / (double)ss.commits
+                                      : NAN;
+    idem_store_close(st);
+    return rv;
+}
+
 /* One cell on the store in dir; false when it could not be measured. */
-static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients, double bpr,
+static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients, int round,
                            unsigned depth)
 {
     static const scenario sc_new = {'z', "z:scale-new", NULL, 0, KEYS_NEW, 0, NULL, 0};
@@ -240,37 +302,19 @@ static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients
               .warmup = WARMUP_CALLS,
               .peer = &z};
     cell_stats s = {.ok = 0};
-    idem_store *st;
+    scale_row r = {.n = n, .kind = replay ? "replay" : "new", .clients = clients,
+                   .bytes_per_rec = bytes_per_record(dir, n), .depth = depth, .round = round};
     memset(payload, 'p', sizeof(payload));
-    if (idem_store_open_lmdb(&st, dir, SCALE_MAP_SIZE, 0) != IDEM_OK) {
-        fprintf(stderr, "idemrpc-bench: z: open %s: %s\n", dir, idem_errmsg());
-        return false;
-    }
-    idem_server *srv = server_start(&c, st);
-    int rv = srv != NULL ? run_clients(&scale_ops, &c, &s) : -1;
-    double rss = rss_mib();
-    idem_server_destroy(srv);
-    idem_store_close(st);
+    int rv = scale_measure(dir, &c, &s, &r);
     if (!replay) {
         new_keys_delete(dir, &z, clients);
     }
-    if (rv != 0 || s.ok == 0) {
+    if (rv != 0 || s.ok == 0 || n_scale_rows >= MAX_SCALE_ROWS) {
         fprintf(stderr, "idemrpc-bench: z: %s: %s\n", c.sc->name, s.error);
         return false;
     }
-    double calls = (double)(s.ok + s.errors);
-    scale_row *r = &scale_rows[n_scale_rows++];
-    *r = (scale_row){n,         replay ? "replay" : "new", clients, (double)s.ok / s.seconds,
-                     s.p50_us,  s.p99_us, s.cost.cpu_us / calls,
-                     s.cost.minflt / calls, s.cost.majflt / calls, rss, bpr, depth};
-    printf("%-15s %10llu %7d %10.0f %8.0f %8.0f %7.0f %7.2f %7.3f %7.0f %6.0f %5u\n",
-           c.sc->name, (unsigned long long)n, clients, r->calls_s, r->p50_us, r->p99_us, r->cpu_us,
-           r->minflt, r->majflt, r->rss_mib, bpr, depth);
-    if (s.errors > 0) {
-        fprintf(stderr, "  %s: %llu errors, first: %s\n", c.sc->name,
-                (unsigned long long)s.errors, s.error);
-    }
-    fflush(stdout);
+    scale_report(&c, &s, &r);
+    scale_rows[n_scale_rows++] = r;
     return true;
 }
 
@@ -284,9 +328,10 @@ static void scale_ratios(void)
         for (int j = 0; j < n_scale_rows; j++) {
             const scale_row *b = &scale_rows[j];
             if (b->n == (uint64_t)cfg.scale_sizes[0] && strcmp(b->kind, r->kind) == 0 &&
+                b->round == r->round &&
                 strcmp(r->kind, "grown") != 0 && b->clients == r->clients && r->n != b->n) {
-                printf("  %-7s %2d clients at %10llu: %.2f\n", r->kind,
-                       r->clients, (unsigned long long)r->n, r->calls_s / b->calls_s);
+                printf("  %-7s %2d clients at %10llu (round %d): %.2f\n", r->kind, r->clients,
+                       (unsigned long long)r->n, r->round + 1, r->calls_s / b->calls_s);
             }
         }
     }
@@ -299,12 +344,14 @@ static int scale_csv(const char *path)
         return -1;
     }
     fprintf(f, "records,kind,clients,calls_per_s,p50_us,p99_us,cpu_us_per_call,"
-               "minflt_per_call,majflt_per_call,rss_mib,bytes_per_record,records_depth\n");
+               "minflt_per_call,majflt_per_call,rss_mib,bytes_per_record,records_depth,round,"
+               "pages_per_commit\n");
     for (int i = 0; i < n_scale_rows; i++) {
         const scale_row *r = &scale_rows[i];
-        fprintf(f, "%llu,%s,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.4f,%.0f,%.1f,%u\n",
+        fprintf(f, "%llu,%s,%d,%.1f,%.1f,%.1f,%.1f,%.3f,%.4f,%.0f,%.1f,%u,%d,%.2f\n",
                 (unsigned long long)r->n, r->kind, r->clients, r->calls_s, r->p50_us, r->p99_us,
-                r->cpu_us, r->minflt, r->majflt, r->rss_mib, r->bytes_per_rec, r->depth);
+                r->cpu_us, r->minflt, r->majflt, r->rss_mib, r->bytes_per_rec, r->depth, r->round,
+                r->pages_per_cmt);
     }
     return fclose(f) == 0 ? 0 : -1;
 }
@@ -348,16 +395,48 @@ static void scale_grown(const char *first_dir, uint64_t n)
     scale_rows[n_scale_rows++] = (scale_row){.n = GROWN_KEYS, .kind = "grown",
         .calls_s = GROWN_KEYS / ((double)(now_ns() - t0) / 1e9), .p50_us = NAN, .p99_us = NAN,
         .cpu_us = NAN, .minflt = NAN, .majflt = NAN, .rss_mib = NAN, .bytes_per_rec = bpr,
-        .depth = sh.records_depth};
+        .depth = sh.records_depth, .pages_per_cmt = NAN};
     printf("z: grown by %d random keys through claim + complete: %.0f B/record; records "
            "%zu pages (depth %u), expiry %zu pages (depth %u), %zu pages used in all\n",
            GROWN_KEYS, bpr, sh.records_pages, sh.records_depth, sh.expiry_pages,
            sh.expiry_depth, sh.used_pages);
 }
 
+/* One cell on the store of size n (loaded or reused first); false when it failed. */
+static bool size_cell(uint64_t n, bool replay, int clients, int round)
+{
+    char dir[4200];
+    scale_shape_t sh = {.records_depth = 0};
+    snprintf(dir, sizeof(dir), "%s/records-%llu", cfg.scale_dir, (unsigned long long)n);
+    if (scale_store_ready(dir, n, cfg.transports[0]) != 0) {
+        return false;
+    }
+    scale_shape(dir, &sh); /* depth 0 when it cannot say */
+    return scale_cell_run(dir, n, replay, clients, round, sh.records_depth);
+}
+
+/* Every (kind, clients) on every size in turn, --scale-rounds times: each size's cell
+ * next to the smallest size's of the same round, under the same load of the machine. */
+static bool scale_cells(void)
+{
+    static const long two[] = {1, 16};
+    const long *ks = cfg.clients_given ? cfg.grids[0].clients : two;
+    int n_ks = cfg.clients_given ? cfg.grids[0].n_clients : 2;
+    bool ok = true;
+    for (int kind = 0; kind < 2; kind++) {
+        for (int k = 0; k < n_ks && (cfg.scale_kinds >> kind & 1); k++) {
+            for (int round = 0; round < cfg.scale_rounds; round++) {
+                for (int i = 0; i < cfg.n_scale_sizes && ok; i++) {
+                    ok = size_cell((uint64_t)cfg.scale_sizes[i], kind == 1, (int)ks[k], round);
+                }
+            }
+        }
+    }
+    return ok;
+}
+
 int run_scale(void)
 {
-    bool ok = true;
     if (cfg.scale_dir == NULL) {
         fprintf(stderr, "idemrpc-bench: z needs --scale-dir DIR (where its stores are kept)\n");
         return -1;
@@ -366,29 +445,10 @@ int run_scale(void)
         fprintf(stderr, "idemrpc-bench: mkdir %s: %s\n", cfg.scale_dir, strerror(errno));
         return -1;
     }
-    printf("\n%-15s %10s %7s %10s %8s %8s %7s %7s %7s %7s %6s %5s\n", "z: scale", "records",
+    printf("\n%-15s %10s %7s %10s %8s %8s %7s %7s %7s %7s %6s %5s %6s\n", "z: scale", "records",
            "clients", "calls/s", "p50us", "p99us", "cpu_us", "minflt", "majflt", "rssMiB",
-           "B/rec", "depth");
-    for (int i = 0; i < cfg.n_scale_sizes && ok; i++) {
-        uint64_t n = (uint64_t)cfg.scale_sizes[i];
-        char dir[4200];
-        snprintf(dir, sizeof(dir), "%s/records-%llu", cfg.scale_dir, (unsigned long long)n);
-        double bpr;
-        static const long two[] = {1, 16};
-        const long *ks = cfg.clients_given ? cfg.grids[0].clients : two;
-        int n_ks = cfg.clients_given ? cfg.grids[0].n_clients : 2;
-        for (int kind = 0; kind < 2; kind++) {
-            for (int k = 0; k < n_ks && (cfg.scale_kinds >> kind & 1); k++) {
-                if (scale_store_ready(dir, n, cfg.transports[0]) != 0) {
-                    return -1;
-                }
-                scale_shape_t sh = {.records_depth = 0};
-                bpr = bytes_per_record(dir, n);
-                scale_shape(dir, &sh); /* depth 0 when it cannot say */
-                ok &= scale_cell_run(dir, n, kind == 1, (int)ks[k], bpr, sh.records_depth);
-            }
-        }
-    }
+           "B/rec", "depth", "pg/cmt");
+    bool ok = scale_cells();
     if (ok && cfg.n_scale_sizes > 0 && (cfg.scale_kinds & 4)) {
         char first[4200];
         snprintf(first, sizeof(first), "%s/records-%ld", cfg.scale_dir, cfg.scale_sizes[0]);
