@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 22 /* a..i, k..p, r..v, x, y; j, w and z print their own tables */
+#define N_SCENARIOS 22 /* a..i, k..p, r..v, x, y */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
@@ -58,9 +58,9 @@ typedef struct bench_config {
     const char *scale_dir, *scale_csv;
     long scale_sizes[MAX_LIST];
     int n_scale_sizes;
-    int scale_rounds;    /* z: every size in turn, this many times */
-    int scale_kinds;     /* bits: 1 new keys, 2 replays, 4 the grown store */
-    bool clients_given;  /* --clients: also z's client counts (default 1 and 16) */
+    int scale_rounds;   /* z: every size in turn, this many times */
+    int scale_kinds;    /* bits: 1 new keys, 2 replays, 4 the grown store */
+    bool clients_given; /* --clients: also z's client counts (default 1 and 16) */
 } bench_config;
 
 extern bench_config cfg;
@@ -107,7 +107,8 @@ struct cell {
 typedef struct proc_usage {
     double cpu_us;      /* user + system CPU, getrusage(RUSAGE_SELF) */
     double vcsw, ivcsw; /* voluntary, involuntary context switches, the same */
-    double minflt, majflt; /* page faults without and with I/O, the same (z) */
+    /* z: page faults without and with I/O, getrusage(RUSAGE_SELF) */
+    double minflt, majflt;
     double rw_syscalls; /* /proc/self/io syscr + syscw: read/write-family calls only */
     double allocs;      /* malloc, calloc and realloc calls (alloc_count.c) */
     double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */

@@ -278,8 +278,8 @@ static int scale_measure(const char *dir, cell *c, cell_stats *s, scale_row *r)
     r->rss_mib = rss_mib();
     idem_server_destroy(srv);
     (void)idem_store_stats_get(st, &ss);
-    r->pages_per_cmt = ss.commits > 0 ? (dirtied_bytes() - dirtied) / 4096 / (double)ss.commits
-                                      : NAN;
+    r->pages_per_cmt =
+        ss.commits > 0 ? (dirtied_bytes() - dirtied) / 4096 / (double)ss.commits : NAN;
     idem_store_close(st);
     return rv;
 }
@@ -302,8 +302,12 @@ static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients
               .warmup = WARMUP_CALLS,
               .peer = &z};
     cell_stats s = {.ok = 0};
-    scale_row r = {.n = n, .kind = replay ? "replay" : "new", .clients = clients,
-                   .bytes_per_rec = bytes_per_record(dir, n), .depth = depth, .round = round};
+    scale_row r = {.n = n,
+                   .kind = replay ? "replay" : "new",
+                   .clients = clients,
+                   .bytes_per_rec = bytes_per_record(dir, n),
+                   .depth = depth,
+                   .round = round};
     memset(payload, 'p', sizeof(payload));
     int rv = scale_measure(dir, &c, &s, &r);
     if (!replay) {
@@ -321,15 +325,14 @@ static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients
 /* Each row's calls/s over the same cell's on the run's first size. */
 static void scale_ratios(void)
 {
-    printf("\nz: calls/s at N over the same cell at %ld records (this run)\n",
-           cfg.scale_sizes[0]);
+    printf("\nz: calls/s at N over the same cell at %ld records (this run)\n", cfg.scale_sizes[0]);
     for (int i = 0; i < n_scale_rows; i++) {
         const scale_row *r = &scale_rows[i];
         for (int j = 0; j < n_scale_rows; j++) {
             const scale_row *b = &scale_rows[j];
             if (b->n == (uint64_t)cfg.scale_sizes[0] && strcmp(b->kind, r->kind) == 0 &&
-                b->round == r->round &&
-                strcmp(r->kind, "grown") != 0 && b->clients == r->clients && r->n != b->n) {
+                b->round == r->round && strcmp(r->kind, "grown") != 0 && b->clients == r->clients &&
+                r->n != b->n) {
                 printf("  %-7s %2d clients at %10llu (round %d): %.2f\n", r->kind, r->clients,
                        (unsigned long long)r->n, r->round + 1, r->calls_s / b->calls_s);
             }
@@ -392,14 +395,23 @@ static void scale_grown(const char *first_dir, uint64_t n)
         return;
     }
     double bpr = (double)sh.used_pages * 4096 / GROWN_KEYS;
-    scale_rows[n_scale_rows++] = (scale_row){.n = GROWN_KEYS, .kind = "grown",
-        .calls_s = GROWN_KEYS / ((double)(now_ns() - t0) / 1e9), .p50_us = NAN, .p99_us = NAN,
-        .cpu_us = NAN, .minflt = NAN, .majflt = NAN, .rss_mib = NAN, .bytes_per_rec = bpr,
-        .depth = sh.records_depth, .pages_per_cmt = NAN};
+    scale_rows[n_scale_rows++] =
+        (scale_row){.n = GROWN_KEYS,
+                    .kind = "grown",
+                    .calls_s = GROWN_KEYS / ((double)(now_ns() - t0) / 1e9),
+                    .p50_us = NAN,
+                    .p99_us = NAN,
+                    .cpu_us = NAN,
+                    .minflt = NAN,
+                    .majflt = NAN,
+                    .rss_mib = NAN,
+                    .bytes_per_rec = bpr,
+                    .depth = sh.records_depth,
+                    .pages_per_cmt = NAN};
     printf("z: grown by %d random keys through claim + complete: %.0f B/record; records "
            "%zu pages (depth %u), expiry %zu pages (depth %u), %zu pages used in all\n",
-           GROWN_KEYS, bpr, sh.records_pages, sh.records_depth, sh.expiry_pages,
-           sh.expiry_depth, sh.used_pages);
+           GROWN_KEYS, bpr, sh.records_pages, sh.records_depth, sh.expiry_pages, sh.expiry_depth,
+           sh.used_pages);
 }
 
 /* One cell on the store of size n (loaded or reused first); false when it failed. */
@@ -446,8 +458,8 @@ int run_scale(void)
         return -1;
     }
     printf("\n%-15s %10s %7s %10s %8s %8s %7s %7s %7s %7s %6s %5s %6s\n", "z: scale", "records",
-           "clients", "calls/s", "p50us", "p99us", "cpu_us", "minflt", "majflt", "rssMiB",
-           "B/rec", "depth", "pg/cmt");
+           "clients", "calls/s", "p50us", "p99us", "cpu_us", "minflt", "majflt", "rssMiB", "B/rec",
+           "depth", "pg/cmt");
     bool ok = scale_cells();
     if (ok && cfg.n_scale_sizes > 0 && (cfg.scale_kinds & 4)) {
         char first[4200];

@@ -8,8 +8,7 @@
 #define INDEX_KEY_LEN IDEM__LMDB_INDEX_KEY_LEN
 
 /* rc-style: ENOMEM when hashing could not allocate. */
-int idem__lmdb_index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name,
-                         size_t len)
+int idem__lmdb_index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
 {
     uint8_t digest[32];
     idem__put_be64(out, expires);

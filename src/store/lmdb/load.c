@@ -78,7 +78,7 @@ static idem_code load_pass(lmdb_store *st, const idem__lmdb_load_src *src, int p
         size_t end = at + LOAD_TXN < src->n ? at + LOAD_TXN : src->n;
         for (; at < end && rc == 0; at++) {
             bool second = every > 0 && at % every == every - 1;
-            rc = pass == 2             ? load_index(st, txn, src, at)
+            rc = pass == 2              ? load_index(st, txn, src, at)
                  : pass == 0 && !second ? load_record(st, txn, src, at, MDB_APPEND)
                  : pass == 1 && second  ? load_record(st, txn, src, at, 0)
                                         : 0;
