@@ -45,6 +45,10 @@
  *   t, u                    as r, s with appendfsync everysec
  *   (r-u run when asked for with --scenarios, or by default when $IDEMRPC_BENCH_REDIS
  *   is set; "c vs redis-new(always)" and "e vs redis-replay" lines follow)
+ *   z  scale    cost against the store's size: new keys and replays (of random stored
+ *               keys) at 1 and 16 clients on stores preloaded with 10k, 1M and 10M records,
+ *               kept in --scale-dir DIR between runs; bytes per record, page faults, RSS
+ *               (scenario_scale.c; only by --scenarios; --scale-csv FILE for table.py)
  *   w  nats     messages/s through the JetStream consumer binding (idem_consume, ack
  *               after the commit) next to a bare consume-and-ack loop, at 1 and 8
  *               consumers ($IDEMRPC_BENCH_NATS; scenario_nats.c; only by --scenarios)
@@ -130,6 +134,13 @@ static void usage(FILE *f)
             "($IDEMRPC_BENCH_PG)\n"
             "  k transactional (lmdb)  l transactional (pg)  m 1 journaled step  n 3 steps\n"
             "  w nats consumer vs bare consume-and-ack, 1 and 8 consumers ($IDEMRPC_BENCH_NATS)\n"
+            "  z the store's size: new keys and replays at 1 and 16 clients on stores of "
+            "10k, 1M, 10M\n"
+            "    records (--scale-dir DIR: where they are kept between runs, required; "
+            "--scale-sizes N,..;\n"
+            "    --scale-kinds new,replay,grown; --scale-rounds R: every size in turn, R times; "
+            "--clients, default 1,16; --scale-csv FILE: its rows "
+            "for bench/table.py)\n"
             "  o 1 step with an undo  p a compensated call (the undo runs, the key is released)\n"
             "  r redis peer new keys, appendfsync always  s its replay  t, u the same with "
             "everysec\n"
@@ -180,7 +191,7 @@ static bool parse_scenarios(const char *s, bool *want)
 {
     memset(want, 0, N_LETTERS * sizeof(*want));
     for (; *s != '\0'; s++) {
-        if (scenario_of(*s) != NULL || *s == 'j' || *s == 'w') {
+        if (scenario_of(*s) != NULL || *s == 'j' || *s == 'w' || *s == 'z') {
             want[*s - 'a'] = true;
         } else if (*s != ',') {
             return false;
@@ -215,6 +226,9 @@ static void set_defaults(void)
     grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
+    cfg.scale_kinds = 7;
+    cfg.scale_rounds = 1;
+    parse_longs("10000,1000000,10000000", cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000);
     parse_transports(default_transports);
 }
 
@@ -225,11 +239,14 @@ static bool parse_option(int opt, const char *name, char *v)
     bench_grid *g = &cfg.grids[0];
     const char *want = NULL;
     uint64_t count;
+    long rounds = 1;
+    int n = 0;
     if (opt == 'k' || opt == 'p' || opt == 'S') {
         cfg.n_grids = 1;
     }
     switch (opt) {
     case 'k':
+        cfg.clients_given = true;
         want = parse_longs(v, g->clients, &g->n_clients, 1, MAX_CLIENTS)
                    ? NULL
                    : "a list of up to 16 client counts from 1 to 1024";
@@ -252,7 +269,16 @@ static bool parse_option(int opt, const char *name, char *v)
         cfg.count = count;
         break;
     case 'S':
-        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-p, r-y";
+        want = parse_scenarios(v, g->want) ? NULL : "a list of scenario letters a-p, r-z";
+        break;
+    case 'R':
+        want = parse_longs(v, &rounds, &n, 1, 20) && n == 1 ? NULL : "a count from 1 to 20";
+        cfg.scale_rounds = (int)rounds;
+        break;
+    case 'Z':
+        want = parse_longs(v, cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000)
+                   ? NULL
+                   : "a list of up to 16 record counts from 1 to 100000000";
         break;
     }
     if (want != NULL) {
@@ -274,6 +300,11 @@ static args_result parse_args(int argc, char **argv)
                                           {"scenarios", required_argument, NULL, 'S'},
                                           {"csv", required_argument, NULL, 'c'},
                                           {"json", required_argument, NULL, 'j'},
+                                          {"scale-dir", required_argument, NULL, 'D'},
+                                          {"scale-sizes", required_argument, NULL, 'Z'},
+                                          {"scale-csv", required_argument, NULL, 'C'},
+                                          {"scale-kinds", required_argument, NULL, 'K'},
+                                          {"scale-rounds", required_argument, NULL, 'R'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     bool seconds_given = false;
@@ -289,6 +320,12 @@ static args_result parse_args(int argc, char **argv)
             cfg.csv = optarg;
         } else if (opt == 'j') {
             cfg.json = optarg;
+        } else if (opt == 'K') {
+            cfg.scale_kinds = strstr(optarg, "new") ? 1 : 0;
+            cfg.scale_kinds |= strstr(optarg, "replay") ? 2 : 0;
+            cfg.scale_kinds |= strstr(optarg, "grown") ? 4 : 0;
+        } else if (opt == 'D' || opt == 'C') {
+            *(opt == 'D' ? &cfg.scale_dir : &cfg.scale_csv) = optarg;
         } else if (!parse_option(opt, longs[index].name, optarg)) {
             return ARGS_BAD;
         }
@@ -388,6 +425,9 @@ int main(int argc, char **argv)
     }
     if (cfg.grids[0].want['w' - 'a']) { /* only ever by --scenarios: one grid */
         all_ok &= run_nats() == 0;
+    }
+    if (cfg.grids[0].want['z' - 'a']) { /* only ever by --scenarios: one grid */
+        all_ok &= run_scale() == 0;
     }
     if (cfg.csv != NULL && report_write_csv(cfg.csv) != 0) {
         fprintf(stderr, "idemrpc-bench: cannot write %s\n", cfg.csv);

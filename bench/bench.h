@@ -54,6 +54,13 @@ typedef struct bench_config {
     double seconds;
     unsigned long long count; /* 0 = bounded by time only */
     const char *csv, *json;
+    /* z (scenario_scale.c): where the preloaded stores are kept, their sizes, its CSV */
+    const char *scale_dir, *scale_csv;
+    long scale_sizes[MAX_LIST];
+    int n_scale_sizes;
+    int scale_rounds;   /* z: every size in turn, this many times */
+    int scale_kinds;    /* bits: 1 new keys, 2 replays, 4 the grown store */
+    bool clients_given; /* --clients: also z's client counts (default 1 and 16) */
 } bench_config;
 
 extern bench_config cfg;
@@ -100,6 +107,8 @@ struct cell {
 typedef struct proc_usage {
     double cpu_us;      /* user + system CPU, getrusage(RUSAGE_SELF) */
     double vcsw, ivcsw; /* voluntary, involuntary context switches, the same */
+    /* z: page faults without and with I/O, getrusage(RUSAGE_SELF) */
+    double minflt, majflt;
     double rw_syscalls; /* /proc/self/io syscr + syscw: read/write-family calls only */
     double allocs;      /* malloc, calloc and realloc calls (alloc_count.c) */
     double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */
@@ -128,6 +137,7 @@ static inline bool storage_baseline(const scenario *sc)
 int run_redis(const scenario *sc, cell *c, cell_stats *out); /* r–u, scenario_redis.c */
 int run_pg_wait(void); /* j, scenario_pg_wait.c: prints its own table; 0 when measured */
 int run_nats(void);    /* w, scenario_nats.c: prints its own table; 0 when measured */
+int run_scale(void);   /* z, scenario_scale.c: prints its own table; 0 when measured */
 /* The preamble's line about $IDEMRPC_BENCH_REDIS (version, AOF directory), when any r–u
  * cell will run. */
 void redis_preamble(void);

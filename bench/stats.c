@@ -133,13 +133,15 @@ static proc_usage per_call(const cell_stats *s)
     double n = (double)(s->ok + s->errors);
     const proc_usage *c = &s->cost;
     if (n == 0) {
-        return (proc_usage){NAN, NAN, NAN, NAN, NAN, NAN};
+        return (proc_usage){NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
     }
     return (proc_usage){.cpu_us = c->cpu_us / n,
                         .vcsw = c->vcsw / n,
                         .ivcsw = c->ivcsw / n,
                         .rw_syscalls = c->rw_syscalls / n,
                         .allocs = c->allocs / n,
+                        .minflt = c->minflt / n,
+                        .majflt = c->majflt / n,
                         .peer_cpu_us = c->peer_cpu_us / n};
 }
 

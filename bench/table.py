@@ -2,6 +2,7 @@
 """README's performance tables from several `idemrpc-bench --csv` runs of the default grid.
 
     bench/table.py run1.csv run2.csv run3.csv
+    bench/table.py --scale z1.csv z2.csv z3.csv   (--scale-csv files of scenario z)
 
 Each cell is "median (min-max)" over the runs: calls/s for a, f and v, the ratio to a
 of the same run for the others. Then the issue-15 targets, each with its verdict.
@@ -116,6 +117,73 @@ def targets(rows, transport):
     print()
 
 
+SCALE_TARGETS = [("new", 1, 0.8), ("new", 16, 0.8), ("replay", 1, 0.95), ("replay", 16, 0.95)]
+
+
+def scale_load(paths):
+    rows = []  # (run index, row)
+    for i, path in enumerate(paths):
+        with open(path, newline="") as f:
+            rows += [(i, r) for r in csv.DictReader(f)]
+    return rows
+
+
+def scale_ratios(rows, kind, clients, n, base):
+    """calls/s at n over the same cell at base, of the same run and round: one per pair."""
+    cells = {}
+    for run, r in rows:
+        if r["kind"] == kind and int(r["clients"]) == clients:
+            cells[(run, r.get("round", "0"), int(r["records"]))] = float(r["calls_per_s"])
+    return [v / cells[(run, rd, base)] for (run, rd, m), v in cells.items()
+            if m == n and (run, rd, base) in cells and cells[(run, rd, base)] > 0]
+
+
+def scale(paths):
+    rows = scale_load(paths)
+    sizes = sorted({int(r["records"]) for _, r in rows if r["kind"] != "grown"})
+    base = sizes[0]
+    print("%d runs: %s\n" % (len(paths), ", ".join(paths)))
+    print("| cell (64 B) | records | calls/s | ratio to %d | CPU µs/call | faults/call (minor, major) "
+          "| depth | RSS MiB |" % base)
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in ("new", "replay"):
+        for k in (1, 16):
+            for n in sizes:
+                sel = [r for _, r in rows if r["kind"] == kind and int(r["clients"]) == k
+                       and int(r["records"]) == n]
+                if not sel:
+                    continue
+                col = lambda f: [float(r[f]) for r in sel if r[f] not in ("", "nan")]
+                ratio = "-" if n == base else cell(scale_ratios(rows, kind, k, n, base), 2)
+                print("| %s, %d client%s | %s | %s | %s | %s | %s, %s | %s | %s |" % (
+                    kind, k, "s" if k > 1 else "", "{:,}".format(n).replace(",", " "),
+                    cell(col("calls_per_s"), 0), ratio, cell(col("cpu_us_per_call"), 0),
+                    cell(col("minflt_per_call"), 2), cell(col("majflt_per_call"), 3),
+                    cell(col("records_depth"), 0), cell(col("rss_mib"), 0)))
+    print()
+    top = sizes[-1]
+    grown = [float(r["bytes_per_record"]) for _, r in rows if r["kind"] == "grown"]
+    loaded = [float(r["bytes_per_record"]) for _, r in rows
+              if r["kind"] != "grown" and int(r["records"]) == top]
+    print("| target (medians of all runs and rounds) | goal | measured | |")
+    print("|---|---|---|---|")
+    for kind, k, goal in SCALE_TARGETS:
+        v = scale_ratios(rows, kind, k, top, base)
+        got = statistics.median(v) if v else None
+        print("| %s at %d records ÷ at %d, %d client%s | ≥ %s | %s | %s |" % (
+            kind, top, base, k, "s" if k > 1 else "", goal,
+            "not run" if got is None else cell(v, 2),
+            "" if got is None else "met" if got >= goal else "missed"))
+    if grown:
+        g = statistics.median(grown)
+        print("| bytes on disk per record, store grown by random keys (64 B result) | ≤ 300 | "
+              "%.0f | %s |" % (g, "met" if g <= 300 else "missed"))
+    if loaded:
+        print("| bytes on disk per record, the preloaded %d-record store | | %.0f | |" % (
+            top, statistics.median(loaded)))
+    print()
+
+
 def main(paths):
     rows = load(paths)
     transports = [t for t in ("tcp", "ipc") if any(k[1] == t for k in rows)]
@@ -138,6 +206,9 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
-        sys.exit("usage: bench/table.py RUN.csv [RUN.csv ...]")
-    main(sys.argv[1:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--scale":
+        scale(sys.argv[2:])
+    elif len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: bench/table.py RUN.csv [RUN.csv ...] | --scale Z.csv [Z.csv ...]")
+    else:
+        main(sys.argv[1:])

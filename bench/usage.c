@@ -63,8 +63,10 @@ void proc_usage_now(proc_usage *u)
         u->cpu_us = tv_us(ru.ru_utime) + tv_us(ru.ru_stime);
         u->vcsw = (double)ru.ru_nvcsw;
         u->ivcsw = (double)ru.ru_nivcsw;
+        u->minflt = (double)ru.ru_minflt;
+        u->majflt = (double)ru.ru_majflt;
     } else {
-        u->cpu_us = u->vcsw = u->ivcsw = NAN;
+        u->cpu_us = u->vcsw = u->ivcsw = u->minflt = u->majflt = NAN;
     }
     u->rw_syscalls = rw_syscalls();
     u->peer_cpu_us = NAN; /* the harness asks the scenario, when it has a peer */
@@ -75,6 +77,8 @@ void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d)
     d->cpu_us = b->cpu_us - a->cpu_us;
     d->vcsw = b->vcsw - a->vcsw;
     d->ivcsw = b->ivcsw - a->ivcsw;
+    d->minflt = b->minflt - a->minflt;
+    d->majflt = b->majflt - a->majflt;
     d->rw_syscalls = b->rw_syscalls - a->rw_syscalls;
     d->allocs = b->allocs - a->allocs;
     d->peer_cpu_us = b->peer_cpu_us - a->peer_cpu_us;

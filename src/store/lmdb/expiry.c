@@ -5,10 +5,10 @@
 
 #include "lmdb_internal.h"
 
-#define INDEX_KEY_LEN 24
+#define INDEX_KEY_LEN IDEM__LMDB_INDEX_KEY_LEN
 
 /* rc-style: ENOMEM when hashing could not allocate. */
-static int index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
+int idem__lmdb_index_key(uint8_t out[INDEX_KEY_LEN], uint64_t expires, const void *name, size_t len)
 {
     uint8_t digest[32];
     idem__put_be64(out, expires);
@@ -23,7 +23,7 @@ int idem__lmdb_index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t
                          const void *name, size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
-    int rc = index_key(kb, expires, name, len);
+    int rc = idem__lmdb_index_key(kb, expires, name, len);
     MDB_val k = {INDEX_KEY_LEN, kb}, v = {len + 1, NULL};
     rc = rc != 0 ? rc : mdb_put(txn, st->expiry, &k, &v, MDB_RESERVE);
     if (rc == 0) {
@@ -37,7 +37,7 @@ int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const v
                          size_t len)
 {
     uint8_t kb[INDEX_KEY_LEN];
-    int rc = index_key(kb, expires, name, len);
+    int rc = idem__lmdb_index_key(kb, expires, name, len);
     MDB_val k = {INDEX_KEY_LEN, kb};
     rc = rc != 0 ? rc : mdb_del(txn, st->expiry, &k, NULL);
     return rc == MDB_NOTFOUND ? 0 : rc;

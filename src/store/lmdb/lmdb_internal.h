@@ -21,7 +21,8 @@
  * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
  * thread's batches), group_commit_redo.c (a batch whose commit failed), group_commit_pipe.c
- * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC). */
+ * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC);
+ * load.c (the benchmark's bulk load, store_lmdb.h). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H
 
@@ -176,7 +177,10 @@ idem_code idem__lmdb_token_put(idem_store *base, const char *token, const char *
 idem_code idem__lmdb_token_consume(idem_store *base, const char *token, const char *scope,
                                    uint64_t now_ms);
 
-/* expiry.c */
+/* expiry.c; an entry's key: be64 expires ‖ sha256(name)[0..16] (rc-style: ENOMEM). */
+#define IDEM__LMDB_INDEX_KEY_LEN 24
+int idem__lmdb_index_key(uint8_t out[IDEM__LMDB_INDEX_KEY_LEN], uint64_t expires, const void *name,
+                         size_t len);
 int idem__lmdb_index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t type,
                          const void *name, size_t len);
 int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const void *name,
