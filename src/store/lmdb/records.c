@@ -135,6 +135,10 @@ idem_code idem__lmdb_get_borrowed(idem_store *base, const idem_key_ref *ref, ide
     code = rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no record")
            : rc != 0          ? idem__lmdb_code(rc, "get")
                               : idem__lmdb_rec_decode(&v, rec, false);
+    /* As idem__lmdb_get: an answer from a batch whose meta page is not on disk waits. */
+    if (code == IDEM_OK && (code = idem__gc_durable_wait(&st->gc, mdb_txn_id(txn))) != IDEM_OK) {
+        idem_record_clear(rec);
+    }
     if (code != IDEM_OK || rec->response_len == 0) {
         idem__lmdb_read_end(st, txn);
         return code;
