@@ -296,3 +296,13 @@ idem_code idem__journal_forget_txn(idem_txn *t, void *j)
 {
     return forget_txn(t, j);
 }
+
+idem_code idem__journal_put_failure(idem_txn *t, const idem__journal *j, idem_code code,
+                                    const char *msg)
+{
+    size_t n = strnlen(msg, IDEM_MAX_MESSAGE);
+    uint8_t buf[4 + IDEM_MAX_MESSAGE];
+    idem__put_be32(buf, (uint32_t)code);
+    memcpy(buf + 4, msg, n);
+    return idem_txn_put(t, STEPS_DB, j->saga_key, JKEY, buf, 4 + n);
+}

@@ -165,14 +165,8 @@ typedef struct saga_args {
 static idem_code start_txn(idem_txn *t, void *arg)
 {
     saga_args *a = arg;
-    size_t n = strlen(a->msg);
-    uint8_t buf[4 + IDEM_MAX_MESSAGE];
-    n = n < IDEM_MAX_MESSAGE ? n : IDEM_MAX_MESSAGE;
-    idem__put_be32(buf, (uint32_t)a->code);
-    memcpy(buf + 4, a->msg, n);
     idem_code code = idem__journal_claim_held(t, a->call, a->call->fence);
-    return code != IDEM_OK ? code
-                           : idem_txn_put(t, IDEM__STEPS_DB, a->j.saga_key, IDEM__JKEY, buf, 4 + n);
+    return code != IDEM_OK ? code : idem__journal_put_failure(t, &a->j, a->code, a->msg);
 }
 
 /* Every effect undone: the journal goes and the key's generation moves on, under the

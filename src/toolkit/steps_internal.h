@@ -49,6 +49,10 @@ idem_code idem__journal_record(idem_call *call, const idem__journal *j, const vo
 idem_code idem__journal_claim_held(idem_txn *t, const idem_call *call, uint64_t fence);
 /* Deletes the journal of j (head, steps, listing, compensation) in t. */
 idem_code idem__journal_forget_txn(idem_txn *t, void *j);
+/* Writes the 'c' entry in t: the failure (be32 code ‖ message, at most IDEM_MAX_MESSAGE
+ * bytes of it) a compensation answers. saga.c reads it. */
+idem_code idem__journal_put_failure(idem_txn *t, const idem__journal *j, idem_code code,
+                                    const char *msg);
 /* Keeps the run's generation with its fingerprint in t (a record's txn): written when
  * absent or changed (steps.c). */
 idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, const idem__journal *j);

@@ -140,20 +140,17 @@ static idem_code give_up_txn(idem_txn *t, const redrive_args *a, bool *compensat
 {
     bool steps, saga;
     char msg[IDEM_MAX_MESSAGE + 1];
-    uint8_t buf[4 + IDEM_MAX_MESSAGE];
     idem_code code = journal_state(t, &a->j, &steps, &saga);
     *compensate = code == IDEM_OK && (steps || saga);
     if (code != IDEM_OK || !steps || saga) {
         return code; /* nothing recorded to give back (the call waits for its client), or
                       * a compensation already started */
     }
-    int len = snprintf(msg, sizeof(msg),
-                       "abandoned: %u re-runs of the call died (redrive_max_runs); the "
-                       "re-driver gave up and compensated its steps",
-                       a->max_runs);
-    idem__put_be32(buf, (uint32_t)IDEM_INTERNAL);
-    memcpy(buf + 4, msg, (size_t)len);
-    return idem_txn_put(t, STEPS_DB, a->j.saga_key, JKEY, buf, 4 + (size_t)len);
+    snprintf(msg, sizeof(msg),
+             "abandoned: %u re-runs of the call died (redrive_max_runs); the re-driver gave "
+             "up and compensated its steps",
+             a->max_runs);
+    return idem__journal_put_failure(t, &a->j, IDEM_INTERNAL, msg);
 }
 
 /* The verdict on a call that has had runs re-runs: GO up to max_runs; at max_runs,
