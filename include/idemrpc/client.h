@@ -97,6 +97,9 @@ IDEM_API void idem_client_opts_init(idem_client_opts *opts);
 /* Dials every URL (non-blocking: a server may start later). */
 IDEM_API idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
                                     const idem_client_opts *opts);
+/* Closes the client's connections and frees it. Waits for nng at most 2 s: past that
+ * (nng 1.5.2 stuck on a late reply, docs/security.md) it returns and nng keeps the
+ * socket until the process exits. */
 IDEM_API void idem_client_close(idem_client *c);
 
 /* Runs one logical call with retries. Returns the final code (also in out->code); a

@@ -14,6 +14,7 @@
 
 #include "arena.h"
 #include "client_internal.h"
+#include "nng_close.h"
 
 #define DEFAULT_MAX_FRAME (((size_t)4 << 20) + ((size_t)64 << 10))
 
@@ -214,7 +215,7 @@ void idem_client_close(idem_client *c)
             slot_free(s);
         }
         pthread_mutex_destroy(&c->mu);
-        nng_close(c->sock);
+        idem__nng_close_bounded(c->sock);
         free_strings(c);
         free(c);
     }

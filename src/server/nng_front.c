@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nng_close.h"
 #include "nng_front.h"
 #include "tls.h"
 
@@ -365,7 +366,7 @@ void idem__nng_front_close(idem_nng_front *f)
         nng_aio_stop(f->works[i].aio);
     }
     if (f->sock_open) {
-        nng_close(f->sock);
+        idem__nng_close_bounded(f->sock);
     }
     for (size_t i = 0; i < f->n_works; i++) {
         nng_aio_free(f->works[i].aio);
