@@ -274,16 +274,10 @@ static void record_begin(const chaos_cfg *cfg)
     chaos_history_event("begin", 6, f);
 }
 
-typedef struct fault_thread {
-    const chaos_cfg *cfg;
-    const volatile bool *stop;
-    uint64_t faults;
-} fault_thread;
-
-static void *faults_main(void *arg)
+void *chaos_fault_thread_main(void *arg)
 {
-    fault_thread *ft = arg;
-    ft->faults = chaos_faults_run(ft->cfg, ft->stop);
+    chaos_fault_thread *ft = arg;
+    ft->faults = ft->run(ft->cfg, ft->stop);
     return NULL;
 }
 
@@ -303,11 +297,11 @@ static void *timer_main(void *arg)
 static void run(const chaos_cfg *cfg)
 {
     static volatile bool stop_clients, stop_faults;
-    fault_thread ft = {cfg, &stop_faults, 0};
+    chaos_fault_thread ft = {chaos_faults_run, cfg, &stop_faults, 0};
     timer tm = {cfg->seconds, &stop_clients};
     pthread_t fth, tth;
     chaos_totals t;
-    pthread_create(&fth, NULL, faults_main, &ft);
+    pthread_create(&fth, NULL, chaos_fault_thread_main, &ft);
     pthread_create(&tth, NULL, timer_main, &tm);
     chaos_workload_run(cfg, &stop_clients, &t);
     const char *f[] = {"phase", "end"};

@@ -88,6 +88,16 @@ bool chaos_servers_start(const chaos_cfg *cfg);
 const char *chaos_server_url(size_t i);
 /* Runs the seeded fault schedule until *stop; returns the number of faults injected. */
 uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop);
+
+/* A thread running a topology's faults (run: chaos_faults_run or chaos_nats_faults)
+ * until *stop; faults: how many it made. Start it with chaos_fault_thread_main. */
+typedef struct chaos_fault_thread {
+    uint64_t (*run)(const chaos_cfg *cfg, const volatile bool *stop);
+    const chaos_cfg *cfg;
+    const volatile bool *stop;
+    uint64_t faults;
+} chaos_fault_thread;
+void *chaos_fault_thread_main(void *arg);
 /* Ends every fault in effect (SIGCONT, restarts dead servers, starts Redis). */
 void chaos_faults_heal(const chaos_cfg *cfg);
 /* Samples each server's VmRSS into the history (called by the fault thread too). */

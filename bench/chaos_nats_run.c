@@ -92,19 +92,6 @@ static void *client_main(void *arg)
     return NULL;
 }
 
-typedef struct fault_thread {
-    const chaos_cfg *cfg;
-    const volatile bool *stop;
-    uint64_t faults;
-} fault_thread;
-
-static void *faults_main(void *arg)
-{
-    fault_thread *ft = arg;
-    ft->faults = chaos_nats_faults(ft->cfg, ft->stop);
-    return NULL;
-}
-
 /* The load and the faults for cfg->seconds; *calls, *undecided: the clients' totals. */
 static uint64_t load(const chaos_cfg *cfg, uint64_t *calls, uint64_t *ops, uint64_t *undecided)
 {
@@ -112,13 +99,13 @@ static uint64_t load(const chaos_cfg *cfg, uint64_t *calls, uint64_t *ops, uint6
     size_t k = (size_t)cfg->clients;
     client_thread *ct = calloc(k, sizeof(*ct));
     pthread_t *th = calloc(k, sizeof(*th)), fth;
-    fault_thread ft = {cfg, &stop_faults, 0};
+    chaos_fault_thread ft = {chaos_nats_faults, cfg, &stop_faults, 0};
     if (ct == NULL || th == NULL) {
         free(ct);
         free(th);
         return 0;
     }
-    pthread_create(&fth, NULL, faults_main, &ft);
+    pthread_create(&fth, NULL, chaos_fault_thread_main, &ft);
     for (size_t i = 0; i < k; i++) {
         ct[i] = (client_thread){.cfg = cfg, .stop = &stop_clients, .id = i};
         pthread_create(&th[i], NULL, client_main, &ct[i]);
