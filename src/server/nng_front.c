@@ -62,18 +62,23 @@ static idem_code nng_fail(int rv, const char *what)
                      nng_strerror(rv));
 }
 
+/* A message of len bytes for the encoding to fill (its body). */
+static void *msg_for(void *arg, size_t len)
+{
+    nng_msg **msg = arg;
+    return nng_msg_alloc(msg, len) == 0 ? nng_msg_body(*msg) : NULL;
+}
+
 /* Encodes the call's response; falls back to a bare INTERNAL answer on ENOMEM and to
  * NULL (no reply: the client times out and retries) when even that fails. */
 static nng_msg *response_msg(idem_call *call)
 {
-    uint8_t *buf;
-    size_t len;
-    nng_msg *msg;
+    nng_msg *msg = NULL;
     if (call->replay_wire != NULL && call->meta_count == 0) {
         /* A replay as its stored bytes plus the per-call fields: what the encoding
          * below would write, without decoding and re-encoding the stored result. */
         uint8_t suffix[IDEM_REPLAY_SUFFIX_MAX];
-        len = idem__replay_suffix(call, suffix);
+        size_t len = idem__replay_suffix(call, suffix);
         if (nng_msg_alloc(&msg, call->replay_wire_len + len) != 0) {
             return NULL;
         }
@@ -84,18 +89,13 @@ static nng_msg *response_msg(idem_call *call)
     }
     if (idem__call_materialize_replay(call) != IDEM_OK ||
         idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
-        idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
+        idem__encode_call_response_to(call, true, msg_for, &msg) != IDEM_OK) {
         idem__call_reset_response(call);
         idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
-        if (idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
-            return NULL;
+        if (idem__encode_call_response_to(call, true, msg_for, &msg) != IDEM_OK) {
+            return NULL; /* nng_msg_alloc failing leaves msg unset */
         }
     }
-    if (nng_msg_alloc(&msg, 0) != 0 || nng_msg_append(msg, buf, len) != 0) {
-        free(buf);
-        return NULL; /* nng_msg_alloc failing leaves msg unset; append failing frees nothing */
-    }
-    free(buf);
     return msg;
 }
 
