@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "nng_peers.h"
 #include "server_internal.h"
 #include "testutil.h"
 
@@ -124,4 +125,41 @@ Test(pipe_peers, connect_disconnect_cycles_leave_no_entry)
     expect_whoami(c, IDEM_OK, "caller=A verified=1");
     cr_expect_eq(idem__server_pipe_peers(S.srv), 1);
     idem_client_close(c);
+}
+
+/* ---- the cache alone (nng_peers.c): what no real pipe shows on demand ---- */
+
+Test(pipe_peers_cache, a_removal_that_overtakes_its_add_leaves_no_entry)
+{
+    idem_pipe_peers c;
+    idem_peer uid = {.has_uid = true, .uid = 42}, out = {0};
+    idem__pipe_peers_init(&c);
+    idem__pipe_peers_remove(&c, 7); /* REM_POST before the ADD_PRE callback's insert */
+    idem__pipe_peers_add(&c, 7, &uid);
+    cr_expect_eq(idem__pipe_peers_count(&c), 0);
+    cr_expect(!idem__pipe_peers_get(&c, 7, &out), "read per message, not from a dead entry");
+    idem__pipe_peers_add(&c, 8, &uid); /* the next pipe is cached as usual */
+    cr_expect(idem__pipe_peers_get(&c, 8, &out) && out.has_uid && out.uid == 42);
+    idem__pipe_peers_fini(&c);
+}
+
+Test(pipe_peers_cache, a_full_cache_takes_no_more_and_an_id_reused_replaces_its_entry)
+{
+    idem_pipe_peers c;
+    idem_peer tls = {.transport_unverified = true}, plain = {0}, out = {0};
+    idem__pipe_peers_init(&c);
+    for (uint32_t id = 1; id <= IDEM_PIPE_PEERS_MAX; id++) {
+        idem__pipe_peers_add(&c, id, &tls);
+    }
+    idem__pipe_peers_add(&c, IDEM_PIPE_PEERS_MAX + 1, &plain);
+    cr_expect_eq(idem__pipe_peers_count(&c), IDEM_PIPE_PEERS_MAX);
+    cr_expect(!idem__pipe_peers_get(&c, IDEM_PIPE_PEERS_MAX + 1, &out), "over the bound");
+    idem__pipe_peers_add(&c, 1, &plain); /* a new pipe under an id whose entry stayed */
+    cr_expect(idem__pipe_peers_get(&c, 1, &out) && !out.transport_unverified);
+    cr_expect(idem__pipe_peers_get(&c, 2, &out) && out.transport_unverified, "fail closed kept");
+    for (uint32_t id = 1; id <= IDEM_PIPE_PEERS_MAX; id++) {
+        idem__pipe_peers_remove(&c, id);
+    }
+    cr_expect_eq(idem__pipe_peers_count(&c), 0);
+    idem__pipe_peers_fini(&c);
 }
