@@ -387,7 +387,8 @@ static void *claim_refused(void *arg)
 {
     uint64_t ticket;
     idem_code *out = arg;
-    *out = idem__gc_write_held(&raw_gc, refused_in_the_batch, applied_ok, NULL, no_unref, &ticket);
+    *out = idem__gc_write_held(&raw_gc, refused_in_the_batch, applied_ok, NULL, no_unref, NULL,
+                               &ticket);
     idem__gc_drop(&raw_gc, ticket);
     return NULL;
 }
@@ -397,8 +398,9 @@ Test(disk_gc, a_shared_claim_refused_in_a_batch_that_fails_to_commit_is_decided_
     uint64_t ticket;
     idem_code refused = IDEM_UNKNOWN;
     pthread_t t;
-    cr_assert_eq(idem__gc_write_held(&raw_gc, applied_ok, applied_ok, NULL, no_unref, &ticket),
-                 IDEM_OK);
+    cr_assert_eq(
+        idem__gc_write_held(&raw_gc, applied_ok, applied_ok, NULL, no_unref, NULL, &ticket),
+        IDEM_OK);
     cr_assert_neq(ticket, 0);
     cr_assert_eq(pthread_create(&t, NULL, claim_refused, &refused), 0);
     pthread_mutex_lock(&gate_mu);

@@ -364,7 +364,8 @@ TestSuite(shared_commit, .init = held_setup, .fini = held_teardown, .timeout = 1
 Test(shared_commit, a_claim_and_its_completion_are_one_commit)
 {
     uint64_t ticket;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
     cr_assert_neq(ticket, 0, "applied in an open batch");
     cr_expect(!x_committed(gc_env), "the claim's caller runs before the commit");
     cr_assert_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK);
@@ -381,7 +382,8 @@ Test(shared_commit, a_claim_and_its_completion_are_one_commit)
 Test(shared_commit, a_storage_error_fails_only_its_own_write_not_the_claims)
 {
     uint64_t ticket;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
     cr_assert_neq(ticket, 0);
     cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket), IDEM_RESOURCE_EXHAUSTED);
     cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
@@ -396,11 +398,11 @@ Test(shared_commit, a_storage_error_fails_only_its_own_write_not_the_claims)
 Test(shared_commit, a_failed_commit_applies_the_held_claims_again)
 {
     uint64_t ticket;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
     cr_assert_neq(ticket, 0);
     atomic_store(&failing_syncs, 1);
-    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK, "%s",
-                 idem_errmsg());
+    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK, "%s", idem_errmsg());
     cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch's commit met the failure");
     cr_expect_eq(atomic_load(&redo_runs), 1);
     cr_expect(x_committed(gc_env), "the claim was applied again and committed");
@@ -412,7 +414,8 @@ Test(shared_commit, a_failed_commit_applies_the_held_claims_again)
 Test(shared_commit, a_plain_write_commits_an_open_batch_at_once)
 {
     uint64_t ticket;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
     cr_assert_eq(idem__gc_write(&gc_held, nothing, NULL), IDEM_OK);
     cr_expect(x_committed(gc_env));
     idem__gc_drop(&gc_held, ticket);
@@ -421,7 +424,8 @@ Test(shared_commit, a_plain_write_commits_an_open_batch_at_once)
 Test(shared_commit, a_wait_for_the_claims_commit_commits_it_at_once)
 {
     uint64_t ticket;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
     idem__gc_wait(&gc_held, ticket);
     cr_expect(x_committed(gc_env));
     idem__gc_drop(&gc_held, ticket);
@@ -431,7 +435,8 @@ Test(shared_commit, a_thread_wanting_the_writer_lock_commits_an_open_batch_at_on
 {
     uint64_t ticket;
     MDB_txn *txn;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, &ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
     idem__gc_lock_wanted(&gc_held, true);
     cr_assert_eq(mdb_txn_begin(gc_env, NULL, 0, &txn), 0); /* LMDB's writer lock */
     idem__gc_lock_wanted(&gc_held, false);
@@ -458,16 +463,16 @@ static idem_code fence_then_look(idem_call *call, void *arg)
     idem_key_ref k = {idem_call_caller(call), idem_call_method(call), idem_call_key(call)};
     idem_record rec;
     idem_code c = idem_store_get(arg, &k, &rec);
-    bool seen = fence != 0 && c == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS &&
-                rec.owner == fence;
+    bool seen =
+        fence != 0 && c == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == fence;
     idem_record_clear(&rec);
     return idem_call_reply(call, IDEM_OK, seen ? "seen" : "unseen", seen ? 4 : 6);
 }
 
 static void call_key(idem_client *c, const char *method, const char *key, idem_result *r)
 {
-    idem_request q = {.method = method, .idempotency_key = key, .payload = key,
-                      .payload_len = strlen(key)};
+    idem_request q = {
+        .method = method, .idempotency_key = key, .payload = key, .payload_len = strlen(key)};
     cr_assert_eq(idem_client_call(c, &q, r), IDEM_OK, "%s", r->message ? r->message : "");
 }
 

@@ -106,6 +106,8 @@ typedef enum idem_suspend {
     IDEM__SUSPEND_RECORD,
 } idem_suspend;
 
+/* A response metadata entry: name and value in one block, which name owns (value
+ * points into it). */
 typedef struct idem_kv {
     char *name, *value;
 } idem_kv;
@@ -127,8 +129,8 @@ struct idem_call {
     char *message;
     uint8_t *payload;
     size_t payload_len;
-    idem_kv *meta;
-    size_t meta_count;
+    idem_kv *meta; /* meta_cap entries, meta_count of them set */
+    size_t meta_count, meta_cap;
     bool replayed;
     bool executed; /* the method handler ran in this call */
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
@@ -224,6 +226,8 @@ void idem__call_init(idem_call *call, const Idem__V1__Request *req, const idem_m
                      idem_runtime *rt);
 void idem__call_reset_response(idem_call *call);
 void idem__call_fini(idem_call *call);
+/* Frees n entries and the array that holds them. */
+void idem__kv_free(idem_kv *kv, size_t n);
 /* Response metadata for the library's own entries: may use the reserved slots. */
 idem_code idem__call_set_meta(idem_call *call, const char *name, const char *value);
 /* Sets the response message only (code unchanged). */
@@ -237,6 +241,10 @@ void idem__free_request(Idem__V1__Request *req);
 /* Serialized Response of the call as a malloc'd buffer (for storage or the wire). */
 idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8_t **out,
                                      size_t *len);
+/* The same into the len bytes buf_for returns (NULL: out of memory), e.g. a message's
+ * body: no intermediate copy. */
+idem_code idem__encode_call_response_to(const idem_call *call, bool for_wire,
+                                        void *(*buf_for)(void *arg, size_t len), void *arg);
 /* Loads a stored response into the call (code, message, payload, metadata). */
 idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len);
 

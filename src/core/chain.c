@@ -83,17 +83,14 @@ void idem__call_reset_response(idem_call *call)
 {
     free(call->message);
     free(call->payload);
-    for (size_t i = 0; i < call->meta_count; i++) {
-        free(call->meta[i].name);
-        free(call->meta[i].value);
-    }
-    free(call->meta);
+    idem__kv_free(call->meta, call->meta_count);
     idem__call_drop_replay_wire(call);
     call->message = NULL;
     call->payload = NULL;
     call->payload_len = 0;
     call->meta = NULL;
     call->meta_count = 0;
+    call->meta_cap = 0;
     call->code = IDEM_OK;
     call->replayed = false;
 }
@@ -229,38 +226,61 @@ idem_code idem_call_fail(idem_call *call, idem_code code, const char *fmt, ...)
     return code;
 }
 
-/* Adds or replaces an entry while the response holds fewer than limit entries. */
+void idem__kv_free(idem_kv *kv, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        free(kv[i].name);
+    }
+    free(kv);
+}
+
+/* An entry in one allocation: name, then value. */
+static bool kv_make(idem_kv *kv, const char *name, const char *value)
+{
+    size_t n = strlen(name) + 1, v = strlen(value) + 1;
+    char *b = malloc(n + v);
+    if (b == NULL) {
+        return false;
+    }
+    memcpy(b, name, n);
+    memcpy(b + n, value, v);
+    *kv = (idem_kv){b, b + n};
+    return true;
+}
+
+/* Adds or replaces an entry while the response holds fewer than limit entries. The
+ * array grows by doubling from the library's own entries' count. */
 static idem_code set_meta(idem_call *call, const char *name, const char *value, size_t limit)
 {
     if (strlen(name) > IDEM_MAX_METADATA_NAME || strlen(value) > IDEM_MAX_METADATA_VALUE) {
         return idem__err(IDEM_INVALID_ARGUMENT, "metadata entry too long");
     }
-    char *v = idem__strdup(value);
-    if (v == NULL) {
+    size_t i = 0;
+    while (i < call->meta_count && strcmp(call->meta[i].name, name) != 0) {
+        i++;
+    }
+    if (i == call->meta_count && i >= limit) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "response metadata limit (%zu)", limit);
+    }
+    if (i == call->meta_cap) {
+        size_t cap = call->meta_cap > 0 ? 2 * call->meta_cap : IDEM_RESERVED_METADATA;
+        idem_kv *grown = realloc(call->meta, cap * sizeof(*grown));
+        if (grown == NULL) {
+            return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        }
+        call->meta = grown;
+        call->meta_cap = cap;
+    }
+    idem_kv kv;
+    if (!kv_make(&kv, name, value)) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    for (size_t i = 0; i < call->meta_count; i++) {
-        if (strcmp(call->meta[i].name, name) == 0) {
-            free(call->meta[i].value);
-            call->meta[i].value = v;
-            return IDEM_OK;
-        }
+    if (i < call->meta_count) {
+        free(call->meta[i].name);
+    } else {
+        call->meta_count++;
     }
-    idem_kv *grown = NULL;
-    char *n = NULL;
-    if (call->meta_count >= limit ||
-        (grown = realloc(call->meta, (call->meta_count + 1) * sizeof(*grown))) == NULL ||
-        (n = idem__strdup(name)) == NULL) {
-        if (grown != NULL) {
-            call->meta = grown;
-        }
-        free(v);
-        return call->meta_count >= limit
-                   ? idem__err(IDEM_RESOURCE_EXHAUSTED, "response metadata limit (%zu)", limit)
-                   : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    call->meta = grown;
-    call->meta[call->meta_count++] = (idem_kv){n, v};
+    call->meta[i] = kv;
     return IDEM_OK;
 }
 

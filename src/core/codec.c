@@ -175,8 +175,8 @@ void idem__free_request(Idem__V1__Request *req)
     }
 }
 
-idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8_t **out,
-                                     size_t *len)
+idem_code idem__encode_call_response_to(const idem_call *call, bool for_wire,
+                                        void *(*buf_for)(void *arg, size_t len), void *arg)
 {
     Idem__V1__Response r = IDEM__V1__RESPONSE__INIT;
     Idem__V1__Response__MetadataEntry entries[IDEM_MAX_METADATA];
@@ -198,12 +198,35 @@ idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8
         r.replayed = call->replayed;
         r.request_id = (char *)call->request_id;
     }
-    *len = idem__v1__response__get_packed_size(&r);
-    if ((*out = malloc(*len ? *len : 1)) == NULL) {
+    size_t len = idem__v1__response__get_packed_size(&r);
+    uint8_t *out = buf_for(arg, len);
+    if (out == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory encoding response");
     }
-    idem__v1__response__pack(&r, *out);
+    idem__v1__response__pack(&r, out);
     return IDEM_OK;
+}
+
+typedef struct malloc_out {
+    uint8_t *buf;
+    size_t len;
+} malloc_out;
+
+static void *malloc_for(void *arg, size_t len)
+{
+    malloc_out *o = arg;
+    o->len = len;
+    return o->buf = malloc(len ? len : 1);
+}
+
+idem_code idem__encode_call_response(const idem_call *call, bool for_wire, uint8_t **out,
+                                     size_t *len)
+{
+    malloc_out o = {NULL, 0};
+    idem_code code = idem__encode_call_response_to(call, for_wire, malloc_for, &o);
+    *out = o.buf;
+    *len = o.len;
+    return code;
 }
 
 idem_code idem__load_call_response(idem_call *call, const void *buf, size_t len)

@@ -169,6 +169,7 @@ idem_code idem__call_materialize_replay(idem_call *call)
     const char *key = idem__call_answer_key(call);
     call->meta = NULL;
     call->meta_count = 0;
+    call->meta_cap = 0;
     idem_code code = idem__load_call_response(call, wire, call->replay_wire_len);
     idem__call_drop_replay_wire(call); /* the load copied what it keeps */
     if (code == IDEM_OK) {
@@ -178,10 +179,8 @@ idem_code idem__call_materialize_replay(idem_call *call)
         if (code == IDEM_OK) {
             code = idem__call_set_meta(call, since[i].name, since[i].value);
         }
-        free(since[i].name);
-        free(since[i].value);
     }
-    free(since);
+    idem__kv_free(since, n_since);
     if (code == IDEM_OK && key != NULL) {
         code = idem__call_set_meta(call, "idem-key", key);
     }

@@ -19,6 +19,7 @@
 
 #include "nng_close.h"
 #include "nng_front.h"
+#include "nng_peers.h"
 #include "tls.h"
 
 #define FRAME_SLACK ((size_t)64 << 10) /* read this much past max_frame to answer it */
@@ -53,6 +54,7 @@ struct idem_nng_front {
     pthread_mutex_t tls_mu; /* guards tls: listeners may be added while serving */
     tls_caller tls[MAX_TLS_LISTENERS];
     size_t n_tls;
+    idem_pipe_peers peers; /* each open pipe's identity, read when it was added */
 };
 
 static idem_code nng_fail(int rv, const char *what)
@@ -61,18 +63,23 @@ static idem_code nng_fail(int rv, const char *what)
                      nng_strerror(rv));
 }
 
+/* A message of len bytes for the encoding to fill (its body). */
+static void *msg_for(void *arg, size_t len)
+{
+    nng_msg **msg = arg;
+    return nng_msg_alloc(msg, len) == 0 ? nng_msg_body(*msg) : NULL;
+}
+
 /* Encodes the call's response; falls back to a bare INTERNAL answer on ENOMEM and to
  * NULL (no reply: the client times out and retries) when even that fails. */
 static nng_msg *response_msg(idem_call *call)
 {
-    uint8_t *buf;
-    size_t len;
-    nng_msg *msg;
+    nng_msg *msg = NULL;
     if (call->replay_wire != NULL && call->meta_count == 0) {
         /* A replay as its stored bytes plus the per-call fields: what the encoding
          * below would write, without decoding and re-encoding the stored result. */
         uint8_t suffix[IDEM_REPLAY_SUFFIX_MAX];
-        len = idem__replay_suffix(call, suffix);
+        size_t len = idem__replay_suffix(call, suffix);
         if (nng_msg_alloc(&msg, call->replay_wire_len + len) != 0) {
             return NULL;
         }
@@ -83,18 +90,13 @@ static nng_msg *response_msg(idem_call *call)
     }
     if (idem__call_materialize_replay(call) != IDEM_OK ||
         idem__call_set_meta(call, "request-id", call->request_id) != IDEM_OK ||
-        idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
+        idem__encode_call_response_to(call, true, msg_for, &msg) != IDEM_OK) {
         idem__call_reset_response(call);
         idem_call_fail(call, IDEM_INTERNAL, "out of memory encoding the response");
-        if (idem__encode_call_response(call, true, &buf, &len) != IDEM_OK) {
-            return NULL;
+        if (idem__encode_call_response_to(call, true, msg_for, &msg) != IDEM_OK) {
+            return NULL; /* nng_msg_alloc failing leaves msg unset */
         }
     }
-    if (nng_msg_alloc(&msg, 0) != 0 || nng_msg_append(msg, buf, len) != 0) {
-        free(buf);
-        return NULL; /* nng_msg_alloc failing leaves msg unset; append failing frees nothing */
-    }
-    free(buf);
     return msg;
 }
 
@@ -157,17 +159,37 @@ static void tls_peer(idem_nng_front *f, nng_pipe p, idem_peer *peer)
 }
 
 /* What the transport knows of the sender: the kernel's peer uid on ipc:// (nng reads
- * SO_PEERCRED when the pipe connects), the verified client of a TLS listener; other
+ * SO_PEERCRED, a system call each time), the verified client of a TLS listener; other
  * transports answer NNG_ENOTSUP. */
+static void pipe_peer(idem_nng_front *f, nng_pipe p, idem_peer *peer)
+{
+    peer->has_uid = nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &peer->uid) == 0;
+    tls_peer(f, p, peer);
+}
+
+/* Pipe events (nng_peers.c): the identity is read once, before the pipe's first
+ * message, and dropped when the pipe goes. */
+static void pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    idem_nng_front *f = arg;
+    if (ev == NNG_PIPE_EV_ADD_PRE) {
+        idem_peer peer = {0};
+        pipe_peer(f, p, &peer);
+        idem__pipe_peers_add(&f->peers, (uint32_t)nng_pipe_id(p), &peer);
+    } else if (ev == NNG_PIPE_EV_REM_POST) {
+        idem__pipe_peers_remove(&f->peers, (uint32_t)nng_pipe_id(p));
+    }
+}
+
+/* The sender's identity: its pipe's entry, else read now (the cache was full). */
 static idem_peer msg_peer(idem_nng_front *f, nng_msg *msg)
 {
     idem_peer peer = {0};
     nng_pipe p = nng_msg_get_pipe(msg);
-    if (nng_pipe_id(p) <= 0) {
+    if (nng_pipe_id(p) <= 0 || idem__pipe_peers_get(&f->peers, (uint32_t)nng_pipe_id(p), &peer)) {
         return peer;
     }
-    peer.has_uid = nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &peer.uid) == 0;
-    tls_peer(f, p, &peer);
+    pipe_peer(f, p, &peer);
     return peer;
 }
 
@@ -254,11 +276,16 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
     }
     f->d = d;
     pthread_mutex_init(&f->tls_mu, NULL);
+    idem__pipe_peers_init(&f->peers);
     *out = f; /* from here on, idem__nng_front_close frees whatever was opened */
     if ((rv = nng_rep0_open(&f->sock)) != 0) {
         return nng_fail(rv, "nng_rep0_open");
     }
     f->sock_open = true;
+    if ((rv = nng_pipe_notify(f->sock, NNG_PIPE_EV_ADD_PRE, pipe_event, f)) != 0 ||
+        (rv = nng_pipe_notify(f->sock, NNG_PIPE_EV_REM_POST, pipe_event, f)) != 0) {
+        return nng_fail(rv, "nng_pipe_notify");
+    }
     if ((rv = nng_socket_set_size(f->sock, NNG_OPT_RECVMAXSZ, max_frame + FRAME_SLACK)) != 0) {
         return nng_fail(rv, "set NNG_OPT_RECVMAXSZ");
     }
@@ -300,6 +327,20 @@ static idem_code tls_remember(idem_nng_front *f, nng_listener l, const idem_tls_
     return code;
 }
 
+/* Forgets listener l (it did not start). */
+static void tls_forget(idem_nng_front *f, nng_listener l)
+{
+    uint32_t lid = (uint32_t)nng_listener_id(l);
+    pthread_mutex_lock(&f->tls_mu);
+    for (size_t i = 0; i < f->n_tls; i++) {
+        if (f->tls[i].listener_id == lid) {
+            f->tls[i] = f->tls[--f->n_tls];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&f->tls_mu);
+}
+
 /* Sets a required-client-certificate TLS configuration on l. */
 static idem_code tls_configure(nng_listener l, const idem_tls_listener *tls)
 {
@@ -325,13 +366,17 @@ idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_
         nng_listener_close(l);
         return code;
     }
-    if ((rv = nng_listener_start(l, 0)) != 0) {
-        nng_listener_close(l);
-        return nng_fail(rv, url);
-    }
-    if (tls != NULL && (code = tls_remember(f, l, tls)) != IDEM_OK) { /* only once started */
+    /* Remembered before it starts: a pipe's identity is read once, when it is added. */
+    if (tls != NULL && (code = tls_remember(f, l, tls)) != IDEM_OK) {
         nng_listener_close(l);
         return code;
+    }
+    if ((rv = nng_listener_start(l, 0)) != 0) {
+        if (tls != NULL) {
+            tls_forget(f, l);
+        }
+        nng_listener_close(l);
+        return nng_fail(rv, url);
     }
     if (f->port == 0 && (strncmp(url, "tcp", 3) == 0 || strncmp(url, "tls+tcp", 7) == 0)) {
         int port = 0;
@@ -340,6 +385,11 @@ idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_
         }
     }
     return IDEM_OK;
+}
+
+size_t idem__nng_front_pipe_peers(idem_nng_front *f)
+{
+    return idem__pipe_peers_count(&f->peers);
 }
 
 int idem__nng_front_port(const idem_nng_front *f)
@@ -371,6 +421,7 @@ void idem__nng_front_close(idem_nng_front *f)
     for (size_t i = 0; i < f->n_works; i++) {
         nng_aio_free(f->works[i].aio);
     }
+    idem__pipe_peers_fini(&f->peers); /* nng_close waited for every pipe's REM_POST */
     pthread_mutex_destroy(&f->tls_mu);
     free(f->works);
     free(f);

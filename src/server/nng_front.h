@@ -13,6 +13,8 @@ idem_code idem__nng_front_open(idem_nng_front **out, idem_dispatch *d, size_t co
                                size_t max_frame);
 /* tls: NULL for a plain listener, else required client certificates (tls.c). */
 idem_code idem__nng_front_listen(idem_nng_front *f, const char *url, const idem_tls_listener *tls);
+/* The pipes whose identity is cached (nng_peers.c): the open ones, for tests. */
+size_t idem__nng_front_pipe_peers(idem_nng_front *f);
 /* The port of the first tcp listener (for port 0), else 0. */
 int idem__nng_front_port(const idem_nng_front *f);
 /* Arms every context. fast_path: answer stored replays on nng's callback thread. */

@@ -49,6 +49,11 @@ void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), voi
     srv->rt.clock = (idem_clock){now_ms, arg};
 }
 
+size_t idem__server_pipe_peers(idem_server *srv)
+{
+    return idem__nng_front_pipe_peers(srv->nng);
+}
+
 static int method_cmp(const void *a, const void *b)
 {
     return strcmp(((const idem_method *)a)->name, ((const idem_method *)b)->name);

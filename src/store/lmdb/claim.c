@@ -186,6 +186,7 @@ typedef struct shared_claim {
     idem_record rec;
     uint64_t owner; /* drawn when the claim acquired the record (0: it did not): redo's */
     atomic_int refs;
+    _Alignas(max_align_t) unsigned char op[IDEM_GC_OP_BYTES]; /* its group commit op */
 } shared_claim;
 
 static idem_code shared_apply(MDB_txn *txn, void *arg)
@@ -251,7 +252,7 @@ idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
     }
     h->c = (claim_ctx){st, &h->req, &h->key, &h->outcome, &h->rec, idem__mono_ms()};
     atomic_init(&h->refs, 2);
-    code = idem__lmdb_write_held(st, shared_apply, shared_redo, h, shared_unref, ticket);
+    code = idem__lmdb_write_held(st, shared_apply, shared_redo, h, shared_unref, h->op, ticket);
     if (code == IDEM_OK) {
         *outcome = h->outcome;
         *rec = h->rec; /* moved: the writer thread's runs are over for these */
@@ -335,6 +336,7 @@ typedef struct async_complete {
     void *response;
     idem__store_done_fn done;
     void *arg;
+    _Alignas(max_align_t) unsigned char op[IDEM_GC_OP_BYTES]; /* its group commit op */
 } async_complete;
 
 static void async_complete_done(void *ctx, idem_code code, const char *err)
@@ -367,7 +369,7 @@ idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, u
     a->done = done;
     a->arg = arg;
     idem_code code =
-        idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, async_complete_done);
+        idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, async_complete_done, a->op);
     if (code != IDEM_OK) {
         free(a); /* the response stays the caller's */
     }

@@ -20,14 +20,14 @@ idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx)
 }
 
 idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
-                                void (*unref)(void *ctx), uint64_t *ticket)
+                                void (*unref)(void *ctx), void *op_mem, uint64_t *ticket)
 {
     if (thread_write_txn != NULL) {
         *ticket = 0;
         unref(ctx); /* the writer thread's reference */
         return nested_write();
     }
-    return idem__gc_write_held(&st->gc, fn, redo, ctx, unref, ticket);
+    return idem__gc_write_held(&st->gc, fn, redo, ctx, unref, op_mem, ticket);
 }
 
 idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket)
@@ -40,10 +40,12 @@ idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint
 }
 
 idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
-                                     void (*done)(void *ctx, idem_code code, const char *err))
+                                     void (*done)(void *ctx, idem_code code, const char *err),
+                                     void *op_mem)
 {
-    return thread_write_txn != NULL ? nested_write()
-                                    : idem__gc_write_end_async(&st->gc, fn, ctx, ticket, done);
+    return thread_write_txn != NULL
+               ? nested_write()
+               : idem__gc_write_end_async(&st->gc, fn, ctx, ticket, done, op_mem);
 }
 
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn)

@@ -188,8 +188,20 @@ idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx,
     return write_queued(gc, fn, ctx, ticket != 0 ? OP_END : OP_PLAIN, ticket);
 }
 
+/* A zeroed op in op_mem, else on the heap; NULL when out of memory. */
+static idem_write_op *op_new(void *op_mem)
+{
+    if (op_mem == NULL) {
+        return calloc(1, sizeof(idem_write_op));
+    }
+    idem_write_op *op = memset(op_mem, 0, sizeof(*op));
+    op->in_ctx = true;
+    return op;
+}
+
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
-                              void *ctx, void (*unref)(void *ctx), uint64_t *ticket)
+                              void *ctx, void (*unref)(void *ctx), void *op_mem,
+                              uint64_t *ticket)
 {
     *ticket = 0;
     if (!gc->started) {
@@ -197,9 +209,11 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
         unref(ctx); /* the writer's reference: there is none */
         return code;
     }
-    idem_write_op *op = calloc(1, sizeof(*op));
+    idem_write_op *op = op_new(op_mem);
     if (op == NULL || sem_init(&op->done, 0, 0) != 0) {
-        free(op);
+        if (op != NULL && !op->in_ctx) {
+            free(op);
+        }
         unref(ctx);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a store write");
     }
@@ -221,10 +235,11 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
 
 idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,
                                    uint64_t ticket,
-                                   void (*done)(void *ctx, idem_code code, const char *err))
+                                   void (*done)(void *ctx, idem_code code, const char *err),
+                                   void *op_mem)
 {
     idem_write_op *op;
-    if (!gc->started || ticket == 0 || (op = calloc(1, sizeof(*op))) == NULL) {
+    if (!gc->started || ticket == 0 || (op = op_new(op_mem)) == NULL) {
         return idem__err(IDEM_UNAVAILABLE, "no asynchronous write here: write and wait");
     }
     op->fn = fn;

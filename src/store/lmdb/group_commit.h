@@ -172,7 +172,8 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
  * when fn returned IDEM_OK in an open batch: the claim's caller then ends it with
  * idem__gc_write_end (its completion or release) or idem__gc_drop (no write follows). */
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
-                              void *ctx, void (*unref)(void *ctx), uint64_t *ticket);
+                              void *ctx, void (*unref)(void *ctx), void *op_mem,
+                              uint64_t *ticket);
 /* idem__gc_write of the write that ends a shared claim (ticket 0: none). */
 idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket);
 /* idem__gc_write_end without waiting: queued, and IDEM_OK, when the writer thread runs
@@ -181,7 +182,14 @@ idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx,
  * idem_errmsg when code is not IDEM_OK); it must not wait for a store write. */
 idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,
                                    uint64_t ticket,
-                                   void (*done)(void *ctx, idem_code code, const char *err));
+                                   void (*done)(void *ctx, idem_code code, const char *err),
+                                   void *op_mem);
+/* op_mem of the two above: NULL, or IDEM_GC_OP_BYTES (aligned as malloc's) in ctx's own
+ * block, for one allocation instead of two. The op is done with them before unref(ctx)
+ * or done(ctx, ...), which may then free that block; err points into them: read it
+ * before. */
+#define IDEM_GC_OP_BYTES 384
+
 /* No write will end the shared claim of ticket: its batch need not wait for one. */
 void idem__gc_drop(idem_group_commit *gc, uint64_t ticket);
 /* Returns once the batch of ticket has ended (committed, or failed and re-run one write

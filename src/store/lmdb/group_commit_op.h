@@ -6,13 +6,15 @@
  *   group_commit_pipe.c   committed batches whose callers wait for a later sync
  *
  * An op lives on its caller's stack (idem__gc_write, _end) or on the heap (a shared
- * claim: two references; an asynchronous end: freed once handed over). It is on the
- * queue (gc->head, under gc->mu), then in exactly one batch, owned by the writer thread
- * until it is posted: after the commit holding it is durable or has failed and been run
- * again alone. The only op posted before its commit is a shared claim that applied
- * IDEM_OK: its caller runs while the batch is open, and a failed commit re-applies it
- * (redo); any other outcome of a shared claim (a refusal read from the open txn) is
- * posted like a plain write, once its batch is durable, or decided again alone. */
+ * claim: two references; an asynchronous end: freed once handed over), there in its
+ * ctx's block when its caller gave op_mem (in_ctx: freed with the ctx, after the op's
+ * last use). It is on the queue (gc->head, under gc->mu), then in exactly one batch,
+ * owned by the writer thread until it is posted: after the commit holding it is durable
+ * or has failed and been run again alone. The only op posted before its commit is a
+ * shared claim that applied IDEM_OK: its caller runs while the batch is open, and a
+ * failed commit re-applies it (redo); any other outcome of a shared claim (a refusal
+ * read from the open txn) is posted like a plain write, once its batch is durable, or
+ * decided again alone. */
 #ifndef IDEMRPC_GROUP_COMMIT_OP_H
 #define IDEMRPC_GROUP_COMMIT_OP_H
 
@@ -54,7 +56,10 @@ struct idem_write_op {
     char err[256]; /* the writer thread's idem_errmsg() for this op, handed over */
     idem_write_op *next;
     idem_write_op *held_next; /* OP_HELD ops of a batch, to drop the writer's reference */
+    bool in_ctx;              /* in its caller's op_mem, not freed here */
 };
+
+_Static_assert(sizeof(idem_write_op) <= IDEM_GC_OP_BYTES, "IDEM_GC_OP_BYTES too small");
 
 /* The ops of one batch, in the order they were applied. */
 typedef struct idem_gc_batch {

@@ -43,8 +43,11 @@ void idem__gc_op_post(idem_write_op *op)
 {
     op->posted = true;
     if (op->on_done != NULL) {
+        bool in_ctx = op->in_ctx; /* on_done may free op with its ctx */
         op->on_done(op->ctx, op->code, op->err);
-        free(op);
+        if (!in_ctx) {
+            free(op);
+        }
         return;
     }
     sem_post(&op->done); /* its writer, and nobody else: cannot fail (0 → 1) */
@@ -53,9 +56,13 @@ void idem__gc_op_post(idem_write_op *op)
 void idem__gc_op_unref(idem_write_op *op)
 {
     if (atomic_fetch_sub(&op->refs, 1) == 1) {
+        void (*unref)(void *ctx) = op->unref;
+        void *ctx = op->ctx;
         sem_destroy(&op->done);
-        op->unref(op->ctx);
-        free(op);
+        if (!op->in_ctx) {
+            free(op);
+        }
+        unref(ctx); /* may free op with its ctx */
     }
 }
 

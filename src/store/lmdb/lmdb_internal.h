@@ -191,10 +191,11 @@ idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
 /* idem__gc_write_held and idem__gc_write_end behind the same gate. */
 idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
-                                void (*unref)(void *ctx), uint64_t *ticket);
+                                void (*unref)(void *ctx), void *op_mem, uint64_t *ticket);
 idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket);
 idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
-                                     void (*done)(void *ctx, idem_code code, const char *err));
+                                     void (*done)(void *ctx, idem_code code, const char *err),
+                                     void *op_mem);
 /* A write txn of this thread's own, outside group commit (a handler txn, a sweep): asks
  * an open shared batch to commit first, then waits for LMDB's writer lock. */
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn);
