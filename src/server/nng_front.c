@@ -415,8 +415,10 @@ void idem__nng_front_close(idem_nng_front *f)
     for (size_t i = 0; i < f->n_works; i++) {
         nng_aio_stop(f->works[i].aio);
     }
-    if (f->sock_open) {
-        idem__nng_close_bounded(f->sock);
+    if (f->sock_open && !idem__nng_close_bounded(f->sock)) {
+        /* nng is stuck closing the socket (src/supplemental/nng_close.c) and may still call
+         * pipe_event with f: f and all it holds stay, as the socket does, till exit. */
+        return;
     }
     for (size_t i = 0; i < f->n_works; i++) {
         nng_aio_free(f->works[i].aio);
