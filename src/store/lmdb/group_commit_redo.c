@@ -42,6 +42,11 @@ void idem__gc_op_finish(idem_write_op *op, idem_code code)
 void idem__gc_op_post(idem_write_op *op)
 {
     op->posted = true;
+    if (op->on_applied != NULL) { /* an asynchronous shared claim: told, not woken */
+        op->on_applied(op->ctx, op->code, op->ticket, op->err);
+        idem__gc_op_unref(op); /* its caller's reference */
+        return;
+    }
     if (op->on_done != NULL) {
         op->on_done(op->ctx, op->code, op->err);
         free(op);
