@@ -14,7 +14,14 @@
  * handler under the claim, record its outcome, and what a failed record answers) is
  * result_cache_run.c. Nothing is answered from a state the disk may not keep: a result
  * or another request met in an open shared commit is answered only as read back once
- * that commit has ended. */
+ * that commit has ended.
+ *
+ * On nng's callback thread (fast_only) a new key of a method whose claim is shared
+ * (not transactional, no journaled steps) is claimed without waiting when the server
+ * can take the call back (fast_claim): the claim is queued for the store's writer
+ * thread, the call suspends (IDEM__SUSPEND_RECORD), and the writer thread hands it to a
+ * worker once the claim is applied; the worker reads the outcome here (claimed) and
+ * runs the handler, or looks again. A worker's sleep and wake around the claim saved. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -179,6 +186,74 @@ static idem_claim_req claim_request(const idem_call *call, const idem_cache_cfg 
     return req;
 }
 
+/* The store's writer thread has applied the claim the fast path queued: the call goes
+ * on to a worker, at result_cache (claimed). Never waits for a store write. */
+static void claim_applied(void *arg, idem_code code, idem_claim_outcome outcome, uint64_t owner,
+                          uint64_t ticket, const char *err)
+{
+    idem_call *call = arg;
+    struct idem__claiming *c = &call->claiming;
+    c->code = code;
+    c->outcome = (int)outcome;
+    c->owner = owner;
+    c->ticket = ticket;
+    snprintf(c->err, sizeof(c->err), "%s", err);
+    call->rt->resume(call->rt->resume_arg, call);
+}
+
+/* On nng's callback thread (fast_claim): queues the shared claim of a new key and
+ * suspends the call until the store has applied it, so that a worker takes the call
+ * only to run the handler. false: not so (a worker claims, as without the fast path). */
+static bool claim_queued(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
+                         const idem_key_ref *key, const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
+{
+    if (!call->fast_claim ||
+        (call->method->opts.flags & (IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_STEPS))) {
+        return false;
+    }
+    idem_claim_req req = claim_request(call, cfg, key, fingerprint);
+    /* All set before the store may hand the call on (claim_applied). */
+    call->claiming.active = true;
+    atomic_store(&call->recording.turns, 2);
+    call->resume_pos = next.pos - 1; /* this interceptor */
+    call->suspend = IDEM__SUSPEND_RECORD;
+    if (idem__store_claim_shared_async(cfg->store, &req, claim_applied, call) != IDEM_OK) {
+        call->claiming.active = false;
+        call->suspend = IDEM__SUSPEND_NONE;
+        return false;
+    }
+    return true;
+}
+
+/* A claim the fast path queued, on the worker that resumed the call: what
+ * look_or_claim makes of a claim's outcome, without its record. A claim that did not
+ * acquire looks again (*again): a result is then read as committed, a lease waited for. */
+static idem_code claimed(idem_call *call, const idem_cache_cfg *cfg, idem_next next,
+                         const idem_key_ref *key, const uint8_t fingerprint[IDEM_FINGERPRINT_LEN],
+                         bool *again)
+{
+    const struct idem__claiming *c = &call->claiming;
+    idem_claim_outcome outcome = (idem_claim_outcome)c->outcome;
+    call->claiming.active = false;
+    *again = false;
+    if (c->code != IDEM_OK) {
+        bool token = c->code == IDEM_FAILED_PRECONDITION || c->code == IDEM_PERMISSION_DENIED;
+        return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, c->code, "%s",
+                            c->err);
+    }
+    if (outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER) {
+        call->token_to_consume = NULL;
+        return idem__rc_run_owned(call, next, cfg, key, c->owner, NULL, c->ticket);
+    }
+    /* Dropped, and a result or another request met in the open txn waited for. */
+    bool look = c->ticket != 0 && look_again(cfg, key, fingerprint, c->ticket, outcome);
+    if (!look && outcome == IDEM_CLAIM_MISMATCH) {
+        return reject_mismatch(call); /* the other request is on disk */
+    }
+    *again = true;
+    return IDEM_OK;
+}
+
 /* What a claim's outcome (rec: the record it read or wrote) makes of the call. */
 static idem_code after_claim(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
                              const idem_key_ref *key, idem_claim_outcome outcome, idem_record *rec,
@@ -223,7 +298,11 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     }
     bool leased = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms > now;
     record_end(&rec, &borrow);
-    if (call->fast_only) { /* claiming writes, waiting waits: a worker resumes here */
+    if (call->fast_only) { /* waiting waits, claiming writes: a worker resumes here */
+        bool fresh = !leased && (code == IDEM_OK || code == IDEM_NOT_FOUND);
+        if (fresh && claim_queued(call, cfg, next, key, fingerprint)) {
+            return IDEM_UNAVAILABLE; /* suspended: never sent */
+        }
         return idem__call_defer(call, next.pos - 1);
     }
     if (leased) { /* the owner is alive: no write claim, just wait */
@@ -286,9 +365,11 @@ idem_code idem__result_cache_interceptor(idem_call *call, idem_next next, void *
                             "%s", idem_errmsg());
     }
     for (;;) {
-        bool wait, again;
+        bool wait = false, again;
         uint64_t gen = idem__inflight_gen(call->rt->inflight, bucket); /* before the read */
-        idem_code code = look_or_claim(call, cfg, next, &key, fingerprint, &wait, &again);
+        idem_code code = call->claiming.active
+                             ? claimed(call, cfg, next, &key, fingerprint, &again)
+                             : look_or_claim(call, cfg, next, &key, fingerprint, &wait, &again);
         if (again) {
             continue;
         }

@@ -5,8 +5,8 @@
  *
  * Each round starts the server on the same store, runs CLIENTS threads calling new keys
  * (two threads per key, so that duplicates race),
- * kills it with SIGKILL once a number of calls drawn for the round (fixed seeds) have been
- * answered, cuts the power (or not), restarts the server without the recorder and calls
+ * kills it with SIGKILL up to 2 ms (drawn) after a number of calls drawn for the round
+ * (fixed seeds) have been answered, cuts the power (or not), restarts the server without the recorder and calls
  * every key answered in any round so far again: each must replay its first result. The
  * clients are mid-call when the kill comes, so it lands between a commit and the next
  * sync at some point of the pipeline (group_commit_pipe.c). */
@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "power_cut.h"
@@ -131,6 +132,15 @@ static void load_then_kill(tu_child *srv, size_t target)
     while (n_answers < target) {
         pthread_cond_wait(&answered, &mu);
     }
+    pthread_mutex_unlock(&mu);
+    /* The kill's point, drawn per round: up to 2 ms past the target answer. Right at an
+     * answer the store has just synced (the answer waited for that), so the kill would
+     * often cut nothing; the clients go on meanwhile, and what they are answered counts.
+     * Not a synchronisation: where the fault lands. */
+    unsigned seed = 104729u * (unsigned)round_no + 7u;
+    struct timespec past = {0, (long)(rand_r(&seed) % 2000u) * 1000L};
+    nanosleep(&past, NULL);
+    pthread_mutex_lock(&mu);
     killed = true;
     pthread_mutex_unlock(&mu);
     kill(srv->pid, SIGKILL);

@@ -101,8 +101,9 @@ typedef enum idem_suspend {
     IDEM__SUSPEND_DEFER,
     /* A duplicate waits for its key: park the call, resume it at resume_pos. */
     IDEM__SUSPEND_PARK,
-    /* The handler's outcome is being committed (idem_call.recording): the store hands the
-     * call back (idem_runtime.resume) and it resumes at resume_pos. */
+    /* The handler's outcome is being committed (idem_call.recording), or its claim
+     * applied (idem_call.claiming): the store hands the call back (idem_runtime.resume)
+     * and it resumes at resume_pos. */
     IDEM__SUSPEND_RECORD,
 } idem_suspend;
 
@@ -134,8 +135,13 @@ struct idem_call {
     bool replayed;
     bool executed; /* the method handler ran in this call */
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
-     * replay read); anything else suspends with IDEM__SUSPEND_DEFER. */
+     * replay read, queueing a shared claim when fast_claim); anything else suspends with
+     * IDEM__SUSPEND_DEFER. */
     bool fast_only;
+    /* fast_only, and the server hands back a call suspended with IDEM__SUSPEND_RECORD
+     * (its queue has room): result_cache may queue the claim of a new key here and let
+     * the store hand the call on once the claim is applied (idem_call.claiming). */
+    bool fast_claim;
     bool parkable; /* on a worker that can park it (the server's job_step) */
     idem_suspend suspend;
     /* PARK: where to resume, which in-flight bucket to wait on and the generation seen
@@ -178,6 +184,17 @@ struct idem_call {
         atomic_int turns;
         char err[256];
     } recording;
+    /* IDEM__SUSPEND_RECORD with claiming.active: a shared claim the fast path queued
+     * (result_cache.c); what the store said of it once applied, read on the worker that
+     * resumes the call. The hand-over takes the turns of recording (the fast path's
+     * and the store's). */
+    struct idem__claiming {
+        bool active;
+        idem_code code;
+        int outcome; /* an idem_claim_outcome */
+        uint64_t owner, ticket;
+        char err[256];
+    } claiming;
     /* Journaled steps (toolkit/steps.c, saga.c): the generation of the derived keys,
      * read at the claim; the step whose undo runs now (its derived keys are the undo's);
      * the steps this run completed with their undos, freed by saga_free (idem__call_fini). */

@@ -5,7 +5,9 @@
  *
  * A duplicate that must wait for a running first call leaves the chain at result_cache
  * and parks; the completion of its key (or its re-read time) queues it again, and a
- * worker resumes it where it left. */
+ * worker resumes it where it left. A call the store commits for (its outcome, or a new
+ * key's claim the nng fast path queued) is suspended the same way and handed back by
+ * the store's writer thread (resume_recorded). */
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -13,15 +15,16 @@
 #include <string.h>
 
 #include "dispatch.h"
+#include "dispatch_run.h"
 #include "inflight.h"
 
 struct idem_dispatch {
     idem_dispatch_cfg cfg;
-    pthread_mutex_t mu; /* guards the queue and stopping */
+    pthread_mutex_t mu; /* guards the queue and stopping (written under it, read without) */
     pthread_cond_t cv;  /* queue non-empty, or stopping */
     idem_job *head, *tail;
-    size_t n_queued;
-    bool stopping;
+    atomic_size_t n_queued;
+    atomic_bool stopping;
     /* Calls suspended while the store commits their outcome (IDEM__SUSPEND_RECORD): the
      * store hands each back once; stopping waits for them. */
     size_t recording;
@@ -30,72 +33,14 @@ struct idem_dispatch {
     size_t n_threads;
 };
 
-/* The key the call ran under, for the client (idem_result.key): a business key may
- * have replaced the one it sent. A token is not echoed. */
-static void answer_key(idem_call *call)
-{
-    const char *key = idem__call_answer_key(call);
-    if (key != NULL && call->replay_wire == NULL) { /* a stored-bytes replay: the front adds it */
-        idem__call_set_meta(call, "idem-key", key);
-    }
-}
-
-/* Decode + identity + chain. false: a fast_only call needs a worker (out->call is kept,
- * suspended with DEFER: idem__dispatch_enqueue resumes it where it stopped), or
- * (parkable) the call parked in out->call.suspend; nothing to answer yet. */
+/* Decode + identity + chain (dispatch_run.c); the fast path may queue a new key's claim
+ * when the call can then be queued. */
+static bool can_queue(idem_dispatch *d);
 static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
                 idem_run_opts opts, bool parkable, idem_served *out)
 {
-    idem_runtime *rt = d->cfg.rt;
-    uint64_t start = idem__mono_us();
-    idem_code code;
-
-    out->req = NULL;
-    if (len > d->cfg.max_frame) {
-        code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
-                         len, d->cfg.max_frame);
-    } else {
-        idem__arena_init(&out->arena);
-        code = idem__decode_request_arena(frame, len, opts.frame_writable, &out->arena, &out->req);
-    }
-    if (code != IDEM_OK) {
-        idem__dispatch_reject(
-            d, out, code == IDEM_RESOURCE_EXHAUSTED ? IDEM_REASON_TOO_LARGE : IDEM_REASON_BAD_FRAME,
-            code, idem_errmsg());
-        return true;
-    }
-    out->start_us = start;
-    idem__call_init(&out->call, out->req, d->cfg.find_method(d->cfg.find_arg, out->req->method),
-                    rt);
-    out->call.fast_only = opts.fast_only;
-    out->call.parkable = parkable;
-    out->call.wire_reply = opts.wire_reply;
-    if (peer != NULL && peer->redriven) { /* its client's deadline has passed: a new one */
-        uint32_t a = out->req->attempt;
-        out->req->deadline_unix_ms = peer->redriven_deadline_ms;
-        out->req->call_deadline_unix_ms = peer->redriven_deadline_ms;
-        out->req->attempt = a < 2 ? 2 : a == UINT32_MAX ? a : a + 1; /* a retry, not a submit */
-        out->call.pinned_key = peer->redriven_key;
-    }
-    uint64_t deadline = out->req->deadline_unix_ms;
-    /* Who is calling, before anything reads the caller: a refusal runs and claims nothing. */
-    bool identified = idem__identity_resolve(d->cfg.identity, peer, &out->call) == IDEM_OK;
-    if (identified && deadline != 0 && deadline <= idem__rt_now_ms(rt)) {
-        /* Nobody waits for the answer any more: run nothing, claim nothing. */
-        idem__reject(&out->call, IDEM_REASON_DEADLINE, IDEM_DEADLINE_EXCEEDED,
-                     "deadline passed before the call started (deadline_unix_ms %llu)",
-                     (unsigned long long)deadline);
-    } else if (identified) {
-        idem_call_next(&out->call, (idem_next){d->cfg.chain, 0});
-        if (out->call.suspend != IDEM__SUSPEND_NONE) {
-            return false;
-        }
-    }
-    if (out->call.request_id[0] == '\0') { /* refused before request_id ran, or no request_id */
-        idem__random_hex(out->call.request_id, 16);
-    }
-    answer_key(&out->call);
-    return true;
+    bool claim = opts.fast_only && d->cfg.rt->can_park && d->cfg.rt->resume != NULL && can_queue(d);
+    return idem__dispatch_call_run(&d->cfg, frame, len, peer, opts, parkable, claim, out);
 }
 
 bool idem__dispatch_run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
@@ -118,12 +63,7 @@ void idem__dispatch_done(idem_dispatch *d, idem_served *s)
 void idem__dispatch_reject(idem_dispatch *d, idem_served *s, const char *reason, idem_code code,
                            const char *message)
 {
-    static const Idem__V1__Request empty = IDEM__V1__REQUEST__INIT;
-    s->start_us = idem__mono_us();
-    s->req = NULL;
-    idem__call_init(&s->call, &empty, NULL, d->cfg.rt);
-    idem__reject(&s->call, reason, code, "%s", message);
-    idem__random_hex(s->call.request_id, 16);
+    idem__dispatch_reject_rt(d->cfg.rt, s, reason, code, message);
 }
 
 void idem__dispatch_busy(idem_dispatch *d, idem_served *s)
@@ -136,19 +76,16 @@ void idem__dispatch_busy(idem_dispatch *d, idem_served *s)
 
 /* ---- the queue ---- */
 
-/* A resumed job (a woken duplicate, a call whose outcome is committed) skips the
- * max_queue check and goes first: it was admitted before any call still queued. */
-static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
+/* A fresh job would be taken now (not stopping, max_queue not reached), as far as a
+ * look without the lock can tell (the nng callbacks ask at every call). */
+static bool can_queue(idem_dispatch *d)
 {
-    pthread_mutex_lock(&d->mu);
-    if (d->stopping) {
-        pthread_mutex_unlock(&d->mu);
-        return IDEM_UNAVAILABLE;
-    }
-    if (fresh && d->cfg.max_queue > 0 && d->n_queued >= d->cfg.max_queue) {
-        pthread_mutex_unlock(&d->mu);
-        return IDEM_RESOURCE_EXHAUSTED;
-    }
+    return !d->stopping && (d->cfg.max_queue == 0 || d->n_queued < d->cfg.max_queue);
+}
+
+/* Adds job to the queue (d->mu held): at its end, or first when resumed. */
+static void queue_push(idem_dispatch *d, idem_job *job, bool fresh)
+{
     job->next = NULL;
     if (!fresh && d->head != NULL) {
         job->next = d->head;
@@ -160,12 +97,45 @@ static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh)
         d->head = d->tail = job;
     }
     d->n_queued++;
-    pthread_cond_signal(&d->cv);
+}
+
+/* A call the store handed back is no longer counted (d->mu held). */
+static void uncount_recording(idem_dispatch *d)
+{
+    d->recording--;
+    if (d->recording == 0 && d->stopping) {
+        pthread_cond_broadcast(&d->recorded_cv);
+    }
+}
+
+/* A resumed job (a woken duplicate, a call whose outcome is committed) skips the
+ * max_queue check and goes first: it was admitted before any call still queued.
+ * recorded: a call the store handed back, uncounted once queued. A fresh job's worker
+ * is woken after the lock is released (it would only wait for it); a resumed one's
+ * under it: a thread that is not a front may outlive d once it is released. */
+static idem_code enqueue(idem_dispatch *d, idem_job *job, bool fresh, bool recorded)
+{
+    idem_code code = IDEM_OK;
+    pthread_mutex_lock(&d->mu);
+    if (d->stopping) {
+        code = IDEM_UNAVAILABLE;
+    } else if (fresh && d->cfg.max_queue > 0 && d->n_queued >= d->cfg.max_queue) {
+        code = IDEM_RESOURCE_EXHAUSTED;
+    } else {
+        queue_push(d, job, fresh);
+        if (recorded) {
+            uncount_recording(d);
+        }
+        if (!fresh) {
+            pthread_cond_signal(&d->cv);
+        }
+    }
     pthread_mutex_unlock(&d->mu);
-    if (fresh) {
+    if (code == IDEM_OK && fresh) {
+        pthread_cond_signal(&d->cv);
         idem__observe_in_flight(d->cfg.rt->obs, 1); /* until answered, parked time included */
     }
-    return IDEM_OK;
+    return code;
 }
 
 void idem__dispatch_discard(idem_served *s)
@@ -177,11 +147,41 @@ void idem__dispatch_discard(idem_served *s)
     }
 }
 
+static void drop_job(idem_dispatch *d, idem_job *job);
+
+/* A call whose claim the fast path queued (fast_claim): the store hands it back once the
+ * claim is applied (resume_recorded), or has already: then it is queued now. Either way
+ * the job is ours; one lock for both turns (the front's and the store's). */
+static idem_code enqueue_claimed(idem_dispatch *d, idem_job *job)
+{
+    bool drop = false;
+    job->parked_before = true; /* s holds the call */
+    job->s.call.suspend = IDEM__SUSPEND_NONE;
+    idem__observe_in_flight(d->cfg.rt->obs, 1);
+    pthread_mutex_lock(&d->mu);
+    if (!idem__call_recorded(&job->s.call)) {
+        d->recording++; /* before the store's turn can uncount it: it needs d->mu */
+    } else if (!d->stopping) {
+        queue_push(d, job, false);
+        pthread_cond_signal(&d->cv);
+    } else {
+        drop = true;
+    }
+    pthread_mutex_unlock(&d->mu);
+    if (drop) {
+        drop_job(d, job);
+    }
+    return IDEM_OK;
+}
+
 idem_code idem__dispatch_enqueue(idem_dispatch *d, idem_job *job)
 {
+    if (job->s.req != NULL && job->s.call.suspend == IDEM__SUSPEND_RECORD) {
+        return enqueue_claimed(d, job);
+    }
     /* A call the fast path began is resumed where it stopped, not decoded again. */
     job->parked_before = job->s.req != NULL && job->s.call.suspend == IDEM__SUSPEND_DEFER;
-    idem_code code = enqueue(d, job, true);
+    idem_code code = enqueue(d, job, true, false);
     if (code != IDEM_OK && job->parked_before) { /* the front answers busy or drops it */
         idem__dispatch_discard(&job->s);
         job->parked_before = false;
@@ -211,9 +211,15 @@ static void slot_give_back(idem_job *job)
     }
 }
 
-/* Drops a job that will never be answered (shutdown). */
+/* Drops a job that will never be answered (shutdown). A claim the fast path took stays
+ * until its lease ends (this may run on the store's writer thread: no store write),
+ * as after a crash; its shared commit need not wait for a completion. */
 static void drop_job(idem_dispatch *d, idem_job *job)
 {
+    if (job->parked_before && job->s.call.claiming.active) {
+        idem__store_ticket_drop(d->cfg.store, job->s.call.claiming.ticket);
+        job->s.call.claiming.active = false;
+    }
     slot_give_back(job);
     if (job->parked_before) {
         idem__dispatch_done(d, &job->s);
@@ -247,7 +253,7 @@ static bool park(idem_dispatch *d, idem_job *job)
 static void resume_job(void *arg, idem_job *job)
 {
     idem_dispatch *d = arg;
-    if (enqueue(d, job, false) != IDEM_OK) {
+    if (enqueue(d, job, false, false) != IDEM_OK) {
         drop_job(d, job); /* stopping: dropped like a queued call */
     }
 }
@@ -282,8 +288,8 @@ static void resume_recorded(void *arg, idem_call *call)
 {
     idem_dispatch *d = arg;
     idem_job *job = (idem_job *)((char *)call - offsetof(idem_job, s.call));
-    if (idem__call_recorded(call)) {
-        resume_job(d, job); /* queued, or dropped when stopping */
+    if (idem__call_recorded(call) && enqueue(d, job, false, true) != IDEM_OK) {
+        drop_job(d, job); /* stopping: dropped like a queued call, then uncounted */
         recording_count(d, false);
     }
 }
@@ -310,10 +316,7 @@ static idem_job *queue_pop(idem_dispatch *d)
 
 bool idem__dispatch_stopping(idem_dispatch *d)
 {
-    pthread_mutex_lock(&d->mu);
-    bool s = d->stopping;
-    pthread_mutex_unlock(&d->mu);
-    return s;
+    return d->stopping; /* written under d->mu; a late look is as good as an early one */
 }
 
 /* One turn of a job on a worker: decode and run the chain, or resume a parked call at
@@ -329,7 +332,7 @@ static void job_step(idem_dispatch *d, idem_job *job)
     if (!job->parked_before) {
         idem_run_opts opts = {.wire_reply = job->wire_reply, .frame_writable = job->frame_writable};
         answered = run(d, job->frame, job->len, &job->peer, opts, rt->can_park, &job->s);
-    } else if (call->suspend == IDEM__SUSPEND_DEFER) { /* the fast path began it */
+    } else if (call->fast_only) { /* the fast path began it: deferred, or claimed */
         call->suspend = IDEM__SUSPEND_NONE;
         call->fast_only = false;
         call->parkable = rt->can_park;
@@ -346,7 +349,7 @@ static void job_step(idem_dispatch *d, idem_job *job)
         }
         idem_call_next(call, (idem_next){d->cfg.chain, call->resume_pos});
         if (call->suspend == IDEM__SUSPEND_NONE) {
-            answer_key(call);
+            idem__dispatch_answer_key(call);
             answered = true;
         }
     }
@@ -359,6 +362,7 @@ static void *worker_main(void *arg)
 {
     idem_dispatch *d = arg;
     idem_job *job;
+    pthread_setname_np(pthread_self(), "idem:worker"); /* for per-thread counts (ps, /proc) */
     while ((job = queue_pop(d)) != NULL) {
         job_step(d, job);
     }

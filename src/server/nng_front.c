@@ -5,7 +5,9 @@
  *   INIT → RECV ──frame──▶ QUEUED (the dispatcher decodes, runs the chain) → SEND → RECV
  *
  * The callback never blocks: it answers what needs no worker (a stored replay, a bad
- * frame), hands the rest to the dispatcher and re-arms the receive after a send. A
+ * frame), queues a new key's claim for the store's writer thread (which then hands the
+ * call to a worker: result_cache.c), hands the rest to the dispatcher and re-arms the
+ * receive after a send. A
  * parked duplicate keeps its context, so at most half the contexts park; further
  * duplicates are answered "in progress" at once. The number of contexts bounds
  * in-flight work; nng holds further requests in its pipes (back-pressure). */
@@ -53,7 +55,9 @@ struct idem_nng_front {
     int port;
     pthread_mutex_t tls_mu; /* guards tls: listeners may be added while serving */
     tls_caller tls[MAX_TLS_LISTENERS];
-    size_t n_tls;
+    /* Written under tls_mu; read without it to skip the lookups when there is no TLS
+     * listener (each takes nng's locks, shared by every context: contended). */
+    atomic_size_t n_tls;
     idem_pipe_peers peers; /* each open pipe's identity, read when it was added */
 };
 
@@ -140,6 +144,9 @@ static void work_reply(work *w, nng_msg *reply)
 static void tls_peer(idem_nng_front *f, nng_pipe p, idem_peer *peer)
 {
     bool verified = false;
+    if (atomic_load(&f->n_tls) == 0) {
+        return; /* a listener counts only once started: no pipe came through one yet */
+    }
     uint32_t lid = (uint32_t)nng_listener_id(nng_pipe_listener(p));
     const char *caller = NULL;
     pthread_mutex_lock(&f->tls_mu);
@@ -319,9 +326,10 @@ static idem_code tls_remember(idem_nng_front *f, nng_listener l, const idem_tls_
     if (f->n_tls == MAX_TLS_LISTENERS) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d TLS listeners", MAX_TLS_LISTENERS);
     } else {
-        tls_caller *t = &f->tls[f->n_tls++];
+        tls_caller *t = &f->tls[f->n_tls];
         t->listener_id = (uint32_t)nng_listener_id(l);
         snprintf(t->caller, sizeof(t->caller), "%s", tls->caller);
+        atomic_fetch_add(&f->n_tls, 1); /* after t: read under tls_mu anyway */
     }
     pthread_mutex_unlock(&f->tls_mu);
     return code;

@@ -95,6 +95,22 @@ idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
     return claim(st, req, outcome, rec, ticket);
 }
 
+idem_code idem__store_claim_shared_async(idem_store *st, const idem_claim_req *req,
+                                         idem__store_claimed_fn done, void *arg)
+{
+    idem_code code;
+    if (st->ops->claim_shared_async == NULL || req->owner != 0) {
+        return idem__err(IDEM_UNAVAILABLE, "no asynchronous claim here");
+    }
+    if ((code = idem__key_check(&req->key)) != IDEM_OK) {
+        return code;
+    }
+    if (req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
+    }
+    return st->ops->claim_shared_async(st, req, done, arg);
+}
+
 idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                   const void *response, size_t len, uint64_t expires_ms,
                                   uint64_t now_ms, uint64_t ticket)

@@ -27,6 +27,11 @@ typedef void (*idem__store_watch_fn)(void *arg, uint32_t key_hash);
 /* How an asynchronous store write reports its end (err: the message when code is not
  * IDEM_OK). */
 typedef void (*idem__store_done_fn)(void *arg, idem_code code, const char *err);
+/* How an asynchronous shared claim reports what its caller would have been told
+ * (claim_shared_async): the claim's code, its outcome, the owner it drew (an acquired
+ * claim's) and its ticket (err: the message when code is not IDEM_OK). */
+typedef void (*idem__store_claimed_fn)(void *arg, idem_code code, idem_claim_outcome outcome,
+                                       uint64_t owner, uint64_t ticket, const char *err);
 
 /* One business key-value entry, malloc'd (idem__app_entry_clear). */
 typedef struct idem_app_entry {
@@ -126,6 +131,12 @@ typedef struct idem_store_ops {
      * the disk holds. ticket 0 everywhere: the plain ops. */
     idem_code (*claim_shared)(idem_store *st, const idem_claim_req *req,
                               idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
+    /* Optional: claim_shared without waiting (store-assigned owner): IDEM_OK when queued,
+     * and done(arg, ...) is called once, on the store's writer thread, when claim_shared
+     * would have returned (it must not wait for a store write); any other code: nothing
+     * queued (claim_shared then). The request's strings are copied. */
+    idem_code (*claim_shared_async)(idem_store *st, const idem_claim_req *req,
+                                    idem__store_claimed_fn done, void *arg);
     /* complete without waiting: IDEM_OK when queued (response, malloc'd, is the
      * store's then), and done(arg, code, err) is called once the commit has ended, on the
      * store's writer thread (it must not wait for a store write); any other code: nothing
@@ -170,6 +181,10 @@ idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
                                    idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
 idem_code idem__store_release_shared(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                      uint64_t ticket);
+/* ops->claim_shared_async after the checks of a claim; IDEM_UNAVAILABLE (nothing
+ * queued) without it. */
+idem_code idem__store_claim_shared_async(idem_store *st, const idem_claim_req *req,
+                                         idem__store_claimed_fn done, void *arg);
 /* ops->complete_async; IDEM_UNAVAILABLE (nothing queued) without it or a ticket. */
 idem_code idem__store_complete_async(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                      void *response, size_t len, uint64_t expires_ms,

@@ -229,18 +229,19 @@ static void shared_unref(void *arg)
     }
 }
 
-idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
-                                  idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket)
+/* A shared claim's request, copied (its strings too) into a new shared_claim of size
+ * bytes (at least its own) with two references. */
+static idem_code shared_new(lmdb_store *st, const idem_claim_req *req, size_t size,
+                            shared_claim **out)
 {
-    lmdb_store *st = (lmdb_store *)base;
-    shared_claim *h = calloc(1, sizeof(*h));
-    *ticket = 0;
+    shared_claim *h = *out = calloc(1, size);
     if (h == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a claim");
     }
     idem_code code = idem__lmdb_rec_key_make(&h->key, &req->key);
     if (code != IDEM_OK) {
         free(h);
+        *out = NULL;
         return code;
     }
     h->req = *req;
@@ -252,6 +253,19 @@ idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
     }
     h->c = (claim_ctx){st, &h->req, &h->key, &h->outcome, &h->rec, idem__mono_ms()};
     atomic_init(&h->refs, 2);
+    return IDEM_OK;
+}
+
+idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
+                                  idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    shared_claim *h;
+    *ticket = 0;
+    idem_code code = shared_new(st, req, sizeof(*h), &h);
+    if (code != IDEM_OK) {
+        return code;
+    }
     code = idem__lmdb_write_held(st, shared_apply, shared_redo, h, shared_unref, h->op, ticket);
     if (code == IDEM_OK) {
         *outcome = h->outcome;
@@ -259,6 +273,42 @@ idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
         memset(&h->rec, 0, sizeof(h->rec));
     }
     shared_unref(h);
+    return code;
+}
+
+/* An asynchronous shared claim: its caller is told the outcome, not the record. */
+typedef struct async_claim {
+    shared_claim h; /* first: the shared claim's functions take it for a shared_claim */
+    idem__store_claimed_fn done;
+    void *arg;
+} async_claim;
+
+/* On the writer thread; group commit drops the caller's reference after it. */
+static void async_claim_applied(void *ctx, idem_code code, uint64_t ticket, const char *err)
+{
+    async_claim *a = ctx;
+    a->done(a->arg, code, a->h.outcome, code == IDEM_OK ? a->h.owner : 0, ticket, err);
+}
+
+idem_code idem__lmdb_claim_shared_async(idem_store *base, const idem_claim_req *req,
+                                        idem__store_claimed_fn done, void *arg)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    shared_claim *h;
+    if (!st->gc.started) {
+        return idem__err(IDEM_UNAVAILABLE, "no writer thread: claim and wait");
+    }
+    idem_code code = shared_new(st, req, sizeof(async_claim), &h);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    ((async_claim *)h)->done = done;
+    ((async_claim *)h)->arg = arg;
+    code = idem__lmdb_write_held_async(st, shared_apply, shared_redo, h, shared_unref, h->op,
+                                       async_claim_applied);
+    if (code != IDEM_OK) {
+        free(h); /* nothing queued: no other reference */
+    }
     return code;
 }
 
@@ -443,14 +493,4 @@ idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t
         return code;
     }
     return idem__lmdb_write_end(st, release_apply, &w, ticket);
-}
-
-void idem__lmdb_ticket_drop(idem_store *base, uint64_t ticket)
-{
-    idem__gc_drop(&((lmdb_store *)base)->gc, ticket);
-}
-
-void idem__lmdb_ticket_wait(idem_store *base, uint64_t ticket)
-{
-    idem__gc_wait(&((lmdb_store *)base)->gc, ticket);
 }

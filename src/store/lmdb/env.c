@@ -238,6 +238,7 @@ const idem_store_ops idem__lmdb_ops = {
     .txn_record = idem__lmdb_txn_record,
     .txn_claim = idem__lmdb_txn_claim,
     .claim_shared = idem__lmdb_claim_shared,
+    .claim_shared_async = idem__lmdb_claim_shared_async,
     .complete_async = idem__lmdb_complete_async,
     .ticket_drop = idem__lmdb_ticket_drop,
     .ticket_wait = idem__lmdb_ticket_wait,

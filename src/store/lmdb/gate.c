@@ -30,6 +30,15 @@ idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn 
     return idem__gc_write_held(&st->gc, fn, redo, ctx, unref, op_mem, ticket);
 }
 
+idem_code idem__lmdb_write_held_async(lmdb_store *st, idem_write_fn fn, idem_write_fn redo,
+                                      void *ctx, void (*unref)(void *ctx), void *op_mem,
+                                      idem_gc_applied_fn applied)
+{
+    return thread_write_txn != NULL
+               ? nested_write()
+               : idem__gc_write_held_async(&st->gc, fn, redo, ctx, unref, op_mem, applied);
+}
+
 idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket)
 {
     if (thread_write_txn != NULL) {
@@ -64,4 +73,14 @@ idem_code idem__lmdb_gate_check(void)
 void idem__lmdb_gate_set(const void *txn)
 {
     thread_write_txn = txn;
+}
+
+void idem__lmdb_ticket_drop(idem_store *base, uint64_t ticket)
+{
+    idem__gc_drop(&((lmdb_store *)base)->gc, ticket);
+}
+
+void idem__lmdb_ticket_wait(idem_store *base, uint64_t ticket)
+{
+    idem__gc_wait(&((lmdb_store *)base)->gc, ticket);
 }

@@ -199,6 +199,37 @@ static idem_write_op *op_new(void *op_mem)
     return op;
 }
 
+/* A shared claim's op (in op_mem, else on the heap): two references, its caller's and
+ * the writer's. */
+static idem_write_op *held_op(idem_write_fn fn, idem_write_fn redo, void *ctx,
+                              void (*unref)(void *ctx), void *op_mem)
+{
+    idem_write_op *op = op_new(op_mem);
+    if (op == NULL || sem_init(&op->done, 0, 0) != 0) {
+        if (op != NULL && !op->in_ctx) {
+            free(op);
+        }
+        idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a store write");
+        return NULL;
+    }
+    op->fn = fn;
+    op->redo = redo;
+    op->ctx = ctx;
+    op->unref = unref;
+    op->kind = OP_HELD;
+    atomic_init(&op->refs, 2);
+    return op;
+}
+
+/* Queues a shared claim and wakes the writer thread if it can use it now. */
+static void held_enqueue(idem_group_commit *gc, idem_write_op *op)
+{
+    pthread_mutex_lock(&gc->mu);
+    enqueue(gc, op);
+    /* A batch past taking claims has no use for it until it has committed. */
+    wake_writer(gc, idem__mono_us() < gc->accept_until); /* releases gc->mu */
+}
+
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
                               void *ctx, void (*unref)(void *ctx), void *op_mem,
                               uint64_t *ticket)
@@ -209,28 +240,32 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
         unref(ctx); /* the writer's reference: there is none */
         return code;
     }
-    idem_write_op *op = op_new(op_mem);
-    if (op == NULL || sem_init(&op->done, 0, 0) != 0) {
-        if (op != NULL && !op->in_ctx) {
-            free(op);
-        }
+    idem_write_op *op = held_op(fn, redo, ctx, unref, op_mem);
+    if (op == NULL) {
         unref(ctx);
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory for a store write");
+        return IDEM_RESOURCE_EXHAUSTED;
     }
-    op->fn = fn;
-    op->redo = redo;
-    op->ctx = ctx;
-    op->unref = unref;
-    op->kind = OP_HELD;
-    atomic_init(&op->refs, 2);
-    pthread_mutex_lock(&gc->mu);
-    enqueue(gc, op);
-    /* A batch past taking claims has no use for it until it has committed. */
-    wake_writer(gc, idem__mono_us() < gc->accept_until); /* releases gc->mu */
+    held_enqueue(gc, op);
     idem_code code = op_wait(gc, op);
     *ticket = op->ticket;
     idem__gc_op_unref(op);
     return code;
+}
+
+idem_code idem__gc_write_held_async(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
+                                    void *ctx, void (*unref)(void *ctx), void *op_mem,
+                                    idem_gc_applied_fn applied)
+{
+    if (!gc->started) {
+        return idem__err(IDEM_UNAVAILABLE, "no writer thread here: write and wait");
+    }
+    idem_write_op *op = held_op(fn, redo, ctx, unref, op_mem);
+    if (op == NULL) {
+        return IDEM_RESOURCE_EXHAUSTED;
+    }
+    op->on_applied = applied;
+    held_enqueue(gc, op);
+    return IDEM_OK;
 }
 
 idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,

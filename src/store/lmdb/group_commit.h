@@ -23,6 +23,11 @@
  *     stopping.
  * A claim still awaiting its completion then commits alone (IN_PROGRESS), as without
  * sharing, and its completion joins a later batch.
+ * A shared claim may also be queued without waiting (idem__gc_write_held_async: the
+ * server's nng callback thread queues a new key's claim): the writer thread then tells
+ * its caller's callback, at the moment it would have woken the caller (the same
+ * outcome, ticket and error), and that callback hands the call to a worker. Everything
+ * else about the claim (its batch, its redo, its ticket's end) is as above.
  *
  * Why this keeps the promise: the open txn holds LMDB's writer lock, so no other claim of
  * the same key can commit anywhere (another thread, another process) until this one has:
@@ -174,6 +179,17 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
                               void *ctx, void (*unref)(void *ctx), void *op_mem,
                               uint64_t *ticket);
+/* What an asynchronous shared claim's caller is told, on the writer thread, when its
+ * caller would have been woken: fn's code (its idem_errmsg in err) and the ticket as
+ * idem__gc_write_held would return them. It must not wait for a store write; ctx is
+ * still the caller's (its reference) until it returns, when group commit drops that. */
+typedef void (*idem_gc_applied_fn)(void *ctx, idem_code code, uint64_t ticket, const char *err);
+/* idem__gc_write_held without waiting: IDEM_OK when queued (applied is then called once,
+ * and the caller's reference to ctx is dropped after it), else an error, nothing queued
+ * and both references to ctx still the caller's (no writer thread: write and wait). */
+idem_code idem__gc_write_held_async(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
+                                    void *ctx, void (*unref)(void *ctx), void *op_mem,
+                                    idem_gc_applied_fn applied);
 /* idem__gc_write of the write that ends a shared claim (ticket 0: none). */
 idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket);
 /* idem__gc_write_end without waiting: queued, and IDEM_OK, when the writer thread runs
@@ -188,7 +204,7 @@ idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void
  * block, for one allocation instead of two. The op is done with them before unref(ctx)
  * or done(ctx, ...), which may then free that block; err points into them: read it
  * before. */
-#define IDEM_GC_OP_BYTES 384
+#define IDEM_GC_OP_BYTES 400
 
 /* No write will end the shared claim of ticket: its batch need not wait for one. */
 void idem__gc_drop(idem_group_commit *gc, uint64_t ticket);

@@ -13,6 +13,7 @@
  *   - a batch ends (done_ticket, done_cv) only after its commit is durable, or after the redo of
  *     a failed one (group_commit_redo.c): a waiter for a ticket then finds in the store
  *     whatever of it is durable, and nothing else. */
+#include <pthread.h>
 #include <time.h>
 
 #include "group_commit_op.h"
@@ -251,6 +252,7 @@ void *idem__gc_writer_main(void *arg)
 {
     idem_group_commit *gc = arg;
     idem_gc_pipe pipe = {0};
+    pthread_setname_np(pthread_self(), "idem:lmdb-gc"); /* for per-thread counts */
     pthread_mutex_lock(&gc->mu);
     while (await_work(gc, &pipe)) {
         gc->writer_busy = true;

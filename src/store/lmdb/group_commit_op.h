@@ -43,6 +43,10 @@ struct idem_write_op {
     atomic_int refs;
     /* Asynchronous (idem__gc_write_end_async): heap memory, handed to done, freed then. */
     void (*on_done)(void *ctx, idem_code code, const char *err);
+    /* An asynchronous OP_HELD (idem__gc_write_held_async): its caller's reference is
+     * dropped once this has been told the outcome, at the moment the caller would be
+     * woken. */
+    idem_gc_applied_fn on_applied;
     bool posted; /* its caller was woken (an OP_HELD: maybe before the commit) */
     idem_code code;
     /* Posted by the writer thread once code and err are final; only this op's writer

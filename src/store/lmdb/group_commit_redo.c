@@ -42,6 +42,12 @@ void idem__gc_op_finish(idem_write_op *op, idem_code code)
 void idem__gc_op_post(idem_write_op *op)
 {
     op->posted = true;
+    if (op->on_applied != NULL) { /* an asynchronous shared claim: told, not woken */
+        op->on_applied(op->ctx, op->code, op->ticket, op->err);
+        op->unref(op->ctx);    /* the caller's reference to ctx (op holds another) */
+        idem__gc_op_unref(op); /* the caller's reference to op: may free ctx, op in it */
+        return;
+    }
     if (op->on_done != NULL) {
         bool in_ctx = op->in_ctx; /* on_done may free op with its ctx */
         op->on_done(op->ctx, op->code, op->err);

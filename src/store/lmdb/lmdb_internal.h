@@ -156,6 +156,8 @@ idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t
 /* Shared commits of a claim and its completion (group_commit.h; store.h's ops). */
 idem_code idem__lmdb_claim_shared(idem_store *base, const idem_claim_req *req,
                                   idem_claim_outcome *outcome, idem_record *rec, uint64_t *ticket);
+idem_code idem__lmdb_claim_shared_async(idem_store *base, const idem_claim_req *req,
+                                        idem__store_claimed_fn done, void *arg);
 idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, uint64_t owner,
                                     void *response, size_t len, uint64_t expires_ms,
                                     uint64_t ticket, idem__store_done_fn done, void *arg);
@@ -192,6 +194,9 @@ idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);
 /* idem__gc_write_held and idem__gc_write_end behind the same gate. */
 idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn redo, void *ctx,
                                 void (*unref)(void *ctx), void *op_mem, uint64_t *ticket);
+idem_code idem__lmdb_write_held_async(lmdb_store *st, idem_write_fn fn, idem_write_fn redo,
+                                      void *ctx, void (*unref)(void *ctx), void *op_mem,
+                                      idem_gc_applied_fn applied);
 idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket);
 idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
                                      void (*done)(void *ctx, idem_code code, const char *err),
