@@ -113,16 +113,7 @@ typedef struct pay {
 
 static idem_client *client(uint32_t attempts)
 {
-    idem_client_opts o;
-    idem_client *c;
-    const char *url = srv.url;
-    idem_client_opts_init(&o);
-    o.attempt_timeout_ms = 10000;
-    o.retry.max_attempts = attempts;
-    o.retry.period_ms = 20;
-    o.retry.max_period_ms = 100;
-    cr_assert_eq(idem_client_open(&c, &url, 1, &o), IDEM_OK, "%s", idem_errmsg());
-    return c;
+    return tu_client_attempts(srv.url, 10000, attempts);
 }
 
 static void *send_pay(void *arg)

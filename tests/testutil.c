@@ -238,17 +238,23 @@ int tu_reap(tu_child *c)
     return WIFSIGNALED(status) ? WTERMSIG(status) : 0;
 }
 
-idem_client *tu_client(const char *url, unsigned attempt_timeout_ms)
+idem_client *tu_client_attempts(const char *url, unsigned attempt_timeout_ms, uint32_t attempts)
 {
     idem_client_opts o;
     idem_client *c;
     idem_client_opts_init(&o);
     o.attempt_timeout_ms = attempt_timeout_ms;
+    o.retry.max_attempts = attempts;
     o.retry.period_ms = 20;
     o.retry.max_period_ms = 100;
     idem_code code = idem_client_open(&c, &url, 1, &o);
     cr_assert_eq(code, IDEM_OK, "client open: %s", idem_errmsg());
     return c;
+}
+
+idem_client *tu_client(const char *url, unsigned attempt_timeout_ms)
+{
+    return tu_client_attempts(url, attempt_timeout_ms, 0);
 }
 
 #include <nng/nng.h>

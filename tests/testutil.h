@@ -4,6 +4,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
 
@@ -72,6 +73,8 @@ int tu_reap(tu_child *c);
 
 /* A client to url with fast retries for tests. */
 idem_client *tu_client(const char *url, unsigned attempt_timeout_ms);
+/* The same with at most attempts attempts (0: the client's default). */
+idem_client *tu_client_attempts(const char *url, unsigned attempt_timeout_ms, uint32_t attempts);
 
 /* Sends one raw frame on a fresh req0 socket and returns the reply frame decoded as an
  * idem.v1.Response (free with tu_response_free), or NULL when no reply arrived within
