@@ -205,3 +205,72 @@ Test(fast_claim, a_claim_the_callback_queued_whose_batch_fails_is_never_answered
     idem_client_close(b.c);
     idem_client_close(c.c);
 }
+
+/* ---- a server destroyed while new keys arrive ---- */
+
+static atomic_int answered;
+static atomic_bool clients_stop;
+
+static idem_code quick_handler(idem_call *c, void *arg)
+{
+    (void)arg;
+    return idem_call_reply(c, IDEM_OK, "ok", 2);
+}
+
+static void *new_keys(void *arg)
+{
+    idem_client *c = tu_client_attempts(srv.url, 200, 1);
+    for (int i = 0; !atomic_load(&clients_stop); i++) {
+        char key[48];
+        snprintf(key, sizeof(key), "k-%p-%d", arg, i);
+        idem_request q = {.method = "f.Quick/Pay", .idempotency_key = key, .payload = "1",
+                          .payload_len = 1};
+        idem_result r;
+        if (idem_client_call(c, &q, &r) == IDEM_OK) {
+            atomic_fetch_add(&answered, 1);
+        }
+        idem_result_clear(&r);
+    }
+    idem_client_close(c);
+    return NULL;
+}
+
+/* Destroying a server while new keys arrive: 10 rounds of 4 clients calling new keys as
+ * the server is destroyed; under ASan a job touched after it was freed, or a leak, fails
+ * the run. The front's callbacks queue claims until the front closes, after the
+ * dispatcher stopped: the front's close waits until the store has handed each such job
+ * back. (A review found that interleaving, a claim queued between the dispatcher's stop
+ * and the front's close; this test did not hit it in 8 runs without the wait: the window
+ * is a few instructions wide. It guards the shutdown path as a whole.) */
+Test(fast_claim, a_server_destroyed_while_new_keys_arrive_frees_no_job_still_handed_back,
+     .timeout = 120)
+{
+    for (int round = 0; round < 10; round++) {
+        start(2);
+        ((lmdb_store *)store)->gc.hold_us = 2000; /* the default hold */
+        idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+        cr_assert_eq(idem_server_register(srv.srv, "f.Quick/Pay", quick_handler, NULL, &m), IDEM_OK);
+        tu_server_listen(&srv);
+        atomic_store(&answered, 0);
+        atomic_store(&clients_stop, false);
+        pthread_t t[4];
+        for (intptr_t i = 0; i < 4; i++) {
+            cr_assert_eq(pthread_create(&t[i], NULL, new_keys, (void *)i), 0);
+        }
+        for (int waited = 0; atomic_load(&answered) < 40 + round * 7 && waited < 2000; waited++) {
+            struct timespec ts = {0, 1000 * 1000}; /* polling the answers, bounded */
+            nanosleep(&ts, NULL);
+        }
+        cr_assert_geq(atomic_load(&answered), 40, "round %d: the server answered too few", round);
+        tu_server_destroy(&srv, false); /* while the clients keep sending */
+        atomic_store(&clients_stop, true);
+        for (int i = 0; i < 4; i++) {
+            pthread_join(t[i], NULL);
+        }
+        idem_store_close(store);
+        tu_rmtree(dir);
+        store = NULL;
+        dir = NULL;
+        srv.srv = NULL;
+    }
+}

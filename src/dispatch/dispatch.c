@@ -39,7 +39,8 @@ static bool can_queue(idem_dispatch *d);
 static bool run(idem_dispatch *d, const void *frame, size_t len, const idem_peer *peer,
                 idem_run_opts opts, bool parkable, idem_served *out)
 {
-    bool claim = opts.fast_only && d->cfg.rt->can_park && d->cfg.rt->resume != NULL && can_queue(d);
+    bool claim = opts.fast_only && opts.fast_claim && d->cfg.rt->can_park &&
+                 d->cfg.rt->resume != NULL && can_queue(d);
     return idem__dispatch_call_run(&d->cfg, frame, len, peer, opts, parkable, claim, out);
 }
 

@@ -85,6 +85,9 @@ typedef struct idem_run_opts {
     bool wire_reply;     /* the answer is sent as a serialized Response (idem_call) */
     bool frame_writable; /* as idem_job.frame_writable */
     bool fast_only;      /* an nng callback: see below */
+    /* fast_only on behalf of an idem_job (out is its s): a new key's claim may be queued
+     * for the store's writer thread, which hands the job back (the nng front only). */
+    bool fast_claim;
 } idem_run_opts;
 
 /* One request frame through decode + identity + chain, on the caller's thread; every

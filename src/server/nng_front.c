@@ -211,7 +211,8 @@ static void work_received(work *w)
     w->job.len = nng_msg_len(w->msg);
     w->job.peer = msg_peer(w->front, w->msg);
     w->job.s.req = NULL;
-    idem_run_opts fast = {.wire_reply = true, .frame_writable = true, .fast_only = true};
+    idem_run_opts fast = {
+        .wire_reply = true, .frame_writable = true, .fast_only = true, .fast_claim = true};
     if (w->front->fast_path &&
         idem__dispatch_run(d, w->job.frame, w->job.len, &w->job.peer, fast, &w->job.s)) {
         work_reply(w, served_msg(d, &w->job.s));
@@ -423,6 +424,10 @@ void idem__nng_front_close(idem_nng_front *f)
     for (size_t i = 0; i < f->n_works; i++) {
         nng_aio_stop(f->works[i].aio);
     }
+    /* A callback may have queued a new key's claim after the dispatcher stopped: wait
+     * until the store has handed every such job back (and it was dropped) before the
+     * works that hold them go. */
+    idem__dispatch_stop(f->d);
     if (f->sock_open && !idem__nng_close_bounded(f->sock)) {
         /* nng is stuck closing the socket (src/supplemental/nng_close.c) and may still call
          * pipe_event with f: f and all it holds stay, as the socket does, till exit. */
