@@ -29,5 +29,8 @@ typedef struct undo_rec {
 /* Undoes the unsynced writes log recorded to data; the number undone, or -1 (errno set)
  * when a file cannot be read or written. */
 long power_cut_apply(const char *log, const char *data);
+/* How many writes log has recorded since the last sync (a live server's log: a record
+ * being written is not counted); -1 when it cannot be read. */
+long power_cut_pending(const char *log);
 
 #endif

@@ -29,26 +29,52 @@ static char *slurp(const char *path, size_t *size)
     return p;
 }
 
+/* The offsets of the log's write records, in order (malloc'd; NULL when out of memory),
+ * their number into *n, and into *durable the log offset before which a successful sync
+ * made every write durable. */
+static size_t *parse(const char *p, size_t size, size_t *n, size_t *durable)
+{
+    size_t at = 0;
+    size_t *recs = malloc(sizeof(size_t) * (size / sizeof(undo_rec) + 1));
+    undo_rec r;
+    *n = *durable = 0;
+    for (; recs != NULL && at + sizeof(r) <= size; at += sizeof(r) + r.len) {
+        memcpy(&r, p + at, sizeof(r));
+        if (at + sizeof(r) + r.len > size) {
+            break; /* being written (a live server's log), or cut with its data write */
+        }
+        if (r.type == POWER_CUT_SYNC) {
+            *durable = r.off > *durable ? r.off : *durable;
+        } else {
+            recs[(*n)++] = at;
+        }
+    }
+    return recs;
+}
+
+long power_cut_pending(const char *log)
+{
+    size_t size, n, durable;
+    char *p = slurp(log, &size);
+    size_t *recs = p != NULL ? parse(p, size, &n, &durable) : NULL;
+    long pending = recs != NULL ? 0 : -1;
+    for (size_t i = n; recs != NULL && i-- > 0 && recs[i] >= durable;) {
+        pending++;
+    }
+    free(recs);
+    free(p);
+    return pending;
+}
+
 long power_cut_apply(const char *log, const char *data)
 {
-    size_t size, at = 0, durable = 0, n = 0;
+    size_t size, n, durable;
     char *p = slurp(log, &size);
     if (p == NULL) {
         return -1;
     }
-    size_t *recs = malloc(sizeof(size_t) * (size / sizeof(undo_rec) + 1));
+    size_t *recs = parse(p, size, &n, &durable);
     undo_rec r;
-    for (; recs != NULL && at + sizeof(r) <= size; at += sizeof(r) + r.len) {
-        memcpy(&r, p + at, sizeof(r));
-        if (at + sizeof(r) + r.len > size) {
-            break; /* cannot happen (one write per record); its data write did not either */
-        }
-        if (r.type == POWER_CUT_SYNC) {
-            durable = r.off > durable ? r.off : durable;
-        } else {
-            recs[n++] = at;
-        }
-    }
     int fd = recs != NULL ? open(data, O_WRONLY) : -1;
     long undone = 0;
     uint64_t size_then = UINT64_MAX;
