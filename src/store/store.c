@@ -55,6 +55,16 @@ void idem_store_close(idem_store *st)
 }
 
 /* idem_store_claim, shared when ticket is not NULL and the store can. */
+/* What every claim checks before the store sees it: the key's bounds, the token's form. */
+static idem_code claim_check(const idem_claim_req *req)
+{
+    idem_code code = idem__key_check(&req->key);
+    if (code == IDEM_OK && req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
+        code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
+    }
+    return code;
+}
+
 static idem_code claim(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
                        idem_record *rec, uint64_t *ticket)
 {
@@ -65,14 +75,11 @@ static idem_code claim(idem_store *st, const idem_claim_req *req, idem_claim_out
     if (ticket != NULL) {
         *ticket = 0;
     }
-    if ((code = idem__key_check(&req->key)) != IDEM_OK) {
-        return code;
-    }
     if (req->owner == 0 && rec == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "a store-assigned owner (0) needs rec");
     }
-    if (req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
+    if ((code = claim_check(req)) != IDEM_OK) {
+        return code;
     }
     code = ticket != NULL && st->ops->claim_shared != NULL
                ? st->ops->claim_shared(st, req, outcome, rec, ticket)
@@ -98,17 +105,11 @@ idem_code idem__store_claim_shared(idem_store *st, const idem_claim_req *req,
 idem_code idem__store_claim_shared_async(idem_store *st, const idem_claim_req *req,
                                          idem__store_claimed_fn done, void *arg)
 {
-    idem_code code;
     if (st->ops->claim_shared_async == NULL || req->owner != 0) {
         return idem__err(IDEM_UNAVAILABLE, "no asynchronous claim here");
     }
-    if ((code = idem__key_check(&req->key)) != IDEM_OK) {
-        return code;
-    }
-    if (req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
-    }
-    return st->ops->claim_shared_async(st, req, done, arg);
+    idem_code code = claim_check(req);
+    return code != IDEM_OK ? code : st->ops->claim_shared_async(st, req, done, arg);
 }
 
 idem_code idem__store_complete_at(idem_store *st, const idem_key_ref *key, uint64_t owner,
