@@ -262,9 +262,10 @@ static void resume_job(void *arg, idem_job *job)
 static void recording_count(idem_dispatch *d, bool more)
 {
     pthread_mutex_lock(&d->mu);
-    d->recording += more ? 1 : (size_t)-1;
-    if (d->recording == 0 && d->stopping) {
-        pthread_cond_broadcast(&d->recorded_cv);
+    if (more) {
+        d->recording++;
+    } else {
+        uncount_recording(d);
     }
     pthread_mutex_unlock(&d->mu);
 }
