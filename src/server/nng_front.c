@@ -55,9 +55,7 @@ struct idem_nng_front {
     int port;
     pthread_mutex_t tls_mu; /* guards tls: listeners may be added while serving */
     tls_caller tls[MAX_TLS_LISTENERS];
-    /* Written under tls_mu; read without it to skip the lookups when there is no TLS
-     * listener (each takes nng's locks, shared by every context: contended). */
-    atomic_size_t n_tls;
+    size_t n_tls;
     idem_pipe_peers peers; /* each open pipe's identity, read when it was added */
 };
 
@@ -144,9 +142,6 @@ static void work_reply(work *w, nng_msg *reply)
 static void tls_peer(idem_nng_front *f, nng_pipe p, idem_peer *peer)
 {
     bool verified = false;
-    if (atomic_load(&f->n_tls) == 0) {
-        return; /* a listener counts only once started: no pipe came through one yet */
-    }
     uint32_t lid = (uint32_t)nng_listener_id(nng_pipe_listener(p));
     const char *caller = NULL;
     pthread_mutex_lock(&f->tls_mu);
@@ -327,10 +322,9 @@ static idem_code tls_remember(idem_nng_front *f, nng_listener l, const idem_tls_
     if (f->n_tls == MAX_TLS_LISTENERS) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "at most %d TLS listeners", MAX_TLS_LISTENERS);
     } else {
-        tls_caller *t = &f->tls[f->n_tls];
+        tls_caller *t = &f->tls[f->n_tls++];
         t->listener_id = (uint32_t)nng_listener_id(l);
         snprintf(t->caller, sizeof(t->caller), "%s", tls->caller);
-        atomic_fetch_add(&f->n_tls, 1); /* after t: read under tls_mu anyway */
     }
     pthread_mutex_unlock(&f->tls_mu);
     return code;
