@@ -399,7 +399,7 @@ Test(disk_gc, a_shared_claim_refused_in_a_batch_that_fails_to_commit_is_decided_
         pthread_cond_wait(&gate_cv, &gate_mu);
     }
     pthread_mutex_unlock(&gate_mu);
-    cr_assert_eq(idem__gc_write_end(&raw_gc, applied_ok, NULL, ticket), IDEM_OK, "%s",
+    cr_assert_eq(idem__gc_write_end(&raw_gc, applied_ok, NULL, ticket, 0), IDEM_OK, "%s",
                  idem_errmsg()); /* the batch commits: its fdatasync fails */
     pthread_join(t, NULL);
     cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch's commit met the failure");

@@ -342,13 +342,21 @@ static bool x_committed(MDB_env *env)
 static MDB_env *gc_env;
 static idem_group_commit gc_held;
 
-static void held_setup(void)
+/* With 64 MiB a batch's writes run in its txn itself; with 1 MiB, LMDB's default, in
+ * child txns (the map is smaller than the reserve a batch needs). */
+static void held_open(size_t map_size)
 {
-    dir = tu_tempdir("gc");
     cr_assert_eq(mdb_env_create(&gc_env), 0);
+    cr_assert_eq(mdb_env_set_mapsize(gc_env, map_size), 0);
     cr_assert_eq(mdb_env_open(gc_env, dir, 0, 0600), 0); /* durable: commits call fdatasync */
     cr_assert_eq(idem__gc_init(&gc_held, gc_env, true, 64), IDEM_OK);
     gc_held.hold_us = 30u * 1000 * 1000; /* before any write: the writer thread sleeps */
+}
+
+static void held_setup(void)
+{
+    dir = tu_tempdir("gc");
+    held_open((size_t)64 << 20);
     atomic_store(&redo_runs, 0);
 }
 
@@ -368,24 +376,42 @@ Test(shared_commit, a_claim_and_its_completion_are_one_commit)
                  IDEM_OK);
     cr_assert_neq(ticket, 0, "applied in an open batch");
     cr_expect(!x_committed(gc_env), "the claim's caller runs before the commit");
-    cr_assert_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK);
+    cr_assert_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket, 0), IDEM_OK);
     cr_expect(x_committed(gc_env));
     cr_expect_eq(gc_held.commits, 1);
     cr_expect_eq(gc_held.writes, 2);
     cr_expect_eq(gc_held.shared, 1);
 }
 
-/* A write that meets a full map fails alone (it runs in a child txn of the batch's):
- * the claims of the batch, whose handlers already run, commit all the same, and the
- * completion that met the error retries against its claim, never against an empty key
- * another claimer could take meanwhile. */
-Test(shared_commit, a_storage_error_fails_only_its_own_write_not_the_claims)
+/* With room in the map a batch's writes run in its txn itself, so a storage error there
+ * (here simulated) leaves the txn unusable: the batch is re-run one write per txn, the
+ * claim whose handler already runs applied again with its owner, and the write that
+ * failed gets its own error again, alone. */
+Test(shared_commit, a_storage_error_re_runs_the_batch_and_the_claims_commit_all_the_same)
 {
     uint64_t ticket;
     cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
                  IDEM_OK);
     cr_assert_neq(ticket, 0);
-    cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket), IDEM_RESOURCE_EXHAUSTED);
+    cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket, 0), IDEM_RESOURCE_EXHAUSTED);
+    cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
+    cr_expect(x_committed(gc_env), "the claim was applied again and committed");
+    cr_expect_eq(atomic_load(&redo_runs), 1);
+}
+
+/* Near a full map (here the whole map is less than the reserve a batch needs) each write
+ * runs in a child txn of the batch's: one that meets the full map fails alone, and the
+ * claims of the batch, whose handlers already run, commit with it, not applied again. */
+Test(shared_commit, near_a_full_map_a_storage_error_fails_only_its_own_write)
+{
+    uint64_t ticket;
+    idem__gc_fini(&gc_held);
+    mdb_env_close(gc_env);
+    held_open((size_t)1 << 20);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
+    cr_assert_neq(ticket, 0);
+    cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket, 0), IDEM_RESOURCE_EXHAUSTED);
     cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
     cr_expect(x_committed(gc_env), "the claim committed with its batch");
     cr_expect_eq(gc_held.commits, 1);
@@ -402,7 +428,7 @@ Test(shared_commit, a_failed_commit_applies_the_held_claims_again)
                  IDEM_OK);
     cr_assert_neq(ticket, 0);
     atomic_store(&failing_syncs, 1);
-    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket, 0), IDEM_OK, "%s", idem_errmsg());
     cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch's commit met the failure");
     cr_expect_eq(atomic_load(&redo_runs), 1);
     cr_expect(x_committed(gc_env), "the claim was applied again and committed");

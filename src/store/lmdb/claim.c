@@ -116,6 +116,9 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     if (code != IDEM_OK || decided) {
         return code;
     }
+    if (owner == 0 && !c->st->has_meta) { /* no fence counter; refused before any write */
+        return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
+    }
     bool took_over = have_old && old.state == IDEM_REC_IN_PROGRESS;
     /* The lease runs from this commit, not from the request: a claim that waited for the
      * writer (a transactional handler holds it, another process is stopped while holding
@@ -375,7 +378,7 @@ idem_code idem__lmdb_complete(idem_store *base, const idem_key_ref *ref, uint64_
     lmdb_store *st = (lmdb_store *)base;
     write_args w = {
         .st = st, .ref = ref, .owner = owner, .response = response, .len = len, .ms = expires_ms};
-    return idem__lmdb_write_end(st, complete_apply, &w, ticket);
+    return idem__lmdb_write_end(st, complete_apply, &w, ticket, len);
 }
 
 /* An asynchronous completion: its key and response, with the writer thread until done. */
@@ -419,7 +422,7 @@ idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, u
     a->done = done;
     a->arg = arg;
     idem_code code =
-        idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, async_complete_done, a->op);
+        idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, len, async_complete_done, a->op);
     if (code != IDEM_OK) {
         free(a); /* the response stays the caller's */
     }
@@ -492,5 +495,5 @@ idem_code idem__lmdb_release(idem_store *base, const idem_key_ref *ref, uint64_t
         idem__gc_drop(&st->gc, ticket);
         return code;
     }
-    return idem__lmdb_write_end(st, release_apply, &w, ticket);
+    return idem__lmdb_write_end(st, release_apply, &w, ticket, 0);
 }

@@ -27,14 +27,12 @@ static idem_code fence_put(lmdb_store *st, MDB_txn *txn, uint64_t value)
 
 /* The next store-assigned owner: a counter that only grows, in the claim's txn, and
  * past any fence a redo of this process tried (fence_floor): a fence drawn in a batch
- * whose commit and redo failed is not drawn again here. */
+ * whose commit and redo failed is not drawn again here. The store has "meta" (the
+ * claim checks that before its first write). */
 idem_code idem__lmdb_next_fence(lmdb_store *st, MDB_txn *txn, uint64_t *out)
 {
     uint64_t last, floor = atomic_load(&st->fence_floor);
     idem_code code;
-    if (!st->has_meta) {
-        return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
-    }
     if ((code = fence_last(st, txn, &last)) != IDEM_OK) {
         return code;
     }

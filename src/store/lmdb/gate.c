@@ -39,22 +39,24 @@ idem_code idem__lmdb_write_held_async(lmdb_store *st, idem_write_fn fn, idem_wri
                : idem__gc_write_held_async(&st->gc, fn, redo, ctx, unref, op_mem, applied);
 }
 
-idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket)
+idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
+                               size_t value_len)
 {
     if (thread_write_txn != NULL) {
         idem__gc_drop(&st->gc, ticket);
         return nested_write();
     }
-    return idem__gc_write_end(&st->gc, fn, ctx, ticket);
+    return idem__gc_write_end(&st->gc, fn, ctx, ticket, value_len);
 }
 
 idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
+                                     size_t value_len,
                                      void (*done)(void *ctx, idem_code code, const char *err),
                                      void *op_mem)
 {
     return thread_write_txn != NULL
                ? nested_write()
-               : idem__gc_write_end_async(&st->gc, fn, ctx, ticket, done, op_mem);
+               : idem__gc_write_end_async(&st->gc, fn, ctx, ticket, value_len, done, op_mem);
 }
 
 int idem__lmdb_write_begin(lmdb_store *st, MDB_txn **txn)

@@ -153,7 +153,7 @@ static idem_code op_wait(idem_group_commit *gc, idem_write_op *op)
 }
 
 static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx,
-                              enum op_kind kind, uint64_t ticket)
+                              enum op_kind kind, uint64_t ticket, size_t value_len)
 {
     if (!gc->enabled) {
         pthread_mutex_lock(&gc->mu);
@@ -162,7 +162,8 @@ static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx
         pthread_mutex_unlock(&gc->mu);
         return idem__gc_write_alone(gc->env, fn, ctx);
     }
-    idem_write_op op = {.fn = fn, .ctx = ctx, .kind = kind, .ticket = ticket};
+    idem_write_op op = {
+        .fn = fn, .ctx = ctx, .kind = kind, .ticket = ticket, .value_len = value_len};
     if (sem_init(&op.done, 0, 0) != 0) {
         return idem__err(IDEM_INTERNAL, "sem_init: %s", strerror(errno));
     }
@@ -180,12 +181,13 @@ static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx
 
 idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx)
 {
-    return write_queued(gc, fn, ctx, OP_PLAIN, 0);
+    return write_queued(gc, fn, ctx, OP_PLAIN, 0, 0);
 }
 
-idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket)
+idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket,
+                             size_t value_len)
 {
-    return write_queued(gc, fn, ctx, ticket != 0 ? OP_END : OP_PLAIN, ticket);
+    return write_queued(gc, fn, ctx, ticket != 0 ? OP_END : OP_PLAIN, ticket, value_len);
 }
 
 /* A zeroed op in op_mem, else on the heap; NULL when out of memory. */
@@ -236,7 +238,7 @@ idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_writ
 {
     *ticket = 0;
     if (!gc->started) {
-        idem_code code = write_queued(gc, fn, ctx, OP_PLAIN, 0);
+        idem_code code = write_queued(gc, fn, ctx, OP_PLAIN, 0, 0);
         unref(ctx); /* the writer's reference: there is none */
         return code;
     }
@@ -269,7 +271,7 @@ idem_code idem__gc_write_held_async(idem_group_commit *gc, idem_write_fn fn, ide
 }
 
 idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,
-                                   uint64_t ticket,
+                                   uint64_t ticket, size_t value_len,
                                    void (*done)(void *ctx, idem_code code, const char *err),
                                    void *op_mem)
 {
@@ -281,6 +283,7 @@ idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void
     op->ctx = ctx;
     op->kind = OP_END;
     op->ticket = ticket;
+    op->value_len = value_len;
     op->on_done = done;
     pthread_mutex_lock(&gc->mu);
     enqueue(gc, op);

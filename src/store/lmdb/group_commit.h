@@ -58,10 +58,14 @@
  * per commit) a batch's callers wait for the next batch's commit, or for an explicit
  * sync when none follows, and a batch ends (idem__gc_wait) only then
  * (group_commit_pipe.c says why that sync flushes the page).
- * Each operation runs in a child txn of the batch's: one that fails with a storage
- * error (MDB_MAP_FULL) undoes only its own writes, and the batch commits the others,
- * shared claims included. A commit that fails (an I/O error) loses the batch; it is
- * then re-run one operation per txn, in order, so every caller gets its own, exact
+ * Each operation runs in the batch's txn itself while the map has room for every page
+ * the batch's operations may take, so that none can meet a full map there; one that
+ * fails with a storage error all the same poisons the txn (LMDB refuses it every further
+ * operation), and the batch is re-run as after a failed commit (below). Near a full map
+ * each runs in a child txn of the batch's instead: one that meets MDB_MAP_FULL undoes
+ * only its own writes, and the batch commits the others, shared claims included. A
+ * commit that fails (an I/O error) loses the batch; it is then re-run one operation per
+ * txn, in order, so every caller gets its own, exact
  * result and its own error message, handed over with it; a shared claim that its
  * caller already holds is re-applied with the owner it drew (redo), so that its
  * completion finds it. Between the failed commit and the redo LMDB's writer lock is
@@ -106,8 +110,9 @@ static inline idem_code idem__lmdb_code(int rc, const char *what)
 }
 
 /* Applies one operation inside txn. A code other than IDEM_OK must leave the txn
- * unchanged unless it is IDEM_RESOURCE_EXHAUSTED or IDEM_INTERNAL (storage errors). The
- * function may run more than once (after a batch failure), so it must set its outputs
+ * unchanged unless it is IDEM_RESOURCE_EXHAUSTED or IDEM_INTERNAL (storage errors): every
+ * check that refuses comes before the first write, since a batch commits what a refused
+ * operation would have left in its txn. The function may run more than once (after a batch failure), so it must set its outputs
  * afresh on every run. It runs on the writer thread: it must not depend on the caller's
  * thread-local state. */
 typedef idem_code (*idem_write_fn)(MDB_txn *txn, void *ctx);
@@ -190,14 +195,17 @@ typedef void (*idem_gc_applied_fn)(void *ctx, idem_code code, uint64_t ticket, c
 idem_code idem__gc_write_held_async(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
                                     void *ctx, void (*unref)(void *ctx), void *op_mem,
                                     idem_gc_applied_fn applied);
-/* idem__gc_write of the write that ends a shared claim (ticket 0: none). */
-idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket);
+/* idem__gc_write of the write that ends a shared claim (ticket 0: none). value_len: the
+ * size of the value fn writes (a response; 0 for a record's usual few hundred bytes), so
+ * that the batch knows the map has room for it (group_commit_batch.c). */
+idem_code idem__gc_write_end(idem_group_commit *gc, idem_write_fn fn, void *ctx, uint64_t ticket,
+                             size_t value_len);
 /* idem__gc_write_end without waiting: queued, and IDEM_OK, when the writer thread runs
  * and ticket is not 0, else an error and nothing queued. done(ctx, code, err) is called
  * once, on the writer thread, when the batch holding the write has ended (err: its
  * idem_errmsg when code is not IDEM_OK); it must not wait for a store write. */
 idem_code idem__gc_write_end_async(idem_group_commit *gc, idem_write_fn fn, void *ctx,
-                                   uint64_t ticket,
+                                   uint64_t ticket, size_t value_len,
                                    void (*done)(void *ctx, idem_code code, const char *err),
                                    void *op_mem);
 /* op_mem of the two above: NULL, or IDEM_GC_OP_BYTES (aligned as malloc's) in ctx's own

@@ -1,7 +1,7 @@
 /* Group commit: the writer thread and its batches.
  *
- * One batch per turn while ops are queued: begin a txn, apply what is queued (each op in
- * a child txn), hold it open while shared claims in it await their completions, commit,
+ * One batch per turn while ops are queued: begin a txn, apply what is queued (apply_op:
+ * in the txn itself, or near a full map each op in a child txn), hold it open while shared claims in it await their completions, commit,
  * then post every op of the batch not posted yet, and only those, once the commit is on
  * disk meta page included (group_commit_pipe.c: at the next batch's commit, or at a sync
  * when nothing is queued). Invariants:
@@ -64,6 +64,27 @@ bool idem__gc_plain_queued(const idem_group_commit *gc)
     return false;
 }
 
+/* The most pages one op may take beside its value: each of its six B-tree changes at
+ * most (records, expiry index twice, token and its index, fence counter) copies its
+ * path and splits every level, in trees of depth 8 at most (billions of records); and
+ * the pages kept for the commit's own writes (the free list). */
+#define OP_PAGES 128u
+#define COMMIT_PAGES 1024u
+
+/* Pages the map has left past the last one in use (read in the batch's txn: nobody else
+ * can use them meanwhile), less the commit's; *psize: the page size. */
+static size_t map_room(MDB_env *env, size_t *psize)
+{
+    MDB_envinfo info;
+    MDB_stat stat;
+    if (mdb_env_info(env, &info) != 0 || mdb_env_stat(env, &stat) != 0) {
+        return 0;
+    }
+    size_t pages = info.me_mapsize / stat.ms_psize, used = info.me_last_pgno + 1 + COMMIT_PAGES;
+    *psize = stat.ms_psize;
+    return pages > used ? pages - used : 0;
+}
+
 /* op->fn in a child txn of txn: a storage error (a full map) then undoes op's writes
  * alone, where in txn itself it would leave txn unusable (LMDB refuses every further
  * operation of a txn whose write failed) and take every other write of the batch with
@@ -87,6 +108,28 @@ static idem_code apply_nested(MDB_txn *txn, idem_write_op *op, bool *poisoned)
         return idem__lmdb_code(rc, "commit");
     }
     return IDEM_OK;
+}
+
+/* op->fn straight in the batch's txn while the map has room for every page the batch's
+ * ops may take (OP_PAGES each and their values): it cannot meet a full map then, and a
+ * child txn per op would cost its allocations and a copy of every page it touches. A
+ * write that fails all the same (IDEM_RESOURCE_EXHAUSTED or IDEM_INTERNAL, the only
+ * codes idem_write_fn lets leave txn changed) poisons the batch, which is then re-run one
+ * op per txn (group_commit_redo.c). Near a full map, in a child txn: the write that meets
+ * it fails alone. */
+static idem_code apply_op(MDB_txn *txn, idem_write_op *op, idem_gc_batch *b, bool *poisoned)
+{
+    size_t pages = OP_PAGES + op->value_len / b->psize + 1;
+    bool room = b->spent + pages <= b->room;
+    b->spent += pages;
+    if (!room) {
+        return apply_nested(txn, op, poisoned);
+    }
+    idem_code code = op->fn(txn, op->ctx);
+    if (code == IDEM_RESOURCE_EXHAUSTED || code == IDEM_INTERNAL) {
+        *poisoned = true;
+    }
+    return code;
 }
 
 /* A shared claim applied IDEM_OK in the batch of ticket: counted as awaiting its end
@@ -113,7 +156,7 @@ static bool apply(idem_group_commit *gc, MDB_txn *txn, uint64_t ticket, idem_wri
         if (poisoned) {
             continue;
         }
-        idem__gc_op_finish(op, apply_nested(txn, op, &poisoned));
+        idem__gc_op_finish(op, apply_op(txn, op, b, &poisoned));
         if (poisoned) {
             continue;
         }
@@ -194,6 +237,7 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     MDB_txn *txn = NULL;
     int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
     uint64_t began = idem__mono_us();
+    b.room = rc == 0 ? map_room(gc->env, &b.psize) : 0;
     pthread_mutex_lock(&gc->mu);
     uint64_t ticket = ++gc->last_ticket;
     gc->awaiting = 0;

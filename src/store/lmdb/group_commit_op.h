@@ -36,6 +36,7 @@ struct idem_write_op {
     /* OP_END: the claim's ticket. OP_HELD: its batch's, once applied there with IDEM_OK
      * (0: not shared; set before its caller is woken). */
     uint64_t ticket;
+    size_t value_len; /* the largest value fn writes, beyond a record's usual size */
     /* OP_HELD: heap memory with two references, its caller's and the writer thread's
      * (until its batch ends: a failed batch re-applies it with redo), and ctx's own. */
     idem_write_fn redo;
@@ -70,6 +71,9 @@ typedef struct idem_gc_batch {
     idem_write_op *head, *tail, *held;
     size_t n;
     bool plain; /* an OP_PLAIN in it: commit without waiting for shared completions */
+    /* Pages the map had left when the batch began (less the commit's reserve), the most
+     * its ops so far may take, and the map's page size (group_commit_batch.c). */
+    size_t room, spent, psize;
 } idem_gc_batch;
 
 /* The batches committed and not yet known durable (group_commit_pipe.c), merged in

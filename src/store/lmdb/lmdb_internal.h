@@ -197,8 +197,10 @@ idem_code idem__lmdb_write_held(lmdb_store *st, idem_write_fn fn, idem_write_fn 
 idem_code idem__lmdb_write_held_async(lmdb_store *st, idem_write_fn fn, idem_write_fn redo,
                                       void *ctx, void (*unref)(void *ctx), void *op_mem,
                                       idem_gc_applied_fn applied);
-idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket);
+idem_code idem__lmdb_write_end(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
+                               size_t value_len);
 idem_code idem__lmdb_write_end_async(lmdb_store *st, idem_write_fn fn, void *ctx, uint64_t ticket,
+                                     size_t value_len,
                                      void (*done)(void *ctx, idem_code code, const char *err),
                                      void *op_mem);
 /* A write txn of this thread's own, outside group commit (a handler txn, a sweep): asks
