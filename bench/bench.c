@@ -45,9 +45,10 @@
  *   t, u                    as r, s with appendfsync everysec
  *   (r-u run when asked for with --scenarios, or by default when $IDEMRPC_BENCH_REDIS
  *   is set; "c vs redis-new(always)" and "e vs redis-replay" lines follow)
- *   z  scale    cost against the store's size: new keys and replays (of random stored
- *               keys) at 1 and 16 clients on stores preloaded with 10k, 1M and 10M records,
- *               kept in --scale-dir DIR between runs; bytes per record, page faults, RSS
+ *   z  scale    cost against the store's size: new keys (random, and ordered as
+ *               UUIDv7s are) and replays (of random stored keys) at 1 and 16 clients on
+ *               stores preloaded with 10k, 1M and 10M records, kept in --scale-dir DIR
+ *               between runs; bytes per record, page faults, RSS
  *               (scenario_scale.c; only by --scenarios; --scale-csv FILE for table.py)
  *   w  nats     messages/s through the JetStream consumer binding (idem_consume, ack
  *               after the commit) next to a bare consume-and-ack loop, at 1 and 8
@@ -134,11 +135,11 @@ static void usage(FILE *f)
             "($IDEMRPC_BENCH_PG)\n"
             "  k transactional (lmdb)  l transactional (pg)  m 1 journaled step  n 3 steps\n"
             "  w nats consumer vs bare consume-and-ack, 1 and 8 consumers ($IDEMRPC_BENCH_NATS)\n"
-            "  z the store's size: new keys and replays at 1 and 16 clients on stores of "
+            "  z the store's size: new keys (random, ordered) and replays at 1 and 16 clients on stores of "
             "10k, 1M, 10M\n"
             "    records (--scale-dir DIR: where they are kept between runs, required; "
             "--scale-sizes N,..;\n"
-            "    --scale-kinds new,replay,grown; --scale-rounds R: every size in turn, R times; "
+            "    --scale-kinds new,replay,ordered,grown; --scale-rounds R: every size in turn, R times; "
             "--clients, default 1,16; --scale-csv FILE: its rows "
             "for bench/table.py)\n"
             "  o 1 step with an undo  p a compensated call (the undo runs, the key is released)\n"
@@ -226,7 +227,7 @@ static void set_defaults(void)
     grid_set(&cfg.grids[1], "1", "4096,65536,1048576", peer ? "aes" : "ae");
     cfg.n_grids = 2;
     cfg.seconds = 1.5;
-    cfg.scale_kinds = 7;
+    cfg.scale_kinds = 15;
     cfg.scale_rounds = 1;
     parse_longs("10000,1000000,10000000", cfg.scale_sizes, &cfg.n_scale_sizes, 1, 100000000);
     parse_transports(default_transports);
@@ -324,6 +325,7 @@ static args_result parse_args(int argc, char **argv)
             cfg.scale_kinds = strstr(optarg, "new") ? 1 : 0;
             cfg.scale_kinds |= strstr(optarg, "replay") ? 2 : 0;
             cfg.scale_kinds |= strstr(optarg, "grown") ? 4 : 0;
+            cfg.scale_kinds |= strstr(optarg, "ordered") ? 8 : 0;
         } else if (opt == 'D' || opt == 'C') {
             *(opt == 'D' ? &cfg.scale_dir : &cfg.scale_csv) = optarg;
         } else if (!parse_option(opt, longs[index].name, optarg)) {

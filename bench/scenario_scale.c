@@ -4,8 +4,10 @@
  * store with group commit): new keys at 1 and 16 clients, each a random 64-bit key
  * that lands at a random place among the stored ones (a UUID's), and replays at 1 and
  * 16 clients, each of a stored record drawn at random (past the result cache: what a
- * retry of an older call costs). After a new-key cell its keys are deleted again, so
- * the store keeps N records from run to run.
+ * retry of an older call costs), and new keys that each sort after the last one
+ * ("ordered": a counter after a random prefix, as a time-ordered UUIDv7 or ULID would),
+ * which all land next to each other. After a new-key cell its keys are deleted again,
+ * so the store keeps N records from run to run.
  *
  * Each row: calls/s, p50/p99, CPU µs, page faults (minor, major) per call in the timed
  * window, the process's RSS after the cell, and the store's bytes on disk per record
@@ -21,9 +23,13 @@
 #include "bench.h"
 #include "scale.h"
 
+enum scale_kind { KIND_NEW, KIND_REPLAY, KIND_ORDERED };
+
 typedef struct scale_cell {
     uint64_t n;    /* records in the store */
     uint64_t salt; /* of this cell's new keys */
+    enum scale_kind kind;
+    _Atomic uint64_t next; /* KIND_ORDERED: its keys handed out */
 } scale_cell;
 
 static uint64_t mix64(uint64_t x)
@@ -38,6 +44,14 @@ static void new_key(char out[17], uint64_t salt, int thread, uint64_t seq)
 {
     snprintf(out, 17, "%016llx",
              (unsigned long long)mix64(salt ^ ((uint64_t)thread << 40) ^ mix64(seq)));
+}
+
+/* The i-th ordered key of a cell: after every stored key ("g" sorts after hex digits),
+ * the salt's 24 bits, then i. */
+static void ordered_key(char out[17], uint64_t salt, uint64_t i)
+{
+    snprintf(out, 17, "g%06llx%09llx", (unsigned long long)(salt & 0xffffff),
+             (unsigned long long)(i & 0xfffffffffull));
 }
 
 static int scale_open(bench_thread *t)
@@ -59,12 +73,14 @@ static int scale_open(bench_thread *t)
 static int scale_call(bench_thread *t)
 {
     const cell *c = t->cell;
-    const scale_cell *z = c->peer;
+    scale_cell *z = c->peer;
     bool replay = c->sc->keys == KEYS_REPLAY;
     char key[17];
     if (replay) {
         t->lat.rng = mix64(t->lat.rng);
         scale_key(key, z->n, t->lat.rng % z->n);
+    } else if (z->kind == KIND_ORDERED) {
+        ordered_key(key, z->salt, atomic_fetch_add(&z->next, 1));
     } else {
         new_key(key, z->salt, t->id, t->seq);
     }
@@ -160,7 +176,8 @@ int scale_template(idem_store *st, const char *transport, idem_record *out)
 /* What one cell measured, for the ratio lines and --scale-csv. */
 typedef struct scale_row {
     uint64_t n;
-    const char *kind; /* "new", "replay"; "grown": the grown store's bytes per record */
+    const char *kind; /* "new", "replay", "ordered"; "grown": the grown store's bytes per
+                       * record */
     int clients;
     double calls_s, p50_us, p99_us, cpu_us, minflt, majflt, rss_mib, bytes_per_rec;
     unsigned depth;       /* of the records B-tree */
@@ -209,7 +226,13 @@ static void new_keys_delete(const char *dir, const scale_cell *z, int clients)
         fprintf(stderr, "idemrpc-bench: z: cleanup open %s: %s\n", dir, idem_errmsg());
         return;
     }
-    for (int t = 0; t < clients; t++) {
+    for (uint64_t i = 0; z->kind == KIND_ORDERED && i < z->next; i++) {
+        char key[17];
+        ordered_key(key, z->salt, i);
+        idem_key_ref ref = {SCALE_CALLER, METHOD, key};
+        gone += idem_store_delete(st, &ref) == IDEM_OK;
+    }
+    for (int t = 0; z->kind == KIND_NEW && t < clients; t++) {
         int misses = 0;
         for (uint64_t seq = 0; misses < 64; seq++) {
             char key[17];
@@ -285,14 +308,16 @@ static int scale_measure(const char *dir, cell *c, cell_stats *s, scale_row *r)
 }
 
 /* One cell on the store in dir; false when it could not be measured. */
-static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients, int round,
-                           unsigned depth)
+static bool scale_cell_run(const char *dir, uint64_t n, enum scale_kind kind, int clients,
+                           int round, unsigned depth)
 {
+    static const char *const names[] = {"new", "replay", "ordered"};
+    bool replay = kind == KIND_REPLAY;
     static const scenario sc_new = {'z', "z:scale-new", NULL, 0, KEYS_NEW, 0, NULL, 0};
     static const scenario sc_rep = {'z', "z:scale-replay", NULL, 0, KEYS_REPLAY, 0, NULL, 0};
     static char payload[SCALE_PAYLOAD];
     static unsigned next_id = 5000;
-    scale_cell z = {.n = n, .salt = mix64(now_ns())};
+    scale_cell z = {.n = n, .salt = mix64(now_ns()), .kind = kind};
     cell c = {.sc = replay ? &sc_rep : &sc_new,
               .transport = cfg.transports[0],
               .clients = clients,
@@ -303,7 +328,7 @@ static bool scale_cell_run(const char *dir, uint64_t n, bool replay, int clients
               .peer = &z};
     cell_stats s = {.ok = 0};
     scale_row r = {.n = n,
-                   .kind = replay ? "replay" : "new",
+                   .kind = names[kind],
                    .clients = clients,
                    .bytes_per_rec = bytes_per_record(dir, n),
                    .depth = depth,
@@ -415,7 +440,7 @@ static void scale_grown(const char *first_dir, uint64_t n)
 }
 
 /* One cell on the store of size n (loaded or reused first); false when it failed. */
-static bool size_cell(uint64_t n, bool replay, int clients, int round)
+static bool size_cell(uint64_t n, enum scale_kind kind, int clients, int round)
 {
     char dir[4200];
     scale_shape_t sh = {.records_depth = 0};
@@ -424,7 +449,7 @@ static bool size_cell(uint64_t n, bool replay, int clients, int round)
         return false;
     }
     scale_shape(dir, &sh); /* depth 0 when it cannot say */
-    return scale_cell_run(dir, n, replay, clients, round, sh.records_depth);
+    return scale_cell_run(dir, n, kind, clients, round, sh.records_depth);
 }
 
 /* Every (kind, clients) on every size in turn, --scale-rounds times: each size's cell
@@ -434,12 +459,13 @@ static bool scale_cells(void)
     static const long two[] = {1, 16};
     const long *ks = cfg.clients_given ? cfg.grids[0].clients : two;
     int n_ks = cfg.clients_given ? cfg.grids[0].n_clients : 2;
+    static const unsigned bits[] = {[KIND_NEW] = 1, [KIND_REPLAY] = 2, [KIND_ORDERED] = 8};
     bool ok = true;
-    for (int kind = 0; kind < 2; kind++) {
-        for (int k = 0; k < n_ks && (cfg.scale_kinds >> kind & 1); k++) {
+    for (enum scale_kind kind = KIND_NEW; kind <= KIND_ORDERED; kind++) {
+        for (int k = 0; k < n_ks && (cfg.scale_kinds & bits[kind]); k++) {
             for (int round = 0; round < cfg.scale_rounds; round++) {
                 for (int i = 0; i < cfg.n_scale_sizes && ok; i++) {
-                    ok = size_cell((uint64_t)cfg.scale_sizes[i], kind == 1, (int)ks[k], round);
+                    ok = size_cell((uint64_t)cfg.scale_sizes[i], kind, (int)ks[k], round);
                 }
             }
         }

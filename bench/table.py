@@ -153,7 +153,7 @@ def scale(paths):
     print("| cell (64 B) | records | calls/s | ratio to %d | CPU µs/call | faults/call (minor, major) "
           "| depth | RSS MiB |" % base)
     print("|---|---|---|---|---|---|---|---|")
-    for kind in ("new", "replay"):
+    for kind in ("new", "replay", "ordered"):
         for k in (1, 16):
             for n in sizes:
                 sel = [r for _, r in rows if r["kind"] == kind and int(r["clients"]) == k

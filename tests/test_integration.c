@@ -280,8 +280,40 @@ Test(integration, generated_keys_are_fixed_for_every_attempt)
     atomic_store(&H.fail_first, 2);
     idem_result r;
     cr_expect_eq(call("test.Echo/Plain", NULL, "", &r), IDEM_OK, "%s", r.message);
-    cr_expect_eq(strlen(r.key), 32, "a generated key is 128 bits of hex");
+    cr_expect_eq(strlen(r.key), 32, "a generated key is 32 hex digits");
     idem_result_clear(&r);
+}
+
+static uint64_t wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* A generated key leads with the unix ms it was made at (UUIDv7's layout), so a key made
+ * later sorts later and a store's new records land next to each other instead of on a
+ * random page of a large store (docs/performance.md, scenario z "ordered"). */
+Test(integration, generated_keys_sort_in_the_order_they_were_made)
+{
+    idem_result a, b;
+    uint64_t before = wall_ms();
+    cr_assert_eq(call("test.Echo/Plain", NULL, "", &a), IDEM_OK, "%s", a.message);
+    uint64_t between = wall_ms();
+    while (wall_ms() == between) { /* the next key in a later millisecond */
+    }
+    cr_assert_eq(call("test.Echo/Plain", NULL, "", &b), IDEM_OK, "%s", b.message);
+    uint64_t after = wall_ms();
+    char ms_hex[13] = {0};
+    memcpy(ms_hex, a.key, 12);
+    uint64_t ms = strtoull(ms_hex, NULL, 16);
+    cr_expect(ms >= before && ms <= between, "key %s: made at %llu, not in [%llu, %llu]", a.key,
+              (unsigned long long)ms, (unsigned long long)before, (unsigned long long)between);
+    cr_expect_lt(strcmp(a.key, b.key), 0, "%s then %s", a.key, b.key);
+    memcpy(ms_hex, b.key, 12);
+    cr_expect_leq(strtoull(ms_hex, NULL, 16), after);
+    idem_result_clear(&a);
+    idem_result_clear(&b);
 }
 
 Test(integration, final_business_error_is_stored_and_replayed)

@@ -353,8 +353,8 @@ static uint32_t retry_after_hint(const Idem__V1__Response *r)
 }
 
 /* The key is fixed here, once, for every attempt of this logical call: the caller's,
- * else none when a token stands in for it (or never_generate), else 128 random bits
- * (*generated). */
+ * else none when a token stands in for it (or never_generate), else a time-ordered
+ * one: unix ms and 80 random bits (*generated). */
 static idem_code fix_key(const idem_request *req, bool never_generate,
                          char key[IDEM_CLIENT_KEY_MAX + 1], bool *generated)
 {
@@ -366,7 +366,7 @@ static idem_code fix_key(const idem_request *req, bool never_generate,
     } else if ((req->token != NULL && req->token[0] != '\0') || never_generate) {
         key[0] = '\0'; /* the server makes the one-time token the key, or refuses */
     } else {
-        if (!idem__random_hex(key, 16)) {
+        if (!idem__ordered_key_hex(key)) {
             return idem__err(IDEM_INTERNAL, "getrandom failed");
         }
         *generated = true;

@@ -110,6 +110,18 @@ bool idem__random_hex(char *out, size_t bytes)
     return ok;
 }
 
+bool idem__ordered_key_hex(char out[33])
+{
+    uint8_t b[16];
+    uint64_t ms = idem__now_ms();
+    for (int i = 0; i < 6; i++) {
+        b[i] = (uint8_t)(ms >> (40 - 8 * i));
+    }
+    bool ok = idem__random(b + 6, sizeof(b) - 6);
+    idem__hex(out, b, sizeof(b));
+    return ok;
+}
+
 void idem__hex(char *out, const void *bytes, size_t len)
 {
     static const char digits[] = "0123456789abcdef";
