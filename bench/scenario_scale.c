@@ -311,14 +311,16 @@ static int scale_measure(const char *dir, cell *c, cell_stats *s, scale_row *r)
 static bool scale_cell_run(const char *dir, uint64_t n, enum scale_kind kind, int clients,
                            int round, unsigned depth)
 {
-    static const char *const names[] = {"new", "replay", "ordered"};
-    bool replay = kind == KIND_REPLAY;
+    static const char *const names[] = {"new", "replay", "ordered"}; /* by scale_kind */
     static const scenario sc_new = {'z', "z:scale-new", NULL, 0, KEYS_NEW, 0, NULL, 0};
     static const scenario sc_rep = {'z', "z:scale-replay", NULL, 0, KEYS_REPLAY, 0, NULL, 0};
+    static const scenario sc_ord = {'z', "z:scale-ordered", NULL, 0, KEYS_NEW, 0, NULL, 0};
+    static const scenario *const scs[] = {&sc_new, &sc_rep, &sc_ord}; /* by scale_kind */
     static char payload[SCALE_PAYLOAD];
     static unsigned next_id = 5000;
+    bool replay = kind == KIND_REPLAY;
     scale_cell z = {.n = n, .salt = mix64(now_ns()), .kind = kind};
-    cell c = {.sc = replay ? &sc_rep : &sc_new,
+    cell c = {.sc = scs[kind],
               .transport = cfg.transports[0],
               .clients = clients,
               .payload_len = sizeof(payload),

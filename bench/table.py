@@ -124,7 +124,9 @@ def targets(rows, transport):
     print()
 
 
-SCALE_TARGETS = [("new", 1, 0.8), ("new", 16, 0.8), ("replay", 1, 0.95), ("replay", 16, 0.95)]
+SCALE_TARGETS = [("new", 1, 0.8), ("new", 16, 0.8), ("ordered", 1, 0.8), ("ordered", 16, 0.8),
+                 ("replay", 1, 0.95), ("replay", 16, 0.95)]
+SCALE_LABELS = {"new": "new key (random)", "ordered": "new key (time-ordered)", "replay": "replay"}
 
 
 def scale_load(paths):
@@ -178,7 +180,7 @@ def scale(paths):
         v = scale_ratios(rows, kind, k, top, base)
         got = statistics.median(v) if v else None
         print("| %s at %d records ÷ at %d, %d client%s | ≥ %s | %s | %s |" % (
-            kind, top, base, k, "s" if k > 1 else "", goal,
+            SCALE_LABELS[kind], top, base, k, "s" if k > 1 else "", goal,
             "not run" if got is None else cell(v, 2),
             "" if got is None else "met" if got >= goal else "missed"))
     if grown:

@@ -428,7 +428,8 @@ Test(shared_commit, a_failed_commit_applies_the_held_claims_again)
                  IDEM_OK);
     cr_assert_neq(ticket, 0);
     atomic_store(&failing_syncs, 1);
-    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(idem__gc_write_end(&gc_held, nothing, NULL, ticket, 0), IDEM_OK, "%s",
+                 idem_errmsg());
     cr_expect_eq(atomic_load(&failing_syncs), 0, "the batch's commit met the failure");
     cr_expect_eq(atomic_load(&redo_runs), 1);
     cr_expect(x_committed(gc_env), "the claim was applied again and committed");

@@ -421,8 +421,8 @@ idem_code idem__lmdb_complete_async(idem_store *base, const idem_key_ref *ref, u
     a->response = response;
     a->done = done;
     a->arg = arg;
-    idem_code code =
-        idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, len, async_complete_done, a->op);
+    idem_code code = idem__lmdb_write_end_async(a->w.st, complete_apply, a, ticket, len,
+                                                async_complete_done, a->op);
     if (code != IDEM_OK) {
         free(a); /* the response stays the caller's */
     }

@@ -152,8 +152,8 @@ static idem_code op_wait(idem_group_commit *gc, idem_write_op *op)
     return op->code;
 }
 
-static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx,
-                              enum op_kind kind, uint64_t ticket, size_t value_len)
+static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx, enum op_kind kind,
+                              uint64_t ticket, size_t value_len)
 {
     if (!gc->enabled) {
         pthread_mutex_lock(&gc->mu);

@@ -112,9 +112,9 @@ static inline idem_code idem__lmdb_code(int rc, const char *what)
 /* Applies one operation inside txn. A code other than IDEM_OK must leave the txn
  * unchanged unless it is IDEM_RESOURCE_EXHAUSTED or IDEM_INTERNAL (storage errors): every
  * check that refuses comes before the first write, since a batch commits what a refused
- * operation would have left in its txn. The function may run more than once (after a batch failure), so it must set its outputs
- * afresh on every run. It runs on the writer thread: it must not depend on the caller's
- * thread-local state. */
+ * operation would have left in its txn. The function may run more than once (after a
+ * batch failure), so it must set its outputs afresh on every run. It runs on the writer
+ * thread: it must not depend on the caller's thread-local state. */
 typedef idem_code (*idem_write_fn)(MDB_txn *txn, void *ctx);
 
 typedef struct idem_write_op idem_write_op;

@@ -1,10 +1,11 @@
 /* Group commit: the writer thread and its batches.
  *
  * One batch per turn while ops are queued: begin a txn, apply what is queued (apply_op:
- * in the txn itself, or near a full map each op in a child txn), hold it open while shared claims in it await their completions, commit,
- * then post every op of the batch not posted yet, and only those, once the commit is on
- * disk meta page included (group_commit_pipe.c: at the next batch's commit, or at a sync
- * when nothing is queued). Invariants:
+ * in the txn itself, or near a full map each op in a child txn), hold it open while
+ * shared claims in it await their completions, commit, then post every op of the batch
+ * not posted yet, and only those, once the commit is on disk meta page included
+ * (group_commit_pipe.c: at the next batch's commit, or at a sync when nothing is
+ * queued). Invariants:
  *   - only this thread uses a batch's txn, and it begins and commits it (LMDB's rule);
  *   - a caller is posted before its batch's commit only for a shared claim that applied
  *     IDEM_OK (its handler runs meanwhile); a shared claim refused from the open txn (a
