@@ -309,12 +309,6 @@ static idem_code redo_x(MDB_txn *txn, void *ctx)
     return put_x(txn, ctx);
 }
 
-static idem_code map_full(MDB_txn *txn, void *ctx)
-{
-    (void)txn, (void)ctx;
-    return idem__err(IDEM_RESOURCE_EXHAUSTED, "store full (simulated)");
-}
-
 static idem_code nothing(MDB_txn *txn, void *ctx)
 {
     (void)txn, (void)ctx;
@@ -342,12 +336,12 @@ static bool x_committed(MDB_env *env)
 static MDB_env *gc_env;
 static idem_group_commit gc_held;
 
-/* With 64 MiB a batch's writes run in its txn itself; with 1 MiB, LMDB's default, in
- * child txns (the map is smaller than the reserve a batch needs). */
-static void held_open(size_t map_size)
+/* 16 384 pages (LMDB's page is the system's): room for a batch's writes in its txn
+ * itself, until a test fills the map. */
+static void held_open(void)
 {
     cr_assert_eq(mdb_env_create(&gc_env), 0);
-    cr_assert_eq(mdb_env_set_mapsize(gc_env, map_size), 0);
+    cr_assert_eq(mdb_env_set_mapsize(gc_env, (size_t)16384 * (size_t)sysconf(_SC_PAGESIZE)), 0);
     cr_assert_eq(mdb_env_open(gc_env, dir, 0, 0600), 0); /* durable: commits call fdatasync */
     cr_assert_eq(idem__gc_init(&gc_held, gc_env, true, 64), IDEM_OK);
     gc_held.hold_us = 30u * 1000 * 1000; /* before any write: the writer thread sleeps */
@@ -356,7 +350,7 @@ static void held_open(size_t map_size)
 static void held_setup(void)
 {
     dir = tu_tempdir("gc");
-    held_open((size_t)64 << 20);
+    held_open();
     atomic_store(&redo_runs, 0);
 }
 
@@ -383,39 +377,77 @@ Test(shared_commit, a_claim_and_its_completion_are_one_commit)
     cr_expect_eq(gc_held.shared, 1);
 }
 
-/* With room in the map a batch's writes run in its txn itself, so a storage error there
- * (here simulated) leaves the txn unusable: the batch is re-run one write per txn, the
- * claim whose handler already runs applied again with its owner, and the write that
- * failed gets its own error again, alone. */
-Test(shared_commit, a_storage_error_re_runs_the_batch_and_the_claims_commit_all_the_same)
+/* Fills gc_env's map with one value, before any batch, so that about `left` pages stay
+ * free: the reserve a batch keeps for its commit (1 024) and room for a few writes. */
+static void fill_map_but(size_t left)
 {
-    uint64_t ticket;
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
-                 IDEM_OK);
-    cr_assert_neq(ticket, 0);
-    cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket, 0), IDEM_RESOURCE_EXHAUSTED);
-    cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
-    cr_expect(x_committed(gc_env), "the claim was applied again and committed");
-    cr_expect_eq(atomic_load(&redo_runs), 1);
+    MDB_envinfo info;
+    MDB_stat stat;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    cr_assert_eq(mdb_env_info(gc_env, &info), 0);
+    cr_assert_eq(mdb_env_stat(gc_env, &stat), 0);
+    size_t pages = info.me_mapsize / stat.ms_psize;
+    MDB_val k = {4, "fill"}, v = {(pages - info.me_last_pgno - 8 - left) * stat.ms_psize, NULL};
+    cr_assert_eq(mdb_txn_begin(gc_env, NULL, 0, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &dbi), 0);
+    cr_assert_eq(mdb_put(txn, dbi, &k, &v, MDB_RESERVE), 0);
+    memset(v.mv_data, 'f', v.mv_size);
+    cr_assert_eq(mdb_txn_commit(txn), 0);
 }
 
-/* Near a full map (here the whole map is less than the reserve a batch needs) each write
- * runs in a child txn of the batch's: one that meets the full map fails alone, and the
- * claims of the batch, whose handlers already run, commit with it, not applied again. */
-Test(shared_commit, near_a_full_map_a_storage_error_fails_only_its_own_write)
+/* A write of a value of *ctx bytes: more than the map has left, it meets MDB_MAP_FULL. */
+static idem_code put_big(MDB_txn *txn, void *ctx)
+{
+    MDB_dbi dbi;
+    MDB_val k = {3, "big"}, v = {*(const size_t *)ctx, NULL};
+    int rc = mdb_dbi_open(txn, NULL, 0, &dbi);
+    if (rc == 0 && (rc = mdb_put(txn, dbi, &k, &v, MDB_RESERVE)) == 0) {
+        memset(v.mv_data, 'b', v.mv_size);
+    }
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "put big");
+}
+
+static size_t three_thousand_pages(void)
+{
+    return (size_t)3000 * (size_t)sysconf(_SC_PAGESIZE);
+}
+
+/* Near a full map (2 048 pages left: the claim's write fits the batch's room, a value of
+ * 3 000 pages does not) the write with the large value runs in a child txn of the
+ * batch's: it meets the full map and fails alone, and the claim of the batch, whose
+ * handler already runs, commits with it, not applied again. */
+Test(shared_commit, near_a_full_map_the_write_that_meets_it_fails_alone)
 {
     uint64_t ticket;
-    idem__gc_fini(&gc_held);
-    mdb_env_close(gc_env);
-    held_open((size_t)1 << 20);
+    size_t big = three_thousand_pages();
+    fill_map_but(2048);
     cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
                  IDEM_OK);
     cr_assert_neq(ticket, 0);
-    cr_expect_eq(idem__gc_write_end(&gc_held, map_full, NULL, ticket, 0), IDEM_RESOURCE_EXHAUSTED);
-    cr_expect_str_eq(idem_errmsg(), "store full (simulated)");
+    cr_expect_eq(idem__gc_write_end(&gc_held, put_big, &big, ticket, big), IDEM_RESOURCE_EXHAUSTED);
+    cr_expect(strstr(idem_errmsg(), "MDB_MAP_FULL") != NULL, "%s", idem_errmsg());
     cr_expect(x_committed(gc_env), "the claim committed with its batch");
     cr_expect_eq(gc_held.commits, 1);
     cr_expect_eq(atomic_load(&redo_runs), 0, "nothing to apply again");
+}
+
+/* A storage error met in the batch's own txn (here: a write that did not say how large a
+ * value it writes, so the batch thought it fit) leaves the txn unusable: the batch is
+ * re-run one write per txn, the claim whose handler already runs applied again with its
+ * owner, and the write that failed gets its own error again, alone. */
+Test(shared_commit, a_storage_error_re_runs_the_batch_and_the_claims_commit_all_the_same)
+{
+    uint64_t ticket;
+    size_t big = three_thousand_pages();
+    fill_map_but(2048);
+    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
+                 IDEM_OK);
+    cr_assert_neq(ticket, 0);
+    cr_expect_eq(idem__gc_write_end(&gc_held, put_big, &big, ticket, 0), IDEM_RESOURCE_EXHAUSTED);
+    cr_expect(strstr(idem_errmsg(), "MDB_MAP_FULL") != NULL, "%s", idem_errmsg());
+    cr_expect(x_committed(gc_env), "the claim was applied again and committed");
+    cr_expect_eq(atomic_load(&redo_runs), 1);
 }
 
 /* A commit that fails (here: its fdatasync answers EIO) loses the whole batch; the claim

@@ -119,6 +119,27 @@ static size_t sweep(uint64_t now, size_t max)
 
 /* ---- the claim state machine ---- */
 
+/* A store keeps 29 business databases besides its own four: the 30th is refused with a
+ * clear error, before its write touches anything (group commit runs it in a batch's txn
+ * with others), and the store goes on. */
+Test(store, a_thirtieth_business_database_is_refused_clearly)
+{
+    char name[16];
+    void *v = NULL;
+    size_t n = 0;
+    for (int i = 0; i < 29; i++) {
+        snprintf(name, sizeof(name), "db%d", i);
+        cr_assert_eq(idem_store_app_get(st, name, "k", 1, &v, &n), IDEM_NOT_FOUND, "%s: %s", name,
+                     idem_errmsg());
+    }
+    cr_expect_eq(idem_store_app_get(st, "db29", "k", 1, &v, &n), IDEM_FAILED_PRECONDITION);
+    cr_expect_str_eq(idem_errmsg(), "at most 29 business databases per store");
+    idem_claim_req r = claim_req("after", FP_A, 11, T0);
+    idem_record rec;
+    cr_expect_eq(claim(&r, &rec), IDEM_CLAIM_ACQUIRED, "the store goes on");
+    idem_record_clear(&rec);
+}
+
 Test(store, claim_of_absent_key_acquires)
 {
     idem_claim_req r = claim_req("k1", FP_A, 11, T0);

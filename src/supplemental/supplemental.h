@@ -73,8 +73,8 @@ double idem__random_unit(void); /* [0,1), for jitter; not for secrets */
 bool idem__random_hex(char *out, size_t bytes);
 
 /* A generated idempotency key, 32 lowercase hex digits: the wall clock's unix ms in 48
- * bits, then 80 fresh random bits (UUIDv7's layout), so that keys made later sort
- * later and a store's new records land next to each other (docs/performance.md:
+ * bits, then 80 fresh random bits (UUIDv7's layout), so that keys made in a later
+ * millisecond sort later and a store's new records land next to each other (docs/performance.md:
  * random keys make every new record touch a cold page of a large store). false when
  * the kernel refused the random bits. */
 bool idem__ordered_key_hex(char out[33]);

@@ -65,10 +65,11 @@ bool idem__gc_plain_queued(const idem_group_commit *gc)
     return false;
 }
 
-/* The most pages one op may take beside its value: each of its six B-tree changes at
- * most (records, expiry index twice, token and its index, fence counter) copies its
- * path and splits every level, in trees of depth 8 at most (billions of records); and
- * the pages kept for the commit's own writes (the free list). */
+/* The most pages one op may take beside its value: its six B-tree changes at most
+ * (records, expiry index twice, token and its index, fence counter) each copy their
+ * path and may split a leaf and its parents, about 100 pages in trees of depth 9 (10 M
+ * records of the longest keys); and the pages kept for the commit's own writes (the
+ * free list). Counted in pages: a larger page holds more, and trees are shallower. */
 #define OP_PAGES 128u
 #define COMMIT_PAGES 1024u
 
@@ -78,6 +79,7 @@ static size_t map_room(MDB_env *env, size_t *psize)
 {
     MDB_envinfo info;
     MDB_stat stat;
+    *psize = 4096; /* unless LMDB says: no room then, every op in a child txn */
     if (mdb_env_info(env, &info) != 0 || mdb_env_stat(env, &stat) != 0) {
         return 0;
     }
