@@ -65,10 +65,9 @@
  * each runs in a child txn of the batch's instead: one that meets MDB_MAP_FULL undoes
  * only its own writes, and the batch commits the others, shared claims included. A
  * commit that fails (an I/O error) loses the batch; it is then re-run one operation per
- * txn, in order, so every caller gets its own, exact
- * result and its own error message, handed over with it; a shared claim that its
- * caller already holds is re-applied with the owner it drew (redo), so that its
- * completion finds it. Between the failed commit and the redo LMDB's writer lock is
+ * txn, in order, so every caller gets its own, exact result and its own error message,
+ * handed over with it; a shared claim that its caller already holds is re-applied with
+ * the owner it drew (redo), so that its completion finds it. Between the failed commit and the redo LMDB's writer lock is
  * free: another writer may take the key, or draw the same fence from the counter the
  * failed commit rolled back, first; the redo then applies nothing (a fence is never
  * held by two claims), and the completion finds its claim lost: on a disk that fails a
