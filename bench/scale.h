@@ -3,6 +3,7 @@
 #ifndef IDEMRPC_BENCH_SCALE_H
 #define IDEMRPC_BENCH_SCALE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <idemrpc/idemrpc.h>
@@ -34,9 +35,10 @@ typedef struct scale_shape_t {
 } scale_shape_t;
 int scale_shape(const char *dir, scale_shape_t *out); /* an LMDB error */
 /* Grows a store in dir (emptied first, removed after) by n new keys through the store's
- * own claim and complete, as the result cache writes them, in random key order; its
- * shape into out. */
-int scale_grow(const char *dir, uint64_t n, const idem_record *tmpl, scale_shape_t *out);
+ * own claim and complete, as the result cache writes them, in random key order or
+ * ascending (ordered); its shape into out. */
+int scale_grow(const char *dir, uint64_t n, bool ordered, const idem_record *tmpl,
+               scale_shape_t *out);
 
 /* Counts keys put into dir's store and deleted again (reloaded past 1 % of it). */
 void scale_churn_add(const char *dir, uint64_t keys);

@@ -245,11 +245,13 @@ int scale_shape(const char *dir, scale_shape_t *out)
 }
 
 /* Claims and completes record i of the grown store as the result cache does: lease
- * 30 s, the claim's expiry the lease's end plus the TTL, the completion's now + TTL. */
-static idem_code grow_one(idem_store *st, uint64_t i, const idem_record *tmpl)
+ * 30 s, the claim's expiry the lease's end plus the TTL, the completion's now + TTL.
+ * Its key: i itself when ordered, else i scattered over the 64-bit keys. */
+static idem_code grow_one(idem_store *st, uint64_t i, bool ordered, const idem_record *tmpl)
 {
     char key[17];
-    snprintf(key, sizeof(key), "%016llx", (unsigned long long)(i * 0x9e3779b97f4a7c15ull));
+    snprintf(key, sizeof(key), "%016llx",
+             (unsigned long long)(ordered ? i : i * 0x9e3779b97f4a7c15ull));
     uint64_t now = SCALE_EXPIRY_BASE + i;
     idem_claim_req req = {.key = {SCALE_CALLER, METHOD, key},
                           .owner = i + 1,
@@ -268,7 +270,8 @@ static idem_code grow_one(idem_store *st, uint64_t i, const idem_record *tmpl)
                                                  tmpl->response_len, now + 1 + SCALE_TTL_MS);
 }
 
-int scale_grow(const char *dir, uint64_t n, const idem_record *tmpl, scale_shape_t *out)
+int scale_grow(const char *dir, uint64_t n, bool ordered, const idem_record *tmpl,
+               scale_shape_t *out)
 {
     idem_store *st;
     if (store_files_remove(dir) != 0 ||
@@ -279,7 +282,7 @@ int scale_grow(const char *dir, uint64_t n, const idem_record *tmpl, scale_shape
     }
     idem_code code = IDEM_OK;
     for (uint64_t i = 0; i < n && code == IDEM_OK; i++) {
-        code = grow_one(st, i, tmpl);
+        code = grow_one(st, i, ordered, tmpl);
     }
     idem_store_close(st);
     if (code != IDEM_OK) {

@@ -403,28 +403,20 @@ static int template_of(const char *dir, uint64_t n, idem_record *out)
     return code == IDEM_OK ? 0 : -1;
 }
 
-/* Bytes per record of a store grown by GROWN_KEYS random keys as a server writes them
- * (splits, the claim's expiry entry replaced by the completion's), with its shape. */
-static void scale_grown(const char *first_dir, uint64_t n)
+/* Bytes per record of a store grown by GROWN_KEYS keys as a server writes them (splits,
+ * the claim's expiry entry replaced by the completion's), random or ascending keys, with
+ * its shape. */
+static void scale_grown_one(const char *dir, const idem_record *tmpl, bool ordered)
 {
-    char dir[4200];
-    idem_record tmpl;
     scale_shape_t sh;
-    snprintf(dir, sizeof(dir), "%s/grown", cfg.scale_dir);
-    if (template_of(first_dir, n, &tmpl) != 0) {
-        fprintf(stderr, "idemrpc-bench: z: no template in %s: %s\n", first_dir, idem_errmsg());
-        return;
-    }
     uint64_t t0 = now_ns();
-    int rv = scale_grow(dir, GROWN_KEYS, &tmpl, &sh);
-    idem_record_clear(&tmpl);
-    if (rv != 0 || n_scale_rows >= MAX_SCALE_ROWS) {
+    if (scale_grow(dir, GROWN_KEYS, ordered, tmpl, &sh) != 0 || n_scale_rows >= MAX_SCALE_ROWS) {
         return;
     }
     double bpr = (double)sh.used_pages * 4096 / GROWN_KEYS;
     scale_rows[n_scale_rows++] =
         (scale_row){.n = GROWN_KEYS,
-                    .kind = "grown",
+                    .kind = ordered ? "grown-ordered" : "grown",
                     .calls_s = GROWN_KEYS / ((double)(now_ns() - t0) / 1e9),
                     .p50_us = NAN,
                     .p99_us = NAN,
@@ -435,10 +427,24 @@ static void scale_grown(const char *first_dir, uint64_t n)
                     .bytes_per_rec = bpr,
                     .depth = sh.records_depth,
                     .pages_per_cmt = NAN};
-    printf("z: grown by %d random keys through claim + complete: %.0f B/record; records "
+    printf("z: grown by %d %s keys through claim + complete: %.0f B/record; records "
            "%zu pages (depth %u), expiry %zu pages (depth %u), %zu pages used in all\n",
-           GROWN_KEYS, bpr, sh.records_pages, sh.records_depth, sh.expiry_pages, sh.expiry_depth,
-           sh.used_pages);
+           GROWN_KEYS, ordered ? "ascending" : "random", bpr, sh.records_pages,
+           sh.records_depth, sh.expiry_pages, sh.expiry_depth, sh.used_pages);
+}
+
+static void scale_grown(const char *first_dir, uint64_t n)
+{
+    char dir[4200];
+    idem_record tmpl;
+    snprintf(dir, sizeof(dir), "%s/grown", cfg.scale_dir);
+    if (template_of(first_dir, n, &tmpl) != 0) {
+        fprintf(stderr, "idemrpc-bench: z: no template in %s: %s\n", first_dir, idem_errmsg());
+        return;
+    }
+    scale_grown_one(dir, &tmpl, false);
+    scale_grown_one(dir, &tmpl, true);
+    idem_record_clear(&tmpl);
 }
 
 /* One cell on the store of size n (loaded or reused first); false when it failed. */
