@@ -408,43 +408,39 @@ static idem_code put_big(MDB_txn *txn, void *ctx)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "put big");
 }
 
-static size_t three_thousand_pages(void)
-{
-    return (size_t)3000 * (size_t)sysconf(_SC_PAGESIZE);
-}
-
-/* Near a full map (2 048 pages left: the claim's write fits the batch's room, a value of
- * 3 000 pages does not) the write with the large value runs in a child txn of the
- * batch's: it meets the full map and fails alone, and the claim of the batch, whose
- * handler already runs, commits with it, not applied again. */
-Test(shared_commit, near_a_full_map_the_write_that_meets_it_fails_alone)
+/* With 2 048 pages left in the map (the claim's write fits the batch's room, a value of
+ * 3 000 pages does not): a shared claim, then in its batch a write of 3 000 pages that
+ * says its size or not; that write's code, and its message in idem_errmsg. */
+static idem_code claim_then_too_large_a_write(bool says_its_size)
 {
     uint64_t ticket;
-    size_t big = three_thousand_pages();
+    size_t big = (size_t)3000 * (size_t)sysconf(_SC_PAGESIZE);
     fill_map_but(2048);
     cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
                  IDEM_OK);
     cr_assert_neq(ticket, 0);
-    cr_expect_eq(idem__gc_write_end(&gc_held, put_big, &big, ticket, big), IDEM_RESOURCE_EXHAUSTED);
+    return idem__gc_write_end(&gc_held, put_big, &big, ticket, says_its_size ? big : 0);
+}
+
+/* Near a full map the write with the large value runs in a child txn of the batch's: it
+ * meets the full map and fails alone, and the claim of the batch, whose handler already
+ * runs, commits with it, not applied again. */
+Test(shared_commit, near_a_full_map_the_write_that_meets_it_fails_alone)
+{
+    cr_expect_eq(claim_then_too_large_a_write(true), IDEM_RESOURCE_EXHAUSTED);
     cr_expect(strstr(idem_errmsg(), "MDB_MAP_FULL") != NULL, "%s", idem_errmsg());
     cr_expect(x_committed(gc_env), "the claim committed with its batch");
     cr_expect_eq(gc_held.commits, 1);
     cr_expect_eq(atomic_load(&redo_runs), 0, "nothing to apply again");
 }
 
-/* A storage error met in the batch's own txn (here: a write that did not say how large a
+/* A storage error met in the batch's own txn (here: the write did not say how large a
  * value it writes, so the batch thought it fit) leaves the txn unusable: the batch is
  * re-run one write per txn, the claim whose handler already runs applied again with its
  * owner, and the write that failed gets its own error again, alone. */
 Test(shared_commit, a_storage_error_re_runs_the_batch_and_the_claims_commit_all_the_same)
 {
-    uint64_t ticket;
-    size_t big = three_thousand_pages();
-    fill_map_but(2048);
-    cr_assert_eq(idem__gc_write_held(&gc_held, put_x, redo_x, NULL, no_unref, NULL, &ticket),
-                 IDEM_OK);
-    cr_assert_neq(ticket, 0);
-    cr_expect_eq(idem__gc_write_end(&gc_held, put_big, &big, ticket, 0), IDEM_RESOURCE_EXHAUSTED);
+    cr_expect_eq(claim_then_too_large_a_write(false), IDEM_RESOURCE_EXHAUSTED);
     cr_expect(strstr(idem_errmsg(), "MDB_MAP_FULL") != NULL, "%s", idem_errmsg());
     cr_expect(x_committed(gc_env), "the claim was applied again and committed");
     cr_expect_eq(atomic_load(&redo_runs), 1);
