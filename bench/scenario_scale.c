@@ -429,8 +429,8 @@ static void scale_grown_one(const char *dir, const idem_record *tmpl, bool order
                     .pages_per_cmt = NAN};
     printf("z: grown by %d %s keys through claim + complete: %.0f B/record; records "
            "%zu pages (depth %u), expiry %zu pages (depth %u), %zu pages used in all\n",
-           GROWN_KEYS, ordered ? "ascending" : "random", bpr, sh.records_pages,
-           sh.records_depth, sh.expiry_pages, sh.expiry_depth, sh.used_pages);
+           GROWN_KEYS, ordered ? "ascending" : "random", bpr, sh.records_pages, sh.records_depth,
+           sh.expiry_pages, sh.expiry_depth, sh.used_pages);
 }
 
 static void scale_grown(const char *first_dir, uint64_t n)

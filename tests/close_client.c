@@ -35,8 +35,8 @@ int main(int argc, char **argv)
         }
         char key[32];
         snprintf(key, sizeof(key), "late-%d", round);
-        idem_request q = {.method = "t.Slow/Do", .idempotency_key = key, .payload = "p",
-                          .payload_len = 1};
+        idem_request q = {
+            .method = "t.Slow/Do", .idempotency_key = key, .payload = "p", .payload_len = 1};
         idem_result r;
         if (idem_client_call(c, &q, &r) == IDEM_OK) {
             idem_result_clear(&r);

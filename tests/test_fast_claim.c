@@ -162,9 +162,8 @@ Test(fast_claim, a_duplicate_whose_claim_the_callback_queued_gets_the_first_resu
     pthread_join(tb, NULL);
     cr_expect_eq(a.code, IDEM_OK, "%s", a.r.message ? a.r.message : "");
     cr_expect_eq(b.code, IDEM_OK, "%s", b.r.message ? b.r.message : "");
-    cr_expect(says(&a.r, "ran 1") && says(&b.r, "ran 1"), "a: %.*s, b: %.*s",
-              (int)a.r.payload_len, (const char *)a.r.payload, (int)b.r.payload_len,
-              (const char *)b.r.payload);
+    cr_expect(says(&a.r, "ran 1") && says(&b.r, "ran 1"), "a: %.*s, b: %.*s", (int)a.r.payload_len,
+              (const char *)a.r.payload, (int)b.r.payload_len, (const char *)b.r.payload);
     cr_expect(b.r.replayed, "the duplicate was not a replay");
     cr_expect_eq(atomic_load(&runs), 1, "the handler ran %d times", atomic_load(&runs));
     cr_expect_eq(atomic_load(&fast_claims), 1, "the first key was not claimed by the fast path");
@@ -223,8 +222,8 @@ static void *new_keys(void *arg)
     for (int i = 0; !atomic_load(&clients_stop); i++) {
         char key[48];
         snprintf(key, sizeof(key), "k-%p-%d", arg, i);
-        idem_request q = {.method = "f.Quick/Pay", .idempotency_key = key, .payload = "1",
-                          .payload_len = 1};
+        idem_request q = {
+            .method = "f.Quick/Pay", .idempotency_key = key, .payload = "1", .payload_len = 1};
         idem_result r;
         if (idem_client_call(c, &q, &r) == IDEM_OK) {
             atomic_fetch_add(&answered, 1);
@@ -249,7 +248,8 @@ Test(fast_claim, a_server_destroyed_while_new_keys_arrive_frees_no_job_still_han
         start(2);
         ((lmdb_store *)store)->gc.hold_us = 2000; /* the default hold */
         idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
-        cr_assert_eq(idem_server_register(srv.srv, "f.Quick/Pay", quick_handler, NULL, &m), IDEM_OK);
+        cr_assert_eq(idem_server_register(srv.srv, "f.Quick/Pay", quick_handler, NULL, &m),
+                     IDEM_OK);
         tu_server_listen(&srv);
         atomic_store(&answered, 0);
         atomic_store(&clients_stop, false);

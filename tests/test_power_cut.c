@@ -6,8 +6,9 @@
  * Each round starts the server on the same store, runs CLIENTS threads calling new keys
  * (two threads per key, so that duplicates race),
  * kills it with SIGKILL up to 2 ms (drawn) after a number of calls drawn for the round
- * (fixed seeds) have been answered, cuts the power (or not), restarts the server without the recorder and calls
- * every key answered in any round so far again: each must replay its first result. The
+ * (fixed seeds) have been answered, and on a power-cut round once a write is pending,
+ * cuts the power (or not), restarts the server without the recorder and calls every
+ * key answered in any round so far again: each must replay its first result. The
  * clients are mid-call when the kill comes, so it lands between a commit and the next
  * sync at some point of the pipeline (group_commit_pipe.c). */
 #include <criterion/criterion.h>
@@ -193,7 +194,8 @@ static void crash_rounds(bool power_cut)
         tu_child srv = spawn_server(power_cut ? log : NULL);
         round_no = round;
         unsigned seed = 7919u * (unsigned)round + (power_cut ? 1u : 2u);
-        load_then_kill(&srv, n_answers + 40 + (size_t)(rand_r(&seed) % 400), power_cut ? log : NULL);
+        load_then_kill(&srv, n_answers + 40 + (size_t)(rand_r(&seed) % 400),
+                       power_cut ? log : NULL);
         if (power_cut) {
             long n = power_cut_apply(log, data);
             cr_assert_geq(n, 0, "undo log %s applied", log);

@@ -138,9 +138,8 @@ char *tu_pg_schema_create(char schema[32])
 void tu_pg_schema_drop(const char *schema)
 {
     char sql[96];
-    snprintf(sql, sizeof(sql), tu_pg_pooler() ? "DROP DATABASE %s WITH (FORCE)"
-                                              : "DROP SCHEMA %s CASCADE",
-             schema);
+    snprintf(sql, sizeof(sql),
+             tu_pg_pooler() ? "DROP DATABASE %s WITH (FORCE)" : "DROP SCHEMA %s CASCADE", schema);
     pg_admin(sql);
 }
 

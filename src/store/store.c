@@ -54,17 +54,18 @@ void idem_store_close(idem_store *st)
     }
 }
 
-/* idem_store_claim, shared when ticket is not NULL and the store can. */
 /* What every claim checks before the store sees it: the key's bounds, the token's form. */
 static idem_code claim_check(const idem_claim_req *req)
 {
     idem_code code = idem__key_check(&req->key);
-    if (code == IDEM_OK && req->token != NULL && token_check(req->token, req->key.caller) != IDEM_OK) {
+    if (code == IDEM_OK && req->token != NULL &&
+        token_check(req->token, req->key.caller) != IDEM_OK) {
         code = idem__err(IDEM_FAILED_PRECONDITION, "token unknown");
     }
     return code;
 }
 
+/* idem_store_claim, shared when ticket is not NULL and the store can. */
 static idem_code claim(idem_store *st, const idem_claim_req *req, idem_claim_outcome *outcome,
                        idem_record *rec, uint64_t *ticket)
 {

@@ -46,8 +46,8 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     pthread_cond_init(&gc->inline_cv, NULL);
     unsigned flags = 0;
     MDB_envinfo info;
-    gc->pipelined = enabled && mdb_env_get_flags(env, &flags) == 0 &&
-                    (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC);
+    gc->pipelined = enabled && mdb_env_get_flags(env, &flags) == 0 && (flags & MDB_NOMETASYNC) &&
+                    !(flags & MDB_NOSYNC);
     /* The caller synced the env after opening it (env.c). */
     atomic_init(&gc->durable_txnid, mdb_env_info(env, &info) == 0 ? info.me_last_txnid : 0);
     if (enabled) {
@@ -233,8 +233,7 @@ static void held_enqueue(idem_group_commit *gc, idem_write_op *op)
 }
 
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
-                              void *ctx, void (*unref)(void *ctx), void *op_mem,
-                              uint64_t *ticket)
+                              void *ctx, void (*unref)(void *ctx), void *op_mem, uint64_t *ticket)
 {
     *ticket = 0;
     if (!gc->started) {

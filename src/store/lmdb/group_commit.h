@@ -67,13 +67,14 @@
  * commit that fails (an I/O error) loses the batch; it is then re-run one operation per
  * txn, in order, so every caller gets its own, exact result and its own error message,
  * handed over with it; a shared claim that its caller already holds is re-applied with
- * the owner it drew (redo), so that its completion finds it. Between the failed commit and the redo LMDB's writer lock is
- * free: another writer may take the key, or draw the same fence from the counter the
- * failed commit rolled back, first; the redo then applies nothing (a fence is never
- * held by two claims), and the completion finds its claim lost: on a disk that fails a
- * write, the same at-least-once edge as a crash. A shared claim refused from the open
- * txn (a token another claim of the batch consumed) is not answered before the commit:
- * its caller is woken with the other writes, or after deciding it again alone.
+ * the owner it drew (redo), so that its completion finds it. Between the failed commit
+ * and the redo LMDB's writer lock is free: another writer may take the key, or draw the
+ * same fence from the counter the failed commit rolled back, first; the redo then
+ * applies nothing (a fence is never held by two claims), and the completion finds its
+ * claim lost: on a disk that fails a write, the same at-least-once edge as a crash. A
+ * shared claim refused from the open txn (a token another claim of the batch consumed)
+ * is not answered before the commit: its caller is woken with the other writes, or
+ * after deciding it again alone.
  * idem__gc_wait says only that a batch ended, not that it is durable: whoever needs a
  * shared claim on disk (a fence) reads it back from the store after the wait.
  *
@@ -181,8 +182,7 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
  * when fn returned IDEM_OK in an open batch: the claim's caller then ends it with
  * idem__gc_write_end (its completion or release) or idem__gc_drop (no write follows). */
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
-                              void *ctx, void (*unref)(void *ctx), void *op_mem,
-                              uint64_t *ticket);
+                              void *ctx, void (*unref)(void *ctx), void *op_mem, uint64_t *ticket);
 /* What an asynchronous shared claim's caller is told, on the writer thread, when its
  * caller would have been woken: fn's code (its idem_errmsg in err) and the ticket as
  * idem__gc_write_held would return them. It must not wait for a store write; ctx is
