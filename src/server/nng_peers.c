@@ -13,7 +13,6 @@
  *     identity.
  *   - A message whose pipe has no entry (cache full, out of memory) is read as before,
  *     per message: the cache only saves work, never decides. */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,9 +21,7 @@
 struct idem_pipe_peer {
     idem_pipe_peer *next;
     uint32_t id;
-    bool has_uid, transport_unverified;
-    uint64_t uid;
-    char tls_caller[IDEM_MAX_CALLER + 1];
+    idem_peer peer;
 };
 
 static idem_pipe_peer **bucket(idem_pipe_peers *c, uint32_t id)
@@ -91,10 +88,7 @@ void idem__pipe_peers_add(idem_pipe_peers *c, uint32_t id, const idem_peer *peer
         *pp = e;
         c->count++;
     }
-    e->has_uid = peer->has_uid;
-    e->uid = peer->uid;
-    e->transport_unverified = peer->transport_unverified;
-    memcpy(e->tls_caller, peer->tls_caller, sizeof(e->tls_caller));
+    e->peer = *peer;
     pthread_mutex_unlock(&c->mu);
     free(fresh);
 }
@@ -104,10 +98,7 @@ bool idem__pipe_peers_get(idem_pipe_peers *c, uint32_t id, idem_peer *peer)
     pthread_mutex_lock(&c->mu);
     idem_pipe_peer *e = *find(c, id);
     if (e != NULL) {
-        peer->has_uid = e->has_uid;
-        peer->uid = e->uid;
-        peer->transport_unverified = e->transport_unverified;
-        memcpy(peer->tls_caller, e->tls_caller, sizeof(peer->tls_caller));
+        *peer = e->peer;
     }
     pthread_mutex_unlock(&c->mu);
     return e != NULL;

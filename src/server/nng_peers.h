@@ -26,11 +26,11 @@ typedef struct idem_pipe_peers {
 void idem__pipe_peers_init(idem_pipe_peers *c);
 /* Frees every entry. Only once no callback can run (after nng_close). */
 void idem__pipe_peers_fini(idem_pipe_peers *c);
-/* Remembers the transport fields of peer (uid, TLS caller, unverified) as pipe id's,
- * replacing an entry of the same id. Nothing when the cache is full, out of memory,
- * or the pipe was removed before (its removal overtook this add). */
+/* Remembers peer (what the transport said of pipe id: uid, TLS caller, unverified) as
+ * pipe id's, replacing an entry of the same id. Nothing when the cache is full, out of
+ * memory, or the pipe was removed before (its removal overtook this add). */
 void idem__pipe_peers_add(idem_pipe_peers *c, uint32_t id, const idem_peer *peer);
-/* Copies pipe id's transport fields into peer; false when it has no entry. */
+/* Pipe id's peer, as added, into *peer; false when it has no entry. */
 bool idem__pipe_peers_get(idem_pipe_peers *c, uint32_t id, idem_peer *peer);
 void idem__pipe_peers_remove(idem_pipe_peers *c, uint32_t id);
 size_t idem__pipe_peers_count(idem_pipe_peers *c);
