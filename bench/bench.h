@@ -212,6 +212,9 @@ int cell_key_prefix(const cell *c, char *buf, size_t cap);
  * Advances t->seq. */
 bool next_call_key(bench_thread *t, char *buf, size_t cap);
 void proc_usage_now(proc_usage *u); /* usage.c; u->peer_cpu_us = NAN */
+/* The number after name in /proc/self/<file> ("status", "io"), NAN when absent; reads
+ * without allocating (usage.c). */
+double proc_self_field(const char *file, const char *name);
 double alloc_count(void);           /* allocations so far, every thread; NAN when not counted */
 void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d); /* d = b - a */
 size_t server_contexts(int clients);

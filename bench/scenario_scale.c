@@ -189,23 +189,6 @@ typedef struct scale_row {
 static scale_row scale_rows[MAX_SCALE_ROWS];
 static int n_scale_rows;
 
-/* The process's resident set now, MiB (NAN when /proc says nothing). */
-static double rss_mib(void)
-{
-    char line[256];
-    double kb = NAN;
-    FILE *f = fopen("/proc/self/status", "r");
-    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
-        if (strncmp(line, "VmRSS:", 6) == 0) {
-            kb = strtod(line + 6, NULL);
-        }
-    }
-    if (f != NULL) {
-        fclose(f);
-    }
-    return kb / 1024;
-}
-
 /* data.mdb's allocated bytes over n records. */
 static double bytes_per_record(const char *dir, uint64_t n)
 {
@@ -247,24 +230,6 @@ static void new_keys_delete(const char *dir, const scale_cell *z, int clients)
     scale_churn_add(dir, gone);
 }
 
-/* /proc/self/io's write_bytes: bytes this process dirtied in the page cache (LMDB's
- * pwrite of each page it commits; sockets do not count); NAN when unknown. */
-static double dirtied_bytes(void)
-{
-    char line[128];
-    double v = NAN;
-    FILE *f = fopen("/proc/self/io", "r");
-    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
-        if (strncmp(line, "write_bytes:", 12) == 0) {
-            v = strtod(line + 12, NULL);
-        }
-    }
-    if (f != NULL) {
-        fclose(f);
-    }
-    return v;
-}
-
 /* The cell's row and its line of the table. */
 static void scale_report(const cell *c, const cell_stats *s, scale_row *r)
 {
@@ -295,14 +260,16 @@ static int scale_measure(const char *dir, cell *c, cell_stats *s, scale_row *r)
         fprintf(stderr, "idemrpc-bench: z: open %s: %s\n", dir, idem_errmsg());
         return -1;
     }
-    double dirtied = dirtied_bytes();
+    /* write_bytes: what this process dirtied in the page cache (LMDB's pwrite of each
+     * page it commits; sockets do not count). */
+    double dirtied = proc_self_field("io", "write_bytes:");
     idem_server *srv = server_start(c, st);
     int rv = srv != NULL ? run_clients(&scale_ops, c, s) : -1;
-    r->rss_mib = rss_mib();
+    r->rss_mib = proc_self_field("status", "VmRSS:") / 1024;
     idem_server_destroy(srv);
     (void)idem_store_stats_get(st, &ss);
-    r->pages_per_cmt =
-        ss.commits > 0 ? (dirtied_bytes() - dirtied) / 4096 / (double)ss.commits : NAN;
+    double written = proc_self_field("io", "write_bytes:") - dirtied;
+    r->pages_per_cmt = ss.commits > 0 ? written / 4096 / (double)ss.commits : NAN;
     idem_store_close(st);
     return rv;
 }

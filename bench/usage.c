@@ -13,6 +13,7 @@
  * in the allocation count; its one read(2) shows in rwsys (once a cell, not per call). */
 #include <fcntl.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -32,22 +33,38 @@ static double io_field(const char *text, const char *name)
     return end == p + strlen(name) ? NAN : (double)v;
 }
 
+/* /proc/self/<file> into buf, NUL-terminated; false when it cannot be read. */
+static bool proc_self_read(const char *file, char *buf, size_t cap)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/%s", file);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return false;
+    }
+    ssize_t n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n <= 0) {
+        return false;
+    }
+    buf[n] = '\0';
+    return true;
+}
+
+double proc_self_field(const char *file, const char *name)
+{
+    char buf[4096];
+    return proc_self_read(file, buf, sizeof(buf)) ? io_field(buf, name) : NAN;
+}
+
 /* syscr + syscw of this process; NAN when /proc/self/io is missing (a kernel without
  * task I/O accounting). */
 static double rw_syscalls(void)
 {
     char buf[512];
-    int fd = open("/proc/self/io", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        return NAN;
-    }
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) {
-        return NAN;
-    }
-    buf[n] = '\0';
-    return io_field(buf, "syscr: ") + io_field(buf, "syscw: ");
+    return proc_self_read("io", buf, sizeof(buf))
+               ? io_field(buf, "syscr: ") + io_field(buf, "syscw: ")
+               : NAN;
 }
 
 static double tv_us(struct timeval tv)
