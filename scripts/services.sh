@@ -43,7 +43,7 @@ start() {
     cat <<ENV
 export IDEMRPC_TEST_PG='host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres connect_timeout=2'
 export IDEMRPC_TEST_REDIS='redis://127.0.0.1:$REDIS_PORT'
-export IDEMRPC_SERVICES='bash $(cd "$(dirname "$0")" && pwd)/services.sh'
+export IDEMRPC_SERVICES='env IDEMRPC_SERVICES_DIR=$DIR IDEMRPC_PG_PORT=$PG_PORT IDEMRPC_REDIS_PORT=$REDIS_PORT IDEMRPC_PGBOUNCER_PORT=$PGB_PORT IDEMRPC_NATS_PORT=$NATS_PORT bash $(cd "$(dirname "$0")" && pwd)/services.sh'
 ENV
     start_nats && echo "export IDEMRPC_TEST_NATS='nats://127.0.0.1:$NATS_PORT'" || true
 }
