@@ -68,8 +68,11 @@ typedef enum idem_sm_outcome {
 
 /* IDEM_OK, or IDEM_INVALID_ARGUMENT naming the fault: no db, 0 or more than 32 states, a
  * name empty or longer than 31 bytes, a repeated state, a transition naming an undeclared
- * state, a self-loop or a repeated transition, more than 64 transitions. Every function
- * below validates the machine first, so a bad declaration never writes. */
+ * state, a self-loop or a repeated transition, more than 64 transitions, transitions that
+ * form a cycle (open → closed → open: a retried move arriving after the way back would
+ * find its `from` again and take effect twice; a state that recurs is a new entity id per
+ * round, e.g. "door-7/2"). Every function below validates the machine first, so a bad
+ * declaration never writes. */
 IDEM_API idem_code idem_sm_validate(const idem_state_machine *m);
 
 /* True when from → to is declared. */
