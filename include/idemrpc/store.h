@@ -111,6 +111,11 @@ enum idem_store_flags {
      * commit with its completion (README "Which writes reach the disk"). This flag makes
      * every write its own transaction, and a new key two commits. */
     IDEM_STORE_NO_GROUP_COMMIT = 1u << 2,
+    /* Opens only a directory that already holds an idemrpc store: IDEM_NOT_FOUND, and
+     * nothing created, for a missing directory, one without data.mdb, or another
+     * program's LMDB environment (no records database). For tools (idemctl) that must
+     * not invent an empty store from a mistyped path. */
+    IDEM_STORE_EXISTING = 1u << 3,
 };
 
 /* Opens (creating the directory if missing) an LMDB store. map_size 0 = 1 GiB. One

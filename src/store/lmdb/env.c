@@ -1,6 +1,8 @@
 /* LMDB env lifecycle: open (databases created), close, the read-txn pool, and the ops
  * table, this backend's only link to store.c. The layout is in lmdb_internal.h. */
 #include <errno.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -121,11 +123,11 @@ static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsi
     return IDEM_OK;
 }
 
-/* Opens (creates unless read-only) the named databases in one txn; an LMDB error. */
-static int open_dbis(lmdb_store *st, bool ro)
+/* Opens (creates when create) the named databases in one txn; an LMDB error. */
+static int open_dbis(lmdb_store *st, bool ro, bool create)
 {
     MDB_txn *txn = NULL;
-    unsigned dbi_flags = ro ? 0 : MDB_CREATE;
+    unsigned dbi_flags = create ? MDB_CREATE : 0;
     int rc;
     if ((rc = mdb_txn_begin(st->env, NULL, ro ? MDB_RDONLY : 0, &txn)) != 0) {
         return rc;
@@ -146,6 +148,15 @@ static int open_dbis(lmdb_store *st, bool ro)
     return mdb_txn_commit(txn); /* commit frees txn even when it fails */
 }
 
+/* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */
+static bool store_file_exists(const char *dir)
+{
+    char path[PATH_MAX];
+    struct stat sb;
+    int n = snprintf(path, sizeof(path), "%s/data.mdb", dir);
+    return n > 0 && (size_t)n < sizeof(path) && stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
 {
     lmdb_store *st;
@@ -156,7 +167,12 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if (dir == NULL || *dir == '\0') {
         return idem__err(IDEM_INVALID_ARGUMENT, "store directory not set");
     }
-    if (!ro && mkdir(dir, 0700) != 0 && errno != EEXIST) {
+    bool existing = (flags & IDEM_STORE_EXISTING) != 0;
+    if (existing && !store_file_exists(dir)) {
+        return idem__err(IDEM_NOT_FOUND, "%s is not an idemrpc store (no data.mdb): nothing opened",
+                         dir);
+    }
+    if (!ro && !existing && mkdir(dir, 0700) != 0 && errno != EEXIST) {
         return idem__err(IDEM_UNAVAILABLE, "mkdir %s: %s", dir, strerror(errno));
     }
     if ((st = calloc(1, sizeof(*st))) == NULL) {
@@ -172,8 +188,14 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
-    if ((rc = open_dbis(st, ro)) != 0 || (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
-        code = idem__lmdb_code(rc, "open databases");
+    if ((rc = open_dbis(st, ro, !ro && !existing)) != 0 ||
+        (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
+        code =
+            existing && rc == MDB_NOTFOUND
+                ? idem__err(
+                      IDEM_NOT_FOUND,
+                      "%s is not an idemrpc store (an LMDB environment without its databases)", dir)
+                : idem__lmdb_code(rc, "open databases");
         mdb_env_close(st->env);
         goto out;
     }
