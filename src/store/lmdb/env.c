@@ -1,6 +1,7 @@
 /* LMDB env lifecycle: open (databases created), close, the read-txn pool, and the ops
  * table, this backend's only link to store.c. The layout is in lmdb_internal.h. */
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -148,6 +149,49 @@ static int open_dbis(lmdb_store *st, bool ro, bool create)
     return mdb_txn_commit(txn); /* commit frees txn even when it fails */
 }
 
+/* The store's format: meta "format" → be32, written by the first read-write open of a
+ * store that has none (every store before 0.4 has format 1: the layout lmdb_internal.h
+ * describes). A binary refuses a store of a newer format than it knows instead of
+ * misreading it; older binaries ignore the key, so the way back stays open while the
+ * format is unchanged. */
+static idem_code format_ensure(lmdb_store *st, const char *dir)
+{
+    MDB_val k = {6, "format"}, v;
+    MDB_txn *txn;
+    uint8_t b[4];
+    int rc;
+    if (!st->has_meta) {
+        return IDEM_OK; /* read-only, older than "meta": format 1 */
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, st->read_only ? MDB_RDONLY : 0, &txn)) != 0) {
+        return idem__lmdb_code(rc, "format");
+    }
+    if ((rc = mdb_get(txn, st->meta, &k, &v)) == 0) {
+        uint32_t f = v.mv_size == 4 ? idem__get_be32(v.mv_data) : UINT32_MAX;
+        mdb_txn_abort(txn);
+        if (f > IDEM__LMDB_FORMAT) {
+            return idem__err(IDEM_FAILED_PRECONDITION,
+                             "store %s has format %" PRIu32 ", newer than the %d this idemrpc "
+                             "understands: open it with the release that wrote it "
+                             "(docs/upgrading.md)",
+                             dir, f, IDEM__LMDB_FORMAT);
+        }
+        return IDEM_OK;
+    }
+    if (rc != MDB_NOTFOUND || st->read_only) {
+        mdb_txn_abort(txn);
+        return rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "format");
+    }
+    idem__put_be32(b, IDEM__LMDB_FORMAT);
+    v = (MDB_val){4, b};
+    if ((rc = mdb_put(txn, st->meta, &k, &v, 0)) != 0) {
+        mdb_txn_abort(txn);
+        return idem__lmdb_code(rc, "format");
+    }
+    rc = mdb_txn_commit(txn);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "format");
+}
+
 /* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */
 static bool store_file_exists(const char *dir)
 {
@@ -196,6 +240,10 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
                       IDEM_NOT_FOUND,
                       "%s is not an idemrpc store (an LMDB environment without its databases)", dir)
                 : idem__lmdb_code(rc, "open databases");
+        mdb_env_close(st->env);
+        goto out;
+    }
+    if ((code = format_ensure(st, dir)) != IDEM_OK) {
         mdb_env_close(st->env);
         goto out;
     }
