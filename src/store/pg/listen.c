@@ -68,7 +68,7 @@ static PGconn *listen_connect(pg_listener *l)
 static bool still_leader(PGconn *c)
 {
     PGresult *r;
-    if (idem__pg_conn_query(c, "SELECT pg_is_in_recovery()", CHECK_BOUND_MS, &r) != IDEM_OK) {
+    if (idem__pg_conn_query(c, NULL, "SELECT pg_is_in_recovery()", CHECK_BOUND_MS, &r) != IDEM_OK) {
         return false;
     }
     bool primary = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "f") == 0;

@@ -1,4 +1,5 @@
-/* The PostgreSQL backend's parts: sql.c the statements and the schema; store_pg.c the
+/* The PostgreSQL backend's parts: sql.c the statements; schema.c the schema, its
+ * migration and format; store_pg.c the
  * single-statement operations; conn.c the pool and bounded statements; claim.c the
  * claim and token consumption; renew.c lease renewals; admin.c the sweep, counts and
  * walks; txn.c handler transactions and business key-value data; listen.c completion
@@ -41,6 +42,7 @@ typedef struct pg_store {
     bool notify; /* announce completions (NOTIFY) and hear others' (LISTEN) */
     bool pooler; /* transaction pooling: unnamed statements, no session state */
     uint32_t stmt_ms, lock_ms, reconnect_ms;
+    uint32_t migrate_ms;   /* the schema migration's bound (schema.c) */
     uint64_t reconnects;   /* atomic */
     char session_sql[256]; /* the session's keepalives and bounds (not through a pooler) */
     char txn_sql[192];     /* BEGIN with the same bounds, transaction-local */
@@ -134,10 +136,9 @@ static inline void arg_announce(pg_args *a, const pg_store *st, const idem_key_r
 }
 
 extern const idem_store_ops idem__pg_ops;
-/* sql.c: the statements, and the schema: what is present, what creates it. */
+/* sql.c: the statements, and their short names for error messages. */
 extern const char *const idem__pg_sql[S_COUNT];
-extern const char idem__pg_schema_present_sql[];
-extern const char idem__pg_schema_sql[];
+extern const char *const idem__pg_stmt_name[S_COUNT];
 
 /* conn.c */
 /* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
@@ -145,6 +146,8 @@ extern const char idem__pg_schema_sql[];
  * NULL) overrides the conninfo's. */
 idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
                            const char *session_sql, uint32_t bound_ms, PGconn **out);
+/* The error of r (or of c when r is NULL) as the thread's message, the cause first:
+ * "<PostgreSQL's message> (postgres <what>)", what a short name; frees r. */
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
 /* A connected slot (reconnecting with backoff for up to reconnect_ms). */
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
@@ -165,9 +168,12 @@ idem_code idem__pg_run(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusT
 /* Plain SQL (several ;-separated statements), bounded the same way. */
 idem_code idem__pg_exec_simple(pool_slot *pc, const char *sql);
 idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out);
+/* idem__pg_query_simple whose errors name the statement by name instead of its SQL. */
+idem_code idem__pg_query_named(pool_slot *pc, const char *name, const char *sql, PGresult **out);
 /* The same on a connection outside the pool (the listener's), bounded by bound_ms; *out
- * may be NULL. */
-idem_code idem__pg_conn_query(PGconn *c, const char *sql, uint32_t bound_ms, PGresult **out);
+ * may be NULL; name (NULL: from the SQL) names it in messages. */
+idem_code idem__pg_conn_query(PGconn *c, const char *name, const char *sql, uint32_t bound_ms,
+                              PGresult **out);
 /* s1 then s2 in one round trip (pipeline mode); s2 does not run when s1 failed. */
 idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enum stmt s2,
                              const pg_args *a2, PGresult **r1, PGresult **r2);
@@ -188,7 +194,10 @@ idem_code idem__pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *
 idem_code idem__pg_stats(idem_store *base, idem_store_stats *out);
 idem_code idem__pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 
-/* conn.c: creates what idem__pg_schema_present_sql finds missing. */
+/* schema.c: the format of the store's tables this binary reads and writes (idem_meta). */
+#define IDEM__PG_FORMAT 1
+/* Creates what the catalog says is missing (nothing when all is there), waiting politely
+ * for locks for up to pc->st->migrate_ms; FAILED_PRECONDITION for a newer format. */
 idem_code idem__pg_schema_ensure(pool_slot *pc);
 
 /* store_pg.c */

@@ -270,6 +270,8 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     st->stmt_ms = st->stmt_ms > 3600000 ? 3600000 : st->stmt_ms;
     st->lock_ms = opts->lock_timeout_ms ? opts->lock_timeout_ms : 1000;
     st->lock_ms = st->lock_ms > st->stmt_ms ? st->stmt_ms : st->lock_ms;
+    st->migrate_ms = opts->migrate_timeout_ms ? opts->migrate_timeout_ms : 30000;
+    st->migrate_ms = st->migrate_ms > 3600000 ? 3600000 : st->migrate_ms;
     /* The server's side of the keepalive (ignored on a Unix socket), and its bounds. */
     snprintf(st->session_sql, sizeof(st->session_sql),
              "SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
