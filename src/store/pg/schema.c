@@ -113,10 +113,13 @@ idem_code idem__pg_schema_ensure(pool_slot *pc)
         char sql[sizeof(migrate_sql) + 64];
         uint64_t now = idem__mono_ms();
         uint32_t left = now < give_up ? (uint32_t)(give_up - now) : 1;
-        snprintf(sql, sizeof(sql), migrate_sql, MIGRATE_ATTEMPT_LOCK_MS, left, MIGRATE_LOCK_KEY,
-                 IDEM__PG_FORMAT);
+        /* The statement's bound outlasts the attempt's lock wait: a lock that never came
+         * is reported as the lock timeout it is. */
+        snprintf(sql, sizeof(sql), migrate_sql, MIGRATE_ATTEMPT_LOCK_MS,
+                 left + MIGRATE_ATTEMPT_LOCK_MS, MIGRATE_LOCK_KEY, IDEM__PG_FORMAT);
         attempts++;
-        code = idem__pg_conn_query(pc->c, "schema migration", sql, left + 1000, NULL);
+        code = idem__pg_conn_query(pc->c, "schema migration", sql,
+                                   left + MIGRATE_ATTEMPT_LOCK_MS + 1000, NULL);
         if (code == IDEM_OK) {
             return IDEM_OK;
         }
