@@ -1,6 +1,9 @@
 /* A host that accepts TCP connections and never answers: a stopped or partitioned
  * database server as a connecting client sees it (the kernel completes the handshake,
- * the startup packet goes unanswered). pgproxy.h cuts a live proxy the same way. */
+ * the startup packet goes unanswered). pgproxy.h cuts a live proxy the same way: a
+ * fault campaign can give each server `host=127.0.0.1,127.0.0.1 port=A,B` with A a
+ * hung host (or a proxy it cuts: an ex-leader that stops answering) and B its way to
+ * the database (later keywords win in a conninfo). */
 #ifndef IDEMRPC_TEST_HUNG_HOST_H
 #define IDEMRPC_TEST_HUNG_HOST_H
 
