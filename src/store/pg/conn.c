@@ -318,45 +318,6 @@ idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enu
 
 /* ---- connections ---- */
 
-/* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
- * then session_sql (may be NULL), bounded like a statement (bound_ms). connect_timeout
- * (seconds, may be NULL) overrides the conninfo's. */
-idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
-                           const char *session_sql, uint32_t bound_ms, PGconn **out)
-{
-    const char *keys[] = {"connect_timeout",
-                          "keepalives",
-                          "keepalives_idle",
-                          "keepalives_interval",
-                          "keepalives_count",
-                          "dbname",
-                          connect_timeout != NULL ? "connect_timeout" : NULL,
-                          NULL};
-    const char *vals[] = {"10", "1", "30", "10", "3", conninfo, connect_timeout, NULL};
-    PGconn *c = PQconnectdbParams(keys, vals, 1); /* dbname: the conninfo, expanded */
-    idem_code code = IDEM_OK;
-    bool lost = false;
-    if (PQstatus(c) != CONNECTION_OK) {
-        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
-    } else if (PQsetnonblocking(c, 1) != 0) {
-        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
-    } else if (session_sql != NULL) {
-        code = simple_checked(c, session_sql, "session settings", idem__mono_ms() + bound_ms, &lost,
-                              NULL);
-    }
-    if (code != IDEM_OK) {
-        PQfinish(c);
-        c = NULL;
-    }
-    *out = c;
-    return code;
-}
-
-static void ignore_notice(void *arg, const char *message)
-{
-    (void)arg, (void)message;
-}
-
 static idem_code prepare_all(pool_slot *pc)
 {
     char name[8];
@@ -378,8 +339,10 @@ static idem_code prepare_all(pool_slot *pc)
     return IDEM_OK;
 }
 
-/* (Re)connects a pool slot: the session's bounds, the schema and the statements. */
-static idem_code slot_connect(pg_store *st, pool_slot *pc)
+/* (Re)connects a pool slot before until (monotonic ms, 0: each host's connect_timeout
+ * only), then the session's bounds, the schema and the statements, each bounded like a
+ * statement. */
+static idem_code slot_connect(pg_store *st, pool_slot *pc, uint64_t until)
 {
     if (slot_usable(pc) && PQstatus(pc->c) == CONNECTION_OK) {
         return IDEM_OK;
@@ -387,16 +350,21 @@ static idem_code slot_connect(pg_store *st, pool_slot *pc)
     PQfinish(pc->c);
     pc->c = NULL;
     pc->dead = false;
-    idem_code code = idem__pg_connect(st->conninfo, NULL, st->pooler ? NULL : st->session_sql,
-                                      pc->bound_ms, &pc->c);
+    bool lost;
+    idem_code code = idem__pg_connect(st->hosts, until, &pc->c);
+    if (code == IDEM_OK && !st->pooler) { /* the session's bounds */
+        code = simple_checked(pc->c, st->session_sql, "session settings", slot_deadline(pc), &lost,
+                              NULL);
+    }
     if (code != IDEM_OK) {
+        PQfinish(pc->c);
+        pc->c = NULL;
         return code;
     }
     if (pc->opened) {
         __atomic_add_fetch(&st->reconnects, 1, __ATOMIC_RELAXED);
     }
     pc->opened = true;
-    PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
     if (!__atomic_load_n(&st->schema_ready, __ATOMIC_ACQUIRE) &&
         (code = idem__pg_schema_ensure(pc)) == IDEM_OK) {
         __atomic_store_n(&st->schema_ready, true, __ATOMIC_RELEASE);
@@ -412,13 +380,13 @@ static idem_code slot_connect(pg_store *st, pool_slot *pc)
 }
 
 /* Connects pc, retrying a connection the database refused or did not answer (a
- * failover, a restart) with backoff for up to reconnect_ms. */
+ * failover, a restart) with backoff for up to within_ms (0: one attempt). */
 static idem_code slot_connect_retrying(pg_store *st, pool_slot *pc, uint32_t within_ms)
 {
-    uint64_t give_up = idem__mono_ms() + within_ms, backoff = RECONNECT_MIN_MS;
+    uint64_t until = within_ms ? idem__mono_ms() + within_ms : 0, backoff = RECONNECT_MIN_MS;
     for (;;) {
-        idem_code code = slot_connect(st, pc);
-        if (code != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
+        idem_code code = slot_connect(st, pc, until);
+        if (code != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > until) {
             return code;
         }
         idem__sleep_ms(backoff);
@@ -480,7 +448,10 @@ idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **
     pc->st = st;
     pc->bound_ms = within_ms;
     *out = pc;
-    return slot_connect_retrying(st, pc, within_ms);
+    /* One attempt, bounded like one statement: the keeper's next round is the retry. A
+     * connection slower than the round is still worth making (the renewals after it
+     * use it), and no round renews anything before one is made. */
+    return slot_connect(st, pc, idem__mono_ms() + st->stmt_ms + CLIENT_MARGIN_MS);
 }
 
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc)
