@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
 seed=${2:-16016}
-chaos=build/bench/idemrpc-chaos
+chaos=build/chaos/idemrpc-chaos
 [ -x "$chaos" ] || meson compile -C build
 echo "chaos.sh: seed $seed, $secs s per topology; replay one with:"
 echo "  $chaos --topology lmdb|pg --seconds $secs --seed $seed"

@@ -3,7 +3,7 @@
 # stdout and exits 0 without doing anything else (and the installed tools' --version
 # prints "NAME VERSION"); an unknown option, a stray argument,
 # a missing value or a bad number exits 2 with the usage on stderr and names what was
-# wrong. "Every" is checked: each executable() of bench/ and tools/ meson.build, and
+# wrong. "Every" is checked: each executable() of bench/, chaos/ and tools/ meson.build, and
 # each script there, must be one of the programs given.
 #   test_tools.sh SRCDIR IDEMRPC_DEMO IDEMRPC_CALL IDEMCTL IDEMRPC_BENCH IDEMRPC_SOAK \
 #                 IDEMRPC_CHAOS PLOT_SH [IDEMRPC_HA_CHECK (built with libpq)]
@@ -26,7 +26,7 @@ expect() {
 }
 
 given=" $(for p in "${programs[@]}"; do basename "$p"; done | tr '\n' ' ') "
-for dir in bench tools; do
+for dir in bench chaos tools; do
     for name in $(sed -n "s/.*executable('\([^']*\)'.*/\1/p" "$src/$dir/meson.build") \
         $(cd "$src/$dir" && ls -- *.sh 2>/dev/null); do
         case $given in
