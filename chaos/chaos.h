@@ -8,7 +8,8 @@
  *                    Redis faults
  *   chaos_agent.c    the store agent (lmdb): fills and frees the store, logs commit stalls
  *   chaos_history.c  the history file (one JSON line per event) and its reader
- *   chaos_check.c    the checker: history + final store + effect log → violations
+ *   chaos_check*.c   the checker: history + final store + effect log → violations
+ *                    (chaos_check.h: its parts)
  *   chaos_nats*.c    the broker topology (a build with libnats): a JetStream broker, two
  *                    payment servers with their outbox relays, two consumers on one
  *                    durable; consumer kill and stop, relay kill, broker restart; its
