@@ -44,7 +44,8 @@ static const char *const x_names[X_N_KINDS] = {
     "the store took no write for 2/3 of a lease", "the store refused the step's record for 10 s",
     "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)"};
 const char *const f_names[F_N_KINDS] = {"kill",       "stop",      "fill",    "pg_restart",
-                                        "redis_stop", "partition", "slow_db", "other"};
+                                        "redis_stop", "partition", "slow_db", "hung_host",
+                                        "undo_crash", "other"};
 static const char *const v_names[] = {"answers", "effects", "callers",
                                       "records", "memory",  "crashes"};
 
@@ -323,6 +324,9 @@ static void print_notes(const chaos_cfg *cfg)
            " abandoned before a step was recorded\n",
            ck.bk.calls, ck.bk.keys, ck.bk.abandoned, ck.bk.completed_ok, ck.bk.completed_other,
            ck.bk.no_record, ck.bk.held_released, ck.bk.unstarted);
+    printf("chaos: compensations: %" PRIu64 " declined Book keys, %" PRIu64 " undos (%" PRIu64
+           " beyond their holds, each with evidence), %" PRIu64 " undos failed transiently\n",
+           ck.bk.declined, ck.bk.undos, ck.bk.undos_again, ck.bk.undo_transient);
     printf("chaos: re-driver (%s): %" PRIu64 " re-runs in the servers' logs (%" PRIu64
            " OK, %" PRIu64 " OK replayed, %" PRIu64 " other)\n",
            cfg->redrive_ms > 0 ? "on" : "OFF",

@@ -28,8 +28,9 @@ typedef struct execution {
 } execution;
 
 /* chaos.Trip/Book: per step, its effect lines and the server's notes of a step that ran
- * but was not recorded. */
-enum { S_HOLD, S_PAY, N_STEPS };
+ * but was not recorded; "undo" is hold's undo (a declined Book's compensation). The
+ * first N_OUT steps name an output in an OK answer. */
+enum { S_HOLD, S_PAY, S_UNDO, N_STEPS, N_OUT = S_UNDO };
 extern const char *const step_names[N_STEPS];
 
 typedef struct step_note {
@@ -47,9 +48,9 @@ typedef struct step_log {
 
 typedef struct book {
     step_log steps[N_STEPS];
-    bool abandoned;           /* its client gave up after one attempt; the settle pass left it */
-    bool journaled;           /* its step journal is still in the store after the run */
-    char ok_out[N_STEPS][96]; /* the step outputs the first OK answer named */
+    bool abandoned;         /* its client gave up after one attempt; the settle pass left it */
+    bool journaled;         /* its step journal is still in the store after the run */
+    char ok_out[N_OUT][96]; /* the step outputs the first OK answer named */
 } book;
 
 typedef struct entry {
@@ -83,7 +84,7 @@ typedef struct rss_life {
 } rss_life;
 
 /* Fault kinds as the history names them; the last, "other", counts any other. */
-enum { F_N_KINDS = 8 };
+enum { F_N_KINDS = 10 };
 extern const char *const f_names[F_N_KINDS];
 
 typedef struct chaos_ck {
@@ -105,7 +106,9 @@ typedef struct chaos_ck {
         uint64_t calls, keys, abandoned, completed_ok, completed_other, no_record;
         uint64_t unstarted;     /* IN_PROGRESS, no step recorded, client gone */
         uint64_t held_released; /* no record, a journaled step: released, never finished */
-        uint64_t excused[5], redrives[3]; /* X_*; re-runs in the logs: OK, replayed, other */
+        uint64_t excused[5], redrives[3];      /* X_*; re-runs in the logs: OK, replayed, other */
+        uint64_t declined, undos, undos_again; /* declined keys, undo lines, lines beyond holds */
+        uint64_t undo_transient;               /* undos that failed transiently (notes) */
     } bk;
     idem_store *store; /* the final store, read-only, while check_store runs */
 } chaos_ck;
@@ -128,5 +131,7 @@ void ck_read_redrives(const chaos_cfg *cfg);
 /* chaos_check_book.c */
 void ck_book_answer(entry *e, const char *body);
 void ck_check_book(entry *e, const chaos_cfg *cfg);
+/* A Book whose card is declined (payload "decline N"): its hold is compensated. */
+bool ck_declined(const entry *e);
 
 #endif

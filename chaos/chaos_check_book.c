@@ -9,7 +9,7 @@
 #include "journal.h" /* idem__steps_next_call: the journals the re-driver would see */
 #include "chaos_check.h"
 
-const char *const step_names[N_STEPS] = {"hold", "pay"};
+const char *const step_names[N_STEPS] = {"hold", "pay", "undo"};
 
 /* The output of step `name` that a Book answer or record names (" name=OUTPUT"), into
  * out ("" when absent). */
@@ -28,7 +28,7 @@ static void step_output(const char *text, size_t len, const char *name, char *ou
 /* One outcome per key: every OK answer of a Book names the same step outputs. */
 void ck_book_answer(entry *e, const char *body)
 {
-    for (int i = 0; i < N_STEPS; i++) {
+    for (int i = 0; i < N_OUT; i++) {
         char out[96];
         step_output(body, strlen(body), step_names[i], out, sizeof(out));
         if (out[0] == '\0') {
@@ -151,6 +151,49 @@ static void check_step(entry *e, int s, const char *named, bool unrecorded, cons
     }
 }
 
+bool ck_declined(const entry *e)
+{
+    return strncmp(e->payload, "decline", 7) == 0;
+}
+
+/* A declined Book (payload "decline N", chaos_server.c): its card is declined after
+ * "hold", so each hold that was recorded is undone once by the compensation
+ * (downstream.h, sagas), also across a crash during it, a transient failure of the undo
+ * and the key's new generation after the release: undo lines at least the holds noted
+ * recorded (fewer: a compensation lost or never finished), and each undo line beyond
+ * those needs step_excuse's evidence (its process killed or stopped after it, before
+ * its record): else a hold was undone twice. It never pays. */
+static void check_compensation(entry *e, const chaos_cfg *cfg)
+{
+    const step_log *hold = &e->book->steps[S_HOLD], *undo = &e->book->steps[S_UNDO];
+    size_t held = 0, excused = 0, n = undo->n < MAX_EFFECTS ? undo->n : MAX_EFFECTS;
+    for (size_t i = 0; i < hold->n_notes; i++) {
+        held += hold->notes[i].recorded;
+    }
+    for (size_t i = 0; i < n; i++) {
+        excused += step_excuse(undo, &undo->exec[i], cfg) >= 0;
+    }
+    ck.bk.declined++;
+    ck.bk.undos += undo->n;
+    ck.bk.undos_again += undo->n > held ? undo->n - held : 0;
+    if (e->book->steps[S_PAY].n > 0) {
+        ck_violation(V_EFFECTS, "%s caller=%s key=%s: declined, yet it paid %zu times", e->method,
+                     e->caller, e->key, e->book->steps[S_PAY].n);
+    }
+    if (undo->n < held) {
+        ck_violation(V_EFFECTS,
+                     "%s caller=%s key=%s: declined, hold recorded %zu times but undone %zu: "
+                     "a compensation lost or never finished (journaled: %s)",
+                     e->method, e->caller, e->key, held, undo->n,
+                     e->book->journaled ? "yes" : "no");
+    } else if (undo->n - held > excused) {
+        ck_violation(V_EFFECTS,
+                     "%s caller=%s key=%s: declined, hold recorded %zu times, undone %zu (%zu "
+                     "with evidence that the undo's run could not record it): undone twice",
+                     e->method, e->caller, e->key, held, undo->n, excused);
+    }
+}
+
 /* A Book after settling, from its record and its journal: safety (each step's effect
  * once, but for the evidence of an owner that could not record it; the outcome's step
  * outputs are the answers' and match effects) and the re-driver's liveness (a call
@@ -175,7 +218,7 @@ void ck_check_book(entry *e, const chaos_cfg *cfg)
     book *b = e->book;
     idem_key_ref ref = {e->caller, e->method, e->key};
     idem_record rec;
-    char named[N_STEPS][96] = {"", ""};
+    char named[N_OUT][96] = {"", ""};
     memset(&rec, 0, sizeof(rec));
     idem_code code = idem_store_get(ck.store, &ref, &rec);
     bool in_progress = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS;
@@ -190,7 +233,7 @@ void ck_check_book(entry *e, const chaos_cfg *cfg)
         return;
     }
     b->journaled = journaled(e);
-    for (int i = 0; ok && i < N_STEPS; i++) {
+    for (int i = 0; ok && i < N_OUT; i++) {
         step_output(rec.response, rec.response_len, step_names[i], named[i], sizeof(named[i]));
         if (b->ok_out[i][0] != '\0' && strcmp(b->ok_out[i], named[i]) != 0) {
             ck_violation(V_ANSWERS, "%s caller=%s key=%s: answered %s %s, its record names %s",
@@ -222,8 +265,11 @@ void ck_check_book(entry *e, const chaos_cfg *cfg)
         ck.bk.held_released += b->journaled;
     }
     bool unrecorded = !completed && !b->journaled; /* not one step of it is in the store */
-    for (int i = 0; i < N_STEPS; i++) {
+    for (int i = 0; !ck_declined(e) && i < N_OUT; i++) {
         check_step(e, i, named[i], unrecorded, cfg);
+    }
+    if (ck_declined(e)) {
+        check_compensation(e, cfg);
     }
     if (e->acked_ok && !ok) {
         ck_violation(V_EFFECTS, "%s caller=%s key=%s acknowledged '%s' but has no OK record",

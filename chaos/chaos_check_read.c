@@ -38,8 +38,10 @@ static void check_answer(entry *e, const char *code, const char *digest, const c
         strcmp(code, "PERMISSION_DENIED") != 0) {
         return; /* not definitive: retryable or a debounced double click */
     }
-    if (!ok && !(fp && strcmp(e->method, CHAOS_METHOD_TRANSFER) == 0 &&
-                 strstr(body, "insufficient funds") != NULL)) {
+    bool expected = fp && ((strcmp(e->method, CHAOS_METHOD_TRANSFER) == 0 &&
+                            strstr(body, "insufficient funds") != NULL) ||
+                           (e->book != NULL && strstr(body, "card declined") != NULL));
+    if (!ok && !expected) {
         ck_violation(V_ANSWERS, "%s caller=%s key=%s: refused with %s '%s'", e->method, e->caller,
                      e->key, code, body);
         e->refused = true;
@@ -107,7 +109,7 @@ static void read_fault(const char *line, bool end)
     }
     /* A PostgreSQL restart is a window in which the store takes no write (pg's stall:
      * no lease can be renewed, as in the agent's no_commit on lmdb). */
-    if (strcmp(kind, "pg_restart") == 0 && !end) {
+    if ((strcmp(kind, "pg_restart") == 0 || strcmp(kind, "hung_host") == 0) && !end) {
         ck.restart_from = strtoull(t, NULL, 10);
     } else if (strcmp(kind, "pg_restart") == 0 && ck.n_stalls < MAX_STALLS) {
         ck.stalls[ck.n_stalls++] = (stall){ck.restart_from, strtoull(t, NULL, 10)};
@@ -129,7 +131,8 @@ static void read_fault(const char *line, bool end)
     /* A partition is a stop of the process's store, not of the process: the same excuse
      * (it cannot renew; another claimer may run the call again). */
     bool stop = strcmp(kind, "stop") == 0 || strcmp(kind, "partition") == 0;
-    if ((stop || strcmp(kind, "kill") == 0) && ck.n_faults < MAX_FAULTS) {
+    bool kill = strcmp(kind, "kill") == 0 || strcmp(kind, "undo_crash") == 0;
+    if ((stop || kill) && ck.n_faults < MAX_FAULTS) {
         ck.faults[ck.n_faults++] = (fault){strtoull(t, NULL, 10), atol(pid), stop};
     }
 }
@@ -142,6 +145,12 @@ static void read_line(const char *line)
     }
     if (strcmp(ev, "fault") == 0 || strcmp(ev, "fault_end") == 0) {
         read_fault(line, strcmp(ev, "fault_end") == 0);
+        return;
+    }
+    if (strcmp(ev, "pg_restarted") == 0 && ck.n_stalls < MAX_STALLS) {
+        char t[24] = "0"; /* hung_host: only its restart is a window without writes */
+        chaos_history_field(line, "t", t, sizeof(t));
+        ck.stalls[ck.n_stalls++] = (stall){ck.restart_from, strtoull(t, NULL, 10)};
         return;
     }
     if (strcmp(ev, "rss") == 0) {
@@ -233,6 +242,10 @@ static void read_effect_line(const char *line)
         return;
     }
     step_log *l = &e->book->steps[s];
+    if (s == S_UNDO && strcmp(note, "transient") == 0) {
+        ck.bk.undo_transient++; /* an undo that failed before its effect */
+        return;
+    }
     bool recorded = strcmp(note, "recorded") == 0;
     if ((recorded || strncmp(note, "unrecorded:", 11) == 0) && l->n_notes < MAX_EFFECTS) {
         step_note *sn = &l->notes[l->n_notes++];
