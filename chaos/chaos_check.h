@@ -42,6 +42,7 @@ typedef struct step_note {
 
 typedef struct step_log {
     size_t n, n_notes; /* n: effect lines (exec holds the first MAX_EFFECTS) */
+    size_t n_recorded; /* notes "recorded", all of them (notes holds the first ones) */
     execution exec[MAX_EFFECTS];
     step_note notes[MAX_EFFECTS];
 } step_log;

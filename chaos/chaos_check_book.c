@@ -166,10 +166,7 @@ bool ck_declined(const entry *e)
 static void check_compensation(entry *e, const chaos_cfg *cfg)
 {
     const step_log *hold = &e->book->steps[S_HOLD], *undo = &e->book->steps[S_UNDO];
-    size_t held = 0, excused = 0, n = undo->n < MAX_EFFECTS ? undo->n : MAX_EFFECTS;
-    for (size_t i = 0; i < hold->n_notes; i++) {
-        held += hold->notes[i].recorded;
-    }
+    size_t held = hold->n_recorded, excused = 0, n = undo->n < MAX_EFFECTS ? undo->n : MAX_EFFECTS;
     for (size_t i = 0; i < n; i++) {
         excused += step_excuse(undo, &undo->exec[i], cfg) >= 0;
     }

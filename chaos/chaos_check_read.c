@@ -247,6 +247,7 @@ static void read_effect_line(const char *line)
         return;
     }
     bool recorded = strcmp(note, "recorded") == 0;
+    l->n_recorded += recorded;
     if ((recorded || strncmp(note, "unrecorded:", 11) == 0) && l->n_notes < MAX_EFFECTS) {
         step_note *sn = &l->notes[l->n_notes++];
         *sn = (step_note){.pid = pid, .fence = fence, .t = t, .recorded = recorded};
