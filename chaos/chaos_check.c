@@ -28,6 +28,9 @@
  *             grows with the data) more than doubles + 16 MiB between a quarter of its
  *             life and its end, over a life of at least 20 s
  *   crashes   a server that died without being killed, or did not stop on SIGTERM
+ *   http      (slow_http) a slow client's connection held past twice the request
+ *             timeout + 1 s, or an ordinary request not answered while slow clients
+ *             trickled
  * The files of the checker: chaos_check.h. */
 #include <inttypes.h>
 #include <stdarg.h>
@@ -45,9 +48,9 @@ static const char *const x_names[X_N_KINDS] = {
     "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)"};
 const char *const f_names[F_N_KINDS] = {"kill",       "stop",      "fill",    "pg_restart",
                                         "redis_stop", "partition", "slow_db", "hung_host",
-                                        "undo_crash", "other"};
-static const char *const v_names[] = {"answers", "effects", "callers",
-                                      "records", "memory",  "crashes"};
+                                        "undo_crash", "slow_http", "other"};
+static const char *const v_names[] = {"answers", "effects", "callers", "records",
+                                      "memory",  "crashes", "http"};
 
 void ck_violation(int kind, const char *fmt, ...)
 {

@@ -85,7 +85,7 @@ typedef struct rss_life {
 } rss_life;
 
 /* Fault kinds as the history names them; the last, "other", counts any other. */
-enum { F_N_KINDS = 10 };
+enum { F_N_KINDS = 11 };
 extern const char *const f_names[F_N_KINDS];
 
 typedef struct chaos_ck {
@@ -116,7 +116,7 @@ typedef struct chaos_ck {
 extern chaos_ck ck;
 
 enum { X_KILLED, X_STOPPED, X_NO_WRITE, X_STORE_REFUSED, X_STALE, X_N_KINDS };
-enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES };
+enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES, V_HTTP };
 
 /* Counts a violation of kind V_* and prints the first MAX_SHOWN of each kind. */
 void ck_violation(int kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

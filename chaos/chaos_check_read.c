@@ -96,6 +96,36 @@ static void read_rss(const char *line)
     }
 }
 
+/* The end of a slow_http fault (chaos_faults_http.c): every slow connection closed by
+ * the server within twice the request timeout + 1 s of its first byte (one that waited
+ * for a free slot, then its own timeout), the ordinary request answered. */
+static void check_slow_http(const char *line)
+{
+    static const char *const kinds[2] = {"head", "refused"};
+    char server[8] = "", field[24], held[24], open[8], probe[16] = "";
+    chaos_history_field(line, "server", server, sizeof(server));
+    chaos_history_field(line, "probe", probe, sizeof(probe));
+    for (int k = 0; k < 2; k++) {
+        held[0] = open[0] = '\0';
+        snprintf(field, sizeof(field), "%s_ms", kinds[k]);
+        chaos_history_field(line, field, held, sizeof(held));
+        snprintf(field, sizeof(field), "%s_open", kinds[k]);
+        chaos_history_field(line, field, open, sizeof(open));
+        if (strtoull(held, NULL, 10) > 2 * CHAOS_HTTP_REQUEST_TIMEOUT_MS + 1000) {
+            ck_violation(V_HTTP,
+                         "server %s held a slow client's connection (%s) %s ms, request "
+                         "timeout %d ms; %s such still open when the fault ended",
+                         server, kinds[k], held, CHAOS_HTTP_REQUEST_TIMEOUT_MS, open);
+        }
+    }
+    if (strcmp(probe, "answered") != 0) {
+        ck_violation(V_HTTP,
+                     "server %s: an ordinary request was not answered while slow "
+                     "clients trickled",
+                     server);
+    }
+}
+
 static void read_fault(const char *line, bool end)
 {
     char kind[32] = "", pid[24] = "0", t[24] = "0", server[8] = "";
@@ -113,6 +143,9 @@ static void read_fault(const char *line, bool end)
         ck.restart_from = strtoull(t, NULL, 10);
     } else if (strcmp(kind, "pg_restart") == 0 && ck.n_stalls < MAX_STALLS) {
         ck.stalls[ck.n_stalls++] = (stall){ck.restart_from, strtoull(t, NULL, 10)};
+    }
+    if (end && strcmp(kind, "slow_http") == 0) {
+        check_slow_http(line);
     }
     if (end) {
         return;

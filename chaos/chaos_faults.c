@@ -31,7 +31,7 @@
 typedef struct server {
     pid_t pid; /* 0 = not running */
     bool stopped;
-    char url[600];
+    char url[600], http[64]; /* its nng and HTTP fronts (a restart keeps them) */
 } server;
 
 static server servers[CHAOS_SERVERS];
@@ -50,6 +50,16 @@ static struct {
 const char *chaos_server_url(size_t i)
 {
     return servers[i].url;
+}
+
+pid_t chaos_server_pid(size_t i)
+{
+    return servers[i].pid;
+}
+
+const char *chaos_server_http(size_t i)
+{
+    return servers[i].http;
 }
 
 size_t chaos_server_of(pid_t pid)
@@ -93,16 +103,18 @@ static bool server_start(size_t i)
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
     snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
     snprintf(redrive, sizeof(redrive), "%" PRIu64, cfg->redrive_ms);
-    const char *lmdb[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
-                          cfg->effects, "--lease-ms", lease,          "--db",         store,
-                          "--map-size", map,          "--redrive-ms", redrive,        NULL};
+    const char *lmdb[] = {
+        self_exe,     "--serve",    "--listen",     servers[i].url, "--http", servers[i].http,
+        "--effects",  cfg->effects, "--lease-ms",   lease,          "--db",   store,
+        "--map-size", map,          "--redrive-ms", redrive,        NULL};
     const char *via = cfg->pg;
 #ifdef CHAOS_HAVE_PG
     via = cfg->topology == CHAOS_PG ? pg_via[i] : cfg->pg;
 #endif
-    const char *pg[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
-                        cfg->effects, "--lease-ms", lease,          "--pg",         via,
-                        "--redis",    cfg->redis,   "--redrive-ms", redrive,        NULL};
+    const char *pg[] = {self_exe,        "--serve",   "--listen",   servers[i].url, "--http",
+                        servers[i].http, "--effects", cfg->effects, "--lease-ms",   lease,
+                        "--pg",          via,         "--redis",    cfg->redis,     "--redrive-ms",
+                        redrive,         NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
         return false;
@@ -226,6 +238,8 @@ bool chaos_servers_start(const chaos_cfg *cfg)
     }
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         snprintf(servers[i].url, sizeof(servers[i].url), "ipc://%s/s%zu.ipc", cfg->dir, i);
+        snprintf(servers[i].http, sizeof(servers[i].http), "http://127.0.0.1:%d",
+                 chaos_free_port());
 #ifdef CHAOS_HAVE_PG
         if (cfg->topology == CHAOS_PG && !chaos_pg_route(cfg, i, pg_via[i], sizeof(pg_via[i]))) {
             fprintf(stderr, "idemrpc-chaos: no way to the database for server %zu\n", i);
@@ -405,6 +419,8 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
 #endif
         } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
             fault_fill(&rng);
+        } else if (pick >= 6 && pick < 12 && servers[i].pid > 0) {
+            chaos_slow_http(&rng, cfg, i);
         } else if (pick < 6) {
             if (!chaos_undo_crash(&rng, cfg)) {
                 continue; /* no compensation reached its undo meanwhile */

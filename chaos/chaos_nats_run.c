@@ -101,7 +101,7 @@ static void one_payment(client_thread *ct, idem_client *cl, uint64_t *rng)
     snprintf(code_name, sizeof(code_name), "%s", idem_code_name(code));
     const char *rf[] = {"key", key, "code", code_name};
     chaos_history_event("recv", 2, rf);
-    ct->undecided += code != IDEM_OK;
+    ct->undecided += code != IDEM_OK && !refused(code);
 }
 
 static void *client_main(void *arg)
