@@ -5,7 +5,7 @@
  *   2. K client threads charge payments through chaos.Pay/Charge, each under a key of
  *      its own, retried with that key until OK (or 30 s), while the fault schedule runs;
  *      kinds: 90 % ok, 6 % flaky, 2 % final, 2 % poison (chaos_nats_proc.c); one
- *      payment in 50 (ok or final) has a commission message at the broker's size limit
+ *      payment in 500 (ok or final) has a commission message at the broker's size limit
  *      (big_sizes: its max_payload, asked at the start, and around it), which the
  *      outbox may refuse at put (a definitive answer, not retried);
  *   3. the faults are healed and the run waits (at most 120 s) until the outbox is empty
@@ -52,7 +52,7 @@ static const char *pick_kind(uint64_t *rng)
 static int payment_payload(uint64_t *rng, char *out, size_t cap, const char **kind)
 {
     uint64_t amount = chaos_between(rng, 1, 100);
-    if (max_payload <= 0 || chaos_between(rng, 0, 49) != 0) {
+    if (max_payload <= 0 || chaos_between(rng, 0, 499) != 0) {
         *kind = pick_kind(rng);
         return snprintf(out, cap, "%s %" PRIu64, *kind, amount);
     }
