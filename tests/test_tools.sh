@@ -94,4 +94,8 @@ expect 2 --seed err "$chaos" --topology lmdb --seconds 5 --seed -1
 expect 2 "unexpected argument" err "$chaos" --topology lmdb --seconds 5 --seed 1 extra
 expect 2 IDEMRPC_TEST_PG err env -u IDEMRPC_TEST_PG -u IDEMRPC_TEST_REDIS \
     "$chaos" --topology pg --seconds 5 --seed 1 --dir "$work/pg"
+# idemrpc-ha-check (given when built with libpq): a seed is a number.
+if [ $# -ge 8 ]; then
+    expect 2 --seed err "${programs[7]}" --seed x
+fi
 echo "test_tools: all checks passed"
