@@ -28,9 +28,8 @@
  *             grows with the data) more than doubles + 16 MiB between a quarter of its
  *             life and its end, over a life of at least 20 s
  *   crashes   a server that died without being killed, or did not stop on SIGTERM
- *   http      (slow_http) a slow client's connection held past twice the request
- *             timeout + 1 s, or an ordinary request not answered while slow clients
- *             trickled
+ *   http      (slow_http) a slow client's connection still open when the fault ended
+ *             (5-8 s), or an ordinary request not answered while slow clients trickled
  * The files of the checker: chaos_check.h. */
 #include <inttypes.h>
 #include <stdarg.h>

@@ -1,5 +1,5 @@
 /* Slow and trickling HTTP clients against one server's HTTP front (chaos_faults.h): for
- * 4-6 s, SLOW_CONNS connections each send a byte every TRICKLE_MS:
+ * 5-8 s, SLOW_CONNS connections each send a byte every TRICKLE_MS:
  *   head     a request head that never ends: the front answers 408 and closes within
  *            CHAOS_HTTP_REQUEST_TIMEOUT_MS of its first byte;
  *   refused  a request the strict parser refuses (a header line without a colon),
@@ -9,10 +9,12 @@
  * Then, with the slow clients still trickling, an ordinary client asks GET /metrics.
  * The fault's end records the longest time the server held a slow connection (from its
  * first byte until the server closed it, or until the fault ended), how many were still
- * open, and whether the ordinary request was answered: the checker wants every slow
- * connection closed within twice the request timeout + 1 s (one that waited for a free
- * slot gets a request timeout of its own once accepted) and the ordinary request
- * answered. */
+ * open, and whether the ordinary request was answered: the checker wants no slow
+ * connection still open when the fault ends (at least 5 s after its first byte: more
+ * than twice the request timeout + 1 s, as one that waited for a free slot gets a
+ * request timeout of its own once accepted; a time measured here, on a loaded machine,
+ * may lag the server's close, so only a connection never closed counts) and the
+ * ordinary request answered. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -119,7 +121,7 @@ void chaos_slow_http(uint64_t *rng, const chaos_cfg *cfg, size_t i)
     int port = http_port(i);
     pid_t pid = chaos_server_pid(i);
     chaos_server_event("fault", "slow_http", i, pid);
-    uint64_t start = chaos_now_ms(), end = start + chaos_between(rng, 4000, 6000);
+    uint64_t start = chaos_now_ms(), end = start + chaos_between(rng, 5000, 8000);
     for (int k = 0; k < SLOW_CONNS; k++) {
         c[k] = (slow_conn){connect_to(port), start, 0, heads[k % 2]};
     }
