@@ -17,8 +17,8 @@
  *
  * Every time is CLOCK_MONOTONIC in ms, shared by the campaign and the servers (the
  * servers stamp the effect log with it). */
-#ifndef IDEMRPC_BENCH_CHAOS_H
-#define IDEMRPC_BENCH_CHAOS_H
+#ifndef IDEMRPC_CHAOS_H
+#define IDEMRPC_CHAOS_H
 
 #include <stdbool.h>
 #include <stddef.h>

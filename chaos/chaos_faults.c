@@ -413,7 +413,9 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
             fault_service(&rng, "pg_restart");
 #ifdef CHAOS_HAVE_PG
         } else if (cfg->topology == CHAOS_PG && pick >= 70) {
-            chaos_pg_hung_host(&rng, cfg);
+            if (!chaos_pg_hung_host(&rng, cfg)) {
+                continue;
+            }
         } else if (cfg->topology == CHAOS_PG && pick >= 50 && servers[i].pid > 0) {
             chaos_pg_network(&rng, cfg, i, servers[i].pid, pick >= 60);
 #endif

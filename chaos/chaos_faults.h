@@ -38,8 +38,9 @@ bool chaos_pg_route(const chaos_cfg *cfg, size_t i, char *via, size_t cap);
 /* Server i's database connections go silent (cut: a partition) or slow for a while. */
 void chaos_pg_network(uint64_t *rng, const chaos_cfg *cfg, size_t i, pid_t pid, bool cut);
 /* The first host of the conninfo accepts TCP and never answers (a partitioned ex-leader)
- * while PostgreSQL restarts: every connection is made again through the list. */
-void chaos_pg_hung_host(uint64_t *rng, const chaos_cfg *cfg);
+ * while PostgreSQL restarts: every connection is made again through the list. False
+ * (nothing recorded) when the hung host cannot listen. */
+bool chaos_pg_hung_host(uint64_t *rng, const chaos_cfg *cfg);
 /* Stops the proxies and closes the hung host. */
 void chaos_pg_stop(void);
 #endif

@@ -79,12 +79,12 @@ void chaos_pg_network(uint64_t *rng, const chaos_cfg *cfg, size_t i, pid_t pid, 
     chaos_server_event("fault_end", kind, i, pid);
 }
 
-void chaos_pg_hung_host(uint64_t *rng, const chaos_cfg *cfg)
+bool chaos_pg_hung_host(uint64_t *rng, const chaos_cfg *cfg)
 {
     const char *f[] = {"kind", "hung_host"};
     if (hung.fd < 0 || listen(hung.fd, 128) != 0) {
         perror("idemrpc-chaos: hung_host: listen");
-        return;
+        return false;
     }
     chaos_history_event("fault", 1, f);
     chaos_services(cfg, "restart-pg");
@@ -95,6 +95,7 @@ void chaos_pg_hung_host(uint64_t *rng, const chaos_cfg *cfg)
     close(hung.fd);
     hung.fd = hung_bind(&hung.port);
     chaos_history_event("fault_end", 1, f);
+    return true;
 }
 
 void chaos_pg_stop(void)

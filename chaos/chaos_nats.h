@@ -1,8 +1,8 @@
 /* The broker topology's parts, shared by chaos_nats.c (processes, faults),
  * chaos_nats_run.c (load, settling, the stream's dump) and its checker
  * (chaos_nats_check.c, chaos_nats_faultlog.c). */
-#ifndef IDEMRPC_BENCH_CHAOS_NATS_H
-#define IDEMRPC_BENCH_CHAOS_NATS_H
+#ifndef IDEMRPC_CHAOS_NATS_H
+#define IDEMRPC_CHAOS_NATS_H
 
 #include <stdbool.h>
 #include <stddef.h>
