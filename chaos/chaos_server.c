@@ -9,7 +9,10 @@
  *                          under the key (the token).
  *   chaos.Counter/Add      claim mode (cached, key required): one line in the effect log.
  *   chaos.Trip/Book        journaled steps (IDEM_METHOD_STEPS, key required): step "hold",
- *                          10-60 ms (a slow provider), step "pay"; each step's function
+ *                          10-60 ms (a slow provider; for one key in 20 that is not
+ *                          declined, 4 leases: a run whose lease must be renewed across
+ *                          a fault), step
+ *                          "pay"; each step's function
  *                          writes one effect line naming the step and returns the output
  *                          "STEP.PID.FENCE"; the answer names both outputs (hold=, pay=),
  *                          so a replayed step is recognisable. A step that ran then
@@ -42,6 +45,7 @@
 #include "cli.h"
 
 static int effects_fd = -1;
+static uint64_t lease_ms; /* the servers' lease (--lease-ms) */
 /* A crash during a compensation (chaos_faults_undo.c): the campaign arms it by creating
  * EFFECTS.undo-crash; the undo that removes it writes its pid to EFFECTS.undo-crash.pid. */
 static char undo_crash[640], undo_crash_pid[660];
@@ -259,7 +263,11 @@ static idem_code book(idem_call *call, void *arg)
     bool declined = n >= 7 && memcmp(payload, "decline", 7) == 0;
     idem_code code = book_step_run(call, &hold, &h);
     if (code == IDEM_OK) {
-        chaos_sleep_ms(10 + chaos_digest(key, strlen(key)) % 51); /* a slow provider */
+        /* A slow provider, now and then slower: not for a declined call, which is released
+         * when undone, so that a retry after the client's 1 s attempt timeout would run
+         * it afresh, again and again, and never learn its outcome (as documented). */
+        uint64_t d = chaos_digest(key, strlen(key));
+        chaos_sleep_ms(d % 20 == 0 && !declined ? 4 * lease_ms : 10 + d % 51);
         code = declined
                    ? idem_call_fail(call, IDEM_FAILED_PRECONDITION,
                                     "card declined caller=%s key=%s", idem_call_caller(call), key)
@@ -393,7 +401,7 @@ int chaos_serve(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &term, NULL);
 
     idem_server_opts_init(&o);
-    o.lease_ms = so.lease_ms;
+    o.lease_ms = lease_ms = so.lease_ms;
     o.workers = 8;
     o.sweep_interval_ms = 3600 * 1000; /* the checker reads every record the run wrote */
     o.db_path = so.db;
