@@ -422,7 +422,7 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
         } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
             fault_fill(&rng);
         } else if (pick >= 6 && pick < 12 && servers[i].pid > 0) {
-            chaos_slow_http(&rng, cfg, i);
+            chaos_slow_http(&rng, i);
         } else if (pick < 6) {
             if (!chaos_undo_crash(&rng, cfg)) {
                 continue; /* no compensation reached its undo meanwhile */

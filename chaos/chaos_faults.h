@@ -25,7 +25,7 @@ pid_t chaos_server_pid(size_t i);
 /* Server i's HTTP front, http://127.0.0.1:PORT. */
 const char *chaos_server_http(size_t i);
 /* Slow and trickling HTTP clients against server i's HTTP front (chaos_faults_http.c). */
-void chaos_slow_http(uint64_t *rng, const chaos_cfg *cfg, size_t i);
+void chaos_slow_http(uint64_t *rng, size_t i);
 /* Runs "$IDEMRPC_SERVICES what" (scripts/services.sh), complaining on failure. */
 void chaos_services(const chaos_cfg *cfg, const char *what);
 

@@ -111,9 +111,8 @@ static void slow_http_end(size_t i, pid_t pid, const uint64_t held[2], const uin
     chaos_history_event("fault_end", 8, f);
 }
 
-void chaos_slow_http(uint64_t *rng, const chaos_cfg *cfg, size_t i)
+void chaos_slow_http(uint64_t *rng, size_t i)
 {
-    (void)cfg;
     static const char *const heads[2] = {
         "POST /chaos.Counter/Add HTTP/1.1\r\nHost: chaos\r\nX-Trickle: ",
         "POST /chaos.Counter/Add HTTP/1.1\r\nHost: chaos\r\nno colon here\r\n\r\n"};
@@ -125,7 +124,6 @@ void chaos_slow_http(uint64_t *rng, const chaos_cfg *cfg, size_t i)
     for (int k = 0; k < SLOW_CONNS; k++) {
         c[k] = (slow_conn){connect_to(port), start, 0, heads[k % 2]};
     }
-    bool answered = false;
     for (uint64_t now = start; now < end; now = chaos_now_ms()) {
         for (int k = 0; k < SLOW_CONNS; k++) {
             if (c[k].fd >= 0) {
@@ -134,7 +132,7 @@ void chaos_slow_http(uint64_t *rng, const chaos_cfg *cfg, size_t i)
         }
         chaos_sleep_ms(TRICKLE_MS);
     }
-    answered = probe(port); /* the slow clients still trickle meanwhile: they hold on */
+    bool answered = probe(port); /* the slow connections still open stay open meanwhile */
     uint64_t held[2] = {0, 0}, open[2] = {0, 0}; /* per kind: head, refused */
     for (int k = 0; k < SLOW_CONNS; k++) {
         held[k % 2] = c[k].held > held[k % 2] ? c[k].held : held[k % 2];
