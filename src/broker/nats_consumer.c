@@ -167,8 +167,9 @@ static void nak(delivery *d)
 static void dead_letter(delivery *d)
 {
     idem_nats_consumer *c = d->c;
-    idem_code code = idem__nats_dead_letter(c->js, c->o.dead_letter_subject, c->o.durable, d->m,
-                                            &d->im, d->reason);
+    idem_code code = idem__nats_dead_letter(c->js, natsConnection_GetMaxPayload(c->nc),
+                                            c->o.dead_letter_subject, c->o.durable, &d->im,
+                                            d->reason);
     if (code != IDEM_OK) { /* never dropped: naked, dead-lettered on a later delivery */
         count(c, &c->stats.dead_failures);
         idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
