@@ -56,4 +56,12 @@ void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
 idem_code idem__nats_dead_letter(jsCtx *js, int64_t max_payload, const char *subject,
                                  const char *durable, const idem_nats_msg *im, const char *reason);
 
+/* The failure tally of (durable, key) in the store (nats_failures.c): _count adds this
+ * delivery's real handler failure in a txn of its own and gives the total; _forget_in
+ * deletes it in t (the txn that commits the effect), _forget in a txn of its own. */
+idem_code idem__nats_failure_count(idem_store *st, const char *durable, const char *key,
+                                   uint64_t *failures);
+idem_code idem__nats_failure_forget_in(idem_txn *t, const char *durable, const char *key);
+idem_code idem__nats_failure_forget(idem_store *st, const char *durable, const char *key);
+
 #endif
