@@ -51,13 +51,12 @@ static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool 
 }
 
 /* A message the broker refuses for good (OUT_OF_RANGE: over its max_payload or the
- * stream's max_msg_size): parked after this round, logged, counted. */
+ * stream's max_msg_size): logged, parked after this round (and counted then). */
 static void refused(idem_nats_relay *r, const idem_outbox_msg *m)
 {
     r->parked[r->n_parked++] = m->seq;
-    add(r, &r->stats.parked, 1);
     idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_ERROR,
-                   "nats relay: parked seq=%llu msg_id=%s subject=%s (%zu bytes): %s",
+                   "nats relay: parking seq=%llu msg_id=%s subject=%s (%zu bytes): %s",
                    (unsigned long long)m->seq, m->msg_id, m->subject, m->len, idem_errmsg());
 }
 
@@ -123,8 +122,9 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
     idem_errkeep k;
     idem__err_keep(&k);
     idem_code removed = idem_outbox_remove(r->st, r->seqs, acked); /* only acked ones */
-    if (removed == IDEM_OK) { /* else they stay: refused again next round */
-        removed = idem_outbox_park(r->st, r->parked, r->n_parked);
+    if (removed == IDEM_OK && /* else they stay: refused again next round */
+        (removed = idem_outbox_park(r->st, r->parked, r->n_parked)) == IDEM_OK) {
+        add(r, &r->stats.parked, r->n_parked);
     }
     idem_outbox_msgs_free(r->msgs, n);
     if (removed != IDEM_OK) { /* they stay: published again next round, deduped */
@@ -171,8 +171,8 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     idem_code code = r->url == NULL || r->msgs == NULL || r->seqs == NULL || r->parked == NULL
                          ? idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory")
                          : idem__nats_connect(r->url, o->publish_wait_ms, &r->nc, &r->js);
-    if (code == IDEM_OK) {
-        limit_sync(r); /* the store may be away: put assumes the default, run_once retries */
+    if (code == IDEM_OK) { /* the store may be away: put assumes the default, rounds retry */
+        (void)limit_sync(r);
     }
     if (code != IDEM_OK) {
         idem_errkeep k;
