@@ -16,9 +16,9 @@
  * logged once: another claimer may take it from then on. idem__keeper_lost says so
  * (idem_lock_held and a journaled step ask it); a call's completion is conditional on its
  * owner. The keeper goes on renewing: a renewal is conditional on the owner, so one that
- * succeeds proves nobody took the key, and the claim is held again. A renewal answered IDEM_ABORTED
- * (the record was completed, released or taken over meanwhile) stops the entry and marks it lost
- * for good.
+ * succeeds proves nobody took the key, and the claim is held again. A renewal answered
+ * IDEM_ABORTED (the record was completed, released or taken over meanwhile) stops the
+ * entry and marks it lost for good.
  *
  * Recording later (idem__keeper_record_later). A handler's final outcome that the store
  * could not record (a commit that failed on a disk error, an outage or a full store
@@ -365,7 +365,7 @@ idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t o
     snprintf(kp->method, sizeof(kp->method), "%s", key->method);
     snprintf(kp->key, sizeof(kp->key), "%s", key->key);
     uint64_t now = idem__mono_ms();
-    asked = asked < now ? asked : now;
+    asked = asked != 0 && asked < now ? asked : now;
     kp->owner = owner;
     kp->lease_ms = lease_ms;
     /* From the moment the claim was asked for: the store's lease began after it. An

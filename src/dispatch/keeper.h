@@ -20,7 +20,7 @@ void idem__keeper_destroy(idem_keeper *k);
 /* Renews the lease of (key, owner) to now + lease_ms every lease_ms/3 (every lease_ms/10
  * after a round that could not renew it), for up to max_run_ms, until
  * idem__keeper_unkeep. asked: idem__mono_ms() taken before the claim's request left;
- * the lease, the renewals and max_run_ms count from then (a later value is taken as now).
+ * the lease, the renewals and max_run_ms count from then (0 or a later value: now).
  * NULL (no renewal) only when out of memory. */
 idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t owner,
                              uint64_t lease_ms, uint64_t max_run_ms, uint64_t asked);
