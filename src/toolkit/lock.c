@@ -110,6 +110,7 @@ static idem_code try_once(idem_lock *l, bool *acquired, uint64_t *busy_ms)
 {
     idem_claim_outcome outcome;
     idem_record rec;
+    l->asked = idem__mono_ms(); /* the lease counts from here (before its wall clock's now) */
     uint64_t now = lock_wall_ms(l->rt);
     idem_claim_req req = {.key = lock_key(l),
                           .owner = 0, /* the store assigns the next fence */
@@ -119,7 +120,6 @@ static idem_code try_once(idem_lock *l, bool *acquired, uint64_t *busy_ms)
     memcpy(req.fingerprint, lock_fingerprint, IDEM_FINGERPRINT_LEN);
     *acquired = false;
     *busy_ms = 0;
-    l->asked = idem__mono_ms(); /* the lease counts from here, not from the answer */
     idem_code code = idem_store_claim(l->st, &req, &outcome, &rec);
     if (code != IDEM_OK) {
         return code;
