@@ -171,12 +171,14 @@ static bool look_again(const idem_cache_cfg *cfg, const idem_key_ref *key,
     return outcome == IDEM_CLAIM_COMPLETED || !other_request_on_disk(cfg, key, fingerprint);
 }
 
-/* The claim of key by this call: a lease from now, the result TTL after it. */
-static idem_claim_req claim_request(const idem_call *call, const idem_cache_cfg *cfg,
+/* The claim of key by this call: a lease from now, the result TTL after it. Notes when
+ * it is asked for (claim_asked_ms): the owner's lease counts from then. */
+static idem_claim_req claim_request(idem_call *call, const idem_cache_cfg *cfg,
                                     const idem_key_ref *key,
                                     const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
 {
     const idem_method *m = call->method;
+    call->claim_asked_ms = idem__mono_ms();
     uint64_t lease = m->opts.lease_ms ? m->opts.lease_ms : cfg->lease_ms;
     idem_claim_req req = {.key = *key, .token = call->token_to_consume, .owner = 0};
     memcpy(req.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN);

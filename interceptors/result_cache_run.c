@@ -379,8 +379,10 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     if (!transactional) { /* a handler txn holds its claim: nobody can take over */
         uint64_t lease = o->lease_ms ? o->lease_ms : cfg->lease_ms;
         keep = idem__inflight_keep(call->rt->inflight, key, owner, lease,
-                                   o->max_run_ms ? o->max_run_ms : cfg->max_run_ms);
+                                   o->max_run_ms ? o->max_run_ms : cfg->max_run_ms,
+                                   call->claim_asked_ms);
     }
+    call->claim_keep = keep;
     call->txn = txn;
     call->fence = owner;
     call->fence_state = IDEM__FENCE_UNCHECKED;
@@ -392,6 +394,7 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
         code = idem_call_next(call, next);
     }
     call->txn = NULL;
+    call->claim_keep = NULL; /* after_record unkeeps it, or hands it to the keeper */
     bool refused = call->fence_state == IDEM__FENCE_REFUSED;
     if (refused) {
         code = fence_refused(call);

@@ -72,8 +72,10 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * a record still refused after that is returned, and the next run runs fn again.
  *
  * Only an owner may run a step: idem_call_step checks that the call's record is still
- * IN_PROGRESS under this run's claim, with its lease running, before fn runs, and again
- * (the claim) in the transaction that records the output. A run that lost its claim (its lease
+ * IN_PROGRESS under this run's claim, with its lease running, and that the run's own
+ * count of its lease (from the moment its claim or last renewal was asked for, which a
+ * late answer cannot lengthen) has not run out, before fn runs; and again (the claim) in
+ * the transaction that records the output. A run that lost its claim (its lease
  * expired and another run took over, or completed the call) gets IDEM_ABORTED: it does not run fn,
  * cannot overwrite what the new owner recorded nor leave a journal behind; if it finds the step
  * already recorded it gets that output. (A claim lost while fn runs is seen only by the record:

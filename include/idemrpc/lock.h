@@ -122,6 +122,14 @@ IDEM_API idem_code idem_lock_renew(idem_lock *l);
  * l, whatever the outcome. IDEM_ABORTED when it had been lost already. */
 IDEM_API idem_code idem_lock_release(idem_lock *l);
 
+/* Whether this holder still holds the lock by its own clock: its lease, counted from the
+ * moment the acquisition or the last renewal that succeeded was asked for (never from the
+ * store's answer, which a slow store sends late), has not run out, and no renewal found
+ * it taken. False: another holder may have it now; a renewal that succeeds later makes
+ * it true again. Check it just before an effect the lock guards that no fence protects;
+ * a fenced txn (idem_txn_fence_lock) stays the store's own proof. False for NULL. */
+IDEM_API bool idem_lock_held(const idem_lock *l);
+
 /* The fencing token: nonzero, larger than every earlier acquisition's in this store. */
 IDEM_API uint64_t idem_lock_token(const idem_lock *l);
 IDEM_API const char *idem_lock_name(const idem_lock *l);

@@ -169,6 +169,12 @@ struct idem_call {
     uint64_t fence;          /* owner id of the claim the handler runs under */
     idem_store *claim_store; /* where that claim is (journaled steps), NULL outside one */
     uint64_t claim_ticket;   /* its commit shared with the completion (store.h), or 0 */
+    /* idem__mono_ms() before the claim's request left: its lease counts from then, never
+     * from the answer (result_cache: the lease keeper's entry, keeper.c). */
+    uint64_t claim_asked_ms;
+    /* The lease keeper's entry of that claim while the handler runs (claim mode), else
+     * NULL: the owner's own view of whether it still holds the key. */
+    struct idem_keep *claim_keep;
     /* Whether fence was read back from the disk (idem_call_fence): a refused fence
      * means the claim is not durable, and the call is answered UNAVAILABLE whatever its
      * handler said (result_cache). Reset with fence. */

@@ -172,9 +172,9 @@ static void *waker_main(void *arg)
 }
 
 idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
-                               uint64_t lease_ms, uint64_t max_run_ms)
+                               uint64_t lease_ms, uint64_t max_run_ms, uint64_t asked)
 {
-    return idem__keeper_keep(t->keeper, key, owner, lease_ms, max_run_ms);
+    return idem__keeper_keep(t->keeper, key, owner, lease_ms, max_run_ms, asked);
 }
 
 void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)

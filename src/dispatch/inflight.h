@@ -38,9 +38,10 @@ void idem__inflight_notify(idem_inflight *t, uint32_t bucket);
 bool idem__inflight_wait(idem_inflight *t, uint32_t bucket, uint64_t seen_gen, uint64_t wait_ms);
 
 /* Renews the lease of (key, owner) every lease_ms/3 for up to max_run_ms, until
- * idem__inflight_unkeep. NULL (no renewal) only when out of memory. */
+ * idem__inflight_unkeep; asked as idem__keeper_keep's (the claim's ask). NULL (no
+ * renewal) only when out of memory. */
 idem_keep *idem__inflight_keep(idem_inflight *t, const idem_key_ref *key, uint64_t owner,
-                               uint64_t lease_ms, uint64_t max_run_ms);
+                               uint64_t lease_ms, uint64_t max_run_ms, uint64_t asked);
 void idem__inflight_unkeep(idem_inflight *t, idem_keep *k);
 /* Instead of unkeep, for a final outcome the store could not record: the keeper renews
  * the lease and records it later (idem__keeper_record_later); the key's waiters are

@@ -10,13 +10,15 @@
  * copies and outside the lock, so unkeep never waits for the store, and a lease whose
  * row another session holds (a stalled claimer on another instance) delays no other
  * lease: the store skips that row, and the keeper tries it again every lease/10.
- * A lease is held until valid_until, the moment its last successful renewal was asked
- * for plus the lease (the store's clock counts from later). Past it the entry has
- * lapsed, logged once: another claimer may take it from then on. idem__keeper_lost says
- * so (a lock's fence check asks it); a call's completion is conditional on its owner. The keeper goes on renewing: a renewal is
- * conditional on the owner, so one that succeeds proves nobody took the key, and the
- * claim is held again. A renewal answered IDEM_ABORTED (the record was completed,
- * released or taken over meanwhile) stops the entry and marks it lost for good.
+ * A lease is held until valid_until, the moment its claim or its last successful renewal
+ * was asked for plus the lease: never from an answer, which a slow store sends late (the
+ * store's lease began later, when the request reached it). Past it the entry has lapsed,
+ * logged once: another claimer may take it from then on. idem__keeper_lost says so
+ * (idem_lock_held and a journaled step ask it); a call's completion is conditional on its
+ * owner. The keeper goes on renewing: a renewal is conditional on the owner, so one that
+ * succeeds proves nobody took the key, and the claim is held again. A renewal answered
+ * IDEM_ABORTED (the record was completed, released or taken over meanwhile) stops the
+ * entry and marks it lost for good.
  *
  * Recording later (idem__keeper_record_later). A handler's final outcome that the store
  * could not record (a commit that failed on a disk error, an outage or a full store
@@ -353,7 +355,7 @@ void idem__keeper_destroy(idem_keeper *k)
 }
 
 idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t owner,
-                             uint64_t lease_ms, uint64_t max_run_ms)
+                             uint64_t lease_ms, uint64_t max_run_ms, uint64_t asked)
 {
     idem_keep *kp = calloc(1, sizeof(*kp));
     if (kp == NULL) {
@@ -363,11 +365,14 @@ idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t o
     snprintf(kp->method, sizeof(kp->method), "%s", key->method);
     snprintf(kp->key, sizeof(kp->key), "%s", key->key);
     uint64_t now = idem__mono_ms();
+    asked = asked != 0 && asked < now ? asked : now;
     kp->owner = owner;
     kp->lease_ms = lease_ms;
-    kp->renew_at = now + (lease_ms / 3 ? lease_ms / 3 : 1);
-    kp->stop_at = idem__add_sat(now, max_run_ms);
-    kp->valid_until = idem__add_sat(now, lease_ms); /* the claim was granted before now */
+    /* From the moment the claim was asked for: the store's lease began after it. An
+     * answer that came late is renewed at once, and may have lapsed already. */
+    kp->renew_at = asked + (lease_ms / 3 ? lease_ms / 3 : 1);
+    kp->stop_at = idem__add_sat(asked, max_run_ms);
+    kp->valid_until = idem__add_sat(asked, lease_ms);
     pthread_mutex_lock(&k->mu);
     kp->id = ++k->next_id;
     kp->next = k->keeps;

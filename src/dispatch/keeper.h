@@ -18,11 +18,12 @@ idem_code idem__keeper_create(idem_keeper **out, idem_store *st, const idem_runt
 void idem__keeper_destroy(idem_keeper *k);
 
 /* Renews the lease of (key, owner) to now + lease_ms every lease_ms/3 (every lease_ms/10
- * after a round that could not renew it), for up to max_run_ms from now, until
- * idem__keeper_unkeep. NULL (no renewal) only when out of
- * memory. */
+ * after a round that could not renew it), for up to max_run_ms, until
+ * idem__keeper_unkeep. asked: idem__mono_ms() taken before the claim's request left;
+ * the lease, the renewals and max_run_ms count from then (0 or a later value: now).
+ * NULL (no renewal) only when out of memory. */
 idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t owner,
-                             uint64_t lease_ms, uint64_t max_run_ms);
+                             uint64_t lease_ms, uint64_t max_run_ms, uint64_t asked);
 /* Stops renewing and frees kp (NULL is a no-op). */
 void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp);
 /* Hands kp over to the keeper with the claim's final outcome (response, malloc'd: the
@@ -34,8 +35,7 @@ void idem__keeper_record_later(idem_keeper *k, idem_keep *kp, uint8_t *response,
                                uint64_t ttl_ms);
 /* fn(arg, key) runs on the keeper thread when an outcome recorded later has ended
  * (recorded or given up): the key's waiters should read the store again. */
-void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_ref *key),
-                         void *arg);
+void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_ref *key), void *arg);
 /* True once a renewal of kp answered IDEM_ABORTED (the claim is no longer its owner's),
  * and while its lease has run out without a renewal (another claimer may take it). */
 bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp);

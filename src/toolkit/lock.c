@@ -26,6 +26,10 @@ struct idem_lock {
     idem_call *call;        /* taken through this call: released when its handler returns */
     idem_lock *call_next;
     uint64_t token, lease_ms;
+    /* idem__mono_ms() before the claim that acquired it left; without a keeper (manual
+     * renewal) the end of its lease by this holder's clock, from the last ask that
+     * succeeded. */
+    uint64_t asked, valid_until;
     uint32_t hash;
     char scope[IDEM_MAX_CALLER + 1], name[IDEM_LOCK_MAX_NAME + 1];
 };
@@ -106,6 +110,7 @@ static idem_code try_once(idem_lock *l, bool *acquired, uint64_t *busy_ms)
 {
     idem_claim_outcome outcome;
     idem_record rec;
+    l->asked = idem__mono_ms(); /* the lease counts from here (before its wall clock's now) */
     uint64_t now = lock_wall_ms(l->rt);
     idem_claim_req req = {.key = lock_key(l),
                           .owner = 0, /* the store assigns the next fence */
@@ -177,7 +182,7 @@ static idem_code start_renewal(idem_lock *l, const lock_req *q)
         l->keeper = NULL;
         return code;
     }
-    l->keep = idem__keeper_keep(l->keeper, &key, l->token, l->lease_ms, q->o.max_hold_ms);
+    l->keep = idem__keeper_keep(l->keeper, &key, l->token, l->lease_ms, q->o.max_hold_ms, l->asked);
     return l->keep != NULL ? IDEM_OK : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
 }
 
@@ -208,6 +213,7 @@ static idem_code lock_take(const lock_req *q, idem_lock **out)
         lock_free(l);
         return code;
     }
+    l->valid_until = l->asked + l->lease_ms;
     if ((code = start_renewal(l, q)) != IDEM_OK) {
         idem_errkeep keep;
         idem__err_keep(&keep);
@@ -309,9 +315,12 @@ idem_code idem_lock_renew(idem_lock *l)
         return idem__err(IDEM_INVALID_ARGUMENT, "no lock to renew");
     }
     idem_key_ref key = lock_key(l);
-    uint64_t now = lock_wall_ms(l->rt);
+    uint64_t asked = idem__mono_ms(), now = lock_wall_ms(l->rt);
     idem_code code = idem_store_renew(l->st, &key, l->token, now + l->lease_ms, now);
-    if (code == IDEM_ABORTED) {
+    if (code == IDEM_OK) {
+        l->valid_until = asked + l->lease_ms; /* from the ask: the store's began later */
+    } else if (code == IDEM_ABORTED) {
+        l->valid_until = 0;
         return idem__err(IDEM_ABORTED,
                          "lock \"%s\" was lost: its lease passed and another holder took it, "
                          "or it was released",
@@ -342,6 +351,17 @@ idem_code idem_lock_release(idem_lock *l)
     }
     lock_free(l);
     return code;
+}
+
+bool idem_lock_held(const idem_lock *l)
+{
+    if (l == NULL) {
+        return false;
+    }
+    if (l->keep != NULL) {
+        return !idem__keeper_lost(l->keeper, l->keep);
+    }
+    return idem__mono_ms() < l->valid_until;
 }
 
 uint64_t idem_lock_token(const idem_lock *l)

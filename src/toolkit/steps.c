@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "inflight.h"
 #include "steps_internal.h"
 
 #include "idemrpc/toolkit.h"
@@ -102,10 +103,20 @@ static void list_call(idem_call *call, const journal *j)
 }
 
 /* Runs fn for a step not recorded yet: the thread's error detail is fn's own (or says
- * which step failed), never a stale one from the journal's reads. */
+ * which step failed), never a stale one from the journal's reads. Not once the run's
+ * own view of its lease has run out (keeper.c: counted from the ask of its claim or last
+ * renewal, so it ends before the store's): the store's answer that the claim is held
+ * may have come late, and another run may take the call over at any moment. */
 static idem_code run_fn(idem_call *call, const char *step, idem_step_fn fn, void *arg,
                         idem_step_result *out)
 {
+    if (call->claim_keep != NULL &&
+        idem__keeper_lost(idem__inflight_keeper(call->rt->inflight), call->claim_keep)) {
+        return idem__err(IDEM_ABORTED,
+                         "claim lost: this run's lease ran out before step %s (no renewal "
+                         "reached the store in time); retry with the same key",
+                         step);
+    }
     idem__err_clear();
     idem_code code = fn(call, arg, out);
     if (code != IDEM_OK && idem_errmsg()[0] == '\0') {

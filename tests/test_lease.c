@@ -1,0 +1,256 @@
+/* A lease counts from the moment its request left, never from its answer (issue 35).
+ *
+ * A slow store answers a claim late: the store's lease began when the request reached it,
+ * so an owner that starts its own count at the answer believes it holds the key for up to
+ * a round trip after the store would let another instance take it. Here the owner's
+ * store is slow: on PostgreSQL every chunk between the server and the database waits
+ * SLOW_MS in a proxy (pgproxy.c); on LMDB every fdatasync waits SLOW_MS (this program's
+ * fdatasync wins over libc's for liblmdb, as in failing_disk.c). The handler compares its
+ * own view of its claim (the server's lease keeper) with the record the store holds, read
+ * straight from the store. Runs on both stores (`lease`, `lease_pg`). */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "call.h"
+#include "inflight.h"
+#include "testutil.h"
+#if TU_HAVE_PG
+#include "pgproxy.h"
+#endif
+
+#define LEASE_MS 600      /* the watched claim's */
+#define LOCK_LEASE_MS 300 /* the lock's: shorter than one slow round trip */
+#define SLOW_MS 400       /* per proxied chunk (a round trip: twice), or per fdatasync */
+
+static void sleep_ms(unsigned ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* LMDB's disk: each fdatasync waits this long first (0: none). */
+static atomic_uint slow_sync_ms;
+
+int fdatasync(int fd)
+{
+    unsigned ms = atomic_load(&slow_sync_ms);
+    if (ms > 0) {
+        sleep_ms(ms);
+    }
+    return (int)syscall(SYS_fdatasync, fd);
+}
+
+/* The owner's store, which can be made slow, and a handle that reads the same records
+ * at full speed (PostgreSQL: a second store straight to the database; LMDB: the same
+ * one, whose reads never wait for a commit). */
+static struct {
+    idem_store *st, *direct;
+    char *dir, *conninfo;
+    char schema[32];
+#if TU_HAVE_PG
+    pgproxy *proxy;
+#endif
+} S;
+
+static void slow_store_open(void)
+{
+    memset(&S, 0, sizeof(S));
+    if (!tu_backend_is_pg()) {
+        S.dir = tu_tempdir("lease");
+        cr_assert_eq(idem_store_open_lmdb(&S.st, S.dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+        S.direct = S.st;
+        return;
+    }
+#if TU_HAVE_PG
+    char *via;
+    S.conninfo = tu_pg_schema_create(S.schema);
+    S.proxy = pgproxy_start(S.conninfo);
+    cr_assert_gt(asprintf(&via, "%s host=127.0.0.1 port=%d", S.conninfo, pgproxy_port(S.proxy)), 0);
+    cr_assert_eq(tu_pg_open(&S.st, via, 4), IDEM_OK, "%s", idem_errmsg());
+    free(via);
+    cr_assert_eq(tu_pg_open(&S.direct, S.conninfo, 2), IDEM_OK, "%s", idem_errmsg());
+#else
+    cr_skip_test("built without libpq");
+#endif
+}
+
+static void slow_store_set(bool slow)
+{
+    atomic_store(&slow_sync_ms, slow && S.dir != NULL ? SLOW_MS : 0);
+#if TU_HAVE_PG
+    if (S.proxy != NULL) {
+        pgproxy_delay(S.proxy, slow ? SLOW_MS : 0);
+    }
+#endif
+}
+
+static void slow_store_close(void)
+{
+    slow_store_set(false);
+    if (S.direct != S.st) {
+        idem_store_close(S.direct);
+    }
+    idem_store_close(S.st);
+#if TU_HAVE_PG
+    if (S.proxy != NULL) {
+        pgproxy_stop(S.proxy);
+    }
+#endif
+    if (S.dir != NULL) {
+        tu_rmtree(S.dir);
+    }
+    if (S.conninfo != NULL) {
+        tu_pg_schema_drop(S.schema);
+        free(S.conninfo);
+    }
+}
+
+TestSuite(lease, .init = slow_store_open, .fini = slow_store_close, .timeout = 120);
+
+/* What a watch saw, one look every 10 ms for three leases: how often the store's record
+ * no longer held the claim (another could take the key), and how often its owner's own
+ * view said it held the key all the same. */
+static struct {
+    atomic_int looks, unstored, believed;
+} W;
+
+/* Whether the store's record of key is this claim's, with its lease running at wall
+ * time t (the records' clock: the caller's on LMDB, the database's on PostgreSQL). */
+static bool stored(const idem_key_ref *key, uint64_t owner, uint64_t t)
+{
+    idem_record rec;
+    idem_code code = idem_store_get(S.direct, key, &rec);
+    bool held = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == owner &&
+                rec.lease_until_ms >= t;
+    idem_record_clear(&rec);
+    return held;
+}
+
+/* Watches the claim (key, owner) for lease_ms * 3, comparing held(arg), the owner's
+ * view, with the store's record. */
+static void watch(const idem_key_ref *key, uint64_t owner, uint64_t lease_ms,
+                  bool (*held)(const void *arg), const void *arg)
+{
+    for (uint64_t i = 0; i < 3 * lease_ms / 10; i++) {
+        uint64_t t = idem__now_ms(); /* before the owner's look: its view is as of t or later */
+        bool believed = held(arg);
+        if (!stored(key, owner, t)) {
+            atomic_fetch_add(&W.unstored, 1);
+            atomic_fetch_add(&W.believed, believed);
+        }
+        atomic_fetch_add(&W.looks, 1);
+        sleep_ms(10); /* the next look: a sample every 10 ms, not a synchronisation */
+    }
+}
+
+static void watch_expect_none_believed(void)
+{
+    cr_assert_gt(atomic_load(&W.unstored), 0,
+                 "the store never let the claim go (%d looks): the case did not happen",
+                 atomic_load(&W.looks));
+    cr_expect_eq(atomic_load(&W.believed), 0,
+                 "%d of %d looks: the owner believed it held the key while the store would "
+                 "let another take it",
+                 atomic_load(&W.believed), atomic_load(&W.unstored));
+}
+
+/* The owner's view of its claim: the server's lease keeper's. */
+static bool claim_held(const void *arg)
+{
+    const idem_call *call = arg;
+    return !idem__keeper_lost(idem__inflight_keeper(call->rt->inflight), call->claim_keep);
+}
+
+static idem_code h_watch(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_key_ref key = {idem_call_caller(call), idem_call_method(call), idem_call_key(call)};
+    watch(&key, call->fence, LEASE_MS, claim_held, call);
+    return idem_call_reply(call, IDEM_OK, "watched", 7);
+}
+
+static bool lock_held(const void *arg)
+{
+    return idem_lock_held(arg);
+}
+
+/* Takes a lock through the call and watches it. */
+static idem_code h_lock(idem_call *call, void *arg)
+{
+    (void)arg;
+    idem_lock_opts o = {.lease_ms = LOCK_LEASE_MS, .wait_ms = 10000};
+    idem_lock *l;
+    idem_code code = idem_call_lock(call, "late", &o, &l);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "acquire: %s", idem_errmsg());
+    }
+    idem_key_ref key = {idem_lock_scope(l), IDEM_LOCK_METHOD, idem_lock_name(l)};
+    watch(&key, idem_lock_token(l), LOCK_LEASE_MS, lock_held, l);
+    return idem_call_reply(call, IDEM_OK, "locked", 6); /* released as the handler returns */
+}
+
+static void server_start(tu_server *ts)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = S.st;
+    o.log_level = IDEM_LOG_OFF;
+    tu_server_create(ts, &o);
+    /* LMDB: a journaled method's claim commits alone, so its answer waits for the disk
+     * (a cached one's is answered from the open txn). PostgreSQL: a cached method, one
+     * statement between the read and the handler. */
+    idem_method_opts m = {.flags = S.dir != NULL ? IDEM_METHOD_STEPS : IDEM_METHOD_CACHED,
+                          .lease_ms = LEASE_MS};
+    cr_assert_eq(idem_server_register(ts->srv, "lease.T/Watch", h_watch, NULL, &m), IDEM_OK);
+    idem_method_opts lock = {.flags = IDEM_METHOD_CACHED};
+    cr_assert_eq(idem_server_register(ts->srv, "lease.T/Lock", h_lock, NULL, &lock), IDEM_OK);
+    tu_server_listen(ts);
+}
+
+static idem_code call_key(const char *url, const char *method, const char *key)
+{
+    idem_client *c = tu_client_attempts(url, 20000, 1);
+    idem_request q = {.method = method, .idempotency_key = key};
+    idem_result r;
+    idem_code code = idem_client_call(c, &q, &r);
+    cr_expect_eq(code, IDEM_OK, "%s %s: %s", method, key, r.message);
+    idem_result_clear(&r);
+    idem_client_close(c);
+    return code;
+}
+
+/* Calls method once on a fast store (its connections open), then once on a slow one. */
+static void call_slow(const char *method)
+{
+    tu_server ts;
+    server_start(&ts);
+    call_key(ts.url, method, "warm");
+    memset(&W, 0, sizeof(W));
+    slow_store_set(true);
+    call_key(ts.url, method, "k-late");
+    slow_store_set(false);
+    tu_server_destroy(&ts, false);
+}
+
+/* The issue's case: the claim's answer arrives late (a slow database, a slow disk). The
+ * store may let another instance take the key from the end of the lease it started when
+ * the claim reached it; from then until a renewal lands the owner must not believe it
+ * still holds the key (a handler's steps ask it before running one). */
+Test(lease, an_owner_never_believes_it_holds_a_claim_the_store_would_let_another_take)
+{
+    call_slow("lease.T/Watch");
+    watch_expect_none_believed();
+}
+
+/* The same for a lease lock taken in a handler: idem_lock_held never says held while
+ * the store would let another holder acquire the lock. */
+Test(lease, a_lock_holder_never_believes_it_holds_a_lock_the_store_would_let_another_take)
+{
+    call_slow("lease.T/Lock");
+    watch_expect_none_believed();
+}
