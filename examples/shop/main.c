@@ -300,7 +300,7 @@ static idem_code unreserve(idem_call *call, const char *step, const idem_step_re
     char answer[160], sku[64];
     snprintf(answer, sizeof(answer), "%.*s", (int)done->len, (const char *)done->data);
     if (sscanf(answer, "R%*[0-9] sku=%63s", sku) != 1) {
-        return IDEM_DATA_LOSS; /* not a reservation: its effect stands, the order says so */
+        return IDEM_DATA_LOSS; /* not a reservation: it stands (idem-compensated=partial) */
     }
     idem_request q = {.method = "inv.Stock/Release", .payload = sku, .payload_len = strlen(sku)};
     idem_result r;
