@@ -391,7 +391,10 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     if ((o->flags & IDEM_METHOD_STEPS) && (st = idem__call_steps_begin(call)) != IDEM_OK) {
         code = idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
     } else {
+        call->undo_frame = __builtin_frame_address(0); /* the undos run in this frame */
+        call->undo_thread = pthread_self();
         code = idem_call_next(call, next);
+        call->undo_frame = NULL;
     }
     call->txn = NULL;
     call->claim_keep = NULL; /* after_record unkeeps it, or hands it to the keeper */

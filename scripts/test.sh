@@ -14,7 +14,9 @@ setup_args=()
 if [ "${1:-}" = "--asan" ]; then
     builddir=build-asan
     setup_args=(-Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debug)
-    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+    # detect_stack_use_after_return: a callback reading a frame that has returned (an
+    # undo_arg on a handler's stack) is reported, not read silently.
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 fi
 # The PostgreSQL and Redis tests need servers: use the ones named in the environment

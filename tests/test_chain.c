@@ -1,5 +1,6 @@
-/* Unit tests of the interceptor chain and of the request_id interceptor (request ids and
- * idempotency key resolution), run in memory: no network, no store. */
+/* Unit tests of the interceptor chain, of the request_id interceptor (request ids and
+ * idempotency key resolution) and of the thread's error detail (idem__err), run in
+ * memory: no network, no store. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -423,4 +424,29 @@ Test(key, oversized_extracted_key_is_invalid_argument)
     use("request_id", idem__request_id_interceptor, NULL);
     cr_expect_eq(run(), IDEM_INVALID_ARGUMENT);
     cr_expect_eq(w.handler_runs, 0);
+}
+
+/* The stores add their context to a cause with idem__err(code, "... (%s)", idem_errmsg()):
+ * the thread's message formatted into itself. */
+Test(errmsg, a_message_that_wraps_the_current_one_keeps_the_cause_intact)
+{
+    idem__err(IDEM_UNAVAILABLE, "server closed the connection unexpectedly");
+    idem__err(IDEM_UNAVAILABLE, "the commit failed or its outcome is unknown (%s)", idem_errmsg());
+    cr_expect_str_eq(idem_errmsg(), "the commit failed or its outcome is unknown (server closed "
+                                    "the connection unexpectedly)");
+    idem__err(IDEM_UNAVAILABLE, "%s; retry", idem_errmsg());
+    cr_expect_str_eq(idem_errmsg(), "the commit failed or its outcome is unknown (server closed "
+                                    "the connection unexpectedly); retry");
+}
+
+Test(errmsg, a_wrapped_message_longer_than_the_buffer_is_cut_at_its_end)
+{
+    char cause[600], want[600];
+    memset(cause, 'c', sizeof(cause) - 1), cause[sizeof(cause) - 1] = '\0';
+    idem__err(IDEM_UNAVAILABLE, "%s", cause);
+    size_t kept = strlen(idem_errmsg());
+    cr_assert_gt(kept, 400, "the detail holds a long cause");
+    idem__err(IDEM_UNAVAILABLE, "fence refused: %s", idem_errmsg());
+    snprintf(want, kept + 1, "fence refused: %s", cause);
+    cr_expect_str_eq(idem_errmsg(), want, "the context first, then the cause cut at the end");
 }

@@ -221,6 +221,25 @@ static idem_code place(idem_call *call, void *arg)
     return code;
 }
 
+/* saga.Order/StackArg "SKU QTY AMOUNT": the reserve step with a local of the handler as
+ * its undo_arg, as the guide's example had it. Not ASan-instrumented, so that the
+ * local stays on the thread's stack under detect_stack_use_after_return too. */
+__attribute__((no_sanitize("address"))) static idem_code place_stack_arg(idem_call *call, void *arg)
+{
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    char sku[] = "sku-1";
+    hop reserve = {to_inv, "inv.Stock/Reserve", p, n};
+    idem_step_opts undo = {.undo = unreserve, .undo_arg = sku};
+    idem_step_result r = {0};
+    (void)arg;
+    idem_code code = idem_call_step_with(call, "reserve", reserve_fn, &reserve, &undo, &r);
+    code = code == IDEM_OK ? idem_call_reply(call, IDEM_OK, r.data, r.len)
+                           : idem_call_fail(call, code, "%s", idem_errmsg());
+    idem_step_result_clear(&r);
+    return code;
+}
+
 static void order_log(void *arg, idem_log_level level, const char *line)
 {
     (void)arg, (void)level;
@@ -290,6 +309,8 @@ static void setup(void)
     cr_assert_eq(idem_server_register(order.srv, "saga.Order/PlaceNoUndo", place, NULL, &m),
                  IDEM_OK);
     cr_assert_eq(idem_server_register(order.srv, "saga.Order/Slow", order_slow, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(order.srv, "saga.Order/StackArg", place_stack_arg, NULL, &m),
+                 IDEM_OK);
     cr_assert_eq(idem_server_listen_http(order.srv, "http://127.0.0.1:0"), IDEM_OK);
     tu_server_listen(&order);
 }
@@ -453,6 +474,20 @@ Test(sagas, a_final_failure_after_a_step_gives_its_effect_back)
     cr_expect_str_neq(reserve_keys[0], reserve_keys[1]);
     cr_expect_eq(atomic_load(&released), 2);
     cr_expect_eq(atomic_load(&charged), 0);
+}
+
+/* An undo runs after the handler returned: an undo_arg on the handler's stack would be
+ * read from a frame that is gone. The step refuses it before its effect, saying why. */
+Test(sagas, a_step_whose_undo_arg_is_on_the_handlers_stack_is_refused_before_its_effect)
+{
+    idem_result r;
+    cr_assert_eq(place_via("saga.Order/StackArg", "cart-stack", "sku-1 1 5", 1, 2000, &r),
+                 IDEM_FAILED_PRECONDITION, "%s", r.message);
+    cr_expect(strstr(r.message, "undo_arg points into the handler's stack") != NULL, "'%s'",
+              r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&reserve_runs), 0, "the step's effect did not run");
+    cr_expect_eq(atomic_load(&reserved), 0);
 }
 
 /* The run dies inside the undo (after the inventory released): the re-driver finishes

@@ -11,11 +11,13 @@
  *                           charge=C". Three journaled steps (downstream.h): the order
  *                           id (random, made once), the reservation (inventory) and the
  *                           charge (payment), each downstream call with its derived key.
- *                           The reservation's undo releases it: a charge that fails
- *                           finally (insufficient funds) gives the stock back before the
- *                           order answers, and the order's key is free again.
+ *                           The reservation's undo releases the SKU its recorded
+ *                           answer names: a charge that fails finally (insufficient
+ *                           funds) gives the stock back before the order answers, and
+ *                           the order's key is free again.
  *   inv.Stock/Reserve       transactional: stock[SKU] -= 1 (starts at 100), the
- *                           reservation counted with it; inv.Stock/Level reads them.
+ *                           reservation counted with it ("R<n> sku=SKU stock=<m>");
+ *                           inv.Stock/Level reads them.
  *   inv.Stock/Release       transactional: the reverse, releases[SKU] += 1;
  *                           inv.Stock/Releases reads it and the reservations ever made.
  *   pay.Pay/Charge          transactional: total += PRICE, charges += 1 (a PRICE over
@@ -113,7 +115,9 @@ static idem_code reserve(idem_call *call, void *arg)
         (code = put_ll(t, "reservations", sku, made + 1)) != IDEM_OK) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "%s", idem_errmsg());
     }
-    return reply_fmt(call, "R%lld stock=%lld", made + 1, stock - 1);
+    char out[160]; /* names what it reserved: the order's undo releases that */
+    int n = snprintf(out, sizeof(out), "R%lld sku=%s stock=%lld", made + 1, sku, stock - 1);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
 /* The reservation's undo, at the inventory: the stock goes back. */
@@ -285,17 +289,23 @@ static idem_code new_order_id(idem_call *call, void *arg, idem_step_result *out)
     return IDEM_OK;
 }
 
-/* The reservation's undo: inv.Stock/Release of the order's SKU, with the undo's own
- * derived key (idem_call_downstream inside an undo). */
+/* The reservation's undo: inv.Stock/Release of the SKU the recorded reservation names
+ * (done: "R<n> sku=<SKU> stock=<m>", the same on every run of the call, also after a
+ * crash), with the undo's own derived key (idem_call_downstream inside an undo). The
+ * undo runs after place() returned: what it needs comes from done, and its arg is the
+ * server's client to the inventory, never a local of place(). */
 static idem_code unreserve(idem_call *call, const char *step, const idem_step_result *done,
-                           void *arg)
+                           void *to_inventory)
 {
-    const char *sku = arg;
+    char answer[160], sku[64];
+    snprintf(answer, sizeof(answer), "%.*s", (int)done->len, (const char *)done->data);
+    if (sscanf(answer, "R%*[0-9] sku=%63s", sku) != 1) {
+        return IDEM_DATA_LOSS; /* not a reservation: it stands (idem-compensated=partial) */
+    }
     idem_request q = {.method = "inv.Stock/Release", .payload = sku, .payload_len = strlen(sku)};
     idem_result r;
-    (void)done; /* "R<n> stock=<m>": the SKU is the order's */
     crash_point("before_undo");
-    idem_code code = idem_call_downstream(call, S.to_inventory, step, &q, &r);
+    idem_code code = idem_call_downstream(call, to_inventory, step, &q, &r);
     idem_result_clear(&r);
     if (code == IDEM_OK) {
         crash_point("in_undo"); /* released downstream, not yet journaled here */
@@ -319,7 +329,7 @@ static idem_code place(idem_call *call, void *arg)
     crash_point("before_reserve");
     idem_step_opts local = {.effect_free = true}; /* an id: nothing to give back */
     idem_code code = idem_call_step_with(call, "order-id", new_order_id, NULL, &local, &id);
-    idem_step_opts undo = {.undo = unreserve, .undo_arg = sku};
+    idem_step_opts undo = {.undo = unreserve, .undo_arg = S.to_inventory};
     if (code == IDEM_OK &&
         (code = idem_call_step_with(call, "reserve", hop_step, &inv, &undo, &r)) == IDEM_OK) {
         crash_point("between");

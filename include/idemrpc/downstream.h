@@ -132,13 +132,21 @@ IDEM_API void idem_step_result_clear(idem_step_result *r);
  *       UNAVAILABLE): a retry, or the re-driver, finishes the compensation.
  * A release after a final failure with no step completed also moves the key to a new
  * generation. Undos run while the call still holds its claim (max_run_ms bounds the
- * handler and its compensation together); duplicates wait as for a running call. */
+ * handler and its compensation together); duplicates wait as for a running call.
+ *
+ * An undo runs after the handler has returned (and maybe in a later run, after a crash).
+ * It gets what it needs about this call from done, the step's output as recorded (the
+ * same bytes on every run: put in it what the undo needs, e.g. the reservation's id),
+ * and from call (its request, key, caller). arg is the step's undo_arg: a context that
+ * outlives the call, as a handler's arg does (the server's client, its configuration),
+ * never the handler's stack, whose frame is gone when the undo runs; idem_call_step_with
+ * refuses an undo_arg that points into it (FAILED_PRECONDITION, before fn runs). */
 typedef idem_code (*idem_undo_fn)(idem_call *call, const char *step, const idem_step_result *done,
                                   void *arg);
 
 typedef struct idem_step_opts {
     idem_undo_fn undo; /* NULL: the step's effect stands whatever happens after */
-    void *undo_arg;
+    void *undo_arg;    /* passed to undo: outlives the call (see idem_undo_fn) */
     /* The step changes nothing outside (it makes an id, reads a price): nothing to
      * undo, and it does not keep a compensated call's key. */
     bool effect_free;

@@ -208,6 +208,11 @@ struct idem_call {
     const char *undoing;
     struct idem__saga *saga;
     void (*saga_free)(idem_call *call);
+    /* The frame that runs the handler and then its undos (result_cache), on that thread,
+     * NULL outside: the frames below it are gone when an undo runs, so a step refuses an
+     * undo_arg among them (the handler's locals). */
+    const void *undo_frame;
+    pthread_t undo_thread;
     /* A re-driven call: the key its first run had (result_cache refuses another). */
     const char *pinned_key;
     const char *reason; /* static: why the library itself rejected the call, or NULL */

@@ -18,7 +18,8 @@
  * from the method's extractor then takes precedence over that random one. */
 #define IDEM_META_KEY_GENERATED "idem-key-generated"
 
-/* Records detail for idem_errmsg() and returns code. */
+/* Records detail for idem_errmsg() and returns code. An argument may be idem_errmsg()
+ * itself: idem__err(code, "context (%s)", idem_errmsg()) wraps the cause in its context. */
 idem_code idem__err(idem_code code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void idem__err_clear(void);
 /* Keeps idem_errmsg() across a cleanup that may overwrite it:

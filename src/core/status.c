@@ -67,11 +67,15 @@ idem_code idem__err_put(const idem_errkeep *k, idem_code code)
     return idem__err(code, "%s", k->msg);
 }
 
+/* Formats into a buffer of its own first: an argument may be idem_errmsg() itself (a
+ * cause wrapped in its context), which vsnprintf must not read while writing over it. */
 idem_code idem__err(idem_code code, const char *fmt, ...)
 {
+    char msg[sizeof(errmsg)];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(errmsg, sizeof(errmsg), fmt, ap);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    memcpy(errmsg, msg, strlen(msg) + 1);
     return code;
 }

@@ -26,6 +26,7 @@
  * it with the journal, and a release deletes it
  * alone (the journal stays for the client's retry, which lists the call again). So the
  * re-driver scans only calls that may still be running or abandoned. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,6 +69,26 @@ static idem_code step_check(const idem_call *call, const char *step, idem_step_f
                          call->undoing);
     }
     return IDEM_OK;
+}
+
+/* An undo runs after the handler returned (idem__call_saga_end, in the frame that ran
+ * the handler): an undo_arg between that frame and this one, on this thread, points into
+ * frames that are gone by then (the handler's locals). Under ASan's
+ * detect_stack_use_after_return locals live on a fake stack this cannot see; ASan then
+ * reports the undo's read itself. */
+static idem_code undo_arg_check(const idem_call *call, const char *step, const idem_step_opts *o)
+{
+    uintptr_t here = (uintptr_t)__builtin_frame_address(0), top = (uintptr_t)call->undo_frame;
+    uintptr_t p = o != NULL && o->undo != NULL ? (uintptr_t)o->undo_arg : 0;
+    if (p == 0 || top == 0 || !pthread_equal(call->undo_thread, pthread_self()) ||
+        p < (here < top ? here : top) || p >= (here < top ? top : here)) {
+        return IDEM_OK;
+    }
+    return idem__err(IDEM_FAILED_PRECONDITION,
+                     "step %s: its undo_arg points into the handler's stack, gone when the undo "
+                     "runs: give the undo what it needs in the step's output (its done argument) "
+                     "and pass as undo_arg only a context that outlives the call",
+                     step);
 }
 
 /* A call's listing for the re-driver, written or deleted while the claim is its own. */
@@ -139,7 +160,8 @@ idem_code idem_call_step_with(idem_call *call, const char *step, idem_step_fn fn
     size_t n;
     memset(out, 0, sizeof(*out));
     idem_code code = step_check(call, step, fn);
-    if (code != IDEM_OK || (code = idem__journal_keys(call, step, &j)) != IDEM_OK) {
+    if (code != IDEM_OK || (code = undo_arg_check(call, step, opts)) != IDEM_OK ||
+        (code = idem__journal_keys(call, step, &j)) != IDEM_OK) {
         return code;
     }
     code = idem__journal_look_up(call, &j, &v, &n);
