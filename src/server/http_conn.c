@@ -5,8 +5,12 @@
  * answered it and the answer is sent; then the bytes of that request are dropped and
  * the next one (pipelined, already buffered) is framed. A refused request is answered
  * with Connection: close, the connection then reads (and discards) what the client is
- * still sending for at most LINGER_MS of quiet, so that the client sees the answer
- * rather than a reset, and closes. Each connection holds a reference per pending
+ * still sending until LINGER_MS of quiet, LINGER_MAX bytes or LINGER_TOTAL_MS, so that
+ * the client sees the answer rather than a reset, and closes. Every state has a clock:
+ * idle (idle_timeout_ms), reading a request (request_timeout_ms from its first byte),
+ * sending an answer (request_timeout_ms from its first byte), lingering (the above);
+ * only a request with the front waits for its answer (docs/operations.md). The head is
+ * parsed as it arrives, each byte once. Each connection holds a reference per pending
  * operation (receive, send, a request with the front); the last one frees it. */
 #include <nng/nng.h>
 #include <nng/supplemental/tls/tls.h>
@@ -20,10 +24,9 @@
 #include "http_conn.h"
 #include "json.h"
 
-#define LINGER_MS 100             /* quiet time before a refused connection closes */
-#define LINGER_MAX (64 * 1024)    /* bytes discarded at most while lingering */
-#define INITIAL_BUF 4096
-
+#define LINGER_MS 100          /* quiet time before a refused connection closes */
+#define LINGER_MAX (64 * 1024) /* bytes discarded at most while lingering */
+#define LINGER_TOTAL_MS 1000   /* time spent lingering at most, however the client trickles */
 
 struct idem_hconn {
     idem_hsrv *srv;
@@ -32,13 +35,15 @@ struct idem_hconn {
     nng_aio *rx, *tx;
     pthread_mutex_t mtx;
     int refs;
-    bool closed, eof, busy, rx_pending, head_done, head_only, close_after, lingering,
-        interim, continued;
+    bool closed, eof, busy, rx_pending, head_done, head_only, close_after, lingering, interim,
+        continued;
     char *buf;
     size_t len, cap, req_len, lingered;
     idem_hreq req;
     idem_hchunk ck;
-    uint64_t req_start; /* ms: the first byte of the request being read; 0 none */
+    uint64_t req_start;  /* ms: the first byte of the request being read; 0 none */
+    uint64_t send_end;   /* ms: the answer being sent must be taken by then */
+    uint64_t linger_end; /* ms: lingering ends then at the latest */
     char *out;
     size_t out_len, out_off;
 };
@@ -55,43 +60,6 @@ static uint64_t now_ms(void)
 static nng_duration duration(uint64_t ms)
 {
     return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
-}
-
-/* ---- responses ---- */
-
-static void hres_append(idem_hres *res, const void *p, size_t n)
-{
-    if (res->oom || res->len + n + 1 > res->cap) {
-        size_t cap = res->cap ? res->cap : 512;
-        while (cap < res->len + n + 1) {
-            cap *= 2;
-        }
-        char *b = res->oom ? NULL : realloc(res->buf, cap);
-        if (b == NULL) {
-            res->oom = true;
-            return;
-        }
-        res->buf = b;
-        res->cap = cap;
-    }
-    memcpy(res->buf + res->len, p, n);
-    res->len += n;
-}
-
-void idem__hres_start(idem_hres *res, int status, const char *reason)
-{
-    char line[128];
-    memset(res, 0, sizeof(*res));
-    int n = snprintf(line, sizeof(line), "HTTP/1.1 %d %s\r\n", status, reason);
-    hres_append(res, line, (size_t)n);
-}
-
-void idem__hres_header(idem_hres *res, const char *name, const char *value)
-{
-    hres_append(res, name, strlen(name));
-    hres_append(res, ": ", 2);
-    hres_append(res, value, strlen(value));
-    hres_append(res, "\r\n", 2);
 }
 
 /* ---- connection life ---- */
@@ -122,7 +90,7 @@ static void conn_destroy(idem_hconn *c)
     if (c->out != continue_100) {
         free(c->out);
     }
-    free(c->buf);
+    idem__hbuf_free(s, c->buf, c->cap);
     free(c);
 }
 
@@ -138,14 +106,16 @@ static void conn_unlock(idem_hconn *c)
     conn_destroy(c);
 }
 
+/* Sends the rest of c->out; the client takes all of it by c->send_end or is closed. */
 static void start_send(idem_hconn *c)
 {
     nng_iov iov = {.iov_buf = c->out + c->out_off, .iov_len = c->out_len - c->out_off};
-    if (nng_aio_set_iov(c->tx, 1, &iov) != 0) {
+    uint64_t now = now_ms();
+    if (now >= c->send_end || nng_aio_set_iov(c->tx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->tx, duration(c->srv->cfg.request_timeout_ms));
+    nng_aio_set_timeout(c->tx, duration(c->send_end - now));
     c->refs++;
     nng_stream_send(c->st, c->tx);
 }
@@ -155,6 +125,7 @@ static void send_locked(idem_hconn *c, char *out, size_t len, bool close)
     c->out = out;
     c->out_len = len;
     c->out_off = 0;
+    c->send_end = now_ms() + c->srv->cfg.request_timeout_ms;
     c->close_after = c->close_after || close;
     start_send(c);
 }
@@ -178,6 +149,7 @@ static void refuse(idem_hconn *c, int status, const char *msg)
         {413, "Content Too Large", "RESOURCE_EXHAUSTED"},
         {414, "URI Too Long", "INVALID_ARGUMENT"},
         {417, "Expectation Failed", "INVALID_ARGUMENT"},
+        {503, "Service Unavailable", "UNAVAILABLE"},
         {505, "HTTP Version Not Supported", "UNIMPLEMENTED"},
     };
     size_t k = 0;
@@ -193,6 +165,9 @@ static void refuse(idem_hconn *c, int status, const char *msg)
     idem_hres res;
     idem__hres_start(&res, kinds[k].status, kinds[k].reason);
     idem__hres_header(&res, "Content-Type", "application/json");
+    if (status == 503) {
+        idem__hres_header(&res, "Retry-After", "1");
+    }
     res.close = true;
     c->head_only = false;
     respond_locked(c, &res, json, (size_t)n);
@@ -210,14 +185,14 @@ static void need_more(idem_hconn *c)
         return;
     }
     if (c->len == c->cap) {
-        size_t cap = c->cap * 2 < c->srv->max_buf ? c->cap * 2 : c->srv->max_buf;
-        char *b = cap > c->cap ? realloc(c->buf, cap) : NULL;
-        if (b == NULL) {
-            refuse(c, 400, "a request over the size bound");
+        idem_hbuf_grow g = idem__hbuf_grow(c->srv, &c->buf, &c->cap, c->len, &c->req);
+        if (g != IDEM_HBUF_OK) {
+            g == IDEM_HBUF_FULL ? refuse(c, 503,
+                                         "the server holds as many request bytes as it may "
+                                         "(http_max_buffered); retry later")
+                                : refuse(c, 400, "a request over the size bound");
             return;
         }
-        c->buf = b;
-        c->cap = cap;
     }
     uint64_t ms = cfg->idle_timeout_ms, now = now_ms();
     if (c->req_start != 0) {
@@ -287,7 +262,7 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
     }
     if (!c->head_done) {
         c->req_start = c->req_start == 0 && c->len > 0 ? now_ms() : c->req_start;
-        idem_hp hp = idem__http_parse_head(c->buf, c->len, &c->req, &err);
+        idem_hp hp = idem__http_parse_head_more(c->buf, c->len, &c->req, &err);
         if (hp != IDEM_HP_OK) {
             hp == IDEM_HP_BAD ? refuse(c, err.status, err.msg) : need_more(c);
             return false;
@@ -305,11 +280,6 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
             maybe_continue(c);
             need_more(c); /* a receive may run beside the 100 Continue's send */
         }
-        return false;
-    }
-    /* The buffer may have moved while the body arrived: the head again, in place. */
-    if (idem__http_parse_head(c->buf, c->len, &c->req, &err) != IDEM_HP_OK) {
-        refuse(c, 400, err.msg); /* not reached: these bytes parsed before */
         return false;
     }
     return true;
@@ -341,9 +311,9 @@ static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size
     if (close) {
         idem__hres_header(res, "Connection", "close");
     }
-    hres_append(res, "\r\n", 2);
+    idem__hres_append(res, "\r\n", 2);
     if (!c->head_only) {
-        hres_append(res, body, blen);
+        idem__hres_append(res, body, blen);
     }
     if (res->oom) {
         static const char oom[] = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
@@ -374,16 +344,15 @@ void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t bl
 
 static void linger_more(idem_hconn *c)
 {
-    if (c->eof || c->closed || c->lingered > LINGER_MAX) {
-        conn_close_locked(c);
-        return;
-    }
     nng_iov iov = {.iov_buf = c->buf, .iov_len = c->cap};
-    if (nng_aio_set_iov(c->rx, 1, &iov) != 0) {
+    uint64_t now = now_ms();
+    if (c->eof || c->closed || c->lingered > LINGER_MAX || now >= c->linger_end ||
+        nng_aio_set_iov(c->rx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->rx, LINGER_MS);
+    nng_aio_set_timeout(
+        c->rx, duration(c->linger_end - now < LINGER_MS ? c->linger_end - now : LINGER_MS));
     c->rx_pending = true;
     c->refs++;
     nng_stream_recv(c->st, c->rx);
@@ -436,10 +405,15 @@ static void tx_cb(void *arg)
         c->interim = false;
     } else if (c->close_after) {
         c->lingering = true;
+        c->linger_end = now_ms() + LINGER_TOTAL_MS;
         c->rx_pending ? (void)0 : linger_more(c);
     } else { /* the next request, if one is buffered */
         memmove(c->buf, c->buf + c->req_len, c->len - c->req_len);
         c->len -= c->req_len;
+        if (!c->rx_pending) { /* never pending here; the buffer must not move under one */
+            idem__hbuf_shrink(c->srv, &c->buf, &c->cap, c->len);
+        }
+        memset(&c->req, 0, sizeof(c->req));
         c->head_done = false;
         c->req_start = 0;
     }
@@ -451,7 +425,7 @@ static void tx_cb(void *arg)
 idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
 {
     idem_hconn *c = calloc(1, sizeof(*c));
-    if (c == NULL || (c->buf = malloc(INITIAL_BUF)) == NULL ||
+    if (c == NULL || (c->buf = malloc(IDEM_HBUF_INITIAL)) == NULL ||
         nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0) {
         if (c != NULL && c->rx != NULL) {
             nng_aio_free(c->rx);
@@ -465,7 +439,7 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
     pthread_mutex_init(&c->mtx, NULL);
     c->srv = s;
     c->st = st;
-    c->cap = INITIAL_BUF;
+    c->cap = IDEM_HBUF_INITIAL;
     c->next = s->conns;
     if (s->conns != NULL) {
         s->conns->prev = c;

@@ -426,7 +426,8 @@ static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_l
                          .tls = tls,
                          .request_timeout_ms = srv->opts.http_request_timeout_ms,
                          .idle_timeout_ms = srv->opts.http_idle_timeout_ms,
-                         .max_conns = srv->opts.http_max_conns};
+                         .max_conns = srv->opts.http_max_conns,
+                         .max_buffered = srv->opts.http_max_buffered};
     return idem__http_start(url, &cfg, &srv->http);
 }
 
