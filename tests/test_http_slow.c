@@ -1,9 +1,9 @@
 /* Integration: slow and greedy HTTP clients against the HTTP front (the hostile HTTP
  * corpus, continued from test_http_hostile.c). A real server on http://127.0.0.1:<free
  * port>, raw TCP sockets: a refused client that keeps trickling, two of them holding
- * every connection slot, a head that arrives a byte at a time, and requests that would
- * take the HTTP buffers of all connections past http_max_buffered. docs/operations.md
- * lists the bounds of every state of a connection. */
+ * every connection slot, an answer read too slowly, a head that arrives a byte at a
+ * time, and requests that would take the HTTP buffers of all connections past
+ * http_max_buffered. docs/operations.md lists the bounds of every state of a connection. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -24,6 +24,8 @@
 #define PACE_MS 10           /* a trickler sends a byte this often */
 #define PATIENCE_ROUNDS 2000 /* rounds of PACE_MS: 20 s, twenty times the linger bound */
 #define MAX_BUFFERED (1u << 20)
+#define BIG "t.Big/Get"
+#define BIG_REPLY (12u << 20)
 
 static tu_server S;
 static int port;
@@ -39,15 +41,27 @@ static idem_code h_add(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, p, n);
 }
 
-static void serve(size_t max_conns, size_t max_buffered)
+/* BIG_REPLY bytes, more than the kernel's socket buffers hold (tcp_wmem's 4 MiB). */
+static idem_code h_big(idem_call *call, void *arg)
+{
+    (void)arg;
+    static char big[BIG_REPLY];
+    return idem_call_reply(call, IDEM_OK, big, sizeof(big));
+}
+
+/* 0 for a default */
+static void serve(size_t max_conns, size_t max_buffered, uint64_t request_timeout_ms)
 {
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.http_max_conns = max_conns;
     o.http_max_buffered = max_buffered;
+    o.max_frame = 2 * BIG_REPLY;
+    o.http_request_timeout_ms = request_timeout_ms;
     atomic_store(&runs, 0);
     tu_server_create(&S, &o);
     cr_assert_eq(idem_server_register(S.srv, ADD, h_add, NULL, NULL), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, BIG, h_big, NULL, NULL), IDEM_OK);
     tu_server_listen(&S);
     cr_assert_eq(idem_server_listen_http(S.srv, "http://127.0.0.1:0"), IDEM_OK, "%s",
                  idem_errmsg());
@@ -61,10 +75,14 @@ static void teardown(void)
 
 TestSuite(http_slow, .fini = teardown);
 
-static int dial(void)
+/* rcvbuf: 0, or the client's receive buffer (a small one makes the server's sends partial) */
+static int dial_rcvbuf(int rcvbuf)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     cr_assert_geq(fd, 0);
+    if (rcvbuf > 0) {
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
+    }
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     struct timeval tv = {10, 0}; /* a bound, not synchronisation: a hung server fails */
@@ -72,6 +90,11 @@ static int dial(void)
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
     return fd;
+}
+
+static int dial(void)
+{
+    return dial_rcvbuf(0);
 }
 
 static void send_all(int fd, const void *p, size_t len)
@@ -159,7 +182,7 @@ static int ordinary_call(size_t body_len)
 
 Test(http_slow, a_refused_client_that_keeps_trickling_is_closed_within_the_linger_bound)
 {
-    serve(0, 0);
+    serve(0, 0, 0);
     trickler t;
     trickler_start(&t);
     for (int i = 0; i < PATIENCE_ROUNDS && !t.closed; i++) {
@@ -189,7 +212,7 @@ static void *trickle(void *arg)
 
 Test(http_slow, an_ordinary_client_is_served_while_two_tricklers_hold_every_slot)
 {
-    serve(2, 0);
+    serve(2, 0, 0);
     tricklers ts = {.stop = false};
     trickler_start(&ts.t[0]);
     trickler_start(&ts.t[1]);
@@ -211,7 +234,7 @@ Test(http_slow, an_ordinary_client_is_served_while_two_tricklers_hold_every_slot
  * grows under it, and its first header (X-Request-Id) still read right at the end. */
 Test(http_slow, a_head_arriving_a_byte_at_a_time_is_framed_as_if_sent_at_once)
 {
-    serve(0, 0);
+    serve(0, 0, 0);
     char *raw = malloc(32768);
     cr_assert_not_null(raw);
     int n = snprintf(raw, 32768,
@@ -256,7 +279,7 @@ static size_t buffered_bytes(void)
  * one is served; once the holder is gone the large one is served again. */
 Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_the_rest)
 {
-    serve(0, MAX_BUFFERED);
+    serve(0, MAX_BUFFERED, 0);
     enum { HELD = 700 * 1000, ASKED = 100 * 1000 };
     int fd = dial();
     char head[256], *held = malloc(HELD);
@@ -296,4 +319,32 @@ Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_
     for (int i = 0; i < PATIENCE_ROUNDS && (in = buffered_bytes()) != 0; i++) {
     } /* the last caller's connection drains, then goes */
     cr_assert_eq(in, 0, "buffers not given back");
+}
+
+/* A client that reads its answer steadily but slowly (16 KiB per PACE_MS, every partial
+ * send of the server completes well within the timeout) is closed once the answer has
+ * not been taken whole within http_request_timeout_ms of its first byte. */
+Test(http_slow, an_answer_read_too_slowly_is_cut_off_at_the_request_timeout)
+{
+    serve(0, 0, 2000); /* the request timeout, also the bound on sending an answer */
+    int fd = dial_rcvbuf(16384);
+    static const char req[] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                              "Content-Length: 0\r\n\r\n";
+    send_all(fd, req, sizeof(req) - 1);
+    size_t taken = 0;
+    bool closed = false;
+    for (int i = 0; i < 4 * PATIENCE_ROUNDS && !closed; i++) {
+        static char buf[16384];
+        poll(NULL, 0, PACE_MS); /* the slow reader's pace, not a wait */
+        ssize_t n = recv(fd, buf, sizeof(buf), 0);
+        closed = n <= 0;
+        taken += n > 0 ? (size_t)n : 0;
+    }
+    close(fd);
+    cr_assert(closed, "the connection stayed open");
+    cr_assert_lt(taken, BIG_REPLY,
+                 "the whole answer (%zu bytes) was sent to a reader taking "
+                 "16 KiB per %d ms",
+                 taken, PACE_MS);
+    cr_assert_gt(taken, 0, "nothing of the answer was sent");
 }
