@@ -25,6 +25,7 @@
 #define PATIENCE_ROUNDS 2000 /* rounds of PACE_MS: 20 s, twenty times the linger bound */
 #define MAX_BUFFERED (1u << 20)
 #define BIG "t.Big/Get"
+#define HUNG "t.Hung/Wait"
 #define BIG_REPLY (12u << 20)
 
 static tu_server S;
@@ -49,19 +50,45 @@ static idem_code h_big(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, big, sizeof(big));
 }
 
-/* 0 for a default */
-static void serve(size_t max_conns, size_t max_buffered, uint64_t request_timeout_ms)
+/* Runs until release_hung(): a handler that outlives the server's bound. */
+static pthread_mutex_t hung_mtx = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hung_cv = PTHREAD_COND_INITIALIZER;
+static bool hung_released;
+
+static idem_code h_hung(idem_call *call, void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&hung_mtx);
+    while (!hung_released) {
+        pthread_cond_wait(&hung_cv, &hung_mtx);
+    }
+    pthread_mutex_unlock(&hung_mtx);
+    return idem_call_reply(call, IDEM_OK, "late", 4);
+}
+
+static void release_hung(void)
+{
+    pthread_mutex_lock(&hung_mtx);
+    hung_released = true;
+    pthread_cond_broadcast(&hung_cv);
+    pthread_mutex_unlock(&hung_mtx);
+}
+
+static idem_server_opts opts(void)
 {
     idem_server_opts o;
     idem_server_opts_init(&o);
-    o.http_max_conns = max_conns;
-    o.http_max_buffered = max_buffered;
     o.max_frame = 2 * BIG_REPLY;
-    o.http_request_timeout_ms = request_timeout_ms;
+    return o;
+}
+
+static void serve(idem_server_opts *o)
+{
     atomic_store(&runs, 0);
-    tu_server_create(&S, &o);
+    tu_server_create(&S, o);
     cr_assert_eq(idem_server_register(S.srv, ADD, h_add, NULL, NULL), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, BIG, h_big, NULL, NULL), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, HUNG, h_hung, NULL, NULL), IDEM_OK);
     tu_server_listen(&S);
     cr_assert_eq(idem_server_listen_http(S.srv, "http://127.0.0.1:0"), IDEM_OK, "%s",
                  idem_errmsg());
@@ -70,6 +97,7 @@ static void serve(size_t max_conns, size_t max_buffered, uint64_t request_timeou
 
 static void teardown(void)
 {
+    release_hung();
     tu_server_destroy(&S, false);
 }
 
@@ -182,7 +210,8 @@ static int ordinary_call(size_t body_len)
 
 Test(http_slow, a_refused_client_that_keeps_trickling_is_closed_within_the_linger_bound)
 {
-    serve(0, 0, 0);
+    idem_server_opts o = opts();
+    serve(&o);
     trickler t;
     trickler_start(&t);
     for (int i = 0; i < PATIENCE_ROUNDS && !t.closed; i++) {
@@ -212,7 +241,9 @@ static void *trickle(void *arg)
 
 Test(http_slow, an_ordinary_client_is_served_while_two_tricklers_hold_every_slot)
 {
-    serve(2, 0, 0);
+    idem_server_opts o = opts();
+    o.http_max_conns = 2;
+    serve(&o);
     tricklers ts = {.stop = false};
     trickler_start(&ts.t[0]);
     trickler_start(&ts.t[1]);
@@ -234,7 +265,8 @@ Test(http_slow, an_ordinary_client_is_served_while_two_tricklers_hold_every_slot
  * grows under it, and its first header (X-Request-Id) still read right at the end. */
 Test(http_slow, a_head_arriving_a_byte_at_a_time_is_framed_as_if_sent_at_once)
 {
-    serve(0, 0, 0);
+    idem_server_opts o = opts();
+    serve(&o);
     char *raw = malloc(32768);
     cr_assert_not_null(raw);
     int n = snprintf(raw, 32768,
@@ -279,7 +311,9 @@ static size_t buffered_bytes(void)
  * one is served; once the holder is gone the large one is served again. */
 Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_the_rest)
 {
-    serve(0, MAX_BUFFERED, 0);
+    idem_server_opts o = opts();
+    o.http_max_buffered = MAX_BUFFERED;
+    serve(&o);
     enum { HELD = 700 * 1000, ASKED = 100 * 1000 };
     int fd = dial();
     char head[256], *held = malloc(HELD);
@@ -326,7 +360,9 @@ Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_
  * not been taken whole within http_request_timeout_ms of its first byte. */
 Test(http_slow, an_answer_read_too_slowly_is_cut_off_at_the_request_timeout)
 {
-    serve(0, 0, 2000); /* the request timeout, also the bound on sending an answer */
+    idem_server_opts o = opts();
+    o.http_request_timeout_ms = 2000; /* also the bound on sending an answer */
+    serve(&o);
     int fd = dial_rcvbuf(16384);
     static const char req[] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                               "Content-Length: 0\r\n\r\n";
@@ -347,4 +383,31 @@ Test(http_slow, an_answer_read_too_slowly_is_cut_off_at_the_request_timeout)
                  "16 KiB per %d ms",
                  taken, PACE_MS);
     cr_assert_gt(taken, 0, "nothing of the answer was sent");
+}
+
+/* A handler that outlives max_run_ms: its client is answered 504 (the outcome is not
+ * known yet) and its connection closed then, instead of holding it until the handler
+ * returns; the late answer is dropped, and other calls are served meanwhile. */
+Test(http_slow, a_request_whose_handler_outlives_max_run_ms_is_answered_504)
+{
+    idem_server_opts o = opts();
+    o.max_run_ms = 300;
+    serve(&o);
+    int fd = dial(); /* its receive gives up after 10 s */
+    static const char req[] = "POST /" HUNG " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+    send_all(fd, req, sizeof(req) - 1);
+    char got[1024];
+    size_t len = 0;
+    for (ssize_t n;
+         len + 1 < sizeof(got) && (n = recv(fd, got + len, sizeof(got) - 1 - len, 0)) > 0;) {
+        len += (size_t)n; /* to the server's close, or the 10 s bound */
+    }
+    got[len] = '\0';
+    int status = ordinary_call(1); /* while the handler still runs */
+    release_hung();
+    close(fd);
+    cr_assert(strncmp(got, "HTTP/1.1 504 ", 13) == 0, "%s", got);
+    cr_assert_not_null(strstr(got, "\r\nConnection: close\r\n"), "%s", got);
+    cr_assert_not_null(strstr(got, "DEADLINE_EXCEEDED"), "%s", got);
+    cr_assert_eq(status, 200);
 }

@@ -209,7 +209,8 @@ typedef struct idem_server_opts {
      * client within http_request_timeout_ms closes the connection. At most
      * http_max_conns connections at once (0 = 1024): more are closed when accepted.
      * A refused request's connection reads what the client still sends for at most 1 s
-     * (100 ms of quiet, 64 KiB), then closes. */
+     * (100 ms of quiet, 64 KiB), then closes. A request not answered within max_run_ms
+     * (the longest of the server's and its methods') gets 504 DEADLINE_EXCEEDED and its connection closes (the handler runs on). */
     uint64_t http_request_timeout_ms;
     uint64_t http_idle_timeout_ms;
     size_t http_max_conns;

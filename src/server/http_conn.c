@@ -8,9 +8,10 @@
  * still sending until LINGER_MS of quiet, LINGER_MAX bytes or LINGER_TOTAL_MS, so that
  * the client sees the answer rather than a reset, and closes. Every state has a clock:
  * idle (idle_timeout_ms), reading a request (request_timeout_ms from its first byte),
- * sending an answer (request_timeout_ms from its first byte), lingering (the above);
- * only a request with the front waits for its answer (docs/operations.md). The head is
- * parsed as it arrives, each byte once. Each connection holds a reference per pending
+ * sending an answer (request_timeout_ms from its first byte), lingering (the above),
+ * a request with the front (answer_timeout_ms: then 504 and the connection closes, the
+ * front's late answer is dropped); docs/operations.md. The head is parsed as it
+ * arrives, each byte once. Each connection holds a reference per pending
  * operation (receive, send, a request with the front); the last one frees it. */
 #include <nng/nng.h>
 #include <nng/supplemental/tls/tls.h>
@@ -22,7 +23,6 @@
 #include <time.h>
 
 #include "http_conn.h"
-#include "json.h"
 
 #define LINGER_MS 100          /* quiet time before a refused connection closes */
 #define LINGER_MAX (64 * 1024) /* bytes discarded at most while lingering */
@@ -32,11 +32,11 @@ struct idem_hconn {
     idem_hsrv *srv;
     idem_hconn *prev, *next;
     nng_stream *st;
-    nng_aio *rx, *tx;
+    nng_aio *rx, *tx, *wait; /* wait: the bound on a request with the front */
     pthread_mutex_t mtx;
     int refs;
-    bool closed, eof, busy, rx_pending, head_done, head_only, close_after, lingering, interim,
-        continued;
+    bool closed, eof, busy, lapsed, wait_pending, rx_pending, head_done, head_only, close_after,
+        lingering, interim, continued;
     char *buf;
     size_t len, cap, req_len, lingered;
     idem_hreq req;
@@ -44,6 +44,7 @@ struct idem_hconn {
     uint64_t req_start;  /* ms: the first byte of the request being read; 0 none */
     uint64_t send_end;   /* ms: the answer being sent must be taken by then */
     uint64_t linger_end; /* ms: lingering ends then at the latest */
+    uint64_t answer_end; /* ms: the front must have answered the request by then */
     char *out;
     size_t out_len, out_off;
 };
@@ -68,7 +69,9 @@ static void conn_close_locked(idem_hconn *c)
 {
     if (!c->closed) {
         c->closed = true;
+        atomic_fetch_sub(&c->srv->open, 1);
         nng_stream_close(c->st); /* pending operations finish with NNG_ECLOSED */
+        nng_aio_cancel(c->wait);
     }
 }
 
@@ -86,6 +89,7 @@ static void conn_destroy(idem_hconn *c)
     nng_stream_free(c->st); /* nng reaps streams and aios, even from their callbacks */
     nng_aio_reap(c->rx);
     nng_aio_reap(c->tx);
+    nng_aio_reap(c->wait);
     pthread_mutex_destroy(&c->mtx);
     if (c->out != continue_100) {
         free(c->out);
@@ -140,37 +144,12 @@ static void refuse(idem_hconn *c, int status, const char *msg)
         conn_close_locked(c);
         return;
     }
-    static const struct {
-        int status;
-        const char *reason, *code;
-    } kinds[] = {
-        {400, "Bad Request", "INVALID_ARGUMENT"},
-        {408, "Request Timeout", "DEADLINE_EXCEEDED"},
-        {413, "Content Too Large", "RESOURCE_EXHAUSTED"},
-        {414, "URI Too Long", "INVALID_ARGUMENT"},
-        {417, "Expectation Failed", "INVALID_ARGUMENT"},
-        {503, "Service Unavailable", "UNAVAILABLE"},
-        {505, "HTTP Version Not Supported", "UNIMPLEMENTED"},
-    };
-    size_t k = 0;
-    while (k + 1 < sizeof(kinds) / sizeof(kinds[0]) && kinds[k].status != status) {
-        k++;
-    }
-    k = kinds[k].status == status ? k : 0;
-    char json[384], m[320];
-    if (!idem__json_string(m, sizeof(m), msg)) {
-        strcpy(m, "\"\"");
-    }
-    int n = snprintf(json, sizeof(json), "{\"code\":\"%s\",\"message\":%s}", kinds[k].code, m);
+    char json[384];
     idem_hres res;
-    idem__hres_start(&res, kinds[k].status, kinds[k].reason);
-    idem__hres_header(&res, "Content-Type", "application/json");
-    if (status == 503) {
-        idem__hres_header(&res, "Retry-After", "1");
-    }
+    size_t n = idem__hres_refusal(&res, status, msg, json, sizeof(json));
     res.close = true;
     c->head_only = false;
-    respond_locked(c, &res, json, (size_t)n);
+    respond_locked(c, &res, json, n);
 }
 
 /* Receives more: after the request's own deadline has passed, 408. */
@@ -297,6 +276,12 @@ static void conn_run(idem_hconn *c)
     c->busy = true;
     c->refs++;
     c->head_only = c->req.mlen == 4 && memcmp(c->req.method, "HEAD", 4) == 0;
+    c->answer_end = now_ms() + c->srv->cfg.answer_timeout_ms;
+    if (!c->wait_pending) { /* else the pending one (being cancelled) re-arms itself */
+        c->wait_pending = true;
+        c->refs++;
+        nng_sleep_aio(duration(c->srv->cfg.answer_timeout_ms), c->wait);
+    }
     pthread_mutex_unlock(&c->mtx);
     c->srv->cfg.on_request(c, &c->req, body, blen, c->srv->cfg.arg);
 }
@@ -336,7 +321,35 @@ void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t bl
     pthread_mutex_lock(&c->mtx);
     c->busy = false;
     c->refs--;
-    respond_locked(c, res, body, blen);
+    if (c->lapsed) { /* answered 504 already */
+        c->lapsed = false;
+        free(res->buf);
+    } else {
+        respond_locked(c, res, body, blen);
+    }
+    nng_aio_cancel(c->wait);
+    conn_unlock(c);
+}
+
+/* The bound on a request with the front: 504 once answer_end has passed (the call may
+ * still complete; a retry with its key learns how), re-armed for a later request. */
+static void wait_cb(void *arg)
+{
+    idem_hconn *c = arg;
+    pthread_mutex_lock(&c->mtx);
+    c->refs--;
+    c->wait_pending = false;
+    uint64_t now = now_ms();
+    if (c->busy && !c->lapsed && !c->closed && now >= c->answer_end) {
+        c->lapsed = true;
+        refuse(c, 504,
+               "no answer within the server's bound (max_run_ms); the call may "
+               "still complete: retry with the same idempotency key");
+    } else if (c->busy && !c->lapsed && !c->closed) {
+        c->wait_pending = true;
+        c->refs++;
+        nng_sleep_aio(duration(c->answer_end - now), c->wait);
+    }
     conn_unlock(c);
 }
 
@@ -426,9 +439,12 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
 {
     idem_hconn *c = calloc(1, sizeof(*c));
     if (c == NULL || (c->buf = malloc(IDEM_HBUF_INITIAL)) == NULL ||
-        nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0) {
-        if (c != NULL && c->rx != NULL) {
-            nng_aio_free(c->rx);
+        nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0 ||
+        nng_aio_alloc(&c->wait, wait_cb, c) != 0) {
+        for (int i = 0; c != NULL && i < 2; i++) {
+            if ((i == 0 ? c->rx : c->tx) != NULL) {
+                nng_aio_free(i == 0 ? c->rx : c->tx);
+            }
         }
         if (c != NULL) {
             free(c->buf);
@@ -446,6 +462,7 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
     }
     s->conns = c;
     s->n++;
+    atomic_fetch_add(&s->open, 1);
     return c;
 }
 

@@ -32,9 +32,10 @@ typedef struct idem_hsrv_cfg {
     uint64_t max_body;           /* a larger body is 413 and closes the connection */
     uint64_t request_timeout_ms; /* first byte to last byte of a request; also a send */
     uint64_t idle_timeout_ms;    /* between requests */
-    size_t max_conns;
-    size_t max_buffered; /* all connections' buffers beyond their first IDEM_HBUF_INITIAL */
-    nng_tls_config *tls; /* NULL: plain tcp */
+    size_t max_conns;            /* open connections (one whose request lapsed is closed) */
+    uint64_t answer_timeout_ms;  /* a request with the front: then 504 and close */
+    size_t max_buffered;         /* all connections' buffers beyond their first IDEM_HBUF_INITIAL */
+    nng_tls_config *tls;         /* NULL: plain tcp */
     /* A complete request: answer it once with idem__hconn_send (now or from any thread
      * later). body is valid until then. */
     void (*on_request)(idem_hconn *c, const idem_hreq *r, const void *body, size_t blen, void *arg);
@@ -55,7 +56,8 @@ struct idem_hsrv {
     pthread_mutex_t mtx; /* conns, n, closing; taken before a connection's own */
     pthread_cond_t cv;   /* a connection went away */
     idem_hconn *conns;
-    size_t n;
+    size_t n;               /* connections not freed yet */
+    atomic_size_t open;     /* of them, not closed yet: at most cfg.max_conns */
     size_t max_buf;         /* a connection's buffer: head, body, one chunk line */
     atomic_size_t buffered; /* bytes of all buffers beyond their first (http_buf.c) */
     atomic_bool closing;
@@ -81,6 +83,10 @@ void idem__hbuf_free(idem_hsrv *s, char *buf, size_t cap);
 
 void idem__hres_start(idem_hres *res, int status, const char *reason);
 void idem__hres_header(idem_hres *res, const char *name, const char *value);
+/* A refusal (400, 408, 413, 414, 417, 503 with Retry-After, 504, 505; others are 400):
+ * its status line and headers into res, its JSON body ({"code","message"}) into json;
+ * returns the body's length. */
+size_t idem__hres_refusal(idem_hres *res, int status, const char *msg, char *json, size_t cap);
 /* Appends n bytes; out of memory sets res->oom and drops them (http_res.c). */
 void idem__hres_append(idem_hres *res, const void *p, size_t n);
 /* Appends Content-Length (and Connection: close), then the body unless head_only, and

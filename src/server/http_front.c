@@ -387,6 +387,7 @@ idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http 
         .request_timeout_ms = cfg->request_timeout_ms ? cfg->request_timeout_ms : 10000,
         .idle_timeout_ms = cfg->idle_timeout_ms ? cfg->idle_timeout_ms : 60000,
         .max_conns = cfg->max_conns ? cfg->max_conns : 1024,
+        .answer_timeout_ms = cfg->answer_timeout_ms ? cfg->answer_timeout_ms : 300000,
         .max_buffered = cfg->max_buffered               ? cfg->max_buffered
                         : cfg->max_body > SIZE_MAX / 64 ? SIZE_MAX
                                                         : 64 * cfg->max_body,

@@ -16,6 +16,7 @@ typedef struct idem_http_cfg {
     const idem_tls_listener *tls; /* NULL: plain HTTP; else https with client certificates */
     uint64_t request_timeout_ms, idle_timeout_ms; /* 0 = 10 s, 60 s */
     size_t max_conns;                             /* 0 = 1024 */
+    uint64_t answer_timeout_ms;                   /* 0 = 5 min */
     size_t max_buffered;                          /* 0 = 64 x max_body */
 } idem_http_cfg;
 idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out);
