@@ -441,10 +441,11 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
     if (c == NULL || (c->buf = malloc(IDEM_HBUF_INITIAL)) == NULL ||
         nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0 ||
         nng_aio_alloc(&c->wait, wait_cb, c) != 0) {
-        for (int i = 0; c != NULL && i < 2; i++) {
-            if ((i == 0 ? c->rx : c->tx) != NULL) {
-                nng_aio_free(i == 0 ? c->rx : c->tx);
-            }
+        if (c != NULL && c->rx != NULL) {
+            nng_aio_free(c->rx);
+        }
+        if (c != NULL && c->tx != NULL) {
+            nng_aio_free(c->tx);
         }
         if (c != NULL) {
             free(c->buf);
