@@ -207,10 +207,18 @@ typedef struct idem_server_opts {
      * 408 and the connection closes (0 = 10 s); a keep-alive connection with no request
      * begun closes after http_idle_timeout_ms (0 = 60 s); a response not taken by the
      * client within http_request_timeout_ms closes the connection. At most
-     * http_max_conns connections at once (0 = 1024): more are closed when accepted. */
+     * http_max_conns connections at once (0 = 1024): more are closed when accepted.
+     * A refused request's connection reads what the client still sends for at most 1 s
+     * (100 ms of quiet, 64 KiB), then closes. A request not answered within max_run_ms
+     * (the longest of the server's and its methods') gets 504 DEADLINE_EXCEEDED and its connection closes (the handler runs on). */
     uint64_t http_request_timeout_ms;
     uint64_t http_idle_timeout_ms;
     size_t http_max_conns;
+    /* Bytes the request buffers of all HTTP connections together may hold beyond 4 KiB
+     * each (0 = 64 x max_frame, 256 MiB by default). A request whose head or body needs
+     * more is answered 503 UNAVAILABLE with Retry-After: 1 and its connection closes;
+     * the rest are served. */
+    size_t http_max_buffered;
 } idem_server_opts;
 
 typedef enum idem_builtin {

@@ -5,8 +5,13 @@
  * answered it and the answer is sent; then the bytes of that request are dropped and
  * the next one (pipelined, already buffered) is framed. A refused request is answered
  * with Connection: close, the connection then reads (and discards) what the client is
- * still sending for at most LINGER_MS of quiet, so that the client sees the answer
- * rather than a reset, and closes. Each connection holds a reference per pending
+ * still sending until LINGER_MS of quiet, LINGER_MAX bytes or LINGER_TOTAL_MS, so that
+ * the client sees the answer rather than a reset, and closes. Every state has a clock:
+ * idle (idle_timeout_ms), reading a request (request_timeout_ms from its first byte),
+ * sending an answer (request_timeout_ms from its first byte), lingering (the above),
+ * a request with the front (answer_timeout_ms: then 504 and the connection closes, the
+ * front's late answer is dropped); docs/operations.md. The head is parsed as it
+ * arrives, each byte once. Each connection holds a reference per pending
  * operation (receive, send, a request with the front); the last one frees it. */
 #include <nng/nng.h>
 #include <nng/supplemental/tls/tls.h>
@@ -18,27 +23,28 @@
 #include <time.h>
 
 #include "http_conn.h"
-#include "json.h"
 
-#define LINGER_MS 100             /* quiet time before a refused connection closes */
-#define LINGER_MAX (64 * 1024)    /* bytes discarded at most while lingering */
-#define INITIAL_BUF 4096
-
+#define LINGER_MS 100          /* quiet time before a refused connection closes */
+#define LINGER_MAX (64 * 1024) /* bytes discarded at most while lingering */
+#define LINGER_TOTAL_MS 1000   /* time spent lingering at most, however the client trickles */
 
 struct idem_hconn {
     idem_hsrv *srv;
     idem_hconn *prev, *next;
     nng_stream *st;
-    nng_aio *rx, *tx;
+    nng_aio *rx, *tx, *wait; /* wait: the bound on a request with the front */
     pthread_mutex_t mtx;
     int refs;
-    bool closed, eof, busy, rx_pending, head_done, head_only, close_after, lingering,
-        interim, continued;
+    bool closed, eof, busy, lapsed, wait_pending, rx_pending, head_done, head_only, close_after,
+        lingering, interim, continued;
     char *buf;
     size_t len, cap, req_len, lingered;
     idem_hreq req;
     idem_hchunk ck;
-    uint64_t req_start; /* ms: the first byte of the request being read; 0 none */
+    uint64_t req_start;  /* ms: the first byte of the request being read; 0 none */
+    uint64_t send_end;   /* ms: the answer being sent must be taken by then */
+    uint64_t linger_end; /* ms: lingering ends then at the latest */
+    uint64_t answer_end; /* ms: the front must have answered the request by then */
     char *out;
     size_t out_len, out_off;
 };
@@ -57,50 +63,15 @@ static nng_duration duration(uint64_t ms)
     return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
 }
 
-/* ---- responses ---- */
-
-static void hres_append(idem_hres *res, const void *p, size_t n)
-{
-    if (res->oom || res->len + n + 1 > res->cap) {
-        size_t cap = res->cap ? res->cap : 512;
-        while (cap < res->len + n + 1) {
-            cap *= 2;
-        }
-        char *b = res->oom ? NULL : realloc(res->buf, cap);
-        if (b == NULL) {
-            res->oom = true;
-            return;
-        }
-        res->buf = b;
-        res->cap = cap;
-    }
-    memcpy(res->buf + res->len, p, n);
-    res->len += n;
-}
-
-void idem__hres_start(idem_hres *res, int status, const char *reason)
-{
-    char line[128];
-    memset(res, 0, sizeof(*res));
-    int n = snprintf(line, sizeof(line), "HTTP/1.1 %d %s\r\n", status, reason);
-    hres_append(res, line, (size_t)n);
-}
-
-void idem__hres_header(idem_hres *res, const char *name, const char *value)
-{
-    hres_append(res, name, strlen(name));
-    hres_append(res, ": ", 2);
-    hres_append(res, value, strlen(value));
-    hres_append(res, "\r\n", 2);
-}
-
 /* ---- connection life ---- */
 
 static void conn_close_locked(idem_hconn *c)
 {
     if (!c->closed) {
         c->closed = true;
+        atomic_fetch_sub(&c->srv->open, 1);
         nng_stream_close(c->st); /* pending operations finish with NNG_ECLOSED */
+        nng_aio_cancel(c->wait);
     }
 }
 
@@ -118,11 +89,12 @@ static void conn_destroy(idem_hconn *c)
     nng_stream_free(c->st); /* nng reaps streams and aios, even from their callbacks */
     nng_aio_reap(c->rx);
     nng_aio_reap(c->tx);
+    nng_aio_reap(c->wait);
     pthread_mutex_destroy(&c->mtx);
     if (c->out != continue_100) {
         free(c->out);
     }
-    free(c->buf);
+    idem__hbuf_free(s, c->buf, c->cap);
     free(c);
 }
 
@@ -138,14 +110,16 @@ static void conn_unlock(idem_hconn *c)
     conn_destroy(c);
 }
 
+/* Sends the rest of c->out; the client takes all of it by c->send_end or is closed. */
 static void start_send(idem_hconn *c)
 {
     nng_iov iov = {.iov_buf = c->out + c->out_off, .iov_len = c->out_len - c->out_off};
-    if (nng_aio_set_iov(c->tx, 1, &iov) != 0) {
+    uint64_t now = now_ms();
+    if (now >= c->send_end || nng_aio_set_iov(c->tx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->tx, duration(c->srv->cfg.request_timeout_ms));
+    nng_aio_set_timeout(c->tx, duration(c->send_end - now));
     c->refs++;
     nng_stream_send(c->st, c->tx);
 }
@@ -155,6 +129,7 @@ static void send_locked(idem_hconn *c, char *out, size_t len, bool close)
     c->out = out;
     c->out_len = len;
     c->out_off = 0;
+    c->send_end = now_ms() + c->srv->cfg.request_timeout_ms;
     c->close_after = c->close_after || close;
     start_send(c);
 }
@@ -169,33 +144,12 @@ static void refuse(idem_hconn *c, int status, const char *msg)
         conn_close_locked(c);
         return;
     }
-    static const struct {
-        int status;
-        const char *reason, *code;
-    } kinds[] = {
-        {400, "Bad Request", "INVALID_ARGUMENT"},
-        {408, "Request Timeout", "DEADLINE_EXCEEDED"},
-        {413, "Content Too Large", "RESOURCE_EXHAUSTED"},
-        {414, "URI Too Long", "INVALID_ARGUMENT"},
-        {417, "Expectation Failed", "INVALID_ARGUMENT"},
-        {505, "HTTP Version Not Supported", "UNIMPLEMENTED"},
-    };
-    size_t k = 0;
-    while (k + 1 < sizeof(kinds) / sizeof(kinds[0]) && kinds[k].status != status) {
-        k++;
-    }
-    k = kinds[k].status == status ? k : 0;
-    char json[384], m[320];
-    if (!idem__json_string(m, sizeof(m), msg)) {
-        strcpy(m, "\"\"");
-    }
-    int n = snprintf(json, sizeof(json), "{\"code\":\"%s\",\"message\":%s}", kinds[k].code, m);
+    char json[384];
     idem_hres res;
-    idem__hres_start(&res, kinds[k].status, kinds[k].reason);
-    idem__hres_header(&res, "Content-Type", "application/json");
+    size_t n = idem__hres_refusal(&res, status, msg, json, sizeof(json));
     res.close = true;
     c->head_only = false;
-    respond_locked(c, &res, json, (size_t)n);
+    respond_locked(c, &res, json, n);
 }
 
 /* Receives more: after the request's own deadline has passed, 408. */
@@ -210,14 +164,14 @@ static void need_more(idem_hconn *c)
         return;
     }
     if (c->len == c->cap) {
-        size_t cap = c->cap * 2 < c->srv->max_buf ? c->cap * 2 : c->srv->max_buf;
-        char *b = cap > c->cap ? realloc(c->buf, cap) : NULL;
-        if (b == NULL) {
-            refuse(c, 400, "a request over the size bound");
+        idem_hbuf_grow g = idem__hbuf_grow(c->srv, &c->buf, &c->cap, c->len, &c->req);
+        if (g != IDEM_HBUF_OK) {
+            g == IDEM_HBUF_FULL ? refuse(c, 503,
+                                         "the server holds as many request bytes as it may "
+                                         "(http_max_buffered); retry later")
+                                : refuse(c, 400, "a request over the size bound");
             return;
         }
-        c->buf = b;
-        c->cap = cap;
     }
     uint64_t ms = cfg->idle_timeout_ms, now = now_ms();
     if (c->req_start != 0) {
@@ -287,7 +241,7 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
     }
     if (!c->head_done) {
         c->req_start = c->req_start == 0 && c->len > 0 ? now_ms() : c->req_start;
-        idem_hp hp = idem__http_parse_head(c->buf, c->len, &c->req, &err);
+        idem_hp hp = idem__http_parse_head_more(c->buf, c->len, &c->req, &err);
         if (hp != IDEM_HP_OK) {
             hp == IDEM_HP_BAD ? refuse(c, err.status, err.msg) : need_more(c);
             return false;
@@ -307,11 +261,6 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
         }
         return false;
     }
-    /* The buffer may have moved while the body arrived: the head again, in place. */
-    if (idem__http_parse_head(c->buf, c->len, &c->req, &err) != IDEM_HP_OK) {
-        refuse(c, 400, err.msg); /* not reached: these bytes parsed before */
-        return false;
-    }
     return true;
 }
 
@@ -327,6 +276,12 @@ static void conn_run(idem_hconn *c)
     c->busy = true;
     c->refs++;
     c->head_only = c->req.mlen == 4 && memcmp(c->req.method, "HEAD", 4) == 0;
+    c->answer_end = now_ms() + c->srv->cfg.answer_timeout_ms;
+    if (!c->wait_pending) { /* else the pending one (being cancelled) re-arms itself */
+        c->wait_pending = true;
+        c->refs++;
+        nng_sleep_aio(duration(c->srv->cfg.answer_timeout_ms), c->wait);
+    }
     pthread_mutex_unlock(&c->mtx);
     c->srv->cfg.on_request(c, &c->req, body, blen, c->srv->cfg.arg);
 }
@@ -341,9 +296,9 @@ static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size
     if (close) {
         idem__hres_header(res, "Connection", "close");
     }
-    hres_append(res, "\r\n", 2);
+    idem__hres_append(res, "\r\n", 2);
     if (!c->head_only) {
-        hres_append(res, body, blen);
+        idem__hres_append(res, body, blen);
     }
     if (res->oom) {
         static const char oom[] = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
@@ -366,7 +321,35 @@ void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t bl
     pthread_mutex_lock(&c->mtx);
     c->busy = false;
     c->refs--;
-    respond_locked(c, res, body, blen);
+    if (c->lapsed) { /* answered 504 already */
+        c->lapsed = false;
+        free(res->buf);
+    } else {
+        respond_locked(c, res, body, blen);
+    }
+    nng_aio_cancel(c->wait);
+    conn_unlock(c);
+}
+
+/* The bound on a request with the front: 504 once answer_end has passed (the call may
+ * still complete; a retry with its key learns how), re-armed for a later request. */
+static void wait_cb(void *arg)
+{
+    idem_hconn *c = arg;
+    pthread_mutex_lock(&c->mtx);
+    c->refs--;
+    c->wait_pending = false;
+    uint64_t now = now_ms();
+    if (c->busy && !c->lapsed && !c->closed && now >= c->answer_end) {
+        c->lapsed = true;
+        refuse(c, 504,
+               "no answer within the server's bound (max_run_ms); the call may "
+               "still complete: retry with the same idempotency key");
+    } else if (c->busy && !c->lapsed && !c->closed) {
+        c->wait_pending = true;
+        c->refs++;
+        nng_sleep_aio(duration(c->answer_end - now), c->wait);
+    }
     conn_unlock(c);
 }
 
@@ -374,16 +357,15 @@ void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t bl
 
 static void linger_more(idem_hconn *c)
 {
-    if (c->eof || c->closed || c->lingered > LINGER_MAX) {
-        conn_close_locked(c);
-        return;
-    }
     nng_iov iov = {.iov_buf = c->buf, .iov_len = c->cap};
-    if (nng_aio_set_iov(c->rx, 1, &iov) != 0) {
+    uint64_t now = now_ms();
+    if (c->eof || c->closed || c->lingered > LINGER_MAX || now >= c->linger_end ||
+        nng_aio_set_iov(c->rx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->rx, LINGER_MS);
+    nng_aio_set_timeout(
+        c->rx, duration(c->linger_end - now < LINGER_MS ? c->linger_end - now : LINGER_MS));
     c->rx_pending = true;
     c->refs++;
     nng_stream_recv(c->st, c->rx);
@@ -436,10 +418,15 @@ static void tx_cb(void *arg)
         c->interim = false;
     } else if (c->close_after) {
         c->lingering = true;
+        c->linger_end = now_ms() + LINGER_TOTAL_MS;
         c->rx_pending ? (void)0 : linger_more(c);
     } else { /* the next request, if one is buffered */
         memmove(c->buf, c->buf + c->req_len, c->len - c->req_len);
         c->len -= c->req_len;
+        if (!c->rx_pending) { /* never pending here; the buffer must not move under one */
+            idem__hbuf_shrink(c->srv, &c->buf, &c->cap, c->len);
+        }
+        memset(&c->req, 0, sizeof(c->req));
         c->head_done = false;
         c->req_start = 0;
     }
@@ -451,10 +438,14 @@ static void tx_cb(void *arg)
 idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
 {
     idem_hconn *c = calloc(1, sizeof(*c));
-    if (c == NULL || (c->buf = malloc(INITIAL_BUF)) == NULL ||
-        nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0) {
+    if (c == NULL || (c->buf = malloc(IDEM_HBUF_INITIAL)) == NULL ||
+        nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0 ||
+        nng_aio_alloc(&c->wait, wait_cb, c) != 0) {
         if (c != NULL && c->rx != NULL) {
             nng_aio_free(c->rx);
+        }
+        if (c != NULL && c->tx != NULL) {
+            nng_aio_free(c->tx);
         }
         if (c != NULL) {
             free(c->buf);
@@ -465,13 +456,14 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
     pthread_mutex_init(&c->mtx, NULL);
     c->srv = s;
     c->st = st;
-    c->cap = INITIAL_BUF;
+    c->cap = IDEM_HBUF_INITIAL;
     c->next = s->conns;
     if (s->conns != NULL) {
         s->conns->prev = c;
     }
     s->conns = c;
     s->n++;
+    atomic_fetch_add(&s->open, 1);
     return c;
 }
 

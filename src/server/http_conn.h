@@ -32,12 +32,13 @@ typedef struct idem_hsrv_cfg {
     uint64_t max_body;           /* a larger body is 413 and closes the connection */
     uint64_t request_timeout_ms; /* first byte to last byte of a request; also a send */
     uint64_t idle_timeout_ms;    /* between requests */
-    size_t max_conns;
-    nng_tls_config *tls; /* NULL: plain tcp */
+    size_t max_conns;            /* open connections (one whose request lapsed is closed) */
+    uint64_t answer_timeout_ms;  /* a request with the front: then 504 and close */
+    size_t max_buffered;         /* all connections' buffers beyond their first IDEM_HBUF_INITIAL */
+    nng_tls_config *tls;         /* NULL: plain tcp */
     /* A complete request: answer it once with idem__hconn_send (now or from any thread
      * later). body is valid until then. */
-    void (*on_request)(idem_hconn *c, const idem_hreq *r, const void *body, size_t blen,
-                       void *arg);
+    void (*on_request)(idem_hconn *c, const idem_hreq *r, const void *body, size_t blen, void *arg);
     void *arg;
 } idem_hsrv_cfg;
 
@@ -55,8 +56,10 @@ struct idem_hsrv {
     pthread_mutex_t mtx; /* conns, n, closing; taken before a connection's own */
     pthread_cond_t cv;   /* a connection went away */
     idem_hconn *conns;
-    size_t n;
-    size_t max_buf; /* a connection's buffer: head, body, one chunk line */
+    size_t n;               /* connections not freed yet */
+    atomic_size_t open;     /* of them, not closed yet: at most cfg.max_conns */
+    size_t max_buf;         /* a connection's buffer: head, body, one chunk line */
+    atomic_size_t buffered; /* bytes of all buffers beyond their first (http_buf.c) */
     atomic_bool closing;
 };
 /* A connection serving st, linked into s (s->mtx held); NULL when out of memory. */
@@ -67,8 +70,25 @@ void idem__hconn_start(idem_hconn *c);
 void idem__hconn_close(idem_hconn *c);
 idem_hconn *idem__hconn_next(const idem_hconn *c);
 
+/* ---- a connection's input buffer (http_buf.c) ---- */
+#define IDEM_HBUF_INITIAL 4096
+typedef enum { IDEM_HBUF_OK, IDEM_HBUF_FULL, IDEM_HBUF_TOO_LARGE } idem_hbuf_grow;
+/* Doubles *buf (of *cap bytes, len used; r, if not NULL, points into it) up to
+ * s->max_buf: FULL when that would pass cfg.max_buffered for all buffers together,
+ * TOO_LARGE at s->max_buf or out of memory (*buf unchanged then). */
+idem_hbuf_grow idem__hbuf_grow(idem_hsrv *s, char **buf, size_t *cap, size_t len, idem_hreq *r);
+/* Back to IDEM_HBUF_INITIAL bytes when its len bytes fit (between requests). */
+void idem__hbuf_shrink(idem_hsrv *s, char **buf, size_t *cap, size_t len);
+void idem__hbuf_free(idem_hsrv *s, char *buf, size_t cap);
+
 void idem__hres_start(idem_hres *res, int status, const char *reason);
 void idem__hres_header(idem_hres *res, const char *name, const char *value);
+/* A refusal (400, 408, 413, 414, 417, 503 with Retry-After, 504, 505; others are 400):
+ * its status line and headers into res, its JSON body ({"code","message"}) into json;
+ * returns the body's length. */
+size_t idem__hres_refusal(idem_hres *res, int status, const char *msg, char *json, size_t cap);
+/* Appends n bytes; out of memory sets res->oom and drops them (http_res.c). */
+void idem__hres_append(idem_hres *res, const void *p, size_t n);
 /* Appends Content-Length (and Connection: close), then the body unless head_only, and
  * sends it on c; takes res->buf. Out of memory: a bare 500 and the connection closes. */
 void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t blen);

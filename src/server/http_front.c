@@ -172,11 +172,19 @@ static const char *reason_phrase(uint16_t status)
         uint16_t status;
         const char *reason;
     } reasons[] = {
-        {200, "OK"},          {400, "Bad Request"},       {401, "Unauthorized"},
-        {403, "Forbidden"},   {404, "Not Found"},         {405, "Method Not Allowed"},
-        {409, "Conflict"},    {413, "Content Too Large"}, {422, "Unprocessable Content"},
-        {429, "Too Many Requests"}, {499, "Client Closed Request"},
-        {500, "Internal Server Error"}, {503, "Service Unavailable"},
+        {200, "OK"},
+        {400, "Bad Request"},
+        {401, "Unauthorized"},
+        {403, "Forbidden"},
+        {404, "Not Found"},
+        {405, "Method Not Allowed"},
+        {409, "Conflict"},
+        {413, "Content Too Large"},
+        {422, "Unprocessable Content"},
+        {429, "Too Many Requests"},
+        {499, "Client Closed Request"},
+        {500, "Internal Server Error"},
+        {503, "Service Unavailable"},
         {504, "Gateway Timeout"},
     };
     for (size_t i = 0; i < IDEM_ARRAY_LEN(reasons); i++) {
@@ -297,26 +305,40 @@ static void http_call(idem_hconn *c, idem_http *h, const idem_hreq *r, const voi
     respond_now(c, h, &s);
 }
 
-/* GET /metrics: cheap enough to answer on nng's thread. */
+/* GET /metrics: cheap enough to answer on nng's thread. The observer's metrics, then
+ * the bytes the connections' buffers hold against http_max_buffered. */
 static void http_metrics(idem_hconn *c, idem_http *h)
 {
-    char *text = idem__metrics_text(h->obs);
+    char *text = idem__metrics_text(h->obs), line[160];
     if (text == NULL) {
         respond_status(c, 500, NULL);
         return;
     }
+    int n = snprintf(line, sizeof(line),
+                     "# TYPE idem_http_buffered_bytes gauge\nidem_http_buffered_bytes %zu\n",
+                     atomic_load(&h->hs->buffered));
     idem_hres res;
     idem__hres_start(&res, 200, "OK");
     idem__hres_header(&res, "Content-Type", "text/plain; version=0.0.4");
-    idem__hconn_send(c, &res, text, strlen(text));
+    size_t tl = strlen(text);
+    char *body = malloc(tl + (size_t)n);
+    if (body == NULL) {
+        free(text);
+        free(res.buf);
+        respond_status(c, 500, NULL);
+        return;
+    }
+    memcpy(body, text, tl);
+    memcpy(body + tl, line, (size_t)n);
+    idem__hconn_send(c, &res, body, tl + (size_t)n);
+    free(body);
     free(text);
 }
 
 static bool is_path(const idem_hreq *r, const char *path)
 {
     size_t n = strlen(path);
-    return r->tlen >= n && memcmp(r->target, path, n) == 0 &&
-           (r->tlen == n || r->target[n] == '?');
+    return r->tlen >= n && memcmp(r->target, path, n) == 0 && (r->tlen == n || r->target[n] == '?');
 }
 
 /* A complete request from a connection: POST anything is a call, GET or HEAD
@@ -338,8 +360,7 @@ static void http_request_cb(idem_hconn *c, const idem_hreq *r, const void *body,
 
 /* https: only clients with a certificate from the listener's CA connect, and every
  * request on it is that CA's caller. */
-static idem_code https_configure(idem_http *h, const idem_tls_listener *tls,
-                                 nng_tls_config **cfg)
+static idem_code https_configure(idem_http *h, const idem_tls_listener *tls, nng_tls_config **cfg)
 {
     idem_code code = idem__tls_server_config(cfg, tls);
     if (code != IDEM_OK) {
@@ -366,6 +387,10 @@ idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http 
         .request_timeout_ms = cfg->request_timeout_ms ? cfg->request_timeout_ms : 10000,
         .idle_timeout_ms = cfg->idle_timeout_ms ? cfg->idle_timeout_ms : 60000,
         .max_conns = cfg->max_conns ? cfg->max_conns : 1024,
+        .answer_timeout_ms = cfg->answer_timeout_ms ? cfg->answer_timeout_ms : 300000,
+        .max_buffered = cfg->max_buffered               ? cfg->max_buffered
+                        : cfg->max_body > SIZE_MAX / 64 ? SIZE_MAX
+                                                        : 64 * cfg->max_body,
         .on_request = http_request_cb,
         .arg = h,
     };

@@ -16,14 +16,16 @@ typedef struct idem_http_cfg {
     const idem_tls_listener *tls; /* NULL: plain HTTP; else https with client certificates */
     uint64_t request_timeout_ms, idle_timeout_ms; /* 0 = 10 s, 60 s */
     size_t max_conns;                             /* 0 = 1024 */
+    uint64_t answer_timeout_ms;                   /* 0 = 5 min */
+    size_t max_buffered;                          /* 0 = 64 x max_body */
 } idem_http_cfg;
 idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out);
 int idem__http_port(const idem_http *h);
 /* The idem.v1.Request frame an HTTP request becomes (malloc'd); NULL with *err set for
  * a request to refuse with 400, or with *err NULL when out of memory. Exposed for the
  * fuzz target. */
-uint8_t *idem__http_request_frame(const idem_hreq *r, const char *caller_header,
-                                  const void *body, size_t blen, size_t *len, const char **err);
+uint8_t *idem__http_request_frame(const idem_hreq *r, const char *caller_header, const void *body,
+                                  size_t blen, size_t *len, const char **err);
 /* Stops the listener and frees it; NULL is a no-op. */
 void idem__http_stop(idem_http *h);
 

@@ -13,7 +13,7 @@ static void accept_cb(void *arg)
     nng_stream *st = rv == 0 ? nng_aio_get_output(s->acc, 0) : NULL;
     idem_hconn *c = NULL;
     pthread_mutex_lock(&s->mtx);
-    if (st != NULL && !s->closing && s->n < s->cfg.max_conns &&
+    if (st != NULL && !s->closing && atomic_load(&s->open) < s->cfg.max_conns &&
         (c = idem__hconn_new(s, st)) != NULL) {
         st = NULL;
     }

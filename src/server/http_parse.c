@@ -37,11 +37,13 @@ static idem_hp bad(idem_hp_err *err, int status, const char *msg)
 }
 
 /* The line at buf[pos..len): OK with *end at its CR (the LF follows), MORE, or BAD for a
- * bare CR or LF or a line over max bytes. */
+ * bare CR or LF or a line over max bytes. *seen counts the bytes of the line already
+ * scanned by an earlier call that returned MORE (they are not scanned again); it is
+ * relative to pos, so it stays true when the line moves. OK sets it back to 0. */
 static idem_hp find_line(const char *buf, size_t pos, size_t len, size_t max, size_t *end,
-                         idem_hp_err *err)
+                         size_t *seen, idem_hp_err *err)
 {
-    for (size_t i = pos; i < len; i++) {
+    for (size_t i = pos + *seen; i < len; i++) {
         if (i - pos > max) {
             return bad(err, 400, too_long);
         }
@@ -50,15 +52,18 @@ static idem_hp find_line(const char *buf, size_t pos, size_t len, size_t max, si
         }
         if (buf[i] == '\r') {
             if (i + 1 == len) {
+                *seen = i - pos; /* the CR is looked at again with the next byte */
                 return IDEM_HP_MORE;
             }
             if (buf[i + 1] != '\n') {
                 return bad(err, 400, bad_cr);
             }
             *end = i;
+            *seen = 0;
             return IDEM_HP_OK;
         }
     }
+    *seen = len - pos;
     return len - pos > max ? bad(err, 400, too_long) : IDEM_HP_MORE;
 }
 
@@ -84,8 +89,8 @@ static idem_hp request_line(const char *s, size_t n, idem_hreq *r, idem_hp_err *
     r->target = s + t;
     r->tlen = i - t;
     const char *v = s + i + 1;
-    if (n - i - 1 != 8 || strncmp(v, "HTTP/", 5) != 0 || v[5] < '0' || v[5] > '9' ||
-        v[6] != '.' || v[7] < '0' || v[7] > '9') {
+    if (n - i - 1 != 8 || strncmp(v, "HTTP/", 5) != 0 || v[5] < '0' || v[5] > '9' || v[6] != '.' ||
+        v[7] < '0' || v[7] > '9') {
         return bad(err, 400, "a malformed request line (version)");
     }
     if (v[5] != '1') {
@@ -184,16 +189,18 @@ static idem_hp framing(idem_hreq *r, idem_hp_err *err)
     size_t ncl = idem__http_field(r, "Content-Length", &cl, &cll);
     for (size_t i = 0; i < r->nf; i++) {
         if (looks_like(&r->f[i], "Transfer-Encoding") || looks_like(&r->f[i], "Content-Length")) {
-            return bad(err, 400, "a header name that imitates Content-Length or "
-                                 "Transfer-Encoding");
+            return bad(err, 400,
+                       "a header name that imitates Content-Length or "
+                       "Transfer-Encoding");
         }
     }
     if (nte > 0 && ncl > 0) {
         return bad(err, 400, "both Transfer-Encoding and Content-Length");
     }
     if (nte > 1 || (nte == 1 && (r->minor == 0 || tel != 7 || strncasecmp(te, "chunked", 7)))) {
-        return bad(err, 400, "a Transfer-Encoding other than one \"chunked\" on HTTP/1.1 "
-                             "(not implemented)");
+        return bad(err, 400,
+                   "a Transfer-Encoding other than one \"chunked\" on HTTP/1.1 "
+                   "(not implemented)");
     }
     r->chunked = nte == 1;
     if (ncl > 1) {
@@ -241,15 +248,15 @@ static idem_hp semantics(idem_hreq *r, idem_hp_err *err)
     return framing(r, err);
 }
 
-idem_hp idem__http_parse_head(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err)
+/* The request line, after the empty lines that may precede it. */
+static idem_hp parse_request_line(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err)
 {
-    size_t pos = 0, end;
-    idem_hp hp;
-    memset(r, 0, sizeof(*r));
-    while (len - pos >= 2 && buf[pos] == '\r' && buf[pos + 1] == '\n') {
-        pos += 2; /* empty lines before a request are ignored (§2.2) */
+    size_t end;
+    while (r->seen == 0 && len - r->pos >= 2 && buf[r->pos] == '\r' && buf[r->pos + 1] == '\n') {
+        r->pos += 2; /* empty lines before a request are ignored (§2.2) */
     }
-    if ((hp = find_line(buf, pos, len, IDEM_HTTP_MAX_LINE, &end, err)) != IDEM_HP_OK) {
+    idem_hp hp = find_line(buf, r->pos, len, IDEM_HTTP_MAX_LINE, &end, &r->seen, err);
+    if (hp != IDEM_HP_OK) {
         if (hp == IDEM_HP_BAD && err->msg == too_long) {
             return bad(err, 414, "a request line over the length bound"); /* §3 */
         }
@@ -257,32 +264,62 @@ idem_hp idem__http_parse_head(const char *buf, size_t len, idem_hreq *r, idem_hp
                    ? bad(err, 400, "a request head over the size bound")
                    : hp;
     }
-    if ((hp = request_line(buf + pos, end - pos, r, err)) != IDEM_HP_OK) {
+    if ((hp = request_line(buf + r->pos, end - r->pos, r, err)) == IDEM_HP_OK) {
+        r->pos = end + 2;
+    }
+    return hp;
+}
+
+idem_hp idem__http_parse_head_more(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err)
+{
+    size_t end;
+    idem_hp hp;
+    if (r->method == NULL && (hp = parse_request_line(buf, len, r, err)) != IDEM_HP_OK) {
         return hp;
     }
-    for (pos = end + 2;;) {
-        if (pos > IDEM_HTTP_MAX_HEAD) {
+    for (;;) {
+        if (r->pos > IDEM_HTTP_MAX_HEAD) {
             return bad(err, 400, "a request head over the size bound");
         }
-        if ((hp = find_line(buf, pos, len, IDEM_HTTP_MAX_LINE, &end, err)) != IDEM_HP_OK) {
+        hp = find_line(buf, r->pos, len, IDEM_HTTP_MAX_LINE, &end, &r->seen, err);
+        if (hp != IDEM_HP_OK) {
             return hp;
         }
-        if (end == pos) {
+        if (end == r->pos) {
             break;
         }
         if (r->nf == IDEM_HTTP_MAX_FIELDS) {
             return bad(err, 400, "more header lines than the bound");
         }
-        if ((hp = field_line(buf + pos, end - pos, &r->f[r->nf++], err)) != IDEM_HP_OK) {
+        if ((hp = field_line(buf + r->pos, end - r->pos, &r->f[r->nf++], err)) != IDEM_HP_OK) {
             return hp;
         }
-        pos = end + 2;
+        r->pos = end + 2;
     }
     r->head_len = end + 2;
     if (r->head_len > IDEM_HTTP_MAX_HEAD) {
         return bad(err, 400, "a request head over the size bound");
     }
     return semantics(r, err);
+}
+
+idem_hp idem__http_parse_head(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err)
+{
+    memset(r, 0, sizeof(*r));
+    return idem__http_parse_head_more(buf, len, r, err);
+}
+
+void idem__http_head_moved(idem_hreq *r, const char *from, const char *to)
+{
+    if (r->method == NULL) {
+        return;
+    }
+    r->method = to + (r->method - from);
+    r->target = to + (r->target - from);
+    for (size_t i = 0; i < r->nf; i++) {
+        r->f[i].name = to + (r->f[i].name - from);
+        r->f[i].value = to + (r->f[i].value - from);
+    }
 }
 
 /* chunk-size [ chunk-ext ] CRLF: at most IDEM_HTTP_MAX_CHUNK_HEX hex digits. */
@@ -338,12 +375,14 @@ static idem_hp dechunk_step(char *buf, size_t len, idem_hchunk *c, uint64_t max_
         c->state = CK_SIZE;
         return IDEM_HP_OK;
     }
-    if ((hp = find_line(buf, c->rpos, len, IDEM_HTTP_MAX_LINE, &end, err)) != IDEM_HP_OK) {
+    hp = find_line(buf, c->rpos, len, IDEM_HTTP_MAX_LINE, &end, &c->seen, err);
+    if (hp != IDEM_HP_OK) {
         return hp;
     }
     c->framing += end + 2 - c->rpos;
     if (c->framing > IDEM_HTTP_MAX_CHUNK_FRAMING + c->wpos) {
-        return bad(err, 400, "more chunk framing (size lines, extensions, trailers) than the bound");
+        return bad(err, 400,
+                   "more chunk framing (size lines, extensions, trailers) than the bound");
     }
     if (c->state == CK_SIZE) {
         if ((hp = chunk_size(buf + c->rpos, end - c->rpos, &c->left, err)) != IDEM_HP_OK) {

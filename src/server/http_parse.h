@@ -13,10 +13,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define IDEM_HTTP_MAX_LINE 8192    /* request line, a header line, a chunk-size line */
-#define IDEM_HTTP_MAX_HEAD 32768   /* request line and header section with their CRLFs */
-#define IDEM_HTTP_MAX_FIELDS 64    /* header lines; trailer lines of a chunked body */
-#define IDEM_HTTP_MAX_CHUNK_HEX 8  /* hex digits of a chunk size (below 4 GiB) */
+#define IDEM_HTTP_MAX_LINE 8192   /* request line, a header line, a chunk-size line */
+#define IDEM_HTTP_MAX_HEAD 32768  /* request line and header section with their CRLFs */
+#define IDEM_HTTP_MAX_FIELDS 64   /* header lines; trailer lines of a chunked body */
+#define IDEM_HTTP_MAX_CHUNK_HEX 8 /* hex digits of a chunk size (below 4 GiB) */
 /* Bytes of chunk-size lines (with extensions) and trailers of one body, beyond the data
  * bytes decoded so far. */
 #define IDEM_HTTP_MAX_CHUNK_FRAMING 65536
@@ -39,6 +39,9 @@ typedef struct idem_hreq {
     uint64_t content_length; /* 0 when chunked or absent */
     bool keep_alive;         /* HTTP/1.1 without "Connection: close" */
     bool expect_continue;
+    /* Progress of a head parsed as its bytes arrive: the lines before pos are parsed,
+     * seen bytes after it scanned (idem__http_parse_head_more). */
+    size_t pos, seen;
 } idem_hreq;
 
 /* A refusal: the status to answer (400, 413, 414, 417, 505) and why. */
@@ -50,6 +53,12 @@ typedef struct idem_hp_err {
 /* Parses the head at buf[0..len): MORE when it is not complete yet (and within the
  * bounds), OK with *r filled (pointers into buf), BAD with *err. */
 idem_hp idem__http_parse_head(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err);
+/* The same, resumed where the last call on r (zeroed before the head's first bytes) left
+ * off when buf[0..len) is what it saw and more: each byte is scanned once, so a head
+ * arriving a byte at a time costs what it costs at once. */
+idem_hp idem__http_parse_head_more(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err);
+/* The head's bytes moved from `from` (still readable) to `to`: r points into `to`. */
+void idem__http_head_moved(idem_hreq *r, const char *from, const char *to);
 
 /* The state of a chunked body being decoded in place. */
 typedef struct idem_hchunk {
@@ -58,6 +67,7 @@ typedef struct idem_hchunk {
     int state;
     size_t trailers;
     size_t framing; /* bytes of size lines and trailer lines so far */
+    size_t seen;    /* bytes of the line at rpos already scanned */
 } idem_hchunk;
 
 /* Decodes the chunked body at buf[0..len) in place: the data moves to buf[0..wpos).

@@ -418,6 +418,11 @@ static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_l
                           (code = server_start(srv)) != IDEM_OK)) {
         return code;
     }
+    uint64_t run_ms = srv->opts.max_run_ms; /* the longest run: then HTTP answers 504 */
+    for (size_t i = 0; i < srv->n_methods; i++) {
+        uint64_t m = srv->methods[i].opts.max_run_ms;
+        run_ms = m > run_ms ? m : run_ms;
+    }
     idem_http_cfg cfg = {.dispatch = srv->dispatch,
                          .obs = srv->rt.obs,
                          .max_body = srv->opts.max_frame,
@@ -426,7 +431,9 @@ static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_l
                          .tls = tls,
                          .request_timeout_ms = srv->opts.http_request_timeout_ms,
                          .idle_timeout_ms = srv->opts.http_idle_timeout_ms,
-                         .max_conns = srv->opts.http_max_conns};
+                         .max_conns = srv->opts.http_max_conns,
+                         .answer_timeout_ms = run_ms,
+                         .max_buffered = srv->opts.http_max_buffered};
     return idem__http_start(url, &cfg, &srv->http);
 }
 

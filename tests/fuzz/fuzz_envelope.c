@@ -323,6 +323,25 @@ static bool http_body(char *buf, size_t len, const idem_hreq *r, size_t *blen, s
     return hp == IDEM_HP_OK;
 }
 
+/* The head parsed as the front parses it, as its bytes arrive: resumed after every
+ * step bytes (idem__http_parse_head_more) it must end as the parse of all of them did. */
+static void http_head_in_steps(const char *buf, size_t len, idem_hp whole, const idem_hreq *w)
+{
+    idem_hreq r;
+    idem_hp_err err;
+    idem_hp hp = IDEM_HP_MORE;
+    size_t step = len % 7 + 1, at = 0;
+    memset(&r, 0, sizeof(r));
+    while (hp == IDEM_HP_MORE && at < len) {
+        at = at + step < len ? at + step : len;
+        hp = idem__http_parse_head_more(buf, at, &r, &err);
+    }
+    if (hp != whole || (hp == IDEM_HP_OK && (r.head_len != w->head_len || r.nf != w->nf ||
+                                             r.content_length != w->content_length))) {
+        die("http", "a head parsed as it arrives ends otherwise than parsed at once");
+    }
+}
+
 /* The next request framed from buf[0..len) as the HTTP front frames it (http_parse.c):
  * false when there is none (incomplete or refused: the connection would end); else
  * *frame is what the front hands to the workers (NULL: refused with a 400 by the
@@ -333,6 +352,7 @@ static bool http_next(char *buf, size_t len, size_t *used, uint8_t **frame, size
     idem_hp_err err;
     size_t blen;
     idem_hp hp = idem__http_parse_head(buf, len, &r, &err);
+    http_head_in_steps(buf, len, hp, &r);
     *frame = NULL;
     if (hp == IDEM_HP_BAD) {
         http_refusal(&err);
