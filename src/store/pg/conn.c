@@ -30,64 +30,6 @@
 #define RECONNECT_MIN_MS 50  /* doubling */
 #define RECONNECT_MAX_MS 1000
 
-/* Maps a failed result (or a dead connection) to a code: connection trouble, a lock or
- * statement timeout and serialisation conflicts are transient (UNAVAILABLE), a full disk
- * RESOURCE_EXHAUSTED. */
-idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
-{
-    const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
-    const char *msg = r != NULL ? PQresultErrorMessage(r) : PQerrorMessage(c);
-    idem_code code = IDEM_INTERNAL;
-    if (c == NULL || PQstatus(c) != CONNECTION_OK || state == NULL ||
-        strncmp(state, "08", 2) == 0 || strncmp(state, "57P", 3) == 0 ||
-        strcmp(state, "57014") == 0 || strcmp(state, "55P03") == 0 || strcmp(state, "40001") == 0 ||
-        strcmp(state, "40P01") == 0 ||
-        strcmp(state, "25006") == 0) { /* read-only: a demoted leader */
-        code = IDEM_UNAVAILABLE;
-    } else if (strcmp(state, "53100") == 0 || strcmp(state, "53200") == 0) {
-        code = IDEM_RESOURCE_EXHAUSTED;
-    }
-    const char *primary = r != NULL ? PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY) : NULL;
-    if (primary == NULL) {
-        primary = msg != NULL ? msg : "";
-    }
-    int line = (int)strcspn(primary, "\n");
-    idem__err(code, "%.*s (postgres %s%s%s)", line > 300 ? 300 : line, primary, what,
-              state != NULL ? ", SQLSTATE " : "", state != NULL ? state : "");
-    if (r != NULL) {
-        PQclear(r);
-    }
-    return code;
-}
-
-/* Flushes what libpq holds to send and waits until a result can be read without
- * blocking. False when deadline (monotonic ms) passed or the connection broke. */
-static bool await_readable(PGconn *c, uint64_t deadline)
-{
-    int fd = PQsocket(c);
-    for (;;) {
-        int f = PQflush(c);
-        if (f < 0 || fd < 0) {
-            return false;
-        }
-        if (f == 0 && !PQisBusy(c)) {
-            return true;
-        }
-        uint64_t now = idem__mono_ms();
-        if (now >= deadline) {
-            return false;
-        }
-        struct pollfd p = {.fd = fd, .events = POLLIN | (f == 1 ? POLLOUT : 0)};
-        int rc = poll(&p, 1, (int)(deadline - now));
-        if (rc < 0 && errno != EINTR) {
-            return false;
-        }
-        if (rc > 0 && (p.revents & (POLLIN | POLLERR | POLLHUP)) && !PQconsumeInput(c)) {
-            return false;
-        }
-    }
-}
-
 /* A statement got no answer in time, or the connection broke: the connection is closed
  * (reconnected by the next pool_get). */
 static idem_code drop_unanswered(pool_slot *pc, const char *what)
@@ -115,7 +57,7 @@ static uint64_t slot_deadline(const pool_slot *pc)
  * *lost when no answer came (the connection is then dropped). */
 static PGresult *next_result(pool_slot *pc, uint64_t deadline, bool *lost)
 {
-    if (!await_readable(pc->c, deadline)) {
+    if (!idem__pg_await_readable(pc->c, deadline)) {
         *lost = true;
         return NULL;
     }
@@ -185,61 +127,6 @@ idem_code idem__pg_run(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusT
     return IDEM_OK;
 }
 
-/* sql (several statements may be ;-separated) on c, bounded by deadline: the first
- * failed result, else the last (NULL and *lost when no answer came in time; the
- * connection is then left to the caller). */
-static PGresult *simple_on(PGconn *c, const char *sql, const char *name, uint64_t deadline,
-                           bool *lost)
-{
-    PGresult *keep = NULL, *r;
-    *lost = !PQsendQuery(c, sql);
-    while (!*lost && !(*lost = !await_readable(c, deadline)) && (r = PQgetResult(c)) != NULL) {
-        ExecStatusType k = keep != NULL ? PQresultStatus(keep) : PGRES_COMMAND_OK;
-        if (k == PGRES_COMMAND_OK || k == PGRES_TUPLES_OK) {
-            PQclear(keep);
-            keep = r;
-        } else {
-            PQclear(r);
-        }
-    }
-    if (*lost) {
-        PQclear(keep);
-        idem__err(IDEM_UNAVAILABLE, "no answer in time (postgres %s)", name);
-        return NULL;
-    }
-    return keep;
-}
-
-/* Plain SQL's name in messages: its text up to the first ';', at most 40 bytes. */
-static const char *sql_name(const char *sql, char buf[48])
-{
-    size_t n = strcspn(sql, ";");
-    snprintf(buf, 48, "%.*s%s", (int)(n > 40 ? 40 : n), sql, n > 40 ? "..." : "");
-    return buf;
-}
-
-/* simple_on's result checked: *out (may be NULL) gets it; name (NULL: from the SQL)
- * names it in messages. */
-static idem_code simple_checked(PGconn *c, const char *sql, const char *name, uint64_t deadline,
-                                bool *lost, PGresult **out)
-{
-    char buf[48];
-    name = name != NULL ? name : sql_name(sql, buf);
-    PGresult *r = simple_on(c, sql, name, deadline, lost);
-    if (r == NULL) {
-        return *lost ? IDEM_UNAVAILABLE : idem__err(IDEM_INTERNAL, "postgres: no result");
-    }
-    if (PQresultStatus(r) != PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_TUPLES_OK) {
-        return idem__pg_fail(c, r, name);
-    }
-    if (out != NULL) {
-        *out = r;
-    } else {
-        PQclear(r);
-    }
-    return IDEM_OK;
-}
-
 idem_code idem__pg_query_named(pool_slot *pc, const char *name, const char *sql, PGresult **out)
 {
     bool lost;
@@ -247,21 +134,14 @@ idem_code idem__pg_query_named(pool_slot *pc, const char *name, const char *sql,
     if (!slot_usable(pc)) {
         return idem__err(IDEM_UNAVAILABLE, "postgres: connection lost");
     }
-    name = name != NULL ? name : sql_name(sql, buf);
-    idem_code code = simple_checked(pc->c, sql, name, slot_deadline(pc), &lost, out);
+    name = name != NULL ? name : idem__pg_sql_name(sql, buf);
+    idem_code code = idem__pg_simple_checked(pc->c, sql, name, slot_deadline(pc), &lost, out);
     return lost ? drop_unanswered(pc, name) : code;
 }
 
 idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out)
 {
     return idem__pg_query_named(pc, NULL, sql, out);
-}
-
-idem_code idem__pg_conn_query(PGconn *c, const char *name, const char *sql, uint32_t bound_ms,
-                              PGresult **out)
-{
-    bool lost;
-    return simple_checked(c, sql, name, idem__mono_ms() + bound_ms, &lost, out);
 }
 
 idem_code idem__pg_exec_simple(pool_slot *pc, const char *sql)
@@ -353,8 +233,8 @@ static idem_code slot_connect(pg_store *st, pool_slot *pc, uint64_t until)
     bool lost;
     idem_code code = idem__pg_connect(st->hosts, until, &pc->c);
     if (code == IDEM_OK && !st->pooler) { /* the session's bounds */
-        code = simple_checked(pc->c, st->session_sql, "session settings", slot_deadline(pc), &lost,
-                              NULL);
+        code = idem__pg_simple_checked(pc->c, st->session_sql, "session settings",
+                                       slot_deadline(pc), &lost, NULL);
     }
     if (code != IDEM_OK) {
         PQfinish(pc->c);

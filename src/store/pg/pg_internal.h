@@ -153,10 +153,21 @@ void idem__pg_hosts_free(pg_hosts *h);
  * their order, each within its share of the time left. */
 idem_code idem__pg_connect(pg_hosts *h, uint64_t deadline, PGconn **out);
 
-/* conn.c */
+/* query.c */
 /* The error of r (or of c when r is NULL) as the thread's message, the cause first:
  * "<PostgreSQL's message> (postgres <what>)", what a short name; frees r. */
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
+/* Flushes what libpq holds and waits until a result can be read; false when
+ * deadline (monotonic ms) passed or the connection broke. */
+bool idem__pg_await_readable(PGconn *c, uint64_t deadline);
+/* Plain SQL on c bounded by deadline, its result checked (*out, may be NULL, gets it);
+ * name (NULL: from the SQL) names it in messages; *lost when no answer came in time. */
+idem_code idem__pg_simple_checked(PGconn *c, const char *sql, const char *name, uint64_t deadline,
+                                  bool *lost, PGresult **out);
+/* Plain SQL's name in messages: its text up to the first ';', at most 40 bytes. */
+const char *idem__pg_sql_name(const char *sql, char buf[48]);
+
+/* conn.c */
 /* A connected slot (reconnecting with backoff for up to reconnect_ms). */
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
 /* The same, waiting and reconnecting for at most within_ms. */

@@ -77,7 +77,7 @@ static idem_code schema_read(pool_slot *pc, bool *complete)
 {
     PGresult *r;
     *complete = false;
-    idem_code code = idem__pg_query_named(pc, "schema check", present_sql, &r);
+    idem_code code = idem__pg_conn_query(pc->c, "schema check", present_sql, pc->bound_ms, &r);
     if (code != IDEM_OK) {
         return code;
     }
@@ -87,7 +87,8 @@ static idem_code schema_read(pool_slot *pc, bool *complete)
     if (!meta) {
         return IDEM_OK;
     }
-    if ((code = idem__pg_query_named(pc, "schema format", format_sql, &r)) != IDEM_OK) {
+    if ((code = idem__pg_conn_query(pc->c, "schema format", format_sql, pc->bound_ms, &r)) !=
+        IDEM_OK) {
         return code;
     }
     long long format = PQntuples(r) == 1 ? strtoll(PQgetvalue(r, 0, 0), NULL, 10) : 0;
