@@ -1,7 +1,9 @@
 /* idem_client: req0 client with a Feign-style retryer.
  *
- * One logical call = one idempotency key, fixed before the first attempt (generated
- * when the caller gives none) and sent unchanged on every retry with `attempt` + 1.
+ * One logical call = one idempotency key, fixed before the first attempt as the server
+ * resolves it (the idempotency_key field, else metadata "idempotency-key", else the
+ * token; generated when the caller gives none) and sent unchanged on every retry with
+ * `attempt` + 1.
  * A timeout is "unknown", never "failed": retrying with the same key is what makes it
  * safe. Thread-safe: concurrent idem_client_call()s share the socket, each on its own
  * nng context. */
@@ -62,7 +64,9 @@ typedef struct idem_metadata_kv {
 /* Per-call request fields; all optional except method. Strings are not retained. */
 typedef struct idem_request {
     const char *method;
-    const char *idempotency_key; /* NULL = the token if given, else generated once */
+    /* NULL = metadata "idempotency-key" if given (the field and it naming two different
+     * keys is INVALID_ARGUMENT, nothing sent), else the token, else generated once */
+    const char *idempotency_key;
     const char *token;
     const char *caller;     /* NULL = the client's default */
     const char *request_id; /* NULL = server generates */
@@ -87,7 +91,8 @@ typedef struct idem_result {
     bool replayed;
     char *request_id;
     /* The key the server used (response metadata idem-key: e.g. the method's business
-     * key), else the one every attempt carried; "" when a token stood in for it. */
+     * key), else the one every attempt carried (field or metadata); "" when a token
+     * stood in for it, or none. */
     char key[IDEM_CLIENT_KEY_MAX + 1];
     uint32_t attempts;
 } idem_result;

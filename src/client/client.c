@@ -5,7 +5,6 @@
 #include <math.h>
 #include <pthread.h>
 #include <nng/nng.h>
-#include <nng/supplemental/tls/tls.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,84 +73,6 @@ static idem_code copy_strings(idem_client *c)
     return IDEM_OK;
 }
 
-/* The host of a tls+tcp://HOST:PORT URL (brackets of an IPv6 literal removed) into
- * out: the name the server's certificate must carry unless tls_server_name says. */
-static bool url_host(const char *url, char *out, size_t cap)
-{
-    const char *h = strstr(url, "://");
-    h = h != NULL ? h + 3 : url;
-    size_t n = *h == '[' ? strcspn(h + 1, "]") : strcspn(h, ":/");
-    h += *h == '[';
-    if (n == 0 || n >= cap) {
-        return false;
-    }
-    memcpy(out, h, n);
-    out[n] = '\0';
-    return true;
-}
-
-/* The client side of tls+tcp:// for url: the server verified against tls_ca_file and
- * checked for server_name, this client's certificate when it has one. */
-static idem_code client_tls(const idem_client_opts *o, const char *url, nng_tls_config **out)
-{
-    nng_tls_config *cfg;
-    char host[256];
-    int rv;
-    *out = NULL;
-    if (o->tls_ca_file == NULL) {
-        return idem__err(IDEM_INVALID_ARGUMENT,
-                         "%s needs tls_ca_file: the server's certificate is always verified", url);
-    }
-    const char *name = o->tls_server_name;
-    if (name == NULL && !url_host(url, host, sizeof(host))) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "%s: no host to check the certificate for", url);
-    }
-    name = name != NULL ? name : host;
-    if ((rv = nng_tls_config_alloc(&cfg, NNG_TLS_MODE_CLIENT)) != 0) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "TLS config: %s", nng_strerror(rv));
-    }
-    const char *what = "tls_ca_file";
-    if ((rv = nng_tls_config_ca_file(cfg, o->tls_ca_file)) == 0 &&
-        (rv = nng_tls_config_auth_mode(cfg, NNG_TLS_AUTH_MODE_REQUIRED)) == 0 &&
-        o->tls_cert_key_file != NULL) {
-        what = "tls_cert_key_file";
-        rv = nng_tls_config_cert_key_file(cfg, o->tls_cert_key_file, NULL);
-    }
-    if (rv == 0) {
-        what = "tls_server_name";
-        rv = nng_tls_config_server_name(cfg, name);
-    }
-    if (rv != 0) {
-        nng_tls_config_free(cfg);
-        return idem__err(IDEM_INVALID_ARGUMENT, "TLS %s: %s", what, nng_strerror(rv));
-    }
-    *out = cfg;
-    return IDEM_OK;
-}
-
-/* Dials url without waiting (the server may start later); tls+ URLs over TLS. */
-static idem_code dial(nng_socket sock, const char *url, const idem_client_opts *o)
-{
-    nng_dialer d;
-    nng_tls_config *cfg = NULL;
-    idem_code code;
-    int rv;
-    if (strncmp(url, "tls+", 4) != 0) {
-        rv = nng_dial(sock, url, NULL, NNG_FLAG_NONBLOCK);
-    } else if ((code = client_tls(o, url, &cfg)) != IDEM_OK) {
-        return code;
-    } else if ((rv = nng_dialer_create(&d, sock, url)) == 0 &&
-               ((rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, cfg)) != 0 ||
-                (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0)) {
-        nng_dialer_close(d);
-    }
-    if (cfg != NULL) {
-        nng_tls_config_free(cfg); /* the dialer holds its own reference */
-    }
-    return rv == 0 ? IDEM_OK
-                   : idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s", url, nng_strerror(rv));
-}
-
 idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
                            const idem_client_opts *opts)
 {
@@ -190,7 +111,7 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
         return idem__err(IDEM_INTERNAL, "client socket options: %s", nng_strerror(rv));
     }
     for (size_t i = 0; i < n; i++) {
-        if ((code = dial(c->sock, urls[i], &c->opts)) != IDEM_OK) {
+        if ((code = idem__client_dial(c->sock, urls[i], &c->opts)) != IDEM_OK) {
             idem_client_close(c);
             return code;
         }
@@ -352,28 +273,6 @@ static uint32_t retry_after_hint(const Idem__V1__Response *r)
     return 0;
 }
 
-/* The key is fixed here, once, for every attempt of this logical call: the caller's,
- * else none when a token stands in for it (or never_generate), else a time-ordered
- * one: unix ms and 80 random bits (*generated). */
-static idem_code fix_key(const idem_request *req, bool never_generate,
-                         char key[IDEM_CLIENT_KEY_MAX + 1], bool *generated)
-{
-    if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
-        if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
-            return idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
-        }
-        strcpy(key, req->idempotency_key);
-    } else if ((req->token != NULL && req->token[0] != '\0') || never_generate) {
-        key[0] = '\0'; /* the server makes the one-time token the key, or refuses */
-    } else {
-        if (!idem__ordered_key_hex(key)) {
-            return idem__err(IDEM_INTERNAL, "getrandom failed");
-        }
-        *generated = true;
-    }
-    return IDEM_OK;
-}
-
 uint32_t idem__client_deadline_ms(const idem_client *c)
 {
     return c->opts.deadline_ms;
@@ -418,15 +317,19 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
     uint64_t deadline_unix = idem__now_ms() + total_ms;
     idem_code code = IDEM_OK;
 
-    bool key_generated = false;
+    idem_key_source source;
 
     memset(out, 0, sizeof(*out));
-    if (req->method == NULL) {
-        return out->code = idem__err(IDEM_INVALID_ARGUMENT, "method is required");
-    }
-    if ((code = fix_key(req, c->opts.never_generate_key, out->key, &key_generated)) != IDEM_OK) {
+    code = req->method == NULL
+               ? idem__err(IDEM_INVALID_ARGUMENT, "method is required")
+               : idem__client_fix_key(req, c->opts.never_generate_key, out->key, &source);
+    if (code != IDEM_OK) {
+        out->message = idem__strdup(idem_errmsg());
         return out->code = code;
     }
+    bool key_generated = source == IDEM_KEY_GENERATED;
+    /* the field carries the key unless the caller's is in metadata (sent as it is) */
+    const char *field = source == IDEM_KEY_METADATA ? "" : out->key;
     reply rep = {.msg = NULL, .resp = NULL};
     for (uint32_t attempt = 1;; attempt++) {
         Idem__V1__Response *resp = NULL;
@@ -445,7 +348,7 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         if (attempt_deadline > deadline_unix) {
             attempt_deadline = deadline_unix;
         }
-        if ((code = idem__client_build_msg(c, req, caller, out->key, key_generated, attempt,
+        if ((code = idem__client_build_msg(c, req, caller, field, key_generated, attempt,
                                            attempt_deadline, deadline_unix, &msg)) != IDEM_OK) {
             break;
         }

@@ -55,16 +55,6 @@ static idem_code hop_deadline(const idem_call *call, uint32_t *ms)
     return IDEM_OK;
 }
 
-static bool has_meta(const idem_request *req, const char *name)
-{
-    for (size_t i = 0; i < req->metadata_count; i++) {
-        if (req->metadata[i].name != NULL && strcmp(req->metadata[i].name, name) == 0) {
-            return true;
-        }
-    }
-    return false;
-}
-
 idem_code idem_call_downstream(idem_call *call, idem_client *client, const char *step,
                                const idem_request *req, idem_result *out)
 {
@@ -77,10 +67,11 @@ idem_code idem_call_downstream(idem_call *call, idem_client *client, const char 
     if (call == NULL || client == NULL || req == NULL) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "downstream call needs a call, a client and a "
                                                 "request");
-    } else if (req->idempotency_key != NULL || req->caller != NULL) {
+    } else if (req->idempotency_key != NULL ||
+               idem__client_request_meta(req, "idempotency-key") != NULL || req->caller != NULL) {
         code = idem__err(IDEM_INVALID_ARGUMENT,
                          "a downstream call's key is derived and its caller is this service: "
-                         "leave idempotency_key and caller unset");
+                         "leave idempotency_key (and metadata idempotency-key) and caller unset");
     } else if (req->metadata_count > IDEM_MAX_METADATA - 2) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "too many metadata entries (%zu, max %d)",
                          req->metadata_count, IDEM_MAX_METADATA - 2);
@@ -104,7 +95,7 @@ idem_code idem_call_downstream(idem_call *call, idem_client *client, const char 
     }
     for (size_t i = 0; i < 2; i++) {
         const char *v = idem_call_metadata(call, trace[i]);
-        if (v != NULL && !has_meta(req, trace[i])) {
+        if (v != NULL && idem__client_request_meta(req, trace[i]) == NULL) {
             meta[n++] = (idem_metadata_kv){trace[i], v};
         }
     }

@@ -1,0 +1,218 @@
+/* idem_client against a real server: the call's key resolved as the server resolves it
+ * (field, metadata, token, generated). */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idemrpc.pb-c.h"
+#include "testutil.h"
+
+static tu_server S;
+static idem_client *C;
+static atomic_int executions;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static bool gate_open;
+
+static idem_code h_count(idem_call *call, void *arg)
+{
+    (void)arg;
+    char out[32];
+    int n = snprintf(out, sizeof(out), "exec=%d", atomic_fetch_add(&executions, 1) + 1);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+/* Runs its effect, then holds the answer until the test opens the gate. */
+static idem_code h_gated(idem_call *call, void *arg)
+{
+    pthread_mutex_lock(&mu);
+    while (!gate_open) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    return h_count(call, arg);
+}
+
+static idem_code h_down(idem_call *call, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&executions, 1);
+    return idem_call_fail(call, IDEM_UNAVAILABLE, "the ledger is down");
+}
+
+static void open_gate(void)
+{
+    pthread_mutex_lock(&mu);
+    gate_open = true;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+static void setup(void)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.default_chain = false;
+    atomic_store(&executions, 0);
+    gate_open = false;
+    tu_server_create(&S, &o);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED};
+    idem_method_opts required = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_REQUEST_ID), IDEM_OK);
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_TOKEN), IDEM_OK);
+    cr_assert_eq(idem_server_use_builtin(S.srv, IDEM_BUILTIN_RESULT_CACHE), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Cached", h_count, NULL, &cached), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Required", h_count, NULL, &required), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Gated", h_gated, NULL, NULL), IDEM_OK);
+    cr_assert_eq(idem_server_register(S.srv, "t.Pay/Down", h_down, NULL, &cached), IDEM_OK);
+    tu_server_listen(&S);
+    C = tu_client(S.url, 2000);
+}
+
+static void teardown(void)
+{
+    open_gate();
+    idem_client_close(C);
+    tu_server_destroy(&S, false);
+}
+
+TestSuite(client, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- (a) the key: the client resolves it as the server does ---- */
+
+static idem_code call_meta(const char *method, const char *field, const char *meta, idem_result *r)
+{
+    idem_metadata_kv kv = {"idempotency-key", meta};
+    idem_request q = {.method = method,
+                      .idempotency_key = field,
+                      .metadata = meta != NULL ? &kv : NULL,
+                      .metadata_count = meta != NULL,
+                      .payload = "10",
+                      .payload_len = 2};
+    return idem_client_call(C, &q, r);
+}
+
+Test(client, a_metadata_key_is_the_calls_key_on_every_send)
+{
+    idem_result r1, r2;
+    cr_assert_eq(call_meta("t.Pay/Cached", NULL, "order-7", &r1), IDEM_OK, "%s", r1.message);
+    cr_assert_eq(call_meta("t.Pay/Cached", NULL, "order-7", &r2), IDEM_OK, "%s", r2.message);
+    cr_expect_eq(atomic_load(&executions), 1, "the same call sent twice ran twice");
+    cr_expect(r2.replayed);
+    cr_expect_str_eq(r1.key, "order-7");
+    cr_expect_str_eq(r2.key, "order-7");
+    idem_result_clear(&r1);
+    idem_result_clear(&r2);
+}
+
+Test(client, a_metadata_key_satisfies_a_key_required_method)
+{
+    idem_result r;
+    cr_expect_eq(call_meta("t.Pay/Required", NULL, "order-8", &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.key, "order-8");
+    idem_result_clear(&r);
+}
+
+Test(client, a_field_and_metadata_that_name_the_same_key_are_one_key)
+{
+    idem_result r1, r2;
+    cr_assert_eq(call_meta("t.Pay/Required", "k-9", "k-9", &r1), IDEM_OK, "%s", r1.message);
+    cr_assert_eq(call_meta("t.Pay/Required", "k-9", NULL, &r2), IDEM_OK, "%s", r2.message);
+    cr_expect_eq(atomic_load(&executions), 1);
+    cr_expect(r2.replayed);
+    idem_result_clear(&r1);
+    idem_result_clear(&r2);
+}
+
+Test(client, a_field_and_metadata_that_name_two_keys_are_refused_before_sending)
+{
+    idem_result r;
+    cr_expect_eq(call_meta("t.Pay/Cached", "k-1", "k-2", &r), IDEM_INVALID_ARGUMENT);
+    cr_expect_neq(strstr(r.message, "two different keys"), NULL, "%s", r.message);
+    cr_expect_eq(r.attempts, 0);
+    cr_expect_eq(atomic_load(&executions), 0);
+    idem_result_clear(&r);
+}
+
+/* The signer covers the key the server resolves: a metadata key verifies. */
+Test(client, a_signed_call_with_a_metadata_key_verifies_and_runs_once)
+{
+    static const idem_caller_secret secret = {.caller = "A", .secret = "secret-of-caller-A-0123"};
+    idem_server_opts so;
+    idem_server_opts_init(&so);
+    so.caller_secrets = &secret;
+    so.n_caller_secrets = 1;
+    tu_server sg;
+    tu_server_create(&sg, &so);
+    idem_method_opts required = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(sg.srv, "t.Pay/Required", h_count, NULL, &required), IDEM_OK);
+    tu_server_listen(&sg);
+    idem_client_opts o;
+    idem_client *sc;
+    idem_client_opts_init(&o);
+    o.caller = "A";
+    o.signing_secret = secret.secret;
+    cr_assert_eq(idem_client_open(&sc, (const char *[]){sg.url}, 1, &o), IDEM_OK);
+    idem_metadata_kv kv = {"idempotency-key", "order-6"};
+    idem_request q = {.method = "t.Pay/Required", .metadata = &kv, .metadata_count = 1};
+    idem_result r1, r2;
+    cr_expect_eq(idem_client_call(sc, &q, &r1), IDEM_OK, "%s", r1.message);
+    cr_expect_eq(idem_client_call(sc, &q, &r2), IDEM_OK, "%s", r2.message);
+    cr_expect_eq(atomic_load(&executions), 1);
+    idem_result_clear(&r1);
+    idem_result_clear(&r2);
+    idem_client_close(sc);
+    tu_server_destroy(&sg, false);
+}
+
+/* A raw Request with the field and up to two metadata entries (NULL name: none). */
+static Idem__V1__Response *send_raw(const char *field, const char *n1, const char *v1,
+                                    const char *n2, const char *v2)
+{
+    Idem__V1__Request m = IDEM__V1__REQUEST__INIT;
+    Idem__V1__Request__MetadataEntry e[2], *p[2] = {&e[0], &e[1]};
+    const char *names[2] = {n1, n2}, *values[2] = {v1, v2};
+    for (size_t i = 0; i < 2 && names[i] != NULL; i++) {
+        idem__v1__request__metadata_entry__init(&e[i]);
+        e[i].key = (char *)names[i];
+        e[i].value = (char *)values[i];
+        m.n_metadata = i + 1;
+    }
+    m.metadata = p;
+    m.method = "t.Pay/Cached";
+    m.idempotency_key = (char *)field;
+    size_t len = idem__v1__request__get_packed_size(&m);
+    uint8_t *frame = malloc(len);
+    cr_assert_not_null(frame);
+    idem__v1__request__pack(&m, frame);
+    Idem__V1__Response *r = tu_raw_call(S.url, frame, len, 5000);
+    free(frame);
+    cr_assert_not_null(r);
+    return r;
+}
+
+Test(client, the_server_refuses_a_field_and_metadata_that_name_two_keys)
+{
+    Idem__V1__Response *r = send_raw("k-1", "idempotency-key", "k-2", NULL, NULL);
+    cr_expect_eq(r->code, IDEM__V1__CODE__INVALID_ARGUMENT, "%s", r->message);
+    cr_expect_neq(strstr(r->message, "two different keys"), NULL, "%s", r->message);
+    cr_expect_eq(atomic_load(&executions), 0);
+    tu_response_free(r);
+}
+
+/* What an older idem_client sends for a metadata key: a generated key in the field. */
+Test(client, a_metadata_key_wins_over_a_key_an_older_client_generated)
+{
+    const char *gen = "idem-key-generated";
+    Idem__V1__Response *r1 = send_raw("0000aaaa", gen, "1", "idempotency-key", "order-5");
+    Idem__V1__Response *r2 = send_raw("0000bbbb", gen, "1", "idempotency-key", "order-5");
+    cr_expect_eq(r1->code, IDEM__V1__CODE__OK, "%s", r1->message);
+    cr_expect_eq(r2->code, IDEM__V1__CODE__OK, "%s", r2->message);
+    cr_expect_eq(atomic_load(&executions), 1, "the same call sent twice ran twice");
+    cr_expect(r2->replayed);
+    tu_response_free(r1);
+    tu_response_free(r2);
+}
