@@ -1,5 +1,6 @@
 /* idem_client against a real server: the call's key resolved as the server resolves it
- * (field, metadata, token, generated). */
+ * (field, metadata, token, generated), no resend of a keyless call whose outcome may
+ * have happened, and the last answer reported when the deadline ends the retries. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -215,4 +216,79 @@ Test(client, a_metadata_key_wins_over_a_key_an_older_client_generated)
     cr_expect(r2->replayed);
     tu_response_free(r1);
     tu_response_free(r2);
+}
+
+/* ---- (b) a keyless call is resent only when it provably did not arrive ---- */
+
+static idem_client *keyless_client(const char *url, uint32_t attempt_timeout_ms)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.never_generate_key = true;
+    o.attempt_timeout_ms = attempt_timeout_ms;
+    o.retry.max_attempts = 3;
+    o.retry.period_ms = 10;
+    o.retry.max_period_ms = 10;
+    cr_assert_eq(idem_client_open(&c, &url, 1, &o), IDEM_OK, "%s", idem_errmsg());
+    return c;
+}
+
+Test(client, a_keyless_call_whose_attempt_timed_out_is_not_resent)
+{
+    idem_client *kc = keyless_client(S.url, 200);
+    idem_request q = {.method = "t.Pay/Gated", .payload = "10", .payload_len = 2};
+    idem_result r;
+    cr_expect_eq(idem_client_call(kc, &q, &r), IDEM_DEADLINE_EXCEEDED, "%s", r.message);
+    cr_expect_eq(r.attempts, 1, "a call that may have run was sent %u times", r.attempts);
+    cr_expect_str_eq(r.key, "");
+    idem_result_clear(&r);
+    idem_client_close(kc);
+}
+
+Test(client, a_keyless_call_that_never_left_is_resent)
+{
+    tu_server gone; /* its port, once it is gone: no attempt is ever handed to a peer */
+    char url[sizeof(gone.url)];
+    tu_server_create(&gone, NULL);
+    tu_server_listen(&gone);
+    memcpy(url, gone.url, sizeof(url));
+    tu_server_destroy(&gone, false);
+    idem_client *kc = keyless_client(url, 50);
+    idem_request q = {.method = "t.Pay/Gated"};
+    idem_result r;
+    cr_expect_eq(idem_client_call(kc, &q, &r), IDEM_DEADLINE_EXCEEDED, "%s", r.message);
+    cr_expect_eq(r.attempts, 3);
+    idem_result_clear(&r);
+    idem_client_close(kc);
+}
+
+Test(client, a_keyed_call_whose_attempt_timed_out_is_resent_with_its_key)
+{
+    idem_client *kc = keyless_client(S.url, 200);
+    idem_request q = {.method = "t.Pay/Gated", .idempotency_key = "k-3"};
+    idem_result r;
+    cr_expect_eq(idem_client_call(kc, &q, &r), IDEM_DEADLINE_EXCEEDED, "%s", r.message);
+    cr_expect_eq(r.attempts, 3);
+    idem_result_clear(&r);
+    idem_client_close(kc);
+}
+
+/* ---- (c) the deadline ends the retries: the last answer is the call's ---- */
+
+Test(client, a_deadline_that_cuts_the_last_backoff_short_reports_the_last_answer)
+{
+    idem_client_opts o;
+    idem_client *dc;
+    idem_client_opts_init(&o);
+    o.deadline_ms = 3000;
+    o.retry.period_ms = o.retry.max_period_ms = 60000; /* far past the deadline */
+    cr_assert_eq(idem_client_open(&dc, (const char *[]){S.url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = "t.Pay/Down", .idempotency_key = "k-4"};
+    idem_result r;
+    cr_expect_eq(idem_client_call(dc, &q, &r), IDEM_UNAVAILABLE, "%s", r.message);
+    cr_expect_str_eq(r.message, "the ledger is down");
+    cr_expect_eq(r.attempts, 1);
+    idem_result_clear(&r);
+    idem_client_close(dc);
 }

@@ -5,8 +5,9 @@
  * token; generated when the caller gives none) and sent unchanged on every retry with
  * `attempt` + 1.
  * A timeout is "unknown", never "failed": retrying with the same key is what makes it
- * safe. Thread-safe: concurrent idem_client_call()s share the socket, each on its own
- * nng context. */
+ * safe, so a call with no key and no token is resent only when it provably did not
+ * reach the handler (it never left, or the server turned it away as busy). Thread-safe: concurrent
+ * idem_client_call()s share the socket, each on its own nng context. */
 #ifndef IDEMRPC_CLIENT_H
 #define IDEMRPC_CLIENT_H
 
@@ -38,7 +39,12 @@ typedef struct idem_client_opts {
     const char *caller;          /* default caller, copied; NULL = "" */
     idem_retry_policy retry;
     /* true: a call without key or token is sent without a key (the server decides:
-     * a KEY_REQUIRED method refuses it) instead of with a generated one. */
+     * a KEY_REQUIRED method refuses it) instead of with a generated one. The retryer
+     * does not resend such a call after a timeout, a lost connection or an answer its
+     * handler may have given: only when it never left, or after RESOURCE_EXHAUSTED
+     * with retry-after-ms (the server's back-pressure, before its queue). (nng 1.5's
+     * req0 itself still sends a request again, within the attempt, on another
+     * connection of this client when the first one is lost: docs/semantics.md.) */
     bool never_generate_key;
     /* Signs every attempt (metadata idem-signature, idem-timestamp) as its caller (the
      * request's, else the default) with this secret, copied; 16..256 bytes. NULL = unsigned.
@@ -107,8 +113,10 @@ IDEM_API idem_code idem_client_open(idem_client **out, const char *const *urls, 
  * socket until the process exits. */
 IDEM_API void idem_client_close(idem_client *c);
 
-/* Runs one logical call with retries. Returns the final code (also in out->code); a
- * transport failure on the last attempt is IDEM_UNAVAILABLE or IDEM_DEADLINE_EXCEEDED. */
+/* Runs one logical call with retries. Returns the final code (also in out->code): the
+ * last attempt's answer, also when the call's deadline leaves no time for the next
+ * backoff; a transport failure on the last attempt is IDEM_UNAVAILABLE or
+ * IDEM_DEADLINE_EXCEEDED. */
 IDEM_API idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out);
 
 /* Calls idem.Token/Issue; copies the token into buf (cap >= 32). */

@@ -213,11 +213,15 @@ static void reply_free(reply *rep)
 }
 
 /* One attempt: send, wait up to timeout_ms for the reply. Returns the transport
- * outcome; on IDEM_OK rep->resp holds the decoded response (free with reply_free). */
-static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms, reply *rep)
+ * outcome; on IDEM_OK rep->resp holds the decoded response (free with reply_free).
+ * *sent: nng handed the request to a connection (req0 completes the send then), so the
+ * server may have it; false only when it provably never left. */
+static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms, reply *rep,
+                              bool *sent)
 {
     ctx_slot *slot = NULL;
     int rv;
+    *sent = false;
     idem_code code = slot_get(c, &slot);
     if (code != IDEM_OK) {
         nng_msg_free(msg);
@@ -230,6 +234,7 @@ static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
     nng_ctx_send(ctx, aio);
     nng_aio_wait(aio);
     if ((rv = nng_aio_result(aio)) == 0) {
+        *sent = true;
         nng_ctx_recv(ctx, aio);
         nng_aio_wait(aio);
         rv = nng_aio_result(aio);
@@ -296,28 +301,61 @@ static idem_code call_result(idem_result *out, reply *rep, const Idem__V1__Respo
     return code;
 }
 
+/* Whether an answer (code, with resp when one arrived and its retry-after hint) may be
+ * followed by another attempt. A call with a key (or a token, which the server makes its
+ * key) is retried on every transient answer: the server dedupes the repeat. A call with
+ * neither is resent only when it provably did not reach the handler: it never left
+ * (!sent), or the server turned it away before queueing it (back-pressure:
+ * RESOURCE_EXHAUSTED with retry-after-ms). After a timeout, a lost connection or any
+ * other answer its effect may have happened, and a resend would be a second one. */
+static bool may_resend(bool keyed, idem_code code, const Idem__V1__Response *resp, bool sent,
+                       uint32_t hint)
+{
+    if (!retryable(code, hint)) {
+        return false;
+    }
+    return keyed || !sent || (resp != NULL && code == IDEM_RESOURCE_EXHAUSTED && hint > 0);
+}
+
 /* The pause before attempt+1: the policy's backoff, or the server's retry-after hint
- * when longer, cut to what is left before end (monotonic ms). */
-static void backoff_wait(const idem_client *c, uint32_t attempt, uint32_t hint, uint64_t end)
+ * when longer. false, without waiting, when it would reach the call's end (monotonic
+ * ms): no attempt is left, and the call reports the answer it has. */
+static bool backoff_wait(const idem_client *c, uint32_t attempt, uint32_t hint, uint64_t end)
 {
     uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
     wait = hint > wait ? hint : wait;
-    uint64_t now = idem__mono_ms();
-    if (now + wait >= end) {
-        wait = end > now ? (uint32_t)(end - now) : 0;
+    if (idem__mono_ms() + wait >= end) {
+        return false;
     }
     idem__sleep_ms(wait);
+    return true;
+}
+
+/* The next attempt's reply wait (*timeout, ms) and the deadline it sends (unix ms): the
+ * attempt timeout, cut to what is left of the call. false when nothing is left. */
+static bool attempt_bounds(const idem_client *c, uint64_t end, uint64_t deadline_unix,
+                           uint32_t *timeout, uint64_t *deadline)
+{
+    uint64_t now = idem__mono_ms();
+    if (now >= end) {
+        return false;
+    }
+    uint64_t left = end - now;
+    *timeout = left < c->opts.attempt_timeout_ms ? (uint32_t)left : c->opts.attempt_timeout_ms;
+    /* The attempt's own deadline: a duplicate waiting on the server answers ABORTED
+     * "in progress" before this attempt gives up, instead of after. */
+    *deadline = idem__now_ms() + *timeout;
+    *deadline = *deadline > deadline_unix ? deadline_unix : *deadline;
+    return true;
 }
 
 idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out)
 {
     const char *caller = req->caller != NULL ? req->caller : c->caller;
     uint32_t total_ms = req->deadline_ms ? req->deadline_ms : c->opts.deadline_ms;
-    uint64_t start = idem__mono_ms(), end = start + total_ms;
-    uint64_t deadline_unix = idem__now_ms() + total_ms;
-    idem_code code = IDEM_OK;
-
+    uint64_t end = idem__mono_ms() + total_ms, deadline_unix = idem__now_ms() + total_ms;
     idem_key_source source;
+    idem_code code;
 
     memset(out, 0, sizeof(*out));
     code = req->method == NULL
@@ -327,44 +365,35 @@ idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result 
         out->message = idem__strdup(idem_errmsg());
         return out->code = code;
     }
-    bool key_generated = source == IDEM_KEY_GENERATED;
     /* the field carries the key unless the caller's is in metadata (sent as it is) */
     const char *field = source == IDEM_KEY_METADATA ? "" : out->key;
+    bool keyed = out->key[0] != '\0' || (req->token != NULL && req->token[0] != '\0');
     reply rep = {.msg = NULL, .resp = NULL};
     for (uint32_t attempt = 1;; attempt++) {
-        Idem__V1__Response *resp = NULL;
+        uint32_t timeout;
+        uint64_t attempt_deadline;
         nng_msg *msg = NULL;
-        uint64_t now = idem__mono_ms();
-        if (now >= end) {
+        bool sent;
+        if (!attempt_bounds(c, end, deadline_unix, &timeout, &attempt_deadline)) {
             code = idem__err(IDEM_DEADLINE_EXCEEDED, "call deadline of %u ms passed", total_ms);
             break;
         }
-        uint64_t left = end - now;
-        uint32_t timeout =
-            left < c->opts.attempt_timeout_ms ? (uint32_t)left : c->opts.attempt_timeout_ms;
-        /* The attempt's own deadline: a duplicate waiting on the server answers ABORTED
-         * "in progress" before this attempt gives up, instead of after. */
-        uint64_t attempt_deadline = idem__now_ms() + timeout;
-        if (attempt_deadline > deadline_unix) {
-            attempt_deadline = deadline_unix;
-        }
-        if ((code = idem__client_build_msg(c, req, caller, field, key_generated, attempt,
-                                           attempt_deadline, deadline_unix, &msg)) != IDEM_OK) {
+        if ((code = idem__client_build_msg(c, req, caller, field, source == IDEM_KEY_GENERATED,
+                                           attempt, attempt_deadline, deadline_unix, &msg)) !=
+            IDEM_OK) {
             break;
         }
         out->attempts = attempt;
-        code = attempt_once(c, msg, timeout, &rep);
-        if (code == IDEM_OK) {
-            resp = rep.resp;
-            code = (idem_code)resp->code;
-        }
+        code = attempt_once(c, msg, timeout, &rep, &sent);
+        const Idem__V1__Response *resp = code == IDEM_OK ? rep.resp : NULL;
+        code = resp != NULL ? (idem_code)resp->code : code;
         uint32_t hint = retry_after_hint(resp);
-        if (!retryable(code, hint) || attempt >= c->opts.retry.max_attempts) {
+        if (attempt >= c->opts.retry.max_attempts || !may_resend(keyed, code, resp, sent, hint) ||
+            !backoff_wait(c, attempt, hint, end)) {
             code = resp != NULL ? call_result(out, &rep, resp, code) : code;
             break;
         }
         reply_free(&rep);
-        backoff_wait(c, attempt, hint, end);
     }
     if (out->message == NULL && code != IDEM_OK) {
         out->message = idem__strdup(idem_errmsg());
