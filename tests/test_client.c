@@ -1,6 +1,7 @@
 /* idem_client against a real server: the call's key resolved as the server resolves it
  * (field, metadata, token, generated), no resend of a keyless call whose outcome may
- * have happened, and the last answer reported when the deadline ends the retries. */
+ * have happened, the last answer reported when the deadline ends the retries, and
+ * derived keys that no two calls share. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -8,8 +9,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "call.h"
 #include "idemrpc.pb-c.h"
 #include "testutil.h"
+
+#include "idemrpc/downstream.h"
 
 static tu_server S;
 static idem_client *C;
@@ -291,4 +295,76 @@ Test(client, a_deadline_that_cuts_the_last_backoff_short_reports_the_last_answer
     cr_expect_eq(r.attempts, 1);
     idem_result_clear(&r);
     idem_client_close(dc);
+}
+
+/* ---- (d) derived keys: one encoding, no two (step, generation, undo) alike ---- */
+
+/* What 0cf25cb derived: the length-prefixed caller, method, key, step (and "undo"),
+ * then the generation's 8 bytes when it is not 0. */
+static void derived_before(const idem_call *call, const char *step, uint64_t gen, bool undo,
+                           char out[IDEM_DERIVED_KEY_LEN + 1])
+{
+    const char *parts[5] = {idem_call_caller(call), idem_call_method(call), idem_call_key(call),
+                            step, "undo"};
+    uint8_t d[32], g[8];
+    idem__put_be64(g, gen);
+    cr_assert(idem__lp_sha256(parts, undo ? 5 : 4, gen ? g : NULL, sizeof(g), d));
+    out[0] = 'd';
+    out[1] = '-';
+    idem__hex(out + 2, d, sizeof(d));
+}
+
+/* The derived key of step at generation gen (of its undo when undo), as a run of this
+ * call would derive it. */
+static void derived_now(idem_call *call, const char *step, uint64_t gen, bool undo,
+                        char out[IDEM_DERIVED_KEY_LEN + 1])
+{
+    uint64_t was_gen = call->step_gen;
+    const char *was_undoing = call->undoing;
+    call->step_gen = gen;
+    call->undoing = undo ? step : NULL;
+    cr_assert_eq(idem_call_derive_key(call, step, out), IDEM_OK, "%s", idem_errmsg());
+    call->step_gen = was_gen;
+    call->undoing = was_undoing;
+}
+
+/* Answers "collisions=N changed=M": keys two different derivations share, and keys of
+ * reachable generations that differ from what 0cf25cb derived. */
+static idem_code h_derive(idem_call *call, void *arg)
+{
+    (void)arg;
+    /* be64 of this generation is be32(4) "undo": the step's key at it was the undo's at 0 */
+    const uint64_t crafted = 0x00000004756e646fULL;
+    const uint64_t gens[] = {0, 1, 7, UINT32_MAX};
+    char a[IDEM_DERIVED_KEY_LEN + 1], b[IDEM_DERIVED_KEY_LEN + 1], out[64];
+    int collisions = 0, changed = 0;
+    derived_now(call, "s", crafted, false, a);
+    derived_now(call, "s", 0, true, b);
+    collisions += strcmp(a, b) == 0;
+    for (size_t i = 0; i < 2 * IDEM_ARRAY_LEN(gens); i++) {
+        derived_now(call, "charge", gens[i / 2], i % 2, a);
+        derived_before(call, "charge", gens[i / 2], i % 2, b);
+        changed += strcmp(a, b) != 0;
+    }
+    int n = snprintf(out, sizeof(out), "collisions=%d changed=%d", collisions, changed);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+Test(client, no_two_steps_undos_or_generations_share_a_derived_key_and_old_keys_stay)
+{
+    idem_method_opts required = {.flags = IDEM_METHOD_KEY_REQUIRED};
+    tu_server d;
+    tu_server_create(&d, NULL);
+    cr_assert_eq(idem_server_register(d.srv, "t.Order/Derive", h_derive, NULL, &required), IDEM_OK);
+    tu_server_listen(&d);
+    idem_client *dc = tu_client(d.url, 2000);
+    idem_request q = {.method = "t.Order/Derive", .idempotency_key = "order-1"};
+    idem_result r;
+    cr_assert_eq(idem_client_call(dc, &q, &r), IDEM_OK, "%s", r.message);
+    cr_expect_eq(r.payload_len, strlen("collisions=0 changed=0"));
+    cr_expect_eq(memcmp(r.payload, "collisions=0 changed=0", r.payload_len), 0, "%.*s",
+                 (int)r.payload_len, (const char *)r.payload);
+    idem_result_clear(&r);
+    idem_client_close(dc);
+    tu_server_destroy(&d, false);
 }
