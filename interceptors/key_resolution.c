@@ -77,9 +77,7 @@ static idem_code resolve_key(idem_call *call)
     idem_code code;
 
     if (conflict) {
-        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
-                            "the idempotency_key field and metadata idempotency-key name two "
-                            "different keys: send one of them");
+        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, IDEM__KEY_CONFLICT);
     }
     if (source == IDEM_KEY_METADATA && !set_key(call, named, IDEM_KEY_METADATA)) {
         return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,

@@ -6,8 +6,9 @@
  * `attempt` + 1.
  * A timeout is "unknown", never "failed": retrying with the same key is what makes it
  * safe, so a call with no key and no token is resent only when it provably did not
- * reach the handler (it never left, or the server turned it away as busy). Thread-safe: concurrent
- * idem_client_call()s share the socket, each on its own nng context. */
+ * reach the handler (it never left, or the server turned it away as busy).
+ * Thread-safe: concurrent idem_client_call()s share the socket, each on its own nng
+ * context. */
 #ifndef IDEMRPC_CLIENT_H
 #define IDEMRPC_CLIENT_H
 

@@ -28,9 +28,7 @@ idem_code idem__client_fix_key(const idem_request *req, bool never_generate,
         idem__request_key(req->idempotency_key, idem__client_request_meta(req, "idempotency-key"),
                           false, source, &conflict);
     if (conflict) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "the idempotency_key field and metadata "
-                                                "idempotency-key name two different keys: "
-                                                "send one of them");
+        return idem__err(IDEM_INVALID_ARGUMENT, IDEM__KEY_CONFLICT);
     }
     if (named != NULL) {
         if (strlen(named) > IDEM_CLIENT_KEY_MAX) {

@@ -74,6 +74,10 @@ bool idem__signature_equal(const char *a, const char *b);
  * *source: IDEM_KEY_FIELD, IDEM_KEY_GENERATED, IDEM_KEY_METADATA or IDEM_KEY_NONE. */
 const char *idem__request_key(const char *field, const char *meta, bool field_generated,
                               idem_key_source *source, bool *conflict);
+/* Why a request whose field and metadata name two different keys is refused. */
+#define IDEM__KEY_CONFLICT                                                                         \
+    "the idempotency_key field and metadata idempotency-key name two different keys: send "        \
+    "one of them"
 /* Whether metadata idem-key-generated (its value, or NULL) marks a generated key. */
 static inline bool idem__key_generated(const char *value)
 {
