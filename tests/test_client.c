@@ -2,7 +2,10 @@
  * (field, metadata, token, generated), no resend of a keyless call whose outcome may
  * have happened, the last answer reported when the deadline ends the retries, and
  * derived keys that no two calls share. */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -265,6 +268,59 @@ Test(client, a_keyless_call_that_never_left_is_resent)
     cr_expect_eq(r.attempts, 3);
     idem_result_clear(&r);
     idem_client_close(kc);
+}
+
+/* A peer that takes the first request on url and goes away without answering (its
+ * connection is lost after the send), then listens again on url: what reaches it now
+ * was sent again. */
+typedef struct vanishing_peer {
+    char url[64];
+    nng_socket sock;
+    pthread_t thread;
+} vanishing_peer;
+
+static void *vanish(void *arg)
+{
+    vanishing_peer *p = arg;
+    nng_msg *m;
+    cr_assert_eq(nng_recvmsg(p->sock, &m, 0), 0);
+    nng_msg_free(m);
+    cr_assert_eq(nng_close(p->sock), 0);
+    cr_assert_eq(nng_rep0_open(&p->sock), 0);
+    cr_assert_eq(nng_listen(p->sock, p->url, NULL, 0), 0);
+    return NULL;
+}
+
+static void vanishing_peer_start(vanishing_peer *p)
+{
+    nng_listener l;
+    nng_sockaddr sa;
+    cr_assert_eq(nng_rep0_open(&p->sock), 0);
+    cr_assert_eq(nng_socket_set_ms(p->sock, NNG_OPT_RECVTIMEO, 30000), 0);
+    cr_assert_eq(nng_listen(p->sock, "tcp://127.0.0.1:0", &l, 0), 0);
+    cr_assert_eq(nng_listener_get_addr(l, NNG_OPT_LOCADDR, &sa), 0);
+    snprintf(p->url, sizeof(p->url), "tcp://127.0.0.1:%u", ntohs(sa.s_in.sa_port));
+    cr_assert_eq(pthread_create(&p->thread, NULL, vanish, p), 0);
+}
+
+Test(client, a_keyless_call_whose_connection_was_lost_after_the_send_is_not_resent)
+{
+    vanishing_peer p;
+    nng_msg *again = NULL;
+    vanishing_peer_start(&p);
+    idem_client *kc = keyless_client(p.url, 1000);
+    idem_request q = {.method = "t.Pay/Gated"};
+    idem_result r;
+    cr_expect_eq(idem_client_call(kc, &q, &r), IDEM_UNAVAILABLE, "%s", r.message);
+    cr_expect_eq(r.attempts, 1, "a call that may have run was sent %u times", r.attempts);
+    pthread_join(p.thread, NULL);
+    cr_expect_eq(nng_recvmsg(p.sock, &again, NNG_FLAG_NONBLOCK), NNG_EAGAIN, "sent again");
+    if (again != NULL) {
+        nng_msg_free(again);
+    }
+    idem_result_clear(&r);
+    idem_client_close(kc);
+    nng_close(p.sock);
 }
 
 Test(client, a_keyed_call_whose_attempt_timed_out_is_resent_with_its_key)

@@ -43,9 +43,7 @@ typedef struct idem_client_opts {
      * a KEY_REQUIRED method refuses it) instead of with a generated one. The retryer
      * does not resend such a call after a timeout, a lost connection or an answer its
      * handler may have given: only when it never left, or after RESOURCE_EXHAUSTED
-     * with retry-after-ms (the server's back-pressure, before its queue). (nng 1.5's
-     * req0 itself still sends a request again, within the attempt, on another
-     * connection of this client when the first one is lost: docs/semantics.md.) */
+     * with retry-after-ms (the server's back-pressure, before its queue). */
     bool never_generate_key;
     /* Signs every attempt (metadata idem-signature, idem-timestamp) as its caller (the
      * request's, else the default) with this secret, copied; 16..256 bytes. NULL = unsigned.
