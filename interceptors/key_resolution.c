@@ -2,8 +2,9 @@
  *
  * Request id: Request.request_id, else metadata "x-request-id", else 128 random bits in
  * hex. Key: the method's business key (extractor) when the request carries one, else
- * Request.idempotency_key, else metadata "idempotency-key", else the token. The key is
- * scoped later by (caller, method). */
+ * the key the request names (idem__request_key: Request.idempotency_key, else metadata
+ * "idempotency-key", which wins over a key idem_client generated; two different keys
+ * are refused), else the token. The key is scoped later by (caller, method). */
 #include <string.h>
 
 #include "builtins.h"
@@ -59,21 +60,26 @@ static idem_code extract_key(idem_call *call, char buf[IDEM_MAX_KEY + 2])
 
 /* Returns IDEM_OK, or INVALID_ARGUMENT for a key that is present but unusable.
  *
+ * The key the request names is idem__request_key's, the rule idem_client follows too.
  * A method's business key IS its key: the same callback sent twice carries one
  * out_trade_no whatever keys the senders chose, so an explicit key that differs is
  * refused (accepting it would let `--key K` run the debit a second time) and a key
  * idem_client generated yields to it. */
 static idem_code resolve_key(idem_call *call)
 {
-    const char *field = call->req->idempotency_key;
-    const char *meta = idem_call_metadata(call, "idempotency-key");
     const char *gen = idem_call_metadata(call, IDEM_META_KEY_GENERATED);
-    const char *explicit = field[0] != '\0' ? field : meta;
-    bool generated = explicit == field && gen != NULL && strcmp(gen, "1") == 0;
+    idem_key_source source;
+    bool conflict;
+    const char *named =
+        idem__request_key(call->req->idempotency_key, idem_call_metadata(call, "idempotency-key"),
+                          idem__key_generated(gen), &source, &conflict);
     char business[IDEM_MAX_KEY + 2];
     idem_code code;
 
-    if (explicit == meta && meta != NULL && !set_key(call, meta, IDEM_KEY_METADATA)) {
+    if (conflict) {
+        return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT, IDEM__KEY_CONFLICT);
+    }
+    if (source == IDEM_KEY_METADATA && !set_key(call, named, IDEM_KEY_METADATA)) {
         return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
                             "metadata idempotency-key must be 1..%d bytes of UTF-8", IDEM_MAX_KEY);
     }
@@ -81,7 +87,7 @@ static idem_code resolve_key(idem_call *call)
         return code;
     }
     if (business[0] != '\0') {
-        if (explicit != NULL && !generated && strcmp(explicit, business) != 0) {
+        if (named != NULL && source != IDEM_KEY_GENERATED && strcmp(named, business) != 0) {
             return idem__reject(call, IDEM_REASON_BAD_KEY, IDEM_INVALID_ARGUMENT,
                                 "method %s derives its idempotency key from the request (its "
                                 "business key); an explicit key that differs is refused: send "
@@ -89,9 +95,9 @@ static idem_code resolve_key(idem_call *call)
                                 call->method->name);
         }
         set_key(call, business, IDEM_KEY_EXTRACTED);
-    } else if (explicit == field && field[0] != '\0') {
-        set_key(call, field, generated ? IDEM_KEY_GENERATED : IDEM_KEY_FIELD);
-    } else if (explicit == NULL) {
+    } else if (source == IDEM_KEY_FIELD || source == IDEM_KEY_GENERATED) {
+        set_key(call, named, source);
+    } else if (source == IDEM_KEY_NONE) {
         set_key(call, call->req->token, IDEM_KEY_TOKEN);
     }
     return IDEM_OK;

@@ -299,6 +299,7 @@ static void expect_key(idem_key_source source, const char *key)
 Test(key, business_key_is_the_key_and_a_differing_explicit_key_is_refused)
 {
     offer_every_key_source();
+    w.req.n_metadata = 0;
     cr_expect_eq(run(), IDEM_INVALID_ARGUMENT, "field-key differs from T-1001@alipay");
     cr_expect_eq(w.handler_runs, 0);
     cr_expect(strstr(idem_call_message(&w.call), "business key") != NULL);
@@ -312,11 +313,21 @@ Test(key, an_explicit_key_equal_to_the_business_key_is_accepted)
     expect_key(IDEM_KEY_EXTRACTED, "T-1001@alipay");
 }
 
-Test(key, field_wins_over_metadata_and_token_without_a_business_key)
+Test(key, field_wins_over_the_token_without_a_business_key)
 {
     offer_every_key_source();
+    w.req.n_metadata = 0;
     w.req.payload.len = 0; /* the extractor finds nothing */
     expect_key(IDEM_KEY_FIELD, "field-key");
+}
+
+Test(key, a_field_and_metadata_that_name_two_keys_are_refused)
+{
+    offer_every_key_source();
+    w.req.payload.len = 0;
+    cr_expect_eq(run(), IDEM_INVALID_ARGUMENT);
+    cr_expect_eq(w.handler_runs, 0);
+    cr_expect(strstr(idem_call_message(&w.call), "two different keys") != NULL);
 }
 
 Test(key, metadata_comes_second)

@@ -1,10 +1,14 @@
 /* idem_client: req0 client with a Feign-style retryer.
  *
- * One logical call = one idempotency key, fixed before the first attempt (generated
- * when the caller gives none) and sent unchanged on every retry with `attempt` + 1.
+ * One logical call = one idempotency key, fixed before the first attempt as the server
+ * resolves it (the idempotency_key field, else metadata "idempotency-key", else the
+ * token; generated when the caller gives none) and sent unchanged on every retry with
+ * `attempt` + 1.
  * A timeout is "unknown", never "failed": retrying with the same key is what makes it
- * safe. Thread-safe: concurrent idem_client_call()s share the socket, each on its own
- * nng context. */
+ * safe, so a call with no key and no token is resent only when it provably did not
+ * reach the handler (it never left, or the server turned it away as busy).
+ * Thread-safe: concurrent idem_client_call()s share the socket, each on its own nng
+ * context. */
 #ifndef IDEMRPC_CLIENT_H
 #define IDEMRPC_CLIENT_H
 
@@ -36,7 +40,10 @@ typedef struct idem_client_opts {
     const char *caller;          /* default caller, copied; NULL = "" */
     idem_retry_policy retry;
     /* true: a call without key or token is sent without a key (the server decides:
-     * a KEY_REQUIRED method refuses it) instead of with a generated one. */
+     * a KEY_REQUIRED method refuses it) instead of with a generated one. The retryer
+     * does not resend such a call after a timeout, a lost connection or an answer its
+     * handler may have given: only when it never left, or after RESOURCE_EXHAUSTED
+     * with retry-after-ms (the server's back-pressure, before its queue). */
     bool never_generate_key;
     /* Signs every attempt (metadata idem-signature, idem-timestamp) as its caller (the
      * request's, else the default) with this secret, copied; 16..256 bytes. NULL = unsigned.
@@ -62,7 +69,9 @@ typedef struct idem_metadata_kv {
 /* Per-call request fields; all optional except method. Strings are not retained. */
 typedef struct idem_request {
     const char *method;
-    const char *idempotency_key; /* NULL = the token if given, else generated once */
+    /* NULL = metadata "idempotency-key" if given (the field and it naming two different
+     * keys is INVALID_ARGUMENT, nothing sent), else the token, else generated once */
+    const char *idempotency_key;
     const char *token;
     const char *caller;     /* NULL = the client's default */
     const char *request_id; /* NULL = server generates */
@@ -87,7 +96,8 @@ typedef struct idem_result {
     bool replayed;
     char *request_id;
     /* The key the server used (response metadata idem-key: e.g. the method's business
-     * key), else the one every attempt carried; "" when a token stood in for it. */
+     * key), else the one every attempt carried (field or metadata); "" when a token
+     * stood in for it, or none. */
     char key[IDEM_CLIENT_KEY_MAX + 1];
     uint32_t attempts;
 } idem_result;
@@ -102,8 +112,10 @@ IDEM_API idem_code idem_client_open(idem_client **out, const char *const *urls, 
  * socket until the process exits. */
 IDEM_API void idem_client_close(idem_client *c);
 
-/* Runs one logical call with retries. Returns the final code (also in out->code); a
- * transport failure on the last attempt is IDEM_UNAVAILABLE or IDEM_DEADLINE_EXCEEDED. */
+/* Runs one logical call with retries. Returns the final code (also in out->code): the
+ * last attempt's answer, also when the call's deadline leaves no time for the next
+ * backoff; a transport failure on the last attempt is IDEM_UNAVAILABLE or
+ * IDEM_DEADLINE_EXCEEDED. */
 IDEM_API idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out);
 
 /* Calls idem.Token/Issue; copies the token into buf (cap >= 32). */

@@ -48,11 +48,12 @@ IDEM_API idem_code idem_call_derive_key(const idem_call *call, const char *step,
                                         char out[IDEM_DERIVED_KEY_LEN + 1]);
 
 /* idem_client_call() as step `step` of call: req's idempotency_key is the derived key
- * (req must not set one, nor a caller: INVALID_ARGUMENT), its deadline the smaller of
- * req's (or the client's) and the time the upstream call has left minus the margin
- * (DEADLINE_EXCEEDED without sending when nothing is left), its request id the
- * upstream's unless req sets one, and the upstream's traceparent / tracestate metadata
- * are added unless req sets them. The client retries as usual, always with that key. */
+ * (req must not set one, in the field or in metadata, nor a caller: INVALID_ARGUMENT),
+ * its deadline the smaller of req's (or the client's) and the time the upstream call
+ * has left minus the margin (DEADLINE_EXCEEDED without sending when nothing is left),
+ * its request id the upstream's unless req sets one, and the upstream's traceparent /
+ * tracestate metadata are added unless req sets them. The client retries as usual,
+ * always with that key. */
 IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, const char *step,
                                         const idem_request *req, idem_result *out);
 

@@ -5,7 +5,6 @@
 #include <math.h>
 #include <pthread.h>
 #include <nng/nng.h>
-#include <nng/supplemental/tls/tls.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,84 +73,6 @@ static idem_code copy_strings(idem_client *c)
     return IDEM_OK;
 }
 
-/* The host of a tls+tcp://HOST:PORT URL (brackets of an IPv6 literal removed) into
- * out: the name the server's certificate must carry unless tls_server_name says. */
-static bool url_host(const char *url, char *out, size_t cap)
-{
-    const char *h = strstr(url, "://");
-    h = h != NULL ? h + 3 : url;
-    size_t n = *h == '[' ? strcspn(h + 1, "]") : strcspn(h, ":/");
-    h += *h == '[';
-    if (n == 0 || n >= cap) {
-        return false;
-    }
-    memcpy(out, h, n);
-    out[n] = '\0';
-    return true;
-}
-
-/* The client side of tls+tcp:// for url: the server verified against tls_ca_file and
- * checked for server_name, this client's certificate when it has one. */
-static idem_code client_tls(const idem_client_opts *o, const char *url, nng_tls_config **out)
-{
-    nng_tls_config *cfg;
-    char host[256];
-    int rv;
-    *out = NULL;
-    if (o->tls_ca_file == NULL) {
-        return idem__err(IDEM_INVALID_ARGUMENT,
-                         "%s needs tls_ca_file: the server's certificate is always verified", url);
-    }
-    const char *name = o->tls_server_name;
-    if (name == NULL && !url_host(url, host, sizeof(host))) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "%s: no host to check the certificate for", url);
-    }
-    name = name != NULL ? name : host;
-    if ((rv = nng_tls_config_alloc(&cfg, NNG_TLS_MODE_CLIENT)) != 0) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "TLS config: %s", nng_strerror(rv));
-    }
-    const char *what = "tls_ca_file";
-    if ((rv = nng_tls_config_ca_file(cfg, o->tls_ca_file)) == 0 &&
-        (rv = nng_tls_config_auth_mode(cfg, NNG_TLS_AUTH_MODE_REQUIRED)) == 0 &&
-        o->tls_cert_key_file != NULL) {
-        what = "tls_cert_key_file";
-        rv = nng_tls_config_cert_key_file(cfg, o->tls_cert_key_file, NULL);
-    }
-    if (rv == 0) {
-        what = "tls_server_name";
-        rv = nng_tls_config_server_name(cfg, name);
-    }
-    if (rv != 0) {
-        nng_tls_config_free(cfg);
-        return idem__err(IDEM_INVALID_ARGUMENT, "TLS %s: %s", what, nng_strerror(rv));
-    }
-    *out = cfg;
-    return IDEM_OK;
-}
-
-/* Dials url without waiting (the server may start later); tls+ URLs over TLS. */
-static idem_code dial(nng_socket sock, const char *url, const idem_client_opts *o)
-{
-    nng_dialer d;
-    nng_tls_config *cfg = NULL;
-    idem_code code;
-    int rv;
-    if (strncmp(url, "tls+", 4) != 0) {
-        rv = nng_dial(sock, url, NULL, NNG_FLAG_NONBLOCK);
-    } else if ((code = client_tls(o, url, &cfg)) != IDEM_OK) {
-        return code;
-    } else if ((rv = nng_dialer_create(&d, sock, url)) == 0 &&
-               ((rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, cfg)) != 0 ||
-                (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0)) {
-        nng_dialer_close(d);
-    }
-    if (cfg != NULL) {
-        nng_tls_config_free(cfg); /* the dialer holds its own reference */
-    }
-    return rv == 0 ? IDEM_OK
-                   : idem__err(IDEM_INVALID_ARGUMENT, "dial %s: %s", url, nng_strerror(rv));
-}
-
 idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
                            const idem_client_opts *opts)
 {
@@ -190,7 +111,7 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
         return idem__err(IDEM_INTERNAL, "client socket options: %s", nng_strerror(rv));
     }
     for (size_t i = 0; i < n; i++) {
-        if ((code = dial(c->sock, urls[i], &c->opts)) != IDEM_OK) {
+        if ((code = idem__client_dial(c->sock, urls[i], &c->opts)) != IDEM_OK) {
             idem_client_close(c);
             return code;
         }
@@ -292,11 +213,15 @@ static void reply_free(reply *rep)
 }
 
 /* One attempt: send, wait up to timeout_ms for the reply. Returns the transport
- * outcome; on IDEM_OK rep->resp holds the decoded response (free with reply_free). */
-static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms, reply *rep)
+ * outcome; on IDEM_OK rep->resp holds the decoded response (free with reply_free).
+ * *sent: nng handed the request to a connection (req0 completes the send then), so the
+ * server may have it; false only when it provably never left. */
+static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms, reply *rep,
+                              bool *sent)
 {
     ctx_slot *slot = NULL;
     int rv;
+    *sent = false;
     idem_code code = slot_get(c, &slot);
     if (code != IDEM_OK) {
         nng_msg_free(msg);
@@ -309,6 +234,7 @@ static idem_code attempt_once(idem_client *c, nng_msg *msg, uint32_t timeout_ms,
     nng_ctx_send(ctx, aio);
     nng_aio_wait(aio);
     if ((rv = nng_aio_result(aio)) == 0) {
+        *sent = true;
         nng_ctx_recv(ctx, aio);
         nng_aio_wait(aio);
         rv = nng_aio_result(aio);
@@ -352,28 +278,6 @@ static uint32_t retry_after_hint(const Idem__V1__Response *r)
     return 0;
 }
 
-/* The key is fixed here, once, for every attempt of this logical call: the caller's,
- * else none when a token stands in for it (or never_generate), else a time-ordered
- * one: unix ms and 80 random bits (*generated). */
-static idem_code fix_key(const idem_request *req, bool never_generate,
-                         char key[IDEM_CLIENT_KEY_MAX + 1], bool *generated)
-{
-    if (req->idempotency_key != NULL && req->idempotency_key[0] != '\0') {
-        if (strlen(req->idempotency_key) > IDEM_CLIENT_KEY_MAX) {
-            return idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
-        }
-        strcpy(key, req->idempotency_key);
-    } else if ((req->token != NULL && req->token[0] != '\0') || never_generate) {
-        key[0] = '\0'; /* the server makes the one-time token the key, or refuses */
-    } else {
-        if (!idem__ordered_key_hex(key)) {
-            return idem__err(IDEM_INTERNAL, "getrandom failed");
-        }
-        *generated = true;
-    }
-    return IDEM_OK;
-}
-
 uint32_t idem__client_deadline_ms(const idem_client *c)
 {
     return c->opts.deadline_ms;
@@ -397,71 +301,99 @@ static idem_code call_result(idem_result *out, reply *rep, const Idem__V1__Respo
     return code;
 }
 
+/* Whether an answer (code, with resp when one arrived and its retry-after hint) may be
+ * followed by another attempt. A call with a key (or a token, which the server makes its
+ * key) is retried on every transient answer: the server dedupes the repeat. A call with
+ * neither is resent only when it provably did not reach the handler: it never left
+ * (!sent), or the server turned it away before queueing it (back-pressure:
+ * RESOURCE_EXHAUSTED with retry-after-ms). After a timeout, a lost connection or any
+ * other answer its effect may have happened, and a resend would be a second one. */
+static bool may_resend(bool keyed, idem_code code, const Idem__V1__Response *resp, bool sent,
+                       uint32_t hint)
+{
+    if (!retryable(code, hint)) {
+        return false;
+    }
+    return keyed || !sent || (resp != NULL && code == IDEM_RESOURCE_EXHAUSTED && hint > 0);
+}
+
 /* The pause before attempt+1: the policy's backoff, or the server's retry-after hint
- * when longer, cut to what is left before end (monotonic ms). */
-static void backoff_wait(const idem_client *c, uint32_t attempt, uint32_t hint, uint64_t end)
+ * when longer. false, without waiting, when it would reach the call's end (monotonic
+ * ms): no attempt is left, and the call reports the answer it has. */
+static bool backoff_wait(const idem_client *c, uint32_t attempt, uint32_t hint, uint64_t end)
 {
     uint32_t wait = idem_backoff_ms(&c->opts.retry, attempt, idem__random_unit());
     wait = hint > wait ? hint : wait;
-    uint64_t now = idem__mono_ms();
-    if (now + wait >= end) {
-        wait = end > now ? (uint32_t)(end - now) : 0;
+    if (idem__mono_ms() + wait >= end) {
+        return false;
     }
     idem__sleep_ms(wait);
+    return true;
+}
+
+/* The next attempt's reply wait (*timeout, ms) and the deadline it sends (unix ms): the
+ * attempt timeout, cut to what is left of the call. false when nothing is left. */
+static bool attempt_bounds(const idem_client *c, uint64_t end, uint64_t deadline_unix,
+                           uint32_t *timeout, uint64_t *deadline)
+{
+    uint64_t now = idem__mono_ms();
+    if (now >= end) {
+        return false;
+    }
+    uint64_t left = end - now;
+    *timeout = left < c->opts.attempt_timeout_ms ? (uint32_t)left : c->opts.attempt_timeout_ms;
+    /* The attempt's own deadline: a duplicate waiting on the server answers ABORTED
+     * "in progress" before this attempt gives up, instead of after. */
+    *deadline = idem__now_ms() + *timeout;
+    *deadline = *deadline > deadline_unix ? deadline_unix : *deadline;
+    return true;
 }
 
 idem_code idem_client_call(idem_client *c, const idem_request *req, idem_result *out)
 {
     const char *caller = req->caller != NULL ? req->caller : c->caller;
     uint32_t total_ms = req->deadline_ms ? req->deadline_ms : c->opts.deadline_ms;
-    uint64_t start = idem__mono_ms(), end = start + total_ms;
-    uint64_t deadline_unix = idem__now_ms() + total_ms;
-    idem_code code = IDEM_OK;
-
-    bool key_generated = false;
+    uint64_t end = idem__mono_ms() + total_ms, deadline_unix = idem__now_ms() + total_ms;
+    idem_key_source source;
+    idem_code code;
 
     memset(out, 0, sizeof(*out));
-    if (req->method == NULL) {
-        return out->code = idem__err(IDEM_INVALID_ARGUMENT, "method is required");
-    }
-    if ((code = fix_key(req, c->opts.never_generate_key, out->key, &key_generated)) != IDEM_OK) {
+    code = req->method == NULL
+               ? idem__err(IDEM_INVALID_ARGUMENT, "method is required")
+               : idem__client_fix_key(req, c->opts.never_generate_key, out->key, &source);
+    if (code != IDEM_OK) {
+        out->message = idem__strdup(idem_errmsg());
         return out->code = code;
     }
+    /* the field carries the key unless the caller's is in metadata (sent as it is) */
+    const char *field = source == IDEM_KEY_METADATA ? "" : out->key;
+    bool keyed = out->key[0] != '\0' || (req->token != NULL && req->token[0] != '\0');
     reply rep = {.msg = NULL, .resp = NULL};
     for (uint32_t attempt = 1;; attempt++) {
-        Idem__V1__Response *resp = NULL;
+        uint32_t timeout;
+        uint64_t attempt_deadline;
         nng_msg *msg = NULL;
-        uint64_t now = idem__mono_ms();
-        if (now >= end) {
+        bool sent;
+        if (!attempt_bounds(c, end, deadline_unix, &timeout, &attempt_deadline)) {
             code = idem__err(IDEM_DEADLINE_EXCEEDED, "call deadline of %u ms passed", total_ms);
             break;
         }
-        uint64_t left = end - now;
-        uint32_t timeout =
-            left < c->opts.attempt_timeout_ms ? (uint32_t)left : c->opts.attempt_timeout_ms;
-        /* The attempt's own deadline: a duplicate waiting on the server answers ABORTED
-         * "in progress" before this attempt gives up, instead of after. */
-        uint64_t attempt_deadline = idem__now_ms() + timeout;
-        if (attempt_deadline > deadline_unix) {
-            attempt_deadline = deadline_unix;
-        }
-        if ((code = idem__client_build_msg(c, req, caller, out->key, key_generated, attempt,
-                                           attempt_deadline, deadline_unix, &msg)) != IDEM_OK) {
+        if ((code = idem__client_build_msg(c, req, caller, field, source == IDEM_KEY_GENERATED,
+                                           attempt, attempt_deadline, deadline_unix, &msg)) !=
+            IDEM_OK) {
             break;
         }
         out->attempts = attempt;
-        code = attempt_once(c, msg, timeout, &rep);
-        if (code == IDEM_OK) {
-            resp = rep.resp;
-            code = (idem_code)resp->code;
-        }
+        code = attempt_once(c, msg, timeout, &rep, &sent);
+        const Idem__V1__Response *resp = code == IDEM_OK ? rep.resp : NULL;
+        code = resp != NULL ? (idem_code)resp->code : code;
         uint32_t hint = retry_after_hint(resp);
-        if (!retryable(code, hint) || attempt >= c->opts.retry.max_attempts) {
+        if (attempt >= c->opts.retry.max_attempts || !may_resend(keyed, code, resp, sent, hint) ||
+            !backoff_wait(c, attempt, hint, end)) {
             code = resp != NULL ? call_result(out, &rep, resp, code) : code;
             break;
         }
         reply_free(&rep);
-        backoff_wait(c, attempt, hint, end);
     }
     if (out->message == NULL && code != IDEM_OK) {
         out->message = idem__strdup(idem_errmsg());

@@ -1,5 +1,6 @@
 /* The client's state, shared by its files: client.c (the socket, its contexts, the
- * retrying call) and envelope.c (the request envelope and the result). */
+ * retrying call), dial.c (its dialers) and envelope.c (the call's key, the request
+ * envelope and the result). */
 #ifndef IDEMRPC_CLIENT_INTERNAL_H
 #define IDEMRPC_CLIENT_INTERNAL_H
 
@@ -27,6 +28,19 @@ struct idem_client {
     size_t n_idle;
 };
 
+/* Dials url without waiting (the server may start later); tls+ URLs over TLS (dial.c). */
+idem_code idem__client_dial(nng_socket sock, const char *url, const idem_client_opts *o);
+
+/* The value of the request's metadata entry name, or NULL. */
+const char *idem__client_request_meta(const idem_request *req, const char *name);
+/* The call's key into key, fixed once for every attempt as the server will resolve it
+ * (idem__request_key): the caller's, from the field or from metadata (both sent as they
+ * are), else none when a token stands in for it (or never_generate), else a time-ordered
+ * one for the field (unix ms and 80 random bits). *source says which: IDEM_KEY_FIELD,
+ * IDEM_KEY_METADATA, IDEM_KEY_GENERATED or IDEM_KEY_NONE. INVALID_ARGUMENT when the
+ * field and metadata name two different keys, or the key is too long. */
+idem_code idem__client_fix_key(const idem_request *req, bool never_generate,
+                               char key[IDEM_CLIENT_KEY_MAX + 1], idem_key_source *source);
 /* Encodes the request for one attempt into a new nng message. */
 idem_code idem__client_build_msg(const idem_client *c, const idem_request *r, const char *caller,
                                  const char *key, bool key_generated, uint32_t attempt,

@@ -22,12 +22,19 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
                          "(make %s KEY_REQUIRED)",
                          call->req->method);
     }
-    /* An undo's key is its own; a generation past 0 makes every key of the run new. */
+    /* An undo's key is its own; a generation past 0 makes every key of the run new.
+     * After the four parts come, each optional, "undo" (its prefix is be32 4) and the
+     * generation: its be64 while below 2^32 (so it starts with be32 0), else be32 8 and
+     * its be64. The four bytes after the parts, and after "undo", say which follows,
+     * so no two inputs run together; below 2^32 the keys are those of every earlier
+     * release (a call retried across an upgrade derives the keys its first run sent). */
     const char *parts[5] = {idem_call_caller(call), call->req->method, call->key, step, "undo"};
-    uint8_t d[32], gen[8];
-    idem__put_be64(gen, call->step_gen);
-    if (!idem__lp_sha256(parts, call->undoing != NULL ? 5 : 4, call->step_gen ? gen : NULL,
-                         sizeof(gen), d)) {
+    uint8_t d[32], gen[12];
+    size_t gen_len = call->step_gen > UINT32_MAX ? 4 : 0;
+    idem__put_be32(gen, 8);
+    idem__put_be64(gen + gen_len, call->step_gen);
+    gen_len += call->step_gen != 0 ? 8 : 0;
+    if (!idem__lp_sha256(parts, call->undoing != NULL ? 5 : 4, gen, gen_len, d)) {
         return idem__err(IDEM_INTERNAL, "sha256 failed");
     }
     out[0] = 'd';
@@ -55,16 +62,6 @@ static idem_code hop_deadline(const idem_call *call, uint32_t *ms)
     return IDEM_OK;
 }
 
-static bool has_meta(const idem_request *req, const char *name)
-{
-    for (size_t i = 0; i < req->metadata_count; i++) {
-        if (req->metadata[i].name != NULL && strcmp(req->metadata[i].name, name) == 0) {
-            return true;
-        }
-    }
-    return false;
-}
-
 idem_code idem_call_downstream(idem_call *call, idem_client *client, const char *step,
                                const idem_request *req, idem_result *out)
 {
@@ -77,10 +74,11 @@ idem_code idem_call_downstream(idem_call *call, idem_client *client, const char 
     if (call == NULL || client == NULL || req == NULL) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "downstream call needs a call, a client and a "
                                                 "request");
-    } else if (req->idempotency_key != NULL || req->caller != NULL) {
+    } else if (req->idempotency_key != NULL ||
+               idem__client_request_meta(req, "idempotency-key") != NULL || req->caller != NULL) {
         code = idem__err(IDEM_INVALID_ARGUMENT,
                          "a downstream call's key is derived and its caller is this service: "
-                         "leave idempotency_key and caller unset");
+                         "leave idempotency_key (and metadata idempotency-key) and caller unset");
     } else if (req->metadata_count > IDEM_MAX_METADATA - 2) {
         code = idem__err(IDEM_INVALID_ARGUMENT, "too many metadata entries (%zu, max %d)",
                          req->metadata_count, IDEM_MAX_METADATA - 2);
@@ -104,7 +102,7 @@ idem_code idem_call_downstream(idem_call *call, idem_client *client, const char 
     }
     for (size_t i = 0; i < 2; i++) {
         const char *v = idem_call_metadata(call, trace[i]);
-        if (v != NULL && !has_meta(req, trace[i])) {
+        if (v != NULL && idem__client_request_meta(req, trace[i]) == NULL) {
             meta[n++] = (idem_metadata_kv){trace[i], v};
         }
     }

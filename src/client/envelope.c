@@ -1,13 +1,50 @@
-/* What the client puts on the wire and takes off it: one attempt's request envelope
- * (the caller's metadata, then the library's own entries: the generated-key mark and,
- * for a signing client, the signature signed anew for every attempt, so that a retry
- * never falls out of the server's clock window), and the idem_result a response is
- * copied into (owned by the caller, freed with idem_result_clear). */
+/* What the client puts on the wire and takes off it: the call's key (fixed once for
+ * every attempt), one attempt's request envelope (the caller's metadata, then the
+ * library's own entries: the generated-key mark and, for a signing client, the
+ * signature signed anew for every attempt, so that a retry never falls out of the
+ * server's clock window), and the idem_result a response is copied into (owned by the
+ * caller, freed with idem_result_clear). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "client_internal.h"
+
+const char *idem__client_request_meta(const idem_request *req, const char *name)
+{
+    for (size_t i = 0; i < req->metadata_count; i++) {
+        if (req->metadata[i].name != NULL && strcmp(req->metadata[i].name, name) == 0) {
+            return req->metadata[i].value;
+        }
+    }
+    return NULL;
+}
+
+idem_code idem__client_fix_key(const idem_request *req, bool never_generate,
+                               char key[IDEM_CLIENT_KEY_MAX + 1], idem_key_source *source)
+{
+    bool conflict;
+    const char *named =
+        idem__request_key(req->idempotency_key, idem__client_request_meta(req, "idempotency-key"),
+                          false, source, &conflict);
+    if (conflict) {
+        return idem__err(IDEM_INVALID_ARGUMENT, IDEM__KEY_CONFLICT);
+    }
+    if (named != NULL) {
+        if (strlen(named) > IDEM_CLIENT_KEY_MAX) {
+            return idem__err(IDEM_INVALID_ARGUMENT, "idempotency key too long");
+        }
+        strcpy(key, named);
+    } else if ((req->token != NULL && req->token[0] != '\0') || never_generate) {
+        key[0] = '\0'; /* the server makes the one-time token the key, or refuses */
+    } else {
+        if (!idem__ordered_key_hex(key)) {
+            return idem__err(IDEM_INTERNAL, "getrandom failed");
+        }
+        *source = IDEM_KEY_GENERATED;
+    }
+    return IDEM_OK;
+}
 
 /* Appends one metadata entry the library adds (the room was checked). */
 static void add_entry(Idem__V1__Request__MetadataEntry *e, Idem__V1__Request__MetadataEntry **ptrs,
@@ -36,7 +73,7 @@ static idem_code sign_attempt(const idem_client *c, const Idem__V1__Request *m,
     idem_signed_fields f = {.signer = c->signer,
                             .caller = m->caller,
                             .method = m->method,
-                            .key = idem__signed_key(m->idempotency_key, meta_key),
+                            .key = idem__signed_key(m->idempotency_key, meta_key, generated),
                             .key_generated = generated,
                             .token = m->token,
                             .payload = m->payload.data,

@@ -60,9 +60,33 @@ bool idem__signature(const char *secret, const idem_signed_fields *f,
                      char out[IDEM_SIGNATURE_HEX + 1]);
 /* Constant-time comparison of two hex signatures (false unless both are 64 chars). */
 bool idem__signature_equal(const char *a, const char *b);
-/* The explicit key of a request as the server resolves it: the field, else metadata
- * idempotency-key, else "". */
-const char *idem__signed_key(const char *field, const char *meta);
+/* The key a request names, one rule for the server (key_resolution.c), idem_client
+ * (which fixes a call's key before its first attempt) and the signature, so that they
+ * agree on it:
+ *   - the idempotency_key field, when it is not empty and not a key idem_client
+ *     generated (field_generated: metadata idem-key-generated is "1");
+ *   - else metadata idempotency-key when present ("" too: the server refuses it); it
+ *     wins over a generated field (an older idem_client generated one even
+ *     when the caller's key was in metadata);
+ *   - else the generated field;
+ *   - else none: NULL and IDEM_KEY_NONE (the token stands in, or nothing).
+ * A field the caller chose and metadata that differ name two keys: *conflict (the
+ * field is returned); the server refuses such a request and idem_client never sends it.
+ * *source: IDEM_KEY_FIELD, IDEM_KEY_GENERATED, IDEM_KEY_METADATA or IDEM_KEY_NONE. */
+const char *idem__request_key(const char *field, const char *meta, bool field_generated,
+                              idem_key_source *source, bool *conflict);
+/* Why a request whose field and metadata name two different keys is refused. */
+#define IDEM__KEY_CONFLICT                                                                         \
+    "the idempotency_key field and metadata idempotency-key name two different keys: send "        \
+    "one of them"
+/* Whether metadata idem-key-generated (its value, or NULL) marks a generated key. */
+static inline bool idem__key_generated(const char *value)
+{
+    return value != NULL && value[0] == '1' && value[1] == '\0';
+}
+/* The key a signature covers: idem__request_key's, "" for none. generated is metadata
+ * idem-key-generated as sent (or NULL). */
+const char *idem__signed_key(const char *field, const char *meta, const char *generated);
 
 /* A step name of downstream.h: 1..IDEM_MAX_STEP bytes of [A-Za-z0-9._-]. */
 bool idem__step_name_ok(const char *step);

@@ -71,7 +71,24 @@ bool idem__signature_equal(const char *a, const char *b)
            CRYPTO_memcmp(a, b, IDEM_SIGNATURE_HEX) == 0;
 }
 
-const char *idem__signed_key(const char *field, const char *meta)
+const char *idem__request_key(const char *field, const char *meta, bool field_generated,
+                              idem_key_source *source, bool *conflict)
 {
-    return field != NULL && field[0] != '\0' ? field : (meta != NULL ? meta : "");
+    bool has_field = field != NULL && field[0] != '\0';
+    *conflict = has_field && !field_generated && meta != NULL && strcmp(field, meta) != 0;
+    if (has_field && (!field_generated || meta == NULL)) {
+        *source = field_generated ? IDEM_KEY_GENERATED : IDEM_KEY_FIELD;
+        return field;
+    }
+    *source = meta != NULL ? IDEM_KEY_METADATA : IDEM_KEY_NONE;
+    return meta;
+}
+
+const char *idem__signed_key(const char *field, const char *meta, const char *generated)
+{
+    idem_key_source source;
+    bool conflict;
+    const char *key =
+        idem__request_key(field, meta, idem__key_generated(generated), &source, &conflict);
+    return key != NULL ? key : "";
 }
