@@ -169,6 +169,13 @@ idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t o
 /* tokens.c */
 idem_code idem__lmdb_token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
                                 uint64_t now_ms, uint64_t *expires_ms);
+/* The token a claim's record will keep, in *tok (on a takeover, what the record it
+ * replaces kept). A takeover re-runs the same call, paid for by the token its record
+ * kept, which a release gives back: another token it comes with is checked, consumed
+ * nothing and never replaces the kept one. Otherwise the claim's token is consumed and
+ * kept. Every check comes before the write. */
+idem_code idem__lmdb_claim_token(lmdb_store *st, MDB_txn *txn, const idem_claim_req *req,
+                                 bool took_over, rec_token *tok);
 void idem__lmdb_rec_token_make(rec_token *t, const char *token, uint64_t expires_ms);
 void idem__lmdb_rec_token_read(rec_token *t, const MDB_val *v);
 bool idem__lmdb_rec_token_is(const rec_token *t, const char *token);

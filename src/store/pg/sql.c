@@ -49,6 +49,8 @@ const char *const idem__pg_sql[S_COUNT] = {
         " WHERE token = $1 FOR UPDATE SKIP LOCKED) RETURNING scope, expires_ms, " DBNOW,
     [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
                      " WHERE " KEY_WHERE,
+    /* S_TOKEN_TAKE's answer, consuming nothing (a takeover's other token). */
+    [S_TOKEN_CHECK] = "SELECT scope, expires_ms, " DBNOW " FROM idem_tokens WHERE token = $1",
     /* $7: the announcement's payload, "" for none (ANNOUNCE). */
     [S_COMPLETE] =
         "WITH d AS (UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
