@@ -18,6 +18,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int log_fd = -1;
 static const char *data_path;
+atomic_int power_cut_pass_syncs, power_cut_fail_syncs;
 
 static void init(void)
 {
@@ -26,6 +27,20 @@ static void init(void)
     if (log != NULL && data_path != NULL) {
         log_fd = (int)syscall(SYS_openat, AT_FDCWD, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
     }
+}
+
+void power_cut_record(const char *log, const char *data)
+{
+    pthread_once(&once, init); /* so that it cannot run later and undo this */
+    pthread_mutex_lock(&mu);
+    if (log_fd >= 0) {
+        syscall(SYS_close, log_fd);
+    }
+    data_path = data;
+    log_fd = log == NULL
+                 ? -1
+                 : (int)syscall(SYS_openat, AT_FDCWD, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    pthread_mutex_unlock(&mu);
 }
 
 /* fd is the data file, written without O_DSYNC. */
@@ -128,7 +143,17 @@ ssize_t write(int fd, const void *buf, size_t n)
     return rc;
 }
 
-/* A successful sync of the data file marks what was logged before it began as on disk. */
+/* Takes one from *n if it is positive. */
+static bool take_one(atomic_int *n)
+{
+    int left = atomic_load(n);
+    while (left > 0 && !atomic_compare_exchange_weak(n, &left, left - 1)) {
+    }
+    return left > 0;
+}
+
+/* A sync of the data file marks what was logged before it began as on disk, or, when it
+ * fails (power_cut_fail_syncs), as lost. */
 static int synced(int fd, long nr)
 {
     if (!logged_fd(fd)) {
@@ -137,14 +162,18 @@ static int synced(int fd, long nr)
     pthread_mutex_lock(&mu);
     off_t before = lseek(log_fd, 0, SEEK_END);
     pthread_mutex_unlock(&mu);
-    int rc = (int)syscall(nr, fd);
-    if (rc == 0) {
-        undo_rec r = {POWER_CUT_SYNC, (uint64_t)before, 0, 0};
+    bool fail = !take_one(&power_cut_pass_syncs) && take_one(&power_cut_fail_syncs);
+    int rc = fail ? -1 : (int)syscall(nr, fd);
+    if (rc == 0 || fail) {
+        undo_rec r = {fail ? POWER_CUT_FAILED : POWER_CUT_SYNC, (uint64_t)before, 0, 0};
         pthread_mutex_lock(&mu);
         if (write_all(log_fd, &r, sizeof(r)) != 0) {
             _exit(97);
         }
         pthread_mutex_unlock(&mu);
+    }
+    if (fail) {
+        errno = EIO;
     }
     return rc;
 }

@@ -163,6 +163,16 @@ typedef struct idem_group_commit {
     bool pipelined;
     uint64_t pending_ticket;
     _Atomic uint64_t durable_txnid;
+    /* After a failed sync (group_commit_pipe.c): the newest txnid whose meta page was
+     * written before it (0: none). No later sync vouches for those pages; a meta page
+     * written after the failure does. sync_mu: one commit or sync of the file at a
+     * time, its outcome recorded before the next begins. rewrite(txn, rewrite_ctx):
+     * changes a key, so that a commit writes a new meta page (NULL: none; the store sets
+     * it before its first write). */
+    _Atomic uint64_t unsure_txnid;
+    pthread_mutex_t sync_mu;
+    idem_write_fn rewrite;
+    void *rewrite_ctx;
 } idem_group_commit;
 
 /* Starts the writer thread when enabled. IDEM_RESOURCE_EXHAUSTED when it cannot. */
@@ -228,20 +238,7 @@ void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting);
  * is pending. IDEM_INTERNAL when that sync fails. */
 idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid);
 /* mdb_txn_commit, then, on a MDB_NOMETASYNC env, mdb_env_sync: durable on IDEM_OK. Every
- * commit outside a batch goes through it. */
-static inline idem_code idem__gc_commit_durable(MDB_txn *txn)
-{
-    MDB_env *env = mdb_txn_env(txn);
-    unsigned flags = 0;
-    int rc = mdb_txn_commit(txn);
-    if (rc != 0) {
-        return idem__lmdb_code(rc, "commit");
-    }
-    if (mdb_env_get_flags(env, &flags) == 0 && (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC) &&
-        (rc = mdb_env_sync(env, 1)) != 0) {
-        return idem__lmdb_code(rc, "sync after commit");
-    }
-    return IDEM_OK;
-}
+ * commit outside a batch goes through it (a failure is recorded: unsure_txnid). */
+idem_code idem__gc_commit_durable(idem_group_commit *gc, MDB_txn *txn);
 
 #endif

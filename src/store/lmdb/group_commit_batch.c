@@ -252,7 +252,7 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     pthread_mutex_unlock(&gc->mu);
 
     uint64_t t0 = idem__mono_us();
-    if (ok && (rc = mdb_txn_commit(txn)) != 0) {
+    if (ok && (rc = idem__gc_commit_batch(gc, txn)) != 0) {
         ok = false; /* commit freed the txn */
         txn = NULL;
     } else if (!ok && txn != NULL) {

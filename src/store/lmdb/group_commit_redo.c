@@ -18,10 +18,10 @@
 
 #include "group_commit_op.h"
 
-idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
+idem_code idem__gc_write_alone(idem_group_commit *gc, idem_write_fn fn, void *ctx)
 {
     MDB_txn *txn;
-    int rc = mdb_txn_begin(env, NULL, 0, &txn);
+    int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
     if (rc != 0) {
         return idem__lmdb_code(rc, "write begin");
     }
@@ -30,7 +30,7 @@ idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
         mdb_txn_abort(txn);
         return code;
     }
-    return idem__gc_commit_durable(txn); /* its own sync: no batch follows to flush it */
+    return idem__gc_commit_durable(gc, txn); /* its own sync: no batch follows to flush it */
 }
 
 void idem__gc_op_finish(idem_write_op *op, idem_code code)
@@ -78,11 +78,11 @@ void idem__gc_redo(idem_group_commit *gc, idem_gc_batch *b)
         next = op->next; /* op may be gone once posted */
         if (op->kind == OP_HELD && op->posted) {
             /* A failure here: the claim is not in the store, and whoever asks finds so. */
-            (void)idem__gc_write_alone(gc->env, op->redo, op->ctx);
+            (void)idem__gc_write_alone(gc, op->redo, op->ctx);
             continue;
         }
         op->ticket = op->kind == OP_HELD ? 0 : op->ticket;
-        idem__gc_op_finish(op, idem__gc_write_alone(gc->env, op->fn, op->ctx));
+        idem__gc_op_finish(op, idem__gc_write_alone(gc, op->fn, op->ctx));
         idem__gc_op_post(op);
     }
 }

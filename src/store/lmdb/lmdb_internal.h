@@ -21,7 +21,8 @@
  * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
  * thread's batches), group_commit_redo.c (a batch whose commit failed), group_commit_pipe.c
- * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC);
+ * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC),
+ * group_commit_sync.c (the file's syncs, and what a sync vouches for after a failed one);
  * load.c (the benchmark's bulk load, store_lmdb.h). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H
@@ -116,7 +117,7 @@ typedef struct write_args {
 extern const idem_store_ops idem__lmdb_ops;
 int idem__lmdb_read_begin(lmdb_store *st, MDB_txn **txn);
 void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn);
-idem_code idem__lmdb_commit(MDB_txn *txn);
+idem_code idem__lmdb_commit(lmdb_store *st, MDB_txn *txn);
 
 /* records.c */
 idem_code idem__lmdb_rec_key_make(rec_key *k, const idem_key_ref *ref);
