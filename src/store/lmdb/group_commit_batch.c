@@ -101,7 +101,7 @@ static idem_code apply_nested(MDB_txn *txn, idem_write_op *op, bool *poisoned)
         *poisoned = true;
         return idem__lmdb_code(rc, "write begin");
     }
-    idem_code code = op->fn(child, op->ctx);
+    idem_code code = idem__gc_apply_fn(op->fn, child, op->ctx);
     if (code != IDEM_OK) {
         mdb_txn_abort(child);
         return code;
@@ -128,7 +128,7 @@ static idem_code apply_op(MDB_txn *txn, idem_write_op *op, idem_gc_batch *b, boo
     if (!room) {
         return apply_nested(txn, op, poisoned);
     }
-    idem_code code = op->fn(txn, op->ctx);
+    idem_code code = idem__gc_apply_fn(op->fn, txn, op->ctx);
     if (code == IDEM_RESOURCE_EXHAUSTED || code == IDEM_INTERNAL) {
         *poisoned = true;
     }
