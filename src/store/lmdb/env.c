@@ -68,7 +68,7 @@ idem_code idem__lmdb_commit(lmdb_store *st, MDB_txn *txn)
     return idem__gc_commit_durable(&st->gc, txn); /* its meta page too (MDB_NOMETASYNC) */
 }
 
-/* Group commit's re-write after a failed sync (group_commit_pipe.c): a key of the meta
+/* Group commit's re-write after a failed sync (group_commit_sync.c): a key of the meta
  * db changes, so that the commit writes a new meta page. */
 static idem_code sync_mark_put(MDB_txn *txn, void *ctx)
 {

@@ -187,7 +187,7 @@ typedef struct idem_group_commit {
     bool pipelined;
     uint64_t pending_ticket;
     _Atomic uint64_t durable_txnid;
-    /* After a failed sync (group_commit_pipe.c): the newest txnid whose meta page was
+    /* After a failed sync (group_commit_sync.c): the newest txnid whose meta page was
      * written before it (0: none). No later sync vouches for those pages; a meta page
      * written after the failure does. sync_mu: one commit or sync of the file at a
      * time, its outcome recorded before the next begins. rewrite(txn, rewrite_ctx):
@@ -212,8 +212,8 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
  * been applied, usually before the commit. ctx is shared with the writer thread, which
  * may run redo(txn, ctx) after a batch failure (to re-apply a claim that fn applied:
  * it must not touch what the caller reads from ctx; it runs alone, so a refusal after a
- * write is allowed there) and calls unref(ctx) when done with
- * it; the caller calls unref(ctx) too once it has read fn's outputs. *ticket: nonzero
+ * write is allowed there) and calls unref(ctx) when done with it; the caller calls
+ * unref(ctx) too once it has read fn's outputs. *ticket: nonzero
  * when fn returned IDEM_OK in an open batch: the claim's caller then ends it with
  * idem__gc_write_end (its completion or release) or idem__gc_drop (no write follows). */
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,

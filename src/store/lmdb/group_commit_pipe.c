@@ -39,7 +39,7 @@
 #include "group_commit_op.h"
 
 /* Syncs what a pipe holds: IDEM_OK once it is on disk, by a sync or, after a failed
- * one, by a re-write (above); else the error, its message set. */
+ * one, by a re-write (group_commit_sync.c); else the error, its message set. */
 static idem_code pipe_sync(idem_group_commit *gc)
 {
     int rc = idem__gc_sync_file(gc);

@@ -1,18 +1,21 @@
 /* Group commit: the file's syncs, and what each vouches for.
  *
- * A sync that fails (a commit's fdatasync, or mdb_env_sync) is not healed by the next one
- * that succeeds. Linux reports a writeback error once per open file and may mark the pages
- * that failed clean ("fsyncgate", 2018): a later fdatasync that succeeds need not have
- * written them, and says nothing about a page dirtied before the failure. The data pages of a
- * committed txn were synced by its own commit; what may be lost is a meta page written since the
- * last good sync. So a sync vouches only for meta pages written after the last failure
- * (unsure_txnid, every commit and sync under sync_mu so that the outcome of one is recorded before
- * the next begins), and after a failure the writer thread re-writes instead of re-syncing: it
- * commits a txn that changes one key (gc->rewrite: a new meta page, whose tree holds
- * every earlier commit) and syncs it. The pipe's callers get IDEM_OK only when that
- * worked, else the error; a later batch's commit vouches for nothing older than the
- * failure either (it joins the pipe). A reader whose snapshot no sync can vouch for
- * (idem__gc_durable_wait: IDEM_INTERNAL "sync") re-writes too (records.c).
+ * A sync that fails (a commit's fdatasync, or mdb_env_sync) is not healed by the next
+ * one that succeeds. Linux reports a writeback error once per open file and may mark
+ * the pages that failed clean ("fsyncgate", 2018): a later fdatasync that succeeds need
+ * not have written them, and says nothing about a page dirtied before the failure. The
+ * data pages of a committed txn were synced by its own commit; what may be lost is a
+ * meta page written since the last good sync. So:
+ *   - a sync vouches only for meta pages written after the last failure (unsure_txnid);
+ *     every commit and sync runs under sync_mu, so that the outcome of one is recorded
+ *     before the next begins;
+ *   - after a failure the writer thread re-writes instead of re-syncing: it commits a
+ *     txn that changes one key (gc->rewrite: a new meta page, whose tree holds every
+ *     earlier commit) and syncs it; the pipe's callers get IDEM_OK only when that
+ *     worked, else its error (group_commit_pipe.c);
+ *   - a later batch's commit vouches for nothing written before the failure (that
+ *     batch joins the pipe), and a reader whose snapshot no sync can vouch for
+ *     (idem__gc_durable_wait: IDEM_INTERNAL "sync") re-writes too (records.c).
  * tests/test_sync_failure.c proves it: a disk that fails one sync (the power-cut
  * recorder drops what that sync did not write) loses no answered result. */
 #include <errno.h>

@@ -95,7 +95,7 @@ idem_code idem__lmdb_rec_read(lmdb_store *st, MDB_txn *txn, const idem_key_ref *
 }
 
 /* idem__gc_durable_wait; when a failed sync left the snapshot unsure (no later sync
- * vouches for it), a re-write puts it on disk first (group_commit_pipe.c). */
+ * vouches for it), a re-write puts it on disk first (group_commit_sync.c). */
 static idem_code durable(lmdb_store *st, uint64_t txnid)
 {
     idem_code code = idem__gc_durable_wait(&st->gc, txnid);
