@@ -18,7 +18,8 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int log_fd = -1;
 static const char *data_path;
-atomic_int power_cut_pass_syncs, power_cut_fail_syncs;
+static const char *plan = ""; /* guarded by mu */
+void (*_Atomic power_cut_before_sync)(void);
 
 static void init(void)
 {
@@ -143,26 +144,37 @@ ssize_t write(int fd, const void *buf, size_t n)
     return rc;
 }
 
-/* Takes one from *n if it is positive. */
-static bool take_one(atomic_int *n)
+void power_cut_plan(const char *p)
 {
-    int left = atomic_load(n);
-    while (left > 0 && !atomic_compare_exchange_weak(n, &left, left - 1)) {
-    }
-    return left > 0;
+    pthread_mutex_lock(&mu);
+    plan = p;
+    pthread_mutex_unlock(&mu);
+}
+
+size_t power_cut_plan_left(void)
+{
+    pthread_mutex_lock(&mu);
+    size_t n = strlen(plan);
+    pthread_mutex_unlock(&mu);
+    return n;
 }
 
 /* A sync of the data file marks what was logged before it began as on disk, or, when it
- * fails (power_cut_fail_syncs), as lost. */
+ * fails (its step of the plan), as lost. */
 static int synced(int fd, long nr)
 {
     if (!logged_fd(fd)) {
         return (int)syscall(nr, fd);
     }
+    void (*hook)(void) = atomic_load(&power_cut_before_sync);
+    if (hook != NULL) {
+        hook();
+    }
     pthread_mutex_lock(&mu);
     off_t before = lseek(log_fd, 0, SEEK_END);
+    bool fail = *plan == 'f';
+    plan += *plan != '\0';
     pthread_mutex_unlock(&mu);
-    bool fail = !take_one(&power_cut_pass_syncs) && take_one(&power_cut_fail_syncs);
     int rc = fail ? -1 : (int)syscall(nr, fd);
     if (rc == 0 || fail) {
         undo_rec r = {fail ? POWER_CUT_FAILED : POWER_CUT_SYNC, (uint64_t)before, 0, 0};

@@ -8,7 +8,7 @@
  * disk. A write through an O_DSYNC descriptor is on disk when it returns: not logged.
  * The log is written before the data, so a SIGKILL leaves it complete.
  *
- * A failing disk (power_cut_fail_syncs): a sync of the data file may answer EIO, logged
+ * A failing disk (power_cut_plan): a sync of the data file may answer EIO, logged
  * as a failed mark. Linux may then have marked the pages that failed clean without
  * writing them ("fsyncgate"): the writes logged before that sync are lost, even when a
  * later sync succeeds, unless a later write to the same page is synced (the page is
@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include <stdatomic.h>
+#include <stddef.h>
 
 enum { POWER_CUT_WRITE = 0x57, POWER_CUT_SYNC = 0x53, POWER_CUT_FAILED = 0x46 };
 
@@ -36,11 +37,15 @@ typedef struct undo_rec {
 
 /* power_cut.c, in the recording process: records to log the writes to data (instead of
  * $IDEMRPC_UNDO_LOG and $IDEMRPC_UNDO_DATA; before the store is opened; log NULL: stops,
- * as it must before power_cut_apply runs in this process); and the next syncs of data:
- * the first power_cut_pass_syncs succeed, the power_cut_fail_syncs after them answer
- * EIO. */
+ * as it must before power_cut_apply runs in this process). */
 void power_cut_record(const char *log, const char *data);
-extern atomic_int power_cut_pass_syncs, power_cut_fail_syncs;
+/* The next syncs of data, one character each (a static string): 'p' succeeds, 'f'
+ * answers EIO; after the plan, every sync succeeds. */
+void power_cut_plan(const char *plan);
+/* The syncs of the plan not yet taken. */
+size_t power_cut_plan_left(void);
+/* Called (when set) on the syncing thread before each sync of data takes its step. */
+extern void (*_Atomic power_cut_before_sync)(void);
 
 /* power_cut_apply.c, linked by the test (power_cut.c, the recorder, by the server). */
 /* Undoes the unsynced writes log recorded to data; the number undone, or -1 (errno set)
