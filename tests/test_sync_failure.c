@@ -1,10 +1,12 @@
-/* A disk that fails a sync, then syncs again, through the real server and client: what
- * was answered OK is on disk even where Linux marked the pages a failed fdatasync could
- * not write clean, so that the next fdatasync succeeds without writing them
- * ("fsyncgate"). The store's writes are recorded in this process (power_cut.c: a failed
- * sync loses what was pending, unless a later write to the page is synced), the server
- * is stopped, the power cut applied (power_cut_apply.c), and a server on what is left
- * must replay every answer. */
+/* A disk that fails a sync, then syncs again: what was answered OK is on disk even where
+ * Linux marked the pages a failed fdatasync could not write clean, so that the next
+ * fdatasync succeeds without writing them ("fsyncgate"). The store's writes are recorded
+ * in this process (power_cut.c: a failed sync loses what was pending, unless a later
+ * write to the page is synced), the store is closed, the power cut applied
+ * (power_cut_apply.c), and what was answered OK must be there: through the real server
+ * and client (a server on what is left replays every answer), and on group commit alone
+ * for the sync that a failed commit should have done (the order of its batches is
+ * chosen there). */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
