@@ -1,4 +1,4 @@
-/* Deterministic reproductions of what the fault campaign (bench/chaos*.c) found. Each
+/* Deterministic reproductions of what the fault campaign (chaos/) found. Each
  * test states the documented behaviour; each failed before its fix. */
 #include <criterion/criterion.h>
 #include <pthread.h>

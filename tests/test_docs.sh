@@ -16,7 +16,7 @@
 #                                        way: `tests/test_http.sh`): it exists, and a
 #                                        shell script is one tests/meson.build runs.
 # Only `word/word` pairs whose name has an underscore or a `*` are citations (test names
-# are snake_case sentences), and not paths of the tree (src/…, bench/…).
+# are snake_case sentences), and not paths of the tree (src/…, bench/…, chaos/…).
 # The check first proves it can fail: a made-up citation must be reported.
 # And one version: CHANGELOG.md lists meson.build's ($IDEMRPC_VERSION) and the documents
 # name its soname ($IDEMRPC_SOVERSION), as the tools and the .pc do (test_tools.sh,
@@ -32,7 +32,7 @@ grep -hoP '^\s*Test\(\s*\K[A-Za-z0-9_]+\s*,\s*[A-Za-z0-9_]+' "$src"/tests/*.c |
     sed 's/ *, */ /' | sort -u >"$work/tests"
 [ -s "$work/tests" ] || { echo "FAIL: no Test( found in $src/tests/*.c" >&2; exit 1; }
 
-tree_dirs=" src tests bench examples docs include tools scripts interceptors proto build share "
+tree_dirs=" src tests bench chaos examples docs include tools scripts interceptors proto build share "
 
 declare -A suites=() tests=()
 while read -r s n; do

@@ -60,4 +60,24 @@ await sh -c "'$IDEMCTL' --db '$work/db' purge --expired | grep -q 'purged [1-9]'
 ctl list | grep -q ' short ' && fail "purge left the expired record"
 ctl list | grep -q ' k1 ' || fail "purge removed a live record"
 "$IDEMCTL" --db "$work/db" bogus && fail "bad command accepted"
+
+# A path that is not a store: every verb exits 1 naming it, and nothing is created
+# (a mistyped --db never becomes an empty store that "purged 0").
+mkdir "$work/empty" "$work/other"
+# another program's LMDB environment (one database "other", no idemrpc databases)
+printf 'VERSION=3\nformat=bytevalue\ntype=btree\nHEADER=END\n 6b\n 76\nDATA=END\n' |
+    mdb_load -s other "$work/other"
+for path in "$work/missing" "$work/empty" "$work/other"; do
+    for verb in stats list "purge --expired" "delete demo.Counter/Add k1 --force"; do
+        rc=0
+        # shellcheck disable=SC2086
+        "$IDEMCTL" --db "$path" $verb >"$work/out" 2>"$work/err" || rc=$?
+        [ "$rc" = 1 ] || fail "idemctl --db $path $verb exited $rc: $(cat "$work/out" "$work/err")"
+        grep -q 'not an idemrpc store' "$work/err" || fail "$verb on $path: $(cat "$work/err")"
+    done
+done
+[ -e "$work/missing" ] && fail "idemctl created $work/missing"
+[ -z "$(ls -A "$work/empty")" ] || fail "idemctl wrote into $work/empty: $(ls "$work/empty")"
+mdb_stat -a "$work/other" | grep -q records && fail "idemctl created its databases in $work/other"
+echo "test_idemctl: all checks passed"
 echo "test_idemctl: all checks passed"

@@ -169,3 +169,58 @@ Test(nats, open_refuses_bad_options_a_missing_stream_and_an_unreachable_broker)
     cr_expect_null(c);
     nt_teardown(&e);
 }
+
+/* The one dead letter on the stream's dead subject (the test fails without one). */
+static natsMsg *dead_letter_of(nt *e)
+{
+    natsSubscription *sub = NULL;
+    natsMsgList list = {0};
+    cr_assert_eq(js_PullSubscribe(&sub, e->js, e->dead, NULL, NULL, NULL, NULL), NATS_OK);
+    cr_assert_eq(natsSubscription_Fetch(&list, sub, 1, 2000, NULL), NATS_OK, "no dead letter");
+    cr_assert_eq(list.Count, 1);
+    natsMsg *m = list.Msgs[0];
+    list.Msgs[0] = NULL;
+    natsMsgList_Destroy(&list);
+    natsSubscription_Unsubscribe(sub);
+    natsSubscription_Destroy(sub);
+    return m;
+}
+
+/* A message as large as the broker takes fails for good: its dead letter, with six headers
+ * of its own, cannot carry all of it; it carries a bounded part and says so. */
+Test(nats, a_final_failure_at_the_brokers_limit_is_dead_lettered_with_a_bounded_part)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s = {0};
+    const char *truncated = NULL;
+    char original[24];
+    nt_setup(&e, "bigdead");
+    size_t len = (size_t)natsConnection_GetMaxPayload(e.nc) - strlen("NATS/1.0\r\n"
+                                                                     "Idem-Key: big-0\r\n\r\n");
+    char *payload = malloc(len + 1);
+    cr_assert_not_null(payload);
+    memset(payload, 'x', len);
+    memcpy(payload, "final", 5);
+    payload[len] = '\0';
+    nt_publish(&e, "big-0", NULL, payload); /* at the limit: the broker takes it */
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    for (int i = 0; i < 20 && !nt_settled(&e, "credit"); i++) { /* a hang guard */
+        cr_assert_eq(idem_nats_consumer_poll(c, NULL), IDEM_OK, "%s", idem_errmsg());
+    }
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.dead_lettered, 1, "%llu dead-letter failures",
+                 (unsigned long long)s.dead_failures);
+    cr_assert(nt_settled(&e, "credit"), "the message is redelivered for ever");
+    natsMsg *d = dead_letter_of(&e);
+    snprintf(original, sizeof(original), "%zu", len);
+    cr_assert_eq(natsMsgHeader_Get(d, "Idem-Truncated", &truncated), NATS_OK);
+    cr_expect_str_eq(truncated, original);
+    cr_expect_lt((size_t)natsMsg_GetDataLength(d), len);
+    cr_expect_eq(memcmp(natsMsg_GetData(d), payload, (size_t)natsMsg_GetDataLength(d)), 0);
+    natsMsg_Destroy(d);
+    idem_nats_consumer_close(c);
+    free(payload);
+    nt_teardown(&e);
+}

@@ -10,6 +10,9 @@
 #include <string.h>
 
 #include "nats_util.h"
+#ifdef TU_HAVE_PG
+#include "pgproxy.h"
+#endif
 
 #define WAIT_ROUNDS 3000 /* 10 ms each: a hang guard, not a timing assertion */
 
@@ -195,3 +198,56 @@ Test(nats_faults, a_store_outage_naks_and_never_dead_letters)
     expect_each_effect_once(&e, 200);
     nt_teardown(&e);
 }
+
+#ifdef TU_HAVE_PG
+/* Fails the first run of the handler (a real, transient failure), then takes effect. */
+static idem_code fails_its_first_run(idem_txn *t, const idem_nats_msg *m, void *arg)
+{
+    int *runs = arg;
+    return ++*runs == 1 ? IDEM_UNAVAILABLE : ne_effect(t, m, NULL);
+}
+
+/* Deliveries the store failed (its network cut) say nothing about the message: the one
+ * real failure that follows is the first of max_deliver, naked, not dead-lettered. */
+Test(nats_faults, deliveries_the_store_failed_do_not_count_against_max_deliver)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s = {0};
+    idem_store *via_proxy;
+    char *ci;
+    int runs = 0;
+    if (!tu_backend_is_pg()) {
+        cr_skip_test("a PostgreSQL store (reached through the fault proxy) only");
+    }
+    nt_setup(&e, "budget");
+    pgproxy *proxy = pgproxy_start(e.b.conninfo);
+    cr_assert_gt(asprintf(&ci, "%s host=127.0.0.1 port=%d", e.b.conninfo, pgproxy_port(proxy)), 0);
+    idem_pg_opts po = {.pool_size = 2, .statement_timeout_ms = 300, .pooler = tu_pg_pooler()};
+    cr_assert_eq(idem_store_open_postgres_ex(&via_proxy, ci, &po), IDEM_OK, "%s", idem_errmsg());
+    nt_opts(&e, &o, "credit");
+    o.handler = fails_its_first_run;
+    o.handler_arg = &runs;
+    o.max_deliver = 2;
+    idem_nats_consumer *c;
+    cr_assert_eq(idem_nats_consumer_open(&c, via_proxy, &o), IDEM_OK, "%s", idem_errmsg());
+    pgproxy_cut(proxy, true);
+    nt_publish(&e, "order-0", NULL, "amount=1");
+    for (int i = 0; s.naked < 2 && i < WAIT_ROUNDS; i++) { /* 2 deliveries the store failed */
+        idem_nats_consumer_poll(c, NULL);
+        idem_nats_consumer_stats(c, &s);
+    }
+    cr_assert_eq(runs, 0, "the handler ran while the store was cut");
+    pgproxy_cut(proxy, false);
+    nt_drain(&e, c, "credit");
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(runs, 2, "the real failure, then its effect");
+    cr_expect_eq(s.dead_lettered, 0, "dead-lettered at its first real failure");
+    cr_expect_eq(nt_effects(&e, "order-0"), 1);
+    idem_nats_consumer_close(c);
+    idem_store_close(via_proxy);
+    pgproxy_stop(proxy);
+    free(ci);
+    nt_teardown(&e);
+}
+#endif

@@ -77,6 +77,91 @@ static void consume_all(nt *e, int n)
     }
 }
 
+typedef struct big_put {
+    const char *subject, *msg_id;
+    size_t len;
+} big_put;
+
+static idem_code put_big(idem_txn *t, void *arg)
+{
+    big_put *a = arg;
+    char *data = malloc(a->len);
+    cr_assert_not_null(data);
+    memset(data, 'x', a->len);
+    idem_code code = idem_outbox_put(t, a->subject, a->msg_id, data, a->len);
+    free(data);
+    return code;
+}
+
+/* The most data a message with msg_id can carry: NATS counts the headers the relay adds
+ * (Nats-Msg-Id and Idem-Key, both msg_id) against the connection's max_payload. */
+static size_t data_limit(nt *e, const char *msg_id)
+{
+    char hdr[600];
+    int n = snprintf(hdr, sizeof(hdr), "NATS/1.0\r\nNats-Msg-Id: %s\r\nIdem-Key: %s\r\n\r\n",
+                     msg_id, msg_id);
+    return (size_t)(natsConnection_GetMaxPayload(e->nc) - n);
+}
+
+Test(nats_relay, publishes_data_at_the_brokers_limit_and_refuses_one_byte_over_at_put)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    nt_setup(&e, "limit");
+    idem_nats_relay *r = relay_open(&e); /* learns the broker's max_payload */
+    big_put at = {e.in, "order-0", data_limit(&e, "order-0")};
+    big_put under = {e.in, "order-1", data_limit(&e, "order-1") - 1};
+    big_put over = {e.in, "order-2", data_limit(&e, "order-2") + 1};
+    cr_assert_eq(idem_store_run_txn(e.st, put_big, &at), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(e.st, put_big, &under), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(e.st, put_big, &over), IDEM_INVALID_ARGUMENT);
+    cr_expect(strstr(idem_errmsg(), "max_payload") != NULL, "%s", idem_errmsg());
+    cr_assert_eq(pending(&e), 2);
+    relay_all(&e, r);
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.published, 2);
+    cr_expect_eq(stream_msgs(&e), 2);
+    idem_nats_relay_close(r);
+    nt_teardown(&e);
+}
+
+/* The stream takes at most 1000 bytes a message: order-0 (2000) can never be stored. */
+Test(nats_relay, a_message_the_broker_refuses_for_good_is_parked_and_the_rest_flow)
+{
+    nt e;
+    jsStreamInfo *si = NULL;
+    jsStreamConfig sc;
+    idem_nats_relay_counts s;
+    nt_setup(&e, "park");
+    const char *subjects[] = {e.in, e.dead};
+    jsStreamConfig_Init(&sc);
+    sc.Name = e.stream;
+    sc.Subjects = subjects;
+    sc.SubjectsLen = 2;
+    sc.MaxMsgSize = 1000;
+    cr_assert_eq(js_UpdateStream(&si, e.js, &sc, NULL, NULL), NATS_OK);
+    jsStreamInfo_Destroy(si);
+    big_put too_big = {e.in, "order-0", 2000};
+    put_args rest = {e.in, 1, 4, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(e.st, put_big, &too_big), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &rest), IDEM_OK, "%s", idem_errmsg());
+    idem_nats_relay *r = relay_open(&e);
+    relay_all(&e, r); /* never stuck behind order-0 */
+    cr_expect_eq(stream_msgs(&e), 3);
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.parked, 1);
+    cr_expect_eq(s.published, 3);
+    idem_nats_relay_close(r);
+    uint8_t k[9] = {'p', 0, 0, 0, 0, 0, 0, 0, 0}; /* order-0 was put first: seq 0 */
+    void *v = NULL;
+    size_t n = 0;
+    cr_expect_eq(idem_store_app_get(e.st, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n), IDEM_OK,
+                 "the parked message is kept");
+    cr_expect_eq(n, 4 + strlen(e.in) + strlen("order-0") + 2000);
+    free(v);
+    nt_teardown(&e);
+}
+
 Test(nats_relay, relays_committed_messages_and_removes_them_after_the_ack)
 {
     nt e;
@@ -150,6 +235,9 @@ Test(nats_relay, the_outbox_refuses_messages_out_of_bounds)
     put_args no_subject = {"", 0, 1, IDEM_OK}, long_subject = {big, 0, 1, IDEM_OK};
     cr_expect_eq(idem_store_run_txn(st, put_orders, &no_subject), IDEM_INVALID_ARGUMENT);
     cr_expect_eq(idem_store_run_txn(st, put_orders, &long_subject), IDEM_INVALID_ARGUMENT);
+    /* No relay told it the broker's limit: nats-server's default max_payload, headers in. */
+    big_put at_old_max = {"orders.in", "order-0", IDEM_OUTBOX_MAX_DATA};
+    cr_expect_eq(idem_store_run_txn(st, put_big, &at_old_max), IDEM_INVALID_ARGUMENT);
     uint64_t n = 1;
     cr_expect_eq(idem_outbox_pending(st, &n), IDEM_OK);
     cr_expect_eq(n, 0);

@@ -163,6 +163,32 @@ Test(state_machine, bad_declarations_are_invalid_argument)
                  "a bad declaration never writes");
 }
 
+Test(state_machine, transitions_that_form_a_cycle_are_refused_and_never_write)
+{
+    static const char *const door[] = {"open", "closed"};
+    static const idem_sm_transition back_and_forth[] = {{"open", "closed"}, {"closed", "open"}};
+    static const char *const abcd[] = {"A", "B", "C", "D"};
+    static const idem_sm_transition ring[] = {{"A", "B"}, {"B", "C"}, {"C", "D"}, {"D", "B"}};
+    static const idem_sm_transition diamond[] = {{"A", "B"}, {"A", "C"}, {"B", "D"}, {"C", "D"}};
+    const idem_state_machine two = {"doors", door, 2, back_and_forth, 2};
+    const idem_state_machine three = {"rings", abcd, 4, ring, 4};
+    const idem_state_machine joins = {"diamonds", abcd, 4, diamond, 4};
+    cr_expect_eq(idem_sm_validate(&two), IDEM_INVALID_ARGUMENT, "open -> closed -> open");
+    cr_expect(strstr(idem_errmsg(), "cycle") != NULL, "%s", idem_errmsg());
+    cr_expect_eq(idem_sm_validate(&three), IDEM_INVALID_ARGUMENT, "B -> C -> D -> B");
+    cr_expect(strstr(idem_errmsg(), "\"B\"") != NULL, "names a state on it: %s", idem_errmsg());
+    cr_expect_eq(idem_sm_validate(&joins), IDEM_OK, "two paths to one state are no cycle: %s",
+                 idem_errmsg());
+    /* The retried "close" of a redelivered message after a reopen: refused before it can
+     * answer ADVANCED a second time, because the machine itself is refused. */
+    sm_args a = {.m = &two, .entity = "door-7", .from = "open"};
+    cr_expect_eq(idem_store_run_txn(st, sm_create_fn, &a), IDEM_INVALID_ARGUMENT);
+    char buf[IDEM_SM_MAX_STATE + 1];
+    const idem_state_machine doors = {"doors", door, 2, NULL, 0};
+    cr_expect_eq(idem_store_sm_get(st, &doors, "door-7", buf, sizeof(buf)), IDEM_NOT_FOUND,
+                 "nothing written");
+}
+
 Test(state_machine, only_declared_transitions_are_allowed)
 {
     cr_expect(idem_sm_allowed(&orders, "CREATED", "PAID"));

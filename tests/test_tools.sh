@@ -3,7 +3,7 @@
 # stdout and exits 0 without doing anything else (and the installed tools' --version
 # prints "NAME VERSION"); an unknown option, a stray argument,
 # a missing value or a bad number exits 2 with the usage on stderr and names what was
-# wrong. "Every" is checked: each executable() of bench/ and tools/ meson.build, and
+# wrong. "Every" is checked: each executable() of bench/, chaos/ and tools/ meson.build, and
 # each script there, must be one of the programs given.
 #   test_tools.sh SRCDIR IDEMRPC_DEMO IDEMRPC_CALL IDEMCTL IDEMRPC_BENCH IDEMRPC_SOAK \
 #                 IDEMRPC_CHAOS PLOT_SH [IDEMRPC_HA_CHECK (built with libpq)]
@@ -26,7 +26,7 @@ expect() {
 }
 
 given=" $(for p in "${programs[@]}"; do basename "$p"; done | tr '\n' ' ') "
-for dir in bench tools; do
+for dir in bench chaos tools; do
     for name in $(sed -n "s/.*executable('\([^']*\)'.*/\1/p" "$src/$dir/meson.build") \
         $(cd "$src/$dir" && ls -- *.sh 2>/dev/null); do
         case $given in
@@ -94,4 +94,8 @@ expect 2 --seed err "$chaos" --topology lmdb --seconds 5 --seed -1
 expect 2 "unexpected argument" err "$chaos" --topology lmdb --seconds 5 --seed 1 extra
 expect 2 IDEMRPC_TEST_PG err env -u IDEMRPC_TEST_PG -u IDEMRPC_TEST_REDIS \
     "$chaos" --topology pg --seconds 5 --seed 1 --dir "$work/pg"
+# idemrpc-ha-check (given when built with libpq): a seed is a number.
+if [ $# -ge 8 ]; then
+    expect 2 --seed err "${programs[7]}" --seed x
+fi
 echo "test_tools: all checks passed"

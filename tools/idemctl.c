@@ -359,8 +359,9 @@ int main(int argc, char **argv)
         }
         idem_store *st;
         /* map_size 0: LMDB keeps the size the store was created with when it is larger. */
-        if (idem_store_open_lmdb(&st, a.db, 0, cmds[i].writes ? 0 : IDEM_STORE_READONLY) !=
-            IDEM_OK) {
+        if (idem_store_open_lmdb(&st, a.db, 0,
+                                 IDEM_STORE_EXISTING |
+                                     (cmds[i].writes ? 0 : IDEM_STORE_READONLY)) != IDEM_OK) {
             fprintf(stderr, "idemctl: %s\n", idem_errmsg());
             return 1;
         }

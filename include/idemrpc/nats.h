@@ -19,12 +19,16 @@
  *            RESOURCE_EXHAUSTED, ABORTED, CANCELLED, UNKNOWN), and any failure of the store
  *            (unreachable, a commit that failed or whose outcome is unknown): redelivered
  *            after backoff_ms · 2^(delivery-1), at most backoff_max_ms. A store failure
- *            says nothing about the message: it never leads to the dead letter.
- *   dead     after max_deliver transient failures of the handler, or at once for a final
- *            one (bad input,
- *            a handler's other codes, idem_consume's REJECT): the message is published to
- *            dead_letter_subject with its reason (headers below), and only after that
- *            publish is acked is it terminated (Term: JetStream never redelivers it). A
+ *            says nothing about the message: it never leads to the dead letter, nor
+ *            counts against max_deliver.
+ *   dead     after max_deliver transient failures of the handler (counted in the store,
+ *            "idem.nats.failures", per durable and key: not the broker's deliveries,
+ *            which include those the store failed), or at once for a final one (bad
+ *            input, a handler's other codes, idem_consume's REJECT): the message is
+ *            published to dead_letter_subject with its reason (headers below), and only
+ *            after that publish is acked is it terminated (Term: JetStream never
+ *            redelivers it). A payload too large to fit max_payload beside the dead
+ *            letter's headers is cut to what fits, with IDEM_NATS_DEAD_TRUNCATED. A
  *            dead-letter publish that fails naks the message instead: nothing is dropped.
  * Several consumers (threads or processes) may share one durable: JetStream hands each
  * message to one of them at a time, and idem_consume settles a redelivery that overlaps. */
@@ -47,11 +51,14 @@ extern "C" {
 
 #define IDEM_NATS_KEY_HEADER "Idem-Key"
 #define IDEM_NATS_MSG_ID_HEADER "Nats-Msg-Id"
-/* Headers of a dead letter (its payload is the original message's). */
+/* Headers of a dead letter (its payload is the original message's, or its first bytes). */
 #define IDEM_NATS_DEAD_REASON "Idem-Dead-Reason"       /* why, e.g. "no key", "max deliveries" */
 #define IDEM_NATS_DEAD_SUBJECT "Idem-Dead-Subject"     /* the original subject */
 #define IDEM_NATS_DEAD_SEQ "Idem-Dead-Stream-Seq"      /* its sequence in the stream */
 #define IDEM_NATS_DEAD_DELIVERED "Idem-Dead-Delivered" /* deliveries, this one included */
+/* Present when the payload did not fit the broker's max_payload beside these headers: the
+ * original payload's size in bytes; the dead letter carries its first bytes that fit. */
+#define IDEM_NATS_DEAD_TRUNCATED "Idem-Truncated"
 #define IDEM_NATS_MAX_BATCH 256
 #define IDEM_NATS_MAX_DELIVER 1000
 
@@ -102,8 +109,8 @@ typedef struct idem_nats_consumer_opts {
     void *key_arg;
     idem_nats_handler handler; /* required */
     void *handler_arg;
-    unsigned max_deliver; /* default 5 (1..IDEM_NATS_MAX_DELIVER): failed deliveries before
-                             the dead letter */
+    unsigned max_deliver; /* default 5 (1..IDEM_NATS_MAX_DELIVER): transient failures of the
+                             handler before the dead letter (a store failure is none) */
     unsigned ack_wait_ms; /* default 30000: an unacked delivery is redelivered after this
                              (set when this call creates the durable) */
     unsigned backoff_ms;  /* default 100: nak delay after a first failure, doubled per delivery */
@@ -173,6 +180,12 @@ IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
  * removal publishes it again: inside the stream's duplicate window (nats-server's
  * default: 2 minutes) the broker drops it (a "duplicate" ack, then removed); after it,
  * the consumer's idem_consume marker makes the second copy an ack without effect.
+ * The relay records the broker's max_payload in the store (idem_outbox_set_broker_limit)
+ * at open and whenever a reconnect finds another one, so idem_outbox_put refuses data that
+ * could never be published. A message the broker refuses for good all the same (its
+ * max_payload shrank, or the stream's max_msg_size is smaller) is parked
+ * (idem_outbox_park: kept in the store, out of the outbox), logged at ERROR with its seq
+ * and msg_id and counted (parked): the messages behind it are relayed.
  * Off by default: nothing is relayed until a program starts a relay in its server
  * process. Several relays on one shared store may publish a message twice: the same two
  * guards cover it. */
@@ -194,6 +207,7 @@ typedef struct idem_nats_relay_counts {
     uint64_t duplicates; /* publishes the broker's dedupe window dropped */
     uint64_t removed;    /* messages removed from the outbox after their ack */
     uint64_t failures;   /* publishes or removals that failed (the message stays) */
+    uint64_t parked;     /* messages the broker refused for good, parked (idem_outbox_park) */
 } idem_nats_relay_counts;
 
 typedef struct idem_nats_relay idem_nats_relay;
@@ -202,7 +216,8 @@ IDEM_API void idem_nats_relay_opts_init(idem_nats_relay_opts *o);
 IDEM_API idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st,
                                         const idem_nats_relay_opts *o);
 /* One round on the caller's thread: publishes up to batch messages in order, stopping at
- * the first failure (order kept), then removes the acked ones. *relayed (may be NULL):
+ * the first failure (order kept; a message refused for good is parked and passed over),
+ * then removes the acked ones. *relayed (may be NULL):
  * messages acked this round. IDEM_OK also for an empty outbox. */
 IDEM_API idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed);
 /* Rounds on a thread of its own until idem_nats_relay_close. */

@@ -111,6 +111,11 @@ enum idem_store_flags {
      * commit with its completion (README "Which writes reach the disk"). This flag makes
      * every write its own transaction, and a new key two commits. */
     IDEM_STORE_NO_GROUP_COMMIT = 1u << 2,
+    /* Opens only a directory that already holds an idemrpc store: IDEM_NOT_FOUND, and
+     * nothing created, for a missing directory, one without data.mdb, or another
+     * program's LMDB environment (no records database). For tools (idemctl) that must
+     * not invent an empty store from a mistyped path. */
+    IDEM_STORE_EXISTING = 1u << 3,
 };
 
 /* Opens (creating the directory if missing) an LMDB store. map_size 0 = 1 GiB. One
@@ -153,8 +158,7 @@ typedef struct idem_pg_opts {
     bool pooler;
     /* A local cache of COMPLETED records, so that a replay on this instance needs no
      * round trip (a completed record does not change until it expires). Off by default:
-     * it changes what a forget means. After idem_store_delete (`idemctl delete`) on
-     * another instance, this one may still replay the old result until that forget's
+     * it changes what a forget means. After idem_store_delete on another instance, this one may still replay the old result until that forget's
      * announcement arrives (NOTIFY idem_done, as completions; milliseconds), and never
      * longer than replay_cache_ttl_ms (an announcement lost while the listening
      * connection was down, no_notify, pooler). replay_cache_entries: 0 = off, at most
@@ -165,6 +169,13 @@ typedef struct idem_pg_opts {
     size_t replay_cache_entries;
     size_t replay_cache_bytes;
     uint32_t replay_cache_ttl_ms;
+    /* How long a start may wait to create what is missing of the store's tables (the
+     * first start, or a release that adds to them). Only what the catalog says is
+     * missing is created, so a start whose tables are complete takes no lock; a
+     * migration waits for a table lock at most 200 ms at a time, then steps aside
+     * (rolls back) and retries with backoff, so that it never holds up live instances'
+     * statements queued behind it. 0 = 30000. */
+    uint32_t migrate_timeout_ms;
 } idem_pg_opts;
 
 /* idem_store_open_postgres with options; opts may be NULL (defaults). */

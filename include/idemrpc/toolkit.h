@@ -68,8 +68,11 @@ typedef enum idem_sm_outcome {
 
 /* IDEM_OK, or IDEM_INVALID_ARGUMENT naming the fault: no db, 0 or more than 32 states, a
  * name empty or longer than 31 bytes, a repeated state, a transition naming an undeclared
- * state, a self-loop or a repeated transition, more than 64 transitions. Every function
- * below validates the machine first, so a bad declaration never writes. */
+ * state, a self-loop or a repeated transition, more than 64 transitions, transitions that
+ * form a cycle (open → closed → open: a retried move arriving after the way back would
+ * find its `from` again and take effect twice; a state that recurs is a new entity id per
+ * round, e.g. "door-7/2"). Every function below validates the machine first, so a bad
+ * declaration never writes. */
 IDEM_API idem_code idem_sm_validate(const idem_state_machine *m);
 
 /* True when from → to is declared. */
@@ -211,11 +214,19 @@ IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t
 #define IDEM_OUTBOX_DB "idem.outbox"
 #define IDEM_OUTBOX_MAX_SUBJECT 255        /* bytes */
 #define IDEM_OUTBOX_MAX_MSG_ID 255         /* bytes: = IDEM_MAX_MSG_KEY, the consumer's key */
-#define IDEM_OUTBOX_MAX_DATA (1024 * 1024) /* bytes (nats-server's default max payload) */
+#define IDEM_OUTBOX_MAX_DATA (1024 * 1024) /* bytes, a cap (nats-server's default max payload) */
 #define IDEM_OUTBOX_MAX_BATCH 1024
+/* The bytes of the headers the relay (nats.h) adds to a message whose msg_id has id_len
+ * bytes, as NATS counts them against the broker's max_payload: "NATS/1.0\r\n",
+ * "Nats-Msg-Id: <msg_id>\r\n", "Idem-Key: <msg_id>\r\n", "\r\n". */
+#define IDEM_OUTBOX_RELAY_HEADERS(id_len) (39 + 2 * (size_t)(id_len))
 
 /* Inside t: queues data for subject. The message exists if and only if t commits (no
- * message for a change that rolled back, no change without its message). msg_id must be
+ * message for a change that rolled back, no change without its message). data must fit
+ * the broker with the relay's headers: at most the broker limit a relay recorded
+ * (idem_outbox_set_broker_limit; before any: IDEM_OUTBOX_MAX_DATA, nats-server's default
+ * max_payload) less IDEM_OUTBOX_RELAY_HEADERS(strlen(msg_id)), and never over
+ * IDEM_OUTBOX_MAX_DATA; more is INVALID_ARGUMENT, nothing written. msg_id must be
  * derived from the business change (e.g. "order-42:platform-fee"), never random: the
  * relay publishes it as the broker's dedupe id (Nats-Msg-Id) and the consumer's key
  * (Idem-Key), which is what makes a second publish after a crash harmless. Messages are
@@ -242,6 +253,21 @@ IDEM_API void idem_outbox_msgs_free(idem_outbox_msg *msgs, size_t n);
 IDEM_API idem_code idem_outbox_remove(idem_store *st, const uint64_t *seqs, size_t n);
 /* Messages put and not yet removed (an upper bound while removals are out of order). */
 IDEM_API idem_code idem_outbox_pending(idem_store *st, uint64_t *pending);
+
+/* Records the largest message the broker takes, headers and data together (NATS: the
+ * connection's max_payload), for idem_outbox_put's check; the relay records it each time
+ * it finds a new one (at open, after a reconnect). Writes only when it changed. A broker
+ * limit of 0 or over 2^31: INVALID_ARGUMENT. */
+IDEM_API idem_code idem_outbox_set_broker_limit(idem_store *st, uint64_t max_payload);
+/* The limit put applies: the recorded one, else IDEM_OUTBOX_MAX_DATA. */
+IDEM_API idem_code idem_outbox_broker_limit(idem_store *st, uint64_t *max_payload);
+
+/* Moves the messages seqs[0..n) out of the outbox in one write txn, like
+ * idem_outbox_remove, but keeps each one's stored bytes (the layout outbox.c states) in
+ * IDEM_OUTBOX_DB under key 'p' ‖ be64 seq (idem_store_app_get reads it): for a message the
+ * broker refuses for good (larger than it takes), which must not hold back the ones behind
+ * it. The relay parks them, counts and logs them (nats.h). */
+IDEM_API idem_code idem_outbox_park(idem_store *st, const uint64_t *seqs, size_t n);
 
 #ifdef __cplusplus
 }

@@ -82,11 +82,16 @@ idem_code idem__nats_code(natsStatus s, jsErrCode jerr, const char *what)
     case NATS_NOT_FOUND:
         code = IDEM_NOT_FOUND;
         break;
+    case NATS_MAX_PAYLOAD:
+        code = IDEM_OUT_OF_RANGE;
+        break;
     default:
         break;
     }
     if (jerr == JSStreamNotFoundErr || jerr == JSConsumerNotFoundErr) {
         code = IDEM_NOT_FOUND;
+    } else if (jerr == JSStreamMessageExceedsMaximumErr) {
+        code = IDEM_OUT_OF_RANGE;
     }
     return idem__err(code, "%s: %s (jetstream error %d)", what, natsStatus_GetText(s), (int)jerr);
 }

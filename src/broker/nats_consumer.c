@@ -40,6 +40,7 @@ typedef struct delivery {
     char key[IDEM_MAX_MSG_KEY + 2];
     char reason[REASON_MAX];
     bool handler_failed; /* the handler ran and returned an error (else: the store did) */
+    uint64_t failures;   /* the handler's real failures, this one included (its tally) */
 } delivery;
 
 static void count(idem_nats_consumer *c, uint64_t *counter)
@@ -62,6 +63,7 @@ static void delivery_init(delivery *d, idem_nats_consumer *c, natsMsg *m)
     d->m = m;
     d->key[0] = d->reason[0] = '\0';
     d->handler_failed = false;
+    d->failures = 0;
     d->im.subject = natsMsg_GetSubject(m);
     d->im.data = natsMsg_GetData(m);
     d->im.len = (size_t)natsMsg_GetDataLength(m);
@@ -112,6 +114,9 @@ static idem_code run_handler(idem_txn *t, void *arg)
     idem__err_clear(); /* the reason of a failure is then the handler's own, or none */
     idem_code code = d->c->o.handler(t, &d->im, d->c->o.handler_arg);
     d->handler_failed = code != IDEM_OK;
+    if (code == IDEM_OK && d->im.delivered > 1) { /* an earlier one may have failed */
+        code = idem__nats_failure_forget_in(t, d->c->o.durable, d->key);
+    }
     return code;
 }
 
@@ -167,8 +172,9 @@ static void nak(delivery *d)
 static void dead_letter(delivery *d)
 {
     idem_nats_consumer *c = d->c;
-    idem_code code = idem__nats_dead_letter(c->js, c->o.dead_letter_subject, c->o.durable, d->m,
-                                            &d->im, d->reason);
+    idem_code code =
+        idem__nats_dead_letter(c->js, natsConnection_GetMaxPayload(c->nc), c->o.dead_letter_subject,
+                               c->o.durable, &d->im, d->reason);
     if (code != IDEM_OK) { /* never dropped: naked, dead-lettered on a later delivery */
         count(c, &c->stats.dead_failures);
         idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
@@ -178,6 +184,9 @@ static void dead_letter(delivery *d)
         return;
     }
     natsMsg_Term(d->m, NULL); /* lost: redelivered, dead-lettered again under its msg id */
+    if (d->im.key != NULL && d->im.delivered > 1) { /* left: only a row, counted anew */
+        idem__nats_failure_forget(c->st, c->o.durable, d->im.key);
+    }
     count(c, &c->stats.dead_lettered);
     idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
                    "nats consumer=%s seq=%llu key=%s dead-lettered to %s: %s", c->o.durable,
@@ -203,8 +212,23 @@ static const char *failure_kind(const delivery *d, idem_consume_verdict v, idem_
     if (!transient(code)) {
         return "final failure";
     }
-    *dead = d->im.delivered >= d->c->o.max_deliver;
+    *dead = d->failures >= d->c->o.max_deliver;
     return *dead ? "max deliveries" : "transient failure";
+}
+
+/* A transient failure of the handler itself: counted in the message's tally. A tally the
+ * store cannot count makes it a store failure (naked, not counted). */
+static void count_failure(delivery *d, idem_code code)
+{
+    idem_errkeep k;
+    if (!d->handler_failed || !transient(code)) {
+        return;
+    }
+    idem__err_keep(&k);
+    if (idem__nats_failure_count(d->c->st, d->c->o.durable, d->key, &d->failures) != IDEM_OK) {
+        d->handler_failed = false;
+    }
+    idem__err_put(&k, code);
 }
 
 /* The whole life of one delivery. */
@@ -225,6 +249,9 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
     }
     if (info.store_failed) { /* the handler failed because the store did */
         d.handler_failed = false;
+    }
+    if (v != IDEM_CONSUME_REJECT) {
+        count_failure(&d, info.code);
     }
     const char *why = failure_kind(&d, v, info.code, &dead), *detail = idem_errmsg();
     snprintf(d.reason, sizeof(d.reason), "%s (delivery %llu): %s%s%s", why,

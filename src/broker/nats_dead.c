@@ -1,44 +1,79 @@
 /* The dead letter: a message no delivery can make take effect, kept for a person on a
- * subject of its own with the reason, before its original is terminated. */
+ * subject of its own with the reason, before its original is terminated. Its headers count
+ * against the broker's max_payload like its payload: when the original's payload and
+ * these headers do not fit, the dead letter carries the payload's first bytes that do and
+ * says so (IDEM_NATS_DEAD_TRUNCATED), so that it can always be published. */
 #include <stdio.h>
+#include <string.h>
 
 #include "nats_internal.h"
 
-static natsStatus dead_headers(natsMsg *dm, const char *durable, natsMsg *orig,
-                               const idem_nats_msg *im, const char *reason)
+#define MAX_HEADERS 8
+#define HEADERS_FRAME 12 /* "NATS/1.0\r\n" and the closing "\r\n" */
+
+typedef struct dead_headers {
+    const char *key[MAX_HEADERS], *value[MAX_HEADERS];
+    int n;
+    char seq[24], delivered[24], id[128], truncated[24];
+} dead_headers;
+
+static void header(dead_headers *h, const char *key, const char *value)
 {
-    char seq[24], delivered[24], id[128];
-    snprintf(seq, sizeof(seq), "%llu", (unsigned long long)im->stream_seq);
-    snprintf(delivered, sizeof(delivered), "%llu", (unsigned long long)im->delivered);
-    snprintf(id, sizeof(id), "dead.%llu.%s", (unsigned long long)im->stream_seq, durable);
-    natsStatus s = natsMsgHeader_Set(dm, IDEM_NATS_DEAD_REASON, reason);
-    if (s == NATS_OK) {
-        s = natsMsgHeader_Set(dm, IDEM_NATS_DEAD_SUBJECT, im->subject);
-    }
-    if (s == NATS_OK) {
-        s = natsMsgHeader_Set(dm, IDEM_NATS_DEAD_SEQ, seq);
-    }
-    if (s == NATS_OK) {
-        s = natsMsgHeader_Set(dm, IDEM_NATS_DEAD_DELIVERED, delivered);
-    }
-    if (s == NATS_OK) {
-        s = natsMsgHeader_Set(dm, IDEM_NATS_MSG_ID_HEADER, id);
-    }
-    if (s == NATS_OK && im->key != NULL) {
-        s = natsMsgHeader_Set(dm, IDEM_NATS_KEY_HEADER, im->key);
-    }
-    (void)orig;
-    return s;
+    h->key[h->n] = key;
+    h->value[h->n++] = value;
 }
 
-idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable, natsMsg *orig,
-                                 const idem_nats_msg *im, const char *reason)
+/* Their bytes as NATS counts them: each "key: value\r\n", and the frame. */
+static size_t headers_len(const dead_headers *h)
+{
+    size_t n = HEADERS_FRAME;
+    for (int i = 0; i < h->n; i++) {
+        n += strlen(h->key[i]) + strlen(h->value[i]) + 4;
+    }
+    return n;
+}
+
+static void headers_make(dead_headers *h, const char *durable, const idem_nats_msg *im,
+                         const char *reason)
+{
+    h->n = 0;
+    snprintf(h->seq, sizeof(h->seq), "%llu", (unsigned long long)im->stream_seq);
+    snprintf(h->delivered, sizeof(h->delivered), "%llu", (unsigned long long)im->delivered);
+    snprintf(h->id, sizeof(h->id), "dead.%llu.%s", (unsigned long long)im->stream_seq, durable);
+    header(h, IDEM_NATS_DEAD_REASON, reason);
+    header(h, IDEM_NATS_DEAD_SUBJECT, im->subject);
+    header(h, IDEM_NATS_DEAD_SEQ, h->seq);
+    header(h, IDEM_NATS_DEAD_DELIVERED, h->delivered);
+    header(h, IDEM_NATS_MSG_ID_HEADER, h->id);
+    if (im->key != NULL) {
+        header(h, IDEM_NATS_KEY_HEADER, im->key);
+    }
+}
+
+/* How much of the payload fits max_payload beside the headers (adding the truncation
+ * header when not all of it does). */
+static size_t payload_part(dead_headers *h, const idem_nats_msg *im, int64_t max_payload)
+{
+    if (max_payload <= 0 || headers_len(h) + im->len <= (uint64_t)max_payload) {
+        return im->len;
+    }
+    snprintf(h->truncated, sizeof(h->truncated), "%zu", im->len);
+    header(h, IDEM_NATS_DEAD_TRUNCATED, h->truncated);
+    size_t used = headers_len(h);
+    return used < (uint64_t)max_payload ? (size_t)max_payload - used : 0;
+}
+
+idem_code idem__nats_dead_letter(jsCtx *js, int64_t max_payload, const char *subject,
+                                 const char *durable, const idem_nats_msg *im, const char *reason)
 {
     natsMsg *dm = NULL;
+    dead_headers h;
     bool duplicate;
-    natsStatus s = natsMsg_Create(&dm, subject, NULL, (const char *)im->data, (int)im->len);
-    if (s == NATS_OK) {
-        s = dead_headers(dm, durable, orig, im, reason);
+    headers_make(&h, durable, im, reason);
+    size_t len = payload_part(&h, im, max_payload);
+    natsStatus s = natsMsg_Create(&dm, subject, NULL, (const char *)im->data, (int)len);
+    for (int i = 0; s == NATS_OK && i < h.n; i++) {
+        s = natsMsgHeader_Set(dm, h.key[i], h.value[i]);
     }
     if (s != NATS_OK) {
         natsMsg_Destroy(dm);

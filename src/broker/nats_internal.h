@@ -16,7 +16,8 @@ void idem__nats_disconnect(natsConnection *nc, jsCtx *js);
 
 /* An idem_code for a libnats failure, with idem_errmsg() naming what and libnats' text:
  * UNAVAILABLE for a broker that is away or timed out, NOT_FOUND for a missing stream or
- * consumer, else INTERNAL. */
+ * consumer, OUT_OF_RANGE for a message larger than the broker or the stream takes (a
+ * refusal for good), else INTERNAL. */
 idem_code idem__nats_code(natsStatus s, jsErrCode jerr, const char *what);
 
 /* One logfmt line through fn (NULL: stderr). */
@@ -46,11 +47,21 @@ void idem__nats_loop_fini(idem__nats_loop *l);
 /* *counter += n under l->mu. */
 void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
 
-/* Publishes the payload of orig to subject with the reason and where it came from
+/* Publishes the payload of im to subject with the reason and where it came from
  * (IDEM_NATS_DEAD_* headers) and Nats-Msg-Id "dead.<stream seq>.<durable>", so that a
  * dead letter published again (its Term lost, a crash) is dropped inside the broker's
- * dedupe window. IDEM_OK once the broker acked the publish. */
-idem_code idem__nats_dead_letter(jsCtx *js, const char *subject, const char *durable, natsMsg *orig,
-                                 const idem_nats_msg *im, const char *reason);
+ * dedupe window; only the first bytes of the payload that fit max_payload beside the
+ * headers (the connection's; <= 0: unknown, all of it), then with
+ * IDEM_NATS_DEAD_TRUNCATED. IDEM_OK once the broker acked the publish. */
+idem_code idem__nats_dead_letter(jsCtx *js, int64_t max_payload, const char *subject,
+                                 const char *durable, const idem_nats_msg *im, const char *reason);
+
+/* The failure tally of (durable, key) in the store (nats_failures.c): _count adds this
+ * delivery's real handler failure in a txn of its own and gives the total; _forget_in
+ * deletes it in t (the txn that commits the effect), _forget in a txn of its own. */
+idem_code idem__nats_failure_count(idem_store *st, const char *durable, const char *key,
+                                   uint64_t *failures);
+idem_code idem__nats_failure_forget_in(idem_txn *t, const char *durable, const char *key);
+idem_code idem__nats_failure_forget(idem_store *st, const char *durable, const char *key);
 
 #endif

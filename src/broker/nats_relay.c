@@ -1,6 +1,9 @@
 /* The outbox relay (nats.h): outbox → JetStream → removal. Invariant: a message leaves
  * the outbox only after the broker acked its publish (stored, or dropped as a duplicate
- * of one it stored), so a crash anywhere publishes it again, never loses it. */
+ * of one it stored), so a crash anywhere publishes it again, never loses it; or parked
+ * (kept in the store) when the broker refuses it for good, so that it never holds back
+ * the messages behind it. The broker's max_payload is recorded in the store for
+ * idem_outbox_put, which then refuses what could never be published. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +21,10 @@ struct idem_nats_relay {
     natsConnection *nc;
     jsCtx *js;
     idem_outbox_msg *msgs; /* batch slots */
-    uint64_t *seqs;
+    uint64_t *seqs;        /* acked this round */
+    uint64_t *parked;      /* refused for good this round */
+    size_t n_parked;
+    int64_t limit;        /* the max_payload recorded in the store (0: none yet) */
     idem__nats_loop loop; /* its mu guards stats */
     idem_nats_relay_counts stats;
 };
@@ -44,22 +50,54 @@ static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool 
     return code;
 }
 
-/* Publishes msgs[0..n) in order until one fails; *acked = how many the broker acked. */
+/* A message the broker refuses for good (OUT_OF_RANGE: over its max_payload or the
+ * stream's max_msg_size): logged, parked after this round (and counted then). */
+static void refused(idem_nats_relay *r, const idem_outbox_msg *m)
+{
+    r->parked[r->n_parked++] = m->seq;
+    idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_ERROR,
+                   "nats relay: parking seq=%llu msg_id=%s subject=%s (%zu bytes): %s",
+                   (unsigned long long)m->seq, m->msg_id, m->subject, m->len, idem_errmsg());
+}
+
+/* Publishes msgs[0..n) in order until one fails, passing over those the broker refuses
+ * for good; *acked = how many the broker acked. */
 static idem_code publish_batch(idem_nats_relay *r, size_t n, size_t *acked)
 {
     idem_code code = IDEM_OK;
     bool duplicate;
-    for (*acked = 0; *acked < n; (*acked)++) {
-        const idem_outbox_msg *m = &r->msgs[*acked];
-        if ((code = publish_one(r, m, &duplicate)) != IDEM_OK) {
+    *acked = 0;
+    for (size_t i = 0; i < n; i++) {
+        const idem_outbox_msg *m = &r->msgs[i];
+        if ((code = publish_one(r, m, &duplicate)) == IDEM_OUT_OF_RANGE) {
+            refused(r, m);
+            code = IDEM_OK;
+            continue;
+        }
+        if (code != IDEM_OK) {
             add(r, &r->stats.failures, 1);
             break;
         }
         add(r, duplicate ? &r->stats.duplicates : &r->stats.published, 1);
-        r->seqs[*acked] = m->seq;
+        r->seqs[(*acked)++] = m->seq;
         if (r->o.on_published != NULL) {
             r->o.on_published(m, duplicate, r->o.event_arg);
         }
+    }
+    return code;
+}
+
+/* Records the broker's max_payload in the store when it is new (open, a reconnect to a
+ * broker configured otherwise). */
+static idem_code limit_sync(idem_nats_relay *r)
+{
+    int64_t max_payload = natsConnection_GetMaxPayload(r->nc);
+    if (max_payload <= 0 || max_payload == r->limit) {
+        return IDEM_OK;
+    }
+    idem_code code = idem_outbox_set_broker_limit(r->st, (uint64_t)max_payload);
+    if (code == IDEM_OK) {
+        r->limit = max_payload;
     }
     return code;
 }
@@ -73,13 +111,21 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
     if (r == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "nats relay: NULL");
     }
-    idem_code code = idem_outbox_peek(r->st, r->msgs, r->o.batch, &n);
+    r->n_parked = 0;
+    idem_code code = limit_sync(r);
+    if (code == IDEM_OK) {
+        code = idem_outbox_peek(r->st, r->msgs, r->o.batch, &n);
+    }
     if (code == IDEM_OK && n > 0) {
         code = publish_batch(r, n, &acked);
     }
     idem_errkeep k;
     idem__err_keep(&k);
     idem_code removed = idem_outbox_remove(r->st, r->seqs, acked); /* only acked ones */
+    if (removed == IDEM_OK && /* else they stay: refused again next round */
+        (removed = idem_outbox_park(r->st, r->parked, r->n_parked)) == IDEM_OK) {
+        add(r, &r->stats.parked, r->n_parked);
+    }
     idem_outbox_msgs_free(r->msgs, n);
     if (removed != IDEM_OK) { /* they stay: published again next round, deduped */
         add(r, &r->stats.failures, 1);
@@ -121,9 +167,13 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     r->url = strdup(o->url);
     r->msgs = calloc(o->batch, sizeof(*r->msgs));
     r->seqs = calloc(o->batch, sizeof(*r->seqs));
-    idem_code code = r->url == NULL || r->msgs == NULL || r->seqs == NULL
+    r->parked = calloc(o->batch, sizeof(*r->parked));
+    idem_code code = r->url == NULL || r->msgs == NULL || r->seqs == NULL || r->parked == NULL
                          ? idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory")
                          : idem__nats_connect(r->url, o->publish_wait_ms, &r->nc, &r->js);
+    if (code == IDEM_OK) { /* the store may be away: put assumes the default, rounds retry */
+        (void)limit_sync(r);
+    }
     if (code != IDEM_OK) {
         idem_errkeep k;
         idem__err_keep(&k);
@@ -183,6 +233,7 @@ void idem_nats_relay_close(idem_nats_relay *r)
     idem__nats_disconnect(r->nc, r->js);
     free(r->msgs);
     free(r->seqs);
+    free(r->parked);
     free(r->url);
     free(r);
 }

@@ -51,6 +51,11 @@ static inline void idem__put_be32(uint8_t *p, uint32_t v)
     }
 }
 
+static inline uint32_t idem__get_be32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
 /* a + b, at most UINT64_MAX: a "forever" TTL must not wrap into the past. */
 static inline uint64_t idem__add_sat(uint64_t a, uint64_t b)
 {

@@ -6,8 +6,10 @@
  * One business database, IDEM_OUTBOX_DB:
  *   'q'            → be64 head ‖ be64 next      live messages are in [head, next)
  *   'm' be64 seq   → be16 |subject| subject ‖ be16 |msg_id| msg_id ‖ data
- * put appends at next; remove deletes one message and moves head past every removed one
- * at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows. */
+ *   'p' be64 seq   → the same bytes: a parked message (the broker refuses it for good)
+ *   'l'            → be64 max_payload            the broker's limit a relay recorded
+ * put appends at next; remove (and park) deletes one message and moves head past every
+ * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,10 +19,46 @@
 
 #define MSG_KEY_LEN 9
 
+static const uint8_t LIMIT_KEY[1] = {'l'};
+#define LIMIT_MAX ((uint64_t)1 << 31)
+
+static void seq_key(uint8_t k[MSG_KEY_LEN], char kind, uint64_t seq)
+{
+    k[0] = (uint8_t)kind;
+    idem__put_be64(k + 1, seq);
+}
+
 static void msg_key(uint8_t k[MSG_KEY_LEN], uint64_t seq)
 {
-    k[0] = 'm';
-    idem__put_be64(k + 1, seq);
+    seq_key(k, 'm', seq);
+}
+
+static idem_code limit_decode(const void *v, size_t n, uint64_t *max_payload)
+{
+    if (n != 8) {
+        return idem__err(IDEM_DATA_LOSS, "outbox: bad broker limit");
+    }
+    *max_payload = idem__get_be64(v);
+    return IDEM_OK;
+}
+
+/* The most data put takes for a msg_id of li bytes: the broker's limit less the relay's
+ * headers, at most IDEM_OUTBOX_MAX_DATA. */
+static idem_code data_limit(idem_txn *t, size_t li, uint64_t *max_payload, size_t *max_data)
+{
+    const void *v;
+    size_t n;
+    idem_code code = idem_txn_get(t, IDEM_OUTBOX_DB, LIMIT_KEY, sizeof(LIMIT_KEY), &v, &n);
+    *max_payload = IDEM_OUTBOX_MAX_DATA;
+    if (code == IDEM_OK) {
+        code = limit_decode(v, n, max_payload);
+    } else if (code == IDEM_NOT_FOUND) {
+        code = IDEM_OK;
+    }
+    uint64_t headers = IDEM_OUTBOX_RELAY_HEADERS(li);
+    uint64_t max = *max_payload > headers ? *max_payload - headers : 0;
+    *max_data = max < IDEM_OUTBOX_MAX_DATA ? (size_t)max : IDEM_OUTBOX_MAX_DATA;
+    return code;
 }
 
 idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, const void *data,
@@ -28,12 +66,24 @@ idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, 
 {
     size_t ls = idem__bounded_len(subject, IDEM_OUTBOX_MAX_SUBJECT);
     size_t li = idem__bounded_len(msg_id, IDEM_OUTBOX_MAX_MSG_ID);
-    uint64_t head, next;
+    uint64_t head, next, max_payload;
+    size_t max_data;
     uint8_t k[MSG_KEY_LEN];
     if (ls == 0 || li == 0 || len > IDEM_OUTBOX_MAX_DATA || (data == NULL && len > 0)) {
         return idem__err(IDEM_INVALID_ARGUMENT,
                          "outbox: subject 1..%d bytes, msg_id 1..%d bytes, data up to %d bytes",
                          IDEM_OUTBOX_MAX_SUBJECT, IDEM_OUTBOX_MAX_MSG_ID, IDEM_OUTBOX_MAX_DATA);
+    }
+    idem_code code = data_limit(t, li, &max_payload, &max_data);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (len > max_data) {
+        return idem__err(IDEM_INVALID_ARGUMENT,
+                         "outbox: %zu bytes of data, over the %zu the broker takes with msg_id "
+                         "%.*s (its max_payload %llu less the relay's %zu bytes of headers)",
+                         len, max_data, (int)li, msg_id, (unsigned long long)max_payload,
+                         IDEM_OUTBOX_RELAY_HEADERS(li));
     }
     uint8_t *v = malloc(4 + ls + li + len);
     if (v == NULL) {
@@ -46,7 +96,7 @@ idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, 
     if (len > 0) {
         memcpy(v + 4 + ls + li, data, len);
     }
-    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
+    code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
         msg_key(k, next);
         code = idem_txn_put(t, IDEM_OUTBOX_DB, k, sizeof(k), v, 4 + ls + li + len);
@@ -133,7 +183,26 @@ void idem_outbox_msgs_free(idem_outbox_msg *msgs, size_t n)
 typedef struct remove_args {
     const uint64_t *seqs;
     size_t n;
+    bool park; /* keep each one's bytes under 'p' seq */
 } remove_args;
+
+/* Deletes message seq (IDEM_OK when gone before), parking its bytes first if asked. */
+static idem_code remove_one(idem_txn *t, uint64_t seq, bool park)
+{
+    uint8_t k[MSG_KEY_LEN], pk[MSG_KEY_LEN];
+    const void *v;
+    size_t n;
+    msg_key(k, seq);
+    idem_code code = park ? idem_txn_get(t, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n) : IDEM_OK;
+    if (park && code == IDEM_OK) {
+        seq_key(pk, 'p', seq);
+        code = idem_txn_put(t, IDEM_OUTBOX_DB, pk, sizeof(pk), v, n);
+    }
+    if (code == IDEM_OK) {
+        code = idem_txn_del(t, IDEM_OUTBOX_DB, k, sizeof(k));
+    }
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* removed before (another relay) */
+}
 
 /* The bounds row first, as in put: on PostgreSQL writers then queue on it, no deadlock. */
 static idem_code remove_txn(idem_txn *t, void *arg)
@@ -145,10 +214,7 @@ static idem_code remove_txn(idem_txn *t, void *arg)
     size_t n;
     idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
-        msg_key(k, a->seqs[i]);
-        if ((code = idem_txn_del(t, IDEM_OUTBOX_DB, k, sizeof(k))) == IDEM_NOT_FOUND) {
-            code = IDEM_OK; /* removed before (another relay) */
-        }
+        code = remove_one(t, a->seqs[i], a->park);
     }
     uint64_t start = head;
     while (code == IDEM_OK && head < next && head - start < IDEM_OUTBOX_MAX_BATCH) {
@@ -165,12 +231,64 @@ static idem_code remove_txn(idem_txn *t, void *arg)
     return head != start ? idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next) : IDEM_OK;
 }
 
-idem_code idem_outbox_remove(idem_store *st, const uint64_t *seqs, size_t n)
+static idem_code remove_or_park(idem_store *st, const uint64_t *seqs, size_t n, bool park)
 {
-    remove_args a = {seqs, n};
+    remove_args a = {seqs, n, park};
     if (st == NULL || (seqs == NULL && n > 0) || n > IDEM_OUTBOX_MAX_BATCH) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "outbox remove: a store, at most %d messages",
-                         IDEM_OUTBOX_MAX_BATCH);
+        return idem__err(IDEM_INVALID_ARGUMENT, "outbox %s: a store, at most %d messages",
+                         park ? "park" : "remove", IDEM_OUTBOX_MAX_BATCH);
     }
     return n == 0 ? IDEM_OK : idem_store_run_txn(st, remove_txn, &a);
+}
+
+idem_code idem_outbox_remove(idem_store *st, const uint64_t *seqs, size_t n)
+{
+    return remove_or_park(st, seqs, n, false);
+}
+
+idem_code idem_outbox_park(idem_store *st, const uint64_t *seqs, size_t n)
+{
+    return remove_or_park(st, seqs, n, true);
+}
+
+/* ---- the broker's limit ---- */
+
+idem_code idem_outbox_broker_limit(idem_store *st, uint64_t *max_payload)
+{
+    void *v;
+    size_t n;
+    *max_payload = IDEM_OUTBOX_MAX_DATA;
+    if (st == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "outbox limit: a store");
+    }
+    idem_code code = idem_store_app_get(st, IDEM_OUTBOX_DB, LIMIT_KEY, sizeof(LIMIT_KEY), &v, &n);
+    if (code == IDEM_NOT_FOUND) {
+        return IDEM_OK;
+    }
+    if (code == IDEM_OK) {
+        code = limit_decode(v, n, max_payload);
+        free(v);
+    }
+    return code;
+}
+
+static idem_code limit_txn(idem_txn *t, void *arg)
+{
+    uint8_t v[8];
+    idem__put_be64(v, *(const uint64_t *)arg);
+    return idem_txn_put(t, IDEM_OUTBOX_DB, LIMIT_KEY, sizeof(LIMIT_KEY), v, sizeof(v));
+}
+
+idem_code idem_outbox_set_broker_limit(idem_store *st, uint64_t max_payload)
+{
+    uint64_t now;
+    if (max_payload == 0 || max_payload > LIMIT_MAX) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "outbox limit: 1..%llu bytes",
+                         (unsigned long long)LIMIT_MAX);
+    }
+    idem_code code = idem_outbox_broker_limit(st, &now);
+    if (code != IDEM_OK || now == max_payload) {
+        return code;
+    }
+    return idem_store_run_txn(st, limit_txn, &max_payload);
 }

@@ -48,6 +48,45 @@ static idem_code sm_validate_states(const idem_state_machine *m)
     return IDEM_OK;
 }
 
+/* Depth-first from state s over the declared moves: the index of a state that lies on a
+ * cycle reachable from s, or -1. color: 0 unseen, 1 on the current path, 2 done. The
+ * depth is at most IDEM_SM_MAX_STATES. */
+static int sm_cycle_from(const idem_state_machine *m, int s, unsigned char *color)
+{
+    color[s] = 1;
+    for (size_t i = 0; i < m->n_transitions; i++) {
+        if (sm_state_index(m, m->transitions[i].from) != s) {
+            continue;
+        }
+        int to = sm_state_index(m, m->transitions[i].to), at;
+        if (color[to] == 1) {
+            return to;
+        }
+        if (color[to] == 0 && (at = sm_cycle_from(m, to, color)) >= 0) {
+            return at;
+        }
+    }
+    color[s] = 2;
+    return -1;
+}
+
+/* A one-way machine never comes back to a state it left: with a cycle (open → closed →
+ * open) a retried "close" arriving after the reopen would find `from` again and take
+ * effect twice. Transitions name declared states (checked before). */
+static idem_code sm_validate_acyclic(const idem_state_machine *m)
+{
+    unsigned char color[IDEM_SM_MAX_STATES] = {0};
+    for (size_t s = 0; s < m->n_states; s++) {
+        int at = color[s] == 0 ? sm_cycle_from(m, (int)s, color) : -1;
+        if (at >= 0) {
+            return sm_bad("transitions form a cycle (a retried move would take effect again) "
+                          "through",
+                          m->states[at]);
+        }
+    }
+    return IDEM_OK;
+}
+
 static idem_code sm_validate_transitions(const idem_state_machine *m)
 {
     if (m->n_transitions > IDEM_SM_MAX_TRANSITIONS ||
@@ -70,7 +109,7 @@ static idem_code sm_validate_transitions(const idem_state_machine *m)
             }
         }
     }
-    return IDEM_OK;
+    return sm_validate_acyclic(m);
 }
 
 idem_code idem_sm_validate(const idem_state_machine *m)

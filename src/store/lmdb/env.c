@@ -1,6 +1,9 @@
 /* LMDB env lifecycle: open (databases created), close, the read-txn pool, and the ops
  * table, this backend's only link to store.c. The layout is in lmdb_internal.h. */
 #include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -138,11 +141,11 @@ static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsi
     return IDEM_OK;
 }
 
-/* Opens (creates unless read-only) the named databases in one txn; an LMDB error. */
-static int open_dbis(lmdb_store *st, bool ro)
+/* Opens (creates when create) the named databases in one txn; an LMDB error. */
+static int open_dbis(lmdb_store *st, bool ro, bool create)
 {
     MDB_txn *txn = NULL;
-    unsigned dbi_flags = ro ? 0 : MDB_CREATE;
+    unsigned dbi_flags = create ? MDB_CREATE : 0;
     int rc;
     if ((rc = mdb_txn_begin(st->env, NULL, ro ? MDB_RDONLY : 0, &txn)) != 0) {
         return rc;
@@ -163,6 +166,58 @@ static int open_dbis(lmdb_store *st, bool ro)
     return mdb_txn_commit(txn); /* commit frees txn even when it fails */
 }
 
+/* The store's format: meta "format" → be32, written by the first read-write open of a
+ * store that has none (every store before 0.4 has format 1: the layout lmdb_internal.h
+ * describes). A binary refuses a store of a newer format than it knows instead of
+ * misreading it; older binaries ignore the key, so the way back stays open while the
+ * format is unchanged. */
+static idem_code format_ensure(lmdb_store *st, const char *dir)
+{
+    MDB_val k = {6, "format"}, v;
+    MDB_txn *txn;
+    uint8_t b[4];
+    int rc;
+    if (!st->has_meta) {
+        return IDEM_OK; /* read-only, older than "meta": format 1 */
+    }
+    if ((rc = mdb_txn_begin(st->env, NULL, st->read_only ? MDB_RDONLY : 0, &txn)) != 0) {
+        return idem__lmdb_code(rc, "format");
+    }
+    if ((rc = mdb_get(txn, st->meta, &k, &v)) == 0) {
+        uint32_t f = v.mv_size == 4 ? idem__get_be32(v.mv_data) : UINT32_MAX;
+        mdb_txn_abort(txn);
+        if (f > IDEM__LMDB_FORMAT) {
+            return idem__err(IDEM_FAILED_PRECONDITION,
+                             "store %s has format %" PRIu32 ", newer than the %d this idemrpc "
+                             "understands: open it with the release that wrote it "
+                             "(docs/upgrading.md)",
+                             dir, f, IDEM__LMDB_FORMAT);
+        }
+        return IDEM_OK;
+    }
+    if (rc != MDB_NOTFOUND || st->read_only) {
+        mdb_txn_abort(txn);
+        return rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "format");
+    }
+    idem__put_be32(b, IDEM__LMDB_FORMAT);
+    v = (MDB_val){4, b};
+    if ((rc = mdb_put(txn, st->meta, &k, &v, 0)) != 0) {
+        mdb_txn_abort(txn);
+        return idem__lmdb_code(rc, "format");
+    }
+    rc = mdb_txn_commit(txn);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "format");
+}
+
+/* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */
+static bool store_file_exists(const char *dir)
+{
+    char path[PATH_MAX];
+    struct stat sb;
+    int n = snprintf(path, sizeof(path), "%s/data.mdb", dir);
+    return n > 0 && (size_t)n < sizeof(path) && stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
 {
     lmdb_store *st;
@@ -173,7 +228,12 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if (dir == NULL || *dir == '\0') {
         return idem__err(IDEM_INVALID_ARGUMENT, "store directory not set");
     }
-    if (!ro && mkdir(dir, 0700) != 0 && errno != EEXIST) {
+    bool existing = (flags & IDEM_STORE_EXISTING) != 0;
+    if (existing && !store_file_exists(dir)) {
+        return idem__err(IDEM_NOT_FOUND, "%s is not an idemrpc store (no data.mdb): nothing opened",
+                         dir);
+    }
+    if (!ro && !existing && mkdir(dir, 0700) != 0 && errno != EEXIST) {
         return idem__err(IDEM_UNAVAILABLE, "mkdir %s: %s", dir, strerror(errno));
     }
     if ((st = calloc(1, sizeof(*st))) == NULL) {
@@ -189,8 +249,18 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
-    if ((rc = open_dbis(st, ro)) != 0 || (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
-        code = idem__lmdb_code(rc, "open databases");
+    if ((rc = open_dbis(st, ro, !ro && !existing)) != 0 ||
+        (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
+        code =
+            existing && rc == MDB_NOTFOUND
+                ? idem__err(
+                      IDEM_NOT_FOUND,
+                      "%s is not an idemrpc store (an LMDB environment without its databases)", dir)
+                : idem__lmdb_code(rc, "open databases");
+        mdb_env_close(st->env);
+        goto out;
+    }
+    if ((code = format_ensure(st, dir)) != IDEM_OK) {
         mdb_env_close(st->env);
         goto out;
     }

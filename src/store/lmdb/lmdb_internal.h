@@ -6,7 +6,9 @@
  *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
  *   meta     "fence" → be64 last owner id handed out (store-assigned owners); a fence a
  *            redo of this process tried is not drawn again here even when that redo
- *            failed and the counter did not move (lmdb_store.fence_floor)
+ *            failed and the counter did not move (lmdb_store.fence_floor);
+ *            "format" → be32 IDEM__LMDB_FORMAT, the layout described here (env.c: a
+ *            newer one is refused at open)
  * An IN_PROGRESS record keeps, after its header, the token its claim consumed
  * (be64 token expiry ‖ token bytes; the scope is the key's caller), so that a release
  * can put the token back in the same txn. Every record and token has exactly one expiry
@@ -29,6 +31,10 @@
 
 #include <lmdb.h>
 #include <stdatomic.h>
+
+/* The on-disk format this file describes; raise it (and teach the open to read the old
+ * one, or to refuse it clearly) with any change an older binary would misread. */
+#define IDEM__LMDB_FORMAT 1
 #include <pthread.h>
 #include <sys/types.h>
 

@@ -47,7 +47,13 @@ idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
     } else if (strcmp(state, "53100") == 0 || strcmp(state, "53200") == 0) {
         code = IDEM_RESOURCE_EXHAUSTED;
     }
-    idem__err(code, "postgres %s: %.200s", what, msg != NULL ? msg : "");
+    const char *primary = r != NULL ? PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY) : NULL;
+    if (primary == NULL) {
+        primary = msg != NULL ? msg : "";
+    }
+    int line = (int)strcspn(primary, "\n");
+    idem__err(code, "%.*s (postgres %s%s%s)", line > 300 ? 300 : line, primary, what,
+              state != NULL ? ", SQLSTATE " : "", state != NULL ? state : "");
     if (r != NULL) {
         PQclear(r);
     }
@@ -88,9 +94,9 @@ static idem_code drop_unanswered(pool_slot *pc, const char *what)
 {
     bool broke = PQstatus(pc->c) != CONNECTION_OK;
     idem_code code = idem__err(IDEM_UNAVAILABLE,
-                               "postgres %.120s: %s; the connection was dropped, and a write's "
-                               "outcome is unknown",
-                               what, broke ? "the connection broke" : "no answer in time");
+                               "%s; the connection was dropped, and a write's outcome is "
+                               "unknown (postgres %s)",
+                               broke ? "the connection broke" : "no answer in time", what);
     pc->dead = true; /* closed when the slot is put back: a handler may hold the pointer */
     return code;
 }
@@ -157,12 +163,12 @@ PGresult *idem__pg_exec(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatus
 {
     if (!slot_usable(pc) || !send_stmt(pc, s, a)) {
         *code = !slot_usable(pc) ? idem__err(IDEM_UNAVAILABLE, "postgres: connection lost")
-                                 : drop_unanswered(pc, idem__pg_sql[s]);
+                                 : drop_unanswered(pc, idem__pg_stmt_name[s]);
         return NULL;
     }
-    PGresult *r = finish_query(pc, slot_deadline(pc), want, idem__pg_sql[s], code);
+    PGresult *r = finish_query(pc, slot_deadline(pc), want, idem__pg_stmt_name[s], code);
     if (r != NULL && PQresultStatus(r) != want) {
-        *code = idem__pg_fail(pc->c, r, idem__pg_sql[s]);
+        *code = idem__pg_fail(pc->c, r, idem__pg_stmt_name[s]);
         return NULL;
     }
     return r;
@@ -182,7 +188,8 @@ idem_code idem__pg_run(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusT
 /* sql (several statements may be ;-separated) on c, bounded by deadline: the first
  * failed result, else the last (NULL and *lost when no answer came in time; the
  * connection is then left to the caller). */
-static PGresult *simple_on(PGconn *c, const char *sql, uint64_t deadline, bool *lost)
+static PGresult *simple_on(PGconn *c, const char *sql, const char *name, uint64_t deadline,
+                           bool *lost)
 {
     PGresult *keep = NULL, *r;
     *lost = !PQsendQuery(c, sql);
@@ -197,22 +204,33 @@ static PGresult *simple_on(PGconn *c, const char *sql, uint64_t deadline, bool *
     }
     if (*lost) {
         PQclear(keep);
-        idem__err(IDEM_UNAVAILABLE, "postgres %.120s: no answer in time", sql);
+        idem__err(IDEM_UNAVAILABLE, "no answer in time (postgres %s)", name);
         return NULL;
     }
     return keep;
 }
 
-/* simple_on's result checked: *out (may be NULL) gets it. */
-static idem_code simple_checked(PGconn *c, const char *sql, uint64_t deadline, bool *lost,
-                                PGresult **out)
+/* Plain SQL's name in messages: its text up to the first ';', at most 40 bytes. */
+static const char *sql_name(const char *sql, char buf[48])
 {
-    PGresult *r = simple_on(c, sql, deadline, lost);
+    size_t n = strcspn(sql, ";");
+    snprintf(buf, 48, "%.*s%s", (int)(n > 40 ? 40 : n), sql, n > 40 ? "..." : "");
+    return buf;
+}
+
+/* simple_on's result checked: *out (may be NULL) gets it; name (NULL: from the SQL)
+ * names it in messages. */
+static idem_code simple_checked(PGconn *c, const char *sql, const char *name, uint64_t deadline,
+                                bool *lost, PGresult **out)
+{
+    char buf[48];
+    name = name != NULL ? name : sql_name(sql, buf);
+    PGresult *r = simple_on(c, sql, name, deadline, lost);
     if (r == NULL) {
         return *lost ? IDEM_UNAVAILABLE : idem__err(IDEM_INTERNAL, "postgres: no result");
     }
     if (PQresultStatus(r) != PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_TUPLES_OK) {
-        return idem__pg_fail(c, r, sql);
+        return idem__pg_fail(c, r, name);
     }
     if (out != NULL) {
         *out = r;
@@ -222,20 +240,28 @@ static idem_code simple_checked(PGconn *c, const char *sql, uint64_t deadline, b
     return IDEM_OK;
 }
 
-idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out)
+idem_code idem__pg_query_named(pool_slot *pc, const char *name, const char *sql, PGresult **out)
 {
     bool lost;
+    char buf[48];
     if (!slot_usable(pc)) {
         return idem__err(IDEM_UNAVAILABLE, "postgres: connection lost");
     }
-    idem_code code = simple_checked(pc->c, sql, slot_deadline(pc), &lost, out);
-    return lost ? drop_unanswered(pc, sql) : code;
+    name = name != NULL ? name : sql_name(sql, buf);
+    idem_code code = simple_checked(pc->c, sql, name, slot_deadline(pc), &lost, out);
+    return lost ? drop_unanswered(pc, name) : code;
 }
 
-idem_code idem__pg_conn_query(PGconn *c, const char *sql, uint32_t bound_ms, PGresult **out)
+idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out)
+{
+    return idem__pg_query_named(pc, NULL, sql, out);
+}
+
+idem_code idem__pg_conn_query(PGconn *c, const char *name, const char *sql, uint32_t bound_ms,
+                              PGresult **out)
 {
     bool lost;
-    return simple_checked(c, sql, idem__mono_ms() + bound_ms, &lost, out);
+    return simple_checked(c, sql, name, idem__mono_ms() + bound_ms, &lost, out);
 }
 
 idem_code idem__pg_exec_simple(pool_slot *pc, const char *sql)
@@ -274,10 +300,10 @@ idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enu
     if (lost || !ended) {
         code = drop_unanswered(pc, "pipeline");
     } else if (PQresultStatus(got[0]) != PGRES_TUPLES_OK) {
-        code = idem__pg_fail(pc->c, got[0], idem__pg_sql[s1]);
+        code = idem__pg_fail(pc->c, got[0], idem__pg_stmt_name[s1]);
         got[0] = NULL;
     } else if (PQresultStatus(got[1]) != PGRES_TUPLES_OK) {
-        code = idem__pg_fail(pc->c, got[1], idem__pg_sql[s2]);
+        code = idem__pg_fail(pc->c, got[1], idem__pg_stmt_name[s2]);
         got[1] = NULL;
     }
     if (code != IDEM_OK) {
@@ -291,44 +317,6 @@ idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enu
 }
 
 /* ---- connections ---- */
-
-/* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
- * then session_sql (may be NULL), bounded like a statement (bound_ms). connect_timeout
- * (seconds, may be NULL) overrides the conninfo's. */
-idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
-                           const char *session_sql, uint32_t bound_ms, PGconn **out)
-{
-    const char *keys[] = {"connect_timeout",
-                          "keepalives",
-                          "keepalives_idle",
-                          "keepalives_interval",
-                          "keepalives_count",
-                          "dbname",
-                          connect_timeout != NULL ? "connect_timeout" : NULL,
-                          NULL};
-    const char *vals[] = {"10", "1", "30", "10", "3", conninfo, connect_timeout, NULL};
-    PGconn *c = PQconnectdbParams(keys, vals, 1); /* dbname: the conninfo, expanded */
-    idem_code code = IDEM_OK;
-    bool lost = false;
-    if (PQstatus(c) != CONNECTION_OK) {
-        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
-    } else if (PQsetnonblocking(c, 1) != 0) {
-        code = idem__err(IDEM_UNAVAILABLE, "postgres connect: %.200s", PQerrorMessage(c));
-    } else if (session_sql != NULL) {
-        code = simple_checked(c, session_sql, idem__mono_ms() + bound_ms, &lost, NULL);
-    }
-    if (code != IDEM_OK) {
-        PQfinish(c);
-        c = NULL;
-    }
-    *out = c;
-    return code;
-}
-
-static void ignore_notice(void *arg, const char *message)
-{
-    (void)arg, (void)message;
-}
 
 static idem_code prepare_all(pool_slot *pc)
 {
@@ -351,21 +339,10 @@ static idem_code prepare_all(pool_slot *pc)
     return IDEM_OK;
 }
 
-/* (Re)connects a pool slot: the session's bounds, the schema and the statements. */
-/* Creates what SCHEMA_PRESENT finds missing. */
-idem_code idem__pg_schema_ensure(pool_slot *pc)
-{
-    PGresult *r;
-    idem_code code = idem__pg_query_simple(pc, idem__pg_schema_present_sql, &r);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    bool present = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
-    PQclear(r);
-    return present ? IDEM_OK : idem__pg_exec_simple(pc, idem__pg_schema_sql);
-}
-
-static idem_code slot_connect(pg_store *st, pool_slot *pc)
+/* (Re)connects a pool slot before until (monotonic ms, 0: each host's connect_timeout
+ * only), then the session's bounds, the schema and the statements, each bounded like a
+ * statement. */
+static idem_code slot_connect(pg_store *st, pool_slot *pc, uint64_t until)
 {
     if (slot_usable(pc) && PQstatus(pc->c) == CONNECTION_OK) {
         return IDEM_OK;
@@ -373,16 +350,21 @@ static idem_code slot_connect(pg_store *st, pool_slot *pc)
     PQfinish(pc->c);
     pc->c = NULL;
     pc->dead = false;
-    idem_code code = idem__pg_connect(st->conninfo, NULL, st->pooler ? NULL : st->session_sql,
-                                      pc->bound_ms, &pc->c);
+    bool lost;
+    idem_code code = idem__pg_connect(st->hosts, until, &pc->c);
+    if (code == IDEM_OK && !st->pooler) { /* the session's bounds */
+        code = simple_checked(pc->c, st->session_sql, "session settings", slot_deadline(pc), &lost,
+                              NULL);
+    }
     if (code != IDEM_OK) {
+        PQfinish(pc->c);
+        pc->c = NULL;
         return code;
     }
     if (pc->opened) {
         __atomic_add_fetch(&st->reconnects, 1, __ATOMIC_RELAXED);
     }
     pc->opened = true;
-    PQsetNoticeProcessor(pc->c, ignore_notice, NULL); /* "already exists, skipping" */
     if (!__atomic_load_n(&st->schema_ready, __ATOMIC_ACQUIRE) &&
         (code = idem__pg_schema_ensure(pc)) == IDEM_OK) {
         __atomic_store_n(&st->schema_ready, true, __ATOMIC_RELEASE);
@@ -398,13 +380,13 @@ static idem_code slot_connect(pg_store *st, pool_slot *pc)
 }
 
 /* Connects pc, retrying a connection the database refused or did not answer (a
- * failover, a restart) with backoff for up to reconnect_ms. */
+ * failover, a restart) with backoff for up to within_ms (0: one attempt). */
 static idem_code slot_connect_retrying(pg_store *st, pool_slot *pc, uint32_t within_ms)
 {
-    uint64_t give_up = idem__mono_ms() + within_ms, backoff = RECONNECT_MIN_MS;
+    uint64_t until = within_ms ? idem__mono_ms() + within_ms : 0, backoff = RECONNECT_MIN_MS;
     for (;;) {
-        idem_code code = slot_connect(st, pc);
-        if (code != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > give_up) {
+        idem_code code = slot_connect(st, pc, until);
+        if (code != IDEM_UNAVAILABLE || idem__mono_ms() + backoff > until) {
             return code;
         }
         idem__sleep_ms(backoff);
@@ -466,7 +448,10 @@ idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **
     pc->st = st;
     pc->bound_ms = within_ms;
     *out = pc;
-    return slot_connect_retrying(st, pc, within_ms);
+    /* One attempt, bounded like one statement: the keeper's next round is the retry. A
+     * connection slower than the round is still worth making (the renewals after it
+     * use it), and no round renews anything before one is made. */
+    return slot_connect(st, pc, idem__mono_ms() + st->stmt_ms + CLIENT_MARGIN_MS);
 }
 
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc)

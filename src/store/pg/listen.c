@@ -6,14 +6,16 @@
  * The listener is an optimisation, never the truth: a woken waiter reads the store, and
  * waiters keep their re-read timers, so a lost notification, a listening connection
  * that is down (reconnected with backoff) or a store opened with no_notify only costs
- * latency. A self-pipe wakes the thread for shutdown. The listener knows only its
- * conninfo and its watchers: the store starts and stops it (watch.c, store_pg.c).
+ * latency. A self-pipe wakes the thread for shutdown. The listener knows only the
+ * store's hosts (connect.c) and its watchers: the store starts and stops it (watch.c,
+ * store_pg.c).
  *
  * A listening connection can go quiet without breaking: its server was partitioned
  * away, stopped, or demoted by a failover (NOTIFY is not replicated, so a standby
  * hears nothing). So every CHECK_MS the listener asks whether its server is still
  * a primary that answers (bounded by CHECK_BOUND_MS) and otherwise
- * listens anew: the multi-host conninfo leads it to the new leader. */
+ * listens anew: the multi-host conninfo leads it to the new leader (the host that gave
+ * the store's last connection first). */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -26,8 +28,8 @@
 #define IDLE_MS 1000     /* longest poll */
 #define RETRY_MIN_MS 100 /* reconnect backoff, doubling */
 #define RETRY_MAX_MS 2000
-#define LISTEN_CONNECT_S "2" /* seconds */
-#define CHECK_MS 3000        /* how often the listener checks its server */
+#define CONNECT_MS 4000 /* the longest connect, every host included */
+#define CHECK_MS 3000   /* how often the listener checks its server */
 #define CHECK_BOUND_MS 2000
 
 typedef struct watcher {
@@ -36,7 +38,7 @@ typedef struct watcher {
 } watcher;
 
 struct pg_listener {
-    const char *conninfo; /* borrowed: the store's, freed after idem__pg_listener_stop */
+    pg_hosts *hosts; /* borrowed: the store's, freed after idem__pg_listener_stop */
     pthread_t thread;
     int wake[2];        /* self-pipe: closing */
     pthread_mutex_t mu; /* watchers; held while they are called, so unwatch waits */
@@ -54,21 +56,25 @@ static void deliver(pg_listener *l, uint32_t hash)
     pthread_mutex_unlock(&l->mu);
 }
 
-/* Bounded (a stop waits for at most one connect attempt, LISTEN_CONNECT_S). */
+/* Bounded (a stop waits for at most one connect, CONNECT_MS, and its LISTEN). */
 static PGconn *listen_connect(pg_listener *l)
 {
     PGconn *c;
-    return idem__pg_connect(l->conninfo, LISTEN_CONNECT_S, "LISTEN " PG_CHANNEL, CHECK_BOUND_MS,
-                            &c) == IDEM_OK
-               ? c
-               : NULL;
+    if (idem__pg_connect(l->hosts, idem__mono_ms() + CONNECT_MS, &c) != IDEM_OK) {
+        return NULL;
+    }
+    if (idem__pg_conn_query(c, NULL, "LISTEN " PG_CHANNEL, CHECK_BOUND_MS, NULL) != IDEM_OK) {
+        PQfinish(c);
+        return NULL;
+    }
+    return c;
 }
 
 /* True when c's server answers in time and is a primary (not in recovery). */
 static bool still_leader(PGconn *c)
 {
     PGresult *r;
-    if (idem__pg_conn_query(c, "SELECT pg_is_in_recovery()", CHECK_BOUND_MS, &r) != IDEM_OK) {
+    if (idem__pg_conn_query(c, NULL, "SELECT pg_is_in_recovery()", CHECK_BOUND_MS, &r) != IDEM_OK) {
         return false;
     }
     bool primary = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "f") == 0;
@@ -139,13 +145,13 @@ static void *listen_main(void *arg)
     return NULL;
 }
 
-idem_code idem__pg_listener_start(const char *conninfo, pg_listener **out)
+idem_code idem__pg_listener_start(pg_hosts *hosts, pg_listener **out)
 {
     pg_listener *l = calloc(1, sizeof(*l));
     if (l == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    l->conninfo = conninfo;
+    l->hosts = hosts;
     if (pipe2(l->wake, O_CLOEXEC) != 0) {
         free(l);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "pipe: %s", strerror(errno));

@@ -1,6 +1,7 @@
-/* The PostgreSQL backend's parts: sql.c the statements and the schema; store_pg.c the
- * single-statement operations; conn.c the pool and bounded statements; claim.c the
- * claim and token consumption; renew.c lease renewals; admin.c the sweep, counts and
+/* The PostgreSQL backend's parts: sql.c the statements; schema.c the schema, its
+ * migration and format; store_pg.c the single-statement operations; connect.c where and
+ * within what time a connection is made; conn.c the pool and bounded statements; claim.c
+ * the claim and token consumption; renew.c lease renewals; admin.c the sweep, counts and
  * walks; txn.c handler transactions and business key-value data; listen.c completion
  * announcements (its listener knows nothing of pg_store), watch.c the store's watch ops
  * on it. */
@@ -34,13 +35,16 @@ typedef struct pool_slot {
 } pool_slot;
 
 typedef struct pg_listener pg_listener;
+/* connect.c: the conninfo's hosts, and the one that gave the last connection. */
+typedef struct pg_hosts pg_hosts;
 
 typedef struct pg_store {
     idem_store base; /* first */
-    char *conninfo;
-    bool notify; /* announce completions (NOTIFY) and hear others' (LISTEN) */
-    bool pooler; /* transaction pooling: unnamed statements, no session state */
+    pg_hosts *hosts; /* the conninfo, parsed */
+    bool notify;     /* announce completions (NOTIFY) and hear others' (LISTEN) */
+    bool pooler;     /* transaction pooling: unnamed statements, no session state */
     uint32_t stmt_ms, lock_ms, reconnect_ms;
+    uint32_t migrate_ms;   /* the schema migration's bound (schema.c) */
     uint64_t reconnects;   /* atomic */
     char session_sql[256]; /* the session's keepalives and bounds (not through a pooler) */
     char txn_sql[192];     /* BEGIN with the same bounds, transaction-local */
@@ -135,24 +139,32 @@ static inline void arg_announce(pg_args *a, const pg_store *st, const idem_key_r
 }
 
 extern const idem_store_ops idem__pg_ops;
-/* sql.c: the statements, and the schema: what is present, what creates it. */
+/* sql.c: the statements, and their short names for error messages. */
 extern const char *const idem__pg_sql[S_COUNT];
-extern const char idem__pg_schema_present_sql[];
-extern const char idem__pg_schema_sql[];
+extern const char *const idem__pg_stmt_name[S_COUNT];
+
+/* connect.c */
+/* Parses conninfo (INVALID_ARGUMENT naming the fault: a syntax error, host, hostaddr and
+ * port lists that libpq could not pair). */
+idem_code idem__pg_hosts_parse(const char *conninfo, pg_hosts **out);
+void idem__pg_hosts_free(pg_hosts *h);
+/* A new nonblocking connection with the store's defaults (keepalives), made
+ * asynchronously before deadline (monotonic ms; 0: none, each host still bounded by
+ * connect_timeout): the host that gave the last connection first, then the others in
+ * their order, each within its share of the time left. */
+idem_code idem__pg_connect(pg_hosts *h, uint64_t deadline, PGconn **out);
 
 /* conn.c */
-/* A new connection to conninfo with the store's defaults (connect timeout, keepalives),
- * then session_sql (may be NULL) bounded by bound_ms; connect_timeout (seconds, may be
- * NULL) overrides the conninfo's. */
-idem_code idem__pg_connect(const char *conninfo, const char *connect_timeout,
-                           const char *session_sql, uint32_t bound_ms, PGconn **out);
+/* The error of r (or of c when r is NULL) as the thread's message, the cause first:
+ * "<PostgreSQL's message> (postgres <what>)", what a short name; frees r. */
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
 /* A connected slot (reconnecting with backoff for up to reconnect_ms). */
 idem_code idem__pg_pool_get(pg_store *st, pool_slot **out);
 /* The same, waiting and reconnecting for at most within_ms. */
 idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot **out);
-/* The renewal connection (st->renew_slot, under st->renew_mu), connected within within_ms;
- * put back with idem__pg_renew_slot_put (also after a failure). */
+/* The renewal connection (st->renew_slot, under st->renew_mu): connected in one attempt
+ * bounded like a statement, its statements bounded by within_ms. Put back with
+ * idem__pg_renew_slot_put (also after a failure). */
 idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out);
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
@@ -166,9 +178,12 @@ idem_code idem__pg_run(pool_slot *pc, enum stmt s, const pg_args *a, ExecStatusT
 /* Plain SQL (several ;-separated statements), bounded the same way. */
 idem_code idem__pg_exec_simple(pool_slot *pc, const char *sql);
 idem_code idem__pg_query_simple(pool_slot *pc, const char *sql, PGresult **out);
+/* idem__pg_query_simple whose errors name the statement by name instead of its SQL. */
+idem_code idem__pg_query_named(pool_slot *pc, const char *name, const char *sql, PGresult **out);
 /* The same on a connection outside the pool (the listener's), bounded by bound_ms; *out
- * may be NULL. */
-idem_code idem__pg_conn_query(PGconn *c, const char *sql, uint32_t bound_ms, PGresult **out);
+ * may be NULL; name (NULL: from the SQL) names it in messages. */
+idem_code idem__pg_conn_query(PGconn *c, const char *name, const char *sql, uint32_t bound_ms,
+                              PGresult **out);
 /* s1 then s2 in one round trip (pipeline mode); s2 does not run when s1 failed. */
 idem_code idem__pg_exec_pair(pool_slot *pc, enum stmt s1, const pg_args *a1, enum stmt s2,
                              const pg_args *a2, PGresult **r1, PGresult **r2);
@@ -189,7 +204,10 @@ idem_code idem__pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *
 idem_code idem__pg_stats(idem_store *base, idem_store_stats *out);
 idem_code idem__pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
 
-/* conn.c: creates what idem__pg_schema_present_sql finds missing. */
+/* schema.c: the format of the store's tables this binary reads and writes (idem_meta). */
+#define IDEM__PG_FORMAT 1
+/* Creates what the catalog says is missing (nothing when all is there), waiting politely
+ * for locks for up to pc->st->migrate_ms; FAILED_PRECONDITION for a newer format. */
 idem_code idem__pg_schema_ensure(pool_slot *pc);
 
 /* store_pg.c */
@@ -234,9 +252,9 @@ idem_code idem__pg_txn_record(idem_txn *t, const idem_key_ref *key, idem_record 
 idem_code idem__pg_app_next(idem_store *base, const char *db, const void *after, size_t alen,
                             idem_app_entry *out);
 
-/* listen.c: the listener thread, on conninfo (borrowed until stop) and nothing else of
- * the store. */
-idem_code idem__pg_listener_start(const char *conninfo, pg_listener **out);
+/* listen.c: the listener thread, on the store's hosts (borrowed until stop) and nothing
+ * else of the store. */
+idem_code idem__pg_listener_start(pg_hosts *hosts, pg_listener **out);
 /* At most IDEM__STORE_MAX_WATCH watchers (RESOURCE_EXHAUSTED beyond). */
 idem_code idem__pg_listener_add(pg_listener *l, idem__store_watch_fn fn, void *arg);
 /* Waits for a delivery to fn in progress. */

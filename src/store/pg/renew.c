@@ -4,9 +4,11 @@
  * round: S_RENEW_BATCH takes the leases as five array parameters and renews, in one
  * statement, each row still IN_PROGRESS under its owner that no other session holds
  * (FOR UPDATE SKIP LOCKED: a stalled claimer on another instance holding one row delays
- * no other lease). The round's connection and answer are bounded by half the shortest
- * lease. A row not renewed is answered per lease: IDEM_UNAVAILABLE (held, or no answer:
- * tried again soon) or IDEM_ABORTED (no longer this owner's). */
+ * no other lease). The round's answer is bounded by half the shortest lease; its
+ * connection, when one must be made, by one attempt as long as a statement (connect.c:
+ * the host that answered last first, a hung one cut short). A row not renewed is
+ * answered per lease: IDEM_UNAVAILABLE (held, or no answer: tried again soon) or
+ * IDEM_ABORTED (no longer this owner's). */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -65,9 +67,9 @@ static bool renew_arrays(char *col[5], const idem__renewal *r, size_t n)
     return ok;
 }
 
-/* One round trip, its connection and its answer bounded by half the shortest lease (a
- * renewal later than that is of little use): rows another session holds are skipped
- * and tried again next round. */
+/* One round trip, its answer bounded by half the shortest lease (a renewal later than
+ * that is of little use): rows another session holds are skipped and tried again next
+ * round. */
 idem_code idem__pg_renew_batch(idem_store *base, idem__renewal *r, size_t n)
 {
     pg_store *st = (pg_store *)base;

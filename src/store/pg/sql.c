@@ -1,6 +1,7 @@
 /* The PostgreSQL backend's statements (idem__pg_sql, prepared per connection by conn.c)
- * and its schema (created by idem__pg_schema_ensure, conn.c): data only, below every
- * other file of the backend. The tables are described in store_pg.c. */
+ * and their short names for error messages (idem__pg_stmt_name): data only, below every
+ * other file of the backend. The tables are described in store_pg.c, created by
+ * schema.c. */
 #include "pg_internal.h"
 
 #define DBNOW "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -126,32 +127,34 @@ const char *const idem__pg_sql[S_COUNT] = {
         " AND owner = $4 AND state = 1 RETURNING 1",
 };
 
-/* Idempotent, serialised across instances by a transaction-scoped advisory lock
- * ("idmp"). Run only when SCHEMA_PRESENT says something is missing, once per store:
- * its ALTER TABLE and CREATE INDEX take table locks even when there is nothing to do,
- * and would wait for every open handler transaction (on any instance). */
-const char idem__pg_schema_present_sql[] =
-    "SELECT to_regclass('idem_records') IS NOT NULL AND to_regclass('idem_tokens') IS NOT NULL"
-    " AND to_regclass('idem_kv') IS NOT NULL AND to_regclass('idem_kv_empty') IS NOT NULL"
-    " AND to_regclass('idem_fence') IS NOT NULL AND EXISTS (SELECT 1 FROM"
-    " information_schema.columns WHERE table_name = 'idem_records' AND column_name ="
-    " 'token_expires_ms' AND table_schema = (SELECT n.nspname FROM pg_class c JOIN"
-    " pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('idem_records')))";
-
-const char idem__pg_schema_sql[] =
-    "SELECT pg_advisory_xact_lock(1768189296);"
-    "CREATE TABLE IF NOT EXISTS idem_records ("
-    " caller text NOT NULL, method text NOT NULL, key text NOT NULL,"
-    " state smallint NOT NULL CHECK (state IN (1, 2)), fingerprint bytea NOT NULL,"
-    " owner bigint NOT NULL, lease_until_ms bigint NOT NULL, first_at_ms bigint NOT NULL,"
-    " expires_ms bigint NOT NULL, response bytea, PRIMARY KEY (caller, method, key));"
-    "CREATE INDEX IF NOT EXISTS idem_records_expires ON idem_records (expires_ms);"
-    "CREATE TABLE IF NOT EXISTS idem_tokens ("
-    " token text PRIMARY KEY, scope text NOT NULL, expires_ms bigint NOT NULL);"
-    "CREATE INDEX IF NOT EXISTS idem_tokens_expires ON idem_tokens (expires_ms);"
-    "ALTER TABLE idem_records ADD COLUMN IF NOT EXISTS token text,"
-    " ADD COLUMN IF NOT EXISTS token_scope text, ADD COLUMN IF NOT EXISTS token_expires_ms bigint;"
-    "CREATE SEQUENCE IF NOT EXISTS idem_fence;"
-    "CREATE TABLE IF NOT EXISTS idem_kv ("
-    " db text NOT NULL, k bytea NOT NULL, v bytea, PRIMARY KEY (db, k));"
-    "CREATE INDEX IF NOT EXISTS idem_kv_empty ON idem_kv (db) WHERE v IS NULL;";
+/* Each statement's short name: what an error message names instead of its SQL. */
+const char *const idem__pg_stmt_name[S_COUNT] = {
+    [S_CLAIM_INSERT] = "claim insert",
+    [S_CLAIM_FENCE] = "claim fence",
+    [S_CLAIM_LOCK] = "claim lock",
+    [S_CLAIM_TAKE] = "claim take",
+    [S_TOKEN_TAKE] = "token take",
+    [S_TOKEN_KEEP] = "token keep",
+    [S_TOKEN_CHECK] = "token check",
+    [S_COMPLETE] = "complete",
+    [S_RELEASE] = "release",
+    [S_RENEW] = "renew",
+    [S_GET] = "get",
+    [S_DELETE] = "delete",
+    [S_SWEEP_RECORDS] = "sweep records",
+    [S_SWEEP_TOKENS] = "sweep tokens",
+    [S_SWEEP_KV] = "sweep kv",
+    [S_TOKEN_PUT] = "token put",
+    [S_STATS] = "stats",
+    [S_PAGE] = "page",
+    [S_TRY_LOCK] = "try lock",
+    [S_NOTIFY] = "notify",
+    [S_KV_LOCK] = "kv lock",
+    [S_KV_PUT] = "kv put",
+    [S_KV_DEL] = "kv del",
+    [S_KV_READ] = "kv read",
+    [S_KV_NEXT] = "kv next",
+    [S_TXN_RECORD] = "txn record",
+    [S_RENEW_BATCH] = "renew batch",
+    [S_CLAIM_CONFIRM] = "claim confirm",
+};

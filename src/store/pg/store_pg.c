@@ -205,7 +205,7 @@ static void pg_close(idem_store *base)
     pthread_cond_destroy(&st->cv);
     pthread_mutex_destroy(&st->mu);
     free(st->pool);
-    free(st->conninfo);
+    idem__pg_hosts_free(st->hosts);
     free(st);
 }
 
@@ -252,15 +252,18 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     if (conninfo == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "postgres conninfo not set");
     }
+    pg_hosts *hosts;
+    idem_code code = idem__pg_hosts_parse(conninfo, &hosts);
+    if (code != IDEM_OK) {
+        return code;
+    }
     pg_store *st = calloc(1, sizeof(*st));
-    if (st == NULL || (st->conninfo = strdup(conninfo)) == NULL ||
-        (st->pool = calloc(pool_size, sizeof(pool_slot))) == NULL) {
-        if (st != NULL) {
-            free(st->conninfo);
-        }
+    if (st == NULL || (st->pool = calloc(pool_size, sizeof(pool_slot))) == NULL) {
+        idem__pg_hosts_free(hosts);
         free(st);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
+    st->hosts = hosts;
     st->base.ops = &idem__pg_ops;
     st->n = pool_size;
     st->pooler = opts->pooler;
@@ -270,6 +273,8 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     st->stmt_ms = st->stmt_ms > 3600000 ? 3600000 : st->stmt_ms;
     st->lock_ms = opts->lock_timeout_ms ? opts->lock_timeout_ms : 1000;
     st->lock_ms = st->lock_ms > st->stmt_ms ? st->stmt_ms : st->lock_ms;
+    st->migrate_ms = opts->migrate_timeout_ms ? opts->migrate_timeout_ms : 30000;
+    st->migrate_ms = st->migrate_ms > 3600000 ? 3600000 : st->migrate_ms;
     /* The server's side of the keepalive (ignored on a Unix socket), and its bounds. */
     snprintf(st->session_sql, sizeof(st->session_sql),
              "SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
@@ -283,7 +288,7 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     pthread_mutex_init(&st->renew_mu, NULL);
     idem__cond_init(&st->cv);
     pool_slot *pc;
-    idem_code code = idem__pg_pool_get(st, &pc); /* fail early on a bad conninfo */
+    code = idem__pg_pool_get(st, &pc); /* fail early on a bad conninfo */
     if (code == IDEM_OK) {
         idem__pg_pool_put(st, pc);
         code = idem__pg_rcache_open(st, opts);

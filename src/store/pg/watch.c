@@ -13,7 +13,7 @@ idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg)
     }
     pthread_mutex_lock(&st->mu);
     if (st->listener == NULL) {
-        code = idem__pg_listener_start(st->conninfo, &st->listener);
+        code = idem__pg_listener_start(st->hosts, &st->listener);
     }
     pthread_mutex_unlock(&st->mu);
     if (code != IDEM_OK) {

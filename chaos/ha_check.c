@@ -44,6 +44,8 @@ static struct {
     size_t n_ok;
     uint64_t slowest[MAX_FAULTS], applied[MAX_FAULTS];
     int kind[MAX_FAULTS], n_faults;
+    uint64_t seed, seed_given; /* --seed: each round's order of faults, their lengths */
+    bool seeded;
 } H = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static uint64_t mono_ms(void)
@@ -131,19 +133,50 @@ static int ha(const char *what, bool fault)
     return pclose(p);
 }
 
+/* xorshift64* of H.seed (never 0): [lo, hi]. Only the fault thread draws. */
+static unsigned draw(unsigned lo, unsigned hi)
+{
+    H.seed ^= H.seed >> 12;
+    H.seed ^= H.seed << 25;
+    H.seed ^= H.seed >> 27;
+    return lo + (unsigned)((H.seed * 2685821657736338717ull) % (hi - lo + 1));
+}
+
+/* Each round meets every kind once: in the listed order, or with --seed in an order
+ * drawn from it (a Fisher-Yates shuffle of the round). */
+static void next_round(int order[N_KINDS])
+{
+    for (int k = 0; k < N_KINDS; k++) {
+        order[k] = k;
+    }
+    for (int k = N_KINDS - 1; H.seeded && k > 0; k--) {
+        int j = (int)draw(0, (unsigned)k), t = order[k];
+        order[k] = order[j];
+        order[j] = t;
+    }
+}
+
 static void *fault_main(void *arg)
 {
     uint64_t end = *(uint64_t *)arg;
+    int order[N_KINDS];
     for (int i = 0; mono_ms() + 20000 < end && i < MAX_FAULTS && !atomic_load(&H.stop); i++) {
-        int kind = i % N_KINDS;
+        if (i % N_KINDS == 0) {
+            next_round(order);
+        }
+        int kind = order[i % N_KINDS];
+        /* a pause ends before Patroni's 10 s TTL; the standby stays away 2-4 s */
+        unsigned pause_s = H.seeded ? draw(6, 8) : 8, away_s = H.seeded ? draw(2, 4) : 3;
+        char pause[32];
+        snprintf(pause, sizeof(pause), "pause-leader %u", pause_s);
         pthread_mutex_lock(&H.mu);
         H.kind[H.n_faults] = kind;
         H.slowest[H.n_faults] = H.applied[H.n_faults] = 0;
         H.n_faults++;
         pthread_mutex_unlock(&H.mu);
-        ha(kind == 1 ? "pause-leader 8" : faults[kind], true);
+        ha(kind == 1 ? pause : faults[kind], true);
         if (kind == 3) {
-            struct timespec ts = {3, 0};
+            struct timespec ts = {(time_t)away_s, 0};
             nanosleep(&ts, NULL); /* writes go on without the standby meanwhile */
             ha("start-standby", false);
         }
@@ -273,11 +306,13 @@ static int start_instances(idem_store *st[2], idem_server *srv[2])
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: idemrpc-ha-check [--seconds N]\n"
+    fprintf(f, "usage: idemrpc-ha-check [--seconds N] [--seed S]\n"
                "  the fault campaign on HA PostgreSQL; needs IDEMRPC_TEST_HA and IDEMRPC_HA:\n"
                "  eval \"$(bash scripts/ha.sh start)\"\n"
                "  --seconds N   how long the run lasts (default 60; faults start until 20 s\n"
-               "                before its end)\n");
+               "                before its end)\n"
+               "  --seed S      draw the order of each round of faults and their lengths\n"
+               "                from S (default: the listed order, fixed lengths)\n");
 }
 
 /* True to run; false with *status the exit status (0 after --help, 2 after a usage
@@ -285,6 +320,7 @@ static void usage(FILE *f)
 static bool parse(int argc, char **argv, unsigned *seconds, int *status)
 {
     static const struct option longs[] = {{"seconds", required_argument, NULL, 's'},
+                                          {"seed", required_argument, NULL, 'S'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     int opt;
@@ -296,7 +332,13 @@ static bool parse(int argc, char **argv, unsigned *seconds, int *status)
             *status = 0;
             return false;
         }
-        if (opt == '?' || !cli_parse_u64("idemrpc-ha-check", "--seconds", optarg, 1, 86400, &v)) {
+        if (opt == 'S' && cli_parse_u64("idemrpc-ha-check", "--seed", optarg, 0, UINT64_MAX, &v)) {
+            H.seed = (v * 2654435761u) | 1; /* xorshift's state is never 0 */
+            H.seed_given = v;
+            H.seeded = true;
+            continue;
+        }
+        if (opt != 's' || !cli_parse_u64("idemrpc-ha-check", "--seconds", optarg, 1, 86400, &v)) {
             usage(stderr);
             return false;
         }
@@ -322,6 +364,11 @@ int main(int argc, char **argv)
     if (H.conninfo == NULL || H.script == NULL) {
         fprintf(stderr, "ha: IDEMRPC_TEST_HA and IDEMRPC_HA not set (bash scripts/ha.sh start)\n");
         return 2;
+    }
+    if (H.seeded) {
+        printf("ha: seed %llu, %u s (replay: idemrpc-ha-check --seconds %u --seed %llu)\n",
+               (unsigned long long)H.seed_given, seconds, seconds,
+               (unsigned long long)H.seed_given);
     }
     idem_store *st[2] = {0};
     idem_server *srv[2] = {0};

@@ -8,7 +8,8 @@
  *                    Redis faults
  *   chaos_agent.c    the store agent (lmdb): fills and frees the store, logs commit stalls
  *   chaos_history.c  the history file (one JSON line per event) and its reader
- *   chaos_check.c    the checker: history + final store + effect log → violations
+ *   chaos_check*.c   the checker: history + final store + effect log → violations
+ *                    (chaos_check.h: its parts)
  *   chaos_nats*.c    the broker topology (a build with libnats): a JetStream broker, two
  *                    payment servers with their outbox relays, two consumers on one
  *                    durable; consumer kill and stop, relay kill, broker restart; its
@@ -16,8 +17,8 @@
  *
  * Every time is CLOCK_MONOTONIC in ms, shared by the campaign and the servers (the
  * servers stamp the effect log with it). */
-#ifndef IDEMRPC_BENCH_CHAOS_H
-#define IDEMRPC_BENCH_CHAOS_H
+#ifndef IDEMRPC_CHAOS_H
+#define IDEMRPC_CHAOS_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -38,6 +39,11 @@
 /* lmdb: the free space a "fill" fault hands back when it ends (the rest of the map is
  * the agent's ballast, written once at the start). */
 #define CHAOS_HEADROOM_BYTES (16ull << 20)
+/* The servers' HTTP front (the slow_http fault): a request must arrive whole within this
+ * (idem_server_opts.http_request_timeout_ms), and at most this many connections at once
+ * (http_max_conns: a few slow clients can fill it, as on a busy front). */
+#define CHAOS_HTTP_REQUEST_TIMEOUT_MS 1000
+#define CHAOS_HTTP_MAX_CONNS 4
 
 typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG, CHAOS_NATS } chaos_topology;
 
@@ -63,6 +69,8 @@ void chaos_sleep_ms(uint64_t ms);
 /* xorshift64*: per-thread, seeded, never 0. */
 uint64_t chaos_rand(uint64_t *state);
 uint64_t chaos_between(uint64_t *state, uint64_t lo, uint64_t hi); /* [lo, hi] */
+/* A port of 127.0.0.1 that was free a moment ago (-1: none). */
+int chaos_free_port(void);
 /* FNV-1a 64 of bytes, for the payload digests of the history. */
 uint64_t chaos_digest(const void *p, size_t n);
 

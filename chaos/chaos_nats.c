@@ -74,21 +74,6 @@ static void proc_event(const char *ev, const char *kind, size_t i, pid_t pid)
 }
 
 /* A free loopback TCP port (the broker keeps it across restarts). */
-static int free_port(void)
-{
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof(a);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), port = -1;
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-        getsockname(fd, (struct sockaddr *)&a, &len) == 0) {
-        port = ntohs(a.sin_port);
-    }
-    if (fd >= 0) {
-        close(fd);
-    }
-    return port;
-}
-
 /* True once the broker accepts a TCP connection. */
 static bool broker_listens(void)
 {
@@ -181,7 +166,7 @@ bool chaos_nats_setup(const chaos_cfg *cfg)
 {
     run_cfg = cfg;
     ssize_t n = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
-    if (n <= 0 || (broker_port = free_port()) <= 0) {
+    if (n <= 0 || (broker_port = chaos_free_port()) <= 0) {
         return false;
     }
     self_exe[n] = '\0';

@@ -4,7 +4,10 @@
  *      producers (payments + relay) and the two consumers (one durable);
  *   2. K client threads charge payments through chaos.Pay/Charge, each under a key of
  *      its own, retried with that key until OK (or 30 s), while the fault schedule runs;
- *      kinds: 90 % ok, 6 % flaky, 2 % final, 2 % poison (chaos_nats_proc.c);
+ *      kinds: 90 % ok, 6 % flaky, 2 % final, 2 % poison (chaos_nats_proc.c); one
+ *      payment in 500 (ok or final) has a commission message at the broker's size limit
+ *      (big_sizes: its max_payload, asked at the start, and around it), which the
+ *      outbox may refuse at put (a definitive answer, not retried);
  *   3. the faults are healed and the run waits (at most 120 s) until the outbox is empty
  *      and the durable has nothing pending or unacked, three looks in a row;
  *   4. every message of the stream goes to DIR/stream.tsv (SEQ SUBJECT KEY REASON
@@ -28,6 +31,8 @@
 #define OP_PATIENCE_MS 30000 /* one payment retried with its key this long at most */
 #define SETTLE_MS 120000
 
+static int64_t max_payload; /* the broker's, asked once the stream is made */
+
 typedef struct client_thread {
     const chaos_cfg *cfg;
     const volatile bool *stop;
@@ -41,33 +46,62 @@ static const char *pick_kind(uint64_t *rng)
     return p < 2 ? "final" : p < 4 ? "poison" : p < 10 ? "flaky" : "ok";
 }
 
-/* One payment under its own key, retried with that key until OK or OP_PATIENCE_MS. */
+/* The payload of a payment: "KIND AMOUNT", or with a third field, the size of its
+ * commission message (chaos_nats_proc.c pads it): the broker's max_payload, one byte
+ * over and under, less room for the relay's headers, or the outbox's documented maximum. */
+static int payment_payload(uint64_t *rng, char *out, size_t cap, const char **kind)
+{
+    uint64_t amount = chaos_between(rng, 1, 100);
+    if (max_payload <= 0 || chaos_between(rng, 0, 499) != 0) {
+        *kind = pick_kind(rng);
+        return snprintf(out, cap, "%s %" PRIu64, *kind, amount);
+    }
+    const int64_t big_sizes[] = {max_payload,       max_payload + 1,      max_payload - 1,
+                                 max_payload - 256, IDEM_OUTBOX_MAX_DATA, IDEM_OUTBOX_MAX_DATA - 1};
+    *kind = chaos_between(rng, 0, 3) == 0 ? "final" : "ok";
+    return snprintf(out, cap, "%s %" PRIu64 " %" PRId64, *kind, amount,
+                    big_sizes[chaos_between(rng, 0, 5)]);
+}
+
+/* A definitive refusal of a payment (not retried): only for a big message, at put. */
+static bool refused(idem_code code)
+{
+    return code == IDEM_INVALID_ARGUMENT || code == IDEM_FAILED_PRECONDITION;
+}
+
+/* One payment under its own key, retried with that key until OK, a definitive refusal
+ * or OP_PATIENCE_MS. */
 static void one_payment(client_thread *ct, idem_client *cl, uint64_t *rng)
 {
     char key[96], payload[48], code_name[32];
-    const char *kind = pick_kind(rng);
+    const char *kind;
     snprintf(key, sizeof(key), "%s-%zu-%" PRIu64, ct->cfg->run, ct->id, ct->ops++);
-    int n = snprintf(payload, sizeof(payload), "%s %" PRIu64, kind, chaos_between(rng, 1, 100));
+    int n = payment_payload(rng, payload, sizeof(payload), &kind);
     const char *sf[] = {"key", key, "kind", kind, "payload", payload};
+    if (strchr(payload, ' ') != strrchr(payload, ' ')) { /* a third field: its size */
+        const char *bf[] = {"kind", "big_message", "key", key, "payload", payload};
+        chaos_history_event("fault", 3, bf);
+    }
     chaos_history_event("send", 3, sf);
     idem_request rq = {.method = CHAOS_METHOD_PAY,
                        .idempotency_key = key,
                        .payload = payload,
                        .payload_len = (size_t)n};
     idem_code code = IDEM_UNAVAILABLE;
-    for (uint64_t end = chaos_now_ms() + OP_PATIENCE_MS; code != IDEM_OK && chaos_now_ms() < end;) {
+    for (uint64_t end = chaos_now_ms() + OP_PATIENCE_MS;
+         code != IDEM_OK && !refused(code) && chaos_now_ms() < end;) {
         idem_result r = {0};
         code = idem_client_call(cl, &rq, &r);
         ct->calls += r.attempts > 0 ? r.attempts : 1;
         idem_result_clear(&r);
-        if (code != IDEM_OK) {
+        if (code != IDEM_OK && !refused(code)) {
             chaos_sleep_ms(50);
         }
     }
     snprintf(code_name, sizeof(code_name), "%s", idem_code_name(code));
     const char *rf[] = {"key", key, "code", code_name};
     chaos_history_event("recv", 2, rf);
-    ct->undecided += code != IDEM_OK;
+    ct->undecided += code != IDEM_OK && !refused(code);
 }
 
 static void *client_main(void *arg)
@@ -191,8 +225,9 @@ static void dump_one(FILE *out, natsMsg *m, uint64_t seq)
     if (natsMsgHeader_Get(m, IDEM_NATS_DEAD_REASON, &reason) != NATS_OK || reason == NULL) {
         reason = "-";
     }
+    int len = natsMsg_GetDataLength(m); /* the payload's first 64 bytes: it may be 1 MiB */
     fprintf(out, "%" PRIu64 "\t%s\t%s\t%s\t%.*s\n", seq, natsMsg_GetSubject(m), key, reason,
-            natsMsg_GetDataLength(m), natsMsg_GetData(m));
+            len < 64 ? len : 64, natsMsg_GetData(m));
 }
 
 /* Every message of the stream into DIR/stream.tsv. */
@@ -262,6 +297,8 @@ static bool start_all(const chaos_cfg *cfg)
         for (int i = 0; i < 50 && (s = add_stream(js)) != NATS_OK; i++) {
             chaos_sleep_ms(200); /* JetStream is starting */
         }
+        max_payload = natsConnection_GetMaxPayload(nc);
+        printf("chaos: the broker's max_payload: %" PRId64 " bytes\n", max_payload);
         jsCtx_Destroy(js);
         natsConnection_Destroy(nc);
     }

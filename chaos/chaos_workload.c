@@ -237,8 +237,10 @@ static op *generate(worker *w, bool *impatient)
         uint64_t b = (a + chaos_between(&w->rng, 1, CHAOS_ACCOUNTS - 1)) % CHAOS_ACCOUNTS;
         snprintf(o->payload, sizeof(o->payload), "%" PRIu64 " %" PRIu64 " %" PRIu64, a, b,
                  chaos_between(&w->rng, 1, 300));
-    } else {
-        snprintf(o->payload, sizeof(o->payload), "%" PRIu64, chaos_between(&w->rng, 1, 9));
+    } else { /* a Book in four is declined: its hold is undone (chaos_server.c) */
+        bool decline = kind == OP_BOOK && chaos_between(&w->rng, 0, 3) == 0;
+        snprintf(o->payload, sizeof(o->payload), "%s%" PRIu64, decline ? "decline " : "",
+                 chaos_between(&w->rng, 1, 9));
     }
     *impatient = copies < 10 || (kind == OP_BOOK && copies < 40);
     o->abandoned = kind == OP_BOOK && *impatient;

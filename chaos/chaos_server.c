@@ -9,16 +9,25 @@
  *                          under the key (the token).
  *   chaos.Counter/Add      claim mode (cached, key required): one line in the effect log.
  *   chaos.Trip/Book        journaled steps (IDEM_METHOD_STEPS, key required): step "hold",
- *                          10-60 ms (a slow provider), step "pay"; each step's function
+ *                          10-60 ms (a slow provider; for one key in 20 that is not
+ *                          declined, 4 leases: a run whose lease must be renewed across
+ *                          a fault), step
+ *                          "pay"; each step's function
  *                          writes one effect line naming the step and returns the output
  *                          "STEP.PID.FENCE"; the answer names both outputs (hold=, pay=),
  *                          so a replayed step is recognisable. A step that ran then
  *                          writes a note line: NOTE = recorded, or unrecorded:CODE.
+ *                          Payload "decline N": the card is declined after "hold" (a
+ *                          final FAILED_PRECONDITION "card declined caller=… key=…"), so
+ *                          the compensation runs hold's undo, which writes an effect
+ *                          line "undo" (see hold_undo: transient failures, a crash).
  *
  * Every answer names the process, the fence, the caller and the key of the execution
  * that produced it, so two executions never give equal answers and a caller can tell
  * whose result it got. Effect log line (one write(2) on an O_APPEND fd, then fdatasync):
  *   METHOD CALLER KEY PID FENCE MONOTONIC_MS [STEP [NOTE]]
+ * With --http URL a server serves the same chain on the HTTP front too, with the
+ * campaign's bounds (CHAOS_HTTP_*), for the slow_http fault (chaos_faults_http.c).
  * The servers run the re-driver (--redrive-ms, idem_server_opts.redrive_interval_ms):
  * a Book whose owner died between its steps and whose client gave up is finished by it. */
 #include <fcntl.h>
@@ -36,6 +45,10 @@
 #include "cli.h"
 
 static int effects_fd = -1;
+static uint64_t lease_ms; /* the servers' lease (--lease-ms) */
+/* A crash during a compensation (chaos_faults_undo.c): the campaign arms it by creating
+ * EFFECTS.undo-crash; the undo that removes it writes its pid to EFFECTS.undo-crash.pid. */
+static char undo_crash[640], undo_crash_pid[660];
 
 static idem_code reply_execution(idem_call *call, idem_code code, const char *extra)
 {
@@ -171,12 +184,57 @@ static idem_code book_step_fn(idem_call *call, void *arg, idem_step_result *out)
     return IDEM_OK;
 }
 
+/* Armed: writes this pid where the campaign waits for it, then waits (≤ 10 s) for the
+ * SIGKILL that lands after the undo's effect and before its record. */
+static void crash_if_armed(void)
+{
+    char tmp[700], pid[24];
+    if (unlink(undo_crash) != 0) {
+        return; /* not armed, or the other server took it */
+    }
+    snprintf(tmp, sizeof(tmp), "%s.tmp", undo_crash_pid);
+    int n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    bool told = fd >= 0 && write(fd, pid, (size_t)n) == n;
+    if (fd >= 0) {
+        close(fd);
+    }
+    if (!told || rename(tmp, undo_crash_pid) != 0) {
+        return;
+    }
+    for (int i = 0; i < 100; i++) {
+        chaos_sleep_ms(100);
+    }
+}
+
+/* The undo of "hold" (its compensation): an effect line "undo". One key in three meets a
+ * provider that is down half the time (200 ms slots): the undo fails transiently before
+ * its effect (a note "undo transient"), the call is released with its journal, and a
+ * retry or the re-driver finishes the compensation. arg: NULL (never the handler's). */
+static idem_code hold_undo(idem_call *call, const char *step, const idem_step_result *done,
+                           void *arg)
+{
+    (void)step, (void)done, (void)arg;
+    const char *key = idem_call_key(call);
+    if (chaos_digest(key, strlen(key)) % 3 == 0 && chaos_now_ms() / 200 % 2 == 0) {
+        effect_write(call, " undo transient", NULL); /* a note, best effort */
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "undo: the provider is unavailable");
+    }
+    if (!effect_write(call, " undo", NULL)) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "effect log write failed");
+    }
+    crash_if_armed();
+    return IDEM_OK;
+}
+
 /* Runs (or replays) step s and notes how its record ended when it ran: "recorded" (its
  * effect must never show again: a recorded step replays) or "unrecorded:CODE" (the
  * checker's evidence of why its effect may show twice). */
 static idem_code book_step_run(idem_call *call, book_step *s, idem_step_result *out)
 {
-    idem_code code = idem_call_step(call, s->name, book_step_fn, s, out);
+    idem_step_opts undo = {.undo = hold_undo};
+    idem_code code = idem_call_step_with(call, s->name, book_step_fn, s,
+                                         strcmp(s->name, "hold") == 0 ? &undo : NULL, out);
     if (code == IDEM_OK) {
         if (s->ran) {
             char tail[80];
@@ -200,10 +258,20 @@ static idem_code book(idem_call *call, void *arg)
     book_step hold = {"hold", false}, pay = {"pay", false};
     idem_step_result h = {0}, p = {0};
     const char *key = idem_call_key(call);
+    size_t n;
+    const char *payload = idem_call_payload(call, &n);
+    bool declined = n >= 7 && memcmp(payload, "decline", 7) == 0;
     idem_code code = book_step_run(call, &hold, &h);
     if (code == IDEM_OK) {
-        chaos_sleep_ms(10 + chaos_digest(key, strlen(key)) % 51); /* a slow provider */
-        code = book_step_run(call, &pay, &p);
+        /* A slow provider, now and then slower: not for a declined call, which is released
+         * when undone, so that a retry after the client's 1 s attempt timeout would run
+         * it afresh, again and again, and never learn its outcome (as documented). */
+        uint64_t d = chaos_digest(key, strlen(key));
+        chaos_sleep_ms(d % 20 == 0 && !declined ? 4 * lease_ms : 10 + d % 51);
+        code = declined
+                   ? idem_call_fail(call, IDEM_FAILED_PRECONDITION,
+                                    "card declined caller=%s key=%s", idem_call_caller(call), key)
+                   : book_step_run(call, &pay, &p);
     }
     if (code == IDEM_OK) {
         char extra[256];
@@ -217,7 +285,7 @@ static idem_code book(idem_call *call, void *arg)
 }
 
 typedef struct serve_opts {
-    const char *listen, *db, *pg, *redis, *effects;
+    const char *listen, *http, *db, *pg, *redis, *effects;
     uint64_t lease_ms, map_size, redrive_ms;
 } serve_opts;
 
@@ -225,7 +293,7 @@ static int serve_usage(void)
 {
     fprintf(stderr, "usage: idemrpc-chaos --serve --listen URL --effects FILE "
                     "(--db DIR [--map-size BYTES] | --pg CONNINFO [--redis URL])\n"
-                    "                     [--lease-ms N] [--redrive-ms N]\n");
+                    "                     [--lease-ms N] [--redrive-ms N] [--http URL]\n");
     return CLI_USAGE_ERROR;
 }
 
@@ -233,6 +301,7 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
 {
     static const struct option longs[] = {{"serve", no_argument, NULL, 'S'},
                                           {"listen", required_argument, NULL, 'l'},
+                                          {"http", required_argument, NULL, 'h'},
                                           {"db", required_argument, NULL, 'd'},
                                           {"pg", required_argument, NULL, 'p'},
                                           {"redis", required_argument, NULL, 'r'},
@@ -249,6 +318,9 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
             break;
         case 'l':
             so->listen = optarg;
+            break;
+        case 'h':
+            so->http = optarg;
             break;
         case 'd':
             so->db = optarg;
@@ -317,6 +389,8 @@ int chaos_serve(int argc, char **argv)
     if (!serve_parse(argc, argv, &so)) {
         return serve_usage();
     }
+    snprintf(undo_crash, sizeof(undo_crash), "%s.undo-crash", so.effects);
+    snprintf(undo_crash_pid, sizeof(undo_crash_pid), "%s.undo-crash.pid", so.effects);
     if ((effects_fd = open(so.effects, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600)) < 0) {
         perror(so.effects);
         return 1;
@@ -327,7 +401,7 @@ int chaos_serve(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &term, NULL);
 
     idem_server_opts_init(&o);
-    o.lease_ms = so.lease_ms;
+    o.lease_ms = lease_ms = so.lease_ms;
     o.workers = 8;
     o.sweep_interval_ms = 3600 * 1000; /* the checker reads every record the run wrote */
     o.db_path = so.db;
@@ -341,8 +415,11 @@ int chaos_serve(int argc, char **argv)
     }
     o.store = pg;
     o.debounce = window;
+    o.http_request_timeout_ms = CHAOS_HTTP_REQUEST_TIMEOUT_MS;
+    o.http_max_conns = CHAOS_HTTP_MAX_CONNS;
     if (idem_server_create(&srv, &o) != IDEM_OK || serve_register(srv, pg == NULL) != IDEM_OK ||
-        idem_server_listen(srv, so.listen) != IDEM_OK) {
+        idem_server_listen(srv, so.listen) != IDEM_OK ||
+        (so.http != NULL && idem_server_listen_http(srv, so.http) != IDEM_OK)) {
         fprintf(stderr, "chaos server: %s\n", idem_errmsg());
         return 1;
     }

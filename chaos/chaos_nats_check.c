@@ -12,6 +12,11 @@
  *   not committed                 no copy on the stream, no effect, no dead letter
  *   answered OK to its client     committed
  *
+ *   a big message (its commission at the broker's size limit: a "big_message" fault)
+ *                                 refused at put (INVALID_ARGUMENT or FAILED_PRECONDITION,
+ *                                 nothing committed), or committed and then as above; or
+ *                                 committed, refused by the broker for good and
+ *                                 dead-lettered by the relay (never on the stream)
  * and for the run: the credited total is the sum of the credited payments' amounts;
  * after settling the outbox is empty and the durable has nothing pending or unacked
  * (every message acked or dead-lettered); every payment was decided; no process crashed.
@@ -26,6 +31,7 @@
 #include <string.h>
 
 #include "chaos.h"
+#include "chaos_nats.h"
 
 #define SHOW_MAX 20 /* violations printed per kind */
 
@@ -33,7 +39,7 @@ typedef struct entry {
     char *key;
     char kind[8];
     long long amount;
-    bool sent, answered_ok, produced;
+    bool sent, answered_ok, produced, big, refused;
     long long effects;
     unsigned copies, dead, dead_no_reason;
 } entry;
@@ -63,9 +69,17 @@ static const char *const v_names[V_COUNT] = {"credited_not_once",
                                              "not_settled",
                                              "payment_undecided",
                                              "process_crash"};
-enum { F_CONSUMER_KILL, F_CONSUMER_STOP, F_RELAY_KILL, F_BROKER_KILL, F_BROKER_TERM, F_COUNT };
+enum {
+    F_CONSUMER_KILL,
+    F_CONSUMER_STOP,
+    F_RELAY_KILL,
+    F_BROKER_KILL,
+    F_BROKER_TERM,
+    F_BIG_MESSAGE,
+    F_COUNT
+};
 static const char *const f_names[F_COUNT] = {"consumer_kill", "consumer_stop", "relay_kill",
-                                             "broker_kill", "broker_term"};
+                                             "broker_kill",   "broker_term",   "big_message"};
 
 static struct {
     entry *tab;
@@ -135,45 +149,9 @@ static entry *get(const char *key, size_t n)
     return e;
 }
 
-/* The faults in time order, to attribute the consumers' duplicates to the fault before
- * them (at most ATTRIBUTE_MS before: else "none"). */
+/* The consumers' duplicates are attributed to the fault at most ATTRIBUTE_MS before them
+ * (chaos_nats_faultlog.c; else "none"). */
 #define ATTRIBUTE_MS 10000
-typedef struct fault_at {
-    uint64_t t;
-    int kind;
-} fault_at;
-static fault_at *fault_log;
-static size_t n_fault_log, cap_fault_log;
-
-static void log_fault(const char *line, int kind)
-{
-    char t[24] = "";
-    if (n_fault_log == cap_fault_log) {
-        size_t cap = cap_fault_log == 0 ? 256 : cap_fault_log * 2;
-        fault_at *p = realloc(fault_log, cap * sizeof(*p));
-        if (p == NULL) {
-            return;
-        }
-        fault_log = p, cap_fault_log = cap;
-    }
-    chaos_history_field(line, "t", t, sizeof(t));
-    fault_log[n_fault_log++] = (fault_at){strtoull(t, NULL, 10), kind};
-}
-
-/* The kind of the last fault at most ATTRIBUTE_MS before t; F_COUNT: none. */
-static int fault_before(uint64_t t)
-{
-    size_t lo = 0, hi = n_fault_log; /* the first fault after t */
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (fault_log[mid].t <= t) {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo > 0 && t - fault_log[lo - 1].t <= ATTRIBUTE_MS ? fault_log[lo - 1].kind : F_COUNT;
-}
 
 static void read_fault(const char *line)
 {
@@ -186,7 +164,11 @@ static void read_fault(const char *line)
     for (int f = 0; f < F_COUNT; f++) {
         if (strcmp(kind, f_names[f]) == 0) {
             nc.faults[f]++;
-            log_fault(line, f);
+            char t[24] = "0";
+            chaos_history_field(line, "t", t, sizeof(t));
+            if (f != F_BIG_MESSAGE) { /* a payment's size, not a process's fault */
+                chaos_nats_log_fault(strtoull(t, NULL, 10), f);
+            }
         }
     }
 }
@@ -221,12 +203,17 @@ static void read_line(const char *line)
         nc.payments++;
     } else if (recv && chaos_history_field(line, "code", val, sizeof(val))) {
         e->answered_ok = strcmp(val, "OK") == 0;
-        if (!e->answered_ok) {
+        e->refused = e->big && (strcmp(val, "INVALID_ARGUMENT") == 0 ||
+                                strcmp(val, "FAILED_PRECONDITION") == 0);
+        if (!e->answered_ok && !e->refused) {
             nc.undecided++;
             violation(V_UNDECIDED, "payment %s: no OK within 30 s, last answer %s", key, val);
         }
     } else if (strcmp(ev, "fault") == 0) {
         read_fault(line);
+        if (chaos_history_field(line, "key", key, sizeof(key)) && (e = get(key, strlen(key)))) {
+            e->big = true; /* a big_message fault names its payment */
+        }
     } else if (strcmp(ev, "settled") == 0) {
         read_settled(line);
     }
@@ -331,7 +318,8 @@ static void read_events(const chaos_cfg *cfg)
         relay_dups += strcmp(what, "relay_dup") == 0;
         if (strcmp(what, "consumer_dup") == 0) {
             consumer_dups++;
-            dups_after[fault_before(t)]++;
+            int at = chaos_nats_fault_before(t, ATTRIBUTE_MS);
+            dups_after[at < 0 ? F_COUNT : at]++;
         }
     }
     if (f != NULL) {
@@ -372,6 +360,7 @@ static bool read_stream(const chaos_cfg *cfg)
 
 typedef struct tally {
     uint64_t produced, credited, dead_lettered, dead_twice, extra_copies, by_kind[4];
+    uint64_t big_refused, big_committed, big_parked; /* refused at put; dead-lettered unsent */
     long long expected_total;
 } tally;
 
@@ -381,6 +370,7 @@ static const char *const kinds[4] = {"ok", "flaky", "final", "poison"};
 static void check_entry(const entry *e, tally *t)
 {
     bool to_credit = strcmp(e->kind, "ok") == 0 || strcmp(e->kind, "flaky") == 0;
+    t->big_refused += e->refused;
     if (e->answered_ok && !e->produced) {
         violation(V_ACKED_LOST, "%s answered OK but no payment committed", e->key);
     }
@@ -399,6 +389,11 @@ static void check_entry(const entry *e, tally *t)
     t->dead_lettered += e->dead > 0;
     t->dead_twice += e->dead > 1;
     t->extra_copies += e->copies > 1 ? e->copies - 1 : 0;
+    t->big_committed += e->big;
+    if (e->big && e->copies == 0 && e->dead > 0) {
+        t->big_parked++; /* refused by the broker for good: dead-lettered, never blocking */
+        return;
+    }
     if (e->copies == 0) {
         violation(V_UNPUBLISHED, "%s (%s) committed, never on the stream", e->key, e->kind);
     }
@@ -430,6 +425,9 @@ static void summary(const tally *t)
            " dead-lettered twice; credited total %lld (expected %lld)\n",
            t->produced, t->by_kind[0], t->by_kind[1], t->by_kind[2], t->by_kind[3], t->credited,
            t->dead_lettered, t->extra_copies, t->dead_twice, credited_total, t->expected_total);
+    printf("chaos: nats: big messages: %" PRIu64 " refused at put, %" PRIu64 " committed (%" PRIu64
+           " dead-lettered by the relay, never on the stream)\n",
+           t->big_refused, t->big_committed, t->big_parked);
     printf("chaos: nats: evidence: %" PRIu64 " copies a relay published again were dropped by "
            "the broker's dedupe, %" PRIu64 " reached the stream; the consumers acked %" PRIu64
            " deliveries as duplicates (marker found, no effect)\n",
@@ -484,6 +482,6 @@ uint64_t chaos_nats_check(const chaos_cfg *cfg)
         free(nc.tab[i].key);
     }
     free(nc.tab);
-    free(fault_log);
+    chaos_nats_forget_faults();
     return nc.violations;
 }

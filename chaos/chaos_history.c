@@ -1,12 +1,17 @@
 /* The history: one JSON object per line, {"t":MS,"ev":EV,"name":"value",...}, written
  * under one mutex and flushed per line so that a campaign that dies leaves a readable
  * prefix. The reader understands exactly what the writer writes (string fields with \"
- * and \\ escapes), not JSON in general. Also the small shared helpers (clock, RNG). */
+ * and \\ escapes), not JSON in general. Also the small shared helpers (clock, RNG, a
+ * free port). */
+#include <arpa/inet.h>
 #include <inttypes.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "chaos.h"
 #include "json.h"
@@ -26,6 +31,21 @@ void chaos_sleep_ms(uint64_t ms)
     struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000};
     while (nanosleep(&ts, &ts) != 0) {
     }
+}
+
+int chaos_free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), port = -1;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0) {
+        port = ntohs(a.sin_port);
+    }
+    if (fd >= 0) {
+        close(fd);
+    }
+    return port;
 }
 
 uint64_t chaos_rand(uint64_t *state)

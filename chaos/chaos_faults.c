@@ -4,8 +4,8 @@
  * then frees CHAOS_HEADROOM_BYTES); on the pg topology a PostgreSQL restart, Redis
  * stopped for 0.5-2 s, a partition (server i's connections to the database go silent,
  * no FIN or RST, for 1-3 leases) and a slow database (every chunk between server i and
- * the database delayed 20-80 ms for 2-4 leases): on pg each server reaches the
- * database through a fault proxy of its own (tests/pgproxy.c). One fault at a time, each ended
+ * the database delayed 20-80 ms for 2-4 leases) and a hung first host in the conninfo
+ * while PostgreSQL restarts: chaos_faults_pg.c. One fault at a time, each ended
  * before the next; a server that dies without being killed is a "crash" event (the checker counts
  * it as a violation). Only the fault thread touches the table while the run goes on;
  * chaos_faults_heal and chaos_servers_stop come after it.
@@ -26,21 +26,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "chaos.h"
-#ifdef CHAOS_HAVE_PG
-#include "pgproxy.h"
-#endif
+#include "chaos_faults.h"
 
 typedef struct server {
     pid_t pid; /* 0 = not running */
     bool stopped;
-    char url[600];
+    char url[600], http[64]; /* its nng and HTTP fronts (a restart keeps them) */
 } server;
 
 static server servers[CHAOS_SERVERS];
 #ifdef CHAOS_HAVE_PG
-static pgproxy *proxies[CHAOS_SERVERS]; /* pg: each server's way to the database */
-static char pg_via[CHAOS_SERVERS][700];
+static char pg_via[CHAOS_SERVERS][1200]; /* pg: each server's conninfo (chaos_pg_route) */
 #endif
 static char self_exe[PATH_MAX];
 static const chaos_cfg *run_cfg;
@@ -56,7 +52,26 @@ const char *chaos_server_url(size_t i)
     return servers[i].url;
 }
 
-static void server_event(const char *ev, const char *kind, size_t i, pid_t pid)
+pid_t chaos_server_pid(size_t i)
+{
+    return servers[i].pid;
+}
+
+const char *chaos_server_http(size_t i)
+{
+    return servers[i].http;
+}
+
+size_t chaos_server_of(pid_t pid)
+{
+    size_t i = 0;
+    while (i < CHAOS_SERVERS && (pid <= 0 || servers[i].pid != pid)) {
+        i++;
+    }
+    return i;
+}
+
+void chaos_server_event(const char *ev, const char *kind, size_t i, pid_t pid)
 {
     char idx[16], p[16];
     snprintf(idx, sizeof(idx), "%zu", i);
@@ -88,16 +103,18 @@ static bool server_start(size_t i)
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
     snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
     snprintf(redrive, sizeof(redrive), "%" PRIu64, cfg->redrive_ms);
-    const char *lmdb[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
-                          cfg->effects, "--lease-ms", lease,          "--db",         store,
-                          "--map-size", map,          "--redrive-ms", redrive,        NULL};
+    const char *lmdb[] = {
+        self_exe,     "--serve",    "--listen",     servers[i].url, "--http", servers[i].http,
+        "--effects",  cfg->effects, "--lease-ms",   lease,          "--db",   store,
+        "--map-size", map,          "--redrive-ms", redrive,        NULL};
     const char *via = cfg->pg;
 #ifdef CHAOS_HAVE_PG
-    via = proxies[i] != NULL ? pg_via[i] : cfg->pg;
+    via = cfg->topology == CHAOS_PG ? pg_via[i] : cfg->pg;
 #endif
-    const char *pg[] = {self_exe,     "--serve",    "--listen",     servers[i].url, "--effects",
-                        cfg->effects, "--lease-ms", lease,          "--pg",         via,
-                        "--redis",    cfg->redis,   "--redrive-ms", redrive,        NULL};
+    const char *pg[] = {self_exe,        "--serve",   "--listen",   servers[i].url, "--http",
+                        servers[i].http, "--effects", cfg->effects, "--lease-ms",   lease,
+                        "--pg",          via,         "--redis",    cfg->redis,     "--redrive-ms",
+                        redrive,         NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
         return false;
@@ -121,7 +138,7 @@ static bool server_start(size_t i)
     }
     servers[i].pid = pid;
     servers[i].stopped = false;
-    server_event("start", ready ? "ready" : "not_ready", i, pid);
+    chaos_server_event("start", ready ? "ready" : "not_ready", i, pid);
     return ready;
 }
 
@@ -221,11 +238,12 @@ bool chaos_servers_start(const chaos_cfg *cfg)
     }
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         snprintf(servers[i].url, sizeof(servers[i].url), "ipc://%s/s%zu.ipc", cfg->dir, i);
+        snprintf(servers[i].http, sizeof(servers[i].http), "http://127.0.0.1:%d",
+                 chaos_free_port());
 #ifdef CHAOS_HAVE_PG
-        if (cfg->topology == CHAOS_PG) { /* later keywords win in a conninfo */
-            proxies[i] = pgproxy_start(cfg->pg);
-            snprintf(pg_via[i], sizeof(pg_via[i]), "%s host=127.0.0.1 port=%d", cfg->pg,
-                     pgproxy_port(proxies[i]));
+        if (cfg->topology == CHAOS_PG && !chaos_pg_route(cfg, i, pg_via[i], sizeof(pg_via[i]))) {
+            fprintf(stderr, "idemrpc-chaos: no way to the database for server %zu\n", i);
+            return false;
         }
 #endif
         if (!server_start(i)) {
@@ -243,7 +261,7 @@ static void reap_crashed(void)
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         int st;
         if (servers[i].pid > 0 && waitpid(servers[i].pid, &st, WNOHANG) == servers[i].pid) {
-            server_event("fault", "crash", i, servers[i].pid);
+            chaos_server_event("fault", "crash", i, servers[i].pid);
             servers[i].pid = 0;
             server_start(i);
         }
@@ -288,11 +306,12 @@ void chaos_servers_sample_rss(void)
 }
 
 /* The kill ends when the process is gone (reap_ms after SIGKILL: a thread in an
- * uninterruptible wait, such as an fsync, dies only when it returns). */
-static void fault_kill(uint64_t *rng, size_t i)
+ * uninterruptible wait, such as an fsync, dies only when it returns). kind: "kill", or
+ * the fault it is part of ("undo_crash"). */
+void chaos_fault_kill(uint64_t *rng, size_t i, const char *kind)
 {
     pid_t pid = servers[i].pid;
-    server_event("fault", "kill", i, pid);
+    chaos_server_event("fault", kind, i, pid);
     uint64_t t = chaos_now_ms();
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
@@ -300,7 +319,7 @@ static void fault_kill(uint64_t *rng, size_t i)
     snprintf(idx, sizeof(idx), "%zu", i);
     snprintf(p, sizeof(p), "%d", (int)pid);
     snprintf(reap, sizeof(reap), "%" PRIu64, chaos_now_ms() - t);
-    const char *f[] = {"kind", "kill", "server", idx, "pid", p, "reap_ms", reap};
+    const char *f[] = {"kind", kind, "server", idx, "pid", p, "reap_ms", reap};
     chaos_history_event("fault_end", 4, f);
     servers[i].pid = 0;
     chaos_sleep_ms(chaos_between(rng, 100, 800));
@@ -310,13 +329,13 @@ static void fault_kill(uint64_t *rng, size_t i)
 static void fault_stop(uint64_t *rng, size_t i)
 {
     uint64_t lease = run_cfg->lease_ms;
-    server_event("fault", "stop", i, servers[i].pid);
+    chaos_server_event("fault", "stop", i, servers[i].pid);
     servers[i].stopped = true;
     kill(servers[i].pid, SIGSTOP);
     chaos_sleep_ms(chaos_between(rng, lease * 3 / 2, lease * 3));
     kill(servers[i].pid, SIGCONT);
     servers[i].stopped = false;
-    server_event("fault_end", "stop", i, servers[i].pid);
+    chaos_server_event("fault_end", "stop", i, servers[i].pid);
 }
 
 /* The store fills up: the agent pins LMDB's pages and writes until MDB_MAP_FULL; the
@@ -344,10 +363,10 @@ static void fault_fill(uint64_t *rng)
     }
 }
 
-static void services(const char *what)
+void chaos_services(const chaos_cfg *cfg, const char *what)
 {
     char cmd[1024];
-    snprintf(cmd, sizeof(cmd), "%s %s >/dev/null 2>&1", run_cfg->services, what);
+    snprintf(cmd, sizeof(cmd), "%s %s >/dev/null 2>&1", cfg->services, what);
     if (system(cmd) != 0) {
         fprintf(stderr, "idemrpc-chaos: '%s' failed\n", cmd);
     }
@@ -358,34 +377,14 @@ static void fault_service(uint64_t *rng, const char *kind)
     const char *f[] = {"kind", kind};
     chaos_history_event("fault", 1, f);
     if (strcmp(kind, "pg_restart") == 0) {
-        services("restart-pg");
+        chaos_services(run_cfg, "restart-pg");
     } else {
-        services("stop-redis");
+        chaos_services(run_cfg, "stop-redis");
         chaos_sleep_ms(chaos_between(rng, 500, 2000));
-        services("start-redis");
+        chaos_services(run_cfg, "start-redis");
     }
     chaos_history_event("fault_end", 1, f);
 }
-
-#ifdef CHAOS_HAVE_PG
-/* Server i's database connections go silent (partition) or slow for a while. */
-static void fault_network(uint64_t *rng, size_t i, bool cut)
-{
-    uint64_t lease = run_cfg->lease_ms;
-    const char *kind = cut ? "partition" : "slow_db";
-    server_event("fault", kind, i, servers[i].pid);
-    if (cut) {
-        pgproxy_cut(proxies[i], true);
-        chaos_sleep_ms(chaos_between(rng, lease, 3 * lease));
-        pgproxy_cut(proxies[i], false);
-    } else {
-        pgproxy_delay(proxies[i], (unsigned)chaos_between(rng, 20, 80));
-        chaos_sleep_ms(chaos_between(rng, 2 * lease, 4 * lease));
-        pgproxy_delay(proxies[i], 0);
-    }
-    server_event("fault_end", kind, i, servers[i].pid);
-}
-#endif
 
 /* Waits ms in 100 ms steps, sampling RSS every second and reaping crashes. */
 static void fault_wait(uint64_t ms, const volatile bool *stop)
@@ -410,16 +409,26 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
         size_t i = (size_t)chaos_between(&rng, 0, CHAOS_SERVERS - 1);
         if (cfg->topology == CHAOS_PG && pick >= 85) {
             fault_service(&rng, "redis_stop");
-        } else if (cfg->topology == CHAOS_PG && pick >= 70) {
+        } else if (cfg->topology == CHAOS_PG && pick >= 77) {
             fault_service(&rng, "pg_restart");
 #ifdef CHAOS_HAVE_PG
+        } else if (cfg->topology == CHAOS_PG && pick >= 70) {
+            if (!chaos_pg_hung_host(&rng, cfg)) {
+                continue;
+            }
         } else if (cfg->topology == CHAOS_PG && pick >= 50 && servers[i].pid > 0) {
-            fault_network(&rng, i, pick >= 60);
+            chaos_pg_network(&rng, cfg, i, servers[i].pid, pick >= 60);
 #endif
         } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
             fault_fill(&rng);
+        } else if (pick >= 6 && pick < 12 && servers[i].pid > 0) {
+            chaos_slow_http(&rng, i);
+        } else if (pick < 6) {
+            if (!chaos_undo_crash(&rng, cfg)) {
+                continue; /* no compensation reached its undo meanwhile */
+            }
         } else if (pick % 2 == 0 && servers[i].pid > 0) {
-            fault_kill(&rng, i);
+            chaos_fault_kill(&rng, i, "kill");
         } else if (servers[i].pid > 0) {
             fault_stop(&rng, i);
         } else {
@@ -474,19 +483,14 @@ void chaos_servers_stop(void)
             chaos_sleep_ms(50);
         }
         if (pid > 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
-            server_event("fault", "crash", i, pid);
+            chaos_server_event("fault", "crash", i, pid);
         } else if (pid > 0) {
-            server_event("stop", "exit", i, pid);
+            chaos_server_event("stop", "exit", i, pid);
         }
         servers[i].pid = 0;
     }
     agent_stop();
 #ifdef CHAOS_HAVE_PG
-    for (size_t i = 0; i < CHAOS_SERVERS; i++) {
-        if (proxies[i] != NULL) {
-            pgproxy_stop(proxies[i]);
-            proxies[i] = NULL;
-        }
-    }
+    chaos_pg_stop();
 #endif
 }

@@ -124,29 +124,50 @@ static void block_term(sigset_t *term)
     pthread_sigmask(SIG_BLOCK, term, NULL);
 }
 
+/* The commission message of payment p ("KIND AMOUNT [SIZE]"): p itself, or p padded
+ * with spaces to SIZE bytes (a message at the broker's size limit); malloc'd, *len. */
+static char *commission(const char *p, size_t n, size_t *len)
+{
+    char buf[72] = {0};
+    unsigned long long size = 0;
+    memcpy(buf, p, n < sizeof(buf) - 1 ? n : sizeof(buf) - 1);
+    *len = sscanf(buf, "%*s %*d %llu", &size) == 1 && size > n && size <= (64u << 20) ? size : n;
+    char *data = malloc(*len);
+    if (data != NULL) {
+        memset(data, ' ', *len);
+        memcpy(data, p, n);
+    }
+    return data;
+}
+
 /* chaos.Pay/Charge: the payment and its commission message, one transaction. */
 static idem_code charge(idem_call *call, void *arg)
 {
     (void)arg;
-    size_t n;
+    size_t n, len;
     const char *p = idem_call_payload(call, &n);
     const char *key = idem_call_key(call);
     char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1];
     if (n == 0 || n > 64) {
         return idem_call_fail(call, IDEM_INVALID_ARGUMENT, "bad payment");
     }
+    char *data = commission(p, n, &len);
+    if (data == NULL) {
+        return idem_call_fail(call, IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
     snprintf(msg_id, sizeof(msg_id), "%s", key);
     idem_txn *t = idem_call_txn(call);
     idem_code code = idem_txn_put(t, "payments", key, strlen(key), p, n);
     if (code == IDEM_OK) {
-        code = idem_outbox_put(t, CHAOS_NATS_SUBJECT, msg_id, p, n);
+        code = idem_outbox_put(t, CHAOS_NATS_SUBJECT, msg_id, data, len);
     }
+    free(data);
     if (code != IDEM_OK) {
         return idem_call_fail(call, code, "%s", idem_errmsg());
     }
     char out[128];
-    int len = snprintf(out, sizeof(out), "pid=%d key=%s", (int)getpid(), key);
-    return idem_call_reply(call, IDEM_OK, out, (size_t)len);
+    int rl = snprintf(out, sizeof(out), "pid=%d key=%s", (int)getpid(), key);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)rl);
 }
 
 int chaos_nats_producer(int argc, char **argv)

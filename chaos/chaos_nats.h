@@ -1,7 +1,8 @@
-/* The broker topology's parts, shared by chaos_nats.c (processes, faults) and
- * chaos_nats_run.c (load, settling, the stream's dump). */
-#ifndef IDEMRPC_BENCH_CHAOS_NATS_H
-#define IDEMRPC_BENCH_CHAOS_NATS_H
+/* The broker topology's parts, shared by chaos_nats.c (processes, faults),
+ * chaos_nats_run.c (load, settling, the stream's dump) and its checker
+ * (chaos_nats_check.c, chaos_nats_faultlog.c). */
+#ifndef IDEMRPC_CHAOS_NATS_H
+#define IDEMRPC_CHAOS_NATS_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -23,5 +24,11 @@ uint64_t chaos_nats_faults(const chaos_cfg *cfg, const volatile bool *stop);
 void chaos_nats_heal(void);
 /* Stops the producers and consumers (SIGTERM; SIGKILL after 10 s), then the broker. */
 void chaos_nats_stop(bool broker_too);
+
+/* The checker's faults in time order: log one (in history order), and the kind of the
+ * last one at most within_ms before t (-1: none); forget them all. */
+void chaos_nats_log_fault(uint64_t t, int kind);
+int chaos_nats_fault_before(uint64_t t, uint64_t within_ms);
+void chaos_nats_forget_faults(void);
 
 #endif
