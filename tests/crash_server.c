@@ -9,9 +9,13 @@
  *   crash.Ledger/Credit   transactional: balance += payload, in the record's txn
  *   crash.Ledger/Balance  plain: the balance
  *   crash.File/Append     claim mode: appends a line to DIR/effects (outside the store)
- *   crash.File/Count      plain: lines in DIR/effects */
+ *   crash.File/Count      plain: lines in DIR/effects
+ *   crash.Order/Submit    claim mode, token required, its claim on disk before it runs
+ *                         (its fence): its first run in a process answers UNAVAILABLE (a
+ *                         downstream still starting), the next ones "ok" */
 #include <fcntl.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,6 +115,20 @@ static idem_code count(idem_call *call, void *arg)
     return reply_ll(call, lines);
 }
 
+static idem_code submit(idem_call *call, void *arg)
+{
+    (void)arg;
+    static atomic_int runs;
+    if (idem_call_fence(call) == 0) { /* the claim on disk (LMDB may share its commit) */
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "no fence");
+    }
+    maybe_crash("after_claim");
+    if (atomic_fetch_add(&runs, 1) == 0) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "downstream starting");
+    }
+    return idem_call_reply(call, IDEM_OK, "ok", 2);
+}
+
 /* Around result_cache: "before" is before the claim, "after" is after the record
  * committed and before the reply leaves. */
 static idem_code crash_points(idem_call *call, idem_next next, void *arg)
@@ -168,14 +186,17 @@ int main(int argc, char **argv)
     idem_server *srv;
     idem_method_opts tx = {.flags = IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_KEY_REQUIRED};
     idem_method_opts claim = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts order = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_TOKEN_REQUIRED};
     if (idem_server_create(&srv, &o) != IDEM_OK ||
         idem_server_use_builtin(srv, IDEM_BUILTIN_REQUEST_ID) != IDEM_OK ||
         idem_server_use(srv, "crash_points", crash_points, NULL) != IDEM_OK ||
+        idem_server_use_builtin(srv, IDEM_BUILTIN_TOKEN) != IDEM_OK ||
         idem_server_use_builtin(srv, IDEM_BUILTIN_RESULT_CACHE) != IDEM_OK ||
         idem_server_register(srv, "crash.Ledger/Credit", credit, NULL, &tx) != IDEM_OK ||
         idem_server_register(srv, "crash.Ledger/Balance", balance, NULL, NULL) != IDEM_OK ||
         idem_server_register(srv, "crash.File/Append", append, NULL, &claim) != IDEM_OK ||
         idem_server_register(srv, "crash.File/Count", count, NULL, NULL) != IDEM_OK ||
+        idem_server_register(srv, "crash.Order/Submit", submit, NULL, &order) != IDEM_OK ||
         idem_server_listen(srv, listen) != IDEM_OK) {
         fprintf(stderr, "crash_server: %s\n", idem_errmsg());
         return 1;

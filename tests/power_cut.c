@@ -18,6 +18,8 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int log_fd = -1;
 static const char *data_path;
+static const char *plan = ""; /* guarded by mu */
+void (*_Atomic power_cut_before_sync)(void);
 
 static void init(void)
 {
@@ -26,6 +28,20 @@ static void init(void)
     if (log != NULL && data_path != NULL) {
         log_fd = (int)syscall(SYS_openat, AT_FDCWD, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
     }
+}
+
+void power_cut_record(const char *log, const char *data)
+{
+    pthread_once(&once, init); /* so that it cannot run later and undo this */
+    pthread_mutex_lock(&mu);
+    if (log_fd >= 0) {
+        syscall(SYS_close, log_fd);
+    }
+    data_path = data;
+    log_fd = log == NULL
+                 ? -1
+                 : (int)syscall(SYS_openat, AT_FDCWD, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    pthread_mutex_unlock(&mu);
 }
 
 /* fd is the data file, written without O_DSYNC. */
@@ -128,23 +144,48 @@ ssize_t write(int fd, const void *buf, size_t n)
     return rc;
 }
 
-/* A successful sync of the data file marks what was logged before it began as on disk. */
+void power_cut_plan(const char *p)
+{
+    pthread_mutex_lock(&mu);
+    plan = p;
+    pthread_mutex_unlock(&mu);
+}
+
+size_t power_cut_plan_left(void)
+{
+    pthread_mutex_lock(&mu);
+    size_t n = strlen(plan);
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* A sync of the data file marks what was logged before it began as on disk, or, when it
+ * fails (its step of the plan), as lost. */
 static int synced(int fd, long nr)
 {
     if (!logged_fd(fd)) {
         return (int)syscall(nr, fd);
     }
+    void (*hook)(void) = atomic_load(&power_cut_before_sync);
+    if (hook != NULL) {
+        hook();
+    }
     pthread_mutex_lock(&mu);
     off_t before = lseek(log_fd, 0, SEEK_END);
+    bool fail = *plan == 'f';
+    plan += *plan != '\0';
     pthread_mutex_unlock(&mu);
-    int rc = (int)syscall(nr, fd);
-    if (rc == 0) {
-        undo_rec r = {POWER_CUT_SYNC, (uint64_t)before, 0, 0};
+    int rc = fail ? -1 : (int)syscall(nr, fd);
+    if (rc == 0 || fail) {
+        undo_rec r = {fail ? POWER_CUT_FAILED : POWER_CUT_SYNC, (uint64_t)before, 0, 0};
         pthread_mutex_lock(&mu);
         if (write_all(log_fd, &r, sizeof(r)) != 0) {
             _exit(97);
         }
         pthread_mutex_unlock(&mu);
+    }
+    if (fail) {
+        errno = EIO;
     }
     return rc;
 }

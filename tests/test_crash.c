@@ -68,8 +68,8 @@ static void stop(tu_child *c)
     cr_expect_eq(sig, 0, "clean shutdown on SIGTERM, not signal %d", sig);
 }
 
-static idem_code send_to(const char *to, const char *method, const char *key, const char *payload,
-                         uint32_t attempts, idem_result *r)
+/* Sends q to `to` with up to attempts attempts. */
+static idem_code call_to(const char *to, const idem_request *q, uint32_t attempts, idem_result *r)
 {
     idem_client_opts o;
     idem_client *cl;
@@ -80,13 +80,19 @@ static idem_code send_to(const char *to, const char *method, const char *key, co
     o.retry.period_ms = 50;
     o.retry.max_period_ms = 200;
     cr_assert_eq(idem_client_open(&cl, (const char *[]){to}, 1, &o), IDEM_OK);
+    idem_code code = idem_client_call(cl, q, r);
+    idem_client_close(cl);
+    return code;
+}
+
+static idem_code send_to(const char *to, const char *method, const char *key, const char *payload,
+                         uint32_t attempts, idem_result *r)
+{
     idem_request q = {.method = method,
                       .idempotency_key = key,
                       .payload = payload,
                       .payload_len = payload ? strlen(payload) : 0};
-    idem_code code = idem_client_call(cl, &q, r);
-    idem_client_close(cl);
-    return code;
+    return call_to(to, &q, attempts, r);
 }
 
 static long long read_count(const char *to, const char *method)
@@ -181,4 +187,57 @@ Test(crash, claim_kill_after_effect_is_at_least_once_after_lease)
 Test(crash, claim_kill_after_commit_replays_first_result)
 {
     crash_and_retry(FILE_, "after_commit", 1, true, "appended");
+}
+
+/* ---- a takeover keeps the first token ---- */
+
+static void issue_token(const char *to, char *tok, size_t cap)
+{
+    idem_client *cl = tu_client(to, 1000);
+    cr_assert_eq(idem_client_issue_token(cl, NULL, tok, cap, NULL), IDEM_OK, "%s", idem_errmsg());
+    idem_client_close(cl);
+}
+
+static idem_code submit(const char *to, const char *key, const char *token, idem_result *r)
+{
+    idem_request q = {.method = "crash.Order/Submit", .idempotency_key = key, .token = token};
+    idem_code code = call_to(to, &q, 30, r);
+    if (code != IDEM_OK) {
+        cr_log_info("%s with %s: %s", key, token, r->message ? r->message : "");
+    }
+    return code;
+}
+
+/* Order 1 is claimed with token t1 and its owner dies; the same order comes back with
+ * t2 and takes over, and that run fails transiently (released: the client retries).
+ * The record kept t1, the token its first claim consumed: the takeover checks t2 and
+ * consumes nothing, so the release gives t1 back. It used to consume t2 and write it
+ * over t1 in the record; the release restored t2 and t1 was gone for good. */
+Test(crash, a_takeover_with_another_token_keeps_the_first_and_its_release_restores_it)
+{
+    tu_child c = spawn_on(url, "after_claim", "300"), other = {0};
+    if (pg != NULL) {
+        other = spawn_on(url2, "", "300");
+    }
+    char t1[64], t2[64];
+    issue_token(url, t1, sizeof(t1));
+    issue_token(url, t2, sizeof(t2));
+    idem_result r;
+    cr_expect_neq(submit(url, "order-1", t1, &r), IDEM_OK, "the server died mid-call");
+    idem_result_clear(&r);
+    cr_assert_eq(tu_reap(&c), SIGKILL, "crash_server was killed after the claim");
+    c = pg != NULL ? other : spawn_on(url, "", "300");
+    const char *to = pg != NULL ? url2 : url;
+
+    cr_expect_eq(submit(to, "order-1", t2, &r), IDEM_OK, "taken over, released, run again");
+    cr_expect_geq(r.attempts, 2, "the takeover's run answered UNAVAILABLE first");
+    idem_result_clear(&r);
+    cr_expect_eq(submit(to, "order-2", t1, &r), IDEM_OK,
+                 "the first token came back with the takeover's release");
+    cr_expect_not(r.replayed);
+    idem_result_clear(&r);
+    cr_expect_eq(submit(to, "order-1", t1, &r), IDEM_OK);
+    cr_expect(r.replayed, "order 1 is done");
+    idem_result_clear(&r);
+    stop(&c);
 }

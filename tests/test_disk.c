@@ -407,3 +407,54 @@ Test(disk_gc, a_shared_claim_refused_in_a_batch_that_fails_to_commit_is_decided_
                  idem_code_name(refused));
     cr_expect_eq(atomic_load(&refusal_runs), 2, "decided again alone");
 }
+
+/* ---- group_commit.h's rule, checked unless NDEBUG: a refusal comes before any write ---- */
+
+#ifndef NDEBUG
+static atomic_int bad_refusals;
+
+static void count_bad_refusal(const char *msg)
+{
+    cr_log_info("%s", msg);
+    atomic_fetch_add(&bad_refusals, 1);
+}
+
+/* The bug the rule forbids: a write, then a refusal. */
+static idem_code writes_then_refuses(MDB_txn *txn, void *ctx)
+{
+    (void)ctx;
+    MDB_dbi dbi;
+    MDB_val k = {1, "y"}, v = {1, "1"};
+    if (mdb_dbi_open(txn, NULL, 0, &dbi) != 0 || mdb_put(txn, dbi, &k, &v, 0) != 0) {
+        return idem__err(IDEM_INTERNAL, "put y");
+    }
+    return idem__err(IDEM_FAILED_PRECONDITION, "refused after its write");
+}
+
+/* It joins a batch held open for a shared claim, applied in the batch's txn itself (a map
+ * with room: no child txn per write): the check trips (it would abort the process), and
+ * its write is not committed with the claim's. */
+Test(disk_gc, a_write_that_refuses_after_writing_trips_the_check_and_commits_nothing)
+{
+    uint64_t ticket;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k = {1, "y"}, v;
+    cr_assert_eq(mdb_env_set_mapsize(raw_env, 64u << 20), 0); /* before any txn */
+    idem__gc_on_bad_refusal = count_bad_refusal;
+    cr_assert_eq(
+        idem__gc_write_held(&raw_gc, applied_ok, applied_ok, NULL, no_unref, NULL, &ticket),
+        IDEM_OK);
+    cr_assert_neq(ticket, 0, "a batch is open");
+    idem_code code = idem__gc_write(&raw_gc, writes_then_refuses, NULL);
+    cr_expect_eq(code, IDEM_INTERNAL, "%s: %s", idem_code_name(code), idem_errmsg());
+    cr_expect_geq(atomic_load(&bad_refusals), 1, "the check tripped");
+    cr_assert_eq(idem__gc_write_end(&raw_gc, applied_ok, NULL, ticket, 0), IDEM_OK);
+    cr_assert_eq(mdb_txn_begin(raw_env, NULL, MDB_RDONLY, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &dbi), 0);
+    int rc = mdb_get(txn, dbi, &k, &v);
+    mdb_txn_abort(txn);
+    cr_expect_eq(rc, MDB_NOTFOUND, "the refused write's key was committed with the batch");
+    idem__gc_on_bad_refusal = NULL;
+}
+#endif

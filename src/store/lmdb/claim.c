@@ -129,15 +129,8 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     idem_claim_req at = *req;
     at.lease_until_ms = idem__add_sat(at.lease_until_ms, waited);
     at.expires_ms = idem__add_sat(at.expires_ms, waited);
-    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
-     * token must be valid, and is consumed. */
-    if (req->token != NULL && !(took_over && idem__lmdb_rec_token_is(&tok, req->token))) {
-        uint64_t tok_expires;
-        if ((code = idem__lmdb_token_take(c->st, txn, req->token, req->key.caller, req->now_ms,
-                                          &tok_expires)) != IDEM_OK) {
-            return code;
-        }
-        idem__lmdb_rec_token_make(&tok, req->token, tok_expires);
+    if ((code = idem__lmdb_claim_token(c->st, txn, req, took_over, &tok)) != IDEM_OK) {
+        return code; /* a takeover keeps the first token (lmdb_internal.h) */
     }
     if (owner == 0 && (code = idem__lmdb_next_fence(c->st, txn, &owner)) != IDEM_OK) {
         return code;

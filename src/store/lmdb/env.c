@@ -66,9 +66,26 @@ static idem_code open_list_claim(lmdb_store *st, const char *dir)
     return IDEM_OK;
 }
 
-idem_code idem__lmdb_commit(MDB_txn *txn)
+idem_code idem__lmdb_commit(lmdb_store *st, MDB_txn *txn)
 {
-    return idem__gc_commit_durable(txn); /* its meta page too (MDB_NOMETASYNC) */
+    return idem__gc_commit_durable(&st->gc, txn); /* its meta page too (MDB_NOMETASYNC) */
+}
+
+/* Group commit's re-write after a failed sync (group_commit_sync.c): a key of the meta
+ * db changes, so that the commit writes a new meta page. */
+static idem_code sync_mark_put(MDB_txn *txn, void *ctx)
+{
+    lmdb_store *st = ctx;
+    MDB_val k = {6, "synced"}, v;
+    uint8_t b[8];
+    int rc = mdb_get(txn, st->meta, &k, &v);
+    if (rc != 0 && rc != MDB_NOTFOUND) {
+        return idem__lmdb_code(rc, "sync mark get");
+    }
+    idem__put_be64(b, (rc == 0 && v.mv_size == 8 ? idem__get_be64(v.mv_data) : 0) + 1);
+    v = (MDB_val){8, b};
+    rc = mdb_put(txn, st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "sync mark put");
 }
 
 int idem__lmdb_read_begin(lmdb_store *st, MDB_txn **txn)
@@ -252,6 +269,10 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((code = idem__gc_init(&st->gc, st->env, gc_on, GROUP_COMMIT_BATCH)) != IDEM_OK) {
         mdb_env_close(st->env);
         goto out;
+    }
+    if (st->has_meta && !ro) { /* before the first write: read by the writer thread */
+        st->gc.rewrite = sync_mark_put;
+        st->gc.rewrite_ctx = st;
     }
     pthread_mutex_init(&st->rpool_mu, NULL);
     pthread_mutex_init(&st->db_mu, NULL);

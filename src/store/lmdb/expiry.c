@@ -92,7 +92,7 @@ idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t
         mdb_txn_abort(txn);
         return idem__lmdb_code(rc, "sweep");
     }
-    idem_code code = idem__lmdb_commit(txn);
+    idem_code code = idem__lmdb_commit(st, txn);
     if (code == IDEM_OK) {
         *deleted = n;
     }

@@ -38,6 +38,7 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     gc->accept_min_us = ACCEPT_MIN_US;
     gc->accept_max_us = ACCEPT_MAX_US;
     pthread_mutex_init(&gc->mu, NULL);
+    pthread_mutex_init(&gc->sync_mu, NULL);
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* hold_open's timed wait */
     pthread_cond_init(&gc->cv, &ca);
@@ -55,6 +56,7 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
             pthread_cond_destroy(&gc->inline_cv);
             pthread_cond_destroy(&gc->done_cv);
             pthread_cond_destroy(&gc->cv);
+            pthread_mutex_destroy(&gc->sync_mu);
             pthread_mutex_destroy(&gc->mu);
             return idem__err(IDEM_RESOURCE_EXHAUSTED, "cannot start the LMDB writer thread");
         }
@@ -79,6 +81,7 @@ void idem__gc_fini(idem_group_commit *gc)
     pthread_cond_destroy(&gc->inline_cv);
     pthread_cond_destroy(&gc->done_cv);
     pthread_cond_destroy(&gc->cv);
+    pthread_mutex_destroy(&gc->sync_mu);
     pthread_mutex_destroy(&gc->mu);
 }
 
@@ -120,7 +123,7 @@ static idem_code write_inline(idem_group_commit *gc, idem_write_fn fn, void *ctx
     gc->writes++;
     pthread_mutex_unlock(&gc->mu);
     /* Its own txn: its own exact result, and its message already on this thread. */
-    idem_code code = idem__gc_write_alone(gc->env, fn, ctx);
+    idem_code code = idem__gc_write_alone(gc, fn, ctx);
     pthread_mutex_lock(&gc->mu);
     gc->inline_busy = false;
     if (gc->stopping) { /* idem__gc_fini waits for this write */
@@ -160,7 +163,7 @@ static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx
         gc->commits++;
         gc->writes++;
         pthread_mutex_unlock(&gc->mu);
-        return idem__gc_write_alone(gc->env, fn, ctx);
+        return idem__gc_write_alone(gc, fn, ctx);
     }
     idem_write_op op = {
         .fn = fn, .ctx = ctx, .kind = kind, .ticket = ticket, .value_len = value_len};

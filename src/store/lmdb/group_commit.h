@@ -114,8 +114,32 @@ static inline idem_code idem__lmdb_code(int rc, const char *what)
  * check that refuses comes before the first write, since a batch commits what a refused
  * operation would have left in its txn. The function may run more than once (after a
  * batch failure), so it must set its outputs afresh on every run. It runs on the writer
- * thread: it must not depend on the caller's thread-local state. */
+ * thread: it must not depend on the caller's thread-local state.
+ * Checked unless NDEBUG: every LMDB write of a file that includes this header is counted
+ * on its thread (the wrappers below), and group commit aborts the process, naming the
+ * refusal, when a function refused after a write of its own (idem__gc_apply_fn). A
+ * database created by mdb_dbi_open is not counted: create it before any refusal. */
 typedef idem_code (*idem_write_fn)(MDB_txn *txn, void *ctx);
+
+/* fn(txn, ctx), and the check above. */
+idem_code idem__gc_apply_fn(idem_write_fn fn, MDB_txn *txn, void *ctx);
+
+#ifndef NDEBUG
+/* Called instead of abort() with what was refused (tests set it): the write then fails
+ * IDEM_INTERNAL, so that a batch holding it is run again one write per txn. */
+extern void (*idem__gc_on_bad_refusal)(const char *msg);
+extern _Thread_local uint64_t idem__gc_writes; /* LMDB writes made on this thread */
+static inline int idem__gc_counted(int rc)
+{
+    idem__gc_writes += rc == 0; /* MDB_KEYEXIST, MDB_NOTFOUND: nothing written */
+    return rc;
+}
+#define mdb_put(t, d, k, v, f) idem__gc_counted(mdb_put(t, d, k, v, f))
+#define mdb_del(t, d, k, v) idem__gc_counted(mdb_del(t, d, k, v))
+#define mdb_cursor_put(c, k, v, f) idem__gc_counted(mdb_cursor_put(c, k, v, f))
+#define mdb_cursor_del(c, f) idem__gc_counted(mdb_cursor_del(c, f))
+#define mdb_drop(t, d, del) idem__gc_counted(mdb_drop(t, d, del))
+#endif
 
 typedef struct idem_write_op idem_write_op;
 
@@ -163,6 +187,16 @@ typedef struct idem_group_commit {
     bool pipelined;
     uint64_t pending_ticket;
     _Atomic uint64_t durable_txnid;
+    /* After a failed sync (group_commit_sync.c): the newest txnid whose meta page was
+     * written before it (0: none). No later sync vouches for those pages; a meta page
+     * written after the failure does. sync_mu: one commit or sync of the file at a
+     * time, its outcome recorded before the next begins. rewrite(txn, rewrite_ctx):
+     * changes a key, so that a commit writes a new meta page (NULL: none; the store sets
+     * it before its first write). */
+    _Atomic uint64_t unsure_txnid;
+    pthread_mutex_t sync_mu;
+    idem_write_fn rewrite;
+    void *rewrite_ctx;
 } idem_group_commit;
 
 /* Starts the writer thread when enabled. IDEM_RESOURCE_EXHAUSTED when it cannot. */
@@ -177,8 +211,9 @@ idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
 /* A claim that may share its commit with its completion (above): returns once fn has
  * been applied, usually before the commit. ctx is shared with the writer thread, which
  * may run redo(txn, ctx) after a batch failure (to re-apply a claim that fn applied:
- * it must not touch what the caller reads from ctx) and calls unref(ctx) when done with
- * it; the caller calls unref(ctx) too once it has read fn's outputs. *ticket: nonzero
+ * it must not touch what the caller reads from ctx; it runs alone, so a refusal after a
+ * write is allowed there) and calls unref(ctx) when done with it; the caller calls
+ * unref(ctx) too once it has read fn's outputs. *ticket: nonzero
  * when fn returned IDEM_OK in an open batch: the claim's caller then ends it with
  * idem__gc_write_end (its completion or release) or idem__gc_drop (no write follows). */
 idem_code idem__gc_write_held(idem_group_commit *gc, idem_write_fn fn, idem_write_fn redo,
@@ -228,20 +263,7 @@ void idem__gc_lock_wanted(idem_group_commit *gc, bool wanting);
  * is pending. IDEM_INTERNAL when that sync fails. */
 idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid);
 /* mdb_txn_commit, then, on a MDB_NOMETASYNC env, mdb_env_sync: durable on IDEM_OK. Every
- * commit outside a batch goes through it. */
-static inline idem_code idem__gc_commit_durable(MDB_txn *txn)
-{
-    MDB_env *env = mdb_txn_env(txn);
-    unsigned flags = 0;
-    int rc = mdb_txn_commit(txn);
-    if (rc != 0) {
-        return idem__lmdb_code(rc, "commit");
-    }
-    if (mdb_env_get_flags(env, &flags) == 0 && (flags & MDB_NOMETASYNC) && !(flags & MDB_NOSYNC) &&
-        (rc = mdb_env_sync(env, 1)) != 0) {
-        return idem__lmdb_code(rc, "sync after commit");
-    }
-    return IDEM_OK;
-}
+ * commit outside a batch goes through it (a failure is recorded: unsure_txnid). */
+idem_code idem__gc_commit_durable(idem_group_commit *gc, MDB_txn *txn);
 
 #endif

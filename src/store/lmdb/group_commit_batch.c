@@ -101,7 +101,7 @@ static idem_code apply_nested(MDB_txn *txn, idem_write_op *op, bool *poisoned)
         *poisoned = true;
         return idem__lmdb_code(rc, "write begin");
     }
-    idem_code code = op->fn(child, op->ctx);
+    idem_code code = idem__gc_apply_fn(op->fn, child, op->ctx);
     if (code != IDEM_OK) {
         mdb_txn_abort(child);
         return code;
@@ -128,7 +128,7 @@ static idem_code apply_op(MDB_txn *txn, idem_write_op *op, idem_gc_batch *b, boo
     if (!room) {
         return apply_nested(txn, op, poisoned);
     }
-    idem_code code = op->fn(txn, op->ctx);
+    idem_code code = idem__gc_apply_fn(op->fn, txn, op->ctx);
     if (code == IDEM_RESOURCE_EXHAUSTED || code == IDEM_INTERNAL) {
         *poisoned = true;
     }
@@ -252,7 +252,7 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     pthread_mutex_unlock(&gc->mu);
 
     uint64_t t0 = idem__mono_us();
-    if (ok && (rc = mdb_txn_commit(txn)) != 0) {
+    if (ok && (rc = idem__gc_commit_batch(gc, txn)) != 0) {
         ok = false; /* commit freed the txn */
         txn = NULL;
     } else if (!ok && txn != NULL) {

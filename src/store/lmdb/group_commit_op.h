@@ -1,9 +1,10 @@
-/* Group commit's private types, shared by its four files (the public contract and the
+/* Group commit's private types, shared by its five files (the public contract and the
  * invariants of the whole are in group_commit.h):
  *   group_commit.c        the callers' side: the queue, its life cycle, waiting
  *   group_commit_batch.c  the writer thread: take, apply, hold open, commit, wake
  *   group_commit_redo.c   a batch whose commit failed, again one op per txn
  *   group_commit_pipe.c   committed batches whose callers wait for a later sync
+ *   group_commit_sync.c   the file's syncs and what each vouches for (after a failed one)
  *
  * An op lives on its caller's stack (idem__gc_write, _end) or on the heap (a shared
  * claim: two references; an asynchronous end: freed once handed over), there in its
@@ -98,7 +99,18 @@ void idem__gc_batch_ended(idem_group_commit *gc, idem_gc_batch *b, uint64_t tick
                           uint64_t commit_us);
 
 /* One operation in a txn of its own (group_commit_redo.c). */
-idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx);
+idem_code idem__gc_write_alone(idem_group_commit *gc, idem_write_fn fn, void *ctx);
+
+/* group_commit_sync.c: the file's syncs. mdb_txn_commit of a batch's txn, a failure
+ * recorded; an LMDB rc. */
+int idem__gc_commit_batch(idem_group_commit *gc, MDB_txn *txn);
+/* Flushes the file: every meta page written before it is on disk then, unless a failed
+ * sync came first (then EIO: only a re-write puts them on disk). An LMDB rc. */
+int idem__gc_sync_file(idem_group_commit *gc);
+/* The txnid of the newer meta page written (on disk or not); 0 if unknown. */
+uint64_t idem__gc_last_txnid(MDB_env *env);
+/* The state of txnid is on disk. */
+void idem__gc_durable_raise(idem_group_commit *gc, uint64_t txnid);
 /* op's result, and its message when it failed. */
 void idem__gc_op_finish(idem_write_op *op, idem_code code);
 /* Wakes op's caller, or hands an asynchronous op's result over; op may be gone once

@@ -26,43 +26,36 @@
  * from it only once its snapshot is durable (idem__gc_durable_wait), a handler txn syncs
  * what it finds pending (idem__gc_sync_pending, from idem__gc_lock_wanted), and every
  * commit outside a batch syncs itself (idem__gc_commit_durable): no answer rests on a
- * meta page that is not on disk. A failed sync leaves it unknown whether the pipe's
- * batches are on disk: their callers not woken yet get its error instead of IDEM_OK.
+ * meta page that is not on disk.
+ *
+ * A failed sync is another matter (group_commit_sync.c): after one, the pipe is flushed
+ * by a re-write (pipe_sync), and a later batch's commit vouches for it only when it was
+ * written after the failure.
  * tests/test_power_cut.c proves it: a server whose unsynced writes are undone after a
  * SIGKILL loses no answered result, and fails when a batch is answered at its commit. */
+#include <stdio.h>
 #include <string.h>
 
 #include "group_commit_op.h"
 
-/* The txnid of the newer meta page written (on disk or not); 0 if unknown. */
-static uint64_t last_txnid(MDB_env *env)
+/* Syncs what a pipe holds: IDEM_OK once it is on disk, by a sync or, after a failed
+ * one, by a re-write (group_commit_sync.c); else the error, its message set. */
+static idem_code pipe_sync(idem_group_commit *gc)
 {
-    MDB_envinfo info;
-    return mdb_env_info(env, &info) == 0 ? (uint64_t)info.me_last_txnid : 0;
-}
-
-static void durable_raise(idem_group_commit *gc, uint64_t txnid)
-{
-    uint64_t cur = atomic_load(&gc->durable_txnid);
-    while (cur < txnid && !atomic_compare_exchange_weak(&gc->durable_txnid, &cur, txnid)) {
-    }
-}
-
-/* Flushes the file: every meta page written before it is on disk then. An LMDB rc. */
-static int sync_file(idem_group_commit *gc)
-{
-    uint64_t txnid = last_txnid(gc->env);
-    int rc = mdb_env_sync(gc->env, 1);
+    int rc = idem__gc_sync_file(gc);
     if (rc == 0) {
-        durable_raise(gc, txnid);
+        return IDEM_OK;
     }
-    return rc;
+    if (gc->rewrite == NULL) {
+        return idem__lmdb_code(rc, "sync");
+    }
+    return idem__gc_write_alone(gc, gc->rewrite, gc->rewrite_ctx);
 }
 
 void idem__gc_sync_pending(idem_group_commit *gc)
 {
-    if (gc->pipelined && atomic_load(&gc->durable_txnid) < last_txnid(gc->env)) {
-        (void)sync_file(gc); /* failed: the txn's own commit syncs, and says so */
+    if (gc->pipelined && atomic_load(&gc->durable_txnid) < idem__gc_last_txnid(gc->env)) {
+        (void)idem__gc_sync_file(gc); /* failed: the txn's own commit syncs, and says so */
     }
 }
 
@@ -83,27 +76,29 @@ void idem__gc_batch_ended(idem_group_commit *gc, idem_gc_batch *b, uint64_t tick
     }
 }
 
-/* Wakes every op of b not woken yet, with IDEM_OK's result, or, when the sync failed
- * (sync_rc), with its error. */
-static void post_all(idem_gc_batch *b, int sync_rc)
+/* Wakes every op of b not woken yet, with IDEM_OK's result, or, when the sync failed,
+ * with its code and this thread's idem_errmsg (copied: a post may set another). */
+static void post_all(idem_gc_batch *b, idem_code sync)
 {
+    char msg[sizeof(b->head->err)];
+    snprintf(msg, sizeof(msg), "%s", sync != IDEM_OK ? idem_errmsg() : "");
     for (idem_write_op *op = b->head, *next; op != NULL; op = next) {
         next = op->next; /* op may be gone once posted */
         if (!op->posted) {
-            if (sync_rc != 0) {
-                idem__gc_op_finish(op, idem__lmdb_code(sync_rc, "sync"));
+            if (sync != IDEM_OK) {
+                idem__gc_op_finish(op, idem__err(sync, "%s", msg));
             }
             idem__gc_op_post(op);
         }
     }
 }
 
-static void pipe_release(idem_group_commit *gc, idem_gc_pipe *pipe, int sync_rc)
+static void pipe_release(idem_group_commit *gc, idem_gc_pipe *pipe, idem_code sync)
 {
-    if (sync_rc == 0) {
-        durable_raise(gc, pipe->txnid);
+    if (sync == IDEM_OK) {
+        idem__gc_durable_raise(gc, pipe->txnid);
     }
-    post_all(&pipe->b, sync_rc);
+    post_all(&pipe->b, sync);
     idem__gc_batch_ended(gc, &pipe->b, pipe->ticket, true, pipe->commit_us);
     memset(pipe, 0, sizeof(*pipe));
 }
@@ -131,7 +126,7 @@ static void pipe_take(idem_gc_pipe *pipe, idem_gc_batch *b, uint64_t ticket, uin
 void idem__gc_pipe_flush(idem_group_commit *gc, idem_gc_pipe *pipe)
 {
     if (pipe->ticket != 0) {
-        pipe_release(gc, pipe, sync_file(gc));
+        pipe_release(gc, pipe, pipe_sync(gc));
     }
 }
 
@@ -140,15 +135,18 @@ void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_
 {
     if (!ok || !gc->pipelined) {
         if (ok) { /* a failed batch's redo has posted every op, each txn durable */
-            post_all(b, 0);
+            post_all(b, IDEM_OK);
         }
         idem__gc_batch_ended(gc, b, ticket, ok, commit_us);
         return;
     }
-    uint64_t txnid = last_txnid(gc->env);
+    uint64_t txnid = idem__gc_last_txnid(gc->env);
+    /* This commit's fdatasync flushed the pipe's meta page, unless a failed sync came
+     * between them: then it stays, to be flushed with this one's. */
     if (pipe->ticket != 0 &&
-        (txnid > pipe->txnid || atomic_load(&gc->durable_txnid) >= pipe->txnid)) {
-        pipe_release(gc, pipe, 0); /* this commit's fdatasync flushed its meta page */
+        (atomic_load(&gc->durable_txnid) >= pipe->txnid ||
+         (txnid > pipe->txnid && pipe->txnid > atomic_load(&gc->unsure_txnid)))) {
+        pipe_release(gc, pipe, IDEM_OK);
     }
     pipe_take(pipe, b, ticket, txnid, commit_us);
     pthread_mutex_lock(&gc->mu);
@@ -179,6 +177,6 @@ idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid)
     }
     /* Nothing of the writer thread's pending: a commit that syncs itself, or another
      * process's, wrote it; flush it here. */
-    int rc = sync_file(gc);
+    int rc = idem__gc_sync_file(gc);
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "sync");
 }

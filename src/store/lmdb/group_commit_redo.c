@@ -18,19 +18,58 @@
 
 #include "group_commit_op.h"
 
-idem_code idem__gc_write_alone(MDB_env *env, idem_write_fn fn, void *ctx)
+#ifndef NDEBUG
+_Thread_local uint64_t idem__gc_writes;
+void (*idem__gc_on_bad_refusal)(const char *msg);
+
+idem_code idem__gc_apply_fn(idem_write_fn fn, MDB_txn *txn, void *ctx)
+{
+    uint64_t before = idem__gc_writes;
+    idem_code code = fn(txn, ctx);
+    if (code == IDEM_OK || code == IDEM_RESOURCE_EXHAUSTED || code == IDEM_INTERNAL ||
+        idem__gc_writes == before) {
+        return code;
+    }
+    /* A bug in fn, not a fault: in a batch its writes would commit with the others'. */
+    char msg[300];
+    snprintf(msg, sizeof(msg),
+             "a store write refused (%s: %s) after %llu write(s) of its own: every refusal "
+             "must come before the first write (group_commit.h)",
+             idem_code_name(code), idem_errmsg(), (unsigned long long)(idem__gc_writes - before));
+    if (idem__gc_on_bad_refusal == NULL) {
+        fprintf(stderr, "idemrpc: %s\n", msg);
+        abort();
+    }
+    idem__gc_on_bad_refusal(msg);
+    return idem__err(IDEM_INTERNAL, "%s", msg); /* the batch is run again, this txn alone */
+}
+#else
+idem_code idem__gc_apply_fn(idem_write_fn fn, MDB_txn *txn, void *ctx)
+{
+    return fn(txn, ctx);
+}
+#endif
+
+/* fn alone in a txn of its own; checked as in a batch unless it is a redo (which only
+ * ever runs alone: its refusal after a write is aborted with its txn). */
+static idem_code alone(idem_group_commit *gc, idem_write_fn fn, void *ctx, bool redo)
 {
     MDB_txn *txn;
-    int rc = mdb_txn_begin(env, NULL, 0, &txn);
+    int rc = mdb_txn_begin(gc->env, NULL, 0, &txn);
     if (rc != 0) {
         return idem__lmdb_code(rc, "write begin");
     }
-    idem_code code = fn(txn, ctx);
+    idem_code code = redo ? fn(txn, ctx) : idem__gc_apply_fn(fn, txn, ctx);
     if (code != IDEM_OK) {
         mdb_txn_abort(txn);
         return code;
     }
-    return idem__gc_commit_durable(txn); /* its own sync: no batch follows to flush it */
+    return idem__gc_commit_durable(gc, txn); /* its own sync: no batch follows to flush it */
+}
+
+idem_code idem__gc_write_alone(idem_group_commit *gc, idem_write_fn fn, void *ctx)
+{
+    return alone(gc, fn, ctx, false);
 }
 
 void idem__gc_op_finish(idem_write_op *op, idem_code code)
@@ -78,11 +117,11 @@ void idem__gc_redo(idem_group_commit *gc, idem_gc_batch *b)
         next = op->next; /* op may be gone once posted */
         if (op->kind == OP_HELD && op->posted) {
             /* A failure here: the claim is not in the store, and whoever asks finds so. */
-            (void)idem__gc_write_alone(gc->env, op->redo, op->ctx);
+            (void)alone(gc, op->redo, op->ctx, true);
             continue;
         }
         op->ticket = op->kind == OP_HELD ? 0 : op->ticket;
-        idem__gc_op_finish(op, idem__gc_write_alone(gc->env, op->fn, op->ctx));
+        idem__gc_op_finish(op, idem__gc_write_alone(gc, op->fn, op->ctx));
         idem__gc_op_post(op);
     }
 }

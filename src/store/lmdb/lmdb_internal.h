@@ -23,7 +23,8 @@
  * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
  * thread's batches), group_commit_redo.c (a batch whose commit failed), group_commit_pipe.c
- * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC);
+ * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC),
+ * group_commit_sync.c (the file's syncs, and what a sync vouches for after a failed one);
  * load.c (the benchmark's bulk load, store_lmdb.h). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H
@@ -122,7 +123,7 @@ typedef struct write_args {
 extern const idem_store_ops idem__lmdb_ops;
 int idem__lmdb_read_begin(lmdb_store *st, MDB_txn **txn);
 void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn);
-idem_code idem__lmdb_commit(MDB_txn *txn);
+idem_code idem__lmdb_commit(lmdb_store *st, MDB_txn *txn);
 
 /* records.c */
 idem_code idem__lmdb_rec_key_make(rec_key *k, const idem_key_ref *ref);
@@ -175,6 +176,13 @@ idem_code idem__lmdb_renew(idem_store *base, const idem_key_ref *ref, uint64_t o
 /* tokens.c */
 idem_code idem__lmdb_token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
                                 uint64_t now_ms, uint64_t *expires_ms);
+/* The token a claim's record will keep, in *tok (on a takeover, what the record it
+ * replaces kept). A takeover re-runs the same call, paid for by the token its record
+ * kept, which a release gives back: another token it comes with is checked, consumed
+ * nothing and never replaces the kept one. Otherwise the claim's token is consumed and
+ * kept. Every check comes before the write. */
+idem_code idem__lmdb_claim_token(lmdb_store *st, MDB_txn *txn, const idem_claim_req *req,
+                                 bool took_over, rec_token *tok);
 void idem__lmdb_rec_token_make(rec_token *t, const char *token, uint64_t expires_ms);
 void idem__lmdb_rec_token_read(rec_token *t, const MDB_val *v);
 bool idem__lmdb_rec_token_is(const rec_token *t, const char *token);

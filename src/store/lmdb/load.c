@@ -89,7 +89,7 @@ static idem_code load_pass(lmdb_store *st, const idem__lmdb_load_src *src, int p
                        ? idem__err(IDEM_INVALID_ARGUMENT, "load: record %zu out of order", at - 1)
                        : idem__lmdb_code(rc, "load put");
         }
-        idem_code code = idem__lmdb_commit(txn);
+        idem_code code = idem__lmdb_commit(st, txn);
         if (code != IDEM_OK) {
             return code;
         }

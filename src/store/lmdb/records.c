@@ -94,6 +94,18 @@ idem_code idem__lmdb_rec_read(lmdb_store *st, MDB_txn *txn, const idem_key_ref *
                               : idem__lmdb_rec_decode(&v, rec, want_response);
 }
 
+/* idem__gc_durable_wait; when a failed sync left the snapshot unsure (no later sync
+ * vouches for it), a re-write puts it on disk first (group_commit_sync.c). */
+static idem_code durable(lmdb_store *st, uint64_t txnid)
+{
+    idem_code code = idem__gc_durable_wait(&st->gc, txnid);
+    if (code != IDEM_OK && st->gc.rewrite != NULL && txnid <= atomic_load(&st->gc.unsure_txnid) &&
+        idem__lmdb_write(st, st->gc.rewrite, st->gc.rewrite_ctx) == IDEM_OK) {
+        code = idem__gc_durable_wait(&st->gc, txnid);
+    }
+    return code;
+}
+
 idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record *rec)
 {
     lmdb_store *st = (lmdb_store *)base;
@@ -106,7 +118,7 @@ idem_code idem__lmdb_get(idem_store *base, const idem_key_ref *ref, idem_record 
     uint64_t snapshot = mdb_txn_id(txn);
     idem__lmdb_read_end(st, txn);
     /* An answer from a record of a batch whose meta page is not on disk yet waits. */
-    if (code == IDEM_OK && (code = idem__gc_durable_wait(&st->gc, snapshot)) != IDEM_OK) {
+    if (code == IDEM_OK && (code = durable(st, snapshot)) != IDEM_OK) {
         idem_record_clear(rec);
     }
     return code;
@@ -136,7 +148,7 @@ idem_code idem__lmdb_get_borrowed(idem_store *base, const idem_key_ref *ref, ide
            : rc != 0          ? idem__lmdb_code(rc, "get")
                               : idem__lmdb_rec_decode(&v, rec, false);
     /* As idem__lmdb_get: an answer from a batch whose meta page is not on disk waits. */
-    if (code == IDEM_OK && (code = idem__gc_durable_wait(&st->gc, mdb_txn_id(txn))) != IDEM_OK) {
+    if (code == IDEM_OK && (code = durable(st, mdb_txn_id(txn))) != IDEM_OK) {
         idem_record_clear(rec);
     }
     if (code != IDEM_OK || rec->response_len == 0) {

@@ -8,9 +8,9 @@ typedef struct tok_hdr {
     uint64_t expires_ms;
 } tok_hdr;
 
-/* Consumes token inside txn: it must exist, be unexpired and be scoped to scope. */
-idem_code idem__lmdb_token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
-                                uint64_t now_ms, uint64_t *expires_ms)
+/* Reads token's expiry in txn into *h: it must exist, be unexpired and be scoped to scope. */
+static idem_code token_find(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
+                            uint64_t now_ms, tok_hdr *h)
 {
     size_t tl = strlen(token);
     if (tl == 0 || tl > IDEM_MAX_TOKEN) {
@@ -25,22 +25,57 @@ idem_code idem__lmdb_token_take(lmdb_store *st, MDB_txn *txn, const char *token,
     } else if (v.mv_size < sizeof(tok_hdr)) {
         return idem__err(IDEM_DATA_LOSS, "token record truncated");
     }
-    tok_hdr h;
-    memcpy(&h, v.mv_data, sizeof(h));
+    memcpy(h, v.mv_data, sizeof(*h));
     const char *s = scope != NULL ? scope : "";
-    size_t sl = v.mv_size - sizeof(h);
-    if (sl != strlen(s) || memcmp((const uint8_t *)v.mv_data + sizeof(h), s, sl) != 0) {
+    size_t sl = v.mv_size - sizeof(*h);
+    if (sl != strlen(s) || memcmp((const uint8_t *)v.mv_data + sizeof(*h), s, sl) != 0) {
         return idem__err(IDEM_PERMISSION_DENIED, "token was issued to another caller");
     }
-    if (h.expires_ms <= now_ms) {
+    if (h->expires_ms <= now_ms) {
         return idem__err(IDEM_FAILED_PRECONDITION, "token expired");
     }
+    return IDEM_OK;
+}
+
+/* Consumes token inside txn: it must exist, be unexpired and be scoped to scope. */
+idem_code idem__lmdb_token_take(lmdb_store *st, MDB_txn *txn, const char *token, const char *scope,
+                                uint64_t now_ms, uint64_t *expires_ms)
+{
+    tok_hdr h;
+    idem_code code = token_find(st, txn, token, scope, now_ms, &h);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    size_t tl = strlen(token);
+    MDB_val k = {tl, (void *)token};
+    int rc;
     if ((rc = mdb_del(txn, st->tokens, &k, NULL)) != 0 ||
         (rc = idem__lmdb_index_del(st, txn, h.expires_ms, token, tl)) != 0) {
         return idem__lmdb_code(rc, "token delete");
     }
     *expires_ms = h.expires_ms;
     return IDEM_OK;
+}
+
+idem_code idem__lmdb_claim_token(lmdb_store *st, MDB_txn *txn, const idem_claim_req *req,
+                                 bool took_over, rec_token *tok)
+{
+    if (req->token == NULL) {
+        return IDEM_OK;
+    }
+    if (took_over && tok->len > 0) {
+        tok_hdr h;
+        return idem__lmdb_rec_token_is(tok, req->token)
+                   ? IDEM_OK
+                   : token_find(st, txn, req->token, req->key.caller, req->now_ms, &h);
+    }
+    uint64_t expires;
+    idem_code code =
+        idem__lmdb_token_take(st, txn, req->token, req->key.caller, req->now_ms, &expires);
+    if (code == IDEM_OK) {
+        idem__lmdb_rec_token_make(tok, req->token, expires);
+    }
+    return code;
 }
 
 /* Stores token (scoped to scope) unless it exists; rc-style. */

@@ -169,7 +169,7 @@ void idem__lmdb_txn_abort(idem_txn *t)
 idem_code idem__lmdb_txn_commit(idem_txn *t)
 {
     idem__lmdb_gate_set(NULL);
-    idem_code code = idem__lmdb_commit(t->txn);
+    idem_code code = idem__lmdb_commit(t->st, t->txn);
     for (size_t i = 0; code == IDEM_OK && i < t->n_opened; i++) {
         app_db_cache(t->st, &t->opened[i]);
     }

@@ -16,15 +16,15 @@
 
 #include "pg_internal.h"
 
-/* Consumes a token inside the open transaction (the caller rolls back on error); its
- * expiry is judged on the database clock. */
+/* Consumes a token inside the open transaction (the caller rolls back on error), or with
+ * S_TOKEN_CHECK only checks it; its expiry is judged on the database clock. */
 static idem_code token_take(pool_slot *c, const char *token, const char *scope,
-                            uint64_t *expires_ms)
+                            uint64_t *expires_ms, enum stmt stmt)
 {
     pg_args a = {0};
     idem_code code;
     arg_text(&a, token);
-    PGresult *r = idem__pg_exec(c, S_TOKEN_TAKE, &a, PGRES_TUPLES_OK, &code);
+    PGresult *r = idem__pg_exec(c, stmt, &a, PGRES_TUPLES_OK, &code);
     if (r == NULL) {
         return code;
     }
@@ -55,7 +55,7 @@ static void claim_args(pg_args *a, const idem_claim_req *req)
 static idem_code token_take_keep(pool_slot *c, const idem_claim_req *req, const pg_args *a)
 {
     uint64_t expires;
-    idem_code code = token_take(c, req->token, req->key.caller, &expires);
+    idem_code code = token_take(c, req->token, req->key.caller, &expires, S_TOKEN_TAKE);
     if (code != IDEM_OK) {
         return code;
     }
@@ -122,12 +122,16 @@ static idem_code claim_existing(pool_slot *c, const idem_claim_req *req, const p
         return code;
     }
     claimed_row(r, req, got);
-    /* A takeover re-runs the same call: the token it kept is the one it needs. Any other
-     * token must be valid, and is consumed. */
-    bool kept = took_over && req->token != NULL && !PQgetisnull(r, 0, 5) &&
-                strcmp(PQgetvalue(r, 0, 5), req->token) == 0;
+    /* A takeover re-runs the same call, paid for by the token the row kept, which a
+     * release gives back: another token is checked, consumes nothing and never replaces
+     * the kept one. Otherwise the claim's token is consumed and kept. */
+    bool keeps = took_over && !PQgetisnull(r, 0, 5);
+    bool kept = keeps && req->token != NULL && strcmp(PQgetvalue(r, 0, 5), req->token) == 0;
     PQclear(r);
-    if (req->token != NULL && !kept && (code = token_take_keep(c, req, a)) != IDEM_OK) {
+    uint64_t expires;
+    if (req->token != NULL && !kept &&
+        (code = keeps ? token_take(c, req->token, req->key.caller, &expires, S_TOKEN_CHECK)
+                      : token_take_keep(c, req, a)) != IDEM_OK) {
         return code;
     }
     *outcome = took_over ? IDEM_CLAIM_TAKEN_OVER : IDEM_CLAIM_ACQUIRED;
@@ -284,7 +288,7 @@ static idem_code token_fn(pool_slot *c, void *arg)
 {
     token_call *a = arg;
     uint64_t expires;
-    return token_take(c, a->token, a->scope, &expires);
+    return token_take(c, a->token, a->scope, &expires, S_TOKEN_TAKE);
 }
 
 /* A consumption whose COMMIT went unanswered is reported UNAVAILABLE: the token may be

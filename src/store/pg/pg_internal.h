@@ -68,6 +68,7 @@ enum stmt {
     S_CLAIM_TAKE,
     S_TOKEN_TAKE,
     S_TOKEN_KEEP,
+    S_TOKEN_CHECK,
     S_COMPLETE,
     S_RELEASE,
     S_RENEW,

@@ -50,6 +50,8 @@ const char *const idem__pg_sql[S_COUNT] = {
         " WHERE token = $1 FOR UPDATE SKIP LOCKED) RETURNING scope, expires_ms, " DBNOW,
     [S_TOKEN_KEEP] = "UPDATE idem_records SET token = $4, token_scope = $5, token_expires_ms = $6"
                      " WHERE " KEY_WHERE,
+    /* S_TOKEN_TAKE's answer, consuming nothing (a takeover's other token). */
+    [S_TOKEN_CHECK] = "SELECT scope, expires_ms, " DBNOW " FROM idem_tokens WHERE token = $1",
     /* $7: the announcement's payload, "" for none (ANNOUNCE). */
     [S_COMPLETE] =
         "WITH d AS (UPDATE idem_records SET state = 2, response = $5, expires_ms = " DBNOW
@@ -133,6 +135,7 @@ const char *const idem__pg_stmt_name[S_COUNT] = {
     [S_CLAIM_TAKE] = "claim take",
     [S_TOKEN_TAKE] = "token take",
     [S_TOKEN_KEEP] = "token keep",
+    [S_TOKEN_CHECK] = "token check",
     [S_COMPLETE] = "complete",
     [S_RELEASE] = "release",
     [S_RENEW] = "renew",
