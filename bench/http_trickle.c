@@ -12,6 +12,8 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
+#include <getopt.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +21,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "cli.h"
 
 static void die(const char *what)
 {
@@ -127,28 +131,52 @@ static double per_head(clockid_t clk, int port, const char *head, size_t len, lo
     return (cpu_ms(clk) - before) / n;
 }
 
-int main(int argc, char **argv)
+static void usage(FILE *to)
 {
-    long kib = 32, whole = 50, trickled = 2, pace = 20;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        long *v = strcmp(argv[i], "--head-kib") == 0   ? &kib
-                  : strcmp(argv[i], "--whole") == 0    ? &whole
-                  : strcmp(argv[i], "--trickled") == 0 ? &trickled
-                  : strcmp(argv[i], "--pace-us") == 0  ? &pace
-                                                       : NULL;
-        if (v == NULL || (*v = strtol(argv[i + 1], NULL, 10)) <= 0) {
-            fprintf(stderr,
-                    "usage: %s [--head-kib 32] [--whole 50] [--trickled 2] "
-                    "[--pace-us 20]\n",
-                    argv[0]);
-            return 2;
+    fputs("usage: idemrpc-http-trickle [--head-kib N (4..32, default 32)] [--whole N (50)]\n"
+          "                            [--trickled N (2)] [--pace-us N (20)]\n"
+          "  The HTTP front's CPU time for a head sent at once and a byte at a time.\n",
+          to);
+}
+
+/* The options into kib, whole, trickled, pace; false (status set) to exit. */
+static bool parse_args(int argc, char **argv, uint64_t v[4], int *status)
+{
+    static const struct option opts[] = {
+        {"head-kib", required_argument, NULL, 0}, {"whole", required_argument, NULL, 1},
+        {"trickled", required_argument, NULL, 2}, {"pace-us", required_argument, NULL, 3},
+        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
+    static const uint64_t lo[4] = {4, 1, 1, 1}, hi[4] = {32, 100000, 1000, 1000000};
+    int c;
+    *status = CLI_USAGE_ERROR;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            *status = 0;
+            return false;
+        }
+        if (c < 0 || c > 3 ||
+            !cli_parse_u64("idemrpc-http-trickle", opts[c].name, optarg, lo[c], hi[c], &v[c])) {
+            usage(stderr);
+            return false;
         }
     }
-    if (argc % 2 == 0 || kib < 4 || kib > 32) {
-        fprintf(stderr, "%s: arguments in pairs; a head of 4 to 32 KiB (the front's bound)\n",
-                argv[0]);
-        return 2;
+    if (optind < argc) {
+        fprintf(stderr, "idemrpc-http-trickle: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return false;
     }
+    return true;
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t v[4] = {32, 50, 2, 20};
+    int status;
+    if (!parse_args(argc, argv, v, &status)) {
+        return status;
+    }
+    long kib = (long)v[0], whole = (long)v[1], trickled = (long)v[2], pace = (long)v[3];
     size_t len = (size_t)kib * 1024;
     char *head = malloc(len + 1);
     if (head == NULL) {
