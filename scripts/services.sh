@@ -3,19 +3,61 @@
 # PostgreSQL), Redis and NATS JetStream servers on loopback for the tests.
 #   bash scripts/services.sh start   # prints the environment for the tests to stdout
 #   bash scripts/services.sh stop
-#   bash scripts/services.sh restart-pg | stop-redis | start-redis | restart-nats   (tests)
+#   bash scripts/services.sh restart-pg | stop-pg | stop-pgbouncer | stop-redis |
+#                            start-redis | restart-nats | stop-nats | start-nats  (tests)
 # Data lives in $IDEMRPC_SERVICES_DIR (default /tmp/idemrpc-services), removed by stop.
-# As root, PostgreSQL runs as the "postgres" user (initdb refuses root).
+# As root, PostgreSQL runs as the "postgres" user (initdb refuses root). The default
+# ports lie below Linux's ephemeral range (32768-60999), so no outgoing connection of
+# another program holds one as its source port; each is checked free before its server
+# starts, and a server that does not start has its log printed before anything is
+# removed.
 set -euo pipefail
 DIR=${IDEMRPC_SERVICES_DIR:-/tmp/idemrpc-services}
-PG_PORT=${IDEMRPC_PG_PORT:-55432}
-REDIS_PORT=${IDEMRPC_REDIS_PORT:-56379}
+PG_PORT=${IDEMRPC_PG_PORT:-15432}
+REDIS_PORT=${IDEMRPC_REDIS_PORT:-16379}
 PGB_PORT=${IDEMRPC_PGBOUNCER_PORT:-$((PG_PORT + 1000))}
-NATS_PORT=${IDEMRPC_NATS_PORT:-54222}
+NATS_PORT=${IDEMRPC_NATS_PORT:-14222}
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
 
 as_pg() { if [ "$(id -u)" -eq 0 ]; then su postgres -s /bin/sh -c "$1"; else sh -c "$1"; fi; }
 pg_ctl_cmd() { echo "$PGBIN/pg_ctl -D $DIR/pg -l $DIR/pg.log -w -o '-c listen_addresses=127.0.0.1 -p $PG_PORT -k $DIR/sock -c fsync=off'"; }
+
+# Something accepts connections on 127.0.0.1:$1 already.
+port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# Fails naming the port and what holds it when one of ours is taken.
+ports_free() {
+    local p
+    for p in "$PG_PORT" "$REDIS_PORT" "$PGB_PORT" "$NATS_PORT"; do
+        if port_taken "$p"; then
+            echo "services: port $p on 127.0.0.1 is in use ($(ss -ltnpH "sport = :$p" 2>/dev/null |
+                sed -n 's/.*users:((\("[^"]*"\).*/\1/p' | head -1)); set IDEMRPC_PG_PORT," \
+                "IDEMRPC_REDIS_PORT, IDEMRPC_PGBOUNCER_PORT, IDEMRPC_NATS_PORT" >&2
+            return 1
+        fi
+    done
+}
+
+# The server's log on stderr (before stop removes it), then stop, then exit 1.
+fail_with_log() { # what log-file
+    echo "services: $1 did not start; its log ($2):" >&2
+    [ -f "$2" ] && tail -n 40 "$2" >&2
+    stop
+    exit 1
+}
+
+# PostgreSQL runs as "postgres" when we are root: every parent of $DIR must let it in.
+dir_reachable() {
+    [ "$(id -u)" -eq 0 ] || return 0
+    local d
+    d=$(dirname "$(realpath -m "$DIR")")
+    if ! su postgres -s /bin/sh -c "test -x '$d'" 2>/dev/null; then
+        echo "services: PostgreSQL runs as the postgres user, who cannot reach $DIR (a parent" \
+            "directory is not searchable by others, e.g. mode 0700): set IDEMRPC_SERVICES_DIR" \
+            "under /tmp or chmod o+x the parents" >&2
+        return 1
+    fi
+}
 
 stop() {
     stop_nats
@@ -28,15 +70,17 @@ stop() {
 start() {
     [ -n "$PGBIN" ] || { echo "services: PostgreSQL not installed" >&2; exit 1; }
     stop
+    ports_free || exit 1
+    dir_reachable || exit 1
     mkdir -p "$DIR/sock"
     [ "$(id -u)" -eq 0 ] && chown -R postgres "$DIR"
     as_pg "$PGBIN/initdb -D $DIR/pg -A trust -U postgres" >"$DIR/initdb.log" 2>&1 ||
-        { cat "$DIR/initdb.log" >&2; stop; exit 1; }
-    as_pg "$(pg_ctl_cmd) start" >/dev/null || { cat "$DIR/pg.log" >&2; stop; exit 1; }
-    start_redis || { echo "services: redis-server did not start" >&2; stop; exit 1; }
+        fail_with_log initdb "$DIR/initdb.log"
+    as_pg "$(pg_ctl_cmd) start" >/dev/null || fail_with_log PostgreSQL "$DIR/pg.log"
+    start_redis || fail_with_log redis-server "$DIR/redis.log"
     local pgb_env=""
     if command -v pgbouncer >/dev/null 2>&1; then
-        start_pgbouncer || { echo "services: pgbouncer did not start" >&2; stop; exit 1; }
+        start_pgbouncer || fail_with_log pgbouncer "$DIR/pgbouncer.log"
         pgb_env="export IDEMRPC_TEST_PGBOUNCER='host=127.0.0.1 port=$PGB_PORT user=postgres dbname=postgres connect_timeout=2'"
     fi
     echo "$pgb_env"
@@ -98,7 +142,8 @@ start_nats() {
         (exec 3<>"/dev/tcp/127.0.0.1/$NATS_PORT") 2>/dev/null && return 0
         sleep 0.1
     done
-    echo "services: nats-server did not start" >&2
+    echo "services: nats-server did not start; its log ($DIR/nats.log):" >&2
+    [ -f "$DIR/nats.log" ] && tail -n 20 "$DIR/nats.log" >&2
     return 1
 }
 
@@ -115,8 +160,12 @@ case "${1:-}" in
 start) start ;;
 stop) stop ;;
 restart-pg) as_pg "$(pg_ctl_cmd) -m fast restart" >/dev/null ;;
+stop-pg) as_pg "$(pg_ctl_cmd) -m fast stop" >/dev/null ;;
+stop-pgbouncer) [ -f "$DIR/pgbouncer.pid" ] && kill "$(cat "$DIR/pgbouncer.pid")" 2>/dev/null || true ;;
 stop-redis) redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true ;;
 start-redis) start_redis ;;
 restart-nats) stop_nats && start_nats ;;
-*) echo "usage: bash scripts/services.sh start|stop" >&2; exit 2 ;;
+stop-nats) stop_nats ;;
+start-nats) start_nats ;;
+*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|stop-redis|start-redis|restart-nats|stop-nats|start-nats" >&2; exit 2 ;;
 esac

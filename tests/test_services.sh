@@ -39,4 +39,42 @@ kill -0 "$after" 2>/dev/null || fail "the restarted nats-server ($after) is not 
 kill -0 "$before" 2>/dev/null && fail "the first nats-server ($before) still runs"
 [ "$(default_nats)" = "$default_before" ] ||
     fail "restart-nats started a nats-server in the default directory"
-echo "ok: restart-nats restarted $before -> $after in $dir"
+sh -c "$svc stop-nats"
+kill -0 "$after" 2>/dev/null && fail "stop-nats left nats-server $after running"
+[ -f "$dir/nats.pid" ] && fail "stop-nats left $dir/nats.pid"
+echo "ok: restart-nats restarted $before -> $after in $dir; stop-nats stopped it"
+bash "$src/scripts/services.sh" stop
+
+# The default ports lie below Linux's ephemeral range (32768-60999): no other program's
+# outgoing connection can hold one as its source port.
+defaults=$(env -u IDEMRPC_PG_PORT -u IDEMRPC_REDIS_PORT -u IDEMRPC_PGBOUNCER_PORT \
+    -u IDEMRPC_NATS_PORT bash -c "$(sed -n '/^PG_PORT=/,/^NATS_PORT=/p' "$src/scripts/services.sh")
+    echo \$PG_PORT \$REDIS_PORT \$PGB_PORT \$NATS_PORT")
+for p in $defaults; do
+    [ "$p" -lt 32768 ] || fail "default port $p lies in the ephemeral range"
+done
+
+# A port already taken: start refuses, naming it, and leaves nothing running.
+python3 -c 'import socket,sys,time
+s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); time.sleep(60)' "$redis" &
+holder=$!
+for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$redis") 2>/dev/null && break; sleep 0.05; done
+rc=0
+bash "$src/scripts/services.sh" start >"$dir.out" 2>"$dir.err" || rc=$?
+kill "$holder"
+[ "$rc" = 1 ] || fail "start with port $redis taken exited $rc: $(cat "$dir.err")"
+grep -q "port $redis on 127.0.0.1 is in use" "$dir.err" || fail "no port named: $(cat "$dir.err")"
+[ -d "$dir/pg" ] && fail "a refused start left a PostgreSQL data directory"
+rm -f "$dir.out" "$dir.err"
+
+# A parent directory PostgreSQL's user cannot enter: a clear error before anything starts.
+locked=$(mktemp -d /tmp/idemrpc-locked-XXXXXX)
+chmod 0700 "$locked"
+rc=0
+IDEMRPC_SERVICES_DIR=$locked/svc bash "$src/scripts/services.sh" start >/dev/null 2>"$locked.err" ||
+    rc=$?
+[ "$rc" = 1 ] || fail "start under a 0700 parent exited $rc: $(cat "$locked.err")"
+grep -q "cannot reach $locked/svc" "$locked.err" || fail "unclear error: $(cat "$locked.err")"
+rm -rf "$locked" "$locked.err"
+echo "ok: default ports below the ephemeral range; a taken port and an unreachable directory refused clearly"
