@@ -127,8 +127,8 @@ typedef struct idem_ipc_caller {
 #define IDEM_MAX_IPC_CALLERS 1024
 
 typedef struct idem_server_opts {
-    size_t contexts; /* concurrent calls (nng contexts); 0 = 2 x cores */
-    size_t workers;  /* handler threads; 0 = contexts */
+    size_t contexts; /* concurrent calls (nng contexts, parked duplicates included); 0 = 256 */
+    size_t workers;  /* handler threads; 0 = 2 x cores */
     /* Back-pressure: a call received while this many wait for a worker is answered
      * RESOURCE_EXHAUSTED "server busy" (with retry-after-ms) at once. 0 = no limit
      * beyond contexts. */
