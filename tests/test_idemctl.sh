@@ -79,5 +79,15 @@ done
 [ -e "$work/missing" ] && fail "idemctl created $work/missing"
 [ -z "$(ls -A "$work/empty")" ] || fail "idemctl wrote into $work/empty: $(ls "$work/empty")"
 mdb_stat -a "$work/other" | grep -q records && fail "idemctl created its databases in $work/other"
+# A store from before the "meta" database (records, tokens, expiry only) is a store: the
+# writing verbs open it as the server does (and add "meta"), not refuse it.
+mkdir "$work/premeta"
+for db in records tokens expiry; do
+    printf 'VERSION=3\nformat=bytevalue\ntype=btree\nHEADER=END\nDATA=END\n' |
+        mdb_load -s "$db" "$work/premeta"
+done
+"$IDEMCTL" --db "$work/premeta" stats >/dev/null || fail "stats refused a pre-meta store"
+"$IDEMCTL" --db "$work/premeta" purge --expired | grep -q 'purged 0' ||
+    fail "purge refused a pre-meta store: $("$IDEMCTL" --db "$work/premeta" purge --expired 2>&1)"
 echo "test_idemctl: all checks passed"
 echo "test_idemctl: all checks passed"

@@ -117,6 +117,15 @@ Test(pg_schema, a_newer_format_is_refused_clearly_and_left_as_it_is)
     cr_expect_str_eq(value_of("SELECT value FROM idem_meta WHERE name = 'format'"), "2");
 }
 
+Test(pg_schema, an_older_format_record_is_raised_at_the_next_start)
+{
+    tu_pg_exec(conninfo, "UPDATE idem_meta SET value = 0 WHERE name = 'format'");
+    opener o;
+    open_store(&o);
+    cr_expect_eq(o.code, IDEM_OK, "%s", o.msg);
+    cr_expect_str_eq(value_of("SELECT value FROM idem_meta WHERE name = 'format'"), "1");
+}
+
 /* An older release's tables lack a newer index: the start creates just that (a lock on
  * idem_kv), not an ALTER of idem_records, which a live reader's lock would stop. */
 Test(pg_schema, a_start_that_adds_an_index_is_not_stopped_by_a_live_reader_of_records)

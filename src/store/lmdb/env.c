@@ -141,7 +141,9 @@ static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsi
     return IDEM_OK;
 }
 
-/* Opens (creates when create) the named databases in one txn; an LMDB error. */
+/* Opens the named databases in one txn; an LMDB error. create: the store's databases may
+ * be created (not for IDEM_STORE_EXISTING); "meta", newer than the others, is created by
+ * any read-write open (a store from before it is upgraded, not refused). */
 static int open_dbis(lmdb_store *st, bool ro, bool create)
 {
     MDB_txn *txn = NULL;
@@ -156,7 +158,7 @@ static int open_dbis(lmdb_store *st, bool ro, bool create)
         mdb_txn_abort(txn);
         return rc;
     }
-    rc = mdb_dbi_open(txn, "meta", dbi_flags, &st->meta);
+    rc = mdb_dbi_open(txn, "meta", ro ? 0 : MDB_CREATE, &st->meta);
     st->has_meta = rc == 0;
     st->read_only = ro;
     if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {

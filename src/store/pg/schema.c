@@ -68,7 +68,8 @@ static const char migrate_sql[] =
     " CREATE INDEX idem_kv_empty ON idem_kv (db) WHERE v IS NULL; END IF;"
     " IF to_regclass('idem_meta') IS NULL THEN"
     " CREATE TABLE idem_meta (name text PRIMARY KEY, value bigint NOT NULL); END IF;"
-    " INSERT INTO idem_meta VALUES ('format', %d) ON CONFLICT (name) DO NOTHING;"
+    " INSERT INTO idem_meta VALUES ('format', %d) ON CONFLICT (name) DO UPDATE"
+    " SET value = GREATEST(idem_meta.value, EXCLUDED.value);"
     " END $idem$";
 
 /* What the catalog says: *complete when every object and the format record are there;
@@ -99,7 +100,7 @@ static idem_code schema_read(pool_slot *pc, bool *complete)
                          "understands: use the release that wrote them (docs/upgrading.md)",
                          format, IDEM__PG_FORMAT);
     }
-    *complete = objects && format > 0;
+    *complete = objects && format == IDEM__PG_FORMAT; /* an older format is migrated */
     return IDEM_OK;
 }
 
