@@ -67,8 +67,9 @@ Test(pg_commit, a_refused_commit_reaches_the_client_with_its_cause_intact)
     idem_code code = idem_client_call(c, &q, &r);
     cr_expect_neq(code, IDEM_OK);
     cr_expect_not_null(strstr(r.message != NULL ? r.message : "",
-                              "the commit failed or its outcome is unknown (postgres COMMIT: "
-                              "ERROR:  duplicate key value violates unique constraint"),
+                              "the commit failed or its outcome is unknown (duplicate key "
+                              "value violates unique constraint \"once_v_key\" (postgres "
+                              "COMMIT, SQLSTATE 23505))"),
                        "the cause, inside its context: %s", r.message);
     idem_result_clear(&r);
     idem_client_close(c);
