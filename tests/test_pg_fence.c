@@ -18,8 +18,7 @@ static char schema[32];
 static char *conninfo;
 static bool paused; /* the instance's writers are paused and it did not crash yet */
 
-/* The first run takes its fence, says so, and waits at the gate; later runs only take
- * theirs. */
+/* The first run waits at the gate the test opens; every run takes its fence. */
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -62,18 +61,23 @@ static void teardown(void)
 
 TestSuite(pg_fence, .init = setup, .fini = teardown, .timeout = 120);
 
+/* Takes its fence before the gate, or after it when arg is not NULL ("late": the crash
+ * then comes between the claim's draw and the fence's flush). */
 static idem_code h_fenced(idem_call *call, void *arg)
 {
-    (void)arg;
-    uint64_t fence = idem_call_fence(call);
+    bool late = arg != NULL;
+    uint64_t fence = late ? 0 : idem_call_fence(call);
     pthread_mutex_lock(&G.mu);
     int run = G.runs++;
-    if (run < 2) {
-        G.fence[run] = fence;
-    }
     pthread_cond_broadcast(&G.cv);
     while (run == 0 && !G.open) {
         pthread_cond_wait(&G.cv, &G.mu);
+    }
+    pthread_mutex_unlock(&G.mu);
+    fence = late ? idem_call_fence(call) : fence;
+    pthread_mutex_lock(&G.mu);
+    if (run < 2) {
+        G.fence[run] = fence;
     }
     pthread_mutex_unlock(&G.mu);
     return idem_call_reply(call, IDEM_OK, "fenced", 6);
@@ -119,10 +123,10 @@ static void *bg_main(void *p)
     return NULL;
 }
 
-/* The first run of method (key "k-fence") takes its fence, PostgreSQL crashes before
- * that run ends (nothing but a commit flushed WAL since the pause), and a second run,
- * of key, takes its own. */
-static void fence_across_a_crash(unsigned flags, const char *key)
+/* The first run of method (key "k-fence") takes its fence (late: after the crash),
+ * PostgreSQL crashes before that run ends (nothing but a commit flushed WAL since the
+ * pause), and a second run, of key, takes its own. */
+static void fence_across_a_crash(unsigned flags, const char *key, bool late)
 {
     idem_store *st;
     cr_assert_eq(tu_pg_open(&st, conninfo, 4), IDEM_OK, "%s", idem_errmsg());
@@ -133,7 +137,8 @@ static void fence_across_a_crash(unsigned flags, const char *key)
     tu_server ts;
     tu_server_create(&ts, &so);
     idem_method_opts m = {.flags = flags | IDEM_METHOD_KEY_REQUIRED, .lease_ms = 2000};
-    cr_assert_eq(idem_server_register(ts.srv, "fence.T/Run", h_fenced, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(ts.srv, "fence.T/Run", h_fenced, late ? &G : NULL, &m),
+                 IDEM_OK);
     tu_server_listen(&ts);
 
     services("pause-pg-writers");
@@ -152,7 +157,14 @@ static void fence_across_a_crash(unsigned flags, const char *key)
     idem_code code = call_once(ts.url, "fence.T/Run", key, 10); /* retried while it reconnects */
     cr_assert_eq(code, IDEM_OK, "%s", idem_code_name(code));
     cr_assert(await_runs(2), "the second run did not happen");
-    cr_assert_neq(G.fence[0], 0, "the first run got no fence");
+    cr_assert_neq(G.fence[1], 0, "the second run got no fence");
+    if (late) { /* its draw may be lost: refused, and the call not answered OK */
+        cr_expect_eq(G.fence[0], 0, "fence %llu drawn before the crash was handed out after it",
+                     (unsigned long long)G.fence[0]);
+        cr_expect_neq(first.code, IDEM_OK);
+    } else {
+        cr_assert_neq(G.fence[0], 0, "the first run got no fence");
+    }
     cr_expect_gt(G.fence[1], G.fence[0],
                  "fence %llu handed out again after the crash (the first run's was %llu)",
                  (unsigned long long)G.fence[1], (unsigned long long)G.fence[0]);
@@ -164,12 +176,19 @@ static void fence_across_a_crash(unsigned flags, const char *key)
  * ends: the key's next holder must not get the same fence. */
 Test(pg_fence, a_handler_txn_fence_is_never_handed_out_again_after_a_database_crash)
 {
-    fence_across_a_crash(IDEM_METHOD_TRANSACTIONAL, "k-fence");
+    fence_across_a_crash(IDEM_METHOD_TRANSACTIONAL, "k-fence", false);
+}
+
+/* The crash comes between the claim's draw in the handler's txn and the handler's
+ * request for its fence: the draw may be lost, so the fence is refused. */
+Test(pg_fence, a_handler_txn_fence_drawn_before_a_database_crash_is_refused_after_it)
+{
+    fence_across_a_crash(IDEM_METHOD_TRANSACTIONAL, "k-fence", true);
 }
 
 /* The claim committed on its own before the handler ran (its completion is recorded
  * once the database is back): the next claim, of another key, gets a greater fence. */
 Test(pg_fence, a_committed_claim_fence_is_never_handed_out_again_after_a_database_crash)
 {
-    fence_across_a_crash(IDEM_METHOD_CACHED, "k-fence-next");
+    fence_across_a_crash(IDEM_METHOD_CACHED, "k-fence-next", false);
 }
