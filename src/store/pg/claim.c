@@ -237,10 +237,9 @@ static idem_code pooled_txn(pg_store *st, idem_code (*fn)(pool_slot *c, void *ar
     "BEGIN; SET LOCAL statement_timeout = 0; SET LOCAL synchronous_commit = on;"                   \
     " SELECT pg_logical_emit_message(true, 'idemrpc', 'fence'); COMMIT"
 
-/* On a connection of its own (st->fence_slot), so that it never waits for a pooled one
- * that handlers hold; once more on a new one when the server had closed it since its
- * last use (a restart): a flush repeated flushes nothing twice. */
-idem_code idem__pg_fences_flush(pg_store *st)
+/* FENCES_FLUSH on st->fence_slot; once more on a new connection when the server had
+ * closed it since its last use (a restart): a flush repeated flushes nothing twice. */
+static idem_code flush_on_slot(pg_store *st)
 {
     idem_code code;
     bool closed = false;
@@ -250,8 +249,27 @@ idem_code idem__pg_fences_flush(pg_store *st)
             code = idem__pg_query_named(pc, "fence flush", FENCES_FLUSH, NULL);
             closed = code != IDEM_OK && pc->c != NULL && PQstatus(pc->c) == CONNECTION_BAD;
         }
-        idem__pg_fence_slot_put(st, pc);
+        idem__pg_fence_slot_put(pc);
     }
+    return code;
+}
+
+/* On a connection of its own (st->fence_slot), so that it never waits for a pooled one
+ * that handlers hold. Concurrent callers share flushes: one that began after this call
+ * did (numbered past what it saw on arrival, so after its draw) and succeeded covers
+ * it. */
+idem_code idem__pg_fences_flush(pg_store *st)
+{
+    uint64_t seen = __atomic_load_n(&st->fence_flushes, __ATOMIC_SEQ_CST);
+    idem_code code = IDEM_OK;
+    pthread_mutex_lock(&st->fence_mu);
+    if (st->fence_flushed <= seen) {
+        uint64_t n = __atomic_add_fetch(&st->fence_flushes, 1, __ATOMIC_SEQ_CST);
+        if ((code = flush_on_slot(st)) == IDEM_OK) {
+            st->fence_flushed = n;
+        }
+    }
+    pthread_mutex_unlock(&st->fence_mu);
     return code;
 }
 

@@ -322,12 +322,11 @@ static void slot_settle(pool_slot *pc)
     }
 }
 
-/* A slot outside the pool, under its mutex. One attempt, bounded like one statement: its
- * user's next turn is the retry. A connection slower than the user's bound is still
- * worth making (the turns after it use it). */
-static idem_code side_slot_get(pg_store *st, pool_slot *pc, pthread_mutex_t *mu, uint32_t within_ms)
+/* A slot outside the pool, its user's mutex held. One attempt, bounded like one
+ * statement: its user's next turn is the retry. A connection slower than the user's
+ * bound is still worth making (the turns after it use it). */
+static idem_code side_slot_connect(pg_store *st, pool_slot *pc, uint32_t within_ms)
 {
-    pthread_mutex_lock(mu);
     pc->st = st;
     pc->bound_ms = within_ms;
     return slot_connect(st, pc, idem__mono_ms() + st->stmt_ms + CLIENT_MARGIN_MS);
@@ -335,8 +334,9 @@ static idem_code side_slot_get(pg_store *st, pool_slot *pc, pthread_mutex_t *mu,
 
 idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out)
 {
+    pthread_mutex_lock(&st->renew_mu);
     *out = &st->renew_slot;
-    return side_slot_get(st, &st->renew_slot, &st->renew_mu, within_ms);
+    return side_slot_connect(st, &st->renew_slot, within_ms);
 }
 
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc)
@@ -348,13 +348,12 @@ void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc)
 idem_code idem__pg_fence_slot_get(pg_store *st, pool_slot **out)
 {
     *out = &st->fence_slot;
-    return side_slot_get(st, &st->fence_slot, &st->fence_mu, st->stmt_ms + CLIENT_MARGIN_MS);
+    return side_slot_connect(st, &st->fence_slot, st->stmt_ms + CLIENT_MARGIN_MS);
 }
 
-void idem__pg_fence_slot_put(pg_store *st, pool_slot *pc)
+void idem__pg_fence_slot_put(pool_slot *pc)
 {
     slot_settle(pc);
-    pthread_mutex_unlock(&st->fence_mu);
 }
 
 void idem__pg_pool_put(pg_store *st, pool_slot *pc)

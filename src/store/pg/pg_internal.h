@@ -57,9 +57,12 @@ typedef struct pg_store {
      * that handlers hold. renew_mu: one round at a time (servers sharing the store). */
     pool_slot renew_slot;
     pthread_mutex_t renew_mu;
-    /* The connection that makes fences durable (claim.c), for the same reason. */
+    /* The connection that makes fences durable (claim.c), for the same reason; under
+     * fence_mu, one flush at a time, numbered (fence_flushes: atomic, changed under
+     * fence_mu); fence_flushed: the number of the last one that succeeded. */
     pool_slot fence_slot;
     pthread_mutex_t fence_mu;
+    uint64_t fence_flushes, fence_flushed;
     pg_listener *listener; /* started by the first watch */
     pg_rcache *rcache;     /* COMPLETED records read here (replay_cache.h); NULL: off */
 } pg_store;
@@ -181,9 +184,10 @@ idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot *
  * idem__pg_renew_slot_put (also after a failure). */
 idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out);
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc);
-/* The same for st->fence_slot (st->fence_mu), its statements bounded like any. */
+/* The same for st->fence_slot, st->fence_mu held by the caller, its statements bounded
+ * like any. */
 idem_code idem__pg_fence_slot_get(pg_store *st, pool_slot **out);
-void idem__pg_fence_slot_put(pg_store *st, pool_slot *pc);
+void idem__pg_fence_slot_put(pool_slot *pc);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
 void idem__pg_pool_put(pg_store *st, pool_slot *slot);
 /* Statement s on pc, bounded by pc->bound_ms: its result, or NULL and *code (pc->c is
