@@ -247,7 +247,7 @@ idem_code idem__pg_claim(idem_store *base, const idem_claim_req *req, idem_claim
 idem_code idem__pg_token_consume(idem_store *base, const char *token, const char *scope,
                                  uint64_t now_ms);
 /* Every fence drawn so far on the server st's fence_slot reaches is flushed there, and on
- * its synchronous standbys: a commit with an xid, on that slot. */
+ * its synchronous standbys: a commit that writes WAL, on that slot. */
 idem_code idem__pg_fences_flush(pg_store *st);
 
 /* txn.c */

@@ -211,8 +211,12 @@ idem_code idem__pg_txn_fence_durable(idem_txn *base)
         return IDEM_OK;
     }
     idem_code code = idem__pg_fences_flush(t->st);
-    if (code == IDEM_OK) {
-        code = idem__pg_query_named(t->slot, "fence session check", "SELECT 1", NULL);
+    if (code == IDEM_OK &&
+        idem__pg_query_named(t->slot, "fence session check", "SELECT 1", NULL) != IDEM_OK) {
+        code = idem__err(IDEM_UNAVAILABLE,
+                         "the draw may be lost: the handler's session did not answer after the "
+                         "flush (%s)",
+                         idem_errmsg());
     }
     return code;
 }
