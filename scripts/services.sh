@@ -5,6 +5,7 @@
 #   bash scripts/services.sh stop
 #   bash scripts/services.sh restart-pg | stop-pg | stop-pgbouncer | stop-redis |
 #                            start-redis | restart-nats | stop-nats | start-nats  (tests)
+#   bash scripts/services.sh pause-pg-writers | crash-pg   (tests: a crash before a flush)
 # Data lives in $IDEMRPC_SERVICES_DIR (default /tmp/idemrpc-services), removed by stop.
 # As root, PostgreSQL runs as the "postgres" user (initdb refuses root). The default
 # ports lie below Linux's ephemeral range (32768-60999), so no outgoing connection of
@@ -156,16 +157,48 @@ stop_nats() {
     rm -f "$DIR/nats.pid"
 }
 
+# The postmaster and its children (the instance's every process).
+pg_pids() {
+    local pm
+    pm=$(head -n 1 "$DIR/pg/postmaster.pid")
+    echo "$pm" $(pgrep -P "$pm" || true)
+}
+
+# Stops the processes that flush WAL on their own (WAL writer, background writer,
+# checkpointer): WAL not flushed by a commit then stays in shared memory until crash-pg.
+pause_pg_writers() {
+    local pm
+    pm=$(head -n 1 "$DIR/pg/postmaster.pid")
+    pkill -STOP -P "$pm" -f 'postgres: (walwriter|background writer|checkpointer)'
+}
+
+# A crash: every process of the instance killed at once (SIGKILL also ends paused ones;
+# what was not flushed is lost), then started again (crash recovery).
+crash_pg() {
+    local pids
+    pids=$(pg_pids)
+    kill -KILL $pids
+    for _ in $(seq 100); do
+        local alive=""
+        for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ -n "$alive" ] || break
+        sleep 0.1
+    done
+    as_pg "$(pg_ctl_cmd) start" >/dev/null
+}
+
 case "${1:-}" in
 start) start ;;
 stop) stop ;;
 restart-pg) as_pg "$(pg_ctl_cmd) -m fast restart" >/dev/null ;;
 stop-pg) as_pg "$(pg_ctl_cmd) -m fast stop" >/dev/null ;;
 stop-pgbouncer) [ -f "$DIR/pgbouncer.pid" ] && kill "$(cat "$DIR/pgbouncer.pid")" 2>/dev/null || true ;;
+pause-pg-writers) pause_pg_writers ;;
+crash-pg) crash_pg ;;
 stop-redis) redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true ;;
 start-redis) start_redis ;;
 restart-nats) stop_nats && start_nats ;;
 stop-nats) stop_nats ;;
 start-nats) start_nats ;;
-*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|stop-redis|start-redis|restart-nats|stop-nats|start-nats" >&2; exit 2 ;;
+*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|crash-pg|pause-pg-writers|stop-redis|start-redis|restart-nats|stop-nats|start-nats" >&2; exit 2 ;;
 esac

@@ -82,11 +82,16 @@ IDEM_API idem_key_source idem_call_key_source(const idem_call *call);
  * durable (see idem_call_durable_fence). On LMDB the claim may share its commit with
  * the completion: the first call then waits for that claim's commit (one LMDB commit,
  * asked for at once) and reads the claim back from the disk, so that a fence that
- * leaves the process is on disk and is never handed out again. */
+ * leaves the process is on disk and is never handed out again. On PostgreSQL a
+ * transactional handler's claim is in its open transaction: the first call flushes the
+ * fence's draw (one commit on a connection of the store's own, waiting for the
+ * synchronous standbys; docs/ha.md says what asynchronous replication keeps of it), and
+ * refuses the fence when the database restarted since the draw. */
 IDEM_API uint64_t idem_call_fence(const idem_call *call);
 /* idem_call_fence with the failure said: IDEM_OK and *fence (0: no claim), or
  * IDEM_UNAVAILABLE and *fence 0 when the claim did not reach the disk (its commit and
- * the redo of it failed: a disk error) or was taken meanwhile; idem_errmsg() says
+ * the redo of it failed: a disk error; the draw's flush failed or the database
+ * restarted since it) or was taken meanwhile; idem_errmsg() says
  * which. The handler must then not use a fence: whatever it answers, its client gets
  * UNAVAILABLE (retry with the same key) and nothing is recorded. */
 IDEM_API idem_code idem_call_durable_fence(idem_call *call, uint64_t *fence);

@@ -371,6 +371,11 @@ idem_code idem__store_txn_undo(idem_txn *t)
     return ops_of(t)->txn_undo(t);
 }
 
+idem_code idem__store_txn_fence_durable(idem_txn *t)
+{
+    return ops_of(t)->txn_fence_durable != NULL ? ops_of(t)->txn_fence_durable(t) : IDEM_OK;
+}
+
 /* ---- business key-value data (txn.h), on backends with IDEM__STORE_CAP_TXN ---- */
 
 idem_code idem__app_check(const char *db, size_t klen)

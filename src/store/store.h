@@ -120,6 +120,12 @@ typedef struct idem_store_ops {
     /* Undoes every write since the claim, keeping the claim: a final error is then
      * recorded in t without the handler's effect. */
     idem_code (*txn_undo)(idem_txn *t);
+    /* Optional (NULL: IDEM_OK). The fence of the claim t holds (txn_claim), drawn in t
+     * and not committed, made durable before it leaves the process: nothing may flush
+     * such a draw before t commits, and a crash or a failover before then would draw
+     * that fence again for the key's next holder. IDEM_OK at once when t holds no claim;
+     * else an error, and the fence must not be used. */
+    idem_code (*txn_fence_durable)(idem_txn *t);
     /* Optional (NULL: claims and completions commit apart). A claim whose completion may
      * share its commit (LMDB group commit, group_commit.h): it may return before its
      * commit, with *ticket nonzero; the caller then ends it with complete or release
@@ -245,5 +251,7 @@ idem_code idem__store_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, 
 idem_code idem__store_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
                                 idem_record *rec);
 idem_code idem__store_txn_undo(idem_txn *t);
+/* ops->txn_fence_durable, IDEM_OK without it. */
+idem_code idem__store_txn_fence_durable(idem_txn *t);
 
 #endif

@@ -68,13 +68,17 @@ idem_code idem_call_durable_fence(idem_call *call, uint64_t *fence)
     if (call->fence_state == IDEM__FENCE_REFUSED) {
         return idem__err(IDEM_UNAVAILABLE, "fence refused: the claim did not reach the disk");
     }
-    /* A claim sharing its commit with the completion may not be on disk yet: a fence
-     * that leaves the process must be, or a crash (or a failed commit, whose counter
-     * rolls back) would hand it out again. Read back once, then it stays on disk. */
+    /* A claim sharing its commit with the completion may not be on disk yet, nor one in
+     * the handler's open txn (PostgreSQL): a fence that leaves the process must be, or a
+     * crash (or a failed commit, whose counter rolls back) would hand it out again. Made
+     * durable, or read back, once; then it stays on disk. */
     if (call->fence != 0 && call->fence_state == IDEM__FENCE_UNCHECKED) {
         idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
-        idem_code code =
-            idem__store_claim_durable(call->claim_store, &key, call->fence, call->claim_ticket);
+        idem_code code = call->txn != NULL ? idem__store_txn_fence_durable(call->txn) : IDEM_OK;
+        if (code == IDEM_OK) {
+            code =
+                idem__store_claim_durable(call->claim_store, &key, call->fence, call->claim_ticket);
+        }
         call->fence_state = code == IDEM_OK ? IDEM__FENCE_DURABLE : IDEM__FENCE_REFUSED;
         if (code != IDEM_OK) {
             return idem__err(code, "fence refused: %s", idem_errmsg());

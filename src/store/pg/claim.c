@@ -10,7 +10,13 @@
  * claim behind another session's uncommitted claim (a stalled instance) ends with
  * UNAVAILABLE after lock_timeout_ms instead of holding a worker. A COMMIT whose answer
  * was lost (the connection died after it was sent) leaves the outcome unknown: the row
- * is re-read, and the claim is this call's exactly when it holds the owner drawn. */
+ * is re-read, and the claim is this call's exactly when it holds the owner drawn.
+ *
+ * A fence leaves the process only once durable (txn.c's fence_durable). nextval
+ * WAL-logs its draw at once, but nothing flushes that record before some commit does,
+ * and a draw in a handler's still-open txn has no commit yet: a crash (or a failover to
+ * a standby, which has only flushed WAL) would draw the same fence again for the key's
+ * next holder while the old one may still be alive. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -216,6 +222,54 @@ static idem_code pooled_txn(pg_store *st, idem_code (*fn)(pool_slot *c, void *ar
         }
     }
     idem__pg_pool_put(st, pc);
+    return code;
+}
+
+/* The commit of a txn that wrote WAL is flushed: that covers the WAL of every draw made
+ * before it, and with synchronous_commit on it waits for the synchronous standbys too.
+ * The txn writes one transactional logical message (a WAL record, no table; logical
+ * decoding plugins may see it). An xid alone is not enough: a txn with an xid and no WAL
+ * of its own writes its commit record but does not flush it (txid_current() flushes
+ * nothing). No statement_timeout: a cancelled wait for the standbys ends in a COMMIT
+ * "committed locally" that reports success; the client's bound on the slot cuts it off
+ * instead (UNAVAILABLE). */
+#define FENCES_FLUSH                                                                               \
+    "BEGIN; SET LOCAL statement_timeout = 0; SET LOCAL synchronous_commit = on;"                   \
+    " SELECT pg_logical_emit_message(true, 'idemrpc', 'fence'); COMMIT"
+
+/* FENCES_FLUSH on st->fence_slot; once more on a new connection when the server had
+ * closed it since its last use (a restart): a flush repeated flushes nothing twice. */
+static idem_code flush_on_slot(pg_store *st)
+{
+    idem_code code;
+    bool closed = false;
+    for (int tries = 0; tries == 0 || (closed && tries < 2); tries++) {
+        pool_slot *pc;
+        if ((code = idem__pg_fence_slot_get(st, &pc)) == IDEM_OK) {
+            code = idem__pg_query_named(pc, "fence flush", FENCES_FLUSH, NULL);
+            closed = code != IDEM_OK && pc->c != NULL && PQstatus(pc->c) == CONNECTION_BAD;
+        }
+        idem__pg_fence_slot_put(pc);
+    }
+    return code;
+}
+
+/* On a connection of its own (st->fence_slot), so that it never waits for a pooled one
+ * that handlers hold. Concurrent callers share flushes: one that began after this call
+ * did (numbered past what it saw on arrival, so after its draw) and succeeded covers
+ * it. */
+idem_code idem__pg_fences_flush(pg_store *st)
+{
+    uint64_t seen = __atomic_load_n(&st->fence_flushes, __ATOMIC_SEQ_CST);
+    idem_code code = IDEM_OK;
+    pthread_mutex_lock(&st->fence_mu);
+    if (st->fence_flushed <= seen) {
+        uint64_t n = __atomic_add_fetch(&st->fence_flushes, 1, __ATOMIC_SEQ_CST);
+        if ((code = flush_on_slot(st)) == IDEM_OK) {
+            st->fence_flushed = n;
+        }
+    }
+    pthread_mutex_unlock(&st->fence_mu);
     return code;
 }
 

@@ -16,8 +16,9 @@
  *
  * Through a pooler in transaction mode (st->pooler) nothing lives in the session: the
  * statements are sent unnamed (parsed each time), and no SET is made at connect.
- * The lease keeper's renewals have a slot of their own (renew_slot), so that handlers
- * holding every pooled connection never delay them. */
+ * The lease keeper's renewals have a slot of their own (renew_slot), and so has the
+ * flush of fences (fence_slot, claim.c), so that handlers holding every pooled
+ * connection never delay them. */
 #include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
@@ -321,23 +322,38 @@ static void slot_settle(pool_slot *pc)
     }
 }
 
+/* A slot outside the pool, its user's mutex held. One attempt, bounded like one
+ * statement: its user's next turn is the retry. A connection slower than the user's
+ * bound is still worth making (the turns after it use it). */
+static idem_code side_slot_connect(pg_store *st, pool_slot *pc, uint32_t within_ms)
+{
+    pc->st = st;
+    pc->bound_ms = within_ms;
+    return slot_connect(st, pc, idem__mono_ms() + st->stmt_ms + CLIENT_MARGIN_MS);
+}
+
 idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out)
 {
     pthread_mutex_lock(&st->renew_mu);
-    pool_slot *pc = &st->renew_slot;
-    pc->st = st;
-    pc->bound_ms = within_ms;
-    *out = pc;
-    /* One attempt, bounded like one statement: the keeper's next round is the retry. A
-     * connection slower than the round is still worth making (the renewals after it
-     * use it), and no round renews anything before one is made. */
-    return slot_connect(st, pc, idem__mono_ms() + st->stmt_ms + CLIENT_MARGIN_MS);
+    *out = &st->renew_slot;
+    return side_slot_connect(st, &st->renew_slot, within_ms);
 }
 
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc)
 {
     slot_settle(pc);
     pthread_mutex_unlock(&st->renew_mu);
+}
+
+idem_code idem__pg_fence_slot_get(pg_store *st, pool_slot **out)
+{
+    *out = &st->fence_slot;
+    return side_slot_connect(st, &st->fence_slot, st->stmt_ms + CLIENT_MARGIN_MS);
+}
+
+void idem__pg_fence_slot_put(pool_slot *pc)
+{
+    slot_settle(pc);
 }
 
 void idem__pg_pool_put(pg_store *st, pool_slot *pc)

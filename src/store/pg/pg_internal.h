@@ -57,6 +57,12 @@ typedef struct pg_store {
      * that handlers hold. renew_mu: one round at a time (servers sharing the store). */
     pool_slot renew_slot;
     pthread_mutex_t renew_mu;
+    /* The connection that makes fences durable (claim.c), for the same reason; under
+     * fence_mu, one flush at a time, numbered (fence_flushes: atomic, changed under
+     * fence_mu); fence_flushed: the number of the last one that succeeded. */
+    pool_slot fence_slot;
+    pthread_mutex_t fence_mu;
+    uint64_t fence_flushes, fence_flushed;
     pg_listener *listener; /* started by the first watch */
     pg_rcache *rcache;     /* COMPLETED records read here (replay_cache.h); NULL: off */
 } pg_store;
@@ -178,6 +184,10 @@ idem_code idem__pg_pool_get_within(pg_store *st, uint32_t within_ms, pool_slot *
  * idem__pg_renew_slot_put (also after a failure). */
 idem_code idem__pg_renew_slot_get(pg_store *st, uint32_t within_ms, pool_slot **out);
 void idem__pg_renew_slot_put(pg_store *st, pool_slot *pc);
+/* The same for st->fence_slot, st->fence_mu held by the caller, its statements bounded
+ * like any. */
+idem_code idem__pg_fence_slot_get(pg_store *st, pool_slot **out);
+void idem__pg_fence_slot_put(pool_slot *pc);
 /* A connection left inside a transaction (a failed ROLLBACK) is closed, not reused. */
 void idem__pg_pool_put(pg_store *st, pool_slot *slot);
 /* Statement s on pc, bounded by pc->bound_ms: its result, or NULL and *code (pc->c is
@@ -236,6 +246,9 @@ idem_code idem__pg_claim(idem_store *base, const idem_claim_req *req, idem_claim
                          idem_record *rec);
 idem_code idem__pg_token_consume(idem_store *base, const char *token, const char *scope,
                                  uint64_t now_ms);
+/* Every fence drawn so far on the server st's fence_slot reaches is flushed there, and on
+ * its synchronous standbys: a commit that writes WAL, on that slot. */
+idem_code idem__pg_fences_flush(pg_store *st);
 
 /* txn.c */
 idem_code idem__pg_txn_begin(idem_store *base, uint64_t idle_ms, idem_txn **out);
@@ -248,6 +261,7 @@ idem_code idem__pg_txn_complete_commit(idem_txn *t, const idem_key_ref *ref, uin
 idem_code idem__pg_txn_claim(idem_txn *t, const idem_claim_req *req, idem_claim_outcome *outcome,
                              idem_record *rec);
 idem_code idem__pg_txn_undo(idem_txn *t);
+idem_code idem__pg_txn_fence_durable(idem_txn *t);
 idem_code idem__pg_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
                            const void **val, size_t *vlen);
 idem_code idem__pg_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,

@@ -201,7 +201,11 @@ static void pg_close(idem_store *base)
     if (st->renew_slot.c != NULL) {
         PQfinish(st->renew_slot.c);
     }
+    if (st->fence_slot.c != NULL) {
+        PQfinish(st->fence_slot.c);
+    }
     pthread_mutex_destroy(&st->renew_mu);
+    pthread_mutex_destroy(&st->fence_mu);
     pthread_cond_destroy(&st->cv);
     pthread_mutex_destroy(&st->mu);
     free(st->pool);
@@ -238,6 +242,7 @@ const idem_store_ops idem__pg_ops = {
     .txn_record = idem__pg_txn_record,
     .txn_claim = idem__pg_txn_claim,
     .txn_undo = idem__pg_txn_undo,
+    .txn_fence_durable = idem__pg_txn_fence_durable,
     .watch = idem__pg_watch,
     .unwatch = idem__pg_unwatch,
 };
@@ -286,6 +291,7 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
              st->stmt_ms, st->lock_ms, st->stmt_ms);
     pthread_mutex_init(&st->mu, NULL);
     pthread_mutex_init(&st->renew_mu, NULL);
+    pthread_mutex_init(&st->fence_mu, NULL);
     idem__cond_init(&st->cv);
     pool_slot *pc;
     code = idem__pg_pool_get(st, &pc); /* fail early on a bad conninfo */

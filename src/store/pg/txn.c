@@ -200,6 +200,27 @@ idem_code idem__pg_txn_claim(idem_txn *base, const idem_claim_req *req, idem_cla
     return IDEM_OK;
 }
 
+/* The claim's draw came before the flush, on this txn's session. That session still
+ * answering after the flush proves that no crash came between: a restart ends every
+ * session, and a failover ends the old leader's (a standby refuses the flush). A
+ * session that does not answer leaves the fence unproven: refused. */
+idem_code idem__pg_txn_fence_durable(idem_txn *base)
+{
+    pg_txn *t = pg_txn_of(base);
+    if (!t->claimed) {
+        return IDEM_OK;
+    }
+    idem_code code = idem__pg_fences_flush(t->st);
+    if (code == IDEM_OK &&
+        idem__pg_query_named(t->slot, "fence session check", "SELECT 1", NULL) != IDEM_OK) {
+        code = idem__err(IDEM_UNAVAILABLE,
+                         "the draw may be lost: the handler's session did not answer after the "
+                         "flush (%s)",
+                         idem_errmsg());
+    }
+    return code;
+}
+
 idem_code idem__pg_txn_undo(idem_txn *base)
 {
     pg_txn *t = pg_txn_of(base);
