@@ -224,3 +224,48 @@ Test(nats, a_final_failure_at_the_brokers_limit_is_dead_lettered_with_a_bounded_
     free(payload);
     nt_teardown(&e);
 }
+
+/* Review (issue 35 item 3): the relay treats a stream's max_msg_size as "refused for
+ * good" (it parks), but the dead letter is sized by the connection's max_payload only.
+ * A stream whose max_msg_size is below max_payload stores a message near its limit; when
+ * that message fails for good its dead letter (six headers more) is refused by the same
+ * stream, so it is naked and its handler re-run on every delivery, for ever. */
+Test(nats, a_final_failure_near_the_streams_max_msg_size_is_dead_lettered)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s = {0};
+    jsStreamInfo *si = NULL;
+    jsStreamConfig sc;
+    nt_setup(&e, "msgsize");
+    const char *subjects[] = {e.in, e.dead};
+    jsStreamConfig_Init(&sc);
+    sc.Name = e.stream;
+    sc.Subjects = subjects;
+    sc.SubjectsLen = 2;
+    sc.MaxMsgSize = 1000;
+    cr_assert_eq(js_UpdateStream(&si, e.js, &sc, NULL, NULL), NATS_OK);
+    jsStreamInfo_Destroy(si);
+    size_t len = 1000 - strlen("NATS/1.0\r\nIdem-Key: big-0\r\n\r\n");
+    char *payload = malloc(len + 1);
+    cr_assert_not_null(payload);
+    memset(payload, 'x', len);
+    memcpy(payload, "final", 5);
+    payload[len] = '\0';
+    nt_publish(&e, "big-0", NULL, payload); /* within max_msg_size: the stream takes it */
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    for (int i = 0; i < 20 && !nt_settled(&e, "credit"); i++) { /* a hang guard */
+        cr_assert_eq(idem_nats_consumer_poll(c, NULL), IDEM_OK, "%s", idem_errmsg());
+    }
+    idem_nats_consumer_stats(c, &s);
+    fprintf(stderr, "dead_lettered %llu, dead_failures %llu, settled %d\n",
+            (unsigned long long)s.dead_lettered, (unsigned long long)s.dead_failures,
+            (int)nt_settled(&e, "credit"));
+    cr_expect_eq(s.dead_lettered, 1, "%llu dead-letter failures",
+                 (unsigned long long)s.dead_failures);
+    cr_assert(nt_settled(&e, "credit"), "the message is redelivered for ever");
+    idem_nats_consumer_close(c);
+    free(payload);
+    nt_teardown(&e);
+}

@@ -243,3 +243,33 @@ Test(nats_relay, the_outbox_refuses_messages_out_of_bounds)
     cr_expect_eq(n, 0);
     tu_backend_close(&b);
 }
+
+/* Review (issue 35 item 3, "a message the broker refuses for good must never block the
+ * rest of the outbox"): put takes any subject, but one no stream listens on is refused
+ * by the broker on every round (no responders), is not parked, and because the relay
+ * keeps order every message committed after it is stranded. */
+Test(nats_relay, a_message_on_a_subject_no_stream_takes_does_not_strand_the_rest)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    char nowhere[64];
+    nt_setup(&e, "nowhere");
+    snprintf(nowhere, sizeof(nowhere), "%s.nowhere", e.stream);
+    put_args lost = {nowhere, 0, 1, IDEM_OK}, rest = {e.in, 1, 4, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &lost), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &rest), IDEM_OK, "%s", idem_errmsg());
+    idem_nats_relay *r = relay_open(&e);
+    idem_code last = IDEM_OK;
+    for (int i = 0; i < 10 && pending(&e) > 0; i++) {
+        last = idem_nats_relay_run_once(r, NULL);
+    }
+    idem_nats_relay_stats(r, &s);
+    fprintf(stderr, "after 10 rounds: pending %llu, stream %llu, parked %llu, failures %llu, "
+                    "last %s: %s\n",
+            (unsigned long long)pending(&e), (unsigned long long)stream_msgs(&e),
+            (unsigned long long)s.parked, (unsigned long long)s.failures, idem_code_name(last),
+            idem_errmsg());
+    cr_expect_eq(stream_msgs(&e), 3, "the messages behind order-0 were never published");
+    idem_nats_relay_close(r);
+    nt_teardown(&e);
+}
