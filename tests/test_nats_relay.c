@@ -277,15 +277,15 @@ Test(nats_relay, a_message_on_a_subject_no_stream_takes_does_not_strand_the_rest
 
 /* Starts a nats-server WITHOUT JetStream on a free port (its ports file in dir): it answers
  * every publish, and every JetStream API call, with "no responders", as a broker whose
- * JetStream is not up yet does. Its client url into url. */
+ * JetStream is not up yet does. Its client url into url; end it with SIGTERM to b. */
 static void broker_without_jetstream(tu_child *b, const char *dir, char *url, size_t cap)
 {
-    const char *script =
+    const char *script = /* $0: dir; it ends nats-server at a TERM or when the test died */
         "nats-server -a 127.0.0.1 -p -1 --ports_file_dir \"$0\" -l \"$0/log\" & pid=$!;"
-        "trap 'kill $pid' TERM;"
-        "for i in $(seq 200); do [ -s \"$0/nats-server_$pid.ports\" ] && break; sleep 0.05; done;"
-        "echo ready; sed -n 's/.*\"\\(nats:[^\"]*\\)\".*/\\1/p' \"$0/nats-server_$pid.ports\"; echo;"
-        "wait $pid";
+        "trap 'kill $pid; exit 0' TERM; ports=\"$0/nats-server_$pid.ports\";"
+        "for i in $(seq 200); do [ -s \"$ports\" ] && break; sleep 0.05; done; echo ready;"
+        "sed -n 's/.*\"\\(nats:[^\"]*\\)\".*/\\1/p' \"$ports\"; echo;"
+        "while kill -0 $PPID 2>/dev/null; do sleep 0.2; done; kill $pid";
     const char *argv[] = {"/bin/sh", "-c", script, dir, NULL};
     tu_spawn(b, argv);
     cr_assert_not_null(fgets(url, (int)cap, b->out), "no ports file from nats-server");
