@@ -224,3 +224,131 @@ Test(nats, a_final_failure_at_the_brokers_limit_is_dead_lettered_with_a_bounded_
     free(payload);
     nt_teardown(&e);
 }
+
+/* Sets the test stream's max_msg_size (taking subjects[0..n)). */
+static void stream_bound(nt *e, const char **subjects, int n, int32_t max_msg_size)
+{
+    jsStreamInfo *si = NULL;
+    jsStreamConfig sc;
+    jsStreamConfig_Init(&sc);
+    sc.Name = e->stream;
+    sc.Subjects = subjects;
+    sc.SubjectsLen = n;
+    sc.MaxMsgSize = max_msg_size;
+    cr_assert_eq(js_UpdateStream(&si, e->js, &sc, NULL, NULL), NATS_OK);
+    jsStreamInfo_Destroy(si);
+}
+
+/* A payload for key that, with its Idem-Key header, is exactly bound bytes (free it). */
+static char *final_payload(const char *key, size_t bound)
+{
+    char hdr[128];
+    size_t len =
+        bound - (size_t)snprintf(hdr, sizeof(hdr), "NATS/1.0\r\nIdem-Key: %s\r\n\r\n", key);
+    char *payload = malloc(len + 1);
+    cr_assert_not_null(payload);
+    memset(payload, 'x', len);
+    memcpy(payload, "final", 5);
+    payload[len] = '\0';
+    return payload;
+}
+
+/* Polls c until the durable is settled or 20 polls passed (a hang guard); its stats. */
+static void poll_settled(nt *e, idem_nats_consumer *c, idem_nats_stats *s)
+{
+    for (int i = 0; i < 20 && !nt_settled(e, "credit"); i++) {
+        cr_assert_eq(idem_nats_consumer_poll(c, NULL), IDEM_OK, "%s", idem_errmsg());
+    }
+    idem_nats_consumer_stats(c, s);
+}
+
+/* Review (issue 35 item 3): the relay treats a stream's max_msg_size as "refused for
+ * good" (it parks), but the dead letter is sized by the connection's max_payload only.
+ * A stream whose max_msg_size is below max_payload stores a message near its limit; when
+ * that message fails for good its dead letter (six headers more) is refused by the same
+ * stream, so it is naked and its handler re-run on every delivery, for ever. */
+Test(nats, a_final_failure_near_the_streams_max_msg_size_is_dead_lettered)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s = {0};
+    nt_setup(&e, "msgsize");
+    const char *subjects[] = {e.in, e.dead};
+    stream_bound(&e, subjects, 2, 1000);
+    char *payload = final_payload("big-0", 1000);
+    nt_publish(&e, "big-0", NULL, payload); /* within max_msg_size: the stream takes it */
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    poll_settled(&e, c, &s);
+    fprintf(stderr, "dead_lettered %llu, dead_failures %llu, settled %d\n",
+            (unsigned long long)s.dead_lettered, (unsigned long long)s.dead_failures,
+            (int)nt_settled(&e, "credit"));
+    cr_expect_eq(s.dead_lettered, 1, "%llu dead-letter failures",
+                 (unsigned long long)s.dead_failures);
+    cr_assert(nt_settled(&e, "credit"), "the message is redelivered for ever");
+    idem_nats_consumer_close(c);
+    free(payload);
+    nt_teardown(&e);
+}
+
+/* The dead letters' stream's bound is read at the first dead letter: one lowered after it
+ * refuses the next (10054), is read again, and that dead letter is cut to it. */
+Test(nats, a_dead_letter_follows_its_streams_max_msg_size_lowered_after_the_first)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s = {0};
+    nt_setup(&e, "lowered");
+    nt_publish(&e, "small-0", NULL, "final");
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    poll_settled(&e, c, &s);
+    cr_assert_eq(s.dead_lettered, 1); /* its stream's bound read: none */
+    const char *subjects[] = {e.in, e.dead};
+    stream_bound(&e, subjects, 2, 1000);
+    char *payload = final_payload("big-1", 1000);
+    nt_publish(&e, "big-1", NULL, payload);
+    poll_settled(&e, c, &s);
+    cr_expect_eq(s.dead_lettered, 2, "%llu dead-letter failures",
+                 (unsigned long long)s.dead_failures);
+    cr_expect_eq(s.dead_failures, 0);
+    cr_assert(nt_settled(&e, "credit"), "the message is redelivered for ever");
+    idem_nats_consumer_close(c);
+    free(payload);
+    nt_teardown(&e);
+}
+
+/* Dead letters captured by a stream that takes less than their headers: refused for good
+ * even without payload. The message is terminated (said, counted), not re-run for ever. */
+Test(nats, a_dead_letter_refused_for_good_ends_its_message_and_says_so)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s = {0};
+    char dead_stream[48];
+    jsStreamInfo *si = NULL;
+    jsStreamConfig sc;
+    nt_setup(&e, "nodead");
+    const char *in[] = {e.in}, *dead[] = {e.dead};
+    stream_bound(&e, in, 1, -1);
+    snprintf(dead_stream, sizeof(dead_stream), "%sD", e.stream);
+    jsStreamConfig_Init(&sc);
+    sc.Name = dead_stream;
+    sc.Subjects = dead;
+    sc.SubjectsLen = 1;
+    sc.MaxMsgSize = 64; /* below the dead letter's headers */
+    cr_assert_eq(js_AddStream(&si, e.js, &sc, NULL, NULL), NATS_OK);
+    jsStreamInfo_Destroy(si);
+    nt_publish(&e, "k-0", NULL, "final");
+    nt_opts(&e, &o, "credit");
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    poll_settled(&e, c, &s);
+    cr_expect_eq(s.dead_refused, 1, "%llu dead-letter failures",
+                 (unsigned long long)s.dead_failures);
+    cr_expect_eq(s.dead_lettered, 0);
+    cr_expect(nt_settled(&e, "credit"), "the message is redelivered for ever");
+    cr_expect_eq(nt_effects(&e, "k-0"), 0);
+    idem_nats_consumer_close(c);
+    js_DeleteStream(e.js, dead_stream, NULL, NULL);
+    nt_teardown(&e);
+}

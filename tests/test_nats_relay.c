@@ -243,3 +243,90 @@ Test(nats_relay, the_outbox_refuses_messages_out_of_bounds)
     cr_expect_eq(n, 0);
     tu_backend_close(&b);
 }
+
+/* Review (issue 35 item 3, "a message the broker refuses for good must never block the
+ * rest of the outbox"): put takes any subject, but one no stream listens on is refused
+ * by the broker on every round (no responders), is not parked, and because the relay
+ * keeps order every message committed after it is stranded. */
+Test(nats_relay, a_message_on_a_subject_no_stream_takes_does_not_strand_the_rest)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    char nowhere[64];
+    nt_setup(&e, "nowhere");
+    snprintf(nowhere, sizeof(nowhere), "%s.nowhere", e.stream);
+    put_args lost = {nowhere, 0, 1, IDEM_OK}, rest = {e.in, 1, 4, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &lost), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &rest), IDEM_OK, "%s", idem_errmsg());
+    idem_nats_relay *r = relay_open(&e);
+    idem_code last = IDEM_OK;
+    for (int i = 0; i < 10 && pending(&e) > 0; i++) {
+        last = idem_nats_relay_run_once(r, NULL);
+    }
+    idem_nats_relay_stats(r, &s);
+    fprintf(stderr,
+            "after 10 rounds: pending %llu, stream %llu, parked %llu, failures %llu, "
+            "last %s: %s\n",
+            (unsigned long long)pending(&e), (unsigned long long)stream_msgs(&e),
+            (unsigned long long)s.parked, (unsigned long long)s.failures, idem_code_name(last),
+            idem_errmsg());
+    cr_expect_eq(stream_msgs(&e), 3, "the messages behind order-0 were never published");
+    idem_nats_relay_close(r);
+    nt_teardown(&e);
+}
+
+/* Starts a nats-server WITHOUT JetStream on a free port (its ports file in dir): it answers
+ * every publish, and every JetStream API call, with "no responders", as a broker whose
+ * JetStream is not up yet does. Its client url into url; end it with SIGTERM to b. */
+static void broker_without_jetstream(tu_child *b, const char *dir, char *url, size_t cap)
+{
+    const char *script = /* $0: dir; it ends nats-server at a TERM or when the test died */
+        "nats-server -a 127.0.0.1 -p -1 --ports_file_dir \"$0\" -l \"$0/log\" & pid=$!;"
+        "trap 'kill $pid; exit 0' TERM; ports=\"$0/nats-server_$pid.ports\";"
+        "for i in $(seq 200); do [ -s \"$ports\" ] && break; sleep 0.05; done; echo ready;"
+        "sed -n 's/.*\"\\(nats:[^\"]*\\)\".*/\\1/p' \"$ports\"; echo;"
+        "while kill -0 $PPID 2>/dev/null; do sleep 0.2; done; kill $pid";
+    const char *argv[] = {"/bin/sh", "-c", script, dir, NULL};
+    tu_spawn(b, argv);
+    cr_assert_not_null(fgets(url, (int)cap, b->out), "no ports file from nats-server");
+    url[strcspn(url, "\n")] = '\0';
+    cr_assert(strncmp(url, "nats://", 7) == 0, "url %s", url);
+}
+
+/* "No responders" is also what a broker answers while its JetStream is away (restarting,
+ * not up yet): then no lookup says that no stream takes the subject, and nothing is
+ * parked however many rounds fail. */
+Test(nats_relay, a_broker_whose_jetstream_is_away_parks_nothing)
+{
+    tu_backend b;
+    tu_child broker;
+    idem_nats_relay_opts o;
+    idem_nats_relay_counts s;
+    idem_nats_relay *r;
+    char url[128];
+    uint64_t n = 0;
+    if (getenv("IDEMRPC_TEST_NATS") == NULL) {
+        cr_skip_test("IDEMRPC_TEST_NATS not set: no nats-server here");
+    }
+    char *dir = tu_tempdir("nojs");
+    broker_without_jetstream(&broker, dir, url, sizeof(url));
+    idem_store *st = tu_backend_open(&b, "nojs");
+    put_args orders = {"orders.in", 0, 3, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(st, put_orders, &orders), IDEM_OK, "%s", idem_errmsg());
+    idem_nats_relay_opts_init(&o);
+    o.url = url;
+    cr_assert_eq(idem_nats_relay_open(&r, st, &o), IDEM_OK, "%s", idem_errmsg());
+    for (int i = 0; i < 12; i++) { /* over twice the rounds that park a subject no stream takes */
+        cr_expect_eq(idem_nats_relay_run_once(r, NULL), IDEM_UNAVAILABLE, "%s", idem_errmsg());
+    }
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.parked, 0);
+    cr_expect_eq(s.failures, 12);
+    cr_expect_eq(idem_outbox_pending(st, &n), IDEM_OK);
+    cr_expect_eq(n, 3);
+    idem_nats_relay_close(r);
+    tu_backend_close(&b);
+    kill(broker.pid, SIGTERM);
+    tu_reap(&broker);
+    tu_rmtree(dir);
+}

@@ -27,9 +27,15 @@
  *            input, a handler's other codes, idem_consume's REJECT): the message is
  *            published to dead_letter_subject with its reason (headers below), and only
  *            after that publish is acked is it terminated (Term: JetStream never
- *            redelivers it). A payload too large to fit max_payload beside the dead
- *            letter's headers is cut to what fits, with IDEM_NATS_DEAD_TRUNCATED. A
- *            dead-letter publish that fails naks the message instead: nothing is dropped.
+ *            redelivers it). A payload too large to fit beside the dead letter's headers
+ *            (in max_payload, or in the max_msg_size of the stream that captures
+ *            dead_letter_subject when smaller, read at the first dead letter and again
+ *            when that stream refuses one) is cut to what fits, with
+ *            IDEM_NATS_DEAD_TRUNCATED. A dead-letter publish that fails naks the message
+ *            instead: nothing is dropped. One that stream refuses for good even without
+ *            payload (its max_msg_size below the headers) would re-run the handler on every
+ *            delivery for ever: the message is terminated without it, logged at ERROR with
+ *            its stream and sequence (the stream keeps it per its retention), dead_refused.
  * Several consumers (threads or processes) may share one durable: JetStream hands each
  * message to one of them at a time, and idem_consume settles a redelivery that overlaps. */
 #ifndef IDEMRPC_NATS_H
@@ -56,8 +62,9 @@ extern "C" {
 #define IDEM_NATS_DEAD_SUBJECT "Idem-Dead-Subject"     /* the original subject */
 #define IDEM_NATS_DEAD_SEQ "Idem-Dead-Stream-Seq"      /* its sequence in the stream */
 #define IDEM_NATS_DEAD_DELIVERED "Idem-Dead-Delivered" /* deliveries, this one included */
-/* Present when the payload did not fit the broker's max_payload beside these headers: the
- * original payload's size in bytes; the dead letter carries its first bytes that fit. */
+/* Present when the payload did not fit beside these headers (in the broker's max_payload
+ * or the dead letters' stream's max_msg_size): the original payload's size in bytes; the
+ * dead letter carries its first bytes that fit. */
 #define IDEM_NATS_DEAD_TRUNCATED "Idem-Truncated"
 #define IDEM_NATS_MAX_BATCH 256
 #define IDEM_NATS_MAX_DELIVER 1000
@@ -89,7 +96,8 @@ typedef enum idem_nats_event {
     IDEM_NATS_DUPLICATE,     /* consumed before (marker found); the ack comes next */
     IDEM_NATS_ACKED,         /* the broker confirmed the ack */
     IDEM_NATS_NAKED,         /* transient failure: redelivered after a delay */
-    IDEM_NATS_DEAD_LETTERED, /* published to the dead-letter subject and terminated */
+    IDEM_NATS_DEAD_LETTERED, /* published to the dead-letter subject and terminated (or
+                                terminated, its dead letter refused for good: dead_refused) */
 } idem_nats_event;
 
 /* Observes each step (reason: NULL, or why it was naked or dead-lettered). Runs on the
@@ -132,6 +140,8 @@ typedef struct idem_nats_stats {
     uint64_t naked;         /* transient failures, redelivered */
     uint64_t dead_lettered; /* published to the dead-letter subject and terminated */
     uint64_t dead_failures; /* dead-letter publishes that failed (the message was naked) */
+    uint64_t dead_refused;  /* dead letters the broker refuses for good even without their
+                               payload: the message was terminated without one (ERROR log) */
 } idem_nats_stats;
 
 typedef struct idem_nats_consumer idem_nats_consumer;
@@ -183,9 +193,11 @@ IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
  * The relay records the broker's max_payload in the store (idem_outbox_set_broker_limit)
  * at open and whenever a reconnect finds another one, so idem_outbox_put refuses data that
  * could never be published. A message the broker refuses for good all the same (its
- * max_payload shrank, or the stream's max_msg_size is smaller) is parked
- * (idem_outbox_park: kept in the store, out of the outbox), logged at ERROR with its seq
- * and msg_id and counted (parked): the messages behind it are relayed.
+ * max_payload shrank, or the stream's max_msg_size is smaller), or on a subject no stream
+ * takes (JetStream, answering, said so for 5 rounds in a row; a publish nobody answered
+ * while JetStream is away or restarting never counts), is parked (idem_outbox_park: kept
+ * in the store, out of the outbox), logged at ERROR with its seq and msg_id and counted
+ * (parked): the messages behind it are relayed. Create the streams before the relay.
  * Off by default: nothing is relayed until a program starts a relay in its server
  * process. Several relays on one shared store may publish a message twice: the same two
  * guards cover it. */

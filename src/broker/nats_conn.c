@@ -110,17 +110,48 @@ void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char 
     }
 }
 
-idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate)
+idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate,
+                             natsStatus *status)
 {
     jsPubAck *ack = NULL;
     jsErrCode jerr = 0;
     natsStatus s = js_PublishMsg(&ack, js, m, NULL, &jerr);
     *duplicate = false;
+    if (status != NULL) {
+        *status = s;
+    }
     if (s != NATS_OK) {
         return idem__nats_code(s, jerr, what);
     }
     *duplicate = ack->Duplicate;
     jsPubAck_Destroy(ack);
+    return IDEM_OK;
+}
+
+idem_code idem__nats_stream_of(jsCtx *js, const char *subject, int64_t *max_msg_size)
+{
+    jsOptions o;
+    jsStreamInfoList *list = NULL;
+    jsErrCode jerr = 0;
+    *max_msg_size = 0;
+    jsOptions_Init(&o);
+    o.Stream.Info.SubjectsFilter = subject; /* the streams whose subjects take it */
+    natsStatus s = js_Streams(&list, js, &o, &jerr);
+    if (s == NATS_NOT_FOUND && jerr == 0) { /* an empty answer, not an API error */
+        return idem__err(IDEM_NOT_FOUND, "nats: no stream takes subject %s", subject);
+    }
+    if (s != NATS_OK) {
+        return idem__err(IDEM_UNAVAILABLE, "nats: stream lookup for %s: %s (jetstream error %d)",
+                         subject, natsStatus_GetText(s), (int)jerr);
+    }
+    for (int i = 0; i < list->Count; i++) { /* one, as streams may not overlap */
+        const jsStreamConfig *sc = list->List[i]->Config;
+        if (sc != NULL && sc->MaxMsgSize > 0 &&
+            (*max_msg_size <= 0 || sc->MaxMsgSize < *max_msg_size)) {
+            *max_msg_size = sc->MaxMsgSize;
+        }
+    }
+    jsStreamInfoList_Destroy(list);
     return IDEM_OK;
 }
 

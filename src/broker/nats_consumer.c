@@ -27,8 +27,9 @@ struct idem_nats_consumer {
     natsConnection *nc;
     jsCtx *js;
     natsSubscription *sub;
-    uint64_t ack_wait_ms; /* the durable's own, read when binding */
-    idem__nats_loop loop; /* its mu guards stats */
+    uint64_t ack_wait_ms;             /* the durable's own, read when binding */
+    idem__nats_dead_bound dead_bound; /* what the dead letters' stream takes */
+    idem__nats_loop loop;             /* its mu guards stats */
     idem_nats_stats stats;
 };
 
@@ -172,10 +173,9 @@ static void nak(delivery *d)
 static void dead_letter(delivery *d)
 {
     idem_nats_consumer *c = d->c;
-    idem_code code =
-        idem__nats_dead_letter(c->js, natsConnection_GetMaxPayload(c->nc), c->o.dead_letter_subject,
-                               c->o.durable, &d->im, d->reason);
-    if (code != IDEM_OK) { /* never dropped: naked, dead-lettered on a later delivery */
+    idem_code code = idem__nats_dead_letter(c->js, c->nc, &c->dead_bound, c->o.dead_letter_subject,
+                                            c->o.durable, &d->im, d->reason);
+    if (code != IDEM_OK && code != IDEM_OUT_OF_RANGE) { /* never dropped: naked, again later */
         count(c, &c->stats.dead_failures);
         idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
                        "nats consumer=%s seq=%llu dead letter failed (%s): %s; naked", c->o.durable,
@@ -183,15 +183,18 @@ static void dead_letter(delivery *d)
         nak(d);
         return;
     }
+    bool refused = code == IDEM_OUT_OF_RANGE; /* for good: naked, it would re-run for ever */
     natsMsg_Term(d->m, NULL); /* lost: redelivered, dead-lettered again under its msg id */
     if (d->im.key != NULL && d->im.delivered > 1) { /* left: only a row, counted anew */
         idem__nats_failure_forget(c->st, c->o.durable, d->im.key);
     }
-    count(c, &c->stats.dead_lettered);
-    idem__nats_log(c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
-                   "nats consumer=%s seq=%llu key=%s dead-lettered to %s: %s", c->o.durable,
-                   (unsigned long long)d->im.stream_seq, d->im.key != NULL ? d->im.key : "-",
-                   c->o.dead_letter_subject, d->reason);
+    count(c, refused ? &c->stats.dead_refused : &c->stats.dead_lettered);
+    idem__nats_log(
+        c->o.log_fn, c->o.log_arg, IDEM_LOG_ERROR,
+        "nats consumer=%s stream=%s seq=%llu key=%s %s %s: %s%s%s", c->o.durable, c->o.stream,
+        (unsigned long long)d->im.stream_seq, d->im.key != NULL ? d->im.key : "-",
+        refused ? "terminated WITHOUT its dead letter, refused for good by" : "dead-lettered to",
+        c->o.dead_letter_subject, d->reason, refused ? "; " : "", refused ? idem_errmsg() : "");
     emit(d, IDEM_NATS_DEAD_LETTERED, d->reason);
 }
 

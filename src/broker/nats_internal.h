@@ -25,8 +25,16 @@ void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char 
     __attribute__((format(printf, 4, 5)));
 
 /* Publishes m to JetStream within the context's wait; *duplicate when the broker's dedupe
- * window dropped it (its Nats-Msg-Id was seen). */
-idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate);
+ * window dropped it (its Nats-Msg-Id was seen); *status (may be NULL): libnats' own, e.g.
+ * NATS_NO_RESPONDERS when nothing took the subject. */
+idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate,
+                             natsStatus *status);
+
+/* Asks JetStream which stream captures subject: IDEM_OK with *max_msg_size, that stream's
+ * bound on a message, headers in (<= 0: none); IDEM_NOT_FOUND when JetStream answered
+ * that no stream does; else UNAVAILABLE (no answer, e.g. JetStream away or restarting,
+ * or an error), which says nothing about the subject. */
+idem_code idem__nats_stream_of(jsCtx *js, const char *subject, int64_t *max_msg_size);
 
 /* The thread of a consumer or a relay (nats_loop.c). mu also guards its owner's
  * counters; cv wakes a pause at the stop (monotonic clock). */
@@ -47,14 +55,25 @@ void idem__nats_loop_fini(idem__nats_loop *l);
 /* *counter += n under l->mu. */
 void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
 
+/* What the stream that captures a consumer's dead letters takes: its max_msg_size
+ * (<= 0: no bound), once read (known). Zeroed: not read yet. */
+typedef struct idem__nats_dead_bound {
+    int64_t max_msg_size;
+    bool known;
+} idem__nats_dead_bound;
+
 /* Publishes the payload of im to subject with the reason and where it came from
  * (IDEM_NATS_DEAD_* headers) and Nats-Msg-Id "dead.<stream seq>.<durable>", so that a
  * dead letter published again (its Term lost, a crash) is dropped inside the broker's
- * dedupe window; only the first bytes of the payload that fit max_payload beside the
- * headers (the connection's; <= 0: unknown, all of it), then with
- * IDEM_NATS_DEAD_TRUNCATED. IDEM_OK once the broker acked the publish. */
-idem_code idem__nats_dead_letter(jsCtx *js, int64_t max_payload, const char *subject,
-                                 const char *durable, const idem_nats_msg *im, const char *reason);
+ * dedupe window; only the first bytes of the payload that fit beside the headers, then
+ * with IDEM_NATS_DEAD_TRUNCATED. What fits: nc's max_payload, or the max_msg_size of the
+ * stream that captures subject when smaller (read into *b at the first dead letter, and
+ * again when that stream refused one as too large, then published again). IDEM_OK once
+ * the broker acked the publish; OUT_OF_RANGE when it refuses it for good (even at the
+ * bound read just now: its headers alone do not fit); else the failure. */
+idem_code idem__nats_dead_letter(jsCtx *js, natsConnection *nc, idem__nats_dead_bound *b,
+                                 const char *subject, const char *durable, const idem_nats_msg *im,
+                                 const char *reason);
 
 /* The failure tally of (durable, key) in the store (nats_failures.c): _count adds this
  * delivery's real handler failure in a txn of its own and gives the total; _forget_in

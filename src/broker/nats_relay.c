@@ -1,9 +1,10 @@
 /* The outbox relay (nats.h): outbox → JetStream → removal. Invariant: a message leaves
  * the outbox only after the broker acked its publish (stored, or dropped as a duplicate
  * of one it stored), so a crash anywhere publishes it again, never loses it; or parked
- * (kept in the store) when the broker refuses it for good, so that it never holds back
- * the messages behind it. The broker's max_payload is recorded in the store for
- * idem_outbox_put, which then refuses what could never be published. */
+ * (kept in the store) when the broker refuses it for good (too large; or a subject no
+ * stream takes, which JetStream itself said NOWHERE_ROUNDS rounds in a row), so that it
+ * never holds back the messages behind it. The broker's max_payload is recorded in the
+ * store for idem_outbox_put, which then refuses what could never be published. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 #define DEFAULT_BATCH 64
 #define DEFAULT_IDLE_MS 100
 #define DEFAULT_PUBLISH_WAIT_MS 5000
+#define NOWHERE_ROUNDS 5 /* rounds JetStream says no stream takes a subject: refused for good */
 
 struct idem_nats_relay {
     idem_store *st;
@@ -25,6 +27,8 @@ struct idem_nats_relay {
     uint64_t *parked;      /* refused for good this round */
     size_t n_parked;
     int64_t limit;        /* the max_payload recorded in the store (0: none yet) */
+    uint64_t nowhere_seq; /* the message that no stream took, */
+    unsigned nowhere;     /* in that many rounds in a row */
     idem__nats_loop loop; /* its mu guards stats */
     idem_nats_relay_counts stats;
 };
@@ -34,7 +38,8 @@ static void add(idem_nats_relay *r, uint64_t *counter, uint64_t n)
     idem__nats_add(&r->loop, counter, n);
 }
 
-static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool *duplicate)
+static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool *duplicate,
+                             natsStatus *status)
 {
     natsMsg *nm = NULL;
     natsStatus s = natsMsg_Create(&nm, m->subject, NULL, m->data, (int)m->len);
@@ -44,8 +49,10 @@ static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool 
     if (s == NATS_OK) {
         s = natsMsgHeader_Set(nm, IDEM_NATS_KEY_HEADER, m->msg_id);
     }
-    idem_code code = s == NATS_OK ? idem__nats_publish(r->js, nm, "nats relay: publish", duplicate)
-                                  : idem__nats_code(s, 0, "nats relay: message");
+    *status = s;
+    idem_code code = s == NATS_OK
+                         ? idem__nats_publish(r->js, nm, "nats relay: publish", duplicate, status)
+                         : idem__nats_code(s, 0, "nats relay: message");
     natsMsg_Destroy(nm);
     return code;
 }
@@ -60,16 +67,43 @@ static void refused(idem_nats_relay *r, const idem_outbox_msg *m)
                    (unsigned long long)m->seq, m->msg_id, m->subject, m->len, idem_errmsg());
 }
 
+/* A publish nothing answered: its subject is taken by no stream, or JetStream is away (a
+ * broker restarting, JetStream not up yet) and says nothing. Only JetStream answering
+ * that no stream takes it counts, and only NOWHERE_ROUNDS rounds in a row for the same
+ * message make it a refusal for good (then idem_errmsg() says why). */
+static bool taken_by_no_stream(idem_nats_relay *r, const idem_outbox_msg *m)
+{
+    int64_t max_msg_size;
+    idem_errkeep k;
+    idem__err_keep(&k);
+    idem_code code = idem__nats_stream_of(r->js, m->subject, &max_msg_size);
+    if (code != IDEM_NOT_FOUND || r->nowhere_seq != m->seq) {
+        r->nowhere_seq = m->seq;
+        r->nowhere = 0;
+    }
+    if (code != IDEM_NOT_FOUND || ++r->nowhere < NOWHERE_ROUNDS) {
+        idem__err_put(&k, IDEM_OK); /* the publish's failure */
+        return false;
+    }
+    r->nowhere = 0;
+    idem__err(IDEM_OUT_OF_RANGE,
+              "no stream takes subject %s (JetStream said so %d rounds in a row)", m->subject,
+              NOWHERE_ROUNDS);
+    return true;
+}
+
 /* Publishes msgs[0..n) in order until one fails, passing over those the broker refuses
  * for good; *acked = how many the broker acked. */
 static idem_code publish_batch(idem_nats_relay *r, size_t n, size_t *acked)
 {
     idem_code code = IDEM_OK;
     bool duplicate;
+    natsStatus s;
     *acked = 0;
     for (size_t i = 0; i < n; i++) {
         const idem_outbox_msg *m = &r->msgs[i];
-        if ((code = publish_one(r, m, &duplicate)) == IDEM_OUT_OF_RANGE) {
+        code = publish_one(r, m, &duplicate, &s);
+        if (code == IDEM_OUT_OF_RANGE || (s == NATS_NO_RESPONDERS && taken_by_no_stream(r, m))) {
             refused(r, m);
             code = IDEM_OK;
             continue;
