@@ -6,7 +6,9 @@
  * The listener is an optimisation, never the truth: a woken waiter reads the store, and
  * waiters keep their re-read timers, so a lost notification, a listening connection
  * that is down (reconnected with backoff) or a store opened with no_notify only costs
- * latency. A self-pipe wakes the thread for shutdown. The listener knows only the
+ * latency; and every time it LISTENs (again) it tells its watchers that every key may
+ * have changed (IDEM__STORE_WATCH_ALL): waiters re-read, the replay cache empties. A
+ * self-pipe wakes the thread for shutdown. The listener knows only the
  * store's hosts (connect.c) and its watchers: the store starts and stops it (watch.c,
  * store_pg.c).
  *
@@ -120,6 +122,9 @@ static void *listen_main(void *arg)
             }
             backoff = backoff * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : backoff * 2;
             continue;
+        }
+        if (backoff != 0) { /* listening (again): what was announced before is not heard */
+            deliver(l, IDEM__STORE_WATCH_ALL);
         }
         if (backoff != 0 && !drain(l, c)) { /* what arrived during the connect */
             PQfinish(c);
