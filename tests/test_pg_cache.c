@@ -50,6 +50,23 @@ static idem_code h_op(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)len + pad);
 }
 
+/* How many times st's listener has LISTENed (0: none yet, or none at all). */
+static uint64_t listens_of(idem_store *st)
+{
+    pg_listener *l = ((pg_store *)st)->listener;
+    return l != NULL ? idem__pg_listener_listens(l) : 0;
+}
+
+/* Waits (bounded) until st's listener has made more than after LISTENs: each one
+ * empties the cache, so a test fills it after that. */
+static void await_listens(idem_store *st, uint64_t after)
+{
+    for (int i = 0; i < 500 && listens_of(st) <= after; i++) {
+        nanosleep(&(struct timespec){0, 10000000L}, NULL);
+    }
+    cr_assert_gt(listens_of(st), after, "the store's listener listens");
+}
+
 static idem_store *open_store(const idem_pg_opts *extra)
 {
     idem_pg_opts o = extra != NULL ? *extra : (idem_pg_opts){0};
@@ -57,6 +74,9 @@ static idem_store *open_store(const idem_pg_opts *extra)
     o.pool_size = 4;
     o.pooler = tu_pg_pooler();
     cr_assert_eq(idem_store_open_postgres_ex(&st, conninfo, &o), IDEM_OK, "%s", idem_errmsg());
+    if (o.replay_cache_entries > 0 && !o.no_notify && !o.pooler) {
+        await_listens(st, 0);
+    }
     return st;
 }
 
@@ -223,10 +243,12 @@ Test(pg_cache, a_forget_whose_announcement_was_lost_stops_replaying_once_the_lis
     idem_key_ref key = {CALLER, METHOD, "k-lost"};
     cr_assert_eq(idem_store_delete(quiet, &key), IDEM_OK, "%s", idem_errmsg());
     cr_assert(!runs_again_within(a.url, "k-lost", 1), "nothing announced the forget yet");
+    uint64_t listens = listens_of(st);
     cr_assert_geq(admin_int("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                             "WHERE datname = current_database() AND pid <> pg_backend_pid() "
                             "AND (query LIKE 'LISTEN %' OR query = 'SELECT pg_is_in_recovery()')"),
                   1, "the listener's backend was found and killed");
+    await_listens(st, listens);
     cr_expect(runs_again_within(a.url, "k-lost", 250),
               "the forgotten key still replays after the listener came back");
     cr_expect_eq(atomic_load(&runs), 2);

@@ -47,6 +47,7 @@ struct pg_listener {
     watcher w[IDEM__STORE_MAX_WATCH];
     size_t n;
     bool stop;
+    uint64_t listens; /* LISTENs made, each told to the watchers (atomic) */
 };
 
 static void deliver(pg_listener *l, uint32_t hash)
@@ -125,6 +126,7 @@ static void *listen_main(void *arg)
         }
         if (backoff != 0) { /* listening (again): what was announced before is not heard */
             deliver(l, IDEM__STORE_WATCH_ALL);
+            __atomic_add_fetch(&l->listens, 1, __ATOMIC_RELEASE);
         }
         if (backoff != 0 && !drain(l, c)) { /* what arrived during the connect */
             PQfinish(c);
@@ -197,6 +199,11 @@ void idem__pg_listener_remove(pg_listener *l, idem__store_watch_fn fn, void *arg
         }
     }
     pthread_mutex_unlock(&l->mu);
+}
+
+uint64_t idem__pg_listener_listens(pg_listener *l)
+{
+    return __atomic_load_n(&l->listens, __ATOMIC_ACQUIRE);
 }
 
 void idem__pg_listener_stop(pg_listener *l)
