@@ -2,6 +2,7 @@
  * and clients on a schema of the test's own in $IDEMRPC_TEST_PG: what it answers, what
  * a forget on another instance costs, and its bounds. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +50,23 @@ static idem_code h_op(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)len + pad);
 }
 
+/* How many times st's listener has LISTENed (0: none yet, or none at all). */
+static uint64_t listens_of(idem_store *st)
+{
+    pg_listener *l = ((pg_store *)st)->listener;
+    return l != NULL ? idem__pg_listener_listens(l) : 0;
+}
+
+/* Waits (bounded) until st's listener has made more than after LISTENs: each one
+ * empties the cache, so a test fills it after that. */
+static void await_listens(idem_store *st, uint64_t after)
+{
+    for (int i = 0; i < 500 && listens_of(st) <= after; i++) {
+        nanosleep(&(struct timespec){0, 10000000L}, NULL);
+    }
+    cr_assert_gt(listens_of(st), after, "the store's listener listens");
+}
+
 static idem_store *open_store(const idem_pg_opts *extra)
 {
     idem_pg_opts o = extra != NULL ? *extra : (idem_pg_opts){0};
@@ -56,6 +74,9 @@ static idem_store *open_store(const idem_pg_opts *extra)
     o.pool_size = 4;
     o.pooler = tu_pg_pooler();
     cr_assert_eq(idem_store_open_postgres_ex(&st, conninfo, &o), IDEM_OK, "%s", idem_errmsg());
+    if (o.replay_cache_entries > 0 && !o.no_notify && !o.pooler) {
+        await_listens(st, 0);
+    }
     return st;
 }
 
@@ -184,6 +205,117 @@ Test(pg_cache, without_announcements_a_forgotten_key_stops_replaying_within_the_
     forget_elsewhere(
         &(idem_pg_opts){.replay_cache_entries = 64, .replay_cache_ttl_ms = 300, .no_notify = true},
         250);
+}
+
+/* Runs sql on a connection of its own (the test's schema); the first value of its
+ * first row as an int, 0 when it has none. */
+static int admin_int(const char *sql)
+{
+    PGconn *c = PQconnectdb(conninfo);
+    cr_assert_eq(PQstatus(c), CONNECTION_OK, "%s", PQerrorMessage(c));
+    PGresult *r = PQexec(c, sql);
+    cr_assert(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql, PQerrorMessage(c));
+    int v = PQntuples(r) > 0 ? atoi(PQgetvalue(r, 0, 0)) : 0;
+    PQclear(r);
+    PQfinish(c);
+    return v;
+}
+
+/* The announcement of a forget lost (the forgetting store announces nothing, as one
+ * sent while the listener was away), then the listener's connection killed: once it
+ * listens again, the cached instance stops replaying the key, long before the ttl. */
+Test(pg_cache, a_forget_whose_announcement_was_lost_stops_replaying_once_the_listener_is_back)
+{
+    if (tu_pg_pooler()) {
+        cr_skip_test("no LISTEN through a pooler: the ttl bounds it");
+    }
+    idem_store *st = open_store(
+                   &(idem_pg_opts){.replay_cache_entries = 64, .replay_cache_ttl_ms = 3600000}),
+               *quiet = open_store(&(idem_pg_opts){.no_notify = true});
+    tu_server a;
+    server_on(&a, st);
+    idem_result r;
+    for (int i = 0; i < 3; i++) { /* run, replay from the database, replay from the cache */
+        call(a.url, "k-lost", 0, &r);
+        idem_result_clear(&r);
+    }
+    cr_assert_geq(stats_of(st).hits, 1, "the key is replayed from the cache");
+    idem_key_ref key = {CALLER, METHOD, "k-lost"};
+    cr_assert_eq(idem_store_delete(quiet, &key), IDEM_OK, "%s", idem_errmsg());
+    cr_assert(!runs_again_within(a.url, "k-lost", 1), "nothing announced the forget yet");
+    uint64_t listens = listens_of(st);
+    cr_assert_geq(admin_int("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                            "AND (query LIKE 'LISTEN %' OR query = 'SELECT pg_is_in_recovery()')"),
+                  1, "the listener's backend was found and killed");
+    await_listens(st, listens);
+    cr_expect(runs_again_within(a.url, "k-lost", 250),
+              "the forgotten key still replays after the listener came back");
+    cr_expect_eq(atomic_load(&runs), 2);
+    tu_server_destroy(&a, false);
+    idem_store_close(st);
+    idem_store_close(quiet);
+}
+
+typedef struct slow_replay {
+    const char *url;
+    idem_result r;
+} slow_replay;
+
+static void *slow_replay_main(void *arg)
+{
+    slow_replay *s = arg;
+    call(s->url, "k-slow", 0, &s->r);
+    return NULL;
+}
+
+/* A replay whose database read waits behind a table lock for twice the ttl fills the
+ * cache with an entry counted from when the read began: already over, never answered. */
+Test(pg_cache, an_entry_is_answered_at_most_the_ttl_after_the_read_that_filled_it_began)
+{
+    const uint32_t ttl = 300;
+    idem_store *st = open_store(&(idem_pg_opts){.replay_cache_entries = 64,
+                                                .replay_cache_ttl_ms = ttl,
+                                                .lock_timeout_ms = 20000,
+                                                .statement_timeout_ms = 30000});
+    tu_server a;
+    server_on(&a, st);
+    idem_result r;
+    call(a.url, "k-slow", 0, &r); /* the run: a COMPLETED record, nothing cached yet */
+    idem_result_clear(&r);
+    PGconn *lock = PQconnectdb(conninfo);
+    cr_assert_eq(PQstatus(lock), CONNECTION_OK, "%s", PQerrorMessage(lock));
+    PGresult *res = PQexec(lock, "BEGIN; LOCK TABLE idem_records IN ACCESS EXCLUSIVE MODE");
+    cr_assert_eq(PQresultStatus(res), PGRES_COMMAND_OK, "%s", PQerrorMessage(lock));
+    PQclear(res);
+    slow_replay s = {.url = a.url};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, slow_replay_main, &s), 0);
+    const char *waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                          "AND datname = current_database()";
+    for (int i = 0; i < 500 && admin_int(waiting) == 0; i++) {
+        struct timespec ts = {0, 10000000L};
+        nanosleep(&ts, NULL); /* a bounded poll: the read is queued behind the lock */
+    }
+    cr_assert_gt(admin_int(waiting), 0, "the replay's read waits for the lock");
+    for (uint64_t until = idem__mono_ms() + 2 * ttl; idem__mono_ms() < until;) {
+        struct timespec ts = {0, 20000000L};
+        nanosleep(&ts, NULL); /* the read has now begun more than the ttl ago */
+    }
+    res = PQexec(lock, "COMMIT");
+    cr_assert_eq(PQresultStatus(res), PGRES_COMMAND_OK, "%s", PQerrorMessage(lock));
+    PQclear(res);
+    PQfinish(lock);
+    cr_assert_eq(pthread_join(th, NULL), 0);
+    cr_expect(s.r.replayed, "the slow read replayed from the database");
+    idem_result_clear(&s.r);
+    uint64_t hits = stats_of(st).hits;
+    call(a.url, "k-slow", 0, &r);
+    cr_expect(r.replayed);
+    idem_result_clear(&r);
+    cr_expect_eq(stats_of(st).hits, hits, "an entry past its ttl from its read was answered");
+    tu_server_destroy(&a, false);
+    idem_store_close(st);
 }
 
 Test(pg_cache, entries_and_bytes_never_exceed_their_bounds)

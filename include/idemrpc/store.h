@@ -160,8 +160,9 @@ typedef struct idem_pg_opts {
      * round trip (a completed record does not change until it expires). Off by default:
      * it changes what a forget means. After idem_store_delete on another instance, this one may still replay the old result until that forget's
      * announcement arrives (NOTIFY idem_done, as completions; milliseconds), and never
-     * longer than replay_cache_ttl_ms (an announcement lost while the listening
-     * connection was down, no_notify, pooler). replay_cache_entries: 0 = off, at most
+     * longer than replay_cache_ttl_ms after the read that filled it began (no_notify,
+     * pooler; one lost while the listening connection was down: until it listens
+     * again, which empties the cache). replay_cache_entries: 0 = off, at most
      * 1048576. replay_cache_bytes: keys and responses held, 0 = 16 MiB (a larger
      * response is not cached). replay_cache_ttl_ms: how long one read may be answered
      * from, 0 = 5000, at most 3600000; an entry also ends at its record's expiry.

@@ -209,7 +209,13 @@ static void heard(void *arg, uint32_t key_hash)
 {
     idem_inflight *t = arg;
     idem__observe_announcement(t->rt->obs);
-    idem__inflight_notify(t, idem__inflight_bucket_of(key_hash));
+    if (key_hash != IDEM__STORE_WATCH_ALL) {
+        idem__inflight_notify(t, idem__inflight_bucket_of(key_hash));
+        return;
+    }
+    for (uint32_t b = 0; b < N_BUCKETS; b++) { /* announcements may have been lost */
+        idem__inflight_notify(t, b);
+    }
 }
 
 idem_code idem__inflight_create(idem_inflight **out, idem_runtime *rt, idem_store *store,

@@ -60,8 +60,10 @@ static void log_failure(idem_redriver *r, const char *what)
 }
 
 /* Runs the stored request through decode, the chain and the handler, as a worker
- * would, and logs how it ended. */
-static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_method *m)
+ * would, and logs how it ended. counted: this re-driver counted the run (and takes it
+ * back when it did not run). */
+static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_method *m,
+                  bool counted)
 {
     idem_peer peer = {.redriven = true, .redriven_verified = jc->caller_verified};
     idem_served s;
@@ -96,7 +98,7 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
     bool passing = c->code == IDEM_UNAVAILABLE || c->code == IDEM_RESOURCE_EXHAUSTED ||
                    c->code == IDEM_ABORTED;
     idem__redrive_verdict v;
-    if (!c->executed && !c->replayed && passing &&
+    if (counted && !c->executed && !c->replayed && passing &&
         idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, true, &v) != IDEM_OK) {
         log_failure(r, "taking back a re-run that did not run");
     }
@@ -130,8 +132,8 @@ static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
         log_call(r, IDEM_LOG_ERROR, jc, what);
         idem__observe_redrive(r->cfg.rt->obs, IDEM__REDRIVE_GAVE_UP_COUNT);
     }
-    if (v == IDEM__REDRIVE_GO || v == IDEM__REDRIVE_COMPENSATE) {
-        rerun(r, jc, m);
+    if (v == IDEM__REDRIVE_GO || v == IDEM__REDRIVE_COMPENSATE || v == IDEM__REDRIVE_GO_UNCOUNTED) {
+        rerun(r, jc, m, v != IDEM__REDRIVE_GO_UNCOUNTED);
     }
     return true;
 }

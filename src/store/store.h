@@ -23,6 +23,11 @@ enum idem__store_caps {
 /* Called with the idem__key_hash of a key whose record was completed or released, in
  * any process sharing the store; from the store's own thread. */
 typedef void (*idem__store_watch_fn)(void *arg, uint32_t key_hash);
+/* The key_hash of "every key": announcements may have been lost (the store listens
+ * anew after its listening connection broke), so every waiter re-reads and every
+ * cached record is dropped. A key whose own hash is this value costs spurious wakes,
+ * never a missed one. */
+#define IDEM__STORE_WATCH_ALL UINT32_MAX
 
 /* How an asynchronous store write reports its end (err: the message when code is not
  * IDEM_OK). */

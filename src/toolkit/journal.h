@@ -39,11 +39,14 @@ idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
 
 /* What a re-driver write found, deciding in its own txn on the record it read there. */
 typedef enum idem__redrive_verdict {
-    IDEM__REDRIVE_SKIP,    /* the record is not (or no longer) what the write needs */
-    IDEM__REDRIVE_DONE,    /* written */
-    IDEM__REDRIVE_GO,      /* count_run: counted, run it */
-    IDEM__REDRIVE_GAVE_UP, /* count_run: it has had its re-runs; noted, say so once */
+    IDEM__REDRIVE_SKIP,       /* the record is not (or no longer) what the write needs */
+    IDEM__REDRIVE_DONE,       /* written */
+    IDEM__REDRIVE_GO,         /* count_run: counted, run it */
+    IDEM__REDRIVE_GAVE_UP,    /* count_run: it has had its re-runs; noted, say so once */
     IDEM__REDRIVE_COMPENSATE, /* ... and its compensation started: run it to finish that */
+    /* count_run: another re-driver counted this death and its run has not claimed yet:
+     * run it too, uncounted (the claim lets one run in; this one takes nothing back) */
+    IDEM__REDRIVE_GO_UNCOUNTED,
 } idem__redrive_verdict;
 /* Re-runs of one call in all: redrive_max_runs, then as many to finish a compensation
  * whose run died (the count is one byte of the listing). */

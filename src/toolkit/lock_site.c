@@ -32,7 +32,7 @@ static void wake_locked(idem_lock_site *s, uint32_t hash)
 {
     bool any = false;
     for (idem_lock_waiter *w = s->waiters; w != NULL; w = w->next) {
-        if (w->hash == hash) {
+        if (w->hash == hash || hash == IDEM__STORE_WATCH_ALL) {
             w->woken = true;
             any = true;
         }

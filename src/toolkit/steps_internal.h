@@ -24,6 +24,10 @@ typedef struct idem__journal {
 #define CALL_MAGIC 'R'
 #define CALL_VERSION 1
 #define CALL_VERIFIED 1u /* flags: the caller was verified, not only declared */
+/* flags: a re-driver counted a re-run of the record's present holder (its death, or its
+ * absence) and no run has claimed the call since: another re-driver that finds the same
+ * death re-runs it without counting it again. The next claim clears it. */
+#define CALL_COUNTED 2u
 #define CALL_FIXED (4 + IDEM_FINGERPRINT_LEN) /* the entry up to the key's parts */
 
 /* base = SHA-256(len-prefixed caller, method, key, request fingerprint). */

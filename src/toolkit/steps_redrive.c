@@ -21,12 +21,29 @@ typedef struct claim_args {
     idem_record *rec;
 } claim_args;
 
+/* The listing v (n bytes) written again in t with flags and runs. */
+static idem_code put_listing(idem_txn *t, const uint8_t *call_key, const void *v, size_t n,
+                             uint8_t flags, unsigned runs)
+{
+    uint8_t *copy = malloc(n);
+    if (copy == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    memcpy(copy, v, n);
+    copy[2] = flags;
+    copy[3] = (uint8_t)runs;
+    idem_code code = idem_txn_put(t, STEPS_DB, call_key, JKEY, copy, n);
+    free(copy);
+    return code;
+}
+
 /* The claim, and when it acquires (or takes over) the listing for the re-driver in the
  * same txn: a run that dies inside its first step is finished too. A listing already
- * there (a takeover) is kept with its count of re-runs. */
+ * there (a takeover) is kept with its count of re-runs; its holder is new, so a
+ * re-driver's count of the last one's death is over (CALL_COUNTED cleared). */
 static idem_code claim_txn(idem_txn *t, claim_args *a)
 {
-    const void *v;
+    const void *v = NULL;
     size_t n;
     idem_code code = idem__store_txn_claim(t, a->req, a->outcome, a->rec);
     bool owned = *a->outcome == IDEM_CLAIM_ACQUIRED || *a->outcome == IDEM_CLAIM_TAKEN_OVER;
@@ -34,7 +51,14 @@ static idem_code claim_txn(idem_txn *t, claim_args *a)
         return code;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n);
-    return code == IDEM_NOT_FOUND ? idem__journal_put_call(t, &a->j, a->call) : code;
+    if (code == IDEM_NOT_FOUND) {
+        return idem__journal_put_call(t, &a->j, a->call);
+    }
+    const uint8_t *p = v;
+    if (code != IDEM_OK || n < CALL_FIXED || !(p[2] & CALL_COUNTED)) {
+        return code;
+    }
+    return put_listing(t, a->j.call_key, v, n, p[2] & ~CALL_COUNTED, p[3]);
 }
 
 idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
@@ -176,8 +200,11 @@ static idem_code verdict_of(idem_txn *t, const redrive_args *a, unsigned runs,
 
 /* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
  * whose lease ran out, or whose record a re-run released (absent, still listed). Two
- * re-drivers (instances on one database) serialise here; the second finds the lease
- * the first one's re-run took. A refund takes one back, whatever the lease. */
+ * re-drivers (instances on one database) serialise here; a death is counted once: the
+ * second finds the lease the first one's re-run took, or, when it comes before that
+ * claim, CALL_COUNTED, and re-runs on the first one's verdict without counting (its
+ * run and the first one's then meet at the claim). A refund takes one back, whatever
+ * the lease, and clears CALL_COUNTED. */
 static idem_code count_run_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
@@ -194,8 +221,15 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
     if (n < CALL_FIXED) {
         return idem__err(IDEM_DATA_LOSS, "a journaled call has an unknown format");
     }
-    unsigned runs = ((const uint8_t *)v)[3];
+    const uint8_t *p = v;
+    unsigned runs = p[3];
     idem__redrive_verdict verdict = IDEM__REDRIVE_DONE;
+    if (!a->refund && (p[2] & CALL_COUNTED) && runs > 0) { /* this death is counted */
+        code = verdict_of(t, a, runs - 1, &verdict);       /* the counter's, written then */
+        bool go = verdict == IDEM__REDRIVE_GO || verdict == IDEM__REDRIVE_COMPENSATE;
+        a->verdict = code == IDEM_OK && go ? IDEM__REDRIVE_GO_UNCOUNTED : IDEM__REDRIVE_SKIP;
+        return code;
+    }
     if ((a->refund && runs == 0) ||
         (!a->refund && (code = verdict_of(t, a, runs, &verdict)) != IDEM_OK)) {
         return code; /* nothing to take back; or the store failed */
@@ -203,16 +237,9 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
     if (verdict == IDEM__REDRIVE_SKIP) {
         return IDEM_OK; /* given up before, and said so */
     }
-    uint8_t *copy = malloc(n);
-    if (copy == NULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    memcpy(copy, v, n);
-    copy[3] = (uint8_t)(a->refund ? runs - 1 : runs + 1);
     a->verdict = verdict;
-    code = idem_txn_put(t, STEPS_DB, a->j.call_key, JKEY, copy, n);
-    free(copy);
-    return code;
+    return a->refund ? put_listing(t, a->j.call_key, v, n, p[2] & ~CALL_COUNTED, runs - 1)
+                     : put_listing(t, a->j.call_key, v, n, p[2] | CALL_COUNTED, runs + 1);
 }
 
 static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,

@@ -27,8 +27,8 @@ idem_code idem__pg_get(idem_store *base, const idem_key_ref *key, idem_record *r
     pg_store *st = (pg_store *)base;
     pg_args a = {0};
     PGresult *r;
-    uint64_t gen = 0;
-    if (idem__pg_rcache_get(st->rcache, key, rec, &gen)) {
+    pg_rcache_miss miss = {0};
+    if (idem__pg_rcache_get(st->rcache, key, rec, &miss)) {
         return IDEM_OK;
     }
     arg_key(&a, key);
@@ -40,7 +40,7 @@ idem_code idem__pg_get(idem_store *base, const idem_key_ref *key, idem_record *r
                              : idem__err(IDEM_NOT_FOUND, "no record");
     PQclear(r);
     if (code == IDEM_OK) {
-        idem__pg_rcache_put(st->rcache, key, rec, gen);
+        idem__pg_rcache_put(st->rcache, key, rec, &miss);
     }
     return code;
 }

@@ -6,7 +6,9 @@
  * The listener is an optimisation, never the truth: a woken waiter reads the store, and
  * waiters keep their re-read timers, so a lost notification, a listening connection
  * that is down (reconnected with backoff) or a store opened with no_notify only costs
- * latency. A self-pipe wakes the thread for shutdown. The listener knows only the
+ * latency; and every time it LISTENs (again) it tells its watchers that every key may
+ * have changed (IDEM__STORE_WATCH_ALL): waiters re-read, the replay cache empties. A
+ * self-pipe wakes the thread for shutdown. The listener knows only the
  * store's hosts (connect.c) and its watchers: the store starts and stops it (watch.c,
  * store_pg.c).
  *
@@ -45,6 +47,7 @@ struct pg_listener {
     watcher w[IDEM__STORE_MAX_WATCH];
     size_t n;
     bool stop;
+    uint64_t listens; /* LISTENs made, each told to the watchers (atomic) */
 };
 
 static void deliver(pg_listener *l, uint32_t hash)
@@ -121,6 +124,10 @@ static void *listen_main(void *arg)
             backoff = backoff * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : backoff * 2;
             continue;
         }
+        if (backoff != 0) { /* listening (again): what was announced before is not heard */
+            deliver(l, IDEM__STORE_WATCH_ALL);
+            __atomic_add_fetch(&l->listens, 1, __ATOMIC_RELEASE);
+        }
         if (backoff != 0 && !drain(l, c)) { /* what arrived during the connect */
             PQfinish(c);
             c = NULL;
@@ -192,6 +199,11 @@ void idem__pg_listener_remove(pg_listener *l, idem__store_watch_fn fn, void *arg
         }
     }
     pthread_mutex_unlock(&l->mu);
+}
+
+uint64_t idem__pg_listener_listens(pg_listener *l)
+{
+    return __atomic_load_n(&l->listens, __ATOMIC_ACQUIRE);
 }
 
 void idem__pg_listener_stop(pg_listener *l)

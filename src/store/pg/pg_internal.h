@@ -286,6 +286,8 @@ idem_code idem__pg_listener_add(pg_listener *l, idem__store_watch_fn fn, void *a
 void idem__pg_listener_remove(pg_listener *l, idem__store_watch_fn fn, void *arg);
 /* Stops the thread and frees l (NULL: nothing). */
 void idem__pg_listener_stop(pg_listener *l);
+/* How many times l has LISTENed (and told its watchers IDEM__STORE_WATCH_ALL). */
+uint64_t idem__pg_listener_listens(pg_listener *l);
 /* watch.c: the store's watch and unwatch ops. */
 idem_code idem__pg_watch(idem_store *base, idem__store_watch_fn fn, void *arg);
 void idem__pg_unwatch(idem_store *base, idem__store_watch_fn fn, void *arg);

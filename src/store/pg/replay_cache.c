@@ -5,7 +5,8 @@
  * carry, so a drop finds its entries in one chain) and an LRU list, under one mutex.
  * Invariants: entries <= max_entries and bytes <= max_bytes after every put; an entry
  * is answered only before its until_ms (monotonic), which is at most ttl after the
- * read that filled it and never past the record's expiry. An announcement bumps its
+ * read that filled it BEGAN (not its answer: a slow read does not lengthen it) and
+ * never past the record's expiry. An announcement bumps its
  * hash's generation, and a read that began before the bump does not fill the cache. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -141,7 +142,8 @@ static void remove_entry(pg_rcache *c, entry *e)
     remove_at(c, link);
 }
 
-bool idem__pg_rcache_get(pg_rcache *c, const idem_key_ref *key, idem_record *rec, uint64_t *gen)
+bool idem__pg_rcache_get(pg_rcache *c, const idem_key_ref *key, idem_record *rec,
+                         pg_rcache_miss *miss)
 {
     if (c == NULL) {
         return false;
@@ -150,7 +152,7 @@ bool idem__pg_rcache_get(pg_rcache *c, const idem_key_ref *key, idem_record *rec
     uint64_t now = idem__mono_ms();
     bool hit = false;
     pthread_mutex_lock(&c->mu);
-    *gen = c->gens[hash % GENS];
+    *miss = (pg_rcache_miss){.gen = c->gens[hash % GENS], .read_ms = now};
     entry **link = find(c, hash, key);
     entry *e = *link;
     if (e != NULL && now >= e->until_ms) {
@@ -202,23 +204,26 @@ static entry *entry_new(const idem_key_ref *key, const idem_record *rec)
 }
 
 void idem__pg_rcache_put(pg_rcache *c, const idem_key_ref *key, const idem_record *rec,
-                         uint64_t gen)
+                         const pg_rcache_miss *miss)
 {
     if (c == NULL || rec->state != IDEM_REC_COMPLETED || rec->expires_ms <= rec->now_ms) {
         return;
+    }
+    uint64_t now = idem__mono_ms(), left = rec->expires_ms - rec->now_ms;
+    if (miss->read_ms + c->ttl_ms <= now) {
+        return; /* the read took the whole ttl */
     }
     entry *e = entry_new(key, rec);
     if (e == NULL || e->size > c->max_bytes) {
         free(e);
         return;
     }
-    uint64_t now = idem__mono_ms(), left = rec->expires_ms - rec->now_ms;
     e->hash = idem__key_hash(key);
-    e->until_ms = now + (left < c->ttl_ms ? left : c->ttl_ms);
+    e->until_ms = miss->read_ms + (left < c->ttl_ms ? left : c->ttl_ms); /* from the read */
     e->db_skew_ms = (int64_t)rec->now_ms - (int64_t)now;
     pthread_mutex_lock(&c->mu);
     entry **link = find(c, e->hash, key);
-    if (c->gens[e->hash % GENS] != gen) {
+    if (c->gens[e->hash % GENS] != miss->gen) {
         free(e); /* an announcement for this hash came after the read began */
     } else {
         if (*link != NULL) {
@@ -245,6 +250,15 @@ void idem__pg_rcache_drop_hash(void *arg, uint32_t hash)
     }
     pthread_mutex_lock(&c->mu);
     c->gens[hash % GENS]++;
+    if (hash == IDEM__STORE_WATCH_ALL) { /* every key: every read in flight, every entry */
+        for (size_t g = 0; g < GENS; g++) {
+            c->gens[g]++;
+        }
+        while (c->head != NULL) {
+            remove_entry(c, c->head);
+            c->drops++;
+        }
+    }
     for (entry **link = &c->buckets[hash & c->mask]; *link != NULL;) {
         if ((*link)->hash == hash) {
             remove_at(c, link);

@@ -30,15 +30,25 @@ typedef struct pg_rcache_stats {
 idem_code idem__pg_rcache_create(pg_rcache **out, size_t entries, size_t bytes, uint32_t ttl_ms);
 void idem__pg_rcache_destroy(pg_rcache *c);
 
+/* What a read that missed the cache carries to its put: the announcements' generation
+ * of its key's hash and when the read began (monotonic). */
+typedef struct pg_rcache_miss {
+    uint64_t gen;
+    uint64_t read_ms;
+} pg_rcache_miss;
+
 /* A live entry for key into *rec (its response a malloc'd copy, rec->now_ms the
  * database clock as estimated from the read that filled it): true. Else false, with
- * *gen to pass to the put of the read that follows. c may be NULL. */
-bool idem__pg_rcache_get(pg_rcache *c, const idem_key_ref *key, idem_record *rec, uint64_t *gen);
+ * *miss to pass to the put of the read that follows. c may be NULL. */
+bool idem__pg_rcache_get(pg_rcache *c, const idem_key_ref *key, idem_record *rec,
+                         pg_rcache_miss *miss);
 /* Keeps a copy of rec when it is COMPLETED and unexpired and no announcement for its
- * key's hash came since gen was taken (a forget may have overtaken the read). */
+ * key's hash came since the read began; answered until ttl after the read BEGAN (a
+ * slow read does not lengthen it). */
 void idem__pg_rcache_put(pg_rcache *c, const idem_key_ref *key, const idem_record *rec,
-                         uint64_t gen);
-/* Drops every entry of key hash (an announcement, a local forget): an idem__store_watch_fn. */
+                         const pg_rcache_miss *miss);
+/* Drops every entry of key hash (an announcement, a local forget), every entry for
+ * IDEM__STORE_WATCH_ALL (the listener listens anew): an idem__store_watch_fn. */
 void idem__pg_rcache_drop_hash(void *c, uint32_t hash);
 void idem__pg_rcache_stats(pg_rcache *c, pg_rcache_stats *out);
 
