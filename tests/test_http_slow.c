@@ -27,10 +27,12 @@
 #define BIG "t.Big/Get"
 #define HUNG "t.Hung/Wait"
 #define BIG_REPLY (12u << 20)
+#define MID "t.Mid/Get"
+#define MID_REPLY (64u << 10)
 
 static tu_server S;
 static int port;
-static atomic_int runs;
+static atomic_int runs, mid_runs;
 static unsigned seq;
 
 static idem_code h_add(idem_call *call, void *arg)
@@ -48,6 +50,16 @@ static idem_code h_big(idem_call *call, void *arg)
     (void)arg;
     static char big[BIG_REPLY];
     return idem_call_reply(call, IDEM_OK, big, sizeof(big));
+}
+
+/* MID_REPLY bytes: past an answer's uncounted first 4 KiB, well within http_max_buffered;
+ * cached, so that a retry with its key replays it. */
+static idem_code h_mid(idem_call *call, void *arg)
+{
+    (void)arg;
+    static char mid[MID_REPLY];
+    atomic_fetch_add(&mid_runs, 1);
+    return idem_call_reply(call, IDEM_OK, mid, sizeof(mid));
 }
 
 /* Runs until release_hung(): a handler that outlives the server's bound. */
@@ -85,10 +97,13 @@ static idem_server_opts opts(void)
 static void serve(idem_server_opts *o)
 {
     atomic_store(&runs, 0);
+    atomic_store(&mid_runs, 0);
     tu_server_create(&S, o);
     cr_assert_eq(idem_server_register(S.srv, ADD, h_add, NULL, NULL), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, BIG, h_big, NULL, NULL), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, HUNG, h_hung, NULL, NULL), IDEM_OK);
+    idem_method_opts cached = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(S.srv, MID, h_mid, NULL, &cached), IDEM_OK);
     tu_server_listen(&S);
     cr_assert_eq(idem_server_listen_http(S.srv, "http://127.0.0.1:0"), IDEM_OK, "%s",
                  idem_errmsg());
@@ -306,15 +321,11 @@ static size_t buffered_bytes(void)
     return n;
 }
 
-/* A client holding a body that fills most of http_max_buffered: a request whose body
- * needs more is answered 503 (Retry-After, Connection: close) without running; a small
- * one is served; once the holder is gone the large one is served again. */
-Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_the_rest)
+/* A client that sends all of a body but its last byte, so that the server holds its
+ * buffer: 1 MiB, all of http_max_buffered but the buffer's uncounted first 4 KiB. */
+static int hold_most_of_the_bound(void)
 {
-    idem_server_opts o = opts();
-    o.http_max_buffered = MAX_BUFFERED;
-    serve(&o);
-    enum { HELD = 700 * 1000, ASKED = 100 * 1000 };
+    enum { HELD = 700 * 1000 };
     int fd = dial();
     char head[256], *held = malloc(HELD);
     cr_assert_not_null(held);
@@ -324,13 +335,27 @@ Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_
                      "Idempotency-Key: held\r\nContent-Length: %d\r\n\r\n",
                      HELD + 1);
     send_all(fd, head, (size_t)n);
-    send_all(fd, held, HELD); /* all but its last byte: the server holds it, waiting */
+    send_all(fd, held, HELD);
     free(held);
-    size_t in = 0; /* the held body's buffer: 1 MiB, its first 4 KiB not counted */
+    size_t in = 0;
     for (int i = 0; i < PATIENCE_ROUNDS && in < MAX_BUFFERED - 4096; i++) {
         in = buffered_bytes();
     }
     cr_assert_eq(in, MAX_BUFFERED - 4096, "the held body's buffer");
+    return fd;
+}
+
+/* A client holding a body that fills most of http_max_buffered: a request whose body
+ * needs more is answered 503 (Retry-After, Connection: close) without running; a small
+ * one is served; once the holder is gone the large one is served again. */
+Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_the_rest)
+{
+    idem_server_opts o = opts();
+    o.http_max_buffered = MAX_BUFFERED;
+    serve(&o);
+    enum { ASKED = 100 * 1000 };
+    int fd = hold_most_of_the_bound();
+    size_t in;
     tu_http r;
     const char *h[] = {"Idempotency-Key: asked"};
     static char body[ASKED];
@@ -410,4 +435,117 @@ Test(http_slow, a_request_whose_handler_outlives_max_run_ms_is_answered_504)
     cr_assert_not_null(strstr(got, "\r\nConnection: close\r\n"), "%s", got);
     cr_assert_not_null(strstr(got, "DEADLINE_EXCEEDED"), "%s", got);
     cr_assert_eq(status, 200);
+}
+
+/* Review (issue 35 item 4, "a bound on the memory all HTTP connections together may
+ * hold"): answers are memory the connections hold too. Clients that ask for a big answer
+ * and never read it make the server hold every answer at once, none of it counted
+ * against http_max_buffered. */
+#include <malloc.h>
+static size_t heap_in_use(void)
+{
+    struct mallinfo2 mi = mallinfo2();
+    return mi.uordblks + mi.hblkhd;
+}
+
+Test(http_slow, answers_that_no_client_reads_are_held_within_http_max_buffered)
+{
+    idem_server_opts o = opts();
+    o.http_max_buffered = MAX_BUFFERED;
+    o.http_request_timeout_ms = 60000;
+    serve(&o);
+    enum { READERS = 6 };
+    int fds[READERS];
+    static const char req[] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+    size_t before = heap_in_use(), peak = before;
+    for (int i = 0; i < READERS; i++) {
+        fds[i] = dial_rcvbuf(4096);
+        send_all(fds[i], req, sizeof(req) - 1);
+    }
+    /* the answers are built when the handlers have returned: watch the heap for a while */
+    for (int i = 0; i < 300; i++) {
+        poll(NULL, 0, PACE_MS);
+        size_t now = heap_in_use();
+        peak = now > peak ? now : peak;
+    }
+    size_t held = peak > before ? peak - before : 0;
+    fprintf(stderr,
+            "heap held by %d unread answers: %zu bytes; http_max_buffered %u; "
+            "idem_http_buffered_bytes %zu\n",
+            READERS, held, MAX_BUFFERED, buffered_bytes());
+    for (int i = 0; i < READERS; i++) {
+        close(fds[i]);
+    }
+    cr_assert_leq(held, 4u * MAX_BUFFERED,
+                  "%d clients that do not read hold %zu bytes of answers in the server, "
+                  "http_max_buffered is %u",
+                  READERS, held, MAX_BUFFERED);
+}
+
+/* An answer that can never fit in http_max_buffered (12 MiB against 1 MiB) is not held
+ * for a client that does not read: the client gets 507 RESOURCE_EXHAUSTED + close at
+ * once (the call ran; its answer stays with its idempotency key), and once every handler
+ * has returned the server holds none of the answers. (The handlers' own reply copies,
+ * workers x reply, are the call's memory, not the front's: see the test above.) */
+Test(http_slow, an_answer_larger_than_http_max_buffered_is_refused_507_not_held)
+{
+    idem_server_opts o = opts();
+    o.http_max_buffered = MAX_BUFFERED;
+    o.http_request_timeout_ms = 60000;
+    serve(&o);
+    enum { READERS = 6 };
+    int fds[READERS];
+    static const char req[] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+    size_t before = heap_in_use(), held = SIZE_MAX;
+    for (int i = 0; i < READERS; i++) {
+        fds[i] = dial_rcvbuf(4096);
+        send_all(fds[i], req, sizeof(req) - 1);
+    }
+    for (int i = 0; i < READERS; i++) {
+        char got[13] = "";
+        ssize_t n = recv(fds[i], got, sizeof(got) - 1, MSG_WAITALL);
+        cr_assert_eq(n, (ssize_t)sizeof(got) - 1, "no answer: %s", strerror(errno));
+        cr_assert_str_eq(got, "HTTP/1.1 507", "an unheld answer was sent");
+    }
+    for (int i = 0; i < PATIENCE_ROUNDS && held > 4u * MAX_BUFFERED; i++) {
+        size_t now = heap_in_use(); /* the workers finish their calls after answering */
+        held = now > before ? now - before : 0;
+        poll(NULL, 0, PACE_MS);
+    }
+    for (int i = 0; i < READERS; i++) {
+        close(fds[i]);
+    }
+    cr_assert_leq(held, 4u * MAX_BUFFERED, "%zu bytes of answers held", held);
+    cr_assert_eq(buffered_bytes(), 0);
+}
+
+/* An answer that does not fit in what is left of http_max_buffered is not held: 503 +
+ * Retry-After + close after the call ran once; once room is back, a retry with the key
+ * replays the answer without running the call again. */
+Test(http_slow, an_answer_that_does_not_fit_now_is_refused_503_and_replayed_by_its_key)
+{
+    idem_server_opts o = opts();
+    o.http_max_buffered = MAX_BUFFERED;
+    serve(&o);
+    int fd = hold_most_of_the_bound();
+    const char *h[] = {"Idempotency-Key: mid"};
+    tu_http r;
+    char v[64];
+    tu_http_post(&r, port, "/" MID, h, 1, "", 0);
+    cr_assert_eq(r.status, 503, "an answer past http_max_buffered was held: %d", r.status);
+    cr_assert_str_eq(tu_http_header(&r, "Retry-After", v, sizeof(v)), "1");
+    cr_assert_not_null(strstr(r.body, "does not fit now"), "%s", r.body);
+    tu_http_free(&r);
+    cr_assert_eq(atomic_load(&mid_runs), 1);
+    close(fd); /* the held body's memory goes back */
+    int status = 0;
+    for (int i = 0; i < PATIENCE_ROUNDS && status != 200; i++) {
+        tu_http_post(&r, port, "/" MID, h, 1, "", 0);
+        status = r.status;
+        cr_assert(status == 200 || status == 503, "%d", status);
+        cr_assert(status != 200 || r.body_len == MID_REPLY, "%zu bytes", r.body_len);
+        tu_http_free(&r);
+    }
+    cr_assert_eq(status, 200, "the answer was not replayed once the bound had room");
+    cr_assert_eq(atomic_load(&mid_runs), 1, "the call ran again: %d runs", atomic_load(&mid_runs));
 }

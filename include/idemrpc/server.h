@@ -214,10 +214,13 @@ typedef struct idem_server_opts {
     uint64_t http_request_timeout_ms;
     uint64_t http_idle_timeout_ms;
     size_t http_max_conns;
-    /* Bytes the request buffers of all HTTP connections together may hold beyond 4 KiB
-     * each (0 = 64 x max_frame, 256 MiB by default). A request whose head or body needs
-     * more is answered 503 UNAVAILABLE with Retry-After: 1 and its connection closes;
-     * the rest are served. */
+    /* Bytes the request and answer buffers of all HTTP connections together may hold
+     * beyond 4 KiB each (0 = 64 x max_frame, 256 MiB by default). A request whose head or
+     * body needs more, or any new request while less than 4 KiB of it is free, is
+     * answered 503 UNAVAILABLE with Retry-After: 1 before it runs and its connection
+     * closes. An answer that does not fit is not held: 503 with Retry-After: 1 (507
+     * RESOURCE_EXHAUSTED when it is larger than the bound) and close; the call ran, a
+     * retry with its idempotency key replays the answer. The rest are served. */
     size_t http_max_buffered;
 } idem_server_opts;
 

@@ -10,9 +10,10 @@
  * idle (idle_timeout_ms), reading a request (request_timeout_ms from its first byte),
  * sending an answer (request_timeout_ms from its first byte), lingering (the above),
  * a request with the front (answer_timeout_ms: then 504 and the connection closes, the
- * front's late answer is dropped); docs/operations.md. The head is parsed as it
- * arrives, each byte once. Each connection holds a reference per pending
- * operation (receive, send, a request with the front); the last one frees it. */
+ * front's late answer is dropped); docs/operations.md. An answer that would pass
+ * max_buffered is not held (http_buf.c) but refused 503 or 507. The head is parsed as it
+ * arrives, each byte once. Each connection holds a reference per pending operation
+ * (receive, send, a request with the front); the last one frees it. */
 #include <nng/nng.h>
 #include <nng/supplemental/tls/tls.h>
 #include <pthread.h>
@@ -46,7 +47,7 @@ struct idem_hconn {
     uint64_t linger_end; /* ms: lingering ends then at the latest */
     uint64_t answer_end; /* ms: the front must have answered the request by then */
     char *out;
-    size_t out_len, out_off;
+    size_t out_len, out_off, out_counted; /* out_counted: of max_buffered (http_buf.c) */
 };
 
 static const char continue_100[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -64,6 +65,15 @@ static nng_duration duration(uint64_t ms)
 }
 
 /* ---- connection life ---- */
+
+static void out_free(idem_hconn *c)
+{
+    if (c->out != continue_100) {
+        free(c->out);
+    }
+    c->out = NULL;
+    idem__hbuf_release(c->srv, &c->out_counted);
+}
 
 static void conn_close_locked(idem_hconn *c)
 {
@@ -91,9 +101,7 @@ static void conn_destroy(idem_hconn *c)
     nng_aio_reap(c->tx);
     nng_aio_reap(c->wait);
     pthread_mutex_destroy(&c->mtx);
-    if (c->out != continue_100) {
-        free(c->out);
-    }
+    out_free(c);
     idem__hbuf_free(s, c->buf, c->cap);
     free(c);
 }
@@ -134,7 +142,41 @@ static void send_locked(idem_hconn *c, char *out, size_t len, bool close)
     start_send(c);
 }
 
-static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen);
+/* Completes res (Content-Length, Connection, body) and sends it: 0, or the size of an
+ * answer that does not fit in max_buffered (res->buf freed, nothing sent). */
+static size_t respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
+{
+    char num[32];
+    bool close = res->close || !c->req.keep_alive || c->srv->closing || c->closed;
+    snprintf(num, sizeof(num), "%zu", blen);
+    idem__hres_header(res, "Content-Length", num);
+    if (close) {
+        idem__hres_header(res, "Connection", "close");
+    }
+    size_t rest = 2 + (c->head_only ? 0 : blen);
+    if (!res->oom && !idem__hbuf_hold_answer(c->srv, res->len + rest + 1, &c->out_counted)) {
+        free(res->buf);
+        return res->len + rest + 1;
+    }
+    idem__hres_room(res, rest);
+    idem__hres_append(res, "\r\n", 2);
+    if (!c->head_only) {
+        idem__hres_append(res, body, blen);
+    }
+    if (res->oom) {
+        idem__hres_oom(res);
+        close = true;
+        idem__hbuf_release(c->srv, &c->out_counted); /* a bare 500 is never counted */
+    }
+    if (c->closed || res->buf == NULL) {
+        free(res->buf);
+        idem__hbuf_release(c->srv, &c->out_counted);
+        conn_close_locked(c);
+    } else {
+        send_locked(c, res->buf, res->len, close);
+    }
+    return 0;
+}
 
 /* A refusal: status, a JSON body, Connection: close; nothing after it is read. (While
  * a 100 Continue is still being sent, the connection just closes.) */
@@ -149,7 +191,7 @@ static void refuse(idem_hconn *c, int status, const char *msg)
     size_t n = idem__hres_refusal(&res, status, msg, json, sizeof(json));
     res.close = true;
     c->head_only = false;
-    respond_locked(c, &res, json, n);
+    (void)respond_locked(c, &res, json, n); /* under IDEM_HBUF_INITIAL: never refused */
 }
 
 /* Receives more: after the request's own deadline has passed, 408. */
@@ -261,6 +303,10 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
         }
         return false;
     }
+    if (!idem__hbuf_admits(c->srv)) {
+        refuse(c, 503, "the server holds as many bytes as it may (http_max_buffered); retry later");
+        return false;
+    }
     return true;
 }
 
@@ -286,46 +332,18 @@ static void conn_run(idem_hconn *c)
     c->srv->cfg.on_request(c, &c->req, body, blen, c->srv->cfg.arg);
 }
 
-/* Completes res (Content-Length, Connection, body) and sends it. */
-static void respond_locked(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
-{
-    char num[32];
-    bool close = res->close || !c->req.keep_alive || c->srv->closing || c->closed;
-    snprintf(num, sizeof(num), "%zu", blen);
-    idem__hres_header(res, "Content-Length", num);
-    if (close) {
-        idem__hres_header(res, "Connection", "close");
-    }
-    idem__hres_append(res, "\r\n", 2);
-    if (!c->head_only) {
-        idem__hres_append(res, body, blen);
-    }
-    if (res->oom) {
-        static const char oom[] = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
-                                  "Connection: close\r\n\r\n";
-        free(res->buf);
-        res->buf = strdup(oom);
-        res->len = res->buf != NULL ? sizeof(oom) - 1 : 0;
-        close = true;
-    }
-    if (c->closed || res->buf == NULL) {
-        free(res->buf);
-        conn_close_locked(c);
-    } else {
-        send_locked(c, res->buf, res->len, close);
-    }
-}
-
 void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t blen)
 {
+    size_t size; /* of an answer that does not fit */
     pthread_mutex_lock(&c->mtx);
     c->busy = false;
     c->refs--;
     if (c->lapsed) { /* answered 504 already */
         c->lapsed = false;
         free(res->buf);
-    } else {
-        respond_locked(c, res, body, blen);
+    } else if ((size = respond_locked(c, res, body, blen)) != 0) {
+        char msg[256];
+        refuse(c, idem__hres_unheld(size, c->srv->cfg.max_buffered, msg, sizeof(msg)), msg);
     }
     nng_aio_cancel(c->wait);
     conn_unlock(c);
@@ -408,10 +426,7 @@ static void tx_cb(void *arg)
         conn_unlock(c);
         return;
     }
-    if (c->out != continue_100) {
-        free(c->out);
-    }
-    c->out = NULL;
+    out_free(c);
     if (rv != 0) {
         conn_close_locked(c);
     } else if (c->interim) {
@@ -441,13 +456,9 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
     if (c == NULL || (c->buf = malloc(IDEM_HBUF_INITIAL)) == NULL ||
         nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0 ||
         nng_aio_alloc(&c->wait, wait_cb, c) != 0) {
-        if (c != NULL && c->rx != NULL) {
+        if (c != NULL) { /* nng_aio_free(NULL) does nothing */
             nng_aio_free(c->rx);
-        }
-        if (c != NULL && c->tx != NULL) {
             nng_aio_free(c->tx);
-        }
-        if (c != NULL) {
             free(c->buf);
         }
         free(c);

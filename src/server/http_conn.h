@@ -34,7 +34,8 @@ typedef struct idem_hsrv_cfg {
     uint64_t idle_timeout_ms;    /* between requests */
     size_t max_conns;            /* open connections (one whose request lapsed is closed) */
     uint64_t answer_timeout_ms;  /* a request with the front: then 504 and close */
-    size_t max_buffered;         /* all connections' buffers beyond their first IDEM_HBUF_INITIAL */
+    size_t max_buffered;         /* all connections' input and answer buffers beyond their first
+                                    IDEM_HBUF_INITIAL bytes each */
     nng_tls_config *tls;         /* NULL: plain tcp */
     /* A complete request: answer it once with idem__hconn_send (now or from any thread
      * later). body is valid until then. */
@@ -70,7 +71,7 @@ void idem__hconn_start(idem_hconn *c);
 void idem__hconn_close(idem_hconn *c);
 idem_hconn *idem__hconn_next(const idem_hconn *c);
 
-/* ---- a connection's input buffer (http_buf.c) ---- */
+/* ---- a connection's input buffer and answers (http_buf.c) ---- */
 #define IDEM_HBUF_INITIAL 4096
 typedef enum { IDEM_HBUF_OK, IDEM_HBUF_FULL, IDEM_HBUF_TOO_LARGE } idem_hbuf_grow;
 /* Doubles *buf (of *cap bytes, len used; r, if not NULL, points into it) up to
@@ -80,15 +81,31 @@ idem_hbuf_grow idem__hbuf_grow(idem_hsrv *s, char **buf, size_t *cap, size_t len
 /* Back to IDEM_HBUF_INITIAL bytes when its len bytes fit (between requests). */
 void idem__hbuf_shrink(idem_hsrv *s, char **buf, size_t *cap, size_t len);
 void idem__hbuf_free(idem_hsrv *s, char *buf, size_t cap);
+/* Whether a new request may be handed to the front: IDEM_HBUF_INITIAL bytes of the bound
+ * (all of it, if smaller) are free. */
+bool idem__hbuf_admits(const idem_hsrv *s);
+/* Counts an answer of size bytes (its buffer's whole allocation) into the bound:
+ * *counted is what was counted; false (nothing counted) when it would pass the bound. */
+bool idem__hbuf_hold_answer(idem_hsrv *s, size_t size, size_t *counted);
+/* Gives back *counted bytes of an answer and zeroes it. */
+void idem__hbuf_release(idem_hsrv *s, size_t *counted);
 
 void idem__hres_start(idem_hres *res, int status, const char *reason);
 void idem__hres_header(idem_hres *res, const char *name, const char *value);
-/* A refusal (400, 408, 413, 414, 417, 503 with Retry-After, 504, 505; others are 400):
+/* A refusal (400, 408, 413, 414, 417, 503 with Retry-After, 504, 505, 507; others 400):
  * its status line and headers into res, its JSON body ({"code","message"}) into json;
  * returns the body's length. */
 size_t idem__hres_refusal(idem_hres *res, int status, const char *msg, char *json, size_t cap);
+/* Replaces res by a bare 500 with Connection: close (res->buf NULL when even that fails). */
+void idem__hres_oom(idem_hres *res);
+/* An answer of size bytes (headers included) that does not fit in max_buffered is not
+ * held: its refusal's status (503, or 507 when it can never fit) and message into msg. */
+int idem__hres_unheld(size_t size, size_t max_buffered, char *msg, size_t cap);
 /* Appends n bytes; out of memory sets res->oom and drops them (http_res.c). */
 void idem__hres_append(idem_hres *res, const void *p, size_t n);
+/* Makes res->buf exactly big enough for n more bytes (and a NUL) if it is not, so that
+ * the appends that follow do not reallocate; out of memory sets res->oom. */
+void idem__hres_room(idem_hres *res, size_t n);
 /* Appends Content-Length (and Connection: close), then the body unless head_only, and
  * sends it on c; takes res->buf. Out of memory: a bare 500 and the connection closes. */
 void idem__hconn_send(idem_hconn *c, idem_hres *res, const void *body, size_t blen);
