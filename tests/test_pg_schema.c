@@ -77,6 +77,19 @@ static int migrations_waiting(void)
                          " AND query LIKE '%pg_advisory_xact_lock(1768189296)%'"));
 }
 
+/* Polls (up to 10 s) until a migration was seen waiting for a lock. It waits 200 ms at
+ * a time and steps aside between attempts, so one look is no answer either way. */
+static bool a_migration_waited(void)
+{
+    for (int i = 0; i < 1000; i++) {
+        if (migrations_waiting() > 0) {
+            return true;
+        }
+        usleep(10 * 1000);
+    }
+    return false;
+}
+
 static bool schema_complete(void)
 {
     return strcmp(value_of("SELECT count(*) FROM pg_attribute WHERE attrelid ="
@@ -147,10 +160,7 @@ Test(pg_schema, a_migration_waits_for_a_live_readers_lock_and_then_starts)
     hold_a_read_of_idem_records();
     opener o;
     cr_assert_eq(pthread_create(&o.tid, NULL, open_store, &o), 0);
-    for (int i = 0; i < 1000 && migrations_waiting() == 0; i++) {
-        usleep(10 * 1000);
-    }
-    cr_expect_gt(migrations_waiting(), 0, "the migration waits for the reader's lock");
+    cr_expect(a_migration_waited(), "the migration waits for the reader's lock");
     usleep(1500 * 1000); /* past the 1 s lock_timeout that used to fail the start */
     end_the_read();
     pthread_join(o.tid, NULL);
@@ -188,10 +198,7 @@ Test(pg_schema, a_migration_killed_midway_leaves_nothing_half_made)
         open_store(&o);
         _exit(0);
     }
-    for (int i = 0; i < 1000 && migrations_waiting() == 0; i++) {
-        usleep(10 * 1000);
-    }
-    cr_assert_gt(migrations_waiting(), 0, "the other instance is migrating");
+    cr_assert(a_migration_waited(), "the other instance is migrating");
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     end_the_read();
