@@ -159,3 +159,48 @@ Test(redrive, two_re_drivers_count_one_death_once_on_postgres)
     }
     both_count_one_death(stores[0], stores[1]);
 }
+
+/* What a claim does to the listing (steps_redrive.c claim_txn): CALL_COUNTED cleared. */
+static idem_code claimed_txn(idem_txn *t, void *arg)
+{
+    const uint8_t *base = arg;
+    idem__journal j;
+    const void *v;
+    size_t n;
+    uint8_t copy[256];
+    idem__journal_of_base(base, &j);
+    idem_code code = idem_txn_get(t, IDEM__STEPS_DB, j.call_key, IDEM__JKEY, &v, &n);
+    if (code != IDEM_OK || n > sizeof(copy)) {
+        return code != IDEM_OK ? code : IDEM_INTERNAL;
+    }
+    memcpy(copy, v, n);
+    copy[2] &= (uint8_t)~CALL_COUNTED;
+    return idem_txn_put(t, IDEM__STEPS_DB, j.call_key, IDEM__JKEY, copy, n);
+}
+
+/* A counts the death; B re-runs it uncounted and its run claims first (the death is
+ * consumed); A's run is turned away and takes its count back: it must not, or the
+ * death B re-ran counts for nothing and the call runs past redrive_max_runs. */
+Test(redrive, a_count_whose_death_another_run_claimed_is_not_taken_back)
+{
+    stores[0] = tu_store_open("redrive", &dir);
+    idem_store *st = stores[0];
+    listing l = {.runs = 0};
+    cr_assert(idem__journal_base(CALLER, METHOD, KEY, fp, l.base));
+    cr_assert_eq(idem_store_run_txn(st, put_journal, &l), IDEM_OK, "%s", idem_errmsg());
+    abandon_call(st);
+    idem__journaled_call seen1, seen2, after;
+    next_call(st, &seen1);
+    next_call(st, &seen2);
+    idem__redrive_verdict v1, v2, v3;
+    cr_assert_eq(idem__steps_count_run(st, &seen1, MAX_RUNS, false, &v1), IDEM_OK);
+    cr_assert_eq(idem__steps_count_run(st, &seen2, MAX_RUNS, false, &v2), IDEM_OK);
+    cr_assert_eq(v2, IDEM__REDRIVE_GO_UNCOUNTED);
+    cr_assert_eq(idem_store_run_txn(st, claimed_txn, l.base), IDEM_OK, "B's run claims");
+    cr_assert_eq(idem__steps_count_run(st, &seen1, MAX_RUNS, true, &v3), IDEM_OK);
+    next_call(st, &after);
+    cr_expect_eq(after.runs, 1, "the death B re-ran still counts (%u re-runs counted)", after.runs);
+    idem__journaled_call_clear(&seen1);
+    idem__journaled_call_clear(&seen2);
+    idem__journaled_call_clear(&after);
+}

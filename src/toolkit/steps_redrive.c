@@ -204,7 +204,7 @@ static idem_code verdict_of(idem_txn *t, const redrive_args *a, unsigned runs,
  * second finds the lease the first one's re-run took, or, when it comes before that
  * claim, CALL_COUNTED, and re-runs on the first one's verdict without counting (its
  * run and the first one's then meet at the claim). A refund takes one back, whatever
- * the lease, and clears CALL_COUNTED. */
+ * the lease, while CALL_COUNTED is still set (no run claimed since), and clears it. */
 static idem_code count_run_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
@@ -230,7 +230,10 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
         a->verdict = code == IDEM_OK && go ? IDEM__REDRIVE_GO_UNCOUNTED : IDEM__REDRIVE_SKIP;
         return code;
     }
-    if ((a->refund && runs == 0) ||
+    /* A count is taken back only while no run has claimed since it (CALL_COUNTED still
+     * set): once another re-driver's uncounted run claimed, the death it counted was
+     * re-run, and taking it back would let the call run past max_runs. */
+    if ((a->refund && (runs == 0 || !(p[2] & CALL_COUNTED))) ||
         (!a->refund && (code = verdict_of(t, a, runs, &verdict)) != IDEM_OK)) {
         return code; /* nothing to take back; or the store failed */
     }
