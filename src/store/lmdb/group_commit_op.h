@@ -105,8 +105,9 @@ idem_code idem__gc_write_alone(idem_group_commit *gc, idem_write_fn fn, void *ct
  * recorded; an LMDB rc. */
 int idem__gc_commit_batch(idem_group_commit *gc, MDB_txn *txn);
 /* Flushes the file: every meta page written before it is on disk then, unless a failed
- * sync came first (then EIO: only a re-write puts them on disk). An LMDB rc. */
-int idem__gc_sync_file(idem_group_commit *gc);
+ * sync came first (then EIO: only a re-write puts them on disk). An LMDB rc. Nothing to
+ * do (0) when the state of txnid want (0: none named) is on disk by then. */
+int idem__gc_sync_file(idem_group_commit *gc, uint64_t want);
 /* The txnid of the newer meta page written (on disk or not); 0 if unknown. */
 uint64_t idem__gc_last_txnid(MDB_env *env);
 /* The state of txnid is on disk. */

@@ -40,9 +40,9 @@
 
 /* Syncs what a pipe holds: IDEM_OK once it is on disk, by a sync or, after a failed
  * one, by a re-write (group_commit_sync.c); else the error, its message set. */
-static idem_code pipe_sync(idem_group_commit *gc)
+static idem_code pipe_sync(idem_group_commit *gc, uint64_t txnid)
 {
-    int rc = idem__gc_sync_file(gc);
+    int rc = idem__gc_sync_file(gc, txnid);
     if (rc == 0) {
         return IDEM_OK;
     }
@@ -54,8 +54,9 @@ static idem_code pipe_sync(idem_group_commit *gc)
 
 void idem__gc_sync_pending(idem_group_commit *gc)
 {
-    if (gc->pipelined && atomic_load(&gc->durable_txnid) < idem__gc_last_txnid(gc->env)) {
-        (void)idem__gc_sync_file(gc); /* failed: the txn's own commit syncs, and says so */
+    uint64_t last = idem__gc_last_txnid(gc->env);
+    if (gc->pipelined && atomic_load(&gc->durable_txnid) < last) {
+        (void)idem__gc_sync_file(gc, last); /* failed: the txn's own commit syncs, and says so */
     }
 }
 
@@ -126,7 +127,7 @@ static void pipe_take(idem_gc_pipe *pipe, idem_gc_batch *b, uint64_t ticket, uin
 void idem__gc_pipe_flush(idem_group_commit *gc, idem_gc_pipe *pipe)
 {
     if (pipe->ticket != 0) {
-        pipe_release(gc, pipe, pipe_sync(gc));
+        pipe_release(gc, pipe, pipe_sync(gc, pipe->txnid));
     }
 }
 
@@ -177,6 +178,6 @@ idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid)
     }
     /* Nothing of the writer thread's pending: a commit that syncs itself, or another
      * process's, wrote it; flush it here. */
-    int rc = idem__gc_sync_file(gc);
+    int rc = idem__gc_sync_file(gc, txnid);
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "sync");
 }

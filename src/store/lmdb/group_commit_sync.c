@@ -44,9 +44,15 @@ static void sync_failed(idem_group_commit *gc)
     }
 }
 
-int idem__gc_sync_file(idem_group_commit *gc)
+int idem__gc_sync_file(idem_group_commit *gc, uint64_t want)
 {
     pthread_mutex_lock(&gc->sync_mu);
+    if (want != 0 && atomic_load(&gc->durable_txnid) >= want) {
+        /* The commit or sync this one waited for put it on disk: no second fdatasync
+         * (readers of a commit still syncing would each add one, one after another). */
+        pthread_mutex_unlock(&gc->sync_mu);
+        return 0;
+    }
     uint64_t txnid = idem__gc_last_txnid(gc->env);
     int rc = mdb_env_sync(gc->env, 1);
     if (rc != 0) {
