@@ -31,6 +31,14 @@ static void retry_defaults(idem_retry_policy *p)
     p->jitter = p->jitter == 0 ? 0.2 : (p->jitter < 0 ? 0 : p->jitter);
 }
 
+void idem__client_opts_defaults(idem_client_opts *o)
+{
+    retry_defaults(&o->retry);
+    o->attempt_timeout_ms = o->attempt_timeout_ms ? o->attempt_timeout_ms : 2000;
+    o->deadline_ms = o->deadline_ms ? o->deadline_ms : 10000;
+    o->max_frame = o->max_frame ? o->max_frame : DEFAULT_MAX_FRAME;
+}
+
 uint32_t idem_backoff_ms(const idem_retry_policy *policy, uint32_t retry, double rnd)
 {
     idem_retry_policy p = *policy;
@@ -89,10 +97,7 @@ idem_code idem_client_open(idem_client **out, const char *const *urls, size_t n,
     if (opts != NULL) {
         c->opts = *opts;
     }
-    retry_defaults(&c->opts.retry);
-    c->opts.attempt_timeout_ms = c->opts.attempt_timeout_ms ? c->opts.attempt_timeout_ms : 2000;
-    c->opts.deadline_ms = c->opts.deadline_ms ? c->opts.deadline_ms : 10000;
-    c->opts.max_frame = c->opts.max_frame ? c->opts.max_frame : DEFAULT_MAX_FRAME;
+    idem__client_opts_defaults(&c->opts);
     idem_code code = copy_strings(c);
     if (code != IDEM_OK) {
         free_strings(c);

@@ -50,5 +50,7 @@ idem_code idem__client_result_fill(idem_result *out, const Idem__V1__Response *r
 
 /* The client's whole-call deadline for requests that set none (after defaults). */
 uint32_t idem__client_deadline_ms(const idem_client *c);
+/* Gives every field of o left 0 its documented default (client.h). */
+void idem__client_opts_defaults(idem_client_opts *o);
 
 #endif

@@ -204,6 +204,9 @@ const char *idem_result_metadata(const idem_result *r, const char *name)
 
 void idem_result_clear(idem_result *r)
 {
+    if (r == NULL) {
+        return;
+    }
     if (r->metadata == NULL) { /* no response was copied: an error message of its own */
         free(r->message);
         free(r->request_id);

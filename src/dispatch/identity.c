@@ -13,8 +13,6 @@
 
 #include "identity.h"
 
-#define DEFAULT_WINDOW_MS (5 * 60 * 1000ull)
-
 typedef struct secret_entry {
     char caller[IDEM_MAX_CALLER + 1];
     char secret[IDEM_MAX_CALLER_SECRET + 1];
@@ -124,7 +122,7 @@ idem_code idem__identity_create(idem_identity **out, const idem_server_opts *opt
     if (id == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    id->window_ms = opts->signature_window_ms ? opts->signature_window_ms : DEFAULT_WINDOW_MS;
+    id->window_ms = opts->signature_window_ms; /* its default set by idem__server_opts_defaults */
     id->require_verified = opts->require_verified_caller;
     idem_code code;
     if ((code = copy_secrets(id, opts)) != IDEM_OK || (code = copy_uids(id, opts)) != IDEM_OK) {

@@ -384,13 +384,11 @@ idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http 
              cfg->caller_header != NULL ? cfg->caller_header : "X-Caller");
     idem_hsrv_cfg hc = {
         .max_body = cfg->max_body,
-        .request_timeout_ms = cfg->request_timeout_ms ? cfg->request_timeout_ms : 10000,
-        .idle_timeout_ms = cfg->idle_timeout_ms ? cfg->idle_timeout_ms : 60000,
-        .max_conns = cfg->max_conns ? cfg->max_conns : 1024,
-        .answer_timeout_ms = cfg->answer_timeout_ms ? cfg->answer_timeout_ms : 300000,
-        .max_buffered = cfg->max_buffered               ? cfg->max_buffered
-                        : cfg->max_body > SIZE_MAX / 64 ? SIZE_MAX
-                                                        : 64 * cfg->max_body,
+        .request_timeout_ms = cfg->request_timeout_ms,
+        .idle_timeout_ms = cfg->idle_timeout_ms,
+        .max_conns = cfg->max_conns,
+        .answer_timeout_ms = cfg->answer_timeout_ms,
+        .max_buffered = cfg->max_buffered,
         .on_request = http_request_cb,
         .arg = h,
     };

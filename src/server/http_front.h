@@ -14,10 +14,11 @@ typedef struct idem_http_cfg {
     size_t max_body, max_pending;
     const char *caller_header;    /* NULL = "X-Caller" */
     const idem_tls_listener *tls; /* NULL: plain HTTP; else https with client certificates */
-    uint64_t request_timeout_ms, idle_timeout_ms; /* 0 = 10 s, 60 s */
-    size_t max_conns;                             /* 0 = 1024 */
-    uint64_t answer_timeout_ms;                   /* 0 = 5 min */
-    size_t max_buffered;                          /* 0 = 64 x max_body */
+    /* The server's, its defaults resolved (idem__server_opts_defaults): none is 0. */
+    uint64_t request_timeout_ms, idle_timeout_ms;
+    size_t max_conns;
+    uint64_t answer_timeout_ms;
+    size_t max_buffered;
 } idem_http_cfg;
 idem_code idem__http_start(const char *url, const idem_http_cfg *cfg, idem_http **out);
 int idem__http_port(const idem_http *h);

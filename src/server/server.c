@@ -300,10 +300,11 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
     }
     srv->opts = *opts;
     idem__server_opts_defaults(&srv->opts);
+    code = idem__identity_create(&srv->identity, &srv->opts);
     srv->opts.db_path = NULL;        /* not retained */
     srv->opts.caller_secrets = NULL; /* copied into srv->identity */
     srv->opts.ipc_callers = NULL;
-    if ((code = idem__identity_create(&srv->identity, opts)) != IDEM_OK) {
+    if (code != IDEM_OK) {
         goto fail;
     }
     srv->rt.clock = (idem_clock){idem__system_clock, NULL};

@@ -1,6 +1,7 @@
 /* idem_server_opts: what idem_server_opts_init sets, and the default each field left 0
  * takes when the server is created (docs/operations.md and docs/semantics.md document
  * them). */
+#include <stdint.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -36,4 +37,11 @@ void idem__server_opts_defaults(idem_server_opts *o)
     o->redrive_batch = o->redrive_batch ? o->redrive_batch : 16;
     o->redrive_max_runs = o->redrive_max_runs ? o->redrive_max_runs : 3;
     o->redrive_max_runs = o->redrive_max_runs < 254 ? o->redrive_max_runs : 254;
+    o->signature_window_ms = o->signature_window_ms ? o->signature_window_ms : 5 * 60 * 1000ull;
+    o->http_request_timeout_ms = o->http_request_timeout_ms ? o->http_request_timeout_ms : 10000;
+    o->http_idle_timeout_ms = o->http_idle_timeout_ms ? o->http_idle_timeout_ms : 60000;
+    o->http_max_conns = o->http_max_conns ? o->http_max_conns : 1024;
+    if (o->http_max_buffered == 0) {
+        o->http_max_buffered = o->max_frame > SIZE_MAX / 64 ? SIZE_MAX : 64 * o->max_frame;
+    }
 }

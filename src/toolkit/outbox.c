@@ -174,7 +174,7 @@ idem_code idem_outbox_peek(idem_store *st, idem_outbox_msg *out, size_t max, siz
 
 void idem_outbox_msgs_free(idem_outbox_msg *msgs, size_t n)
 {
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; msgs != NULL && i < n; i++) {
         free(msgs[i].data);
         msgs[i].data = NULL;
     }
