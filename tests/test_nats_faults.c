@@ -4,6 +4,7 @@
  * exactly once and the durable settled: every message acked (or dead-lettered), none
  * lost. Needs $IDEMRPC_TEST_NATS; the restart also $IDEMRPC_SERVICES. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,6 +170,61 @@ Test(nats_faults, a_broker_restart_mid_stream_loses_nothing_and_doubles_nothing)
     await_settled(&e, &c, 1, 200);
     idem_nats_consumer_close(c);
     expect_each_effect_once(&e, 200);
+    nt_teardown(&e);
+}
+
+/* The consumer's first fetch failure of an outage, as logged. */
+typedef struct outage_log {
+    pthread_mutex_t mu;
+    char line[1024];
+} outage_log;
+
+static void capture_fetch_failure(void *arg, idem_log_level level, const char *line)
+{
+    outage_log *l = arg;
+    (void)level;
+    pthread_mutex_lock(&l->mu);
+    if (l->line[0] == '\0' && strstr(line, "fetch failed") != NULL) {
+        snprintf(l->line, sizeof(l->line), "%s", line);
+    }
+    pthread_mutex_unlock(&l->mu);
+}
+
+/* Issue 37 item 6: "fetch: Error (jetstream error 0)" told an operator nothing. */
+Test(nats_faults, a_broker_outage_is_logged_as_what_it_is)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    outage_log l = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    const char *svc = getenv("IDEMRPC_SERVICES");
+    if (svc == NULL) {
+        cr_skip_test("IDEMRPC_SERVICES not set: cannot stop nats-server");
+    }
+    nt_setup(&e, "outage");
+    nt_opts(&e, &o, "credit");
+    o.log_fn = capture_fetch_failure;
+    o.log_arg = &l;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    cr_assert_eq(idem_nats_consumer_start(c), IDEM_OK);
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "%s stop-nats", svc);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    bool logged = false;
+    for (int i = 0; i < WAIT_ROUNDS && !logged; i++) {
+        nats_Sleep(10);
+        pthread_mutex_lock(&l.mu);
+        logged = l.line[0] != '\0';
+        pthread_mutex_unlock(&l.mu);
+    }
+    snprintf(cmd, sizeof(cmd), "%s start-nats", svc);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    cr_assert(logged, "no fetch failure logged while the broker was down");
+    cr_log_info("logged: %s", l.line);
+    /* The broker's reason ("Server Shutdown") or the connection's state, not a bare
+     * status and a JetStream code that is none. */
+    cr_expect(strstr(l.line, "jetstream error 0") == NULL && strstr(l.line, ": Error") == NULL,
+              "an outage logged as a bare status: %s", l.line);
+    idem_nats_consumer_close(c);
     nt_teardown(&e);
 }
 

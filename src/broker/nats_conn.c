@@ -4,6 +4,8 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+#include <string.h>
+
 #include "nats_internal.h"
 
 #define RECONNECT_WAIT_MS 100
@@ -93,7 +95,45 @@ idem_code idem__nats_code(natsStatus s, jsErrCode jerr, const char *what)
     } else if (jerr == JSStreamMessageExceedsMaximumErr) {
         code = IDEM_OUT_OF_RANGE;
     }
-    return idem__err(code, "%s: %s (jetstream error %d)", what, natsStatus_GetText(s), (int)jerr);
+    /* libnats's text for this thread's last error, when it is this one's, says what a
+     * bare status ("Error") does not: the broker's own words. Its "(js.c:1750): " goes. */
+    natsStatus last = NATS_OK;
+    const char *text = natsStatus_GetText(s), *detail = nats_GetLastError(&last);
+    if (last == s && detail != NULL && detail[0] != '\0') {
+        const char *end = detail[0] == '(' ? strstr(detail, "): ") : NULL;
+        text = end != NULL ? end + 3 : detail;
+    }
+    char jbuf[40] = "";
+    if (jerr != 0) {
+        snprintf(jbuf, sizeof(jbuf), " (jetstream error %d)", (int)jerr);
+    }
+    return idem__err(code, "%s: %s%s", what, text, jbuf);
+}
+
+static const char *conn_status(natsConnection *nc)
+{
+    switch (nc != NULL ? natsConnection_Status(nc) : NATS_CONN_STATUS_CLOSED) {
+    case NATS_CONN_STATUS_CONNECTING:
+        return "connecting";
+    case NATS_CONN_STATUS_RECONNECTING:
+        return "reconnecting: the broker is unreachable";
+    case NATS_CONN_STATUS_DISCONNECTED:
+        return "disconnected: the broker is unreachable";
+    case NATS_CONN_STATUS_CLOSED:
+        return "closed";
+    default:
+        return "draining";
+    }
+}
+
+idem_code idem__nats_code_on(natsConnection *nc, natsStatus s, jsErrCode jerr, const char *what)
+{
+    if (nc != NULL && natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED) {
+        return idem__nats_code(s, jerr, what);
+    }
+    char buf[128];
+    snprintf(buf, sizeof(buf), "%s (broker connection %s)", what, conn_status(nc));
+    return idem__nats_code(s, jerr, buf);
 }
 
 void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char *fmt, ...)

@@ -305,8 +305,8 @@ idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
         (s == NATS_TIMEOUT && natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)) {
         return IDEM_OK;
     }
-    return idem__nats_code(s == NATS_TIMEOUT ? NATS_CONNECTION_DISCONNECTED : s, jerr,
-                           "nats consumer: fetch");
+    return idem__nats_code_on(c->nc, s == NATS_TIMEOUT ? NATS_CONNECTION_DISCONNECTED : s, jerr,
+                              "fetch");
 }
 
 /* ---- life cycle ---- */

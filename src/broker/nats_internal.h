@@ -19,6 +19,9 @@ void idem__nats_disconnect(natsConnection *nc, jsCtx *js);
  * consumer, OUT_OF_RANGE for a message larger than the broker or the stream takes (a
  * refusal for good), else INTERNAL. */
 idem_code idem__nats_code(natsStatus s, jsErrCode jerr, const char *what);
+/* idem__nats_code, its message naming nc's state when it is not connected ("fetch (broker
+ * connection reconnecting: the broker is unreachable): ..."). */
+idem_code idem__nats_code_on(natsConnection *nc, natsStatus s, jsErrCode jerr, const char *what);
 
 /* One logfmt line through fn (NULL: stderr). */
 void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char *fmt, ...)
