@@ -152,15 +152,17 @@ Test(pg, store_assigned_owners_only_grow_and_renew_keeps_the_lease)
     idem_claim_req a = req_for("f1", 1, idem__now_ms()), b = req_for("f2", 1, idem__now_ms());
     idem_record ra, rb;
     a.owner = b.owner = 0;
-    a.lease_until_ms = a.now_ms + 100;
+    a.lease_until_ms = a.now_ms + 300;
     cr_expect_eq(claim(&a, &ra), IDEM_CLAIM_ACQUIRED);
     cr_expect_eq(claim(&b, &rb), IDEM_CLAIM_ACQUIRED);
     cr_expect_gt(rb.owner, ra.owner, "a later claim has a larger fence");
-    for (int i = 0; i < 5; i++) { /* renewed past its first 100 ms */
+    /* Renewed past its first 300 ms; a third of a lease between renewals, as the server's
+     * heartbeat, leaves room for a loaded machine's scheduling. */
+    for (int i = 0; i < 5; i++) {
         uint64_t now = idem__now_ms();
-        cr_assert_eq(idem_store_renew(st, &a.key, ra.owner, now + 100, now), IDEM_OK);
-        struct timespec ts = {0, 50 * 1000000L};
-        nanosleep(&ts, NULL); /* half a lease: the heartbeat the server keeps */
+        cr_assert_eq(idem_store_renew(st, &a.key, ra.owner, now + 300, now), IDEM_OK);
+        struct timespec ts = {0, 100 * 1000000L};
+        nanosleep(&ts, NULL);
         idem_claim_req again = a;
         again.owner = ra.owner + 1000;
         cr_expect_eq(claim(&again, NULL), IDEM_CLAIM_IN_PROGRESS, "renewal %d kept it", i);
