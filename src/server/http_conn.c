@@ -133,13 +133,12 @@ static void conn_unlock(idem_hconn *c)
     }
 }
 
-/* Sends the rest of c->out; the client takes all of it by c->send_end or is closed. (A
- * send on a closed nng 1.5.2 tcp stream waits for its timeout: none is started.) */
+/* Sends the rest of c->out; the client takes all of it by c->send_end or is closed. */
 static void start_send(idem_hconn *c)
 {
     nng_iov iov = {.iov_buf = c->out + c->out_off, .iov_len = c->out_len - c->out_off};
     uint64_t now = now_ms();
-    if (c->closed || now >= c->send_end || nng_aio_set_iov(c->tx, 1, &iov) != 0) {
+    if (now >= c->send_end || nng_aio_set_iov(c->tx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
