@@ -9,9 +9,9 @@
  * connection and free the stream before the expire thread gets to the stream's lock.
  * The campaign's panic is that: its backtrace is the expire loop calling tcp_cancel's
  * nni_mtx_lock. On a loaded machine the expire thread is descheduled there now and
- * then; here it always is: every mutex lock nng's expire threads take waits
- * SLOW_TIMER_MS first (fault injection, not synchronisation: pthread_mutex_lock and
- * pthread_setname_np below are this program's, in front of libc's).
+ * then; here it always is: every mutex lock nng's expire threads take, but their own,
+ * waits SLOW_TIMER_MS first (fault injection, not synchronisation: pthread_mutex_lock
+ * and pthread_setname_np below are this program's, in front of libc's).
  *
  * The clients: tricklers of a head that never ends (408, then the linger), of a refused
  * request (400, then the linger), slow readers of a large answer (cut off at the request
@@ -40,7 +40,8 @@
 
 #define SLOW_TIMER_MS 15
 #define STRESS_MS 6000
-#define PACE_MS 2 /* a round of the clients */
+#define PACE_MS 2       /* a round of the clients */
+#define SLOW_ROUNDS 100 /* a slow reader's, before it drains what is left (the cut-off) */
 #define PER_KIND 3
 #define STOP_ROUNDS 6
 #define STOP_CLIENTS 24 /* of stop_mix */
@@ -55,6 +56,7 @@
 /* ---- the slow timer ---- */
 
 static _Thread_local bool on_timer_thread;
+static _Thread_local pthread_mutex_t *timer_own; /* its own lock: the first it takes */
 
 int pthread_setname_np(pthread_t t, const char *name)
 {
@@ -71,7 +73,9 @@ int pthread_mutex_lock(pthread_mutex_t *m)
     if (atomic_load(&real) == NULL) {
         atomic_store(&real, (int (*)(pthread_mutex_t *))dlsym(RTLD_NEXT, "pthread_mutex_lock"));
     }
-    if (on_timer_thread) {
+    if (on_timer_thread && timer_own == NULL) {
+        timer_own = m;
+    } else if (on_timer_thread && m != timer_own) { /* a cancel function's */
         struct timespec ts = {0, SLOW_TIMER_MS * 1000000L};
         nanosleep(&ts, NULL);
     }
@@ -178,7 +182,7 @@ TestSuite(http_teardown, .fini = teardown, .timeout = 60);
 typedef enum {
     HEAD,        /* a head that never ends, a byte a round: 408, linger */
     REFUSED,     /* a refused request, then a byte a round: 400, linger */
-    SLOW_READER, /* a large answer read 8 KiB a round: cut off */
+    SLOW_READER, /* a large answer read 8 KiB a round: cut off; then drained */
     OUTLIVED,    /* a handler that outlives max_run_ms: 504 */
     GONE,        /* a large answer, the client closes after its first bytes */
     KINDS
@@ -189,7 +193,8 @@ static const char *const kind_name[KINDS] = {"head", "refused", "slow_reader", "
 static const char *const opening[KINDS] = {
     [HEAD] = "POST /" ADD " HTTP/1.1\r\nHost: x\r\nX-Trickle: ",
     [REFUSED] = "POST /" ADD " HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
-    [SLOW_READER] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+    [SLOW_READER] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    "Content-Length: 0\r\n\r\n",
     [OUTLIVED] = "POST /" SLOW " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
     [GONE] = "POST /" BIG " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
 };
@@ -197,7 +202,8 @@ static const char *const opening[KINDS] = {
 typedef struct client {
     kind k;
     int fd;
-    size_t sent;     /* of its opening */
+    size_t sent; /* of its opening */
+    int rounds;
     char status[13]; /* "HTTP/1.1 NNN" of the first answer */
     size_t got;
 } client;
@@ -225,8 +231,9 @@ static bool gone(ssize_t n)
  * it trickles; false once the server closed it, or once it went away itself. */
 static bool client_round(client *c)
 {
-    char buf[16384];
-    ssize_t n = recv(c->fd, buf, c->k == SLOW_READER ? 8192 : sizeof(buf), MSG_DONTWAIT);
+    static char buf[1 << 16];
+    bool slow = c->k == SLOW_READER && c->rounds++ < SLOW_ROUNDS;
+    ssize_t n = recv(c->fd, buf, slow ? 8192 : sizeof(buf), MSG_DONTWAIT);
     if (gone(n)) {
         return false;
     }
