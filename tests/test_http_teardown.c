@@ -348,7 +348,8 @@ Test(http_teardown, a_stop_with_connections_in_every_state_outlives_their_teardo
     memset(&t, 0, sizeof(t));
     for (int round = 0; round < STOP_ROUNDS; round++) {
         serve();
-        stress(cl, STOP_CLIENTS, stop_mix, 8, STOP_AFTER_MS, &t);
+        stress(cl, STOP_CLIENTS, stop_mix, (int)(sizeof(stop_mix) / sizeof(stop_mix[0])),
+               STOP_AFTER_MS, &t);
         stop_with(cl, STOP_CLIENTS);
     }
 }
