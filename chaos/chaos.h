@@ -60,6 +60,8 @@ typedef struct chaos_cfg {
     char run[32];        /* prefix of every caller of this run; on pg its schema chaos_RUN */
     const char *pg;      /* IDEMRPC_TEST_PG with this run's schema (pg topology) */
     char pg_conninfo[1024];
+    /* --slow-http-pct: P in 100 faults are slow_http (lmdb, pg); 0 = the usual mix */
+    uint64_t slow_http_pct;
     const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
     const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */
 } chaos_cfg;

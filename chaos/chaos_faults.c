@@ -407,6 +407,9 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
     while (!*stop) {
         uint64_t pick = chaos_between(&rng, 0, 99);
         size_t i = (size_t)chaos_between(&rng, 0, CHAOS_SERVERS - 1);
+        if (cfg->slow_http_pct > 0 && chaos_between(&rng, 1, 100) <= cfg->slow_http_pct) {
+            pick = 6; /* slow_http; without the option no draw: a seed's schedule stays */
+        }
         if (cfg->topology == CHAOS_PG && pick >= 85) {
             fault_service(&rng, "redis_stop");
         } else if (cfg->topology == CHAOS_PG && pick >= 77) {

@@ -13,7 +13,7 @@
  * front's late answer is dropped); docs/operations.md. An answer that would pass
  * max_buffered is not held (http_buf.c) but refused 503 or 507. The head is parsed as it
  * arrives, each byte once. Each connection holds a reference per pending operation
- * (receive, send, a request with the front); the last one frees it. */
+ * (receive, send, a request with the front); the last one hands it to conn_free. */
 #include <nng/nng.h>
 #include <nng/supplemental/tls/tls.h>
 #include <pthread.h>
@@ -34,6 +34,7 @@ struct idem_hconn {
     idem_hconn *prev, *next;
     nng_stream *st;
     nng_aio *rx, *tx, *wait; /* wait: the bound on a request with the front */
+    nng_aio *fin;            /* runs conn_free once nothing refers to the connection */
     pthread_mutex_t mtx;
     int refs;
     bool closed, eof, busy, lapsed, wait_pending, rx_pending, head_done, head_only, close_after,
@@ -85,9 +86,25 @@ static void conn_close_locked(idem_hconn *c)
     }
 }
 
-static void conn_destroy(idem_hconn *c)
+/* The last reference went (conn_unlock): fin's callback, on a thread of nng's that is in
+ * no callback of this connection's other aios, so it may wait for them. nng_aio_free
+ * waits for an operation's callback and, in nng 1.5.2, also for the expire thread to be
+ * done with a timed-out operation's cancel function, which locks the stream: that thread
+ * takes the function, lets go of its lock, and calls it later, even after the operation
+ * completed meanwhile (nng_aio_stop does not wait for that). So the aios go first and
+ * the stream after them: freed first, the stream's mutex was destroyed under that late
+ * cancel ("panic: pthread_mutex_lock: Invalid argument", issue 35). The buffers are
+ * given back to s before s->n drops, as idem__hsrv_stop frees s once it is 0. */
+static void conn_free(void *arg)
 {
+    idem_hconn *c = arg;
     idem_hsrv *s = c->srv;
+    nng_aio_free(c->rx);
+    nng_aio_free(c->tx);
+    nng_aio_free(c->wait);
+    nng_stream_free(c->st);
+    out_free(c);
+    idem__hbuf_free(s, c->buf, c->cap);
     pthread_mutex_lock(&s->mtx);
     *(c->prev != NULL ? &c->prev->next : &s->conns) = c->next;
     if (c->next != NULL) {
@@ -95,18 +112,14 @@ static void conn_destroy(idem_hconn *c)
     }
     s->n--;
     pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mtx);
-    nng_stream_free(c->st); /* nng reaps streams and aios, even from their callbacks */
-    nng_aio_reap(c->rx);
-    nng_aio_reap(c->tx);
-    nng_aio_reap(c->wait);
+    pthread_mutex_unlock(&s->mtx); /* s may be gone from here on */
     pthread_mutex_destroy(&c->mtx);
-    out_free(c);
-    idem__hbuf_free(s, c->buf, c->cap);
+    nng_aio_reap(c->fin); /* its own callback: nng frees it once this returns */
     free(c);
 }
 
-/* Unlocks c; frees it when nothing refers to it any more. */
+/* Unlocks c; hands it to conn_free when nothing refers to it any more. The caller may be
+ * a callback of c's aios (which conn_free waits for) or hold locks: hence fin. */
 static void conn_unlock(idem_hconn *c)
 {
     if (c->refs > 0) {
@@ -115,7 +128,9 @@ static void conn_unlock(idem_hconn *c)
     }
     conn_close_locked(c);
     pthread_mutex_unlock(&c->mtx);
-    conn_destroy(c);
+    if (nng_aio_begin(c->fin)) { /* false only for a stopped aio; fin never is */
+        nng_aio_finish(c->fin, 0);
+    }
 }
 
 /* Sends the rest of c->out; the client takes all of it by c->send_end or is closed. */
@@ -455,10 +470,11 @@ idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
     idem_hconn *c = calloc(1, sizeof(*c));
     if (c == NULL || (c->buf = malloc(IDEM_HBUF_INITIAL)) == NULL ||
         nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0 ||
-        nng_aio_alloc(&c->wait, wait_cb, c) != 0) {
+        nng_aio_alloc(&c->wait, wait_cb, c) != 0 || nng_aio_alloc(&c->fin, conn_free, c) != 0) {
         if (c != NULL) { /* nng_aio_free(NULL) does nothing */
             nng_aio_free(c->rx);
             nng_aio_free(c->tx);
+            nng_aio_free(c->wait);
             free(c->buf);
         }
         free(c);
