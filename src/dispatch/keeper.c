@@ -338,10 +338,16 @@ void idem__keeper_destroy(idem_keeper *k)
     pthread_cond_broadcast(&k->cv);
     pthread_mutex_unlock(&k->mu);
     pthread_join(k->thread, NULL);
-    while (k->keeps != NULL) { /* its owners have finished: only outcomes recorded later */
+    /* Its owners have finished: only outcomes recorded later are left, each tried once.
+     * After one attempt the store did not take (unreachable: it took up to its reconnect
+     * bound), the rest are not tried: each would wait as long, and shutdown must not grow
+     * with their number. */
+    bool store_answers = true;
+    while (k->keeps != NULL) {
         idem_keep *kp = k->keeps;
         k->keeps = kp->next;
-        if (kp->record != NULL && !kp->lost && !record_once(k, kp)) {
+        if (kp->record != NULL && !kp->lost &&
+            !(store_answers && (store_answers = record_once(k, kp)))) {
             log_record(k, kp, IDEM_LOG_ERROR,
                        "an outcome recorded later was still not in "
                        "the store at shutdown; its lease runs out");
