@@ -44,6 +44,9 @@ typedef struct step_log {
     size_t n, n_notes; /* n: effect lines (exec holds the first MAX_EFFECTS) */
     size_t n_recorded; /* notes "recorded", all of them (notes holds the first ones) */
     execution exec[MAX_EFFECTS];
+    /* S_UNDO: the hold each undo line undoes ("undo=hold.PID.FENCE", the hold's recorded
+     * output that the store hands the undo; pid 0: the line names none) */
+    execution of[MAX_EFFECTS];
     step_note notes[MAX_EFFECTS];
 } step_log;
 
