@@ -113,6 +113,7 @@ typedef struct chaos_ck {
         uint64_t excused[5], redrives[3];      /* X_*; re-runs in the logs: OK, replayed, other */
         uint64_t declined, undos, undos_again; /* declined keys, undo lines, lines beyond holds */
         uint64_t undo_transient;               /* undos that failed transiently (notes) */
+        uint64_t given_back; /* holds of Books not declined, undone (the re-driver gave up) */
     } bk;
     idem_store *store; /* the final store, read-only, while check_store runs */
 } chaos_ck;

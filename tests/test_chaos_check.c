@@ -115,3 +115,31 @@ Test(chaos_check, a_hold_undone_again_after_the_undos_run_was_killed_is_accepted
     undo(300, 8, 7000, 100, 1);
     cr_expect_eq(check("decline 1"), 0);
 }
+
+/* Finding 4 (lmdb 4389, 16217, 965, 52615): a slow Book, abandoned; its re-runs lost
+ * their claims; the re-driver gave up, undid the recorded hold and released the call
+ * (no record, no journal). The hold was given back once: no violation. */
+Test(chaos_check, an_abandoned_book_the_redriver_gave_up_and_compensated_is_accepted)
+{
+    hold(100, 1, 1000, true);
+    undo(200, 12, 9000, 100, 1);
+    cr_expect_eq(check("trip 1"), 0);
+}
+
+/* ... but that compensation undoing the hold twice is reported, */
+Test(chaos_check, an_abandoned_book_whose_hold_was_undone_twice_is_reported)
+{
+    hold(100, 1, 1000, true);
+    undo(200, 12, 9000, 100, 1);
+    undo(300, 13, 9500, 100, 1);
+    cr_expect_eq(check("trip 1"), 1);
+}
+
+/* ... and so is a recorded hold left standing after the call was released. */
+Test(chaos_check, an_abandoned_book_released_with_a_recorded_hold_not_undone_is_reported)
+{
+    hold(100, 1, 1000, true);
+    hold(100, 4, 3000, true);
+    undo(200, 12, 9000, 100, 1);
+    cr_expect_eq(check("trip 1"), 1);
+}
