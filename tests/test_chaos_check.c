@@ -116,6 +116,34 @@ Test(chaos_check, a_hold_undone_again_after_the_undos_run_was_killed_is_accepted
     cr_expect_eq(check("decline 1"), 0);
 }
 
+/* The Book's record: COMPLETED with an OK answer naming hold.100.1 and pay.100.1. */
+static void completed_ok(void)
+{
+    const char *answer = "OK hold=hold.100.1 pay=pay.100.1";
+    idem_claim_req q = {.key = {"c", CHAOS_METHOD_BOOK, "K"}, .now_ms = 1, .lease_until_ms = 1000};
+    idem_claim_outcome out;
+    idem_record rec;
+    q.expires_ms = UINT64_MAX / 2;
+    cr_assert_eq(idem_store_claim(ck.store, &q, &out, &rec), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(out, IDEM_CLAIM_ACQUIRED);
+    cr_assert_eq(
+        idem_store_complete(ck.store, &q.key, rec.owner, answer, strlen(answer), UINT64_MAX / 2),
+        IDEM_OK, "%s", idem_errmsg());
+    idem_record_clear(&rec);
+}
+
+/* An undo of the hold that the call's OK outcome names: the outcome stands on a hold that
+ * was given back. */
+Test(chaos_check, an_undo_of_the_hold_an_ok_outcome_names_is_reported)
+{
+    hold(100, 1, 1000, true);
+    line(100, 1, 1200, "pay");
+    line(100, 1, 1202, "pay recorded");
+    undo(200, 7, 5000, 100, 1);
+    completed_ok();
+    cr_expect_eq(check("trip 1"), 1);
+}
+
 /* Finding 4 (lmdb 4389, 16217, 965, 52615): a slow Book, abandoned; its re-runs lost
  * their claims; the re-driver gave up, undid the recorded hold and released the call
  * (no record, no journal). The hold was given back once: no violation. */
