@@ -306,7 +306,8 @@ IDEM_API int idem_server_port(const idem_server *srv);
  * handler's outcome rides out an outage that long) plus two of the store's reconnect
  * bounds (PostgreSQL: idem_pg_opts.reconnect_ms, 10 s by default): one for the last
  * attempt of that retry, one for the outcomes left to record later, which are tried
- * once, and not at all after one attempt the store did not take. */
+ * once, and not at all after one attempt the store did not take (the lease keeper's
+ * last one included). */
 IDEM_API void idem_server_destroy(idem_server *srv);
 
 /* The store the server uses (its own or opts.store). */

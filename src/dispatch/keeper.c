@@ -62,6 +62,7 @@ struct idem_keeper {
     idem_keep *keeps;
     uint64_t next_id;
     bool stopping;
+    bool record_failed; /* the thread's last attempt to record an outcome later failed */
     pthread_t thread;
     idem_store *store;
     const idem_runtime *rt;         /* may be NULL */
@@ -272,6 +273,7 @@ static bool record_due(idem_keeper *k, uint64_t now, uint64_t *next_wake)
         pthread_mutex_unlock(&k->mu); /* only this thread frees kp */
         bool over = record_once(k, kp);
         pthread_mutex_lock(&k->mu);
+        k->record_failed = !over;
         if (over) {
             record_end(k, kp);
         } else {
@@ -340,9 +342,9 @@ void idem__keeper_destroy(idem_keeper *k)
     pthread_join(k->thread, NULL);
     /* Its owners have finished: only outcomes recorded later are left, each tried once.
      * After one attempt the store did not take (unreachable: it took up to its reconnect
-     * bound), the rest are not tried: each would wait as long, and shutdown must not grow
-     * with their number. */
-    bool store_answers = true;
+     * bound), here or the thread's last, the rest are not tried: each would wait as long,
+     * and shutdown must not grow with their number. */
+    bool store_answers = !k->record_failed;
     while (k->keeps != NULL) {
         idem_keep *kp = k->keeps;
         k->keeps = kp->next;
