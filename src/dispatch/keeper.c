@@ -62,7 +62,8 @@ struct idem_keeper {
     idem_keep *keeps;
     uint64_t next_id;
     bool stopping;
-    bool record_failed; /* the thread's last attempt to record an outcome later failed */
+    uint64_t record_failed_at; /* the thread's last attempt to record an outcome later
+                                  failed then (monotonic ms); 0: it did not */
     pthread_t thread;
     idem_store *store;
     const idem_runtime *rt;         /* may be NULL */
@@ -273,7 +274,7 @@ static bool record_due(idem_keeper *k, uint64_t now, uint64_t *next_wake)
         pthread_mutex_unlock(&k->mu); /* only this thread frees kp */
         bool over = record_once(k, kp);
         pthread_mutex_lock(&k->mu);
-        k->record_failed = !over;
+        k->record_failed_at = over ? 0 : idem__mono_ms();
         if (over) {
             record_end(k, kp);
         } else {
@@ -342,9 +343,11 @@ void idem__keeper_destroy(idem_keeper *k)
     pthread_join(k->thread, NULL);
     /* Its owners have finished: only outcomes recorded later are left, each tried once.
      * After one attempt the store did not take (unreachable: it took up to its reconnect
-     * bound), here or the thread's last, the rest are not tried: each would wait as long,
+     * bound), here or the thread's last one if it failed within its longest pause (it may
+     * have been in flight at the join), the rest are not tried: each would wait as long,
      * and shutdown must not grow with their number. */
-    bool store_answers = !k->record_failed;
+    bool store_answers =
+        k->record_failed_at == 0 || idem__mono_ms() - k->record_failed_at > RECORD_MAX_MS;
     while (k->keeps != NULL) {
         idem_keep *kp = k->keeps;
         k->keeps = kp->next;
