@@ -327,8 +327,9 @@ static void print_notes(const chaos_cfg *cfg)
            ck.bk.calls, ck.bk.keys, ck.bk.abandoned, ck.bk.completed_ok, ck.bk.completed_other,
            ck.bk.no_record, ck.bk.held_released, ck.bk.unstarted);
     printf("chaos: compensations: %" PRIu64 " declined Book keys, %" PRIu64 " undos (%" PRIu64
-           " beyond their holds, each with evidence), %" PRIu64 " undos failed transiently\n",
-           ck.bk.declined, ck.bk.undos, ck.bk.undos_again, ck.bk.undo_transient);
+           " beyond their holds, each with evidence; %" PRIu64 " of holds of Books not declined, "
+           "which the re-driver gave up), %" PRIu64 " undos failed transiently\n",
+           ck.bk.declined, ck.bk.undos, ck.bk.undos_again, ck.bk.given_back, ck.bk.undo_transient);
     printf("chaos: re-driver (%s): %" PRIu64 " re-runs in the servers' logs (%" PRIu64
            " OK, %" PRIu64 " OK replayed, %" PRIu64 " other)\n",
            cfg->redrive_ms > 0 ? "on" : "OFF",

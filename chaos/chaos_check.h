@@ -44,6 +44,9 @@ typedef struct step_log {
     size_t n, n_notes; /* n: effect lines (exec holds the first MAX_EFFECTS) */
     size_t n_recorded; /* notes "recorded", all of them (notes holds the first ones) */
     execution exec[MAX_EFFECTS];
+    /* S_UNDO: the hold each undo line undoes ("undo=hold.PID.FENCE", the hold's recorded
+     * output that the store hands the undo; pid 0: the line names none) */
+    execution of[MAX_EFFECTS];
     step_note notes[MAX_EFFECTS];
 } step_log;
 
@@ -110,6 +113,7 @@ typedef struct chaos_ck {
         uint64_t excused[5], redrives[3];      /* X_*; re-runs in the logs: OK, replayed, other */
         uint64_t declined, undos, undos_again; /* declined keys, undo lines, lines beyond holds */
         uint64_t undo_transient;               /* undos that failed transiently (notes) */
+        uint64_t given_back; /* holds of Books not declined, undone (the re-driver gave up) */
     } bk;
     idem_store *store; /* the final store, read-only, while check_store runs */
 } chaos_ck;

@@ -246,14 +246,22 @@ bool ck_read_history(const chaos_cfg *cfg)
 
 /* METHOD CALLER KEY PID FENCE MONOTONIC_MS per execution of a claim-mode method; a
  * Book step adds STEP, and a step that ran has a note line of how its record ended,
- * STEP recorded or STEP unrecorded:CODE (not an effect). */
+ * STEP recorded or STEP unrecorded:CODE (not an effect). An undo's STEP names the hold it
+ * undoes: undo=hold.PID.FENCE. */
 static void read_effect_line(const char *line)
 {
-    char method[48], caller[80], key[160], step[16] = "", note[48] = "";
+    char method[48], caller[80], key[160], step[64] = "", note[48] = "";
     long pid;
     uint64_t fence, t;
-    int n = sscanf(line, "%47s %79s %159s %ld %" SCNu64 " %" SCNu64 " %15s %47s", method, caller,
+    execution of = {0};
+    int n = sscanf(line, "%47s %79s %159s %ld %" SCNu64 " %" SCNu64 " %63s %47s", method, caller,
                    key, &pid, &fence, &t, step, note);
+    if (strncmp(step, "undo=", 5) == 0) {
+        if (sscanf(step + 5, "hold.%ld.%" SCNu64, &of.pid, &of.fence) != 2) {
+            of.pid = 0;
+        }
+        step[4] = '\0';
+    }
     entry *e = n >= 6 ? ck_lookup(method, caller, key, true) : NULL;
     if (e == NULL) {
         return;
@@ -288,6 +296,7 @@ static void read_effect_line(const char *line)
     } else if (note[0] == '\0') {
         if (l->n < MAX_EFFECTS) {
             l->exec[l->n] = (execution){pid, fence, t};
+            l->of[l->n] = of;
         }
         l->n++;
     }

@@ -207,20 +207,26 @@ static void crash_if_armed(void)
     }
 }
 
-/* The undo of "hold" (its compensation): an effect line "undo". One key in three meets a
- * provider that is down half the time (200 ms slots): the undo fails transiently before
- * its effect (a note "undo transient"), the call is released with its journal, and a
- * retry or the re-driver finishes the compensation. arg: NULL (never the handler's). */
+/* The undo of "hold" (its compensation): an effect line "undo=hold.PID.FENCE", naming
+ * the hold it undoes by the output the store recorded for it (done), so that the checker
+ * counts the undos of each hold whether or not its "hold recorded" note was written. One
+ * key in three meets a provider that is down half the time (200 ms slots): the undo
+ * fails transiently before its effect (a note "undo transient"), the call is released
+ * with its journal, and a retry or the re-driver finishes the compensation. arg: NULL
+ * (never the handler's). */
 static idem_code hold_undo(idem_call *call, const char *step, const idem_step_result *done,
                            void *arg)
 {
-    (void)step, (void)done, (void)arg;
+    (void)step, (void)arg;
     const char *key = idem_call_key(call);
+    char tail[128];
     if (chaos_digest(key, strlen(key)) % 3 == 0 && chaos_now_ms() / 200 % 2 == 0) {
         effect_write(call, " undo transient", NULL); /* a note, best effort */
         return idem_call_fail(call, IDEM_UNAVAILABLE, "undo: the provider is unavailable");
     }
-    if (!effect_write(call, " undo", NULL)) {
+    int len = done != NULL && done->len < 96 ? (int)done->len : 0;
+    snprintf(tail, sizeof(tail), " undo=%.*s", len, len > 0 ? (const char *)done->data : "");
+    if (!effect_write(call, tail, NULL)) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "effect log write failed");
     }
     crash_if_armed();

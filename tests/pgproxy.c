@@ -1,5 +1,7 @@
 /* The fault proxy (pgproxy.h): an acceptor thread and one thread per connection, each
- * polling both of its sockets and forwarding what arrives unless the proxy is cut. */
+ * polling both of its sockets and forwarding what arrives unless the proxy is cut. A
+ * connection's thread marks its slot done when either side closed; the acceptor joins it
+ * and frees the slot (MAX_CONNS bounds the connections open at once, not in a run). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <libpq-fe.h>
@@ -22,6 +24,7 @@ typedef struct pconn {
     pgproxy *p;
     int down, up; /* the client's socket, PostgreSQL's */
     pthread_t t;
+    atomic_bool done; /* conn_main returned: the acceptor may join and free it */
 } pconn;
 
 struct pgproxy {
@@ -82,7 +85,29 @@ static void *conn_main(void *arg)
     }
     shutdown(c->down, SHUT_RDWR);
     shutdown(c->up, SHUT_RDWR);
+    atomic_store(&c->done, true);
     return NULL;
+}
+
+static void conn_free(pconn *c)
+{
+    pthread_join(c->t, NULL);
+    close(c->down);
+    close(c->up);
+    free(c);
+}
+
+/* Frees the slots whose connection ended (p->mu held); the last slot fills the gap. */
+static void reap_ended(pgproxy *p)
+{
+    for (int i = 0; i < p->n;) {
+        if (atomic_load(&p->conns[i]->done)) {
+            conn_free(p->conns[i]);
+            p->conns[i] = p->conns[--p->n];
+        } else {
+            i++;
+        }
+    }
 }
 
 static int connect_up(const pgproxy *p)
@@ -108,6 +133,7 @@ static void *accept_main(void *arg)
         int down = accept(p->lfd, NULL, NULL), up = down >= 0 ? connect_up(p) : -1;
         pconn *c = up >= 0 ? calloc(1, sizeof(*c)) : NULL;
         pthread_mutex_lock(&p->mu);
+        reap_ended(p);
         bool room = c != NULL && p->n < MAX_CONNS;
         if (room) {
             *c = (pconn){.p = p, .down = down, .up = up};
@@ -183,10 +209,7 @@ void pgproxy_stop(pgproxy *p)
     atomic_store(&p->stop, true);
     pthread_join(p->acceptor, NULL);
     for (int i = 0; i < p->n; i++) {
-        pthread_join(p->conns[i]->t, NULL);
-        close(p->conns[i]->down);
-        close(p->conns[i]->up);
-        free(p->conns[i]);
+        conn_free(p->conns[i]);
     }
     close(p->lfd);
     pthread_mutex_destroy(&p->mu);

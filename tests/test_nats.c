@@ -138,6 +138,36 @@ Test(nats, naks_a_transient_failure_and_dead_letters_after_max_deliveries)
     nt_teardown(&e);
 }
 
+/* Issue 35's long campaign, finding 7: a message id the relays published twice (two
+ * stream copies past the broker's duplicate window) whose handler fails each copy's
+ * first 2 deliveries. max_deliver counts per copy (stream sequence): each copy stays
+ * under it, the first to succeed takes effect, the other is a duplicate; no dead letter.
+ * Counted per message id, the copies' failures added up to max_deliver at a copy's
+ * second delivery: "max deliveries (delivery 2)". */
+Test(nats, each_stream_copy_of_a_message_id_has_its_own_max_deliver)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stats s;
+    char reasons[4][256];
+    nt_setup(&e, "copies");
+    nt_opts(&e, &o, "credit");
+    o.max_deliver = 3;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    nt_publish(&e, "flaky-2", "pub-1", "fail=2");
+    nt_publish(&e, "flaky-2", "pub-2", "fail=2");
+    nt_drain(&e, c, "credit");
+    int dead = nt_dead_letters(&e, reasons, 4);
+    cr_expect_eq(dead, 0, "dead-lettered: %s", dead > 0 ? reasons[0] : "");
+    cr_expect_eq(nt_effects(&e, "flaky-2"), 1);
+    idem_nats_consumer_stats(c, &s);
+    cr_expect_eq(s.committed, 1);
+    cr_expect_eq(s.duplicates, 1);
+    cr_expect_eq(s.naked, 4); /* each copy's first 2 deliveries */
+    idem_nats_consumer_close(c);
+    nt_teardown(&e);
+}
+
 static idem_code no_effect(idem_txn *t, const idem_nats_msg *m, void *arg)
 {
     (void)t, (void)m, (void)arg;

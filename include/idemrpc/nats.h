@@ -22,8 +22,9 @@
  *            says nothing about the message: it never leads to the dead letter, nor
  *            counts against max_deliver.
  *   dead     after max_deliver transient failures of the handler (counted in the store,
- *            "idem.nats.failures", per durable and key: not the broker's deliveries,
- *            which include those the store failed), or at once for a final one (bad
+ *            "idem.nats.failures", per durable, key and stream copy: not the broker's
+ *            deliveries, which include those the store failed, nor the failures of
+ *            another copy of the same message id), or at once for a final one (bad
  *            input, a handler's other codes, idem_consume's REJECT): the message is
  *            published to dead_letter_subject with its reason (headers below), and only
  *            after that publish is acked is it terminated (Term: JetStream never
@@ -118,7 +119,8 @@ typedef struct idem_nats_consumer_opts {
     idem_nats_handler handler; /* required */
     void *handler_arg;
     unsigned max_deliver; /* default 5 (1..IDEM_NATS_MAX_DELIVER): transient failures of the
-                             handler before the dead letter (a store failure is none) */
+                             handler on one stream copy before its dead letter (a store
+                             failure is none) */
     unsigned ack_wait_ms; /* default 30000: an unacked delivery is redelivered after this
                              (set when this call creates the durable) */
     unsigned backoff_ms;  /* default 100: nak delay after a first failure, doubled per delivery */

@@ -301,7 +301,13 @@ IDEM_API int idem_server_port(const idem_server *srv);
 
 /* Lets running handlers finish and send their replies, answers waiting duplicates
  * UNAVAILABLE, drops queued calls without running them (their clients retry), closes
- * the socket and frees everything. */
+ * the socket and frees everything. With the store unreachable it returns, however many
+ * calls were running, within the longest running handler plus 10 s (a finished
+ * handler's outcome rides out an outage that long) plus two of the store's reconnect
+ * bounds (PostgreSQL: idem_pg_opts.reconnect_ms, 10 s by default): one for the last
+ * attempt of that retry, one for the outcomes left to record later, which are tried
+ * once, and not at all after one attempt the store did not take (the lease keeper's
+ * last one included). */
 IDEM_API void idem_server_destroy(idem_server *srv);
 
 /* The store the server uses (its own or opts.store). */

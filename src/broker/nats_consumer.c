@@ -41,7 +41,7 @@ typedef struct delivery {
     char key[IDEM_MAX_MSG_KEY + 2];
     char reason[REASON_MAX];
     bool handler_failed; /* the handler ran and returned an error (else: the store did) */
-    uint64_t failures;   /* the handler's real failures, this one included (its tally) */
+    uint64_t failures;   /* the handler's real failures of this copy, this one included */
 } delivery;
 
 static void count(idem_nats_consumer *c, uint64_t *counter)
@@ -228,7 +228,8 @@ static void count_failure(delivery *d, idem_code code)
         return;
     }
     idem__err_keep(&k);
-    if (idem__nats_failure_count(d->c->st, d->c->o.durable, d->key, &d->failures) != IDEM_OK) {
+    if (idem__nats_failure_count(d->c->st, d->c->o.durable, d->key, d->im.stream_seq,
+                                 &d->failures) != IDEM_OK) {
         d->handler_failed = false;
     }
     idem__err_put(&k, code);

@@ -2,10 +2,14 @@
  * store up and returned a transient code), kept in the store so that every consumer of a
  * durable, in any process and after a restart, counts the same. A delivery that failed
  * because the store did is not in it (the broker's delivery count is): a store outage
- * never spends a message's max_deliver.
- *   business database "idem.nats.failures": durable \0 key → be64 failures
+ * never spends a message's max_deliver. It is counted per stream copy (the stream
+ * sequence), as the broker counts deliveries: a message id that relays published twice
+ * past the broker's duplicate window is two copies, and their failures do not add up
+ * (one copy must not reach max_deliver at its second delivery, issue 35's campaign).
+ *   business database "idem.nats.failures": durable \0 key → (be64 stream seq, be64
+ *   failures) per copy, at most MAX_COPIES (a new copy beyond takes the oldest's place)
  * A row lives from a message's first real failure until the delivery whose effect commits
- * (deleted in that txn) or its dead letter. */
+ * (deleted in that txn: the other copies are duplicates from then on) or its dead letter. */
 #include <string.h>
 
 #include "nats_internal.h"
@@ -15,10 +19,13 @@
 #define FAILURES_DB "idem.nats.failures"
 #define TALLY_KEY_MAX (IDEM_MAX_CONSUMER_GROUP + 1 + IDEM_MAX_MSG_KEY)
 
+#define MAX_COPIES 16
+#define COPY_LEN 16 /* be64 seq, be64 failures */
+
 typedef struct tally {
     uint8_t key[TALLY_KEY_MAX];
     size_t klen;
-    uint64_t failures;
+    uint64_t seq, failures;
 } tally;
 
 /* durable and key are bounded by the consumer (opts_check, key_of). */
@@ -31,26 +38,51 @@ static void tally_key(tally *t, const char *durable, const char *key)
     t->klen = ld + 1 + lk;
 }
 
+/* The slot of copy seq in row (n copies): its own, else a new one at the end, else the
+ * oldest copy's (the smallest sequence). */
+static size_t copy_slot(const uint8_t *row, size_t n, uint64_t seq)
+{
+    size_t oldest = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t s = idem__get_be64(row + i * COPY_LEN);
+        if (s == seq) {
+            return i;
+        }
+        oldest = s < idem__get_be64(row + oldest * COPY_LEN) ? i : oldest;
+    }
+    return n < MAX_COPIES ? n : oldest;
+}
+
 static idem_code count_txn(idem_txn *t, void *arg)
 {
     tally *y = arg;
     const void *v;
-    size_t n;
-    uint8_t out[8];
-    idem_code code = idem_txn_get(t, FAILURES_DB, y->key, y->klen, &v, &n);
-    y->failures = code == IDEM_OK && n == 8 ? idem__get_be64(v) : 0;
+    size_t len = 0, n = 0;
+    uint8_t row[MAX_COPIES * COPY_LEN];
+    idem_code code = idem_txn_get(t, FAILURES_DB, y->key, y->klen, &v, &len);
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return code;
     }
-    idem__put_be64(out, ++y->failures);
-    return idem_txn_put(t, FAILURES_DB, y->key, y->klen, out, sizeof(out));
+    if (code == IDEM_OK && len % COPY_LEN == 0 && len <= sizeof(row)) {
+        memcpy(row, v, len);
+        n = len / COPY_LEN; /* anything else (a row of a release that counted per key): 0 */
+    }
+    size_t i = copy_slot(row, n, y->seq);
+    y->failures = i < n && idem__get_be64(row + i * COPY_LEN) == y->seq
+                      ? idem__get_be64(row + i * COPY_LEN + 8) + 1
+                      : 1;
+    idem__put_be64(row + i * COPY_LEN, y->seq);
+    idem__put_be64(row + i * COPY_LEN + 8, y->failures);
+    n = i < n ? n : n + 1;
+    return idem_txn_put(t, FAILURES_DB, y->key, y->klen, row, n * COPY_LEN);
 }
 
 idem_code idem__nats_failure_count(idem_store *st, const char *durable, const char *key,
-                                   uint64_t *failures)
+                                   uint64_t stream_seq, uint64_t *failures)
 {
     tally y;
     tally_key(&y, durable, key);
+    y.seq = stream_seq;
     idem_code code = idem_store_run_txn(st, count_txn, &y);
     *failures = code == IDEM_OK ? y.failures : 0;
     return code;

@@ -78,11 +78,12 @@ idem_code idem__nats_dead_letter(jsCtx *js, natsConnection *nc, idem__nats_dead_
                                  const char *subject, const char *durable, const idem_nats_msg *im,
                                  const char *reason);
 
-/* The failure tally of (durable, key) in the store (nats_failures.c): _count adds this
- * delivery's real handler failure in a txn of its own and gives the total; _forget_in
- * deletes it in t (the txn that commits the effect), _forget in a txn of its own. */
+/* The failure tally of (durable, key) in the store (nats_failures.c), per stream copy:
+ * _count adds this delivery's real handler failure to copy stream_seq's in a txn of its
+ * own and gives that copy's total; _forget_in deletes every copy's in t (the txn that
+ * commits the effect), _forget in a txn of its own. */
 idem_code idem__nats_failure_count(idem_store *st, const char *durable, const char *key,
-                                   uint64_t *failures);
+                                   uint64_t stream_seq, uint64_t *failures);
 idem_code idem__nats_failure_forget_in(idem_txn *t, const char *durable, const char *key);
 idem_code idem__nats_failure_forget(idem_store *st, const char *durable, const char *key);
 

@@ -62,6 +62,8 @@ struct idem_keeper {
     idem_keep *keeps;
     uint64_t next_id;
     bool stopping;
+    uint64_t record_failed_at; /* the thread's last attempt to record an outcome later
+                                  failed then (monotonic ms); 0: it did not */
     pthread_t thread;
     idem_store *store;
     const idem_runtime *rt;         /* may be NULL */
@@ -272,6 +274,7 @@ static bool record_due(idem_keeper *k, uint64_t now, uint64_t *next_wake)
         pthread_mutex_unlock(&k->mu); /* only this thread frees kp */
         bool over = record_once(k, kp);
         pthread_mutex_lock(&k->mu);
+        k->record_failed_at = over ? 0 : idem__mono_ms();
         if (over) {
             record_end(k, kp);
         } else {
@@ -338,10 +341,18 @@ void idem__keeper_destroy(idem_keeper *k)
     pthread_cond_broadcast(&k->cv);
     pthread_mutex_unlock(&k->mu);
     pthread_join(k->thread, NULL);
-    while (k->keeps != NULL) { /* its owners have finished: only outcomes recorded later */
+    /* Its owners have finished: only outcomes recorded later are left, each tried once.
+     * After one attempt the store did not take (unreachable: it took up to its reconnect
+     * bound), here or the thread's last one if it failed within its longest pause (it may
+     * have been in flight at the join), the rest are not tried: each would wait as long,
+     * and shutdown must not grow with their number. */
+    bool store_answers =
+        k->record_failed_at == 0 || idem__mono_ms() - k->record_failed_at > RECORD_MAX_MS;
+    while (k->keeps != NULL) {
         idem_keep *kp = k->keeps;
         k->keeps = kp->next;
-        if (kp->record != NULL && !kp->lost && !record_once(k, kp)) {
+        if (kp->record != NULL && !kp->lost &&
+            !(store_answers && (store_answers = record_once(k, kp)))) {
             log_record(k, kp, IDEM_LOG_ERROR,
                        "an outcome recorded later was still not in "
                        "the store at shutdown; its lease runs out");
