@@ -9,6 +9,7 @@
  * own view of its claim (the server's lease keeper) with the record the store holds, read
  * straight from the store. Runs on both stores (`lease`, `lease_pg`). */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,4 +254,108 @@ Test(lease, a_lock_holder_never_believes_it_holds_a_lock_the_store_would_let_ano
 {
     call_slow("lease.T/Lock");
     watch_expect_none_believed();
+}
+
+/* ---- a handler does not start on a claim whose lease already ran out (issue 35) ---- */
+
+#define SHORT_LEASE_MS 300 /* shorter than one slow answer: every slow claim's is late */
+
+static atomic_int effects; /* handlers started */
+
+static idem_code h_effect(idem_call *call, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&effects, 1);
+    return idem_call_reply(call, IDEM_OK, "done", 4);
+}
+
+/* A server on st. LMDB: a journaled method, before its first step (its claim commits
+ * alone, so its answer waits for the disk); PostgreSQL: a cached one (the campaign's
+ * Counter/Add). */
+static void effect_server(tu_server *ts, idem_store *st)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = st;
+    o.log_level = IDEM_LOG_OFF;
+    tu_server_create(ts, &o);
+    idem_method_opts m = {.flags = S.dir != NULL ? IDEM_METHOD_STEPS : IDEM_METHOD_CACHED,
+                          .lease_ms = SHORT_LEASE_MS};
+    cr_assert_eq(idem_server_register(ts->srv, "lease.T/Effect", h_effect, NULL, &m), IDEM_OK);
+    tu_server_listen(ts);
+}
+
+static idem_code call_effect(const char *url, const char *key, uint32_t attempts, idem_result *r)
+{
+    idem_client *c = tu_client_attempts(url, 20000, attempts);
+    idem_request q = {.method = "lease.T/Effect", .idempotency_key = key};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+/* The first server's call, sent from a thread of its own while the store is slow. */
+static struct {
+    const char *url;
+    idem_code code;
+    idem_result r;
+} late;
+
+static void *call_late(void *arg)
+{
+    (void)arg;
+    late.code = call_effect(late.url, "k-lapsed", 1, &late.r);
+    return NULL;
+}
+
+/* Whether the store would let another run take key (its lease has run out). */
+static bool lapsed_in_store(const idem_key_ref *key)
+{
+    idem_record rec;
+    idem_code code = idem_store_get(S.direct, key, &rec);
+    bool lapsed =
+        code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms < idem__now_ms();
+    idem_record_clear(&rec);
+    return lapsed;
+}
+
+/* A claim answered after its owner's own count of its lease ran out (a slow database, a
+ * slow disk: the campaign's finding 2). Meanwhile the store lets another run take the
+ * key: a second server, on the fast handle of the same store, is called with it. The
+ * late owner must not start its handler: its client hears ABORTED "claim lost", and the
+ * retry with the same key gets the outcome of the one run that started. */
+Test(lease, a_handler_does_not_start_on_a_claim_whose_lease_ran_out_before_it_started)
+{
+    tu_server a, b;
+    idem_result r;
+    pthread_t t;
+    idem_key_ref key = {"", "lease.T/Effect", "k-lapsed"};
+    effect_server(&a, S.st);
+    effect_server(&b, S.direct);
+    cr_assert_eq(call_effect(a.url, "warm", 1, &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    atomic_store(&effects, 0);
+
+    slow_store_set(true);
+    late.url = a.url;
+    cr_assert_eq(pthread_create(&t, NULL, call_late, NULL), 0);
+    for (int i = 0; i < 2000 && !lapsed_in_store(&key); i++) {
+        sleep_ms(5); /* one look every 5 ms, for up to 10 s */
+    }
+    idem_code code = call_effect(b.url, "k-lapsed", 1, &r); /* its own claim may be late too */
+    cr_expect(code == IDEM_OK || code == IDEM_ABORTED, "the other run: %s", r.message);
+    idem_result_clear(&r);
+    pthread_join(t, NULL);
+    slow_store_set(false);
+    cr_expect_eq(late.code, IDEM_ABORTED, "the late claim's run answered %s: %s",
+                 idem_code_name(late.code), late.r.message);
+    idem_result_clear(&late.r);
+    cr_assert_eq(call_effect(a.url, "k-lapsed", 5, &r), IDEM_OK, "retry: %s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&effects), 1,
+                 "%d handlers started: one on a claim whose lease had run out, while another run "
+                 "took the key",
+                 atomic_load(&effects));
+    tu_server_destroy(&b, false);
+    tu_server_destroy(&a, false);
 }
