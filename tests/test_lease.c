@@ -359,3 +359,85 @@ Test(lease, a_handler_does_not_start_on_a_claim_whose_lease_ran_out_before_it_st
     tu_server_destroy(&b, false);
     tu_server_destroy(&a, false);
 }
+
+/* ---- the lapse's log line names its key and when it ran out ---- */
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char lapse[1024], call[1024]; /* the lapse's line; the call's own (its key=) */
+} L = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void keep_lines(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg;
+    (void)level;
+    pthread_mutex_lock(&L.mu);
+    if (strstr(line, "lease lapsed") != NULL && L.lapse[0] == '\0') {
+        snprintf(L.lapse, sizeof(L.lapse), "%s", line);
+        pthread_cond_broadcast(&L.cv);
+    } else if (strstr(line, "method=\"lease.T/Lapse\"") != NULL && strstr(line, "outcome=")) {
+        snprintf(L.call, sizeof(L.call), "%s", line);
+    }
+    pthread_mutex_unlock(&L.mu);
+}
+
+/* Makes the store slow until the keeper has logged the lapse of this run's lease (for up
+ * to 10 s): no renewal lands in time. */
+static idem_code h_lapse(idem_call *call, void *arg)
+{
+    (void)arg;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    slow_store_set(true);
+    pthread_mutex_lock(&L.mu);
+    while (L.lapse[0] == '\0' && pthread_cond_timedwait(&L.cv, &L.mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&L.mu);
+    slow_store_set(false);
+    return idem_call_reply(call, IDEM_OK, "lapsed", 6);
+}
+
+/* The value of logfmt field name in line (unquoted values only), or "". */
+static const char *field(const char *line, const char *name, char *out, size_t cap)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), " %s=", name);
+    const char *p = strstr(line, pat);
+    size_t n = p != NULL ? strcspn(p + strlen(pat), " ") : 0;
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), p != NULL ? p + strlen(pat) : "");
+    return out;
+}
+
+/* "lease lapsed" names the method, the key's hash as the call's own line prints it, and
+ * the wall time its lease ran out (between the call's start and the line), so that a
+ * log reader (the campaign's checker) can match it to the call. */
+Test(lease, the_lapse_line_names_the_method_the_key_and_when_the_lease_ran_out)
+{
+    tu_server ts;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = S.st;
+    o.log_level = IDEM_LOG_INFO;
+    o.log_fn = keep_lines;
+    tu_server_create(&ts, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED, .lease_ms = SHORT_LEASE_MS};
+    cr_assert_eq(idem_server_register(ts.srv, "lease.T/Lapse", h_lapse, NULL, &m), IDEM_OK);
+    tu_server_listen(&ts);
+    uint64_t before = idem__now_ms();
+    call_key(ts.url, "lease.T/Lapse", "k-logged");
+    uint64_t after = idem__now_ms();
+    tu_server_destroy(&ts, false);
+
+    char key[32], want[32], at[32];
+    cr_assert_neq(L.lapse[0], '\0', "no lapse was logged");
+    cr_log_info("%s", L.lapse);
+    cr_expect_neq(strstr(L.lapse, " method=\"lease.T/Lapse\""), NULL, "%s", L.lapse);
+    field(L.call, "key", want, sizeof(want));
+    cr_expect(want[0] != '\0' && strcmp(field(L.lapse, "key", key, sizeof(key)), want) == 0,
+              "the lapse names key=%s, the call's line key=%s", key, want);
+    unsigned long long t = strtoull(field(L.lapse, "lapsed_at_ms", at, sizeof(at)), NULL, 10);
+    cr_expect(t >= before && t <= after, "lapsed_at_ms=%s, not within the call [%llu, %llu]", at,
+              (unsigned long long)before, (unsigned long long)after);
+}

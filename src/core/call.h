@@ -61,6 +61,10 @@ void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
  * out. Every client-supplied value in an idem__log line goes through it. */
 #define IDEM_LOGQ_CAP 600
 const char *idem__logfmt_quote(char *out, size_t cap, const char *s);
+/* The key= field of the log lines: the first 8 bytes of SHA-256(key) in hex ("-" when
+ * key is NULL), so a line about a key can be matched without logging the key itself. */
+#define IDEM_LOG_KEY_HASH_CAP 17
+void idem__log_key_hash(char out[IDEM_LOG_KEY_HASH_CAP], const char *key);
 idem_observer *idem__observer_create(const idem_server_opts *opts);
 void idem__observer_destroy(idem_observer *obs);
 /* One log line (at INFO) and the counters for a finished call. */
