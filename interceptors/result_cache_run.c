@@ -112,6 +112,7 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
     idem_record rec;
     idem_code code = idem_store_get(cfg->store, key, &rec);
     log_error(call, "claim lost while the handler ran; its answer is discarded");
+    call->claim_lost = true;
     idem__call_reset_response(call);
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
         memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
@@ -372,6 +373,7 @@ static idem_code lapsed_before_start(idem_call *call, const idem_cache_cfg *cfg,
     call->claim_store = NULL;
     idem__store_ticket_drop(cfg->store, call->claim_ticket); /* the claim commits as it is */
     call->claim_ticket = 0;
+    call->claim_lost = true;
     idem__inflight_unkeep(call->rt->inflight, keep);
     idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
     log_error(call, "claim lost: the lease ran out before the handler started; not run");

@@ -138,6 +138,10 @@ struct idem_call {
     size_t meta_count, meta_cap;
     bool replayed;
     bool executed; /* the method handler ran in this call */
+    /* This run found its claim or its own count of its lease lost while its process lived
+     * (a step or the handler's start refused, or its completion found another owner):
+     * it did not die (the re-driver does not count it as a death). */
+    bool claim_lost;
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
      * replay read, queueing a shared claim when fast_claim); anything else suspends with
      * IDEM__SUSPEND_DEFER. */
