@@ -112,6 +112,7 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
     idem_record rec;
     idem_code code = idem_store_get(cfg->store, key, &rec);
     log_error(call, "claim lost while the handler ran; its answer is discarded");
+    call->claim_lost = true;
     idem__call_reset_response(call);
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
         memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
@@ -358,6 +359,29 @@ static idem_code fence_refused(idem_call *call)
                         "with the same key");
 }
 
+/* The owner's own count of its lease (keeper.c: from the ask of its claim or last
+ * renewal) ran out before the handler started: a claim answered late (a slow store), a
+ * worker that picked the call up late, renewals that did not land. The store may hand
+ * the key to another run at any moment, so the handler does not start. Nothing is
+ * written: the record stays IN_PROGRESS, for a renewal already on its way or a takeover
+ * once the store's lease ends; the client hears ABORTED (retry with the same key). */
+static idem_code lapsed_before_start(idem_call *call, const idem_cache_cfg *cfg,
+                                     const idem_key_ref *key, idem_keep *keep)
+{
+    call->txn = NULL;
+    call->claim_keep = NULL;
+    call->claim_store = NULL;
+    idem__store_ticket_drop(cfg->store, call->claim_ticket); /* the claim commits as it is */
+    call->claim_ticket = 0;
+    call->claim_lost = true;
+    idem__inflight_unkeep(call->rt->inflight, keep);
+    idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
+    log_error(call, "claim lost: the lease ran out before the handler started; not run");
+    return idem__reject(call, IDEM_REASON_CLAIM_LOST, IDEM_ABORTED,
+                        "claim lost: this run's lease ran out before the handler started (no "
+                        "renewal reached the store in time); retry with the same key");
+}
+
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
  * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
  * claim's shared commit, still open maybe (the completion then joins it), else 0. */
@@ -390,6 +414,8 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     call->claim_ticket = ticket;
     if ((o->flags & IDEM_METHOD_STEPS) && (st = idem__call_steps_begin(call)) != IDEM_OK) {
         code = idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
+    } else if (keep != NULL && idem__keeper_lost(idem__inflight_keeper(call->rt->inflight), keep)) {
+        return lapsed_before_start(call, cfg, key, keep);
     } else {
         call->undo_frame = __builtin_frame_address(0); /* the undos run in this frame */
         call->undo_thread = pthread_self();

@@ -9,6 +9,7 @@
  * own view of its claim (the server's lease keeper) with the record the store holds, read
  * straight from the store. Runs on both stores (`lease`, `lease_pg`). */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,6 +172,8 @@ static idem_code h_watch(idem_call *call, void *arg)
 {
     (void)arg;
     idem_key_ref key = {idem_call_caller(call), idem_call_method(call), idem_call_key(call)};
+    slow_store_set(true); /* from the first renewal on (a claim answered after its lease
+                           * does not start its handler) */
     watch(&key, call->fence, LEASE_MS, claim_held, call);
     return idem_call_reply(call, IDEM_OK, "watched", 7);
 }
@@ -225,26 +228,28 @@ static idem_code call_key(const char *url, const char *method, const char *key)
     return code;
 }
 
-/* Calls method once on a fast store (its connections open), then once on a slow one. */
-static void call_slow(const char *method)
+/* Calls method once on a fast store (its connections open), then once more, on a slow
+ * one from the start (slow) or from its handler's (h_watch). */
+static void call_slow(const char *method, bool slow)
 {
     tu_server ts;
     server_start(&ts);
     call_key(ts.url, method, "warm");
     memset(&W, 0, sizeof(W));
-    slow_store_set(true);
+    slow_store_set(slow);
     call_key(ts.url, method, "k-late");
     slow_store_set(false);
     tu_server_destroy(&ts, false);
 }
 
-/* The issue's case: the claim's answer arrives late (a slow database, a slow disk). The
- * store may let another instance take the key from the end of the lease it started when
- * the claim reached it; from then until a renewal lands the owner must not believe it
- * still holds the key (a handler's steps ask it before running one). */
+/* The issue's case: renewals answered late (a slow database, a slow disk). The store may
+ * let another instance take the key from the end of the lease it started when the last
+ * renewal reached it; from then until a renewal lands the owner must not believe it
+ * still holds the key (a handler's steps ask it before running one). A claim answered
+ * after its lease: a_handler_does_not_start_on_a_claim_whose_lease_ran_out_before_it_started. */
 Test(lease, an_owner_never_believes_it_holds_a_claim_the_store_would_let_another_take)
 {
-    call_slow("lease.T/Watch");
+    call_slow("lease.T/Watch", false);
     watch_expect_none_believed();
 }
 
@@ -252,6 +257,192 @@ Test(lease, an_owner_never_believes_it_holds_a_claim_the_store_would_let_another
  * the store would let another holder acquire the lock. */
 Test(lease, a_lock_holder_never_believes_it_holds_a_lock_the_store_would_let_another_take)
 {
-    call_slow("lease.T/Lock");
+    call_slow("lease.T/Lock", true);
     watch_expect_none_believed();
+}
+
+/* ---- a handler does not start on a claim whose lease already ran out (issue 35) ---- */
+
+#define SHORT_LEASE_MS 300 /* shorter than one slow answer: every slow claim's is late */
+
+static atomic_int effects; /* handlers started */
+
+static idem_code h_effect(idem_call *call, void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&effects, 1);
+    return idem_call_reply(call, IDEM_OK, "done", 4);
+}
+
+/* A server on st. LMDB: a journaled method, before its first step (its claim commits
+ * alone, so its answer waits for the disk); PostgreSQL: a cached one (the campaign's
+ * Counter/Add). */
+static void effect_server(tu_server *ts, idem_store *st)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = st;
+    o.log_level = IDEM_LOG_OFF;
+    tu_server_create(ts, &o);
+    idem_method_opts m = {.flags = S.dir != NULL ? IDEM_METHOD_STEPS : IDEM_METHOD_CACHED,
+                          .lease_ms = SHORT_LEASE_MS};
+    cr_assert_eq(idem_server_register(ts->srv, "lease.T/Effect", h_effect, NULL, &m), IDEM_OK);
+    tu_server_listen(ts);
+}
+
+static idem_code call_effect(const char *url, const char *key, uint32_t attempts, idem_result *r)
+{
+    idem_client *c = tu_client_attempts(url, 20000, attempts);
+    idem_request q = {.method = "lease.T/Effect", .idempotency_key = key};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+/* The first server's call, sent from a thread of its own while the store is slow. */
+static struct {
+    const char *url;
+    idem_code code;
+    idem_result r;
+} late;
+
+static void *call_late(void *arg)
+{
+    (void)arg;
+    late.code = call_effect(late.url, "k-lapsed", 1, &late.r);
+    return NULL;
+}
+
+/* Whether the store would let another run take key (its lease has run out). */
+static bool lapsed_in_store(const idem_key_ref *key)
+{
+    idem_record rec;
+    idem_code code = idem_store_get(S.direct, key, &rec);
+    bool lapsed =
+        code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms < idem__now_ms();
+    idem_record_clear(&rec);
+    return lapsed;
+}
+
+/* A claim answered after its owner's own count of its lease ran out (a slow database, a
+ * slow disk: the campaign's finding 2). Meanwhile the store lets another run take the
+ * key: a second server, on the fast handle of the same store, is called with it. The
+ * late owner must not start its handler: its client hears ABORTED "claim lost", and the
+ * retry with the same key gets the outcome of the one run that started. */
+Test(lease, a_handler_does_not_start_on_a_claim_whose_lease_ran_out_before_it_started)
+{
+    tu_server a, b;
+    idem_result r;
+    pthread_t t;
+    idem_key_ref key = {"", "lease.T/Effect", "k-lapsed"};
+    effect_server(&a, S.st);
+    effect_server(&b, S.direct);
+    cr_assert_eq(call_effect(a.url, "warm", 1, &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    atomic_store(&effects, 0);
+
+    slow_store_set(true);
+    late.url = a.url;
+    cr_assert_eq(pthread_create(&t, NULL, call_late, NULL), 0);
+    for (int i = 0; i < 2000 && !lapsed_in_store(&key); i++) {
+        sleep_ms(5); /* one look every 5 ms, for up to 10 s */
+    }
+    idem_code code = call_effect(b.url, "k-lapsed", 1, &r); /* its own claim may be late too */
+    cr_expect(code == IDEM_OK || code == IDEM_ABORTED, "the other run: %s", r.message);
+    idem_result_clear(&r);
+    pthread_join(t, NULL);
+    slow_store_set(false);
+    cr_expect_eq(late.code, IDEM_ABORTED, "the late claim's run answered %s: %s",
+                 idem_code_name(late.code), late.r.message);
+    idem_result_clear(&late.r);
+    cr_assert_eq(call_effect(a.url, "k-lapsed", 5, &r), IDEM_OK, "retry: %s", r.message);
+    idem_result_clear(&r);
+    cr_expect_eq(atomic_load(&effects), 1,
+                 "%d handlers started: one on a claim whose lease had run out, while another run "
+                 "took the key",
+                 atomic_load(&effects));
+    tu_server_destroy(&b, false);
+    tu_server_destroy(&a, false);
+}
+
+/* ---- the lapse's log line names its key and when it ran out ---- */
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char lapse[1024], call[1024]; /* the lapse's line; the call's own (its key=) */
+} L = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void keep_lines(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg;
+    (void)level;
+    pthread_mutex_lock(&L.mu);
+    if (strstr(line, "lease lapsed") != NULL && L.lapse[0] == '\0') {
+        snprintf(L.lapse, sizeof(L.lapse), "%s", line);
+        pthread_cond_broadcast(&L.cv);
+    } else if (strstr(line, "method=\"lease.T/Lapse\"") != NULL && strstr(line, "outcome=")) {
+        snprintf(L.call, sizeof(L.call), "%s", line);
+    }
+    pthread_mutex_unlock(&L.mu);
+}
+
+/* Makes the store slow until the keeper has logged the lapse of this run's lease (for up
+ * to 10 s): no renewal lands in time. */
+static idem_code h_lapse(idem_call *call, void *arg)
+{
+    (void)arg;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    slow_store_set(true);
+    pthread_mutex_lock(&L.mu);
+    while (L.lapse[0] == '\0' && pthread_cond_timedwait(&L.cv, &L.mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&L.mu);
+    slow_store_set(false);
+    return idem_call_reply(call, IDEM_OK, "lapsed", 6);
+}
+
+/* The value of logfmt field name in line (unquoted values only), or "". */
+static const char *field(const char *line, const char *name, char *out, size_t cap)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), " %s=", name);
+    const char *p = strstr(line, pat);
+    size_t n = p != NULL ? strcspn(p + strlen(pat), " ") : 0;
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), p != NULL ? p + strlen(pat) : "");
+    return out;
+}
+
+/* "lease lapsed" names the method, the key's hash as the call's own line prints it, and
+ * the wall time its lease ran out (between the call's start and the line), so that a
+ * log reader (the campaign's checker) can match it to the call. */
+Test(lease, the_lapse_line_names_the_method_the_key_and_when_the_lease_ran_out)
+{
+    tu_server ts;
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = S.st;
+    o.log_level = IDEM_LOG_INFO;
+    o.log_fn = keep_lines;
+    tu_server_create(&ts, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED, .lease_ms = SHORT_LEASE_MS};
+    cr_assert_eq(idem_server_register(ts.srv, "lease.T/Lapse", h_lapse, NULL, &m), IDEM_OK);
+    tu_server_listen(&ts);
+    uint64_t before = idem__now_ms();
+    call_key(ts.url, "lease.T/Lapse", "k-logged");
+    uint64_t after = idem__now_ms();
+    tu_server_destroy(&ts, false);
+
+    char key[32], want[32], at[32];
+    cr_assert_neq(L.lapse[0], '\0', "no lapse was logged");
+    cr_log_info("%s", L.lapse);
+    cr_expect_neq(strstr(L.lapse, " method=\"lease.T/Lapse\""), NULL, "%s", L.lapse);
+    field(L.call, "key", want, sizeof(want));
+    cr_expect(want[0] != '\0' && strcmp(field(L.lapse, "key", key, sizeof(key)), want) == 0,
+              "the lapse names key=%s, the call's line key=%s", key, want);
+    unsigned long long t = strtoull(field(L.lapse, "lapsed_at_ms", at, sizeof(at)), NULL, 10);
+    cr_expect(t >= before && t <= after, "lapsed_at_ms=%s, not within the call [%llu, %llu]", at,
+              (unsigned long long)before, (unsigned long long)after);
 }

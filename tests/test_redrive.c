@@ -4,13 +4,20 @@
  * re-drivers that both count before either one's run claims must count the one death
  * once, or the call gives up (and compensates) after fewer deaths than it may have. */
 #include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../src/toolkit/steps_internal.h"
 #include "testutil.h"
+#if TU_HAVE_PG
+#include "pgproxy.h"
+#endif
 
 #define CALLER "shop"
 #define METHOD "redrive.Test/Order"
@@ -203,4 +210,205 @@ Test(redrive, a_count_whose_death_another_run_claimed_is_not_taken_back)
     idem__journaled_call_clear(&seen1);
     idem__journaled_call_clear(&seen2);
     idem__journaled_call_clear(&after);
+}
+
+/* ---- through servers: what the give-up counts ---- */
+
+/* A store that can be made slow: every fdatasync of a durable LMDB store waits SLOW_MS
+ * (this program's fdatasync wins over libc's for liblmdb, as in test_lease.c), or every
+ * chunk between the servers and PostgreSQL waits SLOW_MS in a proxy. Either way a claim
+ * is answered after its lease (LEASE_MS) has run out. */
+#define SLOW_MS 400
+#define LEASE_MS 300
+
+static atomic_uint slow_sync_ms;
+#if TU_HAVE_PG
+static pgproxy *proxy;
+#endif
+
+int fdatasync(int fd)
+{
+    unsigned ms = atomic_load(&slow_sync_ms);
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    if (ms > 0) {
+        nanosleep(&ts, NULL);
+    }
+    return (int)syscall(SYS_fdatasync, fd);
+}
+
+static void slow_store_set(bool slow)
+{
+    atomic_store(&slow_sync_ms, slow ? SLOW_MS : 0);
+#if TU_HAVE_PG
+    if (proxy != NULL) {
+        pgproxy_delay(proxy, slow ? SLOW_MS / 2 : 0);
+    }
+#endif
+}
+
+/* The calls' runs: the first (the client's, on a server whose re-driver waits) "dies"
+ * after its hold: it stalls, and its server stops renewing its lease after max_run_ms.
+ * The re-driver's first re-run claims on a slow store and loses its own lease before
+ * it can pay, in a process that lives. */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int runs;
+    bool first_stalled, let_go, rerun_logged; /* the runs' gates */
+    bool gave_up, finished;                   /* the re-driver's log said */
+    atomic_int pays, undos;
+} G = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void raise_flag(bool *flag)
+{
+    pthread_mutex_lock(&G.mu);
+    *flag = true;
+    pthread_cond_broadcast(&G.cv);
+    pthread_mutex_unlock(&G.mu);
+}
+
+/* Waits for *flag, or for *or (may be NULL), for up to 20 s. */
+static void await_flag(const bool *flag, const bool * or)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 20;
+    pthread_mutex_lock(&G.mu);
+    while (!*flag && (or == NULL || !* or) && pthread_cond_timedwait(&G.cv, &G.mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&G.mu);
+}
+
+static void redriver_log(void *arg, idem_log_level level, const char *line)
+{
+    (void)arg, (void)level;
+    if (strstr(line, "redrive") != NULL) {
+        cr_log_info("%s", line);
+    }
+    if (strstr(line, "not re-run any more") != NULL) {
+        raise_flag(&G.gave_up);
+    } else if (strstr(line, "ran it again: OK") != NULL) {
+        raise_flag(&G.finished);
+    } else if (strstr(line, "re-run 1 of 1") != NULL) {
+        raise_flag(&G.rerun_logged);
+    }
+}
+
+static idem_code effect_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call, (void)out;
+    atomic_fetch_add((atomic_int *)arg, 1);
+    return IDEM_OK;
+}
+
+static idem_code unhold(idem_call *call, const char *step, const idem_step_result *done, void *arg)
+{
+    (void)call, (void)step, (void)done, (void)arg;
+    atomic_fetch_add(&G.undos, 1);
+    return IDEM_OK;
+}
+
+/* rd.Order/Book: hold (undone on a final failure), then pay. The first run stalls
+ * between them until the test lets it go. */
+static idem_code book(idem_call *call, void *arg)
+{
+    static atomic_int holds;
+    idem_step_opts undo = {.undo = unhold};
+    idem_step_result h = {0}, p = {0};
+    (void)arg;
+    pthread_mutex_lock(&G.mu);
+    int run = ++G.runs;
+    pthread_mutex_unlock(&G.mu);
+    idem_code code = idem_call_step_with(call, "hold", effect_fn, &holds, &undo, &h);
+    if (run == 1) {
+        raise_flag(&G.first_stalled);
+        await_flag(&G.let_go, NULL); /* "dead": its lease runs out */
+    }
+    if (code == IDEM_OK) {
+        code = idem_call_step(call, "pay", effect_fn, &G.pays, &p);
+    }
+    code = code == IDEM_OK ? idem_call_reply(call, IDEM_OK, "booked", 6)
+                           : idem_call_fail(call, code, "%s", idem_errmsg());
+    idem_step_result_clear(&h);
+    idem_step_result_clear(&p);
+    return code;
+}
+
+/* A server on st: the first run's (its re-driver looks only after the test; a stalled
+ * run's lease runs out soon), or the re-driver's (every 20 ms; max_run_ms well above a
+ * slow run; redrive_max_runs 1). */
+static void book_server(tu_server *ts, idem_store *st, bool redriver)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = st;
+    o.lease_ms = LEASE_MS;
+    o.max_run_ms = redriver ? 20000 : LEASE_MS;
+    o.redrive_interval_ms = redriver ? 20 : 3600000; /* on: its claims list the call */
+    o.redrive_max_runs = 1;
+    o.log_level = redriver ? IDEM_LOG_INFO : IDEM_LOG_OFF;
+    o.log_fn = redriver_log;
+    tu_server_create(ts, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_STEPS};
+    cr_assert_eq(idem_server_register(ts->srv, "rd.Order/Book", book, NULL, &m), IDEM_OK);
+    tu_server_listen(ts);
+}
+
+/* Only a re-run that died counts against redrive_max_runs (1 here). The re-driver's
+ * re-run of an abandoned call claims on a slow store, and finds its own lease lost
+ * before it could pay, while its process lives: it did not die. Once the store is fast
+ * again, the re-driver runs the call again and finishes it, instead of giving up and
+ * undoing the hold after "1 re-runs of the call died". */
+static void a_lost_claim_is_not_a_death(idem_store *st)
+{
+    tu_server first, rd;
+    book_server(&first, st, false);
+    book_server(&rd, st, true);
+    idem_client *c = tu_client_attempts(first.url, 100, 1);
+    idem_request q = {.method = "rd.Order/Book", .idempotency_key = "trip-1"};
+    idem_result r;
+    cr_assert_neq(idem_client_call(c, &q, &r), IDEM_OK, "the client gave up on its stalled run");
+    idem_result_clear(&r);
+    idem_client_close(c);
+    await_flag(&G.first_stalled, NULL);
+    slow_store_set(true);
+    await_flag(&G.rerun_logged, &G.gave_up); /* the re-run on the slow store has ended */
+    slow_store_set(false);
+    await_flag(&G.finished, &G.gave_up);
+    cr_expect(!G.gave_up, "the re-driver gave up: it counted a re-run that lost its lease");
+    cr_expect(G.finished, "the re-driver finished the call");
+    cr_expect_eq(atomic_load(&G.undos), 0, "the hold was undone");
+    cr_expect_eq(atomic_load(&G.pays), 1, "paid %d times", atomic_load(&G.pays));
+    raise_flag(&G.let_go);
+    tu_server_destroy(&rd, false);
+    tu_server_destroy(&first, false);
+}
+
+Test(redrive, a_rerun_that_lost_its_lease_alive_is_not_counted_as_died_on_lmdb, .timeout = 120)
+{
+    dir = tu_tempdir("redrive");
+    cr_assert_eq(idem_store_open_lmdb(&stores[0], dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    a_lost_claim_is_not_a_death(stores[0]);
+}
+
+/* Slow: every statement of the re-driver's pass and of its re-run's claim crosses the
+ * slow proxy (about 20 s). */
+Test(redrive, a_rerun_that_lost_its_lease_alive_is_not_counted_as_died_on_postgres, .timeout = 120)
+{
+#if TU_HAVE_PG
+    char *via;
+    conninfo = tu_pg_schema_create(schema);
+    proxy = pgproxy_start(conninfo);
+    cr_assert_gt(asprintf(&via, "%s host=127.0.0.1 port=%d", conninfo, pgproxy_port(proxy)), 0);
+    cr_assert_eq(tu_pg_open(&stores[0], via, 4), IDEM_OK, "%s", idem_errmsg());
+    free(via);
+    a_lost_claim_is_not_a_death(stores[0]);
+    slow_store_set(false);
+    idem_store_close(stores[0]);
+    stores[0] = NULL;
+    pgproxy_stop(proxy);
+    proxy = NULL;
+#else
+    cr_skip_test("built without libpq");
+#endif
 }

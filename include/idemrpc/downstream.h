@@ -80,14 +80,15 @@ IDEM_API idem_code idem_call_downstream(idem_call *call, idem_client *client, co
  * expired and another run took over, or completed the call) gets IDEM_ABORTED: it does not run fn,
  * cannot overwrite what the new owner recorded nor leave a journal behind; if it finds the step
  * already recorded it gets that output. (A claim lost while fn runs is seen only by the record:
- * fn's effect then stands, the at-least-once edge above.) The journal lives in the store (business
- * database "idem.steps", LMDB or PostgreSQL) and is deleted when the call's outcome is recorded; a
- * released call keeps it for its retry. With the server's re-driver
- * (idem_server_opts.redrive_interval_ms) the call's request is kept with it, so that a call whose
- * owner died is finished without a client retry. For claim-mode handlers (IDEM_METHOD_CACHED and
- * friends); a transactional handler's writes already commit together (FAILED_PRECONDITION). Call
- * steps in the same order on every run. At most IDEM_MAX_STEPS steps per call, IDEM_MAX_STEP_OUTPUT
- * bytes each. */
+ * fn's effect then stands, the at-least-once edge above. The handler itself does not start once
+ * that count has run out: the call is answered IDEM_ABORTED "claim lost", nothing written.) The
+ * journal lives in the store (business database "idem.steps", LMDB or PostgreSQL) and is deleted
+ * when the call's outcome is recorded; a released call keeps it for its retry. With the server's
+ * re-driver (idem_server_opts.redrive_interval_ms) the call's request is kept with it, so that a
+ * call whose owner died is finished without a client retry. For claim-mode handlers
+ * (IDEM_METHOD_CACHED and friends); a transactional handler's writes already commit together
+ * (FAILED_PRECONDITION). Call steps in the same order on every run. At most IDEM_MAX_STEPS steps
+ * per call, IDEM_MAX_STEP_OUTPUT bytes each. */
 
 #define IDEM_MAX_STEPS 32
 #define IDEM_MAX_STEP_OUTPUT 65536

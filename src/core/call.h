@@ -61,6 +61,10 @@ void idem__log(idem_observer *obs, idem_log_level level, const char *fmt, ...)
  * out. Every client-supplied value in an idem__log line goes through it. */
 #define IDEM_LOGQ_CAP 600
 const char *idem__logfmt_quote(char *out, size_t cap, const char *s);
+/* The key= field of the log lines: the first 8 bytes of SHA-256(key) in hex ("-" when
+ * key is NULL), so a line about a key can be matched without logging the key itself. */
+#define IDEM_LOG_KEY_HASH_CAP 17
+void idem__log_key_hash(char out[IDEM_LOG_KEY_HASH_CAP], const char *key);
 idem_observer *idem__observer_create(const idem_server_opts *opts);
 void idem__observer_destroy(idem_observer *obs);
 /* One log line (at INFO) and the counters for a finished call. */
@@ -134,6 +138,10 @@ struct idem_call {
     size_t meta_count, meta_cap;
     bool replayed;
     bool executed; /* the method handler ran in this call */
+    /* This run found its claim or its own count of its lease lost while its process lived
+     * (a step or the handler's start refused, or its completion found another owner):
+     * it did not die (the re-driver does not count it as a death). */
+    bool claim_lost;
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
      * replay read, queueing a shared claim when fast_claim); anything else suspends with
      * IDEM__SUSPEND_DEFER. */

@@ -156,6 +156,16 @@ static void trace_field(const idem_call *call, char out[48])
     snprintf(out, 48, " trace_id=%.32s", v + 3);
 }
 
+void idem__log_key_hash(char out[IDEM_LOG_KEY_HASH_CAP], const char *key)
+{
+    uint8_t d[32];
+    snprintf(out, IDEM_LOG_KEY_HASH_CAP, "-");
+    if (key != NULL &&
+        idem__sha256((const void *const[]){key}, (const size_t[]){strlen(key)}, 1, d)) {
+        idem__hex(out, d, 8);
+    }
+}
+
 void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t latency_us)
 {
     if (call->replayed) {
@@ -175,14 +185,8 @@ void idem__observe_call(idem_observer *obs, const idem_call *call, uint64_t late
         return;
     }
     /* The key is logged as a hash: it may carry business identifiers. */
-    char key_hash[17] = "-";
-    if (call->key_source != IDEM_KEY_NONE) {
-        uint8_t d[32];
-        if (idem__sha256((const void *const[]){call->key}, (const size_t[]){strlen(call->key)}, 1,
-                         d)) {
-            idem__hex(key_hash, d, 8);
-        }
-    }
+    char key_hash[IDEM_LOG_KEY_HASH_CAP];
+    idem__log_key_hash(key_hash, call->key_source != IDEM_KEY_NONE ? call->key : NULL);
     /* request id, method and caller are the client's: quoted and escaped. */
     char id[IDEM_LOGQ_CAP], method[IDEM_LOGQ_CAP], caller[IDEM_LOGQ_CAP], trace[48];
     trace_field(call, trace);

@@ -30,6 +30,7 @@
  * max run time passes; then the entry goes and the key's waiters are woken (on_end).
  * After a give-up the lease runs out and a retry runs again: its first client was
  * never told OK. The keeper owns such an entry: nobody unkeeps it. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -48,6 +49,7 @@ struct idem_keep {
     bool lost;   /* a renewal answered IDEM_ABORTED: another claim holds the key */
     bool lapsed; /* valid_until passed (logged); renewals go on */
     char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
+    char key_hash[IDEM_LOG_KEY_HASH_CAP]; /* as the calls' log lines print it */
     /* An outcome recorded later (the keeper's then): the encoded response, its TTL, when
      * to try next (monotonic) and the pause after that. NULL: a handler still runs. */
     uint8_t *record;
@@ -78,16 +80,27 @@ static uint64_t wall_ms(const idem_keeper *k)
     return k->rt != NULL ? idem__rt_now_ms(k->rt) : idem__now_ms();
 }
 
-static void log_lease(const idem_keeper *k, const idem_keep *kp, idem_log_level level,
-                      const char *what)
+/* One line about kp's lease or its outcome recorded later, naming its method and key as
+ * the calls' own lines do; lapsed_at (wall ms, 0: none): when its lease ran out. */
+static void log_lease_at(const idem_keeper *k, const idem_keep *kp, idem_log_level level,
+                         uint64_t lapsed_at, const char *what)
 {
-    char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
+    char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP], at[40] = "";
     if (k->rt == NULL) {
         return;
     }
-    idem__log(k->rt->obs, level, "method=%s msg=%s",
-              idem__logfmt_quote(method, sizeof(method), kp->method),
+    if (lapsed_at != 0) {
+        snprintf(at, sizeof(at), " lapsed_at_ms=%" PRIu64, lapsed_at);
+    }
+    idem__log(k->rt->obs, level, "method=%s key=%s%s msg=%s",
+              idem__logfmt_quote(method, sizeof(method), kp->method), kp->key_hash, at,
               idem__logfmt_quote(msg, sizeof(msg), what));
+}
+
+static void log_lease(const idem_keeper *k, const idem_keep *kp, idem_log_level level,
+                      const char *what)
+{
+    log_lease_at(k, kp, level, 0, what);
 }
 
 static uint64_t retry_ms(const idem_keep *kp)
@@ -95,15 +108,16 @@ static uint64_t retry_ms(const idem_keep *kp)
     return kp->lease_ms / 10 ? kp->lease_ms / 10 : 1;
 }
 
-/* Marks the leases that ran out without a renewal lost (once each, logged). */
+/* Marks the leases that ran out without a renewal lost (once each, logged with the
+ * wall time, the records' clock, at which it ran out). */
 static void lapse_due(idem_keeper *k, uint64_t now)
 {
     for (idem_keep *kp = k->keeps; kp != NULL; kp = kp->next) {
         if (!kp->lost && !kp->lapsed && now >= kp->valid_until && now < kp->stop_at) {
             kp->lapsed = true;
-            log_lease(k, kp, IDEM_LOG_ERROR,
-                      "lease lapsed: no renewal reached the store in time; the claim is not "
-                      "held until a renewal finds it still this owner's");
+            log_lease_at(k, kp, IDEM_LOG_ERROR, wall_ms(k) - (now - kp->valid_until),
+                         "lease lapsed: no renewal reached the store in time; the claim is not "
+                         "held until a renewal finds it still this owner's");
         }
     }
 }
@@ -189,17 +203,6 @@ static uint64_t next_due(const idem_keeper *k, uint64_t now)
     return next > now ? next : now + 1;
 }
 
-static void log_record(const idem_keeper *k, const idem_keep *kp, idem_log_level level,
-                       const char *what)
-{
-    char method[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
-    if (k->rt != NULL) {
-        idem__log(k->rt->obs, level, "method=%s msg=%s",
-                  idem__logfmt_quote(method, sizeof(method), kp->method),
-                  idem__logfmt_quote(msg, sizeof(msg), what));
-    }
-}
-
 /* One attempt to record kp's outcome (outside the lock): true when it is over (landed,
  * or the claim is no longer kp's). */
 static bool record_once(idem_keeper *k, idem_keep *kp)
@@ -210,7 +213,7 @@ static bool record_once(idem_keeper *k, idem_keep *kp)
                                              idem__add_sat(now, kp->record_ttl_ms), now, 0);
     char detail[IDEM_LOGQ_CAP];
     if (code == IDEM_OK) {
-        log_record(k, kp, IDEM_LOG_INFO, "an outcome recorded later has reached the store");
+        log_lease(k, kp, IDEM_LOG_INFO, "an outcome recorded later has reached the store");
         return true;
     }
     idem_record rec;
@@ -220,7 +223,7 @@ static bool record_once(idem_keeper *k, idem_keep *kp)
         idem_record_clear(&rec);
         snprintf(detail, sizeof(detail), "an outcome recorded later %s",
                  ours ? "had reached the store" : "found its claim lost; given up");
-        log_record(k, kp, ours ? IDEM_LOG_INFO : IDEM_LOG_ERROR, detail);
+        log_lease(k, kp, ours ? IDEM_LOG_INFO : IDEM_LOG_ERROR, detail);
         return true;
     }
     return false;
@@ -260,10 +263,10 @@ static bool record_due(idem_keeper *k, uint64_t now, uint64_t *next_wake)
             continue;
         }
         if (kp->lost || now >= kp->stop_at) {
-            log_record(k, kp, IDEM_LOG_ERROR,
-                       kp->lost ? "an outcome recorded later found its claim lost; given up"
-                                : "an outcome recorded later did not reach the store within "
-                                  "max_run_ms; given up: its lease runs out");
+            log_lease(k, kp, IDEM_LOG_ERROR,
+                      kp->lost ? "an outcome recorded later found its claim lost; given up"
+                               : "an outcome recorded later did not reach the store within "
+                                 "max_run_ms; given up: its lease runs out");
             record_end(k, kp);
             return true;
         }
@@ -353,9 +356,9 @@ void idem__keeper_destroy(idem_keeper *k)
         k->keeps = kp->next;
         if (kp->record != NULL && !kp->lost &&
             !(store_answers && (store_answers = record_once(k, kp)))) {
-            log_record(k, kp, IDEM_LOG_ERROR,
-                       "an outcome recorded later was still not in "
-                       "the store at shutdown; its lease runs out");
+            log_lease(k, kp, IDEM_LOG_ERROR,
+                      "an outcome recorded later was still not in "
+                      "the store at shutdown; its lease runs out");
         }
         free(kp->record);
         free(kp);
@@ -375,6 +378,7 @@ idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t o
     snprintf(kp->caller, sizeof(kp->caller), "%s", key->caller != NULL ? key->caller : "");
     snprintf(kp->method, sizeof(kp->method), "%s", key->method);
     snprintf(kp->key, sizeof(kp->key), "%s", key->key);
+    idem__log_key_hash(kp->key_hash, key->key);
     uint64_t now = idem__mono_ms();
     asked = asked != 0 && asked < now ? asked : now;
     kp->owner = owner;

@@ -93,13 +93,19 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
              idem_code_name(c->code), c->message != NULL ? ": " : "",
              c->message != NULL ? c->message : "");
     log_call(r, c->executed ? IDEM_LOG_ERROR : IDEM_LOG_INFO, jc, what);
-    /* A re-run turned away before the handler by something passing (a full or
-     * unreachable store, a live owner) does not count against redrive_max_runs. */
+    /* Only a re-run that died counts against redrive_max_runs. Taken back: one turned
+     * away before the handler by something passing (a full or unreachable store, a live
+     * owner), and one that lost its claim or its own lease while this process lived,
+     * within its max run time (past it, its lease was no longer renewed: abandoned). */
     bool passing = c->code == IDEM_UNAVAILABLE || c->code == IDEM_RESOURCE_EXHAUSTED ||
                    c->code == IDEM_ABORTED;
+    bool lost = c->claim_lost && idem__mono_ms() - c->claim_asked_ms < run_ms;
     idem__redrive_verdict v;
-    if (counted && !c->executed && !c->replayed && passing &&
-        idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, true, &v) != IDEM_OK) {
+    if (counted && lost &&
+        idem__steps_uncount_run(r->cfg.store, jc, r->cfg.max_runs, &v) != IDEM_OK) {
+        log_failure(r, "taking back a re-run that lost its claim");
+    } else if (counted && !lost && !c->executed && !c->replayed && passing &&
+               idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, true, &v) != IDEM_OK) {
         log_failure(r, "taking back a re-run that did not run");
     }
     idem__observe_redrive(r->cfg.rt->obs, c->executed ? IDEM__REDRIVE_RAN : IDEM__REDRIVE_OTHER);
@@ -120,9 +126,10 @@ static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
         return false;
     }
     if (v == IDEM__REDRIVE_GAVE_UP || v == IDEM__REDRIVE_COMPENSATE) {
-        char what[200];
+        char what[320];
         snprintf(what, sizeof(what),
-                 "its owner's lease ran out again after %u re-runs: not re-run any more; %s",
+                 "its owner's lease ran out again after %u re-runs that died or were released "
+                 "(runs that lost their claim alive are not counted): not re-run any more; %s",
                  r->cfg.max_runs,
                  v == IDEM__REDRIVE_COMPENSATE
                      ? "compensating: the undos of its recorded steps run, and its failure "

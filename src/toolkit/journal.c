@@ -134,7 +134,7 @@ idem_code idem__journal_put_call(idem_txn *t, const idem__journal *j, const idem
  * ends: nobody else can have it), else (t NULL, before fn runs) by a plain read, and
  * with its lease still running (once it has run out, a takeover may start fn again
  * any moment). A run that lost its claim gets ABORTED. */
-static idem_code claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
+static idem_code claim_held(idem_txn *t, idem_call *call, uint64_t fence)
 {
     idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
     idem_record rec;
@@ -150,17 +150,18 @@ static idem_code claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return code;
     }
+    call->claim_lost = true;
     return idem__err(IDEM_ABORTED, "claim lost: another run of this call owns its steps or "
                                    "recorded its outcome; retry with the same key");
 }
 
-idem_code idem__journal_claim_held(idem_txn *t, const idem_call *call, uint64_t fence)
+idem_code idem__journal_claim_held(idem_txn *t, idem_call *call, uint64_t fence)
 {
     return claim_held(t, call, fence);
 }
 
 typedef struct record_args {
-    const idem_call *call;
+    idem_call *call;
     journal j;
     uint64_t fence;
     const void *data;

@@ -50,7 +50,7 @@ typedef enum idem__redrive_verdict {
 } idem__redrive_verdict;
 /* Re-runs of one call in all: redrive_max_runs, then as many to finish a compensation
  * whose run died (the count is one byte of the listing). */
-#define IDEM__REDRIVE_LIMIT(max_runs) ((max_runs) * 2 + 1 < 255 ? (max_runs) * 2 + 1 : 255)
+#define IDEM__REDRIVE_LIMIT(max_runs) ((max_runs)*2 + 1 < 255 ? (max_runs)*2 + 1 : 255)
 /* The record is this request's and COMPLETED: delete the whole journal. */
 idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
                                        idem__redrive_verdict *verdict);
@@ -63,6 +63,11 @@ idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
  * that never reached the handler: a full store, a live owner). */
 idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
                                 bool refund, idem__redrive_verdict *verdict);
+/* Takes back the count of a re-run that claimed and then lost its claim (or its own
+ * lease) while its process lived, within its max run time: it did not die, so it is not
+ * one of max_runs. Not when another re-driver counted since, nor a compensating run's. */
+idem_code idem__steps_uncount_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                                  idem__redrive_verdict *verdict);
 /* Before its owner releases it: unlists the call (steps.c), keeping its journal; while
  * the claim is live, so that no re-driver can take the release for its own re-run's. */
 idem_code idem__call_steps_unlist(idem_call *call);

@@ -93,7 +93,7 @@ static idem_code undo_arg_check(const idem_call *call, const char *step, const i
 
 /* A call's listing for the re-driver, written or deleted while the claim is its own. */
 typedef struct listing {
-    const idem_call *call;
+    idem_call *call;
     journal j;
     uint64_t fence;
 } listing;
@@ -133,6 +133,7 @@ static idem_code run_fn(idem_call *call, const char *step, idem_step_fn fn, void
 {
     if (call->claim_keep != NULL &&
         idem__keeper_lost(idem__inflight_keeper(call->rt->inflight), call->claim_keep)) {
+        call->claim_lost = true;
         return idem__err(IDEM_ABORTED,
                          "claim lost: this run's lease ran out before step %s (no renewal "
                          "reached the store in time); retry with the same key",

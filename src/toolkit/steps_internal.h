@@ -49,8 +49,9 @@ idem_code idem__journal_look_up(idem_call *call, const idem__journal *j, void **
  * riding out a store outage. */
 idem_code idem__journal_record(idem_call *call, const idem__journal *j, const void *data,
                                size_t len);
-/* IDEM_OK when the call's record is IN_PROGRESS under fence in t. */
-idem_code idem__journal_claim_held(idem_txn *t, const idem_call *call, uint64_t fence);
+/* IDEM_OK when the call's record is IN_PROGRESS under fence in t; else ABORTED, and the
+ * call is marked claim_lost. */
+idem_code idem__journal_claim_held(idem_txn *t, idem_call *call, uint64_t fence);
 /* Deletes the journal of j (head, steps, listing, compensation) in t. */
 idem_code idem__journal_forget_txn(idem_txn *t, void *j);
 /* Writes the 'c' entry in t: the failure (be32 code ‖ message, at most IDEM_MAX_MESSAGE

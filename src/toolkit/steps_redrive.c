@@ -82,6 +82,10 @@ idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_cla
     return code;
 }
 
+/* What count_run does: count a re-run, or take one back: REFUND one that did not run
+ * the handler, UNCOUNT one that lost its claim while its process lived. */
+typedef enum count_how { COUNT, REFUND, UNCOUNT } count_how;
+
 /* The re-driver's writes: each re-reads the call's record in its txn (kept so until
  * it ends), so no claim, completion or sweep slips in between its decision and its
  * write. */
@@ -90,7 +94,7 @@ typedef struct redrive_args {
     idem__journal j;
     unsigned max_runs;
     uint64_t now_ms; /* this host's clock, for a store that keeps the callers' (LMDB) */
-    bool refund;     /* count_run: take back a re-run that did not run the handler */
+    count_how how;   /* count_run */
     idem__redrive_verdict verdict;
 } redrive_args;
 
@@ -171,8 +175,9 @@ static idem_code give_up_txn(idem_txn *t, const redrive_args *a, bool *compensat
                       * a compensation already started */
     }
     snprintf(msg, sizeof(msg),
-             "abandoned: %u re-runs of the call died (redrive_max_runs); the re-driver gave "
-             "up and compensated its steps",
+             "abandoned: %u re-runs of the call died, or were released without an outcome "
+             "(redrive_max_runs; a run that lost its claim to another is not counted); the "
+             "re-driver gave up and compensated its steps",
              a->max_runs);
     return idem__journal_put_failure(t, &a->j, IDEM_INTERNAL, msg);
 }
@@ -198,22 +203,37 @@ static idem_code verdict_of(idem_txn *t, const redrive_args *a, unsigned runs,
     return code;
 }
 
+/* Whether a take-back finds nothing to take back in a listing with runs and flags. A
+ * REFUND: only while CALL_COUNTED is still set (no run claimed since the count). An
+ * UNCOUNT (the count's own run claimed, which cleared it, then lost its claim alive):
+ * only while CALL_COUNTED is clear (nobody counted since), and not a compensating run's
+ * count (past max_runs: the give-up is said once). */
+static bool nothing_to_take_back(const redrive_args *a, unsigned runs, uint8_t flags)
+{
+    if (runs == 0) {
+        return true;
+    }
+    return a->how == REFUND ? !(flags & CALL_COUNTED)
+                            : (flags & CALL_COUNTED) || runs > a->max_runs;
+}
+
 /* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
  * whose lease ran out, or whose record a re-run released (absent, still listed). Two
  * re-drivers (instances on one database) serialise here; a death is counted once: the
  * second finds the lease the first one's re-run took, or, when it comes before that
  * claim, CALL_COUNTED, and re-runs on the first one's verdict without counting (its
- * run and the first one's then meet at the claim). A refund takes one back, whatever
- * the lease, while CALL_COUNTED is still set (no run claimed since), and clears it. */
+ * run and the first one's then meet at the claim). A refund or an uncount takes one
+ * back, whatever the lease (nothing_to_take_back), and clears CALL_COUNTED. */
 static idem_code count_run_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
     const void *v;
     size_t n;
     char kind;
+    bool take_back = a->how != COUNT;
     a->verdict = IDEM__REDRIVE_SKIP;
     idem_code code = record_kind(t, a, &kind);
-    bool eligible = kind == 'x' || kind == 'a' || (a->refund && kind == 'p');
+    bool eligible = kind == 'x' || kind == 'a' || (take_back && kind == 'p');
     if (code != IDEM_OK || !eligible ||
         (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
@@ -224,31 +244,32 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
     const uint8_t *p = v;
     unsigned runs = p[3];
     idem__redrive_verdict verdict = IDEM__REDRIVE_DONE;
-    if (!a->refund && (p[2] & CALL_COUNTED) && runs > 0) { /* this death is counted */
+    if (!take_back && (p[2] & CALL_COUNTED) && runs > 0) { /* this death is counted */
         code = verdict_of(t, a, runs - 1, &verdict);       /* the counter's, written then */
         bool go = verdict == IDEM__REDRIVE_GO || verdict == IDEM__REDRIVE_COMPENSATE;
         a->verdict = code == IDEM_OK && go ? IDEM__REDRIVE_GO_UNCOUNTED : IDEM__REDRIVE_SKIP;
         return code;
     }
-    /* A count is taken back only while no run has claimed since it (CALL_COUNTED still
-     * set): once another re-driver's uncounted run claimed, the death it counted was
-     * re-run, and taking it back would let the call run past max_runs. */
-    if ((a->refund && (runs == 0 || !(p[2] & CALL_COUNTED))) ||
-        (!a->refund && (code = verdict_of(t, a, runs, &verdict)) != IDEM_OK)) {
+    /* A REFUND only while no run has claimed since the count (CALL_COUNTED still set):
+     * once another re-driver's uncounted run claimed, the death it counted was re-run,
+     * and taking it back would let the call run past max_runs. An UNCOUNT's own run
+     * claimed: nothing_to_take_back. */
+    if ((take_back && nothing_to_take_back(a, runs, p[2])) ||
+        (!take_back && (code = verdict_of(t, a, runs, &verdict)) != IDEM_OK)) {
         return code; /* nothing to take back; or the store failed */
     }
     if (verdict == IDEM__REDRIVE_SKIP) {
         return IDEM_OK; /* given up before, and said so */
     }
     a->verdict = verdict;
-    return a->refund ? put_listing(t, a->j.call_key, v, n, p[2] & ~CALL_COUNTED, runs - 1)
+    return take_back ? put_listing(t, a->j.call_key, v, n, p[2] & ~CALL_COUNTED, runs - 1)
                      : put_listing(t, a->j.call_key, v, n, p[2] | CALL_COUNTED, runs + 1);
 }
 
 static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
-                               bool refund, idem_txn_fn fn, idem__redrive_verdict *verdict)
+                               count_how how, idem_txn_fn fn, idem__redrive_verdict *verdict)
 {
-    redrive_args a = {.jc = jc, .max_runs = max_runs, .now_ms = idem__now_ms(), .refund = refund};
+    redrive_args a = {.jc = jc, .max_runs = max_runs, .now_ms = idem__now_ms(), .how = how};
     idem__journal_of_base(jc->base, &a.j);
     idem_code code = idem_store_run_txn(st, fn, &a);
     *verdict = code == IDEM_OK ? a.verdict : IDEM__REDRIVE_SKIP;
@@ -258,19 +279,25 @@ static idem_code redrive_write(idem_store *st, const idem__journaled_call *jc, u
 idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
                                        idem__redrive_verdict *verdict)
 {
-    return redrive_write(st, jc, 0, false, forget_completed_txn, verdict);
+    return redrive_write(st, jc, 0, COUNT, forget_completed_txn, verdict);
 }
 
 idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
                              idem__redrive_verdict *verdict)
 {
-    return redrive_write(st, jc, 0, false, unlist_txn, verdict);
+    return redrive_write(st, jc, 0, COUNT, unlist_txn, verdict);
 }
 
 idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
                                 bool refund, idem__redrive_verdict *verdict)
 {
-    return redrive_write(st, jc, max_runs, refund, count_run_txn, verdict);
+    return redrive_write(st, jc, max_runs, refund ? REFUND : COUNT, count_run_txn, verdict);
+}
+
+idem_code idem__steps_uncount_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
+                                  idem__redrive_verdict *verdict)
+{
+    return redrive_write(st, jc, max_runs, UNCOUNT, count_run_txn, verdict);
 }
 
 idem_code idem__steps_journal_exists(idem_store *st, const idem_key_ref *key,
