@@ -221,7 +221,7 @@ typedef struct idem_nats_relay_opts {
     void *event_arg;
     idem_log_fn log_fn; /* failures once per outage, and one line per round at INFO */
     void *log_arg;
-    /* default 120000 (nats-server's default sync_interval), > 0: how long an acked
+    /* default (and 0) 120000, nats-server's default sync_interval: how long an acked
        message stays kept when the broker does not say how it syncs (nats-server 2.9 never
        does); a broker that reports a longer sync_interval: that long; sync_always: not
        kept at all. */

@@ -305,11 +305,9 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     idem_nats_relay *r;
     *out = NULL;
     if (st == NULL || o == NULL || o->url == NULL || o->batch < 1 ||
-        o->batch > IDEM_OUTBOX_MAX_BATCH || o->idle_ms < 1 || o->publish_wait_ms < 1 ||
-        o->keep_ms < 1) {
+        o->batch > IDEM_OUTBOX_MAX_BATCH || o->idle_ms < 1 || o->publish_wait_ms < 1) {
         return idem__err(IDEM_INVALID_ARGUMENT,
-                         "nats relay: a store, a url, batch 1..%d, idle_ms, publish_wait_ms and "
-                         "keep_ms > 0",
+                         "nats relay: a store, a url, batch 1..%d, idle_ms and publish_wait_ms > 0",
                          IDEM_OUTBOX_MAX_BATCH);
     }
     if ((r = calloc(1, sizeof(*r))) == NULL) {
@@ -317,13 +315,14 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     }
     r->st = st;
     r->o = *o;
+    r->o.keep_ms = o->keep_ms > 0 ? o->keep_ms : DEFAULT_KEEP_MS; /* 0: a program before it */
     idem__nats_loop_init(&r->loop);
     r->url = strdup(o->url);
     r->msgs = calloc(o->batch, sizeof(*r->msgs));
     r->seqs = calloc(o->batch, sizeof(*r->seqs));
     r->parked = calloc(o->batch, sizeof(*r->parked));
     r->acks = calloc(o->batch, sizeof(*r->acks));
-    r->keep_ms = o->keep_ms;
+    r->keep_ms = r->o.keep_ms;
     idem_code code =
         r->url == NULL || r->msgs == NULL || r->seqs == NULL || r->parked == NULL || r->acks == NULL
             ? idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory")
