@@ -1,7 +1,8 @@
 /* The transactional outbox: messages a handler writes in its own write txn, so that a
  * message exists if and only if the business change that owes it committed. A relay
- * (nats.h) publishes them in order and removes each only after the broker acked it; a
- * crash between the two publishes it again under the same msg_id.
+ * (nats.h) publishes them in order and removes each only after the broker acked it (into
+ * the kept log, outbox_kept.c, while the broker may still lose it); a crash between the
+ * two publishes it again under the same msg_id.
  *
  * One business database, IDEM_OUTBOX_DB:
  *   'q'            → be64 head ‖ be64 next      live messages are in [head, next)
@@ -9,7 +10,9 @@
  *   'p' be64 seq   → the same bytes: a parked message (the broker refuses it for good)
  *   'l'            → be64 max_payload            the broker's limit a relay recorded
  * put appends at next; remove (and park) deletes one message and moves head past every
- * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows. */
+ * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows,
+ * but for kept messages put back after the broker lost them (idem_outbox_kept_restore:
+ * head goes back to the oldest of them, at its own seq). */
 #include <stdlib.h>
 #include <string.h>
 
