@@ -146,3 +146,59 @@ Test(nats_amnesia, keeps_acked_messages_for_keep_ms_and_a_clean_restart_loses_no
     idem_nats_relay_close(r);
     nt_teardown(&e);
 }
+
+/* Acks for outbox messages 0..n-1 as if the broker stored them at 100 + seq. */
+static void fake_acks(idem_outbox_ack *a, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        a[i] = (idem_outbox_ack){.seq = i, .stream_seq = 100 + i};
+        snprintf(a[i].stream, sizeof(a[i].stream), "S");
+    }
+}
+
+static void expect_peek(idem_store *st, const char *const *ids, size_t n)
+{
+    idem_outbox_msg m[4];
+    size_t got;
+    cr_assert_eq(idem_outbox_peek(st, m, 4, &got), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(got, n);
+    for (size_t i = 0; i < got && i < n; i++) {
+        cr_expect_str_eq(m[i].msg_id, ids[i]);
+    }
+    idem_outbox_msgs_free(m, got);
+}
+
+/* The store's side alone: a relay that crashes half way through a restore leaves the
+ * oldest kept, the newest back in the outbox; the rest come back before it, in order. */
+Test(nats_amnesia, kept_messages_come_back_newest_first_and_leave_in_put_order)
+{
+    tu_backend b;
+    idem_outbox_ack acks[3];
+    idem_outbox_kept_info k;
+    size_t n;
+    idem_store *st = tu_backend_open(&b, "kept");
+    put_args a = {0, 3, "S.in"};
+    cr_assert_eq(idem_store_run_txn(st, put_orders, &a), IDEM_OK, "%s", idem_errmsg());
+    fake_acks(acks, 3);
+    cr_assert_eq(idem_outbox_keep(st, acks, 3, 1000), IDEM_OK, "%s", idem_errmsg());
+    expect_peek(st, NULL, 0);
+    cr_assert_eq(idem_outbox_kept_restore(st, 1, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 1);
+    expect_peek(st, (const char *const[]){"order-2"}, 1);
+    cr_assert_eq(idem_outbox_kept(st, &k), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(k.count, 2);
+    cr_expect_str_eq(k.newest_msg_id, "order-1");
+    cr_expect_eq(k.newest.stream_seq, 101);
+    cr_assert_eq(idem_outbox_kept_restore(st, 8, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 2);
+    expect_peek(st, (const char *const[]){"order-0", "order-1", "order-2"}, 3);
+    fake_acks(acks, 3); /* published again: kept again, then past their horizon */
+    cr_assert_eq(idem_outbox_keep(st, acks, 3, 2000), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_outbox_kept_expire(st, 2000, 8, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 0, "acked at 2000: not before 2000");
+    cr_assert_eq(idem_outbox_kept_expire(st, 2001, 8, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 3);
+    cr_assert_eq(idem_outbox_kept(st, &k), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(k.count, 0);
+    tu_backend_close(&b);
+}
