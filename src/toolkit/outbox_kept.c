@@ -182,18 +182,25 @@ static idem_code expire_txn(idem_txn *t, void *arg)
                : idem__log_bounds_put(t, IDEM_OUTBOX_KEPT_DB, khead, knext);
 }
 
-idem_code idem_outbox_kept_expire(idem_store *st, uint64_t before_ms, size_t max, size_t *dropped)
+/* Runs fn on up to max kept messages in one write txn; *done (may be NULL): how many. */
+static idem_code kept_run(idem_store *st, idem_txn_fn fn, uint64_t before_ms, size_t max,
+                          size_t *done, const char *what)
 {
     kept_args a = {before_ms, max, 0};
     if (st == NULL || max > IDEM_OUTBOX_MAX_BATCH) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept expire: a store, at most %d",
+        return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept %s: a store, at most %d", what,
                          IDEM_OUTBOX_MAX_BATCH);
     }
-    idem_code code = max == 0 ? IDEM_OK : idem_store_run_txn(st, expire_txn, &a);
-    if (dropped != NULL) {
-        *dropped = code == IDEM_OK ? a.done : 0;
+    idem_code code = max == 0 ? IDEM_OK : idem_store_run_txn(st, fn, &a);
+    if (done != NULL) {
+        *done = code == IDEM_OK ? a.done : 0;
     }
     return code;
+}
+
+idem_code idem_outbox_kept_expire(idem_store *st, uint64_t before_ms, size_t max, size_t *dropped)
+{
+    return kept_run(st, expire_txn, before_ms, max, dropped, "expire");
 }
 
 /* Puts kept record k back into the outbox at its seq; *seq = that seq. */
@@ -240,14 +247,5 @@ static idem_code restore_txn(idem_txn *t, void *arg)
 
 idem_code idem_outbox_kept_restore(idem_store *st, size_t max, size_t *restored)
 {
-    kept_args a = {0, max, 0};
-    if (st == NULL || max > IDEM_OUTBOX_MAX_BATCH) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept restore: a store, at most %d",
-                         IDEM_OUTBOX_MAX_BATCH);
-    }
-    idem_code code = max == 0 ? IDEM_OK : idem_store_run_txn(st, restore_txn, &a);
-    if (restored != NULL) {
-        *restored = code == IDEM_OK ? a.done : 0;
-    }
-    return code;
+    return kept_run(st, restore_txn, 0, max, restored, "restore");
 }
