@@ -196,3 +196,49 @@ Test(nats_amnesia, kept_messages_come_back_newest_first_and_leave_in_put_order)
     cr_expect_eq(k.count, 0);
     tu_backend_close(&b);
 }
+
+/* Answers the relay's varz request as a server with that JetStream config would. */
+static void varz_answer(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *config)
+{
+    char body[256];
+    (void)sub;
+    snprintf(body, sizeof(body), "{\"data\":{\"jetstream\":{\"config\":{%s}}}}",
+             (const char *)config);
+    natsConnection_PublishString(nc, natsMsg_GetReply(m), body);
+    natsMsg_Destroy(m);
+}
+
+/* Relays orders [from, to) with a relay that asks a broker reporting config; its count. */
+static uint64_t kept_under(nt *e, const char *config, unsigned keep_ms, int from, int to)
+{
+    idem_nats_relay_opts ro;
+    idem_nats_relay *r;
+    natsSubscription *sub = NULL;
+    cr_assert_eq(natsConnection_Subscribe(&sub, e->nc, "$SYS.REQ.SERVER.PING.VARZ", varz_answer,
+                                          (void *)config),
+                 NATS_OK);
+    cr_assert_eq(natsConnection_Flush(e->nc), NATS_OK);
+    idem_nats_relay_opts_init(&ro);
+    ro.url = e->url;
+    ro.keep_ms = keep_ms;
+    cr_assert_eq(idem_nats_relay_open(&r, e->st, &ro), IDEM_OK, "%s", idem_errmsg());
+    commit_and_relay(e, r, from, to);
+    nats_Sleep(20); /* time past a keep_ms of 1 ms, far inside a sync_interval of minutes */
+    cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
+    uint64_t kept = counts(r).kept;
+    idem_nats_relay_close(r);
+    natsSubscription_Destroy(sub);
+    return kept;
+}
+
+/* Detected, not assumed: what the broker reports in its varz sets the horizon. */
+Test(nats_amnesia, the_horizon_follows_the_sync_setting_the_broker_reports)
+{
+    nt e;
+    nt_setup(&e, "sync");
+    cr_expect_eq(kept_under(&e, "\"sync_always\":true", 0, 0, 5), 0, "synced at the ack: kept");
+    cr_expect_eq(kept_under(&e, "\"sync_interval\":600000000000", 1, 5, 10), 5,
+                 "a 10-minute sync_interval under a 1 ms keep_ms: dropped");
+    cr_expect_eq(kept_under(&e, "\"max_memory\":1", 1, 10, 15), 0, "no sync setting: keep_ms");
+    nt_teardown(&e);
+}
