@@ -272,10 +272,9 @@ IDEM_API idem_code idem_outbox_park(idem_store *st, const uint64_t *seqs, size_t
 /* ---- kept messages: acked by a broker that may still lose them ----
  * A broker may ack a publish before it is on its disk (JetStream's file store syncs on a
  * timer): a host crash then loses what it acked. The relay (nats.h) therefore moves an
- * acked message out of the outbox into the kept log (IDEM_OUTBOX_KEPT_DB), with where the
- * broker put it, and drops it there once the broker's sync interval has passed; when the
- * broker comes back without it, it puts every kept message back into the outbox. */
-#define IDEM_OUTBOX_KEPT_DB "idem.outbox.kept"
+ * acked message out of the outbox into the kept log (in IDEM_OUTBOX_DB too), with where
+ * the broker put it, and drops it there once the broker's sync interval has passed; when
+ * the broker comes back without it, it puts every kept message back into the outbox. */
 #define IDEM_OUTBOX_MAX_STREAM 255 /* bytes of a stream name */
 
 typedef struct idem_outbox_ack {

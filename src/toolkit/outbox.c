@@ -9,6 +9,7 @@
  *   'm' be64 seq   → be16 |subject| subject ‖ be16 |msg_id| msg_id ‖ data
  *   'p' be64 seq   → the same bytes: a parked message (the broker refuses it for good)
  *   'l'            → be64 max_payload            the broker's limit a relay recorded
+ *   'K', 'k' be64 i → the kept log (outbox_kept.c): acked, the broker may still lose them
  * put appends at next; remove (and park) deletes one message and moves head past every
  * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows,
  * but for kept messages put back after the broker lost them (idem_outbox_kept_restore:

@@ -1,6 +1,6 @@
-/* Kept messages (toolkit.h): acked by a broker that may still lose them. One business
- * database, IDEM_OUTBOX_KEPT_DB, a dense log:
- *   'q'          → be64 head ‖ be64 next          (log_bounds.c) kept are [head, next)
+/* Kept messages (toolkit.h): acked by a broker that may still lose them. A second log in
+ * the outbox's database (IDEM_OUTBOX_DB; outbox.c has the first), dense:
+ *   'K'          → be64 head ‖ be64 next          (log_bounds.c) kept are [head, next)
  *   'k' be64 i   → be64 seq ‖ be64 stream_seq ‖ be64 acked_ms ‖ be16 |stream| stream ‖
  *                  the message's outbox bytes (outbox.c)
  * keep appends at next, in ack order; expire deletes at head; restore takes from the tail
@@ -11,7 +11,8 @@
 
 #include "toolkit_internal.h"
 
-#define KEPT_FIXED 26 /* the three be64 and be16 |stream| */
+#define KEPT_FIXED 26   /* the three be64 and be16 |stream| */
+#define KEPT_BOUNDS 'K' /* the kept log's bounds row */
 
 static void kept_key(uint8_t k[IDEM__OUTBOX_KEY_LEN], uint64_t i)
 {
@@ -62,7 +63,7 @@ static idem_code keep_one(idem_txn *t, const idem_outbox_ack *a, uint64_t now_ms
     memcpy(v + KEPT_FIXED, a->stream, ls);
     memcpy(v + KEPT_FIXED + ls, m, n);
     kept_key(k, (*next)++);
-    idem_code code = idem_txn_put(t, IDEM_OUTBOX_KEPT_DB, k, sizeof(k), v, KEPT_FIXED + ls + n);
+    idem_code code = idem_txn_put(t, IDEM_OUTBOX_DB, k, sizeof(k), v, KEPT_FIXED + ls + n);
     free(v);
     return code;
 }
@@ -76,7 +77,7 @@ static idem_code keep_txn(idem_txn *t, void *arg)
     size_t n;
     idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
-        code = idem__log_bounds_get(t, IDEM_OUTBOX_KEPT_DB, &khead, &knext);
+        code = idem__log_bounds_get_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, &khead, &knext);
     }
     for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
         idem__outbox_msg_key(k, a->acks[i].seq);
@@ -93,7 +94,7 @@ static idem_code keep_txn(idem_txn *t, void *arg)
         }
     }
     if (code == IDEM_OK) {
-        code = idem__log_bounds_put(t, IDEM_OUTBOX_KEPT_DB, khead, knext);
+        code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
     }
     return code != IDEM_OK ? code : idem__outbox_advance(t, head, next);
 }
@@ -118,7 +119,7 @@ static idem_code kept_read(idem_store *st, uint64_t i, idem_outbox_ack *a, uint6
     size_t n, mn;
     idem_outbox_msg msg = {0};
     kept_key(k, i);
-    idem_code code = idem_store_app_get(st, IDEM_OUTBOX_KEPT_DB, k, sizeof(k), &v, &n);
+    idem_code code = idem_store_app_get(st, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n);
     if (code == IDEM_NOT_FOUND) {
         return idem__err(IDEM_DATA_LOSS, "outbox: kept message %llu missing",
                          (unsigned long long)i);
@@ -140,7 +141,7 @@ idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out)
     if (st == NULL) {
         return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept: a store");
     }
-    idem_code code = idem__log_bounds_read(st, IDEM_OUTBOX_KEPT_DB, &head, &next);
+    idem_code code = idem__log_bounds_read_at(st, IDEM_OUTBOX_DB, KEPT_BOUNDS, &head, &next);
     if (code != IDEM_OK || head == next) {
         return code;
     }
@@ -166,20 +167,20 @@ static idem_code expire_txn(idem_txn *t, void *arg)
     idem_outbox_ack ack;
     idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
-        code = idem__log_bounds_get(t, IDEM_OUTBOX_KEPT_DB, &khead, &knext);
+        code = idem__log_bounds_get_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, &khead, &knext);
     }
     for (a->done = 0; code == IDEM_OK && khead < knext && a->done < a->max; a->done++, khead++) {
         kept_key(k, khead);
-        if ((code = idem_txn_get(t, IDEM_OUTBOX_KEPT_DB, k, sizeof(k), &v, &n)) != IDEM_OK ||
+        if ((code = idem_txn_get(t, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n)) != IDEM_OK ||
             (code = kept_decode(v, n, &ack, &acked_ms, &m, &mn)) != IDEM_OK ||
             acked_ms >= a->before_ms) {
             break;
         }
-        code = idem_txn_del(t, IDEM_OUTBOX_KEPT_DB, k, sizeof(k));
+        code = idem_txn_del(t, IDEM_OUTBOX_DB, k, sizeof(k));
     }
     return code != IDEM_OK || a->done == 0
                ? code
-               : idem__log_bounds_put(t, IDEM_OUTBOX_KEPT_DB, khead, knext);
+               : idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
 }
 
 /* Runs fn on up to max kept messages in one write txn; *done (may be NULL): how many. */
@@ -212,7 +213,7 @@ static idem_code restore_one(idem_txn *t, const uint8_t k[IDEM__OUTBOX_KEY_LEN],
     size_t n, mn;
     uint64_t acked_ms;
     idem_outbox_ack ack;
-    idem_code code = idem_txn_get(t, IDEM_OUTBOX_KEPT_DB, k, IDEM__OUTBOX_KEY_LEN, &v, &n);
+    idem_code code = idem_txn_get(t, IDEM_OUTBOX_DB, k, IDEM__OUTBOX_KEY_LEN, &v, &n);
     if (code == IDEM_OK) {
         code = kept_decode(v, n, &ack, &acked_ms, &m, &mn);
     }
@@ -220,7 +221,7 @@ static idem_code restore_one(idem_txn *t, const uint8_t k[IDEM__OUTBOX_KEY_LEN],
         idem__outbox_msg_key(mk, *seq = ack.seq);
         code = idem_txn_put(t, IDEM_OUTBOX_DB, mk, sizeof(mk), m, mn);
     }
-    return code != IDEM_OK ? code : idem_txn_del(t, IDEM_OUTBOX_KEPT_DB, k, IDEM__OUTBOX_KEY_LEN);
+    return code != IDEM_OK ? code : idem_txn_del(t, IDEM_OUTBOX_DB, k, IDEM__OUTBOX_KEY_LEN);
 }
 
 static idem_code restore_txn(idem_txn *t, void *arg)
@@ -230,7 +231,7 @@ static idem_code restore_txn(idem_txn *t, void *arg)
     uint8_t k[IDEM__OUTBOX_KEY_LEN];
     idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
-        code = idem__log_bounds_get(t, IDEM_OUTBOX_KEPT_DB, &khead, &knext);
+        code = idem__log_bounds_get_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, &khead, &knext);
     }
     for (a->done = 0; code == IDEM_OK && khead < knext && a->done < a->max; a->done++) {
         kept_key(k, --knext);
@@ -241,7 +242,7 @@ static idem_code restore_txn(idem_txn *t, void *arg)
     if (code != IDEM_OK || a->done == 0) {
         return code;
     }
-    code = idem__log_bounds_put(t, IDEM_OUTBOX_KEPT_DB, khead, knext);
+    code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
     return code != IDEM_OK ? code : idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next);
 }
 
