@@ -295,7 +295,8 @@ typedef struct idem_outbox_kept_info {
  * now_ms as their ack time. A message removed before (another relay) is passed over. */
 IDEM_API idem_code idem_outbox_keep(idem_store *st, const idem_outbox_ack *acks, size_t n,
                                     uint64_t now_ms);
-/* Outside a txn: how many are kept, the oldest's ack time, the newest. */
+/* Outside a txn: how many are kept, the oldest's ack time, the newest (read again when
+ * another relay changed the log meanwhile; ABORTED after 4 such reads in a row). */
 IDEM_API idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out);
 /* In one write txn: drops up to max (<= IDEM_OUTBOX_MAX_BATCH) of the oldest kept
  * messages acked before before_ms (the broker has synced them); *dropped may be NULL. */

@@ -13,6 +13,7 @@
 
 #define KEPT_FIXED 26   /* the three be64 and be16 |stream| */
 #define KEPT_BOUNDS 'K' /* the kept log's bounds row */
+#define KEPT_LOOKS 4    /* reads of it that another relay's writes may spoil in a row */
 
 static void kept_key(uint8_t k[IDEM__OUTBOX_KEY_LEN], uint64_t i)
 {
@@ -109,7 +110,8 @@ idem_code idem_outbox_keep(idem_store *st, const idem_outbox_ack *acks, size_t n
     return n == 0 ? IDEM_OK : idem_store_run_txn(st, keep_txn, &a);
 }
 
-/* Record i of the kept log, read outside a txn: its ack, ack time and msg_id. */
+/* Record i of the kept log, read outside a txn: its ack, ack time and msg_id; NOT_FOUND
+ * when another relay dropped or restored it since the bounds were read. */
 static idem_code kept_read(idem_store *st, uint64_t i, idem_outbox_ack *a, uint64_t *acked_ms,
                            char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1])
 {
@@ -120,10 +122,6 @@ static idem_code kept_read(idem_store *st, uint64_t i, idem_outbox_ack *a, uint6
     idem_outbox_msg msg = {0};
     kept_key(k, i);
     idem_code code = idem_store_app_get(st, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n);
-    if (code == IDEM_NOT_FOUND) {
-        return idem__err(IDEM_DATA_LOSS, "outbox: kept message %llu missing",
-                         (unsigned long long)i);
-    }
     if (code == IDEM_OK && (code = kept_decode(v, n, a, acked_ms, &m, &mn)) == IDEM_OK &&
         msg_id != NULL && (code = idem__outbox_msg_decode(m, mn, a->seq, &msg)) == IDEM_OK) {
         memcpy(msg_id, msg.msg_id, sizeof(msg.msg_id));
@@ -133,14 +131,12 @@ static idem_code kept_read(idem_store *st, uint64_t i, idem_outbox_ack *a, uint6
     return code;
 }
 
-idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out)
+/* The bounds, then both ends: three reads, not one snapshot. */
+static idem_code kept_look(idem_store *st, idem_outbox_kept_info *out)
 {
     uint64_t head, next, acked_ms;
     idem_outbox_ack oldest;
     memset(out, 0, sizeof(*out));
-    if (st == NULL) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept: a store");
-    }
     idem_code code = idem__log_bounds_read_at(st, IDEM_OUTBOX_DB, KEPT_BOUNDS, &head, &next);
     if (code != IDEM_OK || head == next) {
         return code;
@@ -149,6 +145,22 @@ idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out)
     code = kept_read(st, head, &oldest, &out->oldest_ms, NULL);
     return code != IDEM_OK ? code
                            : kept_read(st, next - 1, &out->newest, &acked_ms, out->newest_msg_id);
+}
+
+idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out)
+{
+    idem_code code = IDEM_NOT_FOUND;
+    if (st == NULL) {
+        memset(out, 0, sizeof(*out));
+        return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept: a store");
+    }
+    for (int i = 0; i < KEPT_LOOKS && code == IDEM_NOT_FOUND; i++) {
+        code = kept_look(st, out);
+    }
+    return code != IDEM_NOT_FOUND
+               ? code
+               : idem__err(IDEM_ABORTED, "outbox kept: the log changed under %d looks in a row",
+                           KEPT_LOOKS);
 }
 
 typedef struct kept_args {
