@@ -3,8 +3,10 @@
  * The test makes that power cut on a real nats-server (scripts/services.sh: freeze-nats
  * copies its store with the broker stopped; amnesia-nats kills it and starts it on the
  * copy) with the outbox relay and a durable consumer on either side, and every committed
- * message must still take effect once. Needs $IDEMRPC_TEST_NATS and $IDEMRPC_SERVICES;
- * runs on LMDB (nats_amnesia) and PostgreSQL (nats_amnesia_pg). */
+ * message must still take effect once. Then the other side of keeping: a clean restart
+ * publishes nothing again, the horizon follows what the broker reports, and the kept log
+ * on its own. Needs $IDEMRPC_TEST_NATS and $IDEMRPC_SERVICES; runs on LMDB
+ * (nats_amnesia) and PostgreSQL (nats_amnesia_pg). */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
