@@ -10,7 +10,10 @@
  * (its deliveries go to the other one meanwhile) then SIGCONT (consumer_stop); SIGKILL of
  * a producer and its relay, restarted 0.1-0.8 s later (relay_kill); SIGKILL of the
  * broker (broker_kill) or SIGTERM (broker_term), started again 0.2-1.5 s later on the
- * same port and store dir, so JetStream's state survives. A process that exits without
+ * same port and store dir, so JetStream's state survives; the power cut of the broker's
+ * host (broker_amnesia): its store dir copied while it is stopped (SIGSTOP, cp -a,
+ * SIGCONT), 0.5-2 s of load acked past that point, SIGKILL, the copy put back and the
+ * broker started on it, so what it acked since the copy is gone. A process that exits without
  * being killed is a "crash" event (a violation). Every process is recorded in
  * children[] so that a SIGTERM or SIGINT of the campaign kills them all. */
 #include <arpa/inet.h>
@@ -216,6 +219,45 @@ static void fault_kill(uint64_t *rng, size_t i, const char *kind, int sig, uint6
     chaos_nats_start(i);
 }
 
+/* Runs argv (cp, rm, mv) and waits for it; true when it exited 0. */
+static bool run_tool(const char *const *argv)
+{
+    int st = 0;
+    pid_t pid = fork();
+    if (pid == 0) {
+        execvp(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    return pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+static void fault_amnesia(uint64_t *rng, const volatile bool *stop)
+{
+    char store[600], copy[620];
+    pid_t pid = procs[NP_BROKER].pid;
+    bool hung, copied;
+    snprintf(store, sizeof(store), "%s/nats", run_cfg->dir);
+    snprintf(copy, sizeof(copy), "%s/nats.frozen", run_cfg->dir);
+    const char *rm_copy[] = {"rm", "-rf", copy, NULL}, *rm_store[] = {"rm", "-rf", store, NULL};
+    const char *cp[] = {"cp", "-a", store, copy, NULL}, *mv[] = {"mv", copy, store, NULL};
+    proc_event("fault", "broker_amnesia", NP_BROKER, pid);
+    kill(pid, SIGSTOP); /* what its disk holds at one instant */
+    copied = run_tool(rm_copy) && run_tool(cp);
+    kill(pid, SIGCONT);
+    for (uint64_t end = chaos_now_ms() + chaos_between(rng, 500, 2000);
+         chaos_now_ms() < end && !*stop;) {
+        chaos_sleep_ms(50); /* the relays publish, the broker acks past the copy */
+    }
+    end_process(pid, SIGKILL, &hung);
+    procs[NP_BROKER].pid = children[NP_BROKER] = 0;
+    if (!copied || !run_tool(rm_store) || !run_tool(mv)) {
+        fprintf(stderr, "chaos: broker_amnesia: copying %s failed; started on its own\n", store);
+    }
+    proc_event("fault_end", "broker_amnesia", NP_BROKER, pid);
+    chaos_sleep_ms(chaos_between(rng, 200, 1500));
+    chaos_nats_start(NP_BROKER);
+}
+
 static void fault_stop(uint64_t *rng, size_t i)
 {
     proc_event("fault", "consumer_stop", i, procs[i].pid);
@@ -263,8 +305,10 @@ uint64_t chaos_nats_faults(const chaos_cfg *cfg, const volatile bool *stop)
             fault_stop(&rng, consumer);
         } else if (pick < 75 && procs[producer].pid > 0) {
             fault_kill(&rng, producer, "relay_kill", SIGKILL, 100, 800);
-        } else if (pick < 90 && procs[NP_BROKER].pid > 0) {
+        } else if (pick < 85 && procs[NP_BROKER].pid > 0) {
             fault_kill(&rng, NP_BROKER, "broker_kill", SIGKILL, 200, 4000);
+        } else if (pick < 93 && procs[NP_BROKER].pid > 0) {
+            fault_amnesia(&rng, stop);
         } else if (procs[NP_BROKER].pid > 0) {
             fault_kill(&rng, NP_BROKER, "broker_term", SIGTERM, 200, 4000);
         } else {

@@ -75,11 +75,13 @@ enum {
     F_RELAY_KILL,
     F_BROKER_KILL,
     F_BROKER_TERM,
+    F_BROKER_AMNESIA,
     F_BIG_MESSAGE,
     F_COUNT
 };
 static const char *const f_names[F_COUNT] = {"consumer_kill", "consumer_stop", "relay_kill",
-                                             "broker_kill",   "broker_term",   "big_message"};
+                                             "broker_kill",   "broker_term",   "broker_amnesia",
+                                             "big_message"};
 
 static struct {
     entry *tab;

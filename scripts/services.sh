@@ -5,6 +5,7 @@
 #   bash scripts/services.sh stop
 #   bash scripts/services.sh restart-pg | stop-pg | stop-pgbouncer | stop-redis |
 #                            start-redis | restart-nats | stop-nats | start-nats  (tests)
+#                            freeze-nats | amnesia-nats  (tests: a broker host's power cut)
 #   bash scripts/services.sh pause-pg-writers | crash-pg   (tests: a crash before a flush)
 # Data lives in $IDEMRPC_SERVICES_DIR (default /tmp/idemrpc-services), removed by stop.
 # As root, PostgreSQL runs as the "postgres" user (initdb refuses root). The default
@@ -157,6 +158,31 @@ stop_nats() {
     rm -f "$DIR/nats.pid"
 }
 
+# The power cut of a broker host, in two steps (tests): freeze-nats copies the store as
+# it is on disk at one instant (the broker stopped meanwhile, SIGSTOP/SIGCONT);
+# amnesia-nats kills it (SIGKILL) and starts it on that copy, so what it acked after the
+# copy is gone, as after a crash before its file store synced.
+freeze_nats() {
+    local pid
+    pid=$(cat "$DIR/nats.pid")
+    kill -STOP "$pid"
+    rm -rf "$DIR/nats.frozen"
+    cp -a "$DIR/nats" "$DIR/nats.frozen" || { kill -CONT "$pid"; return 1; }
+    kill -CONT "$pid"
+}
+
+amnesia_nats() {
+    local pid
+    [ -d "$DIR/nats.frozen" ] || { echo "services: amnesia-nats: no freeze-nats copy" >&2; return 1; }
+    pid=$(cat "$DIR/nats.pid")
+    kill -KILL "$pid"
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    rm -f "$DIR/nats.pid"
+    rm -rf "$DIR/nats"
+    mv "$DIR/nats.frozen" "$DIR/nats"
+    start_nats
+}
+
 # The postmaster and its children (the instance's every process).
 pg_pids() {
     local pm
@@ -200,5 +226,7 @@ start-redis) start_redis ;;
 restart-nats) stop_nats && start_nats ;;
 stop-nats) stop_nats ;;
 start-nats) start_nats ;;
-*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|crash-pg|pause-pg-writers|stop-redis|start-redis|restart-nats|stop-nats|start-nats" >&2; exit 2 ;;
+freeze-nats) freeze_nats ;;
+amnesia-nats) amnesia_nats ;;
+*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|crash-pg|pause-pg-writers|stop-redis|start-redis|restart-nats|stop-nats|start-nats|freeze-nats|amnesia-nats" >&2; exit 2 ;;
 esac

@@ -161,3 +161,14 @@ const char *nt_store_spec(nt *e)
     }
     return spec;
 }
+
+idem_code nt_put_orders(idem_txn *t, const char *subject, int from, int to)
+{
+    char id[32];
+    idem_code code = IDEM_OK;
+    for (int i = from; code == IDEM_OK && i < to; i++) {
+        snprintf(id, sizeof(id), "order-%d", i);
+        code = idem_outbox_put(t, subject, id, "amount=1", 8);
+    }
+    return code;
+}

@@ -34,6 +34,8 @@ void nt_drain(nt *e, idem_nats_consumer *c, const char *durable);
 long nt_effects(nt *e, const char *key);
 /* Reads every dead letter so far: their reasons (at most max) and the count. */
 int nt_dead_letters(nt *e, char reasons[][256], int max);
+/* Inside t: outbox messages msg_id "order-<i>", data "amount=1", for i in [from, to). */
+idem_code nt_put_orders(idem_txn *t, const char *subject, int from, int to);
 /* The store as nats_worker's STORE argument ("lmdb:DIR" or "pg:CONNINFO"), static. */
 const char *nt_store_spec(nt *e);
 

@@ -19,12 +19,7 @@ typedef struct put_args {
 static idem_code put_orders(idem_txn *t, void *arg)
 {
     put_args *a = arg;
-    char id[32];
-    idem_code code = IDEM_OK;
-    for (int i = a->from; code == IDEM_OK && i < a->to; i++) {
-        snprintf(id, sizeof(id), "order-%d", i);
-        code = idem_outbox_put(t, a->subject, id, "amount=1", 8);
-    }
+    idem_code code = nt_put_orders(t, a->subject, a->from, a->to);
     return code != IDEM_OK ? code : a->result;
 }
 

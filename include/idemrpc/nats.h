@@ -202,7 +202,16 @@ IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
  * (parked): the messages behind it are relayed. Create the streams before the relay.
  * Off by default: nothing is relayed until a program starts a relay in its server
  * process. Several relays on one shared store may publish a message twice: the same two
- * guards cover it. */
+ * guards cover it.
+ * A broker may lose what it acked (JetStream acks before its disk has it, and syncs every
+ * 2 minutes by default): an acked message is therefore kept in the store (idem_outbox_keep)
+ * for the broker's sync interval (keep_ms, or what the broker reports in its varz when the
+ * relay's user may ask; removed at once when it reports sync_always). At open and after
+ * each reconnect the relay asks the broker for the newest kept message (its stream and
+ * sequence); when it is gone, or another message holds its sequence, or a publish is
+ * acked at a sequence at or below it, every kept message is put back into the outbox
+ * (idem_outbox_kept_restore) and published again, before anything newer: the duplicate
+ * window drops those the broker still has, the consumers' markers any other repeat. */
 
 typedef struct idem_nats_relay_opts {
     const char *url;          /* required */
@@ -214,14 +223,23 @@ typedef struct idem_nats_relay_opts {
     void *event_arg;
     idem_log_fn log_fn; /* failures once per outage, and one line per round at INFO */
     void *log_arg;
+    /* default (and 0) 120000, nats-server's default sync_interval: how long an acked
+       message stays kept when the broker does not say how it syncs (nats-server 2.9 never
+       does); a broker that reports a longer sync_interval: that long; sync_always: not
+       kept at all. */
+    unsigned keep_ms;
 } idem_nats_relay_opts;
 
 typedef struct idem_nats_relay_counts {
-    uint64_t published;  /* publishes the broker acked (stored) */
-    uint64_t duplicates; /* publishes the broker's dedupe window dropped */
-    uint64_t removed;    /* messages removed from the outbox after their ack */
-    uint64_t failures;   /* publishes or removals that failed (the message stays) */
-    uint64_t parked;     /* messages the broker refused for good, parked (idem_outbox_park) */
+    uint64_t published;   /* publishes the broker acked (stored) */
+    uint64_t duplicates;  /* publishes the broker's dedupe window dropped */
+    uint64_t removed;     /* messages removed from the outbox after their ack */
+    uint64_t failures;    /* publishes or removals that failed (the message stays) */
+    uint64_t parked;      /* messages the broker refused for good, parked (idem_outbox_park) */
+    uint64_t kept;        /* acked messages kept now, the broker may still lose them */
+    uint64_t kept_age_ms; /* how long ago the oldest of them was acked */
+    uint64_t losses;      /* times the broker came back without a kept message */
+    uint64_t restored;    /* kept messages put back into the outbox after a loss */
 } idem_nats_relay_counts;
 
 typedef struct idem_nats_relay idem_nats_relay;

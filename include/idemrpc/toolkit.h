@@ -269,6 +269,45 @@ IDEM_API idem_code idem_outbox_broker_limit(idem_store *st, uint64_t *max_payloa
  * it. The relay parks them, counts and logs them (nats.h). */
 IDEM_API idem_code idem_outbox_park(idem_store *st, const uint64_t *seqs, size_t n);
 
+/* ---- kept messages: acked by a broker that may still lose them ----
+ * A broker may ack a publish before it is on its disk (JetStream's file store syncs on a
+ * timer): a host crash then loses what it acked. The relay (nats.h) therefore moves an
+ * acked message out of the outbox into the kept log (in IDEM_OUTBOX_DB too), with where
+ * the broker put it, and drops it there once the broker's sync interval has passed; when
+ * the broker comes back without it, it puts every kept message back into the outbox. */
+#define IDEM_OUTBOX_MAX_STREAM 255 /* bytes of a stream name */
+
+typedef struct idem_outbox_ack {
+    uint64_t seq;        /* the outbox message (idem_outbox_msg.seq) */
+    uint64_t stream_seq; /* its sequence in the broker's stream */
+    char stream[IDEM_OUTBOX_MAX_STREAM + 1];
+} idem_outbox_ack;
+
+typedef struct idem_outbox_kept_info {
+    uint64_t count;         /* kept messages */
+    uint64_t oldest_ms;     /* when the oldest was acked (0: none kept) */
+    idem_outbox_ack newest; /* the one acked last (when count > 0) */
+    char newest_msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1];
+} idem_outbox_kept_info;
+
+/* In one write txn: moves the acked messages acks[0..n) (n <= IDEM_OUTBOX_MAX_BATCH) out
+ * of the outbox (as idem_outbox_remove does) into the kept log, in that order, noting
+ * now_ms as their ack time. A message removed before (another relay) is passed over. */
+IDEM_API idem_code idem_outbox_keep(idem_store *st, const idem_outbox_ack *acks, size_t n,
+                                    uint64_t now_ms);
+/* Outside a txn: how many are kept, the oldest's ack time, the newest (read again when
+ * another relay changed the log meanwhile; ABORTED after 4 such reads in a row). */
+IDEM_API idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out);
+/* In one write txn: drops up to max (<= IDEM_OUTBOX_MAX_BATCH) of the oldest kept
+ * messages acked before before_ms (the broker has synced them); *dropped may be NULL. */
+IDEM_API idem_code idem_outbox_kept_expire(idem_store *st, uint64_t before_ms, size_t max,
+                                           size_t *dropped);
+/* In one write txn: puts up to max (<= IDEM_OUTBOX_MAX_BATCH) of the newest kept messages
+ * back into the outbox at their own seq (relayed again in put order, before the messages
+ * put after them). Newest first: until the last one is back, the newest still kept is
+ * one the broker lost, so a relay that crashes half way finds the loss again. */
+IDEM_API idem_code idem_outbox_kept_restore(idem_store *st, size_t max, size_t *restored);
+
 #ifdef __cplusplus
 }
 #endif

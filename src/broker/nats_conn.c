@@ -151,7 +151,7 @@ void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char 
 }
 
 idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate,
-                             natsStatus *status)
+                             natsStatus *status, idem_outbox_ack *where)
 {
     jsPubAck *ack = NULL;
     jsErrCode jerr = 0;
@@ -164,6 +164,11 @@ idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *dupl
         return idem__nats_code(s, jerr, what);
     }
     *duplicate = ack->Duplicate;
+    if (where != NULL) {
+        where->stream_seq = ack->Sequence;
+        snprintf(where->stream, sizeof(where->stream), "%s",
+                 ack->Stream != NULL ? ack->Stream : "");
+    }
     jsPubAck_Destroy(ack);
     return IDEM_OK;
 }

@@ -81,7 +81,8 @@ static idem_code publish(jsCtx *js, int64_t limit, const char *subject, const ch
         natsMsg_Destroy(dm);
         return idem__nats_code(s, 0, "nats dead letter: message");
     }
-    idem_code code = idem__nats_publish(js, dm, "nats dead letter: publish", &duplicate, NULL);
+    idem_code code =
+        idem__nats_publish(js, dm, "nats dead letter: publish", &duplicate, NULL, NULL);
     natsMsg_Destroy(dm);
     return code;
 }

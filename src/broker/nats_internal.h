@@ -29,9 +29,10 @@ void idem__nats_log(idem_log_fn fn, void *arg, idem_log_level level, const char 
 
 /* Publishes m to JetStream within the context's wait; *duplicate when the broker's dedupe
  * window dropped it (its Nats-Msg-Id was seen); *status (may be NULL): libnats' own, e.g.
- * NATS_NO_RESPONDERS when nothing took the subject. */
+ * NATS_NO_RESPONDERS when nothing took the subject; *where (may be NULL): the stream and
+ * sequence the ack named (for a duplicate: the copy the broker has). */
 idem_code idem__nats_publish(jsCtx *js, natsMsg *m, const char *what, bool *duplicate,
-                             natsStatus *status);
+                             natsStatus *status, idem_outbox_ack *where);
 
 /* Asks JetStream which stream captures subject: IDEM_OK with *max_msg_size, that stream's
  * bound on a message, headers in (<= 0: none); IDEM_NOT_FOUND when JetStream answered
@@ -57,6 +58,20 @@ bool idem__nats_loop_pause(idem__nats_loop *l, uint64_t ms);
 void idem__nats_loop_fini(idem__nats_loop *l);
 /* *counter += n under l->mu. */
 void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
+
+/* How the broker syncs its file store (nats_keep.c), from the server's JetStream config
+ * in its varz ($SYS.REQ.SERVER.PING.VARZ, answered to a system account's user): *always
+ * when it syncs every write (sync_always), else *interval_ms its sync_interval. IDEM_OK
+ * when it said; NOT_FOUND when it did not (no answer within wait_ms, not a system user,
+ * or a server that reports no sync setting, such as nats-server 2.9). */
+idem_code idem__nats_sync_probe(natsConnection *nc, unsigned wait_ms, bool *always,
+                                uint64_t *interval_ms);
+
+/* Whether the broker lost the message k->newest (nats_keep.c): *lost when its stream is
+ * gone, its sequence holds another message (another Nats-Msg-Id), or the stream's last
+ * sequence is below it. A message its stream no longer has below its last sequence
+ * (retention removed it) is not lost. UNAVAILABLE when the broker did not answer. */
+idem_code idem__nats_lost(jsCtx *js, const idem_outbox_kept_info *k, bool *lost);
 
 /* What the stream that captures a consumer's dead letters takes: its max_msg_size
  * (<= 0: no bound), once read (known). Zeroed: not read yet. */

@@ -1,6 +1,9 @@
-/* The outbox relay (nats.h): outbox → JetStream → removal. Invariant: a message leaves
- * the outbox only after the broker acked its publish (stored, or dropped as a duplicate
- * of one it stored), so a crash anywhere publishes it again, never loses it; or parked
+/* The outbox relay (nats.h): outbox → JetStream → kept → removal. Invariant: a message
+ * leaves the outbox only after the broker acked its publish (stored, or dropped as a
+ * duplicate of one it stored), so a crash anywhere publishes it again, never loses it; and
+ * leaves the store only once the broker's sync interval has passed since that ack (kept
+ * until then: a broker host that crashes loses what it acked and did not sync, and the
+ * relay, finding the loss, puts every kept message back into the outbox); or parked
  * (kept in the store) when the broker refuses it for good (too large; or a subject no
  * stream takes, which JetStream itself said NOWHERE_ROUNDS rounds in a row), so that it
  * never holds back the messages behind it. The broker's max_payload is recorded in the
@@ -15,6 +18,8 @@
 #define DEFAULT_IDLE_MS 100
 #define DEFAULT_PUBLISH_WAIT_MS 5000
 #define NOWHERE_ROUNDS 5 /* rounds JetStream says no stream takes a subject: refused for good */
+#define DEFAULT_KEEP_MS 120000 /* nats-server's default sync_interval */
+#define PROBE_WAIT_MS 1000     /* the broker's varz: a system user's only */
 
 struct idem_nats_relay {
     idem_store *st;
@@ -24,12 +29,18 @@ struct idem_nats_relay {
     jsCtx *js;
     idem_outbox_msg *msgs; /* batch slots */
     uint64_t *seqs;        /* acked this round */
+    idem_outbox_ack *acks; /* the same, with where the broker put them */
     uint64_t *parked;      /* refused for good this round */
     size_t n_parked;
-    int64_t limit;        /* the max_payload recorded in the store (0: none yet) */
-    uint64_t nowhere_seq; /* the message that no stream took, */
-    unsigned nowhere;     /* in that many rounds in a row */
-    idem__nats_loop loop; /* its mu guards stats */
+    int64_t limit;          /* the max_payload recorded in the store (0: none yet) */
+    uint64_t nowhere_seq;   /* the message that no stream took, */
+    unsigned nowhere;       /* in that many rounds in a row */
+    uint64_t keep_ms;       /* the horizon: 0 when the broker syncs every write */
+    uint64_t reconnects;    /* the connection's, when the broker was last checked */
+    bool checked;           /* the broker was checked for a loss since (re)connecting */
+    bool lost;              /* it lost a kept message: restore them all before going on */
+    idem_outbox_ack newest; /* the newest ack known to hold (stream "": none) */
+    idem__nats_loop loop;   /* its mu guards stats */
     idem_nats_relay_counts stats;
 };
 
@@ -39,7 +50,7 @@ static void add(idem_nats_relay *r, uint64_t *counter, uint64_t n)
 }
 
 static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool *duplicate,
-                             natsStatus *status)
+                             natsStatus *status, idem_outbox_ack *where)
 {
     natsMsg *nm = NULL;
     natsStatus s = natsMsg_Create(&nm, m->subject, NULL, m->data, (int)m->len);
@@ -50,9 +61,9 @@ static idem_code publish_one(idem_nats_relay *r, const idem_outbox_msg *m, bool 
         s = natsMsgHeader_Set(nm, IDEM_NATS_KEY_HEADER, m->msg_id);
     }
     *status = s;
-    idem_code code = s == NATS_OK
-                         ? idem__nats_publish(r->js, nm, "nats relay: publish", duplicate, status)
-                         : idem__nats_code(s, 0, "nats relay: message");
+    idem_code code = s == NATS_OK ? idem__nats_publish(r->js, nm, "nats relay: publish", duplicate,
+                                                       status, where)
+                                  : idem__nats_code(s, 0, "nats relay: message");
     natsMsg_Destroy(nm);
     return code;
 }
@@ -92,6 +103,19 @@ static bool taken_by_no_stream(idem_nats_relay *r, const idem_outbox_msg *m)
     return true;
 }
 
+/* A publish the broker stored at or below the newest sequence it acked before in that
+ * stream: it forgot that one (a stream's sequence only grows). */
+static bool went_back(idem_nats_relay *r, const idem_outbox_ack *a)
+{
+    bool back = strcmp(a->stream, r->newest.stream) == 0 && a->stream_seq <= r->newest.stream_seq;
+    if (back) {
+        r->lost = true;
+    } else {
+        r->newest = *a;
+    }
+    return back;
+}
+
 /* Publishes msgs[0..n) in order until one fails, passing over those the broker refuses
  * for good; *acked = how many the broker acked. */
 static idem_code publish_batch(idem_nats_relay *r, size_t n, size_t *acked)
@@ -102,7 +126,8 @@ static idem_code publish_batch(idem_nats_relay *r, size_t n, size_t *acked)
     *acked = 0;
     for (size_t i = 0; i < n; i++) {
         const idem_outbox_msg *m = &r->msgs[i];
-        code = publish_one(r, m, &duplicate, &s);
+        idem_outbox_ack *a = &r->acks[*acked];
+        code = publish_one(r, m, &duplicate, &s, a);
         if (code == IDEM_OUT_OF_RANGE || (s == NATS_NO_RESPONDERS && taken_by_no_stream(r, m))) {
             refused(r, m);
             code = IDEM_OK;
@@ -113,9 +138,12 @@ static idem_code publish_batch(idem_nats_relay *r, size_t n, size_t *acked)
             break;
         }
         add(r, duplicate ? &r->stats.duplicates : &r->stats.published, 1);
-        r->seqs[(*acked)++] = m->seq;
+        a->seq = r->seqs[(*acked)++] = m->seq;
         if (r->o.on_published != NULL) {
             r->o.on_published(m, duplicate, r->o.event_arg);
+        }
+        if (!duplicate && went_back(r, a)) {
+            break; /* the broker forgot: restore what it may have lost first */
         }
     }
     return code;
@@ -136,6 +164,89 @@ static idem_code limit_sync(idem_nats_relay *r)
     return code;
 }
 
+/* After each (re)connect, before any publish: how the broker syncs (the horizon), and
+ * whether it lost the newest kept message. */
+static idem_code check_broker(idem_nats_relay *r)
+{
+    natsStatistics *ns = NULL;
+    uint64_t reconnects = 0, interval_ms;
+    idem_outbox_kept_info k;
+    bool always;
+    if (natsStatistics_Create(&ns) != NATS_OK || natsConnection_GetStats(r->nc, ns) != NATS_OK ||
+        natsStatistics_GetCounts(ns, NULL, NULL, NULL, NULL, &reconnects) != NATS_OK) {
+        natsStatistics_Destroy(ns);
+        return idem__err(IDEM_INTERNAL, "nats relay: connection statistics");
+    }
+    natsStatistics_Destroy(ns);
+    if (r->checked && reconnects == r->reconnects) {
+        return IDEM_OK;
+    }
+    r->keep_ms = r->o.keep_ms;
+    if (idem__nats_sync_probe(r->nc, PROBE_WAIT_MS, &always, &interval_ms) == IDEM_OK) {
+        r->keep_ms = always ? 0 : interval_ms > r->keep_ms ? interval_ms : r->keep_ms;
+    }
+    idem_code code = idem_outbox_kept(r->st, &k);
+    if (code == IDEM_OK) {
+        code = idem__nats_lost(r->js, &k, &r->lost);
+    }
+    if (code == IDEM_OK) {
+        r->checked = true;
+        r->reconnects = reconnects;
+        r->newest = k.count > 0 && !r->lost ? k.newest : (idem_outbox_ack){0};
+    }
+    return code;
+}
+
+/* After a loss: every kept message back into the outbox (newest first, all of them
+ * before the next publish), published again in put order from the next peek on. */
+static idem_code restore(idem_nats_relay *r)
+{
+    size_t n = 0;
+    idem_code code = IDEM_OK;
+    if (!r->lost) {
+        return IDEM_OK;
+    }
+    idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_ERROR,
+                   "nats relay: the broker lost acked messages; publishing the kept ones again");
+    add(r, &r->stats.losses, 1);
+    do {
+        code = idem_outbox_kept_restore(r->st, IDEM_OUTBOX_MAX_BATCH, &n);
+        add(r, &r->stats.restored, n);
+    } while (code == IDEM_OK && n > 0);
+    if (code == IDEM_OK) {
+        r->lost = false;
+        memset(&r->newest, 0, sizeof(r->newest));
+    }
+    return code;
+}
+
+/* The acked messages leave the outbox: kept, or removed when the broker syncs each write;
+ * those kept longer than the horizon leave the store; the counts are refreshed. */
+static idem_code settle(idem_nats_relay *r, size_t acked, uint64_t now_ms)
+{
+    idem_outbox_kept_info k;
+    size_t dropped;
+    idem_code code = r->keep_ms == 0 ? idem_outbox_remove(r->st, r->seqs, acked)
+                                     : idem_outbox_keep(r->st, r->acks, acked, now_ms);
+    if (code == IDEM_OK) {
+        code = idem_outbox_kept(r->st, &k);
+    }
+    while (code == IDEM_OK && k.count > 0 && k.oldest_ms + r->keep_ms <= now_ms) {
+        code = idem_outbox_kept_expire(r->st, now_ms - r->keep_ms + 1, IDEM_OUTBOX_MAX_BATCH,
+                                       &dropped);
+        if (code == IDEM_OK) {
+            code = idem_outbox_kept(r->st, &k);
+        }
+    }
+    if (code == IDEM_OK) {
+        pthread_mutex_lock(&r->loop.mu);
+        r->stats.kept = k.count;
+        r->stats.kept_age_ms = k.count > 0 && now_ms > k.oldest_ms ? now_ms - k.oldest_ms : 0;
+        pthread_mutex_unlock(&r->loop.mu);
+    }
+    return code;
+}
+
 idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
 {
     size_t n = 0, acked = 0;
@@ -147,6 +258,9 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
     }
     r->n_parked = 0;
     idem_code code = limit_sync(r);
+    if (code == IDEM_OK && (code = check_broker(r)) == IDEM_OK) {
+        code = restore(r);
+    }
     if (code == IDEM_OK) {
         code = idem_outbox_peek(r->st, r->msgs, r->o.batch, &n);
     }
@@ -155,10 +269,13 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
     }
     idem_errkeep k;
     idem__err_keep(&k);
-    idem_code removed = idem_outbox_remove(r->st, r->seqs, acked); /* only acked ones */
+    idem_code removed = settle(r, acked, idem__now_ms()); /* only acked ones */
     if (removed == IDEM_OK && /* else they stay: refused again next round */
         (removed = idem_outbox_park(r->st, r->parked, r->n_parked)) == IDEM_OK) {
         add(r, &r->stats.parked, r->n_parked);
+    }
+    if (removed == IDEM_OK) { /* a publish found the loss: before the relay stops here */
+        removed = restore(r);
     }
     idem_outbox_msgs_free(r->msgs, n);
     if (removed != IDEM_OK) { /* they stay: published again next round, deduped */
@@ -180,6 +297,7 @@ void idem_nats_relay_opts_init(idem_nats_relay_opts *o)
     o->batch = DEFAULT_BATCH;
     o->idle_ms = DEFAULT_IDLE_MS;
     o->publish_wait_ms = DEFAULT_PUBLISH_WAIT_MS;
+    o->keep_ms = DEFAULT_KEEP_MS;
 }
 
 idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem_nats_relay_opts *o)
@@ -197,14 +315,18 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     }
     r->st = st;
     r->o = *o;
+    r->o.keep_ms = o->keep_ms > 0 ? o->keep_ms : DEFAULT_KEEP_MS; /* 0: a program before it */
     idem__nats_loop_init(&r->loop);
     r->url = strdup(o->url);
     r->msgs = calloc(o->batch, sizeof(*r->msgs));
     r->seqs = calloc(o->batch, sizeof(*r->seqs));
     r->parked = calloc(o->batch, sizeof(*r->parked));
-    idem_code code = r->url == NULL || r->msgs == NULL || r->seqs == NULL || r->parked == NULL
-                         ? idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory")
-                         : idem__nats_connect(r->url, o->publish_wait_ms, &r->nc, &r->js);
+    r->acks = calloc(o->batch, sizeof(*r->acks));
+    r->keep_ms = r->o.keep_ms;
+    idem_code code =
+        r->url == NULL || r->msgs == NULL || r->seqs == NULL || r->parked == NULL || r->acks == NULL
+            ? idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory")
+            : idem__nats_connect(r->url, o->publish_wait_ms, &r->nc, &r->js);
     if (code == IDEM_OK) { /* the store may be away: put assumes the default, rounds retry */
         (void)limit_sync(r);
     }
@@ -268,6 +390,7 @@ void idem_nats_relay_close(idem_nats_relay *r)
     free(r->msgs);
     free(r->seqs);
     free(r->parked);
+    free(r->acks);
     free(r->url);
     free(r);
 }

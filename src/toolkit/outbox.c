@@ -1,15 +1,19 @@
 /* The transactional outbox: messages a handler writes in its own write txn, so that a
  * message exists if and only if the business change that owes it committed. A relay
- * (nats.h) publishes them in order and removes each only after the broker acked it; a
- * crash between the two publishes it again under the same msg_id.
+ * (nats.h) publishes them in order and removes each only after the broker acked it (into
+ * the kept log, outbox_kept.c, while the broker may still lose it); a crash between the
+ * two publishes it again under the same msg_id.
  *
  * One business database, IDEM_OUTBOX_DB:
  *   'q'            → be64 head ‖ be64 next      live messages are in [head, next)
  *   'm' be64 seq   → be16 |subject| subject ‖ be16 |msg_id| msg_id ‖ data
  *   'p' be64 seq   → the same bytes: a parked message (the broker refuses it for good)
  *   'l'            → be64 max_payload            the broker's limit a relay recorded
+ *   'K', 'k' be64 i → the kept log (outbox_kept.c): acked, the broker may still lose them
  * put appends at next; remove (and park) deletes one message and moves head past every
- * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows. */
+ * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows,
+ * but for kept messages put back after the broker lost them (idem_outbox_kept_restore:
+ * head goes back to the oldest of them, at its own seq). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,7 +21,7 @@
 
 #include "idemrpc/toolkit.h"
 
-#define MSG_KEY_LEN 9
+#define MSG_KEY_LEN IDEM__OUTBOX_KEY_LEN
 
 static const uint8_t LIMIT_KEY[1] = {'l'};
 #define LIMIT_MAX ((uint64_t)1 << 31)
@@ -28,7 +32,7 @@ static void seq_key(uint8_t k[MSG_KEY_LEN], char kind, uint64_t seq)
     idem__put_be64(k + 1, seq);
 }
 
-static void msg_key(uint8_t k[MSG_KEY_LEN], uint64_t seq)
+void idem__outbox_msg_key(uint8_t k[IDEM__OUTBOX_KEY_LEN], uint64_t seq)
 {
     seq_key(k, 'm', seq);
 }
@@ -98,15 +102,14 @@ idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, 
     }
     code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
-        msg_key(k, next);
+        idem__outbox_msg_key(k, next);
         code = idem_txn_put(t, IDEM_OUTBOX_DB, k, sizeof(k), v, 4 + ls + li + len);
     }
     free(v);
     return code != IDEM_OK ? code : idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next + 1);
 }
 
-/* Splits a stored message into out (data copied). */
-static idem_code msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out)
+idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out)
 {
     size_t ls = n >= 2 ? (size_t)(v[0] << 8 | v[1]) : 0, li;
     if (ls == 0 || ls > IDEM_OUTBOX_MAX_SUBJECT || n < 4 + ls) {
@@ -153,14 +156,14 @@ idem_code idem_outbox_peek(idem_store *st, idem_outbox_msg *out, size_t max, siz
     /* Looks at no more than 2·max slots: removed ones behind a slow head are skipped. */
     for (uint64_t seq = head; code == IDEM_OK && seq < next && *n < max && seq - head < 2 * max;
          seq++) {
-        msg_key(k, seq);
+        idem__outbox_msg_key(k, seq);
         if ((code = idem_store_app_get(st, IDEM_OUTBOX_DB, k, sizeof(k), &v, &len)) ==
             IDEM_NOT_FOUND) {
             code = IDEM_OK;
             continue;
         }
         if (code == IDEM_OK) {
-            code = msg_decode(v, len, seq, &out[*n]);
+            code = idem__outbox_msg_decode(v, len, seq, &out[*n]);
             free(v);
             *n += code == IDEM_OK;
         }
@@ -192,7 +195,7 @@ static idem_code remove_one(idem_txn *t, uint64_t seq, bool park)
     uint8_t k[MSG_KEY_LEN], pk[MSG_KEY_LEN];
     const void *v;
     size_t n;
-    msg_key(k, seq);
+    idem__outbox_msg_key(k, seq);
     idem_code code = park ? idem_txn_get(t, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n) : IDEM_OK;
     if (park && code == IDEM_OK) {
         seq_key(pk, 'p', seq);
@@ -204,21 +207,15 @@ static idem_code remove_one(idem_txn *t, uint64_t seq, bool park)
     return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* removed before (another relay) */
 }
 
-/* The bounds row first, as in put: on PostgreSQL writers then queue on it, no deadlock. */
-static idem_code remove_txn(idem_txn *t, void *arg)
+idem_code idem__outbox_advance(idem_txn *t, uint64_t head, uint64_t next)
 {
-    remove_args *a = arg;
-    uint64_t head, next;
     uint8_t k[MSG_KEY_LEN];
     const void *v;
     size_t n;
-    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
-    for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
-        code = remove_one(t, a->seqs[i], a->park);
-    }
     uint64_t start = head;
-    while (code == IDEM_OK && head < next && head - start < IDEM_OUTBOX_MAX_BATCH) {
-        msg_key(k, head);
+    idem_code code = IDEM_OK;
+    while (head < next && head - start < IDEM_OUTBOX_MAX_BATCH) {
+        idem__outbox_msg_key(k, head);
         if ((code = idem_txn_get(t, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n)) != IDEM_NOT_FOUND) {
             break;
         }
@@ -229,6 +226,18 @@ static idem_code remove_txn(idem_txn *t, void *arg)
         return code;
     }
     return head != start ? idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next) : IDEM_OK;
+}
+
+/* The bounds row first, as in put: on PostgreSQL writers then queue on it, no deadlock. */
+static idem_code remove_txn(idem_txn *t, void *arg)
+{
+    remove_args *a = arg;
+    uint64_t head, next;
+    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
+    for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
+        code = remove_one(t, a->seqs[i], a->park);
+    }
+    return code != IDEM_OK ? code : idem__outbox_advance(t, head, next);
 }
 
 static idem_code remove_or_park(idem_store *st, const uint64_t *seqs, size_t n, bool park)

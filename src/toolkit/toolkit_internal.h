@@ -22,5 +22,21 @@ static inline size_t idem__bounded_len(const char *s, size_t max)
 idem_code idem__log_bounds_get(idem_txn *t, const char *db, uint64_t *head, uint64_t *next);
 idem_code idem__log_bounds_read(idem_store *st, const char *db, uint64_t *head, uint64_t *next);
 idem_code idem__log_bounds_put(idem_txn *t, const char *db, uint64_t head, uint64_t next);
+/* The same under one-byte key key instead of 'q' (a second log in db). */
+idem_code idem__log_bounds_get_at(idem_txn *t, const char *db, uint8_t key, uint64_t *head,
+                                  uint64_t *next);
+idem_code idem__log_bounds_read_at(idem_store *st, const char *db, uint8_t key, uint64_t *head,
+                                   uint64_t *next);
+idem_code idem__log_bounds_put_at(idem_txn *t, const char *db, uint8_t key, uint64_t head,
+                                  uint64_t next);
+
+/* The outbox (outbox.c): the key of message seq ('m' ‖ be64 seq); _advance moves head
+ * past the removed messages at the front (at most IDEM_OUTBOX_MAX_BATCH) and writes the
+ * bounds row when it moved. */
+#define IDEM__OUTBOX_KEY_LEN 9
+void idem__outbox_msg_key(uint8_t k[IDEM__OUTBOX_KEY_LEN], uint64_t seq);
+idem_code idem__outbox_advance(idem_txn *t, uint64_t head, uint64_t next);
+/* Splits a stored message v[0..n) into out (data copied: idem_outbox_msgs_free). */
+idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out);
 
 #endif

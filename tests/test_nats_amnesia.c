@@ -1,0 +1,246 @@
+/* A broker that forgets what it acked (issue 41): JetStream acks a publish before its file
+ * store synced it, so a crash of its host loses the messages acked since the last sync.
+ * The test makes that power cut on a real nats-server (scripts/services.sh: freeze-nats
+ * copies its store with the broker stopped; amnesia-nats kills it and starts it on the
+ * copy) with the outbox relay and a durable consumer on either side, and every committed
+ * message must still take effect once. Then the other side of keeping: a clean restart
+ * publishes nothing again, the horizon follows what the broker reports, and the kept log
+ * on its own. Needs $IDEMRPC_TEST_NATS and $IDEMRPC_SERVICES; runs on LMDB
+ * (nats_amnesia) and PostgreSQL (nats_amnesia_pg). */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "nats_util.h"
+
+#define ORDERS 40
+#define WAIT_ROUNDS 150 /* relay round + consumer poll each: a hang guard, not timing */
+
+typedef struct put_args {
+    int from, to;
+    const char *subject;
+} put_args;
+
+static idem_code put_orders(idem_txn *t, void *arg)
+{
+    put_args *a = arg;
+    return nt_put_orders(t, a->subject, a->from, a->to);
+}
+
+/* Commits orders [from, to) with their outbox messages and relays them until acked (the
+ * broker may be starting: rounds that fail meanwhile are paced, not counted). */
+static void commit_and_relay(nt *e, idem_nats_relay *r, int from, int to)
+{
+    put_args a = {from, to, e->in};
+    uint64_t pending = 1;
+    cr_assert_eq(idem_store_run_txn(e->st, put_orders, &a), IDEM_OK, "%s", idem_errmsg());
+    for (int i = 0; i < WAIT_ROUNDS && pending > 0; i++) {
+        if (idem_nats_relay_run_once(r, NULL) != IDEM_OK) {
+            nats_Sleep(20);
+        }
+        cr_assert_eq(idem_outbox_pending(e->st, &pending), IDEM_OK, "%s", idem_errmsg());
+    }
+    cr_assert_eq(pending, 0, "the broker never acked orders %d..%d", from, to - 1);
+    cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
+}
+
+static void services(const char *what)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "%s %s", getenv("IDEMRPC_SERVICES"), what);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+static int applied(nt *e)
+{
+    char key[32];
+    int n = 0;
+    for (int i = 0; i < ORDERS; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        n += nt_effects(e, key) > 0;
+    }
+    return n;
+}
+
+Test(nats_amnesia, a_broker_that_loses_acked_messages_still_applies_each_committed_one_once)
+{
+    nt e;
+    idem_nats_relay_opts ro;
+    idem_nats_relay *r;
+    idem_nats_consumer_opts co;
+    idem_nats_relay_counts s;
+    char key[32];
+    if (getenv("IDEMRPC_SERVICES") == NULL) {
+        cr_skip_test("IDEMRPC_SERVICES not set: cannot cut the broker's power");
+    }
+    nt_setup(&e, "amnesia");
+    idem_nats_relay_opts_init(&ro);
+    ro.url = e.url;
+    cr_assert_eq(idem_nats_relay_open(&r, e.st, &ro), IDEM_OK, "%s", idem_errmsg());
+    nt_opts(&e, &co, "credit");
+    co.fetch_wait_ms = 100;
+    idem_nats_consumer *c = nt_consumer(&e, &co); /* the durable, before the copy */
+    commit_and_relay(&e, r, 0, ORDERS / 2);
+    services("freeze-nats");                     /* what the broker's disk holds now */
+    commit_and_relay(&e, r, ORDERS / 2, ORDERS); /* acked, not on that disk */
+    services("amnesia-nats");
+    for (int i = 0; i < WAIT_ROUNDS && (applied(&e) < ORDERS || !nt_settled(&e, "credit")); i++) {
+        (void)idem_nats_relay_run_once(r, NULL); /* fails while the broker is away */
+        (void)idem_nats_consumer_poll(c, NULL);
+    }
+    for (int i = 0; i < ORDERS; i++) {
+        snprintf(key, sizeof(key), "order-%d", i);
+        cr_expect_eq(nt_effects(&e, key), 1, "%s: %ld effects", key, nt_effects(&e, key));
+    }
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.losses, 1, "%llu losses found", (unsigned long long)s.losses);
+    cr_expect_geq(s.restored, ORDERS / 2, "%llu restored", (unsigned long long)s.restored);
+    idem_nats_consumer_close(c);
+    idem_nats_relay_close(r);
+    nt_teardown(&e);
+}
+
+static idem_nats_relay_counts counts(idem_nats_relay *r)
+{
+    idem_nats_relay_counts s;
+    idem_nats_relay_stats(r, &s);
+    return s;
+}
+
+/* The other side: what the broker did not lose is not published again (a clean restart
+ * syncs the file store), and a kept message leaves the store once keep_ms has passed. */
+Test(nats_amnesia, keeps_acked_messages_for_keep_ms_and_a_clean_restart_loses_none)
+{
+    nt e;
+    idem_nats_relay_opts ro;
+    idem_nats_relay *r;
+    idem_outbox_kept_info k;
+    if (getenv("IDEMRPC_SERVICES") == NULL) {
+        cr_skip_test("IDEMRPC_SERVICES not set: cannot restart the broker");
+    }
+    nt_setup(&e, "kept");
+    idem_nats_relay_opts_init(&ro);
+    ro.url = e.url;
+    ro.keep_ms = 60000;
+    cr_assert_eq(idem_nats_relay_open(&r, e.st, &ro), IDEM_OK, "%s", idem_errmsg());
+    commit_and_relay(&e, r, 0, 10);
+    cr_assert_eq(idem_outbox_kept(e.st, &k), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(k.count, 10);
+    cr_expect_str_eq(k.newest_msg_id, "order-9");
+    cr_expect_eq(counts(r).kept, 10);
+    services("restart-nats");
+    commit_and_relay(&e, r, 10, 11); /* acked: the relay reconnected and checked */
+    cr_expect_eq(counts(r).losses, 0, "a clean restart taken for a loss");
+    cr_expect_eq(counts(r).kept, 11);
+    idem_nats_relay_close(r);
+    ro.keep_ms = 1; /* the same store, a relay whose horizon is over for all of them */
+    cr_assert_eq(idem_nats_relay_open(&r, e.st, &ro), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(counts(r).kept, 0);
+    cr_assert_eq(idem_outbox_kept(e.st, &k), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(k.count, 0);
+    idem_nats_relay_close(r);
+    nt_teardown(&e);
+}
+
+/* Acks for outbox messages 0..n-1 as if the broker stored them at 100 + seq. */
+static void fake_acks(idem_outbox_ack *a, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        a[i] = (idem_outbox_ack){.seq = i, .stream_seq = 100 + i};
+        snprintf(a[i].stream, sizeof(a[i].stream), "S");
+    }
+}
+
+static void expect_peek(idem_store *st, const char *const *ids, size_t n)
+{
+    idem_outbox_msg m[4];
+    size_t got;
+    cr_assert_eq(idem_outbox_peek(st, m, 4, &got), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(got, n);
+    for (size_t i = 0; i < got && i < n; i++) {
+        cr_expect_str_eq(m[i].msg_id, ids[i]);
+    }
+    idem_outbox_msgs_free(m, got);
+}
+
+/* The store's side alone: a relay that crashes half way through a restore leaves the
+ * oldest kept, the newest back in the outbox; the rest come back before it, in order. */
+Test(nats_amnesia, kept_messages_come_back_newest_first_and_leave_in_put_order)
+{
+    tu_backend b;
+    idem_outbox_ack acks[3];
+    idem_outbox_kept_info k;
+    size_t n;
+    idem_store *st = tu_backend_open(&b, "kept");
+    put_args a = {0, 3, "S.in"};
+    cr_assert_eq(idem_store_run_txn(st, put_orders, &a), IDEM_OK, "%s", idem_errmsg());
+    fake_acks(acks, 3);
+    cr_assert_eq(idem_outbox_keep(st, acks, 3, 1000), IDEM_OK, "%s", idem_errmsg());
+    expect_peek(st, NULL, 0);
+    cr_assert_eq(idem_outbox_kept_restore(st, 1, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 1);
+    expect_peek(st, (const char *const[]){"order-2"}, 1);
+    cr_assert_eq(idem_outbox_kept(st, &k), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(k.count, 2);
+    cr_expect_str_eq(k.newest_msg_id, "order-1");
+    cr_expect_eq(k.newest.stream_seq, 101);
+    cr_assert_eq(idem_outbox_kept_restore(st, 8, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 2);
+    expect_peek(st, (const char *const[]){"order-0", "order-1", "order-2"}, 3);
+    fake_acks(acks, 3); /* published again: kept again, then past their horizon */
+    cr_assert_eq(idem_outbox_keep(st, acks, 3, 2000), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_outbox_kept_expire(st, 2000, 8, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 0, "acked at 2000: not before 2000");
+    cr_assert_eq(idem_outbox_kept_expire(st, 2001, 8, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 3);
+    cr_assert_eq(idem_outbox_kept(st, &k), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(k.count, 0);
+    tu_backend_close(&b);
+}
+
+/* Answers the relay's varz request as a server with that JetStream config would. */
+static void varz_answer(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *config)
+{
+    char body[256];
+    (void)sub;
+    snprintf(body, sizeof(body), "{\"data\":{\"jetstream\":{\"config\":{%s}}}}",
+             (const char *)config);
+    natsConnection_PublishString(nc, natsMsg_GetReply(m), body);
+    natsMsg_Destroy(m);
+}
+
+/* Relays orders [from, to) with a relay that asks a broker reporting config; its count. */
+static uint64_t kept_under(nt *e, const char *config, unsigned keep_ms, int from, int to)
+{
+    idem_nats_relay_opts ro;
+    idem_nats_relay *r;
+    natsSubscription *sub = NULL;
+    cr_assert_eq(natsConnection_Subscribe(&sub, e->nc, "$SYS.REQ.SERVER.PING.VARZ", varz_answer,
+                                          (void *)config),
+                 NATS_OK);
+    cr_assert_eq(natsConnection_Flush(e->nc), NATS_OK);
+    idem_nats_relay_opts_init(&ro);
+    ro.url = e->url;
+    ro.keep_ms = keep_ms;
+    cr_assert_eq(idem_nats_relay_open(&r, e->st, &ro), IDEM_OK, "%s", idem_errmsg());
+    commit_and_relay(e, r, from, to);
+    nats_Sleep(20); /* time past a keep_ms of 1 ms, far inside a sync_interval of minutes */
+    cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
+    uint64_t kept = counts(r).kept;
+    idem_nats_relay_close(r);
+    natsSubscription_Destroy(sub);
+    return kept;
+}
+
+/* Detected, not assumed: what the broker reports in its varz sets the horizon. */
+Test(nats_amnesia, the_horizon_follows_the_sync_setting_the_broker_reports)
+{
+    nt e;
+    nt_setup(&e, "sync");
+    cr_expect_eq(kept_under(&e, "\"sync_always\":true", 0, 0, 5), 0, "synced at the ack: kept");
+    cr_expect_eq(kept_under(&e, "\"sync_interval\":600000000000", 1, 5, 10), 5,
+                 "a 10-minute sync_interval under a 1 ms keep_ms: dropped");
+    cr_expect_eq(kept_under(&e, "\"max_memory\":1", 1, 10, 15), 0, "no sync setting: keep_ms");
+    nt_teardown(&e);
+}
