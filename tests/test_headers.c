@@ -144,7 +144,8 @@ Test(headers, every_default_server_h_documents_is_the_one_the_server_uses)
          300e3, o.signature_window_ms},
         {"redrive_batch", "redrive_batch; listed calls looked at per pass; 0 = 16 ", 16,
          o.redrive_batch},
-        {"redrive_max_runs", "Re-runs of one call; 0 = 3, at most 254\\.", 3, o.redrive_max_runs},
+        {"redrive_max_runs", "Re-runs of one call .{0,160}; 0 = 3, at most 254\\.", 3,
+         o.redrive_max_runs},
         {"http_request_timeout_ms",
          "within http_request_timeout_ms of its first byte, else 408 "
          "and the connection closes \\(0 = 10 s\\)",
