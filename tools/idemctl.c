@@ -1,13 +1,13 @@
-/* idemctl: look at and repair an idemrpc LMDB store, also while a server uses it (LMDB
- * readers never block the writer; writes here queue behind the server's like any other
- * process's).
+/* idemctl: look at and repair an idemrpc store, LMDB (--db DIR) or PostgreSQL (--pg
+ * CONNINFO), also while servers use it (LMDB readers never block the writer; writes here
+ * queue behind the servers' like any other process's).
  *
- *   idemctl --db DIR [--json] stats
- *   idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed] [--limit N]
- *   idemctl --db DIR [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
- *   idemctl --db DIR [--json] show --digest HEX [--caller C]  (the key= of a log line)
- *   idemctl --db DIR purge --expired
- *   idemctl --db DIR delete METHOD KEY [--caller C] [--force]
+ *   idemctl STORE [--json] stats
+ *   idemctl STORE [--json] list [--caller C] [--state in_progress|completed] [--limit N]
+ *   idemctl STORE [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
+ *   idemctl STORE [--json] show --digest HEX [--caller C]  (the key= of a log line)
+ *   idemctl STORE purge --expired
+ *   idemctl STORE delete METHOD KEY [--caller C] [--force]
  *
  * Exit status: 0 done, 1 not found / refused / store error, 2 bad usage. */
 #include <inttypes.h>
@@ -47,15 +47,18 @@ static int cmd_stats(idem_store *st, const args *a)
         fprintf(stderr, "idemctl: %s\n", idem_errmsg());
         return 1;
     }
+    /* map_size 0: a store with no fixed map (PostgreSQL). */
     if (a->json) {
         printf("{\"records\":%zu,\"in_progress\":%zu,\"completed\":%zu,\"tokens\":%zu,"
                "\"map_size\":%zu,\"map_used\":%zu}\n",
                s.records, s.in_progress, s.completed, s.tokens, s.map_size, s.map_used);
-    } else {
-        printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n"
-               "map used     %zu of %zu bytes (%.1f%%)\n",
-               s.records, s.in_progress, s.completed, s.tokens, s.map_used, s.map_size,
-               s.map_size ? 100.0 * (double)s.map_used / (double)s.map_size : 0.0);
+        return 0;
+    }
+    printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n", s.records,
+           s.in_progress, s.completed, s.tokens);
+    if (s.map_size) {
+        printf("map used     %zu of %zu bytes (%.1f%%)\n", s.map_used, s.map_size,
+               100.0 * (double)s.map_used / (double)s.map_size);
     }
     return 0;
 }
@@ -337,6 +340,19 @@ static int cmd_delete(idem_store *st, const args *a)
     return 0;
 }
 
+/* The store the command line names; an existing one only (nothing created from a
+ * mistyped --db or --pg). LMDB opens read-only unless the command writes. */
+static idem_code open_store(const args *a, bool writes, idem_store **st)
+{
+    if (a->pg != NULL) {
+        idem_pg_opts o = {.pool_size = 1, .existing = true};
+        return idem_store_open_postgres_ex(st, a->pg, &o);
+    }
+    /* map_size 0: LMDB keeps the size the store was created with when it is larger. */
+    return idem_store_open_lmdb(st, a->db, 0,
+                                IDEM_STORE_EXISTING | (writes ? 0 : IDEM_STORE_READONLY));
+}
+
 int main(int argc, char **argv)
 {
     static const struct {
@@ -358,10 +374,7 @@ int main(int argc, char **argv)
             continue;
         }
         idem_store *st;
-        /* map_size 0: LMDB keeps the size the store was created with when it is larger. */
-        if (idem_store_open_lmdb(&st, a.db, 0,
-                                 IDEM_STORE_EXISTING |
-                                     (cmds[i].writes ? 0 : IDEM_STORE_READONLY)) != IDEM_OK) {
+        if (open_store(&a, cmds[i].writes, &st) != IDEM_OK) {
             fprintf(stderr, "idemctl: %s\n", idem_errmsg());
             return 1;
         }

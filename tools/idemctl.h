@@ -6,7 +6,8 @@
 #include <stdio.h>
 
 typedef struct args {
-    const char *db, *cmd, *caller, *state, *method, *key;
+    /* The store: exactly one of db (an LMDB directory) and pg (a libpq conninfo). */
+    const char *db, *pg, *cmd, *caller, *state, *method, *key;
     const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
     bool json, force, expired, caller_set;
     long limit;

@@ -11,13 +11,15 @@
 
 void idemctl_usage(FILE *f)
 {
-    fprintf(f, "usage: idemctl --db DIR [--json] stats\n"
-               "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
+    fprintf(f, "usage: idemctl STORE [--json] stats\n"
+               "       idemctl STORE [--json] list [--caller C] [--state in_progress|completed]"
                " [--limit N]\n"
-               "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
-               "       idemctl --db DIR [--json] show --digest HEX [--caller C]\n"
-               "       idemctl --db DIR purge --expired\n"
-               "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n"
+               "       idemctl STORE [--json] show METHOD KEY [--caller C]\n"
+               "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
+               "       idemctl STORE purge --expired\n"
+               "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
+               "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
+               "  the servers take it: 'host=H dbname=D' or postgres://...);\n"
                "  options may come before or after the command; --limit defaults to 100;\n"
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
                "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
@@ -48,8 +50,8 @@ static bool check_positionals(const args *a, int npos)
 /* What the options and arguments together must satisfy. */
 static bool check_args(const args *a, int npos)
 {
-    if (a->db == NULL) {
-        fprintf(stderr, "idemctl: --db DIR is required\n");
+    if ((a->db == NULL) == (a->pg == NULL)) {
+        fprintf(stderr, "idemctl: name one store: --db DIR or --pg CONNINFO\n");
         return false;
     }
     if (a->cmd == NULL) {
@@ -71,6 +73,9 @@ static bool parse_option(int opt, const char *v, args *a)
     switch (opt) {
     case 'd':
         a->db = v;
+        return true;
+    case 'p':
+        a->pg = v;
         return true;
     case 'c':
         a->caller = v;
@@ -108,6 +113,7 @@ static bool parse_option(int opt, const char *v, args *a)
 
 /* The long options of parse. */
 static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
+                                      {"pg", required_argument, NULL, 'p'},
                                       {"caller", required_argument, NULL, 'c'},
                                       {"state", required_argument, NULL, 's'},
                                       {"limit", required_argument, NULL, 'n'},
