@@ -57,6 +57,29 @@ await sh -c "\"\$0\" --pg \"\$1\" purge --expired | grep -q 'purged [1-9]'" "$ID
 ctl list | grep -q ' short ' && fail "purge left the expired record"
 ctl list | grep -q ' k1 ' || fail "purge removed a live record"
 
+# Calls in progress: the owner (the claim's fence) and the lease, live while the server
+# renews it and lapsed once it is killed; list --older-ms / --lapsed find them.
+kill "$demo"; wait "$demo" 2>/dev/null || true
+start_demo --store "$pg" --delay-ms 60000 --lease-ms 600
+"$IDEMRPC_CALL" "$sock" demo.Counter/Add 1 --key stuck >/dev/null 2>&1 &
+caller=$!
+await sh -c "\"\$0\" --pg \"\$1\" list --older-ms 0 | grep -q ' stuck '" "$IDEMCTL" "$pg"
+out=$(ctl show demo.Counter/Add stuck)
+grep -q '^owner        [1-9]' <<<"$out" || fail "show names no owner: $out"
+grep -q '^lease until  .* (live, [0-9]* ms left)$' <<<"$out" || fail "a renewed lease is not live: $out"
+ctl list --lapsed | grep -q ' stuck ' && fail "list --lapsed shows a live lease"
+ctl list --older-ms 3600000 | grep -q ' stuck ' && fail "list --older-ms 3600000 shows a new call"
+kill -9 "$demo"; wait "$demo" 2>/dev/null || true; demo=
+await sh -c "\"\$0\" --pg \"\$1\" list --lapsed | grep -q ' stuck .* lapsed$'" "$IDEMCTL" "$pg"
+ctl show demo.Counter/Add stuck | grep -q '^lease until  .* (lapsed [0-9]* ms ago)$' ||
+    fail "show of a lapsed lease: $(ctl show demo.Counter/Add stuck)"
+ctl --json list --lapsed | grep -q '"key":"stuck","state":"in_progress","owner":[1-9][0-9]*,.*"lease":"lapsed"' ||
+    fail "json list --lapsed: $(ctl --json list --lapsed)"
+ctl --json show demo.Counter/Add stuck | grep -q '"lease":"lapsed","store_now_ms":[1-9]' ||
+    fail "json show of a lapsed lease: $(ctl --json show demo.Counter/Add stuck)"
+ctl list --lapsed --state completed 2>/dev/null && fail "--lapsed with --state completed accepted"
+kill "$caller" 2>/dev/null; wait "$caller" 2>/dev/null || true
+
 # A database (search_path) without the store's tables: every verb exits 1 naming it, and
 # nothing is created there; a database that does not answer exits 1 too.
 empty="$IDEMRPC_TEST_PG options='-csearch_path=${schema}_empty'"

@@ -4,6 +4,7 @@
  *
  *   idemctl STORE [--json] stats
  *   idemctl STORE [--json] list [--caller C] [--state in_progress|completed] [--limit N]
+ *                               [--lapsed] [--older-ms MS]   (calls in progress)
  *   idemctl STORE [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
  *   idemctl STORE [--json] show --digest HEX [--caller C]  (the key= of a log line)
  *   idemctl STORE purge --expired
@@ -28,6 +29,31 @@
 static const char *state_name(idem_record_state s)
 {
     return s == IDEM_REC_IN_PROGRESS ? "in_progress" : "completed";
+}
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* The clock rec's times are judged on: PostgreSQL reads its own with the record (the
+ * database's), LMDB keeps the callers' times (this host's). */
+static uint64_t store_now(const idem_record *rec)
+{
+    return rec->now_ms ? rec->now_ms : now_ms();
+}
+
+/* An IN_PROGRESS record whose owner stopped renewing: the next claim takes it over. */
+static bool lease_lapsed(const idem_record *rec)
+{
+    return rec->state == IDEM_REC_IN_PROGRESS && rec->lease_until_ms <= store_now(rec);
+}
+
+static const char *lease_name(const idem_record *rec)
+{
+    return rec->state != IDEM_REC_IN_PROGRESS ? "-" : lease_lapsed(rec) ? "lapsed" : "live";
 }
 
 static void print_time(uint64_t ms)
@@ -68,12 +94,27 @@ typedef struct list_state {
     long shown;
 } list_state;
 
+/* --lapsed and --older-ms select calls in progress only. */
+static bool list_wanted(const args *a, const idem_key_ref *k, const idem_record *rec)
+{
+    if ((a->caller[0] && strcmp(a->caller, k->caller) != 0) ||
+        (a->state && strcmp(a->state, state_name(rec->state)) != 0)) {
+        return false;
+    }
+    if ((a->lapsed || a->older_ms >= 0) && rec->state != IDEM_REC_IN_PROGRESS) {
+        return false;
+    }
+    if (a->lapsed && !lease_lapsed(rec)) {
+        return false;
+    }
+    return a->older_ms < 0 || rec->first_at_ms + (uint64_t)a->older_ms <= store_now(rec);
+}
+
 static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
 {
     list_state *ls = arg;
     const args *a = ls->a;
-    if ((a->caller[0] && strcmp(a->caller, k->caller) != 0) ||
-        (a->state && strcmp(a->state, state_name(rec->state)) != 0)) {
+    if (!list_wanted(a, k, rec)) {
         return true;
     }
     if (ls->shown >= a->limit) {
@@ -86,19 +127,21 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
         idem__json_fputs(stdout, k->method);
         fputs(",\"key\":", stdout);
         idem__json_fputs(stdout, k->key);
-        printf(",\"state\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64 "}",
-               state_name(rec->state), rec->first_at_ms, rec->expires_ms);
+        printf(",\"state\":\"%s\",\"owner\":%" PRIu64 ",\"first_at_ms\":%" PRIu64
+               ",\"lease_until_ms\":%" PRIu64 ",\"lease\":\"%s\",\"expires_ms\":%" PRIu64 "}",
+               state_name(rec->state), rec->owner, rec->first_at_ms, rec->lease_until_ms,
+               lease_name(rec), rec->expires_ms);
     } else {
         if (ls->shown == 0) {
-            printf("%-16s %-32s %-32s %-11s %-20s %s\n", "CALLER", "METHOD", "KEY", "STATE",
-                   "FIRST_AT", "EXPIRES");
+            printf("%-16s %-32s %-32s %-11s %-20s %-20s %s\n", "CALLER", "METHOD", "KEY", "STATE",
+                   "FIRST_AT", "EXPIRES", "LEASE");
         }
         printf("%-16s %-32s %-32s %-11s ", k->caller[0] ? k->caller : "-", k->method, k->key,
                state_name(rec->state));
         print_time(rec->first_at_ms);
         putchar(' ');
         print_time(rec->expires_ms);
-        putchar('\n');
+        printf(" %s\n", lease_name(rec));
     }
     ls->shown++;
     return true;
@@ -169,21 +212,28 @@ static void print_record(const idem_key_ref *k, const idem_record *rec, bool jso
         idem__json_fputs(stdout, k->method);
         fputs(",\"key\":", stdout);
         idem__json_fputs(stdout, k->key);
-        printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"fingerprint\":\"%s\","
-               "\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
+        printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"owner\":%" PRIu64
+               ",\"fingerprint\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64
+               ",\"lease\":\"%s\",\"store_now_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
                ",\"response\":",
-               digest, state_name(rec->state), fp, rec->first_at_ms, rec->lease_until_ms,
-               rec->expires_ms);
+               digest, state_name(rec->state), rec->owner, fp, rec->first_at_ms,
+               rec->lease_until_ms, lease_name(rec), store_now(rec), rec->expires_ms);
         print_response(rec, true);
         puts("}");
         return;
     }
     printf("caller       %s\nmethod       %s\nkey          %s\nkey digest   %s\n",
            k->caller[0] ? k->caller : "-", k->method, k->key, digest);
-    printf("state        %s\nfingerprint  %s\nfirst at     ", state_name(rec->state), fp);
+    printf("state        %s\nowner        %" PRIu64 "\nfingerprint  %s\nfirst at     ",
+           state_name(rec->state), rec->owner, fp);
     print_time(rec->first_at_ms);
     fputs(rec->state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
     print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
+    if (rec->state == IDEM_REC_IN_PROGRESS) {
+        uint64_t now = store_now(rec), until = rec->lease_until_ms;
+        printf(until <= now ? " (lapsed %" PRIu64 " ms ago)" : " (live, %" PRIu64 " ms left)",
+               until <= now ? now - until : until - now);
+    }
     putchar('\n');
     print_response(rec, false);
 }
@@ -287,13 +337,6 @@ static int cmd_show(idem_store *st, const args *a)
     }
     free_refs(&ss);
     return rc;
-}
-
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
 static int cmd_purge(idem_store *st, const args *a)

@@ -10,6 +10,8 @@ typedef struct args {
     const char *db, *pg, *cmd, *caller, *state, *method, *key;
     const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
     bool json, force, expired, caller_set;
+    bool lapsed;   /* list: IN_PROGRESS records whose lease has passed */
+    long older_ms; /* list: IN_PROGRESS records claimed at least this long ago; -1 = any */
     long limit;
 } args;
 

@@ -14,6 +14,7 @@ void idemctl_usage(FILE *f)
     fprintf(f, "usage: idemctl STORE [--json] stats\n"
                "       idemctl STORE [--json] list [--caller C] [--state in_progress|completed]"
                " [--limit N]\n"
+               "                                   [--lapsed] [--older-ms MS]\n"
                "       idemctl STORE [--json] show METHOD KEY [--caller C]\n"
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
                "       idemctl STORE purge --expired\n"
@@ -23,6 +24,9 @@ void idemctl_usage(FILE *f)
                "  options may come before or after the command; --limit defaults to 100;\n"
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
                "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
+               "  list --lapsed: calls in progress whose lease has passed (their owner stopped\n"
+               "  renewing it); --older-ms MS: calls in progress claimed MS or more ago (both on\n"
+               "  the store's clock: PostgreSQL's, this host's for LMDB);\n"
                "  idemctl --version prints the version\n");
 }
 
@@ -58,6 +62,12 @@ static bool check_args(const args *a, int npos)
         fprintf(stderr, "idemctl: no command (stats, list, show, purge, delete)\n");
         return false;
     }
+    if ((a->lapsed || a->older_ms >= 0) &&
+        (strcmp(a->cmd, "list") != 0 || (a->state && strcmp(a->state, "completed") == 0))) {
+        fprintf(stderr, "idemctl: --lapsed and --older-ms are options of list (calls in "
+                        "progress)\n");
+        return false;
+    }
     if (a->state != NULL && strcmp(a->state, "in_progress") != 0 &&
         strcmp(a->state, "completed") != 0) {
         fprintf(stderr, "idemctl: --state: '%s' is not in_progress or completed\n", a->state);
@@ -69,7 +79,7 @@ static bool check_args(const args *a, int npos)
 /* One option (getopt_long's opt) and its value v into a; false on a bad value. */
 static bool parse_option(int opt, const char *v, args *a)
 {
-    uint64_t limit;
+    uint64_t num;
     switch (opt) {
     case 'd':
         a->db = v;
@@ -92,10 +102,10 @@ static bool parse_option(int opt, const char *v, args *a)
         a->state = v;
         return true;
     case 'n':
-        if (!cli_parse_u64("idemctl", "--limit", v, 0, LONG_MAX, &limit)) {
+        if (!cli_parse_u64("idemctl", "--limit", v, 0, LONG_MAX, &num)) {
             return false;
         }
-        a->limit = (long)limit;
+        a->limit = (long)num;
         return true;
     case 'j':
         a->json = true;
@@ -105,6 +115,15 @@ static bool parse_option(int opt, const char *v, args *a)
         return true;
     case 'e':
         a->expired = true;
+        return true;
+    case 'l':
+        a->lapsed = true;
+        return true;
+    case 'o':
+        if (!cli_parse_u64("idemctl", "--older-ms", v, 0, LONG_MAX, &num)) {
+            return false;
+        }
+        a->older_ms = (long)num;
         return true;
     default:
         return false; /* getopt_long said which option */
@@ -120,6 +139,8 @@ static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
                                       {"json", no_argument, NULL, 'j'},
                                       {"force", no_argument, NULL, 'f'},
                                       {"expired", no_argument, NULL, 'e'},
+                                      {"lapsed", no_argument, NULL, 'l'},
+                                      {"older-ms", required_argument, NULL, 'o'},
                                       {"digest", required_argument, NULL, 'g'},
                                       {"help", no_argument, NULL, 'h'},
                                       {"version", no_argument, NULL, CLI_OPT_VERSION},
@@ -133,7 +154,7 @@ bool idemctl_parse(int argc, char **argv, args *a, int *status)
     const char *pos[4] = {0};
     int npos = 0, opt;
 
-    *a = (args){.caller = "", .limit = 100};
+    *a = (args){.caller = "", .limit = 100, .older_ms = -1};
     *status = CLI_USAGE_ERROR;
     while ((opt = getopt_long(argc, argv, "-h", longs, NULL)) != -1) {
         if (opt == 'h' || opt == CLI_OPT_VERSION) {
