@@ -7,6 +7,7 @@
  *                               [--lapsed] [--older-ms MS]   (calls in progress)
  *   idemctl STORE [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
  *   idemctl STORE [--json] show --digest HEX [--caller C]  (the key= of a log line)
+ *   idemctl STORE [--json] outbox [--limit N]               (idemctl_queues.c)
  *   idemctl STORE purge --expired
  *   idemctl STORE delete METHOD KEY [--caller C] [--force]
  *
@@ -402,11 +403,9 @@ int main(int argc, char **argv)
         const char *name;
         int (*fn)(idem_store *, const args *);
         bool writes;
-    } cmds[] = {{"stats", cmd_stats, false},
-                {"list", cmd_list, false},
-                {"show", cmd_show, false},
-                {"purge", cmd_purge, true},
-                {"delete", cmd_delete, true}};
+    } cmds[] = {{"stats", cmd_stats, false}, {"list", cmd_list, false},
+                {"show", cmd_show, false},   {"outbox", idemctl_outbox, false},
+                {"purge", cmd_purge, true},  {"delete", cmd_delete, true}};
     args a;
     int status;
     if (!idemctl_parse(argc, argv, &a, &status)) {

@@ -17,6 +17,7 @@ void idemctl_usage(FILE *f)
                "                                   [--lapsed] [--older-ms MS]\n"
                "       idemctl STORE [--json] show METHOD KEY [--caller C]\n"
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
+               "       idemctl STORE [--json] outbox [--limit N]\n"
                "       idemctl STORE purge --expired\n"
                "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
                "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
@@ -27,6 +28,7 @@ void idemctl_usage(FILE *f)
                "  list --lapsed: calls in progress whose lease has passed (their owner stopped\n"
                "  renewing it); --older-ms MS: calls in progress claimed MS or more ago (both on\n"
                "  the store's clock: PostgreSQL's, this host's for LMDB);\n"
+               "  outbox: messages not yet relayed, and the oldest (--limit N: the oldest N);\n"
                "  idemctl --version prints the version\n");
 }
 
@@ -59,7 +61,7 @@ static bool check_args(const args *a, int npos)
         return false;
     }
     if (a->cmd == NULL) {
-        fprintf(stderr, "idemctl: no command (stats, list, show, purge, delete)\n");
+        fprintf(stderr, "idemctl: no command (stats, list, show, outbox, purge, delete)\n");
         return false;
     }
     if ((a->lapsed || a->older_ms >= 0) &&
@@ -106,6 +108,7 @@ static bool parse_option(int opt, const char *v, args *a)
             return false;
         }
         a->limit = (long)num;
+        a->limit_set = true;
         return true;
     case 'j':
         a->json = true;
