@@ -8,6 +8,7 @@
  *   idemctl STORE [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
  *   idemctl STORE [--json] show --digest HEX [--caller C]  (the key= of a log line)
  *   idemctl STORE [--json] outbox [--limit N]               (idemctl_queues.c)
+ *   idemctl STORE [--json] markers GROUP [--limit N]        (idemctl_queues.c)
  *   idemctl STORE purge --expired
  *   idemctl STORE delete METHOD KEY [--caller C] [--force]
  *
@@ -57,7 +58,7 @@ static const char *lease_name(const idem_record *rec)
     return rec->state != IDEM_REC_IN_PROGRESS ? "-" : lease_lapsed(rec) ? "lapsed" : "live";
 }
 
-static void print_time(uint64_t ms)
+void idemctl_print_time(uint64_t ms)
 {
     time_t t = (time_t)(ms / 1000);
     struct tm tm;
@@ -139,9 +140,9 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
         }
         printf("%-16s %-32s %-32s %-11s ", k->caller[0] ? k->caller : "-", k->method, k->key,
                state_name(rec->state));
-        print_time(rec->first_at_ms);
+        idemctl_print_time(rec->first_at_ms);
         putchar(' ');
-        print_time(rec->expires_ms);
+        idemctl_print_time(rec->expires_ms);
         printf(" %s\n", lease_name(rec));
     }
     ls->shown++;
@@ -227,9 +228,9 @@ static void print_record(const idem_key_ref *k, const idem_record *rec, bool jso
            k->caller[0] ? k->caller : "-", k->method, k->key, digest);
     printf("state        %s\nowner        %" PRIu64 "\nfingerprint  %s\nfirst at     ",
            state_name(rec->state), rec->owner, fp);
-    print_time(rec->first_at_ms);
+    idemctl_print_time(rec->first_at_ms);
     fputs(rec->state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
-    print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
+    idemctl_print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
     if (rec->state == IDEM_REC_IN_PROGRESS) {
         uint64_t now = store_now(rec), until = rec->lease_until_ms;
         printf(until <= now ? " (lapsed %" PRIu64 " ms ago)" : " (live, %" PRIu64 " ms left)",
@@ -403,9 +404,12 @@ int main(int argc, char **argv)
         const char *name;
         int (*fn)(idem_store *, const args *);
         bool writes;
-    } cmds[] = {{"stats", cmd_stats, false}, {"list", cmd_list, false},
-                {"show", cmd_show, false},   {"outbox", idemctl_outbox, false},
-                {"purge", cmd_purge, true},  {"delete", cmd_delete, true}};
+    } cmds[] = {
+        {"stats", cmd_stats, false},         {"list", cmd_list, false},
+        {"show", cmd_show, false},           {"outbox", idemctl_outbox, false},
+        {"markers", idemctl_markers, false}, {"purge", cmd_purge, true},
+        {"delete", cmd_delete, true},
+    };
     args a;
     int status;
     if (!idemctl_parse(argc, argv, &a, &status)) {

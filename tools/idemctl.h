@@ -3,6 +3,7 @@
 #define IDEMCTL_H
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 
 typedef struct args {
@@ -15,9 +16,13 @@ typedef struct args {
     long limit;
 } args;
 
-/* The outbox verb (idemctl_queues.c): exit status 0 or 1. */
+/* The queue verbs (idemctl_queues.c): exit status 0 or 1. markers takes its GROUP in
+ * a->method (the first positional argument). */
 struct idem_store;
 int idemctl_outbox(struct idem_store *st, const args *a);
+int idemctl_markers(struct idem_store *st, const args *a);
+/* ms since the epoch as an ISO 8601 UTC time, to stdout. */
+void idemctl_print_time(uint64_t ms);
 
 /* Prints the usage text to f. */
 void idemctl_usage(FILE *f);

@@ -18,6 +18,7 @@ void idemctl_usage(FILE *f)
                "       idemctl STORE [--json] show METHOD KEY [--caller C]\n"
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
                "       idemctl STORE [--json] outbox [--limit N]\n"
+               "       idemctl STORE [--json] markers GROUP [--limit N]\n"
                "       idemctl STORE purge --expired\n"
                "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
                "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
@@ -29,6 +30,8 @@ void idemctl_usage(FILE *f)
                "  renewing it); --older-ms MS: calls in progress claimed MS or more ago (both on\n"
                "  the store's clock: PostgreSQL's, this host's for LMDB);\n"
                "  outbox: messages not yet relayed, and the oldest (--limit N: the oldest N);\n"
+               "  markers GROUP: the consume markers of a group not purged yet, and the oldest\n"
+               "  (counts up to --limit N, default 100000, one read each);\n"
                "  idemctl --version prints the version\n");
 }
 
@@ -41,6 +44,12 @@ static bool check_positionals(const args *a, int npos)
         return false;
     }
     bool needs_key = (show && a->digest == NULL) || strcmp(a->cmd, "delete") == 0;
+    if (strcmp(a->cmd, "markers") == 0) {
+        if (npos != 2) {
+            fprintf(stderr, "idemctl: markers needs GROUP\n");
+        }
+        return npos == 2;
+    }
     if (needs_key && npos != 3) {
         fprintf(stderr, "idemctl: %s needs METHOD KEY%s\n", a->cmd,
                 show ? " (or --digest HEX)" : "");
@@ -61,7 +70,8 @@ static bool check_args(const args *a, int npos)
         return false;
     }
     if (a->cmd == NULL) {
-        fprintf(stderr, "idemctl: no command (stats, list, show, outbox, purge, delete)\n");
+        fprintf(stderr,
+                "idemctl: no command (stats, list, show, outbox, markers, purge, delete)\n");
         return false;
     }
     if ((a->lapsed || a->older_ms >= 0) &&

@@ -77,3 +77,32 @@ int idemctl_outbox(idem_store *st, const args *a)
     free(msgs);
     return 0;
 }
+
+#define MARKERS_WALKED 100000 /* markers counted without --limit: one read each */
+
+/* markers GROUP: how many messages the group has consumed that idem_consume_purge has
+ * not removed yet, and the oldest consumption among them. */
+int idemctl_markers(idem_store *st, const args *a)
+{
+    idem_consume_markers m;
+    size_t max = a->limit_set && a->limit > 0 ? (size_t)a->limit : MARKERS_WALKED;
+    if (idem_consume_group_markers(st, a->method, max, &m) != IDEM_OK) {
+        fprintf(stderr, "idemctl: %s\n", idem_errmsg());
+        return 1;
+    }
+    if (a->json) {
+        fputs("{\"group\":", stdout);
+        idem__json_fputs(stdout, a->method);
+        printf(",\"markers\":%" PRIu64 ",\"more\":%s,\"oldest_ms\":%" PRIu64 "}\n", m.count,
+               m.more ? "true" : "false", m.oldest_ms);
+        return 0;
+    }
+    printf("group        %s\nmarkers      %s%" PRIu64 "\n", a->method, m.more ? "more than " : "",
+           m.count);
+    if (m.count > 0) {
+        fputs("oldest       ", stdout);
+        idemctl_print_time(m.oldest_ms);
+        putchar('\n');
+    }
+    return 0;
+}
