@@ -85,7 +85,7 @@ int idemctl_outbox(idem_store *st, const args *a)
 int idemctl_markers(idem_store *st, const args *a)
 {
     idem_consume_markers m;
-    size_t max = a->limit_set && a->limit > 0 ? (size_t)a->limit : MARKERS_WALKED;
+    size_t max = a->limit_set ? (size_t)a->limit : MARKERS_WALKED; /* 0: INVALID_ARGUMENT */
     if (idem_consume_group_markers(st, a->method, max, &m) != IDEM_OK) {
         fprintf(stderr, "idemctl: %s\n", idem_errmsg());
         return 1;
