@@ -61,6 +61,21 @@ ctl list | grep -q ' short ' && fail "purge left the expired record"
 ctl list | grep -q ' k1 ' || fail "purge removed a live record"
 "$IDEMCTL" --db "$work/db" bogus && fail "bad command accepted"
 
+# A call in progress: its owner and a live lease; after kill -9, list --lapsed finds it
+# (LMDB: judged on this host's clock).
+kill "$demo"; wait "$demo" 2>/dev/null || true
+start_demo --delay-ms 60000 --lease-ms 600
+"$IDEMRPC_CALL" "$sock" demo.Counter/Add 1 --key stuck >/dev/null 2>&1 &
+caller=$!
+await sh -c "'$IDEMCTL' --db '$work/db' list --older-ms 0 | grep -q ' stuck '"
+ctl show demo.Counter/Add stuck | grep -q '^lease until  .* (live, [0-9]* ms left)$' ||
+    fail "a renewed lease is not live: $(ctl show demo.Counter/Add stuck)"
+kill -9 "$demo"; wait "$demo" 2>/dev/null || true; demo=
+await sh -c "'$IDEMCTL' --db '$work/db' list --lapsed | grep -q ' stuck .* lapsed$'"
+ctl --json show demo.Counter/Add stuck | grep -q '"owner":[1-9][0-9]*,.*"lease":"lapsed"' ||
+    fail "json show of a lapsed lease: $(ctl --json show demo.Counter/Add stuck)"
+kill "$caller" 2>/dev/null; wait "$caller" 2>/dev/null || true
+
 # A path that is not a store: every verb exits 1 naming it, and nothing is created
 # (a mistyped --db never becomes an empty store that "purged 0").
 mkdir "$work/empty" "$work/other"

@@ -74,7 +74,7 @@ expect 2 "--log-level" err "$demo" --log-level loud
 expect 2 "unexpected argument" err "$demo" stray
 expect 2 "--limit" err "$ctl" --db "$work/db" list --limit ten
 expect 2 "--state" err "$ctl" --db "$work/db" list --state done
-expect 2 "--db DIR is required" err "$ctl" stats
+expect 2 "name one store: --db DIR or --pg CONNINFO" err "$ctl" stats
 expect 2 "needs METHOD KEY" err "$ctl" --db "$work/db" show demo.Counter/Add
 expect 2 "unknown command" err "$ctl" --db "$work/db" bogus
 expect 2 "--count" err "$bench" --count 0

@@ -1,13 +1,16 @@
-/* idemctl: look at and repair an idemrpc LMDB store, also while a server uses it (LMDB
- * readers never block the writer; writes here queue behind the server's like any other
- * process's).
+/* idemctl: look at and repair an idemrpc store, LMDB (--db DIR) or PostgreSQL (--pg
+ * CONNINFO), also while servers use it (LMDB readers never block the writer; writes here
+ * queue behind the servers' like any other process's).
  *
- *   idemctl --db DIR [--json] stats
- *   idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed] [--limit N]
- *   idemctl --db DIR [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
- *   idemctl --db DIR [--json] show --digest HEX [--caller C]  (the key= of a log line)
- *   idemctl --db DIR purge --expired
- *   idemctl --db DIR delete METHOD KEY [--caller C] [--force]
+ *   idemctl STORE [--json] stats
+ *   idemctl STORE [--json] list [--caller C] [--state in_progress|completed] [--limit N]
+ *                               [--lapsed] [--older-ms MS]   (calls in progress)
+ *   idemctl STORE [--json] show METHOD KEY [--caller C]    (no --caller: any caller)
+ *   idemctl STORE [--json] show --digest HEX [--caller C]  (the key= of a log line)
+ *   idemctl STORE [--json] outbox [--limit N]               (idemctl_queues.c)
+ *   idemctl STORE [--json] markers GROUP [--limit N]        (idemctl_queues.c)
+ *   idemctl STORE purge --expired
+ *   idemctl STORE delete METHOD KEY [--caller C] [--force]
  *
  * Exit status: 0 done, 1 not found / refused / store error, 2 bad usage. */
 #include <inttypes.h>
@@ -30,7 +33,32 @@ static const char *state_name(idem_record_state s)
     return s == IDEM_REC_IN_PROGRESS ? "in_progress" : "completed";
 }
 
-static void print_time(uint64_t ms)
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* The clock rec's times are judged on: PostgreSQL reads its own with the record (the
+ * database's), LMDB keeps the callers' times (this host's). */
+static uint64_t store_now(const idem_record *rec)
+{
+    return rec->now_ms ? rec->now_ms : now_ms();
+}
+
+/* An IN_PROGRESS record whose owner stopped renewing: the next claim takes it over. */
+static bool lease_lapsed(const idem_record *rec)
+{
+    return rec->state == IDEM_REC_IN_PROGRESS && rec->lease_until_ms <= store_now(rec);
+}
+
+static const char *lease_name(const idem_record *rec)
+{
+    return rec->state != IDEM_REC_IN_PROGRESS ? "-" : lease_lapsed(rec) ? "lapsed" : "live";
+}
+
+void idemctl_print_time(uint64_t ms)
 {
     time_t t = (time_t)(ms / 1000);
     struct tm tm;
@@ -47,15 +75,18 @@ static int cmd_stats(idem_store *st, const args *a)
         fprintf(stderr, "idemctl: %s\n", idem_errmsg());
         return 1;
     }
+    /* map_size 0: a store with no fixed map (PostgreSQL). */
     if (a->json) {
         printf("{\"records\":%zu,\"in_progress\":%zu,\"completed\":%zu,\"tokens\":%zu,"
                "\"map_size\":%zu,\"map_used\":%zu}\n",
                s.records, s.in_progress, s.completed, s.tokens, s.map_size, s.map_used);
-    } else {
-        printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n"
-               "map used     %zu of %zu bytes (%.1f%%)\n",
-               s.records, s.in_progress, s.completed, s.tokens, s.map_used, s.map_size,
-               s.map_size ? 100.0 * (double)s.map_used / (double)s.map_size : 0.0);
+        return 0;
+    }
+    printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n", s.records,
+           s.in_progress, s.completed, s.tokens);
+    if (s.map_size) {
+        printf("map used     %zu of %zu bytes (%.1f%%)\n", s.map_used, s.map_size,
+               100.0 * (double)s.map_used / (double)s.map_size);
     }
     return 0;
 }
@@ -65,12 +96,27 @@ typedef struct list_state {
     long shown;
 } list_state;
 
+/* --lapsed and --older-ms select calls in progress only. */
+static bool list_wanted(const args *a, const idem_key_ref *k, const idem_record *rec)
+{
+    if ((a->caller[0] && strcmp(a->caller, k->caller) != 0) ||
+        (a->state && strcmp(a->state, state_name(rec->state)) != 0)) {
+        return false;
+    }
+    if ((a->lapsed || a->older_ms >= 0) && rec->state != IDEM_REC_IN_PROGRESS) {
+        return false;
+    }
+    if (a->lapsed && !lease_lapsed(rec)) {
+        return false;
+    }
+    return a->older_ms < 0 || rec->first_at_ms + (uint64_t)a->older_ms <= store_now(rec);
+}
+
 static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
 {
     list_state *ls = arg;
     const args *a = ls->a;
-    if ((a->caller[0] && strcmp(a->caller, k->caller) != 0) ||
-        (a->state && strcmp(a->state, state_name(rec->state)) != 0)) {
+    if (!list_wanted(a, k, rec)) {
         return true;
     }
     if (ls->shown >= a->limit) {
@@ -83,19 +129,21 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
         idem__json_fputs(stdout, k->method);
         fputs(",\"key\":", stdout);
         idem__json_fputs(stdout, k->key);
-        printf(",\"state\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64 "}",
-               state_name(rec->state), rec->first_at_ms, rec->expires_ms);
+        printf(",\"state\":\"%s\",\"owner\":%" PRIu64 ",\"first_at_ms\":%" PRIu64
+               ",\"lease_until_ms\":%" PRIu64 ",\"lease\":\"%s\",\"expires_ms\":%" PRIu64 "}",
+               state_name(rec->state), rec->owner, rec->first_at_ms, rec->lease_until_ms,
+               lease_name(rec), rec->expires_ms);
     } else {
         if (ls->shown == 0) {
-            printf("%-16s %-32s %-32s %-11s %-20s %s\n", "CALLER", "METHOD", "KEY", "STATE",
-                   "FIRST_AT", "EXPIRES");
+            printf("%-16s %-32s %-32s %-11s %-20s %-20s %s\n", "CALLER", "METHOD", "KEY", "STATE",
+                   "FIRST_AT", "EXPIRES", "LEASE");
         }
         printf("%-16s %-32s %-32s %-11s ", k->caller[0] ? k->caller : "-", k->method, k->key,
                state_name(rec->state));
-        print_time(rec->first_at_ms);
+        idemctl_print_time(rec->first_at_ms);
         putchar(' ');
-        print_time(rec->expires_ms);
-        putchar('\n');
+        idemctl_print_time(rec->expires_ms);
+        printf(" %s\n", lease_name(rec));
     }
     ls->shown++;
     return true;
@@ -166,21 +214,28 @@ static void print_record(const idem_key_ref *k, const idem_record *rec, bool jso
         idem__json_fputs(stdout, k->method);
         fputs(",\"key\":", stdout);
         idem__json_fputs(stdout, k->key);
-        printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"fingerprint\":\"%s\","
-               "\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
+        printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"owner\":%" PRIu64
+               ",\"fingerprint\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64
+               ",\"lease\":\"%s\",\"store_now_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
                ",\"response\":",
-               digest, state_name(rec->state), fp, rec->first_at_ms, rec->lease_until_ms,
-               rec->expires_ms);
+               digest, state_name(rec->state), rec->owner, fp, rec->first_at_ms,
+               rec->lease_until_ms, lease_name(rec), store_now(rec), rec->expires_ms);
         print_response(rec, true);
         puts("}");
         return;
     }
     printf("caller       %s\nmethod       %s\nkey          %s\nkey digest   %s\n",
            k->caller[0] ? k->caller : "-", k->method, k->key, digest);
-    printf("state        %s\nfingerprint  %s\nfirst at     ", state_name(rec->state), fp);
-    print_time(rec->first_at_ms);
+    printf("state        %s\nowner        %" PRIu64 "\nfingerprint  %s\nfirst at     ",
+           state_name(rec->state), rec->owner, fp);
+    idemctl_print_time(rec->first_at_ms);
     fputs(rec->state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
-    print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
+    idemctl_print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
+    if (rec->state == IDEM_REC_IN_PROGRESS) {
+        uint64_t now = store_now(rec), until = rec->lease_until_ms;
+        printf(until <= now ? " (lapsed %" PRIu64 " ms ago)" : " (live, %" PRIu64 " ms left)",
+               until <= now ? now - until : until - now);
+    }
     putchar('\n');
     print_response(rec, false);
 }
@@ -286,13 +341,6 @@ static int cmd_show(idem_store *st, const args *a)
     return rc;
 }
 
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 static int cmd_purge(idem_store *st, const args *a)
 {
     if (!a->expired) {
@@ -337,17 +385,31 @@ static int cmd_delete(idem_store *st, const args *a)
     return 0;
 }
 
+/* The store the command line names; an existing one only (nothing created from a
+ * mistyped --db or --pg). LMDB opens read-only unless the command writes. */
+static idem_code open_store(const args *a, bool writes, idem_store **st)
+{
+    if (a->pg != NULL) {
+        idem_pg_opts o = {.pool_size = 1, .existing = true};
+        return idem_store_open_postgres_ex(st, a->pg, &o);
+    }
+    /* map_size 0: LMDB keeps the size the store was created with when it is larger. */
+    return idem_store_open_lmdb(st, a->db, 0,
+                                IDEM_STORE_EXISTING | (writes ? 0 : IDEM_STORE_READONLY));
+}
+
 int main(int argc, char **argv)
 {
     static const struct {
         const char *name;
         int (*fn)(idem_store *, const args *);
         bool writes;
-    } cmds[] = {{"stats", cmd_stats, false},
-                {"list", cmd_list, false},
-                {"show", cmd_show, false},
-                {"purge", cmd_purge, true},
-                {"delete", cmd_delete, true}};
+    } cmds[] = {
+        {"stats", cmd_stats, false},         {"list", cmd_list, false},
+        {"show", cmd_show, false},           {"outbox", idemctl_outbox, false},
+        {"markers", idemctl_markers, false}, {"purge", cmd_purge, true},
+        {"delete", cmd_delete, true},
+    };
     args a;
     int status;
     if (!idemctl_parse(argc, argv, &a, &status)) {
@@ -358,10 +420,7 @@ int main(int argc, char **argv)
             continue;
         }
         idem_store *st;
-        /* map_size 0: LMDB keeps the size the store was created with when it is larger. */
-        if (idem_store_open_lmdb(&st, a.db, 0,
-                                 IDEM_STORE_EXISTING |
-                                     (cmds[i].writes ? 0 : IDEM_STORE_READONLY)) != IDEM_OK) {
+        if (open_store(&a, cmds[i].writes, &st) != IDEM_OK) {
             fprintf(stderr, "idemctl: %s\n", idem_errmsg());
             return 1;
         }

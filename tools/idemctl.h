@@ -3,14 +3,26 @@
 #define IDEMCTL_H
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 
 typedef struct args {
-    const char *db, *cmd, *caller, *state, *method, *key;
+    /* The store: exactly one of db (an LMDB directory) and pg (a libpq conninfo). */
+    const char *db, *pg, *cmd, *caller, *state, *method, *key;
     const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
-    bool json, force, expired, caller_set;
+    bool json, force, expired, caller_set, limit_set;
+    bool lapsed;   /* list: IN_PROGRESS records whose lease has passed */
+    long older_ms; /* list: IN_PROGRESS records claimed at least this long ago; -1 = any */
     long limit;
 } args;
+
+/* The queue verbs (idemctl_queues.c): exit status 0 or 1. markers takes its GROUP in
+ * a->method (the first positional argument). */
+struct idem_store;
+int idemctl_outbox(struct idem_store *st, const args *a);
+int idemctl_markers(struct idem_store *st, const args *a);
+/* ms since the epoch as an ISO 8601 UTC time, to stdout. */
+void idemctl_print_time(uint64_t ms);
 
 /* Prints the usage text to f. */
 void idemctl_usage(FILE *f);

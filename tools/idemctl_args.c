@@ -11,16 +11,27 @@
 
 void idemctl_usage(FILE *f)
 {
-    fprintf(f, "usage: idemctl --db DIR [--json] stats\n"
-               "       idemctl --db DIR [--json] list [--caller C] [--state in_progress|completed]"
+    fprintf(f, "usage: idemctl STORE [--json] stats\n"
+               "       idemctl STORE [--json] list [--caller C] [--state in_progress|completed]"
                " [--limit N]\n"
-               "       idemctl --db DIR [--json] show METHOD KEY [--caller C]\n"
-               "       idemctl --db DIR [--json] show --digest HEX [--caller C]\n"
-               "       idemctl --db DIR purge --expired\n"
-               "       idemctl --db DIR delete METHOD KEY [--caller C] [--force]\n"
+               "                                   [--lapsed] [--older-ms MS]\n"
+               "       idemctl STORE [--json] show METHOD KEY [--caller C]\n"
+               "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
+               "       idemctl STORE [--json] outbox [--limit N]\n"
+               "       idemctl STORE [--json] markers GROUP [--limit N]\n"
+               "       idemctl STORE purge --expired\n"
+               "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
+               "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
+               "  the servers take it: 'host=H dbname=D' or postgres://...);\n"
                "  options may come before or after the command; --limit defaults to 100;\n"
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
                "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
+               "  list --lapsed: calls in progress whose lease has passed (their owner stopped\n"
+               "  renewing it); --older-ms MS: calls in progress claimed MS or more ago (both on\n"
+               "  the store's clock: PostgreSQL's, this host's for LMDB);\n"
+               "  outbox: messages not yet relayed, and the oldest (--limit N: the oldest N);\n"
+               "  markers GROUP: the consume markers of a group not purged yet, and the oldest\n"
+               "  (counts up to --limit N, default 100000, one read each);\n"
                "  idemctl --version prints the version\n");
 }
 
@@ -33,6 +44,12 @@ static bool check_positionals(const args *a, int npos)
         return false;
     }
     bool needs_key = (show && a->digest == NULL) || strcmp(a->cmd, "delete") == 0;
+    if (strcmp(a->cmd, "markers") == 0) {
+        if (npos != 2) {
+            fprintf(stderr, "idemctl: markers needs GROUP\n");
+        }
+        return npos == 2;
+    }
     if (needs_key && npos != 3) {
         fprintf(stderr, "idemctl: %s needs METHOD KEY%s\n", a->cmd,
                 show ? " (or --digest HEX)" : "");
@@ -48,12 +65,19 @@ static bool check_positionals(const args *a, int npos)
 /* What the options and arguments together must satisfy. */
 static bool check_args(const args *a, int npos)
 {
-    if (a->db == NULL) {
-        fprintf(stderr, "idemctl: --db DIR is required\n");
+    if ((a->db == NULL) == (a->pg == NULL)) {
+        fprintf(stderr, "idemctl: name one store: --db DIR or --pg CONNINFO\n");
         return false;
     }
     if (a->cmd == NULL) {
-        fprintf(stderr, "idemctl: no command (stats, list, show, purge, delete)\n");
+        fprintf(stderr,
+                "idemctl: no command (stats, list, show, outbox, markers, purge, delete)\n");
+        return false;
+    }
+    if ((a->lapsed || a->older_ms >= 0) &&
+        (strcmp(a->cmd, "list") != 0 || (a->state && strcmp(a->state, "completed") == 0))) {
+        fprintf(stderr, "idemctl: --lapsed and --older-ms are options of list (calls in "
+                        "progress)\n");
         return false;
     }
     if (a->state != NULL && strcmp(a->state, "in_progress") != 0 &&
@@ -67,10 +91,13 @@ static bool check_args(const args *a, int npos)
 /* One option (getopt_long's opt) and its value v into a; false on a bad value. */
 static bool parse_option(int opt, const char *v, args *a)
 {
-    uint64_t limit;
+    uint64_t num;
     switch (opt) {
     case 'd':
         a->db = v;
+        return true;
+    case 'p':
+        a->pg = v;
         return true;
     case 'c':
         a->caller = v;
@@ -87,10 +114,11 @@ static bool parse_option(int opt, const char *v, args *a)
         a->state = v;
         return true;
     case 'n':
-        if (!cli_parse_u64("idemctl", "--limit", v, 0, LONG_MAX, &limit)) {
+        if (!cli_parse_u64("idemctl", "--limit", v, 0, LONG_MAX, &num)) {
             return false;
         }
-        a->limit = (long)limit;
+        a->limit = (long)num;
+        a->limit_set = true;
         return true;
     case 'j':
         a->json = true;
@@ -101,6 +129,15 @@ static bool parse_option(int opt, const char *v, args *a)
     case 'e':
         a->expired = true;
         return true;
+    case 'l':
+        a->lapsed = true;
+        return true;
+    case 'o':
+        if (!cli_parse_u64("idemctl", "--older-ms", v, 0, LONG_MAX, &num)) {
+            return false;
+        }
+        a->older_ms = (long)num;
+        return true;
     default:
         return false; /* getopt_long said which option */
     }
@@ -108,12 +145,15 @@ static bool parse_option(int opt, const char *v, args *a)
 
 /* The long options of parse. */
 static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
+                                      {"pg", required_argument, NULL, 'p'},
                                       {"caller", required_argument, NULL, 'c'},
                                       {"state", required_argument, NULL, 's'},
                                       {"limit", required_argument, NULL, 'n'},
                                       {"json", no_argument, NULL, 'j'},
                                       {"force", no_argument, NULL, 'f'},
                                       {"expired", no_argument, NULL, 'e'},
+                                      {"lapsed", no_argument, NULL, 'l'},
+                                      {"older-ms", required_argument, NULL, 'o'},
                                       {"digest", required_argument, NULL, 'g'},
                                       {"help", no_argument, NULL, 'h'},
                                       {"version", no_argument, NULL, CLI_OPT_VERSION},
@@ -127,7 +167,7 @@ bool idemctl_parse(int argc, char **argv, args *a, int *status)
     const char *pos[4] = {0};
     int npos = 0, opt;
 
-    *a = (args){.caller = "", .limit = 100};
+    *a = (args){.caller = "", .limit = 100, .older_ms = -1};
     *status = CLI_USAGE_ERROR;
     while ((opt = getopt_long(argc, argv, "-h", longs, NULL)) != -1) {
         if (opt == 'h' || opt == CLI_OPT_VERSION) {

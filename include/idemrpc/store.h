@@ -177,6 +177,10 @@ typedef struct idem_pg_opts {
      * (rolls back) and retries with backoff, so that it never holds up live instances'
      * statements queued behind it. 0 = 30000. */
     uint32_t migrate_timeout_ms;
+    /* Opens only a database that already holds an idemrpc store (its idem_records table
+     * on the search_path): IDEM_NOT_FOUND, and nothing created, otherwise. For tools
+     * (idemctl) that must not invent an empty store from a mistyped conninfo. */
+    bool existing;
 } idem_pg_opts;
 
 /* idem_store_open_postgres with options; opts may be NULL (defaults). */

@@ -208,6 +208,19 @@ IDEM_API idem_code idem_consume_lookup(idem_store *st, const char *group, const 
 IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max,
                                       size_t *purged);
 
+/* What idem_consume_group_markers saw of a group's markers. */
+typedef struct idem_consume_markers {
+    uint64_t count;     /* markers counted, at most max */
+    uint64_t oldest_ms; /* the earliest consumption among them (unix ms); 0 when none */
+    bool more;          /* the walk stopped at max: the group has more */
+} idem_consume_markers;
+
+/* For operators (idemctl): counts the markers of group, up to max (>= 1), and finds the
+ * oldest. One read per marker, not a snapshot: markers written or purged meanwhile may be
+ * counted or not. A group out of bounds or max 0: INVALID_ARGUMENT. */
+IDEM_API idem_code idem_consume_group_markers(idem_store *st, const char *group, size_t max,
+                                              idem_consume_markers *out);
+
 /* ---- transactional outbox ---- */
 
 /* The reserved business database of outbox messages (stored as "app.idem.outbox"). */

@@ -266,3 +266,43 @@ idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max, siz
     }
     return code;
 }
+
+/* Walks the markers 'm' group \0 *, contiguous in key order, one read each: at most
+ * max + 1 reads. */
+idem_code idem_consume_group_markers(idem_store *st, const char *group, size_t max,
+                                     idem_consume_markers *out)
+{
+    marker_key after;
+    memset(out, 0, sizeof(*out));
+    idem_code code = marker_key_make(&after, group, "-"); /* checks group */
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (max == 0) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "consume markers: max must be at least 1");
+    }
+    size_t prefix = after.len - 1; /* 'm' group \0 */
+    after.len = prefix;
+    for (;;) {
+        idem_app_entry e;
+        if ((code = idem__store_app_next(st, IDEM_CONSUME_DB, after.bytes, after.len, &e)) !=
+            IDEM_OK) {
+            return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+        }
+        bool mine =
+            e.klen > prefix && e.klen <= MARKER_MAX && memcmp(e.key, after.bytes, prefix) == 0;
+        if (mine && out->count == max) {
+            out->more = true;
+        } else if (mine) {
+            uint64_t at = e.vlen == 16 ? idem__get_be64(e.val) : 0;
+            out->oldest_ms = out->count == 0 || at < out->oldest_ms ? at : out->oldest_ms;
+            out->count++;
+            memcpy(after.bytes, e.key, e.klen);
+            after.len = e.klen;
+        }
+        idem__app_entry_clear(&e);
+        if (!mine || out->more) {
+            return IDEM_OK;
+        }
+    }
+}

@@ -43,6 +43,7 @@ typedef struct pg_store {
     pg_hosts *hosts; /* the conninfo, parsed */
     bool notify;     /* announce completions (NOTIFY) and hear others' (LISTEN) */
     bool pooler;     /* transaction pooling: unnamed statements, no session state */
+    bool existing;   /* idem_pg_opts.existing: no schema created where there is none */
     uint32_t stmt_ms, lock_ms, reconnect_ms;
     uint32_t migrate_ms;   /* the schema migration's bound (schema.c) */
     uint64_t reconnects;   /* atomic */

@@ -36,9 +36,10 @@
     " NULL AND " TOKEN_COLUMNS " AND to_regclass('idem_fence') IS NOT NULL AND"                    \
     " to_regclass('idem_kv') IS NOT NULL AND to_regclass('idem_kv_empty') IS NOT NULL"
 
-/* Every object there, and whether idem_meta is (its format is read separately: a query
- * naming a missing table would not parse). */
-static const char present_sql[] = "SELECT " EVERY_OBJECT ", to_regclass('idem_meta') IS NOT NULL";
+/* Every object there, whether idem_meta is (its format is read separately: a query
+ * naming a missing table would not parse), and whether idem_records is (a store at all). */
+static const char present_sql[] = "SELECT " EVERY_OBJECT ", to_regclass('idem_meta') IS NOT NULL,"
+                                  " to_regclass('idem_records') IS NOT NULL";
 static const char format_sql[] = "SELECT value FROM idem_meta WHERE name = 'format'";
 
 /* %u: lock wait of this attempt, statement bound; %d: the advisory lock, the format.
@@ -73,7 +74,8 @@ static const char migrate_sql[] =
     " END $idem$";
 
 /* What the catalog says: *complete when every object and the format record are there;
- * a format newer than this binary's is FAILED_PRECONDITION. */
+ * a format newer than this binary's is FAILED_PRECONDITION; no idem_records table is
+ * NOT_FOUND for a store opened with idem_pg_opts.existing. */
 static idem_code schema_read(pool_slot *pc, bool *complete)
 {
     PGresult *r;
@@ -84,7 +86,13 @@ static idem_code schema_read(pool_slot *pc, bool *complete)
     }
     bool objects = strcmp(PQgetvalue(r, 0, 0), "t") == 0;
     bool meta = strcmp(PQgetvalue(r, 0, 1), "t") == 0;
+    bool records = strcmp(PQgetvalue(r, 0, 2), "t") == 0;
     PQclear(r);
+    if (!records && pc->st->existing) {
+        return idem__err(IDEM_NOT_FOUND,
+                         "the database is not an idemrpc store (no idem_records table on its "
+                         "search_path): nothing created");
+    }
     if (!meta) {
         return IDEM_OK;
     }

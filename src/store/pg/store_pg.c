@@ -272,6 +272,7 @@ idem_code idem_store_open_postgres_ex(idem_store **out, const char *conninfo,
     st->base.ops = &idem__pg_ops;
     st->n = pool_size;
     st->pooler = opts->pooler;
+    st->existing = opts->existing;
     st->notify = !opts->no_notify && !opts->pooler;
     /* Bounded to an hour: a poll() timeout and a margin must fit in an int. */
     st->stmt_ms = opts->statement_timeout_ms ? opts->statement_timeout_ms : 5000;
