@@ -15,6 +15,14 @@ struct idem_sweeper {
     uint64_t outbox_head, outbox_head_since_ms; /* the oldest message and when first seen */
 };
 
+/* One ERROR line: what failed, then the store's error detail. */
+static void log_failure(idem_sweeper *s, const char *what)
+{
+    char msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
+    snprintf(detail, sizeof(detail), "%s failed: %s", what, idem_errmsg());
+    idem__log(s->obs, IDEM_LOG_ERROR, "msg=%s", idem__logfmt_quote(msg, sizeof(msg), detail));
+}
+
 /* How long the outbox's oldest message has been its oldest, as the sweeps saw it (its
  * put time is not stored): 0 for an empty outbox. */
 static idem_code outbox_age(idem_sweeper *s, uint64_t now, idem__store_gauges *g)
@@ -52,10 +60,7 @@ static void read_gauges(idem_sweeper *s)
         code = outbox_age(s, idem__mono_ms(), &g);
     }
     if (code != IDEM_OK) {
-        char msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
-        snprintf(detail, sizeof(detail), "reading the store's size and outbox failed: %s",
-                 idem_errmsg());
-        idem__log(s->obs, IDEM_LOG_ERROR, "msg=%s", idem__logfmt_quote(msg, sizeof(msg), detail));
+        log_failure(s, "reading the store's size and outbox");
         idem__observe_store_failure(s->obs);
         return;
     }
@@ -70,10 +75,7 @@ static void sweep_due(void *arg, idem_periodic *p)
     size_t deleted;
     do {
         if (idem_store_sweep(s->store, idem__now_ms(), s->batch, &deleted) != IDEM_OK) {
-            char msg[IDEM_LOGQ_CAP], detail[IDEM_LOGQ_CAP];
-            snprintf(detail, sizeof(detail), "sweep failed: %s", idem_errmsg());
-            idem__log(s->obs, IDEM_LOG_ERROR, "msg=%s",
-                      idem__logfmt_quote(msg, sizeof(msg), detail));
+            log_failure(s, "sweep");
             break;
         }
     } while (deleted == s->batch && !idem__periodic_stopping(p));
