@@ -15,7 +15,10 @@ promtool check rules "$ops/prometheus/idemrpc-alerts.yml" >/dev/null || fail "pr
     { cat "$work/promtool.out"; fail "promtool test rules"; }
 
 prom_pid=
-trap 'cleanup; [ -n "$prom_pid" ] && kill "$prom_pid" 2>/dev/null && wait "$prom_pid" 2>/dev/null' EXIT
+# Prometheus stops before its directory goes; a demo stopped by the test (SIGSTOP) is
+# continued first, or it would never take the TERM.
+trap '[ -n "$prom_pid" ] && kill "$prom_pid" 2>/dev/null && wait "$prom_pid" 2>/dev/null
+      [ -n "$demo" ] && kill -CONT "$demo" 2>/dev/null; cleanup' EXIT
 
 # run_demo HTTP_PORT [flags...]: a demo on $work/db serving HTTP on that port.
 run_demo() {
