@@ -245,6 +245,9 @@ static idem_code claimed(idem_call *call, const idem_cache_cfg *cfg, idem_next n
     }
     if (outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER) {
         call->token_to_consume = NULL;
+        if (outcome == IDEM_CLAIM_TAKEN_OVER) {
+            idem__observe_lease(call->rt->obs, IDEM__LEASE_TAKEN_OVER);
+        }
         return idem__rc_run_owned(call, next, cfg, key, c->owner, NULL, c->ticket);
     }
     /* Dropped, and a result or another request met in the open txn waited for. */
@@ -262,8 +265,10 @@ static idem_code after_claim(idem_call *call, idem_next next, const idem_cache_c
                              idem_txn *txn, uint64_t ticket, bool *wait)
 {
     switch (outcome) {
-    case IDEM_CLAIM_ACQUIRED:
     case IDEM_CLAIM_TAKEN_OVER:
+        idem__observe_lease(call->rt->obs, IDEM__LEASE_TAKEN_OVER);
+        /* fall through */
+    case IDEM_CLAIM_ACQUIRED:
         call->token_to_consume = NULL;
         return idem__rc_run_owned(call, next, cfg, key, rec->owner, txn, ticket);
     case IDEM_CLAIM_COMPLETED:

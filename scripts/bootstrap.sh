@@ -8,7 +8,8 @@ PKGS=(build-essential meson ninja-build pkg-config cmake
       liblmdb-dev lmdb-utils libcriterion-dev
       clang libclang-rt-dev curl openssl
       libpq-dev libhiredis-dev postgresql redis-server pgbouncer
-      patroni etcd-server etcd-client nats-server libnats-dev)
+      patroni etcd-server etcd-client nats-server libnats-dev
+      prometheus) # tests/test_prometheus.sh: the dashboard and alerts (ops/)
 
 missing=()
 for p in "${PKGS[@]}"; do

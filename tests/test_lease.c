@@ -132,13 +132,14 @@ static bool stored(const idem_key_ref *key, uint64_t owner, uint64_t t)
     return held;
 }
 
-/* Watches the claim (key, owner) for lease_ms * 3 of time (a look may wait for the slow
- * disk: a read answers only from a durable state), comparing held(arg), the owner's view,
- * with the store's record. */
+/* Watches the claim (key, owner): a look every 10 ms for three leases, comparing
+ * held(arg), the owner's view, with the store's record; at most ten leases of time (a look
+ * may wait for the slow disk: a read answers only from a durable state). */
 static void watch(const idem_key_ref *key, uint64_t owner, uint64_t lease_ms,
                   bool (*held)(const void *arg), const void *arg)
 {
-    for (uint64_t end = idem__mono_ms() + 3 * lease_ms; idem__mono_ms() < end;) {
+    uint64_t end = idem__mono_ms() + 10 * lease_ms;
+    for (uint64_t i = 0; i < 3 * lease_ms / 10 && idem__mono_ms() < end; i++) {
         uint64_t t = idem__now_ms(); /* before the owner's look: its view is as of t or later */
         bool believed = held(arg);
         if (!stored(key, owner, t)) {

@@ -37,7 +37,8 @@ static void usage(FILE *f)
                "  --flaky N      the first N executions answer UNAVAILABLE\n"
                "  --log-level L  one line per call at info (default error)\n"
                "  --result-ttl-ms N, --max-wait-ms N, --lease-ms N, --max-run-ms N,\n"
-               "  --http-request-timeout-ms N  override the server defaults\n"
+               "  --http-request-timeout-ms N, --sweep-interval-ms N\n"
+               "                 override the server defaults\n"
                "  --caller-secrets FILE  lines \"CALLER SECRET\" (\"CALLER SECRET proxy\" for a\n"
                "                 proxy that signs for others; # comments): verify signed calls\n"
                "  --ipc-uid UID=CALLER   an ipc:// peer with this uid is CALLER (repeatable)\n"
@@ -219,6 +220,8 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
         return number("--max-run-ms", v, &o->max_run_ms);
     case 'Q':
         return number("--http-request-timeout-ms", v, &o->http_request_timeout_ms);
+    case 'I':
+        return number("--sweep-interval-ms", v, &o->sweep_interval_ms);
     default:
         return parse_caller_option(opt, v, a, o);
     }
@@ -240,6 +243,7 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
                                           {"lease-ms", required_argument, NULL, 'L'},
                                           {"max-run-ms", required_argument, NULL, 'R'},
                                           {"http-request-timeout-ms", required_argument, NULL, 'Q'},
+                                          {"sweep-interval-ms", required_argument, NULL, 'I'},
                                           {"log-level", required_argument, NULL, 'v'},
                                           {"caller-secrets", required_argument, NULL, 'S'},
                                           {"ipc-uid", required_argument, NULL, 'U'},

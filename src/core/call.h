@@ -82,6 +82,17 @@ enum idem__redrive_event {
     IDEM__REDRIVE_EVENTS
 };
 void idem__observe_redrive(idem_observer *obs, enum idem__redrive_event what);
+/* A lease event: a running claim's lease ran out before a renewal reached the store
+ * (keeper.c), or a claim took over a key whose lease had run out (result_cache). */
+enum idem__lease_event { IDEM__LEASE_LAPSED, IDEM__LEASE_TAKEN_OVER, IDEM__LEASE_EVENTS };
+void idem__observe_lease(idem_observer *obs, enum idem__lease_event what); /* obs may be NULL */
+/* The store's size and outbox as the sweeper last read them (sweeper.c). */
+typedef struct idem__store_gauges {
+    uint64_t in_progress, completed, map_size, map_used; /* idem_store_stats */
+    uint64_t outbox_pending, outbox_oldest_age_ms;
+} idem__store_gauges;
+void idem__observe_store(idem_observer *obs, const idem__store_gauges *g);
+void idem__observe_store_failure(idem_observer *obs); /* a read of them failed */
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
 

@@ -26,6 +26,10 @@ struct idem_observer {
     atomic_llong in_flight, waiting;
     atomic_ullong latency_us_sum, calls, announcements;
     atomic_ullong redrives[IDEM__REDRIVE_EVENTS];
+    atomic_ullong leases[IDEM__LEASE_EVENTS];
+    /* idem__store_gauges, field by field; store_reads: reads that set them */
+    atomic_ullong in_progress, completed, map_size, map_used, outbox_pending, outbox_age_ms;
+    atomic_ullong store_reads, store_read_failures;
 };
 
 static void log_stderr(void *arg, idem_log_level level, const char *line)
@@ -210,6 +214,31 @@ void idem__observe_redrive(idem_observer *obs, enum idem__redrive_event what)
     atomic_fetch_add_explicit(&obs->redrives[what], 1, memory_order_relaxed);
 }
 
+void idem__observe_lease(idem_observer *obs, enum idem__lease_event what)
+{
+    if (obs != NULL) {
+        atomic_fetch_add_explicit(&obs->leases[what], 1, memory_order_relaxed);
+    }
+}
+
+#define STORE(x, v) atomic_store_explicit(&(x), (v), memory_order_relaxed)
+
+void idem__observe_store(idem_observer *obs, const idem__store_gauges *g)
+{
+    STORE(obs->in_progress, g->in_progress);
+    STORE(obs->completed, g->completed);
+    STORE(obs->map_size, g->map_size);
+    STORE(obs->map_used, g->map_used);
+    STORE(obs->outbox_pending, g->outbox_pending);
+    STORE(obs->outbox_age_ms, g->outbox_oldest_age_ms);
+    atomic_fetch_add_explicit(&obs->store_reads, 1, memory_order_relaxed);
+}
+
+void idem__observe_store_failure(idem_observer *obs)
+{
+    atomic_fetch_add_explicit(&obs->store_read_failures, 1, memory_order_relaxed);
+}
+
 void idem__observe_waiting(idem_observer *obs, int delta)
 {
     atomic_fetch_add_explicit(&obs->waiting, delta, memory_order_relaxed);
@@ -306,12 +335,51 @@ static bool metrics_gauges(char **b, size_t *len, size_t *cap, idem_observer *ob
                   LOAD(obs->calls));
 }
 
+/* The leases' events, and the store's size and outbox as the sweeper last read them
+ * (none before its first read: a dashboard shows no data rather than a false 0). */
+static bool metrics_store(char **b, size_t *len, size_t *cap, idem_observer *obs)
+{
+    bool ok = append(b, len, cap,
+                     "# HELP idem_lease_lapses_total Running calls whose lease ran out before a "
+                     "renewal reached the store (another claimer may take the key).\n"
+                     "# TYPE idem_lease_lapses_total counter\nidem_lease_lapses_total %llu\n"
+                     "# HELP idem_lease_takeovers_total Claims that took over a key whose "
+                     "owner's lease had run out (the owner died or stalled).\n"
+                     "# TYPE idem_lease_takeovers_total counter\nidem_lease_takeovers_total %llu\n"
+                     "# HELP idem_store_read_failures_total Sweeper reads of the store's size "
+                     "and outbox that failed.\n# TYPE idem_store_read_failures_total counter\n"
+                     "idem_store_read_failures_total %llu\n",
+                     LOAD(obs->leases[IDEM__LEASE_LAPSED]),
+                     LOAD(obs->leases[IDEM__LEASE_TAKEN_OVER]), LOAD(obs->store_read_failures));
+    if (!ok || LOAD(obs->store_reads) == 0) {
+        return ok;
+    }
+    return append(b, len, cap,
+                  "# HELP idem_store_records Records by state, at the last sweep.\n"
+                  "# TYPE idem_store_records gauge\n"
+                  "idem_store_records{state=\"in_progress\"} %llu\n"
+                  "idem_store_records{state=\"completed\"} %llu\n"
+                  "# HELP idem_store_size_bytes The store's map size (LMDB; 0: unbounded).\n"
+                  "# TYPE idem_store_size_bytes gauge\nidem_store_size_bytes %llu\n"
+                  "# HELP idem_store_used_bytes The map's bytes in use (LMDB).\n"
+                  "# TYPE idem_store_used_bytes gauge\nidem_store_used_bytes %llu\n"
+                  "# HELP idem_outbox_pending Outbox messages not relayed yet.\n"
+                  "# TYPE idem_outbox_pending gauge\nidem_outbox_pending %llu\n"
+                  "# HELP idem_outbox_oldest_age_seconds How long the oldest outbox message "
+                  "has been the oldest, as the sweeps saw it (0: empty).\n"
+                  "# TYPE idem_outbox_oldest_age_seconds gauge\n"
+                  "idem_outbox_oldest_age_seconds %.3f\n",
+                  LOAD(obs->in_progress), LOAD(obs->completed), LOAD(obs->map_size),
+                  LOAD(obs->map_used), LOAD(obs->outbox_pending),
+                  (double)LOAD(obs->outbox_age_ms) / 1000.0);
+}
+
 char *idem__metrics_text(idem_observer *obs)
 {
     size_t len = 0, cap = 4096;
     char *b = malloc(cap);
-    bool ok =
-        b != NULL && metrics_calls(&b, &len, &cap, obs) && metrics_gauges(&b, &len, &cap, obs);
+    bool ok = b != NULL && metrics_calls(&b, &len, &cap, obs) &&
+              metrics_gauges(&b, &len, &cap, obs) && metrics_store(&b, &len, &cap, obs);
     if (!ok) {
         free(b);
         return NULL;

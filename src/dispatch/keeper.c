@@ -115,6 +115,7 @@ static void lapse_due(idem_keeper *k, uint64_t now)
     for (idem_keep *kp = k->keeps; kp != NULL; kp = kp->next) {
         if (!kp->lost && !kp->lapsed && now >= kp->valid_until && now < kp->stop_at) {
             kp->lapsed = true;
+            idem__observe_lease(k->rt != NULL ? k->rt->obs : NULL, IDEM__LEASE_LAPSED);
             log_lease_at(k, kp, IDEM_LOG_ERROR, wall_ms(k) - (now - kp->valid_until),
                          "lease lapsed: no renewal reached the store in time; the claim is not "
                          "held until a renewal finds it still this owner's");
