@@ -172,3 +172,13 @@ idem_code nt_put_orders(idem_txn *t, const char *subject, int from, int to)
     }
     return code;
 }
+
+uint64_t nt_stream_msgs(nt *e)
+{
+    jsStreamInfo *si = NULL;
+    jsErrCode jerr = 0;
+    cr_assert_eq(js_GetStreamInfo(&si, e->js, e->stream, NULL, &jerr), NATS_OK, "%d", (int)jerr);
+    uint64_t n = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    return n;
+}

@@ -32,6 +32,8 @@ bool nt_settled(nt *e, const char *durable);
 void nt_drain(nt *e, idem_nats_consumer *c, const char *durable);
 /* effects[key] as a number (0 when absent). */
 long nt_effects(nt *e, const char *key);
+/* How many messages the test's stream holds (both subjects). */
+uint64_t nt_stream_msgs(nt *e);
 /* Reads every dead letter so far: their reasons (at most max) and the count. */
 int nt_dead_letters(nt *e, char reasons[][256], int max);
 /* Inside t: outbox messages msg_id "order-<i>", data "amount=1", for i in [from, to). */

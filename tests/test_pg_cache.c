@@ -140,6 +140,17 @@ static void replay_until_cached(idem_store *st, const char *url, const char *key
     cr_assert_fail("%s was never replayed from the cache in 20 replays", key);
 }
 
+/* Runs key on url, then replays it until st's cache answers it. */
+static void run_until_cached(idem_store *st, const char *url, const char *key)
+{
+    idem_result r, from_db;
+    call(url, key, 0, &r);
+    idem_result_clear(&r);
+    replay_until_cached(st, url, key, 0, &from_db, &r);
+    idem_result_clear(&from_db);
+    idem_result_clear(&r);
+}
+
 static bool same_result(const idem_result *a, const idem_result *b)
 {
     return a->code == b->code && a->payload_len == b->payload_len &&
@@ -191,12 +202,7 @@ static void forget_elsewhere(const idem_pg_opts *cached, int max_calls)
     idem_store *st = open_store(cached), *other = open_store(NULL);
     tu_server a;
     server_on(&a, st);
-    idem_result r, from_db;
-    call(a.url, "k-forget", 0, &r);
-    idem_result_clear(&r);
-    replay_until_cached(st, a.url, "k-forget", 0, &from_db, &r);
-    idem_result_clear(&from_db);
-    idem_result_clear(&r);
+    run_until_cached(st, a.url, "k-forget");
     idem_key_ref key = {CALLER, METHOD, "k-forget"};
     cr_assert_eq(idem_store_delete(other, &key), IDEM_OK, "%s", idem_errmsg());
     cr_expect(runs_again_within(a.url, "k-forget", max_calls),
@@ -251,12 +257,7 @@ Test(pg_cache, a_forget_whose_announcement_was_lost_stops_replaying_once_the_lis
                *quiet = open_store(&(idem_pg_opts){.no_notify = true});
     tu_server a;
     server_on(&a, st);
-    idem_result r, from_db;
-    call(a.url, "k-lost", 0, &r);
-    idem_result_clear(&r);
-    replay_until_cached(st, a.url, "k-lost", 0, &from_db, &r);
-    idem_result_clear(&from_db);
-    idem_result_clear(&r);
+    run_until_cached(st, a.url, "k-lost");
     idem_key_ref key = {CALLER, METHOD, "k-lost"};
     cr_assert_eq(idem_store_delete(quiet, &key), IDEM_OK, "%s", idem_errmsg());
     cr_assert(!runs_again_within(a.url, "k-lost", 1), "nothing announced the forget yet");

@@ -39,6 +39,7 @@ struct idem_nats_relay {
     uint64_t reconnects;    /* the connection's, when the broker was last checked */
     bool checked;           /* the broker was checked for a loss since (re)connecting */
     bool lost;              /* it lost a kept message: restore them all before going on */
+    uint64_t answering_ms;  /* since when the broker answered every round (0: it did not) */
     idem_outbox_ack newest; /* the newest ack known to hold (stream "": none) */
     idem__nats_loop loop;   /* its mu guards stats */
     idem_nats_relay_counts stats;
@@ -164,20 +165,26 @@ static idem_code limit_sync(idem_nats_relay *r)
     return code;
 }
 
+static bool reconnects_of(idem_nats_relay *r, uint64_t *reconnects)
+{
+    natsStatistics *ns = NULL;
+    bool ok = natsStatistics_Create(&ns) == NATS_OK &&
+              natsConnection_GetStats(r->nc, ns) == NATS_OK &&
+              natsStatistics_GetCounts(ns, NULL, NULL, NULL, NULL, reconnects) == NATS_OK;
+    natsStatistics_Destroy(ns);
+    return ok;
+}
+
 /* After each (re)connect, before any publish: how the broker syncs (the horizon), and
  * whether it lost the newest kept message. */
 static idem_code check_broker(idem_nats_relay *r)
 {
-    natsStatistics *ns = NULL;
     uint64_t reconnects = 0, interval_ms;
     idem_outbox_kept_info k;
     bool always;
-    if (natsStatistics_Create(&ns) != NATS_OK || natsConnection_GetStats(r->nc, ns) != NATS_OK ||
-        natsStatistics_GetCounts(ns, NULL, NULL, NULL, NULL, &reconnects) != NATS_OK) {
-        natsStatistics_Destroy(ns);
+    if (!reconnects_of(r, &reconnects)) {
         return idem__err(IDEM_INTERNAL, "nats relay: connection statistics");
     }
-    natsStatistics_Destroy(ns);
     if (r->checked && reconnects == r->reconnects) {
         return IDEM_OK;
     }
@@ -220,20 +227,42 @@ static idem_code restore(idem_nats_relay *r)
     return code;
 }
 
+/* Kept messages acked at or before the bound may leave: the broker answered every round
+ * for the horizon since then (keep_ms counts only while it runs: one stopped, or whose
+ * host went down, synced nothing meanwhile; a restart is a reconnect, checked for a loss
+ * before anything leaves). 0: none may. published: this round's publishes were acked. */
+static uint64_t expiry_bound(idem_nats_relay *r, bool published, uint64_t now_ms)
+{
+    uint64_t reconnects = 0;
+    bool answers =
+        r->checked && reconnects_of(r, &reconnects) && reconnects == r->reconnects &&
+        (published || natsConnection_FlushTimeout(r->nc, (int64_t)r->o.publish_wait_ms) == NATS_OK);
+    if (!answers) {
+        r->answering_ms = 0;
+        return 0;
+    }
+    r->answering_ms = r->answering_ms != 0 ? r->answering_ms : now_ms;
+    return now_ms - r->answering_ms >= r->keep_ms ? now_ms - r->keep_ms : 0;
+}
+
 /* The acked messages leave the outbox: kept, or removed when the broker syncs each write;
- * those kept longer than the horizon leave the store; the counts are refreshed. */
-static idem_code settle(idem_nats_relay *r, size_t acked, uint64_t now_ms)
+ * those kept longer than the horizon while the broker ran leave the store; the counts are
+ * refreshed. */
+static idem_code settle(idem_nats_relay *r, size_t acked, bool failed, uint64_t now_ms)
 {
     idem_outbox_kept_info k;
     size_t dropped;
+    uint64_t bound = 0;
     idem_code code = r->keep_ms == 0 ? idem_outbox_remove(r->st, r->seqs, acked)
                                      : idem_outbox_keep(r->st, r->acks, acked, now_ms);
     if (code == IDEM_OK) {
         code = idem_outbox_kept(r->st, &k);
     }
-    while (code == IDEM_OK && k.count > 0 && k.oldest_ms + r->keep_ms <= now_ms) {
-        code = idem_outbox_kept_expire(r->st, now_ms - r->keep_ms + 1, IDEM_OUTBOX_MAX_BATCH,
-                                       &dropped);
+    if (code == IDEM_OK && k.count > 0) {
+        bound = failed ? (r->answering_ms = 0) : expiry_bound(r, acked > 0, now_ms);
+    }
+    while (code == IDEM_OK && k.count > 0 && bound != 0 && k.oldest_ms <= bound) {
+        code = idem_outbox_kept_expire(r->st, bound + 1, IDEM_OUTBOX_MAX_BATCH, &dropped);
         if (code == IDEM_OK) {
             code = idem_outbox_kept(r->st, &k);
         }
@@ -269,7 +298,7 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
     }
     idem_errkeep k;
     idem__err_keep(&k);
-    idem_code removed = settle(r, acked, idem__now_ms()); /* only acked ones */
+    idem_code removed = settle(r, acked, code != IDEM_OK, idem__now_ms()); /* only acked ones */
     if (removed == IDEM_OK && /* else they stay: refused again next round */
         (removed = idem_outbox_park(r->st, r->parked, r->n_parked)) == IDEM_OK) {
         add(r, &r->stats.parked, r->n_parked);
