@@ -8,7 +8,8 @@ schema="idemctl_$$_$RANDOM"
 sql() { psql -qAt -v ON_ERROR_STOP=1 "$IDEMRPC_TEST_PG" -c "$1"; }
 drop() {
     cleanup
-    sql "DROP SCHEMA IF EXISTS $schema CASCADE; DROP SCHEMA IF EXISTS ${schema}_empty" >/dev/null
+    sql "DROP SCHEMA IF EXISTS $schema CASCADE; DROP SCHEMA IF EXISTS ${schema}_empty;
+         DROP SCHEMA IF EXISTS ${schema}_old CASCADE" >/dev/null
 }
 trap drop EXIT
 sql "CREATE SCHEMA $schema; CREATE SCHEMA ${schema}_empty" >/dev/null
@@ -92,6 +93,23 @@ for verb in stats list "purge --expired" "delete demo.Counter/Add k1 --force"; d
 done
 n=$(sql "SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = '${schema}_empty'")
 [ "$n" = 0 ] || fail "idemctl created $n objects in an empty schema"
+# A look at the store of an older release (the first one's idem_records, no idem_meta)
+# changes nothing: no migration, no format raised that its servers would then refuse.
+relations() {
+    sql "SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = '${schema}_old'"
+}
+sql "CREATE SCHEMA ${schema}_old; SET search_path=${schema}_old; CREATE TABLE idem_records (
+ caller text NOT NULL, method text NOT NULL, key text NOT NULL,
+ state smallint NOT NULL CHECK (state IN (1, 2)), fingerprint bytea NOT NULL,
+ owner bigint NOT NULL, lease_until_ms bigint NOT NULL, first_at_ms bigint NOT NULL,
+ expires_ms bigint NOT NULL, response bytea, PRIMARY KEY (caller, method, key))" >/dev/null
+before=$(relations)
+rc=0
+"$IDEMCTL" --pg "$IDEMRPC_TEST_PG options='-csearch_path=${schema}_old'" stats >/dev/null \
+    2>"$work/err" || rc=$?
+[ "$rc" = 1 ] || fail "a look at an older store's tables exited $rc"
+grep -q 'older format' "$work/err" || fail "an older store's tables: $(cat "$work/err")"
+[ "$(relations)" = "$before" ] || fail "a look at an older store changed its schema"
 rc=0
 "$IDEMCTL" --pg "host=127.0.0.1 port=1 connect_timeout=2" stats 2>"$work/err" || rc=$?
 [ "$rc" = 1 ] || fail "an unreachable database exited $rc"

@@ -2,13 +2,15 @@
  * across every slot removed since (parked messages here). peek looks at no more than
  * 2*max slots from head and the next keep/remove advances head by at most
  * IDEM_OUTBOX_MAX_BATCH: once the restored messages are relayed again, head sits in a run
- * of empty slots longer than both, peek finds nothing, nothing advances head, and the
- * messages behind are never relayed (the relay's batch: 64). */
+ * of empty slots longer than both, peek finds nothing, and unless the relay moves head
+ * past them (idem__outbox_skip_removed) the messages behind are never relayed (the
+ * relay's batch: 64). */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "testutil.h"
+#include "toolkit_internal.h"
 
 #define N 3000
 
@@ -30,7 +32,13 @@ static size_t relay_round(idem_store *st, uint64_t *stream_seq, uint64_t now)
     idem_outbox_msg msgs[64];
     idem_outbox_ack acks[64];
     size_t n = 0;
+    bool moved = true;
     cr_assert_eq(idem_outbox_peek(st, msgs, 64, &n), IDEM_OK, "%s", idem_errmsg());
+    /* as the relay does (nats_relay.c peek_batch): nothing in the window, head moves on */
+    for (int i = 0; n == 0 && moved && i < 64; i++) {
+        cr_assert_eq(idem__outbox_skip_removed(st, &moved), IDEM_OK, "%s", idem_errmsg());
+        cr_assert_eq(idem_outbox_peek(st, msgs, 64, &n), IDEM_OK, "%s", idem_errmsg());
+    }
     for (size_t i = 0; i < n; i++) {
         acks[i] = (idem_outbox_ack){.seq = msgs[i].seq, .stream_seq = ++*stream_seq};
         strcpy(acks[i].stream, "ORDERS");

@@ -3,6 +3,7 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <idemrpc/idemrpc.h>
 
@@ -11,16 +12,18 @@
 
 #define DATA_SHOWN 256 /* bytes of a message's data printed; data_bytes says how many */
 
-/* The first DATA_SHOWN bytes of data as text: printable ASCII as is, every other byte as
- * \xHH, so that neither a terminal nor a JSON reader meets the store's raw bytes. */
-static void data_text(const unsigned char *data, size_t len, char out[4 * DATA_SHOWN + 1])
+/* The first `shown` bytes of bytes as text: printable ASCII as is, every other byte as
+ * \xHH, so that neither a terminal nor a JSON reader meets the store's raw bytes. out
+ * holds 4·shown + 1. */
+static void escaped(const void *bytes, size_t len, size_t shown, char *out)
 {
+    const unsigned char *b = bytes;
     size_t o = 0;
-    for (size_t i = 0; i < len && i < DATA_SHOWN; i++) {
-        if (data[i] >= 0x20 && data[i] < 0x7f && data[i] != '\\') {
-            out[o++] = (char)data[i];
+    for (size_t i = 0; i < len && i < shown; i++) {
+        if (b[i] >= 0x20 && b[i] < 0x7f && b[i] != '\\') {
+            out[o++] = (char)b[i];
         } else {
-            o += (size_t)snprintf(out + o, 5, "\\x%02x", data[i]);
+            o += (size_t)snprintf(out + o, 5, "\\x%02x", b[i]);
         }
     }
     out[o] = '\0';
@@ -28,17 +31,20 @@ static void data_text(const unsigned char *data, size_t len, char out[4 * DATA_S
 
 static void print_msg(const idem_outbox_msg *m, bool json, bool first)
 {
-    char text[4 * DATA_SHOWN + 1];
-    data_text(m->data, m->len, text);
+    char text[4 * DATA_SHOWN + 1], subject[4 * IDEM_OUTBOX_MAX_SUBJECT + 1],
+        id[4 * IDEM_OUTBOX_MAX_MSG_ID + 1];
+    escaped(m->data, m->len, DATA_SHOWN, text);
+    escaped(m->subject, strlen(m->subject), IDEM_OUTBOX_MAX_SUBJECT, subject);
+    escaped(m->msg_id, strlen(m->msg_id), IDEM_OUTBOX_MAX_MSG_ID, id);
     if (!json) {
-        printf("seq %" PRIu64 "  subject %s  msg_id %s  %zu bytes\n  %s%s\n", m->seq, m->subject,
-               m->msg_id, m->len, text, m->len > DATA_SHOWN ? " ..." : "");
+        printf("seq %" PRIu64 "  subject %s  msg_id %s  %zu bytes\n  %s%s\n", m->seq, subject, id,
+               m->len, text, m->len > DATA_SHOWN ? " ..." : "");
         return;
     }
     printf("%s{\"seq\":%" PRIu64 ",\"subject\":", first ? "" : ",", m->seq);
-    idem__json_fputs(stdout, m->subject);
+    idem__json_fputs(stdout, subject);
     fputs(",\"msg_id\":", stdout);
-    idem__json_fputs(stdout, m->msg_id);
+    idem__json_fputs(stdout, id);
     printf(",\"data_bytes\":%zu,\"data\":", m->len);
     idem__json_fputs(stdout, text);
     putchar('}');

@@ -178,8 +178,10 @@ typedef struct idem_pg_opts {
      * statements queued behind it. 0 = 30000. */
     uint32_t migrate_timeout_ms;
     /* Opens only a database that already holds an idemrpc store (its idem_records table
-     * on the search_path): IDEM_NOT_FOUND, and nothing created, otherwise. For tools
-     * (idemctl) that must not invent an empty store from a mistyped conninfo. */
+     * on the search_path): IDEM_NOT_FOUND, and nothing created, otherwise; one whose
+     * tables are of an older format is IDEM_FAILED_PRECONDITION, nothing migrated. For
+     * tools (idemctl) that must not invent an empty store from a mistyped conninfo, nor
+     * change a live store's schema by looking at it. */
     bool existing;
 } idem_pg_opts;
 

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "nats_internal.h"
+#include "toolkit_internal.h"
 
 #define DEFAULT_BATCH 64
 #define DEFAULT_IDLE_MS 100
@@ -276,6 +277,27 @@ static idem_code settle(idem_nats_relay *r, size_t acked, bool failed, uint64_t 
     return code;
 }
 
+/* Runs of removed slots passed over per round, IDEM_OUTBOX_MAX_BATCH each at most. */
+#define SKIP_PASSES 64
+
+/* The next batch, past the removed slots a restore put in front of it (a peek looks
+ * only 2·batch slots ahead). */
+static idem_code peek_batch(idem_nats_relay *r, size_t *n)
+{
+    uint64_t pending = 0;
+    bool moved = true;
+    idem_code code = idem_outbox_peek(r->st, r->msgs, r->o.batch, n);
+    if (code == IDEM_OK && *n == 0) {
+        code = idem_outbox_pending(r->st, &pending);
+    }
+    for (int i = 0; code == IDEM_OK && *n == 0 && pending > 0 && moved && i < SKIP_PASSES; i++) {
+        if ((code = idem__outbox_skip_removed(r->st, &moved)) == IDEM_OK && moved) {
+            code = idem_outbox_peek(r->st, r->msgs, r->o.batch, n);
+        }
+    }
+    return code;
+}
+
 idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
 {
     size_t n = 0, acked = 0;
@@ -291,7 +313,7 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
         code = restore(r);
     }
     if (code == IDEM_OK) {
-        code = idem_outbox_peek(r->st, r->msgs, r->o.batch, &n);
+        code = peek_batch(r, &n);
     }
     if (code == IDEM_OK && n > 0) {
         code = publish_batch(r, n, &acked);

@@ -141,17 +141,22 @@ idem_code idem_outbox_pending(idem_store *st, uint64_t *pending)
     return code;
 }
 
-/* Up to max messages of the window of 2·max slots from head; *empty: the window held
- * nothing though messages lie beyond it (removed ones behind a head moved back). */
-static idem_code peek_window(idem_store *st, idem_outbox_msg *out, size_t max, size_t *n,
-                             bool *empty)
+idem_code idem_outbox_peek(idem_store *st, idem_outbox_msg *out, size_t max, size_t *n)
 {
-    uint64_t head, next, seq;
+    uint64_t head, next;
     uint8_t k[MSG_KEY_LEN];
     void *v;
     size_t len;
+    *n = 0;
+    if (st == NULL || max > IDEM_OUTBOX_MAX_BATCH) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "outbox peek: a store, at most %d messages",
+                         IDEM_OUTBOX_MAX_BATCH);
+    }
     idem_code code = idem__log_bounds_read(st, IDEM_OUTBOX_DB, &head, &next);
-    for (seq = head; code == IDEM_OK && seq < next && *n < max && seq - head < 2 * max; seq++) {
+    /* Looks at no more than 2·max slots: removed ones behind a slow head are skipped
+     * (and a relay that finds only those moves head: idem__outbox_skip_removed). */
+    for (uint64_t seq = head; code == IDEM_OK && seq < next && *n < max && seq - head < 2 * max;
+         seq++) {
         idem__outbox_msg_key(k, seq);
         if ((code = idem_store_app_get(st, IDEM_OUTBOX_DB, k, sizeof(k), &v, &len)) ==
             IDEM_NOT_FOUND) {
@@ -164,44 +169,32 @@ static idem_code peek_window(idem_store *st, idem_outbox_msg *out, size_t max, s
             *n += code == IDEM_OK;
         }
     }
-    *empty = code == IDEM_OK && *n == 0 && seq < next;
-    return code;
-}
-
-static idem_code advance_txn(idem_txn *t, void *arg)
-{
-    uint64_t head, next;
-    (void)arg;
-    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
-    return code != IDEM_OK ? code : idem__outbox_advance(t, head, next);
-}
-
-/* Passes over runs of removed slots at most this many times per peek (each moves head
- * past up to IDEM_OUTBOX_MAX_BATCH of them): a restore moves head back across all the
- * slots removed since (idem_outbox_kept_restore). */
-#define SKIP_PASSES 64
-
-idem_code idem_outbox_peek(idem_store *st, idem_outbox_msg *out, size_t max, size_t *n)
-{
-    bool empty = true;
-    *n = 0;
-    if (st == NULL || max > IDEM_OUTBOX_MAX_BATCH) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "outbox peek: a store, at most %d messages",
-                         IDEM_OUTBOX_MAX_BATCH);
-    }
-    idem_code code = IDEM_OK;
-    for (int pass = 0; code == IDEM_OK && empty && pass < SKIP_PASSES; pass++) {
-        if (pass > 0) { /* a window of removed slots only: head moves past them */
-            code = idem_store_run_txn(st, advance_txn, NULL);
-        }
-        if (code == IDEM_OK) {
-            code = peek_window(st, out, max, n, &empty);
-        }
-    }
     if (code != IDEM_OK) {
         idem_outbox_msgs_free(out, *n);
         *n = 0;
     }
+    return code;
+}
+
+static idem_code skip_txn(idem_txn *t, void *arg)
+{
+    uint64_t head, next, *moved_to = arg;
+    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
+    if (code == IDEM_OK && head < next) {
+        code = idem__outbox_advance(t, head, next);
+    }
+    if (code == IDEM_OK) {
+        code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, moved_to, &next);
+        *moved_to = *moved_to != head ? *moved_to : 0;
+    }
+    return code;
+}
+
+idem_code idem__outbox_skip_removed(idem_store *st, bool *moved)
+{
+    uint64_t moved_to = 0;
+    idem_code code = idem_store_run_txn(st, skip_txn, &moved_to);
+    *moved = code == IDEM_OK && moved_to != 0;
     return code;
 }
 

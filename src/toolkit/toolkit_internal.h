@@ -36,6 +36,11 @@ idem_code idem__log_bounds_put_at(idem_txn *t, const char *db, uint8_t key, uint
 #define IDEM__OUTBOX_KEY_LEN 9
 void idem__outbox_msg_key(uint8_t k[IDEM__OUTBOX_KEY_LEN], uint64_t seq);
 idem_code idem__outbox_advance(idem_txn *t, uint64_t head, uint64_t next);
+/* In one write txn: moves the outbox's head past up to IDEM_OUTBOX_MAX_BATCH removed
+ * slots; *moved: it moved. A relay whose peek found nothing though messages are pending
+ * calls it: a restore (idem_outbox_kept_restore) moves head back across every slot
+ * removed since, farther than a peek looks. */
+idem_code idem__outbox_skip_removed(idem_store *st, bool *moved);
 /* Splits a stored message v[0..n) into out (data copied: idem_outbox_msgs_free). */
 idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out);
 

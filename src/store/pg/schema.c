@@ -117,6 +117,15 @@ idem_code idem__pg_schema_ensure(pool_slot *pc)
     pg_store *st = pc->st;
     bool complete;
     idem_code code = schema_read(pc, &complete);
+    if (code == IDEM_OK && !complete && st->existing) {
+        /* A tool's look changes nothing: a migration would also raise the format an
+         * older server checks at its next start. */
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "the store's tables are of an older format than this idemrpc's %d "
+                         "(or incomplete), and a tool does not migrate them: start a server "
+                         "of this release on it first, or use the tool of the store's release",
+                         IDEM__PG_FORMAT);
+    }
     uint64_t give_up = idem__mono_ms() + st->migrate_ms, backoff = MIGRATE_BACKOFF_MIN_MS;
     unsigned attempts = 0;
     while (code == IDEM_OK && !complete) {
