@@ -125,32 +125,37 @@ Test(idemctl_queues, markers_count_one_groups_markers_and_name_the_oldest)
     cr_assert_eq(run_ctl(&b, out, sizeof(out), (const char *[]){"markers", NULL}), 2);
     tu_backend_close(&b);
 }
-/* A review found that the header of idemctl_queues.c promises "neither a terminal nor a JSON reader
- * meets the store's raw bytes", but only data is escaped: subject and msg_id (any bytes
- * idem_outbox_put took) go out raw in the text view, and bytes >= 0x80 raw in --json. */
-Test(idemctl_queues, outbox_escapes_subject_and_msg_id_as_it_does_data)
+
+/* Puts one message with subject and msg_id and runs idemctl's outbox view (argv) on it. */
+static void outbox_view(const char *tag, const char *subject, const char *msg_id,
+                        const char *const *argv, char *out, size_t cap)
 {
     tu_backend b;
-    idem_store *st = tu_backend_open(&b, "ctl-outbox-esc");
-    put_arg m = {"orders\x1b]0;owned\x07.done", "id-1\n  seq 99  subject fake", "x", 1};
+    idem_store *st = tu_backend_open(&b, tag);
+    put_arg m = {subject, msg_id, "x", 1};
     cr_assert_eq(idem_store_run_txn(st, put, &m), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(run_ctl(&b, out, cap, argv), 0, "%s", out);
+    tu_backend_close(&b);
+}
+
+/* A review found that the header of idemctl_queues.c promises "neither a terminal nor a
+ * JSON reader meets the store's raw bytes", but only data was escaped: subject and msg_id
+ * (any bytes idem_outbox_put took) went out raw in the text view, and bytes >= 0x80 raw
+ * in --json. */
+Test(idemctl_queues, outbox_escapes_subject_and_msg_id_as_it_does_data)
+{
     char out[8192];
-    cr_assert_eq(run_ctl(&b, out, sizeof(out), (const char *[]){"outbox", NULL}), 0, "%s", out);
+    outbox_view("ctl-outbox-esc", "orders\x1b]0;owned\x07.done", "id-1\n  seq 99  subject fake",
+                (const char *[]){"outbox", NULL}, out, sizeof(out));
     cr_expect(strchr(out, '\x1b') == NULL && strchr(out, '\x07') == NULL,
               "terminal escape bytes printed raw: %s", out);
     cr_expect(strstr(out, "\n  seq 99  subject fake") == NULL, "a forged line: %s", out);
-    tu_backend_close(&b);
 }
 
 Test(idemctl_queues, outbox_json_is_valid_utf8_for_any_msg_id)
 {
-    tu_backend b;
-    idem_store *st = tu_backend_open(&b, "ctl-outbox-utf8");
-    put_arg m = {"orders.done", "id-\xff\xfe", "x", 1};
-    cr_assert_eq(idem_store_run_txn(st, put, &m), IDEM_OK, "%s", idem_errmsg());
     char out[8192];
-    cr_assert_eq(run_ctl(&b, out, sizeof(out), (const char *[]){"--json", "outbox", NULL}), 0, "%s",
-                 out);
+    outbox_view("ctl-outbox-utf8", "orders.done", "id-\xff\xfe",
+                (const char *[]){"--json", "outbox", NULL}, out, sizeof(out));
     cr_expect(strchr(out, '\xff') == NULL, "a raw 0xff byte in --json (not UTF-8): %s", out);
-    tu_backend_close(&b);
 }
