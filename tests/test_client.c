@@ -85,10 +85,6 @@ static void teardown(void)
     open_gate();
     idem_client_close(C);
     tu_server_destroy(&S, false);
-    /* nng reaps pipes and dialers on its own threads after a close: wait for that before
-     * the test's process exits, else LSan may see them mid-reap as leaks (nng.h says so
-     * of nng_fini). Nothing of nng is used after this in this process. */
-    nng_fini();
 }
 
 TestSuite(client, .init = setup, .fini = teardown, .timeout = 60);
