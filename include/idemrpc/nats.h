@@ -207,9 +207,10 @@ IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
  * 2 minutes by default): an acked message is therefore kept in the store (idem_outbox_keep)
  * for the broker's sync interval (keep_ms, or what the broker reports in its varz when the
  * relay's user may ask; removed at once when it reports sync_always). At open and after
- * each reconnect the relay asks the broker for the newest kept message (its stream and
- * sequence); when it is gone, or another message holds its sequence, or a publish is
- * acked at a sequence at or below it, every kept message is put back into the outbox
+ * each reconnect the relay asks the broker for the newest kept message of each stream
+ * (its sequence; up to 64 streams); when one is gone, or another message holds its
+ * sequence, or a publish is acked at a sequence at or below the newest acked in its
+ * stream, every kept message is put back into the outbox
  * (idem_outbox_kept_restore) and published again, before anything newer: the duplicate
  * window drops those the broker still has, the consumers' markers any other repeat. */
 

@@ -5,6 +5,7 @@
 #include <nats/nats.h>
 
 #include "internal.h"
+#include "toolkit_internal.h"
 
 #include "idemrpc/nats.h"
 
@@ -67,11 +68,23 @@ void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
 idem_code idem__nats_sync_probe(natsConnection *nc, unsigned wait_ms, bool *always,
                                 uint64_t *interval_ms);
 
-/* Whether the broker lost the message k->newest (nats_keep.c): *lost when its stream is
- * gone, its sequence holds another message (another Nats-Msg-Id), or the stream's last
- * sequence is below it. A message its stream no longer has below its last sequence
- * (retention removed it) is not lost. UNAVAILABLE when the broker did not answer. */
-idem_code idem__nats_lost(jsCtx *js, const idem_outbox_kept_info *k, bool *lost);
+/* The newest publish the relay knows to hold, per stream (the streams acked longest ago
+ * give way past IDEM__KEPT_STREAMS). */
+typedef struct idem__nats_newest {
+    size_t n;
+    idem_outbox_ack s[IDEM__KEPT_STREAMS];
+} idem__nats_newest;
+
+/* After a (re)connect (nats_keep.c): whether the broker lost a kept message, looking at
+ * the newest kept message of every stream (the kept log's newest and its stream
+ * directory). A message is lost when its stream is gone, its sequence holds another
+ * message (another Nats-Msg-Id), or the stream's last sequence is below it; one its
+ * stream no longer has below its last sequence (retention removed it) is not. *nw: the
+ * newest of each stream that held. UNAVAILABLE when the broker did not answer. */
+idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw, bool *lost);
+/* A publish acked at a: true when it went back in its stream (at or below the newest
+ * acked there before: the broker forgot that one), else a is its stream's newest now. */
+bool idem__nats_went_back(idem__nats_newest *nw, const idem_outbox_ack *a);
 
 /* What the stream that captures a consumer's dead letters takes: its max_msg_size
  * (<= 0: no bound), once read (known). Zeroed: not read yet. */

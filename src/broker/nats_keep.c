@@ -1,7 +1,8 @@
 /* What the relay asks the broker about the messages it keeps (nats_relay.c): how the
  * broker syncs, and whether it lost what it acked. JetStream acks a publish once the
  * message is in its file store's buffers; the file store syncs them every sync_interval
- * (2 minutes by default) unless sync_always, so a host crash loses the tail acked since. */
+ * (2 minutes by default) unless sync_always, so a host crash loses the tail acked since.
+ * The relay checks the newest kept message of every stream it kept messages from. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,20 +49,18 @@ static idem_code last_seq(jsCtx *js, const char *stream, uint64_t *last, bool *g
     return IDEM_OK;
 }
 
-idem_code idem__nats_lost(jsCtx *js, const idem_outbox_kept_info *k, bool *lost)
+/* Whether the broker lost message msg_id, acked at a. */
+static idem_code lost_one(jsCtx *js, const idem_outbox_ack *a, const char *msg_id, bool *lost)
 {
     natsMsg *m = NULL;
     jsErrCode jerr = 0;
     const char *id = NULL;
     uint64_t last = 0;
     *lost = false;
-    if (k->count == 0) {
-        return IDEM_OK;
-    }
-    natsStatus s = js_GetMsg(&m, js, k->newest.stream, k->newest.stream_seq, NULL, &jerr);
+    natsStatus s = js_GetMsg(&m, js, a->stream, a->stream_seq, NULL, &jerr);
     if (s == NATS_OK) {
         s = natsMsgHeader_Get(m, IDEM_NATS_MSG_ID_HEADER, &id);
-        *lost = s != NATS_OK || strcmp(id, k->newest_msg_id) != 0;
+        *lost = s != NATS_OK || strcmp(id, msg_id) != 0;
         natsMsg_Destroy(m);
         return IDEM_OK;
     }
@@ -72,9 +71,69 @@ idem_code idem__nats_lost(jsCtx *js, const idem_outbox_kept_info *k, bool *lost)
     if (jerr != JSNoMessageFoundErr) {
         return idem__nats_code(s, jerr, "nats relay: get the newest kept message");
     }
-    idem_code code = last_seq(js, k->newest.stream, &last, lost);
-    if (code == IDEM_OK && last < k->newest.stream_seq) {
+    idem_code code = last_seq(js, a->stream, &last, lost);
+    if (code == IDEM_OK && last < a->stream_seq) {
         *lost = true; /* the stream went back: not removed by retention, forgotten */
     }
     return code;
+}
+
+/* Checks message msg_id acked at a; notes a as its stream's newest when it held. */
+static idem_code check_one(jsCtx *js, const idem_outbox_ack *a, const char *msg_id,
+                           idem__nats_newest *nw, bool *lost)
+{
+    bool gone = false;
+    idem_code code = lost_one(js, a, msg_id, &gone);
+    if (code == IDEM_OK && gone) {
+        *lost = true;
+    } else if (code == IDEM_OK) {
+        (void)idem__nats_went_back(nw, a);
+    }
+    return code;
+}
+
+idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw, bool *lost)
+{
+    idem_outbox_kept_info k;
+    idem__kept_dir *d = malloc(sizeof(*d));
+    *lost = false;
+    nw->n = 0;
+    if (d == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory");
+    }
+    idem_code code = idem_outbox_kept(st, &k);
+    if (code == IDEM_OK) {
+        code = idem__kept_dir_read(st, d);
+    }
+    for (size_t j = 0; code == IDEM_OK && !*lost && j < d->n; j++) {
+        code = check_one(js, &d->s[j].ack, d->s[j].msg_id, nw, lost);
+    }
+    if (code == IDEM_OK && !*lost && k.count > 0) { /* a log kept before the directory */
+        code = check_one(js, &k.newest, k.newest_msg_id, nw, lost);
+    }
+    free(d);
+    if (*lost) {
+        nw->n = 0;
+    }
+    return code;
+}
+
+bool idem__nats_went_back(idem__nats_newest *nw, const idem_outbox_ack *a)
+{
+    size_t j = 0;
+    while (j < nw->n && strcmp(nw->s[j].stream, a->stream) != 0) {
+        j++;
+    }
+    if (j < nw->n && a->stream_seq <= nw->s[j].stream_seq) {
+        return true;
+    }
+    if (j == nw->n && nw->n == IDEM__KEPT_STREAMS) {
+        j = 0; /* the stream acked longest ago gives way */
+    }
+    if (j < nw->n) {
+        memmove(&nw->s[j], &nw->s[j + 1], (nw->n - j - 1) * sizeof(nw->s[0]));
+        nw->n--;
+    }
+    nw->s[nw->n++] = *a;
+    return false;
 }

@@ -33,16 +33,16 @@ struct idem_nats_relay {
     idem_outbox_ack *acks; /* the same, with where the broker put them */
     uint64_t *parked;      /* refused for good this round */
     size_t n_parked;
-    int64_t limit;          /* the max_payload recorded in the store (0: none yet) */
-    uint64_t nowhere_seq;   /* the message that no stream took, */
-    unsigned nowhere;       /* in that many rounds in a row */
-    uint64_t keep_ms;       /* the horizon: 0 when the broker syncs every write */
-    uint64_t reconnects;    /* the connection's, when the broker was last checked */
-    bool checked;           /* the broker was checked for a loss since (re)connecting */
-    bool lost;              /* it lost a kept message: restore them all before going on */
-    uint64_t answering_ms;  /* since when the broker answered every round (0: it did not) */
-    idem_outbox_ack newest; /* the newest ack known to hold (stream "": none) */
-    idem__nats_loop loop;   /* its mu guards stats */
+    int64_t limit;            /* the max_payload recorded in the store (0: none yet) */
+    uint64_t nowhere_seq;     /* the message that no stream took, */
+    unsigned nowhere;         /* in that many rounds in a row */
+    uint64_t keep_ms;         /* the horizon: 0 when the broker syncs every write */
+    uint64_t reconnects;      /* the connection's, when the broker was last checked */
+    bool checked;             /* the broker was checked for a loss since (re)connecting */
+    bool lost;                /* it lost a kept message: restore them all before going on */
+    uint64_t answering_ms;    /* since when the broker answered every round (0: it did not) */
+    idem__nats_newest newest; /* per stream, the newest ack known to hold */
+    idem__nats_loop loop;     /* its mu guards stats */
     idem_nats_relay_counts stats;
 };
 
@@ -109,12 +109,8 @@ static bool taken_by_no_stream(idem_nats_relay *r, const idem_outbox_msg *m)
  * stream: it forgot that one (a stream's sequence only grows). */
 static bool went_back(idem_nats_relay *r, const idem_outbox_ack *a)
 {
-    bool back = strcmp(a->stream, r->newest.stream) == 0 && a->stream_seq <= r->newest.stream_seq;
-    if (back) {
-        r->lost = true;
-    } else {
-        r->newest = *a;
-    }
+    bool back = idem__nats_went_back(&r->newest, a);
+    r->lost = r->lost || back;
     return back;
 }
 
@@ -177,11 +173,10 @@ static bool reconnects_of(idem_nats_relay *r, uint64_t *reconnects)
 }
 
 /* After each (re)connect, before any publish: how the broker syncs (the horizon), and
- * whether it lost the newest kept message. */
+ * whether it lost the newest kept message of any stream. */
 static idem_code check_broker(idem_nats_relay *r)
 {
     uint64_t reconnects = 0, interval_ms;
-    idem_outbox_kept_info k;
     bool always;
     if (!reconnects_of(r, &reconnects)) {
         return idem__err(IDEM_INTERNAL, "nats relay: connection statistics");
@@ -193,14 +188,10 @@ static idem_code check_broker(idem_nats_relay *r)
     if (idem__nats_sync_probe(r->nc, PROBE_WAIT_MS, &always, &interval_ms) == IDEM_OK) {
         r->keep_ms = always ? 0 : interval_ms > r->keep_ms ? interval_ms : r->keep_ms;
     }
-    idem_code code = idem_outbox_kept(r->st, &k);
-    if (code == IDEM_OK) {
-        code = idem__nats_lost(r->js, &k, &r->lost);
-    }
+    idem_code code = idem__nats_check_kept(r->js, r->st, &r->newest, &r->lost);
     if (code == IDEM_OK) {
         r->checked = true;
         r->reconnects = reconnects;
-        r->newest = k.count > 0 && !r->lost ? k.newest : (idem_outbox_ack){0};
     }
     return code;
 }
@@ -223,7 +214,7 @@ static idem_code restore(idem_nats_relay *r)
     } while (code == IDEM_OK && n > 0);
     if (code == IDEM_OK) {
         r->lost = false;
-        memset(&r->newest, 0, sizeof(r->newest));
+        r->newest.n = 0;
     }
     return code;
 }

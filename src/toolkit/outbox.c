@@ -10,6 +10,7 @@
  *   'p' be64 seq   → the same bytes: a parked message (the broker refuses it for good)
  *   'l'            → be64 max_payload            the broker's limit a relay recorded
  *   'K', 'k' be64 i → the kept log (outbox_kept.c): acked, the broker may still lose them
+ *   'N'            → the kept log's newest message per stream (outbox_kept_streams.c)
  * put appends at next; remove (and park) deletes one message and moves head past every
  * removed one at the front (at most IDEM_OUTBOX_MAX_BATCH per txn), so head only grows,
  * but for kept messages put back after the broker lost them (idem_outbox_kept_restore:
@@ -109,7 +110,9 @@ idem_code idem_outbox_put(idem_txn *t, const char *subject, const char *msg_id, 
     return code != IDEM_OK ? code : idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next + 1);
 }
 
-idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out)
+/* The subject and msg_id of a stored message v[0..n); *data: where its data begins. */
+static idem_code msg_head(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out,
+                          size_t *data)
 {
     size_t ls = n >= 2 ? (size_t)(v[0] << 8 | v[1]) : 0, li;
     if (ls == 0 || ls > IDEM_OUTBOX_MAX_SUBJECT || n < 4 + ls) {
@@ -124,11 +127,34 @@ idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem
     out->subject[ls] = '\0';
     memcpy(out->msg_id, v + 4 + ls, li);
     out->msg_id[li] = '\0';
-    out->len = n - 4 - ls - li;
+    *data = 4 + ls + li;
+    return IDEM_OK;
+}
+
+idem_code idem__outbox_msg_id(const uint8_t *v, size_t n, uint64_t seq,
+                              char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1])
+{
+    idem_outbox_msg m;
+    size_t data;
+    idem_code code = msg_head(v, n, seq, &m, &data);
+    if (code == IDEM_OK) {
+        memcpy(msg_id, m.msg_id, sizeof(m.msg_id));
+    }
+    return code;
+}
+
+idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out)
+{
+    size_t data;
+    idem_code code = msg_head(v, n, seq, out, &data);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    out->len = n - data;
     if ((out->data = malloc(out->len + 1)) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "outbox: out of memory");
     }
-    memcpy(out->data, v + 4 + ls + li, out->len);
+    memcpy(out->data, v + data, out->len);
     ((char *)out->data)[out->len] = '\0';
     return IDEM_OK;
 }

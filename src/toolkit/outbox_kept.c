@@ -3,6 +3,7 @@
  *   'K'          → be64 head ‖ be64 next          (log_bounds.c) kept are [head, next)
  *   'k' be64 i   → be64 seq ‖ be64 stream_seq ‖ be64 acked_ms ‖ be16 |stream| stream ‖
  *                  the message's outbox bytes (outbox.c)
+ *   'N'          → the newest kept message per stream (outbox_kept_streams.c)
  * keep appends at next, in ack order; expire deletes at head; restore takes from the tail
  * (newest first) back into the outbox at its seq and lowers the outbox's head to it. So
  * [head, next) has no hole: count = next - head, the oldest at head, the newest at
@@ -43,6 +44,7 @@ typedef struct keep_args {
     const idem_outbox_ack *acks;
     size_t n;
     uint64_t now_ms;
+    idem__kept_dir *dir; /* the stream directory, loaded in the txn */
 } keep_args;
 
 /* Appends ack's message (its outbox bytes m[0..n)) at *next. */
@@ -80,12 +82,18 @@ static idem_code keep_txn(idem_txn *t, void *arg)
     if (code == IDEM_OK) {
         code = idem__log_bounds_get_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, &khead, &knext);
     }
+    if (code == IDEM_OK) {
+        code = idem__kept_dir_load(t, a->dir);
+    }
     for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
         idem__outbox_msg_key(k, a->acks[i].seq);
         code = idem_txn_get(t, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n);
         if (code == IDEM_NOT_FOUND) { /* removed before (another relay) */
             code = IDEM_OK;
             continue;
+        }
+        if (code == IDEM_OK) {
+            code = idem__kept_dir_note(a->dir, knext, &a->acks[i], v, n);
         }
         if (code == IDEM_OK) {
             code = keep_one(t, &a->acks[i], a->now_ms, v, n, &knext);
@@ -97,17 +105,28 @@ static idem_code keep_txn(idem_txn *t, void *arg)
     if (code == IDEM_OK) {
         code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
     }
+    if (code == IDEM_OK) {
+        code = idem__kept_dir_store(t, a->dir);
+    }
     return code != IDEM_OK ? code : idem__outbox_advance(t, head, next);
 }
 
 idem_code idem_outbox_keep(idem_store *st, const idem_outbox_ack *acks, size_t n, uint64_t now_ms)
 {
-    keep_args a = {acks, n, now_ms};
+    keep_args a = {acks, n, now_ms, NULL};
     if (st == NULL || (acks == NULL && n > 0) || n > IDEM_OUTBOX_MAX_BATCH) {
         return idem__err(IDEM_INVALID_ARGUMENT, "outbox keep: a store, at most %d messages",
                          IDEM_OUTBOX_MAX_BATCH);
     }
-    return n == 0 ? IDEM_OK : idem_store_run_txn(st, keep_txn, &a);
+    if (n == 0) {
+        return IDEM_OK;
+    }
+    if ((a.dir = malloc(sizeof(*a.dir))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "outbox keep: out of memory");
+    }
+    idem_code code = idem_store_run_txn(st, keep_txn, &a);
+    free(a.dir);
+    return code;
 }
 
 /* Record i of the kept log, read outside a txn: its ack, ack time and msg_id; NOT_FOUND
@@ -119,13 +138,11 @@ static idem_code kept_read(idem_store *st, uint64_t i, idem_outbox_ack *a, uint6
     const uint8_t *m;
     void *v;
     size_t n, mn;
-    idem_outbox_msg msg = {0};
     kept_key(k, i);
     idem_code code = idem_store_app_get(st, IDEM_OUTBOX_DB, k, sizeof(k), &v, &n);
     if (code == IDEM_OK && (code = kept_decode(v, n, a, acked_ms, &m, &mn)) == IDEM_OK &&
-        msg_id != NULL && (code = idem__outbox_msg_decode(m, mn, a->seq, &msg)) == IDEM_OK) {
-        memcpy(msg_id, msg.msg_id, sizeof(msg.msg_id));
-        idem_outbox_msgs_free(&msg, 1);
+        msg_id != NULL) {
+        code = idem__outbox_msg_id(m, mn, a->seq, msg_id);
     }
     free(v);
     return code;
@@ -164,7 +181,8 @@ idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out)
 }
 
 typedef struct kept_args {
-    uint64_t before_ms; /* expire: those acked before; restore: unused */
+    uint64_t before_ms;  /* expire: those acked before; restore: unused */
+    idem__kept_dir *dir; /* expire: the stream directory, pruned */
     size_t max, done;
 } kept_args;
 
@@ -190,21 +208,31 @@ static idem_code expire_txn(idem_txn *t, void *arg)
         }
         code = idem_txn_del(t, IDEM_OUTBOX_DB, k, sizeof(k));
     }
-    return code != IDEM_OK || a->done == 0
-               ? code
-               : idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
+    if (code != IDEM_OK || a->done == 0) {
+        return code;
+    }
+    code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
+    if (code == IDEM_OK && (code = idem__kept_dir_load(t, a->dir)) == IDEM_OK) {
+        idem__kept_dir_prune(a->dir, khead);
+        code = idem__kept_dir_store(t, a->dir);
+    }
+    return code;
 }
 
 /* Runs fn on up to max kept messages in one write txn; *done (may be NULL): how many. */
 static idem_code kept_run(idem_store *st, idem_txn_fn fn, uint64_t before_ms, size_t max,
                           size_t *done, const char *what)
 {
-    kept_args a = {before_ms, max, 0};
+    kept_args a = {before_ms, NULL, max, 0};
     if (st == NULL || max > IDEM_OUTBOX_MAX_BATCH) {
         return idem__err(IDEM_INVALID_ARGUMENT, "outbox kept %s: a store, at most %d", what,
                          IDEM_OUTBOX_MAX_BATCH);
     }
+    if (max > 0 && (a.dir = malloc(sizeof(*a.dir))) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "outbox kept %s: out of memory", what);
+    }
     idem_code code = max == 0 ? IDEM_OK : idem_store_run_txn(st, fn, &a);
+    free(a.dir);
     if (done != NULL) {
         *done = code == IDEM_OK ? a.done : 0;
     }

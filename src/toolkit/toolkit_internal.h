@@ -43,5 +43,35 @@ idem_code idem__outbox_advance(idem_txn *t, uint64_t head, uint64_t next);
 idem_code idem__outbox_skip_removed(idem_store *st, bool *moved);
 /* Splits a stored message v[0..n) into out (data copied: idem_outbox_msgs_free). */
 idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out);
+/* The msg_id of a stored message v[0..n) (nothing allocated). */
+idem_code idem__outbox_msg_id(const uint8_t *v, size_t n, uint64_t seq,
+                              char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1]);
+
+/* The kept log's stream directory (outbox_kept_streams.c): per stream the relay published
+ * to, the newest message kept from it, so that a relay coming back to a broker checks
+ * every stream, not only the one acked last. One record ('N' in IDEM_OUTBOX_DB) of at
+ * most IDEM__KEPT_STREAMS entries; when full, the stream acked longest ago gives way.
+ * An entry goes once everything kept from its stream expired (i < the kept log's head). */
+#define IDEM__KEPT_STREAMS 64
+typedef struct idem__kept_stream {
+    uint64_t i;          /* its place in the kept log */
+    idem_outbox_ack ack; /* the message: outbox seq, stream, stream_seq */
+    char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1];
+} idem__kept_stream;
+typedef struct idem__kept_dir {
+    size_t n;
+    bool changed;
+    idem__kept_stream s[IDEM__KEPT_STREAMS];
+} idem__kept_dir;
+idem_code idem__kept_dir_load(idem_txn *t, idem__kept_dir *d);
+/* Outside a txn (the relay's check). */
+idem_code idem__kept_dir_read(idem_store *st, idem__kept_dir *d);
+/* Kept record i (its ack, its outbox bytes m[0..n)) is its stream's newest now. */
+idem_code idem__kept_dir_note(idem__kept_dir *d, uint64_t i, const idem_outbox_ack *a,
+                              const uint8_t *m, size_t n);
+/* Entries whose messages all left the kept log (i < head). */
+void idem__kept_dir_prune(idem__kept_dir *d, uint64_t head);
+/* Writes d back when it changed. */
+idem_code idem__kept_dir_store(idem_txn *t, idem__kept_dir *d);
 
 #endif
