@@ -15,15 +15,14 @@
  * arrives, each byte once. Each connection holds a reference per pending operation
  * (receive, send, a request with the front); the last one hands it to conn_free. */
 #include <nng/nng.h>
-#include <nng/supplemental/tls/tls.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "http_conn.h"
+#include "supplemental.h"
 
 #define LINGER_MS 100          /* quiet time before a refused connection closes */
 #define LINGER_MAX (64 * 1024) /* bytes discarded at most while lingering */
@@ -52,18 +51,6 @@ struct idem_hconn {
 };
 
 static const char continue_100[] = "HTTP/1.1 100 Continue\r\n\r\n";
-
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static nng_duration duration(uint64_t ms)
-{
-    return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
-}
 
 /* ---- connection life ---- */
 
@@ -137,12 +124,12 @@ static void conn_unlock(idem_hconn *c)
 static void start_send(idem_hconn *c)
 {
     nng_iov iov = {.iov_buf = c->out + c->out_off, .iov_len = c->out_len - c->out_off};
-    uint64_t now = now_ms();
+    uint64_t now = idem__mono_ms();
     if (now >= c->send_end || nng_aio_set_iov(c->tx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->tx, duration(c->send_end - now));
+    nng_aio_set_timeout(c->tx, idem__hduration(c->send_end - now));
     c->refs++;
     nng_stream_send(c->st, c->tx);
 }
@@ -152,7 +139,7 @@ static void send_locked(idem_hconn *c, char *out, size_t len, bool close)
     c->out = out;
     c->out_len = len;
     c->out_off = 0;
-    c->send_end = now_ms() + c->srv->cfg.request_timeout_ms;
+    c->send_end = idem__mono_ms() + c->srv->cfg.request_timeout_ms;
     c->close_after = c->close_after || close;
     start_send(c);
 }
@@ -230,7 +217,7 @@ static void need_more(idem_hconn *c)
             return;
         }
     }
-    uint64_t ms = cfg->idle_timeout_ms, now = now_ms();
+    uint64_t ms = cfg->idle_timeout_ms, now = idem__mono_ms();
     if (c->req_start != 0) {
         if (now >= c->req_start + cfg->request_timeout_ms) {
             refuse(c, 408, "the request did not arrive within the request timeout");
@@ -243,7 +230,7 @@ static void need_more(idem_hconn *c)
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->rx, duration(ms));
+    nng_aio_set_timeout(c->rx, idem__hduration(ms));
     c->rx_pending = true;
     c->refs++;
     nng_stream_recv(c->st, c->rx);
@@ -297,7 +284,7 @@ static bool conn_advance(idem_hconn *c, const void **body, size_t *blen)
         return false;
     }
     if (!c->head_done) {
-        c->req_start = c->req_start == 0 && c->len > 0 ? now_ms() : c->req_start;
+        c->req_start = c->req_start == 0 && c->len > 0 ? idem__mono_ms() : c->req_start;
         idem_hp hp = idem__http_parse_head_more(c->buf, c->len, &c->req, &err);
         if (hp != IDEM_HP_OK) {
             hp == IDEM_HP_BAD ? refuse(c, err.status, err.msg) : need_more(c);
@@ -337,11 +324,11 @@ static void conn_run(idem_hconn *c)
     c->busy = true;
     c->refs++;
     c->head_only = c->req.mlen == 4 && memcmp(c->req.method, "HEAD", 4) == 0;
-    c->answer_end = now_ms() + c->srv->cfg.answer_timeout_ms;
+    c->answer_end = idem__mono_ms() + c->srv->cfg.answer_timeout_ms;
     if (!c->wait_pending) { /* else the pending one (being cancelled) re-arms itself */
         c->wait_pending = true;
         c->refs++;
-        nng_sleep_aio(duration(c->srv->cfg.answer_timeout_ms), c->wait);
+        nng_sleep_aio(idem__hduration(c->srv->cfg.answer_timeout_ms), c->wait);
     }
     pthread_mutex_unlock(&c->mtx);
     c->srv->cfg.on_request(c, &c->req, body, blen, c->srv->cfg.arg);
@@ -372,7 +359,7 @@ static void wait_cb(void *arg)
     pthread_mutex_lock(&c->mtx);
     c->refs--;
     c->wait_pending = false;
-    uint64_t now = now_ms();
+    uint64_t now = idem__mono_ms();
     if (c->busy && !c->lapsed && !c->closed && now >= c->answer_end) {
         c->lapsed = true;
         refuse(c, 504,
@@ -381,7 +368,7 @@ static void wait_cb(void *arg)
     } else if (c->busy && !c->lapsed && !c->closed) {
         c->wait_pending = true;
         c->refs++;
-        nng_sleep_aio(duration(c->answer_end - now), c->wait);
+        nng_sleep_aio(idem__hduration(c->answer_end - now), c->wait);
     }
     conn_unlock(c);
 }
@@ -391,14 +378,14 @@ static void wait_cb(void *arg)
 static void linger_more(idem_hconn *c)
 {
     nng_iov iov = {.iov_buf = c->buf, .iov_len = c->cap};
-    uint64_t now = now_ms();
+    uint64_t now = idem__mono_ms();
     if (c->eof || c->closed || c->lingered > LINGER_MAX || now >= c->linger_end ||
         nng_aio_set_iov(c->rx, 1, &iov) != 0) {
         conn_close_locked(c);
         return;
     }
     nng_aio_set_timeout(
-        c->rx, duration(c->linger_end - now < LINGER_MS ? c->linger_end - now : LINGER_MS));
+        c->rx, idem__hduration(c->linger_end - now < LINGER_MS ? c->linger_end - now : LINGER_MS));
     c->rx_pending = true;
     c->refs++;
     nng_stream_recv(c->st, c->rx);
@@ -448,7 +435,7 @@ static void tx_cb(void *arg)
         c->interim = false;
     } else if (c->close_after) {
         c->lingering = true;
-        c->linger_end = now_ms() + LINGER_TOTAL_MS;
+        c->linger_end = idem__mono_ms() + LINGER_TOTAL_MS;
         c->rx_pending ? (void)0 : linger_more(c);
     } else { /* the next request, if one is buffered */
         memmove(c->buf, c->buf + c->req_len, c->len - c->req_len);
@@ -463,8 +450,7 @@ static void tx_cb(void *arg)
     conn_run(c);
 }
 
-/* ---- the listener's side ---- */
-
+/* The listener's side: a new connection, its start, its close, the next one. */
 idem_hconn *idem__hconn_new(idem_hsrv *s, nng_stream *st)
 {
     idem_hconn *c = calloc(1, sizeof(*c));

@@ -17,6 +17,12 @@
 
 #include "http_parse.h"
 
+/* ms as an nng duration (nng's is an int32 of ms): at most INT32_MAX. */
+static inline nng_duration idem__hduration(uint64_t ms)
+{
+    return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
+}
+
 typedef struct idem_hsrv idem_hsrv;
 typedef struct idem_hconn idem_hconn;
 
