@@ -145,7 +145,7 @@ static const idem__kept_stream *entry(const idem__kept_dir *d, const char *strea
     return NULL;
 }
 
-Test(nats_streams, the_directory_keeps_each_streams_newest_until_its_messages_expire)
+Test(nats_streams, the_directory_keeps_each_streams_newest_until_its_messages_leave)
 {
     nt e;
     int n = IDEM__KEPT_STREAMS + 3; /* 65 streams: one more than the directory holds */
@@ -179,9 +179,10 @@ Test(nats_streams, the_directory_keeps_each_streams_newest_until_its_messages_ex
     cr_assert_eq(idem__kept_dir_read(e.st, d), IDEM_OK, "%s", idem_errmsg());
     cr_expect_null(entry(d, "S1"), "every message kept from S1 expired");
     cr_expect_eq(d->n, IDEM__KEPT_STREAMS - 1);
-    cr_assert_eq(idem_outbox_kept_expire(e.st, 2500, IDEM_OUTBOX_MAX_BATCH, &dropped), IDEM_OK);
+    cr_assert_eq(idem_outbox_kept_restore(e.st, IDEM_OUTBOX_MAX_BATCH, &dropped), IDEM_OK);
+    cr_assert_eq(dropped, 63);
     cr_assert_eq(idem__kept_dir_read(e.st, d), IDEM_OK, "%s", idem_errmsg());
-    cr_expect_eq(d->n, 0);
+    cr_expect_eq(d->n, 0, "nothing is kept once every message is back in the outbox");
     free(d);
     nt_teardown(&e);
 }

@@ -102,8 +102,10 @@ idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory");
     }
     idem_code code = idem_outbox_kept(st, &k);
-    if (code == IDEM_OK) {
+    if (code == IDEM_OK && k.count > 0) { /* nothing kept: nothing the broker may lose */
         code = idem__kept_dir_read(st, d);
+    } else {
+        d->n = 0;
     }
     for (size_t j = 0; code == IDEM_OK && !*lost && j < d->n; j++) {
         code = check_one(js, &d->s[j].ack, d->s[j].msg_id, nw, lost);

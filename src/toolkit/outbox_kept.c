@@ -182,9 +182,20 @@ idem_code idem_outbox_kept(idem_store *st, idem_outbox_kept_info *out)
 
 typedef struct kept_args {
     uint64_t before_ms;  /* expire: those acked before; restore: unused */
-    idem__kept_dir *dir; /* expire: the stream directory, pruned */
+    idem__kept_dir *dir; /* the stream directory, pruned */
     size_t max, done;
 } kept_args;
+
+/* The stream directory after the kept log became [khead, knext). */
+static idem_code dir_prune(idem_txn *t, idem__kept_dir *d, uint64_t khead, uint64_t knext)
+{
+    idem_code code = idem__kept_dir_load(t, d);
+    if (code == IDEM_OK) {
+        idem__kept_dir_prune(d, khead, knext);
+        code = idem__kept_dir_store(t, d);
+    }
+    return code;
+}
 
 static idem_code expire_txn(idem_txn *t, void *arg)
 {
@@ -212,11 +223,7 @@ static idem_code expire_txn(idem_txn *t, void *arg)
         return code;
     }
     code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
-    if (code == IDEM_OK && (code = idem__kept_dir_load(t, a->dir)) == IDEM_OK) {
-        idem__kept_dir_prune(a->dir, khead);
-        code = idem__kept_dir_store(t, a->dir);
-    }
-    return code;
+    return code != IDEM_OK ? code : dir_prune(t, a->dir, khead, knext);
 }
 
 /* Runs fn on up to max kept messages in one write txn; *done (may be NULL): how many. */
@@ -283,7 +290,10 @@ static idem_code restore_txn(idem_txn *t, void *arg)
         return code;
     }
     code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
-    return code != IDEM_OK ? code : idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next);
+    if (code == IDEM_OK) {
+        code = idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next);
+    }
+    return code != IDEM_OK ? code : dir_prune(t, a->dir, khead, knext);
 }
 
 idem_code idem_outbox_kept_restore(idem_store *st, size_t max, size_t *restored)

@@ -98,10 +98,10 @@ idem_code idem__kept_dir_note(idem__kept_dir *d, uint64_t i, const idem_outbox_a
     return IDEM_OK;
 }
 
-void idem__kept_dir_prune(idem__kept_dir *d, uint64_t head)
+void idem__kept_dir_prune(idem__kept_dir *d, uint64_t head, uint64_t next)
 {
     for (size_t j = d->n; j-- > 0;) {
-        if (d->s[j].i < head) {
+        if (d->s[j].i < head || head == next) {
             drop(d, j);
         }
     }

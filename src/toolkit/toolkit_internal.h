@@ -51,7 +51,8 @@ idem_code idem__outbox_msg_id(const uint8_t *v, size_t n, uint64_t seq,
  * to, the newest message kept from it, so that a relay coming back to a broker checks
  * every stream, not only the one acked last. One record ('N' in IDEM_OUTBOX_DB) of at
  * most IDEM__KEPT_STREAMS entries; when full, the stream acked longest ago gives way.
- * An entry goes once everything kept from its stream expired (i < the kept log's head). */
+ * An entry goes once everything kept from its stream expired (i < the kept log's head),
+ * all of them once nothing is kept. */
 #define IDEM__KEPT_STREAMS 64
 typedef struct idem__kept_stream {
     uint64_t i;          /* its place in the kept log */
@@ -69,8 +70,9 @@ idem_code idem__kept_dir_read(idem_store *st, idem__kept_dir *d);
 /* Kept record i (its ack, its outbox bytes m[0..n)) is its stream's newest now. */
 idem_code idem__kept_dir_note(idem__kept_dir *d, uint64_t i, const idem_outbox_ack *a,
                               const uint8_t *m, size_t n);
-/* Entries whose messages all left the kept log (i < head). */
-void idem__kept_dir_prune(idem__kept_dir *d, uint64_t head);
+/* Entries whose messages all left the kept log [head, next): i < head (expired), and
+ * every entry once the log is empty (all expired or restored). */
+void idem__kept_dir_prune(idem__kept_dir *d, uint64_t head, uint64_t next);
 /* Writes d back when it changed. */
 idem_code idem__kept_dir_store(idem_txn *t, idem__kept_dir *d);
 
