@@ -68,20 +68,26 @@ void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
 idem_code idem__nats_sync_probe(natsConnection *nc, unsigned wait_ms, bool *always,
                                 uint64_t *interval_ms);
 
-/* The newest publish the relay knows to hold, per stream (the streams acked longest ago
- * give way past IDEM__KEPT_STREAMS). */
+/* The newest publish the relay knows to hold, per stream: grows as the relay publishes
+ * to more streams, up to IDEM__NATS_STREAMS_MAX (then the stream acked longest ago gives
+ * way; a loss in it is found at the next reconnect only). idem__nats_newest_fini frees. */
+#define IDEM__NATS_STREAMS_MAX 4096
 typedef struct idem__nats_newest {
-    size_t n;
-    idem_outbox_ack s[IDEM__KEPT_STREAMS];
+    size_t n, cap;
+    idem_outbox_ack *s;
 } idem__nats_newest;
+void idem__nats_newest_fini(idem__nats_newest *nw);
 
 /* After a (re)connect (nats_keep.c): whether the broker lost a kept message, looking at
  * the newest kept message of every stream (the kept log's newest and its stream
  * directory). A message is lost when its stream is gone, its sequence holds another
  * message (another Nats-Msg-Id), or the stream's last sequence is below it; one its
- * stream no longer has below its last sequence (retention removed it) is not. *nw: the
+ * stream no longer has below its last sequence (retention removed it) is not. *unsure
+ * (and *lost): some kept message is in no entry of the directory (it overflowed, or the
+ * log was kept by a release before it), so every kept message goes again. *nw: the
  * newest of each stream that held. UNAVAILABLE when the broker did not answer. */
-idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw, bool *lost);
+idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw, bool *lost,
+                                bool *unsure);
 /* A publish acked at a: true when it went back in its stream (at or below the newest
  * acked there before: the broker forgot that one), else a is its stream's newest now. */
 bool idem__nats_went_back(idem__nats_newest *nw, const idem_outbox_ack *a);

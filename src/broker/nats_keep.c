@@ -92,11 +92,12 @@ static idem_code check_one(jsCtx *js, const idem_outbox_ack *a, const char *msg_
     return code;
 }
 
-idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw, bool *lost)
+idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw, bool *lost,
+                                bool *unsure)
 {
     idem_outbox_kept_info k;
     idem__kept_dir *d = malloc(sizeof(*d));
-    *lost = false;
+    *lost = *unsure = false;
     nw->n = 0;
     if (d == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory");
@@ -107,10 +108,13 @@ idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw
     } else {
         d->n = 0;
     }
+    if (code == IDEM_OK && k.count > 0 && (d->overflow || !d->present)) {
+        *lost = *unsure = true; /* some kept message is in no entry: all go again */
+    }
     for (size_t j = 0; code == IDEM_OK && !*lost && j < d->n; j++) {
         code = check_one(js, &d->s[j].ack, d->s[j].msg_id, nw, lost);
     }
-    if (code == IDEM_OK && !*lost && k.count > 0) { /* a log kept before the directory */
+    if (code == IDEM_OK && !*lost && k.count > 0) { /* the entry of its stream, as a rule */
         code = check_one(js, &k.newest, k.newest_msg_id, nw, lost);
     }
     free(d);
@@ -118,6 +122,24 @@ idem_code idem__nats_check_kept(jsCtx *js, idem_store *st, idem__nats_newest *nw
         nw->n = 0;
     }
     return code;
+}
+
+/* Room for one more stream in nw: grown (doubling), or at the bound, the stream acked
+ * longest ago gives way. */
+static void room(idem__nats_newest *nw)
+{
+    size_t cap = nw->cap == 0 ? 8 : 2 * nw->cap;
+    idem_outbox_ack *s = NULL;
+    if (nw->n < nw->cap) {
+        return;
+    }
+    if (cap <= IDEM__NATS_STREAMS_MAX && (s = realloc(nw->s, cap * sizeof(*s))) != NULL) {
+        nw->s = s;
+        nw->cap = cap;
+        return;
+    }
+    memmove(&nw->s[0], &nw->s[1], (nw->n - 1) * sizeof(nw->s[0]));
+    nw->n--;
 }
 
 bool idem__nats_went_back(idem__nats_newest *nw, const idem_outbox_ack *a)
@@ -129,13 +151,19 @@ bool idem__nats_went_back(idem__nats_newest *nw, const idem_outbox_ack *a)
     if (j < nw->n && a->stream_seq <= nw->s[j].stream_seq) {
         return true;
     }
-    if (j == nw->n && nw->n == IDEM__KEPT_STREAMS) {
-        j = 0; /* the stream acked longest ago gives way */
-    }
     if (j < nw->n) {
         memmove(&nw->s[j], &nw->s[j + 1], (nw->n - j - 1) * sizeof(nw->s[0]));
         nw->n--;
     }
-    nw->s[nw->n++] = *a;
+    room(nw);
+    if (nw->n < nw->cap) { /* else no memory even for the first: nothing to compare with */
+        nw->s[nw->n++] = *a;
+    }
     return false;
+}
+
+void idem__nats_newest_fini(idem__nats_newest *nw)
+{
+    free(nw->s);
+    memset(nw, 0, sizeof(*nw));
 }

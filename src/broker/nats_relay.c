@@ -40,6 +40,7 @@ struct idem_nats_relay {
     uint64_t reconnects;      /* the connection's, when the broker was last checked */
     bool checked;             /* the broker was checked for a loss since (re)connecting */
     bool lost;                /* it lost a kept message: restore them all before going on */
+    bool unsure;              /* or some kept message could not be checked: the same */
     uint64_t answering_ms;    /* since when the broker answered every round (0: it did not) */
     idem__nats_newest newest; /* per stream, the newest ack known to hold */
     idem__nats_loop loop;     /* its mu guards stats */
@@ -188,7 +189,7 @@ static idem_code check_broker(idem_nats_relay *r)
     if (idem__nats_sync_probe(r->nc, PROBE_WAIT_MS, &always, &interval_ms) == IDEM_OK) {
         r->keep_ms = always ? 0 : interval_ms > r->keep_ms ? interval_ms : r->keep_ms;
     }
-    idem_code code = idem__nats_check_kept(r->js, r->st, &r->newest, &r->lost);
+    idem_code code = idem__nats_check_kept(r->js, r->st, &r->newest, &r->lost, &r->unsure);
     if (code == IDEM_OK) {
         r->checked = true;
         r->reconnects = reconnects;
@@ -205,15 +206,19 @@ static idem_code restore(idem_nats_relay *r)
     if (!r->lost) {
         return IDEM_OK;
     }
-    idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_ERROR,
-                   "nats relay: the broker lost acked messages; publishing the kept ones again");
-    add(r, &r->stats.losses, 1);
+    idem__nats_log(r->o.log_fn, r->o.log_arg, IDEM_LOG_ERROR, "%s",
+                   r->unsure ? "nats relay: kept messages of more streams than the store's "
+                               "directory holds (or kept before it) cannot be checked one by "
+                               "one; publishing every kept message again"
+                             : "nats relay: the broker lost acked messages; publishing the "
+                               "kept ones again");
+    add(r, &r->stats.losses, r->unsure ? 0 : 1);
     do {
         code = idem_outbox_kept_restore(r->st, IDEM_OUTBOX_MAX_BATCH, &n);
         add(r, &r->stats.restored, n);
     } while (code == IDEM_OK && n > 0);
     if (code == IDEM_OK) {
-        r->lost = false;
+        r->lost = r->unsure = false;
         r->newest.n = 0;
     }
     return code;
@@ -429,6 +434,7 @@ void idem_nats_relay_close(idem_nats_relay *r)
     }
     idem__nats_loop_fini(&r->loop); /* the thread first: it uses what follows */
     idem__nats_disconnect(r->nc, r->js);
+    idem__nats_newest_fini(&r->newest);
     free(r->msgs);
     free(r->seqs);
     free(r->parked);

@@ -82,8 +82,9 @@ static idem_code keep_txn(idem_txn *t, void *arg)
     if (code == IDEM_OK) {
         code = idem__log_bounds_get_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, &khead, &knext);
     }
-    if (code == IDEM_OK) {
-        code = idem__kept_dir_load(t, a->dir);
+    if (code == IDEM_OK && (code = idem__kept_dir_load(t, a->dir)) == IDEM_OK && !a->dir->present &&
+        khead < knext) {
+        a->dir->overflow = true; /* kept by a release before the directory: in no entry */
     }
     for (size_t i = 0; code == IDEM_OK && i < a->n; i++) {
         idem__outbox_msg_key(k, a->acks[i].seq);

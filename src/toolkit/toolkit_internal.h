@@ -48,9 +48,10 @@ idem_code idem__outbox_msg_id(const uint8_t *v, size_t n, uint64_t seq,
                               char msg_id[IDEM_OUTBOX_MAX_MSG_ID + 1]);
 
 /* The kept log's stream directory (outbox_kept_streams.c): per stream the relay published
- * to, the newest message kept from it, so that a relay coming back to a broker checks
- * every stream, not only the one acked last. One record ('N' in IDEM_OUTBOX_DB) of at
- * most IDEM__KEPT_STREAMS entries; when full, the stream acked longest ago gives way.
+ * to, the kept message of its highest sequence, so that a relay coming back to a broker
+ * checks every stream, not only the one acked last. One record ('N' in IDEM_OUTBOX_DB)
+ * of at most IDEM__KEPT_STREAMS entries; when full, the stream acked longest ago gives
+ * way and the directory overflows.
  * An entry goes once everything kept from its stream expired (i < the kept log's head),
  * all of them once nothing is kept. */
 #define IDEM__KEPT_STREAMS 64
@@ -62,12 +63,20 @@ typedef struct idem__kept_stream {
 typedef struct idem__kept_dir {
     size_t n;
     bool changed;
+    bool present; /* the record was there when loaded or read */
+    /* Some kept message may be in no entry (a stream gave way, a kept log of a release
+     * before the directory, a record that did not decode): the relay cannot check them
+     * one by one and publishes every kept message again at its next check. Cleared with
+     * the directory, once nothing is kept. */
+    bool overflow;
     idem__kept_stream s[IDEM__KEPT_STREAMS];
 } idem__kept_dir;
 idem_code idem__kept_dir_load(idem_txn *t, idem__kept_dir *d);
 /* Outside a txn (the relay's check). */
 idem_code idem__kept_dir_read(idem_store *st, idem__kept_dir *d);
-/* Kept record i (its ack, its outbox bytes m[0..n)) is its stream's newest now. */
+/* Kept record i (its ack, its outbox bytes m[0..n)) joins its stream's entry: the entry
+ * keeps the highest i (pruning) and the message of the highest stream sequence (two
+ * relays may keep out of order). */
 idem_code idem__kept_dir_note(idem__kept_dir *d, uint64_t i, const idem_outbox_ack *a,
                               const uint8_t *m, size_t n);
 /* Entries whose messages all left the kept log [head, next): i < head (expired), and
