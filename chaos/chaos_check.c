@@ -42,9 +42,12 @@
 chaos_ck ck;
 
 static const char *const x_names[X_N_KINDS] = {
-    "their process was killed", "their process was stopped",
-    "the store took no write for 2/3 of a lease", "the store refused the step's record for 10 s",
-    "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)"};
+    "their process was killed",
+    "their process was stopped",
+    "the store took no write for 2/3 of a lease",
+    "the store refused the step's record for 10 s",
+    "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)",
+    "their lease ran out by their owner's own count (it logged the lapse)"};
 const char *const f_names[F_N_KINDS] = {"kill",       "stop",      "fill",    "pg_restart",
                                         "redis_stop", "partition", "slow_db", "hung_host",
                                         "undo_crash", "slow_http", "other"};
@@ -128,7 +131,9 @@ static int duplicate_excuse(const entry *e, const chaos_cfg *cfg)
             return X_NO_WRITE;
         }
     }
-    return -1;
+    /* The owner's own word: its lease ran out (no renewal landed in time) between its
+     * claim and the later run. */
+    return ck_lapsed(e->key, low->t > window ? low->t - window : 0, last) ? X_LAPSED : -1;
 }
 
 static long long ledger_expected[CHAOS_ACCOUNTS];
@@ -310,15 +315,20 @@ static void check_memory(void)
 /* The note lines: excused duplicates, the Books, the re-driver, the refusals. */
 static void print_notes(const chaos_cfg *cfg)
 {
-    uint64_t excused = ck.excused[X_KILLED] + ck.excused[X_STOPPED] + ck.excused[X_NO_WRITE];
+    uint64_t excused = ck.excused[X_KILLED] + ck.excused[X_STOPPED] + ck.excused[X_NO_WRITE] +
+                       ck.excused[X_LAPSED];
     if (excused > 0) {
         printf("note: %" PRIu64 " claim-mode keys ran twice where their owner could not renew "
-               "(at-least-once, as documented): %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64 " %s\n",
+               "(at-least-once, as documented): %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64
+               " %s, %" PRIu64 " %s\n",
                excused, ck.excused[X_KILLED], x_names[X_KILLED], ck.excused[X_STOPPED],
-               x_names[X_STOPPED], ck.excused[X_NO_WRITE], x_names[X_NO_WRITE]);
+               x_names[X_STOPPED], ck.excused[X_NO_WRITE], x_names[X_NO_WRITE],
+               ck.excused[X_LAPSED], x_names[X_LAPSED]);
     }
-    uint64_t bx = ck.bk.excused[X_KILLED] + ck.bk.excused[X_STOPPED] + ck.bk.excused[X_NO_WRITE] +
-                  ck.bk.excused[X_STORE_REFUSED] + ck.bk.excused[X_STALE];
+    uint64_t bx = 0;
+    for (int x = 0; x < X_N_KINDS; x++) {
+        bx += ck.bk.excused[x];
+    }
     printf("chaos: steps: %" PRIu64 " Book calls, %" PRIu64 " keys (%" PRIu64
            " abandoned by their client): %" PRIu64 " completed OK, %" PRIu64
            " completed with an error, %" PRIu64 " without a record (released or never "
@@ -338,11 +348,11 @@ static void print_notes(const chaos_cfg *cfg)
     if (bx > 0) {
         printf("note: %" PRIu64 " step effects shown again where their owner could not record "
                "them (at-least-once, downstream.h): %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64
-               " %s, %" PRIu64 " %s, %" PRIu64 " %s\n",
+               " %s, %" PRIu64 " %s, %" PRIu64 " %s, %" PRIu64 " %s\n",
                bx, ck.bk.excused[X_KILLED], x_names[X_KILLED], ck.bk.excused[X_STOPPED],
                x_names[X_STOPPED], ck.bk.excused[X_NO_WRITE], x_names[X_NO_WRITE],
                ck.bk.excused[X_STORE_REFUSED], x_names[X_STORE_REFUSED], ck.bk.excused[X_STALE],
-               x_names[X_STALE]);
+               x_names[X_STALE], ck.bk.excused[X_LAPSED], x_names[X_LAPSED]);
     }
     if (ck.exhausted > 0) {
         printf("note: %" PRIu64 " calls answered RESOURCE_EXHAUSTED, %" PRIu64
@@ -359,6 +369,7 @@ uint64_t chaos_check(const chaos_cfg *cfg)
         ck_read_effects(cfg);
         ck_read_stalls(cfg);
         ck_read_redrives(cfg);
+        ck_read_lapses(cfg);
         if (!check_store(cfg)) {
             ck.violations++;
         }

@@ -83,6 +83,14 @@ typedef struct stall {
     uint64_t from, to;
 } stall;
 
+/* A lease that ran out by its owner's own count (a server's log line naming the key's
+ * hash and lapsed_at_ms): the owner could not renew in time (paused, starved, a slow
+ * store). t: on the campaign's clock. */
+typedef struct lapse {
+    char hash[20];
+    uint64_t t;
+} lapse;
+
 typedef struct rss_life {
     long pid;
     uint64_t first_t, last_t;
@@ -100,11 +108,13 @@ typedef struct chaos_ck {
     size_t n_faults;
     stall stalls[MAX_STALLS];
     size_t n_stalls;
+    lapse *lapses; /* sorted by hash, then t */
+    size_t n_lapses;
     uint64_t restart_from; /* the PostgreSQL restart under way (pg) */
     rss_life *lives;
     size_t n_lives;
     uint64_t calls, fault_count, violations;
-    uint64_t shown[8], excused[3];
+    uint64_t shown[8], excused[6]; /* excused: X_* */
     uint64_t kinds[F_N_KINDS];     /* faults by kind: f_names */
     uint64_t full_from, full_to;   /* the fill in effect (history order), or the last one */
     uint64_t exhausted, when_full; /* RESOURCE_EXHAUSTED answers, and during a fill */
@@ -113,7 +123,7 @@ typedef struct chaos_ck {
         uint64_t calls, keys, abandoned, completed_ok, completed_other, no_record;
         uint64_t unstarted;     /* IN_PROGRESS, no step recorded, client gone */
         uint64_t held_released; /* no record, a journaled step: released, never finished */
-        uint64_t excused[5], redrives[3];      /* X_*; re-runs in the logs: OK, replayed, other */
+        uint64_t excused[6], redrives[3];      /* X_*; re-runs in the logs: OK, replayed, other */
         uint64_t declined, undos, undos_again; /* declined keys, undo lines, lines beyond holds */
         uint64_t undo_transient;               /* undos that failed transiently (notes) */
         uint64_t given_back; /* holds of Books not declined, undone (the re-driver gave up) */
@@ -122,7 +132,7 @@ typedef struct chaos_ck {
 } chaos_ck;
 extern chaos_ck ck;
 
-enum { X_KILLED, X_STOPPED, X_NO_WRITE, X_STORE_REFUSED, X_STALE, X_N_KINDS };
+enum { X_KILLED, X_STOPPED, X_NO_WRITE, X_STORE_REFUSED, X_STALE, X_LAPSED, X_N_KINDS };
 enum { V_ANSWERS, V_EFFECTS, V_CALLERS, V_RECORDS, V_MEMORY, V_CRASHES, V_HTTP };
 
 /* Counts a violation of kind V_* and prints the first MAX_SHOWN of each kind. */
@@ -135,6 +145,9 @@ bool ck_read_history(const chaos_cfg *cfg);
 void ck_read_effects(const chaos_cfg *cfg);
 void ck_read_stalls(const chaos_cfg *cfg);
 void ck_read_redrives(const chaos_cfg *cfg);
+void ck_read_lapses(const chaos_cfg *cfg);
+/* Whether the servers logged a lapse of key's lease in [from, to] (campaign clock). */
+bool ck_lapsed(const char *key, uint64_t from, uint64_t to);
 
 /* chaos_check_book.c */
 void ck_book_answer(entry *e, const char *body);

@@ -69,7 +69,7 @@ static const step_note *note_of(const step_log *l, const execution *x)
  * on waking ran the step because it did not find it recorded (another run had recorded
  * it and completed the call, which deletes the journal, or had not reached it yet), as
  * downstream.h allows: its record is refused, fn's effect stays. Returns X_* or -1. */
-static int step_excuse(const step_log *l, const execution *x, const chaos_cfg *cfg)
+static int step_excuse(const entry *e, const step_log *l, const execution *x, const chaos_cfg *cfg)
 {
     const step_note *n = note_of(l, x);
     if (n != NULL && n->recorded) {
@@ -95,7 +95,8 @@ static int step_excuse(const step_log *l, const execution *x, const chaos_cfg *c
             return X_NO_WRITE;
         }
     }
-    return -1;
+    /* The owner's own word that its lease ran out around x (the key's lapse line). */
+    return ck_lapsed(e->key, x->t > window ? x->t - window : 0, x->t + window) ? X_LAPSED : -1;
 }
 
 static bool same_run(const execution *a, const execution *b)
@@ -141,7 +142,7 @@ static void check_step(entry *e, int s, const char *named, bool unrecorded, cons
             ck.bk.given_back++;
             continue;
         }
-        int xc = step_excuse(l, x, cfg);
+        int xc = step_excuse(e, l, x, cfg);
         if (xc >= 0) {
             ck.bk.excused[xc]++;
         } else if (unexcused++ == 0) {
@@ -200,7 +201,7 @@ static void check_undos_of(entry *e, size_t i, const execution *kept, const chao
     for (size_t j = i; j < n; j++) {
         if (same_run(&undo->of[j], of)) {
             times++;
-            unexcused += j != i && step_excuse(undo, &undo->exec[last], cfg) < 0;
+            unexcused += j != i && step_excuse(e, undo, &undo->exec[last], cfg) < 0;
             last = j;
         }
     }

@@ -5,7 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "call.h"
 #include "chaos_check.h"
 
 /* An answer must name the caller and the key it was asked for. */
@@ -359,4 +361,82 @@ void ck_read_redrives(const chaos_cfg *cfg)
             fclose(f);
         }
     }
+}
+
+static int lapse_cmp(const void *a, const void *b)
+{
+    const lapse *x = a, *y = b;
+    int c = strcmp(x->hash, y->hash);
+    return c != 0 ? c : x->t < y->t ? -1 : x->t > y->t;
+}
+
+/* The value of logfmt field " name=" in line (unquoted), or "". */
+static void log_field(const char *line, const char *name, char *out, size_t cap)
+{
+    const char *p = strstr(line, name);
+    size_t n = p != NULL ? strcspn(p + strlen(name), " \n") : 0;
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), p != NULL ? p + strlen(name) : "");
+}
+
+static void read_lapse_line(const char *line, int64_t wall_minus_mono)
+{
+    char hash[sizeof(((lapse *)0)->hash)], at[24];
+    log_field(line, " lapsed_at_ms=", at, sizeof(at));
+    log_field(line, " key=", hash, sizeof(hash));
+    uint64_t wall = strtoull(at, NULL, 10);
+    if (wall == 0 || hash[0] == '\0' || (int64_t)wall < wall_minus_mono) {
+        return; /* "lapsed_at_ms=0": a claim lost while its lease held, no lapse */
+    }
+    lapse *l = realloc(ck.lapses, (ck.n_lapses + 1) * sizeof(*l));
+    if (l != NULL) {
+        ck.lapses = l;
+        snprintf(l[ck.n_lapses].hash, sizeof(l->hash), "%s", hash);
+        l[ck.n_lapses++].t = (uint64_t)((int64_t)wall - wall_minus_mono);
+    }
+}
+
+/* The servers' lapse lines (the keeper's "lease lapsed", and "claim lost while the
+ * handler ran" when the owner's own count had run out), on the campaign's clock: the
+ * wall clock less its distance to the monotonic one now. */
+void ck_read_lapses(const chaos_cfg *cfg)
+{
+    struct timespec w, m;
+    clock_gettime(CLOCK_REALTIME, &w);
+    clock_gettime(CLOCK_MONOTONIC, &m);
+    int64_t off = ((int64_t)w.tv_sec - (int64_t)m.tv_sec) * 1000 +
+                  ((int64_t)w.tv_nsec - (int64_t)m.tv_nsec) / 1000000;
+    for (size_t i = 0; i < CHAOS_SERVERS; i++) {
+        char path[700], *line = NULL;
+        size_t cap = 0;
+        snprintf(path, sizeof(path), "%s/server-%zu.log", cfg->dir, i);
+        FILE *f = fopen(path, "r");
+        while (f != NULL && getline(&line, &cap, f) > 0) {
+            if (strstr(line, " lapsed_at_ms=") != NULL) {
+                read_lapse_line(line, off);
+            }
+        }
+        free(line);
+        if (f != NULL) {
+            fclose(f);
+        }
+    }
+    if (ck.n_lapses > 0) {
+        qsort(ck.lapses, ck.n_lapses, sizeof(*ck.lapses), lapse_cmp);
+    }
+}
+
+bool ck_lapsed(const char *key, uint64_t from, uint64_t to)
+{
+    lapse want = {.t = from};
+    idem__log_key_hash(want.hash, key);
+    size_t lo = 0, hi = ck.n_lapses;
+    while (lo < hi) { /* the first at or after (hash, from) */
+        size_t mid = lo + (hi - lo) / 2;
+        if (lapse_cmp(&ck.lapses[mid], &want) < 0) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo < ck.n_lapses && strcmp(ck.lapses[lo].hash, want.hash) == 0 && ck.lapses[lo].t <= to;
 }

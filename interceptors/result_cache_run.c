@@ -105,13 +105,22 @@ static void log_error(const idem_call *call, const char *what)
 
 /* Our claim was taken over while the handler ran (it outlived max_run_ms, or the store
  * was unreachable for a whole lease). Its answer must not be a second, different OK:
- * the client gets the winner's stored result, or ABORTED to retry with the same key. */
+ * the client gets the winner's stored result, or ABORTED to retry with the same key.
+ * The line names the key (its hash) and when the lease ran out by this owner's own count
+ * (lapsed_at, wall ms; 0: it had not, which no store should allow). */
 static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
-                            const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
+                            const uint8_t fingerprint[IDEM_FINGERPRINT_LEN], uint64_t lapsed_at)
 {
     idem_record rec;
+    char id[IDEM_LOGQ_CAP], hash[IDEM_LOG_KEY_HASH_CAP];
+    idem__log_key_hash(hash, call->key);
+    idem__log(call->rt->obs, IDEM_LOG_ERROR,
+              "request_id=%s method=\"%s\" key=%s lapsed_at_ms=%" PRIu64 " msg=\"claim lost "
+              "while the handler ran; its answer is discarded%s\"",
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name, hash,
+              lapsed_at,
+              lapsed_at != 0 ? "" : " (its lease had not run out by this owner's count)");
     idem_code code = idem_store_get(cfg->store, key, &rec);
-    log_error(call, "claim lost while the handler ran; its answer is discarded");
     call->claim_lost = true;
     idem__call_reset_response(call);
     if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED &&
@@ -237,6 +246,9 @@ static idem_code after_record(idem_call *call, const idem_cache_cfg *cfg, const 
     bool later = st != IDEM_OK && st != IDEM_ABORTED && !transactional && !refused &&
                  !released_code(call, code);
     uint32_t bucket = idem__inflight_bucket(key);
+    uint64_t lapsed_at = /* before the keeper forgets keep */
+        st == IDEM_ABORTED ? idem__keeper_lapsed_at(idem__inflight_keeper(call->rt->inflight), keep)
+                           : 0;
     idem__store_ticket_drop(cfg->store, call->claim_ticket); /* no path before left one */
     call->claim_ticket = 0;
     call->claim_store = NULL;
@@ -266,7 +278,7 @@ static idem_code after_record(idem_call *call, const idem_cache_cfg *cfg, const 
                             why);
     }
     if (st == IDEM_ABORTED) { /* a refused fence: its claim is gone, as its answer says */
-        return refused ? code : claim_lost(call, cfg, key, call->fingerprint);
+        return refused ? code : claim_lost(call, cfg, key, call->fingerprint, lapsed_at);
     }
     if (later) {
         return record_later(call, cfg, key, keep);

@@ -444,3 +444,15 @@ bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp)
     pthread_mutex_unlock(&k->mu);
     return lost;
 }
+
+uint64_t idem__keeper_lapsed_at(idem_keeper *k, const idem_keep *kp)
+{
+    if (kp == NULL) {
+        return 0;
+    }
+    pthread_mutex_lock(&k->mu);
+    uint64_t now = idem__mono_ms();
+    uint64_t at = now >= kp->valid_until ? wall_ms(k) - (now - kp->valid_until) : 0;
+    pthread_mutex_unlock(&k->mu);
+    return at;
+}

@@ -39,5 +39,9 @@ void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_re
 /* True once a renewal of kp answered IDEM_ABORTED (the claim is no longer its owner's),
  * and while its lease has run out without a renewal (another claimer may take it). */
 bool idem__keeper_lost(idem_keeper *k, const idem_keep *kp);
+/* When kp's lease ran out by its owner's own count (wall ms, the records' clock; 0 while
+ * it has not, or for NULL): what a line about a claim lost says, so that a reader can
+ * tell this owner's lapse (a pause, a slow store) from a claim taken while it held. */
+uint64_t idem__keeper_lapsed_at(idem_keeper *k, const idem_keep *kp);
 
 #endif
