@@ -13,6 +13,10 @@
  * JetStream context; publish_wait_ms bounds each publish and JetStream API call. */
 idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConnection **nc,
                              jsCtx **js);
+/* The same, but a broker that cannot be reached now is no failure: *nc keeps trying in
+ * the background (not connected until natsConnection_Status says so). */
+idem_code idem__nats_connect_lazy(const char *url, unsigned publish_wait_ms, natsConnection **nc,
+                                  jsCtx **js);
 void idem__nats_disconnect(natsConnection *nc, jsCtx *js);
 
 /* An idem_code for a libnats failure, with idem_errmsg() naming what and libnats' text:
