@@ -251,6 +251,11 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
         ack(&d, info.duplicate);
         return;
     }
+    if (info.in_progress) { /* another delivery's handler has it: that one settles it */
+        snprintf(d.reason, sizeof(d.reason), "duplicate in progress: %s", idem_errmsg());
+        nak(&d);
+        return;
+    }
     if (info.store_failed) { /* the handler failed because the store did */
         d.handler_failed = false;
     }
