@@ -160,7 +160,9 @@ IDEM_API idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store 
                                            const idem_nats_consumer_opts *o);
 
 /* One fetch on the caller's thread (one thread at a time per consumer: open one consumer
- * per thread): handles up to batch messages (*handled may be NULL).
+ * per thread): handles up to batch messages (*handled may be NULL), one after the other;
+ * those behind the one in hand are kept in progress (InProgress, every third of the ack
+ * wait, from a thread of the consumer's own) while they wait, 5 minutes at most.
  * IDEM_OK also when none came within fetch_wait_ms; UNAVAILABLE when the broker is
  * unreachable (call again: the connection reconnects by itself). */
 IDEM_API idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled);

@@ -13,6 +13,11 @@
  * RESOURCE_EXHAUSTED. */
 static _Thread_local char last_state[6];
 
+void idem__pg_fail_forget(void)
+{
+    last_state[0] = '\0';
+}
+
 bool idem__pg_failed_with(const char *state)
 {
     return strcmp(last_state, state) == 0;

@@ -290,6 +290,7 @@ idem_code idem__pg_txn_get_bounded(idem_txn *base, const char *db, const void *k
     char bound[48];
     idem_errkeep k;
     snprintf(bound, sizeof(bound), "SET LOCAL lock_timeout = %u", t->st->lock_ms);
+    idem__pg_fail_forget();
     idem_code code = idem__pg_exec_simple(t->slot, bound);
     if (code == IDEM_OK) {
         code = idem__pg_txn_get(base, db, key, klen, val, vlen);
