@@ -50,6 +50,8 @@ idem_code idem__nats_progress_start(idem__nats_progress *p, uint64_t ack_wait_ms
     idem__cond_init(&p->cv);
     p->period_ms = ack_wait_ms / 3 > 0 ? ack_wait_ms / 3 : 1;
     if (pthread_create(&p->thread, NULL, progress_main, p) != 0) {
+        pthread_cond_destroy(&p->cv);
+        pthread_mutex_destroy(&p->mu);
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats consumer: no thread");
     }
     p->started = true;
