@@ -350,10 +350,10 @@ Test(nats_faults, a_slow_handler_keeps_the_rest_of_its_batch_from_the_other_cons
     unsigned handled = 0;
     batch_race r = {.mu = PTHREAD_MUTEX_INITIALIZER};
     nt_setup(&e, "batch");
-    nt_publish(&e, "order-0", NULL, "sleep=900"); /* three ack waits */
+    nt_publish(&e, "order-0", NULL, "sleep=3000"); /* three ack waits */
     publish_orders(&e, 1, 16, "amount=1");
     nt_opts(&e, &o, "credit");
-    o.ack_wait_ms = 300;
+    o.ack_wait_ms = 1000; /* the keeper's third of it: a margin on a loaded machine */
     o.batch = 16;
     o.on_event = count_others;
     o.event_arg = &r;
