@@ -325,3 +325,69 @@ Test(nats_relay, a_broker_whose_jetstream_is_away_parks_nothing)
     tu_reap(&broker);
     tu_rmtree(dir);
 }
+
+static bool broker_stopped; /* by the test running: started again in its fini */
+
+static void services(const char *what)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "%s %s", getenv("IDEMRPC_SERVICES"), what);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    broker_stopped = strcmp(what, "stop-nats") == 0;
+}
+
+static void broker_back(void)
+{
+    if (broker_stopped) {
+        services("start-nats");
+    }
+}
+
+/* Issue 37 item 2: an API embedding the relay could not start during a broker outage
+ * (open answered UNAVAILABLE). The broker "lost" the three messages a first relay left
+ * kept (their stream deleted and made again): the lazy open's first connect must find
+ * that before publishing anything, so every message is in the stream once. */
+Test(nats_relay, opens_while_the_broker_is_down_and_publishes_each_message_once_it_is_back,
+     .fini = broker_back)
+{
+    nt e;
+    idem_nats_relay_counts s;
+    unsigned relayed = 0;
+    if (getenv("IDEMRPC_SERVICES") == NULL) {
+        cr_skip_test("IDEMRPC_SERVICES not set: cannot stop nats-server");
+    }
+    nt_setup(&e, "lazy");
+    const char *subjects[] = {e.in, e.dead};
+    put_args kept = {e.in, 0, 3, IDEM_OK}, before = {e.in, 3, 6, IDEM_OK},
+             during = {e.in, 6, 10, IDEM_OK};
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &kept), IDEM_OK, "%s", idem_errmsg());
+    idem_nats_relay *r = relay_open(&e);
+    relay_all(&e, r);
+    idem_nats_relay_close(r);
+    cr_assert_eq(js_DeleteStream(e.js, e.stream, NULL, NULL), NATS_OK);
+    cr_assert_eq(idem_nats_ensure_stream(e.url, e.stream, subjects, 2), IDEM_OK);
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &before), IDEM_OK, "%s", idem_errmsg());
+    services("stop-nats");
+    r = relay_open(&e);
+    cr_expect_eq(idem_nats_relay_run_once(r, &relayed), IDEM_UNAVAILABLE, "%s", idem_errmsg());
+    cr_expect(strstr(idem_errmsg(), "unreachable") != NULL, "%s", idem_errmsg());
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.connected, 0);
+    cr_assert_eq(idem_store_run_txn(e.st, put_orders, &during), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(pending(&e), 7, "the outbox keeps filling");
+    services("start-nats");
+    for (int i = 0; i < 1000 && pending(&e) > 0; i++) {
+        if (idem_nats_relay_run_once(r, NULL) != IDEM_OK) {
+            nats_Sleep(10); /* reconnecting: each round asks again */
+        }
+    }
+    cr_assert_eq(pending(&e), 0, "%s", idem_errmsg());
+    idem_nats_relay_stats(r, &s);
+    cr_expect_eq(s.connected, 1);
+    cr_expect_eq(s.losses, 1, "the first connect checked the kept messages");
+    cr_expect_eq(s.restored, 3);
+    cr_expect_eq(stream_msgs(&e), 10);
+    idem_nats_relay_close(r);
+    consume_all(&e, 10);
+    nt_teardown(&e);
+}

@@ -160,7 +160,9 @@ IDEM_API idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store 
                                            const idem_nats_consumer_opts *o);
 
 /* One fetch on the caller's thread (one thread at a time per consumer: open one consumer
- * per thread): handles up to batch messages (*handled may be NULL).
+ * per thread): handles up to batch messages (*handled may be NULL), one after the other;
+ * those behind the one in hand are kept in progress (InProgress, every third of the ack
+ * wait, from a thread of the consumer's own) while they wait, 5 minutes at most.
  * IDEM_OK also when none came within fetch_wait_ms; UNAVAILABLE when the broker is
  * unreachable (call again: the connection reconnects by itself). */
 IDEM_API idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled);
@@ -241,17 +243,24 @@ typedef struct idem_nats_relay_counts {
     uint64_t kept_age_ms; /* how long ago the oldest of them was acked */
     uint64_t losses;      /* times the broker came back without a kept message */
     uint64_t restored;    /* kept messages put back into the outbox after a loss */
+    uint64_t connected;   /* 1 while connected to the broker, 0 while it is away */
 } idem_nats_relay_counts;
 
 typedef struct idem_nats_relay idem_nats_relay;
 
 IDEM_API void idem_nats_relay_opts_init(idem_nats_relay_opts *o);
+/* Connects to the broker, or keeps trying in the background when it cannot be reached
+ * (never UNAVAILABLE: a program embedding the relay starts during a broker outage, and
+ * its outbox keeps filling meanwhile), reconnecting forever afterwards. INVALID_ARGUMENT
+ * for options out of bounds. */
 IDEM_API idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st,
                                         const idem_nats_relay_opts *o);
 /* One round on the caller's thread: publishes up to batch messages in order, stopping at
  * the first failure (order kept; a message refused for good is parked and passed over),
  * then removes the acked ones. *relayed (may be NULL):
- * messages acked this round. IDEM_OK also for an empty outbox. */
+ * messages acked this round. IDEM_OK also for an empty outbox; UNAVAILABLE at once while
+ * the broker is away (call again: the connection comes back by itself, and is checked
+ * for a loss before the first publish). */
 IDEM_API idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed);
 /* Rounds on a thread of its own until idem_nats_relay_close. */
 IDEM_API idem_code idem_nats_relay_start(idem_nats_relay *r);

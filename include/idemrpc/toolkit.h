@@ -175,6 +175,10 @@ typedef struct idem_consume_info {
     /* RETRY: fn failed while the store's connection under its txn broke (a database
      * restart or failover): the store failed, not the message. */
     bool store_failed;
+    /* RETRY (code IDEM_ABORTED): another transaction is consuming (group, msg_key) right
+     * now, in its fn (PostgreSQL: it held the marker's row past lock_timeout_ms): a
+     * duplicate in progress, to retry later; nothing failed. */
+    bool in_progress;
 } idem_consume_info;
 
 /* For an at-least-once consumer: runs fn(txn, arg) once per (group, msg_key). The marker

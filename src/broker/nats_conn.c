@@ -11,11 +11,21 @@
 #define RECONNECT_WAIT_MS 100
 #define CONNECT_TIMEOUT_MS 2000
 
-static idem_code options_make(natsOptions **o, const char *url)
+/* Given to libnats so that a lazy first connect goes on in the background: without a
+ * callback it retries on the caller's thread (for ever: reconnects are unlimited). */
+static void connected(natsConnection *nc, void *arg)
+{
+    (void)nc, (void)arg;
+}
+
+static idem_code options_make(natsOptions **o, const char *url, bool lazy)
 {
     natsStatus s = natsOptions_Create(o);
     if (s == NATS_OK) {
         s = natsOptions_SetURL(*o, url); /* a comma list: libnats splits it */
+    }
+    if (s == NATS_OK && lazy) { /* a first connect that fails goes on in the background */
+        s = natsOptions_SetRetryOnFailedConnect(*o, true, connected, NULL);
     }
     if (s == NATS_OK) {
         s = natsOptions_SetMaxReconnect(*o, -1);
@@ -29,8 +39,8 @@ static idem_code options_make(natsOptions **o, const char *url)
     return s == NATS_OK ? IDEM_OK : idem__nats_code(s, 0, "nats options");
 }
 
-idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConnection **nc,
-                             jsCtx **js)
+static idem_code connect_to(const char *url, unsigned publish_wait_ms, bool lazy,
+                            natsConnection **nc, jsCtx **js)
 {
     natsOptions *o = NULL;
     jsOptions jo;
@@ -39,9 +49,10 @@ idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConn
     if (url == NULL || *url == '\0') {
         return idem__err(IDEM_INVALID_ARGUMENT, "nats: a url is required");
     }
-    idem_code code = options_make(&o, url);
+    idem_code code = options_make(&o, url, lazy);
     natsStatus s = NATS_OK;
-    if (code == IDEM_OK && (s = natsConnection_Connect(nc, o)) != NATS_OK) {
+    if (code == IDEM_OK && (s = natsConnection_Connect(nc, o)) != NATS_OK &&
+        !(lazy && s == NATS_NOT_YET_CONNECTED)) {
         code = idem__err(IDEM_UNAVAILABLE, "nats: connect to %s: %s", url, natsStatus_GetText(s));
     }
     natsOptions_Destroy(o);
@@ -56,6 +67,18 @@ idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConn
         return idem__nats_code(s, 0, "nats: jetstream context");
     }
     return IDEM_OK;
+}
+
+idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConnection **nc,
+                             jsCtx **js)
+{
+    return connect_to(url, publish_wait_ms, false, nc, js);
+}
+
+idem_code idem__nats_connect_lazy(const char *url, unsigned publish_wait_ms, natsConnection **nc,
+                                  jsCtx **js)
+{
+    return connect_to(url, publish_wait_ms, true, nc, js);
 }
 
 void idem__nats_disconnect(natsConnection *nc, jsCtx *js)

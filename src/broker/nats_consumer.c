@@ -27,8 +27,8 @@ struct idem_nats_consumer {
     natsConnection *nc;
     jsCtx *js;
     natsSubscription *sub;
-    uint64_t ack_wait_ms;             /* the durable's own, read when binding */
     idem__nats_dead_bound dead_bound; /* what the dead letters' stream takes */
+    idem__nats_progress progress;     /* the batch behind the message in hand */
     idem__nats_loop loop;             /* its mu guards stats */
     idem_nats_stats stats;
 };
@@ -251,6 +251,11 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
         ack(&d, info.duplicate);
         return;
     }
+    if (info.in_progress) { /* another delivery's handler has it: that one settles it */
+        snprintf(d.reason, sizeof(d.reason), "duplicate in progress: %s", idem_errmsg());
+        nak(&d);
+        return;
+    }
     if (info.store_failed) { /* the handler failed because the store did */
         d.handler_failed = false;
     }
@@ -285,19 +290,12 @@ idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
     }
     natsStatus s =
         natsSubscription_Fetch(&list, c->sub, (int)c->o.batch, (int64_t)c->o.fetch_wait_ms, &jerr);
-    uint64_t since = idem__mono_ms();
     for (int i = 0; i < list.Count; i++) {
-        if (idem__mono_ms() - since >= c->ack_wait_ms / 2) {
-            /* Waiting behind slow handlers, the rest of the batch would reach its ack
-             * wait and be redelivered to another consumer: restart their ack waits. */
-            for (int j = i; j < list.Count; j++) {
-                natsMsg_InProgress(list.Msgs[j], NULL);
-            }
-            since = idem__mono_ms();
-        }
+        idem__nats_progress_at(&c->progress, &list, i); /* the rest kept while they wait */
         count(c, &c->stats.fetched);
         handle(c, list.Msgs[i]);
     }
+    idem__nats_progress_done(&c->progress);
     if (handled != NULL) {
         *handled = (unsigned)list.Count;
     }
@@ -370,7 +368,7 @@ static idem_code opts_copy(idem_nats_consumer *c, const idem_nats_consumer_opts 
     return IDEM_OK;
 }
 
-/* Creates the durable (an existing one is kept as it is) and binds a pull subscription. */
+/* Creates the durable (an existing one is kept as it is), binds a pull subscription. */
 static idem_code bind_durable(idem_nats_consumer *c)
 {
     jsConsumerConfig cc;
@@ -389,16 +387,17 @@ static idem_code bind_durable(idem_nats_consumer *c)
          js_GetConsumerInfo(&ci, c->js, c->o.stream, c->o.durable, NULL, &jerr) != NATS_OK)) {
         return idem__nats_code(s, jerr, "nats consumer: create durable");
     }
-    c->ack_wait_ms = ci->Config != NULL && ci->Config->AckWait > 0
-                         ? (uint64_t)ci->Config->AckWait / 1000000
-                         : c->o.ack_wait_ms;
+    uint64_t ack_wait_ms = ci->Config != NULL && ci->Config->AckWait > 0
+                               ? (uint64_t)ci->Config->AckWait / 1000000
+                               : c->o.ack_wait_ms; /* the durable's own */
     jsConsumerInfo_Destroy(ci);
     jsSubOptions_Init(&so);
     so.Stream = c->o.stream;
     so.Consumer = c->o.durable;
     s = js_PullSubscribe(&c->sub, c->js, c->o.filter_subject != NULL ? c->o.filter_subject : "",
                          c->o.durable, NULL, &so, &jerr);
-    return s == NATS_OK ? IDEM_OK : idem__nats_code(s, jerr, "nats consumer: bind durable");
+    return s == NATS_OK ? idem__nats_progress_start(&c->progress, ack_wait_ms)
+                        : idem__nats_code(s, jerr, "nats consumer: bind durable");
 }
 
 idem_code idem_nats_consumer_open(idem_nats_consumer **out, idem_store *st,
@@ -489,7 +488,8 @@ void idem_nats_consumer_close(idem_nats_consumer *c)
     if (c == NULL) {
         return;
     }
-    idem__nats_loop_fini(&c->loop);   /* the thread first: it uses what follows */
+    idem__nats_loop_fini(&c->loop); /* the thread first: it uses what follows */
+    idem__nats_progress_stop(&c->progress);
     natsSubscription_Destroy(c->sub); /* not Unsubscribe: the durable stays */
     idem__nats_disconnect(c->nc, c->js);
     for (int i = 0; i < 6; i++) {

@@ -13,6 +13,10 @@
  * JetStream context; publish_wait_ms bounds each publish and JetStream API call. */
 idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConnection **nc,
                              jsCtx **js);
+/* The same, but a broker that cannot be reached now is no failure: *nc keeps trying in
+ * the background (not connected until natsConnection_Status says so). */
+idem_code idem__nats_connect_lazy(const char *url, unsigned publish_wait_ms, natsConnection **nc,
+                                  jsCtx **js);
 void idem__nats_disconnect(natsConnection *nc, jsCtx *js);
 
 /* An idem_code for a libnats failure, with idem_errmsg() naming what and libnats' text:
@@ -59,6 +63,27 @@ bool idem__nats_loop_pause(idem__nats_loop *l, uint64_t ms);
 void idem__nats_loop_fini(idem__nats_loop *l);
 /* *counter += n under l->mu. */
 void idem__nats_add(idem__nats_loop *l, uint64_t *counter, uint64_t n);
+
+/* The fetched batch a consumer's thread is handling, kept in progress behind the message
+ * in hand by a thread of its own (nats_progress.c). Zeroed: not started (the calls below
+ * then do nothing). */
+typedef struct idem__nats_progress {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thread;
+    bool started, stopping;
+    uint64_t period_ms;  /* a third of the durable's ack wait */
+    natsMsg **msgs;      /* the batch (NULL: none), msgs[at] in hand, */
+    int at, count;       /* msgs(at, count) waiting behind it */
+    uint64_t kept_ms;    /* mono: the ack waits of the waiting ones last started */
+    uint64_t in_hand_ms; /* mono: msgs[at] taken in hand */
+} idem__nats_progress;
+
+idem_code idem__nats_progress_start(idem__nats_progress *p, uint64_t ack_wait_ms);
+/* list->Msgs[at] is in hand now (list fetched just now when it is new); done: none. */
+void idem__nats_progress_at(idem__nats_progress *p, natsMsgList *list, int at);
+void idem__nats_progress_done(idem__nats_progress *p);
+void idem__nats_progress_stop(idem__nats_progress *p);
 
 /* How the broker syncs its file store (nats_keep.c), from the server's JetStream config
  * in its varz ($SYS.REQ.SERVER.PING.VARZ, answered to a system account's user): *always

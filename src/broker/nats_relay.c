@@ -174,11 +174,16 @@ static bool reconnects_of(idem_nats_relay *r, uint64_t *reconnects)
 }
 
 /* After each (re)connect, before any publish: how the broker syncs (the horizon), and
- * whether it lost the newest kept message of any stream. */
+ * whether it lost the newest kept message of any stream. UNAVAILABLE, at once, while the
+ * broker is away; so also before the first connect of an open made during an outage,
+ * which is checked like a reconnect once made (reconnects are counted from then on). */
 static idem_code check_broker(idem_nats_relay *r)
 {
     uint64_t reconnects = 0, interval_ms;
     bool always;
+    if (natsConnection_Status(r->nc) != NATS_CONN_STATUS_CONNECTED) {
+        return idem__nats_code_on(r->nc, NATS_CONNECTION_DISCONNECTED, 0, "nats relay");
+    }
     if (!reconnects_of(r, &reconnects)) {
         return idem__err(IDEM_INTERNAL, "nats relay: connection statistics");
     }
@@ -373,8 +378,8 @@ idem_code idem_nats_relay_open(idem_nats_relay **out, idem_store *st, const idem
     idem_code code =
         r->url == NULL || r->msgs == NULL || r->seqs == NULL || r->parked == NULL || r->acks == NULL
             ? idem__err(IDEM_RESOURCE_EXHAUSTED, "nats relay: out of memory")
-            : idem__nats_connect(r->url, o->publish_wait_ms, &r->nc, &r->js);
-    if (code == IDEM_OK) { /* the store may be away: put assumes the default, rounds retry */
+            : idem__nats_connect_lazy(r->url, o->publish_wait_ms, &r->nc, &r->js);
+    if (code == IDEM_OK) { /* the store or the broker may be away: the rounds retry */
         (void)limit_sync(r);
     }
     if (code != IDEM_OK) {
@@ -425,6 +430,7 @@ void idem_nats_relay_stats(idem_nats_relay *r, idem_nats_relay_counts *out)
     pthread_mutex_lock(&r->loop.mu);
     *out = r->stats;
     pthread_mutex_unlock(&r->loop.mu);
+    out->connected = natsConnection_Status(r->nc) == NATS_CONN_STATUS_CONNECTED;
 }
 
 void idem_nats_relay_close(idem_nats_relay *r)

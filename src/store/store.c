@@ -424,6 +424,16 @@ idem_code idem_store_app_get(idem_store *st, const char *db, const void *key, si
     return code != IDEM_OK ? code : st->ops->app_get(st, db, key, klen, val, vlen);
 }
 
+idem_code idem__store_txn_get_bounded(idem_txn *t, const char *db, const void *key, size_t klen,
+                                      const void **val, size_t *vlen)
+{
+    if (ops_of(t)->txn_get_bounded == NULL) {
+        return idem_txn_get(t, db, key, klen, val, vlen);
+    }
+    idem_code code = idem__app_check(db, klen);
+    return code != IDEM_OK ? code : ops_of(t)->txn_get_bounded(t, db, key, klen, val, vlen);
+}
+
 idem_code idem__store_txn_record(idem_txn *t, const idem_key_ref *key, idem_record *rec)
 {
     memset(rec, 0, sizeof(*rec));

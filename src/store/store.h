@@ -104,6 +104,11 @@ typedef struct idem_store_ops {
                                      uint64_t now_ms);
     idem_code (*txn_get)(idem_txn *t, const char *db, const void *key, size_t klen,
                          const void **val, size_t *vlen);
+    /* Optional (NULL: txn_get, for a backend whose txns never wait for each other's rows).
+     * txn_get waiting for the row's lock at most the store's lock bound: IDEM_ABORTED when
+     * another txn held it that long (t is then good only for its abort). */
+    idem_code (*txn_get_bounded)(idem_txn *t, const char *db, const void *key, size_t klen,
+                                 const void **val, size_t *vlen);
     idem_code (*txn_put)(idem_txn *t, const char *db, const void *key, size_t klen, const void *val,
                          size_t vlen);
     idem_code (*txn_del)(idem_txn *t, const char *db, const void *key, size_t klen);
@@ -216,6 +221,11 @@ idem_code idem__store_renew_batch(idem_store *st, idem__renewal *r, size_t n);
 /* The bounds of a business key-value access (idem_txn_*, idem_store_app_get). */
 #define IDEM__APP_MAX_KEY 511
 idem_code idem__app_check(const char *db, size_t klen);
+
+/* idem_txn_get waiting for the row's lock within the store's lock bound (ops->txn_get_bounded):
+ * IDEM_ABORTED when another txn held the row that long; t then only aborts. */
+idem_code idem__store_txn_get_bounded(idem_txn *t, const char *db, const void *key, size_t klen,
+                                      const void **val, size_t *vlen);
 
 /* ops->txn_record; rec is always initialised (clear it with idem_record_clear). */
 idem_code idem__store_txn_record(idem_txn *t, const idem_key_ref *key, idem_record *rec);

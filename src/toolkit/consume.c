@@ -50,12 +50,15 @@ static void log_key(uint8_t out[LOG_KEY_LEN], uint64_t seq)
 
 /* The locking read of the marker: IDEM_NOT_FOUND when (group, key) is new, else
  * IDEM_ALREADY_EXISTS (and *consumed_at). On PostgreSQL the marker's row stays locked
- * until the txn ends, so a concurrent consumer of the same message waits here. */
-static idem_code marker_check(idem_txn *t, const marker_key *k, uint64_t *consumed_at)
+ * until the txn ends, so a concurrent consumer of the same message waits here: bounded,
+ * for the store's lock bound (IDEM_ABORTED past it: another txn consumes it now). */
+static idem_code marker_check(idem_txn *t, const marker_key *k, bool bounded, uint64_t *consumed_at)
 {
     const void *v;
     size_t n;
-    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, k->bytes, k->len, &v, &n);
+    idem_code code = bounded
+                         ? idem__store_txn_get_bounded(t, IDEM_CONSUME_DB, k->bytes, k->len, &v, &n)
+                         : idem_txn_get(t, IDEM_CONSUME_DB, k->bytes, k->len, &v, &n);
     if (code == IDEM_OK) {
         *consumed_at = n == 16 ? idem__get_be64(v) : 0;
         return idem__err(IDEM_ALREADY_EXISTS, "consume: message consumed before");
@@ -91,7 +94,7 @@ static idem_code marker_write(idem_txn *t, const marker_key *k, uint64_t now, ui
  * before. */
 static idem_code mark(idem_txn *t, const marker_key *k, uint64_t now, uint64_t *consumed_at)
 {
-    idem_code code = marker_check(t, k, consumed_at);
+    idem_code code = marker_check(t, k, false, consumed_at);
     return code == IDEM_NOT_FOUND ? marker_write(t, k, now, consumed_at) : code;
 }
 
@@ -134,6 +137,7 @@ static idem_consume_verdict verdict(idem_consume_info *info, idem_code code, boo
     info->duplicate = code == IDEM_OK && duplicate;
     info->consumed_at_ms = code == IDEM_OK ? at : 0;
     info->store_failed = false;
+    info->in_progress = false;
     return code == IDEM_OK ? IDEM_CONSUME_ACK : IDEM_CONSUME_RETRY;
 }
 
@@ -171,10 +175,16 @@ idem_consume_verdict idem_consume_ex(idem_store *st, const char *group, const ch
     if ((code = idem__store_txn_begin(st, &t)) != IDEM_OK) {
         return hopeless(code) ? reject(info, code) : verdict(info, code, false, 0);
     }
-    code = marker_check(t, &k, &at);
+    code = marker_check(t, &k, true, &at);
     if (code == IDEM_ALREADY_EXISTS) { /* a concurrent consumer committed first */
         idem__store_txn_abort(t);
         return verdict(info, IDEM_OK, true, at);
+    }
+    if (code == IDEM_ABORTED) { /* a concurrent consumer is in fn now */
+        idem__store_txn_abort(t);
+        verdict(info, code, false, 0);
+        info->in_progress = true;
+        return IDEM_CONSUME_RETRY;
     }
     if (code == IDEM_NOT_FOUND && (code = fn(t, arg)) == IDEM_OK) {
         code = marker_write(t, &k, idem__now_ms(), &at); /* the shared log row: last */

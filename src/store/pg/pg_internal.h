@@ -165,6 +165,10 @@ idem_code idem__pg_connect(pg_hosts *h, uint64_t deadline, PGconn **out);
 /* The error of r (or of c when r is NULL) as the thread's message, the cause first:
  * "<PostgreSQL's message> (postgres <what>)", what a short name; frees r. */
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what);
+/* True when the thread's last idem__pg_fail since idem__pg_fail_forget was a result with
+ * this SQLSTATE (a failure without one, a lost connection, is none). */
+void idem__pg_fail_forget(void);
+bool idem__pg_failed_with(const char *state);
 /* Flushes what libpq holds and waits until a result can be read; false when
  * deadline (monotonic ms) passed or the connection broke. */
 bool idem__pg_await_readable(PGconn *c, uint64_t deadline);
@@ -265,6 +269,8 @@ idem_code idem__pg_txn_undo(idem_txn *t);
 idem_code idem__pg_txn_fence_durable(idem_txn *t);
 idem_code idem__pg_txn_get(idem_txn *t, const char *db, const void *key, size_t klen,
                            const void **val, size_t *vlen);
+idem_code idem__pg_txn_get_bounded(idem_txn *t, const char *db, const void *key, size_t klen,
+                                   const void **val, size_t *vlen);
 idem_code idem__pg_txn_put(idem_txn *t, const char *db, const void *key, size_t klen,
                            const void *val, size_t vlen);
 idem_code idem__pg_txn_del(idem_txn *t, const char *db, const void *key, size_t klen);

@@ -11,9 +11,22 @@
 /* Maps a failed result (or a dead connection) to a code: connection trouble, a lock or
  * statement timeout and serialisation conflicts are transient (UNAVAILABLE), a full disk
  * RESOURCE_EXHAUSTED. */
+static _Thread_local char last_state[6];
+
+void idem__pg_fail_forget(void)
+{
+    last_state[0] = '\0';
+}
+
+bool idem__pg_failed_with(const char *state)
+{
+    return strcmp(last_state, state) == 0;
+}
+
 idem_code idem__pg_fail(PGconn *c, PGresult *r, const char *what)
 {
     const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+    snprintf(last_state, sizeof(last_state), "%s", state != NULL ? state : "");
     const char *msg = r != NULL ? PQresultErrorMessage(r) : PQerrorMessage(c);
     idem_code code = IDEM_INTERNAL;
     if (c == NULL || PQstatus(c) != CONNECTION_OK || state == NULL ||

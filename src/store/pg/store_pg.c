@@ -235,6 +235,7 @@ const idem_store_ops idem__pg_ops = {
     .txn_commit = idem__pg_txn_commit,
     .txn_complete_commit = idem__pg_txn_complete_commit,
     .txn_get = idem__pg_txn_get,
+    .txn_get_bounded = idem__pg_txn_get_bounded,
     .txn_put = idem__pg_txn_put,
     .txn_del = idem__pg_txn_del,
     .app_get = idem__pg_app_get,

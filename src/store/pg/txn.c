@@ -281,6 +281,33 @@ idem_code idem__pg_txn_get(idem_txn *base, const char *db, const void *key, size
     return keep_result(t, r);
 }
 
+/* The row's lock waited for lock_timeout_ms at most (the handler's own SQL, after it, for
+ * as long as the handler lets it: lock_timeout back to 0). */
+idem_code idem__pg_txn_get_bounded(idem_txn *base, const char *db, const void *key, size_t klen,
+                                   const void **val, size_t *vlen)
+{
+    pg_txn *t = pg_txn_of(base);
+    char bound[48];
+    idem_errkeep k;
+    snprintf(bound, sizeof(bound), "SET LOCAL lock_timeout = %u", t->st->lock_ms);
+    idem__pg_fail_forget();
+    idem_code code = idem__pg_exec_simple(t->slot, bound);
+    if (code == IDEM_OK) {
+        code = idem__pg_txn_get(base, db, key, klen, val, vlen);
+    }
+    if (code == IDEM_UNAVAILABLE && idem__pg_failed_with("55P03")) { /* lock_not_available */
+        return idem__err(IDEM_ABORTED,
+                         "another transaction holds the row, past lock_timeout_ms (%u ms)",
+                         t->st->lock_ms);
+    }
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    idem__err_keep(&k);
+    idem_code reset = idem__pg_exec_simple(t->slot, "SET LOCAL lock_timeout = 0");
+    return reset != IDEM_OK ? reset : idem__err_put(&k, code);
+}
+
 idem_code idem__pg_txn_put(idem_txn *base, const char *db, const void *key, size_t klen,
                            const void *val, size_t vlen)
 {
