@@ -5,6 +5,7 @@
  *   'm' group \0 key   → be64 consumed_at ‖ be64 seq       the marker (the unique key)
  *   'l' be64 seq       → be64 consumed_at ‖ marker key      consumption log, for purge
  *   'q'                → be64 head ‖ be64 next              live log is [head, next)
+ *   'c' group          → be64 seq                           where the group's purge resumes
  * The marker, the log entry and the consumer's own writes commit in one write txn, so
  * "consumed" and "effect done" cannot disagree after a crash. The log orders markers by
  * consumption, which lets purge take the oldest first in bounded batches with only
@@ -200,26 +201,16 @@ typedef struct purge_args {
     size_t max, purged;
 } purge_args;
 
-/* Deletes log entry seq and its marker if consumed before the cutoff. *stop when not. */
-static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
+/* Deletes log entry lkey (its value v, n > 8 bytes) and its marker if consumed before the
+ * cutoff. *stop when not. */
+static idem_code purge_entry(idem_txn *t, purge_args *a, const uint8_t *lkey, const void *v,
+                             size_t n, bool *stop)
 {
-    uint8_t lkey[LOG_KEY_LEN];
-    const void *v;
-    size_t n;
-    log_key(lkey, seq);
-    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN, &v, &n);
-    *stop = false;
-    if (code == IDEM_NOT_FOUND) {
-        return IDEM_OK; /* nothing left at this seq */
-    }
-    if (code != IDEM_OK || n <= 8) {
-        return code != IDEM_OK ? code : idem__err(IDEM_DATA_LOSS, "consume: bad log entry");
-    }
-    if (idem__get_be64(v) >= a->before_ms) {
-        *stop = true;
+    *stop = idem__get_be64(v) >= a->before_ms;
+    if (*stop) {
         return IDEM_OK;
     }
-    code = idem_txn_del(t, IDEM_CONSUME_DB, (const uint8_t *)v + 8, n - 8);
+    idem_code code = idem_txn_del(t, IDEM_CONSUME_DB, (const uint8_t *)v + 8, n - 8);
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return code;
     }
@@ -227,6 +218,32 @@ static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
         a->purged++;
     }
     return code;
+}
+
+/* Reads log entry seq: IDEM_NOT_FOUND when nothing is left at seq. */
+static idem_code log_entry(idem_txn *t, uint8_t lkey[LOG_KEY_LEN], uint64_t seq, const void **v,
+                           size_t *n)
+{
+    log_key(lkey, seq);
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN, v, n);
+    if (code == IDEM_OK && *n <= 8) {
+        return idem__err(IDEM_DATA_LOSS, "consume: bad log entry");
+    }
+    return code;
+}
+
+/* Deletes log entry seq and its marker if consumed before the cutoff. *stop when not. */
+static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
+{
+    uint8_t lkey[LOG_KEY_LEN];
+    const void *v;
+    size_t n;
+    idem_code code = log_entry(t, lkey, seq, &v, &n);
+    *stop = false;
+    if (code != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* nothing left at this seq */
+    }
+    return purge_entry(t, a, lkey, v, n, stop);
 }
 
 static idem_code purge_txn(idem_txn *t, void *arg)
@@ -265,6 +282,92 @@ idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max, siz
         *purged = a.purged;
     }
     return code;
+}
+
+typedef struct group_purge_args {
+    purge_args a;
+    marker_key prefix; /* 'm' group \0: the group's markers start so */
+    uint8_t ckey[1 + IDEM_MAX_CONSUMER_GROUP];
+    size_t clen;
+    uint64_t head, next; /* the log's bounds, read before the txn */
+} group_purge_args;
+
+/* Log slot seq in the group's purge: deleted when it is the group's and consumed before
+ * the cutoff; another group's, or nothing: passed over; the group's, consumed later:
+ * *stop (the log is in consumption order). */
+static idem_code group_purge_one(idem_txn *t, group_purge_args *g, uint64_t seq, bool *stop)
+{
+    uint8_t lkey[LOG_KEY_LEN];
+    const void *v;
+    size_t n, lp = g->prefix.len;
+    idem_code code = log_entry(t, lkey, seq, &v, &n);
+    *stop = false;
+    if (code != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    }
+    if (n <= 8 + lp || memcmp((const uint8_t *)v + 8, g->prefix.bytes, lp) != 0) {
+        return IDEM_OK;
+    }
+    return purge_entry(t, &g->a, lkey, v, n, stop);
+}
+
+static idem_code group_purge_txn(idem_txn *t, void *arg)
+{
+    group_purge_args *g = arg;
+    const void *v;
+    size_t n;
+    uint8_t cval[8];
+    uint64_t from = g->head, seq;
+    bool stop = false;
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, g->ckey, g->clen, &v, &n);
+    if (code == IDEM_OK && n == 8 && idem__get_be64(v) > from) {
+        from = idem__get_be64(v);
+    } else if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    code = IDEM_OK; /* at most max slots looked at, as purge_txn */
+    for (seq = from; seq < g->next && seq - from < g->a.max; seq++) {
+        if ((code = group_purge_one(t, g, seq, &stop)) != IDEM_OK || stop) {
+            break;
+        }
+    }
+    if (code != IDEM_OK || seq == from) {
+        return code;
+    }
+    idem__put_be64(cval, seq);
+    return idem_txn_put(t, IDEM_CONSUME_DB, g->ckey, g->clen, cval, sizeof(cval));
+}
+
+/* The group's own cursor 'c' group lets it pass over other groups' markers once, and
+ * leaves the log's head to idem_consume_purge (slots purged here are holes it skips). */
+idem_code idem_consume_purge_group(idem_store *st, const char *group, uint64_t before_ms,
+                                   size_t max, size_t *purged)
+{
+    group_purge_args g = {.a = {.before_ms = before_ms, .max = max}};
+    if (purged != NULL) {
+        *purged = 0;
+    }
+    idem_code code = marker_key_make(&g.prefix, group, "-"); /* checks group */
+    if (code == IDEM_OK && (max == 0 || max > IDEM_CONSUME_MAX_PURGE)) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "consume purge: 1..%d slots per batch",
+                         IDEM_CONSUME_MAX_PURGE);
+    }
+    if (code != IDEM_OK) {
+        return code;
+    }
+    g.prefix.len--; /* 'm' group \0 */
+    g.ckey[0] = 'c';
+    memcpy(g.ckey + 1, group, g.prefix.len - 2);
+    g.clen = g.prefix.len - 1;
+    /* Every slot below next is committed: a marker and the bounds commit together. */
+    if ((code = idem__log_bounds_read(st, IDEM_CONSUME_DB, &g.head, &g.next)) != IDEM_OK ||
+        (code = idem_store_run_txn(st, group_purge_txn, &g)) != IDEM_OK) {
+        return code;
+    }
+    if (purged != NULL) {
+        *purged = g.a.purged;
+    }
+    return IDEM_OK;
 }
 
 /* Walks the markers 'm' group \0 *, contiguous in key order, one read each: at most
