@@ -49,14 +49,13 @@ static void pause_ms(long ms)
     nanosleep(&ts, NULL);
 }
 
-/* The test's stream brought to max_age_ms (its window with it). */
+/* The test's stream brought to max_age_ms. */
 static void stream_max_age(nt *e, uint64_t max_age_ms)
 {
     idem_nats_stream_opts so;
     const char *subjects[] = {e->in, e->dead};
     idem_nats_stream_opts_init(&so);
-    so.max_age_ms = max_age_ms;
-    so.duplicate_window_ms = max_age_ms;
+    so.max_age_ms = max_age_ms; /* the window is cut to it */
     cr_assert_eq(idem_nats_ensure_stream_ex(e->url, e->stream, subjects, 2, &so), IDEM_OK, "%s",
                  idem_errmsg());
 }
@@ -162,6 +161,16 @@ Test(nats_retain, ensure_stream_ex_sets_and_updates_retention_and_window)
     so.duplicate_window_ms = 0;
     so.retention = (idem_nats_retention)7;
     cr_expect_eq(idem_nats_ensure_stream_ex(e.url, name, subjects, 1, &so), IDEM_INVALID_ARGUMENT);
+    /* A max_age under the window the stream had (the broker's 2 min): the window too. */
+    const char *own[] = {e.in, e.dead};
+    idem_nats_stream_opts_init(&so);
+    so.max_age_ms = 10000;
+    cr_assert_eq(idem_nats_ensure_stream_ex(e.url, e.stream, own, 2, &so), IDEM_OK, "%s",
+                 idem_errmsg());
+    sc = stream_config(&e, e.stream, &si);
+    cr_expect_eq(sc->MaxAge, 10000ll * 1000000);
+    cr_expect_eq(sc->Duplicates, 10000ll * 1000000);
+    jsStreamInfo_Destroy(si);
     js_DeleteStream(e.js, name, NULL, NULL);
     nt_teardown(&e);
 }

@@ -39,13 +39,17 @@ static idem_code stream_opts_check(const idem_nats_stream_opts *o)
     return IDEM_OK;
 }
 
-/* Writes o's limits into sc; true when that changed any (0: none, or the broker's). */
+/* Writes o's limits into sc; true when that changed any (0: none, or the broker's; a
+ * window longer than max_age is cut to it). */
 static bool limits_apply(jsStreamConfig *sc, const idem_nats_stream_opts *o)
 {
     int64_t age = (int64_t)o->max_age_ms * NS_PER_MS;
     int64_t msgs = o->max_msgs != 0 ? (int64_t)o->max_msgs : -1;
     int64_t bytes = o->max_bytes != 0 ? (int64_t)o->max_bytes : -1;
     int64_t window = (int64_t)o->duplicate_window_ms * NS_PER_MS;
+    if (window == 0 && age != 0 && sc->Duplicates > age) { /* JetStream refuses it longer */
+        window = age;
+    }
     bool changed = sc->MaxAge != age || sc->MaxMsgs != msgs || sc->MaxBytes != bytes ||
                    (window != 0 && sc->Duplicates != window);
     sc->MaxAge = age;
