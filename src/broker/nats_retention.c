@@ -162,9 +162,9 @@ idem_code idem__nats_purge_markers(const idem__nats_purge *p, uint64_t horizon_m
                          "message again: no marker of group %s can be purged",
                          p->stream, p->group);
     }
-    uint64_t now = idem__now_ms(), keep = age_ms + horizon_ms;
-    if (keep >= now) {
+    uint64_t now = idem__now_ms();
+    if (horizon_ms >= now || age_ms >= now - horizon_ms) { /* no wrap: nothing that old */
         return IDEM_OK;
     }
-    return idem_consume_purge_group(p->st, p->group, now - keep, max, purged);
+    return idem_consume_purge_group(p->st, p->group, now - horizon_ms - age_ms, max, purged);
 }
