@@ -161,6 +161,30 @@ Test(nats_retain, ensure_stream_ex_sets_and_updates_retention_and_window)
     so.duplicate_window_ms = 0;
     so.retention = (idem_nats_retention)7;
     cr_expect_eq(idem_nats_ensure_stream_ex(e.url, name, subjects, 1, &so), IDEM_INVALID_ARGUMENT);
+    js_DeleteStream(e.js, name, NULL, NULL);
+    nt_teardown(&e);
+}
+
+Test(nats_retain, ensure_stream_ex_cuts_the_window_to_a_shorter_max_age)
+{
+    nt e;
+    idem_nats_stream_opts so;
+    jsStreamInfo *si = NULL;
+    jsStreamConfig *sc;
+    char name[48], subject[64];
+    nt_setup(&e, "win");
+    snprintf(name, sizeof(name), "%sq", e.stream);
+    snprintf(subject, sizeof(subject), "%s.q", e.stream);
+    const char *subjects[] = {subject};
+    /* Created with a max_age under the broker's window, and no window: the window too. */
+    idem_nats_stream_opts_init(&so);
+    so.max_age_ms = 5000;
+    cr_assert_eq(idem_nats_ensure_stream_ex(e.url, name, subjects, 1, &so), IDEM_OK, "%s",
+                 idem_errmsg());
+    sc = stream_config(&e, name, &si);
+    cr_expect_eq(sc->Retention, js_LimitsPolicy);
+    cr_expect_eq(sc->Duplicates, 5000ll * 1000000);
+    jsStreamInfo_Destroy(si);
     /* A max_age under the window the stream had (the broker's 2 min): the window too. */
     const char *own[] = {e.in, e.dead};
     idem_nats_stream_opts_init(&so);
