@@ -250,6 +250,47 @@ Test(nats_retain, purges_markers_once_the_stream_cannot_deliver_them)
     nt_teardown(&e);
 }
 
+/* A group consumed from two streams would lose the markers the longer retention needs
+ * to the shorter one's purge: the second stream's purge is refused. */
+Test(nats_retain, a_group_purged_by_two_streams_retentions_is_refused)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_stream_opts so;
+    size_t purged;
+    char name[48], subject[64];
+    nt_setup(&e, "two");
+    stream_max_age(&e, 60000);
+    snprintf(name, sizeof(name), "%sb", e.stream);
+    snprintf(subject, sizeof(subject), "%s.b", e.stream);
+    const char *subjects[] = {subject};
+    idem_nats_stream_opts_init(&so);
+    so.max_age_ms = 3600000;
+    cr_assert_eq(idem_nats_ensure_stream_ex(e.url, name, subjects, 1, &so), IDEM_OK, "%s",
+                 idem_errmsg());
+    nt_opts(&e, &o, "ledger");
+    idem_nats_consumer *a = nt_consumer(&e, &o);
+    o.stream = name;
+    o.filter_subject = subject;
+    o.group = "ledger";
+    idem_nats_consumer *b = nt_consumer(&e, &o);
+    cr_expect_eq(idem_nats_consumer_purge_markers(a, 0, 100, &purged), IDEM_OK, "%s",
+                 idem_errmsg());
+    cr_expect_eq(idem_nats_consumer_purge_markers(b, 0, 100, &purged), IDEM_FAILED_PRECONDITION);
+    cr_expect(strstr(idem_errmsg(), e.stream) != NULL, "%s", idem_errmsg());
+    cr_expect_eq(idem_nats_consumer_purge_markers(a, 0, 100, &purged), IDEM_OK, "%s",
+                 idem_errmsg());
+    /* The group moved to the other stream: a purge with the operator's own cutoff first. */
+    cr_expect_eq(idem_consume_purge_group(e.st, "ledger", 0, 100, &purged), IDEM_OK);
+    cr_expect_eq(idem_nats_consumer_purge_markers(b, 0, 100, &purged), IDEM_OK, "%s",
+                 idem_errmsg());
+    cr_expect_eq(idem_nats_consumer_purge_markers(a, 0, 100, &purged), IDEM_FAILED_PRECONDITION);
+    idem_nats_consumer_close(b);
+    idem_nats_consumer_close(a);
+    js_DeleteStream(e.js, name, NULL, NULL);
+    nt_teardown(&e);
+}
+
 /* The soak: a steady stream for many times max_age + horizon, purged as it goes. The
  * markers stay near what that window holds, far below what went through. */
 Test(nats_retain, a_steady_stream_keeps_the_store_flat, .timeout = 240)

@@ -190,7 +190,9 @@ IDEM_API idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *p
  * up to max (1..IDEM_CONSUME_MAX_PURGE) slots (idem_consume_purge_group); call it on a
  * timer until *purged (may be NULL) is 0. FAILED_PRECONDITION when the stream has no
  * max_age (it may deliver a message at any time: no marker can go), UNAVAILABLE while
- * the broker is away. The group must consume this stream only. */
+ * the broker is away. A group consumes one stream: the group's first purge records this
+ * stream, and a purge from a consumer of another is FAILED_PRECONDITION (the shorter
+ * retention would take markers the longer needs); idem_consume_purge_group forgets it. */
 #define IDEM_NATS_PURGE_HORIZON_MS (24ull * 3600 * 1000)
 IDEM_API idem_code idem_nats_consumer_purge_markers(idem_nats_consumer *c, uint64_t horizon_ms,
                                                     size_t max, size_t *purged);

@@ -214,7 +214,9 @@ IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t
  * consumption log; other groups' slots count against max and are passed over once (the
  * group keeps where its purge stopped). purged may be NULL. A group out of bounds or max
  * out of range: INVALID_ARGUMENT. For a NATS consumer, idem_nats_consumer_purge_markers
- * derives before_ms from the stream's retention. */
+ * derives before_ms from the stream's retention, and records which stream's: it refuses
+ * another stream's until this function (your own cutoff) has forgotten it, e.g. when
+ * the group moved to another stream. */
 IDEM_API idem_code idem_consume_purge_group(idem_store *st, const char *group, uint64_t before_ms,
                                             size_t max, size_t *purged);
 

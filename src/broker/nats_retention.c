@@ -166,5 +166,6 @@ idem_code idem__nats_purge_markers(const idem__nats_purge *p, uint64_t horizon_m
     if (horizon_ms >= now || age_ms >= now - horizon_ms) { /* no wrap: nothing that old */
         return IDEM_OK;
     }
-    return idem_consume_purge_group(p->st, p->group, now - horizon_ms - age_ms, max, purged);
+    return idem__consume_purge_owned(p->st, p->group, p->stream, now - horizon_ms - age_ms, max,
+                                     purged);
 }
