@@ -110,7 +110,7 @@ typedef struct idem_nats_consumer_opts {
     const char *url;                 /* required: "nats://127.0.0.1:4222" (commas: a list) */
     const char *stream;              /* required: an existing stream */
     const char *durable;             /* required: the durable pull consumer, created when
-                                        absent; also idem_consume's group (1..64 bytes, no '.') */
+                                        absent (1..64 bytes, no '.'); the group when none */
     const char *filter_subject;      /* the stream's subjects this durable takes; NULL: all */
     const char *dead_letter_subject; /* required: captured by a stream, not by this durable */
     const char *key_header;          /* NULL: IDEM_NATS_KEY_HEADER, then Nats-Msg-Id */
@@ -131,6 +131,10 @@ typedef struct idem_nats_consumer_opts {
     void *event_arg;
     idem_log_fn log_fn; /* dead letters and broker errors; NULL: stderr */
     void *log_arg;
+    /* idem_consume's group (1..64 bytes): whose markers say "consumed". NULL: durable.
+       Keep it when renaming the durable: the new durable is delivered every message still
+       in the stream, and those the group consumed are acked as duplicates, not re-applied. */
+    const char *group;
 } idem_nats_consumer_opts;
 
 typedef struct idem_nats_stats {
@@ -178,6 +182,23 @@ IDEM_API void idem_nats_consumer_stats(idem_nats_consumer *c, idem_nats_stats *o
  * was acked or dead-lettered. UNAVAILABLE while the broker is away. */
 IDEM_API idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending);
 
+/* Deletes, in one write txn, markers of the consumer's group that no delivery can need
+ * any more: consumed before now - (the stream's max_age + horizon_ms). A message is
+ * deleted by the broker max_age after its publish, and consumed after it; horizon_ms
+ * covers the rest: a delivery fetched just before its message aged out and handled
+ * later, a copy published again by an outbox relay that was down (or restored after a
+ * broker lost it), and the clocks of this host and the broker's apart. 0:
+ * IDEM_NATS_PURGE_HORIZON_MS; less than the durable's ack wait: INVALID_ARGUMENT. Looks at
+ * up to max (1..IDEM_CONSUME_MAX_PURGE) slots (idem_consume_purge_group); call it on a
+ * timer until *purged (may be NULL) is 0. FAILED_PRECONDITION when the stream has no
+ * max_age (it may deliver a message at any time: no marker can go), UNAVAILABLE while
+ * the broker is away. A group consumes one stream: the group's first purge records this
+ * stream, and a purge from a consumer of another is FAILED_PRECONDITION (the shorter
+ * retention would take markers the longer needs); idem_consume_purge_group forgets it. */
+#define IDEM_NATS_PURGE_HORIZON_MS (24ull * 3600 * 1000)
+IDEM_API idem_code idem_nats_consumer_purge_markers(idem_nats_consumer *c, uint64_t horizon_ms,
+                                                    size_t max, size_t *purged);
+
 /* Stops the thread (after the message in hand), then disconnects. The durable stays on
  * the broker; a delivery not acked yet is redelivered after ack_wait_ms. */
 IDEM_API void idem_nats_consumer_close(idem_nats_consumer *c);
@@ -186,6 +207,33 @@ IDEM_API void idem_nats_consumer_close(idem_nats_consumer *c);
  * subjects[0..n) if no stream of that name exists; an existing one is kept as it is. */
 IDEM_API idem_code idem_nats_ensure_stream(const char *url, const char *stream,
                                            const char *const *subjects, size_t n);
+
+typedef enum idem_nats_retention {
+    IDEM_NATS_RETAIN_LIMITS = 0, /* kept until max_age, max_msgs or max_bytes removes it */
+    IDEM_NATS_RETAIN_WORK_QUEUE, /* removed once acked (one consumer per subject), or by a
+                                    limit before */
+} idem_nats_retention;
+
+/* How long a stream keeps its messages, and its duplicate window. 0: no limit (the
+ * window: the broker's default, 2 minutes). */
+typedef struct idem_nats_stream_opts {
+    idem_nats_retention retention;
+    uint64_t max_age_ms;          /* markers are purged after it (purge_markers) */
+    uint64_t max_msgs;            /* the oldest are removed beyond it */
+    uint64_t max_bytes;           /* likewise */
+    uint64_t duplicate_window_ms; /* at most max_age_ms when that is set */
+} idem_nats_stream_opts;
+
+/* Zeroes o: limits retention, no limits, the broker's duplicate window. */
+IDEM_API void idem_nats_stream_opts_init(idem_nats_stream_opts *o);
+
+/* As idem_nats_ensure_stream (o NULL: exactly it), and with o an existing stream is
+ * brought to o's limits and window (its subjects and storage are kept).
+ * FAILED_PRECONDITION when it exists with another retention (JetStream cannot change
+ * it), INVALID_ARGUMENT for a window over max_age or a retention out of range. */
+IDEM_API idem_code idem_nats_ensure_stream_ex(const char *url, const char *stream,
+                                              const char *const *subjects, size_t n,
+                                              const idem_nats_stream_opts *o);
 
 /* ---- the outbox relay ----
  * Publishes the store's transactional outbox (toolkit.h, idem_outbox_put) to JetStream,

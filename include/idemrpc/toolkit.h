@@ -212,6 +212,18 @@ IDEM_API idem_code idem_consume_lookup(idem_store *st, const char *group, const 
 IDEM_API idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max,
                                       size_t *purged);
 
+/* As idem_consume_purge, for group's markers only (a group whose broker keeps messages
+ * longer or shorter than another's): deletes, in one write txn, those consumed before
+ * before_ms, oldest first, looking at up to max (1..IDEM_CONSUME_MAX_PURGE) slots of the
+ * consumption log; other groups' slots count against max and are passed over once (the
+ * group keeps where its purge stopped). purged may be NULL. A group out of bounds or max
+ * out of range: INVALID_ARGUMENT. For a NATS consumer, idem_nats_consumer_purge_markers
+ * derives before_ms from the stream's retention, and records which stream's: it refuses
+ * another stream's until this function (your own cutoff) has forgotten it, e.g. when
+ * the group moved to another stream. */
+IDEM_API idem_code idem_consume_purge_group(idem_store *st, const char *group, uint64_t before_ms,
+                                            size_t max, size_t *purged);
+
 /* What idem_consume_group_markers saw of a group's markers. */
 typedef struct idem_consume_markers {
     uint64_t count;     /* markers counted, at most max */

@@ -222,32 +222,3 @@ idem_code idem__nats_stream_of(jsCtx *js, const char *subject, int64_t *max_msg_
     jsStreamInfoList_Destroy(list);
     return IDEM_OK;
 }
-
-idem_code idem_nats_ensure_stream(const char *url, const char *stream, const char *const *subjects,
-                                  size_t n)
-{
-    natsConnection *nc;
-    jsCtx *js;
-    jsStreamConfig sc;
-    jsStreamInfo *si = NULL;
-    jsErrCode jerr = 0;
-    if (stream == NULL || *stream == '\0' || subjects == NULL || n == 0 || n > 64) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "nats stream: a name and 1..64 subjects");
-    }
-    idem_code code = idem__nats_connect(url, 5000, &nc, &js);
-    if (code != IDEM_OK) {
-        return code;
-    }
-    jsStreamConfig_Init(&sc);
-    sc.Name = stream;
-    sc.Subjects = (const char **)subjects;
-    sc.SubjectsLen = (int)n;
-    natsStatus s = js_GetStreamInfo(&si, js, stream, NULL, &jerr);
-    if (s == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr) {
-        s = js_AddStream(&si, js, &sc, NULL, &jerr);
-    }
-    code = s == NATS_OK ? IDEM_OK : idem__nats_code(s, jerr, "nats stream");
-    jsStreamInfo_Destroy(si);
-    idem__nats_disconnect(nc, js);
-    return code;
-}

@@ -19,11 +19,12 @@
 #define DEFAULT_FETCH_WAIT_MS 500
 #define API_WAIT_MS 5000 /* JetStream API calls, acks and dead-letter publishes */
 #define REASON_MAX 384
+#define N_STRS 7 /* the options' strings, copied */
 
 struct idem_nats_consumer {
     idem_store *st;
     idem_nats_consumer_opts o; /* its strings point into strs */
-    char *strs[6];
+    char *strs[N_STRS];
     natsConnection *nc;
     jsCtx *js;
     natsSubscription *sub;
@@ -121,23 +122,6 @@ static idem_code run_handler(idem_txn *t, void *arg)
     return code;
 }
 
-/* The codes a redelivery may cure (DESIGN: the ones that release a claim). */
-static bool transient(idem_code code)
-{
-    switch (code) {
-    case IDEM_UNAVAILABLE:
-    case IDEM_DEADLINE_EXCEEDED:
-    case IDEM_INTERNAL:
-    case IDEM_RESOURCE_EXHAUSTED:
-    case IDEM_ABORTED:
-    case IDEM_CANCELLED:
-    case IDEM_UNKNOWN:
-        return true;
-    default:
-        return false;
-    }
-}
-
 static void ack(delivery *d, bool duplicate)
 {
     idem_nats_consumer *c = d->c;
@@ -212,7 +196,7 @@ static const char *failure_kind(const delivery *d, idem_consume_verdict v, idem_
         *dead = false;
         return "store failure";
     }
-    if (!transient(code)) {
+    if (!idem__nats_transient(code)) {
         return "final failure";
     }
     *dead = d->failures >= d->c->o.max_deliver;
@@ -224,7 +208,7 @@ static const char *failure_kind(const delivery *d, idem_consume_verdict v, idem_
 static void count_failure(delivery *d, idem_code code)
 {
     idem_errkeep k;
-    if (!d->handler_failed || !transient(code)) {
+    if (!d->handler_failed || !idem__nats_transient(code)) {
         return;
     }
     idem__err_keep(&k);
@@ -246,7 +230,7 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
         dead_letter(&d);
         return;
     }
-    idem_consume_verdict v = idem_consume_ex(c->st, c->o.durable, d.key, run_handler, &d, &info);
+    idem_consume_verdict v = idem_consume_ex(c->st, c->o.group, d.key, run_handler, &d, &info);
     if (v == IDEM_CONSUME_ACK) {
         ack(&d, info.duplicate);
         return;
@@ -330,10 +314,13 @@ static idem_code opts_check(const idem_nats_consumer_opts *o)
                          "nats consumer: url, stream, durable, dead_letter_subject and handler "
                          "are required");
     }
-    if (ld == 0 || ld > IDEM_MAX_CONSUMER_GROUP || strpbrk(o->durable, ". *>") != NULL) {
+    size_t lg = o->group != NULL ? strnlen(o->group, IDEM_MAX_CONSUMER_GROUP + 1) : ld;
+    if (ld == 0 || ld > IDEM_MAX_CONSUMER_GROUP || strpbrk(o->durable, ". *>") != NULL || lg == 0 ||
+        lg > IDEM_MAX_CONSUMER_GROUP) {
         return idem__err(IDEM_INVALID_ARGUMENT,
-                         "nats consumer: durable must be 1..%d bytes without '.', ' ', '*', '>'",
-                         IDEM_MAX_CONSUMER_GROUP);
+                         "nats consumer: durable must be 1..%d bytes without '.', ' ', '*', "
+                         "'>', and group (NULL: durable) 1..%d bytes",
+                         IDEM_MAX_CONSUMER_GROUP, IDEM_MAX_CONSUMER_GROUP);
     }
     if (o->max_deliver < 1 || o->max_deliver > IDEM_NATS_MAX_DELIVER || o->batch < 1 ||
         o->batch > IDEM_NATS_MAX_BATCH || o->ack_wait_ms < 1 || o->fetch_wait_ms < 1 ||
@@ -349,17 +336,19 @@ static idem_code opts_check(const idem_nats_consumer_opts *o)
 /* Copies the caller's strings, so that its options may be freed after open. */
 static idem_code opts_copy(idem_nats_consumer *c, const idem_nats_consumer_opts *o)
 {
-    const char **fields[6] = {&c->o.url,
-                              &c->o.stream,
-                              &c->o.durable,
-                              &c->o.filter_subject,
-                              &c->o.dead_letter_subject,
-                              &c->o.key_header};
+    const char **fields[N_STRS] = {&c->o.url,
+                                   &c->o.stream,
+                                   &c->o.durable,
+                                   &c->o.filter_subject,
+                                   &c->o.dead_letter_subject,
+                                   &c->o.key_header,
+                                   &c->o.group};
     c->o = *o;
     if (c->o.key_header == NULL) {
         c->o.key_header = IDEM_NATS_KEY_HEADER;
     }
-    for (int i = 0; i < 6; i++) {
+    c->o.group = o->group != NULL ? o->group : o->durable;
+    for (int i = 0; i < N_STRS; i++) {
         if (*fields[i] != NULL && (c->strs[i] = strdup(*fields[i])) == NULL) {
             return idem__err(IDEM_RESOURCE_EXHAUSTED, "nats consumer: out of memory");
         }
@@ -476,6 +465,16 @@ idem_code idem_nats_consumer_pending(idem_nats_consumer *c, uint64_t *pending)
     return IDEM_OK;
 }
 
+idem_code idem_nats_consumer_purge_markers(idem_nats_consumer *c, uint64_t horizon_ms, size_t max,
+                                           size_t *purged)
+{
+    if (c == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "nats consumer: NULL");
+    }
+    idem__nats_purge p = {c->js, c->st, c->o.stream, c->o.group, c->ack_wait_ms};
+    return idem__nats_purge_markers(&p, horizon_ms, max, purged);
+}
+
 void idem_nats_consumer_stats(idem_nats_consumer *c, idem_nats_stats *out)
 {
     pthread_mutex_lock(&c->loop.mu);
@@ -492,7 +491,7 @@ void idem_nats_consumer_close(idem_nats_consumer *c)
     idem__nats_progress_stop(&c->progress);
     natsSubscription_Destroy(c->sub); /* not Unsubscribe: the durable stays */
     idem__nats_disconnect(c->nc, c->js);
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < N_STRS; i++) {
         free(c->strs[i]);
     }
     free(c);

@@ -102,3 +102,26 @@ idem_code idem_nats_ensure_stream(const char *url, const char *stream, const cha
     (void)url, (void)stream, (void)subjects, (void)n;
     return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
 }
+
+void idem_nats_stream_opts_init(idem_nats_stream_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+}
+
+idem_code idem_nats_ensure_stream_ex(const char *url, const char *stream,
+                                     const char *const *subjects, size_t n,
+                                     const idem_nats_stream_opts *o)
+{
+    (void)url, (void)stream, (void)subjects, (void)n, (void)o;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_consumer_purge_markers(idem_nats_consumer *c, uint64_t horizon_ms, size_t max,
+                                           size_t *purged)
+{
+    (void)c, (void)horizon_ms, (void)max;
+    if (purged != NULL) {
+        *purged = 0;
+    }
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}

@@ -107,3 +107,19 @@ idem_code idem__nats_failure_forget(idem_store *st, const char *durable, const c
     const char *dk[2] = {durable, key};
     return idem_store_run_txn(st, forget_txn, dk);
 }
+
+bool idem__nats_transient(idem_code code)
+{
+    switch (code) {
+    case IDEM_UNAVAILABLE:
+    case IDEM_DEADLINE_EXCEEDED:
+    case IDEM_INTERNAL:
+    case IDEM_RESOURCE_EXHAUSTED:
+    case IDEM_ABORTED:
+    case IDEM_CANCELLED:
+    case IDEM_UNKNOWN:
+        return true;
+    default:
+        return false;
+    }
+}

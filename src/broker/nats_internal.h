@@ -146,4 +146,19 @@ idem_code idem__nats_failure_count(idem_store *st, const char *durable, const ch
 idem_code idem__nats_failure_forget_in(idem_txn *t, const char *durable, const char *key);
 idem_code idem__nats_failure_forget(idem_store *st, const char *durable, const char *key);
 
+/* What a consumer's marker purge needs of it (nats_retention.c): the stream's max_age is
+ * read from the broker at each call, so that a stream changed since keeps its markers. */
+typedef struct idem__nats_purge {
+    jsCtx *js;
+    idem_store *st;
+    const char *stream, *group;
+    uint64_t ack_wait_ms; /* the durable's */
+} idem__nats_purge;
+
+idem_code idem__nats_purge_markers(const idem__nats_purge *p, uint64_t horizon_ms, size_t max,
+                                   size_t *purged);
+
+/* The codes a redelivery may cure (DESIGN: the ones that release a claim). */
+bool idem__nats_transient(idem_code code);
+
 #endif

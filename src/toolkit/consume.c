@@ -5,6 +5,8 @@
  *   'm' group \0 key   → be64 consumed_at ‖ be64 seq       the marker (the unique key)
  *   'l' be64 seq       → be64 consumed_at ‖ marker key      consumption log, for purge
  *   'q'                → be64 head ‖ be64 next              live log is [head, next)
+ *   'c' group          → be64 seq ‖ owner                   where the group's purge resumes,
+ *                                                           and whose retention it follows
  * The marker, the log entry and the consumer's own writes commit in one write txn, so
  * "consumed" and "effect done" cannot disagree after a crash. The log orders markers by
  * consumption, which lets purge take the oldest first in bounded batches with only
@@ -210,26 +212,16 @@ typedef struct purge_args {
     size_t max, purged;
 } purge_args;
 
-/* Deletes log entry seq and its marker if consumed before the cutoff. *stop when not. */
-static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
+/* Deletes log entry lkey (its value v, n > 8 bytes) and its marker if consumed before the
+ * cutoff. *stop when not. */
+static idem_code purge_entry(idem_txn *t, purge_args *a, const uint8_t *lkey, const void *v,
+                             size_t n, bool *stop)
 {
-    uint8_t lkey[LOG_KEY_LEN];
-    const void *v;
-    size_t n;
-    log_key(lkey, seq);
-    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN, &v, &n);
-    *stop = false;
-    if (code == IDEM_NOT_FOUND) {
-        return IDEM_OK; /* nothing left at this seq */
-    }
-    if (code != IDEM_OK || n <= 8) {
-        return code != IDEM_OK ? code : idem__err(IDEM_DATA_LOSS, "consume: bad log entry");
-    }
-    if (idem__get_be64(v) >= a->before_ms) {
-        *stop = true;
+    *stop = idem__get_be64(v) >= a->before_ms;
+    if (*stop) {
         return IDEM_OK;
     }
-    code = idem_txn_del(t, IDEM_CONSUME_DB, (const uint8_t *)v + 8, n - 8);
+    idem_code code = idem_txn_del(t, IDEM_CONSUME_DB, (const uint8_t *)v + 8, n - 8);
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return code;
     }
@@ -237,6 +229,32 @@ static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
         a->purged++;
     }
     return code;
+}
+
+/* Reads log entry seq: IDEM_NOT_FOUND when nothing is left at seq. */
+static idem_code log_entry(idem_txn *t, uint8_t lkey[LOG_KEY_LEN], uint64_t seq, const void **v,
+                           size_t *n)
+{
+    log_key(lkey, seq);
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, lkey, LOG_KEY_LEN, v, n);
+    if (code == IDEM_OK && *n <= 8) {
+        return idem__err(IDEM_DATA_LOSS, "consume: bad log entry");
+    }
+    return code;
+}
+
+/* Deletes log entry seq and its marker if consumed before the cutoff. *stop when not. */
+static idem_code purge_one(idem_txn *t, purge_args *a, uint64_t seq, bool *stop)
+{
+    uint8_t lkey[LOG_KEY_LEN];
+    const void *v;
+    size_t n;
+    idem_code code = log_entry(t, lkey, seq, &v, &n);
+    *stop = false;
+    if (code != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* nothing left at this seq */
+    }
+    return purge_entry(t, a, lkey, v, n, stop);
 }
 
 static idem_code purge_txn(idem_txn *t, void *arg)
@@ -275,6 +293,128 @@ idem_code idem_consume_purge(idem_store *st, uint64_t before_ms, size_t max, siz
         *purged = a.purged;
     }
     return code;
+}
+
+typedef struct group_purge_args {
+    purge_args a;
+    marker_key prefix; /* 'm' group \0: the group's markers start so */
+    uint8_t ckey[1 + IDEM_MAX_CONSUMER_GROUP];
+    size_t clen;
+    uint64_t head, next;                    /* the log's bounds, read before the txn */
+    uint8_t owner[IDEM__CONSUME_MAX_OWNER]; /* whose retention the purge follows */
+    size_t olen;
+    bool given; /* else a purge with the caller's own cutoff: the owner is forgotten */
+} group_purge_args;
+
+/* Log slot seq in the group's purge: deleted when it is the group's and consumed before
+ * the cutoff; another group's, or nothing: passed over; the group's, consumed later:
+ * *stop (the log is in consumption order). */
+static idem_code group_purge_one(idem_txn *t, group_purge_args *g, uint64_t seq, bool *stop)
+{
+    uint8_t lkey[LOG_KEY_LEN];
+    const void *v;
+    size_t n, lp = g->prefix.len;
+    idem_code code = log_entry(t, lkey, seq, &v, &n);
+    *stop = false;
+    if (code != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    }
+    if (n <= 8 + lp || memcmp((const uint8_t *)v + 8, g->prefix.bytes, lp) != 0) {
+        return IDEM_OK;
+    }
+    return purge_entry(t, &g->a, lkey, v, n, stop);
+}
+
+/* Reads where the group's purge resumes (*from) and checks that the same owner purges:
+ * a group whose markers two retentions purge would lose them to the shorter one. */
+static idem_code cursor_read(idem_txn *t, group_purge_args *g, uint64_t *from, bool *owned)
+{
+    const void *v;
+    size_t n;
+    idem_code code = idem_txn_get(t, IDEM_CONSUME_DB, g->ckey, g->clen, &v, &n);
+    *owned = false;
+    if (code != IDEM_OK) {
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+    }
+    if (n < 8 || n - 8 > sizeof(g->owner)) {
+        return idem__err(IDEM_DATA_LOSS, "consume: bad purge cursor");
+    }
+    const uint8_t *o = (const uint8_t *)v + 8;
+    *from = idem__get_be64(v) > *from ? idem__get_be64(v) : *from;
+    *owned = n > 8;
+    if (*owned && g->given && (n - 8 != g->olen || memcmp(o, g->owner, g->olen) != 0)) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "consume purge: group %.*s follows the retention of %.*s, not %.*s (a "
+                         "group consumes one stream)",
+                         (int)(g->clen - 1), (const char *)g->ckey + 1, (int)(n - 8),
+                         (const char *)o, (int)g->olen, (const char *)g->owner);
+    }
+    return IDEM_OK;
+}
+
+static idem_code group_purge_txn(idem_txn *t, void *arg)
+{
+    group_purge_args *g = arg;
+    uint8_t cval[8 + IDEM__CONSUME_MAX_OWNER];
+    uint64_t from = g->head, seq;
+    bool stop = false, owned;
+    idem_code code = cursor_read(t, g, &from, &owned);
+    /* At most max slots looked at, as purge_txn. */
+    for (seq = from; code == IDEM_OK && seq < g->next && seq - from < g->a.max; seq++) {
+        if ((code = group_purge_one(t, g, seq, &stop)) != IDEM_OK || stop) {
+            break;
+        }
+    }
+    if (code != IDEM_OK || (seq == from && owned == (g->olen > 0))) {
+        return code;
+    }
+    idem__put_be64(cval, seq);
+    memcpy(cval + 8, g->owner, g->olen);
+    return idem_txn_put(t, IDEM_CONSUME_DB, g->ckey, g->clen, cval, 8 + g->olen);
+}
+
+/* The group's own cursor 'c' group lets it pass over other groups' markers once, and
+ * leaves the log's head to idem_consume_purge (slots purged here are holes it skips). */
+idem_code idem__consume_purge_owned(idem_store *st, const char *group, const char *owner,
+                                    uint64_t before_ms, size_t max, size_t *purged)
+{
+    group_purge_args g = {.a = {.before_ms = before_ms, .max = max}, .given = owner != NULL};
+    if (purged != NULL) {
+        *purged = 0;
+    }
+    idem_code code = marker_key_make(&g.prefix, group, "-"); /* checks group */
+    if (code == IDEM_OK && (max == 0 || max > IDEM_CONSUME_MAX_PURGE)) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "consume purge: 1..%d slots per batch",
+                         IDEM_CONSUME_MAX_PURGE);
+    }
+    g.olen = owner != NULL ? idem__bounded_len(owner, sizeof(g.owner)) : 0;
+    if (code == IDEM_OK && owner != NULL && g.olen == 0) {
+        code = idem__err(IDEM_INVALID_ARGUMENT, "consume purge: owner 1..%d bytes",
+                         IDEM__CONSUME_MAX_OWNER);
+    }
+    memcpy(g.owner, owner != NULL ? owner : "", g.olen);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    g.prefix.len--; /* 'm' group \0 */
+    g.ckey[0] = 'c';
+    memcpy(g.ckey + 1, group, g.prefix.len - 2);
+    g.clen = g.prefix.len - 1;
+    /* Every slot below next is committed: a marker and the bounds commit together. */
+    if ((code = idem__log_bounds_read(st, IDEM_CONSUME_DB, &g.head, &g.next)) != IDEM_OK ||
+        (code = idem_store_run_txn(st, group_purge_txn, &g)) != IDEM_OK) {
+        return code;
+    }
+    if (purged != NULL) {
+        *purged = g.a.purged;
+    }
+    return IDEM_OK;
+}
+
+idem_code idem_consume_purge_group(idem_store *st, const char *group, uint64_t before_ms,
+                                   size_t max, size_t *purged)
+{
+    return idem__consume_purge_owned(st, group, NULL, before_ms, max, purged);
 }
 
 /* Walks the markers 'm' group \0 *, contiguous in key order, one read each: at most

@@ -19,6 +19,14 @@ static inline size_t idem__bounded_len(const char *s, size_t max)
 /* The bounds of an append-only log in business database db (log_bounds.c): head, the
  * oldest entry that may still be there, and next, the next append's number; 0, 0 when
  * absent. _read: outside a txn. */
+/* idem_consume_purge_group, for the purges of one owner only (a NATS stream: whose
+ * retention the group's markers follow, recorded at the first purge): a purge by another
+ * owner is FAILED_PRECONDITION. owner NULL: no check, and the recorded owner is forgotten
+ * (the caller's cutoff takes over; the next owned purge records its owner). */
+#define IDEM__CONSUME_MAX_OWNER 256 /* bytes */
+idem_code idem__consume_purge_owned(idem_store *st, const char *group, const char *owner,
+                                    uint64_t before_ms, size_t max, size_t *purged);
+
 idem_code idem__log_bounds_get(idem_txn *t, const char *db, uint64_t *head, uint64_t *next);
 idem_code idem__log_bounds_read(idem_store *st, const char *db, uint64_t *head, uint64_t *next);
 idem_code idem__log_bounds_put(idem_txn *t, const char *db, uint64_t head, uint64_t next);
