@@ -30,6 +30,7 @@ struct idem_nats_consumer {
     natsSubscription *sub;
     idem__nats_dead_bound dead_bound; /* what the dead letters' stream takes */
     idem__nats_progress progress;     /* the batch behind the message in hand */
+    uint64_t ack_wait_ms;             /* the durable's own, read when binding */
     idem__nats_loop loop;             /* its mu guards stats */
     idem_nats_stats stats;
 };
@@ -376,16 +377,16 @@ static idem_code bind_durable(idem_nats_consumer *c)
          js_GetConsumerInfo(&ci, c->js, c->o.stream, c->o.durable, NULL, &jerr) != NATS_OK)) {
         return idem__nats_code(s, jerr, "nats consumer: create durable");
     }
-    uint64_t ack_wait_ms = ci->Config != NULL && ci->Config->AckWait > 0
-                               ? (uint64_t)ci->Config->AckWait / 1000000
-                               : c->o.ack_wait_ms; /* the durable's own */
+    c->ack_wait_ms = ci->Config != NULL && ci->Config->AckWait > 0
+                         ? (uint64_t)ci->Config->AckWait / 1000000
+                         : c->o.ack_wait_ms; /* the durable's own */
     jsConsumerInfo_Destroy(ci);
     jsSubOptions_Init(&so);
     so.Stream = c->o.stream;
     so.Consumer = c->o.durable;
     s = js_PullSubscribe(&c->sub, c->js, c->o.filter_subject != NULL ? c->o.filter_subject : "",
                          c->o.durable, NULL, &so, &jerr);
-    return s == NATS_OK ? idem__nats_progress_start(&c->progress, ack_wait_ms)
+    return s == NATS_OK ? idem__nats_progress_start(&c->progress, c->ack_wait_ms)
                         : idem__nats_code(s, jerr, "nats consumer: bind durable");
 }
 
