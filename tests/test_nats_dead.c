@@ -4,9 +4,12 @@
  * library (idem_nats_dead_*) and through idemctl dead. Needs $IDEMRPC_TEST_NATS; skipped
  * without it. */
 #include <criterion/criterion.h>
+#include <fcntl.h>
+#include <pty.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "nats_util.h"
@@ -317,5 +320,164 @@ Test(nats_dead, replay_refuses_a_cut_payload_and_open_a_missing_stream_or_broker
     cr_expect_eq(idem_nats_dead_open(&d, "nats://127.0.0.1:1", e.stream), IDEM_UNAVAILABLE);
     cr_expect_eq(idem_nats_dead_open(&d, e.url, ""), IDEM_INVALID_ARGUMENT);
     idem_nats_dead_close(NULL);
+    nt_teardown(&e);
+}
+
+/* Runs idemctl --nats url with args (NULL-terminated), stdin from /dev/null (no terminal),
+ * and returns its exit status; out gets its stdout and stderr. */
+static int run_ctl(const char *url, char *out, size_t cap, const char *const *args)
+{
+    const char *argv[16] = {getenv("IDEMCTL"), "--nats", url};
+    size_t n = 3, got = 0;
+    for (; *args != NULL && n < 15; args++) {
+        argv[n++] = *args;
+    }
+    int fd[2];
+    cr_assert_not_null(argv[0], "IDEMCTL not set (meson test sets it)");
+    cr_assert_eq(pipe(fd), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int in = open("/dev/null", O_RDONLY);
+        dup2(in, 0);
+        dup2(fd[1], 1);
+        dup2(fd[1], 2);
+        close(fd[0]);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fd[1]);
+    for (ssize_t r; got + 1 < cap && (r = read(fd[0], out + got, cap - 1 - got)) > 0;) {
+        got += (size_t)r;
+    }
+    out[got] = '\0';
+    close(fd[0]);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+#define CTL(e, out, ...) run_ctl((e)->url, out, sizeof(out), (const char *[]){__VA_ARGS__, NULL})
+
+Test(nats_dead, idemctl_lists_dead_letters_with_their_reasons)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    char out[8192];
+    nt_setup(&e, "ctlls");
+    idem_nats_consumer *c = one_dead_letter(&e, &o, "refund-\"12\"", NULL);
+    idem_nats_consumer_close(c);
+    cr_assert_eq(CTL(&e, out, "dead", "list", e.stream), 0, "%s", out);
+    cr_expect(strstr(out, "dead letter 2\n  reason     final failure (delivery 1): "
+                          "FAILED_PRECONDITION: ledger closed\n") != NULL,
+              "%s", out);
+    cr_expect(strstr(out, "  key        refund-\"12\"\n  data       8 bytes: amount=1\n") != NULL,
+              "%s", out);
+    cr_expect(strstr(out, "1 dead letters\n") != NULL, "%s", out);
+    cr_assert_eq(CTL(&e, out, "--json", "dead", "list", e.stream), 0, "%s", out);
+    cr_expect(strstr(out, "\"dead\":[{\"seq\":2,\"reason\":\"final failure (delivery 1): "
+                          "FAILED_PRECONDITION: ledger closed\",\"subject\":") != NULL,
+              "%s", out);
+    cr_expect(strstr(out, "\"stream_seq\":1,\"delivered\":1,\"key\":\"refund-\\\"12\\\"\","
+                          "\"truncated_from\":null,\"data_bytes\":8,\"data\":\"amount=1\"}],"
+                          "\"next\":0}\n") != NULL,
+              "%s", out);
+    cr_expect_eq(CTL(&e, out, "dead", "list", "NoSuchStream"), 1, "%s", out);
+    cr_expect(strstr(out, "no stream NoSuchStream") != NULL, "%s", out);
+    cr_expect_eq(run_ctl("nats://127.0.0.1:1", out, sizeof(out),
+                         (const char *[]){"dead", "list", e.stream, NULL}),
+                 1, "%s", out);
+    cr_expect_eq(CTL(&e, out, "dead", "replay", e.stream), 2, "%s", out);
+    cr_expect(strstr(out, "dead replay takes SEQ or --all") != NULL, "%s", out);
+    cr_expect_eq(CTL(&e, out, "dead", "show", e.stream), 2, "%s", out);
+    nt_teardown(&e);
+}
+
+Test(nats_dead, idemctl_replays_and_purges_only_when_confirmed)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    idem_nats_dead_letters *d;
+    char out[8192];
+    nt_setup(&e, "ctlrp");
+    idem_nats_consumer *c = one_dead_letter(&e, &o, "refund-13", NULL);
+    cr_assert_eq(idem_nats_dead_open(&d, e.url, e.stream), IDEM_OK, "%s", idem_errmsg());
+    ledger_closed = false;
+    cr_expect_eq(CTL(&e, out, "dead", "replay", e.stream, "2"), 3, "no terminal: %s", out);
+    cr_expect(strstr(out, "confirm on a terminal, or give --yes") != NULL, "%s", out);
+    cr_expect_eq(CTL(&e, out, "dead", "purge", e.stream, "--all"), 3, "%s", out);
+    cr_expect_eq(dead_now(d).n, 1);
+    cr_expect_eq(CTL(&e, out, "dead", "replay", e.stream, "1", "--yes"), 1, "%s", out);
+    cr_expect(strstr(out, "is no dead letter") != NULL, "%s", out);
+    cr_assert_eq(CTL(&e, out, "--json", "dead", "replay", e.stream, "--all", "--yes"), 0, "%s",
+                 out);
+    cr_expect(strstr(out, "\"verb\":\"replay\",\"done\":1,\"failed\":0}") != NULL, "%s", out);
+    cr_expect_eq(dead_now(d).n, 0);
+    nt_drain(&e, c, "ledger");
+    cr_expect_eq(nt_effects(&e, "refund-13"), 1);
+
+    put_dead_letter(&e, true);
+    put_dead_letter(&e, false);
+    cr_expect_eq(CTL(&e, out, "dead", "replay", e.stream, "--all", "--yes"), 1, "%s", out);
+    cr_expect(strstr(out, "FAILED_PRECONDITION") != NULL, "the cut one: %s", out);
+    cr_expect_eq(dead_now(d).n, 1);
+    cr_assert_eq(CTL(&e, out, "dead", "purge", e.stream, "--all", "--yes"), 0, "%s", out);
+    cr_expect(strstr(out, "purged ") != NULL, "%s", out);
+    cr_expect_eq(dead_now(d).n, 0);
+    cr_expect_eq(nt_stream_msgs(&e), 3, "the original and the two replays stay");
+    idem_nats_consumer_close(c);
+    idem_nats_dead_close(d);
+    nt_teardown(&e);
+}
+
+/* Runs idemctl --nats url args on a terminal of its own, answering `answer` to its
+ * question; returns its exit status, out its terminal's output. */
+static int run_ctl_on_tty(const char *url, const char *answer, char *out, size_t cap,
+                          const char *const *args)
+{
+    const char *argv[16] = {getenv("IDEMCTL"), "--nats", url};
+    size_t n = 3, got = 0;
+    int master;
+    for (; *args != NULL && n < 15; args++) {
+        argv[n++] = *args;
+    }
+    cr_assert_not_null(argv[0], "IDEMCTL not set (meson test sets it)");
+    pid_t pid = forkpty(&master, NULL, NULL, NULL);
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    for (ssize_t r; got + 1 < cap && (r = read(master, out + got, cap - 1 - got)) > 0;) {
+        got += (size_t)r;
+        out[got] = '\0';
+        if (strstr(out, "[y/N] ") != NULL && answer != NULL) {
+            cr_assert_eq(write(master, answer, strlen(answer)), (ssize_t)strlen(answer));
+            answer = NULL;
+        }
+    }
+    out[got] = '\0';
+    close(master);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+Test(nats_dead, idemctl_asks_on_a_terminal_before_it_purges)
+{
+    nt e;
+    idem_nats_dead_letters *d;
+    char out[8192];
+    nt_setup(&e, "ctltty");
+    put_dead_letter(&e, false);
+    cr_assert_eq(idem_nats_dead_open(&d, e.url, e.stream), IDEM_OK, "%s", idem_errmsg());
+    const char *const purge[] = {"dead", "purge", e.stream, "1", NULL};
+    cr_expect_eq(run_ctl_on_tty(e.url, "n\n", out, sizeof(out), purge), 3, "%s", out);
+    cr_expect(strstr(out, "purge 1 dead letter of stream ") != NULL, "%s", out);
+    cr_expect_eq(dead_now(d).n, 1);
+    cr_expect_eq(run_ctl_on_tty(e.url, "y\n", out, sizeof(out), purge), 0, "%s", out);
+    cr_expect(strstr(out, "purged 1") != NULL, "%s", out);
+    cr_expect_eq(dead_now(d).n, 0);
+    idem_nats_dead_close(d);
     nt_teardown(&e);
 }
