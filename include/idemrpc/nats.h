@@ -313,9 +313,11 @@ IDEM_API idem_code idem_nats_dead_list(idem_nats_dead_letters *d, uint64_t from,
 
 /* Publishes the payload of dead letter seq again to its original subject
  * (IDEM_NATS_DEAD_SUBJECT) with IDEM_NATS_KEY_HEADER and Nats-Msg-Id set to its key, so
- * that every consumer keys the copy as it keyed the original (payload, key header or
- * message id; the original's other headers are not kept), and, once the broker acked
- * that publish, removes the dead letter. FAILED_PRECONDITION for a dead letter whose
+ * that the consumer finds the original's key whether it keys by payload, key header or
+ * message id (the original's other headers are not kept), and, once the broker acked
+ * that publish, removes the dead letter. Every durable on that subject receives the copy:
+ * where the message took effect, its marker makes the copy a duplicate, provided it keys
+ * messages as the dead-lettering consumer does. FAILED_PRECONDITION for a dead letter whose
  * payload was cut (IDEM_NATS_DEAD_TRUNCATED: the copy would be another message) or that
  * names no subject; ALREADY_EXISTS when the broker dropped the copy as a duplicate of a
  * message with that id inside its duplicate window (the dead letter is kept: replay it

@@ -225,7 +225,7 @@ static idem_code publish_copy(idem_nats_dead_letters *d, natsMsg *copy, const ch
                          "nats dead letters: the broker dropped the copy as a duplicate of "
                          "message id %s inside its duplicate window; the dead letter is kept, "
                          "replay it after the window",
-                         key);
+                         key != NULL ? key : "");
     }
     return code;
 }
