@@ -187,6 +187,44 @@ Test(nats_dead, the_librarys_consumer_reads_a_dead_letters_reason_from_its_heade
     nt_teardown(&e);
 }
 
+static idem_code count_headers(idem_txn *t, const idem_nats_msg *m, void *arg)
+{
+    seen *s = arg;
+    (void)t;
+    s->n_headers = m->n_headers;
+    s->key[0] = m->headers_cut ? 'c' : '-';
+    return IDEM_OK;
+}
+
+Test(nats_dead, a_handler_sees_at_most_max_headers_and_is_told_when_there_were_more)
+{
+    nt e;
+    idem_nats_consumer_opts o;
+    seen s = {0};
+    natsMsg *m;
+    jsPubAck *ack = NULL;
+    char name[16];
+    nt_setup(&e, "hdrs");
+    cr_assert_eq(natsMsg_Create(&m, e.in, NULL, "amount=1", 8), NATS_OK);
+    cr_assert_eq(natsMsgHeader_Set(m, IDEM_NATS_KEY_HEADER, "refund-14"), NATS_OK);
+    for (int i = 0; i < IDEM_NATS_MAX_HEADERS + 8; i++) {
+        snprintf(name, sizeof(name), "X-H-%d", i);
+        cr_assert_eq(natsMsgHeader_Add(m, name, "v"), NATS_OK);
+    }
+    cr_assert_eq(js_PublishMsg(&ack, e.js, m, NULL, NULL), NATS_OK);
+    jsPubAck_Destroy(ack);
+    natsMsg_Destroy(m);
+    nt_opts(&e, &o, "hdrs");
+    o.handler = count_headers;
+    o.handler_arg = &s;
+    idem_nats_consumer *c = nt_consumer(&e, &o);
+    nt_drain(&e, c, "hdrs");
+    idem_nats_consumer_close(c);
+    cr_expect_eq(s.n_headers, IDEM_NATS_MAX_HEADERS);
+    cr_expect_eq(s.key[0], 'c', "headers_cut");
+    nt_teardown(&e);
+}
+
 static bool ledger_closed;
 
 static idem_code gate(idem_txn *t, const idem_nats_msg *m, void *arg)
