@@ -168,9 +168,10 @@ static bool confirmed(const dead_args *a, size_t n)
                 a->verb, a->stream);
         return false;
     }
-    fprintf(stderr, "%s %zu dead letter%s of stream %s%s%s? [y/N] ",
-            strcmp(a->verb, "replay") == 0 ? "replay (publish again to its subject)" : "purge", n,
-            n == 1 ? "" : "s", a->stream, a->all ? "" : ", seq ", a->all ? "" : a->seq_arg);
+    fprintf(stderr, "%s %zu dead letter%s of stream %s%s%s (%s)? [y/N] ", a->verb, n,
+            n == 1 ? "" : "s", a->stream, a->all ? "" : ", seq ", a->all ? "" : a->seq_arg,
+            strcmp(a->verb, "replay") == 0 ? "publish again to the original subject"
+                                           : "remove for good");
     if (fgets(line, sizeof(line), stdin) == NULL) {
         return false;
     }
