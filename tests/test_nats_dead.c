@@ -363,15 +363,24 @@ Test(nats_dead, replay_refuses_a_cut_payload_and_open_a_missing_stream_or_broker
 
 /* Runs idemctl --nats url with args (NULL-terminated), stdin from /dev/null (no terminal),
  * and returns its exit status; out gets its stdout and stderr. */
-static int run_ctl(const char *url, char *out, size_t cap, const char *const *args)
+/* argv: idemctl --nats url, then args (NULL-terminated). */
+static void ctl_argv(const char *argv[16], const char *url, const char *const *args)
 {
-    const char *argv[16] = {getenv("IDEMCTL"), "--nats", url};
-    size_t n = 3, got = 0;
+    size_t n = 3;
+    argv[0] = getenv("IDEMCTL"), argv[1] = "--nats", argv[2] = url;
     for (; *args != NULL && n < 15; args++) {
         argv[n++] = *args;
     }
-    int fd[2];
+    argv[n] = NULL;
     cr_assert_not_null(argv[0], "IDEMCTL not set (meson test sets it)");
+}
+
+static int run_ctl(const char *url, char *out, size_t cap, const char *const *args)
+{
+    const char *argv[16];
+    size_t got = 0;
+    int fd[2];
+    ctl_argv(argv, url, args);
     cr_assert_eq(pipe(fd), 0);
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
@@ -473,13 +482,10 @@ Test(nats_dead, idemctl_replays_and_purges_only_when_confirmed)
 static int run_ctl_on_tty(const char *url, const char *answer, char *out, size_t cap,
                           const char *const *args)
 {
-    const char *argv[16] = {getenv("IDEMCTL"), "--nats", url};
-    size_t n = 3, got = 0;
+    const char *argv[16];
+    size_t got = 0;
     int master;
-    for (; *args != NULL && n < 15; args++) {
-        argv[n++] = *args;
-    }
-    cr_assert_not_null(argv[0], "IDEMCTL not set (meson test sets it)");
+    ctl_argv(argv, url, args);
     pid_t pid = forkpty(&master, NULL, NULL, NULL);
     cr_assert_geq(pid, 0);
     if (pid == 0) {
