@@ -88,7 +88,8 @@ typedef struct idem_nats_msg {
     uint64_t stream_seq; /* the message's sequence in its stream */
     uint64_t delivered;  /* 1 on the first delivery */
     /* Its headers, read-only, in no particular order: the first IDEM_NATS_MAX_HEADERS
-       (headers_cut when it has more); idem_nats_msg_header finds one by name. */
+       (headers_cut when it has more, or libnats could not read them all);
+       idem_nats_msg_header finds one by name. */
     const idem_nats_header *headers;
     size_t n_headers;
     bool headers_cut;

@@ -35,6 +35,7 @@ static void header_values(idem_nats_msg *im, natsMsg *m, const char *name, idem_
     const char **values = NULL;
     int n = 0;
     if (natsMsgHeader_Values(m, name, &values, &n) != NATS_OK) {
+        im->headers_cut = true; /* not all of them are shown */
         return;
     }
     for (int i = 0; i < n; i++) {
@@ -56,7 +57,9 @@ void idem__nats_msg_room(idem_nats_msg *im, natsMsg *m, idem__nats_room *room)
     im->headers_cut = false;
     im->reason_slot = &room->reason;
     room->reason.text[0] = '\0';
-    if (natsMsgHeader_Keys(m, &names, &n) != NATS_OK) { /* NOT_FOUND: it has none */
+    natsStatus s = natsMsgHeader_Keys(m, &names, &n);
+    if (s != NATS_OK) { /* NOT_FOUND: it has none; else they could not be read */
+        im->headers_cut = s != NATS_NOT_FOUND;
         return;
     }
     for (int i = 0; i < n; i++) {
