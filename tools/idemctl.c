@@ -412,6 +412,9 @@ int main(int argc, char **argv)
     };
     args a;
     int status;
+    if (idemctl_dead_wanted(argc, argv)) { /* a broker's dead letters, not a store */
+        return idemctl_dead_main(argc, argv);
+    }
     if (!idemctl_parse(argc, argv, &a, &status)) {
         return status;
     }

@@ -3,6 +3,7 @@
 #define IDEMCTL_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -21,6 +22,13 @@ typedef struct args {
 struct idem_store;
 int idemctl_outbox(struct idem_store *st, const args *a);
 int idemctl_markers(struct idem_store *st, const args *a);
+/* The first `shown` bytes of bytes as text: printable ASCII as is, every other byte and
+ * '\' as \xHH. out holds 4·shown + 1 (idemctl_queues.c). */
+void idemctl_escape(const void *bytes, size_t len, size_t shown, char *out);
+/* The dead-letter verbs (idemctl_dead.c): wanted when the command line names --nats;
+ * main parses it itself and returns the exit status. */
+bool idemctl_dead_wanted(int argc, char **argv);
+int idemctl_dead_main(int argc, char **argv);
 /* ms since the epoch as an ISO 8601 UTC time, to stdout. */
 void idemctl_print_time(uint64_t ms);
 

@@ -19,6 +19,8 @@ void idemctl_usage(FILE *f)
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
                "       idemctl STORE [--json] outbox [--limit N]\n"
                "       idemctl STORE [--json] markers GROUP [--limit N]\n"
+               "       idemctl --nats URL [--json] dead list STREAM [--limit N] [--from SEQ]\n"
+               "       idemctl --nats URL [--json] dead replay|purge STREAM SEQ|--all [--yes]\n"
                "       idemctl STORE purge --expired\n"
                "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
                "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
@@ -32,6 +34,9 @@ void idemctl_usage(FILE *f)
                "  outbox: messages not yet relayed, and the oldest (--limit N: the oldest N);\n"
                "  markers GROUP: the consume markers of a group not purged yet, and the oldest\n"
                "  (counts up to --limit N, default 100000, one read each);\n"
+               "  dead: the dead letters a NATS consumer put in STREAM, with their reasons;\n"
+               "  replay publishes one (or --all) again to its subject, purge removes it; both\n"
+               "  ask on a terminal, else need --yes (exit 3 when not confirmed);\n"
                "  idemctl --version prints the version\n");
 }
 

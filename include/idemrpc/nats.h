@@ -70,6 +70,15 @@ extern "C" {
 #define IDEM_NATS_MAX_BATCH 256
 #define IDEM_NATS_MAX_DELIVER 1000
 
+#define IDEM_NATS_MAX_HEADERS 32 /* headers an idem_nats_msg shows (headers_cut: more) */
+#define IDEM_NATS_MAX_REASON 256 /* bytes of a handler's reason (idem_nats_fail), escaped */
+
+/* One header of a message: one value of one name (a name with two values: two entries). */
+typedef struct idem_nats_header {
+    const char *name;
+    const char *value;
+} idem_nats_header;
+
 /* A message as the handler sees it; valid during the call only. */
 typedef struct idem_nats_msg {
     const char *subject;
@@ -78,7 +87,29 @@ typedef struct idem_nats_msg {
     const char *key;     /* the idempotency key (NULL before it is known) */
     uint64_t stream_seq; /* the message's sequence in its stream */
     uint64_t delivered;  /* 1 on the first delivery */
+    /* Its headers, read-only, in no particular order: the first IDEM_NATS_MAX_HEADERS
+       (headers_cut when it has more, or libnats could not read them all);
+       idem_nats_msg_header finds one by name. */
+    const idem_nats_header *headers;
+    size_t n_headers;
+    bool headers_cut;
+    struct idem__nats_reason *reason_slot; /* the library's: where idem_nats_fail writes */
 } idem_nats_msg;
+
+/* The value of header name (exact, case-sensitive, as libnats compares; the first of
+ * several), or NULL when m has none among its headers. */
+IDEM_API const char *idem_nats_msg_header(const idem_nats_msg *m, const char *name);
+
+/* For a handler that fails m: records why, printf-style, and returns code, so that
+ *     return idem_nats_fail(m, IDEM_INVALID_ARGUMENT, "amount %ld below zero", amount);
+ * puts the text into the dead letter's IDEM_NATS_DEAD_REASON after the code
+ * ("final failure (delivery 1): INVALID_ARGUMENT: amount -5 below zero"), into the
+ * consumer's log line and its on_event reason. The text is escaped (every byte that is not
+ * printable ASCII, and '\', written \xHH) and cut to IDEM_NATS_MAX_REASON bytes (ending
+ * "..."). The last call of the handler's run counts; a handler that returns IDEM_OK has no
+ * reason. On a message the consumer did not make (reason_slot NULL) it only returns code. */
+IDEM_API idem_code idem_nats_fail(const idem_nats_msg *m, idem_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* The business key from the payload: writes 1..cap-1 bytes and a NUL into key. Returns
  * IDEM_OK, IDEM_NOT_FOUND (the payload names no key) or IDEM_INVALID_ARGUMENT (it cannot
@@ -314,6 +345,50 @@ IDEM_API idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relaye
 IDEM_API idem_code idem_nats_relay_start(idem_nats_relay *r);
 IDEM_API void idem_nats_relay_stats(idem_nats_relay *r, idem_nats_relay_counts *out);
 IDEM_API void idem_nats_relay_close(idem_nats_relay *r);
+
+/* ---- dead letters, for a person (idemctl dead) ----
+ * The dead letters a consumer published into a stream (the stream that captures its
+ * dead_letter_subject): listed with their reasons, replayed to their original subject, or
+ * purged. Only messages that carry IDEM_NATS_DEAD_REASON count: any other message of the
+ * stream is passed over by the list and refused (FAILED_PRECONDITION) by replay and purge.
+ * One connection, each call bounded by the broker's answer (5 s). */
+typedef struct idem_nats_dead_letters idem_nats_dead_letters;
+
+/* Connects to url and checks that stream exists: UNAVAILABLE when the broker cannot be
+ * reached, NOT_FOUND when it has no such stream. */
+IDEM_API idem_code idem_nats_dead_open(idem_nats_dead_letters **out, const char *url,
+                                       const char *stream);
+
+/* Calls fn with each dead letter from stream sequence from (0: the first) on, oldest
+ * first, until max were shown, fn returned false or the stream's last message was read.
+ * The message (valid during the call): subject the dead letter's, stream_seq its sequence
+ * in this stream, key its IDEM_NATS_KEY_HEADER, delivered its IDEM_NATS_DEAD_DELIVERED, the
+ * reason and the rest in its headers. *next (may be NULL): the sequence to go on from, 0
+ * when the stream holds nothing after the last one read. */
+IDEM_API idem_code idem_nats_dead_list(idem_nats_dead_letters *d, uint64_t from, size_t max,
+                                       bool (*fn)(const idem_nats_msg *dead, void *arg), void *arg,
+                                       uint64_t *next);
+
+/* Publishes the payload of dead letter seq again to its original subject
+ * (IDEM_NATS_DEAD_SUBJECT) with IDEM_NATS_KEY_HEADER and Nats-Msg-Id set to its key, so
+ * that the consumer finds the original's key whether it keys by payload, key header or
+ * message id (the original's other headers are not kept), and, once the broker acked
+ * that publish, removes the dead letter. Every durable on that subject receives the copy:
+ * where the message took effect, its marker makes the copy a duplicate, provided it keys
+ * messages as the dead-lettering consumer does. FAILED_PRECONDITION for a dead letter whose
+ * payload was cut (IDEM_NATS_DEAD_TRUNCATED: the copy would be another message) or that
+ * names no subject; ALREADY_EXISTS when the broker dropped the copy as a duplicate of a
+ * message with that id inside its duplicate window (the dead letter is kept: replay it
+ * after the window); NOT_FOUND when the stream has no message seq, or no stream takes
+ * the subject; an error after the publish says that it was published (a replay again
+ * is then a duplicate the consumer's marker absorbs). */
+IDEM_API idem_code idem_nats_dead_replay(idem_nats_dead_letters *d, uint64_t seq);
+
+/* Removes dead letter seq from the stream. NOT_FOUND when the stream has no message seq. */
+IDEM_API idem_code idem_nats_dead_purge(idem_nats_dead_letters *d, uint64_t seq);
+
+/* Disconnects and frees d (NULL: nothing). */
+IDEM_API void idem_nats_dead_close(idem_nats_dead_letters *d);
 
 #ifdef __cplusplus
 }

@@ -44,6 +44,8 @@ typedef struct delivery {
     char reason[REASON_MAX];
     bool handler_failed; /* the handler ran and returned an error (else: the store did) */
     uint64_t failures;   /* the handler's real failures of this copy, this one included */
+    /* im's headers and the handler's reason */
+    idem__nats_room room;
 } delivery;
 
 static void count(idem_nats_consumer *c, uint64_t *counter)
@@ -61,12 +63,8 @@ static void emit(delivery *d, idem_nats_event ev, const char *reason)
 static void delivery_init(delivery *d, idem_nats_consumer *c, natsMsg *m)
 {
     jsMsgMetaData *meta = NULL;
-    memset(&d->im, 0, sizeof(d->im));
-    d->c = c;
-    d->m = m;
-    d->key[0] = d->reason[0] = '\0';
-    d->handler_failed = false;
-    d->failures = 0;
+    *d = (delivery){.c = c, .m = m};
+    idem__nats_msg_room(&d->im, m, &d->room);
     d->im.subject = natsMsg_GetSubject(m);
     d->im.data = natsMsg_GetData(m);
     d->im.len = (size_t)natsMsg_GetDataLength(m);
@@ -247,7 +245,8 @@ static void handle(idem_nats_consumer *c, natsMsg *m)
     if (v != IDEM_CONSUME_REJECT) {
         count_failure(&d, info.code);
     }
-    const char *why = failure_kind(&d, v, info.code, &dead), *detail = idem_errmsg();
+    const char *why = failure_kind(&d, v, info.code, &dead), *own = idem__nats_reason_of(&d.im);
+    const char *detail = d.handler_failed && own != NULL ? own : idem_errmsg();
     snprintf(d.reason, sizeof(d.reason), "%s (delivery %llu): %s%s%s", why,
              (unsigned long long)d.im.delivered, idem_code_name(info.code),
              detail[0] != '\0' ? ": " : "", detail);

@@ -16,6 +16,7 @@ typedef struct dead_headers {
     const char *key[MAX_HEADERS], *value[MAX_HEADERS];
     int n;
     char seq[24], delivered[24], id[128], truncated[24];
+    char reason[1024], key_text[4 * IDEM_MAX_MSG_KEY + 8]; /* no CR or LF: they would end it */
 } dead_headers;
 
 static void header(dead_headers *h, const char *key, const char *value)
@@ -41,13 +42,15 @@ static void headers_make(dead_headers *h, const char *durable, const idem_nats_m
     snprintf(h->seq, sizeof(h->seq), "%llu", (unsigned long long)im->stream_seq);
     snprintf(h->delivered, sizeof(h->delivered), "%llu", (unsigned long long)im->delivered);
     snprintf(h->id, sizeof(h->id), "dead.%llu.%s", (unsigned long long)im->stream_seq, durable);
-    header(h, IDEM_NATS_DEAD_REASON, reason);
+    idem__nats_escape(h->reason, sizeof(h->reason), reason, strlen(reason), false);
+    header(h, IDEM_NATS_DEAD_REASON, h->reason);
     header(h, IDEM_NATS_DEAD_SUBJECT, im->subject);
     header(h, IDEM_NATS_DEAD_SEQ, h->seq);
     header(h, IDEM_NATS_DEAD_DELIVERED, h->delivered);
     header(h, IDEM_NATS_MSG_ID_HEADER, h->id);
-    if (im->key != NULL) {
-        header(h, IDEM_NATS_KEY_HEADER, im->key);
+    if (im->key != NULL) { /* a key_fn's may hold any byte; a header's holds no CR, LF */
+        idem__nats_escape(h->key_text, sizeof(h->key_text), im->key, strlen(im->key), false);
+        header(h, IDEM_NATS_KEY_HEADER, h->key_text);
     }
 }
 

@@ -125,3 +125,55 @@ idem_code idem_nats_consumer_purge_markers(idem_nats_consumer *c, uint64_t horiz
     }
     return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
 }
+
+const char *idem_nats_msg_header(const idem_nats_msg *m, const char *name)
+{
+    (void)m;
+    (void)name;
+    return NULL;
+}
+
+idem_code idem_nats_fail(const idem_nats_msg *m, idem_code code, const char *fmt, ...)
+{
+    (void)m;
+    (void)fmt;
+    return code;
+}
+
+idem_code idem_nats_dead_open(idem_nats_dead_letters **out, const char *url, const char *stream)
+{
+    (void)url;
+    (void)stream;
+    if (out != NULL) {
+        *out = NULL;
+    }
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_dead_list(idem_nats_dead_letters *d, uint64_t from, size_t max,
+                              bool (*fn)(const idem_nats_msg *dead, void *arg), void *arg,
+                              uint64_t *next)
+{
+    (void)d, (void)from, (void)max, (void)fn, (void)arg;
+    if (next != NULL) {
+        *next = 0;
+    }
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_dead_replay(idem_nats_dead_letters *d, uint64_t seq)
+{
+    (void)d, (void)seq;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_nats_dead_purge(idem_nats_dead_letters *d, uint64_t seq)
+{
+    (void)d, (void)seq;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+void idem_nats_dead_close(idem_nats_dead_letters *d)
+{
+    (void)d;
+}

@@ -137,6 +137,25 @@ idem_code idem__nats_dead_letter(jsCtx *js, natsConnection *nc, idem__nats_dead_
                                  const char *subject, const char *durable, const idem_nats_msg *im,
                                  const char *reason);
 
+/* Where a delivery's idem_nats_msg points: its headers and its handler's reason. */
+struct idem__nats_reason {
+    char text[IDEM_NATS_MAX_REASON + 1]; /* escaped; "" when none */
+};
+typedef struct idem__nats_room {
+    idem_nats_header headers[IDEM_NATS_MAX_HEADERS];
+    struct idem__nats_reason reason;
+} idem__nats_room;
+
+/* Points im's headers at m's (their strings stay m's) and its reason slot at room's,
+ * emptied (nats_msg.c). */
+void idem__nats_msg_room(idem_nats_msg *im, natsMsg *m, idem__nats_room *room);
+/* The handler's reason for im, or NULL when it gave none. */
+const char *idem__nats_reason_of(const idem_nats_msg *im);
+/* in[0..len) into out (cap bytes, NUL-terminated): with all, every byte that is not
+ * printable ASCII and '\' as \xHH; else only CR and LF (what a header value cannot
+ * hold). What does not fit is cut at a whole escape, ending "...". */
+void idem__nats_escape(char *out, size_t cap, const char *in, size_t len, bool all);
+
 /* The failure tally of (durable, key) in the store (nats_failures.c), per stream copy:
  * _count adds this delivery's real handler failure to copy stream_seq's in a txn of its
  * own and gives that copy's total; _forget_in deletes every copy's in t (the txn that
