@@ -19,8 +19,9 @@ void idemctl_usage(FILE *f)
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
                "       idemctl STORE [--json] outbox [--limit N]\n"
                "       idemctl STORE [--json] markers GROUP [--limit N]\n"
-               "       idemctl STORE purge --expired\n"
-               "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
+               "       idemctl STORE [--json] journals [--limit N]\n"
+               "       idemctl STORE [--json] purge --expired\n"
+               "       idemctl STORE [--json] delete METHOD KEY [--caller C] [--force]\n"
                "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
                "  the servers take it: 'host=H dbname=D' or postgres://...);\n"
                "  options may come before or after the command; --limit defaults to 100;\n"
@@ -32,6 +33,8 @@ void idemctl_usage(FILE *f)
                "  outbox: messages not yet relayed, and the oldest (--limit N: the oldest N);\n"
                "  markers GROUP: the consume markers of a group not purged yet, and the oldest\n"
                "  (counts up to --limit N, default 100000, one read each);\n"
+               "  journals: the journaled calls the re-driver holds, their steps, compensation,\n"
+               "  record, owner, lease and age (show prints a record's journal too);\n"
                "  idemctl --version prints the version\n");
 }
 
@@ -70,8 +73,8 @@ static bool check_args(const args *a, int npos)
         return false;
     }
     if (a->cmd == NULL) {
-        fprintf(stderr,
-                "idemctl: no command (stats, list, show, outbox, markers, purge, delete)\n");
+        fprintf(stderr, "idemctl: no command (stats, list, show, outbox, markers, journals, "
+                        "purge, delete)\n");
         return false;
     }
     if ((a->lapsed || a->older_ms >= 0) &&

@@ -12,10 +12,7 @@
 
 #define DATA_SHOWN 256 /* bytes of a message's data printed; data_bytes says how many */
 
-/* The first `shown` bytes of bytes as text: printable ASCII as is, every other byte as
- * \xHH, so that neither a terminal nor a JSON reader meets the store's raw bytes. out
- * holds 4·shown + 1. */
-static void escaped(const void *bytes, size_t len, size_t shown, char *out)
+void idemctl_escaped(const void *bytes, size_t len, size_t shown, char *out)
 {
     const unsigned char *b = bytes;
     size_t o = 0;
@@ -33,9 +30,9 @@ static void print_msg(const idem_outbox_msg *m, bool json, bool first)
 {
     char text[4 * DATA_SHOWN + 1], subject[4 * IDEM_OUTBOX_MAX_SUBJECT + 1],
         id[4 * IDEM_OUTBOX_MAX_MSG_ID + 1];
-    escaped(m->data, m->len, DATA_SHOWN, text);
-    escaped(m->subject, strlen(m->subject), IDEM_OUTBOX_MAX_SUBJECT, subject);
-    escaped(m->msg_id, strlen(m->msg_id), IDEM_OUTBOX_MAX_MSG_ID, id);
+    idemctl_escaped(m->data, m->len, DATA_SHOWN, text);
+    idemctl_escaped(m->subject, strlen(m->subject), IDEM_OUTBOX_MAX_SUBJECT, subject);
+    idemctl_escaped(m->msg_id, strlen(m->msg_id), IDEM_OUTBOX_MAX_MSG_ID, id);
     if (!json) {
         printf("seq %" PRIu64 "  subject %s  msg_id %s  %zu bytes\n  %s%s\n", m->seq, subject, id,
                m->len, text, m->len > DATA_SHOWN ? " ..." : "");
