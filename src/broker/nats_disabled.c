@@ -102,3 +102,17 @@ idem_code idem_nats_ensure_stream(const char *url, const char *stream, const cha
     (void)url, (void)stream, (void)subjects, (void)n;
     return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
 }
+
+idem_code idem_server_add_nats_consumer(idem_server *srv, idem_nats_consumer *c, const char *name,
+                                        unsigned *id)
+{
+    (void)srv, (void)c, (void)name, (void)id;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_server_add_nats_relay(idem_server *srv, idem_nats_relay *r, const char *name,
+                                     unsigned *id)
+{
+    (void)srv, (void)r, (void)name, (void)id;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
