@@ -321,11 +321,19 @@ static int cmd_show(idem_store *st, const args *a)
     if (a->caller_set && a->digest == NULL) {
         idem_key_ref k = {a->caller, a->method, a->key};
         idem_record rec;
-        if (idem_store_get(st, &k, &rec) == IDEM_NOT_FOUND && idemctl_show_listed(st, a)) {
+        idem_code code = idem_store_get(st, &k, &rec);
+        if (code == IDEM_OK) {
+            bool ok = print_record(st, &k, &rec, a->json);
+            idem_record_clear(&rec);
+            return ok ? 0 : 1;
+        }
+        char why[512];
+        snprintf(why, sizeof(why), "%s", idem_errmsg());
+        if (code == IDEM_NOT_FOUND && idemctl_show_listed(st, a)) {
             return 0; /* released, its journal held by the re-driver */
         }
-        idem_record_clear(&rec);
-        return show_key(st, &k, a->json) ? 0 : 1;
+        fprintf(stderr, "idemctl: %s\n", why);
+        return 1;
     }
     show_state ss = {.a = a};
     idem_code code = idem_store_foreach(st, show_collect, &ss);

@@ -57,6 +57,7 @@ bool idemctl_show_journal(idem_store *st, const idem_key_ref *k, const idem_reco
     idem_code code = idem_journal_get(st, k, rec->fingerprint, &j);
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         fprintf(stderr, "idemctl: journal: %s\n", idem_errmsg());
+        fputs(json ? "null" : "journal      unreadable\n", stdout);
         return false;
     }
     if (code == IDEM_NOT_FOUND) {
@@ -76,7 +77,11 @@ static void record_fields(idem_store *st, const idem_journal_info *j, bool json)
     idem_key_ref k = {j->caller, j->method, j->key};
     idem_record rec;
     idem_code code = idem_store_get(st, &k, &rec);
-    const char *state = code != IDEM_OK                   ? "none"
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        fprintf(stderr, "idemctl: the record of %s %s: %s\n", j->method, j->key, idem_errmsg());
+    }
+    const char *state = code == IDEM_NOT_FOUND            ? "none"
+                        : code != IDEM_OK                 ? "unreadable"
                         : rec.state == IDEM_REC_COMPLETED ? "completed"
                                                           : "in_progress";
     const char *lease = code == IDEM_OK ? idemctl_lease_name(&rec) : "-";

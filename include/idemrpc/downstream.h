@@ -191,8 +191,9 @@ typedef struct idem_journal_info {
 } idem_journal_info;
 
 /* The next journal the re-driver holds after cursor (all zero: the first), advancing it;
- * IDEM_NOT_FOUND after the last one, IDEM_DATA_LOSS for an entry that cannot be read
- * (the cursor moves past it: call again for the rest). */
+ * IDEM_NOT_FOUND after the last one; IDEM_DATA_LOSS for an entry that cannot be read,
+ * IDEM_UNIMPLEMENTED for a newer version's (the cursor moves past either: call again for
+ * the rest); another code: the store's (the cursor stays). */
 IDEM_API idem_code idem_journal_next(idem_store *st, uint8_t cursor[IDEM_JOURNAL_CURSOR],
                                      idem_journal_info *out);
 /* The journal of the request with that record key and fingerprint (a record's, see

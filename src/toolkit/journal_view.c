@@ -130,7 +130,7 @@ idem_code idem_journal_next(idem_store *st, uint8_t cursor[IDEM_JOURNAL_CURSOR],
         code = read_listing(&e, out);
     }
     idem__app_entry_clear(&e);
-    bool found = true;
+    bool found; /* listed: a journal even before its first step */
     return code == IDEM_OK ? read_journal(st, cursor + 1, out, &found) : code;
 }
 
