@@ -49,7 +49,9 @@ start_demo --delay-ms 3000
 caller=$!
 await sh -c "'$IDEMCTL' --db '$work/db' list --state in_progress | grep -q running"
 ctl delete demo.Counter/Add running && fail "deleted an IN_PROGRESS record without --force"
-ctl delete demo.Counter/Add running --force | grep -q deleted || fail "delete --force"
+ctl --json delete demo.Counter/Add running --force |
+    grep -qx '{"deleted":{"caller":"","method":"demo.Counter/Add","key":"running"}}' ||
+    fail "json delete --force"
 wait "$caller" || true
 
 # purge --expired removes only what expired.
@@ -58,6 +60,7 @@ start_demo --result-ttl-ms 1
 call demo.Counter/Add 1 --key short
 await sh -c "'$IDEMCTL' --db '$work/db' purge --expired | grep -q 'purged [1-9]'"
 ctl list | grep -q ' short ' && fail "purge left the expired record"
+ctl --json purge --expired | grep -qx '{"purged":[0-9]*}' || fail "json purge"
 ctl list | grep -q ' k1 ' || fail "purge removed a live record"
 "$IDEMCTL" --db "$work/db" bogus && fail "bad command accepted"
 

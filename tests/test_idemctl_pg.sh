@@ -47,7 +47,9 @@ start_demo --store "$pg" --delay-ms 3000
 caller=$!
 await sh -c "\"\$0\" --pg \"\$1\" list --state in_progress | grep -q running" "$IDEMCTL" "$pg"
 ctl delete demo.Counter/Add running 2>/dev/null && fail "deleted an IN_PROGRESS record without --force"
-ctl delete demo.Counter/Add running --force | grep -q deleted || fail "delete --force"
+ctl --json delete demo.Counter/Add running --force |
+    grep -qx '{"deleted":{"caller":"","method":"demo.Counter/Add","key":"running"}}' ||
+    fail "json delete --force"
 wait "$caller" || true
 
 # purge --expired removes only what expired.
@@ -56,6 +58,7 @@ start_demo --store "$pg" --result-ttl-ms 1
 call demo.Counter/Add 1 --key short
 await sh -c "\"\$0\" --pg \"\$1\" purge --expired | grep -q 'purged [1-9]'" "$IDEMCTL" "$pg"
 ctl list | grep -q ' short ' && fail "purge left the expired record"
+ctl --json purge --expired | grep -qx '{"purged":[0-9]*}' || fail "json purge"
 ctl list | grep -q ' k1 ' || fail "purge removed a live record"
 
 # Calls in progress: the owner (the claim's fence) and the lease, live while the server

@@ -1,11 +1,14 @@
 /* idemctl's queue verbs against a real store ($IDEMRPC_TEST_BACKEND: LMDB, or a schema of
- * its own in real PostgreSQL): what the toolkit put there, as the tool prints it. */
+ * its own in real PostgreSQL): what the toolkit put there, as the tool prints it; and the
+ * step journals a real server's calls leave for its re-driver (journals, show). */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "testutil.h"
@@ -158,4 +161,194 @@ Test(idemctl_queues, outbox_json_is_valid_utf8_for_any_msg_id)
     outbox_view("ctl-outbox-utf8", "orders.done", "id-\xff\xfe",
                 (const char *[]){"--json", "outbox", NULL}, out, sizeof(out));
     cr_expect(strchr(out, '\xff') == NULL, "a raw 0xff byte in --json (not UTF-8): %s", out);
+}
+
+/* ---- journals: a server with a re-driver, whose calls record steps ---- */
+
+static tu_backend jb;
+static tu_server js;
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static bool gate_open;
+static bool undo_fails; /* the undo answers UNAVAILABLE: the compensation stays unfinished */
+
+static idem_code reserve(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call, (void)arg;
+    out->data = strdup("R1");
+    out->len = out->data != NULL ? 2 : 0;
+    return out->data != NULL ? IDEM_OK : IDEM_RESOURCE_EXHAUSTED;
+}
+
+/* jrn.T/Book: records its step, then waits for the test to open the gate (30 s at most,
+ * a hang guard). */
+static idem_code book(idem_call *call, void *arg)
+{
+    idem_step_result r;
+    (void)arg;
+    idem_code code = idem_call_step(call, "reserve", reserve, NULL, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    idem_step_result_clear(&r);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 30;
+    pthread_mutex_lock(&gate_mu);
+    while (!gate_open && pthread_cond_timedwait(&gate_cv, &gate_mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&gate_mu);
+    return idem_call_reply(call, IDEM_OK, "booked", 6);
+}
+
+static idem_code unreserve(idem_call *call, const char *step, const idem_step_result *done,
+                           void *arg)
+{
+    (void)step, (void)done, (void)arg;
+    return __atomic_load_n(&undo_fails, __ATOMIC_SEQ_CST)
+               ? idem_call_fail(call, IDEM_UNAVAILABLE, "inventory away")
+               : IDEM_OK;
+}
+
+/* jrn.T/Refund: a step with an undo, then a final failure whose message a terminal must
+ * not take raw. */
+static idem_code refund(idem_call *call, void *arg)
+{
+    idem_step_result r;
+    idem_step_opts o = {.undo = unreserve};
+    (void)arg;
+    idem_code code = idem_call_step_with(call, "reserve", reserve, NULL, &o, &r);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    idem_step_result_clear(&r);
+    return idem_call_fail(call, IDEM_FAILED_PRECONDITION, "card \"declined\"\x1b[2J");
+}
+
+static void journals_setup(void)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = tu_backend_open(&jb, "ctl-journals");
+    o.redrive_interval_ms = 3600000; /* lists the calls; no pass during a test */
+    tu_server_create(&js, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_STEPS | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(js.srv, "jrn.T/Book", book, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(js.srv, "jrn.T/Refund", refund, NULL, &m), IDEM_OK);
+    tu_server_listen(&js);
+}
+
+static void journals_teardown(void)
+{
+    tu_server_destroy(&js, false);
+    tu_backend_close(&jb);
+}
+
+TestSuite(idemctl_journals, .init = journals_setup, .fini = journals_teardown);
+
+static idem_code call_once(const char *method, const char *key, idem_result *r)
+{
+    idem_client *c = tu_client_attempts(js.url, 10000, 1);
+    idem_request req = {.method = method, .idempotency_key = key, .payload = "x", .payload_len = 1};
+    idem_code code = idem_client_call(c, &req, r);
+    idem_client_close(c);
+    return code;
+}
+
+static void *book_thread(void *arg)
+{
+    idem_result r;
+    (void)arg;
+    cr_assert_eq(call_once("jrn.T/Book", "book-1", &r), IDEM_OK, "%s", r.message);
+    idem_result_clear(&r);
+    return NULL;
+}
+
+/* Awaits a listed journal with a recorded step (bounded: 5 s). */
+static void await_journal_step(void)
+{
+    for (int i = 0; i < 500; i++) {
+        uint8_t cursor[IDEM_JOURNAL_CURSOR] = {0};
+        idem_journal_info j;
+        if (idem_journal_next(jb.st, cursor, &j) == IDEM_OK && j.steps == 1) {
+            return;
+        }
+        nanosleep(&(struct timespec){0, 10000000L}, NULL); /* polling the store, bounded */
+    }
+    cr_assert_fail("no journal with a step appeared");
+}
+
+Test(idemctl_journals, lists_a_running_call_with_its_step_record_owner_and_live_lease)
+{
+    pthread_t t;
+    char out[8192];
+    cr_assert_eq(pthread_create(&t, NULL, book_thread, NULL), 0);
+    await_journal_step();
+    cr_assert_eq(run_ctl(&jb, out, sizeof(out), (const char *[]){"journals", NULL}), 0, "%s", out);
+    cr_expect(strstr(out, "jrn.T/Book") != NULL && strstr(out, " book-1 ") != NULL, "%s", out);
+    cr_expect(strstr(out, " steps        1     0      0    in_progress ") != NULL, "%s", out);
+    cr_expect(strstr(out, " live ") != NULL, "%s", out);
+    cr_assert_eq(run_ctl(&jb, out, sizeof(out), (const char *[]){"--json", "journals", NULL}), 0,
+                 "%s", out);
+    cr_expect(strstr(out, "\"key\":\"book-1\",\"journal\":{\"state\":\"steps\",\"steps\":1,"
+                          "\"undone\":0,\"fence\":") != NULL,
+              "%s", out);
+    cr_expect(strstr(out, ",\"listed\":true,\"runs\":0,\"failure\":null,\"failure_message\":null},"
+                          "\"record\":\"in_progress\",\"owner\":") != NULL,
+              "%s", out);
+    cr_expect(strstr(out, ",\"lease\":\"live\",\"age_ms\":") != NULL, "%s", out);
+    cr_assert_eq(
+        run_ctl(&jb, out, sizeof(out), (const char *[]){"show", "jrn.T/Book", "book-1", NULL}), 0,
+        "%s", out);
+    cr_expect(strstr(out, "\njournal      steps, 1 step recorded (last by owner ") != NULL, "%s",
+              out);
+    cr_expect(strstr(out, "held by the re-driver, 0 re-runs\n") != NULL, "%s", out);
+
+    pthread_mutex_lock(&gate_mu);
+    gate_open = true;
+    pthread_cond_broadcast(&gate_cv);
+    pthread_mutex_unlock(&gate_mu);
+    cr_assert_eq(pthread_join(t, NULL), 0);
+    cr_assert_eq(run_ctl(&jb, out, sizeof(out), (const char *[]){"journals", NULL}), 0, "%s", out);
+    cr_expect_str_eq(out, "no journals\n", "the outcome removed the journal");
+    cr_assert_eq(run_ctl(&jb, out, sizeof(out),
+                         (const char *[]){"--json", "show", "jrn.T/Book", "book-1", NULL}),
+                 0, "%s", out);
+    cr_expect(strstr(out, ",\"journal\":null}\n") != NULL, "%s", out);
+}
+
+Test(idemctl_journals, show_and_journals_follow_a_compensation_left_unfinished)
+{
+    idem_result r;
+    char out[8192];
+    __atomic_store_n(&undo_fails, true, __ATOMIC_SEQ_CST);
+    cr_assert_eq(call_once("jrn.T/Refund", "refund-1", &r), IDEM_UNAVAILABLE, "%s", r.message);
+    idem_result_clear(&r);
+    /* Released with its journal: no record, so show finds the journal the re-driver holds. */
+    cr_assert_eq(
+        run_ctl(&jb, out, sizeof(out), (const char *[]){"show", "jrn.T/Refund", "refund-1", NULL}),
+        0, "%s", out);
+    cr_expect(strstr(out, "state        no record (released") != NULL, "%s", out);
+    cr_expect(strstr(out, "journal      compensating, 1 step recorded") != NULL, "%s", out);
+    cr_expect(strstr(out, "compensation 0 of 1 undone, answering FAILED_PRECONDITION: card "
+                          "\"declined\"\\x1b[2J\n") != NULL,
+              "%s", out);
+    cr_assert_eq(run_ctl(&jb, out, sizeof(out), (const char *[]){"--json", "journals", NULL}), 0,
+                 "%s", out);
+    cr_expect(strstr(out, "{\"state\":\"compensating\",\"steps\":1,\"undone\":0,") != NULL, "%s",
+              out);
+    cr_expect(strstr(out, "\"failure\":\"FAILED_PRECONDITION\",\"failure_message\":\"card "
+                          "\\\"declined\\\"\\\\x1b[2J\"},\"record\":\"none\",\"owner\":0,"
+                          "\"lease\":\"-\",\"age_ms\":null}") != NULL,
+              "%s", out);
+
+    __atomic_store_n(&undo_fails, false, __ATOMIC_SEQ_CST);
+    cr_assert_eq(call_once("jrn.T/Refund", "refund-1", &r), IDEM_FAILED_PRECONDITION, "%s",
+                 r.message);
+    idem_result_clear(&r);
+    cr_assert_eq(run_ctl(&jb, out, sizeof(out), (const char *[]){"journals", NULL}), 0, "%s", out);
+    cr_expect_str_eq(out, "no journals\n", "the finished compensation removed the journal");
+    cr_expect_eq(
+        run_ctl(&jb, out, sizeof(out), (const char *[]){"show", "jrn.T/Refund", "refund-1", NULL}),
+        1, "released for good, no journal: %s", out);
 }

@@ -2,8 +2,11 @@
 # ops/grafana/idemrpc.json and ops/prometheus/idemrpc-alerts.yml against a real Prometheus
 # scraping a real server: every panel's PromQL returns data, every alert's rule evaluates
 # and its series exist; IdemrpcDown, IdemrpcLeaseLapsed and IdemrpcLeaseTakenOver fire on
-# faults injected for real (SIGSTOP past the lease, kill -9 during a call); promtool fires
-# every alert from synthetic series (ops/prometheus/idemrpc-alerts.test.yml).
+# faults injected for real (SIGSTOP past the lease, kill -9 during a call), and with
+# $IDEMRPC_TEST_NATS (the demo's consumer and relay, --nats) IdemrpcDeadLetters on a
+# message without a key; promtool fires every alert from synthetic series
+# (ops/prometheus/idemrpc-alerts.test.yml). Without $IDEMRPC_TEST_NATS the broker's
+# series (idem_nats_*, idem_relay_*) are not checked.
 #   test_prometheus.sh SOURCE_ROOT   (IDEMRPC_PROMETHEUS_PORT: the port to use)
 . "$(dirname "$0")/demo_env.sh"
 ops=$1/ops
@@ -13,6 +16,24 @@ done
 promtool check rules "$ops/prometheus/idemrpc-alerts.yml" >/dev/null || fail "promtool check rules"
 (cd "$ops/prometheus" && promtool test rules idemrpc-alerts.test.yml) >"$work/promtool.out" 2>&1 ||
     { cat "$work/promtool.out"; fail "promtool test rules"; }
+
+broker=()
+[ -n "${IDEMRPC_TEST_NATS:-}" ] && broker=(--nats "$IDEMRPC_TEST_NATS")
+# Queries and series of the broker's consumer and relay: only with a broker.
+broker_only() { [ ${#broker[@]} = 0 ] && grep -q 'idem_nats_\|idem_relay_' <<<"$1"; }
+# A plain NATS publish: no headers, so no key: the demo's consumer dead-letters it.
+nats_publish() {
+    local hp=${IDEMRPC_TEST_NATS#nats://} line
+    hp=${hp%%,*}
+    exec 3<>"/dev/tcp/${hp%:*}/${hp##*:}" || fail "nats-server at $hp unreachable"
+    printf 'CONNECT {"verbose":false}\r\nPUB %s %d\r\n%s\r\nPING\r\n' "$1" "${#2}" "$2" >&3
+    for _ in $(seq 20); do
+        IFS= read -r -t 5 line <&3 || break
+        [[ $line == PONG* ]] && break
+    done
+    exec 3>&-
+    [[ $line == PONG* ]] || fail "nats-server did not take the publish"
+}
 
 prom_pid=
 # Prometheus stops before its directory goes; a demo stopped by the test (SIGSTOP) is
@@ -24,7 +45,8 @@ trap '[ -n "$prom_pid" ] && kill "$prom_pid" 2>/dev/null && wait "$prom_pid" 2>/
 run_demo() {
     local port=$1; shift
     "$IDEMRPC_DEMO" --listen "ipc://$work/demo.sock" --http "http://127.0.0.1:$port" \
-        --db "$work/db" --lease-ms 1000 --sweep-interval-ms 300 "$@" >"$work/demo.out" 2>>"$work/demo.err" &
+        --db "$work/db" --lease-ms 1000 --sweep-interval-ms 300 "${broker[@]}" "$@" \
+        >"$work/demo.out" 2>>"$work/demo.err" &
     demo=$!
     await grep -q listening "$work/demo.out"
     http="http://127.0.0.1:$(awk '/http on port/ {print $5}' "$work/demo.out")"
@@ -46,6 +68,12 @@ for m in 'idem_lease_lapses_total 0' 'idem_lease_takeovers_total 0' 'idem_store_
     'idem_outbox_oldest_age_seconds 0.000' 'idem_store_size_bytes [1-9]' 'idem_store_used_bytes [1-9]'; do
     metric "$m" || fail "/metrics lacks '$m': $(curl -sf -m 5 "$http/metrics")"
 done
+if [ ${#broker[@]} -gt 0 ]; then
+    for m in 'idem_nats_deliveries_total{consumer="demo-ledger"} ' \
+        'idem_nats_dead_letters_total{consumer="demo-ledger"} ' 'idem_relay_published_total{relay="demo"} '; do
+        metric "$m" || fail "/metrics lacks '$m': $(curl -sf -m 5 "$http/metrics")"
+    done
+fi
 
 # Prometheus on loopback, scraping every second, with the alert rules' `for:` cut to 0s.
 sed 's/^\( *\)for: .*/\1for: 0s/' "$ops/prometheus/idemrpc-alerts.yml" >"$work/alerts.yml"
@@ -85,12 +113,13 @@ await has_data 'increase(idem_calls_total{outcome="rejected"}[1m]) > 0'
 n=0
 while IFS= read -r e; do
     e=$(sed -e 's/\\"/"/g' -e 's/\$__rate_interval/1m/g' -e 's/\$job/idemrpc/g' <<<"$e")
+    broker_only "$e" && continue
     out=$(query "$e") || fail "panel query refused: $e"
     grep -q '"result":\[{' <<<"$out" || fail "panel query returned no data: $e: $out"
     grep -q '"NaN"' <<<"$out" && fail "panel query returned NaN: $e: $out"
     n=$((n + 1))
 done < <(sed -n 's/^ *"expr": "\(.*\)",$/\1/p' "$ops/grafana/idemrpc.json")
-[ "$n" -ge 15 ] || fail "only $n panel queries found in idemrpc.json"
+[ "$n" -ge $((${#broker[@]} ? 21 : 15)) ] || fail "only $n panel queries found in idemrpc.json"
 
 # Every alert rule evaluated without an error, and every series it reads exists.
 rules_evaluated() {
@@ -101,8 +130,16 @@ rules=$(curl -sf -m 5 "$prom/api/v1/rules")
 [ "$(grep -o '"type":"alerting"' <<<"$rules" | wc -l)" = "$(grep -c -- '- alert:' "$work/alerts.yml")" ] ||
     fail "not every alert rule is loaded: $rules"
 for m in $(sed -n 's/^ *expr: //p' "$work/alerts.yml" | grep -o '\b\(idem_[a-z_]*\|up\)\b' | sort -u); do
+    broker_only "$m" && continue
     has_data "$m{job=\"idemrpc\"}" || fail "alert series $m has no data"
 done
+
+# A message the consumer cannot key: a dead letter (IdemrpcDeadLetters; the series was
+# scraped before it, above).
+if [ ${#broker[@]} -gt 0 ]; then
+    nats_publish demo.events poison
+    await firing IdemrpcDeadLetters
+fi
 
 # A call running past its lease on a stalled server: the scrape fails (IdemrpcDown) and,
 # once it runs again, its lease had lapsed (IdemrpcLeaseLapsed).
@@ -123,4 +160,5 @@ kill -9 "$demo" && wait "$demo" 2>/dev/null || true
 run_demo "$port" --delay-ms 0
 [ "$(post slow-2 1)" = 200 ] || fail "the retry of the killed call failed"
 await firing IdemrpcLeaseTakenOver
-echo "ok: $n panel queries answered, every alert rule evaluates, 3 alerts fired on real faults"
+echo "ok: $n panel queries answered, every alert rule evaluates," \
+    "$((${#broker[@]} ? 4 : 3)) alerts fired on real faults"

@@ -9,8 +9,9 @@
  *   idemctl STORE [--json] show --digest HEX [--caller C]  (the key= of a log line)
  *   idemctl STORE [--json] outbox [--limit N]               (idemctl_queues.c)
  *   idemctl STORE [--json] markers GROUP [--limit N]        (idemctl_queues.c)
- *   idemctl STORE purge --expired
- *   idemctl STORE delete METHOD KEY [--caller C] [--force]
+ *   idemctl STORE [--json] journals [--limit N]             (idemctl_journal.c)
+ *   idemctl STORE [--json] purge --expired
+ *   idemctl STORE [--json] delete METHOD KEY [--caller C] [--force]
  *
  * Exit status: 0 done, 1 not found / refused / store error, 2 bad usage. */
 #include <inttypes.h>
@@ -42,7 +43,7 @@ static uint64_t now_ms(void)
 
 /* The clock rec's times are judged on: PostgreSQL reads its own with the record (the
  * database's), LMDB keeps the callers' times (this host's). */
-static uint64_t store_now(const idem_record *rec)
+uint64_t idemctl_store_now(const idem_record *rec)
 {
     return rec->now_ms ? rec->now_ms : now_ms();
 }
@@ -50,10 +51,10 @@ static uint64_t store_now(const idem_record *rec)
 /* An IN_PROGRESS record whose owner stopped renewing: the next claim takes it over. */
 static bool lease_lapsed(const idem_record *rec)
 {
-    return rec->state == IDEM_REC_IN_PROGRESS && rec->lease_until_ms <= store_now(rec);
+    return rec->state == IDEM_REC_IN_PROGRESS && rec->lease_until_ms <= idemctl_store_now(rec);
 }
 
-static const char *lease_name(const idem_record *rec)
+const char *idemctl_lease_name(const idem_record *rec)
 {
     return rec->state != IDEM_REC_IN_PROGRESS ? "-" : lease_lapsed(rec) ? "lapsed" : "live";
 }
@@ -109,7 +110,7 @@ static bool list_wanted(const args *a, const idem_key_ref *k, const idem_record 
     if (a->lapsed && !lease_lapsed(rec)) {
         return false;
     }
-    return a->older_ms < 0 || rec->first_at_ms + (uint64_t)a->older_ms <= store_now(rec);
+    return a->older_ms < 0 || rec->first_at_ms + (uint64_t)a->older_ms <= idemctl_store_now(rec);
 }
 
 static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
@@ -132,7 +133,7 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
         printf(",\"state\":\"%s\",\"owner\":%" PRIu64 ",\"first_at_ms\":%" PRIu64
                ",\"lease_until_ms\":%" PRIu64 ",\"lease\":\"%s\",\"expires_ms\":%" PRIu64 "}",
                state_name(rec->state), rec->owner, rec->first_at_ms, rec->lease_until_ms,
-               lease_name(rec), rec->expires_ms);
+               idemctl_lease_name(rec), rec->expires_ms);
     } else {
         if (ls->shown == 0) {
             printf("%-16s %-32s %-32s %-11s %-20s %-20s %s\n", "CALLER", "METHOD", "KEY", "STATE",
@@ -143,7 +144,7 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
         idemctl_print_time(rec->first_at_ms);
         putchar(' ');
         idemctl_print_time(rec->expires_ms);
-        printf(" %s\n", lease_name(rec));
+        printf(" %s\n", idemctl_lease_name(rec));
     }
     ls->shown++;
     return true;
@@ -199,7 +200,7 @@ static void key_digest(const char *key, char hex[65])
     }
 }
 
-static void print_record(const idem_key_ref *k, const idem_record *rec, bool json)
+static bool print_record(idem_store *st, const idem_key_ref *k, const idem_record *rec, bool json)
 {
     char fp[2 * IDEM_FINGERPRINT_LEN + 1], digest[65];
     for (int i = 0; i < IDEM_FINGERPRINT_LEN; i++) {
@@ -219,10 +220,13 @@ static void print_record(const idem_key_ref *k, const idem_record *rec, bool jso
                ",\"lease\":\"%s\",\"store_now_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
                ",\"response\":",
                digest, state_name(rec->state), rec->owner, fp, rec->first_at_ms,
-               rec->lease_until_ms, lease_name(rec), store_now(rec), rec->expires_ms);
+               rec->lease_until_ms, idemctl_lease_name(rec), idemctl_store_now(rec),
+               rec->expires_ms);
         print_response(rec, true);
+        fputs(",\"journal\":", stdout);
+        bool ok = idemctl_show_journal(st, k, rec, true);
         puts("}");
-        return;
+        return ok;
     }
     printf("caller       %s\nmethod       %s\nkey          %s\nkey digest   %s\n",
            k->caller[0] ? k->caller : "-", k->method, k->key, digest);
@@ -232,12 +236,13 @@ static void print_record(const idem_key_ref *k, const idem_record *rec, bool jso
     fputs(rec->state == IDEM_REC_IN_PROGRESS ? "\nlease until  " : "\nexpires      ", stdout);
     idemctl_print_time(rec->state == IDEM_REC_IN_PROGRESS ? rec->lease_until_ms : rec->expires_ms);
     if (rec->state == IDEM_REC_IN_PROGRESS) {
-        uint64_t now = store_now(rec), until = rec->lease_until_ms;
+        uint64_t now = idemctl_store_now(rec), until = rec->lease_until_ms;
         printf(until <= now ? " (lapsed %" PRIu64 " ms ago)" : " (live, %" PRIu64 " ms left)",
                until <= now ? now - until : until - now);
     }
     putchar('\n');
     print_response(rec, false);
+    return idemctl_show_journal(st, k, rec, false);
 }
 
 typedef struct show_state {
@@ -303,9 +308,9 @@ static bool show_key(idem_store *st, const idem_key_ref *k, bool json)
         fprintf(stderr, "idemctl: %s\n", idem_errmsg());
         return false;
     }
-    print_record(k, &rec, json);
+    bool ok = print_record(st, k, &rec, json);
     idem_record_clear(&rec);
-    return true;
+    return ok;
 }
 
 /* show: one exact key with --caller; else every record of any caller with that method
@@ -315,7 +320,20 @@ static int cmd_show(idem_store *st, const args *a)
 {
     if (a->caller_set && a->digest == NULL) {
         idem_key_ref k = {a->caller, a->method, a->key};
-        return show_key(st, &k, a->json) ? 0 : 1;
+        idem_record rec;
+        idem_code code = idem_store_get(st, &k, &rec);
+        if (code == IDEM_OK) {
+            bool ok = print_record(st, &k, &rec, a->json);
+            idem_record_clear(&rec);
+            return ok ? 0 : 1;
+        }
+        char why[512];
+        snprintf(why, sizeof(why), "%s", idem_errmsg());
+        if (code == IDEM_NOT_FOUND && idemctl_show_listed(st, a)) {
+            return 0; /* released, its journal held by the re-driver */
+        }
+        fprintf(stderr, "idemctl: %s\n", why);
+        return 1;
     }
     show_state ss = {.a = a};
     idem_code code = idem_store_foreach(st, show_collect, &ss);
@@ -323,6 +341,8 @@ static int cmd_show(idem_store *st, const args *a)
     if (code != IDEM_OK || ss.oom) {
         fprintf(stderr, "idemctl: %s\n", ss.oom ? "out of memory" : idem_errmsg());
         rc = 1;
+    } else if (ss.n == 0 && a->digest == NULL && idemctl_show_listed(st, a)) {
+        rc = 0;
     } else if (ss.n == 0) {
         if (a->digest != NULL) {
             fprintf(stderr, "idemctl: no record whose key digest starts with %s\n", a->digest);
@@ -356,7 +376,7 @@ static int cmd_purge(idem_store *st, const args *a)
         }
         total += n;
     } while (n == 1000);
-    printf("purged %zu expired records and tokens\n", total);
+    printf(a->json ? "{\"purged\":%zu}\n" : "purged %zu expired records and tokens\n", total);
     return 0;
 }
 
@@ -381,7 +401,17 @@ static int cmd_delete(idem_store *st, const args *a)
         fprintf(stderr, "idemctl: %s\n", idem_errmsg());
         return 1;
     }
-    printf("deleted %s %s\n", a->method, a->key);
+    if (!a->json) {
+        printf("deleted %s %s\n", a->method, a->key);
+        return 0;
+    }
+    fputs("{\"deleted\":{\"caller\":", stdout);
+    idem__json_fputs(stdout, a->caller);
+    fputs(",\"method\":", stdout);
+    idem__json_fputs(stdout, a->method);
+    fputs(",\"key\":", stdout);
+    idem__json_fputs(stdout, a->key);
+    puts("}}");
     return 0;
 }
 
@@ -407,8 +437,8 @@ int main(int argc, char **argv)
     } cmds[] = {
         {"stats", cmd_stats, false},         {"list", cmd_list, false},
         {"show", cmd_show, false},           {"outbox", idemctl_outbox, false},
-        {"markers", idemctl_markers, false}, {"purge", cmd_purge, true},
-        {"delete", cmd_delete, true},
+        {"markers", idemctl_markers, false}, {"journals", idemctl_journals, false},
+        {"purge", cmd_purge, true},          {"delete", cmd_delete, true},
     };
     args a;
     int status;

@@ -29,6 +29,20 @@ void idemctl_escape(const void *bytes, size_t len, size_t shown, char *out);
  * main parses it itself and returns the exit status. */
 bool idemctl_dead_wanted(int argc, char **argv);
 int idemctl_dead_main(int argc, char **argv);
+/* journals (idemctl_journal.c): the calls the re-driver holds; exit status 0 or 1. */
+int idemctl_journals(struct idem_store *st, const args *a);
+/* show: the journal of rec's request after its record (JSON: the value of "journal");
+ * false when it could not be read (reported). */
+struct idem_key_ref;
+struct idem_record;
+bool idemctl_show_journal(struct idem_store *st, const struct idem_key_ref *k,
+                          const struct idem_record *rec, bool json);
+/* show METHOD KEY of a key without a record: prints the journals the re-driver holds
+ * under it (a call released with its journal); false when there are none. */
+bool idemctl_show_listed(struct idem_store *st, const args *a);
+/* The clock rec's times are judged on (the store's), and its lease: live, lapsed, "-". */
+uint64_t idemctl_store_now(const struct idem_record *rec);
+const char *idemctl_lease_name(const struct idem_record *rec);
 /* ms since the epoch as an ISO 8601 UTC time, to stdout. */
 void idemctl_print_time(uint64_t ms);
 

@@ -19,10 +19,11 @@ void idemctl_usage(FILE *f)
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
                "       idemctl STORE [--json] outbox [--limit N]\n"
                "       idemctl STORE [--json] markers GROUP [--limit N]\n"
+               "       idemctl STORE [--json] journals [--limit N]\n"
                "       idemctl --nats URL [--json] dead list STREAM [--limit N] [--from SEQ]\n"
                "       idemctl --nats URL [--json] dead replay|purge STREAM SEQ|--all [--yes]\n"
-               "       idemctl STORE purge --expired\n"
-               "       idemctl STORE delete METHOD KEY [--caller C] [--force]\n"
+               "       idemctl STORE [--json] purge --expired\n"
+               "       idemctl STORE [--json] delete METHOD KEY [--caller C] [--force]\n"
                "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
                "  the servers take it: 'host=H dbname=D' or postgres://...);\n"
                "  options may come before or after the command; --limit defaults to 100;\n"
@@ -37,6 +38,8 @@ void idemctl_usage(FILE *f)
                "  dead: the dead letters a NATS consumer put in STREAM, with their reasons;\n"
                "  replay publishes one (or --all) again to its subject, purge removes it; both\n"
                "  ask on a terminal, else need --yes (exit 3 when not confirmed);\n"
+               "  journals: the journaled calls the re-driver holds, their steps, compensation,\n"
+               "  record, owner, lease and age (show prints a record's journal too);\n"
                "  idemctl --version prints the version\n");
 }
 
@@ -75,8 +78,8 @@ static bool check_args(const args *a, int npos)
         return false;
     }
     if (a->cmd == NULL) {
-        fprintf(stderr,
-                "idemctl: no command (stats, list, show, outbox, markers, purge, delete)\n");
+        fprintf(stderr, "idemctl: no command (stats, list, show, outbox, markers, journals, "
+                        "purge, delete)\n");
         return false;
     }
     if ((a->lapsed || a->older_ms >= 0) &&

@@ -21,7 +21,7 @@
 static void usage(FILE *f)
 {
     fprintf(f, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR | --store URL]\n"
-               "                    [--debounce URL] [--delay-ms N] [--flaky N]\n"
+               "                    [--debounce URL] [--nats URL] [--delay-ms N] [--flaky N]\n"
                "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
                "                    [--max-wait-ms N] [--lease-ms N] [--max-run-ms N]\n"
                "                    [--caller-secrets FILE] [--ipc-uid UID=CALLER]...\n"
@@ -33,6 +33,8 @@ static void usage(FILE *f)
                "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
                "  --store URL    share records in PostgreSQL (postgres://...) instead\n"
                "  --debounce URL redis://HOST:PORT: 2 s double-submit window for Submit\n"
+               "  --nats URL     a consumer of stream DEMO and the outbox relay (nats://...),\n"
+               "                 their counts on /metrics\n"
                "  --delay-ms N   make Counter/Add and Pay/Notify take N ms\n"
                "  --flaky N      the first N executions answer UNAVAILABLE\n"
                "  --log-level L  one line per call at info (default error)\n"
@@ -67,7 +69,7 @@ static bool parse_level(const char *s, idem_log_level *out)
 
 /* The command line's strings and level; the numbers go straight into opts and d. */
 typedef struct demo_args {
-    const char *listen, *db, *http, *store_url, *debounce_url;
+    const char *listen, *db, *http, *store_url, *debounce_url, *nats_url;
     idem_log_level level;
     idem_caller_secret *secrets; /* --caller-secrets, malloc'd */
     size_t n_secrets;
@@ -203,6 +205,9 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
     case 'b':
         a->debounce_url = v;
         return true;
+    case 'n':
+        a->nats_url = v;
+        return true;
     case 'H':
         a->http = v;
         return true;
@@ -235,6 +240,7 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
                                           {"db", required_argument, NULL, 'd'},
                                           {"store", required_argument, NULL, 's'},
                                           {"debounce", required_argument, NULL, 'b'},
+                                          {"nats", required_argument, NULL, 'n'},
                                           {"http", required_argument, NULL, 'H'},
                                           {"delay-ms", required_argument, NULL, 'D'},
                                           {"flaky", required_argument, NULL, 'f'},
@@ -360,7 +366,9 @@ int main(int argc, char **argv)
     idem_store *shared = NULL;
     idem_debounce *debounce = NULL;
     idem_server *srv;
-    if (!open_stores(&a, &opts, &shared, &debounce) || !start_server(&srv, &a, &opts, &d)) {
+    demo_nats nats = {0};
+    if (!open_stores(&a, &opts, &shared, &debounce) || !start_server(&srv, &a, &opts, &d) ||
+        (a.nats_url != NULL && !demo_nats_start(&nats, srv, a.nats_url))) {
         return 1;
     }
     print_banner(srv, &a, &opts);
@@ -368,6 +376,7 @@ int main(int argc, char **argv)
     int sig;
     sigwait(&stop, &sig);
     fprintf(stderr, "idemrpc-demo: signal %d, shutting down\n", sig);
+    demo_nats_stop(&nats, srv);
     idem_server_destroy(srv);
     for (size_t i = 0; i < a.n_secrets; i++) {
         free((char *)a.secrets[i].caller);

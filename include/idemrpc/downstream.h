@@ -31,6 +31,7 @@
 #include "chain.h"
 #include "client.h"
 #include "status.h"
+#include "store.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -159,6 +160,49 @@ typedef struct idem_step_opts {
 IDEM_API idem_code idem_call_step_with(idem_call *call, const char *step, idem_step_fn fn,
                                        void *arg, const idem_step_opts *opts,
                                        idem_step_result *out);
+
+/* ---- the journals, for operators (idemctl) ----
+ *
+ * What the store holds of a journaled call: the steps its runs recorded, whether the
+ * re-driver lists it (a call that may still be running or was abandoned) and how far a
+ * compensation got. Read-only, one read per entry: not a snapshot. */
+
+typedef enum idem_journal_state {
+    IDEM_JOURNAL_STEPS,        /* steps recorded, no compensation started */
+    IDEM_JOURNAL_COMPENSATING, /* a final failure started the undos; some have not run */
+    IDEM_JOURNAL_COMPENSATED,  /* every recorded step's undo ran; the outcome is not yet
+                                  recorded (the journal goes with it) */
+} idem_journal_state;
+
+#define IDEM_JOURNAL_CURSOR 33        /* bytes of an idem_journal_next cursor */
+#define IDEM_JOURNAL_MAX_MESSAGE 1024 /* bytes of failure_msg: a call's message */
+
+typedef struct idem_journal_info {
+    char caller[IDEM_MAX_CALLER + 1], method[IDEM_MAX_METHOD + 1], key[IDEM_MAX_KEY + 1];
+    uint8_t fingerprint[IDEM_FINGERPRINT_LEN]; /* the request's */
+    bool listed;     /* the re-driver holds it: a run is live, or it will run it again */
+    unsigned runs;   /* re-runs the re-driver counted (listed only) */
+    uint64_t fence;  /* the owner (fence) of the last run that recorded a step; 0: none */
+    unsigned steps;  /* steps recorded, every run's */
+    unsigned undone; /* of them, undos that ran */
+    idem_journal_state state;
+    idem_code failure; /* the failure a compensation answers; IDEM_OK: none started */
+    char failure_msg[IDEM_JOURNAL_MAX_MESSAGE + 1];
+} idem_journal_info;
+
+/* The next journal the re-driver holds after cursor (all zero: the first), advancing it;
+ * IDEM_NOT_FOUND after the last one; IDEM_DATA_LOSS for an entry that cannot be read,
+ * IDEM_UNIMPLEMENTED for a newer version's (the cursor moves past either: call again for
+ * the rest); another code: the store's (the cursor stays). */
+IDEM_API idem_code idem_journal_next(idem_store *st, uint8_t cursor[IDEM_JOURNAL_CURSOR],
+                                     idem_journal_info *out);
+/* The journal of the request with that record key and fingerprint (a record's, see
+ * idem_record.fingerprint); IDEM_NOT_FOUND when it has none. */
+IDEM_API idem_code idem_journal_get(idem_store *st, const idem_key_ref *key,
+                                    const uint8_t fingerprint[IDEM_FINGERPRINT_LEN],
+                                    idem_journal_info *out);
+/* The state's name: "steps", "compensating", "compensated". */
+IDEM_API const char *idem_journal_state_name(idem_journal_state s);
 
 #ifdef __cplusplus
 }

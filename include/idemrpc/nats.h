@@ -390,6 +390,19 @@ IDEM_API idem_code idem_nats_dead_purge(idem_nats_dead_letters *d, uint64_t seq)
 /* Disconnects and frees d (NULL: nothing). */
 IDEM_API void idem_nats_dead_close(idem_nats_dead_letters *d);
 
+/* ---- metrics ----
+ * The counts of a consumer (idem_nats_stats) or a relay (idem_nats_relay_counts) on
+ * srv's GET /metrics from now on (server.h, idem_server_add_metrics), labelled
+ * consumer="name" (relay="name"): name is 1..IDEM_MAX_CONSUMER_GROUP bytes, copied (the
+ * durable's name is a good one). c (r) must stay open until
+ * idem_server_remove_metrics(srv, *id) or idem_server_destroy(srv): remove it before
+ * closing it (and close it before destroying a server whose own store it uses).
+ * docs/operations.md lists the series. */
+IDEM_API idem_code idem_server_add_nats_consumer(idem_server *srv, idem_nats_consumer *c,
+                                                 const char *name, unsigned *id);
+IDEM_API idem_code idem_server_add_nats_relay(idem_server *srv, idem_nats_relay *r,
+                                              const char *name, unsigned *id);
+
 #ifdef __cplusplus
 }
 #endif

@@ -211,7 +211,8 @@ typedef struct idem_server_opts {
      * http_max_conns connections at once (0 = 1024): more are closed when accepted.
      * A refused request's connection reads what the client still sends for at most 1 s
      * (100 ms of quiet, 64 KiB), then closes. A request not answered within max_run_ms
-     * (the longest of the server's and its methods') gets 504 DEADLINE_EXCEEDED and its connection closes (the handler runs on). */
+     * (the longest of the server's and its methods') gets 504 DEADLINE_EXCEEDED and its connection
+     * closes (the handler runs on). */
     uint64_t http_request_timeout_ms;
     uint64_t http_idle_timeout_ms;
     size_t http_max_conns;
@@ -313,6 +314,36 @@ IDEM_API void idem_server_destroy(idem_server *srv);
 
 /* The store the server uses (its own or opts.store). */
 IDEM_API idem_store *idem_server_store(idem_server *srv);
+
+/* ---- more metrics on GET /metrics ----
+ *
+ * A part of the program that keeps its own counts (the broker's consumer and relay:
+ * idem_server_add_nats_consumer / idem_server_add_nats_relay in nats.h) adds them to the
+ * server's /metrics as a source: a function the server calls on every scrape, which fills
+ * out with up to max samples and returns how many. It runs on the thread that answers
+ * /metrics, one scrape at a time, so it must be quick and read its counts thread-safely.
+ * Samples of one name from several sources are printed under one HELP/TYPE. */
+typedef struct idem_metric {
+    const char *name;        /* [a-zA-Z_:][a-zA-Z0-9_:]*; a sample with another name is dropped */
+    const char *help;        /* one line (NULL: none) */
+    bool counter;            /* a counter (name ends in _total); else a gauge */
+    const char *label;       /* NULL, or one label's name ([a-zA-Z_][a-zA-Z0-9_]*) ... */
+    const char *label_value; /* ... and value (escaped by the server) */
+    double value;
+} idem_metric;
+typedef size_t (*idem_metrics_fn)(void *arg, idem_metric *out, size_t max);
+#define IDEM_MAX_METRICS_SOURCES 16 /* sources per server */
+#define IDEM_MAX_METRICS_SAMPLES 64 /* max: samples one source gives per scrape */
+
+/* Adds a source; *id (may be NULL) names it for idem_server_remove_metrics. arg must stay
+ * valid until that removal or idem_server_destroy, which call drop(arg) (drop may be NULL)
+ * after fn's last call. INVALID_ARGUMENT without srv or fn, RESOURCE_EXHAUSTED past
+ * IDEM_MAX_METRICS_SOURCES (drop is not called then). */
+IDEM_API idem_code idem_server_add_metrics(idem_server *srv, idem_metrics_fn fn, void *arg,
+                                           void (*drop)(void *arg), unsigned *id);
+/* Removes a source: once it returns, fn is not running and is not called again. An
+ * unknown id is ignored. */
+IDEM_API void idem_server_remove_metrics(idem_server *srv, unsigned id);
 
 #ifdef __cplusplus
 }

@@ -177,3 +177,17 @@ void idem_nats_dead_close(idem_nats_dead_letters *d)
 {
     (void)d;
 }
+
+idem_code idem_server_add_nats_consumer(idem_server *srv, idem_nats_consumer *c, const char *name,
+                                        unsigned *id)
+{
+    (void)srv, (void)c, (void)name, (void)id;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}
+
+idem_code idem_server_add_nats_relay(idem_server *srv, idem_nats_relay *r, const char *name,
+                                     unsigned *id)
+{
+    (void)srv, (void)r, (void)name, (void)id;
+    return idem__err(IDEM_UNIMPLEMENTED, NATS_MISSING);
+}

@@ -95,6 +95,19 @@ void idem__observe_store(idem_observer *obs, const idem__store_gauges *g);
 void idem__observe_store_failure(idem_observer *obs); /* a read of them failed */
 /* Prometheus text exposition of the counters; malloc'd, NUL-terminated. */
 char *idem__metrics_text(idem_observer *obs);
+/* The metrics sources of a server (metric_sources.c; server.h, idem_server_add_metrics):
+ * the observer's, rendered after its own metrics. */
+typedef struct idem__metric_sources idem__metric_sources;
+idem__metric_sources *idem__metric_sources_create(void);
+void idem__metric_sources_destroy(idem__metric_sources *ms); /* drops every source */
+idem_code idem__metric_sources_add(idem__metric_sources *ms, idem_metrics_fn fn, void *arg,
+                                   void (*drop)(void *arg), unsigned *id);
+void idem__metric_sources_remove(idem__metric_sources *ms, unsigned id);
+/* Every source's samples as Prometheus text (malloc'd; "" without any), NULL when out of
+ * memory. */
+char *idem__metric_sources_text(idem__metric_sources *ms);
+/* The observer's sources. */
+idem__metric_sources *idem__observer_sources(idem_observer *obs);
 
 /* The token interceptor's and idem.Token/Issue's configuration. */
 typedef struct idem_token_cfg {

@@ -30,6 +30,7 @@ struct idem_observer {
     /* idem__store_gauges, field by field; store_reads: reads that set them */
     atomic_ullong in_progress, completed, map_size, map_used, outbox_pending, outbox_age_ms;
     atomic_ullong store_reads, store_read_failures;
+    idem__metric_sources *sources;
 };
 
 static void log_stderr(void *arg, idem_log_level level, const char *line)
@@ -41,6 +42,10 @@ static void log_stderr(void *arg, idem_log_level level, const char *line)
 idem_observer *idem__observer_create(const idem_server_opts *opts)
 {
     idem_observer *obs = calloc(1, sizeof(*obs));
+    if (obs != NULL && (obs->sources = idem__metric_sources_create()) == NULL) {
+        free(obs);
+        return NULL;
+    }
     if (obs != NULL) {
         obs->level = opts->log_level;
         obs->fn = opts->log_fn != NULL ? opts->log_fn : log_stderr;
@@ -51,7 +56,15 @@ idem_observer *idem__observer_create(const idem_server_opts *opts)
 
 void idem__observer_destroy(idem_observer *obs)
 {
+    if (obs != NULL) {
+        idem__metric_sources_destroy(obs->sources);
+    }
     free(obs);
+}
+
+idem__metric_sources *idem__observer_sources(idem_observer *obs)
+{
+    return obs->sources;
 }
 
 /* One escape of logfmt's quoted values into esc (≥ 5 bytes); returns its length. */
@@ -378,8 +391,11 @@ char *idem__metrics_text(idem_observer *obs)
 {
     size_t len = 0, cap = 4096;
     char *b = malloc(cap);
-    bool ok = b != NULL && metrics_calls(&b, &len, &cap, obs) &&
-              metrics_gauges(&b, &len, &cap, obs) && metrics_store(&b, &len, &cap, obs);
+    char *more = idem__metric_sources_text(obs->sources);
+    bool ok = b != NULL && more != NULL && metrics_calls(&b, &len, &cap, obs) &&
+              metrics_gauges(&b, &len, &cap, obs) && metrics_store(&b, &len, &cap, obs) &&
+              append(&b, &len, &cap, "%s", more);
+    free(more);
     if (!ok) {
         free(b);
         return NULL;

@@ -6,8 +6,6 @@
  * The server builds the chain and owns the pieces; the fronts hand calls to the
  * dispatcher, which runs them on its workers. Registration ends at the first listen:
  * from then on the registry and the chain are read-only. */
-#include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -461,6 +459,11 @@ int idem_server_http_port(const idem_server *srv)
 idem_store *idem_server_store(idem_server *srv)
 {
     return srv->store;
+}
+
+idem_observer *idem__server_observer(idem_server *srv)
+{
+    return srv->rt.obs;
 }
 
 void idem_server_destroy(idem_server *srv)

@@ -1,5 +1,6 @@
 /* What idem_server_create and the first listen use: the options' defaults
- * (server_opts.c) and the chain's checks (chain_check.c). */
+ * (server_opts.c) and the chain's checks (chain_check.c); the observer for
+ * server_metrics.c. */
 #ifndef IDEMRPC_SERVER_SETUP_H
 #define IDEMRPC_SERVER_SETUP_H
 
@@ -15,5 +16,9 @@ idem_code idem__chain_check(const idem_chain *chain, const idem_method *methods,
 /* A waiting call can leave the chain and resume at result_cache later only when every
  * interceptor before it is a built-in that just returns what the rest returned. */
 bool idem__chain_can_park(const idem_chain *chain);
+
+/* The server's counters and log sink (server.c), for its metrics sources
+ * (server_metrics.c). */
+idem_observer *idem__server_observer(idem_server *srv);
 
 #endif

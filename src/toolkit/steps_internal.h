@@ -38,6 +38,10 @@ void idem__journal_of_base(const uint8_t base[32], idem__journal *j);
 /* Whether the journal entry key is in the store, by a read. */
 idem_code idem__journal_entry_exists(idem_store *st, const uint8_t key[IDEM__JKEY], bool *exists);
 
+/* Reads an 'r' listing (steps_redrive.c): IDEM_DATA_LOSS for one nobody can read,
+ * IDEM_UNIMPLEMENTED for a newer version's; out->request is malloc'd
+ * (idem__journaled_call_clear). */
+idem_code idem__journal_parse_call(const idem_app_entry *e, idem__journaled_call *out);
 /* Writes the call's 'r' listing in t. */
 idem_code idem__journal_put_call(idem_txn *t, const idem__journal *j, const idem_call *call);
 /* The call's journal keys, and step_key for step (NULL: none). */

@@ -362,6 +362,11 @@ static idem_code parse_call(const idem_app_entry *e, idem__journaled_call *out)
     return IDEM_OK;
 }
 
+idem_code idem__journal_parse_call(const idem_app_entry *e, idem__journaled_call *out)
+{
+    return parse_call(e, out);
+}
+
 static idem_code drop_listing_txn(idem_txn *t, void *arg)
 {
     const idem__journal *j = arg;
