@@ -339,7 +339,9 @@ void ck_read_stalls(const chaos_cfg *cfg)
 /* The servers' re-runs: "redrive method=... from its stored request: HOW: CODE", HOW
  * "ran it again" (the error level), "another run had finished it: replayed its
  * outcome" or "did not run it" (the info level, only in logs at that level). */
-void ck_read_redrives(const chaos_cfg *cfg)
+/* Calls fn with each line of each server's log. */
+static void each_server_line(const chaos_cfg *cfg, void (*fn)(const char *line, void *arg),
+                             void *arg)
 {
     for (size_t i = 0; i < CHAOS_SERVERS; i++) {
         char path[700], *line = NULL;
@@ -347,20 +349,31 @@ void ck_read_redrives(const chaos_cfg *cfg)
         snprintf(path, sizeof(path), "%s/server-%zu.log", cfg->dir, i);
         FILE *f = fopen(path, "r");
         while (f != NULL && getline(&line, &cap, f) > 0) {
-            const char *p = strstr(line, "redrive method=");
-            const char *r = p != NULL ? strstr(p, "from its stored request: ") : NULL;
-            if (r != NULL) {
-                r += strlen("from its stored request: ");
-                ck.bk.redrives[strncmp(r, "ran it again: OK", 16) == 0              ? 0
-                               : strncmp(r, "another run had finished it", 27) == 0 ? 1
-                                                                                    : 2]++;
-            }
+            fn(line, arg);
         }
         free(line);
         if (f != NULL) {
             fclose(f);
         }
     }
+}
+
+static void read_redrive_line(const char *line, void *arg)
+{
+    (void)arg;
+    const char *p = strstr(line, "redrive method=");
+    const char *r = p != NULL ? strstr(p, "from its stored request: ") : NULL;
+    if (r != NULL) {
+        r += strlen("from its stored request: ");
+        ck.bk.redrives[strncmp(r, "ran it again: OK", 16) == 0              ? 0
+                       : strncmp(r, "another run had finished it", 27) == 0 ? 1
+                                                                            : 2]++;
+    }
+}
+
+void ck_read_redrives(const chaos_cfg *cfg)
+{
+    each_server_line(cfg, read_redrive_line, NULL);
 }
 
 static int lapse_cmp(const void *a, const void *b)
@@ -378,9 +391,13 @@ static void log_field(const char *line, const char *name, char *out, size_t cap)
     snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), p != NULL ? p + strlen(name) : "");
 }
 
-static void read_lapse_line(const char *line, int64_t wall_minus_mono)
+static void read_lapse_line(const char *line, void *arg)
 {
+    int64_t wall_minus_mono = *(const int64_t *)arg;
     char hash[sizeof(((lapse *)0)->hash)], at[24];
+    if (strstr(line, " lapsed_at_ms=") == NULL) {
+        return;
+    }
     log_field(line, " lapsed_at_ms=", at, sizeof(at));
     log_field(line, " key=", hash, sizeof(hash));
     uint64_t wall = strtoull(at, NULL, 10);
@@ -405,21 +422,7 @@ void ck_read_lapses(const chaos_cfg *cfg)
     clock_gettime(CLOCK_MONOTONIC, &m);
     int64_t off = ((int64_t)w.tv_sec - (int64_t)m.tv_sec) * 1000 +
                   ((int64_t)w.tv_nsec - (int64_t)m.tv_nsec) / 1000000;
-    for (size_t i = 0; i < CHAOS_SERVERS; i++) {
-        char path[700], *line = NULL;
-        size_t cap = 0;
-        snprintf(path, sizeof(path), "%s/server-%zu.log", cfg->dir, i);
-        FILE *f = fopen(path, "r");
-        while (f != NULL && getline(&line, &cap, f) > 0) {
-            if (strstr(line, " lapsed_at_ms=") != NULL) {
-                read_lapse_line(line, off);
-            }
-        }
-        free(line);
-        if (f != NULL) {
-            fclose(f);
-        }
-    }
+    each_server_line(cfg, read_lapse_line, &off);
     if (ck.n_lapses > 0) {
         qsort(ck.lapses, ck.n_lapses, sizeof(*ck.lapses), lapse_cmp);
     }

@@ -182,3 +182,27 @@ uint64_t nt_stream_msgs(nt *e)
     jsStreamInfo_Destroy(si);
     return n;
 }
+
+void nt_forget_stream(nt *e)
+{
+    jsStreamConfig sc;
+    jsStreamInfo *si = NULL;
+    const char *subjects[] = {e->in, e->dead};
+    cr_assert_eq(js_DeleteStream(e->js, e->stream, NULL, NULL), NATS_OK);
+    jsStreamConfig_Init(&sc);
+    sc.Name = e->stream;
+    sc.Subjects = subjects;
+    sc.SubjectsLen = 2;
+    cr_assert_eq(js_AddStream(&si, e->js, &sc, NULL, NULL), NATS_OK);
+    jsStreamInfo_Destroy(si);
+}
+
+idem_nats_relay *nt_relay(nt *e)
+{
+    idem_nats_relay_opts ro;
+    idem_nats_relay *r;
+    idem_nats_relay_opts_init(&ro);
+    ro.url = e->url;
+    cr_assert_eq(idem_nats_relay_open(&r, e->st, &ro), IDEM_OK, "%s", idem_errmsg());
+    return r;
+}

@@ -34,6 +34,11 @@ void nt_drain(nt *e, idem_nats_consumer *c, const char *durable);
 long nt_effects(nt *e, const char *key);
 /* How many messages the test's stream holds (both subjects). */
 uint64_t nt_stream_msgs(nt *e);
+/* The test's stream forgets every message it acked (deleted and made again: what a power
+ * cut of a broker whose file store had synced nothing of it does). */
+void nt_forget_stream(nt *e);
+/* An outbox relay from the test's store to its broker (defaults). */
+idem_nats_relay *nt_relay(nt *e);
 /* Reads every dead letter so far: their reasons (at most max) and the count. */
 int nt_dead_letters(nt *e, char reasons[][256], int max);
 /* Inside t: outbox messages msg_id "order-<i>", data "amount=1", for i in [from, to). */

@@ -422,33 +422,53 @@ static const char *field(const char *line, const char *name, char *out, size_t c
 /* "lease lapsed" names the method, the key's hash as the call's own line prints it, and
  * the wall time its lease ran out (between the call's start and the line), so that a
  * log reader (the campaign's checker) can match it to the call. */
-Test(lease, the_lapse_line_names_the_method_the_key_and_when_the_lease_ran_out)
+/* A server logging into L, with h as lease.T/Lapse (lease SHORT_LEASE_MS), called once
+ * with key; *before and *after: the wall time around the call. */
+static idem_code logged_call(idem_handler_fn h, const char *key, uint64_t *before, uint64_t *after)
 {
     tu_server ts;
     idem_server_opts o;
+    idem_result r;
     idem_server_opts_init(&o);
     o.store = S.st;
     o.log_level = IDEM_LOG_INFO;
     o.log_fn = keep_lines;
     tu_server_create(&ts, &o);
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED, .lease_ms = SHORT_LEASE_MS};
-    cr_assert_eq(idem_server_register(ts.srv, "lease.T/Lapse", h_lapse, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(ts.srv, "lease.T/Lapse", h, NULL, &m), IDEM_OK);
     tu_server_listen(&ts);
-    uint64_t before = idem__now_ms();
-    call_key(ts.url, "lease.T/Lapse", "k-logged");
-    uint64_t after = idem__now_ms();
+    *before = idem__now_ms();
+    idem_client *c = tu_client_attempts(ts.url, 20000, 1);
+    idem_request q = {.method = "lease.T/Lapse", .idempotency_key = key, .deadline_ms = 60000};
+    idem_code code = idem_client_call(c, &q, &r);
+    cr_log_info("%s: %s", idem_code_name(code), r.message);
+    idem_result_clear(&r);
+    idem_client_close(c);
+    *after = idem__now_ms();
     tu_server_destroy(&ts, false);
+    return code;
+}
 
+/* line names the key of the call's own line and a lapsed_at_ms within [before, after]. */
+static void expect_key_and_lapse(const char *line, uint64_t before, uint64_t after)
+{
     char key[32], want[32], at[32];
-    cr_assert_neq(L.lapse[0], '\0', "no lapse was logged");
-    cr_log_info("%s", L.lapse);
-    cr_expect_neq(strstr(L.lapse, " method=\"lease.T/Lapse\""), NULL, "%s", L.lapse);
+    cr_assert_neq(line[0], '\0', "no such line was logged");
+    cr_log_info("%s", line);
+    cr_expect_neq(strstr(line, " method=\"lease.T/Lapse\""), NULL, "%s", line);
     field(L.call, "key", want, sizeof(want));
-    cr_expect(want[0] != '\0' && strcmp(field(L.lapse, "key", key, sizeof(key)), want) == 0,
-              "the lapse names key=%s, the call's line key=%s", key, want);
-    unsigned long long t = strtoull(field(L.lapse, "lapsed_at_ms", at, sizeof(at)), NULL, 10);
+    cr_expect(want[0] != '\0' && strcmp(field(line, "key", key, sizeof(key)), want) == 0,
+              "the line names key=%s, the call's line key=%s", key, want);
+    unsigned long long t = strtoull(field(line, "lapsed_at_ms", at, sizeof(at)), NULL, 10);
     cr_expect(t >= before && t <= after, "lapsed_at_ms=%s, not within the call [%llu, %llu]", at,
               (unsigned long long)before, (unsigned long long)after);
+}
+
+Test(lease, the_lapse_line_names_the_method_the_key_and_when_the_lease_ran_out)
+{
+    uint64_t before, after;
+    cr_expect_eq(logged_call(h_lapse, "k-logged", &before, &after), IDEM_OK);
+    expect_key_and_lapse(L.lapse, before, after);
 }
 
 /* Lets the store stall until the run's lease has run out in the store's own view, then
@@ -483,36 +503,10 @@ static idem_code h_taken(idem_call *call, void *arg)
  * claim taken while it held (lapsed_at_ms=0, which no store should allow). */
 Test(lease, a_claim_lost_while_its_handler_ran_is_logged_with_its_key_and_its_lapse)
 {
-    tu_server ts;
-    idem_server_opts o;
-    idem_result r;
+    uint64_t before, after;
     if (S.dir != NULL) { /* a slow LMDB disk delays renewals' sync, not their effect */
         cr_skip_test("PostgreSQL only: on LMDB no other instance can take a held key");
     }
-    idem_server_opts_init(&o);
-    o.store = S.st;
-    o.log_level = IDEM_LOG_INFO;
-    o.log_fn = keep_lines;
-    tu_server_create(&ts, &o);
-    idem_method_opts m = {.flags = IDEM_METHOD_CACHED, .lease_ms = SHORT_LEASE_MS};
-    cr_assert_eq(idem_server_register(ts.srv, "lease.T/Lapse", h_taken, NULL, &m), IDEM_OK);
-    tu_server_listen(&ts);
-    uint64_t before = idem__now_ms();
-    idem_client *c = tu_client_attempts(ts.url, 20000, 1);
-    idem_request q = {.method = "lease.T/Lapse", .idempotency_key = "k-taken"};
-    cr_expect_eq(idem_client_call(c, &q, &r), IDEM_ABORTED, "%s", r.message);
-    idem_result_clear(&r);
-    idem_client_close(c);
-    uint64_t after = idem__now_ms();
-    tu_server_destroy(&ts, false);
-
-    char key[32], want[32], at[32];
-    cr_assert_neq(L.lost[0], '\0', "no claim-lost line was logged");
-    cr_log_info("%s", L.lost);
-    field(L.call, "key", want, sizeof(want));
-    cr_expect(want[0] != '\0' && strcmp(field(L.lost, "key", key, sizeof(key)), want) == 0,
-              "the line names key=%s, the call's line key=%s", key, want);
-    unsigned long long t = strtoull(field(L.lost, "lapsed_at_ms", at, sizeof(at)), NULL, 10);
-    cr_expect(t >= before && t <= after, "lapsed_at_ms=%s, not within the call [%llu, %llu]", at,
-              (unsigned long long)before, (unsigned long long)after);
+    cr_expect_eq(logged_call(h_taken, "k-taken", &before, &after), IDEM_ABORTED);
+    expect_key_and_lapse(L.lost, before, after);
 }

@@ -52,16 +52,6 @@ static void commit_and_relay(nt *e, idem_nats_relay *r, put_args a)
     relay_all(e, r);
 }
 
-static uint64_t stream_msgs(nt *e, const char *stream)
-{
-    jsStreamInfo *si = NULL;
-    jsErrCode jerr = 0;
-    cr_assert_eq(js_GetStreamInfo(&si, e->js, stream, NULL, &jerr), NATS_OK, "%d", (int)jerr);
-    uint64_t n = si->State.Msgs;
-    jsStreamInfo_Destroy(si);
-    return n;
-}
-
 static void add_stream(nt *e, const char *name, const char *subject)
 {
     jsStreamConfig sc;
@@ -74,32 +64,6 @@ static void add_stream(nt *e, const char *name, const char *subject)
     sc.SubjectsLen = 1;
     cr_assert_eq(js_AddStream(&si, e->js, &sc, NULL, &jerr), NATS_OK, "stream: %d", (int)jerr);
     jsStreamInfo_Destroy(si);
-}
-
-/* Stream A forgets every message it acked (what a power cut of a broker whose file store
- * had synced nothing of A's does), as in test_nats_streams.c. */
-static void forget_stream(nt *a)
-{
-    jsStreamConfig sc;
-    jsStreamInfo *si = NULL;
-    const char *subjects[] = {a->in, a->dead};
-    cr_assert_eq(js_DeleteStream(a->js, a->stream, NULL, NULL), NATS_OK);
-    jsStreamConfig_Init(&sc);
-    sc.Name = a->stream;
-    sc.Subjects = subjects;
-    sc.SubjectsLen = 2;
-    cr_assert_eq(js_AddStream(&si, a->js, &sc, NULL, NULL), NATS_OK);
-    jsStreamInfo_Destroy(si);
-}
-
-static idem_nats_relay *relay(nt *a)
-{
-    idem_nats_relay_opts ro;
-    idem_nats_relay *r;
-    idem_nats_relay_opts_init(&ro);
-    ro.url = a->url;
-    cr_assert_eq(idem_nats_relay_open(&r, a->st, &ro), IDEM_OK, "%s", idem_errmsg());
-    return r;
 }
 
 /* A's 5 orders, then one order to each of `extra` other streams: with 64, A leaves the
@@ -118,14 +82,14 @@ static void lose_a_stream_among(int extra, bool restart)
         snprintf(subjects[i], sizeof(subjects[i]), "%.39s.in", names[i]);
         add_stream(&a, names[i], subjects[i]);
     }
-    idem_nats_relay *r = relay(&a);
+    idem_nats_relay *r = nt_relay(&a);
     commit_and_relay(&a, r, (put_args){0, 5, a.in, NULL});
     commit_and_relay(&a, r, (put_args){5, 5 + extra, NULL, subjects});
-    cr_assert_eq(stream_msgs(&a, a.stream), 5);
-    forget_stream(&a);
+    cr_assert_eq(nt_stream_msgs(&a), 5);
+    nt_forget_stream(&a);
     if (restart) {
         idem_nats_relay_close(r);
-        r = relay(&a);
+        r = nt_relay(&a);
         cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
     } else {
         cr_assert_eq(
@@ -136,9 +100,9 @@ static void lose_a_stream_among(int extra, bool restart)
     relay_all(&a, r);
     idem_nats_relay_stats(r, &s);
     uint64_t want = restart ? 5 : 6;
-    cr_expect_eq(stream_msgs(&a, a.stream), want,
+    cr_expect_eq(nt_stream_msgs(&a), want,
                  "stream A holds %llu of the %llu orders sent to it; losses %llu, restored %llu",
-                 (unsigned long long)stream_msgs(&a, a.stream), (unsigned long long)want,
+                 (unsigned long long)nt_stream_msgs(&a), (unsigned long long)want,
                  (unsigned long long)s.losses, (unsigned long long)s.restored);
     if (restart && extra == EXTRA) { /* A left the directory: every kept message goes again */
         cr_expect_geq(s.restored, 5 + (uint64_t)extra, "restored %llu",
@@ -190,21 +154,21 @@ Test(nats_kept_dir, a_loss_of_what_the_previous_release_kept_is_found_after_one_
     idem_nats_relay_counts s;
     nt_setup(&a, "ua");
     nt_setup(&b, "ub");
-    idem_nats_relay *r = relay(&a);
+    idem_nats_relay *r = nt_relay(&a);
     commit_and_relay(&a, r, (put_args){0, 5, a.in, NULL});
     idem_nats_relay_close(r);
     cr_assert_eq(idem_store_run_txn(a.st, drop_directory, NULL), IDEM_OK, "%s", idem_errmsg());
-    r = relay(&a); /* the upgraded relay */
+    r = nt_relay(&a); /* the upgraded relay */
     commit_and_relay(&a, r, (put_args){5, 6, b.in, NULL});
-    forget_stream(&a);
+    nt_forget_stream(&a);
     idem_nats_relay_close(r);
-    r = relay(&a);
+    r = nt_relay(&a);
     relay_all(&a, r);
     relay_all(&a, r);
     idem_nats_relay_stats(r, &s);
-    cr_expect_eq(stream_msgs(&a, a.stream), 5,
+    cr_expect_eq(nt_stream_msgs(&a), 5,
                  "stream A holds %llu of the 5 orders the previous release kept; restored %llu",
-                 (unsigned long long)stream_msgs(&a, a.stream), (unsigned long long)s.restored);
+                 (unsigned long long)nt_stream_msgs(&a), (unsigned long long)s.restored);
     cr_expect_geq(s.restored, 6, "restored %llu", (unsigned long long)s.restored);
     idem_nats_relay_close(r);
     nt_teardown(&b);
@@ -250,18 +214,18 @@ Test(nats_kept_dir, two_relays_keeping_out_of_order_still_find_a_lost_tail)
     cr_expect_eq(d->s[0].ack.stream_seq, 10,
                  "the directory names %s at sequence %llu as A's newest", d->s[0].msg_id,
                  (unsigned long long)d->s[0].ack.stream_seq);
-    forget_stream(&a); /* the tail 5..10 lost: A holds orders 0..3 at 1..4 */
+    nt_forget_stream(&a); /* the tail 5..10 lost: A holds orders 0..3 at 1..4 */
     for (int i = 0; i < 4; i++) {
         snprintf(id, sizeof(id), "order-%d", i);
         nt_publish(&a, NULL, id, "amount=1");
     }
-    idem_nats_relay *r = relay(&a);
+    idem_nats_relay *r = nt_relay(&a);
     relay_all(&a, r);
     relay_all(&a, r);
     idem_nats_relay_stats(r, &s);
-    cr_expect_eq(stream_msgs(&a, a.stream), 10,
+    cr_expect_eq(nt_stream_msgs(&a), 10,
                  "stream A holds %llu of the 10 orders the relays kept; losses %llu",
-                 (unsigned long long)stream_msgs(&a, a.stream), (unsigned long long)s.losses);
+                 (unsigned long long)nt_stream_msgs(&a), (unsigned long long)s.losses);
     cr_expect_eq(s.losses, 1, "losses %llu", (unsigned long long)s.losses);
     idem_nats_relay_close(r);
     free(d);
@@ -283,12 +247,12 @@ Test(nats_kept_dir, a_bad_stream_directory_record_does_not_stop_the_outbox)
     nt a;
     uint64_t pending = 1;
     nt_setup(&a, "ca");
-    idem_nats_relay *r = relay(&a);
+    idem_nats_relay *r = nt_relay(&a);
     commit_and_relay(&a, r, (put_args){0, 5, a.in, NULL});
     idem_nats_relay_close(r);
     cr_assert_eq(idem_store_run_txn(a.st, corrupt_directory, NULL), IDEM_OK, "%s", idem_errmsg());
     cr_assert_eq(idem_store_run_txn(a.st, put_orders, &(put_args){5, 10, a.in, NULL}), IDEM_OK);
-    r = relay(&a);
+    r = nt_relay(&a);
     idem_code code = IDEM_OK;
     for (int i = 0; i < 20 && pending > 0; i++) {
         code = idem_nats_relay_run_once(r, NULL);
@@ -296,7 +260,7 @@ Test(nats_kept_dir, a_bad_stream_directory_record_does_not_stop_the_outbox)
     }
     cr_expect_eq(pending, 0, "%llu orders never published; the relay's last round: %s (%s)",
                  (unsigned long long)pending, idem_code_name(code), idem_errmsg());
-    cr_expect_eq(stream_msgs(&a, a.stream), 10);
+    cr_expect_eq(nt_stream_msgs(&a), 10);
     idem_nats_relay_close(r);
     nt_teardown(&a);
 }

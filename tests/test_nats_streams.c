@@ -39,42 +39,6 @@ static void commit_and_relay(nt *e, idem_nats_relay *r, const char *subject, int
     cr_assert_eq(pending, 0, "orders %d..%d were never acked", from, to - 1);
 }
 
-static uint64_t stream_msgs(nt *e, const char *stream)
-{
-    jsStreamInfo *si = NULL;
-    jsErrCode jerr = 0;
-    cr_assert_eq(js_GetStreamInfo(&si, e->js, stream, NULL, &jerr), NATS_OK, "%d", (int)jerr);
-    uint64_t n = si->State.Msgs;
-    jsStreamInfo_Destroy(si);
-    return n;
-}
-
-/* Stream A forgets every message it acked (deleted and made again: what a power cut of
- * a broker whose file store had synced nothing of A's does). */
-static void forget_stream(nt *a)
-{
-    jsStreamConfig sc;
-    jsStreamInfo *si = NULL;
-    const char *subjects[] = {a->in, a->dead};
-    cr_assert_eq(js_DeleteStream(a->js, a->stream, NULL, NULL), NATS_OK);
-    jsStreamConfig_Init(&sc);
-    sc.Name = a->stream;
-    sc.Subjects = subjects;
-    sc.SubjectsLen = 2;
-    cr_assert_eq(js_AddStream(&si, a->js, &sc, NULL, NULL), NATS_OK);
-    jsStreamInfo_Destroy(si);
-}
-
-static idem_nats_relay *relay(nt *a)
-{
-    idem_nats_relay_opts ro;
-    idem_nats_relay *r;
-    idem_nats_relay_opts_init(&ro);
-    ro.url = a->url;
-    cr_assert_eq(idem_nats_relay_open(&r, a->st, &ro), IDEM_OK, "%s", idem_errmsg());
-    return r;
-}
-
 /* Orders 0..4 to stream A, order 5 to stream B (acked last), then A forgets. restart:
  * the relay comes back (a new one on the store) before anything else; else order 6 goes
  * to A on the same relay. Either way A must end up holding every order sent to it. */
@@ -84,13 +48,13 @@ static void lose_stream_acked_before_another(bool restart)
     idem_nats_relay_counts s;
     nt_setup(&a, "sa");
     nt_setup(&b, "sb");
-    idem_nats_relay *r = relay(&a);
+    idem_nats_relay *r = nt_relay(&a);
     commit_and_relay(&a, r, a.in, 0, 5);
     commit_and_relay(&a, r, b.in, 5, 6);
-    forget_stream(&a);
+    nt_forget_stream(&a);
     if (restart) {
         idem_nats_relay_close(r);
-        r = relay(&a);
+        r = nt_relay(&a);
         cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
     } else {
         commit_and_relay(&a, r, a.in, 6, 7); /* lands at sequence 1: A went back */
@@ -100,12 +64,12 @@ static void lose_stream_acked_before_another(bool restart)
     }
     idem_nats_relay_stats(r, &s);
     uint64_t want = restart ? 5 : 6;
-    cr_expect_eq(stream_msgs(&a, a.stream), want,
+    cr_expect_eq(nt_stream_msgs(&a), want,
                  "stream A holds %llu of the %llu orders sent to it; losses %llu, restored %llu",
-                 (unsigned long long)stream_msgs(&a, a.stream), (unsigned long long)want,
+                 (unsigned long long)nt_stream_msgs(&a), (unsigned long long)want,
                  (unsigned long long)s.losses, (unsigned long long)s.restored);
     cr_expect_eq(s.losses, 1);
-    cr_expect_eq(stream_msgs(&b, b.stream), 1, "B's order, restored too, is deduplicated");
+    cr_expect_eq(nt_stream_msgs(&b), 1, "B's order, restored too, is deduplicated");
     idem_nats_relay_close(r);
     nt_teardown(&b);
     nt_teardown(&a);
