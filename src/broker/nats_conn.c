@@ -222,3 +222,24 @@ idem_code idem__nats_stream_of(jsCtx *js, const char *subject, int64_t *max_msg_
     jsStreamInfoList_Destroy(list);
     return IDEM_OK;
 }
+
+/* libnats before 3.9 (Debian's 3.4.1), _fetch in js.c: it first takes the messages already
+ * queued in the subscription (late answers to an earlier pull request: after a broker
+ * restart, many), then lowers its batch by that count and loops until the count equals
+ * the lowered batch. With more than half a batch queued the two never meet, and every
+ * further message is written past its array of batch slots (the campaign's consumer died
+ * of a corrupted heap right after broker restarts, seeds 53025 and 61777; fixed in
+ * nats.c 3.9, #749). A fetch of 1 cannot overflow (it takes one queued message, or asks
+ * for one), so while anything is queued this fetches 1; only an empty queue gets the
+ * whole batch. Messages that arrive between the look and the fetch's own are the rest
+ * of the race: to overflow, more than half a batch would have to land in that window. */
+natsStatus idem__nats_fetch(natsMsgList *list, natsSubscription *sub, int batch, int64_t wait_ms,
+                            jsErrCode *jerr)
+{
+    int queued = 0;
+    if (batch > 2 && nats_GetVersionNumber() < 0x030900 &&
+        (natsSubscription_GetPending(sub, &queued, NULL) != NATS_OK || queued > 0)) {
+        batch = 1;
+    }
+    return natsSubscription_Fetch(list, sub, batch, wait_ms, jerr);
+}

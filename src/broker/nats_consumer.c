@@ -273,7 +273,7 @@ idem_code idem_nats_consumer_poll(idem_nats_consumer *c, unsigned *handled)
         return idem__err(IDEM_INVALID_ARGUMENT, "nats consumer: NULL");
     }
     natsStatus s =
-        natsSubscription_Fetch(&list, c->sub, (int)c->o.batch, (int64_t)c->o.fetch_wait_ms, &jerr);
+        idem__nats_fetch(&list, c->sub, (int)c->o.batch, (int64_t)c->o.fetch_wait_ms, &jerr);
     for (int i = 0; i < list.Count; i++) {
         idem__nats_progress_at(&c->progress, &list, i); /* the rest kept while they wait */
         count(c, &c->stats.fetched);

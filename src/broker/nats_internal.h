@@ -17,6 +17,11 @@ idem_code idem__nats_connect(const char *url, unsigned publish_wait_ms, natsConn
  * the background (not connected until natsConnection_Status says so). */
 idem_code idem__nats_connect_lazy(const char *url, unsigned publish_wait_ms, natsConnection **nc,
                                   jsCtx **js);
+
+/* natsSubscription_Fetch, around a heap overflow of libnats before 3.9 (nats-io/nats.c#749,
+ * nats_conn.c): while messages are already queued in sub, it fetches 1. */
+natsStatus idem__nats_fetch(natsMsgList *list, natsSubscription *sub, int batch, int64_t wait_ms,
+                            jsErrCode *jerr);
 void idem__nats_disconnect(natsConnection *nc, jsCtx *js);
 
 /* An idem_code for a libnats failure, with idem_errmsg() naming what and libnats' text:
