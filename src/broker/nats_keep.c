@@ -138,6 +138,9 @@ static void room(idem__nats_newest *nw)
         nw->cap = cap;
         return;
     }
+    if (nw->n == 0) {
+        return; /* no memory even for the first: nothing to give way */
+    }
     memmove(&nw->s[0], &nw->s[1], (nw->n - 1) * sizeof(nw->s[0]));
     nw->n--;
 }
