@@ -179,9 +179,15 @@ static void print_response(const idem_record *rec, bool json)
         printf("{\"code\":\"%s\",\"message\":", idem_code_name(r->code));
         idem__json_fputs(stdout, r->message);
         printf(",\"payload_bytes\":%zu}", r->payload.len);
-    } else {
+    } else { /* the handler's message, escaped: it may hold line breaks or raw bytes */
+        size_t n = strlen(r->message);
+        char *text = malloc(4 * n + 1);
+        if (text != NULL) {
+            idemctl_escape(r->message, n, n, text);
+        }
         printf("response     %s, %zu payload bytes%s%s\n", idem_code_name(r->code), r->payload.len,
-               r->message[0] ? ", message: " : "", r->message);
+               n > 0 ? ", message: " : "", text != NULL ? text : "(no memory to show it)");
+        free(text);
     }
     idem__v1__response__free_unpacked(r, NULL);
 }

@@ -66,6 +66,8 @@ IDEM_API idem_code idem_txn_del(idem_txn *t, const char *db, const void *key, si
  *   - a transactional handler's (idem_call_txn(call)): inside the transaction that
  *     will hold the record (READ COMMITTED, the claim already made);
  *   - idem_store_run_txn's fn: the transaction fn's return commits or aborts;
+ *   - idem_consume's fn (a NATS consumer's handler, nats.h): the transaction that also
+ *     writes the message's marker;
  *   - idem_locked_update's (and _with's) check and update: after the fence, so what
  *     they write commits with it (a superseded holder's writes are refused together).
  * Run your own SQL on it; do not COMMIT, ROLLBACK or change the isolation level: the

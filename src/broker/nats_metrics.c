@@ -55,6 +55,7 @@ static const series relay_series[] = {
     {"idem_relay_kept_age_seconds", "How long ago the oldest kept message was acked.", false},
     {"idem_relay_losses_total", "Times the broker came back without a kept message.", true},
     {"idem_relay_restored_total", "Kept messages put back into the outbox after a loss.", true},
+    {"idem_relay_connected", "1 while the relay is connected to the broker, else 0.", false},
 };
 
 static size_t fill(const nats_source *ns, const series *s, const double *v, size_t n,
@@ -93,7 +94,8 @@ static size_t relay_metrics(void *arg, idem_metric *out, size_t max)
                         rc.kept,
                         (double)rc.kept_age_ms / 1000.0,
                         rc.losses,
-                        rc.restored};
+                        rc.restored,
+                        rc.connected};
     _Static_assert(IDEM_ARRAY_LEN(v) == IDEM_ARRAY_LEN(relay_series), "a value per series");
     return fill(ns, relay_series, v, IDEM_ARRAY_LEN(v), out, max);
 }
