@@ -75,11 +75,11 @@ static void lose_a_stream_among(int extra, bool restart)
 {
     nt a;
     idem_nats_relay_counts s;
-    static char names[EXTRA][40], subjects[EXTRA][64];
+    static char names[EXTRA][48], subjects[EXTRA][64];
     nt_setup(&a, "va");
     for (int i = 0; i < extra; i++) {
         snprintf(names[i], sizeof(names[i]), "%sX%d", a.stream, i);
-        snprintf(subjects[i], sizeof(subjects[i]), "%.39s.in", names[i]);
+        snprintf(subjects[i], sizeof(subjects[i]), "%.47s.in", names[i]);
         add_stream(&a, names[i], subjects[i]);
     }
     idem_nats_relay *r = nt_relay(&a);
