@@ -173,6 +173,36 @@ idem_code nt_put_orders(idem_txn *t, const char *subject, int from, int to)
     return code;
 }
 
+typedef struct orders {
+    const char *subject;
+    int from, to;
+} orders;
+
+static idem_code put_orders_txn(idem_txn *t, void *arg)
+{
+    const orders *o = arg;
+    return nt_put_orders(t, o->subject, o->from, o->to);
+}
+
+void nt_commit_orders(idem_store *st, const char *subject, int from, int to)
+{
+    orders o = {subject, from, to};
+    cr_assert_eq(idem_store_run_txn(st, put_orders_txn, &o), IDEM_OK, "%s", idem_errmsg());
+}
+
+void nt_commit_and_relay(nt *e, idem_nats_relay *r, const char *subject, int from, int to)
+{
+    uint64_t pending = 1;
+    nt_commit_orders(e->st, subject, from, to);
+    for (int i = 0; i < NT_RELAY_ROUNDS && pending > 0; i++) {
+        if (idem_nats_relay_run_once(r, NULL) != IDEM_OK) {
+            nats_Sleep(20);
+        }
+        cr_assert_eq(idem_outbox_pending(e->st, &pending), IDEM_OK, "%s", idem_errmsg());
+    }
+    cr_assert_eq(pending, 0, "the broker never acked orders %d..%d", from, to - 1);
+}
+
 uint64_t nt_stream_msgs(nt *e)
 {
     jsStreamInfo *si = NULL;

@@ -43,6 +43,12 @@ idem_nats_relay *nt_relay(nt *e);
 int nt_dead_letters(nt *e, char reasons[][256], int max);
 /* Inside t: outbox messages msg_id "order-<i>", data "amount=1", for i in [from, to). */
 idem_code nt_put_orders(idem_txn *t, const char *subject, int from, int to);
+/* nt_put_orders in a transaction of its own. */
+void nt_commit_orders(idem_store *st, const char *subject, int from, int to);
+/* Commits orders [from, to) to subject and runs r until the outbox is empty, for up to
+ * NT_RELAY_ROUNDS rounds (the broker may be starting: failed rounds are paced). */
+#define NT_RELAY_ROUNDS 150
+void nt_commit_and_relay(nt *e, idem_nats_relay *r, const char *subject, int from, int to);
 /* The store as nats_worker's STORE argument ("lmdb:DIR" or "pg:CONNINFO"), static. */
 const char *nt_store_spec(nt *e);
 

@@ -19,31 +19,12 @@ static int run_ctl(const tu_backend *b, char *out, size_t cap, const char *const
 {
     const char *argv[16] = {getenv("IDEMCTL"), b->dir ? "--db" : "--pg",
                             b->dir ? b->dir : b->conninfo};
-    size_t n = 3, got = 0;
+    size_t n = 3;
     for (; *args != NULL && n < 15; args++) {
         argv[n++] = *args;
     }
-    int fd[2];
     cr_assert_not_null(argv[0], "IDEMCTL not set (meson test sets it)");
-    cr_assert_eq(pipe(fd), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        dup2(fd[1], 1);
-        dup2(fd[1], 2);
-        close(fd[0]);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    close(fd[1]);
-    for (ssize_t r; got + 1 < cap && (r = read(fd[0], out + got, cap - 1 - got)) > 0;) {
-        got += (size_t)r;
-    }
-    out[got] = '\0';
-    close(fd[0]);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return tu_run_captured(argv, out, cap);
 }
 
 typedef struct put_arg {

@@ -16,31 +16,11 @@
 #define ORDERS 40
 #define WAIT_ROUNDS 150 /* relay round + consumer poll each: a hang guard, not timing */
 
-typedef struct put_args {
-    int from, to;
-    const char *subject;
-} put_args;
-
-static idem_code put_orders(idem_txn *t, void *arg)
-{
-    put_args *a = arg;
-    return nt_put_orders(t, a->subject, a->from, a->to);
-}
-
 /* Commits orders [from, to) with their outbox messages and relays them until acked (the
  * broker may be starting: rounds that fail meanwhile are paced, not counted). */
 static void commit_and_relay(nt *e, idem_nats_relay *r, int from, int to)
 {
-    put_args a = {from, to, e->in};
-    uint64_t pending = 1;
-    cr_assert_eq(idem_store_run_txn(e->st, put_orders, &a), IDEM_OK, "%s", idem_errmsg());
-    for (int i = 0; i < WAIT_ROUNDS && pending > 0; i++) {
-        if (idem_nats_relay_run_once(r, NULL) != IDEM_OK) {
-            nats_Sleep(20);
-        }
-        cr_assert_eq(idem_outbox_pending(e->st, &pending), IDEM_OK, "%s", idem_errmsg());
-    }
-    cr_assert_eq(pending, 0, "the broker never acked orders %d..%d", from, to - 1);
+    nt_commit_and_relay(e, r, e->in, from, to);
     cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
 }
 
@@ -178,8 +158,7 @@ Test(nats_amnesia, kept_messages_come_back_newest_first_and_leave_in_put_order)
     idem_outbox_kept_info k;
     size_t n;
     idem_store *st = tu_backend_open(&b, "kept");
-    put_args a = {0, 3, "S.in"};
-    cr_assert_eq(idem_store_run_txn(st, put_orders, &a), IDEM_OK, "%s", idem_errmsg());
+    nt_commit_orders(st, "S.in", 0, 3);
     fake_acks(acks, 3);
     cr_assert_eq(idem_outbox_keep(st, acks, 3, 1000), IDEM_OK, "%s", idem_errmsg());
     expect_peek(st, NULL, 0);

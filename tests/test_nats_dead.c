@@ -378,30 +378,8 @@ static void ctl_argv(const char *argv[16], const char *url, const char *const *a
 static int run_ctl(const char *url, char *out, size_t cap, const char *const *args)
 {
     const char *argv[16];
-    size_t got = 0;
-    int fd[2];
     ctl_argv(argv, url, args);
-    cr_assert_eq(pipe(fd), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        int in = open("/dev/null", O_RDONLY);
-        dup2(in, 0);
-        dup2(fd[1], 1);
-        dup2(fd[1], 2);
-        close(fd[0]);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    close(fd[1]);
-    for (ssize_t r; got + 1 < cap && (r = read(fd[0], out + got, cap - 1 - got)) > 0;) {
-        got += (size_t)r;
-    }
-    out[got] = '\0';
-    close(fd[0]);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return tu_run_captured(argv, out, cap);
 }
 
 #define CTL(e, out, ...) run_ctl((e)->url, out, sizeof(out), (const char *[]){__VA_ARGS__, NULL})

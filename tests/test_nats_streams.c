@@ -11,34 +11,6 @@
 #include "nats_util.h"
 #include "toolkit_internal.h"
 
-#define WAIT_ROUNDS 150 /* relay rounds while the broker may be away: a hang guard */
-
-typedef struct put_args {
-    int from, to;
-    const char *subject;
-} put_args;
-
-static idem_code put_orders(idem_txn *t, void *arg)
-{
-    put_args *a = arg;
-    return nt_put_orders(t, a->subject, a->from, a->to);
-}
-
-/* Commits orders [from, to) to subject and relays them until the outbox is empty. */
-static void commit_and_relay(nt *e, idem_nats_relay *r, const char *subject, int from, int to)
-{
-    put_args a = {from, to, subject};
-    uint64_t pending = 1;
-    cr_assert_eq(idem_store_run_txn(e->st, put_orders, &a), IDEM_OK, "%s", idem_errmsg());
-    for (int i = 0; i < WAIT_ROUNDS && pending > 0; i++) {
-        if (idem_nats_relay_run_once(r, NULL) != IDEM_OK) {
-            nats_Sleep(20);
-        }
-        cr_assert_eq(idem_outbox_pending(e->st, &pending), IDEM_OK, "%s", idem_errmsg());
-    }
-    cr_assert_eq(pending, 0, "orders %d..%d were never acked", from, to - 1);
-}
-
 /* Orders 0..4 to stream A, order 5 to stream B (acked last), then A forgets. restart:
  * the relay comes back (a new one on the store) before anything else; else order 6 goes
  * to A on the same relay. Either way A must end up holding every order sent to it. */
@@ -49,15 +21,15 @@ static void lose_stream_acked_before_another(bool restart)
     nt_setup(&a, "sa");
     nt_setup(&b, "sb");
     idem_nats_relay *r = nt_relay(&a);
-    commit_and_relay(&a, r, a.in, 0, 5);
-    commit_and_relay(&a, r, b.in, 5, 6);
+    nt_commit_and_relay(&a, r, a.in, 0, 5);
+    nt_commit_and_relay(&a, r, b.in, 5, 6);
     nt_forget_stream(&a);
     if (restart) {
         idem_nats_relay_close(r);
         r = nt_relay(&a);
         cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());
     } else {
-        commit_and_relay(&a, r, a.in, 6, 7); /* lands at sequence 1: A went back */
+        nt_commit_and_relay(&a, r, a.in, 6, 7); /* lands at sequence 1: A went back */
     }
     for (int i = 0; i < 3; i++) { /* the restored ones, published again */
         cr_assert_eq(idem_nats_relay_run_once(r, NULL), IDEM_OK, "%s", idem_errmsg());

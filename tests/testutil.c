@@ -1,6 +1,7 @@
 #include "testutil.h"
 
 #include <criterion/criterion.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <sys/wait.h>
 #include <stdio.h>
@@ -437,4 +438,31 @@ void tu_http_free(tu_http *r)
     free(r->head);
     free(r->body);
     memset(r, 0, sizeof(*r));
+}
+
+int tu_run_captured(const char *const *argv, char *out, size_t cap)
+{
+    int fd[2];
+    size_t got = 0;
+    cr_assert_eq(pipe(fd), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int in = open("/dev/null", O_RDONLY);
+        dup2(in, 0);
+        dup2(fd[1], 1);
+        dup2(fd[1], 2);
+        close(fd[0]);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fd[1]);
+    for (ssize_t r; got + 1 < cap && (r = read(fd[0], out + got, cap - 1 - got)) > 0;) {
+        got += (size_t)r;
+    }
+    out[got] = '\0';
+    close(fd[0]);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }

@@ -76,6 +76,10 @@ idem_client *tu_client(const char *url, unsigned attempt_timeout_ms);
 /* The same with at most attempts attempts (0: the client's default). */
 idem_client *tu_client_attempts(const char *url, unsigned attempt_timeout_ms, uint32_t attempts);
 
+/* Runs argv[0] (NULL-terminated argv, stdin /dev/null) to its end: its exit status (-1
+ * when a signal ended it); out gets its stdout and stderr, NUL-terminated, cut at cap. */
+int tu_run_captured(const char *const *argv, char *out, size_t cap);
+
 /* Sends one raw frame on a fresh req0 socket and returns the reply frame decoded as an
  * idem.v1.Response (free with tu_response_free), or NULL when no reply arrived within
  * timeout_ms. */
