@@ -381,6 +381,39 @@ Test(http_slow, the_bound_on_all_buffers_refuses_new_bodies_with_503_and_serves_
     cr_assert_eq(in, 0, "buffers not given back");
 }
 
+/* A refused client that stays connected (its connection lingers up to a second) does
+ * not keep the request bytes it was refused for counted: a small call right after the
+ * 503 is served, not refused for what the refused one held. */
+Test(http_slow, a_refused_body_gives_its_bytes_back_before_its_503_is_sent)
+{
+    idem_server_opts o = opts();
+    o.http_max_buffered = MAX_BUFFERED;
+    serve(&o);
+    int held = hold_most_of_the_bound();
+    enum { SENT = 12 * 1024 }; /* past the buffer's second size: refused there */
+    int fd = dial();
+    char head[256], *body = malloc(SENT);
+    cr_assert_not_null(body);
+    memset(body, 'r', SENT);
+    int n = snprintf(head, sizeof(head),
+                     "POST /" ADD " HTTP/1.1\r\nHost: x\r\n"
+                     "Idempotency-Key: refused\r\nContent-Length: %d\r\n\r\n",
+                     100 * 1000);
+    send_all(fd, head, (size_t)n);
+    send_all(fd, body, SENT);
+    free(body);
+    char resp[1024];
+    ssize_t got = recv(fd, resp, sizeof(resp) - 1, 0);
+    cr_assert_gt(got, 12);
+    resp[got] = '\0';
+    cr_assert(strncmp(resp, "HTTP/1.1 503 ", 13) == 0, "%s", resp);
+    int ran = atomic_load(&runs);
+    cr_assert_eq(ordinary_call(100), 200, "a small call while the refused client lingers");
+    cr_assert_eq(atomic_load(&runs), ran + 1);
+    close(fd);
+    close(held);
+}
+
 /* A client that reads its answer steadily but slowly (16 KiB per PACE_MS, every partial
  * send of the server completes well within the timeout) is closed once the answer has
  * not been taken whole within http_request_timeout_ms of its first byte. */

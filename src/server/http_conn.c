@@ -180,6 +180,18 @@ static size_t respond_locked(idem_hconn *c, idem_hres *res, const void *body, si
     return 0;
 }
 
+/* After a refusal: the input buffer's bytes go back to max_buffered now, not when the
+ * lingering connection closes (unless a receive or on_request still uses the buffer). */
+static void drop_input(idem_hconn *c)
+{
+    if (c->rx_pending || c->busy) {
+        return;
+    }
+    memset(&c->req, 0, sizeof(c->req)); /* it pointed into the buffer */
+    c->len = 0;
+    idem__hbuf_shrink(c->srv, &c->buf, &c->cap, 0);
+}
+
 /* A refusal: status, a JSON body, Connection: close; nothing after it is read. (While
  * a 100 Continue is still being sent, the connection just closes.) */
 static void refuse(idem_hconn *c, int status, const char *msg)
@@ -188,6 +200,7 @@ static void refuse(idem_hconn *c, int status, const char *msg)
         conn_close_locked(c);
         return;
     }
+    drop_input(c);
     char json[384];
     idem_hres res;
     size_t n = idem__hres_refusal(&res, status, msg, json, sizeof(json));
@@ -377,6 +390,7 @@ static void wait_cb(void *arg)
 
 static void linger_more(idem_hconn *c)
 {
+    drop_input(c);
     nng_iov iov = {.iov_buf = c->buf, .iov_len = c->cap};
     uint64_t now = idem__mono_ms();
     if (c->eof || c->closed || c->lingered > LINGER_MAX || now >= c->linger_end ||
