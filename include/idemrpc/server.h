@@ -46,6 +46,31 @@ typedef bool (*idem_fingerprint_fn)(const idem_call *call, void *buf, size_t cap
                                     void *arg);
 #define IDEM_MAX_FINGERPRINT_INPUT 4096
 
+/* Canonical fingerprints, opt-in per method (docs/semantics.md "Canonical
+ * fingerprints"): set idem_method_opts.fingerprint to one of these and requests whose
+ * bytes differ but whose meaning is the same are the same request (a retry re-encoded
+ * by another client library replays; a changed value is still key reuse). A payload
+ * these cannot read is refused INVALID_ARGUMENT before the store is touched.
+ *
+ * idem_fingerprint_protobuf: fingerprint_arg is the request message's
+ * `const ProtobufCMessageDescriptor *` (protoc-c's `foo__descriptor`). The payload is
+ * decoded and re-encoded by protobuf-c: fields in number order, a field sent twice
+ * counts once (the last, as protobuf decodes it), packed and unpacked repeated fields
+ * alike, proto3 fields at their default left out. Presence stays meaningful where the
+ * schema has it (proto2 `optional`, proto3 `optional`, oneof, messages); unknown fields
+ * and the order of repeated and map entries count as sent.
+ *
+ * idem_fingerprint_json: fingerprint_arg unused. The payload is parsed as JSON
+ * (jansson; any value, not only an object) and written back with object keys sorted and
+ * no whitespace; escapes such as \u00e9 count as the characters they stand for.
+ * Numbers keep their kind: 1 and 1.0 differ, 1.0 and 1e0 do not. A duplicated object
+ * key is refused (which one counts is not defined). In a build without jansson
+ * (-Djson=disabled) registering a method with it fails UNIMPLEMENTED. */
+IDEM_API bool idem_fingerprint_protobuf(const idem_call *call, void *buf, size_t cap, size_t *len,
+                                        void *arg);
+IDEM_API bool idem_fingerprint_json(const idem_call *call, void *buf, size_t cap, size_t *len,
+                                    void *arg);
+
 enum idem_method_flags {
     /* Claim-before-run through the result cache; results replayed to duplicates. */
     IDEM_METHOD_CACHED = 1u << 0,

@@ -88,6 +88,14 @@ static inline bool idem__key_generated(const char *value)
  * idem-key-generated as sent (or NULL). */
 const char *idem__signed_key(const char *field, const char *meta, const char *generated);
 
+/* Canonical fingerprints (fingerprint.c): what idem_server_register refuses about a
+ * method's fingerprint extractor (a protobuf one without a descriptor, a JSON one in a
+ * build without jansson). fingerprint_json.c: whether jansson is built in; a JSON
+ * payload's canonical form (malloc'd, *n bytes), NULL when it is not JSON. */
+idem_code idem__fingerprint_check(const char *method, idem_fingerprint_fn fn, const void *arg);
+bool idem__fingerprint_json_built(void);
+char *idem__json_canonical(const void *payload, size_t len, size_t *n);
+
 /* A step name of downstream.h: 1..IDEM_MAX_STEP bytes of [A-Za-z0-9._-]. */
 bool idem__step_name_ok(const char *step);
 

@@ -71,8 +71,8 @@ static const idem_method *method_find(void *arg, const char *name)
     (IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED | IDEM_METHOD_TOKEN_REQUIRED |                  \
      IDEM_METHOD_TRANSACTIONAL | IDEM_METHOD_DEBOUNCE | IDEM_METHOD_STEPS)
 
-/* What idem_server_register refuses: a name the wire would refuse (one rule, codec.c),
- * a NULL handler, flag bits this version does not know. */
+/* What idem_server_register refuses: a name the wire would refuse (codec.c), a NULL
+ * handler, unknown flag bits, a canonical fingerprint that cannot work (fingerprint.c). */
 static idem_code register_check(const char *name, idem_handler_fn fn, const idem_method_opts *opts)
 {
     if (idem__method_name_check(name) != IDEM_OK) {
@@ -91,7 +91,8 @@ static idem_code register_check(const char *name, idem_handler_fn fn, const idem
                          "idem_method_opts.flags (known: idem_method_flags)",
                          name, opts->flags & ~(unsigned)KNOWN_METHOD_FLAGS);
     }
-    return IDEM_OK;
+    return opts != NULL ? idem__fingerprint_check(name, opts->fingerprint, opts->fingerprint_arg)
+                        : IDEM_OK;
 }
 
 idem_code idem_server_register(idem_server *srv, const char *name, idem_handler_fn fn, void *arg,
