@@ -394,6 +394,21 @@ static idem_code lapsed_before_start(idem_call *call, const idem_cache_cfg *cfg,
                         "renewal reached the store in time); retry with the same key");
 }
 
+/* A journaled call whose handler does not start (its claim is released): the key is
+ * compensating an earlier request (ABORTED, like a call in progress: retry later), or
+ * its generation could not be read. */
+static idem_code steps_not_begun(idem_call *call, idem_code st)
+{
+    char hint[16];
+    if (st != IDEM_ABORTED) {
+        return idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
+    }
+    idem__reject(call, IDEM_REASON_IN_PROGRESS, st, "%s", idem_errmsg());
+    snprintf(hint, sizeof(hint), "%u", IDEM__RC_RETRY_AFTER_MS);
+    idem__call_set_meta(call, "retry-after-ms", hint);
+    return st;
+}
+
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
  * the claim was made in (stores with IDEM__STORE_CAP_TXN_CLAIM), else NULL; ticket the
  * claim's shared commit, still open maybe (the completion then joins it), else 0. */
@@ -425,7 +440,7 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     call->claim_store = cfg->store;
     call->claim_ticket = ticket;
     if ((o->flags & IDEM_METHOD_STEPS) && (st = idem__call_steps_begin(call)) != IDEM_OK) {
-        code = idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
+        code = steps_not_begun(call, st);
     } else if (keep != NULL && idem__keeper_lost(idem__inflight_keeper(call->rt->inflight), keep)) {
         return lapsed_before_start(call, cfg, key, keep);
     } else {

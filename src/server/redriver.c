@@ -17,7 +17,8 @@
  *       outlived it (deleting it at completion failed): delete it, or a later call with
  *       the same key, once the record is gone, would replay its steps
  *   the key now another request's → unlist it: the journal stays for this request's
- *       retry
+ *       retry; not once its compensation started: it stays listed and is re-run once
+ *       the key is free (meanwhile another request is refused, saga.c)
  *   lease alive → leave it to its owner
  *
  * Each write re-reads the record in its own txn, so a claim, completion or sweep

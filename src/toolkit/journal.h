@@ -55,7 +55,8 @@ typedef enum idem__redrive_verdict {
 idem_code idem__steps_forget_completed(idem_store *st, const idem__journaled_call *jc,
                                        idem__redrive_verdict *verdict);
 /* Another request's record under the key: delete the listing only (the journal stays
- * for this request's retry). */
+ * for this request's retry); not once its compensation started (SKIP): the call stays
+ * listed until a re-run finishes it. */
 idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
                              idem__redrive_verdict *verdict);
 /* This request's IN_PROGRESS record with its lease run out, or no record (a re-run
@@ -81,7 +82,9 @@ idem_code idem__call_steps_relist(idem_call *call);
 idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_claim_req *req,
                                  idem_claim_outcome *outcome, idem_record *rec);
 /* Before the handler of a journaled call runs under its claim: reads the key's
- * generation (call->step_gen, for derived keys). A failed read runs nothing. */
+ * generation (call->step_gen, for derived keys). A failed read runs nothing, nor does
+ * another request under a key whose last request's compensation is unfinished
+ * (IDEM_ABORTED, idem_errmsg says so): the key stays that request's until it is. */
 idem_code idem__call_steps_begin(idem_call *call);
 
 /* How a journaled call ends after its handler returned code (saga.c): runs the undos

@@ -4,7 +4,9 @@
  *   'c' base       → be32 code ‖ message: the final failure a compensation answers.
  *                    Written (under the claim) before the first undo runs, or by the
  *                    re-driver when it gives up on a call (steps_redrive.c); from then
- *                    on no new step runs and every run of the call answers that failure.
+ *                    on no new step runs and every run of the call answers that failure,
+ *                    and the key stays the call's: another request under it runs nothing
+ *                    (idem__call_steps_begin finds it through 'g') until it is deleted.
  *   'u' H(base, s) → "" once the undo of step s has run (s's hash as in its 's' entry,
  *                    so the journal's head lists it and the outcome deletes it).
  *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: read before a run
@@ -20,6 +22,39 @@
 
 #include "steps_internal.h"
 
+/* Whether the request fp, the key's last to record a step (its 'g' entry), left a
+ * compensation unfinished: its 'c' entry is there until its undos all ran (fresh_txn) or
+ * its outcome is stored. */
+static idem_code compensating(idem_call *call, const uint8_t fp[IDEM_FINGERPRINT_LEN], bool *yes)
+{
+    uint8_t base[32];
+    idem__journal j;
+    if (!idem__journal_base(idem_call_caller(call), call->req->method, call->key, fp, base)) {
+        return idem__err(IDEM_INTERNAL, "sha256 failed");
+    }
+    idem__journal_of_base(base, &j);
+    return idem__journal_entry_exists(call->claim_store, j.saga_key, yes);
+}
+
+/* The key stays with a request whose compensation is unfinished: another request under
+ * it would derive new keys and leave the earlier effects standing once the key is its
+ * own (that request's retry is refused "key reused", the re-driver finds the key
+ * another's). The earlier request's retry, or the re-driver, finishes it first. */
+static idem_code generation_of(idem_call *call, const uint8_t *v)
+{
+    bool busy = false;
+    bool same = memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    idem_code code = same ? IDEM_OK : compensating(call, v + 8, &busy);
+    if (code == IDEM_OK && busy) {
+        return idem__err(IDEM_ABORTED,
+                         "the key is compensating an earlier request (an undo of its steps "
+                         "did not finish); retry later: that request's retry with the same "
+                         "key (or the re-driver, where one runs) finishes it first");
+    }
+    call->step_gen = idem__get_be64(v) + (same ? 0 : 1); /* another request: new keys */
+    return code;
+}
+
 idem_code idem__call_steps_begin(idem_call *call)
 {
     idem__journal j;
@@ -31,13 +66,10 @@ idem_code idem__call_steps_begin(idem_call *call)
                                                       IDEM__JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* none yet: generation 0 */
     }
-    if (n == GEN_LEN) {
-        bool same = memcmp((const uint8_t *)v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-        call->step_gen = idem__get_be64(v) + (same ? 0 : 1); /* another request: new keys */
-    }
-    free(v);
-    return n == GEN_LEN ? IDEM_OK
+    code = n == GEN_LEN ? generation_of(call, v)
                         : idem__err(IDEM_DATA_LOSS, "a key's generation has an unknown format");
+    free(v);
+    return code;
 }
 
 typedef struct saga_step {

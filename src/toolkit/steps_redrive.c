@@ -135,17 +135,6 @@ static idem_code forget_completed_txn(idem_txn *t, void *arg)
                                                                : idem__journal_forget_txn(t, &a->j);
 }
 
-static idem_code unlist_txn(idem_txn *t, void *arg)
-{
-    redrive_args *a = arg;
-    idem_code code = record_is(t, a, 'o');
-    if (code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE) {
-        return code;
-    }
-    code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
-    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
-}
-
 /* Whether the journal's head lists a recorded step, and whether a compensation has
  * started ('c'), as t sees them. */
 static idem_code journal_state(idem_txn *t, const idem__journal *j, bool *steps, bool *saga)
@@ -158,6 +147,23 @@ static idem_code journal_state(idem_txn *t, const idem__journal *j, bool *steps,
         code = idem_txn_get(t, STEPS_DB, j->saga_key, JKEY, &v, &n);
     }
     *saga = code == IDEM_OK;
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* Unlists a call whose key another request holds, unless its compensation started: the
+ * re-driver then runs it again once the key is free (the other request is refused
+ * meanwhile, saga.c), never drops it with its effects standing. */
+static idem_code unlist_txn(idem_txn *t, void *arg)
+{
+    redrive_args *a = arg;
+    bool steps, saga;
+    idem_code code = record_is(t, a, 'o');
+    if (code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ||
+        (code = journal_state(t, &a->j, &steps, &saga)) != IDEM_OK || saga) {
+        a->verdict = IDEM__REDRIVE_SKIP;
+        return code;
+    }
+    code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
