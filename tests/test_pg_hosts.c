@@ -15,7 +15,10 @@
 #include "hung_host.h"
 #include "testutil.h"
 
-#define LEASE_MS 600
+/* Shorter than the connect timeout, so that a keeper that waited on the hung host would
+ * let the lease lapse; as long as that allows, so that a loaded machine's scheduling
+ * does not (600 ms lapsed at a load average of 20). */
+#define LEASE_MS 1500
 #define CONNECT_TIMEOUT_MS 2000 /* $IDEMRPC_TEST_PG's connect_timeout */
 
 static char schema[32], *conninfo, *via_hung;
