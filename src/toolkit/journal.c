@@ -257,7 +257,11 @@ idem_code idem__journal_record(idem_call *call, const idem__journal *j, const vo
                                size_t len)
 {
     record_args a = {.call = call, .j = *j, .fence = call->fence, .data = data, .len = len};
-    return record_retrying(call, &a);
+    idem_code code = record_retrying(call, &a);
+    if (code == IDEM_OK) {
+        atomic_store(&call->step_gen_pin, false); /* kept with the record */
+    }
+    return code;
 }
 
 static idem_code forget_txn(idem_txn *t, void *arg)

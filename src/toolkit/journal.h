@@ -84,6 +84,11 @@ idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_cla
  * generation (call->step_gen, for derived keys). A failed read runs nothing. */
 idem_code idem__call_steps_begin(idem_call *call);
 
+/* Keeps a generation the run drew (call->step_gen_pin) under its claim, before a key
+ * derived from it leaves (idem_call_derive_key); IDEM_OK at once when there is none to
+ * keep. A failure (the claim lost: ABORTED; a store outage) derives nothing. */
+idem_code idem__call_steps_pin(idem_call *call);
+
 /* How a journaled call ends after its handler returned code (saga.c): runs the undos
  * of its steps on a final failure (the call's answer may change: a compensation in
  * progress answers its recorded failure). */

@@ -1,0 +1,182 @@
+/* A key's later requests, and a journaled call after its outcome (issue 36, item 3),
+ * through the real server and client, on LMDB (generations) and PostgreSQL
+ * (generations_pg):
+ *   - once a request's record has expired and been swept, the key's next request
+ *     derives downstream keys of its own, never the earlier request's; the earlier
+ *     request's retries derived the same keys, as does a call whose journal an older
+ *     release wrote. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../src/toolkit/steps_internal.h"
+#include "testutil.h"
+
+#define CALLER "shop-web"
+#define PLACE "gen.Order/Place"
+
+static tu_backend store;
+static tu_server first, second;
+static atomic_int fail_next, n_derived;
+static char derived[8][IDEM_DERIVED_KEY_LEN + 1]; /* every run's key for step "charge" */
+
+/* ---- the order service ---- */
+
+/* gen.Order/Place: derives the key of its step "charge" and answers it; fail_next makes
+ * a run fail transiently after deriving it (the key has left: a downstream timed out). */
+static idem_code place(idem_call *call, void *arg)
+{
+    char key[IDEM_DERIVED_KEY_LEN + 1];
+    (void)arg;
+    idem_code code = idem_call_derive_key(call, "charge", key);
+    if (code != IDEM_OK) {
+        return idem_call_fail(call, code, "%s", idem_errmsg());
+    }
+    int i = atomic_fetch_add(&n_derived, 1);
+    if (i < 8) {
+        snprintf(derived[i], sizeof(derived[i]), "%s", key);
+    }
+    if (atomic_exchange(&fail_next, 0)) {
+        return idem_call_fail(call, IDEM_UNAVAILABLE, "the payment system timed out");
+    }
+    return idem_call_reply(call, IDEM_OK, key, strlen(key));
+}
+
+/* A server on the test's store; redrive_ms 0: no re-driver. */
+static void start(tu_server *ts, uint64_t redrive_ms)
+{
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = store.st;
+    o.redrive_interval_ms = redrive_ms;
+    tu_server_create(ts, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_STEPS | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(ts->srv, PLACE, place, NULL, &m), IDEM_OK);
+    tu_server_listen(ts);
+}
+
+static void setup(void)
+{
+    tu_backend_open(&store, "generations");
+}
+
+static void teardown(void)
+{
+    tu_server *servers[] = {&first, &second};
+    for (int i = 0; i < 2; i++) {
+        if (servers[i]->srv != NULL) {
+            tu_server_destroy(servers[i], false);
+        }
+    }
+    tu_backend_close(&store);
+}
+
+TestSuite(generations, .init = setup, .fini = teardown, .timeout = 60);
+
+static idem_code call(const char *url, const char *method, const char *key, const char *payload,
+                      idem_result *r)
+{
+    idem_client_opts o;
+    idem_client *c;
+    idem_client_opts_init(&o);
+    o.caller = CALLER;
+    o.retry.max_attempts = 1;
+    o.attempt_timeout_ms = 2000;
+    cr_assert_eq(idem_client_open(&c, (const char *[]){url}, 1, &o), IDEM_OK);
+    idem_request q = {.method = method,
+                      .idempotency_key = key,
+                      .payload = payload,
+                      .payload_len = strlen(payload)};
+    idem_code code = idem_client_call(c, &q, r);
+    idem_client_close(c);
+    return code;
+}
+
+/* The record of (method, key): IDEM_OK (then *rec, cleared by the caller) or NOT_FOUND. */
+static idem_code record_of(const char *method, const char *key, idem_record *rec)
+{
+    idem_key_ref ref = {CALLER, method, key};
+    idem_code code = idem_store_get(store.st, &ref, rec);
+    cr_assert(code == IDEM_OK || code == IDEM_NOT_FOUND, "%s", idem_errmsg());
+    return code;
+}
+
+/* The sweeper once the record's result TTL has passed: it is gone. */
+static void sweep_expired(const char *method, const char *key)
+{
+    idem_record rec;
+    size_t deleted = 0;
+    uint64_t later = idem__now_ms() + 2 * 24 * 3600 * 1000ull; /* past the default TTL */
+    for (int i = 0; i < 100 && record_of(method, key, &rec) == IDEM_OK; i++) {
+        idem_record_clear(&rec);
+        cr_assert_eq(idem_store_sweep(store.st, later, 1000, &deleted), IDEM_OK, "%s",
+                     idem_errmsg());
+    }
+    cr_assert_eq(record_of(method, key, &rec), IDEM_NOT_FOUND, "the record was swept");
+}
+
+/* A retry of a request derives its first run's keys; once its record is swept, the
+ * key's next requests (another request, then the first one again) derive new ones. */
+Test(generations, a_keys_later_request_never_derives_an_earlier_requests_keys)
+{
+    idem_result r;
+    start(&first, 0);
+    atomic_store(&fail_next, 1);
+    cr_assert_eq(call(first.url, PLACE, "cart-1", "A", &r), IDEM_UNAVAILABLE, "%s", r.message);
+    idem_result_clear(&r);
+    cr_assert_eq(call(first.url, PLACE, "cart-1", "A", &r), IDEM_OK, "%s", r.message);
+    cr_expect_str_eq(r.payload, derived[0], "the retry derived the first run's key");
+    idem_result_clear(&r);
+    cr_assert_eq(call(first.url, PLACE, "cart-1", "A", &r), IDEM_OK, "%s", r.message);
+    cr_expect(r.replayed, "the completed request replays");
+    idem_result_clear(&r);
+    const char *const later[] = {"B", "A"};
+    for (int i = 0; i < 2; i++) {
+        sweep_expired(PLACE, "cart-1");
+        cr_assert_eq(call(first.url, PLACE, "cart-1", later[i], &r), IDEM_OK, "%s", r.message);
+        idem_result_clear(&r);
+    }
+    cr_assert_eq(atomic_load(&n_derived), 4);
+    for (int i = 2; i < 4; i++) {
+        for (int j = 0; j < i; j++) {
+            cr_expect_str_neq(derived[i], derived[j], "request %d derived run %d's key", i, j);
+        }
+    }
+}
+
+/* A journal an older release wrote ('g': generation 0, kept with the first run's first
+ * step): the call's retry derives the key its first run sent (no generation mixed in). */
+Test(generations, a_call_whose_journal_an_older_release_wrote_keeps_its_derived_keys)
+{
+    idem_result r;
+    uint8_t d[32], g[GEN_LEN] = {0};
+    char want[IDEM_DERIVED_KEY_LEN + 1] = "d-";
+    start(&first, 0);
+    atomic_store(&fail_next, 1);
+    cr_assert_eq(call(first.url, PLACE, "cart-2", "A", &r), IDEM_UNAVAILABLE, "%s", r.message);
+    idem_result_clear(&r);
+    /* The same request's generation as an older release kept it (the fingerprint is the
+     * record's, read back from the claim's record before it was released: the journal
+     * is this request's). */
+    idem_txn *t;
+    idem__journal j;
+    const char *parts[4] = {CALLER, PLACE, "cart-2", "charge"};
+    cr_assert(idem__lp_sha256(parts, 3, NULL, 0, d));
+    j.gen_key[0] = 'g';
+    memcpy(j.gen_key + 1, d, 32);
+    const void *v;
+    size_t n;
+    cr_assert_eq(idem__store_txn_begin(store.st, &t), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_txn_get(t, IDEM__STEPS_DB, j.gen_key, IDEM__JKEY, &v, &n), IDEM_OK,
+                 "the run kept its generation before its key left: %s", idem_errmsg());
+    cr_assert_eq(n, GEN_LEN);
+    memcpy(g + 8, (const uint8_t *)v + 8, IDEM_FINGERPRINT_LEN);
+    cr_assert_eq(idem_txn_put(t, IDEM__STEPS_DB, j.gen_key, IDEM__JKEY, g, GEN_LEN), IDEM_OK);
+    cr_assert_eq(idem__store_txn_commit(t), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(call(first.url, PLACE, "cart-2", "A", &r), IDEM_OK, "%s", r.message);
+    cr_assert(idem__lp_sha256(parts, 4, NULL, 0, d));
+    idem__hex(want + 2, d, sizeof(d));
+    cr_expect_str_eq(r.payload, want, "generation 0's key, as the older release derived it");
+    idem_result_clear(&r);
+}
