@@ -4,22 +4,60 @@
  *   - once a request's record has expired and been swept, the key's next request
  *     derives downstream keys of its own, never the earlier request's; the earlier
  *     request's retries derived the same keys, as does a call whose journal an older
- *     release wrote. */
+ *     release wrote;
+ *   - a journaled call whose process dies right after its outcome's commit leaves no
+ *     listing for the re-driver: once its record is swept, it is not run again.
+ * The test's link wraps idem__call_steps_forget (tests/meson.build): the separate
+ * deletion of the journal that older releases committed after the outcome; a "death"
+ * stops its worker there until the test ends. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "../src/toolkit/steps_internal.h"
 #include "testutil.h"
 
 #define CALLER "shop-web"
 #define PLACE "gen.Order/Place"
+#define BOOK "gen.Order/Book"
 
 static tu_backend store;
 static tu_server first, second;
-static atomic_int fail_next, n_derived;
+static atomic_int runs, effects, fail_next, die_after_commit, n_derived;
 static char derived[8][IDEM_DERIVED_KEY_LEN + 1]; /* every run's key for step "charge" */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static bool buried;
+
+/* ---- the crash point of older releases ---- */
+
+extern idem_code __real_idem__call_steps_forget(idem_call *call) __attribute__((weak));
+idem_code __wrap_idem__call_steps_forget(idem_call *call);
+idem_code __wrap_idem__call_steps_forget(idem_call *call)
+{
+    if (!atomic_exchange(&die_after_commit, 0)) {
+        return __real_idem__call_steps_forget(call);
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 60; /* a hang guard: the test buries the worker at its end */
+    pthread_mutex_lock(&mu);
+    while (!buried && pthread_cond_timedwait(&cv, &mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&mu);
+    return idem__err(IDEM_UNAVAILABLE, "this process died");
+}
+
+static void bury(void)
+{
+    pthread_mutex_lock(&mu);
+    buried = true;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
 
 /* ---- the order service ---- */
 
@@ -43,6 +81,25 @@ static idem_code place(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, key, strlen(key));
 }
 
+static idem_code effect_fn(idem_call *call, void *arg, idem_step_result *out)
+{
+    (void)call, (void)arg, (void)out;
+    atomic_fetch_add(&effects, 1);
+    return IDEM_OK;
+}
+
+/* gen.Order/Book: one journaled step, then the answer; runs counts the handler's runs. */
+static idem_code book(idem_call *call, void *arg)
+{
+    idem_step_result r;
+    (void)arg;
+    atomic_fetch_add(&runs, 1);
+    idem_code code = idem_call_step(call, "effect", effect_fn, NULL, &r);
+    idem_step_result_clear(&r);
+    return code == IDEM_OK ? idem_call_reply(call, IDEM_OK, "booked", 6)
+                           : idem_call_fail(call, code, "%s", idem_errmsg());
+}
+
 /* A server on the test's store; redrive_ms 0: no re-driver. */
 static void start(tu_server *ts, uint64_t redrive_ms)
 {
@@ -53,6 +110,7 @@ static void start(tu_server *ts, uint64_t redrive_ms)
     tu_server_create(ts, &o);
     idem_method_opts m = {.flags = IDEM_METHOD_STEPS | IDEM_METHOD_KEY_REQUIRED};
     cr_assert_eq(idem_server_register(ts->srv, PLACE, place, NULL, &m), IDEM_OK);
+    cr_assert_eq(idem_server_register(ts->srv, BOOK, book, NULL, &m), IDEM_OK);
     tu_server_listen(ts);
 }
 
@@ -63,6 +121,7 @@ static void setup(void)
 
 static void teardown(void)
 {
+    bury();
     tu_server *servers[] = {&first, &second};
     for (int i = 0; i < 2; i++) {
         if (servers[i]->srv != NULL) {
@@ -179,4 +238,51 @@ Test(generations, a_call_whose_journal_an_older_release_wrote_keeps_its_derived_
     idem__hex(want + 2, d, sizeof(d));
     cr_expect_str_eq(r.payload, want, "generation 0's key, as the older release derived it");
     idem_result_clear(&r);
+}
+
+/* The journal's listing of (method, key) for the request whose fingerprint is fp. */
+static bool listed(const char *key, const uint8_t fp[IDEM_FINGERPRINT_LEN])
+{
+    uint8_t base[32];
+    idem__journal j;
+    bool exists = true;
+    cr_assert(idem__journal_base(CALLER, BOOK, key, fp, base));
+    idem__journal_of_base(base, &j);
+    cr_assert_eq(idem__journal_entry_exists(store.st, j.call_key, &exists), IDEM_OK, "%s",
+                 idem_errmsg());
+    return exists;
+}
+
+/* The first server's process dies right after the call's outcome is committed; its
+ * record expires and is swept before a re-driver (the second server's) looks: the call
+ * ran once, and nothing runs it again. */
+Test(generations, the_redriver_never_reruns_a_completed_call_whose_record_was_swept)
+{
+    idem_result r;
+    idem_record rec;
+    uint8_t fp[IDEM_FINGERPRINT_LEN];
+    bool completed = false;
+    start(&first, 3600 * 1000); /* lists journaled calls; its first pass is an hour away */
+    atomic_store(&die_after_commit, 1);
+    call(first.url, BOOK, "trip-1", "T", &r); /* answered, or its process "died" first */
+    idem_result_clear(&r);
+    for (int i = 0; i < 2000 && !completed; i++) { /* bounded: the outcome is committed */
+        if (record_of(BOOK, "trip-1", &rec) == IDEM_OK) {
+            completed = rec.state == IDEM_REC_COMPLETED;
+            memcpy(fp, rec.fingerprint, sizeof(fp));
+            idem_record_clear(&rec);
+        }
+        nanosleep(&(struct timespec){0, 5 * 1000 * 1000}, NULL);
+    }
+    cr_assert(completed, "the outcome was committed");
+    sweep_expired(BOOK, "trip-1");
+    start(&second, 20);
+    for (int i = 0; i < 2000 && listed("trip-1", fp); i++) { /* bounded: until unlisted */
+        nanosleep(&(struct timespec){0, 5 * 1000 * 1000}, NULL);
+    }
+    cr_expect(!listed("trip-1", fp), "no listing is left");
+    cr_expect_eq(atomic_load(&runs), 1, "the completed call did not run again");
+    cr_expect_eq(atomic_load(&effects), 1);
+    cr_expect_eq(record_of(BOOK, "trip-1", &rec), IDEM_NOT_FOUND, "no outcome was recorded again");
+    idem_record_clear(&rec);
 }

@@ -7,9 +7,9 @@
 #include "call.h"
 #include "store.h"
 
-/* Deletes the call's step journal, every run's steps (steps.c), once its outcome is
- * recorded. */
-idem_code idem__call_steps_forget(idem_call *call);
+/* Deletes the call's step journal in t, every run's steps, its listing and the key's
+ * generation (steps.c): in the txn that records the call's outcome. */
+idem_code idem__call_steps_forget_in(idem_call *call, idem_txn *t);
 
 /* A call listed for the re-driver (steps.c): it recorded a step on a server that runs
  * one, and has not been released nor recorded its outcome since. */

@@ -221,20 +221,11 @@ idem_code idem__call_steps_pin(idem_call *call)
     return code;
 }
 
-/* The whole journal, its listing and the key's generation, when there is any (a read
- * first: most calls of a method that records no step have none). */
-idem_code idem__call_steps_forget(idem_call *call)
+idem_code idem__call_steps_forget_in(idem_call *call, idem_txn *t)
 {
     journal j;
-    bool any = false;
     idem_code code = idem__journal_keys(call, NULL, &j);
-    const uint8_t *keys[3] = {j.head_key, j.gen_key, j.call_key};
-    for (int i = 0; code == IDEM_OK && !any && i < (call->rt->redrive ? 3 : 2); i++) {
-        code = idem__journal_entry_exists(call->claim_store, keys[i], &any);
-    }
-    return code != IDEM_OK || !any
-               ? code
-               : idem_store_run_txn(call->claim_store, idem__journal_forget_txn, &j);
+    return code != IDEM_OK ? code : idem__journal_forget_txn(t, &j);
 }
 
 /* The owner's unlisting, before it releases: the claim is still its own. */
