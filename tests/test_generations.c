@@ -176,11 +176,13 @@ static void sweep_expired(const char *method, const char *key)
 }
 
 /* A retry of a request derives its first run's keys; once its record is swept, the
- * key's next requests (another request, then the first one again) derive new ones. */
-Test(generations, a_keys_later_request_never_derives_an_earlier_requests_keys)
+ * key's next requests (another request, then the first one again) derive new ones. The
+ * generation is kept at the first derived key (redrive_ms 0), or in the claim's txn
+ * (a server with a re-driver). */
+static void later_requests_derive_new_keys(uint64_t redrive_ms)
 {
     idem_result r;
-    start(&first, 0);
+    start(&first, redrive_ms);
     atomic_store(&fail_next, 1);
     cr_assert_eq(call(first.url, PLACE, "cart-1", "A", &r), IDEM_UNAVAILABLE, "%s", r.message);
     idem_result_clear(&r);
@@ -204,6 +206,16 @@ Test(generations, a_keys_later_request_never_derives_an_earlier_requests_keys)
     }
 }
 
+Test(generations, a_keys_later_request_never_derives_an_earlier_requests_keys)
+{
+    later_requests_derive_new_keys(0);
+}
+
+Test(generations, with_a_redriver_a_keys_later_request_never_derives_an_earlier_requests_keys)
+{
+    later_requests_derive_new_keys(3600 * 1000);
+}
+
 /* A journal an older release wrote ('g': generation 0, kept with the first run's first
  * step): the call's retry derives the key its first run sent (no generation mixed in). */
 Test(generations, a_call_whose_journal_an_older_release_wrote_keeps_its_derived_keys)
@@ -215,9 +227,8 @@ Test(generations, a_call_whose_journal_an_older_release_wrote_keeps_its_derived_
     atomic_store(&fail_next, 1);
     cr_assert_eq(call(first.url, PLACE, "cart-2", "A", &r), IDEM_UNAVAILABLE, "%s", r.message);
     idem_result_clear(&r);
-    /* The same request's generation as an older release kept it (the fingerprint is the
-     * record's, read back from the claim's record before it was released: the journal
-     * is this request's). */
+    /* The request's generation as an older release kept it: 0, with the fingerprint of
+     * the entry this run kept before its key left. */
     idem_txn *t;
     idem__journal j;
     const char *parts[4] = {CALLER, PLACE, "cart-2", "charge"};

@@ -48,9 +48,10 @@ extern "C" {
 /* The downstream key of `step` of this call into out. IDEM_FAILED_PRECONDITION when the
  * call has no idempotency key (nothing stable to derive from: make the method
  * KEY_REQUIRED); IDEM_INVALID_ARGUMENT for a step name that is empty, too long or has
- * other characters. In a journaled call, the first key of a run whose generation is new
- * keeps the generation first (one commit): IDEM_ABORTED when the run lost its claim, a
- * store's code (UNAVAILABLE) when that failed; no key then. */
+ * other characters. In a journaled call on a server without a re-driver, the first key
+ * of a run whose generation is new keeps the generation first (one commit): IDEM_ABORTED
+ * when the run lost its claim, a store's code (UNAVAILABLE) when that failed; no key
+ * then. */
 IDEM_API idem_code idem_call_derive_key(const idem_call *call, const char *step,
                                         char out[IDEM_DERIVED_KEY_LEN + 1]);
 

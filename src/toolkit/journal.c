@@ -80,6 +80,28 @@ idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, cons
                : code;
 }
 
+/* In a claim's txn (steps_redrive.c): unless the key's generation is this request's,
+ * the claim's fence becomes it (idem__call_steps_begin then reads it as this request's),
+ * so that no commit of its own precedes the run's first derived key. */
+idem_code idem__journal_draw_generation(idem_txn *t, const idem_call *call, const idem__journal *j,
+                                        uint64_t fence)
+{
+    const void *v;
+    size_t n;
+    uint8_t g[GEN_LEN];
+    idem_code code = idem_txn_get(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, &v, &n);
+    if (code == IDEM_OK && n == GEN_LEN &&
+        memcmp((const uint8_t *)v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
+        return IDEM_OK;
+    }
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    idem__put_be64(g, fence);
+    memcpy(g + 8, call->fingerprint, IDEM_FINGERPRINT_LEN);
+    return idem_txn_put(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, g, GEN_LEN);
+}
+
 /* Whether the journal entry key is in the store (a read, so that a write txn is opened
  * only when there is something to write). */
 idem_code idem__journal_entry_exists(idem_store *st, const uint8_t key[JKEY], bool *exists)
