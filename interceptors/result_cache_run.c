@@ -53,6 +53,44 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
     return st;
 }
 
+/* One logfmt error line about this call (request id, method, what went wrong). */
+static void log_error(const idem_call *call, const char *what)
+{
+    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
+    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
+              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
+              idem__logfmt_quote(msg, sizeof(msg), what));
+}
+
+/* The outcome of a journaled call (IDEM_METHOD_STEPS) recorded in one txn with the
+ * deletion of its journal, listing and key generation: a crash between two commits left
+ * the listing, and once the record was swept the re-driver ran the completed call again.
+ * A deletion the store refuses (not an outage: that is retried whole) does not hold the
+ * outcome back: it is recorded alone, and the re-driver deletes the journal later. */
+static idem_code record_journaled(idem_call *call, const idem_cache_cfg *cfg,
+                                  const idem_key_ref *key, uint64_t owner)
+{
+    idem_txn *txn;
+    char detail[IDEM_LOGQ_CAP];
+    idem_code st = idem__store_txn_begin(cfg->store, &txn);
+    if (st != IDEM_OK) {
+        return st;
+    }
+    if ((st = idem__call_steps_forget_in(call, txn)) == IDEM_OK) {
+        return record_result(call, cfg, key, owner, txn, 0);
+    }
+    idem__store_txn_abort(txn);
+    if (st == IDEM_UNAVAILABLE || st == IDEM_RESOURCE_EXHAUSTED) {
+        return st;
+    }
+    snprintf(detail, sizeof(detail),
+             "deleting the step journal failed: %s; the outcome is recorded alone, and a "
+             "re-driver deletes the journal",
+             idem_errmsg());
+    log_error(call, detail);
+    return record_result(call, cfg, key, owner, NULL, 0);
+}
+
 /* After UNAVAILABLE, an ABORTED may mean our own earlier write did commit (its
  * acknowledgement was lost): the record then holds our result. */
 static bool recorded_by_us(const idem_cache_cfg *cfg, const idem_key_ref *key, uint64_t owner,
@@ -78,11 +116,14 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
 {
     idem_outage o = idem__outage_start();
     bool retried = false;
+    bool journaled = complete && (call->method->opts.flags & IDEM_METHOD_STEPS) &&
+                     call->claim_ticket == 0 && idem__store_has(cfg->store, IDEM__STORE_CAP_TXN);
     for (;;) {
         uint64_t ticket = call->claim_ticket; /* the first attempt ends a shared claim */
         call->claim_ticket = 0;
-        idem_code st = complete ? record_result(call, cfg, key, owner, NULL, ticket)
-                                : idem__store_release_shared(cfg->store, key, owner, ticket);
+        idem_code st = journaled  ? record_journaled(call, cfg, key, owner)
+                       : complete ? record_result(call, cfg, key, owner, NULL, ticket)
+                                  : idem__store_release_shared(cfg->store, key, owner, ticket);
         if (st == IDEM_ABORTED && retried && recorded_by_us(cfg, key, owner, complete)) {
             return IDEM_OK;
         }
@@ -92,15 +133,6 @@ static idem_code record_retrying(idem_call *call, const idem_cache_cfg *cfg,
         }
         retried = true;
     }
-}
-
-/* One logfmt error line about this call (request id, method, what went wrong). */
-static void log_error(const idem_call *call, const char *what)
-{
-    char id[IDEM_LOGQ_CAP], msg[IDEM_LOGQ_CAP];
-    idem__log(call->rt->obs, IDEM_LOG_ERROR, "request_id=%s method=\"%s\" msg=%s",
-              idem__logfmt_quote(id, sizeof(id), call->request_id), call->method->name,
-              idem__logfmt_quote(msg, sizeof(msg), what));
 }
 
 /* Our claim was taken over while the handler ran (it outlived max_run_ms, or the store
@@ -176,9 +208,8 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
  * A release keeps them for the retry and first takes the call off the re-driver's list
  * (the claim still live: a transient failure is the client's to retry), listing it
  * again if the release then fails; not when the re-driver ran it: its client is gone,
- * so the re-driver tries again within its budget. A recorded outcome deletes them (a
- * failure only leaves them behind; a re-driver deletes them later). Steps' failures
- * are logged, never the call's answer. */
+ * so the re-driver tries again within its budget. A recorded outcome deletes them in
+ * its own txn (record_journaled). Steps' failures are logged, never the call's answer. */
 static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                             uint64_t owner, bool released, idem__saga_end saga)
 {
@@ -190,9 +221,7 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
         log_error(call, idem_errmsg());
     }
     idem_code st = record_retrying(call, cfg, key, owner, !released);
-    if (st == IDEM_OK && steps && !released && idem__call_steps_forget(call) != IDEM_OK) {
-        log_error(call, idem_errmsg());
-    } else if (st != IDEM_OK && unlist) {
+    if (st != IDEM_OK && unlist) {
         idem__call_steps_relist(call); /* best effort, as the listing itself */
     }
     return st;

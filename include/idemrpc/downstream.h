@@ -8,11 +8,15 @@
  *                          [, "undo" inside an undo] [‖ be64 generation when > 0]))
  *
  * so every attempt, every re-run after a crash or a lease takeover, on any instance,
- * sends the same downstream key for the same step. The generation of a key (journaled
- * steps only) moves on when a call under it is released after a final failure or its
- * request changes (another fingerprint claims the key): the next run's downstream keys
- * are then new (see compensation below). The downstream caller is this
- * service (the client's own caller and signing identity), never the upstream caller.
+ * sends the same downstream key for the same step. The generation (journaled steps
+ * only) is the request's: kept with its fingerprint by its first run that derives a key
+ * or records a step, and drawn afresh (the claim's fence, which only grows store-wide)
+ * for the key's next request, after a release for a final failure, or once the call's
+ * record expired: a key's later requests never derive an earlier one's downstream keys
+ * (see compensation below). Without IDEM_METHOD_STEPS the generation is always 0: a
+ * request after the record expired derives the keys of the one before. The downstream
+ * caller is this service (the client's own caller and signing identity), never the
+ * upstream caller.
  * The call also inherits the upstream caller's whole-call deadline
  * (idem_call_overall_deadline_ms: over all of its attempts, not the one attempt that
  * reached us; an attempt that times out is retried and waits for this run) minus a
@@ -44,7 +48,10 @@ extern "C" {
 /* The downstream key of `step` of this call into out. IDEM_FAILED_PRECONDITION when the
  * call has no idempotency key (nothing stable to derive from: make the method
  * KEY_REQUIRED); IDEM_INVALID_ARGUMENT for a step name that is empty, too long or has
- * other characters. */
+ * other characters. In a journaled call on a server without a re-driver, the first key
+ * of a run whose generation is new keeps the generation first (one commit): IDEM_ABORTED
+ * when the run lost its claim, a store's code (UNAVAILABLE) when that failed; no key
+ * then. */
 IDEM_API idem_code idem_call_derive_key(const idem_call *call, const char *step,
                                         char out[IDEM_DERIVED_KEY_LEN + 1]);
 
@@ -133,8 +140,8 @@ IDEM_API void idem_step_result_clear(idem_step_result *r);
  *       some undos ran); another request needs another key;
  *   an undo failed transiently → the call is released with its journal (the caller gets
  *       UNAVAILABLE): a retry, or the re-driver, finishes the compensation.
- * A release after a final failure with no step completed also moves the key to a new
- * generation. Undos run while the call still holds its claim (max_run_ms bounds the
+ * A release after a final failure with no step completed also gives the key's next run
+ * a new generation. Undos run while the call still holds its claim (max_run_ms bounds the
  * handler and its compensation together); duplicates wait as for a running call.
  *
  * An undo runs after the handler has returned (and maybe in a later run, after a crash).

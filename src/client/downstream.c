@@ -5,6 +5,7 @@
 
 #include "call.h"
 #include "client_internal.h"
+#include "journal.h"
 
 #include "idemrpc/downstream.h"
 
@@ -21,6 +22,12 @@ idem_code idem_call_derive_key(const idem_call *call, const char *step,
                          "the call has no idempotency key to derive a downstream key from "
                          "(make %s KEY_REQUIRED)",
                          call->req->method);
+    }
+    /* The run's generation is in the store before a key derived from it leaves. The call
+     * is the handler's own (only this flag changes): the signature stays const. */
+    idem_code code = idem__call_steps_pin((idem_call *)call);
+    if (code != IDEM_OK) {
+        return code;
     }
     /* An undo's key is its own; a generation past 0 makes every key of the run new.
      * After the four parts come, each optional, "undo" (its prefix is be32 4) and the

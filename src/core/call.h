@@ -234,9 +234,12 @@ struct idem_call {
         char err[256];
     } claiming;
     /* Journaled steps (toolkit/steps.c, saga.c): the generation of the derived keys,
-     * read at the claim; the step whose undo runs now (its derived keys are the undo's);
-     * the steps this run completed with their undos, freed by saga_free (idem__call_fini). */
+     * read at the claim, and whether it is this claim's fence not yet kept in the store
+     * (step_gen_pin: kept before the first key derived from it leaves); the step whose
+     * undo runs now (its derived keys are the undo's); the steps this run completed with
+     * their undos, freed by saga_free (idem__call_fini). */
     uint64_t step_gen;
+    atomic_bool step_gen_pin;
     const char *undoing;
     struct idem__saga *saga;
     void (*saga_free)(idem_call *call);

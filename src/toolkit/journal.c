@@ -80,6 +80,50 @@ idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, cons
                : code;
 }
 
+/* Whether the request fp under call's key has a compensation marker ('c') in t. */
+static idem_code compensating_in(idem_txn *t, const idem_call *call, const uint8_t *fp, bool *yes)
+{
+    uint8_t base[32];
+    const void *v;
+    size_t n;
+    journal other;
+    if (!idem__journal_base(idem_call_caller(call), call->req->method, call->key, fp, base)) {
+        return idem__err(IDEM_INTERNAL, "sha256 failed");
+    }
+    idem__journal_of_base(base, &other);
+    idem_code code = idem_txn_get(t, IDEM__STEPS_DB, other.saga_key, IDEM__JKEY, &v, &n);
+    *yes = code == IDEM_OK;
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+/* In a claim's txn (steps_redrive.c): unless the key's generation is this request's,
+ * the claim's fence becomes it (idem__call_steps_begin then reads it as this request's),
+ * so that no commit of its own precedes the run's first derived key. Not while another
+ * request's compensation is unfinished: its 'g' says whose the key stays (saga.c). */
+idem_code idem__journal_draw_generation(idem_txn *t, const idem_call *call, const idem__journal *j,
+                                        uint64_t fence)
+{
+    const void *v;
+    size_t n;
+    uint8_t g[GEN_LEN];
+    bool busy = false;
+    idem_code code = idem_txn_get(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, &v, &n);
+    if (code == IDEM_OK && n == GEN_LEN &&
+        memcmp((const uint8_t *)v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
+        return IDEM_OK;
+    }
+    if (code == IDEM_OK && n == GEN_LEN &&
+        ((code = compensating_in(t, call, (const uint8_t *)v + 8, &busy)) != IDEM_OK || busy)) {
+        return code;
+    }
+    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+        return code;
+    }
+    idem__put_be64(g, fence);
+    memcpy(g + 8, call->fingerprint, IDEM_FINGERPRINT_LEN);
+    return idem_txn_put(t, IDEM__STEPS_DB, j->gen_key, IDEM__JKEY, g, GEN_LEN);
+}
+
 /* Whether the journal entry key is in the store (a read, so that a write txn is opened
  * only when there is something to write). */
 idem_code idem__journal_entry_exists(idem_store *st, const uint8_t key[JKEY], bool *exists)
@@ -257,7 +301,11 @@ idem_code idem__journal_record(idem_call *call, const idem__journal *j, const vo
                                size_t len)
 {
     record_args a = {.call = call, .j = *j, .fence = call->fence, .data = data, .len = len};
-    return record_retrying(call, &a);
+    idem_code code = record_retrying(call, &a);
+    if (code == IDEM_OK) {
+        atomic_store(&call->step_gen_pin, false); /* kept with the record */
+    }
+    return code;
 }
 
 static idem_code forget_txn(idem_txn *t, void *arg)

@@ -7,9 +7,9 @@
 #include "call.h"
 #include "store.h"
 
-/* Deletes the call's step journal, every run's steps (steps.c), once its outcome is
- * recorded. */
-idem_code idem__call_steps_forget(idem_call *call);
+/* Deletes the call's step journal in t, every run's steps, its listing and the key's
+ * generation (steps.c): in the txn that records the call's outcome. */
+idem_code idem__call_steps_forget_in(idem_call *call, idem_txn *t);
 
 /* A call listed for the re-driver (steps.c): it recorded a step on a server that runs
  * one, and has not been released nor recorded its outcome since. */
@@ -86,6 +86,11 @@ idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_cla
  * another request under a key whose last request's compensation is unfinished
  * (IDEM_ABORTED, idem_errmsg says so): the key stays that request's until it is. */
 idem_code idem__call_steps_begin(idem_call *call);
+
+/* Keeps a generation the run drew (call->step_gen_pin) under its claim, before a key
+ * derived from it leaves (idem_call_derive_key); IDEM_OK at once when there is none to
+ * keep. A failure (the claim lost: ABORTED; a store outage) derives nothing. */
+idem_code idem__call_steps_pin(idem_call *call);
 
 /* How a journaled call ends after its handler returned code (saga.c): runs the undos
  * of its steps on a final failure (the call's answer may change: a compensation in

@@ -10,8 +10,8 @@
  *   'u' H(base, s) → "" once the undo of step s has run (s's hash as in its 's' entry,
  *                    so the journal's head lists it and the outcome deletes it).
  *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: read before a run
- *                    (idem__call_steps_begin), kept with its first record, moved on
- *                    by a release for good (fresh_txn).
+ *                    (idem__call_steps_begin), kept before its first derived key
+ *                    leaves or with its first record, deleted with the journal.
  *
  * A run knows the undos of the steps it completed or replayed (idem_call_step_with, in
  * order); a step recorded by an earlier run that this run did not reach has no known
@@ -36,35 +36,47 @@ static idem_code compensating(idem_call *call, const uint8_t fp[IDEM_FINGERPRINT
     return idem__journal_entry_exists(call->claim_store, j.saga_key, yes);
 }
 
-/* The key stays with a request whose compensation is unfinished: another request under
- * it would derive new keys and leave the earlier effects standing once the key is its
- * own (that request's retry is refused "key reused", the re-driver finds the key
- * another's). The earlier request's retry, or the re-driver, finishes it first. */
+/* The key's 'g' entry v: this request's kept generation (its earlier runs', or an older
+ * release's), or another request's. The key stays with another request whose
+ * compensation is unfinished: this one would derive new keys and leave the earlier
+ * effects standing once the key is its own (that request's retry is refused "key
+ * reused", the re-driver finds the key another's). The earlier request's retry, or the
+ * re-driver, finishes it first. Else this run keeps its claim's fence as generation. */
 static idem_code generation_of(idem_call *call, const uint8_t *v)
 {
     bool busy = false;
-    bool same = memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
-    idem_code code = same ? IDEM_OK : compensating(call, v + 8, &busy);
+    if (memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
+        call->step_gen = idem__get_be64(v); /* this request's: its keys stay */
+        atomic_store(&call->step_gen_pin, false);
+        return IDEM_OK;
+    }
+    idem_code code = compensating(call, v + 8, &busy);
     if (code == IDEM_OK && busy) {
         return idem__err(IDEM_ABORTED,
                          "the key is compensating an earlier request (an undo of its steps "
                          "did not finish); retry later: that request's retry with the same "
                          "key (or the re-driver, where one runs) finishes it first");
     }
-    call->step_gen = idem__get_be64(v) + (same ? 0 : 1); /* another request: new keys */
     return code;
 }
 
+/* The generation of a run: the one kept for this request ('g' with its fingerprint),
+ * else this claim's fence. Fences only grow, store-wide, so a generation drawn so was
+ * never a generation of this key before, even once the key's 'g' is gone (deleted with
+ * a completed call's journal, whose record then expires): a key's later request never
+ * derives an earlier one's keys. A drawn one is kept before a key derived from it
+ * leaves (idem__call_steps_pin), so the request's retries derive the same keys. */
 idem_code idem__call_steps_begin(idem_call *call)
 {
     idem__journal j;
     void *v;
     size_t n;
-    call->step_gen = 0;
+    call->step_gen = call->fence;
+    atomic_store(&call->step_gen_pin, true);
     idem_code code = idem__journal_keys(call, NULL, &j);
     if (code != IDEM_OK || (code = idem_store_app_get(call->claim_store, IDEM__STEPS_DB, j.gen_key,
                                                       IDEM__JKEY, &v, &n)) != IDEM_OK) {
-        return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* none yet: generation 0 */
+        return code == IDEM_NOT_FOUND ? IDEM_OK : code; /* none yet */
     }
     code = n == GEN_LEN ? generation_of(call, v)
                         : idem__err(IDEM_DATA_LOSS, "a key's generation has an unknown format");
@@ -201,19 +213,13 @@ static idem_code start_txn(idem_txn *t, void *arg)
     return code != IDEM_OK ? code : idem__journal_put_failure(t, &a->j, a->code, a->msg);
 }
 
-/* Every effect undone: the journal goes and the key's generation moves on, under the
- * claim, before the release. */
+/* Every effect undone: the journal goes with the key's generation, under the claim,
+ * before the release; the next run draws a new one (its claim's fence). */
 static idem_code fresh_txn(idem_txn *t, void *arg)
 {
     saga_args *a = arg;
-    uint8_t g[8 + IDEM_FINGERPRINT_LEN];
     idem_code code = idem__journal_claim_held(t, a->call, a->call->fence);
-    if (code != IDEM_OK || (code = idem__journal_forget_txn(t, &a->j)) != IDEM_OK) {
-        return code;
-    }
-    idem__put_be64(g, a->call->step_gen + 1);
-    memcpy(g + 8, a->call->fingerprint, IDEM_FINGERPRINT_LEN);
-    return idem_txn_put(t, IDEM__STEPS_DB, a->j.gen_key, IDEM__JKEY, g, sizeof(g));
+    return code != IDEM_OK ? code : idem__journal_forget_txn(t, &a->j);
 }
 
 /* Runs (or finds recorded) the undo of e. IDEM_OK: undone; a transient code: not yet

@@ -11,7 +11,8 @@
  *                       compensation answers (saga.c)
  *   'g' H(caller, method, key) → be64 generation ‖ fingerprint: the generation mixed
  *                       into the run's derived keys (saga.c: read before the run,
- *                       kept with its first record)
+ *                       kept before its first derived key leaves or with its first
+ *                       record)
  * where base = SHA-256(len-prefixed caller, method, key, request fingerprint): a
  * different request under a reused key never sees another request's steps. A record
  * txn first checks, in the txn, that the call's record is still IN_PROGRESS under the
@@ -197,20 +198,34 @@ idem_code idem_call_step_with(idem_call *call, const char *step, idem_step_fn fn
     return code;
 }
 
-/* The whole journal, its listing and the key's generation, when there is any (a read
- * first: most calls of a method that records no step have none). */
-idem_code idem__call_steps_forget(idem_call *call)
+static idem_code pin_txn(idem_txn *t, void *arg)
+{
+    const listing *a = arg;
+    idem_code code = idem__journal_claim_held(t, a->call, a->fence);
+    return code != IDEM_OK ? code : idem__journal_keep_generation(t, a->call, &a->j);
+}
+
+idem_code idem__call_steps_pin(idem_call *call)
+{
+    listing a = {.call = call, .fence = call->fence};
+    if (!atomic_load(&call->step_gen_pin)) {
+        return IDEM_OK;
+    }
+    if (call->claim_store == NULL) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "keys are derived only inside the call's claim");
+    }
+    idem_code code = idem__journal_keys(call, NULL, &a.j);
+    if (code == IDEM_OK && (code = idem_store_run_txn(call->claim_store, pin_txn, &a)) == IDEM_OK) {
+        atomic_store(&call->step_gen_pin, false);
+    }
+    return code;
+}
+
+idem_code idem__call_steps_forget_in(idem_call *call, idem_txn *t)
 {
     journal j;
-    bool any = false;
     idem_code code = idem__journal_keys(call, NULL, &j);
-    const uint8_t *keys[3] = {j.head_key, j.gen_key, j.call_key};
-    for (int i = 0; code == IDEM_OK && !any && i < (call->rt->redrive ? 3 : 2); i++) {
-        code = idem__journal_entry_exists(call->claim_store, keys[i], &any);
-    }
-    return code != IDEM_OK || !any
-               ? code
-               : idem_store_run_txn(call->claim_store, idem__journal_forget_txn, &j);
+    return code != IDEM_OK ? code : idem__journal_forget_txn(t, &j);
 }
 
 /* The owner's unlisting, before it releases: the claim is still its own. */

@@ -65,6 +65,9 @@ idem_code idem__journal_put_failure(idem_txn *t, const idem__journal *j, idem_co
 /* Keeps the run's generation with its fingerprint in t (a record's txn): written when
  * absent or changed (steps.c). */
 idem_code idem__journal_keep_generation(idem_txn *t, const idem_call *call, const idem__journal *j);
+/* In the claim's txn t: keeps fence as the key's generation unless it is this request's. */
+idem_code idem__journal_draw_generation(idem_txn *t, const idem_call *call, const idem__journal *j,
+                                        uint64_t fence);
 /* The saga's bookkeeping of a step this run completed or replayed (saga.c). */
 idem_code idem__saga_add(idem_call *call, const char *step, const idem_step_opts *opts,
                          const idem_step_result *out);

@@ -37,8 +37,9 @@ static idem_code put_listing(idem_txn *t, const uint8_t *call_key, const void *v
     return code;
 }
 
-/* The claim, and when it acquires (or takes over) the listing for the re-driver in the
- * same txn: a run that dies inside its first step is finished too. A listing already
+/* The claim, and when it acquires (or takes over) the listing for the re-driver and the
+ * key's generation in the same txn: a run that dies inside its first step is finished
+ * too. A listing already
  * there (a takeover) is kept with its count of re-runs; its holder is new, so a
  * re-driver's count of the last one's death is over (CALL_COUNTED cleared). */
 static idem_code claim_txn(idem_txn *t, claim_args *a)
@@ -47,7 +48,8 @@ static idem_code claim_txn(idem_txn *t, claim_args *a)
     size_t n;
     idem_code code = idem__store_txn_claim(t, a->req, a->outcome, a->rec);
     bool owned = *a->outcome == IDEM_CLAIM_ACQUIRED || *a->outcome == IDEM_CLAIM_TAKEN_OVER;
-    if (code != IDEM_OK || !owned) {
+    if (code != IDEM_OK || !owned ||
+        (code = idem__journal_draw_generation(t, a->call, &a->j, a->rec->owner)) != IDEM_OK) {
         return code;
     }
     code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n);
