@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -313,4 +314,34 @@ Test(tombstones, the_sweep_removes_expired_tombstones_in_bounded_batches)
         cr_assert_eq(idem_store_tombstone_get(st, &k, &t), IDEM_NOT_FOUND);
     }
     tu_backend_close(&b);
+}
+
+/* idemctl shows a key's tombstone and deletes it; the late duplicate then runs again. */
+Test(tombstones, idemctl_shows_and_deletes_a_tombstone)
+{
+    fixture f;
+    open_fixture(&f, TOMB_TTL_MS);
+    if (tu_backend_is_pg()) {
+        close_fixture(&f);
+        cr_skip_test("idemctl on PostgreSQL: docs/operations.md");
+    }
+    cr_assert_eq(pay_once(&f, "ctl-1", "100"), IDEM_OK);
+    wait_result_expired(&f, "ctl-1");
+    sweep_all(&f);
+    const char *ctl = getenv("IDEMCTL");
+    cr_assert_not_null(ctl, "IDEMCTL unset");
+    char out[4096];
+    const char *show[] = {ctl, "--db", f.b.dir, "show", PAY, "ctl-1", "--caller", "", NULL};
+    cr_assert_eq(tu_run_captured(show, out, sizeof(out)), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "state: TOMBSTONE"), "%s", out);
+    cr_assert_not_null(strstr(out, "outcome: OK"), "%s", out);
+    const char *del[] = {ctl, "--db", f.b.dir, "delete", PAY, "ctl-1", "--caller", "", NULL};
+    cr_assert_eq(tu_run_captured(del, out, sizeof(out)), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "deleted the tombstone"), "%s", out);
+    idem_tombstone t;
+    idem_key_ref k = {"", PAY, "ctl-1"};
+    cr_assert_eq(idem_store_tombstone_get(f.st, &k, &t), IDEM_NOT_FOUND);
+    cr_assert_eq(pay_once(&f, "ctl-1", "100"), IDEM_OK);
+    cr_assert_eq(atomic_load(&runs), 2, "a deleted tombstone frees the key");
+    close_fixture(&f);
 }

@@ -338,9 +338,9 @@ static idem_code server_start(idem_server *srv)
         fast_path = fast_path && srv->chain.items[i].fast_safe;
     }
     srv->rt.can_park = idem__chain_can_park(&srv->chain);
-    idem__tomb_keep_set(srv->store, &srv->opts, srv->methods, srv->n_methods);
     idem_code code;
-    if ((code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
+    if ((code = idem__tomb_keep_set(srv->store, &srv->opts, srv->methods, srv->n_methods)) ||
+        (code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
         (code = idem__sweeper_start(&srv->sweeper, srv->store, srv->opts.sweep_interval_ms,
                                     srv->opts.sweep_batch, srv->rt.obs)) != IDEM_OK) {
         return code;

@@ -47,13 +47,13 @@ void idem__server_opts_defaults(idem_server_opts *o)
     }
 }
 
-void idem__tomb_keep_set(idem_store *st, const idem_server_opts *o, const idem_method *methods,
-                         size_t n)
+idem_code idem__tomb_keep_set(idem_store *st, const idem_server_opts *o, const idem_method *methods,
+                              size_t n)
 {
     uint64_t keep = o->tombstone_ttl_ms;
     for (size_t i = 0; i < n; i++) {
         uint64_t m = methods[i].opts.tombstone_ttl_ms;
         keep = m > keep ? m : keep;
     }
-    idem__store_tomb_keep(st, keep);
+    return idem__store_tomb_keep(st, keep);
 }

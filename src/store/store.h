@@ -223,9 +223,9 @@ void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
 idem_code idem__store_claim_durable(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                     uint64_t ticket);
 
-/* ops->tomb_keep where the store has tombstones (a no-op elsewhere): the longest
- * tombstone horizon of the servers sharing st, which the sweep keeps them for. */
-void idem__store_tomb_keep(idem_store *st, uint64_t keep_ms);
+/* ops->tomb_keep: the longest tombstone horizon of the servers sharing st, which the
+ * sweep keeps them for. FAILED_PRECONDITION for a nonzero one on a store without them. */
+idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms);
 /* The code a serialized idem.v1.Response carries (field 1); IDEM_UNKNOWN when the bytes
  * hold none that is valid. */
 idem_code idem__response_code(const void *buf, size_t len);
