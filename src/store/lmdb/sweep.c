@@ -1,5 +1,7 @@
 /* The sweep: deletes what the expiry index says is due, oldest first, in bounded
  * batches; an expired COMPLETED record leaves its tombstone (tombs.c). */
+#include <string.h>
+
 #include "lmdb_internal.h"
 
 /* Deletes what one expiry entry points at; the cursor stays on the entry. */
@@ -9,12 +11,14 @@ static int sweep_one(lmdb_store *st, MDB_txn *txn, const MDB_val *iv)
     if (iv->mv_size < 2) {
         return 0; /* malformed entry: dropping it below is all we can do */
     }
-    MDB_val k = {iv->mv_size - 1, (void *)(p + 1)}, v;
+    rec_key name; /* a copy: the tombstone's writes below may move the entry's bytes */
+    MDB_val k = {iv->mv_size - 1, name.bytes}, v;
     MDB_dbi dbi = p[0] == TYPE_TOKEN ? st->tokens : p[0] == TYPE_TOMB ? st->tombs : st->records;
     int rc = 0;
-    if (p[0] == TYPE_TOMB && !st->has_tombs) {
-        return 0;
+    if ((p[0] == TYPE_TOMB && !st->has_tombs) || k.mv_size > sizeof(name.bytes)) {
+        return 0; /* (an entry longer than any key is malformed: dropped below) */
     }
+    memcpy(name.bytes, p + 1, k.mv_size);
     if (p[0] == TYPE_RECORD && (rc = mdb_get(txn, dbi, &k, &v)) == 0) {
         rc = idem__lmdb_tomb_leave(st, txn, &k, &v); /* before the delete: v is the map's */
     }
