@@ -345,3 +345,27 @@ Test(tombstones, idemctl_shows_and_deletes_a_tombstone)
     cr_assert_eq(atomic_load(&runs), 2, "a deleted tombstone frees the key");
     close_fixture(&f);
 }
+
+/* A store that keeps no tombstones (PostgreSQL, for now) refuses a horizon at the first
+ * listen, so that a late duplicate never runs again silently. */
+Test(tombstones, a_store_without_tombstones_refuses_a_horizon_at_start)
+{
+    char schema[32];
+    char *conninfo = tu_pg_schema_create(schema); /* skips without $IDEMRPC_TEST_PG */
+    idem_store *st;
+    cr_assert_eq(tu_pg_open(&st, conninfo, 2), IDEM_OK, "%s", idem_errmsg());
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = st;
+    o.tombstone_ttl_ms = TOMB_TTL_MS;
+    tu_server ts;
+    tu_server_create(&ts, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(ts.srv, PAY, h_charge, NULL, &m), IDEM_OK);
+    cr_expect_eq(idem_server_listen(ts.srv, "tcp://127.0.0.1:0"), IDEM_FAILED_PRECONDITION);
+    cr_expect_not_null(strstr(idem_errmsg(), "keeps no tombstones"), "%s", idem_errmsg());
+    tu_server_destroy(&ts, false);
+    idem_store_close(st);
+    tu_pg_schema_drop(schema);
+    free(conninfo);
+}
