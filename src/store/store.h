@@ -89,7 +89,7 @@ typedef struct idem_store_ops {
     idem_code (*sweep)(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
     /* Optional (NULL: no tombstones; the three go together). tomb_keep sets how long
      * the sweep keeps a tombstone after its result expired (0: none, the default). */
-    void (*tomb_keep)(idem_store *st, uint64_t keep_ms);
+    idem_code (*tomb_keep)(idem_store *st, uint64_t keep_ms);
     idem_code (*tomb_get)(idem_store *st, const idem_key_ref *key, idem_tombstone *out);
     idem_code (*tomb_del)(idem_store *st, const idem_key_ref *key);
     idem_code (*token_put)(idem_store *st, const char *token, const char *scope,

@@ -8,8 +8,9 @@
 idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms)
 {
     if (st->ops->tomb_keep != NULL) {
-        st->ops->tomb_keep(st, keep_ms);
-    } else if (keep_ms != 0) {
+        return st->ops->tomb_keep(st, keep_ms);
+    }
+    if (keep_ms != 0) {
         return idem__err(IDEM_FAILED_PRECONDITION,
                          "tombstone_ttl_ms: the %s store keeps no tombstones (LMDB does); a late "
                          "duplicate would run again",

@@ -11,6 +11,7 @@
  *   meta     "fence" → be64 last owner id handed out (store-assigned owners); a fence a
  *            redo of this process tried is not drawn again here even when that redo
  *            failed and the counter did not move (lmdb_store.fence_floor);
+ *            "tomb_keep" → be64 how long the sweep keeps tombstones (tombs.c);
  *            "format" → be32 IDEM__LMDB_FORMAT, the layout described here (env.c: a
  *            newer one is refused at open)
  * An IN_PROGRESS record keeps, after its header, the token its claim consumed
@@ -226,7 +227,7 @@ int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uin
 /* rc-style. The sweep of an expired record (v, at key): a COMPLETED one leaves its
  * tombstone when the store keeps them. */
 int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v);
-void idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms);
+idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms);
 idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out);
 idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref);
 

@@ -16,6 +16,8 @@
 #include "lmdb_internal.h"
 
 #define TOMB_LEN (IDEM_TOMBSTONE_FP_LEN + 3 * 8 + 4)
+#define KEEP_NAME "tomb_keep" /* meta: be64 the longest keep any server asked for */
+#define KEEP_NAME_LEN 9
 
 /* rc-style (ENOMEM): the tombstone's key, a hash of the effective key. */
 static int tomb_key(uint8_t out[IDEM__LMDB_TOMB_KEY_LEN], const void *key, size_t len)
@@ -62,15 +64,15 @@ static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t
     return IDEM_OK;
 }
 
-/* The tombstone an expired COMPLETED record (v) stands for, until the store's keep. */
-static void tomb_of_record(const lmdb_store *st, const MDB_val *v, idem_tombstone *t)
+/* The tombstone an expired COMPLETED record (v) stands for, kept for keep_ms. */
+static void tomb_of_record(const MDB_val *v, uint64_t keep_ms, idem_tombstone *t)
 {
     rec_hdr h;
     memcpy(&h, v->mv_data, sizeof(h));
     memcpy(t->fingerprint, h.fingerprint, IDEM_TOMBSTONE_FP_LEN);
     t->first_at_ms = h.first_at_ms;
     t->expired_at_ms = h.expires_ms;
-    t->until_ms = idem__add_sat(h.expires_ms, atomic_load(&st->tomb_keep_ms));
+    t->until_ms = idem__add_sat(h.expires_ms, keep_ms);
     t->code = idem__response_code((const uint8_t *)v->mv_data + sizeof(h), v->mv_size - sizeof(h));
 }
 
@@ -98,8 +100,7 @@ idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
     idem_tombstone t;
     *stale_until = 0;
     if (expired != NULL) {
-        tomb_of_record(st, expired, &t);
-        t.until_ms = UINT64_MAX; /* not swept yet: the claim's horizon alone bounds it */
+        tomb_of_record(expired, UINT64_MAX, &t); /* not swept: the claim's horizon bounds it */
     } else {
         idem_code code = tomb_read(st, txn, key->bytes, key->len, &t);
         if (code != IDEM_OK) {
@@ -129,19 +130,37 @@ int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uin
     return idem__lmdb_index_del(st, txn, until, kb, sizeof(kb));
 }
 
+/* The keep "meta" holds (0: none). */
+static uint64_t meta_keep(const lmdb_store *st, MDB_txn *txn)
+{
+    MDB_val k = {KEEP_NAME_LEN, KEEP_NAME}, v;
+    if (!st->has_meta || mdb_get(txn, st->meta, &k, &v) != 0 || v.mv_size != 8) {
+        return 0;
+    }
+    return idem__get_be64(v.mv_data);
+}
+
+/* The longest keep any server asked for: this process's, or one kept in "meta". */
+static uint64_t keep_of(lmdb_store *st, MDB_txn *txn)
+{
+    uint64_t keep = atomic_load(&st->tomb_keep_ms), kept = meta_keep(st, txn);
+    return kept > keep ? kept : keep;
+}
+
 int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v)
 {
     rec_hdr h;
     uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN], vb[TOMB_LEN];
     idem_tombstone t;
-    if (!st->has_tombs || atomic_load(&st->tomb_keep_ms) == 0 || v->mv_size < sizeof(h)) {
+    if (!st->has_tombs || v->mv_size < sizeof(h)) {
         return 0;
     }
     memcpy(&h, v->mv_data, sizeof(h));
-    if (h.magic != REC_MAGIC || h.state != IDEM_REC_COMPLETED) {
+    uint64_t keep = h.magic == REC_MAGIC && h.state == IDEM_REC_COMPLETED ? keep_of(st, txn) : 0;
+    if (keep == 0) {
         return 0;
     }
-    tomb_of_record(st, v, &t);
+    tomb_of_record(v, keep, &t);
     tomb_encode(vb, &t);
     int rc = tomb_key(kb, key->mv_data, key->mv_size);
     MDB_val k = {sizeof(kb), kb}, tv = {sizeof(vb), vb};
@@ -151,13 +170,32 @@ int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, cons
     return idem__lmdb_index_put(st, txn, t.until_ms, TYPE_TOMB, kb, sizeof(kb));
 }
 
-/* The longest keep any server on the store asked for. */
-void idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms)
+static idem_code keep_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    uint8_t b[8];
+    if (meta_keep(w->st, txn) >= w->ms) {
+        return IDEM_OK;
+    }
+    idem__put_be64(b, w->ms);
+    MDB_val k = {KEEP_NAME_LEN, KEEP_NAME}, v = {sizeof(b), b};
+    int rc = mdb_put(txn, w->st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "tombstone keep");
+}
+
+/* The longest keep any server on the store asked for, in this process and in "meta"
+ * (so that every process's sweep, idemctl's too, keeps tombstones that long). */
+idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms)
 {
     lmdb_store *st = (lmdb_store *)base;
     uint64_t cur = atomic_load(&st->tomb_keep_ms);
     while (keep_ms > cur && !atomic_compare_exchange_weak(&st->tomb_keep_ms, &cur, keep_ms)) {
     }
+    if (keep_ms == 0 || !st->has_meta || st->read_only) {
+        return IDEM_OK;
+    }
+    write_args w = {.st = st, .ms = keep_ms};
+    return idem__lmdb_write(st, keep_apply, &w);
 }
 
 idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out)
