@@ -51,6 +51,20 @@ static idem_code reject_mismatch(idem_call *call)
                         "idempotency key reused with a different request");
 }
 
+/* A late duplicate of a call whose result expired, within the tombstone horizon: done,
+ * and never run again (docs/semantics.md "Tombstones"). */
+static idem_code answer_result_gone(idem_call *call, const idem_record *rec)
+{
+    char first_at[24];
+    snprintf(first_at, sizeof(first_at), "%" PRIu64, rec->first_at_ms);
+    idem__call_set_meta(call, "idem-result-gone", idem_code_name(rec->result_code));
+    idem__call_set_meta(call, "idem-first-at", first_at);
+    return idem__reject(call, IDEM_REASON_RESULT_GONE, IDEM_ALREADY_EXISTS,
+                        "already done: the first call with this key ended %s and its result "
+                        "expired; not run again",
+                        idem_code_name(rec->result_code));
+}
+
 static idem_code answer_in_progress(idem_call *call)
 {
     char hint[16];
@@ -148,9 +162,15 @@ static bool other_request_on_disk(const idem_cache_cfg *cfg, const idem_key_ref 
                                   const uint8_t fingerprint[IDEM_FINGERPRINT_LEN])
 {
     idem_record rec;
+    idem_tombstone t;
     idem_code code = idem_store_get(cfg->store, key, &rec);
     bool other = code == IDEM_OK && memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) != 0;
     idem_record_clear(&rec);
+    if (code == IDEM_NOT_FOUND && cfg->tombstone_ttl_ms != 0) { /* or the tombstone it left */
+        code = idem_store_tombstone_get(cfg->store, key, &t);
+        other = code == IDEM_OK && memcmp(t.fingerprint, fingerprint, IDEM_TOMBSTONE_FP_LEN) != 0;
+        code = code == IDEM_UNIMPLEMENTED ? IDEM_NOT_FOUND : code;
+    }
     return other || (code != IDEM_OK && code != IDEM_NOT_FOUND); /* unreadable: as decided */
 }
 
@@ -164,11 +184,13 @@ static bool look_again(const idem_cache_cfg *cfg, const idem_key_ref *key,
                        idem_claim_outcome outcome)
 {
     idem__store_ticket_drop(cfg->store, ticket);
-    if (outcome != IDEM_CLAIM_COMPLETED && outcome != IDEM_CLAIM_MISMATCH) {
+    if (outcome != IDEM_CLAIM_COMPLETED && outcome != IDEM_CLAIM_MISMATCH &&
+        outcome != IDEM_CLAIM_TOMBSTONE) {
         return false;
     }
     idem__store_ticket_wait(cfg->store, ticket); /* nothing uncommitted is answered */
-    return outcome == IDEM_CLAIM_COMPLETED || !other_request_on_disk(cfg, key, fingerprint);
+    return outcome == IDEM_CLAIM_COMPLETED ||
+           (outcome == IDEM_CLAIM_MISMATCH && !other_request_on_disk(cfg, key, fingerprint));
 }
 
 /* The claim of key by this call: a lease from now, the result TTL after it. Notes when
@@ -185,6 +207,8 @@ static idem_claim_req claim_request(idem_call *call, const idem_cache_cfg *cfg,
     req.now_ms = idem__rt_now_ms(call->rt);
     req.lease_until_ms = idem__add_sat(req.now_ms, lease);
     req.expires_ms = idem__add_sat(req.lease_until_ms, cfg->result_ttl_ms);
+    req.tombstone_ttl_ms =
+        m->opts.tombstone_ttl_ms ? m->opts.tombstone_ttl_ms : cfg->tombstone_ttl_ms;
     return req;
 }
 
@@ -275,6 +299,8 @@ static idem_code after_claim(idem_call *call, idem_next next, const idem_cache_c
         return idem__rc_replay(call, rec);
     case IDEM_CLAIM_MISMATCH:
         return reject_mismatch(call);
+    case IDEM_CLAIM_TOMBSTONE:
+        return answer_result_gone(call, rec);
     case IDEM_CLAIM_IN_PROGRESS:
         break;
     }

@@ -335,8 +335,8 @@ static int cmd_show(idem_store *st, const args *a)
         }
         char why[512];
         snprintf(why, sizeof(why), "%s", idem_errmsg());
-        if (code == IDEM_NOT_FOUND && idemctl_show_listed(st, a)) {
-            return 0; /* released, its journal held by the re-driver */
+        if (code == IDEM_NOT_FOUND && (idemctl_show_tomb(st, a) || idemctl_show_listed(st, a))) {
+            return 0; /* its result expired, or released with its journal held */
         }
         fprintf(stderr, "idemctl: %s\n", why);
         return 1;
@@ -390,7 +390,12 @@ static int cmd_delete(idem_store *st, const args *a)
 {
     idem_key_ref k = {a->caller, a->method, a->key};
     idem_record rec;
-    if (idem_store_get(st, &k, &rec) != IDEM_OK) {
+    idem_code code = idem_store_get(st, &k, &rec);
+    idem_tombstone t;
+    if (code == IDEM_NOT_FOUND && idem_store_tombstone_get(st, &k, &t) == IDEM_OK) {
+        return idemctl_delete_tomb(st, a); /* its result expired: the tombstone goes */
+    }
+    if (code != IDEM_OK) {
         fprintf(stderr, "idemctl: %s\n", idem_errmsg());
         return 1;
     }

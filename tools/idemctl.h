@@ -29,6 +29,10 @@ void idemctl_escape(const void *bytes, size_t len, size_t shown, char *out);
  * main parses it itself and returns the exit status. */
 bool idemctl_dead_wanted(int argc, char **argv);
 int idemctl_dead_main(int argc, char **argv);
+/* Tombstones (idemctl_tomb.c): show prints the key's (a->caller, method, key) and says
+ * whether it has one; delete deletes it (exit status 0 or 1, reported). */
+bool idemctl_show_tomb(struct idem_store *st, const args *a);
+int idemctl_delete_tomb(struct idem_store *st, const args *a);
 /* journals (idemctl_journal.c): the calls the re-driver holds; exit status 0 or 1. */
 int idemctl_journals(struct idem_store *st, const args *a);
 /* show: the journal of rec's request after its record (JSON: the value of "journal");

@@ -29,6 +29,8 @@ void idemctl_usage(FILE *f)
                "  options may come before or after the command; --limit defaults to 100;\n"
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
                "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
+               "  show and delete with --caller: a key whose result expired and left a\n"
+               "  tombstone (LMDB) shows it, and delete deletes it;\n"
                "  list --lapsed: calls in progress whose lease has passed (their owner stopped\n"
                "  renewing it); --older-ms MS: calls in progress claimed MS or more ago (both on\n"
                "  the store's clock: PostgreSQL's, this host's for LMDB);\n"

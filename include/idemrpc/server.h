@@ -120,6 +120,8 @@ typedef struct idem_method_opts {
     bool store_invalid_argument;
     idem_fingerprint_fn fingerprint; /* optional; see idem_fingerprint_fn */
     void *fingerprint_arg;
+    /* The dedup horizon after the result TTL; 0 = the server's tombstone_ttl_ms. */
+    uint64_t tombstone_ttl_ms;
 } idem_method_opts;
 
 typedef enum idem_log_level {
@@ -249,6 +251,13 @@ typedef struct idem_server_opts {
      * RESOURCE_EXHAUSTED when it is larger than the bound) and close; the call ran, a
      * retry with its idempotency key replays the answer. The rest are served. */
     size_t http_max_buffered;
+    /* A dedup horizon longer than the result's (docs/semantics.md "Tombstones"): for
+     * this long after a COMPLETED result expired, a late duplicate (same key, same
+     * fingerprint) is answered ALREADY_EXISTS with metadata idem-result-gone (HTTP: 410
+     * Gone) and never runs again; another request under the key is "key reused". The
+     * sweep keeps a small tombstone instead of the record meanwhile. 0 (default) = off:
+     * an expired result is as no record, as before 0.4. Per method: tombstone_ttl_ms. */
+    uint64_t tombstone_ttl_ms;
 } idem_server_opts;
 
 typedef enum idem_builtin {

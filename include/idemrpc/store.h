@@ -42,6 +42,10 @@ typedef struct idem_key_ref {
 typedef enum idem_record_state {
     IDEM_REC_IN_PROGRESS = 1,
     IDEM_REC_COMPLETED = 2,
+    /* What a COMPLETED record leaves once its result expired, within the method's
+     * tombstone horizon (idem_server_opts.tombstone_ttl_ms): no response, result_code
+     * says how the call ended. Only a claim reports it (IDEM_CLAIM_TOMBSTONE). */
+    IDEM_REC_TOMBSTONE = 3,
 } idem_record_state;
 
 /* A record as read from the store. response is a malloc'd copy of the stored
@@ -59,6 +63,9 @@ typedef struct idem_record {
      * to compare lease_until_ms and expires_ms with; 0 when the store keeps the
      * callers' times (LMDB): compare with your own clock. */
     uint64_t now_ms;
+    /* IDEM_REC_TOMBSTONE: the code the call completed with (IDEM_OK or a final error);
+     * expires_ms is then when its result expired. */
+    idem_code result_code;
 } idem_record;
 
 typedef struct idem_claim_req {
@@ -75,6 +82,10 @@ typedef struct idem_claim_req {
      * acquires a new record; scoped to key.caller. The IN_PROGRESS record keeps it: a
      * release puts it back (same transaction), a completion uses it up for good. */
     const char *token;
+    /* 0: a COMPLETED record whose result expired is as no record (0.3's behaviour).
+     * Else for this long after the result expired its tombstone answers the claim:
+     * IDEM_CLAIM_TOMBSTONE for the same fingerprint, IDEM_CLAIM_MISMATCH for another. */
+    uint64_t tombstone_ttl_ms;
 } idem_claim_req;
 
 typedef enum idem_claim_outcome {
@@ -83,6 +94,7 @@ typedef enum idem_claim_outcome {
     IDEM_CLAIM_COMPLETED,    /* record holds the first result (in *rec) */
     IDEM_CLAIM_IN_PROGRESS,  /* another owner holds a live lease (in *rec) */
     IDEM_CLAIM_MISMATCH,     /* same key, other fingerprint: nothing changed */
+    IDEM_CLAIM_TOMBSTONE,    /* done, its result expired and is gone (*rec: the tombstone) */
 } idem_claim_outcome;
 
 typedef struct idem_store_stats {
@@ -224,6 +236,25 @@ IDEM_API idem_code idem_store_get(idem_store *st, const idem_key_ref *key, idem_
 
 /* Unconditional delete (operator tool). IDEM_NOT_FOUND when absent. */
 IDEM_API idem_code idem_store_delete(idem_store *st, const idem_key_ref *key);
+
+/* A tombstone: what the sweep keeps of a COMPLETED record whose result expired, while
+ * a server's tombstone horizon runs (idem_server_opts.tombstone_ttl_ms). Keyed by a hash
+ * of the effective key; it keeps half of the request's fingerprint. */
+#define IDEM_TOMBSTONE_FP_LEN 16
+typedef struct idem_tombstone {
+    uint8_t fingerprint[IDEM_TOMBSTONE_FP_LEN]; /* the first bytes of the request's */
+    idem_code code;                             /* the outcome: IDEM_OK or a final error */
+    uint64_t first_at_ms;                       /* when the call first ran */
+    uint64_t expired_at_ms;                     /* when its result expired */
+    uint64_t until_ms;                          /* when the sweep deletes it */
+} idem_tombstone;
+/* The key's tombstone (operator tools); IDEM_NOT_FOUND when it has none, and
+ * IDEM_UNIMPLEMENTED on a backend without tombstones. */
+IDEM_API idem_code idem_store_tombstone_get(idem_store *st, const idem_key_ref *key,
+                                            idem_tombstone *out);
+/* Deletes the key's tombstone: a late duplicate then runs again. IDEM_NOT_FOUND when
+ * absent. */
+IDEM_API idem_code idem_store_tombstone_delete(idem_store *st, const idem_key_ref *key);
 
 /* Deletes at most max records and tokens whose expiry is <= now_ms, in one write txn.
  * PostgreSQL: now_ms is read as "the database clock + (now_ms - this host's clock)". */

@@ -44,7 +44,8 @@ typedef struct idem_method {
 #define IDEM_REASON_DEBOUNCED "debounced"
 #define IDEM_REASON_DEADLINE "deadline"
 #define IDEM_REASON_CLAIM_LOST "claim_lost"
-#define IDEM_REASON_IDENTITY "identity" /* unauthenticated, or not the verified caller */
+#define IDEM_REASON_RESULT_GONE "result_gone" /* done before; its result expired */
+#define IDEM_REASON_IDENTITY "identity"       /* unauthenticated, or not the verified caller */
 
 /* Library rejection: idem_call_fail plus the reason. */
 idem_code idem__reject(idem_call *call, const char *reason, idem_code code, const char *fmt, ...)
@@ -120,6 +121,7 @@ typedef struct idem_token_cfg {
 typedef struct idem_cache_cfg {
     idem_store *store;
     uint64_t result_ttl_ms, lease_ms, max_wait_ms, max_run_ms;
+    uint64_t tombstone_ttl_ms; /* 0: none */
 } idem_cache_cfg;
 
 /* Why a chain returned without an answer. */

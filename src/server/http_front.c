@@ -73,6 +73,9 @@ static uint16_t http_status(const idem_call *call)
     if (call->reason != NULL && strcmp(call->reason, IDEM_REASON_TOO_LARGE) == 0) {
         return 413;
     }
+    if (call->reason != NULL && strcmp(call->reason, IDEM_REASON_RESULT_GONE) == 0) {
+        return 410; /* done before, its result expired (a tombstone): never run again */
+    }
     for (size_t i = 0; i < IDEM_ARRAY_LEN(code_status); i++) {
         if (code_status[i].code == call->code) {
             return code_status[i].status;
@@ -157,6 +160,8 @@ static void set_headers(idem_hres *res, const idem_call *call)
             idem__hres_header(res, "Retry-After", num);
         } else if (strcmp(kv->name, "idem-first-at") == 0) {
             idem__hres_header(res, "Idem-First-At", kv->value);
+        } else if (strcmp(kv->name, "idem-result-gone") == 0) {
+            idem__hres_header(res, "Idem-Result-Gone", kv->value);
         } else if (strcmp(kv->name, "idem-key") == 0) {
             idem__hres_header(res, "Idem-Key", kv->value);
         } else {
@@ -179,6 +184,7 @@ static const char *reason_phrase(uint16_t status)
         {404, "Not Found"},
         {405, "Method Not Allowed"},
         {409, "Conflict"},
+        {410, "Gone"},
         {413, "Content Too Large"},
         {422, "Unprocessable Content"},
         {429, "Too Many Requests"},

@@ -215,7 +215,6 @@ idem_code idem_server_use_builtin(idem_server *srv, idem_builtin which)
 }
 
 /* ---- test and fuzz entry points (server_internal.h) ---- */
-
 bool idem__server_run(idem_server *srv, const void *frame, size_t len, bool fast_only,
                       idem_served *out)
 {
@@ -268,7 +267,8 @@ static idem_code server_open(idem_server *srv)
                                   .result_ttl_ms = srv->opts.result_ttl_ms,
                                   .lease_ms = srv->opts.lease_ms,
                                   .max_wait_ms = srv->opts.max_wait_ms,
-                                  .max_run_ms = srv->opts.max_run_ms};
+                                  .max_run_ms = srv->opts.max_run_ms,
+                                  .tombstone_ttl_ms = srv->opts.tombstone_ttl_ms};
     idem_dispatch_cfg d = {.chain = &srv->chain,
                            .find_method = method_find,
                            .find_arg = srv,
@@ -291,7 +291,6 @@ idem_code idem_server_create(idem_server **out, const idem_server_opts *opts)
 {
     idem_server *srv;
     idem_code code;
-
     idem__err_clear();
     *out = NULL;
     if ((srv = calloc(1, sizeof(*srv))) == NULL) {
@@ -341,7 +340,8 @@ static idem_code server_start(idem_server *srv)
     }
     srv->rt.can_park = idem__chain_can_park(&srv->chain);
     idem_code code;
-    if ((code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
+    if ((code = idem__tomb_keep_set(srv->store, &srv->opts, srv->methods, srv->n_methods)) ||
+        (code = idem__dispatch_start(srv->dispatch)) != IDEM_OK ||
         (code = idem__sweeper_start(&srv->sweeper, srv->store, srv->opts.sweep_interval_ms,
                                     srv->opts.sweep_batch, srv->rt.obs)) != IDEM_OK) {
         return code;

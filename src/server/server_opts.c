@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "server_setup.h"
+#include "store.h"
 
 #define DEFAULT_MAX_FRAME ((size_t)4 << 20)
 #define DEFAULT_CONTEXTS 256 /* parked duplicates hold a context, not a thread */
@@ -44,4 +45,15 @@ void idem__server_opts_defaults(idem_server_opts *o)
     if (o->http_max_buffered == 0) {
         o->http_max_buffered = o->max_frame > SIZE_MAX / 64 ? SIZE_MAX : 64 * o->max_frame;
     }
+}
+
+idem_code idem__tomb_keep_set(idem_store *st, const idem_server_opts *o, const idem_method *methods,
+                              size_t n)
+{
+    uint64_t keep = o->tombstone_ttl_ms;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t m = methods[i].opts.tombstone_ttl_ms;
+        keep = m > keep ? m : keep;
+    }
+    return idem__store_tomb_keep(st, keep);
 }

@@ -9,6 +9,11 @@
 /* Fills every field of o left 0 with its default (and caps redrive_max_runs). */
 void idem__server_opts_defaults(idem_server_opts *o);
 
+/* Tells st's sweep to keep tombstones for the longest horizon of the server (o) and its
+ * methods (methods[0..n)); FAILED_PRECONDITION when there is one and st keeps none. */
+idem_code idem__tomb_keep_set(idem_store *st, const idem_server_opts *o, const idem_method *methods,
+                              size_t n);
+
 /* The chain must keep the promises of every registered method (methods[0..n)) on this
  * store: FAILED_PRECONDITION, saying which, when it does not. */
 idem_code idem__chain_check(const idem_chain *chain, const idem_method *methods, size_t n,

@@ -83,7 +83,15 @@ typedef struct idem_store_ops {
     idem_code (*get_borrowed)(idem_store *st, const idem_key_ref *key, idem_record *rec,
                               idem_borrow *borrow);
     idem_code (*del)(idem_store *st, const idem_key_ref *key);
+    /* Deletes up to max of what expired by now_ms; a COMPLETED record among them leaves
+     * its tombstone (idem_tombstone) until its expiry plus the store's tombstone keep
+     * (tomb_keep) when that is nonzero. */
     idem_code (*sweep)(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
+    /* Optional (NULL: no tombstones; the three go together). tomb_keep sets how long
+     * the sweep keeps a tombstone after its result expired (0: none, the default). */
+    idem_code (*tomb_keep)(idem_store *st, uint64_t keep_ms);
+    idem_code (*tomb_get)(idem_store *st, const idem_key_ref *key, idem_tombstone *out);
+    idem_code (*tomb_del)(idem_store *st, const idem_key_ref *key);
     idem_code (*token_put)(idem_store *st, const char *token, const char *scope,
                            uint64_t expires_ms, uint64_t now_ms);
     idem_code (*token_consume)(idem_store *st, const char *token, const char *scope,
@@ -214,6 +222,13 @@ void idem__store_ticket_wait(idem_store *st, uint64_t ticket);
  * another writer took the key or the fence meanwhile. */
 idem_code idem__store_claim_durable(idem_store *st, const idem_key_ref *key, uint64_t owner,
                                     uint64_t ticket);
+
+/* ops->tomb_keep: the longest tombstone horizon of the servers sharing st, which the
+ * sweep keeps them for. FAILED_PRECONDITION for a nonzero one on a store without them. */
+idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms);
+/* The code a serialized idem.v1.Response carries (field 1); IDEM_UNKNOWN when the bytes
+ * hold none that is valid. */
+idem_code idem__response_code(const void *buf, size_t len);
 
 /* ops->renew_batch, or renew for each when the backend has no batch. */
 idem_code idem__store_renew_batch(idem_store *st, idem__renewal *r, size_t n);

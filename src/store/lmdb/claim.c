@@ -60,14 +60,16 @@ static void claim_acquired(const claim_ctx *c, const idem_claim_req *at, bool to
  * a live result (COMPLETED) or a live lease (IN_PROGRESS), with c->rec filled. Otherwise
  * the claim goes on: a new key, an expired result, or a lease to take over. */
 static idem_code look_existing(MDB_txn *txn, const claim_ctx *c, rec_hdr *old, rec_token *tok,
-                               bool *have_old, bool *decided)
+                               bool *have_old, bool *decided, uint64_t *stale_tomb)
 {
     const idem_claim_req *req = c->req;
     MDB_val k = {c->key->len, (void *)c->key->bytes}, v;
     idem_code code;
     int rc = mdb_get(txn, c->st->records, &k, &v);
-    if (rc == MDB_NOTFOUND) {
-        return IDEM_OK;
+    *stale_tomb = 0;
+    if (rc == MDB_NOTFOUND) { /* a tombstone within the horizon decides, else none */
+        return idem__lmdb_tomb_look(c->st, txn, c->key, NULL, req, c->outcome, c->rec, decided,
+                                    stale_tomb);
     }
     if (rc != 0) {
         return idem__lmdb_code(rc, "claim get");
@@ -81,7 +83,8 @@ static idem_code look_existing(MDB_txn *txn, const claim_ctx *c, rec_hdr *old, r
         idem__lmdb_rec_token_read(tok, &v); /* a takeover inherits the consumed token */
     }
     if (old->state == IDEM_REC_COMPLETED && old->expires_ms <= req->now_ms) {
-        return IDEM_OK; /* expired */
+        return idem__lmdb_tomb_look(c->st, txn, c->key, &v, req, c->outcome, c->rec, decided,
+                                    stale_tomb); /* expired: its tombstone, or free */
     }
     if (memcmp(old->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) != 0) {
         *c->outcome = IDEM_CLAIM_MISMATCH;
@@ -104,7 +107,7 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     rec_hdr old;
     rec_token tok = {.len = 0};
     bool have_old = false, decided = false;
-    uint64_t owner = req->owner;
+    uint64_t owner = req->owner, stale_tomb;
     idem_code code;
     int rc;
 
@@ -112,7 +115,7 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
         idem_record_clear(c->rec);
         memset(c->rec, 0, sizeof(*c->rec));
     }
-    code = look_existing(txn, c, &old, &tok, &have_old, &decided);
+    code = look_existing(txn, c, &old, &tok, &have_old, &decided, &stale_tomb);
     if (code != IDEM_OK || decided) {
         return code;
     }
@@ -135,7 +138,8 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     if (owner == 0 && (code = idem__lmdb_next_fence(c->st, txn, &owner)) != IDEM_OK) {
         return code;
     }
-    if ((rc = claim_write(c->st, txn, c->key, &at, owner, have_old ? &old : NULL, &tok)) != 0) {
+    if ((stale_tomb != 0 && (rc = idem__lmdb_tomb_delete(c->st, txn, c->key, stale_tomb)) != 0) ||
+        (rc = claim_write(c->st, txn, c->key, &at, owner, have_old ? &old : NULL, &tok)) != 0) {
         return idem__lmdb_code(rc, "claim put");
     }
     claim_acquired(c, &at, took_over, owner);

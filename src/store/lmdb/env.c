@@ -161,6 +161,10 @@ static int open_dbis(lmdb_store *st, bool ro, bool create)
     rc = mdb_dbi_open(txn, "meta", ro ? 0 : MDB_CREATE, &st->meta);
     st->has_meta = rc == 0;
     st->read_only = ro;
+    if (rc == 0 || (ro && rc == MDB_NOTFOUND)) { /* "tombs" came with 0.4, as "meta" did */
+        rc = mdb_dbi_open(txn, "tombs", ro ? 0 : MDB_CREATE, &st->tombs);
+        st->has_tombs = rc == 0;
+    }
     if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
         mdb_txn_abort(txn);
         return rc;
@@ -314,6 +318,9 @@ const idem_store_ops idem__lmdb_ops = {
     .get_borrowed = idem__lmdb_get_borrowed,
     .del = idem__lmdb_delete,
     .sweep = idem__lmdb_sweep,
+    .tomb_keep = idem__lmdb_tomb_keep,
+    .tomb_get = idem__lmdb_tomb_get,
+    .tomb_del = idem__lmdb_tomb_del,
     .token_put = idem__lmdb_token_put,
     .token_consume = idem__lmdb_token_consume,
     .stats = idem__lmdb_stats,

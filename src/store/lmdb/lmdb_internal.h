@@ -4,9 +4,14 @@
  *   records  effective key → rec_hdr + serialized idem.v1.Response (COMPLETED only)
  *   tokens   token         → tok_hdr + scope
  *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
+ *   tombs    sha256(effective key)[0..16] → fingerprint[0..16] ‖ be64 first_at ‖
+ *            be64 expired_at ‖ be64 until ‖ be32 code (tombs.c: a swept COMPLETED
+ *            record, kept while tomb_keep_ms runs; its expiry entry is at until, type
+ *            'T'. Older binaries sweep such an entry as a record's and keep the tombstone)
  *   meta     "fence" → be64 last owner id handed out (store-assigned owners); a fence a
  *            redo of this process tried is not drawn again here even when that redo
  *            failed and the counter did not move (lmdb_store.fence_floor);
+ *            "tomb_keep" → be64 how long the sweep keeps tombstones (tombs.c);
  *            "format" → be32 IDEM__LMDB_FORMAT, the layout described here (env.c: a
  *            newer one is refused at open)
  * An IN_PROGRESS record keeps, after its header, the token its claim consumed
@@ -18,7 +23,8 @@
  * The files, by concern: env.c (open/close, the read-txn pool, the ops table),
  * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
  * renew), fence.c (the fence counter of store-assigned owners), tokens.c (tokens and the
- * token an IN_PROGRESS record keeps), expiry.c (the expiry index and the sweep), gate.c
+ * token an IN_PROGRESS record keeps), expiry.c (the expiry index), tombs.c (tombstones),
+ * sweep.c (the sweep of what the index says is due), gate.c
  * (the write gate: group commit, or the thread's own handler txn), txn.c (business
  * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
@@ -45,7 +51,7 @@
 #define REC_MAGIC 0x69640001u /* "id" v1 */
 #define READ_POOL 64          /* reset read txns kept (each holds a reader slot) */
 
-enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't' };
+enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't', TYPE_TOMB = 'T' };
 
 typedef struct rec_hdr {
     uint32_t magic;
@@ -68,9 +74,11 @@ typedef struct app_db {
 typedef struct lmdb_store {
     idem_store base; /* first: the generic store */
     MDB_env *env;
-    MDB_dbi records, tokens, expiry, meta;
+    MDB_dbi records, tokens, expiry, meta, tombs;
     bool has_meta;  /* false only for a read-only open of a store older than "meta" */
-    bool read_only; /* IDEM_STORE_READONLY */
+    bool has_tombs; /* false only for a read-only open of a store older than "tombs" */
+    _Atomic uint64_t tomb_keep_ms; /* how long the sweep keeps a tombstone; 0: none */
+    bool read_only;                /* IDEM_STORE_READONLY */
     idem_group_commit gc;
     /* The largest fence a shared claim's redo re-applied or tried to (claim.c): a redo
      * that failed leaves the counter on disk below it, and no claim of this process
@@ -201,7 +209,27 @@ int idem__lmdb_index_put(lmdb_store *st, MDB_txn *txn, uint64_t expires, uint8_t
                          const void *name, size_t len);
 int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const void *name,
                          size_t len);
+/* sweep.c */
 idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
+
+/* tombs.c: tombstones (idem_tombstone), their claim and sweep. */
+#define IDEM__LMDB_TOMB_KEY_LEN 16
+/* A claim met no live record at key: `expired`, the COMPLETED record whose result expired
+ * (NULL: none). Within req's horizon the tombstone (of that record, or swept) decides
+ * the claim (*decided: TOMBSTONE or MISMATCH, rec filled when not NULL); else
+ * *stale_until is the expiry of a swept tombstone the claim must delete (0: none). */
+idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
+                               const MDB_val *expired, const idem_claim_req *req,
+                               idem_claim_outcome *outcome, idem_record *rec, bool *decided,
+                               uint64_t *stale_until);
+/* rc-style. Deletes key's tombstone, whose expiry entry is at until. */
+int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t until);
+/* rc-style. The sweep of an expired record (v, at key): a COMPLETED one leaves its
+ * tombstone when the store keeps them. */
+int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v);
+idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms);
+idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out);
+idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref);
 
 /* gate.c */
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);

@@ -2,7 +2,7 @@
 #ifndef IDEMRPC_STORE_LMDB_H
 #define IDEMRPC_STORE_LMDB_H
 
-#define IDEM_LMDB_MAX_DBS 33 /* named databases per env: 4 of idemrpc, 29 business (as in 0.1) */
+#define IDEM_LMDB_MAX_DBS 34 /* named databases per env: 5 of idemrpc, 29 business (as in 0.1) */
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,0 +1,143 @@
+/* Tombstones on LMDB (docs/semantics.md "Tombstones"): bytes per tombstone and the
+ * sweep's cost. Fills N COMPLETED records (payload-sized responses) whose results have
+ * expired, sweeps them into tombstones and times it, reads the "tombs" and "expiry"
+ * databases' pages with mdb_stat, then times the sweep that deletes the tombstones.
+ * Prints values, asserts nothing.
+ *   idemrpc-tombstone-bytes [N] [PAYLOAD_BYTES] [BATCH] */
+#include <lmdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "store.h"
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int fail(const char *what)
+{
+    fprintf(stderr, "tombstone-bytes: %s: %s\n", what, idem_errmsg());
+    return 1;
+}
+
+/* n expired COMPLETED records of len-byte responses, every one claimed at t0. */
+static int fill(idem_store *st, size_t n, size_t len, uint64_t t0)
+{
+    char key[32], *resp = calloc(1, len + 1);
+    if (resp == NULL) {
+        return fail("out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        snprintf(key, sizeof(key), "order-%zu", i);
+        idem_claim_req req = {.key = {"shop", "pay.Pay/Charge", key},
+                              .now_ms = t0,
+                              .lease_until_ms = t0 + 100,
+                              .expires_ms = t0 + 200};
+        req.fingerprint[0] = (uint8_t)i;
+        idem_claim_outcome out;
+        idem_record rec;
+        if (idem_store_claim(st, &req, &out, &rec) != IDEM_OK ||
+            idem__store_complete_at(st, &req.key, rec.owner, resp, len, t0 + 10, t0, 0) !=
+                IDEM_OK) {
+            free(resp);
+            return fail("fill");
+        }
+        idem_record_clear(&rec);
+    }
+    free(resp);
+    return 0;
+}
+
+/* Batches of at most batch until none is due at now: the total, and the seconds in *s. */
+static int sweep(idem_store *st, uint64_t now, size_t batch, size_t *total, double *s)
+{
+    size_t n;
+    double t = mono_s();
+    *total = 0;
+    do {
+        if (idem_store_sweep(st, now, batch, &n) != IDEM_OK) {
+            return fail("sweep");
+        }
+        *total += n;
+    } while (n == batch);
+    *s = mono_s() - t;
+    return 0;
+}
+
+/* The pages of the named databases (the store closed: one env per process). */
+static int db_bytes(const char *dir, const char *name, size_t *bytes, size_t *entries)
+{
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_stat s;
+    int rc = mdb_env_create(&env);
+    if (rc == 0 && (rc = mdb_env_set_maxdbs(env, 64)) == 0 &&
+        (rc = mdb_env_set_mapsize(env, 1ull << 30)) == 0 &&
+        (rc = mdb_env_open(env, dir, MDB_RDONLY, 0600)) == 0 &&
+        (rc = mdb_txn_begin(env, NULL, MDB_RDONLY, &txn)) == 0) {
+        if ((rc = mdb_dbi_open(txn, name, 0, &dbi)) == 0 && (rc = mdb_stat(txn, dbi, &s)) == 0) {
+            *bytes = (s.ms_branch_pages + s.ms_leaf_pages + s.ms_overflow_pages) * s.ms_psize;
+            *entries = s.ms_entries;
+        }
+        mdb_txn_abort(txn);
+    }
+    mdb_env_close(env);
+    if (rc != 0) {
+        fprintf(stderr, "tombstone-bytes: %s: %s\n", name, mdb_strerror(rc));
+    }
+    return rc != 0;
+}
+
+int main(int argc, char **argv)
+{
+    size_t n = argc > 1 ? strtoul(argv[1], NULL, 10) : 100000;
+    size_t len = argc > 2 ? strtoul(argv[2], NULL, 10) : 64;
+    size_t batch = argc > 3 ? strtoul(argv[3], NULL, 10) : 1000;
+    const uint64_t t0 = 1000000, keep = 7ull * 24 * 3600 * 1000;
+    char dir[] = "/tmp/idemrpc-tombstone-bytes-XXXXXX";
+    idem_store *st;
+    size_t swept, tb = 0, te = 0, ib = 0, ie = 0;
+    double made_s, gone_s;
+    if (n == 0 || batch == 0 || mkdtemp(dir) == NULL) {
+        fprintf(stderr, "usage: idemrpc-tombstone-bytes [N>0] [PAYLOAD_BYTES] [BATCH>0]\n");
+        return 2;
+    }
+    if (idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC) != IDEM_OK) {
+        return fail("open");
+    }
+    if (idem__store_tomb_keep(st, keep) != IDEM_OK || fill(st, n, len, t0) != 0 ||
+        sweep(st, t0 + 20, batch, &swept, &made_s) != 0) {
+        idem_store_close(st);
+        return 1;
+    }
+    idem_store_close(st);
+    if (db_bytes(dir, "tombs", &tb, &te) != 0 || db_bytes(dir, "expiry", &ib, &ie) != 0) {
+        return 1;
+    }
+    printf("tombstones %zu (records swept %zu, %zu-byte responses, batches of %zu)\n", te, swept,
+           len, batch);
+    printf("tombstone_bytes   tombs db %.1f B/tombstone, + its expiry entry %.1f B = %.1f B\n",
+           (double)tb / (double)te, (double)ib / (double)ie,
+           (double)tb / (double)te + (double)ib / (double)ie);
+    printf("sweep_to_tomb     %.2f us per record (delete record, write tombstone + entry)\n",
+           made_s * 1e6 / (double)swept);
+    if (idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC) != IDEM_OK) {
+        return fail("reopen");
+    }
+    if (sweep(st, t0 + 10 + keep, batch, &swept, &gone_s) != 0) {
+        idem_store_close(st);
+        return 1;
+    }
+    idem_store_close(st);
+    printf("sweep_tombstones  %.2f us per tombstone (%zu deleted)\n", gone_s * 1e6 / (double)swept,
+           swept);
+    char cmd[64];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    return system(cmd) == 0 ? 0 : 1;
+}

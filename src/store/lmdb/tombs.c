@@ -1,0 +1,243 @@
+/* Tombstones: what a COMPLETED record leaves once its result expired, so that a late
+ * duplicate within the tombstone horizon is told "done, result gone" instead of running
+ * again (docs/semantics.md "Tombstones").
+ *
+ * Invariants:
+ *   - a key has a record or a tombstone, never both: the sweep turns an expired COMPLETED
+ *     record into its tombstone in one txn, and a claim that acquires the key deletes
+ *     the tombstone in the claim's txn;
+ *   - a tombstone answers a claim only within the claim's horizon (the method's) and
+ *     before its own until (the store's keep when it was swept): the sweep keeps each for
+ *     the longest horizon of the servers on the store, each method reads its own;
+ *   - an expired COMPLETED record the sweep has not reached answers as its tombstone. */
+#include <errno.h>
+#include <string.h>
+
+#include "lmdb_internal.h"
+
+#define TOMB_LEN (IDEM_TOMBSTONE_FP_LEN + 3 * 8 + 4)
+#define KEEP_NAME "tomb_keep" /* meta: be64 the longest keep any server asked for */
+#define KEEP_NAME_LEN 9
+
+/* rc-style (ENOMEM): the tombstone's key, a hash of the effective key. */
+static int tomb_key(uint8_t out[IDEM__LMDB_TOMB_KEY_LEN], const void *key, size_t len)
+{
+    uint8_t digest[32];
+    if (!idem__sha256((const void *const[]){key}, (const size_t[]){len}, 1, digest)) {
+        return ENOMEM;
+    }
+    memcpy(out, digest, IDEM__LMDB_TOMB_KEY_LEN);
+    return 0;
+}
+
+static void tomb_encode(uint8_t out[TOMB_LEN], const idem_tombstone *t)
+{
+    memcpy(out, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
+    idem__put_be64(out + 16, t->first_at_ms);
+    idem__put_be64(out + 24, t->expired_at_ms);
+    idem__put_be64(out + 32, t->until_ms);
+    idem__put_be32(out + 40, (uint32_t)t->code);
+}
+
+/* IDEM_NOT_FOUND when key has none (or the store is older than tombstones). */
+static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t len,
+                           idem_tombstone *t)
+{
+    uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN];
+    if (!st->has_tombs) {
+        return IDEM_NOT_FOUND;
+    }
+    int rc = tomb_key(kb, key, len);
+    MDB_val k = {sizeof(kb), kb}, v;
+    if (rc != 0 || (rc = mdb_get(txn, st->tombs, &k, &v)) != 0) {
+        return rc == MDB_NOTFOUND ? IDEM_NOT_FOUND : idem__lmdb_code(rc, "tombstone get");
+    }
+    if (v.mv_size != TOMB_LEN) {
+        return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d", v.mv_size, TOMB_LEN);
+    }
+    const uint8_t *p = v.mv_data;
+    memcpy(t->fingerprint, p, IDEM_TOMBSTONE_FP_LEN);
+    t->first_at_ms = idem__get_be64(p + 16);
+    t->expired_at_ms = idem__get_be64(p + 24);
+    t->until_ms = idem__get_be64(p + 32);
+    t->code = (idem_code)idem__get_be32(p + 40);
+    return IDEM_OK;
+}
+
+/* The tombstone an expired COMPLETED record (v) stands for, kept for keep_ms. */
+static void tomb_of_record(const MDB_val *v, uint64_t keep_ms, idem_tombstone *t)
+{
+    rec_hdr h;
+    memcpy(&h, v->mv_data, sizeof(h));
+    memcpy(t->fingerprint, h.fingerprint, IDEM_TOMBSTONE_FP_LEN);
+    t->first_at_ms = h.first_at_ms;
+    t->expired_at_ms = h.expires_ms;
+    t->until_ms = idem__add_sat(h.expires_ms, keep_ms);
+    t->code = idem__response_code((const uint8_t *)v->mv_data + sizeof(h), v->mv_size - sizeof(h));
+}
+
+/* The claim's answer from a tombstone within its horizon. */
+static void tomb_answer(const idem_tombstone *t, const idem_claim_req *req,
+                        idem_claim_outcome *outcome, idem_record *rec)
+{
+    bool same = memcmp(t->fingerprint, req->fingerprint, IDEM_TOMBSTONE_FP_LEN) == 0;
+    *outcome = same ? IDEM_CLAIM_TOMBSTONE : IDEM_CLAIM_MISMATCH;
+    if (rec != NULL) {
+        memset(rec, 0, sizeof(*rec));
+        rec->state = IDEM_REC_TOMBSTONE;
+        memcpy(rec->fingerprint, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
+        rec->first_at_ms = t->first_at_ms;
+        rec->expires_ms = t->expired_at_ms;
+        rec->result_code = t->code;
+    }
+}
+
+idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
+                               const MDB_val *expired, const idem_claim_req *req,
+                               idem_claim_outcome *outcome, idem_record *rec, bool *decided,
+                               uint64_t *stale_until)
+{
+    idem_tombstone t;
+    *stale_until = 0;
+    if (expired != NULL) {
+        tomb_of_record(expired, UINT64_MAX, &t); /* not swept: the claim's horizon bounds it */
+    } else {
+        idem_code code = tomb_read(st, txn, key->bytes, key->len, &t);
+        if (code != IDEM_OK) {
+            return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+        }
+        *stale_until = t.until_ms;
+    }
+    uint64_t now = req->now_ms;
+    if (req->tombstone_ttl_ms == 0 ||
+        now >= idem__add_sat(t.expired_at_ms, req->tombstone_ttl_ms) || now >= t.until_ms) {
+        return IDEM_OK; /* past the horizon: the key is free */
+    }
+    *stale_until = 0;
+    *decided = true;
+    tomb_answer(&t, req, outcome, rec);
+    return IDEM_OK;
+}
+
+int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t until)
+{
+    uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN];
+    int rc = tomb_key(kb, key->bytes, key->len);
+    MDB_val k = {sizeof(kb), kb};
+    if (rc != 0 || (rc = mdb_del(txn, st->tombs, &k, NULL)) != 0) {
+        return rc;
+    }
+    return idem__lmdb_index_del(st, txn, until, kb, sizeof(kb));
+}
+
+/* The keep "meta" holds (0: none). */
+static uint64_t meta_keep(const lmdb_store *st, MDB_txn *txn)
+{
+    MDB_val k = {KEEP_NAME_LEN, KEEP_NAME}, v;
+    if (!st->has_meta || mdb_get(txn, st->meta, &k, &v) != 0 || v.mv_size != 8) {
+        return 0;
+    }
+    return idem__get_be64(v.mv_data);
+}
+
+/* The longest keep any server asked for: this process's, or one kept in "meta". */
+static uint64_t keep_of(lmdb_store *st, MDB_txn *txn)
+{
+    uint64_t keep = atomic_load(&st->tomb_keep_ms), kept = meta_keep(st, txn);
+    return kept > keep ? kept : keep;
+}
+
+int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v)
+{
+    rec_hdr h;
+    uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN], vb[TOMB_LEN];
+    idem_tombstone t;
+    if (!st->has_tombs || v->mv_size < sizeof(h)) {
+        return 0;
+    }
+    memcpy(&h, v->mv_data, sizeof(h));
+    uint64_t keep = h.magic == REC_MAGIC && h.state == IDEM_REC_COMPLETED ? keep_of(st, txn) : 0;
+    if (keep == 0) {
+        return 0;
+    }
+    tomb_of_record(v, keep, &t);
+    tomb_encode(vb, &t);
+    int rc = tomb_key(kb, key->mv_data, key->mv_size);
+    MDB_val k = {sizeof(kb), kb}, tv = {sizeof(vb), vb};
+    if (rc != 0 || (rc = mdb_put(txn, st->tombs, &k, &tv, 0)) != 0) {
+        return rc;
+    }
+    return idem__lmdb_index_put(st, txn, t.until_ms, TYPE_TOMB, kb, sizeof(kb));
+}
+
+static idem_code keep_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    uint8_t b[8];
+    if (meta_keep(w->st, txn) >= w->ms) {
+        return IDEM_OK;
+    }
+    idem__put_be64(b, w->ms);
+    MDB_val k = {KEEP_NAME_LEN, KEEP_NAME}, v = {sizeof(b), b};
+    int rc = mdb_put(txn, w->st->meta, &k, &v, 0);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "tombstone keep");
+}
+
+/* The longest keep any server on the store asked for, in this process and in "meta"
+ * (so that every process's sweep, idemctl's too, keeps tombstones that long). */
+idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    uint64_t cur = atomic_load(&st->tomb_keep_ms);
+    while (keep_ms > cur && !atomic_compare_exchange_weak(&st->tomb_keep_ms, &cur, keep_ms)) {
+    }
+    if (keep_ms == 0 || !st->has_meta || st->read_only) {
+        return IDEM_OK;
+    }
+    write_args w = {.st = st, .ms = keep_ms};
+    return idem__lmdb_write(st, keep_apply, &w);
+}
+
+idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    MDB_txn *txn;
+    rec_key key;
+    idem_code code = idem__lmdb_rec_key_make(&key, ref);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    int rc = idem__lmdb_read_begin(st, &txn);
+    if (rc != 0) {
+        return idem__lmdb_code(rc, "tombstone begin");
+    }
+    code = tomb_read(st, txn, key.bytes, key.len, out);
+    idem__lmdb_read_end(st, txn);
+    return code;
+}
+
+static idem_code tomb_del_apply(MDB_txn *txn, void *arg)
+{
+    const write_args *w = arg;
+    idem_tombstone t;
+    idem_code code = tomb_read(w->st, txn, w->key.bytes, w->key.len, &t);
+    if (code != IDEM_OK) {
+        return code; /* refused before any write */
+    }
+    int rc = idem__lmdb_tomb_delete(w->st, txn, &w->key, t.until_ms);
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "tombstone delete");
+}
+
+idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    write_args w = {.st = st};
+    idem_code code = idem__lmdb_rec_key_make(&w.key, ref);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (st->read_only) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
+    }
+    return idem__lmdb_write(st, tomb_del_apply, &w);
+}

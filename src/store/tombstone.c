@@ -1,0 +1,76 @@
+/* Tombstones behind the idem_store interface: what a COMPLETED record leaves once its
+ * result expired (store.h: idem_tombstone), read and deleted by operator tools, kept by
+ * the sweep for the longest horizon of the servers on the store (tomb_keep). A backend
+ * without them answers IDEM_UNIMPLEMENTED and keeps none. */
+#include "store.h"
+#include "wire.h"
+
+idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms)
+{
+    if (st->ops->tomb_keep != NULL) {
+        return st->ops->tomb_keep(st, keep_ms);
+    }
+    if (keep_ms != 0) {
+        return idem__err(IDEM_FAILED_PRECONDITION,
+                         "tombstone_ttl_ms: the %s store keeps no tombstones (LMDB does); a late "
+                         "duplicate would run again",
+                         st->ops->name);
+    }
+    return IDEM_OK;
+}
+
+idem_code idem_store_tombstone_get(idem_store *st, const idem_key_ref *key, idem_tombstone *out)
+{
+    idem_code code = idem__key_check(key);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (st->ops->tomb_get == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "%s store keeps no tombstones", st->ops->name);
+    }
+    return st->ops->tomb_get(st, key, out);
+}
+
+idem_code idem_store_tombstone_delete(idem_store *st, const idem_key_ref *key)
+{
+    idem_code code = idem__key_check(key);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if (st->ops->tomb_del == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "%s store keeps no tombstones", st->ops->name);
+    }
+    return st->ops->tomb_del(st, key);
+}
+
+/* Walks the top-level fields of the stored Response for field 1 (code, a varint);
+ * proto3 leaves it out when it is IDEM_OK. */
+idem_code idem__response_code(const void *buf, size_t len)
+{
+    const uint8_t *p = buf, *end = p + len;
+    uint64_t tag, v;
+    while (p < end) {
+        if (!read_varint(&p, end, &tag)) {
+            return IDEM_UNKNOWN;
+        }
+        switch (tag & 7) {
+        case 0:
+            if (!read_varint(&p, end, &v)) {
+                return IDEM_UNKNOWN;
+            }
+            if (tag >> 3 == 1) {
+                return v <= IDEM_UNAUTHENTICATED ? (idem_code)v : IDEM_UNKNOWN;
+            }
+            break;
+        case 2:
+            if (!read_varint(&p, end, &v) || v > (uint64_t)(end - p)) {
+                return IDEM_UNKNOWN;
+            }
+            p += v;
+            break;
+        default:
+            return IDEM_UNKNOWN; /* the Response has no other wire types */
+        }
+    }
+    return IDEM_OK;
+}
