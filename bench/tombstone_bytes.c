@@ -3,13 +3,16 @@
  * expired, sweeps them into tombstones and times it, reads the "tombs" and "expiry"
  * databases' pages with mdb_stat, then times the sweep that deletes the tombstones.
  * Prints values, asserts nothing.
- *   idemrpc-tombstone-bytes [N] [PAYLOAD_BYTES] [BATCH] */
+ *   idemrpc-tombstone-bytes [--records N] [--payload BYTES] [--batch N] */
+#include <getopt.h>
 #include <lmdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
+#include "cli.h"
 #include "store.h"
 
 static double mono_s(void)
@@ -94,19 +97,61 @@ static int db_bytes(const char *dir, const char *name, size_t *bytes, size_t *en
     return rc != 0;
 }
 
+static void usage(FILE *to)
+{
+    fputs("usage: idemrpc-tombstone-bytes [--records N (100000)] [--payload BYTES (64)]\n"
+          "                               [--batch N (1000)]\n"
+          "  Bytes per tombstone on LMDB and the sweep's cost per record and tombstone.\n",
+          to);
+}
+
+/* The options into v (records, payload, batch); false (status set) to exit. */
+static bool parse_args(int argc, char **argv, uint64_t v[3], int *status)
+{
+    static const struct option opts[] = {{"records", required_argument, NULL, 0},
+                                         {"payload", required_argument, NULL, 1},
+                                         {"batch", required_argument, NULL, 2},
+                                         {"help", no_argument, NULL, 'h'},
+                                         {NULL, 0, NULL, 0}};
+    static const uint64_t lo[3] = {1, 0, 1}, hi[3] = {10000000, 1 << 20, 1000000};
+    int c;
+    *status = CLI_USAGE_ERROR;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            *status = 0;
+            return false;
+        }
+        if (c < 0 || c > 2 ||
+            !cli_parse_u64("idemrpc-tombstone-bytes", opts[c].name, optarg, lo[c], hi[c], &v[c])) {
+            usage(stderr);
+            return false;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "idemrpc-tombstone-bytes: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return false;
+    }
+    return true;
+}
+
 int main(int argc, char **argv)
 {
-    size_t n = argc > 1 ? strtoul(argv[1], NULL, 10) : 100000;
-    size_t len = argc > 2 ? strtoul(argv[2], NULL, 10) : 64;
-    size_t batch = argc > 3 ? strtoul(argv[3], NULL, 10) : 1000;
+    uint64_t v[3] = {100000, 64, 1000};
+    int status;
+    if (!parse_args(argc, argv, v, &status)) {
+        return status;
+    }
+    size_t n = (size_t)v[0], len = (size_t)v[1], batch = (size_t)v[2];
     const uint64_t t0 = 1000000, keep = 7ull * 24 * 3600 * 1000;
     char dir[] = "/tmp/idemrpc-tombstone-bytes-XXXXXX";
     idem_store *st;
     size_t swept, tb = 0, te = 0, ib = 0, ie = 0;
     double made_s, gone_s;
-    if (n == 0 || batch == 0 || mkdtemp(dir) == NULL) {
-        fprintf(stderr, "usage: idemrpc-tombstone-bytes [N>0] [PAYLOAD_BYTES] [BATCH>0]\n");
-        return 2;
+    if (mkdtemp(dir) == NULL) {
+        perror("idemrpc-tombstone-bytes: mkdtemp");
+        return 1;
     }
     if (idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC) != IDEM_OK) {
         return fail("open");
@@ -137,7 +182,11 @@ int main(int argc, char **argv)
     idem_store_close(st);
     printf("sweep_tombstones  %.2f us per tombstone (%zu deleted)\n", gone_s * 1e6 / (double)swept,
            swept);
-    char cmd[64];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    return system(cmd) == 0 ? 0 : 1;
+    char path[sizeof(dir) + 16];
+    int rc = 0;
+    for (const char *const *f = (const char *const[]){"data.mdb", "lock.mdb", NULL}; *f; f++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, *f);
+        rc |= unlink(path);
+    }
+    return (rc | rmdir(dir)) == 0 ? 0 : 1;
 }
