@@ -46,6 +46,7 @@ static void serve(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
     o.lease_ms = LEASE_MS;
     o.tombstone_ttl_ms = tomb_ttl_ms;
     o.sweep_interval_ms = 3600 * 1000; /* the test sweeps */
+    o.workers = 2;
     tu_server_create(&f->ts, &o);
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED, .tombstone_ttl_ms = method_ttl_ms};
     cr_assert_eq(idem_server_register(f->ts.srv, PAY, h_charge, NULL, &m), IDEM_OK);
@@ -154,6 +155,43 @@ Test(rev6, method_horizon_another_request_under_a_swept_key_is_key_reused, .time
     cr_assert_eq(code, IDEM_INVALID_ARGUMENT, "another request: %s: %s", idem_code_name(code),
                  r.message);
     idem_result_clear(&r);
+    cr_assert_eq(atomic_load(&runs), 1);
+    close_fixture(&f);
+}
+
+/* The same loop holds its worker for good (the client's deadline does not end it): two
+ * such requests on a 2-worker server and an unrelated call with a fresh key is not
+ * served. */
+Test(rev6, method_horizon_key_reuse_requests_do_not_starve_other_calls, .timeout = 60)
+{
+    fixture f;
+    open_fixture(&f, 0, TOMB_TTL_MS);
+    cr_assert_eq(pay_once(&f, "m-a", "100"), IDEM_OK);
+    cr_assert_eq(pay_once(&f, "m-b", "100"), IDEM_OK);
+    wait_result_expired(&f, "m-a");
+    wait_result_expired(&f, "m-b");
+    sweep_all(&f);
+    idem_code a = pay_once(&f, "m-a", "999"), b = pay_once(&f, "m-b", "999");
+    cr_log_info("key reuse answers: %s, %s", idem_code_name(a), idem_code_name(b));
+    idem_result r;
+    idem_code code = pay(&f, "fresh-1", "5", &r);
+    cr_assert_eq(code, IDEM_OK, "an unrelated call after two key-reuse requests: %s: %s",
+                 idem_code_name(code), r.message);
+    idem_result_clear(&r);
+    close_fixture(&f);
+}
+
+/* Checked sound on 6fa91c5: with the method-only horizon the same request is "done,
+ * result gone", before and after the sweep. */
+Test(rev6, method_horizon_a_late_duplicate_is_told_done, .timeout = 30)
+{
+    fixture f;
+    open_fixture(&f, 0, TOMB_TTL_MS);
+    cr_assert_eq(pay_once(&f, "m-late-1", "100"), IDEM_OK);
+    wait_result_expired(&f, "m-late-1");
+    assert_result_gone(&f, "m-late-1", "100");
+    sweep_all(&f);
+    assert_result_gone(&f, "m-late-1", "100");
     cr_assert_eq(atomic_load(&runs), 1);
     close_fixture(&f);
 }

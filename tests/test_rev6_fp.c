@@ -147,3 +147,19 @@ Test(rev6_fp, protobuf_a_deeply_nested_request_does_not_crash_the_server)
                  r.message ? r.message : "");
     idem_result_clear(&r);
 }
+
+/* Checked sound on 6fa91c5: jansson's depth bound refuses a deeply nested JSON body. */
+Test(rev6_fp, json_a_deeply_nested_request_is_refused_not_a_crash)
+{
+    enum { DEPTH = 1000000 };
+    char *buf = malloc(2 * DEPTH);
+    cr_assert_not_null(buf);
+    memset(buf, '[', DEPTH);
+    memset(buf + DEPTH, ']', DEPTH);
+    idem_result r = {0};
+    idem_code code = call("f.Json/Pay", "jdeep-1", buf, 2 * DEPTH, &r);
+    free(buf);
+    cr_assert_eq(code, IDEM_INVALID_ARGUMENT, "%s %s", idem_code_name(code),
+                 r.message ? r.message : "");
+    idem_result_clear(&r);
+}
