@@ -166,7 +166,7 @@ static bool other_request_on_disk(const idem_cache_cfg *cfg, const idem_key_ref 
     idem_code code = idem_store_get(cfg->store, key, &rec);
     bool other = code == IDEM_OK && memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) != 0;
     idem_record_clear(&rec);
-    if (code == IDEM_NOT_FOUND && cfg->tombstone_ttl_ms != 0) { /* or the tombstone it left */
+    if (code == IDEM_NOT_FOUND) { /* or the tombstone it left (whichever horizon found it) */
         code = idem_store_tombstone_get(cfg->store, key, &t);
         other = code == IDEM_OK && memcmp(t.fingerprint, fingerprint, IDEM_TOMBSTONE_FP_LEN) != 0;
         code = code == IDEM_UNIMPLEMENTED ? IDEM_NOT_FOUND : code;

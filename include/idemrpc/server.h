@@ -58,13 +58,17 @@ typedef bool (*idem_fingerprint_fn)(const idem_call *call, void *buf, size_t cap
  * counts once (the last, as protobuf decodes it), packed and unpacked repeated fields
  * alike, proto3 fields at their default left out. Presence stays meaningful where the
  * schema has it (proto2 `optional`, proto3 `optional`, oneof, messages); unknown fields
- * and the order of repeated and map entries count as sent.
+ * and the order of repeated and map entries count as sent. Messages nested more than
+ * 100 deep are refused (protobuf-c's decoder recurses once per level).
  *
  * idem_fingerprint_json: fingerprint_arg unused. The payload is parsed as JSON
  * (jansson; any value, not only an object) and written back with object keys sorted and
  * no whitespace; escapes such as \u00e9 count as the characters they stand for.
  * Numbers keep their kind: 1 and 1.0 differ, 1.0 and 1e0 do not. A duplicated object
- * key is refused (which one counts is not defined). In a build without jansson
+ * key is refused (which one counts is not defined), so is a real number a double cannot
+ * hold exactly enough to tell it from another (more than 15 significant digits, or
+ * below 2.2e-308): send such amounts as integers or strings. Integers are exact up to
+ * 64 bits; a larger one is refused. In a build without jansson
  * (-Djson=disabled) registering a method with it fails UNIMPLEMENTED. */
 IDEM_API bool idem_fingerprint_protobuf(const idem_call *call, void *buf, size_t cap, size_t *len,
                                         void *arg);

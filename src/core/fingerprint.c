@@ -7,6 +7,11 @@
 #include <stdlib.h>
 
 #include "internal.h"
+#include "wire.h"
+
+/* protobuf-c's unpack recurses once per nested message, without a bound: a request
+ * nested deeper than this (protobuf's own default recursion limit) is refused first. */
+#define MAX_NESTING 100
 
 static bool hash_into(char tag, const void *canon, size_t n, void *buf, size_t cap, size_t *len)
 {
@@ -24,12 +29,63 @@ static const ProtobufCMessageDescriptor *descriptor_of(const void *arg)
     return d != NULL && d->magic == PROTOBUF_C__MESSAGE_DESCRIPTOR_MAGIC ? d : NULL;
 }
 
+/* Whether the message d in [p, end) nests no deeper than depth more levels: a walk of
+ * its fields that enters the length-delimited ones d says are messages. A malformed
+ * message passes (the unpack refuses it). */
+static bool nesting_ok(const ProtobufCMessageDescriptor *d, const uint8_t *p, const uint8_t *end,
+                       int depth)
+{
+    while (p < end) {
+        uint64_t tag, n;
+        if (!read_varint(&p, end, &tag)) {
+            return true;
+        }
+        switch (tag & 7) {
+        case 0:
+            n = 0;
+            if (!read_varint(&p, end, &n)) {
+                return true;
+            }
+            continue;
+        case 1:
+        case 5:
+            n = (tag & 7) == 1 ? 8 : 4;
+            break;
+        case 2: {
+            if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+                return true;
+            }
+            const ProtobufCFieldDescriptor *f =
+                tag >> 3 <= UINT32_MAX
+                    ? protobuf_c_message_descriptor_get_field(d, (unsigned)(tag >> 3))
+                    : NULL;
+            if (f != NULL && f->type == PROTOBUF_C_TYPE_MESSAGE &&
+                (depth == 0 || !nesting_ok(f->descriptor, p, p + n, depth - 1))) {
+                return false;
+            }
+            break;
+        }
+        default:
+            return true; /* groups: protobuf-c refuses them */
+        }
+        if (n > (uint64_t)(end - p)) {
+            return true;
+        }
+        p += n;
+    }
+    return true;
+}
+
 bool idem_fingerprint_protobuf(const idem_call *call, void *buf, size_t cap, size_t *len, void *arg)
 {
     const ProtobufCMessageDescriptor *d = descriptor_of(arg);
     size_t plen;
-    const void *payload = idem_call_payload(call, &plen);
-    ProtobufCMessage *m = d != NULL ? protobuf_c_message_unpack(d, NULL, plen, payload) : NULL;
+    const uint8_t *payload = idem_call_payload(call, &plen);
+    payload = payload != NULL ? payload : (const uint8_t *)"";
+    if (d == NULL || !nesting_ok(d, payload, payload + plen, MAX_NESTING)) {
+        return false;
+    }
+    ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, plen, payload);
     if (m == NULL) {
         return false;
     }

@@ -1,8 +1,8 @@
-/* Integration: tombstones, a dedup horizon longer than the result's TTL (docs/semantics.md
- * "Tombstones"). A real server and the real client (nng) and HTTP front, one handler
- * that counts its runs; the store is the test's own, so that it sweeps when the test
- * says and outlives a server. Results expire after RESULT_TTL_MS; the test waits for
- * that moment on the clock (a time condition: nothing else could signal it). */
+/* Integration: a tombstone horizon set on a method only (idem_method_opts.tombstone_ttl_ms,
+ * the server's 0): the late duplicate, another request, and the workers (docs/semantics.md
+ * "Tombstones"). A real server and the real client (nng), one handler that counts its runs;
+ * the store is the test's own, so that it sweeps when the test says. Results expire after
+ * RESULT_TTL_MS; the test waits for that moment on the clock (nothing else could signal it). */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -48,7 +48,8 @@ static void serve(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
     o.sweep_interval_ms = 3600 * 1000; /* the test sweeps */
     o.workers = 2;
     tu_server_create(&f->ts, &o);
-    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED, .tombstone_ttl_ms = method_ttl_ms};
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
+                          .tombstone_ttl_ms = method_ttl_ms};
     cr_assert_eq(idem_server_register(f->ts.srv, PAY, h_charge, NULL, &m), IDEM_OK);
     tu_server_listen(&f->ts);
     f->cli = tu_client(f->ts.url, 2000);
@@ -64,7 +65,7 @@ static void open_fixture(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_m
 {
     memset(f, 0, sizeof(*f));
     atomic_store(&runs, 0);
-    f->st = tu_backend_open(&f->b, "rev6");
+    f->st = tu_backend_open(&f->b, "tombstone_horizon");
     serve(f, tomb_ttl_ms, method_ttl_ms);
 }
 
@@ -139,7 +140,8 @@ static void assert_result_gone(fixture *f, const char *key, const char *payload)
 /* A horizon set per method only (the server's is 0, the documented default): another
  * request under a key whose result expired and was swept is "key reused", answered
  * promptly like the server-wide horizon answers it (test_tombstones). */
-Test(rev6, method_horizon_another_request_under_a_swept_key_is_key_reused, .timeout = 30)
+Test(tombstone_horizon, method_horizon_another_request_under_a_swept_key_is_key_reused,
+     .timeout = 30)
 {
     fixture f;
     open_fixture(&f, 0, TOMB_TTL_MS);
@@ -162,7 +164,7 @@ Test(rev6, method_horizon_another_request_under_a_swept_key_is_key_reused, .time
 /* The same loop holds its worker for good (the client's deadline does not end it): two
  * such requests on a 2-worker server and an unrelated call with a fresh key is not
  * served. */
-Test(rev6, method_horizon_key_reuse_requests_do_not_starve_other_calls, .timeout = 60)
+Test(tombstone_horizon, method_horizon_key_reuse_requests_do_not_starve_other_calls, .timeout = 60)
 {
     fixture f;
     open_fixture(&f, 0, TOMB_TTL_MS);
@@ -181,9 +183,9 @@ Test(rev6, method_horizon_key_reuse_requests_do_not_starve_other_calls, .timeout
     close_fixture(&f);
 }
 
-/* Checked sound on 6fa91c5: with the method-only horizon the same request is "done,
- * result gone", before and after the sweep. */
-Test(rev6, method_horizon_a_late_duplicate_is_told_done, .timeout = 30)
+/* With the method-only horizon the same request is "done, result gone", before and after
+ * the sweep. */
+Test(tombstone_horizon, method_horizon_a_late_duplicate_is_told_done, .timeout = 30)
 {
     fixture f;
     open_fixture(&f, 0, TOMB_TTL_MS);
