@@ -36,8 +36,9 @@ typedef struct fixture {
     idem_client *cli;
 } fixture;
 
-/* A server on st (not owned) with the given tombstone horizon. */
-static void serve(fixture *f, uint64_t tomb_ttl_ms)
+/* A server on st (not owned) with the given tombstone horizons: the server's, and its
+ * method's (0: the server's). */
+static void serve_with(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
 {
     idem_server_opts o;
     idem_server_opts_init(&o);
@@ -46,11 +47,18 @@ static void serve(fixture *f, uint64_t tomb_ttl_ms)
     o.lease_ms = LEASE_MS;
     o.tombstone_ttl_ms = tomb_ttl_ms;
     o.sweep_interval_ms = 3600 * 1000; /* the test sweeps */
+    o.workers = 2;                     /* few: a call that held one would show */
     tu_server_create(&f->ts, &o);
-    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
+                          .tombstone_ttl_ms = method_ttl_ms};
     cr_assert_eq(idem_server_register(f->ts.srv, PAY, h_charge, NULL, &m), IDEM_OK);
     tu_server_listen(&f->ts);
     f->cli = tu_client(f->ts.url, 2000);
+}
+
+static void serve(fixture *f, uint64_t tomb_ttl_ms)
+{
+    serve_with(f, tomb_ttl_ms, 0);
 }
 
 static void unserve(fixture *f)
@@ -59,12 +67,17 @@ static void unserve(fixture *f)
     tu_server_destroy(&f->ts, false);
 }
 
-static void open_fixture(fixture *f, uint64_t tomb_ttl_ms)
+static void open_fixture_with(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
 {
     memset(f, 0, sizeof(*f));
     atomic_store(&runs, 0);
     f->st = tu_backend_open(&f->b, "tomb");
-    serve(f, tomb_ttl_ms);
+    serve_with(f, tomb_ttl_ms, method_ttl_ms);
+}
+
+static void open_fixture(fixture *f, uint64_t tomb_ttl_ms)
+{
+    open_fixture_with(f, tomb_ttl_ms, 0);
 }
 
 static void close_fixture(fixture *f)
@@ -371,4 +384,64 @@ Test(tombstones, a_store_without_tombstones_refuses_a_horizon_at_start)
     idem_store_close(st);
     tu_pg_schema_drop(schema);
     free(conninfo);
+}
+
+/* A horizon set per method only (the server's is 0, the documented default): another
+ * request under a key whose result expired and was swept is "key reused", answered
+ * promptly like the server-wide horizon answers it (test_tombstones). */
+Test(tombstones, method_horizon_another_request_under_a_swept_key_is_key_reused, .timeout = 30)
+{
+    fixture f;
+    open_fixture_with(&f, 0, TOMB_TTL_MS);
+    cr_assert_eq(pay_once(&f, "m-reuse-1", "100"), IDEM_OK);
+    wait_result_expired(&f, "m-reuse-1");
+    sweep_all(&f);
+    idem_tombstone t;
+    idem_key_ref k = {"", PAY, "m-reuse-1"};
+    cr_assert_eq(idem_store_tombstone_get(f.st, &k, &t), IDEM_OK, "no tombstone: %s",
+                 idem_errmsg());
+    idem_result r;
+    idem_code code = pay(&f, "m-reuse-1", "999", &r);
+    cr_assert_eq(code, IDEM_INVALID_ARGUMENT, "another request: %s: %s", idem_code_name(code),
+                 r.message);
+    idem_result_clear(&r);
+    cr_assert_eq(atomic_load(&runs), 1);
+    close_fixture(&f);
+}
+
+/* The same loop holds its worker for good (the client's deadline does not end it): two
+ * such requests on a 2-worker server and an unrelated call with a fresh key is not
+ * served. */
+Test(tombstones, method_horizon_key_reuse_requests_do_not_starve_other_calls, .timeout = 60)
+{
+    fixture f;
+    open_fixture_with(&f, 0, TOMB_TTL_MS);
+    cr_assert_eq(pay_once(&f, "m-a", "100"), IDEM_OK);
+    cr_assert_eq(pay_once(&f, "m-b", "100"), IDEM_OK);
+    wait_result_expired(&f, "m-a");
+    wait_result_expired(&f, "m-b");
+    sweep_all(&f);
+    idem_code a = pay_once(&f, "m-a", "999"), b = pay_once(&f, "m-b", "999");
+    cr_log_info("key reuse answers: %s, %s", idem_code_name(a), idem_code_name(b));
+    idem_result r;
+    idem_code code = pay(&f, "fresh-1", "5", &r);
+    cr_assert_eq(code, IDEM_OK, "an unrelated call after two key-reuse requests: %s: %s",
+                 idem_code_name(code), r.message);
+    idem_result_clear(&r);
+    close_fixture(&f);
+}
+
+/* With the method-only horizon the same request is "done, result gone", before and after
+ * the sweep. */
+Test(tombstones, method_horizon_a_late_duplicate_is_told_done, .timeout = 30)
+{
+    fixture f;
+    open_fixture_with(&f, 0, TOMB_TTL_MS);
+    cr_assert_eq(pay_once(&f, "m-late-1", "100"), IDEM_OK);
+    wait_result_expired(&f, "m-late-1");
+    assert_result_gone(&f, "m-late-1", "100");
+    sweep_all(&f);
+    assert_result_gone(&f, "m-late-1", "100");
+    cr_assert_eq(atomic_load(&runs), 1);
+    close_fixture(&f);
 }
