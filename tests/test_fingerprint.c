@@ -1,14 +1,54 @@
 /* Integration: canonical fingerprints (server.h: idem_fingerprint_protobuf,
  * idem_fingerprint_json), opt-in per method. A real server on nng and HTTP, the real
  * client: a request re-encoded with the same meaning replays the first result, one with
- * another meaning is key reuse, a payload that cannot be read is refused before the
- * store, and a method without one still compares bytes. */
+ * another meaning is key reuse, a payload that cannot be read (hostile ones too: deep
+ * nesting, amounts a double cannot tell apart) is refused before the store, and a
+ * method without one still compares bytes. */
 #include <criterion/criterion.h>
+#include <protobuf-c/protobuf-c.h>
 #include <stdatomic.h>
+#include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "idemrpc.pb-c.h"
 #include "testutil.h"
+
+/* A recursive business message, as protoc-c would emit it for
+ *   message Node { Node child = 1; }
+ * (the shape of google.protobuf.Struct/Value, trees, nested filters). */
+typedef struct Node Node;
+struct Node {
+    ProtobufCMessage base;
+    Node *child;
+};
+extern const ProtobufCMessageDescriptor node__descriptor;
+static void node__init(Node *m)
+{
+    static const Node init = {PROTOBUF_C_MESSAGE_INIT(&node__descriptor), NULL};
+    *m = init;
+}
+static const ProtobufCFieldDescriptor node__fields[1] = {
+    {"child", 1, PROTOBUF_C_LABEL_NONE, PROTOBUF_C_TYPE_MESSAGE, 0, offsetof(Node, child),
+     &node__descriptor, NULL, 0, 0, NULL, NULL},
+};
+static const unsigned node__by_name[] = {0};
+static const ProtobufCIntRange node__ranges[1 + 1] = {{1, 0}, {0, 1}};
+const ProtobufCMessageDescriptor node__descriptor = {PROTOBUF_C__MESSAGE_DESCRIPTOR_MAGIC,
+                                                     "t.Node",
+                                                     "Node",
+                                                     "Node",
+                                                     "t",
+                                                     sizeof(Node),
+                                                     1,
+                                                     node__fields,
+                                                     node__by_name,
+                                                     1,
+                                                     node__ranges,
+                                                     (ProtobufCMessageInit)node__init,
+                                                     NULL,
+                                                     NULL,
+                                                     NULL};
 
 static tu_server S;
 static idem_client *C;
@@ -40,11 +80,15 @@ static void start(void)
     const idem_method_opts pb = {.flags = IDEM_METHOD_CACHED,
                                  .fingerprint = idem_fingerprint_protobuf,
                                  .fingerprint_arg = (void *)MSG};
+    const idem_method_opts tree = {.flags = IDEM_METHOD_CACHED,
+                                   .fingerprint = idem_fingerprint_protobuf,
+                                   .fingerprint_arg = (void *)&node__descriptor};
     const idem_method_opts bytes = {.flags = IDEM_METHOD_CACHED};
     cr_assert_eq(idem_server_register(S.srv, "f.Json/Do", h_count, NULL, &json), IDEM_OK, "%s",
                  idem_errmsg());
     cr_assert_eq(idem_server_register(S.srv, "f.Proto/Do", h_count, NULL, &pb), IDEM_OK, "%s",
                  idem_errmsg());
+    cr_assert_eq(idem_server_register(S.srv, "f.Tree/Do", h_count, NULL, &tree), IDEM_OK);
     cr_assert_eq(idem_server_register(S.srv, "f.Bytes/Do", h_count, NULL, &bytes), IDEM_OK);
     tu_server_listen(&S);
     cr_assert_eq(idem_server_listen_http(S.srv, "http://127.0.0.1:0"), IDEM_OK, "%s",
@@ -173,4 +217,83 @@ Test(fingerprint, registering_a_protobuf_one_without_its_descriptor_is_refused)
     cr_expect_eq(idem_server_register(srv, "f.NoDesc/Do", h_count, NULL, &o),
                  IDEM_INVALID_ARGUMENT);
     tu_server_destroy(&t, false);
+}
+
+/* Two amounts that differ by one unit but are one IEEE double are refused (never the
+ * same request); amounts a double holds exactly compare by value. */
+Test(fingerprint, json_amounts_a_double_cannot_tell_apart_are_refused_not_replayed)
+{
+    const char *a = "{\"amount\":100000000000000001.0}";
+    const char *b = "{\"amount\":100000000000000002.0}";
+    const char *tiny = "[1e-400]";
+    idem_result r = {0};
+    cr_assert_eq(call("f.Json/Do", "amt-1", a, strlen(a), &r), IDEM_INVALID_ARGUMENT, "%s",
+                 idem_code_name(r.code));
+    idem_result_clear(&r);
+    cr_assert_eq(call("f.Json/Do", "amt-1", b, strlen(b), &r), IDEM_INVALID_ARGUMENT, "%s",
+                 idem_code_name(r.code));
+    idem_result_clear(&r);
+    cr_assert_eq(call("f.Json/Do", "amt-2", tiny, strlen(tiny), &r), IDEM_INVALID_ARGUMENT);
+    idem_result_clear(&r);
+    cr_assert_eq(atomic_load(&runs), 0);
+    const char *c = "{\"amount\":100.10}", *d = "{\"amount\":1.001e2}", *e = "{\"amount\":100.2}";
+    cr_assert_eq(call("f.Json/Do", "amt-3", c, strlen(c), &r), IDEM_OK);
+    idem_result_clear(&r);
+    cr_assert_eq(call("f.Json/Do", "amt-3", d, strlen(d), &r), IDEM_OK);
+    cr_expect(r.replayed, "100.10 and 1.001e2 are one amount");
+    idem_result_clear(&r);
+    cr_assert_eq(call("f.Json/Do", "amt-3", e, strlen(e), &r), IDEM_INVALID_ARGUMENT);
+    cr_expect_not_null(strstr(r.message ? r.message : "", "reused"), "%s", r.message);
+    idem_result_clear(&r);
+    cr_assert_eq(atomic_load(&runs), 1);
+}
+
+/* A deeply nested request (hostile): refused, or served; never a crash. */
+Test(fingerprint, protobuf_a_deeply_nested_request_does_not_crash_the_server)
+{
+    enum { DEPTH = 200000 };
+    size_t cap = (size_t)DEPTH * 6 + 16, start = cap;
+    uint8_t *buf = malloc(cap);
+    cr_assert_not_null(buf);
+    /* inside out: each level is tag 0x0a, varint length, the level below */
+    for (int i = 0; i < DEPTH; i++) {
+        size_t len = cap - start;
+        uint8_t v[10];
+        size_t n = 0;
+        do {
+            v[n++] = (uint8_t)((len & 0x7f) | (len >= 0x80 ? 0x80 : 0));
+            len >>= 7;
+        } while (len != 0);
+        start -= n;
+        memcpy(buf + start, v, n);
+        buf[--start] = 0x0a;
+    }
+    idem_result r = {0};
+    idem_code code = call("f.Tree/Do", "deep-1", buf + start, cap - start, &r);
+    free(buf);
+    cr_log_info("deep request (%zu bytes): %s %s", cap - start, idem_code_name(code),
+                r.message ? r.message : "");
+    idem_result_clear(&r);
+    /* the server is still there */
+    const char *p = "";
+    code = call("f.Tree/Do", "shallow-1", p, 0, &r);
+    cr_assert_eq(code, IDEM_OK, "after the deep request: %s %s", idem_code_name(code),
+                 r.message ? r.message : "");
+    idem_result_clear(&r);
+}
+
+/* jansson's depth bound refuses a deeply nested JSON body. */
+Test(fingerprint, json_a_deeply_nested_request_is_refused_not_a_crash)
+{
+    enum { DEPTH = 1000000 };
+    char *buf = malloc(2 * DEPTH);
+    cr_assert_not_null(buf);
+    memset(buf, '[', DEPTH);
+    memset(buf + DEPTH, ']', DEPTH);
+    idem_result r = {0};
+    idem_code code = call("f.Json/Do", "jdeep-1", buf, 2 * DEPTH, &r);
+    free(buf);
+    cr_assert_eq(code, IDEM_INVALID_ARGUMENT, "%s %s", idem_code_name(code),
+                 r.message ? r.message : "");
+    idem_result_clear(&r);
 }
