@@ -69,6 +69,16 @@ void idemctl_print_time(uint64_t ms)
     fputs(buf, stdout);
 }
 
+void idemctl_json_key(const char *caller, const char *method, const char *key)
+{
+    fputs("\"caller\":", stdout);
+    idem__json_fputs(stdout, caller);
+    fputs(",\"method\":", stdout);
+    idem__json_fputs(stdout, method);
+    fputs(",\"key\":", stdout);
+    idem__json_fputs(stdout, key);
+}
+
 static int cmd_stats(idem_store *st, const args *a)
 {
     idem_store_stats s;
@@ -124,12 +134,8 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
         return false;
     }
     if (a->json) {
-        fputs(ls->shown ? ",\n {\"caller\":" : "[\n {\"caller\":", stdout);
-        idem__json_fputs(stdout, k->caller);
-        fputs(",\"method\":", stdout);
-        idem__json_fputs(stdout, k->method);
-        fputs(",\"key\":", stdout);
-        idem__json_fputs(stdout, k->key);
+        fputs(ls->shown ? ",\n {" : "[\n {", stdout);
+        idemctl_json_key(k->caller, k->method, k->key);
         printf(",\"state\":\"%s\",\"owner\":%" PRIu64 ",\"first_at_ms\":%" PRIu64
                ",\"lease_until_ms\":%" PRIu64 ",\"lease\":\"%s\",\"expires_ms\":%" PRIu64 "}",
                state_name(rec->state), rec->owner, rec->first_at_ms, rec->lease_until_ms,
@@ -215,12 +221,8 @@ static bool print_record(idem_store *st, const idem_key_ref *k, const idem_recor
     key_digest(k->key, digest);
     digest[16] = '\0'; /* as logged: the first 8 bytes */
     if (json) {
-        fputs("{\"caller\":", stdout);
-        idem__json_fputs(stdout, k->caller);
-        fputs(",\"method\":", stdout);
-        idem__json_fputs(stdout, k->method);
-        fputs(",\"key\":", stdout);
-        idem__json_fputs(stdout, k->key);
+        fputs("{", stdout);
+        idemctl_json_key(k->caller, k->method, k->key);
         printf(",\"key_digest\":\"%s\",\"state\":\"%s\",\"owner\":%" PRIu64
                ",\"fingerprint\":\"%s\",\"first_at_ms\":%" PRIu64 ",\"lease_until_ms\":%" PRIu64
                ",\"lease\":\"%s\",\"store_now_ms\":%" PRIu64 ",\"expires_ms\":%" PRIu64
@@ -416,12 +418,8 @@ static int cmd_delete(idem_store *st, const args *a)
         printf("deleted %s %s\n", a->method, a->key);
         return 0;
     }
-    fputs("{\"deleted\":{\"caller\":", stdout);
-    idem__json_fputs(stdout, a->caller);
-    fputs(",\"method\":", stdout);
-    idem__json_fputs(stdout, a->method);
-    fputs(",\"key\":", stdout);
-    idem__json_fputs(stdout, a->key);
+    fputs("{\"deleted\":{", stdout);
+    idemctl_json_key(a->caller, a->method, a->key);
     puts("}}");
     return 0;
 }

@@ -47,6 +47,8 @@ bool idemctl_show_listed(struct idem_store *st, const args *a);
 /* The clock rec's times are judged on (the store's), and its lease: live, lapsed, "-". */
 uint64_t idemctl_store_now(const struct idem_record *rec);
 const char *idemctl_lease_name(const struct idem_record *rec);
+/* A key's "caller":…,"method":…,"key":… members (JSON-escaped), to stdout. */
+void idemctl_json_key(const char *caller, const char *method, const char *key);
 /* ms since the epoch as an ISO 8601 UTC time, to stdout. */
 void idemctl_print_time(uint64_t ms);
 

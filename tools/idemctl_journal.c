@@ -104,12 +104,8 @@ static void record_fields(idem_store *st, const idem_journal_info *j, bool json)
 static void journal_row(idem_store *st, const idem_journal_info *j, bool json, long shown)
 {
     if (json) {
-        fputs(shown ? ",\n {\"caller\":" : "[\n {\"caller\":", stdout);
-        idem__json_fputs(stdout, j->caller);
-        fputs(",\"method\":", stdout);
-        idem__json_fputs(stdout, j->method);
-        fputs(",\"key\":", stdout);
-        idem__json_fputs(stdout, j->key);
+        fputs(shown ? ",\n {" : "[\n {", stdout);
+        idemctl_json_key(j->caller, j->method, j->key);
         fputs(",\"journal\":", stdout);
         journal_json(j);
         record_fields(st, j, true);
@@ -162,12 +158,8 @@ static bool listed_match(const args *a, const idem_journal_info *j)
 static void listed_print(const idem_journal_info *j, bool json, bool first)
 {
     if (json) {
-        fputs("{\"caller\":", stdout);
-        idem__json_fputs(stdout, j->caller);
-        fputs(",\"method\":", stdout);
-        idem__json_fputs(stdout, j->method);
-        fputs(",\"key\":", stdout);
-        idem__json_fputs(stdout, j->key);
+        fputs("{", stdout);
+        idemctl_json_key(j->caller, j->method, j->key);
         fputs(",\"state\":null,\"journal\":", stdout);
         journal_json(j);
         puts("}");

@@ -6,7 +6,6 @@
 #include <idemrpc/idemrpc.h>
 
 #include "idemctl.h"
-#include "json.h"
 
 static void print_tomb(const idem_key_ref *k, const idem_tombstone *t, bool json)
 {
@@ -22,12 +21,8 @@ static void print_tomb(const idem_key_ref *k, const idem_tombstone *t, bool json
                t->expired_at_ms, t->until_ms);
         return;
     }
-    fputs("{\"caller\":", stdout);
-    idem__json_fputs(stdout, k->caller);
-    fputs(",\"method\":", stdout);
-    idem__json_fputs(stdout, k->method);
-    fputs(",\"key\":", stdout);
-    idem__json_fputs(stdout, k->key);
+    fputs("{", stdout);
+    idemctl_json_key(k->caller, k->method, k->key);
     printf(",\"state\":\"TOMBSTONE\",\"outcome\":\"%s\",\"fingerprint_prefix\":\"%s\","
            "\"first_at_ms\":%" PRIu64 ",\"expired_at_ms\":%" PRIu64 ",\"until_ms\":%" PRIu64 "}\n",
            idem_code_name(t->code), fp, t->first_at_ms, t->expired_at_ms, t->until_ms);
@@ -52,12 +47,8 @@ int idemctl_delete_tomb(struct idem_store *st, const args *a)
         return 1;
     }
     if (a->json) {
-        fputs("{\"deleted_tombstone\":{\"caller\":", stdout);
-        idem__json_fputs(stdout, a->caller);
-        fputs(",\"method\":", stdout);
-        idem__json_fputs(stdout, a->method);
-        fputs(",\"key\":", stdout);
-        idem__json_fputs(stdout, a->key);
+        fputs("{\"deleted_tombstone\":{", stdout);
+        idemctl_json_key(a->caller, a->method, a->key);
         puts("}}");
     } else {
         printf("deleted the tombstone of %s %s\n", a->method, a->key);
