@@ -139,6 +139,30 @@ Test(pg_schema, an_older_format_record_is_raised_at_the_next_start)
     cr_expect_str_eq(value_of("SELECT value FROM idem_meta WHERE name = 'format'"), "1");
 }
 
+/* The previous release's tables (0.4 and older: no tombstones) gain the tombstone table,
+ * its index and the Response-code function at the next start; the format stays 1, so
+ * that an instance of that release still starts on the store (a rolling upgrade; it
+ * ignores tombstones, docs/upgrading.md). */
+Test(pg_schema, a_store_without_tombstones_gains_them_at_the_next_start_and_keeps_its_format)
+{
+    tu_pg_exec(conninfo, "DROP TABLE IF EXISTS idem_tombstones;"
+                         " DROP FUNCTION IF EXISTS idem_response_code(bytea)");
+    opener o;
+    open_store(&o);
+    cr_assert_eq(o.code, IDEM_OK, "%s", o.msg);
+    cr_expect_str_eq(value_of("SELECT to_regclass('idem_tombstones') IS NOT NULL AND"
+                              " to_regclass('idem_tombstones_until') IS NOT NULL AND"
+                              " to_regprocedure('idem_response_code(bytea)') IS NOT NULL"),
+                     "t");
+    /* the function reads field 1 of a Response wherever it is, 0 when absent */
+    cr_expect_str_eq(value_of("SELECT idem_response_code('\\x08051203616263'::bytea) || ','"
+                              " || idem_response_code('\\x1203616263'::bytea) || ','"
+                              " || idem_response_code('\\x1203616263080e'::bytea) || ','"
+                              " || idem_response_code('\\x12ff'::bytea)"),
+                     "5,0,14,2");
+    cr_expect_str_eq(value_of("SELECT value FROM idem_meta WHERE name = 'format'"), "1");
+}
+
 /* An older release's tables lack a newer index: the start creates just that (a lock on
  * idem_kv), not an ALTER of idem_records, which a live reader's lock would stop. */
 Test(pg_schema, a_start_that_adds_an_index_is_not_stopped_by_a_live_reader_of_records)

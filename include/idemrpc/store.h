@@ -110,6 +110,8 @@ typedef struct idem_store_stats {
     /* Connections re-opened after one broke or went unanswered (PostgreSQL: a restart,
      * a failover, a partition), since open. */
     uint64_t reconnects;
+    /* Tombstones kept (idem_tombstone): keys whose result expired, remembered still. */
+    size_t tombstones;
 } idem_store_stats;
 
 enum idem_store_flags {
@@ -255,6 +257,17 @@ IDEM_API idem_code idem_store_tombstone_get(idem_store *st, const idem_key_ref *
 /* Deletes the key's tombstone: a late duplicate then runs again. IDEM_NOT_FOUND when
  * absent. */
 IDEM_API idem_code idem_store_tombstone_delete(idem_store *st, const idem_key_ref *key);
+/* The length of the hash an LMDB store keys a tombstone by (the effective key's). */
+#define IDEM_TOMBSTONE_KEY_HASH_LEN 16
+/* Called for each tombstone, in the store's order: with its key on PostgreSQL (key_hash
+ * NULL); on LMDB, which keeps only a hash of the key, with key NULL and key_hash its
+ * IDEM_TOMBSTONE_KEY_HASH_LEN bytes. Both are valid only during the call. Return false
+ * to stop. */
+typedef bool (*idem_tombstone_visit_fn)(void *arg, const idem_key_ref *key, const uint8_t *key_hash,
+                                        const idem_tombstone *t);
+/* Visits the tombstones (operator tools); IDEM_UNIMPLEMENTED on a backend without them. */
+IDEM_API idem_code idem_store_tombstone_foreach(idem_store *st, idem_tombstone_visit_fn fn,
+                                                void *arg);
 
 /* Deletes at most max records and tokens whose expiry is <= now_ms, in one write txn.
  * PostgreSQL: now_ms is read as "the database clock + (now_ms - this host's clock)". */

@@ -87,11 +87,12 @@ typedef struct idem_store_ops {
      * its tombstone (idem_tombstone) until its expiry plus the store's tombstone keep
      * (tomb_keep) when that is nonzero. */
     idem_code (*sweep)(idem_store *st, uint64_t now_ms, size_t max, size_t *deleted);
-    /* Optional (NULL: no tombstones; the three go together). tomb_keep sets how long
+    /* Optional (NULL: no tombstones; the four go together). tomb_keep sets how long
      * the sweep keeps a tombstone after its result expired (0: none, the default). */
     idem_code (*tomb_keep)(idem_store *st, uint64_t keep_ms);
     idem_code (*tomb_get)(idem_store *st, const idem_key_ref *key, idem_tombstone *out);
     idem_code (*tomb_del)(idem_store *st, const idem_key_ref *key);
+    idem_code (*tomb_foreach)(idem_store *st, idem_tombstone_visit_fn fn, void *arg);
     idem_code (*token_put)(idem_store *st, const char *token, const char *scope,
                            uint64_t expires_ms, uint64_t now_ms);
     idem_code (*token_consume)(idem_store *st, const char *token, const char *scope,
@@ -226,6 +227,13 @@ idem_code idem__store_claim_durable(idem_store *st, const idem_key_ref *key, uin
 /* ops->tomb_keep: the longest tombstone horizon of the servers sharing st, which the
  * sweep keeps them for. FAILED_PRECONDITION for a nonzero one on a store without them. */
 idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms);
+/* Whether tombstone t answers claim req at now_ms: within req's horizon after the
+ * result expired, and before t's own until. */
+bool idem__tomb_decides(const idem_tombstone *t, const idem_claim_req *req, uint64_t now_ms);
+/* The claim's answer from a tombstone that decides it: IDEM_CLAIM_TOMBSTONE for the same
+ * request, IDEM_CLAIM_MISMATCH for another; rec (may be NULL) gets the tombstone. */
+void idem__tomb_answer(const idem_tombstone *t, const idem_claim_req *req,
+                       idem_claim_outcome *outcome, idem_record *rec);
 /* The code a serialized idem.v1.Response carries (field 1); IDEM_UNKNOWN when the bytes
  * hold none that is valid. */
 idem_code idem__response_code(const void *buf, size_t len);

@@ -2,6 +2,8 @@
  * result expired (store.h: idem_tombstone), read and deleted by operator tools, kept by
  * the sweep for the longest horizon of the servers on the store (tomb_keep). A backend
  * without them answers IDEM_UNIMPLEMENTED and keeps none. */
+#include <string.h>
+
 #include "store.h"
 #include "wire.h"
 
@@ -12,8 +14,8 @@ idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms)
     }
     if (keep_ms != 0) {
         return idem__err(IDEM_FAILED_PRECONDITION,
-                         "tombstone_ttl_ms: the %s store keeps no tombstones (LMDB does); a late "
-                         "duplicate would run again",
+                         "tombstone_ttl_ms: the %s store keeps no tombstones; a late duplicate "
+                         "would run again",
                          st->ops->name);
     }
     return IDEM_OK;
@@ -41,6 +43,38 @@ idem_code idem_store_tombstone_delete(idem_store *st, const idem_key_ref *key)
         return idem__err(IDEM_UNIMPLEMENTED, "%s store keeps no tombstones", st->ops->name);
     }
     return st->ops->tomb_del(st, key);
+}
+
+idem_code idem_store_tombstone_foreach(idem_store *st, idem_tombstone_visit_fn fn, void *arg)
+{
+    if (fn == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "no visit function");
+    }
+    if (st->ops->tomb_foreach == NULL) {
+        return idem__err(IDEM_UNIMPLEMENTED, "%s store keeps no tombstones", st->ops->name);
+    }
+    return st->ops->tomb_foreach(st, fn, arg);
+}
+
+bool idem__tomb_decides(const idem_tombstone *t, const idem_claim_req *req, uint64_t now_ms)
+{
+    return req->tombstone_ttl_ms != 0 &&
+           now_ms < idem__add_sat(t->expired_at_ms, req->tombstone_ttl_ms) && now_ms < t->until_ms;
+}
+
+void idem__tomb_answer(const idem_tombstone *t, const idem_claim_req *req,
+                       idem_claim_outcome *outcome, idem_record *rec)
+{
+    bool same = memcmp(t->fingerprint, req->fingerprint, IDEM_TOMBSTONE_FP_LEN) == 0;
+    *outcome = same ? IDEM_CLAIM_TOMBSTONE : IDEM_CLAIM_MISMATCH;
+    if (rec != NULL) {
+        memset(rec, 0, sizeof(*rec));
+        rec->state = IDEM_REC_TOMBSTONE;
+        memcpy(rec->fingerprint, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
+        rec->first_at_ms = t->first_at_ms;
+        rec->expires_ms = t->expired_at_ms;
+        rec->result_code = t->code;
+    }
 }
 
 /* Walks the top-level fields of the stored Response for field 1 (code, a varint);

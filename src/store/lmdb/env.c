@@ -321,6 +321,7 @@ const idem_store_ops idem__lmdb_ops = {
     .tomb_keep = idem__lmdb_tomb_keep,
     .tomb_get = idem__lmdb_tomb_get,
     .tomb_del = idem__lmdb_tomb_del,
+    .tomb_foreach = idem__lmdb_tomb_foreach,
     .token_put = idem__lmdb_token_put,
     .token_consume = idem__lmdb_token_consume,
     .stats = idem__lmdb_stats,

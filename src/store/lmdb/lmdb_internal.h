@@ -213,7 +213,7 @@ int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const v
 idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
 
 /* tombs.c: tombstones (idem_tombstone), their claim and sweep. */
-#define IDEM__LMDB_TOMB_KEY_LEN 16
+#define IDEM__LMDB_TOMB_KEY_LEN IDEM_TOMBSTONE_KEY_HASH_LEN
 /* A claim met no live record at key: `expired`, the COMPLETED record whose result expired
  * (NULL: none). Within req's horizon the tombstone (of that record, or swept) decides
  * the claim (*decided: TOMBSTONE or MISMATCH, rec filled when not NULL); else
@@ -230,6 +230,7 @@ int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, cons
 idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms);
 idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out);
 idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref);
+idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, void *arg);
 
 /* gate.c */
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);

@@ -39,6 +39,20 @@ static void tomb_encode(uint8_t out[TOMB_LEN], const idem_tombstone *t)
     idem__put_be32(out + 40, (uint32_t)t->code);
 }
 
+static idem_code tomb_decode(const MDB_val *v, idem_tombstone *t)
+{
+    if (v->mv_size != TOMB_LEN) {
+        return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d", v->mv_size, TOMB_LEN);
+    }
+    const uint8_t *p = v->mv_data;
+    memcpy(t->fingerprint, p, IDEM_TOMBSTONE_FP_LEN);
+    t->first_at_ms = idem__get_be64(p + 16);
+    t->expired_at_ms = idem__get_be64(p + 24);
+    t->until_ms = idem__get_be64(p + 32);
+    t->code = (idem_code)idem__get_be32(p + 40);
+    return IDEM_OK;
+}
+
 /* IDEM_NOT_FOUND when key has none (or the store is older than tombstones). */
 static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t len,
                            idem_tombstone *t)
@@ -52,16 +66,7 @@ static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t
     if (rc != 0 || (rc = mdb_get(txn, st->tombs, &k, &v)) != 0) {
         return rc == MDB_NOTFOUND ? IDEM_NOT_FOUND : idem__lmdb_code(rc, "tombstone get");
     }
-    if (v.mv_size != TOMB_LEN) {
-        return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d", v.mv_size, TOMB_LEN);
-    }
-    const uint8_t *p = v.mv_data;
-    memcpy(t->fingerprint, p, IDEM_TOMBSTONE_FP_LEN);
-    t->first_at_ms = idem__get_be64(p + 16);
-    t->expired_at_ms = idem__get_be64(p + 24);
-    t->until_ms = idem__get_be64(p + 32);
-    t->code = (idem_code)idem__get_be32(p + 40);
-    return IDEM_OK;
+    return tomb_decode(&v, t);
 }
 
 /* The tombstone an expired COMPLETED record (v) stands for, kept for keep_ms. */
@@ -74,22 +79,6 @@ static void tomb_of_record(const MDB_val *v, uint64_t keep_ms, idem_tombstone *t
     t->expired_at_ms = h.expires_ms;
     t->until_ms = idem__add_sat(h.expires_ms, keep_ms);
     t->code = idem__response_code((const uint8_t *)v->mv_data + sizeof(h), v->mv_size - sizeof(h));
-}
-
-/* The claim's answer from a tombstone within its horizon. */
-static void tomb_answer(const idem_tombstone *t, const idem_claim_req *req,
-                        idem_claim_outcome *outcome, idem_record *rec)
-{
-    bool same = memcmp(t->fingerprint, req->fingerprint, IDEM_TOMBSTONE_FP_LEN) == 0;
-    *outcome = same ? IDEM_CLAIM_TOMBSTONE : IDEM_CLAIM_MISMATCH;
-    if (rec != NULL) {
-        memset(rec, 0, sizeof(*rec));
-        rec->state = IDEM_REC_TOMBSTONE;
-        memcpy(rec->fingerprint, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
-        rec->first_at_ms = t->first_at_ms;
-        rec->expires_ms = t->expired_at_ms;
-        rec->result_code = t->code;
-    }
 }
 
 idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
@@ -108,14 +97,12 @@ idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
         }
         *stale_until = t.until_ms;
     }
-    uint64_t now = req->now_ms;
-    if (req->tombstone_ttl_ms == 0 ||
-        now >= idem__add_sat(t.expired_at_ms, req->tombstone_ttl_ms) || now >= t.until_ms) {
+    if (!idem__tomb_decides(&t, req, req->now_ms)) {
         return IDEM_OK; /* past the horizon: the key is free */
     }
     *stale_until = 0;
     *decided = true;
-    tomb_answer(&t, req, outcome, rec);
+    idem__tomb_answer(&t, req, outcome, rec);
     return IDEM_OK;
 }
 
@@ -240,4 +227,34 @@ idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref)
         return idem__err(IDEM_FAILED_PRECONDITION, "store opened read-only");
     }
     return idem__lmdb_write(st, tomb_del_apply, &w);
+}
+
+/* In one read txn, in hash order; a tombstone that does not decode is skipped. */
+idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, void *arg)
+{
+    lmdb_store *st = (lmdb_store *)base;
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    idem_tombstone t;
+    if (!st->has_tombs) {
+        return IDEM_OK;
+    }
+    int rc = idem__lmdb_read_begin(st, &txn);
+    if (rc != 0) {
+        return idem__lmdb_code(rc, "tombstone walk begin");
+    }
+    if ((rc = mdb_cursor_open(txn, st->tombs, &cur)) == 0) {
+        for (MDB_cursor_op op = MDB_FIRST; (rc = mdb_cursor_get(cur, &k, &v, op)) == 0;
+             op = MDB_NEXT) {
+            if (k.mv_size == IDEM_TOMBSTONE_KEY_HASH_LEN && tomb_decode(&v, &t) == IDEM_OK &&
+                !fn(arg, NULL, k.mv_data, &t)) {
+                rc = MDB_NOTFOUND;
+                break;
+            }
+        }
+        mdb_cursor_close(cur);
+    }
+    idem__lmdb_read_end(st, txn);
+    return rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "tombstone walk");
 }

@@ -1,5 +1,6 @@
 /* What the sweeper and operators ask of the PostgreSQL store: the sweep of expired rows
- * in bounded batches that never wait for a live transaction's rows, the counts, and a
+ * (records, tokens, then tombstones) in bounded batches that never wait for a live
+ * transaction's rows, the counts, and a
  * walk over the records (keyset pagination). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,9 +19,12 @@ static idem_code sweep_table(pg_store *st, enum stmt s, uint64_t now_ms, size_t 
         arg_i64(&a, now_ms - idem__now_ms()); /* a shift of the database clock */
     }
     arg_i64(&a, max);
-    idem_code code = idem__pg_exec_pooled(st, s, &a, PGRES_COMMAND_OK, &r);
+    bool counted = s == S_SWEEP_RECORDS; /* it answers its count (its CTE writes more) */
+    idem_code code =
+        idem__pg_exec_pooled(st, s, &a, counted ? PGRES_TUPLES_OK : PGRES_COMMAND_OK, &r);
     if (code == IDEM_OK) {
-        *deleted += strtoul(PQcmdTuples(r), NULL, 10);
+        *deleted += counted ? (PQntuples(r) == 1 ? (size_t)idem__pg_col_i64(r, 0, 0) : 0)
+                            : strtoul(PQcmdTuples(r), NULL, 10);
         PQclear(r);
     }
     return code;
@@ -32,6 +36,9 @@ idem_code idem__pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *
     idem_code code = sweep_table(st, S_SWEEP_RECORDS, now_ms, max, deleted);
     if (code == IDEM_OK && *deleted < max) {
         code = sweep_table(st, S_SWEEP_TOKENS, now_ms, max - *deleted, deleted);
+    }
+    if (code == IDEM_OK && *deleted < max) {
+        code = sweep_table(st, S_SWEEP_TOMBS, now_ms, max - *deleted, deleted);
     }
     if (code == IDEM_OK && *deleted < max) {
         size_t empty = 0; /* not records or tokens: not counted */
@@ -52,6 +59,7 @@ idem_code idem__pg_stats(idem_store *base, idem_store_stats *out)
         out->in_progress = (size_t)idem__pg_col_i64(r, 0, 1);
         out->completed = (size_t)idem__pg_col_i64(r, 0, 2);
         out->tokens = (size_t)idem__pg_col_i64(r, 0, 3);
+        out->tombstones = (size_t)idem__pg_col_i64(r, 0, 4);
     }
     out->reconnects = __atomic_load_n(&((pg_store *)base)->reconnects, __ATOMIC_RELAXED);
     PQclear(r);

@@ -86,6 +86,24 @@ static void claimed_row(const PGresult *r, const idem_claim_req *req, idem_recor
     memcpy(rec->fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN);
 }
 
+/* An expired COMPLETED record the sweep has not reached answers as its tombstone
+ * within the claim's horizon (true: *outcome set; cur is cleared). */
+static bool expired_answers(idem_record *cur, const idem_claim_req *req,
+                            idem_claim_outcome *outcome, idem_record *rec)
+{
+    idem_tombstone t = {.code = idem__response_code(cur->response, cur->response_len),
+                        .first_at_ms = cur->first_at_ms,
+                        .expired_at_ms = cur->expires_ms,
+                        .until_ms = UINT64_MAX}; /* not swept: the claim's horizon bounds it */
+    memcpy(t.fingerprint, cur->fingerprint, IDEM_TOMBSTONE_FP_LEN);
+    if (!idem__tomb_decides(&t, req, cur->now_ms)) {
+        return false;
+    }
+    idem_record_clear(cur);
+    idem__tomb_answer(&t, req, outcome, rec);
+    return true;
+}
+
 /* The row exists, locked by the insert: decide under that lock, on the database clock.
  * Returns with *outcome set (and *got the row when this claim acquired it), or an
  * error. */
@@ -111,6 +129,9 @@ static idem_code claim_existing(pool_slot *c, const idem_claim_req *req, const p
     }
     bool expired = cur.state == IDEM_REC_COMPLETED && cur.expires_ms <= cur.now_ms;
     bool same = memcmp(cur.fingerprint, req->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    if (expired && expired_answers(&cur, req, outcome, rec)) {
+        return IDEM_OK;
+    }
     if (!expired && (!same || cur.state == IDEM_REC_COMPLETED || cur.lease_until_ms > cur.now_ms)) {
         *outcome = !same                             ? IDEM_CLAIM_MISMATCH
                    : cur.state == IDEM_REC_COMPLETED ? IDEM_CLAIM_COMPLETED
@@ -188,6 +209,12 @@ idem_code idem__pg_claim_in_txn(pool_slot *c, const idem_claim_req *req,
     }
     if (!inserted) {
         return claim_existing(c, req, &a, outcome, rec, got);
+    }
+    bool decided = false;
+    if (req->tombstone_ttl_ms != 0 &&
+        ((code = idem__pg_tomb_claim(c, req, got->now_ms, outcome, rec, &decided)) != IDEM_OK ||
+         decided)) {
+        return code; /* the key's tombstone answered: the row is deleted again */
     }
     if (req->token != NULL && (code = token_take_keep(c, req, &a)) != IDEM_OK) {
         return code;

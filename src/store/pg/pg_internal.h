@@ -83,6 +83,7 @@ enum stmt {
     S_DELETE,
     S_SWEEP_RECORDS,
     S_SWEEP_TOKENS,
+    S_SWEEP_TOMBS,
     S_SWEEP_KV,
     S_TOKEN_PUT,
     S_STATS,
@@ -96,6 +97,11 @@ enum stmt {
     S_KV_NEXT,
     S_TXN_RECORD,
     S_RENEW_BATCH,
+    S_TOMB_GET,
+    S_TOMB_DEL,
+    S_CLAIM_UNDO,
+    S_TOMB_KEEP,
+    S_TOMB_PAGE,
     S_CLAIM_CONFIRM,
     S_COUNT
 };
@@ -229,6 +235,17 @@ idem_code idem__pg_renew_batch(idem_store *base, idem__renewal *r, size_t n);
 idem_code idem__pg_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
 idem_code idem__pg_stats(idem_store *base, idem_store_stats *out);
 idem_code idem__pg_foreach(idem_store *base, idem_store_visit_fn fn, void *arg);
+
+/* tombs.c: tombstones. The claim's answer from the key's tombstone on a row the claim
+ * just inserted in c's transaction, at the database's time now_ms: *decided (TOMBSTONE
+ * or MISMATCH, rec filled when not NULL; the row deleted again), else a stale tombstone
+ * is deleted and the claim stands. */
+idem_code idem__pg_tomb_claim(pool_slot *c, const idem_claim_req *req, uint64_t now_ms,
+                              idem_claim_outcome *outcome, idem_record *rec, bool *decided);
+idem_code idem__pg_tomb_keep(idem_store *base, uint64_t keep_ms);
+idem_code idem__pg_tomb_get(idem_store *base, const idem_key_ref *key, idem_tombstone *out);
+idem_code idem__pg_tomb_del(idem_store *base, const idem_key_ref *key);
+idem_code idem__pg_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, void *arg);
 
 /* schema.c: the format of the store's tables this binary reads and writes (idem_meta). */
 #define IDEM__PG_FORMAT 1

@@ -34,7 +34,26 @@
     "to_regclass('idem_records') IS NOT NULL AND to_regclass('idem_records_expires') IS NOT NULL"  \
     " AND to_regclass('idem_tokens') IS NOT NULL AND to_regclass('idem_tokens_expires') IS NOT"    \
     " NULL AND " TOKEN_COLUMNS " AND to_regclass('idem_fence') IS NOT NULL AND"                    \
-    " to_regclass('idem_kv') IS NOT NULL AND to_regclass('idem_kv_empty') IS NOT NULL"
+    " to_regclass('idem_kv') IS NOT NULL AND to_regclass('idem_kv_empty') IS NOT NULL AND"         \
+    " to_regclass('idem_tombstones') IS NOT NULL AND"                                              \
+    " to_regclass('idem_tombstones_until') IS NOT NULL AND " HAS_RESPONSE_CODE
+
+/* The sweep's tombstone keeps the code of the stored Response (wire.h's
+ * idem__response_code in SQL): field 1, a varint; absent (proto3) when OK; 2 (UNKNOWN)
+ * for what does not parse. */
+#define HAS_RESPONSE_CODE "to_regprocedure('idem_response_code(bytea)') IS NOT NULL"
+#define RESPONSE_CODE_FN                                                                           \
+    " CREATE FUNCTION idem_response_code(r bytea) RETURNS smallint LANGUAGE plpgsql IMMUTABLE"     \
+    " AS $f$ DECLARE i int := 0; n int := coalesce(length(r), 0); f bigint; v bigint; s int;"      \
+    " b int; BEGIN WHILE i < n LOOP"                                                               \
+    " f := 0; s := 0; LOOP IF i >= n OR s > 56 THEN RETURN 2; END IF; b := get_byte(r, i);"        \
+    " i := i + 1; f := f | ((b & 127)::bigint << s); s := s + 7; EXIT WHEN b < 128; END LOOP;"     \
+    " IF f & 7 NOT IN (0, 2) THEN RETURN 2; END IF;"                                               \
+    " v := 0; s := 0; LOOP IF i >= n OR s > 56 THEN RETURN 2; END IF; b := get_byte(r, i);"        \
+    " i := i + 1; v := v | ((b & 127)::bigint << s); s := s + 7; EXIT WHEN b < 128; END LOOP;"     \
+    " IF f & 7 = 0 AND f >> 3 = 1 THEN RETURN CASE WHEN v BETWEEN 0 AND 16 THEN v ELSE 2 END;"     \
+    " ELSIF f & 7 = 2 THEN IF v < 0 OR v > n - i THEN RETURN 2; END IF; i := i + v::int; END IF;"  \
+    " END LOOP; RETURN 0; END $f$;"
 
 /* Every object there, whether idem_meta is (its format is read separately: a query
  * naming a missing table would not parse), and whether idem_records is (a store at all). */
@@ -67,6 +86,13 @@ static const char migrate_sql[] =
     " k bytea NOT NULL, v bytea, PRIMARY KEY (db, k)); END IF;"
     " IF to_regclass('idem_kv_empty') IS NULL THEN"
     " CREATE INDEX idem_kv_empty ON idem_kv (db) WHERE v IS NULL; END IF;"
+    " IF to_regclass('idem_tombstones') IS NULL THEN CREATE TABLE idem_tombstones ("
+    " caller text NOT NULL, method text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,"
+    " code smallint NOT NULL, first_at_ms bigint NOT NULL, expired_at_ms bigint NOT NULL,"
+    " until_ms bigint NOT NULL, PRIMARY KEY (caller, method, key)); END IF;"
+    " IF to_regclass('idem_tombstones_until') IS NULL THEN"
+    " CREATE INDEX idem_tombstones_until ON idem_tombstones (until_ms); END IF;"
+    " IF NOT " HAS_RESPONSE_CODE " THEN" RESPONSE_CODE_FN " END IF;"
     " IF to_regclass('idem_meta') IS NULL THEN"
     " CREATE TABLE idem_meta (name text PRIMARY KEY, value bigint NOT NULL); END IF;"
     " INSERT INTO idem_meta VALUES ('format', %d) ON CONFLICT (name) DO UPDATE"

@@ -9,6 +9,9 @@
 #define REC_COLS                                                                                   \
     "state, fingerprint, owner, lease_until_ms, first_at_ms, expires_ms, response, " DBNOW
 #define KEY_WHERE "caller = $1 AND method = $2 AND key = $3"
+#define TOMB_COLS "fingerprint, code, first_at_ms, expired_at_ms, until_ms"
+#define TOMB_FP_LEN "16" /* IDEM_TOMBSTONE_FP_LEN */
+#define INT64_MAX_SQL "9223372036854775807"
 /* $5 = 0 asks for a store-assigned owner; $6, $7 = lease and expiry durations. */
 #define CLAIM_OWNER "CASE WHEN $5::bigint = 0 THEN nextval('idem_fence') ELSE $5::bigint END"
 #define CLAIM_RETURNING                                                                            \
@@ -75,9 +78,27 @@ const char *const idem__pg_sql[S_COUNT] = {
      * (a handler's: never wait for it, nor deadlock with it). The outer condition is
      * checked again on the newest row version, so a row renewed or written meanwhile
      * stays. SWEEPNOW is stable within the statement, so the expiry index is used. */
-    [S_SWEEP_RECORDS] = "DELETE FROM idem_records WHERE expires_ms <= " SWEEPNOW " AND"
-                        " (caller, method, key) IN (SELECT caller, method, key FROM idem_records"
-                        " WHERE expires_ms <= " SWEEPNOW " LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    /* An expired COMPLETED record leaves its tombstone in the same statement, kept for
+     * the longest horizon of the servers on the store (idem_meta "tomb_keep"); an older
+     * tombstone of the key (a claim without a horizon leaves it, tombs.c) is replaced. */
+    [S_SWEEP_RECORDS] =
+        "WITH d AS (DELETE FROM idem_records WHERE expires_ms <= " SWEEPNOW " AND"
+        " (caller, method, key) IN (SELECT caller, method, key FROM idem_records"
+        " WHERE expires_ms <= " SWEEPNOW " LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        " RETURNING caller, method, key, state, fingerprint, first_at_ms, expires_ms, response),"
+        " k AS (SELECT value AS keep FROM idem_meta WHERE name = 'tomb_keep' AND value > 0),"
+        " t AS (INSERT INTO idem_tombstones (caller, method, key, " TOMB_COLS ")"
+        " SELECT caller, method, key,"
+        " substring(fingerprint FROM 1 FOR " TOMB_FP_LEN "), idem_response_code(response),"
+        " first_at_ms, expires_ms, CASE WHEN keep > " INT64_MAX_SQL
+        " - expires_ms THEN " INT64_MAX_SQL " ELSE expires_ms + keep END FROM d, k WHERE state = 2"
+        " ON CONFLICT (caller, method, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint,"
+        " code = EXCLUDED.code, first_at_ms = EXCLUDED.first_at_ms,"
+        " expired_at_ms = EXCLUDED.expired_at_ms, until_ms = EXCLUDED.until_ms)"
+        " SELECT count(*) FROM d",
+    [S_SWEEP_TOMBS] = "DELETE FROM idem_tombstones WHERE until_ms <= " SWEEPNOW " AND"
+                      " (caller, method, key) IN (SELECT caller, method, key FROM idem_tombstones"
+                      " WHERE until_ms <= " SWEEPNOW " LIMIT $2 FOR UPDATE SKIP LOCKED)",
     [S_SWEEP_TOKENS] = "DELETE FROM idem_tokens WHERE expires_ms <= " SWEEPNOW " AND token IN"
                        " (SELECT token FROM idem_tokens WHERE expires_ms <= " SWEEPNOW
                        " LIMIT $2 FOR UPDATE SKIP LOCKED)",
@@ -87,7 +108,8 @@ const char *const idem__pg_sql[S_COUNT] = {
     [S_TOKEN_PUT] = "INSERT INTO idem_tokens (token, scope, expires_ms) VALUES ($1, $2, " DBNOW
                     " + $3::bigint) ON CONFLICT DO NOTHING",
     [S_STATS] = "SELECT count(*), count(*) FILTER (WHERE state = 1), count(*) FILTER"
-                " (WHERE state = 2), (SELECT count(*) FROM idem_tokens) FROM idem_records",
+                " (WHERE state = 2), (SELECT count(*) FROM idem_tokens),"
+                " (SELECT count(*) FROM idem_tombstones) FROM idem_records",
     [S_PAGE] = "SELECT caller, method, key, " REC_COLS " FROM idem_records WHERE (caller,"
                " method, key) > ($1, $2, $3) ORDER BY caller, method, key LIMIT 500",
     /* txn.c */
@@ -120,6 +142,16 @@ const char *const idem__pg_sql[S_COUNT] = {
         " method, key) WHERE r.caller = m.caller AND r.method = m.method AND r.key = m.key"
         " AND r.owner = m.owner AND r.state = 1 RETURNING m.i)"
         " SELECT m.i, m.i IN (SELECT i FROM u) FROM mine m",
+    /* tombs.c. A claim reads a tombstone only on a key it just inserted (it holds the
+     * key: no sweep can write the key's tombstone before it commits). */
+    [S_TOMB_GET] = "SELECT " TOMB_COLS " FROM idem_tombstones WHERE " KEY_WHERE,
+    [S_TOMB_DEL] = "DELETE FROM idem_tombstones WHERE " KEY_WHERE,
+    /* The row a claim inserted, when the key's tombstone answered instead. */
+    [S_CLAIM_UNDO] = "DELETE FROM idem_records WHERE " KEY_WHERE " AND state = 1",
+    [S_TOMB_KEEP] = "INSERT INTO idem_meta VALUES ('tomb_keep', $1::bigint) ON CONFLICT (name)"
+                    " DO UPDATE SET value = EXCLUDED.value WHERE idem_meta.value < EXCLUDED.value",
+    [S_TOMB_PAGE] = "SELECT caller, method, key, " TOMB_COLS " FROM idem_tombstones WHERE (caller,"
+                    " method, key) > ($1, $2, $3) ORDER BY caller, method, key LIMIT 500",
     /* Is the claim (key, owner) committed? (A COMMIT whose answer was lost.) If so its
      * lease starts again from now ($5): the claim is older than its lease says. */
     [S_CLAIM_CONFIRM] =
@@ -143,6 +175,7 @@ const char *const idem__pg_stmt_name[S_COUNT] = {
     [S_DELETE] = "delete",
     [S_SWEEP_RECORDS] = "sweep records",
     [S_SWEEP_TOKENS] = "sweep tokens",
+    [S_SWEEP_TOMBS] = "sweep tombstones",
     [S_SWEEP_KV] = "sweep kv",
     [S_TOKEN_PUT] = "token put",
     [S_STATS] = "stats",
@@ -156,5 +189,10 @@ const char *const idem__pg_stmt_name[S_COUNT] = {
     [S_KV_NEXT] = "kv next",
     [S_TXN_RECORD] = "txn record",
     [S_RENEW_BATCH] = "renew batch",
+    [S_TOMB_GET] = "tombstone get",
+    [S_TOMB_DEL] = "tombstone delete",
+    [S_CLAIM_UNDO] = "claim undo",
+    [S_TOMB_KEEP] = "tombstone keep",
+    [S_TOMB_PAGE] = "tombstone page",
     [S_CLAIM_CONFIRM] = "claim confirm",
 };

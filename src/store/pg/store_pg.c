@@ -3,6 +3,8 @@
  *   idem_records(caller, method, key) PRIMARY KEY, state, fingerprint, owner, lease and
  *   expiry (unix ms), response bytea, the consumed token kept while IN_PROGRESS;
  *   idem_tokens(token PRIMARY KEY, scope, expires_ms);   sequence idem_fence (owners)
+ *   idem_tombstones(caller, method, key) PRIMARY KEY: what an expired COMPLETED record
+ *   leaves while a tombstone horizon runs (tombs.c)
  *
  * Every time is the database's clock (DBNOW): the callers' now_ms only turns their
  * absolute times into durations, so instances with skewed clocks agree on every lease
@@ -79,7 +81,7 @@ idem_code idem__pg_exec_pooled(pg_store *st, enum stmt s, const pg_args *a, Exec
 {
     /* Reads, and S_CLAIM_CONFIRM (it only extends a lease this claim holds), may run twice. */
     bool read = s == S_GET || s == S_STATS || s == S_PAGE || s == S_KV_READ || s == S_KV_NEXT ||
-                s == S_CLAIM_CONFIRM;
+                s == S_CLAIM_CONFIRM || s == S_TOMB_GET || s == S_TOMB_PAGE;
     uint64_t give_up = idem__mono_ms() + st->reconnect_ms;
     for (;;) {
         pool_slot *pc;
@@ -224,6 +226,10 @@ const idem_store_ops idem__pg_ops = {
     .get = idem__pg_get,
     .del = idem__pg_delete,
     .sweep = idem__pg_sweep,
+    .tomb_keep = idem__pg_tomb_keep,
+    .tomb_get = idem__pg_tomb_get,
+    .tomb_del = idem__pg_tomb_del,
+    .tomb_foreach = idem__pg_tomb_foreach,
     .token_put = pg_token_put,
     .token_consume = idem__pg_token_consume,
     .stats = idem__pg_stats,
