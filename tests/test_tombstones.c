@@ -35,6 +35,7 @@ typedef struct fixture {
     tu_backend b;
     idem_store *st;
     idem_client *cli;
+    uint32_t sweep_ms; /* the server's sweep interval; 0: an hour (the test sweeps) */
 } fixture;
 
 /* A server on st (not owned) with the given tombstone horizons: the server's, and its
@@ -47,8 +48,8 @@ static void serve_with(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
     o.result_ttl_ms = RESULT_TTL_MS;
     o.lease_ms = LEASE_MS;
     o.tombstone_ttl_ms = tomb_ttl_ms;
-    o.sweep_interval_ms = 3600 * 1000; /* the test sweeps */
-    o.workers = 2;                     /* few: a call that held one would show */
+    o.sweep_interval_ms = f->sweep_ms ? f->sweep_ms : 3600 * 1000;
+    o.workers = 2; /* few: a call that held one would show */
     tu_server_create(&f->ts, &o);
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED,
                           .tombstone_ttl_ms = method_ttl_ms};
@@ -70,7 +71,9 @@ static void unserve(fixture *f)
 
 static void open_fixture_with(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
 {
+    uint32_t sweep_ms = f->sweep_ms;
     memset(f, 0, sizeof(*f));
+    f->sweep_ms = sweep_ms;
     atomic_store(&runs, 0);
     f->st = tu_backend_open(&f->b, "tomb");
     serve_with(f, tomb_ttl_ms, method_ttl_ms);
@@ -157,7 +160,7 @@ static void assert_result_gone(fixture *f, const char *key, const char *payload)
 
 Test(tombstones, a_late_duplicate_after_the_result_ttl_is_told_done_and_never_runs_again)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "late-1", "100"), IDEM_OK);
     wait_result_expired(&f, "late-1");
@@ -178,7 +181,7 @@ Test(tombstones, a_late_duplicate_after_the_result_ttl_is_told_done_and_never_ru
  * sweep reads the code out of the stored Response in SQL). */
 Test(tombstones, a_tombstone_keeps_the_first_calls_error_code)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "err-1", "nf"), IDEM_NOT_FOUND);
     wait_result_expired(&f, "err-1");
@@ -195,7 +198,7 @@ Test(tombstones, a_tombstone_keeps_the_first_calls_error_code)
 
 Test(tombstones, another_request_under_a_tombstoned_key_is_key_reused)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "reuse-1", "100"), IDEM_OK);
     wait_result_expired(&f, "reuse-1");
@@ -213,7 +216,7 @@ Test(tombstones, another_request_under_a_tombstoned_key_is_key_reused)
  * the sweep deletes the tombstone. */
 Test(tombstones, after_the_tombstone_horizon_the_key_is_free)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, 300);
     cr_assert_eq(pay_once(&f, "free-1", "100"), IDEM_OK);
     idem_record rec;
@@ -235,7 +238,7 @@ Test(tombstones, after_the_tombstone_horizon_the_key_is_free)
 /* Off (0, the default): an expired result is as no record, as before tombstones. */
 Test(tombstones, off_by_default_an_expired_result_runs_again)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, 0);
     cr_assert_eq(pay_once(&f, "off-1", "100"), IDEM_OK);
     wait_result_expired(&f, "off-1");
@@ -252,7 +255,7 @@ Test(tombstones, off_by_default_an_expired_result_runs_again)
  * again) still answers the late duplicate. */
 Test(tombstones, survive_a_server_restart)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "restart-1", "100"), IDEM_OK);
     wait_result_expired(&f, "restart-1");
@@ -273,7 +276,7 @@ Test(tombstones, survive_a_server_restart)
 /* Over HTTP the late duplicate is 410 Gone with the front's problem body. */
 Test(tombstones, http_answers_410_gone_to_a_late_duplicate)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, TOMB_TTL_MS);
     cr_assert_eq(idem_server_listen_http(f.ts.srv, "http://127.0.0.1:0"), IDEM_OK, "%s",
                  idem_errmsg());
@@ -359,7 +362,7 @@ Test(tombstones, the_sweep_removes_expired_tombstones_in_bounded_batches)
  * it; the late duplicate then runs again. */
 Test(tombstones, idemctl_shows_and_deletes_a_tombstone)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture(&f, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "ctl-1", "100"), IDEM_OK);
     wait_result_expired(&f, "ctl-1");
@@ -391,7 +394,7 @@ Test(tombstones, idemctl_shows_and_deletes_a_tombstone)
  * promptly like the server-wide horizon answers it (test_tombstones). */
 Test(tombstones, method_horizon_another_request_under_a_swept_key_is_key_reused, .timeout = 30)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture_with(&f, 0, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "m-reuse-1", "100"), IDEM_OK);
     wait_result_expired(&f, "m-reuse-1");
@@ -414,7 +417,7 @@ Test(tombstones, method_horizon_another_request_under_a_swept_key_is_key_reused,
  * served. */
 Test(tombstones, method_horizon_key_reuse_requests_do_not_starve_other_calls, .timeout = 60)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture_with(&f, 0, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "m-a", "100"), IDEM_OK);
     cr_assert_eq(pay_once(&f, "m-b", "100"), IDEM_OK);
@@ -435,7 +438,7 @@ Test(tombstones, method_horizon_key_reuse_requests_do_not_starve_other_calls, .t
  * the sweep. */
 Test(tombstones, method_horizon_a_late_duplicate_is_told_done, .timeout = 30)
 {
-    fixture f;
+    fixture f = {0};
     open_fixture_with(&f, 0, TOMB_TTL_MS);
     cr_assert_eq(pay_once(&f, "m-late-1", "100"), IDEM_OK);
     wait_result_expired(&f, "m-late-1");
@@ -443,5 +446,56 @@ Test(tombstones, method_horizon_a_late_duplicate_is_told_done, .timeout = 30)
     sweep_all(&f);
     assert_result_gone(&f, "m-late-1", "100");
     cr_assert_eq(atomic_load(&runs), 1);
+    close_fixture(&f);
+}
+
+/* The value of one series on the server's GET /metrics; -1 when absent. */
+static double metric(int port, const char *series)
+{
+    char needle[128];
+    tu_http h;
+    snprintf(needle, sizeof(needle), "\n%s ", series);
+    tu_http_get(&h, port, "/metrics");
+    const char *w = h.body != NULL ? strstr(h.body, needle) : NULL;
+    double v = w != NULL ? strtod(w + strlen(needle), NULL) : -1;
+    tu_http_free(&h);
+    return v;
+}
+
+/* The server's own sweeps (every 20 ms) turn the expired result into a tombstone; the
+ * gauge it reads after each sweep, idemctl stats and idemctl list --state tombstone count
+ * and show it. */
+Test(tombstones, metrics_idemctl_stats_and_list_count_tombstones, .timeout = 60)
+{
+    fixture f = {.sweep_ms = 20};
+    open_fixture(&f, TOMB_TTL_MS);
+    cr_assert_eq(idem_server_listen_http(f.ts.srv, "http://127.0.0.1:0"), IDEM_OK, "%s",
+                 idem_errmsg());
+    int port = idem_server_http_port(f.ts.srv);
+    cr_assert_eq(pay_once(&f, "count-1", "100"), IDEM_OK);
+    double n = -1;
+    for (int i = 0; i < 1000 && n != 1; i++) { /* a gauge read after each sweep: polled */
+        n = metric(port, "idem_store_tombstones");
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    }
+    cr_assert_eq(n, 1, "idem_store_tombstones %g", n);
+    cr_assert_eq(metric(port, "idem_store_records{state=\"completed\"}"), 0);
+    const char *ctl = getenv("IDEMCTL");
+    cr_assert_not_null(ctl, "IDEMCTL unset");
+    char out[4096];
+    const char *at = tu_backend_is_pg() ? "--pg" : "--db";
+    const char *store = tu_backend_is_pg() ? f.b.conninfo : f.b.dir;
+    const char *stats[] = {ctl, at, store, "stats", NULL};
+    cr_assert_eq(tu_run_captured(stats, out, sizeof(out)), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "tombstones   1"), "%s", out);
+    const char *list[] = {ctl, at, store, "list", "--state", "tombstone", NULL};
+    cr_assert_eq(tu_run_captured(list, out, sizeof(out)), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "TOMBSTONE"), "%s", out);
+    if (tu_backend_is_pg()) { /* LMDB keeps only the key's hash */
+        cr_assert_not_null(strstr(out, "count-1"), "%s", out);
+    }
+    const char *json[] = {ctl, at, store, "--json", "list", "--state", "tombstone", NULL};
+    cr_assert_eq(tu_run_captured(json, out, sizeof(out)), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "\"state\":\"TOMBSTONE\",\"outcome\":\"OK\""), "%s", out);
     close_fixture(&f);
 }

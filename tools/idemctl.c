@@ -89,12 +89,14 @@ static int cmd_stats(idem_store *st, const args *a)
     /* map_size 0: a store with no fixed map (PostgreSQL). */
     if (a->json) {
         printf("{\"records\":%zu,\"in_progress\":%zu,\"completed\":%zu,\"tokens\":%zu,"
-               "\"map_size\":%zu,\"map_used\":%zu}\n",
-               s.records, s.in_progress, s.completed, s.tokens, s.map_size, s.map_used);
+               "\"tombstones\":%zu,\"map_size\":%zu,\"map_used\":%zu}\n",
+               s.records, s.in_progress, s.completed, s.tokens, s.tombstones, s.map_size,
+               s.map_used);
         return 0;
     }
-    printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n", s.records,
-           s.in_progress, s.completed, s.tokens);
+    printf("records      %zu\nin_progress  %zu\ncompleted    %zu\ntokens       %zu\n"
+           "tombstones   %zu\n",
+           s.records, s.in_progress, s.completed, s.tokens, s.tombstones);
     if (s.map_size) {
         printf("map used     %zu of %zu bytes (%.1f%%)\n", s.map_used, s.map_size,
                100.0 * (double)s.map_used / (double)s.map_size);
@@ -158,6 +160,9 @@ static bool list_one(void *arg, const idem_key_ref *k, const idem_record *rec)
 
 static int cmd_list(idem_store *st, const args *a)
 {
+    if (a->state != NULL && strcmp(a->state, "tombstone") == 0) {
+        return idemctl_list_tombs(st, a);
+    }
     list_state ls = {a, 0};
     idem_code code = idem_store_foreach(st, list_one, &ls);
     if (a->json) {

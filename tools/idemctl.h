@@ -33,6 +33,8 @@ int idemctl_dead_main(int argc, char **argv);
  * whether it has one; delete deletes it (exit status 0 or 1, reported). */
 bool idemctl_show_tomb(struct idem_store *st, const args *a);
 int idemctl_delete_tomb(struct idem_store *st, const args *a);
+/* list --state tombstone: the tombstones (on LMDB named by their key's hash). */
+int idemctl_list_tombs(struct idem_store *st, const args *a);
 /* journals (idemctl_journal.c): the calls the re-driver holds; exit status 0 or 1. */
 int idemctl_journals(struct idem_store *st, const args *a);
 /* show: the journal of rec's request after its record (JSON: the value of "journal");

@@ -12,8 +12,8 @@
 void idemctl_usage(FILE *f)
 {
     fprintf(f, "usage: idemctl STORE [--json] stats\n"
-               "       idemctl STORE [--json] list [--caller C] [--state in_progress|completed]"
-               " [--limit N]\n"
+               "       idemctl STORE [--json] list [--caller C]"
+               " [--state in_progress|completed|tombstone] [--limit N]\n"
                "                                   [--lapsed] [--older-ms MS]\n"
                "       idemctl STORE [--json] show METHOD KEY [--caller C]\n"
                "       idemctl STORE [--json] show --digest HEX [--caller C]\n"
@@ -30,7 +30,8 @@ void idemctl_usage(FILE *f)
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
                "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
                "  show and delete with --caller: a key whose result expired and left a\n"
-               "  tombstone (LMDB) shows it, and delete deletes it;\n"
+               "  tombstone shows it, and delete deletes it; list --state tombstone lists\n"
+               "  tombstones (LMDB keeps only a hash of their key: KEY is that hash);\n"
                "  list --lapsed: calls in progress whose lease has passed (their owner stopped\n"
                "  renewing it); --older-ms MS: calls in progress claimed MS or more ago (both on\n"
                "  the store's clock: PostgreSQL's, this host's for LMDB);\n"
@@ -85,14 +86,15 @@ static bool check_args(const args *a, int npos)
         return false;
     }
     if ((a->lapsed || a->older_ms >= 0) &&
-        (strcmp(a->cmd, "list") != 0 || (a->state && strcmp(a->state, "completed") == 0))) {
+        (strcmp(a->cmd, "list") != 0 || (a->state && strcmp(a->state, "in_progress") != 0))) {
         fprintf(stderr, "idemctl: --lapsed and --older-ms are options of list (calls in "
                         "progress)\n");
         return false;
     }
     if (a->state != NULL && strcmp(a->state, "in_progress") != 0 &&
-        strcmp(a->state, "completed") != 0) {
-        fprintf(stderr, "idemctl: --state: '%s' is not in_progress or completed\n", a->state);
+        strcmp(a->state, "completed") != 0 && strcmp(a->state, "tombstone") != 0) {
+        fprintf(stderr, "idemctl: --state: '%s' is not in_progress, completed or tombstone\n",
+                a->state);
         return false;
     }
     return check_positionals(a, npos);

@@ -89,7 +89,7 @@ enum idem__lease_event { IDEM__LEASE_LAPSED, IDEM__LEASE_TAKEN_OVER, IDEM__LEASE
 void idem__observe_lease(idem_observer *obs, enum idem__lease_event what); /* obs may be NULL */
 /* The store's size and outbox as the sweeper last read them (sweeper.c). */
 typedef struct idem__store_gauges {
-    uint64_t in_progress, completed, map_size, map_used; /* idem_store_stats */
+    uint64_t in_progress, completed, tombstones, map_size, map_used; /* idem_store_stats */
     uint64_t outbox_pending, outbox_oldest_age_ms;
 } idem__store_gauges;
 void idem__observe_store(idem_observer *obs, const idem__store_gauges *g);

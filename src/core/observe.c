@@ -28,7 +28,8 @@ struct idem_observer {
     atomic_ullong redrives[IDEM__REDRIVE_EVENTS];
     atomic_ullong leases[IDEM__LEASE_EVENTS];
     /* idem__store_gauges, field by field; store_reads: reads that set them */
-    atomic_ullong in_progress, completed, map_size, map_used, outbox_pending, outbox_age_ms;
+    atomic_ullong in_progress, completed, tombstones, map_size, map_used, outbox_pending,
+        outbox_age_ms;
     atomic_ullong store_reads, store_read_failures;
     idem__metric_sources *sources;
 };
@@ -240,6 +241,7 @@ void idem__observe_store(idem_observer *obs, const idem__store_gauges *g)
 {
     STORE(obs->in_progress, g->in_progress);
     STORE(obs->completed, g->completed);
+    STORE(obs->tombstones, g->tombstones);
     STORE(obs->map_size, g->map_size);
     STORE(obs->map_used, g->map_used);
     STORE(obs->outbox_pending, g->outbox_pending);
@@ -372,6 +374,9 @@ static bool metrics_store(char **b, size_t *len, size_t *cap, idem_observer *obs
                   "# TYPE idem_store_records gauge\n"
                   "idem_store_records{state=\"in_progress\"} %llu\n"
                   "idem_store_records{state=\"completed\"} %llu\n"
+                  "# HELP idem_store_tombstones Tombstones kept (keys whose result expired, "
+                  "remembered for the tombstone horizon), at the last sweep.\n"
+                  "# TYPE idem_store_tombstones gauge\nidem_store_tombstones %llu\n"
                   "# HELP idem_store_size_bytes The store's map size (LMDB; 0: unbounded).\n"
                   "# TYPE idem_store_size_bytes gauge\nidem_store_size_bytes %llu\n"
                   "# HELP idem_store_used_bytes The map's bytes in use (LMDB).\n"
@@ -382,8 +387,8 @@ static bool metrics_store(char **b, size_t *len, size_t *cap, idem_observer *obs
                   "has been the oldest, as the sweeps saw it (0: empty).\n"
                   "# TYPE idem_outbox_oldest_age_seconds gauge\n"
                   "idem_outbox_oldest_age_seconds %.3f\n",
-                  LOAD(obs->in_progress), LOAD(obs->completed), LOAD(obs->map_size),
-                  LOAD(obs->map_used), LOAD(obs->outbox_pending),
+                  LOAD(obs->in_progress), LOAD(obs->completed), LOAD(obs->tombstones),
+                  LOAD(obs->map_size), LOAD(obs->map_used), LOAD(obs->outbox_pending),
                   (double)LOAD(obs->outbox_age_ms) / 1000.0);
 }
 

@@ -55,6 +55,7 @@ static void read_gauges(idem_sweeper *s)
     if (code == IDEM_OK) {
         g = (idem__store_gauges){.in_progress = st.in_progress,
                                  .completed = st.completed,
+                                 .tombstones = st.tombstones,
                                  .map_size = st.map_size,
                                  .map_used = st.map_used};
         code = outbox_age(s, idem__mono_ms(), &g);
