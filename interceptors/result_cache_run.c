@@ -243,10 +243,15 @@ static idem_code record_later(idem_call *call, const idem_cache_cfg *cfg, const 
     size_t len;
     uint64_t now, expires;
     snprintf(why, sizeof(why), "%s", idem_errmsg());
-    bool later = keep != NULL && encode_result(call, cfg, &buf, &len, &now, &expires) == IDEM_OK;
+    idem__record_with with = {0}; /* a journaled call's journal goes with the record */
+    bool journaled = (call->method->opts.flags & IDEM_METHOD_STEPS) &&
+                     idem__store_has(cfg->store, IDEM__STORE_CAP_TXN);
+    bool later = keep != NULL && encode_result(call, cfg, &buf, &len, &now, &expires) == IDEM_OK &&
+                 (!journaled || idem__call_steps_record_with(call, &with) == IDEM_OK);
     if (later) {
-        idem__inflight_record_later(call->rt->inflight, keep, buf, len, expires - now);
+        idem__inflight_record_later(call->rt->inflight, keep, buf, len, expires - now, &with);
     } else {
+        free(buf);
         idem__inflight_unkeep(call->rt->inflight, keep);
         idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
     }

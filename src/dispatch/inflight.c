@@ -183,9 +183,9 @@ void idem__inflight_unkeep(idem_inflight *t, idem_keep *k)
 }
 
 void idem__inflight_record_later(idem_inflight *t, idem_keep *k, uint8_t *response, size_t len,
-                                 uint64_t ttl_ms)
+                                 uint64_t ttl_ms, const idem__record_with *with)
 {
-    idem__keeper_record_later(t->keeper, k, response, len, ttl_ms);
+    idem__keeper_record_later(t->keeper, k, response, len, ttl_ms, with);
 }
 
 /* The keeper has recorded an outcome later (or given up): the key's waiters look again. */

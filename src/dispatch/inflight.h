@@ -47,7 +47,7 @@ void idem__inflight_unkeep(idem_inflight *t, idem_keep *k);
  * the lease and records it later (idem__keeper_record_later); the key's waiters are
  * woken when that ends. */
 void idem__inflight_record_later(idem_inflight *t, idem_keep *k, uint8_t *response, size_t len,
-                                 uint64_t ttl_ms);
+                                 uint64_t ttl_ms, const idem__record_with *with);
 /* The table's keeper and store: a lock a handler takes through its call (lock.c) is
  * renewed by the same heartbeat as the handler's claim. */
 idem_keeper *idem__inflight_keeper(idem_inflight *t);

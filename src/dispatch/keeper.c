@@ -55,6 +55,7 @@ struct idem_keep {
     uint8_t *record;
     size_t record_len;
     uint64_t record_ttl_ms, record_at, record_pause;
+    idem__record_with with; /* complete NULL: idem__store_complete_at */
 };
 
 struct idem_keeper {
@@ -209,9 +210,12 @@ static uint64_t next_due(const idem_keeper *k, uint64_t now)
 static bool record_once(idem_keeper *k, idem_keep *kp)
 {
     idem_key_ref ref = {kp->caller, kp->method, kp->key};
-    uint64_t now = wall_ms(k);
-    idem_code code = idem__store_complete_at(k->store, &ref, kp->owner, kp->record, kp->record_len,
-                                             idem__add_sat(now, kp->record_ttl_ms), now, 0);
+    uint64_t now = wall_ms(k), expires = idem__add_sat(now, kp->record_ttl_ms);
+    idem_code code = kp->with.complete != NULL
+                         ? kp->with.complete(kp->with.arg, k->store, &ref, kp->owner, kp->record,
+                                             kp->record_len, expires, now)
+                         : idem__store_complete_at(k->store, &ref, kp->owner, kp->record,
+                                                   kp->record_len, expires, now, 0);
     char detail[IDEM_LOGQ_CAP];
     if (code == IDEM_OK) {
         log_lease(k, kp, IDEM_LOG_INFO, "an outcome recorded later has reached the store");
@@ -251,6 +255,7 @@ static void record_end(idem_keeper *k, idem_keep *kp)
         k->on_end(k->on_end_arg, &ref);
     }
     free(kp->record);
+    free(kp->with.arg);
     free(kp);
     pthread_mutex_lock(&k->mu);
 }
@@ -362,6 +367,7 @@ void idem__keeper_destroy(idem_keeper *k)
                       "the store at shutdown; its lease runs out");
         }
         free(kp->record);
+        free(kp->with.arg);
         free(kp);
     }
     pthread_cond_destroy(&k->cv);
@@ -412,9 +418,10 @@ void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp)
 }
 
 void idem__keeper_record_later(idem_keeper *k, idem_keep *kp, uint8_t *response, size_t len,
-                               uint64_t ttl_ms)
+                               uint64_t ttl_ms, const idem__record_with *with)
 {
     pthread_mutex_lock(&k->mu);
+    kp->with = with != NULL ? *with : (idem__record_with){0};
     kp->record = response;
     kp->record_len = len;
     kp->record_ttl_ms = ttl_ms;

@@ -26,13 +26,24 @@ idem_keep *idem__keeper_keep(idem_keeper *k, const idem_key_ref *key, uint64_t o
                              uint64_t lease_ms, uint64_t max_run_ms, uint64_t asked);
 /* Stops renewing and frees kp (NULL is a no-op). */
 void idem__keeper_unkeep(idem_keeper *k, idem_keep *kp);
+/* How an outcome recorded later is written: complete in place of idem__store_complete_at
+ * (the same arguments and answers), e.g. with the call's step journal deleted in the
+ * same txn as on the normal path. arg (malloc'd, may be NULL) becomes the keeper's, freed
+ * once the outcome is over. A NULL with: idem__store_complete_at. */
+typedef struct idem__record_with {
+    idem_code (*complete)(void *arg, idem_store *st, const idem_key_ref *key, uint64_t owner,
+                          const uint8_t *response, size_t len, uint64_t expires_ms,
+                          uint64_t now_ms);
+    void *arg;
+} idem__record_with;
 /* Hands kp over to the keeper with the claim's final outcome (response, malloc'd: the
  * keeper's now), which the store could not record: the keeper goes on renewing the lease
  * and completes the claim again, with a backoff, until it lands, the claim is lost or
  * kp's max run time passes (keeper.c); then it frees kp and calls on_end. kp's owner
- * must not use kp again. ttl_ms: how long the record is kept once it lands. */
+ * must not use kp again. ttl_ms: how long the record is kept once it lands; with: how
+ * (may be NULL). */
 void idem__keeper_record_later(idem_keeper *k, idem_keep *kp, uint8_t *response, size_t len,
-                               uint64_t ttl_ms);
+                               uint64_t ttl_ms, const idem__record_with *with);
 /* fn(arg, key) runs on the keeper thread when an outcome recorded later has ended
  * (recorded or given up): the key's waiters should read the store again. */
 void idem__keeper_on_end(idem_keeper *k, void (*fn)(void *arg, const idem_key_ref *key), void *arg);

@@ -5,11 +5,16 @@
 #define IDEMRPC_JOURNAL_H
 
 #include "call.h"
+#include "keeper.h"
 #include "store.h"
 
 /* Deletes the call's step journal in t, every run's steps, its listing and the key's
  * generation (steps.c): in the txn that records the call's outcome. */
 idem_code idem__call_steps_forget_in(idem_call *call, idem_txn *t);
+/* The same for an outcome the lease keeper records later, after the call has ended: *with
+ * completes the record and deletes the journal in one txn (with->arg malloc'd, the
+ * keeper's once handed to it). */
+idem_code idem__call_steps_record_with(idem_call *call, idem__record_with *with);
 
 /* A call listed for the re-driver (steps.c): it recorded a step on a server that runs
  * one, and has not been released nor recorded its outcome since. */

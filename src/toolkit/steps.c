@@ -228,6 +228,42 @@ idem_code idem__call_steps_forget_in(idem_call *call, idem_txn *t)
     return code != IDEM_OK ? code : idem__journal_forget_txn(t, &j);
 }
 
+/* The keeper's completion of an outcome recorded later (j: the call's journal keys): as
+ * record_journaled's, the journal deleted in the completion's txn; a journal that cannot
+ * be deleted for another reason than an outage leaves the outcome recorded alone (a
+ * re-driver deletes it). */
+static idem_code complete_forgetting(void *j, idem_store *st, const idem_key_ref *key,
+                                     uint64_t owner, const uint8_t *response, size_t len,
+                                     uint64_t expires_ms, uint64_t now_ms)
+{
+    idem_txn *t;
+    idem_code code = idem__store_txn_begin(st, &t);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    if ((code = idem__journal_forget_txn(t, j)) == IDEM_OK) {
+        return idem__store_txn_complete_commit(t, key, owner, response, len, expires_ms, now_ms);
+    }
+    idem__store_txn_abort(t);
+    if (code == IDEM_UNAVAILABLE || code == IDEM_RESOURCE_EXHAUSTED) {
+        return code;
+    }
+    return idem__store_complete_at(st, key, owner, response, len, expires_ms, now_ms, 0);
+}
+
+idem_code idem__call_steps_record_with(idem_call *call, idem__record_with *with)
+{
+    journal *j = malloc(sizeof(*j));
+    idem_code code = j != NULL ? idem__journal_keys(call, NULL, j)
+                               : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    if (code != IDEM_OK) {
+        free(j);
+        return code;
+    }
+    *with = (idem__record_with){.complete = complete_forgetting, .arg = j};
+    return IDEM_OK;
+}
+
 /* The owner's unlisting, before it releases: the claim is still its own. */
 static idem_code owner_unlist_txn(idem_txn *t, void *arg)
 {
