@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "call.h"
+#include "lmdb_internal.h"
 #include "testutil.h"
 
 static atomic_int executions;
@@ -18,11 +19,12 @@ static idem_code h_count(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)n);
 }
 
-static void start(tu_server *ts, char *dir)
+static void start_with(tu_server *ts, char *dir, uint64_t tomb_ttl_ms)
 {
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.lease_ms = 200;
+    o.tombstone_ttl_ms = tomb_ttl_ms;
     memset(ts, 0, sizeof(*ts));
     if (dir == NULL) {
         tu_server_create(ts, &o);
@@ -34,6 +36,11 @@ static void start(tu_server *ts, char *dir)
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
     cr_assert_eq(idem_server_register(ts->srv, "test.Pay/Charge", h_count, NULL, &m), IDEM_OK);
     tu_server_listen(ts);
+}
+
+static void start(tu_server *ts, char *dir)
+{
+    start_with(ts, dir, 0);
 }
 
 static idem_code charge(const char *url, const char *key, idem_result *r)
@@ -94,4 +101,77 @@ Test(restart, abandoned_claim_is_reclaimed_after_its_lease)
     cr_expect_eq(atomic_load(&executions), 1);
     idem_result_clear(&r);
     tu_server_destroy(&ts, false);
+}
+
+/* Puts the tombstone of ref as the first layout wrote it (0.4.0 before its 33-byte one:
+ * 44 bytes, and an expiry entry 'T' at until) into the closed store at dir. */
+static void put_first_layout_tombstone(const char *dir, const idem_key_ref *ref,
+                                       const uint8_t fp[IDEM_TOMBSTONE_FP_LEN], uint64_t first_at,
+                                       uint64_t expired_at, uint64_t until)
+{
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi tombs, expiry;
+    rec_key rk;
+    uint8_t digest[32], tv[44], ik[IDEM__LMDB_INDEX_KEY_LEN], iv[1 + 16];
+    cr_assert_eq(idem__lmdb_rec_key_make(&rk, ref), IDEM_OK);
+    cr_assert(idem__sha256((const void *const[]){rk.bytes}, (const size_t[]){rk.len}, 1, digest));
+    memcpy(tv, fp, 16);
+    idem__put_be64(tv + 16, first_at);
+    idem__put_be64(tv + 24, expired_at);
+    idem__put_be64(tv + 32, until);
+    idem__put_be32(tv + 40, IDEM_OK);
+    iv[0] = 'T';
+    memcpy(iv + 1, digest, 16);
+    cr_assert_eq(idem__lmdb_index_key(ik, until, digest, 16), 0);
+    MDB_val k = {16, digest}, v = {sizeof(tv), tv}, xk = {sizeof(ik), ik}, xv = {sizeof(iv), iv};
+    cr_assert_eq(mdb_env_create(&env), 0);
+    cr_assert_eq(mdb_env_set_maxdbs(env, 64), 0);
+    cr_assert_eq(mdb_env_open(env, dir, 0, 0600), 0);
+    cr_assert_eq(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, "tombs", 0, &tombs), 0);
+    cr_assert_eq(mdb_dbi_open(txn, "expiry", 0, &expiry), 0);
+    cr_assert_eq(mdb_put(txn, tombs, &k, &v, 0), 0);
+    cr_assert_eq(mdb_put(txn, expiry, &xk, &xv, 0), 0);
+    cr_assert_eq(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+}
+
+/* An LMDB store whose tombstones the first layout wrote (before the 33-byte one, no
+ * migration): a new server answers the late duplicate from one, and the sweep deletes it
+ * at its until through its expiry entry. */
+Test(restart, tombstones_of_the_first_layout_answer_and_are_swept)
+{
+    char *dir = tu_tempdir("tomb_layout");
+    idem_store *st;
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    idem_store_close(st);
+    uint64_t now = (uint64_t)time(NULL) * 1000, until = now + 3600 * 1000;
+    idem_key_ref ref = {"", "test.Pay/Charge", "charge-3"};
+    uint8_t fp[IDEM_FINGERPRINT_LEN];
+    idem__fingerprint("test.Pay/Charge", "100", 3, fp);
+    put_first_layout_tombstone(dir, &ref, fp, now - 2000, now - 1000, until);
+
+    tu_server ts;
+    idem_result r;
+    atomic_store(&executions, 0);
+    start_with(&ts, dir, 3600 * 1000);
+    cr_assert_eq(charge(ts.url, "charge-3", &r), IDEM_ALREADY_EXISTS, "%s", r.message);
+    const char *gone = idem_result_metadata(&r, "idem-result-gone");
+    cr_expect(gone != NULL && strcmp(gone, "OK") == 0, "%s", gone ? gone : "(none)");
+    cr_expect_eq(atomic_load(&executions), 0);
+    idem_result_clear(&r);
+    tu_server_destroy(&ts, true); /* keeps dir */
+
+    idem_tombstone t;
+    size_t n;
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(idem_store_tombstone_get(st, &ref, &t), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(t.until_ms, until);
+    cr_expect_eq(t.first_at_ms, now - 2000);
+    cr_assert_eq(idem_store_sweep(st, until, 10, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 1, "the sweep at its until deleted %zu", n);
+    cr_expect_eq(idem_store_tombstone_get(st, &ref, &t), IDEM_NOT_FOUND);
+    idem_store_close(st);
+    tu_rmtree(dir);
 }

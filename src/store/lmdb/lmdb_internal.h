@@ -4,10 +4,11 @@
  *   records  effective key → rec_hdr + serialized idem.v1.Response (COMPLETED only)
  *   tokens   token         → tok_hdr + scope
  *   expiry   be64(expires) ‖ sha256(name)[0..16] → type ‖ name   (the sweep index)
- *   tombs    sha256(effective key)[0..16] → fingerprint[0..16] ‖ be64 first_at ‖
- *            be64 expired_at ‖ be64 until ‖ be32 code (tombs.c: a swept COMPLETED
- *            record, kept while tomb_keep_ms runs; its expiry entry is at until, type
- *            'T'. Older binaries sweep such an entry as a record's and keep the tombstone)
+ *   tombs    sha256(effective key)[0..16] → fingerprint[0..16] ‖ code ‖ be48 expired_at
+ *            ‖ be40 (until - expired_at) ‖ be40 (expired_at - first_at) (tombs.c: a swept
+ *            COMPLETED record, kept while tomb_keep_ms runs; no expiry entry: the sweep
+ *            scans "tombs". The first layout, 44 bytes with an expiry entry 'T' at until,
+ *            is read and swept too. 0.3 ignores "tombs")
  *   meta     "fence" → be64 last owner id handed out (store-assigned owners); a fence a
  *            redo of this process tried is not drawn again here even when that redo
  *            failed and the counter did not move (lmdb_store.fence_floor);
@@ -52,6 +53,7 @@
 #define READ_POOL 64          /* reset read txns kept (each holds a reader slot) */
 
 enum { TYPE_RECORD = 'r', TYPE_TOKEN = 't', TYPE_TOMB = 'T' };
+#define IDEM__LMDB_TOMB_KEY_LEN IDEM_TOMBSTONE_KEY_HASH_LEN /* tombs.c */
 
 typedef struct rec_hdr {
     uint32_t magic;
@@ -78,7 +80,9 @@ typedef struct lmdb_store {
     bool has_meta;  /* false only for a read-only open of a store older than "meta" */
     bool has_tombs; /* false only for a read-only open of a store older than "tombs" */
     _Atomic uint64_t tomb_keep_ms; /* how long the sweep keeps a tombstone; 0: none */
-    bool read_only;                /* IDEM_STORE_READONLY */
+    /* Where the sweep's scan of "tombs" goes on (tombs.c), under the write txn. */
+    uint8_t tomb_scan[IDEM__LMDB_TOMB_KEY_LEN];
+    bool read_only; /* IDEM_STORE_READONLY */
     idem_group_commit gc;
     /* The largest fence a shared claim's redo re-applied or tried to (claim.c): a redo
      * that failed leaves the counter on disk below it, and no claim of this process
@@ -213,7 +217,6 @@ int idem__lmdb_index_del(lmdb_store *st, MDB_txn *txn, uint64_t expires, const v
 idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t *deleted);
 
 /* tombs.c: tombstones (idem_tombstone), their claim and sweep. */
-#define IDEM__LMDB_TOMB_KEY_LEN IDEM_TOMBSTONE_KEY_HASH_LEN
 /* A claim met no live record at key: `expired`, the COMPLETED record whose result expired
  * (NULL: none). Within req's horizon the tombstone (of that record, or swept) decides
  * the claim (*decided: TOMBSTONE or MISMATCH, rec filled when not NULL); else
@@ -227,6 +230,9 @@ int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uin
 /* rc-style. The sweep of an expired record (v, at key): a COMPLETED one leaves its
  * tombstone when the store keeps them. */
 int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v);
+/* rc-style. The sweep's bounded scan of "tombs": deletes at most max that are due. */
+int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t max,
+                         size_t *deleted);
 idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms);
 idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out);
 idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref);

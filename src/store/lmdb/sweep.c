@@ -1,5 +1,6 @@
 /* The sweep: deletes what the expiry index says is due, oldest first, in bounded
- * batches; an expired COMPLETED record leaves its tombstone (tombs.c). */
+ * batches; an expired COMPLETED record leaves its tombstone (tombs.c), and the rest of a
+ * batch goes to the bounded scan that deletes tombstones past their until. */
 #include <string.h>
 
 #include "lmdb_internal.h"
@@ -58,6 +59,11 @@ idem_code idem__lmdb_sweep(idem_store *base, uint64_t now_ms, size_t max, size_t
         n++;
     }
     mdb_cursor_close(cur);
+    size_t tombs = 0;
+    if ((rc == 0 || rc == MDB_NOTFOUND) && n < max) {
+        rc = idem__lmdb_tomb_scan(st, txn, now_ms, max - n, &tombs);
+        n += tombs;
+    }
     if (rc != 0 && rc != MDB_NOTFOUND) {
         mdb_txn_abort(txn);
         return idem__lmdb_code(rc, "sweep");

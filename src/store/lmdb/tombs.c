@@ -15,7 +15,16 @@
 
 #include "lmdb_internal.h"
 
-#define TOMB_LEN (IDEM_TOMBSTONE_FP_LEN + 3 * 8 + 4)
+/* A tombstone's value (33 bytes, tombs.c from 0.4.0 on): fingerprint[0..16] ‖ code
+ * (1 byte) ‖ be48 expired_at ‖ be40 (until - expired_at) ‖ be40 (expired_at - first_at),
+ * the differences saturated (34 years). It has no expiry entry: the sweep finds it by a
+ * bounded scan of "tombs" (idem__lmdb_tomb_scan). The first layout (44 bytes:
+ * fingerprint ‖ be64 first_at ‖ be64 expired_at ‖ be64 until ‖ be32 code, with an
+ * expiry entry 'T' at until) is still read, and swept through its entry. */
+#define TOMB_LEN (IDEM_TOMBSTONE_FP_LEN + 1 + 6 + 5 + 5)
+#define TOMB_LEN_INDEXED (IDEM_TOMBSTONE_FP_LEN + 3 * 8 + 4)
+#define MAX40 ((UINT64_C(1) << 40) - 1)
+#define SCAN_PER_DELETE 8     /* a scan reads up to this many tombstones per one it may delete */
 #define KEEP_NAME "tomb_keep" /* meta: be64 the longest keep any server asked for */
 #define KEEP_NAME_LEN 9
 
@@ -30,26 +39,53 @@ static int tomb_key(uint8_t out[IDEM__LMDB_TOMB_KEY_LEN], const void *key, size_
     return 0;
 }
 
-static void tomb_encode(uint8_t out[TOMB_LEN], const idem_tombstone *t)
+static void put_be(uint8_t *p, uint64_t v, int n)
 {
-    memcpy(out, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
-    idem__put_be64(out + 16, t->first_at_ms);
-    idem__put_be64(out + 24, t->expired_at_ms);
-    idem__put_be64(out + 32, t->until_ms);
-    idem__put_be32(out + 40, (uint32_t)t->code);
+    for (int i = n - 1; i >= 0; i--, v >>= 8) {
+        p[i] = (uint8_t)v;
+    }
 }
 
-static idem_code tomb_decode(const MDB_val *v, idem_tombstone *t)
+static uint64_t get_be(const uint8_t *p, int n)
 {
-    if (v->mv_size != TOMB_LEN) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) {
+        v = v << 8 | p[i];
+    }
+    return v;
+}
+
+static void tomb_encode(uint8_t out[TOMB_LEN], const idem_tombstone *t)
+{
+    uint64_t kept = t->until_ms - t->expired_at_ms, ran = t->expired_at_ms - t->first_at_ms;
+    memcpy(out, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
+    out[16] = (uint8_t)t->code;
+    put_be(out + 17, t->expired_at_ms, 6);
+    put_be(out + 23, kept < MAX40 ? kept : MAX40, 5);
+    put_be(out + 28, t->first_at_ms <= t->expired_at_ms && ran < MAX40 ? ran : MAX40, 5);
+}
+
+/* Either layout; *indexed: the first (it has an expiry entry at until). */
+static idem_code tomb_decode(const MDB_val *v, idem_tombstone *t, bool *indexed)
+{
+    const uint8_t *p = v->mv_data;
+    *indexed = v->mv_size == TOMB_LEN_INDEXED;
+    if (v->mv_size != TOMB_LEN && !*indexed) {
         return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d", v->mv_size, TOMB_LEN);
     }
-    const uint8_t *p = v->mv_data;
     memcpy(t->fingerprint, p, IDEM_TOMBSTONE_FP_LEN);
-    t->first_at_ms = idem__get_be64(p + 16);
-    t->expired_at_ms = idem__get_be64(p + 24);
-    t->until_ms = idem__get_be64(p + 32);
-    t->code = (idem_code)idem__get_be32(p + 40);
+    if (*indexed) {
+        t->first_at_ms = idem__get_be64(p + 16);
+        t->expired_at_ms = idem__get_be64(p + 24);
+        t->until_ms = idem__get_be64(p + 32);
+        t->code = (idem_code)idem__get_be32(p + 40);
+        return IDEM_OK;
+    }
+    t->code = (idem_code)p[16];
+    t->expired_at_ms = get_be(p + 17, 6);
+    t->until_ms = t->expired_at_ms + get_be(p + 23, 5);
+    uint64_t ran = get_be(p + 28, 5);
+    t->first_at_ms = ran <= t->expired_at_ms ? t->expired_at_ms - ran : 0;
     return IDEM_OK;
 }
 
@@ -58,6 +94,7 @@ static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t
                            idem_tombstone *t)
 {
     uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN];
+    bool indexed;
     if (!st->has_tombs) {
         return IDEM_NOT_FOUND;
     }
@@ -66,7 +103,7 @@ static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t
     if (rc != 0 || (rc = mdb_get(txn, st->tombs, &k, &v)) != 0) {
         return rc == MDB_NOTFOUND ? IDEM_NOT_FOUND : idem__lmdb_code(rc, "tombstone get");
     }
-    return tomb_decode(&v, t);
+    return tomb_decode(&v, t, &indexed);
 }
 
 /* The tombstone an expired COMPLETED record (v) stands for, kept for keep_ms. */
@@ -151,10 +188,7 @@ int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, cons
     tomb_encode(vb, &t);
     int rc = tomb_key(kb, key->mv_data, key->mv_size);
     MDB_val k = {sizeof(kb), kb}, tv = {sizeof(vb), vb};
-    if (rc != 0 || (rc = mdb_put(txn, st->tombs, &k, &tv, 0)) != 0) {
-        return rc;
-    }
-    return idem__lmdb_index_put(st, txn, t.until_ms, TYPE_TOMB, kb, sizeof(kb));
+    return rc != 0 ? rc : mdb_put(txn, st->tombs, &k, &tv, 0);
 }
 
 static idem_code keep_apply(MDB_txn *txn, void *arg)
@@ -237,6 +271,7 @@ idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, 
     MDB_cursor *cur;
     MDB_val k, v;
     idem_tombstone t;
+    bool indexed;
     if (!st->has_tombs) {
         return IDEM_OK;
     }
@@ -247,8 +282,8 @@ idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, 
     if ((rc = mdb_cursor_open(txn, st->tombs, &cur)) == 0) {
         for (MDB_cursor_op op = MDB_FIRST; (rc = mdb_cursor_get(cur, &k, &v, op)) == 0;
              op = MDB_NEXT) {
-            if (k.mv_size == IDEM_TOMBSTONE_KEY_HASH_LEN && tomb_decode(&v, &t) == IDEM_OK &&
-                !fn(arg, NULL, k.mv_data, &t)) {
+            if (k.mv_size == IDEM_TOMBSTONE_KEY_HASH_LEN &&
+                tomb_decode(&v, &t, &indexed) == IDEM_OK && !fn(arg, NULL, k.mv_data, &t)) {
                 rc = MDB_NOTFOUND;
                 break;
             }
@@ -257,4 +292,45 @@ idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, 
     }
     idem__lmdb_read_end(st, txn);
     return rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "tombstone walk");
+}
+
+/* Deletes, from the scan's position on, tombstones of this layout whose until <= now_ms:
+ * at most max of them, reading at most SCAN_PER_DELETE · max; at the end of "tombs" the
+ * next scan starts again from the first. The first layout's are left to their expiry
+ * entries. The position is the process's, changed under the write txn (a scan that is
+ * rolled back only reads again). A pass over N tombstones takes about
+ * N / (SCAN_PER_DELETE · batch) sweeps: a tombstone outlives its until by at most that,
+ * and answers no claim past it (idem__tomb_decides). */
+int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t max, size_t *deleted)
+{
+    MDB_cursor *cur;
+    MDB_val k = {sizeof(st->tomb_scan), st->tomb_scan}, v;
+    idem_tombstone t;
+    bool indexed;
+    size_t read = 0;
+    *deleted = 0;
+    if (!st->has_tombs || max == 0) {
+        return 0;
+    }
+    int rc = mdb_cursor_open(txn, st->tombs, &cur);
+    if (rc != 0) {
+        return rc;
+    }
+    for (rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
+         rc == 0 && *deleted < max && read < SCAN_PER_DELETE * max;
+         rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT), read++) {
+        if (tomb_decode(&v, &t, &indexed) == IDEM_OK && !indexed && t.until_ms <= now_ms) {
+            if ((rc = mdb_cursor_del(cur, 0)) != 0) {
+                break;
+            }
+            ++*deleted; /* MDB_NEXT after a delete reads the entry after it (sweep.c too) */
+        }
+    }
+    if (rc == 0 && k.mv_size == sizeof(st->tomb_scan)) {
+        memcpy(st->tomb_scan, k.mv_data, sizeof(st->tomb_scan)); /* go on from there */
+    } else if (rc == MDB_NOTFOUND) {
+        memset(st->tomb_scan, 0, sizeof(st->tomb_scan)); /* the end: the next from the first */
+    }
+    mdb_cursor_close(cur);
+    return rc == MDB_NOTFOUND ? 0 : rc;
 }
