@@ -58,11 +58,6 @@ static void serve_with(fixture *f, uint64_t tomb_ttl_ms, uint64_t method_ttl_ms)
     f->cli = tu_client(f->ts.url, 2000);
 }
 
-static void serve(fixture *f, uint64_t tomb_ttl_ms)
-{
-    serve_with(f, tomb_ttl_ms, 0);
-}
-
 static void unserve(fixture *f)
 {
     idem_client_close(f->cli);
@@ -267,7 +262,7 @@ Test(tombstones, survive_a_server_restart)
                          : idem_store_open_lmdb(&f.b.st, f.b.dir, 0, IDEM_STORE_NOSYNC);
     cr_assert_eq(code, IDEM_OK, "%s", idem_errmsg());
     f.st = f.b.st;
-    serve(&f, TOMB_TTL_MS);
+    serve_with(&f, TOMB_TTL_MS, 0);
     assert_result_gone(&f, "restart-1", "100");
     cr_assert_eq(atomic_load(&runs), 1);
     close_fixture(&f);

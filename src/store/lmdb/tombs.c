@@ -71,7 +71,8 @@ static idem_code tomb_decode(const MDB_val *v, idem_tombstone *t, bool *indexed)
     const uint8_t *p = v->mv_data;
     *indexed = v->mv_size == TOMB_LEN_INDEXED;
     if (v->mv_size != TOMB_LEN && !*indexed) {
-        return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d", v->mv_size, TOMB_LEN);
+        return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d or %d", v->mv_size,
+                         TOMB_LEN, TOMB_LEN_INDEXED);
     }
     memcpy(t->fingerprint, p, IDEM_TOMBSTONE_FP_LEN);
     if (*indexed) {
@@ -297,8 +298,8 @@ idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, 
 /* Deletes, from the scan's position on, tombstones of this layout whose until <= now_ms:
  * at most max of them, reading at most SCAN_PER_DELETE · max; at the end of "tombs" the
  * next scan starts again from the first. The first layout's are left to their expiry
- * entries. The position is the process's, changed under the write txn (a scan that is
- * rolled back only reads again). A pass over N tombstones takes about
+ * entries. The position is the process's, changed under the write txn (deletions rolled
+ * back with it are met again on the next pass). A pass over N tombstones takes about
  * N / (SCAN_PER_DELETE · batch) sweeps: a tombstone outlives its until by at most that,
  * and answers no claim past it (idem__tomb_decides). */
 int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t max, size_t *deleted)
