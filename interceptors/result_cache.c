@@ -68,13 +68,10 @@ static idem_code answer_result_gone(idem_call *call, const idem_record *rec)
 
 static idem_code answer_in_progress(idem_call *call)
 {
-    char hint[16];
     idem__reject(call, IDEM_REASON_IN_PROGRESS, IDEM_ABORTED,
                  "in progress: the first call with this key has not finished; retry with the "
                  "same key");
-    snprintf(hint, sizeof(hint), "%u", IDEM__RC_RETRY_AFTER_MS);
-    idem__call_set_meta(call, "retry-after-ms", hint);
-    return IDEM_ABORTED;
+    return idem__rc_retry_after(call, IDEM_ABORTED);
 }
 
 /* How long a duplicate may wait (monotonic): its own deadline (a little before it, so

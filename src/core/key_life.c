@@ -3,6 +3,8 @@
  * nobody waits). The NEVER rows say why a pair cannot happen. */
 #include "key_life.h"
 
+#include "call.h"
+
 #define S(x) IDEM__KL_S(IDEM__KL_##x)
 #define ROW(states, ev, act, code, answer, test)                                                   \
     {                                                                                              \
@@ -207,6 +209,24 @@ const idem__key_life_row *idem__key_life_decide(idem__kl_state state, idem__kl_e
         }
     }
     return &never;
+}
+
+idem__kl_event idem__key_life_outcome(const idem_call *call, idem_code code)
+{
+    const idem_method_opts *o = &call->method->opts;
+    uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
+    if (call->fence_state == IDEM__FENCE_REFUSED) {
+        return IDEM__KL_FENCE_REFUSED;
+    }
+    if (!call->executed) {
+        return IDEM__KL_NOT_RUN;
+    }
+    if ((unsigned)code >= IDEM_CODE_COUNT || (IDEM_CODE_BIT(code) & transient) ||
+        (code == IDEM_INVALID_ARGUMENT && !o->store_invalid_argument)) {
+        /* an out-of-range code from an interceptor is not an answer to keep */
+        return code == IDEM_INVALID_ARGUMENT ? IDEM__KL_RAN_REFUSAL : IDEM__KL_RAN_TRANSIENT;
+    }
+    return code == IDEM_OK ? IDEM__KL_RAN_OK : IDEM__KL_RAN_FINAL;
 }
 
 const idem__key_life_row *idem__key_life_rows(size_t *count)

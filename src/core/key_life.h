@@ -17,6 +17,8 @@
 
 #include "idemrpc/status.h"
 
+typedef struct idem_call idem_call;
+
 typedef enum idem__kl_state {
     IDEM__KL_NONE,         /* no record, no journal */
     IDEM__KL_LIVE,         /* IN_PROGRESS, its lease live (no effectful step recorded) */
@@ -97,6 +99,12 @@ typedef struct idem__key_life_row {
     const char *test;
 } idem__key_life_row;
 
+/* The event a call's run answered code is (RAN_*, NOT_RUN, FENCE_REFUSED). Answers that
+ * free the key instead of being stored: transient codes (the method's transient_mask),
+ * by default a handler's INVALID_ARGUMENT (a refusal), and any answer given while the
+ * handler did not run (an interceptor after result_cache said no, e.g. UNAUTHENTICATED:
+ * nothing happened, and a stored refusal would be replayed to the corrected retry). */
+idem__kl_event idem__key_life_outcome(const idem_call *call, idem_code code);
 /* The row for (state, event); never NULL (an out-of-range pair gets a NEVER row). */
 const idem__key_life_row *idem__key_life_decide(idem__kl_state state, idem__kl_event event);
 /* The table, in the order docs/semantics.md prints it. */
