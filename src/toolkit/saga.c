@@ -37,27 +37,37 @@ static idem_code compensating(idem_call *call, const uint8_t fp[IDEM_FINGERPRINT
 }
 
 /* The key's 'g' entry v: this request's kept generation (its earlier runs', or an older
- * release's), or another request's. The key stays with another request whose
- * compensation is unfinished: this one would derive new keys and leave the earlier
- * effects standing once the key is its own (that request's retry is refused "key
- * reused", the re-driver finds the key another's). The earlier request's retry, or the
- * re-driver, finishes it first. Else this run keeps its claim's fence as generation. */
+ * release's), or another request's: the key's state is RELEASED (with a journal) or,
+ * while that request's compensation is unfinished, COMPENSATING. Its row says: keep
+ * this request's generation (RESUME); refuse another request while the key is
+ * compensating (it would derive new keys and leave the earlier effects standing once
+ * the key is its own: that request's retry refused "key reused", the re-driver finding
+ * the key another's; the earlier request's retry, or the re-driver, finishes it first);
+ * else RUN, with its claim's fence as generation. */
 static idem_code generation_of(idem_call *call, const uint8_t *v)
 {
     bool busy = false;
-    if (memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
+    bool same = memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    idem_code code = same ? IDEM_OK : compensating(call, v + 8, &busy);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    const idem__key_life_row *row =
+        idem__key_life_decide(busy ? IDEM__KL_COMPENSATING : IDEM__KL_RELEASED,
+                              same ? IDEM__KL_CLAIM_SAME : IDEM__KL_CLAIM_OTHER);
+    switch (row->action) {
+    case IDEM__KL_RESUME:
         call->step_gen = idem__get_be64(v); /* this request's: its keys stay */
         atomic_store(&call->step_gen_pin, false);
         return IDEM_OK;
-    }
-    idem_code code = compensating(call, v + 8, &busy);
-    if (code == IDEM_OK && busy) {
-        return idem__err(IDEM_ABORTED,
+    case IDEM__KL_REFUSE_COMPENSATING:
+        return idem__err((idem_code)row->code,
                          "the key is compensating an earlier request (an undo of its steps "
                          "did not finish); retry later: that request's retry with the same "
                          "key (or the re-driver, where one runs) finishes it first");
+    default: /* RUN: this claim's fence */
+        return IDEM_OK;
     }
-    return code;
 }
 
 /* The generation of a run: the one kept for this request ('g' with its fingerprint),
