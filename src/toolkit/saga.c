@@ -355,18 +355,16 @@ static idem__kl_action fresh(idem_call *call, saga_args *a, idem_code *code, con
     return IDEM__KL_RELEASE_FRESH;
 }
 
-/* Runs the compensation a final failure needs (call.h); its end is the table's row for
- * how the undos went. */
+/* Runs the compensation a final failure needs (call.h); how its undos went (every one
+ * ran, or an effect stands) is an event whose row ends it. */
 static idem__kl_action compensate(idem_call *call, saga_args *a, idem_code *code, bool started)
 {
     size_t recorded, stands;
-    const idem__key_life_row *stand =
-        idem__key_life_decide(IDEM__KL_COMPENSATING, IDEM__KL_UNDOS_STAND);
     if (recorded_steps(call, &a->j, &recorded) != IDEM_OK) {
         return unfinished(call, code);
     }
-    if (!started && !any_undo(call)) {
-        return stand->action; /* every effect stands: the answer is final */
+    if (!started && !any_undo(call)) { /* every effect stands: the answer is final */
+        return idem__key_life_decide(IDEM__KL_COMPENSATING, IDEM__KL_UNDOS_STAND)->action;
     }
     a->code = *code;
     a->msg = call->message != NULL ? call->message : "";
@@ -375,20 +373,18 @@ static idem__kl_action compensate(idem_call *call, saga_args *a, idem_code *code
         return unfinished(call, code);
     }
     size_t known = call->saga != NULL ? call->saga->n : 0;
-    if (stands == 0 && known == recorded &&
-        idem__key_life_decide(IDEM__KL_COMPENSATING, IDEM__KL_UNDOS_ALL)->action ==
-            IDEM__KL_RELEASE_FRESH) {
-        return fresh(call, a, code, "all");
-    }
-    if (known > stands) {
+    bool all = stands == 0 && known == recorded;
+    if (!all && known > stands) {
         idem__call_set_meta(call, "idem-compensated", "partial");
     }
-    return stand->action;
+    idem__kl_event end = all ? IDEM__KL_UNDOS_ALL : IDEM__KL_UNDOS_STAND;
+    idem__kl_action action = idem__key_life_decide(IDEM__KL_COMPENSATING, end)->action;
+    return action == IDEM__KL_RELEASE_FRESH ? fresh(call, a, code, "all") : action;
 }
 
 /* The journal's state after the handler (key_life.h): COMPENSATING once a compensation
  * started (its 'c' entry), STEPS when a recorded step had an effect, else LIVE. The
- * steps are read only when the outcome's row differs with them (a final failure or a
+ * steps are read only when the outcome's row depends on them (a final failure or a
  * refusal); an outcome that keeps the journal as it is (OK, transient) does not read. */
 idem__kl_action idem__call_saga_end(idem_call *call, idem_code *code, idem__kl_event ev)
 {
