@@ -2,7 +2,8 @@
  * in each state on each event, and what its caller is answered. Everybody who decides
  * about a key asks here (idem__key_life_decide): the claim's answer (result_cache.c),
  * the owner's record after its handler (result_cache_run.c), the journal's generation
- * and compensation (saga.c), the re-driver's verdict (redriver.c, steps_redrive.c).
+ * and compensation (saga.c), whether a step may run (journal.c), the re-driver's verdict
+ * (redriver.c, steps_redrive.c).
  * The sweeper and idemctl act as their rows say; the rows name the tests that prove them.
  *
  * Invariant (tests/test_key_life.c): every (state, event) pair is in exactly one row; a
