@@ -43,8 +43,8 @@ static const idem__key_life_row rows[] = {
         "already done, result expired + idem-result-gone (HTTP 410)",
         "tombstones/a_late_duplicate_after_the_result_ttl_is_told_done_and_never_runs_again"),
     /* ---- a claim by another request ---- */
-    ROW(S(NONE) | S(EXPIRED), CLAIM_OTHER, RUN, NO, "the handler's",
-        "tombstones/after_the_tombstone_horizon_the_key_is_free"),
+    ROW(S(NONE) | S(EXPIRED), CLAIM_OTHER, RUN, NO, "the handler's: new derived keys",
+        "generations/a_keys_later_request_never_derives_an_earlier_requests_keys"),
     ROW(S(RELEASED), CLAIM_OTHER, RUN, NO, "the handler's: new derived keys",
         "sagas/another_request_after_a_transient_release_derives_new_keys"),
     ROW(S(COMPENSATED), CLAIM_OTHER, RUN, NO, "the handler's: afresh, new derived keys",
@@ -184,10 +184,11 @@ static const idem__key_life_row rows[] = {
         "store/sweep_deletes_only_expired_records_and_tokens"),
     /* ---- an operator's forget ---- */
     ROW(S(LIVE) | S(STEPS) | S(LAPSED) | S(COMPLETED) | S(EXPIRED), FORGET, DELETE, NO,
-        "idemctl delete: the record goes; the next request runs",
+        "idemctl delete (IN_PROGRESS only with --force): the record goes; the next claim runs",
         "store/delete_removes_any_record"),
     ROW(S(COMPENSATING), FORGET, DELETE, NO,
-        "the record goes (a run's); journal and marker stay: the undos still finish",
+        "a running compensation's record goes (--force); journal and marker stay: the undos "
+        "still finish",
         "store/delete_removes_any_record"),
     ROW(S(TOMBSTONE), FORGET, DELETE, NO, "idemctl tombstones delete",
         "tombstones/idemctl_shows_and_deletes_a_tombstone"),
