@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "key_life.h"
 #include "result_cache.h"
 
 #define POLL_MS 20          /* first re-read while waiting (an owner in another process) */
@@ -67,13 +68,10 @@ static idem_code answer_result_gone(idem_call *call, const idem_record *rec)
 
 static idem_code answer_in_progress(idem_call *call)
 {
-    char hint[16];
     idem__reject(call, IDEM_REASON_IN_PROGRESS, IDEM_ABORTED,
                  "in progress: the first call with this key has not finished; retry with the "
                  "same key");
-    snprintf(hint, sizeof(hint), "%u", IDEM__RC_RETRY_AFTER_MS);
-    idem__call_set_meta(call, "retry-after-ms", hint);
-    return IDEM_ABORTED;
+    return idem__rc_retry_after(call, IDEM_ABORTED);
 }
 
 /* How long a duplicate may wait (monotonic): its own deadline (a little before it, so
@@ -251,6 +249,35 @@ static bool claim_queued(idem_call *call, const idem_cache_cfg *cfg, idem_next n
     return true;
 }
 
+/* The key's life row for what a claim's txn met (outcome). MISMATCH: another request's
+ * record, whatever its state: every state that holds one refuses alike
+ * (key_life/another_requests_claim_on_any_held_record_is_key_reused). */
+static const idem__key_life_row *claim_row(idem_claim_outcome outcome)
+{
+    switch (outcome) {
+    case IDEM_CLAIM_ACQUIRED:
+        return idem__key_life_decide(IDEM__KL_NONE, IDEM__KL_CLAIM_SAME);
+    case IDEM_CLAIM_TAKEN_OVER:
+        return idem__key_life_decide(IDEM__KL_LAPSED, IDEM__KL_CLAIM_SAME);
+    case IDEM_CLAIM_COMPLETED:
+        return idem__key_life_decide(IDEM__KL_COMPLETED, IDEM__KL_CLAIM_SAME);
+    case IDEM_CLAIM_IN_PROGRESS:
+        return idem__key_life_decide(IDEM__KL_LIVE, IDEM__KL_CLAIM_SAME);
+    case IDEM_CLAIM_MISMATCH:
+        return idem__key_life_decide(IDEM__KL_COMPLETED, IDEM__KL_CLAIM_OTHER);
+    case IDEM_CLAIM_TOMBSTONE:
+        return idem__key_life_decide(IDEM__KL_TOMBSTONE, IDEM__KL_CLAIM_SAME);
+    }
+    return idem__key_life_decide(IDEM__KL_STATE_COUNT, IDEM__KL_CLAIM_SAME); /* NEVER */
+}
+
+/* Whether the claim made this call the key's owner: the handler runs. */
+static bool claim_runs(idem_claim_outcome outcome)
+{
+    idem__kl_action a = claim_row(outcome)->action;
+    return a == IDEM__KL_RUN || a == IDEM__KL_RESUME;
+}
+
 /* A claim the fast path queued, on the worker that resumed the call: what
  * look_or_claim makes of a claim's outcome, without its record. A claim that did not
  * acquire looks again (*again): a result is then read as committed, a lease waited for. */
@@ -267,7 +294,7 @@ static idem_code claimed(idem_call *call, const idem_cache_cfg *cfg, idem_next n
         return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, c->code, "%s",
                             c->err);
     }
-    if (outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER) {
+    if (claim_runs(outcome)) {
         call->token_to_consume = NULL;
         if (outcome == IDEM_CLAIM_TAKEN_OVER) {
             idem__observe_lease(call->rt->obs, IDEM__LEASE_TAKEN_OVER);
@@ -276,36 +303,55 @@ static idem_code claimed(idem_call *call, const idem_cache_cfg *cfg, idem_next n
     }
     /* Dropped, and a result or another request met in the open txn waited for. */
     bool look = c->ticket != 0 && look_again(cfg, key, fingerprint, c->ticket, outcome);
-    if (!look && outcome == IDEM_CLAIM_MISMATCH) {
+    if (!look && claim_row(outcome)->action == IDEM__KL_REFUSE_REUSED) {
         return reject_mismatch(call); /* the other request is on disk */
     }
     *again = true;
     return IDEM_OK;
 }
 
-/* What a claim's outcome (rec: the record it read or wrote) makes of the call. */
+/* What a claim's outcome (rec: the record it read or wrote) makes of the call: its
+ * row in the key's life (claim_row). */
 static idem_code after_claim(idem_call *call, idem_next next, const idem_cache_cfg *cfg,
                              const idem_key_ref *key, idem_claim_outcome outcome, idem_record *rec,
                              idem_txn *txn, uint64_t ticket, bool *wait)
 {
-    switch (outcome) {
-    case IDEM_CLAIM_TAKEN_OVER:
+    idem__kl_action action = claim_row(outcome)->action;
+    if (outcome == IDEM_CLAIM_TAKEN_OVER) {
         idem__observe_lease(call->rt->obs, IDEM__LEASE_TAKEN_OVER);
-        /* fall through */
-    case IDEM_CLAIM_ACQUIRED:
+    }
+    switch (action) {
+    case IDEM__KL_RUN:
+    case IDEM__KL_RESUME:
         call->token_to_consume = NULL;
         return idem__rc_run_owned(call, next, cfg, key, rec->owner, txn, ticket);
-    case IDEM_CLAIM_COMPLETED:
+    case IDEM__KL_REPLAY:
         return idem__rc_replay(call, rec);
-    case IDEM_CLAIM_MISMATCH:
+    case IDEM__KL_REFUSE_REUSED:
         return reject_mismatch(call);
-    case IDEM_CLAIM_TOMBSTONE:
+    case IDEM__KL_ANSWER_GONE:
         return answer_result_gone(call, rec);
-    case IDEM_CLAIM_IN_PROGRESS:
-        break;
+    case IDEM__KL_WAIT:
+        *wait = true;
+        return IDEM_OK;
+    default:
+        return idem__reject(call, NULL, IDEM_INTERNAL, "key life: \"%s\" after a claim",
+                            idem__kl_action_name(action));
     }
-    *wait = true;
-    return IDEM_OK;
+}
+
+/* The key's state as a read shows it to a claim: COMPLETED or LIVE, which the read
+ * answers; else NONE (absent, a lapsed lease, an expired result), which only the claim's
+ * own txn decides (a takeover, a tombstone, another request's record): claim. */
+static idem__kl_state read_state(idem_code code, const idem_record *rec, uint64_t now)
+{
+    if (code == IDEM_OK && rec->state == IDEM_REC_COMPLETED && rec->expires_ms > now) {
+        return IDEM__KL_COMPLETED;
+    }
+    if (code == IDEM_OK && rec->state == IDEM_REC_IN_PROGRESS && rec->lease_until_ms > now) {
+        return IDEM__KL_LIVE;
+    }
+    return IDEM__KL_NONE;
 }
 
 /* One look at the store and, unless a live lease says wait, one claim. Returns an
@@ -323,13 +369,17 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
     idem_code code = idem__store_get_borrowed(cfg->store, key, &rec, &borrow);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
     bool same = memcmp(rec.fingerprint, fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    idem__kl_state state = read_state(code, &rec, now);
+    idem__kl_action action =
+        idem__key_life_decide(state, same ? IDEM__KL_CLAIM_SAME : IDEM__KL_CLAIM_OTHER)->action;
     *wait = *again = false;
-    if (code == IDEM_OK && rec.state == IDEM_REC_COMPLETED && rec.expires_ms > now) {
-        code = same ? idem__rc_replay_borrowed(call, &rec, &borrow) : reject_mismatch(call);
+    if (state == IDEM__KL_COMPLETED) {
+        code = action == IDEM__KL_REPLAY ? idem__rc_replay_borrowed(call, &rec, &borrow)
+                                         : reject_mismatch(call);
         record_end(&rec, &borrow);
         return code;
     }
-    bool leased = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.lease_until_ms > now;
+    bool leased = state == IDEM__KL_LIVE;
     record_end(&rec, &borrow);
     if (call->fast_only) { /* waiting waits, claiming writes: a worker resumes here */
         bool fresh = !leased && (code == IDEM_OK || code == IDEM_NOT_FOUND);
@@ -339,8 +389,8 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
         return idem__call_defer(call, next.pos - 1);
     }
     if (leased) { /* the owner is alive: no write claim, just wait */
-        *wait = same;
-        return same ? IDEM_OK : reject_mismatch(call);
+        *wait = action == IDEM__KL_WAIT;
+        return *wait ? IDEM_OK : reject_mismatch(call);
     }
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return idem__reject(call, IDEM_REASON_STORE, code, "result cache: %s", idem_errmsg());
@@ -355,7 +405,7 @@ static idem_code look_or_claim(idem_call *call, const idem_cache_cfg *cfg, idem_
         return idem__reject(call, token ? IDEM_REASON_TOKEN : IDEM_REASON_STORE, code, "%s",
                             idem_errmsg());
     }
-    bool owned = outcome == IDEM_CLAIM_ACQUIRED || outcome == IDEM_CLAIM_TAKEN_OVER;
+    bool owned = claim_runs(outcome);
     if (txn != NULL && !owned) {
         idem__store_txn_abort(txn);
     }

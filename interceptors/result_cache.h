@@ -16,6 +16,8 @@
 /* result_cache_replay.c: answers the stored first result rec (its response may move
  * into the call), with metadata idem-first-at, replayed. */
 idem_code idem__rc_replay(idem_call *call, idem_record *rec);
+/* code, with metadata retry-after-ms (IDEM__RC_RETRY_AFTER_MS). */
+idem_code idem__rc_retry_after(idem_call *call, idem_code code);
 /* The same, for a response the store lent (borrow: it moves into the call). */
 idem_code idem__rc_replay_borrowed(idem_call *call, idem_record *rec, idem_borrow *borrow);
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn

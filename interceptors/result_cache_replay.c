@@ -7,6 +7,15 @@
 
 #include "result_cache.h"
 
+/* code, with metadata retry-after-ms: when a retry with the same key may find it done. */
+idem_code idem__rc_retry_after(idem_call *call, idem_code code)
+{
+    char hint[16];
+    snprintf(hint, sizeof(hint), "%u", IDEM__RC_RETRY_AFTER_MS);
+    idem__call_set_meta(call, "retry-after-ms", hint);
+    return code;
+}
+
 /* The first result, with metadata idem-first-at. Kept as the stored bytes (rec's buffer
  * moves into the call) when the front sends wire replies, nothing before result_cache
  * can look at the response (every interceptor there is a built-in that tail-calls) and

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "key_life.h"
 #include "result_cache.h"
 
 /* The COMPLETED record's response (malloc'd) and times. */
@@ -51,6 +52,13 @@ static idem_code record_result(idem_call *call, const idem_cache_cfg *cfg, const
              : idem__store_complete_at(cfg->store, key, owner, buf, len, expires, now, ticket);
     free(buf);
     return st;
+}
+
+/* The lease keeper stops renewing the claim (keep), and the key's waiters wake. */
+static void end_keep(idem_call *call, idem_keep *keep, const idem_key_ref *key)
+{
+    idem__inflight_unkeep(call->rt->inflight, keep);
+    idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
 }
 
 /* One logfmt error line about this call (request id, method, what went wrong). */
@@ -167,19 +175,11 @@ static idem_code claim_lost(idem_call *call, const idem_cache_cfg *cfg, const id
     return code;
 }
 
-/* Answers that free the key instead of being stored: transient codes, by default a
- * handler's INVALID_ARGUMENT, and any answer given while the handler did not run (an
- * interceptor after result_cache said no, e.g. UNAUTHENTICATED or PERMISSION_DENIED:
- * nothing happened, and a stored refusal would be replayed to the corrected retry). */
+/* Whether the owner's row for this outcome stores it (else the claim is released). */
 static bool released_code(const idem_call *call, idem_code code)
 {
-    const idem_method_opts *o = &call->method->opts;
-    uint32_t transient = o->transient_mask ? o->transient_mask : IDEM_TRANSIENT_CODES;
-    if (!call->executed || (unsigned)code >= IDEM_CODE_COUNT) {
-        return true; /* an out-of-range code from an interceptor is not an answer to keep */
-    }
-    return (IDEM_CODE_BIT(code) & transient) ||
-           (code == IDEM_INVALID_ARGUMENT && !o->store_invalid_argument);
+    return idem__key_life_decide(IDEM__KL_LIVE, idem__key_life_outcome(call, code))->action !=
+           IDEM__KL_STORE;
 }
 
 /* Ends a handler txn whose handler did not answer OK: a transient code rolls it back
@@ -204,19 +204,22 @@ static idem_code end_txn_not_ok(idem_call *call, const idem_cache_cfg *cfg, cons
     return record_result(call, cfg, key, owner, txn, 0);
 }
 
-/* record_retrying for a claim-mode run, with its journaled steps (IDEM_METHOD_STEPS).
- * A release keeps them for the retry and first takes the call off the re-driver's list
- * (the claim still live: a transient failure is the client's to retry), listing it
- * again if the release then fails; not when the re-driver ran it: its client is gone,
- * so the re-driver tries again within its budget. A recorded outcome deletes them in
- * its own txn (record_journaled). Steps' failures are logged, never the call's answer. */
+/* record_retrying for a claim-mode run, as its row's action says, with its journaled
+ * steps (IDEM_METHOD_STEPS). A release that keeps them for the retry (RELEASE,
+ * RELEASE_KEEP_JOURNAL) first takes the call off the re-driver's list (the claim still
+ * live: a transient failure is the client's to retry), listing it again if the release
+ * then fails; not when the re-driver ran it: its client is gone, so the re-driver tries
+ * again within its budget. A compensation's release: RELEASE_FRESH deleted the journal,
+ * RELEASE_KEEP_LISTED keeps it listed for the re-driver to finish. A recorded outcome
+ * deletes them in its own txn (record_journaled). Steps' failures are logged, never the
+ * call's answer. */
 static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
-                            uint64_t owner, bool released, idem__saga_end saga)
+                            uint64_t owner, idem__kl_action action)
 {
     bool steps = (call->method->opts.flags & IDEM_METHOD_STEPS) != 0;
-    /* A compensation's release: FRESH deleted the journal, UNFINISHED keeps it listed
-     * for the re-driver to finish. */
-    bool unlist = steps && released && call->pinned_key == NULL && saga == IDEM__SAGA_AS_IS;
+    bool released = action != IDEM__KL_STORE;
+    bool unlist = steps && call->pinned_key == NULL &&
+                  (action == IDEM__KL_RELEASE || action == IDEM__KL_RELEASE_KEEP_JOURNAL);
     if (unlist && idem__call_steps_unlist(call) != IDEM_OK) {
         log_error(call, idem_errmsg());
     }
@@ -238,7 +241,7 @@ static idem_code record_run(idem_call *call, const idem_cache_cfg *cfg, const id
 static idem_code record_later(idem_call *call, const idem_cache_cfg *cfg, const idem_key_ref *key,
                               idem_keep *keep)
 {
-    char why[256], detail[IDEM_LOGQ_CAP], hint[16];
+    char why[256], detail[IDEM_LOGQ_CAP];
     uint8_t *buf = NULL;
     size_t len;
     uint64_t now, expires;
@@ -252,8 +255,7 @@ static idem_code record_later(idem_call *call, const idem_cache_cfg *cfg, const 
         idem__inflight_record_later(call->rt->inflight, keep, buf, len, expires - now, &with);
     } else {
         free(buf);
-        idem__inflight_unkeep(call->rt->inflight, keep);
-        idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
+        end_keep(call, keep, key);
     }
     snprintf(detail, sizeof(detail), "recording the outcome failed: %s; %s", why,
              later ? "it is recorded again in the background" : "its lease runs out");
@@ -263,9 +265,7 @@ static idem_code record_later(idem_call *call, const idem_cache_cfg *cfg, const 
                  "the outcome is not on disk yet (%s); retry with the same key: the retry "
                  "gets it once it is recorded",
                  why);
-    snprintf(hint, sizeof(hint), "%u", IDEM__RC_RETRY_AFTER_MS);
-    idem__call_set_meta(call, "retry-after-ms", hint);
-    return IDEM_UNAVAILABLE;
+    return idem__rc_retry_after(call, IDEM_UNAVAILABLE);
 }
 
 /* What follows the record of a run (st: how it went): the lease keeper stops, the key's
@@ -289,8 +289,7 @@ static idem_code after_record(idem_call *call, const idem_cache_cfg *cfg, const 
     if (!done && !later) {
         /* Renewed until now: recording may retry through a store outage for longer than a
          * lease, and a lapse would let another instance take over and run it again. */
-        idem__inflight_unkeep(call->rt->inflight, keep);
-        idem__inflight_notify(call->rt->inflight, bucket);
+        end_keep(call, keep, key);
     }
     if (st == IDEM_OK) {
         return code;
@@ -336,9 +335,8 @@ static void recorded(void *arg, idem_code st, const char *err)
     snprintf(r->err, sizeof(r->err), "%s", err);
     if (st == IDEM_OK) {
         idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
-        idem__inflight_unkeep(call->rt->inflight, r->keep); /* never waits for the store */
+        end_keep(call, r->keep, &key); /* never waits for the store */
         r->keep = NULL;
-        idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(&key));
     }
     call->rt->resume(call->rt->resume_arg, call);
 }
@@ -420,8 +418,7 @@ static idem_code lapsed_before_start(idem_call *call, const idem_cache_cfg *cfg,
     idem__store_ticket_drop(cfg->store, call->claim_ticket); /* the claim commits as it is */
     call->claim_ticket = 0;
     call->claim_lost = true;
-    idem__inflight_unkeep(call->rt->inflight, keep);
-    idem__inflight_notify(call->rt->inflight, idem__inflight_bucket(key));
+    end_keep(call, keep, key);
     log_error(call, "claim lost: the lease ran out before the handler started; not run");
     return idem__reject(call, IDEM_REASON_CLAIM_LOST, IDEM_ABORTED,
                         "claim lost: this run's lease ran out before the handler started (no "
@@ -433,14 +430,11 @@ static idem_code lapsed_before_start(idem_call *call, const idem_cache_cfg *cfg,
  * its generation could not be read. */
 static idem_code steps_not_begun(idem_call *call, idem_code st)
 {
-    char hint[16];
     if (st != IDEM_ABORTED) {
         return idem__reject(call, IDEM_REASON_STORE, st, "steps: %s", idem_errmsg());
     }
     idem__reject(call, IDEM_REASON_IN_PROGRESS, st, "%s", idem_errmsg());
-    snprintf(hint, sizeof(hint), "%u", IDEM__RC_RETRY_AFTER_MS);
-    idem__call_set_meta(call, "retry-after-ms", hint);
-    return st;
+    return idem__rc_retry_after(call, st);
 }
 
 /* Runs the handler as the claim owner and records the outcome. txn is the handler txn
@@ -489,12 +483,13 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     if (refused) {
         code = fence_refused(call);
     }
-    bool released = refused || released_code(call, code);
-    idem__saga_end saga =
-        txn == NULL && !refused ? idem__call_saga_end(call, &code, released) : IDEM__SAGA_AS_IS;
-    if (saga != IDEM__SAGA_AS_IS) { /* the undos ran: the key's fate is the saga's */
-        released = saga != IDEM__SAGA_STORE;
-    }
+    /* The key's row for this outcome; a journaled run's is its journal's (the undos may
+     * run: the key's fate and the answer are then the compensation's). */
+    idem__kl_event ev = idem__key_life_outcome(call, code);
+    idem__kl_action action = txn == NULL && !refused
+                                 ? idem__call_saga_end(call, &code, ev)
+                                 : idem__key_life_decide(IDEM__KL_LIVE, ev)->action;
+    bool released = action != IDEM__KL_STORE;
     if (txn != NULL && code == IDEM_OK && !released) {
         st = record_result(call, cfg, key, owner, txn, 0); /* effect and record together */
     } else if (txn != NULL) {
@@ -502,7 +497,7 @@ idem_code idem__rc_run_owned(idem_call *call, idem_next next, const idem_cache_c
     } else if (!released && record_async(call, cfg, key, owner, keep, code, next)) {
         return IDEM_OK; /* suspended: resumes in record_resumed */
     } else {
-        st = record_run(call, cfg, key, owner, released, saga);
+        st = record_run(call, cfg, key, owner, action);
     }
     return after_record(call, cfg, key, owner, keep, code, st, claimed_in_txn, false);
 }

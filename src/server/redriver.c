@@ -3,7 +3,8 @@
  * an IN_PROGRESS record whose lease runs out; only a client retry would finish it. On
  * a server with idem_server_opts.redrive_interval_ms set, every such call is listed in
  * its journal (steps.c) while it may still need finishing, and this thread looks at up
- * to redrive_batch listed calls every interval, and for each:
+ * to redrive_batch listed calls every interval, and for each does what its row in the
+ * key's life table says (key_life.c, the re-driver pass events):
  *
  *   this request's record, IN_PROGRESS, lease expired, or no record while listed (a
  *       re-run of it was released after a transient failure) → count a re-run (at most
@@ -32,6 +33,7 @@
 
 #include "periodic.h"
 #include "journal.h"
+#include "key_life.h"
 #include "redriver.h"
 #include "store.h"
 
@@ -146,32 +148,60 @@ static bool redrive(idem_redriver *r, const idem__journaled_call *jc)
     return true;
 }
 
-/* Decides about one listed call. false: the store failed (logged), end the pass. */
-static bool visit(idem_redriver *r, const idem__journaled_call *jc)
+/* The listed call's row in the key's life (key_life.h), from its record: this
+ * request's (COMPLETED, LIVE, LAPSED), absent (RELEASED: listed, so its journal is kept;
+ * a compensating one too: its row is the same), or another request's (REDRIVE_OTHER:
+ * the unlisting's txn reads whether its compensation started, which keeps it listed).
+ * Each write decides again on the record its own txn reads (steps_redrive.c).
+ * false: the store failed. */
+static bool visit_row(idem_redriver *r, const idem__journaled_call *jc,
+                      const idem__key_life_row **row)
 {
     idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
     idem_record rec;
-    idem__redrive_verdict v = IDEM__REDRIVE_SKIP;
     idem_code code = idem_store_get(r->cfg.store, &key, &rec);
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(r->cfg.rt);
     bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
+    idem__kl_state state = !ours                             ? IDEM__KL_RELEASED
+                           : rec.state == IDEM_REC_COMPLETED ? IDEM__KL_COMPLETED
+                           : rec.lease_until_ms <= now       ? IDEM__KL_LAPSED
+                                                             : IDEM__KL_LIVE;
+    *row = idem__key_life_decide(state, code == IDEM_OK && !ours ? IDEM__KL_REDRIVE_OTHER
+                                                                 : IDEM__KL_REDRIVE);
+    idem_record_clear(&rec);
+    return code == IDEM_OK || code == IDEM_NOT_FOUND;
+}
+
+/* Acts on one listed call's row. false: the store failed (logged), end the pass. */
+static bool visit(idem_redriver *r, const idem__journaled_call *jc)
+{
+    const idem__key_life_row *row;
+    idem__redrive_verdict v = IDEM__REDRIVE_SKIP;
     bool ok = true;
-    if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
+    if (!visit_row(r, jc, &row)) {
         log_failure(r, "reading a listed call's record");
-        ok = false;
-    } else if (ours && rec.state == IDEM_REC_COMPLETED) {
+        return false;
+    }
+    switch (row->action) {
+    case IDEM__KL_FORGET_JOURNAL:
         if (!(ok = idem__steps_forget_completed(r->cfg.store, jc, &v) == IDEM_OK)) {
             log_failure(r, "removing a completed call's journal");
         } else if (v == IDEM__REDRIVE_DONE) {
             log_call(r, IDEM_LOG_INFO, jc, "removed the step journal of a completed call");
             idem__observe_redrive(r->cfg.rt->obs, IDEM__REDRIVE_REMOVED);
         }
-    } else if (code == IDEM_NOT_FOUND || (ours && rec.lease_until_ms <= now)) {
-        ok = redrive(r, jc); /* abandoned, or a re-run of it was released: still listed */
-    } else if (!ours && !(ok = idem__steps_unlist(r->cfg.store, jc, &v) == IDEM_OK)) {
-        log_failure(r, "unlisting a call whose key another request holds");
+        break;
+    case IDEM__KL_RERUN: /* abandoned, or a re-run of it was released: still listed */
+        ok = redrive(r, jc);
+        break;
+    case IDEM__KL_UNLIST:
+        if (!(ok = idem__steps_unlist(r->cfg.store, jc, &v) == IDEM_OK)) {
+            log_failure(r, "unlisting a call whose key another request holds");
+        }
+        break;
+    default: /* KEEP: its owner's lease is live */
+        break;
     }
-    idem_record_clear(&rec);
     return ok;
 }
 

@@ -174,10 +174,12 @@ idem_code idem__journal_put_call(idem_txn *t, const idem__journal *j, const idem
     return code;
 }
 
-/* IDEM_OK when the call's record is IN_PROGRESS under fence: in txn t (kept so until t
- * ends: nobody else can have it), else (t NULL, before fn runs) by a plain read, and
- * with its lease still running (once it has run out, a takeover may start fn again
- * any moment). A run that lost its claim gets ABORTED. */
+/* IDEM_OK when the key's row for a step is JOURNAL (key_life.h): LIVE, the call's
+ * record IN_PROGRESS under fence in txn t (kept so until t ends: nobody else can have
+ * it), else (t NULL, before fn runs) by a plain read and with its lease still running
+ * (once it has run out, a takeover may start fn again any moment). Else the run lost
+ * its claim (LAPSED: run out or taken over; COMPLETED; NONE: released) and gets
+ * ABORTED. */
 static idem_code claim_held(idem_txn *t, idem_call *call, uint64_t fence)
 {
     idem_key_ref key = {idem_call_caller(call), call->method->name, call->key};
@@ -187,12 +189,16 @@ static idem_code claim_held(idem_txn *t, idem_call *call, uint64_t fence)
     uint64_t now = rec.now_ms ? rec.now_ms : idem__rt_now_ms(call->rt);
     bool held = code == IDEM_OK && rec.state == IDEM_REC_IN_PROGRESS && rec.owner == fence &&
                 (t != NULL || rec.lease_until_ms > now);
+    idem__kl_state state = code != IDEM_OK                   ? IDEM__KL_NONE
+                           : rec.state == IDEM_REC_COMPLETED ? IDEM__KL_COMPLETED
+                           : held                            ? IDEM__KL_LIVE
+                                                             : IDEM__KL_LAPSED;
     idem_record_clear(&rec);
-    if (held) {
-        return IDEM_OK;
-    }
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return code;
+    }
+    if (idem__key_life_decide(state, IDEM__KL_STEP)->action == IDEM__KL_JOURNAL) {
+        return IDEM_OK;
     }
     call->claim_lost = true;
     return idem__err(IDEM_ABORTED, "claim lost: another run of this call owns its steps or "

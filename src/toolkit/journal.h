@@ -6,6 +6,7 @@
 
 #include "call.h"
 #include "keeper.h"
+#include "key_life.h"
 #include "store.h"
 
 /* Deletes the call's step journal in t, every run's steps, its listing and the key's
@@ -97,15 +98,12 @@ idem_code idem__call_steps_begin(idem_call *call);
  * keep. A failure (the claim lost: ABORTED; a store outage) derives nothing. */
 idem_code idem__call_steps_pin(idem_call *call);
 
-/* How a journaled call ends after its handler returned code (saga.c): runs the undos
- * of its steps on a final failure (the call's answer may change: a compensation in
- * progress answers its recorded failure). */
-typedef enum idem__saga_end {
-    IDEM__SAGA_AS_IS,     /* record or release as the code says */
-    IDEM__SAGA_STORE,     /* store the (failure) answer: an effect stands */
-    IDEM__SAGA_FRESH,     /* released, journal gone, the key's generation moved on */
-    IDEM__SAGA_UNFINISHED /* release keeping the journal and its listing: finish later */
-} idem__saga_end;
-idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool released);
+/* How a journaled call ends after its handler returned code, outcome ev (saga.c): what
+ * the key's life table says for its journal's state, the undos of its steps run on a
+ * final failure (the call's answer may change: a compensation in progress answers its
+ * recorded failure). Returns the action left to the caller: STORE; RELEASE or
+ * RELEASE_KEEP_JOURNAL (the journal as it is); RELEASE_FRESH (journal and generation
+ * gone); RELEASE_KEEP_LISTED (a compensation to finish later). */
+idem__kl_action idem__call_saga_end(idem_call *call, idem_code *code, idem__kl_event ev);
 
 #endif

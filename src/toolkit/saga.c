@@ -37,27 +37,37 @@ static idem_code compensating(idem_call *call, const uint8_t fp[IDEM_FINGERPRINT
 }
 
 /* The key's 'g' entry v: this request's kept generation (its earlier runs', or an older
- * release's), or another request's. The key stays with another request whose
- * compensation is unfinished: this one would derive new keys and leave the earlier
- * effects standing once the key is its own (that request's retry is refused "key
- * reused", the re-driver finds the key another's). The earlier request's retry, or the
- * re-driver, finishes it first. Else this run keeps its claim's fence as generation. */
+ * release's), or another request's: the key's state is RELEASED (with a journal) or,
+ * while that request's compensation is unfinished, COMPENSATING. Its row says: keep
+ * this request's generation (RESUME); refuse another request while the key is
+ * compensating (it would derive new keys and leave the earlier effects standing once
+ * the key is its own: that request's retry refused "key reused", the re-driver finding
+ * the key another's; the earlier request's retry, or the re-driver, finishes it first);
+ * else RUN, with its claim's fence as generation. */
 static idem_code generation_of(idem_call *call, const uint8_t *v)
 {
     bool busy = false;
-    if (memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0) {
+    bool same = memcmp(v + 8, call->fingerprint, IDEM_FINGERPRINT_LEN) == 0;
+    idem_code code = same ? IDEM_OK : compensating(call, v + 8, &busy);
+    if (code != IDEM_OK) {
+        return code;
+    }
+    const idem__key_life_row *row =
+        idem__key_life_decide(busy ? IDEM__KL_COMPENSATING : IDEM__KL_RELEASED,
+                              same ? IDEM__KL_CLAIM_SAME : IDEM__KL_CLAIM_OTHER);
+    switch (row->action) {
+    case IDEM__KL_RESUME:
         call->step_gen = idem__get_be64(v); /* this request's: its keys stay */
         atomic_store(&call->step_gen_pin, false);
         return IDEM_OK;
-    }
-    idem_code code = compensating(call, v + 8, &busy);
-    if (code == IDEM_OK && busy) {
-        return idem__err(IDEM_ABORTED,
+    case IDEM__KL_REFUSE_COMPENSATING:
+        return idem__err((idem_code)row->code,
                          "the key is compensating an earlier request (an undo of its steps "
                          "did not finish); retry later: that request's retry with the same "
                          "key (or the re-driver, where one runs) finishes it first");
+    default: /* RUN: this claim's fence */
+        return IDEM_OK;
     }
-    return code;
 }
 
 /* The generation of a run: the one kept for this request ('g' with its fingerprint),
@@ -324,17 +334,17 @@ static bool no_effect(const idem_call *call, size_t recorded)
 
 /* A compensation that could not finish now answers UNAVAILABLE: a retry (or the
  * re-driver) replays the steps and finishes it. */
-static idem__saga_end unfinished(idem_call *call, idem_code *code)
+static idem__kl_action unfinished(idem_call *call, idem_code *code)
 {
     char why[IDEM_MAX_MESSAGE + 1];
     snprintf(why, sizeof(why), "%s", idem_errmsg());
     *code = idem_call_fail(call, IDEM_UNAVAILABLE,
                            "compensating: %s; retry with the same key to finish it", why);
-    return IDEM__SAGA_UNFINISHED;
+    return idem__key_life_decide(IDEM__KL_COMPENSATING, IDEM__KL_UNDOS_UNFINISHED)->action;
 }
 
 /* Released for good: the journal goes, the next run derives new downstream keys. */
-static idem__saga_end fresh(idem_call *call, saga_args *a, idem_code *code, const char *how)
+static idem__kl_action fresh(idem_call *call, saga_args *a, idem_code *code, const char *how)
 {
     if (idem_store_run_txn(call->claim_store, fresh_txn, a) != IDEM_OK) {
         return unfinished(call, code);
@@ -342,18 +352,19 @@ static idem__saga_end fresh(idem_call *call, saga_args *a, idem_code *code, cons
     if (how != NULL) {
         idem__call_set_meta(call, "idem-compensated", how);
     }
-    return IDEM__SAGA_FRESH;
+    return IDEM__KL_RELEASE_FRESH;
 }
 
-/* Runs the compensation a final failure needs (call.h). */
-static idem__saga_end compensate(idem_call *call, saga_args *a, idem_code *code, bool started)
+/* Runs the compensation a final failure needs (call.h); how its undos went (every one
+ * ran, or an effect stands) is an event whose row ends it. */
+static idem__kl_action compensate(idem_call *call, saga_args *a, idem_code *code, bool started)
 {
     size_t recorded, stands;
     if (recorded_steps(call, &a->j, &recorded) != IDEM_OK) {
         return unfinished(call, code);
     }
-    if (!started && !any_undo(call)) {
-        return IDEM__SAGA_STORE; /* every effect stands: the answer is final */
+    if (!started && !any_undo(call)) { /* every effect stands: the answer is final */
+        return idem__key_life_decide(IDEM__KL_COMPENSATING, IDEM__KL_UNDOS_STAND)->action;
     }
     a->code = *code;
     a->msg = call->message != NULL ? call->message : "";
@@ -362,24 +373,29 @@ static idem__saga_end compensate(idem_call *call, saga_args *a, idem_code *code,
         return unfinished(call, code);
     }
     size_t known = call->saga != NULL ? call->saga->n : 0;
-    if (stands == 0 && known == recorded) {
-        return fresh(call, a, code, "all");
-    }
-    if (known > stands) {
+    bool all = stands == 0 && known == recorded;
+    if (!all && known > stands) {
         idem__call_set_meta(call, "idem-compensated", "partial");
     }
-    return IDEM__SAGA_STORE;
+    idem__kl_event end = all ? IDEM__KL_UNDOS_ALL : IDEM__KL_UNDOS_STAND;
+    idem__kl_action action = idem__key_life_decide(IDEM__KL_COMPENSATING, end)->action;
+    return action == IDEM__KL_RELEASE_FRESH ? fresh(call, a, code, "all") : action;
 }
 
-idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool released)
+/* The journal's state after the handler (key_life.h): COMPENSATING once a compensation
+ * started (its 'c' entry), STEPS when a recorded step had an effect, else LIVE. The
+ * steps are read only when the outcome's row depends on them (a final failure or a
+ * refusal); an outcome that keeps the journal as it is (OK, transient) does not read. */
+idem__kl_action idem__call_saga_end(idem_call *call, idem_code *code, idem__kl_event ev)
 {
     saga_args a = {.call = call};
     char msg[IDEM_MAX_MESSAGE + 1];
     size_t recorded;
     idem_code fail;
+    idem__kl_action with_steps = idem__key_life_decide(IDEM__KL_STEPS, ev)->action;
     if (!(call->method->opts.flags & IDEM_METHOD_STEPS) || !call->executed ||
         call->claim_store == NULL) {
-        return IDEM__SAGA_AS_IS;
+        return idem__key_life_decide(IDEM__KL_LIVE, ev)->action;
     }
     if (idem__journal_keys(call, NULL, &a.j) != IDEM_OK ||
         saga_read(call, &a.j, &fail, msg, sizeof(msg)) != IDEM_OK) {
@@ -389,15 +405,21 @@ idem__saga_end idem__call_saga_end(idem_call *call, idem_code *code, bool releas
         *code = idem_call_fail(call, fail, "%s", msg);
         return compensate(call, &a, code, true);
     }
-    if (*code == IDEM_OK || (released && *code != IDEM_INVALID_ARGUMENT)) {
-        return IDEM__SAGA_AS_IS; /* a transient failure keeps the journal for the retry */
+    if (with_steps != IDEM__KL_COMPENSATE) {
+        return with_steps; /* a transient failure keeps the journal for the retry */
     }
     if (recorded_steps(call, &a.j, &recorded) != IDEM_OK) {
         return unfinished(call, code);
     }
-    if (recorded == 0 || no_effect(call, recorded)) {
-        /* nothing to give back: a release moves the key on, a final code is stored */
-        return released ? fresh(call, &a, code, NULL) : IDEM__SAGA_AS_IS;
+    bool effect = recorded != 0 && !no_effect(call, recorded);
+    idem__kl_action action =
+        idem__key_life_decide(effect ? IDEM__KL_STEPS : IDEM__KL_LIVE, ev)->action;
+    switch (action) {
+    case IDEM__KL_COMPENSATE:
+        return compensate(call, &a, code, false);
+    case IDEM__KL_RELEASE_FRESH: /* nothing to give back: the key moves on */
+        return fresh(call, &a, code, NULL);
+    default: /* nothing to give back: a final code is stored */
+        return action;
     }
-    return compensate(call, &a, code, false);
 }

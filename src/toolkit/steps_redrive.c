@@ -100,10 +100,12 @@ typedef struct redrive_args {
     idem__redrive_verdict verdict;
 } redrive_args;
 
-/* The record as a's txn sees it: 'c' this request's and COMPLETED, 'p' this request's
- * and IN_PROGRESS with a live lease, 'x' the same with its lease run out, 'a' absent,
- * 'o' another request's. */
-static idem_code record_kind(idem_txn *t, const redrive_args *a, char *kind)
+/* The listed call's key as a's txn sees its record (key_life.h): this request's
+ * (COMPLETED, LIVE, LAPSED) on a re-driver pass, or absent (RELEASED: listed, so its
+ * journal is kept; a compensating one looks the same here, journal_state tells), or
+ * another request's (REDRIVE_OTHER). */
+static idem_code record_seen(idem_txn *t, const redrive_args *a, idem__kl_state *state,
+                             idem__kl_event *ev)
 {
     const idem__journaled_call *jc = a->jc;
     idem_key_ref key = {jc->key_ref.caller, jc->key_ref.method, jc->key_ref.key};
@@ -111,28 +113,30 @@ static idem_code record_kind(idem_txn *t, const redrive_args *a, char *kind)
     idem_code code = idem__store_txn_record(t, &key, &rec);
     uint64_t now = rec.now_ms ? rec.now_ms : a->now_ms;
     bool ours = code == IDEM_OK && memcmp(rec.fingerprint, jc->fingerprint, 32) == 0;
-    *kind = code == IDEM_NOT_FOUND            ? 'a'
-            : !ours                           ? 'o'
-            : rec.state == IDEM_REC_COMPLETED ? 'c'
-            : rec.lease_until_ms <= now       ? 'x'
-                                              : 'p';
+    *ev = code == IDEM_OK && !ours ? IDEM__KL_REDRIVE_OTHER : IDEM__KL_REDRIVE;
+    *state = !ours                             ? IDEM__KL_RELEASED
+             : rec.state == IDEM_REC_COMPLETED ? IDEM__KL_COMPLETED
+             : rec.lease_until_ms <= now       ? IDEM__KL_LAPSED
+                                               : IDEM__KL_LIVE;
     idem_record_clear(&rec);
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
-/* Whether the record is of kind want in t: a->verdict DONE (the write may go on) or SKIP. */
-static idem_code record_is(idem_txn *t, redrive_args *a, char want)
+/* Whether the key's row in t is want: a->verdict DONE (the write may go on) or SKIP. */
+static idem_code record_says(idem_txn *t, redrive_args *a, idem__kl_action want)
 {
-    char kind;
-    idem_code code = record_kind(t, a, &kind);
-    a->verdict = code == IDEM_OK && kind == want ? IDEM__REDRIVE_DONE : IDEM__REDRIVE_SKIP;
+    idem__kl_state state;
+    idem__kl_event ev;
+    idem_code code = record_seen(t, a, &state, &ev);
+    bool yes = code == IDEM_OK && idem__key_life_decide(state, ev)->action == want;
+    a->verdict = yes ? IDEM__REDRIVE_DONE : IDEM__REDRIVE_SKIP;
     return code;
 }
 
 static idem_code forget_completed_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
-    idem_code code = record_is(t, a, 'c');
+    idem_code code = record_says(t, a, IDEM__KL_FORGET_JOURNAL);
     return code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ? code
                                                                : idem__journal_forget_txn(t, &a->j);
 }
@@ -152,19 +156,25 @@ static idem_code journal_state(idem_txn *t, const idem__journal *j, bool *steps,
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
 
-/* Unlists a call whose key another request holds, unless its compensation started: the
- * re-driver then runs it again once the key is free (the other request is refused
- * meanwhile, saga.c), never drops it with its effects standing. */
+/* Unlists a call whose key another request holds, unless its compensation started
+ * (COMPENSATING: keep listed): the re-driver then runs it again once the key is free
+ * (the other request is refused meanwhile, saga.c), never drops it with its effects
+ * standing. */
 static idem_code unlist_txn(idem_txn *t, void *arg)
 {
     redrive_args *a = arg;
     bool steps, saga;
-    idem_code code = record_is(t, a, 'o');
-    if (code != IDEM_OK || a->verdict != IDEM__REDRIVE_DONE ||
-        (code = journal_state(t, &a->j, &steps, &saga)) != IDEM_OK || saga) {
-        a->verdict = IDEM__REDRIVE_SKIP;
+    idem__kl_state state;
+    idem__kl_event ev;
+    idem_code code = record_seen(t, a, &state, &ev);
+    a->verdict = IDEM__REDRIVE_SKIP;
+    if (code != IDEM_OK || ev != IDEM__KL_REDRIVE_OTHER ||
+        (code = journal_state(t, &a->j, &steps, &saga)) != IDEM_OK ||
+        idem__key_life_decide(saga ? IDEM__KL_COMPENSATING : IDEM__KL_RELEASED, ev)->action !=
+            IDEM__KL_UNLIST) {
         return code;
     }
+    a->verdict = IDEM__REDRIVE_DONE;
     code = idem_txn_del(t, STEPS_DB, a->j.call_key, JKEY);
     return code == IDEM_NOT_FOUND ? IDEM_OK : code;
 }
@@ -237,11 +247,14 @@ static idem_code count_run_txn(idem_txn *t, void *arg)
     redrive_args *a = arg;
     const void *v;
     size_t n;
-    char kind;
+    idem__kl_state state;
+    idem__kl_event ev;
     bool take_back = a->how != COUNT;
     a->verdict = IDEM__REDRIVE_SKIP;
-    idem_code code = record_kind(t, a, &kind);
-    bool eligible = kind == 'x' || kind == 'a' || (take_back && kind == 'p');
+    idem_code code = record_seen(t, a, &state, &ev);
+    /* A take-back also while the count's own run holds the key (its lease live). */
+    bool eligible = idem__key_life_decide(state, ev)->action == IDEM__KL_RERUN ||
+                    (take_back && state == IDEM__KL_LIVE && ev == IDEM__KL_REDRIVE);
     if (code != IDEM_OK || !eligible ||
         (code = idem_txn_get(t, STEPS_DB, a->j.call_key, JKEY, &v, &n)) != IDEM_OK) {
         return code == IDEM_NOT_FOUND ? IDEM_OK : code;
