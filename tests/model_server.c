@@ -13,13 +13,14 @@
  *                          fail       a final error (FAILED_PRECONDITION), no step
  *                          transient  UNAVAILABLE, no step
  *                          refuse     reserve, then FAILED_PRECONDITION: the undo runs
- *                        Each run of the handler appends a line to DIR/runs.
+ *                        Each run of the handler appends its key's line to DIR/runs;
+ *                        the reservation's payload is the key, its answer "KEY R<n>".
  *   model.Ctl/Set        "OUTCOME POINT": the outcome, and where the next run of Place
  *                        dies (none | after_claim | after_effect | after_step |
  *                        after_commit; after_commit only when the handler ran)
  *   model.Ctl/Redrive    one whole pass of the re-driver (its timer is an hour away)
  *   model.Ctl/Sweep      the sweep as it runs once the result TTL has passed
- *   model.Ctl/Forget     payload KEY: idem_store_delete, as idemctl delete does
+ *   model.Ctl/Forget     payload KEY: as idemctl delete: the record, else the tombstone
  *   model.Ctl/Lease      payload KEY: "live" while a Place claim under KEY holds a
  *                        lease, else "free" */
 #include <fcntl.h>
@@ -44,6 +45,7 @@ static char runs_path[4096];
 static idem_client *to_inv;
 static idem_store *store;
 static idem_server *srv;
+static bool tombstones; /* a tombstone horizon: the store keeps them */
 
 static bool armed(const char *point)
 {
@@ -78,7 +80,8 @@ static idem_code inv_call(idem_call *call, const char *method, const char *step,
 static idem_code reserve(idem_call *call, void *arg, idem_step_result *out)
 {
     (void)arg;
-    idem_code code = inv_call(call, "inv.Stock/Reserve", "reserve", NULL, 0, out);
+    const char *k = idem_call_key(call); /* the test counts each key's effects */
+    idem_code code = inv_call(call, "inv.Stock/Reserve", "reserve", k, strlen(k), out);
     maybe_crash("after_effect");
     return code;
 }
@@ -90,10 +93,12 @@ static idem_code unreserve(idem_call *call, const char *step, const idem_step_re
     return inv_call(call, "inv.Stock/Release", step, done->data, done->len, NULL);
 }
 
-static void count_run(void)
+static void count_run(const char *k)
 {
+    char line[80];
+    int n = snprintf(line, sizeof(line), "%.64s\n", k);
     int fd = open(runs_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
-    if (fd < 0 || write(fd, "run\n", 4) != 4) {
+    if (fd < 0 || write(fd, line, (size_t)n) != n) {
         perror("model_server: runs file");
         abort(); /* a count the test cannot trust */
     }
@@ -107,7 +112,7 @@ static idem_code place(idem_call *call, void *arg)
     idem_step_result r = {0};
     (void)arg;
     ran = true;
-    count_run();
+    count_run(idem_call_key(call));
     if (idem_call_fence(call) == 0) { /* the claim on disk before anything else */
         return idem_call_fail(call, IDEM_UNAVAILABLE, "no fence");
     }
@@ -203,6 +208,9 @@ static idem_code ctl_forget(idem_call *call, void *arg)
     (void)arg;
     key_of(call, key, sizeof(key), &ref);
     idem_code code = idem_store_delete(store, &ref);
+    if (code == IDEM_NOT_FOUND && tombstones) { /* its result expired: the tombstone goes */
+        code = idem_store_tombstone_delete(store, &ref);
+    }
     if (code != IDEM_OK && code != IDEM_NOT_FOUND) {
         return idem_call_fail(call, IDEM_INTERNAL, "delete: %s", idem_errmsg());
     }
@@ -261,6 +269,7 @@ int main(int argc, char **argv)
     o.lease_ms = 80;
     o.result_ttl_ms = RESULT_TTL_MS;
     o.redrive_interval_ms = 3600000; /* listed, but passes only when model.Ctl/Redrive asks */
+    o.redrive_batch = 1u << 20;      /* a pass reaches every listed call, the test's too */
     o.sweep_interval_ms = 3600000;   /* sweeps only when model.Ctl/Sweep asks */
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -278,6 +287,7 @@ int main(int argc, char **argv)
         return 2;
     }
     snprintf(runs_path, sizeof(runs_path), "%s/runs", db);
+    tombstones = o.tombstone_ttl_ms != 0;
     sigset_t stop;
     sigemptyset(&stop);
     sigaddset(&stop, SIGTERM);

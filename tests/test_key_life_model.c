@@ -31,6 +31,7 @@
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -40,207 +41,59 @@
 #include <unistd.h>
 
 #include "idemrpc.pb-c.h"
+#include "key_life_model.h"
 #include "testutil.h"
 
 #define PLACE "model.Order/Place"
 #define MAX_DEPTH 8
 #define MAX_NODES 1024
 
-enum event {
-    E_A_OK,
-    E_A_FAIL,
-    E_A_TRANSIENT,
-    E_A_UNDO_OK,
-    E_A_UNDO_STUCK,
-    E_B_OK,
-    E_CRASH_CLAIM,
-    E_CRASH_EFFECT,
-    E_CRASH_STEP,
-    E_CRASH_COMMIT,
-    E_REDRIVE,
-    E_SWEEP,
-    E_FORGET,
-    N_EVENTS
-};
-static const char *const event_names[N_EVENTS] = {
-    "A ok",           "A fail",        "A transient",    "A undo ok",    "A undo stuck",
-    "B ok",           "A crash@claim", "A crash@effect", "A crash@step", "A crash@commit",
-    "re-driver pass", "TTL sweep",     "forget"};
-
-/* ---- the reference model ---- */
-
-enum rec { R_NONE, R_RUN, R_DONE, R_TOMB };          /* R_RUN: its owner dead, lapsed */
-enum outcome_class { C_NONE, C_OK, C_FAIL, C_COMP }; /* C_COMP: failed, compensated */
-enum journal { J_NONE, J_LISTED, J_STEP, J_COMP };   /* J_COMP: an undo unfinished */
-enum point { P_NONE, P_CLAIM, P_EFFECT, P_STEP, P_COMMIT };
-
-typedef struct mstate {
-    uint8_t rec, who, cls;   /* who: 0, 'A' or 'B' */
-    uint8_t jour, jwho, eff; /* eff: jwho's reservation is made (recorded or not) */
-    uint8_t listed;          /* the re-driver lists jwho's call */
-} mstate;
-
-typedef struct mcount {
-    int held, undos, runs;
-} mcount;
-
-typedef struct answer {
-    int code; /* -1: the server died */
-    bool replayed, compensated, gone;
-} answer;
-
-static const answer DIED = {.code = -1};
-
-static answer ans(int code)
-{
-    return (answer){.code = code};
-}
-
-/* The undos of a compensating run of s->who: all done (the inventory up) releases the
- * key with its journal and generation (guide.md: the next run is afresh), or left. */
-static answer model_undo(mstate *s, mcount *c, bool undo_up, enum point p)
-{
-    if (!undo_up) {
-        s->rec = R_NONE; /* released, the compensation marked: the key stays its own */
-        s->jour = J_COMP;
-        return ans(IDEM_UNAVAILABLE);
-    }
-    c->undos++;
-    c->held--;
-    *s = (mstate){0};
-    return p == P_COMMIT ? DIED : (answer){.code = IDEM_FAILED_PRECONDITION, .compensated = true};
-}
-
-/* A run of the handler for request x (the claim is x's). */
-static answer model_run(mstate *s, mcount *c, uint8_t x, const char *o, bool undo_up, enum point p)
-{
-    c->runs++;
-    if (s->jour == J_NONE || s->jwho != x) { /* another request's journal is abandoned */
-        s->jour = J_LISTED, s->jwho = x, s->eff = 0;
-    }
-    s->rec = R_RUN, s->who = x, s->listed = 1;
-    if (p == P_CLAIM) {
-        return DIED;
-    }
-    bool before_step = strcmp(o, "transient") == 0 || strcmp(o, "fail") == 0;
-    if (s->jour == J_COMP && before_step) { /* its step not reached: no undo known, */
-        /* the failure stored, the step stands. For a transient answer this is the defect
-         * a_transient_retry_keeps_a_compensation_unfinished shows (disabled until fixed):
-         * a transient answer is never stored; the compensation should stay unfinished. */
-        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL};
-        return p == P_COMMIT ? DIED : ans(IDEM_FAILED_PRECONDITION);
-    }
-    if (s->jour == J_COMP) { /* the step answers the failure: the undos run */
-        return model_undo(s, c, undo_up, p);
-    }
-    if (strcmp(o, "transient") == 0) {
-        s->rec = R_NONE, s->listed = 0; /* released: its journal kept for its retry */
-        return ans(IDEM_UNAVAILABLE);
-    }
-    if (strcmp(o, "fail") == 0) { /* a recorded step this run did not reach stands */
-        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL};
-        return p == P_COMMIT ? DIED : ans(IDEM_FAILED_PRECONDITION);
-    }
-    if (s->jour != J_STEP) { /* the step's fn runs (its derived key: one reservation) */
-        c->held += !s->eff;
-        s->eff = 1;
-        if (p == P_EFFECT) {
-            return DIED;
-        }
-        s->jour = J_STEP;
-    }
-    if (p == P_STEP) {
-        return DIED;
-    }
-    if (strcmp(o, "refuse") == 0) {
-        return model_undo(s, c, undo_up, p);
-    }
-    *s = (mstate){.rec = R_DONE, .who = x, .cls = C_OK};
-    return p == P_COMMIT ? DIED : ans(IDEM_OK);
-}
-
-static answer model_request(mstate *s, mcount *c, uint8_t x, const char *o, bool undo_up,
-                            enum point p)
-{
-    if (s->rec == R_DONE && s->who == x) {
-        int code = s->cls == C_OK ? IDEM_OK : IDEM_FAILED_PRECONDITION;
-        return (answer){.code = code, .replayed = true, .compensated = s->cls == C_COMP};
-    }
-    if (s->rec == R_TOMB && s->who == x) {
-        return (answer){.code = IDEM_ALREADY_EXISTS, .gone = true};
-    }
-    if (s->rec != R_NONE && s->who != x) {
-        return ans(IDEM_INVALID_ARGUMENT); /* key reused */
-    }
-    if (s->rec == R_NONE && s->jour == J_COMP && s->jwho != x) {
-        return ans(IDEM_ABORTED); /* compensating an earlier request: retry later */
-    }
-    return model_run(s, c, x, o, undo_up, p);
-}
-
-/* The re-driver's pass over the key's listed call (the inventory up). */
-static void model_redrive(mstate *s, mcount *c)
-{
-    if (s->jour == J_NONE || !s->listed) {
-        return; /* a client's run released it: left to its retry */
-    }
-    if (s->rec == R_NONE || (s->rec == R_RUN && s->who == s->jwho)) {
-        (void)model_run(s, c, s->jwho, "ok", true, P_NONE); /* its answer goes to the log */
-    } else if (s->jour != J_COMP) {
-        s->listed = 0; /* the key is another request's: unlisted, kept for its retry */
-    }
-}
-
-static answer model_event(mstate *s, mcount *c, int e, bool tombstones)
-{
-    static const char *const outcomes[] = {"ok", "fail", "transient", "refuse", "refuse"};
-    static const enum point points[] = {P_CLAIM, P_EFFECT, P_STEP, P_COMMIT};
-    if (e <= E_A_UNDO_STUCK) {
-        return model_request(s, c, 'A', outcomes[e], e != E_A_UNDO_STUCK, P_NONE);
-    }
-    if (e == E_B_OK) {
-        return model_request(s, c, 'B', "ok", true, P_NONE);
-    }
-    if (e <= E_CRASH_COMMIT) {
-        return model_request(s, c, 'A', "ok", true, points[e - E_CRASH_CLAIM]);
-    }
-    if (e == E_REDRIVE) {
-        model_redrive(s, c);
-    } else if (e == E_SWEEP && s->rec != R_TOMB) {
-        s->rec = s->rec == R_DONE && tombstones ? R_TOMB : R_NONE;
-        s->who = s->rec == R_TOMB ? s->who : 0;
-        s->cls = s->rec == R_TOMB ? s->cls : C_NONE;
-    } else if (e == E_FORGET) {
-        s->rec = R_NONE, s->who = 0, s->cls = C_NONE;
-    }
-    return ans(IDEM_OK);
-}
-
 /* ---- the real system ---- */
 
 static tu_server inv;
-static atomic_int reserved, released, inventory_down;
-static char *pg_conninfo; /* this run's schema; NULL on LMDB */
+static atomic_int inventory_down;
+static pthread_mutex_t key_mu = PTHREAD_MUTEX_INITIALIZER;
+static char key[32];           /* this sequence's key (one store serves them all) */
+static int reserved, released; /* this key's, under key_mu */
+static char *pg_conninfo;      /* the test's schema; NULL on LMDB */
 static char pg_schema[32];
-static char *dir, url[300], inv_url[64], key[32];
+static char *dir, url[300], inv_url[64];
 static tu_child child;
 static int run_no;
 
-static idem_code inv_reserve(idem_call *call, void *arg)
+/* Whether the downstream payload p names this sequence's key ("KEY" or "KEY R<n>"). */
+static bool this_key(const char *p, size_t n)
 {
-    char out[16];
-    (void)arg;
-    int n = snprintf(out, sizeof(out), "R%d", atomic_fetch_add(&reserved, 1) + 1);
-    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+    size_t k = strlen(key);
+    return n >= k && memcmp(p, key, k) == 0 && (n == k || p[k] == ' ');
 }
 
+/* inv.Stock/Reserve KEY → "KEY R<n>", once per (derived) key: the inventory caches. */
+static idem_code inv_reserve(idem_call *call, void *arg)
+{
+    char out[64];
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
+    (void)arg;
+    pthread_mutex_lock(&key_mu);
+    int r = this_key(p, n) ? ++reserved : 0;
+    pthread_mutex_unlock(&key_mu);
+    int len = snprintf(out, sizeof(out), "%.*s R%d", (int)(n < 32 ? n : 32), p, r);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)len);
+}
+
+/* inv.Stock/Release "KEY R<n>": gives it back, unless the inventory is down. */
 static idem_code inv_release(idem_call *call, void *arg)
 {
+    size_t n;
+    const char *p = idem_call_payload(call, &n);
     (void)arg;
     if (atomic_load(&inventory_down)) {
         return idem_call_fail(call, IDEM_UNAVAILABLE, "inventory down");
     }
-    atomic_fetch_add(&released, 1);
+    pthread_mutex_lock(&key_mu);
+    released += this_key(p, n);
+    pthread_mutex_unlock(&key_mu);
     return idem_call_reply(call, IDEM_OK, "released", 8);
 }
 
@@ -256,8 +109,13 @@ static void setup(void)
     snprintf(inv_url, sizeof(inv_url), "%s", inv.url);
 }
 
+static void store_end(void);
+
 static void teardown(void)
 {
+    if (dir != NULL) { /* a test that failed half way */
+        store_end();
+    }
     tu_server_destroy(&inv, false);
 }
 
@@ -378,7 +236,7 @@ static answer real_request(const char *who, const char *outcome, const char *poi
     atomic_store(&inventory_down, 0);
     if (died) {
         restart_after_crash();
-        return DIED;
+        return (answer){.code = -1}; /* the server died */
     }
     cr_assert_not_null(r, "%s: no answer, and the server lives", who);
     const char *comp = meta(r, "idem-compensated");
@@ -412,17 +270,19 @@ static answer real_event(int e)
             : e == E_SWEEP ? "model.Ctl/Sweep"
                            : "model.Ctl/Forget",
             key);
-    return ans(IDEM_OK);
+    return (answer){.code = IDEM_OK};
 }
 
-static int runs_file_lines(void)
+/* This key's handler runs: its lines in DIR/runs. */
+static int runs_of_key(void)
 {
-    char path[512];
+    char path[512], line[80], want[40];
     snprintf(path, sizeof(path), "%s/runs", dir);
+    snprintf(want, sizeof(want), "%s\n", key);
     FILE *f = fopen(path, "r");
     int n = 0;
-    for (int ch; f != NULL && (ch = fgetc(f)) != EOF;) {
-        n += ch == '\n';
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        n += strcmp(line, want) == 0;
     }
     if (f != NULL) {
         fclose(f);
@@ -430,23 +290,41 @@ static int runs_file_lines(void)
     return n;
 }
 
-/* A fresh store, server and key for one sequence. */
-static void run_begin(void)
+static mcount real_counts(void)
+{
+    pthread_mutex_lock(&key_mu);
+    mcount c = {.held = reserved - released, .undos = released, .runs = runs_of_key()};
+    pthread_mutex_unlock(&key_mu);
+    return c;
+}
+
+/* A fresh key for one sequence, on the test's store and server: a key's life is all
+ * under that key (the re-driver's pass and the sweep also meet earlier sequences' keys,
+ * whose effects are not counted). */
+static void sequence_begin(void)
+{
+    pthread_mutex_lock(&key_mu);
+    snprintf(key, sizeof(key), "k%d", ++run_no);
+    reserved = released = 0;
+    pthread_mutex_unlock(&key_mu);
+}
+
+static void store_begin(void)
 {
     dir = tu_tempdir("model");
     snprintf(url, sizeof(url), "ipc://%s/server.sock", dir);
-    snprintf(key, sizeof(key), "k%d", ++run_no); /* the inventory keeps every run's keys */
     pg_conninfo = tu_backend_is_pg() ? tu_pg_schema_create(pg_schema) : NULL;
-    atomic_store(&reserved, 0);
-    atomic_store(&released, 0);
     spawn();
 }
 
-static void run_end(void)
+static void store_end(void)
 {
-    kill(child.pid, SIGTERM);
-    cr_expect_eq(tu_reap(&child), 0, "clean shutdown");
+    if (child.pid > 0) {
+        kill(child.pid, SIGTERM);
+        cr_expect_eq(tu_reap(&child), 0, "clean shutdown");
+    }
     tu_rmtree(dir);
+    dir = NULL;
     if (pg_conninfo != NULL) {
         tu_pg_schema_drop(pg_schema);
         free(pg_conninfo);
@@ -486,11 +364,11 @@ static int node_of(explorer *x, const mstate *s, const node *from, int e)
 
 static void print_sequence(const uint8_t *path, int len, int e)
 {
-    char line[512] = "";
+    char line[1024] = "";
     for (int i = 0; i <= len; i++) {
         int ev = i < len ? path[i] : e;
         snprintf(line + strlen(line), sizeof(line) - strlen(line), "%s%s", i ? " → " : "",
-                 event_names[ev]);
+                 klm_event_names[ev]);
     }
     cr_log_error("  sequence: %s", line);
 }
@@ -508,18 +386,16 @@ static const char *answer_text(answer a, char *buf, size_t cap)
 /* Applies e to the model and to the server; false (reported) when they disagree. */
 static bool step(explorer *x, mstate *s, mcount *c, const uint8_t *path, int len, int e)
 {
-    answer want = model_event(s, c, e, x->tombstones);
+    answer want = klm_event(s, c, e, x->tombstones);
     answer got = real_event(e);
-    mcount real = {.held = atomic_load(&reserved) - atomic_load(&released),
-                   .undos = atomic_load(&released),
-                   .runs = runs_file_lines()};
+    mcount real = real_counts();
     x->checked++;
     if (memcmp(&want, &got, sizeof(want)) == 0 && memcmp(c, &real, sizeof(real)) == 0) {
         return true;
     }
     char a[96], b[96];
     x->disagreements++;
-    cr_log_error("model and server disagree after %s:", event_names[e]);
+    cr_log_error("model and server disagree after %s:", klm_event_names[e]);
     print_sequence(path, len, e);
     cr_log_error("  answer: model %s, server %s", answer_text(want, a, sizeof(a)),
                  answer_text(got, b, sizeof(b)));
@@ -528,45 +404,65 @@ static bool step(explorer *x, mstate *s, mcount *c, const uint8_t *path, int len
     return false;
 }
 
-/* The first state (breadth first) within the depth with an event not checked yet. */
+/* Node i is within the depth and has an event not checked yet. */
+static bool open_node(const explorer *x, int i)
+{
+    return x->nodes[i].len < x->depth && x->nodes[i].tried != (1u << N_EVENTS) - 1;
+}
+
+/* The first open node, breadth first. */
 static int next_open(const explorer *x)
 {
     for (int i = 0; i < x->n; i++) {
-        if (x->nodes[i].len < x->depth && x->nodes[i].tried != (1u << N_EVENTS) - 1) {
+        if (open_node(x, i)) {
             return i;
         }
     }
     return -1;
 }
 
-/* One sequence: to node i by its path, then untried events while the states reached
- * have some, within the depth. */
+/* The event to check next from node i in state s: an untried one, else one (tried)
+ * whose successor has untried events, so the sequence goes on instead of starting over;
+ * -1: none. */
+static int next_event(explorer *x, int i, const mstate *s, const mcount *c)
+{
+    for (int e = 0; e < N_EVENTS && x->nodes[i].len < x->depth; e++) {
+        if (!(x->nodes[i].tried & (1u << e))) {
+            return e;
+        }
+    }
+    for (int e = 0; e < N_EVENTS; e++) {
+        mstate t = *s;
+        mcount d = *c;
+        (void)klm_event(&t, &d, e, x->tombstones);
+        for (int j = 0; j < x->n; j++) {
+            if (memcmp(&x->nodes[j].s, &t, sizeof(t)) == 0 && open_node(x, j)) {
+                return e;
+            }
+        }
+    }
+    return -1;
+}
+
+/* One sequence: to node i by its path, then on while next_event finds one. */
 static void explore_from(explorer *x, int i)
 {
     mstate s = {0};
     mcount c = {0};
-    uint8_t path[MAX_DEPTH * 2];
-    int len = 0;
+    uint8_t path[64];
+    int len = 0, e;
     bool agree = true;
-    run_begin();
+    sequence_begin();
     for (int k = 0; k < x->nodes[i].len && agree; k++) {
         agree = step(x, &s, &c, path, len, x->nodes[i].path[k]);
         path[len++] = x->nodes[i].path[k];
     }
-    while (agree && len < (int)sizeof(path) && x->nodes[i].len < x->depth) {
-        int e = 0;
-        while (e < N_EVENTS && (x->nodes[i].tried & (1u << e))) {
-            e++;
-        }
-        if (e == N_EVENTS) {
-            break;
-        }
+    while (agree && len < (int)sizeof(path) && (e = next_event(x, i, &s, &c)) >= 0) {
         x->nodes[i].tried |= 1u << e;
         agree = step(x, &s, &c, path, len, e);
         path[len++] = (uint8_t)e;
         i = node_of(x, &s, &x->nodes[i], e);
     }
-    run_end();
 }
 
 static int model_depth(void)
@@ -585,9 +481,11 @@ static void explore(void)
     x.tombstones = !tu_backend_is_pg(); /* PostgreSQL keeps no tombstones yet */
     x.n = 1;
     int sequences = 0;
+    store_begin();
     for (int i; (i = next_open(&x)) >= 0 && x.disagreements < 20; sequences++) {
         explore_from(&x, i);
     }
+    store_end();
     cr_log_info("key_life_model: depth %d, %d model states, %d sequences, %d events checked, "
                 "%d disagreements",
                 x.depth, x.n, sequences, x.checked, x.disagreements);
@@ -607,13 +505,15 @@ Test(key_life_model, every_sequence_of_events_agrees_with_the_model)
  * stay unfinished so that the next run gives the reservation back. */
 Test(key_life_model, a_transient_retry_keeps_a_compensation_unfinished, .disabled = true)
 {
-    run_begin();
+    store_begin();
+    sequence_begin();
     cr_assert_eq(real_event(E_A_UNDO_STUCK).code, IDEM_UNAVAILABLE);
     (void)real_event(E_A_TRANSIENT);
     answer a = real_event(E_A_UNDO_OK);
     cr_expect_eq(a.code, IDEM_FAILED_PRECONDITION);
     cr_expect(a.compensated && !a.replayed, "the retry that reaches the step compensates");
-    cr_expect_eq(atomic_load(&released), 1, "the reservation is given back");
-    cr_expect_eq(atomic_load(&reserved) - atomic_load(&released), 0, "none held");
-    run_end();
+    mcount c = real_counts();
+    cr_expect_eq(c.undos, 1, "the reservation is given back");
+    cr_expect_eq(c.held, 0, "none held");
+    store_end();
 }
