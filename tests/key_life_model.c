@@ -45,12 +45,13 @@ static answer model_run(mstate *s, mcount *c, uint8_t x, const char *o, bool und
         return DIED;
     }
     bool before_step = strcmp(o, "transient") == 0 || strcmp(o, "fail") == 0;
-    if (s->jour == J_COMP && before_step) { /* its step not reached: no undo known, */
-        /* the failure stored, the step stands. For a transient answer this is the defect
-         * a_transient_retry_keeps_a_compensation_unfinished shows (disabled until fixed):
-         * a transient answer is never stored; the compensation should stay unfinished. */
-        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL};
+    if (s->jour == J_COMP && strcmp(o, "fail") == 0) {         /* its step not reached: no */
+        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL}; /* undo known, stored */
         return p == P_COMMIT ? DIED : ans(IDEM_FAILED_PRECONDITION);
+    }
+    if (s->jour == J_COMP && before_step) { /* a transient answer is never final: */
+        s->rec = R_NONE;                    /* still compensating, for the next run */
+        return ans(IDEM_UNAVAILABLE);
     }
     if (s->jour == J_COMP) { /* the step answers the failure: the undos run */
         return model_undo(s, c, undo_up, p);

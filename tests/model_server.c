@@ -266,7 +266,7 @@ int main(int argc, char **argv)
     idem_server_opts o;
     idem_server_opts_init(&o);
     o.default_chain = false;
-    o.lease_ms = 80;
+    o.lease_ms = 150;
     o.result_ttl_ms = RESULT_TTL_MS;
     o.redrive_interval_ms = 3600000; /* listed, but passes only when model.Ctl/Redrive asks */
     o.redrive_batch = 1u << 20;      /* a pass reaches every listed call, the test's too */

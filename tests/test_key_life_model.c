@@ -499,11 +499,11 @@ Test(key_life_model, every_sequence_of_events_agrees_with_the_model)
 
 /* Found by the model on a74836e: the first request's undo fails transiently; its retry
  * answers a transient error before reaching its step (a downstream it reads first is
- * down). That answer is stored as the compensation's failure and the undo never runs:
- * the retry that reaches the step replays FAILED_PRECONDITION, 1 reservation held, 0
- * undos. A transient answer is never stored (docs/semantics.md); the compensation should
- * stay unfinished so that the next run gives the reservation back. */
-Test(key_life_model, a_transient_retry_keeps_a_compensation_unfinished, .disabled = true)
+ * down). That answer was stored as the compensation's failure and the undo never ran:
+ * the retry that reaches the step replayed FAILED_PRECONDITION, 1 reservation held, 0
+ * undos. A transient answer is never stored (docs/semantics.md): the compensation stays
+ * unfinished, and the next run that reaches the step gives the reservation back. */
+Test(key_life_model, a_transient_retry_keeps_a_compensation_unfinished)
 {
     store_begin();
     sequence_begin();
