@@ -44,25 +44,17 @@ static answer model_run(mstate *s, mcount *c, uint8_t x, const char *o, bool und
     if (p == P_CLAIM) {
         return DIED;
     }
-    bool before_step = strcmp(o, "transient") == 0 || strcmp(o, "fail") == 0;
-    if (s->jour == J_COMP && strcmp(o, "fail") == 0) {         /* its step not reached: no */
-        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL}; /* undo known, stored */
-        return p == P_COMMIT ? DIED : ans(IDEM_FAILED_PRECONDITION);
-    }
-    if (s->jour == J_COMP && before_step) { /* a transient answer is never final: */
-        s->rec = R_NONE;                    /* still compensating, for the next run */
+    if (strcmp(o, "transient") == 0) { /* released; never final: a compensation stays */
+        s->rec = R_NONE;
+        s->listed = s->jour == J_COMP; /* a client's release unlists, its journal kept */
         return ans(IDEM_UNAVAILABLE);
+    }
+    if (strcmp(o, "fail") == 0) { /* a recorded step this run did not reach stands: */
+        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL}; /* its undo is unknown */
+        return p == P_COMMIT ? DIED : ans(IDEM_FAILED_PRECONDITION);
     }
     if (s->jour == J_COMP) { /* the step answers the failure: the undos run */
         return model_undo(s, c, undo_up, p);
-    }
-    if (strcmp(o, "transient") == 0) {
-        s->rec = R_NONE, s->listed = 0; /* released: its journal kept for its retry */
-        return ans(IDEM_UNAVAILABLE);
-    }
-    if (strcmp(o, "fail") == 0) { /* a recorded step this run did not reach stands */
-        *s = (mstate){.rec = R_DONE, .who = x, .cls = C_FAIL};
-        return p == P_COMMIT ? DIED : ans(IDEM_FAILED_PRECONDITION);
     }
     if (s->jour != J_STEP) { /* the step's fn runs (its derived key: one reservation) */
         c->held += !s->eff;
@@ -87,7 +79,7 @@ static answer model_request(mstate *s, mcount *c, uint8_t x, const char *o, bool
 {
     if (s->rec == R_DONE && s->who == x) {
         int code = s->cls == C_OK ? IDEM_OK : IDEM_FAILED_PRECONDITION;
-        return (answer){.code = code, .replayed = true, .compensated = s->cls == C_COMP};
+        return (answer){.code = code, .replayed = true};
     }
     if (s->rec == R_TOMB && s->who == x) {
         return (answer){.code = IDEM_ALREADY_EXISTS, .gone = true};

@@ -25,9 +25,9 @@ enum event {
 };
 extern const char *const klm_event_names[N_EVENTS];
 
-enum rec { R_NONE, R_RUN, R_DONE, R_TOMB };          /* R_RUN: its owner dead, lapsed */
-enum outcome_class { C_NONE, C_OK, C_FAIL, C_COMP }; /* C_COMP: failed, compensated */
-enum journal { J_NONE, J_LISTED, J_STEP, J_COMP };   /* J_COMP: an undo unfinished */
+enum rec { R_NONE, R_RUN, R_DONE, R_TOMB };        /* R_RUN: its owner dead, lapsed */
+enum outcome_class { C_NONE, C_OK, C_FAIL };       /* a compensated call is released, not stored */
+enum journal { J_NONE, J_LISTED, J_STEP, J_COMP }; /* J_COMP: an undo unfinished */
 enum point { P_NONE, P_CLAIM, P_EFFECT, P_STEP, P_COMMIT };
 
 typedef struct mstate {

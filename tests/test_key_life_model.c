@@ -219,7 +219,7 @@ static void restart_after_crash(void)
     cr_assert_eq(tu_reap(&child), SIGKILL, "model_server was killed at its crash point");
     spawn();
     struct timespec pause = {0, 5 * 1000000};
-    for (int i = 0; i < 2000 && lease_live(); i++) { /* bounded: 10 s for a 200 ms lease */
+    for (int i = 0; i < 2000 && lease_live(); i++) { /* bounded: 10 s, for a 150 ms lease */
         nanosleep(&pause, NULL);
     }
     cr_assert_not(lease_live(), "the dead claim's lease lapsed");
@@ -407,7 +407,9 @@ static bool step(explorer *x, mstate *s, mcount *c, const uint8_t *path, int len
     answer got = real_event(e);
     mcount real = real_counts();
     x->checked++;
-    if (memcmp(&want, &got, sizeof(want)) == 0 && memcmp(c, &real, sizeof(real)) == 0) {
+    bool same = want.code == got.code && want.replayed == got.replayed &&
+                want.compensated == got.compensated && want.gone == got.gone;
+    if (same && memcmp(c, &real, sizeof(real)) == 0) {
         return true;
     }
     char a[96], b[96];
