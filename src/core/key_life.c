@@ -82,8 +82,10 @@ static const idem__key_life_row rows[] = {
         "shop/order_killed_before_its_undo"),
     ROW(S(COMPENSATING), RAN_REFUSAL, COMPENSATE, NO, "the recorded failure once the undos ran",
         "shop/order_killed_inside_its_undo_after_the_release"),
-    ROW(S(COMPENSATING), RAN_TRANSIENT, COMPENSATE, NO, "the recorded failure once the undos ran",
-        "compensation/the_redriver_finishes_a_compensation_whose_key_another_request_held"),
+    ROW(S(COMPENSATING), RAN_TRANSIENT, COMPENSATE, NO,
+        "the recorded failure once the undos ran; a run that did not replay every recorded "
+        "step (their undos unknown to it): as UNDOS_UNFINISHED",
+        "key_life_model/a_transient_retry_keeps_a_compensation_unfinished"),
     ROW(S(LIVE), NOT_RUN, RELEASE, NO, "the interceptor's refusal, not stored",
         "chain_guard/an_auth_rejection_after_result_cache_is_released_not_replayed"),
     ROW(S(STEPS) | S(COMPENSATING), NOT_RUN, RELEASE_KEEP_JOURNAL, NO, "the refusal, not stored",

@@ -9,8 +9,11 @@ struct idem_periodic {
     idem_periodic_fn fn;
     void *arg;
     pthread_mutex_t mu;
-    pthread_cond_t cv; /* stopping */
+    pthread_cond_t cv; /* stopping, a run asked for, a run done */
     bool stopping;
+    bool asked;    /* idem__periodic_run_now: run fn now, not after the interval */
+    bool running;  /* fn is running (it may have looked before an ask) */
+    uint64_t runs; /* fn's runs so far */
     pthread_t thread;
 };
 
@@ -29,16 +32,34 @@ static void *periodic_main(void *arg)
     while (!p->stopping) {
         struct timespec ts;
         idem__abs_timespec(&ts, p->interval_ms);
-        pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+        while (!p->stopping && !p->asked && pthread_cond_timedwait(&p->cv, &p->mu, &ts) == 0) {
+        }
         if (p->stopping) {
             break;
         }
+        p->asked = false;
+        p->running = true;
         pthread_mutex_unlock(&p->mu);
         p->fn(p->arg, p);
         pthread_mutex_lock(&p->mu);
+        p->running = false;
+        p->runs++;
+        pthread_cond_broadcast(&p->cv);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
+}
+
+void idem__periodic_run_now(idem_periodic *p)
+{
+    pthread_mutex_lock(&p->mu);
+    uint64_t until = p->runs + (p->running ? 2 : 1);
+    p->asked = true; /* a run under way leaves it set: the next one starts at once */
+    pthread_cond_broadcast(&p->cv);
+    while (!p->stopping && p->runs < until) {
+        pthread_cond_wait(&p->cv, &p->mu);
+    }
+    pthread_mutex_unlock(&p->mu);
 }
 
 idem_code idem__periodic_start(idem_periodic **out, uint64_t interval_ms, idem_periodic_fn fn,

@@ -15,6 +15,9 @@ idem_code idem__periodic_start(idem_periodic **out, uint64_t interval_ms, idem_p
                                void *arg, const char *what);
 /* For fn: true once stop was asked (end a long pass early). */
 bool idem__periodic_stopping(idem_periodic *p);
+/* Runs fn now on the thread (not after the interval) and waits until a whole run that
+ * started after this call has ended; returns at once when stopping. For tests. */
+void idem__periodic_run_now(idem_periodic *p);
 /* Wakes the thread, waits for a running fn, joins and frees; NULL is a no-op. */
 void idem__periodic_stop(idem_periodic *p);
 

@@ -246,6 +246,11 @@ idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg
     return IDEM_OK;
 }
 
+void idem__redriver_run_now(idem_redriver *r)
+{
+    idem__periodic_run_now(r->thread);
+}
+
 void idem__redriver_stop(idem_redriver *r)
 {
     if (r != NULL) {

@@ -20,6 +20,8 @@ typedef struct idem_redriver_cfg {
 } idem_redriver_cfg;
 
 idem_code idem__redriver_start(idem_redriver **out, const idem_redriver_cfg *cfg);
+/* One whole pass now (idem__periodic_run_now). */
+void idem__redriver_run_now(idem_redriver *r);
 /* Wakes the thread, waits for a call it is running, joins and frees; NULL is a no-op.
  * Stop the dispatcher first: that ends a re-run's wait as a duplicate. */
 void idem__redriver_stop(idem_redriver *r);

@@ -47,6 +47,15 @@ void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), voi
     srv->rt.clock = (idem_clock){now_ms, arg};
 }
 
+idem_code idem__server_redrive_now(idem_server *srv)
+{
+    if (srv->redriver == NULL) {
+        return idem__err(IDEM_FAILED_PRECONDITION, "no re-driver runs on this server");
+    }
+    idem__redriver_run_now(srv->redriver);
+    return IDEM_OK;
+}
+
 size_t idem__server_pipe_peers(idem_server *srv)
 {
     return idem__nng_front_pipe_peers(srv->nng);

@@ -19,6 +19,9 @@ nng_msg *idem__server_serve_frame(idem_server *srv, const void *frame, size_t le
 /* The wall clock (ms since the epoch) of the server's lease and expiry arithmetic,
  * e.g. a skewed one. Before the first listen. */
 void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), void *arg);
+/* One whole pass of the re-driver, now, on its thread; returns when it has ended.
+ * FAILED_PRECONDITION when the server runs no re-driver or does not listen yet. */
+idem_code idem__server_redrive_now(idem_server *srv);
 /* How many nng pipes have a cached identity (nng_peers.c): the open ones. */
 size_t idem__server_pipe_peers(idem_server *srv);
 

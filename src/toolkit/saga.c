@@ -208,6 +208,15 @@ idem_code idem__saga_replayed(idem_call *call, const idem__journal *j)
     return known < recorded ? IDEM_OK : idem__err(fail, "%s", msg);
 }
 
+/* Whether this run knows the undo of every step the journal recorded (it completed or
+ * replayed them all). false when the journal cannot be read. */
+static bool reached_every_step(idem_call *call, const idem__journal *j)
+{
+    size_t recorded;
+    size_t known = call->saga != NULL ? call->saga->n : 0;
+    return recorded_steps(call, j, &recorded) == IDEM_OK && known >= recorded;
+}
+
 typedef struct saga_args {
     idem_call *call;
     idem__journal j;
@@ -399,6 +408,14 @@ idem__kl_action idem__call_saga_end(idem_call *call, idem_code *code, idem__kl_e
     }
     if (idem__journal_keys(call, NULL, &a.j) != IDEM_OK ||
         saga_read(call, &a.j, &fail, msg, sizeof(msg)) != IDEM_OK) {
+        return unfinished(call, code);
+    }
+    if (fail != IDEM_OK && ev == IDEM__KL_RAN_TRANSIENT && !reached_every_step(call, &a.j)) {
+        /* A transient answer is never final: storing the failure now would leave the
+         * steps this run did not reach (their undos unknown to it) standing for good.
+         * The compensation is unfinished (the COMPENSATING x RAN_TRANSIENT row). */
+        idem__err(*code, "this run answered %s before it replayed every recorded step",
+                  idem_code_name(*code));
         return unfinished(call, code);
     }
     if (fail != IDEM_OK) { /* a compensation started: its failure is the answer */
