@@ -174,6 +174,7 @@ static idem_code claim_insert(pool_slot *c, const idem_claim_req *req, const pg_
     PGresult *r, *f = NULL;
     pg_args key = *a;
     key.n = 3;
+    arg_i64(&key, req->tombstone_ttl_ms != 0); /* S_CLAIM_FENCE's $4 */
     if (req->owner != 0) {
         r = idem__pg_exec(c, S_CLAIM_INSERT, a, PGRES_TUPLES_OK, &code);
     } else if ((code = idem__pg_exec_pair(c, S_CLAIM_INSERT, a, S_CLAIM_FENCE, &key, &r, &f)) !=
@@ -184,6 +185,10 @@ static idem_code claim_insert(pool_slot *c, const idem_claim_req *req, const pg_
         return code;
     }
     *inserted = PQntuples(r) == 1; /* the unique key decided */
+    if (*inserted && f == NULL && req->tombstone_ttl_ms == 0) {
+        key.n = 3; /* an owner of the caller's: the key's tombstone goes as S_CLAIM_FENCE's */
+        code = idem__pg_run(c, S_TOMB_DEL, &key, PGRES_COMMAND_OK);
+    }
     if (*inserted) {
         claimed_row(r, req, got);
         if (f != NULL && PQntuples(f) == 1) {

@@ -35,9 +35,14 @@ const char *const idem__pg_sql[S_COUNT] = {
         " lease_until_ms, first_at_ms, expires_ms) VALUES ($1, $2, $3, 1, $4, $5::bigint, " DBNOW
         " + $6::bigint, " DBNOW ", " DBNOW " + $7::bigint) ON CONFLICT (caller, method, key)"
         " DO UPDATE SET state = idem_records.state WHERE false" CLAIM_RETURNING,
-    /* Sent with S_CLAIM_INSERT (one round trip): only a row inserted just now has owner 0. */
-    [S_CLAIM_FENCE] = "UPDATE idem_records SET owner = nextval('idem_fence') WHERE " KEY_WHERE
-                      " AND owner = 0 RETURNING owner",
+    /* Sent with S_CLAIM_INSERT (one round trip): only a row inserted just now has owner 0.
+     * A claim without a tombstone horizon ($4 = 0) that inserted the row deletes the
+     * key's tombstone with it, as on LMDB: a key has a record or a tombstone, never both
+     * (one with a horizon reads it first, tombs.c). */
+    [S_CLAIM_FENCE] =
+        "WITH f AS (UPDATE idem_records SET owner = nextval('idem_fence') WHERE " KEY_WHERE
+        " AND owner = 0 RETURNING owner), t AS (DELETE FROM idem_tombstones WHERE " KEY_WHERE
+        " AND $4::bigint = 0 AND EXISTS (SELECT 1 FROM f)) SELECT owner FROM f",
     [S_CLAIM_LOCK] = "SELECT " REC_COLS " FROM idem_records WHERE " KEY_WHERE " FOR UPDATE",
     /* A takeover inherits the consumed token; re-claiming an expired result drops it. */
     [S_CLAIM_TAKE] =

@@ -12,8 +12,10 @@
  *     insert holds the key, so no sweep writes the key's tombstone before the claim
  *     commits, and a sweep that committed before the insert is seen by the read after it
  *     (READ COMMITTED: a snapshot per statement). A claim without a horizon reads no
- *     tombstone (no round trip where they are off) and leaves one next to its record,
- *     unlike LMDB: the record answers first, and its sweep replaces the tombstone;
+ *     tombstone (no round trip where they are off) and deletes the key's in the
+ *     statement that draws its fence (S_CLAIM_FENCE), as LMDB does: a key has a record
+ *     or a tombstone, never both (else an earlier request's tombstone would refuse this
+ *     one's retry as "key reused" once its record is gone);
  *   - an expired COMPLETED record the sweep has not reached answers as its tombstone
  *     (claim.c). */
 #include <stdio.h>
