@@ -57,15 +57,33 @@ static void conn_free(void *arg)
     free(c);
 }
 
+/* The requests to hand to the front, in order; those the client reset meanwhile (in the
+ * same read) are dropped here instead: they never reach the front. c->mtx held. */
+static idem_gstream *take_ready(idem_gconn *c)
+{
+    idem_gstream *out = NULL, **tail = &out, *next;
+    for (idem_gstream *s = c->ready; s != NULL; s = next) {
+        next = s->next_ready;
+        s->next_ready = NULL;
+        if (s->closed) {
+            s->with_front = false;
+            c->refs--;
+            idem__gstream_free(s);
+            continue;
+        }
+        *tail = s;
+        tail = &s->next_ready;
+    }
+    c->ready = NULL;
+    return out;
+}
+
 /* Unlocks c, then hands the requests it completed to the front; hands c to conn_free
  * when nothing refers to it any more. */
 static void conn_unlock(idem_gconn *c)
 {
-    idem_gstream *ready = c->ready;
-    c->ready = NULL;
-    if (c->refs > 0) {
-        pthread_mutex_unlock(&c->mtx);
-    } else {
+    idem_gstream *ready = take_ready(c);
+    if (c->refs == 0) {
         conn_close_locked(c);
         pthread_mutex_unlock(&c->mtx);
         if (nng_aio_begin(c->fin)) {
@@ -73,6 +91,7 @@ static void conn_unlock(idem_gconn *c)
         }
         return; /* no stream is with the front, so none is ready */
     }
+    pthread_mutex_unlock(&c->mtx);
     while (ready != NULL) { /* each holds a reference: c stays */
         idem_gstream *s = ready;
         ready = s->next_ready;
