@@ -112,20 +112,32 @@ static int dial_h2(void)
     return fd;
 }
 
-/* A request's header block (nghttp2's HPACK encoder, one per connection). */
+#define NV(n, v)                                                                                   \
+    {                                                                                              \
+        (uint8_t *)(n), (uint8_t *)(v), strlen(n), strlen(v), NGHTTP2_NV_FLAG_NONE                 \
+    }
+
+/* A request's header block (nghttp2's HPACK encoder, one per connection): the usual
+ * headers with this content-type, then extra[0..n_extra). */
+static size_t headers_with(nghttp2_hd_deflater *d, const char *type, const nghttp2_nv *extra,
+                           size_t n_extra, uint8_t *out, size_t cap)
+{
+    nghttp2_nv nv[16] = {NV(":method", "POST"),       NV(":scheme", "http"),
+                         NV(":path", "/t.Count/Add"), NV(":authority", "x"),
+                         NV("content-type", type),    NV("te", "trailers")};
+    size_t n = 6;
+    for (size_t i = 0; i < n_extra && n < 16; i++) {
+        nv[n++] = extra[i];
+    }
+    ssize_t len = nghttp2_hd_deflate_hd(d, out, cap, nv, n);
+    cr_assert_gt(len, 0);
+    return (size_t)len;
+}
+
 static size_t request_headers(nghttp2_hd_deflater *d, const char *key, uint8_t *out, size_t cap)
 {
-#define NV(n, v) {(uint8_t *)(n), (uint8_t *)(v), strlen(n), strlen(v), NGHTTP2_NV_FLAG_NONE}
-    nghttp2_nv nv[] = {NV(":method", "POST"),
-                       NV(":scheme", "http"),
-                       NV(":path", "/t.Count/Add"),
-                       NV(":authority", "x"),
-                       NV("content-type", "application/grpc"),
-                       NV("te", "trailers"),
-                       NV("idempotency-key", key)};
-    ssize_t n = nghttp2_hd_deflate_hd(d, out, cap, nv, sizeof(nv) / sizeof(nv[0]));
-    cr_assert_gt(n, 0);
-    return (size_t)n;
+    nghttp2_nv k[] = {NV("idempotency-key", key)};
+    return headers_with(d, "application/grpc", k, 1, out, cap);
 }
 
 static const uint8_t message[] = {0, 0, 0, 0, 2, 'h', 'i'}; /* one framed message */
@@ -328,4 +340,84 @@ Test(grpc_hostile, idle_connection_closes_after_the_idle_timeout)
     cr_expect(await_frame(fd, NGHTTP2_GOAWAY, 0), "no GOAWAY on an idle connection");
     cr_expect(closed_by_server(fd));
     close(fd);
+}
+
+/* The grpc-status of the answer on stream sid (-1: none came). */
+static int await_status(int fd, uint32_t sid)
+{
+    nghttp2_hd_inflater *inf;
+    uint8_t h[9], *block = malloc(1 << 16);
+    int status = -1;
+    cr_assert_eq(nghttp2_hd_inflate_new(&inf), 0);
+    while (status < 0 && recv(fd, h, 9, MSG_WAITALL) == 9) {
+        size_t len = ((size_t)h[0] << 16) | ((size_t)h[1] << 8) | h[2];
+        uint32_t id =
+            ((uint32_t)(h[5] & 0x7f) << 24) | ((uint32_t)h[6] << 16) | ((uint32_t)h[7] << 8) | h[8];
+        if (len > (1 << 16) || (len > 0 && recv(fd, block, len, MSG_WAITALL) != (ssize_t)len)) {
+            break;
+        }
+        for (size_t off = 0; h[3] == NGHTTP2_HEADERS && off < len;) {
+            nghttp2_nv nv;
+            int flags;
+            ssize_t n = nghttp2_hd_inflate_hd2(inf, &nv, &flags, block + off, len - off, 1);
+            cr_assert_geq(n, 0);
+            off += (size_t)n;
+            if ((flags & NGHTTP2_HD_INFLATE_EMIT) && id == sid && nv.namelen == 11 &&
+                memcmp(nv.name, "grpc-status", 11) == 0) {
+                status = atoi((const char *)nv.value);
+            }
+            if (flags & NGHTTP2_HD_INFLATE_FINAL) {
+                nghttp2_hd_inflate_end_headers(inf);
+                break;
+            }
+        }
+    }
+    nghttp2_hd_inflate_del(inf);
+    free(block);
+    return status;
+}
+
+/* Sends one request (its headers, then data as given) on a fresh connection and returns
+ * the grpc-status answered. */
+static int status_of(const char *type, const nghttp2_nv *extra, size_t n_extra, const void *data,
+                     size_t dlen)
+{
+    nghttp2_hd_deflater *d;
+    cr_assert_eq(nghttp2_hd_deflate_new(&d, 4096), 0);
+    int fd = dial_h2();
+    static uint8_t hb[1 << 16];
+    size_t n = headers_with(d, type, extra, n_extra, hb, sizeof(hb));
+    size_t first = n < 16384 ? n : 16384; /* the peer's SETTINGS_MAX_FRAME_SIZE */
+    frame(fd, NGHTTP2_HEADERS, first == n ? NGHTTP2_FLAG_END_HEADERS : 0, 1, hb, first);
+    if (first < n) {
+        frame(fd, NGHTTP2_CONTINUATION, NGHTTP2_FLAG_END_HEADERS, 1, hb + first, n - first);
+    }
+    frame(fd, NGHTTP2_DATA, NGHTTP2_FLAG_END_STREAM, 1, data, dlen);
+    int status = await_status(fd, 1);
+    nghttp2_hd_deflate_del(d);
+    close(fd);
+    return status;
+}
+
+Test(grpc_hostile, requests_the_front_cannot_take_are_refused_with_their_status)
+{
+    static const uint8_t compressed[] = {1, 0, 0, 0, 2, 'h', 'i'};
+    static const uint8_t two[] = {0, 0, 0, 0, 1, 'a', 0, 0, 0, 0, 1, 'b'};
+    static const uint8_t too_large[] = {0, 0, 0x50, 0, 0, 'x'}; /* declares 5 MiB */
+    static char big[12000];
+    memset(big, 'v', sizeof(big) - 1);
+    nghttp2_nv key[] = {NV("idempotency-key", "k")};
+    nghttp2_nv twice[] = {NV("idempotency-key", "k"), NV("idempotency-key", "j")};
+    nghttp2_nv bulky[] = {NV("idempotency-key", "k"), NV("x-a", big), NV("x-b", big)};
+    cr_expect_eq(status_of("application/grpc", key, 1, compressed, sizeof(compressed)), 12);
+    cr_expect_eq(status_of("application/grpc", key, 1, two, sizeof(two)), 3);
+    cr_expect_eq(status_of("application/grpc", key, 1, message, 3), 3); /* cut short */
+    cr_expect_eq(status_of("application/grpc", key, 1, too_large, sizeof(too_large)), 8);
+    cr_expect_eq(status_of("application/grpc", twice, 2, message, sizeof(message)), 3);
+    cr_expect_eq(status_of("application/grpc", bulky, 3, message, sizeof(message)), 8);
+    int st = status_of("text/plain", key, 1, message, sizeof(message));
+    cr_expect_eq(st, 3, "text/plain: %d", st);
+    cr_expect_eq(atomic_load(&runs), 0);
+    cr_expect_eq(status_of("application/grpc+proto", key, 1, message, sizeof(message)), 0);
+    cr_expect_eq(atomic_load(&runs), 1);
 }

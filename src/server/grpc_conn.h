@@ -132,7 +132,7 @@ uint64_t idem__gsession_expire(idem_gconn *c, uint64_t now);
 /* Queues the answer on its stream (c->mtx held, stream open). */
 void idem__gsession_answer(idem_gstream *s, const idem_gans *a);
 void idem__gstream_free(idem_gstream *s);
-/* Reserves n bytes of cfg.max_buffered (false: over the bound); gives them back. */
+/* grpc_buf.c: reserves n bytes of cfg.max_buffered (false: over the bound); gives them back. */
 bool idem__gbuf_reserve(idem_gsrv *s, size_t n);
 void idem__gbuf_release(idem_gsrv *s, size_t *counted);
 

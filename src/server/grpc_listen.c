@@ -85,20 +85,3 @@ void idem__gsrv_stop(idem_gsrv *s)
     pthread_mutex_destroy(&s->mtx);
     free(s);
 }
-
-bool idem__gbuf_reserve(idem_gsrv *s, size_t n)
-{
-    size_t cur = atomic_load(&s->buffered);
-    do {
-        if (n > s->cfg.max_buffered || cur > s->cfg.max_buffered - n) {
-            return false;
-        }
-    } while (!atomic_compare_exchange_weak(&s->buffered, &cur, cur + n));
-    return true;
-}
-
-void idem__gbuf_release(idem_gsrv *s, size_t *counted)
-{
-    atomic_fetch_sub(&s->buffered, *counted);
-    *counted = 0;
-}

@@ -3,8 +3,9 @@
  *
  * A request is a POST with content-type application/grpc, a :path /pkg.Svc/Method and
  * exactly one message of 5-byte gRPC framing (flag 0, a 4-byte big-endian length); a
- * stream that is not is refused with a Trailers-Only answer (and RST_STREAM NO_ERROR
- * when the client is still sending), never handed to the front. Bounds: a header list
+ * stream that is not is refused with a Trailers-Only answer as soon as that is known,
+ * never handed to the front (what the client still sends on it is dropped; its answer's
+ * clock, request_timeout_ms, ends it). Bounds: a header list
  * over max_header_list is RESOURCE_EXHAUSTED (four times over: the connection ends), a
  * message over max_msg RESOURCE_EXHAUSTED, a compressed one UNIMPLEMENTED, message and
  * answer bytes of all streams together over max_buffered RESOURCE_EXHAUSTED. All
@@ -257,12 +258,9 @@ static int frame_recv_cb(nghttp2_session *ss, const nghttp2_frame *f, void *arg)
     if (end) {
         request_end(c, s);
     }
-    if (s->refuse != 0 && !s->answered) {
+    if (s->refuse != 0 && !s->answered) { /* what the client still sends is dropped */
         idem_gans a = {.status = s->refuse, .message = s->refuse_msg};
         idem__gsession_answer(s, &a);
-        if (!end && nghttp2_submit_rst_stream(ss, NGHTTP2_FLAG_NONE, s->id, NGHTTP2_NO_ERROR)) {
-            return NGHTTP2_ERR_CALLBACK_FAILURE;
-        }
     }
     return 0;
 }
