@@ -1,6 +1,6 @@
 """Cases of tests/test_grpc.c: Debian's python3-grpcio against the gRPC front.
 
-    /usr/bin/python3 tests/test_grpc.py CASE PORT [CA KEY CERT]
+    /usr/bin/python3 tests/test_grpc.py CASE PORT [CA KEY CERT]   (the TLS cases: all three)
 
 Each case makes its calls with grpc's own client (raw bytes, no generated code) and
 exits 0 when every answer is what the front promises; otherwise it prints what differed
@@ -138,17 +138,30 @@ def health(port):
     expect(r == b"\x08\x01", "health %r (want SERVING)" % r)
 
 
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def tls(port, ca, key, cert):
-    creds = grpc.ssl_channel_credentials(open(ca, "rb").read(), open(key, "rb").read(),
-                                         open(cert, "rb").read())
+    """grpc's TLS (ALPN h2) with a client certificate: a call, then its replay."""
+    creds = grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
     ch = grpc.secure_channel("localhost:%d" % port, creds)
     r, _ = call(ch, ADD, b"5", "tls-1")
     expect(r == b"run=1 payload=5", "answer %r" % r)
+    again, c = call(ch, ADD, b"5", "tls-1")
+    expect(again == r and trailers(c).get("idempotent-replayed") == "true", "no replay")
 
 
-CASES = {f.__name__: f for f in (plain, replay, key_reused, duplicate_waits, hedged,
-                                 deadline, retry_policy, health, tls)}
+def tls_no_cert(port, ca, key, cert):
+    ch = grpc.secure_channel("localhost:%d" % port, grpc.ssl_channel_credentials(read(ca)))
+    expect_code(lambda: call(ch, ADD, b"5", "tls-2", timeout=5), grpc.StatusCode.UNAVAILABLE)
+
+
+PLAIN = (plain, replay, key_reused, duplicate_waits, hedged, deadline, retry_policy, health)
+CASES = {f.__name__: f for f in PLAIN + (tls, tls_no_cert)}
 
 if __name__ == "__main__":
-    CASES[sys.argv[1]](int(sys.argv[2]), *sys.argv[3:])
+    name, port = sys.argv[1], int(sys.argv[2])
+    CASES[name](port, *(sys.argv[3:] if CASES[name] not in PLAIN else ()))
     print("ok", sys.argv[1])

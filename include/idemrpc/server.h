@@ -358,6 +358,11 @@ IDEM_API idem_code idem_server_listen_https(idem_server *srv, const char *url,
  * answers SERVING. Once per server. UNIMPLEMENTED when built without libnghttp2
  * (-Dgrpc). See docs/deploying.md "gRPC". */
 IDEM_API idem_code idem_server_listen_grpc(idem_server *srv, const char *url);
+/* The gRPC front over TLS (instead of idem_server_listen_grpc, not besides it) on url
+ * (tcp://HOST:PORT): ALPN h2, TLS 1.2 or later, a client certificate signed by
+ * tls->client_ca_file required, every such client being tls->caller. */
+IDEM_API idem_code idem_server_listen_grpc_tls(idem_server *srv, const char *url,
+                                               const idem_tls_listener *tls);
 /* The port of the gRPC listener (for port 0); 0 when there is none. */
 IDEM_API int idem_server_grpc_port(const idem_server *srv);
 /* The port of the HTTP listener (for port 0). */

@@ -43,6 +43,7 @@ static void conn_free(void *arg)
     nng_stream_free(c->st);
     idem__gsession_free_streams(c);
     nghttp2_session_del(c->ss);
+    SSL_free(c->ssl);
     free(c->out);
     pthread_mutex_lock(&s->mtx);
     *(c->prev != NULL ? &c->prev->next : &s->conns) = c->next;
@@ -133,30 +134,71 @@ static bool out_append(idem_gconn *c, const uint8_t *p, size_t n)
     return true;
 }
 
-/* Sends what the session has to send, unless a send is pending; closes the connection
- * once the session wants neither to read nor to write (after a GOAWAY). */
+/* What the session has to send into c->out: at most OUT_MAX of it (plus a frame) at a
+ * time; over TLS through SSL_write (only once the handshake is done), with the
+ * handshake's own bytes. False: the connection must end. */
+static bool gather(idem_gconn *c)
+{
+    bool h2 = c->ssl == NULL || idem__gtls_ready(c->ssl);
+    for (size_t taken = 0; h2 && taken < OUT_MAX;) {
+        const uint8_t *p;
+        ssize_t n = nghttp2_session_mem_send(c->ss, &p);
+        if (n < 0) {
+            return false;
+        }
+        if (n == 0) {
+            break;
+        }
+        taken += (size_t)n;
+        if (c->ssl != NULL ? !idem__gtls_write(c->ssl, p, (size_t)n)
+                           : !out_append(c, p, (size_t)n)) {
+            return false;
+        }
+    }
+    uint8_t cipher[16384];
+    for (size_t n; c->ssl != NULL && (n = idem__gtls_take(c->ssl, cipher, sizeof(cipher))) > 0;) {
+        if (!out_append(c, cipher, n)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Sends what there is to send, unless a send is pending; closes the connection once the
+ * session wants neither to read nor to write (after a GOAWAY). */
 static void flush_locked(idem_gconn *c)
 {
     if (c->closed || c->tx_pending) {
         return;
     }
     c->out_len = c->out_off = 0;
-    while (c->out_len < OUT_MAX) {
-        const uint8_t *p;
-        ssize_t n = nghttp2_session_mem_send(c->ss, &p);
-        if (n < 0 || (n > 0 && !out_append(c, p, (size_t)n))) {
-            conn_close_locked(c);
-            return;
-        }
-        if (n == 0) {
-            break;
-        }
-    }
-    if (c->out_len > 0) {
+    if (!gather(c)) {
+        conn_close_locked(c);
+    } else if (c->out_len > 0) {
         start_send(c);
     } else if (!nghttp2_session_want_read(c->ss) && !nghttp2_session_want_write(c->ss)) {
         conn_close_locked(c);
     }
+}
+
+/* Bytes received: to the session, through TLS when there is one. False: the connection
+ * must end (nghttp2 queued a GOAWAY where it could; it is not waited for). */
+static bool received(idem_gconn *c, const uint8_t *p, size_t n)
+{
+    if (c->ssl == NULL) {
+        return nghttp2_session_mem_recv(c->ss, p, n) >= 0;
+    }
+    uint8_t plain[16384];
+    int r;
+    if (!idem__gtls_feed(c->ssl, p, n)) {
+        return false;
+    }
+    while ((r = idem__gtls_read(c->ssl, plain, sizeof(plain))) > 0) {
+        if (nghttp2_session_mem_recv(c->ss, plain, (size_t)r) < 0) {
+            return false;
+        }
+    }
+    return r == 0;
 }
 
 /* Expires what is due, then receives until the next deadline. */
@@ -172,6 +214,13 @@ static void start_recv(idem_gconn *c)
         nghttp2_session_terminate_session(c->ss, NGHTTP2_NO_ERROR); /* GOAWAY, then close */
     }
     next = c->idle_end != 0 && c->idle_end < next ? c->idle_end : next;
+    if (c->ssl != NULL && !idem__gtls_ready(c->ssl)) { /* a handshake has a clock too */
+        if (now >= c->handshake_end) {
+            conn_close_locked(c);
+            return;
+        }
+        next = c->handshake_end < next ? c->handshake_end : next;
+    }
     flush_locked(c);
     if (c->closed || c->rx_pending || !nghttp2_session_want_read(c->ss)) {
         return;
@@ -195,9 +244,8 @@ static void rx_cb(void *arg)
     c->rx_pending = false;
     c->refs--;
     if (rv == 0 && !c->closed) {
-        ssize_t n = nghttp2_session_mem_recv(c->ss, c->in, nng_aio_count(c->rx));
-        if (n < 0) {
-            conn_close_locked(c); /* nghttp2 queued a GOAWAY where it could; not waited for */
+        if (!received(c, c->in, nng_aio_count(c->rx))) {
+            conn_close_locked(c);
         }
     } else if (rv != NNG_ETIMEDOUT) {
         conn_close_locked(c);
@@ -248,17 +296,20 @@ idem_gconn *idem__gconn_new(idem_gsrv *s, nng_stream *st)
         c->srv = s; /* the session's settings are read from s */
     }
     if (c == NULL || nng_aio_alloc(&c->rx, rx_cb, c) != 0 || nng_aio_alloc(&c->tx, tx_cb, c) != 0 ||
-        nng_aio_alloc(&c->fin, conn_free, c) != 0 || idem__gsession_new(c) != 0) {
+        nng_aio_alloc(&c->fin, conn_free, c) != 0 || idem__gsession_new(c) != 0 ||
+        (s->cfg.tls != NULL && (c->ssl = idem__gtls_new(s->cfg.tls)) == NULL)) {
         if (c != NULL) { /* nng_aio_free(NULL) does nothing */
             nng_aio_free(c->rx);
             nng_aio_free(c->tx);
             nng_aio_free(c->fin);
+            nghttp2_session_del(c->ss);
         }
         free(c);
         return NULL;
     }
     pthread_mutex_init(&c->mtx, NULL);
     c->st = st;
+    c->handshake_end = idem__mono_ms() + s->cfg.request_timeout_ms;
     c->next = s->conns;
     if (s->conns != NULL) {
         s->conns->prev = c;

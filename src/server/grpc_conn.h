@@ -17,6 +17,7 @@
 
 #include <nghttp2/nghttp2.h>
 #include <nng/nng.h>
+#include <openssl/ssl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -49,6 +50,7 @@ typedef struct idem_gsrv_cfg {
     uint64_t answer_timeout_ms;  /* a request with the front */
     size_t max_conns;
     size_t max_buffered; /* all streams' message and answer bytes together */
+    SSL_CTX *tls;        /* NULL: h2c; else TLS with ALPN h2 (grpc_tls.c), not owned */
     /* A complete request: answer it once with idem__gstream_answer (now or from any
      * thread later), also after the client went away. */
     void (*on_request)(idem_gstream *s, const idem_greq *r, void *arg);
@@ -116,6 +118,8 @@ struct idem_gconn {
     size_t n_streams;    /* allocated: open ones and those with the front */
     idem_gstream *ready; /* complete requests to hand to the front (next = link) */
     uint64_t idle_end;
+    SSL *ssl;               /* TLS: its memory BIOs between the stream and the session */
+    uint64_t handshake_end; /* TLS: the handshake is over by then, else the connection */
     uint8_t in[16384];
     uint8_t *out;
     size_t out_len, out_off, out_cap;
@@ -135,6 +139,19 @@ void idem__gstream_free(idem_gstream *s);
 /* grpc_buf.c: reserves n bytes of cfg.max_buffered (false: over the bound); gives them back. */
 bool idem__gbuf_reserve(idem_gsrv *s, size_t n);
 void idem__gbuf_release(idem_gsrv *s, size_t *counted);
+
+/* grpc_tls.c: a server context requiring a client certificate from tls's CA and ALPN h2;
+ * a connection's SSL in accept state on two memory BIOs (NULL: out of memory); whether
+ * its handshake is done; ciphertext in; plaintext out (> 0 bytes, 0: needs more input,
+ * -1: the connection ends); plaintext to send (all of it, or false); ciphertext to send
+ * (its length, 0: none). */
+idem_code idem__gtls_ctx_new(const idem_tls_listener *tls, SSL_CTX **out);
+SSL *idem__gtls_new(SSL_CTX *ctx);
+bool idem__gtls_ready(SSL *ssl);
+bool idem__gtls_feed(SSL *ssl, const void *p, size_t n);
+int idem__gtls_read(SSL *ssl, uint8_t *buf, size_t cap);
+bool idem__gtls_write(SSL *ssl, const void *p, size_t n);
+size_t idem__gtls_take(SSL *ssl, uint8_t *buf, size_t cap);
 
 /* grpc_conn.c */
 idem_gconn *idem__gconn_new(idem_gsrv *s, nng_stream *st);

@@ -8,7 +8,8 @@
  * the call's code (idem_code is gRPC's numbering), its message grpc-message, and its
  * metadata (x-request-id, idempotent-replayed, idem-first-at, retry-after-ms, ...) go
  * in the trailers. grpc.health.v1.Health/Check is answered here, SERVING. At most
- * max_pending requests are queued or running; more get RESOURCE_EXHAUSTED. */
+ * max_pending requests are queued or running; more get RESOURCE_EXHAUSTED. Over TLS
+ * (grpc_tls.c) every call is the listener's caller, as on the other fronts. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,8 @@ struct idem_grpc {
     size_t max_pending;
     atomic_size_t pending; /* requests handed to the workers and not yet answered */
     char caller_header[64];
+    char tls_caller[IDEM_MAX_CALLER + 1]; /* TLS: the caller of every verified client */
+    SSL_CTX *tls;
     int port;
 };
 
@@ -134,6 +137,7 @@ static void grpc_request_cb(idem_gstream *s, const idem_greq *r, void *arg)
     j->job.frame = j->frame;
     j->job.len = len;
     j->job.frame_writable = true;
+    snprintf(j->job.peer.tls_caller, sizeof(j->job.peer.tls_caller), "%s", g->tls_caller);
     j->job.answer = grpc_job_answer;
     j->job.drop = grpc_job_drop;
     idem_code code = idem__dispatch_enqueue(g->d, &j->job);
@@ -172,11 +176,20 @@ idem_code idem__grpc_start(const char *url, const idem_grpc_cfg *cfg, idem_grpc 
         .on_request = grpc_request_cb,
         .arg = g,
     };
+    idem_code code = cfg->tls != NULL ? idem__gtls_ctx_new(cfg->tls, &g->tls) : IDEM_OK;
+    if (code != IDEM_OK) {
+        free(g);
+        return code;
+    }
+    if (cfg->tls != NULL) {
+        snprintf(g->tls_caller, sizeof(g->tls_caller), "%s", cfg->tls->caller);
+    }
+    gc.tls = g->tls;
     int rv = idem__gsrv_start(url, &gc, &g->gs, &g->port);
     if (rv != 0) {
-        idem_code code =
-            idem__err(rv == NNG_EADDRINVAL ? IDEM_INVALID_ARGUMENT : IDEM_UNAVAILABLE,
-                      "grpc listen %s (a tcp://HOST:PORT URL): %s", url, nng_strerror(rv));
+        code = idem__err(rv == NNG_EADDRINVAL ? IDEM_INVALID_ARGUMENT : IDEM_UNAVAILABLE,
+                         "grpc listen %s (a tcp://HOST:PORT URL): %s", url, nng_strerror(rv));
+        SSL_CTX_free(g->tls);
         free(g);
         return code;
     }
@@ -195,5 +208,6 @@ void idem__grpc_stop(idem_grpc *g)
         return;
     }
     idem__gsrv_stop(g->gs); /* every connection gone; the workers answered every job */
+    SSL_CTX_free(g->tls);
     free(g);
 }

@@ -22,13 +22,15 @@ typedef struct idem_greq {
 typedef struct idem_grpc idem_grpc;
 typedef struct idem_grpc_cfg {
     idem_dispatch *dispatch;
-    const char *caller_header; /* as the HTTP front's, lowercased; NULL = "x-caller" */
+    const char *caller_header;    /* as the HTTP front's, lowercased; NULL = "x-caller" */
+    const idem_tls_listener *tls; /* NULL: h2c; else TLS (ALPN h2), client certificates */
     /* The server's, its defaults resolved (idem__server_opts_defaults): none is 0. */
     size_t max_msg, max_pending, max_conns, max_buffered;
     uint32_t max_streams, max_header_list, window;
     uint64_t request_timeout_ms, idle_timeout_ms, answer_timeout_ms;
 } idem_grpc_cfg;
-/* Listens on url (tcp://HOST:PORT). UNIMPLEMENTED in a build without libnghttp2. */
+/* Listens on url (tcp://HOST:PORT), over TLS when cfg->tls. UNIMPLEMENTED in a build without
+ * libnghttp2. */
 idem_code idem__grpc_start(const char *url, const idem_grpc_cfg *cfg, idem_grpc **out);
 int idem__grpc_port(const idem_grpc *g);
 /* The idem.v1.Request frame a gRPC request becomes (malloc'd); NULL with *err set for a

@@ -70,12 +70,8 @@ idem_code idem_server_listen_https(idem_server *srv, const char *url, const idem
     return code != IDEM_OK ? code : listen_http(srv, url, tls);
 }
 
-idem_code idem_server_listen_grpc(idem_server *srv, const char *url)
+static idem_code listen_grpc(idem_server *srv, const char *url, const idem_tls_listener *tls)
 {
-    idem__err_clear();
-    if (url == NULL) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "a gRPC listener needs a tcp://HOST:PORT URL");
-    }
     if (srv->grpc != NULL) {
         return idem__err(IDEM_ALREADY_EXISTS, "the server already has a gRPC listener");
     }
@@ -86,6 +82,7 @@ idem_code idem_server_listen_grpc(idem_server *srv, const char *url)
     const idem_server_opts *o = &srv->opts;
     idem_grpc_cfg cfg = {.dispatch = srv->dispatch,
                          .caller_header = o->http_caller_header,
+                         .tls = tls,
                          .max_msg = o->max_frame,
                          .max_pending = o->grpc_max_pending,
                          .max_conns = o->grpc_max_conns,
@@ -97,6 +94,27 @@ idem_code idem_server_listen_grpc(idem_server *srv, const char *url)
                          .idle_timeout_ms = o->grpc_idle_timeout_ms,
                          .answer_timeout_ms = longest_run_ms(srv)};
     return idem__grpc_start(url, &cfg, &srv->grpc);
+}
+
+idem_code idem_server_listen_grpc(idem_server *srv, const char *url)
+{
+    idem__err_clear();
+    if (url == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "a gRPC listener needs a tcp://HOST:PORT URL");
+    }
+    return listen_grpc(srv, url, NULL);
+}
+
+idem_code idem_server_listen_grpc_tls(idem_server *srv, const char *url,
+                                      const idem_tls_listener *tls)
+{
+    idem__err_clear();
+    if (url == NULL || tls == NULL || tls->cert_key_file == NULL || tls->client_ca_file == NULL) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "a gRPC TLS listener needs a tcp://HOST:PORT "
+                                                "URL, cert_key_file, client_ca_file and a caller");
+    }
+    idem_code code = idem__server_tls_caller(srv, tls);
+    return code != IDEM_OK ? code : listen_grpc(srv, url, tls);
 }
 
 int idem_server_grpc_port(const idem_server *srv)
