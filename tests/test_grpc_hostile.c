@@ -23,7 +23,8 @@
 #define MAX_STREAMS 8
 #define REQ_TIMEOUT_MS 1000
 #define IDLE_MS 1000
-#define BOUND_S 10 /* receive bound: a hung server fails the test */
+#define MAX_BUFFERED (32 * 1024) /* grpc_max_buffered: metadata and messages of all streams */
+#define BOUND_S 10               /* receive bound: a hung server fails the test */
 
 static tu_server S;
 static int port;
@@ -49,6 +50,7 @@ static void serve(void)
     o.grpc_max_streams = MAX_STREAMS;
     o.grpc_request_timeout_ms = REQ_TIMEOUT_MS;
     o.grpc_idle_timeout_ms = IDLE_MS;
+    o.grpc_max_buffered = MAX_BUFFERED;
     atomic_store(&runs, 0);
     atomic_store(&arrivals, 0);
     atomic_store(&gate_open, true);
@@ -419,5 +421,34 @@ Test(grpc_hostile, requests_the_front_cannot_take_are_refused_with_their_status)
     cr_expect_eq(st, 3, "text/plain: %d", st);
     cr_expect_eq(atomic_load(&runs), 0);
     cr_expect_eq(status_of("application/grpc+proto", key, 1, message, sizeof(message)), 0);
+    cr_expect_eq(atomic_load(&runs), 1);
+}
+
+/* One message of 48 000 bytes (under max_frame, over the bound on all buffers): refused
+ * before it runs, and the bytes it held are given back (a good call still works). */
+Test(grpc_hostile, message_bytes_past_grpc_max_buffered_are_refused)
+{
+    static uint8_t chunk[16000];
+    nghttp2_hd_deflater *d;
+    uint8_t hb[512];
+    cr_assert_eq(nghttp2_hd_deflate_new(&d, 4096), 0);
+    int fd = dial_h2();
+    size_t n = request_headers(d, "big", hb, sizeof(hb));
+    frame(fd, NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, 1, hb, n);
+    memset(chunk, 'b', sizeof(chunk));
+    uint32_t len = 3 * sizeof(chunk) - 5;
+    chunk[0] = 0;
+    for (int i = 0; i < 4; i++) {
+        chunk[1 + i] = (uint8_t)(len >> (24 - 8 * i));
+    }
+    for (int i = 0; i < 3; i++) {
+        frame(fd, NGHTTP2_DATA, i == 2 ? NGHTTP2_FLAG_END_STREAM : 0, 1, chunk, sizeof(chunk));
+        memset(chunk, 'b', 5);
+    }
+    cr_expect_eq(await_status(fd, 1), 8);
+    nghttp2_hd_deflate_del(d);
+    close(fd);
+    cr_expect_eq(atomic_load(&runs), 0);
+    good_call_works("after-big");
     cr_expect_eq(atomic_load(&runs), 1);
 }

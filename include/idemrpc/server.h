@@ -270,8 +270,8 @@ typedef struct idem_server_opts {
      * (65535); a request must arrive whole within grpc_request_timeout_ms of its first
      * HEADERS and an answer be taken within it (10 s); a connection with no stream
      * closes after grpc_idle_timeout_ms (60 s); connections (1024); calls queued or
-     * running (1024, then RESOURCE_EXHAUSTED); message and answer bytes of all streams
-     * together (64 x max_frame). A message is at most max_frame bytes. A call not
+     * running (1024, then RESOURCE_EXHAUSTED); metadata, message and answer bytes of all
+     * streams together (64 x max_frame). A message is at most max_frame bytes. A call not
      * answered within max_run_ms is answered DEADLINE_EXCEEDED (the handler runs on). */
     uint32_t grpc_max_streams;
     uint32_t grpc_max_header_list;

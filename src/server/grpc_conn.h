@@ -49,7 +49,7 @@ typedef struct idem_gsrv_cfg {
     uint64_t idle_timeout_ms;    /* a connection with no stream */
     uint64_t answer_timeout_ms;  /* a request with the front */
     size_t max_conns;
-    size_t max_buffered; /* all streams' message and answer bytes together */
+    size_t max_buffered; /* all streams' metadata, message and answer bytes together */
     SSL_CTX *tls;        /* NULL: h2c; else TLS with ALPN h2 (grpc_tls.c), not owned */
     /* A complete request: answer it once with idem__gstream_answer (now or from any
      * thread later), also after the client went away. */
@@ -99,7 +99,8 @@ struct idem_gstream {
     idem_gkv *meta;
     size_t n_meta, meta_cap;
     uint8_t *body;                     /* the framed message as received; then the answer's DATA */
-    size_t blen, bcap, bsent, counted; /* counted: of s->buffered */
+    size_t blen, bcap, bsent, counted; /* counted: body's bytes of srv->buffered */
+    size_t meta_counted;               /* meta's bytes of srv->buffered */
     char *trailer_buf;                 /* the answer's trailers (one allocation) */
     nghttp2_nv *trailers;
     size_t n_trailers;

@@ -7,8 +7,8 @@
  * never handed to the front (what the client still sends on it is dropped; its answer's
  * clock, request_timeout_ms, ends it). Bounds: a header list
  * over max_header_list is RESOURCE_EXHAUSTED (four times over: the connection ends), a
- * message over max_msg RESOURCE_EXHAUSTED, a compressed one UNIMPLEMENTED, message and
- * answer bytes of all streams together over max_buffered RESOURCE_EXHAUSTED. All
+ * message over max_msg RESOURCE_EXHAUSTED, a compressed one UNIMPLEMENTED, metadata,
+ * message and answer bytes of all streams together over max_buffered RESOURCE_EXHAUSTED. All
  * callbacks run under the connection's lock (inside mem_recv / mem_send). */
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +35,7 @@ void idem__gstream_free(idem_gstream *s)
     }
     c->n_streams--;
     idem__gbuf_release(c->srv, &s->counted);
+    idem__gbuf_release(c->srv, &s->meta_counted);
     for (size_t i = 0; i < s->n_meta; i++) {
         free((char *)s->meta[i].name);
         free((char *)s->meta[i].value);
@@ -146,8 +147,16 @@ static int header_cb(nghttp2_session *ss, const nghttp2_frame *f, const uint8_t 
         s->path = strndup((const char *)v, vl);
     } else if (nl == 12 && memcmp(name, "content-type", 12) == 0) {
         s->grpc_type = is_grpc_type(v, vl);
-    } else if (nl > 0 && name[0] != ':' && !add_meta(s, name, nl, v, vl)) {
-        refuse(s, CODE_RESOURCE_EXHAUSTED, "out of memory");
+    } else if (nl > 0 && name[0] != ':') {
+        if (!idem__gbuf_reserve(c->srv, nl + vl)) {
+            refuse(s, CODE_RESOURCE_EXHAUSTED,
+                   "the server holds as many request bytes as it may (grpc_max_buffered)");
+        } else {
+            s->meta_counted += nl + vl;
+            if (!add_meta(s, name, nl, v, vl)) {
+                refuse(s, CODE_RESOURCE_EXHAUSTED, "out of memory");
+            }
+        }
     }
     return 0;
 }
