@@ -153,6 +153,8 @@ static void request(int fd, nghttp2_hd_deflater *d, uint32_t sid, const char *ke
     frame(fd, NGHTTP2_DATA, end ? NGHTTP2_FLAG_END_STREAM : 0, sid, message, sizeof(message));
 }
 
+static uint8_t last_payload[4096]; /* the start of the frame await_frame found */
+
 /* Reads frames until one of type on stream sid (true) or the connection's end (false). */
 static bool await_frame(int fd, uint8_t type, uint32_t sid)
 {
@@ -161,7 +163,7 @@ static bool await_frame(int fd, uint8_t type, uint32_t sid)
         if (recv(fd, h, 9, MSG_WAITALL) != 9) {
             return false;
         }
-        size_t len = ((size_t)h[0] << 16) | ((size_t)h[1] << 8) | h[2];
+        size_t len = ((size_t)h[0] << 16) | ((size_t)h[1] << 8) | h[2], got = 0;
         uint32_t id =
             ((uint32_t)(h[5] & 0x7f) << 24) | ((uint32_t)h[6] << 16) | ((uint32_t)h[7] << 8) | h[8];
         for (size_t left = len; left > 0;) {
@@ -169,12 +171,25 @@ static bool await_frame(int fd, uint8_t type, uint32_t sid)
             if (n <= 0) {
                 return false;
             }
+            memcpy(last_payload + got, skip,
+                   got + (size_t)n <= sizeof(last_payload) ? (size_t)n : 0);
+            got += (size_t)n;
             left -= (size_t)n;
         }
         if (h[3] == type && id == sid) {
             return true;
         }
     }
+}
+
+/* The error code of the connection's GOAWAY (-1: none came). */
+static int goaway_code(int fd)
+{
+    if (!await_frame(fd, NGHTTP2_GOAWAY, 0)) {
+        return -1;
+    }
+    const uint8_t *p = last_payload + 4;
+    return (int)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3]);
 }
 
 /* True when the server ends the connection within BOUND_S. */
@@ -339,7 +354,7 @@ Test(grpc_hostile, trickling_client_is_reset_after_the_request_timeout)
 Test(grpc_hostile, idle_connection_closes_after_the_idle_timeout)
 {
     int fd = dial_h2();
-    cr_expect(await_frame(fd, NGHTTP2_GOAWAY, 0), "no GOAWAY on an idle connection");
+    cr_expect_eq(goaway_code(fd), NGHTTP2_NO_ERROR, "no GOAWAY on an idle connection");
     cr_expect(closed_by_server(fd));
     close(fd);
 }
@@ -450,5 +465,27 @@ Test(grpc_hostile, message_bytes_past_grpc_max_buffered_are_refused)
     close(fd);
     cr_expect_eq(atomic_load(&runs), 0);
     good_call_works("after-big");
+    cr_expect_eq(atomic_load(&runs), 1);
+}
+
+/* Streams opened and reset at once, 1 500 of them without a request's end: past the
+ * budget of resets (1 000, then 33 a second) the server ends the connection. */
+Test(grpc_hostile, a_flood_of_resets_ends_the_connection)
+{
+    nghttp2_hd_deflater *d;
+    uint8_t hb[512];
+    static const uint8_t cancel[4] = {0, 0, 0, NGHTTP2_CANCEL};
+    cr_assert_eq(nghttp2_hd_deflate_new(&d, 4096), 0);
+    int fd = dial_h2();
+    for (uint32_t i = 0, sid = 1; i < 1500; i++, sid += 2) {
+        size_t n = request_headers(d, "flood", hb, sizeof(hb));
+        frame(fd, NGHTTP2_HEADERS, NGHTTP2_FLAG_END_HEADERS, sid, hb, n);
+        frame(fd, NGHTTP2_RST_STREAM, 0, sid, cancel, 4);
+    }
+    int code = goaway_code(fd);
+    cr_expect_eq(code, NGHTTP2_ENHANCE_YOUR_CALM, "GOAWAY %d", code);
+    nghttp2_hd_deflate_del(d);
+    close(fd);
+    good_call_works("after-reset-flood");
     cr_expect_eq(atomic_load(&runs), 1);
 }
