@@ -119,8 +119,6 @@ struct idem_gconn {
     size_t n_streams;    /* allocated: open ones and those with the front */
     idem_gstream *ready; /* complete requests to hand to the front (next = link) */
     uint64_t idle_end;
-    double reset_tokens;    /* the client's RST_STREAMs still allowed (grpc_session.c) */
-    uint64_t reset_at;      /* ms: when reset_tokens was last refilled */
     SSL *ssl;               /* TLS: its memory BIOs between the stream and the session */
     uint64_t handshake_end; /* TLS: the handshake is over by then, else the connection */
     uint8_t in[16384];

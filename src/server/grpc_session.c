@@ -20,10 +20,11 @@
 #define CODE_RESOURCE_EXHAUSTED 8
 #define CODE_INVALID_ARGUMENT 3
 #define CODE_UNIMPLEMENTED 12
-/* Streams a client may reset: a burst, then a rate (nghttp2 1.57's defaults, which 1.52
- * lacks): a flood of HEADERS + RST_STREAM costs the server work even when nothing runs. */
-#define RESET_BURST 1000.0
-#define RESET_PER_S 33.0
+/* Streams a client may reset: a burst, then a rate per second; past them nghttp2 ends the
+ * connection (GOAWAY INTERNAL_ERROR): a flood of HEADERS + RST_STREAM costs the server
+ * work even when nothing runs (rapid reset, CVE-2023-44487). */
+#define RESET_BURST 1000
+#define RESET_PER_S 33
 
 static idem_gstream *stream_of(nghttp2_session *ss, int32_t id)
 {
@@ -256,27 +257,9 @@ static void request_head(idem_gstream *s)
     }
 }
 
-/* A client's RST_STREAM: past the budget, GOAWAY ENHANCE_YOUR_CALM ends the connection. */
-static int stream_reset(idem_gconn *c)
-{
-    uint64_t now = idem__mono_ms();
-    c->reset_tokens += (double)(now - c->reset_at) * RESET_PER_S / 1000.0;
-    c->reset_tokens = c->reset_tokens > RESET_BURST ? RESET_BURST : c->reset_tokens;
-    c->reset_at = now;
-    if (c->reset_tokens >= 1.0) {
-        c->reset_tokens -= 1.0;
-        return 0;
-    }
-    (void)nghttp2_session_terminate_session(c->ss, NGHTTP2_ENHANCE_YOUR_CALM); /* or already */
-    return 0;
-}
-
 static int frame_recv_cb(nghttp2_session *ss, const nghttp2_frame *f, void *arg)
 {
     idem_gconn *c = arg;
-    if (f->hd.type == NGHTTP2_RST_STREAM) {
-        return stream_reset(c);
-    }
     bool end = (f->hd.flags & NGHTTP2_FLAG_END_STREAM) != 0;
     idem_gstream *s = stream_of(ss, f->hd.stream_id);
     if (s == NULL || (f->hd.type != NGHTTP2_HEADERS && f->hd.type != NGHTTP2_DATA) ||
@@ -350,18 +333,23 @@ static int settings(idem_gconn *c)
 int idem__gsession_new(idem_gconn *c)
 {
     nghttp2_session_callbacks *cb;
+    nghttp2_option *opt;
     int rv = nghttp2_session_callbacks_new(&cb);
     if (rv != 0) {
         return rv;
     }
+    if ((rv = nghttp2_option_new(&opt)) != 0) {
+        nghttp2_session_callbacks_del(cb);
+        return rv;
+    }
+    nghttp2_option_set_stream_reset_rate_limit(opt, RESET_BURST, RESET_PER_S);
     nghttp2_session_callbacks_set_on_begin_headers_callback(cb, begin_headers_cb);
     nghttp2_session_callbacks_set_on_header_callback(cb, header_cb);
     nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, data_cb);
     nghttp2_session_callbacks_set_on_frame_recv_callback(cb, frame_recv_cb);
     nghttp2_session_callbacks_set_on_stream_close_callback(cb, stream_close_cb);
-    c->reset_tokens = RESET_BURST;
-    c->reset_at = idem__mono_ms();
-    rv = nghttp2_session_server_new(&c->ss, cb, c);
+    rv = nghttp2_session_server_new2(&c->ss, cb, c, opt);
+    nghttp2_option_del(opt);
     nghttp2_session_callbacks_del(cb);
     if (rv == 0 && (rv = settings(c)) != 0) {
         nghttp2_session_del(c->ss);
