@@ -14,8 +14,6 @@
 #include "supplemental.h"
 
 #define MAX_MESSAGE 1024 /* bytes of grpc-message before encoding */
-#define CODE_RESOURCE_EXHAUSTED 8
-
 #define NV(n, v, vl)                                                                               \
     {                                                                                              \
         (uint8_t *)(n), (uint8_t *)(v), strlen(n), (vl), NGHTTP2_NV_FLAG_NONE                      \
@@ -101,11 +99,11 @@ static ssize_t read_cb(nghttp2_session *ss, int32_t id, uint8_t *buf, size_t len
                        uint32_t *flags, nghttp2_data_source *src, void *arg)
 {
     idem_gstream *s = src->ptr;
-    size_t n = s->blen - s->bsent < length ? s->blen - s->bsent : length;
+    size_t n = s->ans_len - s->ans_sent < length ? s->ans_len - s->ans_sent : length;
     (void)arg;
-    memcpy(buf, s->body + s->bsent, n);
-    s->bsent += n;
-    if (s->bsent == s->blen) {
+    memcpy(buf, s->ans + s->ans_sent, n);
+    s->ans_sent += n;
+    if (s->ans_sent == s->ans_len) {
         *flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
         if (nghttp2_submit_trailer(ss, id, s->trailers, s->n_trailers) != 0) {
             return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE; /* the stream is reset */
@@ -114,24 +112,23 @@ static ssize_t read_cb(nghttp2_session *ss, int32_t id, uint8_t *buf, size_t len
     return (ssize_t)n;
 }
 
-/* The OK answer's DATA into s->body: false when it does not fit in max_buffered. */
+/* The OK answer's DATA into s->ans: false when it does not fit in max_buffered. */
 static bool frame_message(idem_gstream *s, const idem_gans *a)
 {
     size_t len = 5 + a->len;
     if (a->len > UINT32_MAX || !idem__gbuf_reserve(s->conn->srv, len)) {
         return false;
     }
-    s->counted = len;
-    if ((s->body = malloc(len)) == NULL) {
+    s->ans_counted = len;
+    if ((s->ans = malloc(len)) == NULL) {
         return false;
     }
-    s->body[0] = 0;
+    s->ans[0] = 0;
     for (int i = 0; i < 4; i++) {
-        s->body[1 + i] = (uint8_t)(a->len >> (24 - 8 * i));
+        s->ans[1 + i] = (uint8_t)(a->len >> (24 - 8 * i));
     }
-    memcpy(s->body + 5, a->payload, a->len);
-    s->blen = s->bcap = len;
-    s->bsent = 0;
+    memcpy(s->ans + 5, a->payload, a->len);
+    s->ans_len = len;
     return true;
 }
 
@@ -158,13 +155,15 @@ void idem__gsession_answer(idem_gstream *s, const idem_gans *a)
     s->answered = true;
     s->phase = GS_SENDING;
     s->deadline = idem__mono_ms() + srv->cfg.request_timeout_ms;
-    free(s->body); /* the request's bytes */
-    s->body = NULL;
-    s->blen = s->bcap = 0;
-    idem__gbuf_release(srv, &s->counted);
-    if (ans.status == 0 && !frame_message(s, &ans)) {
+    if (!s->with_front) { /* the request's bytes; else the front may still read them */
+        free(s->body);
+        s->body = NULL;
+        s->blen = s->bcap = 0;
         idem__gbuf_release(srv, &s->counted);
-        ans = (idem_gans){.status = CODE_RESOURCE_EXHAUSTED,
+    }
+    if (ans.status == 0 && !frame_message(s, &ans)) {
+        idem__gbuf_release(srv, &s->ans_counted);
+        ans = (idem_gans){.status = IDEM_RESOURCE_EXHAUSTED,
                           .message = "the call completed, but its answer does not fit in the "
                                      "server's grpc_max_buffered now: retry with the same "
                                      "idempotency key to read it",

@@ -98,10 +98,14 @@ struct idem_gstream {
     char *path;
     idem_gkv *meta;
     size_t n_meta, meta_cap;
-    uint8_t *body;                     /* the framed message as received; then the answer's DATA */
-    size_t blen, bcap, bsent, counted; /* counted: body's bytes of srv->buffered */
-    size_t meta_counted;               /* meta's bytes of srv->buffered */
-    char *trailer_buf;                 /* the answer's trailers (one allocation) */
+    /* The framed message as received: the front may read it until it answers, so it is
+     * freed at the answer only when not with_front, else with the stream. */
+    uint8_t *body;
+    size_t blen, bcap, counted; /* counted: body's bytes of srv->buffered */
+    size_t meta_counted;        /* meta's bytes of srv->buffered */
+    uint8_t *ans;               /* the OK answer's DATA (5-byte framing and the message) */
+    size_t ans_len, ans_sent, ans_counted;
+    char *trailer_buf; /* the answer's trailers (one allocation) */
     nghttp2_nv *trailers;
     size_t n_trailers;
 };

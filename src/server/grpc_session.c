@@ -5,21 +5,17 @@
  * exactly one message of 5-byte gRPC framing (flag 0, a 4-byte big-endian length); a
  * stream that is not is refused with a Trailers-Only answer as soon as that is known,
  * never handed to the front (what the client still sends on it is dropped; its answer's
- * clock, request_timeout_ms, ends it). Bounds: a header list
- * over max_header_list is RESOURCE_EXHAUSTED (four times over: the connection ends), a
- * message over max_msg RESOURCE_EXHAUSTED, a compressed one UNIMPLEMENTED, metadata,
- * message and answer bytes of all streams together over max_buffered RESOURCE_EXHAUSTED. All
- * callbacks run under the connection's lock (inside mem_recv / mem_send). */
+ * clock, request_timeout_ms, ends it). Bounds: a header list over max_header_list is
+ * RESOURCE_EXHAUSTED (four times over: the connection ends), a message over max_msg
+ * RESOURCE_EXHAUSTED, a compressed one UNIMPLEMENTED; metadata, message and answer bytes
+ * of all streams together over max_buffered RESOURCE_EXHAUSTED. All callbacks run under
+ * the connection's lock (inside mem_recv / mem_send). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "grpc_conn.h"
 #include "supplemental.h"
 
-#define CODE_DEADLINE_EXCEEDED 4
-#define CODE_RESOURCE_EXHAUSTED 8
-#define CODE_INVALID_ARGUMENT 3
-#define CODE_UNIMPLEMENTED 12
 /* Streams a client may reset: a burst, then a rate per second; past them nghttp2 ends the
  * connection (GOAWAY INTERNAL_ERROR): a flood of HEADERS + RST_STREAM costs the server
  * work even when nothing runs (rapid reset, CVE-2023-44487). */
@@ -41,6 +37,7 @@ void idem__gstream_free(idem_gstream *s)
     c->n_streams--;
     idem__gbuf_release(c->srv, &s->counted);
     idem__gbuf_release(c->srv, &s->meta_counted);
+    idem__gbuf_release(c->srv, &s->ans_counted);
     for (size_t i = 0; i < s->n_meta; i++) {
         free((char *)s->meta[i].name);
         free((char *)s->meta[i].value);
@@ -48,6 +45,7 @@ void idem__gstream_free(idem_gstream *s)
     free(s->meta);
     free(s->path);
     free(s->body);
+    free(s->ans);
     free(s->trailer_buf);
     free(s->trailers);
     free(s);
@@ -140,7 +138,7 @@ static int header_cb(nghttp2_session *ss, const nghttp2_frame *f, const uint8_t 
         return NGHTTP2_ERR_CALLBACK_FAILURE; /* an HPACK bomb: the connection ends */
     }
     if (s->hdr_bytes > c->srv->cfg.max_header_list) {
-        refuse(s, CODE_RESOURCE_EXHAUSTED, "metadata over the server's header list size");
+        refuse(s, IDEM_RESOURCE_EXHAUSTED, "metadata over the server's header list size");
     }
     if (s->refuse != 0) {
         return 0;
@@ -154,12 +152,12 @@ static int header_cb(nghttp2_session *ss, const nghttp2_frame *f, const uint8_t 
         s->grpc_type = is_grpc_type(v, vl);
     } else if (nl > 0 && name[0] != ':') {
         if (!idem__gbuf_reserve(c->srv, nl + vl)) {
-            refuse(s, CODE_RESOURCE_EXHAUSTED,
+            refuse(s, IDEM_RESOURCE_EXHAUSTED,
                    "the server holds as many request bytes as it may (grpc_max_buffered)");
         } else {
             s->meta_counted += nl + vl;
             if (!add_meta(s, name, nl, v, vl)) {
-                refuse(s, CODE_RESOURCE_EXHAUSTED, "out of memory");
+                refuse(s, IDEM_RESOURCE_EXHAUSTED, "out of memory");
             }
         }
     }
@@ -183,14 +181,14 @@ static bool body_append(idem_gstream *s, const uint8_t *d, size_t len)
         }
         cap = cap > srv->cfg.max_msg + 5 ? srv->cfg.max_msg + 5 : cap;
         if (!idem__gbuf_reserve(srv, cap - s->bcap)) {
-            refuse(s, CODE_RESOURCE_EXHAUSTED,
+            refuse(s, IDEM_RESOURCE_EXHAUSTED,
                    "the server holds as many message bytes as it may (grpc_max_buffered)");
             return false;
         }
         s->counted += cap - s->bcap;
         uint8_t *b = realloc(s->body, cap);
         if (b == NULL) {
-            refuse(s, CODE_RESOURCE_EXHAUSTED, "out of memory");
+            refuse(s, IDEM_RESOURCE_EXHAUSTED, "out of memory");
             return false;
         }
         s->body = b;
@@ -211,16 +209,16 @@ static int data_cb(nghttp2_session *ss, uint8_t flags, int32_t id, const uint8_t
         return 0; /* dropped; nghttp2 still gives the window back */
     }
     if (s->blen + len > c->srv->cfg.max_msg + 5) {
-        refuse(s, CODE_RESOURCE_EXHAUSTED, "a message over the server's size limit (max_frame)");
+        refuse(s, IDEM_RESOURCE_EXHAUSTED, "a message over the server's size limit (max_frame)");
         return 0;
     }
     if (!body_append(s, d, len) || s->blen < 5) {
         return 0;
     }
     if (s->body[0] != 0) {
-        refuse(s, CODE_UNIMPLEMENTED, "compressed messages are not supported");
+        refuse(s, IDEM_UNIMPLEMENTED, "compressed messages are not supported");
     } else if (framed_len(s) > c->srv->cfg.max_msg) {
-        refuse(s, CODE_RESOURCE_EXHAUSTED, "a message over the server's size limit (max_frame)");
+        refuse(s, IDEM_RESOURCE_EXHAUSTED, "a message over the server's size limit (max_frame)");
     }
     return 0;
 }
@@ -229,7 +227,7 @@ static int data_cb(nghttp2_session *ss, uint8_t flags, int32_t id, const uint8_t
 static void request_end(idem_gconn *c, idem_gstream *s)
 {
     if (s->refuse == 0 && (s->blen < 5 || s->blen != 5 + framed_len(s))) {
-        refuse(s, CODE_INVALID_ARGUMENT, "a unary call carries exactly one message");
+        refuse(s, IDEM_INVALID_ARGUMENT, "a unary call carries exactly one message");
     }
     if (s->refuse != 0) {
         return;
@@ -249,11 +247,11 @@ static void request_end(idem_gconn *c, idem_gstream *s)
 static void request_head(idem_gstream *s)
 {
     if (!s->post) {
-        refuse(s, CODE_UNIMPLEMENTED, "a gRPC call is a POST");
+        refuse(s, IDEM_UNIMPLEMENTED, "a gRPC call is a POST");
     } else if (!s->grpc_type) {
-        refuse(s, CODE_INVALID_ARGUMENT, "content-type must be application/grpc");
+        refuse(s, IDEM_INVALID_ARGUMENT, "content-type must be application/grpc");
     } else if (s->path == NULL || s->path[0] != '/' || strchr(s->path + 1, '/') == NULL) {
-        refuse(s, CODE_UNIMPLEMENTED, ":path must be /package.Service/Method");
+        refuse(s, IDEM_UNIMPLEMENTED, ":path must be /package.Service/Method");
     }
 }
 
@@ -304,7 +302,7 @@ uint64_t idem__gsession_expire(idem_gconn *c, uint64_t now)
         if (s->deadline > now) {
             next = s->deadline < next ? s->deadline : next;
         } else if (s->phase == GS_WITH_FRONT) {
-            idem_gans a = {.status = CODE_DEADLINE_EXCEEDED,
+            idem_gans a = {.status = IDEM_DEADLINE_EXCEEDED,
                            .message = "no answer within the server's bound (max_run_ms); the "
                                       "call may still complete: retry with the same key"};
             idem__gsession_answer(s, &a); /* the front's late answer is dropped */

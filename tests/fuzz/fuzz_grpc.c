@@ -48,7 +48,7 @@ static void answer_ready(idem_gconn *c)
         c->ready = s->next_ready;
         idem_greq r = {s->path + 1, s->meta, s->n_meta, s->body + 5, s->blen - 5};
         check_frame(&r);
-        idem_gans a = {.status = n % 2 ? 9 : 0,
+        idem_gans a = {.status = n % 2 ? IDEM_FAILED_PRECONDITION : IDEM_OK,
                        .message = "caf\xc3\xa9 100%\n",
                        .payload = "ok",
                        .len = 2,
