@@ -61,13 +61,15 @@ static void percent_encode(const char *m, char *out)
     out[o] = '\0';
 }
 
-/* s->trailers: grpc-status, grpc-message (if any), then a's metadata, in one buffer. */
+/* s->trailers: grpc-status, grpc-message (if any), then a's metadata; names and values
+ * copied into one buffer of the stream's (a's are the call's: gone once it is answered,
+ * while the trailers are sent later, from the DATA's read callback). */
 static bool trailers_build(idem_gstream *s, const idem_gans *a)
 {
     char status[16], msg[3 * MAX_MESSAGE + 1];
     snprintf(status, sizeof(status), "%d", a->status);
     percent_encode(a->message != NULL ? a->message : "", msg);
-    size_t n = 2 + a->n_trailers, bytes = strlen(status) + strlen(msg) + 2;
+    size_t n = 2 + a->n_trailers, bytes = 32 + strlen(status) + strlen(msg) + 2;
     for (size_t i = 0; i < a->n_trailers; i++) {
         bytes += strlen(a->trailers[i].name) + strlen(a->trailers[i].value) + 2;
     }
@@ -87,10 +89,12 @@ static bool trailers_build(idem_gstream *s, const idem_gans *a)
         if ((i == 1 && *v == '\0') || (i >= 2 && (!name_ok(k) || !value_ok(v)))) {
             continue;
         }
-        size_t vl = strlen(v);
-        memcpy(p, v, vl + 1);
-        nv[s->n_trailers++] = (nghttp2_nv)NV(k, p, vl);
-        p += vl + 1;
+        size_t kl = strlen(k), vl = strlen(v);
+        memcpy(p, k, kl + 1);
+        memcpy(p + kl + 1, v, vl + 1);
+        nv[s->n_trailers++] =
+            (nghttp2_nv){(uint8_t *)p, (uint8_t *)p + kl + 1, kl, vl, NGHTTP2_NV_FLAG_NONE};
+        p += kl + vl + 2;
     }
     return true;
 }

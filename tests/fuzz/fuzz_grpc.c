@@ -38,16 +38,18 @@ static void check_frame(const idem_greq *r)
     free(frame);
 }
 
-/* What the front and idem__gstream_answer do, without a socket. */
+/* What the front and idem__gstream_answer do, without a socket. The answer's metadata
+ * is freed right after, as the call's is: the session must have copied what it sends. */
 static void answer_ready(idem_gconn *c)
 {
-    static const idem_gkv tr[] = {{"x-request-id", "r"}, {"idempotent-replayed", "true"}};
     static unsigned n;
     while (c->ready != NULL) {
         idem_gstream *s = c->ready;
         c->ready = s->next_ready;
         idem_greq r = {s->path + 1, s->meta, s->n_meta, s->body + 5, s->blen - 5};
         check_frame(&r);
+        idem_gkv tr[2] = {{strdup("x-request-id"), strdup("r")},
+                          {strdup("idempotent-replayed"), strdup("true")}};
         idem_gans a = {.status = n % 2 ? IDEM_FAILED_PRECONDITION : IDEM_OK,
                        .message = "caf\xc3\xa9 100%\n",
                        .payload = "ok",
@@ -61,6 +63,10 @@ static void answer_ready(idem_gconn *c)
             idem__gstream_free(s);
         } else {
             idem__gsession_answer(s, &a);
+        }
+        for (int i = 0; i < 2; i++) {
+            free((char *)tr[i].name);
+            free((char *)tr[i].value);
         }
     }
 }
