@@ -21,4 +21,5 @@ want redis hiredis || { echo "build-options: $pc lists hiredis in a build withou
 want nats libnats || { echo "build-options: $pc lists libnats in a build without it" >&2; exit 1; }
 want json jansson || { echo "build-options: $pc lists jansson in a build without it" >&2; exit 1; }
 want grpc nghttp2 || { echo "build-options: $pc lists libnghttp2 in a build without it" >&2; exit 1; }
+want grpc libssl || { echo "build-options: $pc lists libssl (the gRPC front's TLS) in a build without it" >&2; exit 1; }
 echo "build-options: ${opts[*]}: built, installed, $(grep '^Requires.private' "$pc")"
