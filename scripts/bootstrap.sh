@@ -9,6 +9,7 @@ PKGS=(build-essential meson ninja-build pkg-config cmake
       clang libclang-rt-dev curl openssl
       libpq-dev libhiredis-dev postgresql redis-server pgbouncer
       patroni etcd-server etcd-client nats-server libnats-dev
+      libnghttp2-dev python3-grpcio # the gRPC front (-Dgrpc) and its tests' client
       prometheus) # tests/test_prometheus.sh: the dashboard and alerts (ops/)
 
 missing=()

@@ -3,11 +3,15 @@
 # idemrpc-demo in the background, and walk through what it guarantees.
 #   bash scripts/demo.sh          # set up, (re)start the demo server, run the walk-through
 #   bash scripts/demo.sh stop     # stop the demo server
+#   IDEMRPC_GRPC=tcp://127.0.0.1:7790 bash scripts/demo.sh   # also serve gRPC there
 # The server keeps running afterwards on tcp://127.0.0.1:7700 (store ./idemrpc-data,
-# log ./idemrpc-demo.log) for you to call with build/tools/idemrpc-call.
+# log ./idemrpc-demo.log) for you to call with build/tools/idemrpc-call (or, with
+# IDEMRPC_GRPC, any gRPC client: README "gRPC").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 URL=${IDEMRPC_URL:-tcp://127.0.0.1:7700}
+GRPC=()
+[ -z "${IDEMRPC_GRPC:-}" ] || GRPC=(--grpc "$IDEMRPC_GRPC")
 PIDFILE=idemrpc-demo.pid
 
 stop() {
@@ -26,7 +30,7 @@ meson compile -C build
 
 stop
 rm -rf ./idemrpc-data # a fresh store, so the walk-through starts from zero
-build/tools/idemrpc-demo --listen "$URL" --db ./idemrpc-data --delay-ms 300 \
+build/tools/idemrpc-demo --listen "$URL" "${GRPC[@]}" --db ./idemrpc-data --delay-ms 300 \
     >idemrpc-demo.log 2>&1 &
 echo $! >"$PIDFILE"
 for _ in $(seq 100); do grep -q listening idemrpc-demo.log && break; sleep 0.1; done

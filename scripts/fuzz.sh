@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer target (clang, ASan+UBSan, in build-fuzz/) and fuzzes the request
-# envelope for SECONDS (default 60), starting from the seeds in tests/fuzz/corpus.
-#   bash scripts/fuzz.sh [SECONDS]
+# Builds a libFuzzer target (clang, ASan+UBSan, in build-fuzz/) and fuzzes it for SECONDS
+# (default 60): fuzz_envelope (the request envelope, the default; seeds in
+# tests/fuzz/corpus) or fuzz_grpc (the gRPC front's HTTP/2 session; tests/fuzz/corpus_grpc).
+#   bash scripts/fuzz.sh [SECONDS] [TARGET]
 # New inputs go to build-fuzz/corpus-work (the committed seeds are only read), crash
 # files to build-fuzz/artifacts/. Exits non-zero when the fuzzer finds a crash, a leak,
 # a sanitizer report or a failed response check; the last line says which.
@@ -9,8 +10,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds=${1:-60}
+target=${2:-fuzz_envelope}
+case $target in
+fuzz_envelope) seeds=tests/fuzz/corpus suffix= ;;
+fuzz_grpc) seeds=tests/fuzz/corpus_grpc suffix=-grpc ;;
+*) seconds=x ;;
+esac
 if ! [[ $seconds =~ ^[0-9]+$ ]] || [ "$seconds" -lt 1 ]; then
-    echo "usage: bash scripts/fuzz.sh [SECONDS]" >&2
+    echo "usage: bash scripts/fuzz.sh [SECONDS] [fuzz_envelope|fuzz_grpc]" >&2
     exit 2
 fi
 
@@ -19,13 +26,12 @@ if [ ! -f "$builddir/build.ninja" ]; then
     CC=clang meson setup "$builddir" -Dfuzz=true -Dtests=false \
         -Db_sanitize=address,undefined -Db_lundef=false
 fi
-meson compile -C "$builddir" fuzz_envelope
+meson compile -C "$builddir" "$target"
 
-seeds=tests/fuzz/corpus
-work=$builddir/corpus-work
+work=$builddir/corpus-work$suffix
 artifacts=$builddir/artifacts
 scratch=$builddir/tmp # the target's LMDB directories (TMPDIR)
-log=$builddir/fuzz.log
+log=$builddir/fuzz$suffix.log
 mkdir -p "$work" "$artifacts" "$scratch"
 cp -n "$seeds"/* "$work"/ 2>/dev/null || true
 
@@ -35,7 +41,7 @@ status=0
 # libFuzzer stops itself after max_total_time; timeout is the backstop for a hang it
 # cannot see (e.g. a deadlock outside the target's -timeout handling).
 timeout --kill-after=30 $((seconds + 120)) \
-    "$builddir/tests/fuzz/fuzz_envelope" -max_total_time="$seconds" -max_len=70000 \
+    "$builddir/tests/fuzz/$target" -max_total_time="$seconds" -max_len=70000 \
     -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" \
     "$work" "$seeds" >"$log" 2>&1 || status=$?
 rm -rf "${scratch:?}"/idemrpc-fuzz.* # left behind only when the target crashed

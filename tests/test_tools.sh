@@ -32,8 +32,9 @@ for dir in bench chaos tools; do
         case $given in
         *" $name "*) continue ;;
         esac
-        # idemrpc-ha-check is built only with libpq (and then given)
-        [ "$name" = idemrpc-ha-check ] ||
+        # idemrpc-ha-check is built only with libpq, idemrpc-grpc-bench only with
+        # libnghttp2 (and then given)
+        [ "$name" = idemrpc-ha-check ] || [ "$name" = idemrpc-grpc-bench ] ||
             fail "$dir/$name is not checked here: add it to the tools test (tests/meson.build)"
     done
 done

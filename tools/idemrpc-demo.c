@@ -20,7 +20,8 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: idemrpc-demo [--listen URL] [--http URL] [--db DIR | --store URL]\n"
+    fprintf(f, "usage: idemrpc-demo [--listen URL] [--http URL] [--grpc URL]\n"
+               "                    [--db DIR | --store URL]\n"
                "                    [--debounce URL] [--nats URL] [--delay-ms N] [--flaky N]\n"
                "                    [--log-level off|error|info] [--result-ttl-ms N]\n"
                "                    [--max-wait-ms N] [--lease-ms N] [--max-run-ms N]\n"
@@ -30,6 +31,7 @@ static void usage(FILE *f)
                "                    [--tls-client-ca FILE] [--tls-caller NAME]\n"
                "  --listen URL   nng URL to serve (default tcp://127.0.0.1:7700)\n"
                "  --http URL     also serve HTTP, e.g. http://127.0.0.1:7780\n"
+               "  --grpc URL     also serve gRPC (h2c), e.g. tcp://127.0.0.1:7790\n"
                "  --db DIR       LMDB directory (default ./idemrpc-data)\n"
                "  --store URL    share records in PostgreSQL (postgres://...) instead\n"
                "  --debounce URL redis://HOST:PORT: 2 s double-submit window for Submit\n"
@@ -69,7 +71,7 @@ static bool parse_level(const char *s, idem_log_level *out)
 
 /* The command line's strings and level; the numbers go straight into opts and d. */
 typedef struct demo_args {
-    const char *listen, *db, *http, *store_url, *debounce_url, *nats_url;
+    const char *listen, *db, *http, *grpc, *store_url, *debounce_url, *nats_url;
     idem_log_level level;
     idem_caller_secret *secrets; /* --caller-secrets, malloc'd */
     size_t n_secrets;
@@ -211,6 +213,9 @@ static bool parse_option(int opt, const char *v, demo_args *a, idem_server_opts 
     case 'H':
         a->http = v;
         return true;
+    case 'G':
+        a->grpc = v;
+        return true;
     case 'D':
         return number_long("--delay-ms", v, &d->delay_ms);
     case 'f':
@@ -242,6 +247,7 @@ static bool parse(int argc, char **argv, demo_args *a, idem_server_opts *o, demo
                                           {"debounce", required_argument, NULL, 'b'},
                                           {"nats", required_argument, NULL, 'n'},
                                           {"http", required_argument, NULL, 'H'},
+                                          {"grpc", required_argument, NULL, 'G'},
                                           {"delay-ms", required_argument, NULL, 'D'},
                                           {"flaky", required_argument, NULL, 'f'},
                                           {"result-ttl-ms", required_argument, NULL, 'r'},
@@ -315,7 +321,8 @@ static bool start_server(idem_server **srv, const demo_args *a, const idem_serve
         (a->tls_url != NULL && idem_server_listen_tls(*srv, a->tls_url, &a->tls) != IDEM_OK) ||
         (a->https_url != NULL &&
          idem_server_listen_https(*srv, a->https_url, &a->tls) != IDEM_OK) ||
-        (a->http != NULL && idem_server_listen_http(*srv, a->http) != IDEM_OK)) {
+        (a->http != NULL && idem_server_listen_http(*srv, a->http) != IDEM_OK) ||
+        (a->grpc != NULL && idem_server_listen_grpc(*srv, a->grpc) != IDEM_OK)) {
         fprintf(stderr, "idemrpc-demo: %s\n", idem_errmsg());
         return false;
     }
@@ -327,6 +334,9 @@ static void print_banner(idem_server *srv, const demo_args *a, const idem_server
 {
     if (a->http != NULL || a->https_url != NULL) {
         printf("idemrpc-demo http on port %d\n", idem_server_http_port(srv));
+    }
+    if (a->grpc != NULL) {
+        printf("idemrpc-demo grpc on port %d\n", idem_server_grpc_port(srv));
     }
     printf("idemrpc-demo listening on %s (store %s%s; callers %s)\n", a->listen,
            opts->store != NULL ? "postgres" : a->db,

@@ -262,6 +262,25 @@ typedef struct idem_server_opts {
      * sweep keeps a small tombstone instead of the record meanwhile. 0 (default) = off:
      * an expired result is as no record, as before 0.4. Per method: tombstone_ttl_ms. */
     uint64_t tombstone_ttl_ms;
+    /* ---- gRPC front bounds (idem_server_listen_grpc; docs/deploying.md "gRPC") ----
+     * Each 0 takes the default in parentheses. Streams per connection, also counting
+     * those whose call still runs after the client reset them (100); bytes of one
+     * request's header list, SETTINGS_MAX_HEADER_LIST_SIZE (16 KiB; four times that
+     * ends the connection); the flow-control window of a stream and of the connection
+     * (65535); a request must arrive whole within grpc_request_timeout_ms of its first
+     * HEADERS and an answer be taken within it (10 s); a connection with no stream
+     * closes after grpc_idle_timeout_ms (60 s); connections (1024); calls queued or
+     * running (1024, then RESOURCE_EXHAUSTED); metadata, message and answer bytes of all
+     * streams together (64 x max_frame). A message is at most max_frame bytes. A call not
+     * answered within max_run_ms is answered DEADLINE_EXCEEDED (the handler runs on). */
+    uint32_t grpc_max_streams;
+    uint32_t grpc_max_header_list;
+    uint32_t grpc_window;
+    uint64_t grpc_request_timeout_ms;
+    uint64_t grpc_idle_timeout_ms;
+    size_t grpc_max_conns;
+    size_t grpc_max_pending;
+    size_t grpc_max_buffered;
 } idem_server_opts;
 
 typedef enum idem_builtin {
@@ -333,6 +352,19 @@ IDEM_API idem_code idem_server_listen_tls(idem_server *srv, const char *url,
  * instead of idem_server_listen_http, not besides it. */
 IDEM_API idem_code idem_server_listen_https(idem_server *srv, const char *url,
                                             const idem_tls_listener *tls);
+/* Serves the same chain over gRPC (HTTP/2 without TLS, "h2c") on url
+ * ("tcp://127.0.0.1:50051"): unary calls to /{package.Service}/{Method}, the message is
+ * the payload (raw bytes), metadata idempotency-key = key; grpc.health.v1.Health/Check
+ * answers SERVING. Once per server. UNIMPLEMENTED when built without libnghttp2
+ * (-Dgrpc). See docs/deploying.md "gRPC". */
+IDEM_API idem_code idem_server_listen_grpc(idem_server *srv, const char *url);
+/* The gRPC front over TLS (instead of idem_server_listen_grpc, not besides it) on url
+ * (tcp://HOST:PORT): ALPN h2, TLS 1.2 or later, a client certificate signed by
+ * tls->client_ca_file required, every such client being tls->caller. */
+IDEM_API idem_code idem_server_listen_grpc_tls(idem_server *srv, const char *url,
+                                               const idem_tls_listener *tls);
+/* The port of the gRPC listener (for port 0); 0 when there is none. */
+IDEM_API int idem_server_grpc_port(const idem_server *srv);
 /* The port of the HTTP listener (for port 0). */
 IDEM_API int idem_server_http_port(const idem_server *srv);
 

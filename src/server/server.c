@@ -1,6 +1,7 @@
 /* idem_server: the method registry, the chain, and the life cycle of a server.
  *
- *   idem_server_create ─ register / use ─ listen ─▶ fronts (nng_front.c, http_front.c)
+ *   idem_server_create ─ register / use ─ listen ─▶ fronts (nng_front.c; server_fronts.c:
+ *                                                    http_front.c, grpc_front.c)
  *                                                    └─▶ dispatcher (src/dispatch) ─▶ chain
  *
  * The server builds the chain and owns the pieces; the fronts hand calls to the
@@ -10,37 +11,10 @@
 #include <string.h>
 
 #include "call.h"
-#include "builtins.h"
-#include "dispatch.h"
-#include "http_front.h"
-#include "identity.h"
-#include "nng_front.h"
 #include "server_internal.h"
 #include "server_setup.h"
+#include "server_state.h"
 #include "store.h"
-#include "redriver.h"
-#include "sweeper.h"
-
-struct idem_server {
-    idem_server_opts opts;
-    idem_store *store;
-    idem_runtime rt;
-    idem_token_cfg token;
-    idem_cache_cfg cache;
-    bool owns_store, started;
-
-    idem_method *methods; /* sorted by name */
-    size_t n_methods;
-    idem_chain chain;
-    size_t n_first; /* interceptors added with idem_server_use_first, at the front */
-
-    idem_dispatch *dispatch;
-    idem_nng_front *nng;
-    idem_http *http;
-    idem_sweeper *sweeper;
-    idem_redriver *redriver; /* NULL unless opts.redrive_interval_ms */
-    idem_identity *identity; /* NULL: self-declared callers */
-};
 
 void idem__server_set_clock(idem_server *srv, uint64_t (*now_ms)(void *arg), void *arg)
 {
@@ -341,7 +315,7 @@ fail:;
     return idem__err_put(&keep, code);
 }
 
-static idem_code server_start(idem_server *srv)
+idem_code idem__server_start(idem_server *srv)
 {
     bool fast_path = idem__store_has(srv->store, IDEM__STORE_CAP_NONBLOCKING_READ);
     for (size_t i = 0; i < srv->chain.n; i++) {
@@ -385,7 +359,7 @@ static idem_code listen_nng(idem_server *srv, const char *url, const idem_tls_li
     if ((code = idem__nng_front_listen(srv->nng, url, tls)) != IDEM_OK) {
         return code;
     }
-    return srv->started ? IDEM_OK : server_start(srv);
+    return srv->started ? IDEM_OK : idem__server_start(srv);
 }
 
 idem_code idem_server_listen(idem_server *srv, const char *url)
@@ -393,8 +367,7 @@ idem_code idem_server_listen(idem_server *srv, const char *url)
     return listen_nng(srv, url, NULL);
 }
 
-/* The listener's caller is verified from now on: never accepted merely declared. */
-static idem_code tls_caller(idem_server *srv, const idem_tls_listener *tls)
+idem_code idem__server_tls_caller(idem_server *srv, const idem_tls_listener *tls)
 {
     return tls->caller != NULL ? idem__identity_add_tls_caller(srv->identity, tls->caller)
                                : IDEM_OK;
@@ -406,64 +379,13 @@ idem_code idem_server_listen_tls(idem_server *srv, const char *url, const idem_t
         return idem__err(IDEM_INVALID_ARGUMENT,
                          "a TLS listener needs a tls+tcp:// URL and options");
     }
-    idem_code code = tls_caller(srv, tls);
+    idem_code code = idem__server_tls_caller(srv, tls);
     return code != IDEM_OK ? code : listen_nng(srv, url, tls);
 }
 
 int idem_server_port(const idem_server *srv)
 {
     return idem__nng_front_port(srv->nng);
-}
-
-static idem_code listen_http(idem_server *srv, const char *url, const idem_tls_listener *tls)
-{
-    idem_code code;
-    idem__err_clear();
-    if (srv->http != NULL) {
-        return idem__err(IDEM_ALREADY_EXISTS, "the server already has an HTTP listener");
-    }
-    if (!srv->started && ((code = idem__chain_check(&srv->chain, srv->methods, srv->n_methods,
-                                                    srv->store)) != IDEM_OK ||
-                          (code = server_start(srv)) != IDEM_OK)) {
-        return code;
-    }
-    uint64_t run_ms = srv->opts.max_run_ms; /* the longest run: then HTTP answers 504 */
-    for (size_t i = 0; i < srv->n_methods; i++) {
-        uint64_t m = srv->methods[i].opts.max_run_ms;
-        run_ms = m > run_ms ? m : run_ms;
-    }
-    idem_http_cfg cfg = {.dispatch = srv->dispatch,
-                         .obs = srv->rt.obs,
-                         .max_body = srv->opts.max_frame,
-                         .caller_header = srv->opts.http_caller_header,
-                         .max_pending = srv->opts.http_max_pending,
-                         .tls = tls,
-                         .request_timeout_ms = srv->opts.http_request_timeout_ms,
-                         .idle_timeout_ms = srv->opts.http_idle_timeout_ms,
-                         .max_conns = srv->opts.http_max_conns,
-                         .answer_timeout_ms = run_ms,
-                         .max_buffered = srv->opts.http_max_buffered};
-    return idem__http_start(url, &cfg, &srv->http);
-}
-
-idem_code idem_server_listen_http(idem_server *srv, const char *url)
-{
-    return listen_http(srv, url, NULL);
-}
-
-idem_code idem_server_listen_https(idem_server *srv, const char *url, const idem_tls_listener *tls)
-{
-    if (tls == NULL || strncmp(url, "https://", 8) != 0) {
-        return idem__err(IDEM_INVALID_ARGUMENT,
-                         "an HTTPS listener needs an https:// URL and options");
-    }
-    idem_code code = tls_caller(srv, tls);
-    return code != IDEM_OK ? code : listen_http(srv, url, tls);
-}
-
-int idem_server_http_port(const idem_server *srv)
-{
-    return idem__http_port(srv->http);
 }
 
 idem_store *idem_server_store(idem_server *srv)
@@ -490,6 +412,7 @@ void idem_server_destroy(idem_server *srv)
     idem__redriver_stop(srv->redriver);
     idem__sweeper_stop(srv->sweeper);
     idem__http_stop(srv->http); /* waits for its callbacks; none can queue any more */
+    idem__grpc_stop(srv->grpc);
     idem__nng_front_close(srv->nng);
     idem__dispatch_destroy(srv->dispatch);
     for (size_t i = 0; i < srv->n_methods; i++) {

@@ -42,6 +42,16 @@ void idem__server_opts_defaults(idem_server_opts *o)
     o->http_request_timeout_ms = o->http_request_timeout_ms ? o->http_request_timeout_ms : 10000;
     o->http_idle_timeout_ms = o->http_idle_timeout_ms ? o->http_idle_timeout_ms : 60000;
     o->http_max_conns = o->http_max_conns ? o->http_max_conns : 1024;
+    o->grpc_max_streams = o->grpc_max_streams ? o->grpc_max_streams : 100;
+    o->grpc_max_header_list = o->grpc_max_header_list ? o->grpc_max_header_list : 16384;
+    o->grpc_window = o->grpc_window ? o->grpc_window : 65535;
+    o->grpc_request_timeout_ms = o->grpc_request_timeout_ms ? o->grpc_request_timeout_ms : 10000;
+    o->grpc_idle_timeout_ms = o->grpc_idle_timeout_ms ? o->grpc_idle_timeout_ms : 60000;
+    o->grpc_max_conns = o->grpc_max_conns ? o->grpc_max_conns : 1024;
+    o->grpc_max_pending = o->grpc_max_pending ? o->grpc_max_pending : 1024;
+    if (o->grpc_max_buffered == 0) {
+        o->grpc_max_buffered = o->max_frame > SIZE_MAX / 64 ? SIZE_MAX : 64 * o->max_frame;
+    }
     if (o->http_max_buffered == 0) {
         o->http_max_buffered = o->max_frame > SIZE_MAX / 64 ? SIZE_MAX : 64 * o->max_frame;
     }

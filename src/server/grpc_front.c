@@ -1,0 +1,213 @@
+/* The gRPC front: the same chain behind /{package.Service}/{Method} over HTTP/2.
+ *
+ * Streams arrive framed by the front's HTTP/2 server (grpc_conn.h: libnghttp2 over nng
+ * streams). A request becomes an idem.v1.Request frame (grpc_frame.c: the message is the
+ * payload; idempotency-key, x-request-id, the caller, idem-token, grpc-timeout and the
+ * signature from the metadata) and joins the same work queue as the nng and HTTP calls;
+ * the connection's thread only translates and hands over. The answer's grpc-status is
+ * the call's code (idem_code is gRPC's numbering), its message grpc-message, and its
+ * metadata (x-request-id, idempotent-replayed, idem-first-at, retry-after-ms, ...) go
+ * in the trailers. grpc.health.v1.Health/Check is answered here, SERVING. At most
+ * max_pending requests are queued or running; more get RESOURCE_EXHAUSTED. Over TLS
+ * (grpc_tls.c) every call is the listener's caller, as on the other fronts. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "grpc_conn.h"
+#include "grpc_front.h"
+
+#define HEALTH_CHECK "grpc.health.v1.Health/Check"
+
+struct idem_grpc {
+    idem_dispatch *d;
+    idem_gsrv *gs;
+    size_t max_pending;
+    atomic_size_t pending; /* requests handed to the workers and not yet answered */
+    char caller_header[64];
+    char tls_caller[IDEM_MAX_CALLER + 1]; /* TLS: the caller of every verified client */
+    SSL_CTX *tls;
+    int port;
+};
+
+typedef struct grpc_job {
+    idem_job job; /* first */
+    idem_gstream *s;
+    uint8_t *frame;
+    idem_grpc *g;
+} grpc_job;
+
+/* The call's answer: its code, message, payload (OK), metadata as trailers. */
+static void answer_call(idem_gstream *s, const idem_call *call)
+{
+    idem_gkv tr[IDEM_MAX_METADATA + 2];
+    size_t n = 0;
+    tr[n++] = (idem_gkv){"x-request-id", call->request_id};
+    if (call->replayed) {
+        tr[n++] = (idem_gkv){"idempotent-replayed", "true"};
+    }
+    for (size_t i = 0; i < call->meta_count && n < IDEM_ARRAY_LEN(tr); i++) {
+        if (strcmp(call->meta[i].name, "request-id") != 0) {
+            tr[n++] = (idem_gkv){call->meta[i].name, call->meta[i].value};
+        }
+    }
+    idem_gans a = {.status = (int)call->code,
+                   .message = call->code != IDEM_OK ? call->message : NULL,
+                   .payload = call->payload,
+                   .len = call->payload_len,
+                   .trailers = tr,
+                   .n_trailers = n};
+    idem__gstream_answer(s, &a);
+}
+
+static void grpc_job_free(grpc_job *j)
+{
+    atomic_fetch_sub(&j->g->pending, 1);
+    free(j->frame);
+    free(j);
+}
+
+static void grpc_job_answer(idem_job *job)
+{
+    grpc_job *j = (grpc_job *)job;
+    if (idem__call_materialize_replay(&job->s.call) != IDEM_OK) {
+        idem__call_reset_response(&job->s.call);
+        idem_call_fail(&job->s.call, IDEM_INTERNAL, "out of memory loading the replay");
+    }
+    idem__dispatch_count(j->g->d, &job->s);
+    answer_call(j->s, &job->s.call);
+    idem__dispatch_discard(&job->s);
+    grpc_job_free(j);
+}
+
+/* At shutdown: UNAVAILABLE (a retry with the key is safe) rather than a hang. */
+static void grpc_job_drop(idem_job *job)
+{
+    grpc_job *j = (grpc_job *)job;
+    idem_gans a = {.status = IDEM_UNAVAILABLE, .message = "server shutting down"};
+    idem__gstream_answer(j->s, &a);
+    grpc_job_free(j);
+}
+
+static void answer_now(idem_gstream *s, idem_grpc *g, idem_served *sv)
+{
+    idem__dispatch_count(g->d, sv);
+    answer_call(s, &sv->call);
+    idem__dispatch_discard(sv);
+}
+
+/* grpc.health.v1.HealthCheckResponse{status: SERVING}, hand-encoded: field 1, varint 1. */
+static void health_check(idem_gstream *s)
+{
+    static const uint8_t serving[] = {0x08, 0x01};
+    idem_gans a = {.status = IDEM_OK, .payload = serving, .len = sizeof(serving)};
+    idem__gstream_answer(s, &a);
+}
+
+/* A complete request, on the connection's thread: only hands over. */
+static void grpc_request_cb(idem_gstream *s, const idem_greq *r, void *arg)
+{
+    idem_grpc *g = arg;
+    idem_served sv;
+    grpc_job *j;
+    const char *err = NULL;
+    size_t len;
+    if (strcmp(r->method, HEALTH_CHECK) == 0) {
+        health_check(s);
+        return;
+    }
+    if (atomic_fetch_add(&g->pending, 1) >= g->max_pending) {
+        atomic_fetch_sub(&g->pending, 1);
+        idem__dispatch_busy(g->d, &sv);
+        answer_now(s, g, &sv);
+        return;
+    }
+    if ((j = calloc(1, sizeof(*j))) == NULL ||
+        (j->frame = idem__grpc_request_frame(r, g->caller_header, &len, &err)) == NULL) {
+        atomic_fetch_sub(&g->pending, 1);
+        free(j);
+        idem__dispatch_reject(g->d, &sv, err != NULL ? IDEM_REASON_BAD_KEY : NULL,
+                              err != NULL ? IDEM_INVALID_ARGUMENT : IDEM_RESOURCE_EXHAUSTED,
+                              err != NULL ? err : "out of memory");
+        answer_now(s, g, &sv);
+        return;
+    }
+    j->s = s;
+    j->g = g;
+    j->job.frame = j->frame;
+    j->job.len = len;
+    j->job.frame_writable = true;
+    snprintf(j->job.peer.tls_caller, sizeof(j->job.peer.tls_caller), "%s", g->tls_caller);
+    j->job.answer = grpc_job_answer;
+    j->job.drop = grpc_job_drop;
+    idem_code code = idem__dispatch_enqueue(g->d, &j->job);
+    if (code == IDEM_OK) {
+        return; /* a worker answers */
+    }
+    grpc_job_free(j);
+    if (code == IDEM_RESOURCE_EXHAUSTED) {
+        idem__dispatch_busy(g->d, &sv);
+    } else {
+        idem__dispatch_reject(g->d, &sv, NULL, IDEM_UNAVAILABLE, "server shutting down");
+    }
+    answer_now(s, g, &sv);
+}
+
+idem_code idem__grpc_start(const char *url, const idem_grpc_cfg *cfg, idem_grpc **out)
+{
+    idem_grpc *g = calloc(1, sizeof(*g));
+    if (g == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    g->d = cfg->dispatch;
+    g->max_pending = cfg->max_pending;
+    snprintf(g->caller_header, sizeof(g->caller_header), "%s",
+             cfg->caller_header != NULL ? cfg->caller_header : "x-caller");
+    idem_gsrv_cfg gc = {
+        .max_msg = cfg->max_msg,
+        .max_streams = cfg->max_streams,
+        .max_header_list = cfg->max_header_list,
+        .window = cfg->window,
+        .request_timeout_ms = cfg->request_timeout_ms,
+        .idle_timeout_ms = cfg->idle_timeout_ms,
+        .answer_timeout_ms = cfg->answer_timeout_ms,
+        .max_conns = cfg->max_conns,
+        .max_buffered = cfg->max_buffered,
+        .on_request = grpc_request_cb,
+        .arg = g,
+    };
+    idem_code code = cfg->tls != NULL ? idem__gtls_ctx_new(cfg->tls, &g->tls) : IDEM_OK;
+    if (code != IDEM_OK) {
+        free(g);
+        return code;
+    }
+    if (cfg->tls != NULL) {
+        snprintf(g->tls_caller, sizeof(g->tls_caller), "%s", cfg->tls->caller);
+    }
+    gc.tls = g->tls;
+    int rv = idem__gsrv_start(url, &gc, &g->gs, &g->port);
+    if (rv != 0) {
+        code = idem__err(rv == NNG_EADDRINVAL ? IDEM_INVALID_ARGUMENT : IDEM_UNAVAILABLE,
+                         "grpc listen %s (a tcp://HOST:PORT URL): %s", url, nng_strerror(rv));
+        SSL_CTX_free(g->tls);
+        free(g);
+        return code;
+    }
+    *out = g;
+    return IDEM_OK;
+}
+
+int idem__grpc_port(const idem_grpc *g)
+{
+    return g != NULL ? g->port : 0;
+}
+
+void idem__grpc_stop(idem_grpc *g)
+{
+    if (g == NULL) {
+        return;
+    }
+    idem__gsrv_stop(g->gs); /* every connection gone; the workers answered every job */
+    SSL_CTX_free(g->tls);
+    free(g);
+}
