@@ -3,9 +3,9 @@
  * expired, over E distinct expiry times (the sweep writes tombstones in expiry order,
  * then key hash: one time writes them in key order, many in a random one), sweeps them
  * into tombstones and times it, counts the pages of "tombs", "tomb_buckets" (with its
- * sub-databases) and "expiry", then times the sweep that deletes the tombstones. Prints values,
- * asserts nothing. idemrpc-tombstone-bytes [--records N] [--payload BYTES] [--batch N] [--expiries
- * E] */
+ * sub-databases) and "expiry", then times the sweep that deletes the tombstones. Prints
+ * values, asserts nothing.
+ *   idemrpc-tombstone-bytes [--records N] [--payload BYTES] [--batch N] [--expiries E] */
 #include <getopt.h>
 #include <lmdb.h>
 #include <stdio.h>
@@ -114,6 +114,7 @@ static int free_pages(MDB_txn *txn, size_t *pages)
 static int stat_dbs(MDB_txn *txn, MDB_env *env, size_t b[3], size_t e[3])
 {
     static const char *const others[] = {"records", "tokens", "meta", "tombs", "expiry"};
+    static const int slot[] = {-1, -1, -1, 0, 2}; /* where others[i] goes in b and e */
     MDB_envinfo info;
     MDB_stat es;
     MDB_dbi dbi;
@@ -122,7 +123,7 @@ static int stat_dbs(MDB_txn *txn, MDB_env *env, size_t b[3], size_t e[3])
     if (rc != 0 || (rc = mdb_env_stat(env, &es)) != 0 || (rc = free_pages(txn, &freed)) != 0) {
         return rc;
     }
-    used = info.me_last_pgno + 1 - freed - 2;
+    used = info.me_last_pgno + 1 - freed - 2; /* pages 0 and 1: the meta pages */
     for (MDB_dbi d = 0; d < 2 && rc == 0; d++) {
         if ((rc = tree_pages(txn, d, &pages, &entries)) == 0) {
             used -= pages;
@@ -132,8 +133,8 @@ static int stat_dbs(MDB_txn *txn, MDB_env *env, size_t b[3], size_t e[3])
         if ((rc = mdb_dbi_open(txn, others[i], 0, &dbi)) == 0 &&
             (rc = tree_pages(txn, dbi, &pages, &entries)) == 0) {
             used -= pages;
-            if (i >= 3) {
-                b[i - 3 + (i == 4)] = pages * es.ms_psize, e[i - 3 + (i == 4)] = entries;
+            if (slot[i] >= 0) {
+                b[slot[i]] = pages * es.ms_psize, e[slot[i]] = entries;
             }
         }
     }
