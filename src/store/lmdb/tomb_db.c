@@ -155,6 +155,14 @@ static int item_seek(MDB_cursor *cur, const uint8_t h[HASH_LEN], MDB_val *v)
     return rc;
 }
 
+/* Whether "tomb_buckets" holds none (tombstones off): every claim of a new key looks,
+ * and a look at an empty database needs no cursor to allocate. */
+static bool buckets_empty(lmdb_store *st, MDB_txn *txn)
+{
+    MDB_stat s;
+    return !st->has_tomb_buckets || (mdb_stat(txn, st->tomb_buckets, &s) == 0 && s.ms_entries == 0);
+}
+
 /* h's tombstone in either database into *t (NULL: only whether there is one), and
  * deleted when del, even one that does not decode (MDB_CORRUPTED without del).
  * rc-style: MDB_NOTFOUND when there is none. */
@@ -165,7 +173,7 @@ static int tomb_at(lmdb_store *st, MDB_txn *txn, const uint8_t h[HASH_LEN], idem
     MDB_val k = {HASH_LEN, (void *)h}, v;
     idem_tombstone tmp;
     bool ok, indexed = false;
-    int rc = st->has_tomb_buckets ? mdb_cursor_open(txn, st->tomb_buckets, &cur) : MDB_NOTFOUND;
+    int rc = buckets_empty(st, txn) ? MDB_NOTFOUND : mdb_cursor_open(txn, st->tomb_buckets, &cur);
     t = t != NULL ? t : &tmp;
     if (rc == 0) {
         if ((rc = item_seek(cur, h, &v)) == 0) {
