@@ -2,9 +2,9 @@
  * sweep's cost. Fills N COMPLETED records (payload-sized responses) whose results have
  * expired, over E distinct expiry times (the sweep writes tombstones in expiry order,
  * then key hash: one time writes them in key order, many in a random one), sweeps them
- * into tombstones and times it, reads the "tombs" and "expiry" databases' pages with
- * mdb_stat, then times the sweep that deletes the tombstones. Prints values, asserts
- * nothing.
+ * into tombstones and times it, counts the pages of "tombs", "tomb_buckets" (with its
+ * sub-databases) and "expiry", then times the sweep that deletes the tombstones. Prints
+ * values, asserts nothing.
  *   idemrpc-tombstone-bytes [--records N] [--payload BYTES] [--batch N] [--expiries E] */
 #include <getopt.h>
 #include <lmdb.h>
@@ -75,27 +75,92 @@ static int sweep(idem_store *st, uint64_t now, size_t batch, size_t *total, doub
     return 0;
 }
 
-/* The pages of the named databases (the store closed: one env per process). */
-static int db_bytes(const char *dir, const char *name, size_t *bytes, size_t *entries)
+/* The pages of one database's tree (dbi 0: the free list, 1: the main database). */
+static int tree_pages(MDB_txn *txn, MDB_dbi dbi, size_t *pages, size_t *entries)
+{
+    MDB_stat s;
+    int rc = mdb_stat(txn, dbi, &s);
+    if (rc == 0) {
+        *pages = s.ms_branch_pages + s.ms_leaf_pages + s.ms_overflow_pages;
+        *entries = s.ms_entries;
+    }
+    return rc;
+}
+
+/* Pages on the free list: each of its values is an array of page numbers, its count
+ * first. */
+static int free_pages(MDB_txn *txn, size_t *pages)
+{
+    MDB_cursor *cur;
+    MDB_val k, v;
+    int rc = mdb_cursor_open(txn, 0, &cur);
+    *pages = 0;
+    for (MDB_cursor_op op = MDB_FIRST; rc == 0 && (rc = mdb_cursor_get(cur, &k, &v, op)) == 0;
+         op = MDB_NEXT) {
+        size_t n;
+        memcpy(&n, v.mv_data, sizeof(n));
+        *pages += n;
+    }
+    if (rc == MDB_NOTFOUND) {
+        rc = 0;
+    }
+    mdb_cursor_close(cur);
+    return rc;
+}
+
+/* The bytes of the tombstones' databases (b: "tombs", "tomb_buckets", "expiry") and
+ * their entries. mdb_stat leaves out the pages of a DUPSORT database's sub-databases:
+ * "tomb_buckets" is every page in use but the other trees' and the two meta pages. */
+static int stat_dbs(MDB_txn *txn, MDB_env *env, size_t b[3], size_t e[3])
+{
+    static const char *const others[] = {"records", "tokens", "meta", "tombs", "expiry"};
+    static const int slot[] = {-1, -1, -1, 0, 2}; /* where others[i] goes in b and e */
+    MDB_envinfo info;
+    MDB_stat es;
+    MDB_dbi dbi;
+    size_t used, pages, entries, freed;
+    int rc = mdb_env_info(env, &info);
+    if (rc != 0 || (rc = mdb_env_stat(env, &es)) != 0 || (rc = free_pages(txn, &freed)) != 0) {
+        return rc;
+    }
+    used = info.me_last_pgno + 1 - freed - 2; /* pages 0 and 1: the meta pages */
+    for (MDB_dbi d = 0; d < 2 && rc == 0; d++) {
+        if ((rc = tree_pages(txn, d, &pages, &entries)) == 0) {
+            used -= pages;
+        }
+    }
+    for (size_t i = 0; i < 5 && rc == 0; i++) {
+        if ((rc = mdb_dbi_open(txn, others[i], 0, &dbi)) == 0 &&
+            (rc = tree_pages(txn, dbi, &pages, &entries)) == 0) {
+            used -= pages;
+            if (slot[i] >= 0) {
+                b[slot[i]] = pages * es.ms_psize, e[slot[i]] = entries;
+            }
+        }
+    }
+    if (rc == 0 && (rc = mdb_dbi_open(txn, "tomb_buckets", 0, &dbi)) == 0 &&
+        (rc = tree_pages(txn, dbi, &pages, &e[1])) == 0) {
+        b[1] = used * es.ms_psize;
+    }
+    return rc;
+}
+
+/* stat_dbs of the store at dir (closed: one env per process). */
+static int db_bytes(const char *dir, size_t b[3], size_t e[3])
 {
     MDB_env *env;
     MDB_txn *txn;
-    MDB_dbi dbi;
-    MDB_stat s;
     int rc = mdb_env_create(&env);
     if (rc == 0 && (rc = mdb_env_set_maxdbs(env, 64)) == 0 &&
         (rc = mdb_env_set_mapsize(env, 1ull << 30)) == 0 &&
         (rc = mdb_env_open(env, dir, MDB_RDONLY, 0600)) == 0 &&
         (rc = mdb_txn_begin(env, NULL, MDB_RDONLY, &txn)) == 0) {
-        if ((rc = mdb_dbi_open(txn, name, 0, &dbi)) == 0 && (rc = mdb_stat(txn, dbi, &s)) == 0) {
-            *bytes = (s.ms_branch_pages + s.ms_leaf_pages + s.ms_overflow_pages) * s.ms_psize;
-            *entries = s.ms_entries;
-        }
+        rc = stat_dbs(txn, env, b, e);
         mdb_txn_abort(txn);
     }
     mdb_env_close(env);
     if (rc != 0) {
-        fprintf(stderr, "tombstone-bytes: %s: %s\n", name, mdb_strerror(rc));
+        fprintf(stderr, "tombstone-bytes: databases: %s\n", mdb_strerror(rc));
     }
     return rc != 0;
 }
@@ -150,7 +215,7 @@ int main(int argc, char **argv)
     const uint64_t t0 = 1000000, keep = 7ull * 24 * 3600 * 1000;
     char dir[] = "/tmp/idemrpc-tombstone-bytes-XXXXXX";
     idem_store *st;
-    size_t swept, tb = 0, te = 0, ib = 0, ie = 0;
+    size_t swept, b[3] = {0}, e[3] = {0};
     double made_s, gone_s;
     if (mkdtemp(dir) == NULL) {
         perror("idemrpc-tombstone-bytes: mkdtemp");
@@ -165,17 +230,19 @@ int main(int argc, char **argv)
         return 1;
     }
     idem_store_close(st);
-    if (db_bytes(dir, "tombs", &tb, &te) != 0 || db_bytes(dir, "expiry", &ib, &ie) != 0) {
+    if (db_bytes(dir, b, e) != 0) {
         return 1;
     }
+    size_t tombs = e[0] + e[1];
     printf("tombstones %zu (records swept %zu, %zu-byte responses, %llu expiry times, batches "
            "of %zu)\n",
-           te, swept, len, (unsigned long long)spread, batch);
+           tombs, swept, len, (unsigned long long)spread, batch);
     /* What the expiry index still holds after the records went is the tombstones' (the
      * first layout's entries; none for the present one). */
-    printf("tombstone_bytes   tombs db %.1f B/tombstone + expiry db %.1f B (%zu entries) = "
-           "%.1f B\n",
-           (double)tb / (double)te, (double)ib / (double)te, ie, (double)(tb + ib) / (double)te);
+    printf("tombstone_bytes   tombs db %.1f + tomb_buckets db %.1f + expiry db %.1f B "
+           "(%zu entries) = %.1f B/tombstone\n",
+           (double)b[0] / (double)tombs, (double)b[1] / (double)tombs, (double)b[2] / (double)tombs,
+           e[2], (double)(b[0] + b[1] + b[2]) / (double)tombs);
     printf("sweep_to_tomb     %.2f us per record (delete record and its entry, write tombstone)\n",
            made_s * 1e6 / (double)swept);
     if (idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NOSYNC) != IDEM_OK) {

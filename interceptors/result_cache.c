@@ -166,7 +166,7 @@ static bool other_request_on_disk(const idem_cache_cfg *cfg, const idem_key_ref 
     idem_record_clear(&rec);
     if (code == IDEM_NOT_FOUND) { /* or the tombstone it left (whichever horizon found it) */
         code = idem_store_tombstone_get(cfg->store, key, &t);
-        other = code == IDEM_OK && memcmp(t.fingerprint, fingerprint, IDEM_TOMBSTONE_FP_LEN) != 0;
+        other = code == IDEM_OK && !idem__tomb_same(&t, fingerprint);
         code = code == IDEM_UNIMPLEMENTED ? IDEM_NOT_FOUND : code;
     }
     return other || (code != IDEM_OK && code != IDEM_NOT_FOUND); /* unreadable: as decided */

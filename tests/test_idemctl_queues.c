@@ -13,13 +13,17 @@
 
 #include "testutil.h"
 
-/* Runs idemctl (the store's --db or --pg, then args, NULL-terminated) and returns its
- * exit status; out gets its stdout and stderr (NUL-terminated, cut at cap). */
+/* Runs idemctl (the store's --db or --pg, --pooler through tests/pooled.sh, then args,
+ * NULL-terminated) and returns its exit status; out gets its stdout and stderr
+ * (NUL-terminated, cut at cap). */
 static int run_ctl(const tu_backend *b, char *out, size_t cap, const char *const *args)
 {
     const char *argv[16] = {getenv("IDEMCTL"), b->dir ? "--db" : "--pg",
                             b->dir ? b->dir : b->conninfo};
     size_t n = 3;
+    if (b->dir == NULL && tu_pg_pooler()) {
+        argv[n++] = "--pooler";
+    }
     for (; *args != NULL && n < 15; args++) {
         argv[n++] = *args;
     }

@@ -103,11 +103,19 @@ Test(restart, abandoned_claim_is_reclaimed_after_its_lease)
     tu_server_destroy(&ts, false);
 }
 
-/* Puts the tombstone of ref as the first layout wrote it (0.4.0 before its 33-byte one:
- * 44 bytes, and an expiry entry 'T' at until) into the closed store at dir. */
-static void put_first_layout_tombstone(const char *dir, const idem_key_ref *ref,
-                                       const uint8_t fp[IDEM_TOMBSTONE_FP_LEN], uint64_t first_at,
-                                       uint64_t expired_at, uint64_t until)
+static void put_be(uint8_t *p, uint64_t v, int n)
+{
+    for (int i = n - 1; i >= 0; i--, v >>= 8) {
+        p[i] = (uint8_t)v;
+    }
+}
+
+/* Puts the tombstone of ref into "tombs" of the closed store at dir, as an earlier
+ * release wrote it: the first layout (44 bytes, and an expiry entry 'T' at until), or
+ * 6b9f435's (33 bytes: fingerprint ‖ code ‖ be48 expired_at ‖ be40 kept ‖ be40 ran). */
+static void put_old_tombstone(const char *dir, const idem_key_ref *ref, bool first,
+                              const uint8_t fp[IDEM_TOMBSTONE_FP_LEN], uint64_t first_at,
+                              uint64_t expired_at, uint64_t until)
 {
     MDB_env *env;
     MDB_txn *txn;
@@ -117,14 +125,22 @@ static void put_first_layout_tombstone(const char *dir, const idem_key_ref *ref,
     cr_assert_eq(idem__lmdb_rec_key_make(&rk, ref), IDEM_OK);
     cr_assert(idem__sha256((const void *const[]){rk.bytes}, (const size_t[]){rk.len}, 1, digest));
     memcpy(tv, fp, 16);
-    idem__put_be64(tv + 16, first_at);
-    idem__put_be64(tv + 24, expired_at);
-    idem__put_be64(tv + 32, until);
-    idem__put_be32(tv + 40, IDEM_OK);
+    if (first) {
+        idem__put_be64(tv + 16, first_at);
+        idem__put_be64(tv + 24, expired_at);
+        idem__put_be64(tv + 32, until);
+        idem__put_be32(tv + 40, IDEM_OK);
+    } else {
+        tv[16] = IDEM_OK;
+        put_be(tv + 17, expired_at, 6);
+        put_be(tv + 23, until - expired_at, 5);
+        put_be(tv + 28, expired_at - first_at, 5);
+    }
     iv[0] = 'T';
     memcpy(iv + 1, digest, 16);
     cr_assert_eq(idem__lmdb_index_key(ik, until, digest, 16), 0);
-    MDB_val k = {16, digest}, v = {sizeof(tv), tv}, xk = {sizeof(ik), ik}, xv = {sizeof(iv), iv};
+    MDB_val k = {16, digest}, v = {first ? 44 : 33, tv}, xk = {sizeof(ik), ik},
+            xv = {sizeof(iv), iv};
     cr_assert_eq(mdb_env_create(&env), 0);
     cr_assert_eq(mdb_env_set_maxdbs(env, 64), 0);
     cr_assert_eq(mdb_env_open(env, dir, 0, 0600), 0);
@@ -132,15 +148,17 @@ static void put_first_layout_tombstone(const char *dir, const idem_key_ref *ref,
     cr_assert_eq(mdb_dbi_open(txn, "tombs", 0, &tombs), 0);
     cr_assert_eq(mdb_dbi_open(txn, "expiry", 0, &expiry), 0);
     cr_assert_eq(mdb_put(txn, tombs, &k, &v, 0), 0);
-    cr_assert_eq(mdb_put(txn, expiry, &xk, &xv, 0), 0);
+    if (first) {
+        cr_assert_eq(mdb_put(txn, expiry, &xk, &xv, 0), 0);
+    }
     cr_assert_eq(mdb_txn_commit(txn), 0);
     mdb_env_close(env);
 }
 
-/* An LMDB store whose tombstones the first layout wrote (before the 33-byte one, no
- * migration): a new server answers the late duplicate from one, and the sweep deletes it
- * at its until through its expiry entry. */
-Test(restart, tombstones_of_the_first_layout_answer_and_are_swept)
+/* An LMDB store whose tombstone an earlier layout wrote (no migration): a new server
+ * answers the late duplicate from it, and the sweep deletes it at its until: the first
+ * layout's through its expiry entry, 6b9f435's by the scan of "tombs". */
+static void old_layout_answers_and_is_swept(bool first)
 {
     char *dir = tu_tempdir("tomb_layout");
     idem_store *st;
@@ -150,7 +168,7 @@ Test(restart, tombstones_of_the_first_layout_answer_and_are_swept)
     idem_key_ref ref = {"", "test.Pay/Charge", "charge-3"};
     uint8_t fp[IDEM_FINGERPRINT_LEN];
     idem__fingerprint("test.Pay/Charge", "100", 3, fp);
-    put_first_layout_tombstone(dir, &ref, fp, now - 2000, now - 1000, until);
+    put_old_tombstone(dir, &ref, first, fp, now - 2000, now - 1000, until);
 
     tu_server ts;
     idem_result r;
@@ -169,9 +187,21 @@ Test(restart, tombstones_of_the_first_layout_answer_and_are_swept)
     cr_assert_eq(idem_store_tombstone_get(st, &ref, &t), IDEM_OK, "%s", idem_errmsg());
     cr_expect_eq(t.until_ms, until);
     cr_expect_eq(t.first_at_ms, now - 2000);
+    cr_assert_eq(idem_store_sweep(st, until - 1, 10, &n), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(n, 0, "the sweep before its until deleted %zu", n);
     cr_assert_eq(idem_store_sweep(st, until, 10, &n), IDEM_OK, "%s", idem_errmsg());
     cr_expect_eq(n, 1, "the sweep at its until deleted %zu", n);
     cr_expect_eq(idem_store_tombstone_get(st, &ref, &t), IDEM_NOT_FOUND);
     idem_store_close(st);
     tu_rmtree(dir);
+}
+
+Test(restart, tombstones_of_the_first_layout_answer_and_are_swept)
+{
+    old_layout_answers_and_is_swept(true);
+}
+
+Test(restart, tombstones_of_the_33_byte_layout_answer_and_are_swept)
+{
+    old_layout_answers_and_is_swept(false);
 }

@@ -434,7 +434,7 @@ static int cmd_delete(idem_store *st, const args *a)
 static idem_code open_store(const args *a, bool writes, idem_store **st)
 {
     if (a->pg != NULL) {
-        idem_pg_opts o = {.pool_size = 1, .existing = true};
+        idem_pg_opts o = {.pool_size = 1, .existing = true, .pooler = a->pooler};
         return idem_store_open_postgres_ex(st, a->pg, &o);
     }
     /* map_size 0: LMDB keeps the size the store was created with when it is larger. */

@@ -12,6 +12,7 @@ typedef struct args {
     const char *db, *pg, *cmd, *caller, *state, *method, *key;
     const char *digest; /* show --digest: lowercase hex prefix of SHA-256(key) */
     bool json, force, expired, caller_set, limit_set;
+    bool pooler;   /* --pg through a transaction-mode pooler: idem_pg_opts.pooler */
     bool lapsed;   /* list: IN_PROGRESS records whose lease has passed */
     long older_ms; /* list: IN_PROGRESS records claimed at least this long ago; -1 = any */
     long limit;

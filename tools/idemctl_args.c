@@ -25,7 +25,8 @@ void idemctl_usage(FILE *f)
                "       idemctl STORE [--json] purge --expired\n"
                "       idemctl STORE [--json] delete METHOD KEY [--caller C] [--force]\n"
                "  STORE is --db DIR (LMDB) or --pg CONNINFO (PostgreSQL, a libpq conninfo as\n"
-               "  the servers take it: 'host=H dbname=D' or postgres://...);\n"
+               "  the servers take it: 'host=H dbname=D' or postgres://...); --pooler: a pooler\n"
+               "  in transaction mode (PgBouncer) is in front of it (no prepared statements);\n"
                "  options may come before or after the command; --limit defaults to 100;\n"
                "  show without --caller finds the record of any caller; --digest HEX finds\n"
                "  records by the key digest of a log line (key=HEX, a SHA-256 prefix);\n"
@@ -80,6 +81,10 @@ static bool check_args(const args *a, int npos)
         fprintf(stderr, "idemctl: name one store: --db DIR or --pg CONNINFO\n");
         return false;
     }
+    if (a->pooler && a->pg == NULL) {
+        fprintf(stderr, "idemctl: --pooler is an option of --pg CONNINFO\n");
+        return false;
+    }
     if (a->cmd == NULL) {
         fprintf(stderr, "idemctl: no command (stats, list, show, outbox, markers, journals, "
                         "purge, delete)\n");
@@ -110,6 +115,9 @@ static bool parse_option(int opt, const char *v, args *a)
         return true;
     case 'p':
         a->pg = v;
+        return true;
+    case 'P':
+        a->pooler = true;
         return true;
     case 'c':
         a->caller = v;
@@ -158,6 +166,7 @@ static bool parse_option(int opt, const char *v, args *a)
 /* The long options of parse. */
 static const struct option longs[] = {{"db", required_argument, NULL, 'd'},
                                       {"pg", required_argument, NULL, 'p'},
+                                      {"pooler", no_argument, NULL, 'P'},
                                       {"caller", required_argument, NULL, 'c'},
                                       {"state", required_argument, NULL, 's'},
                                       {"limit", required_argument, NULL, 'n'},

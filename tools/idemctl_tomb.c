@@ -19,7 +19,9 @@ static void hex(const uint8_t *b, size_t n, char *out)
 static void print_tomb(const idem_key_ref *k, const idem_tombstone *t, bool json)
 {
     char fp[2 * IDEM_TOMBSTONE_FP_LEN + 1];
-    hex(t->fingerprint, IDEM_TOMBSTONE_FP_LEN, fp);
+    size_t kept = t->fingerprint_len; /* 0: all */
+    hex(t->fingerprint, kept > 0 && kept < IDEM_TOMBSTONE_FP_LEN ? kept : IDEM_TOMBSTONE_FP_LEN,
+        fp);
     if (!json) {
         printf("caller: %s\nmethod: %s\nkey: %s\nstate: TOMBSTONE (result expired)\n"
                "outcome: %s\nfingerprint: %s…\nfirst_at_ms: %" PRIu64 "\nexpired_at_ms: %" PRIu64

@@ -241,7 +241,9 @@ IDEM_API idem_code idem_store_delete(idem_store *st, const idem_key_ref *key);
 
 /* A tombstone: what the sweep keeps of a COMPLETED record whose result expired, while
  * a server's tombstone horizon runs (idem_server_opts.tombstone_ttl_ms). Keyed by a hash
- * of the effective key; it keeps half of the request's fingerprint. */
+ * of the effective key; it keeps the first fingerprint_len bytes of the request's
+ * fingerprint: 16 on PostgreSQL, 8 on LMDB (another request under the key is taken for
+ * the first with probability 2^-64). */
 #define IDEM_TOMBSTONE_FP_LEN 16
 typedef struct idem_tombstone {
     uint8_t fingerprint[IDEM_TOMBSTONE_FP_LEN]; /* the first bytes of the request's */
@@ -249,6 +251,7 @@ typedef struct idem_tombstone {
     uint64_t first_at_ms;                       /* when the call first ran */
     uint64_t expired_at_ms;                     /* when its result expired */
     uint64_t until_ms;                          /* when the sweep deletes it */
+    size_t fingerprint_len; /* bytes of fingerprint kept, the rest 0; 0: all 16 */
 } idem_tombstone;
 /* The key's tombstone (operator tools); IDEM_NOT_FOUND when it has none, and
  * IDEM_UNIMPLEMENTED on a backend without tombstones. */

@@ -230,6 +230,8 @@ idem_code idem__store_tomb_keep(idem_store *st, uint64_t keep_ms);
 /* Whether tombstone t answers claim req at now_ms: within req's horizon after the
  * result expired, and before t's own until. */
 bool idem__tomb_decides(const idem_tombstone *t, const idem_claim_req *req, uint64_t now_ms);
+/* Whether t was left by the request whose fingerprint is fp, as far as t kept it. */
+bool idem__tomb_same(const idem_tombstone *t, const uint8_t fp[IDEM_FINGERPRINT_LEN]);
 /* The claim's answer from a tombstone that decides it: IDEM_CLAIM_TOMBSTONE for the same
  * request, IDEM_CLAIM_MISMATCH for another; rec (may be NULL) gets the tombstone. */
 void idem__tomb_answer(const idem_tombstone *t, const idem_claim_req *req,

@@ -62,11 +62,17 @@ bool idem__tomb_decides(const idem_tombstone *t, const idem_claim_req *req, uint
            now_ms < idem__add_sat(t->expired_at_ms, req->tombstone_ttl_ms) && now_ms < t->until_ms;
 }
 
+bool idem__tomb_same(const idem_tombstone *t, const uint8_t fp[IDEM_FINGERPRINT_LEN])
+{
+    size_t n = t->fingerprint_len;
+    return memcmp(t->fingerprint, fp,
+                  n > 0 && n < IDEM_TOMBSTONE_FP_LEN ? n : IDEM_TOMBSTONE_FP_LEN) == 0;
+}
+
 void idem__tomb_answer(const idem_tombstone *t, const idem_claim_req *req,
                        idem_claim_outcome *outcome, idem_record *rec)
 {
-    bool same = memcmp(t->fingerprint, req->fingerprint, IDEM_TOMBSTONE_FP_LEN) == 0;
-    *outcome = same ? IDEM_CLAIM_TOMBSTONE : IDEM_CLAIM_MISMATCH;
+    *outcome = idem__tomb_same(t, req->fingerprint) ? IDEM_CLAIM_TOMBSTONE : IDEM_CLAIM_MISMATCH;
     if (rec != NULL) {
         memset(rec, 0, sizeof(*rec));
         rec->state = IDEM_REC_TOMBSTONE;

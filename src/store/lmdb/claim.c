@@ -138,7 +138,7 @@ static idem_code claim_apply(MDB_txn *txn, void *arg)
     if (owner == 0 && (code = idem__lmdb_next_fence(c->st, txn, &owner)) != IDEM_OK) {
         return code;
     }
-    if ((stale_tomb != 0 && (rc = idem__lmdb_tomb_delete(c->st, txn, c->key, stale_tomb)) != 0) ||
+    if ((stale_tomb != 0 && (rc = idem__lmdb_tomb_delete(c->st, txn, c->key)) != 0) ||
         (rc = claim_write(c->st, txn, c->key, &at, owner, have_old ? &old : NULL, &tok)) != 0) {
         return idem__lmdb_code(rc, "claim put");
     }

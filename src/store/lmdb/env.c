@@ -165,6 +165,11 @@ static int open_dbis(lmdb_store *st, bool ro, bool create)
         rc = mdb_dbi_open(txn, "tombs", ro ? 0 : MDB_CREATE, &st->tombs);
         st->has_tombs = rc == 0;
     }
+    if (rc == 0 || (ro && rc == MDB_NOTFOUND)) { /* tomb_db.c: the present layout's */
+        rc = mdb_dbi_open(txn, "tomb_buckets", MDB_DUPSORT | MDB_DUPFIXED | (ro ? 0 : MDB_CREATE),
+                          &st->tomb_buckets);
+        st->has_tomb_buckets = rc == 0;
+    }
     if (rc != 0 && !(ro && rc == MDB_NOTFOUND)) {
         mdb_txn_abort(txn);
         return rc;

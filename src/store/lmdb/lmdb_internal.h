@@ -25,7 +25,7 @@
  * records.c (record format, get/delete/foreach/stats), claim.c (claim, complete, release,
  * renew), fence.c (the fence counter of store-assigned owners), tokens.c (tokens and the
  * token an IN_PROGRESS record keeps), expiry.c (the expiry index), tombs.c (tombstones),
- * sweep.c (the sweep of what the index says is due), gate.c
+ * tomb_db.c (their layouts), sweep.c (the sweep of what the index says is due), gate.c
  * (the write gate: group commit, or the thread's own handler txn), txn.c (business
  * databases, idem_txn_* and the handler-txn ops); group commit
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
@@ -76,12 +76,14 @@ typedef struct app_db {
 typedef struct lmdb_store {
     idem_store base; /* first: the generic store */
     MDB_env *env;
-    MDB_dbi records, tokens, expiry, meta, tombs;
-    bool has_meta;  /* false only for a read-only open of a store older than "meta" */
-    bool has_tombs; /* false only for a read-only open of a store older than "tombs" */
+    MDB_dbi records, tokens, expiry, meta, tombs, tomb_buckets;
+    bool has_meta;         /* false only for a read-only open of a store older than "meta" */
+    bool has_tombs;        /* false only for a read-only open of a store older than "tombs" */
+    bool has_tomb_buckets; /* likewise, older than "tomb_buckets" (tomb_db.c) */
     _Atomic uint64_t tomb_keep_ms; /* how long the sweep keeps a tombstone; 0: none */
-    /* Where the sweep's scan of "tombs" goes on (tombs.c), under the write txn. */
-    uint8_t tomb_scan[IDEM__LMDB_TOMB_KEY_LEN];
+    /* Where the sweep's scans of "tombs" and "tomb_buckets" go on (tomb_db.c: key
+     * hashes), under the write txn. */
+    uint8_t tomb_scan[IDEM__LMDB_TOMB_KEY_LEN], bucket_scan[IDEM__LMDB_TOMB_KEY_LEN];
     bool read_only; /* IDEM_STORE_READONLY */
     idem_group_commit gc;
     /* The largest fence a shared claim's redo re-applied or tried to (claim.c): a redo
@@ -225,18 +227,30 @@ idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
                                const MDB_val *expired, const idem_claim_req *req,
                                idem_claim_outcome *outcome, idem_record *rec, bool *decided,
                                uint64_t *stale_until);
-/* rc-style. Deletes key's tombstone, whose expiry entry is at until. */
-int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t until);
+/* rc-style (MDB_NOTFOUND: none). Deletes key's tombstone, of any layout. */
+int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key);
 /* rc-style. The sweep of an expired record (v, at key): a COMPLETED one leaves its
  * tombstone when the store keeps them. */
 int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v);
-/* rc-style. The sweep's bounded scan of "tombs": deletes at most max that are due. */
-int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t max,
-                         size_t *deleted);
 idem_code idem__lmdb_tomb_keep(idem_store *base, uint64_t keep_ms);
 idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_tombstone *out);
 idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref);
 idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, void *arg);
+/* tomb_db.c: where a tombstone lives, by its key hash h (idem__lmdb_tomb_hash of the
+ * effective key; rc-style: ENOMEM), in any layout. find: IDEM_NOT_FOUND when none. */
+int idem__lmdb_tomb_hash(uint8_t h[IDEM__LMDB_TOMB_KEY_LEN], const void *key, size_t len);
+idem_code idem__lmdb_tomb_find(lmdb_store *st, MDB_txn *txn,
+                               const uint8_t h[IDEM__LMDB_TOMB_KEY_LEN], idem_tombstone *t);
+/* rc-style; MDB_NOTFOUND when h has none (one that does not decode is deleted too). */
+int idem__lmdb_tomb_remove(lmdb_store *st, MDB_txn *txn, const uint8_t h[IDEM__LMDB_TOMB_KEY_LEN]);
+/* rc-style. h's tombstone is t from now on, in the present layout. */
+int idem__lmdb_tomb_put(lmdb_store *st, MDB_txn *txn, const uint8_t h[IDEM__LMDB_TOMB_KEY_LEN],
+                        const idem_tombstone *t);
+/* rc-style. Visits every tombstone (key NULL, its hash), until fn returns false. */
+int idem__lmdb_tomb_walk(lmdb_store *st, MDB_txn *txn, idem_tombstone_visit_fn fn, void *arg);
+/* rc-style. The sweep's bounded scan of the tombstones: deletes at most max that are due. */
+int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t max,
+                         size_t *deleted);
 
 /* gate.c */
 idem_code idem__lmdb_write(lmdb_store *st, idem_write_fn fn, void *ctx);

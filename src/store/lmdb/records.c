@@ -262,6 +262,9 @@ idem_code idem__lmdb_stats(idem_store *base, idem_store_stats *out)
     if (st->has_tombs && (rc = mdb_stat(txn, st->tombs, &ms)) == 0) {
         out->tombstones = ms.ms_entries;
     }
+    if (st->has_tomb_buckets && (rc = mdb_stat(txn, st->tomb_buckets, &ms)) == 0) {
+        out->tombstones += ms.ms_entries;
+    }
     while ((rc = mdb_cursor_get(cur, &k, &v, out->records ? MDB_NEXT : MDB_FIRST)) == 0) {
         out->records++;
         rec_hdr h;

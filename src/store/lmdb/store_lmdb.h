@@ -2,7 +2,8 @@
 #ifndef IDEMRPC_STORE_LMDB_H
 #define IDEMRPC_STORE_LMDB_H
 
-#define IDEM_LMDB_MAX_DBS 34 /* named databases per env: 5 of idemrpc, 29 business (as in 0.1) */
+#define IDEM_LMDB_OWN_DBS 6 /* records, tokens, expiry, meta, tombs, tomb_buckets */
+#define IDEM_LMDB_MAX_DBS (IDEM_LMDB_OWN_DBS + 29) /* named databases per env: 29 business (0.1) */
 
 #include <stddef.h>
 #include <stdint.h>

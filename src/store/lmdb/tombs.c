@@ -10,101 +10,19 @@
  *     before its own until (the store's keep when it was swept): the sweep keeps each for
  *     the longest horizon of the servers on the store, each method reads its own;
  *   - an expired COMPLETED record the sweep has not reached answers as its tombstone. */
-#include <errno.h>
 #include <string.h>
 
 #include "lmdb_internal.h"
 
-/* A tombstone's value (33 bytes, tombs.c from 0.4.0 on): fingerprint[0..16] ‖ code
- * (1 byte) ‖ be48 expired_at ‖ be40 (until - expired_at) ‖ be40 (expired_at - first_at),
- * the differences saturated (34 years). It has no expiry entry: the sweep finds it by a
- * bounded scan of "tombs" (idem__lmdb_tomb_scan). The first layout (44 bytes:
- * fingerprint ‖ be64 first_at ‖ be64 expired_at ‖ be64 until ‖ be32 code, with an
- * expiry entry 'T' at until) is still read, and swept through its entry. */
-#define TOMB_LEN (IDEM_TOMBSTONE_FP_LEN + 1 + 6 + 5 + 5)
-#define TOMB_LEN_INDEXED (IDEM_TOMBSTONE_FP_LEN + 3 * 8 + 4)
-#define MAX40 ((UINT64_C(1) << 40) - 1)
-#define SCAN_PER_DELETE 8     /* a scan reads up to this many tombstones per one it may delete */
 #define KEEP_NAME "tomb_keep" /* meta: be64 the longest keep any server asked for */
 #define KEEP_NAME_LEN 9
 
-/* rc-style (ENOMEM): the tombstone's key, a hash of the effective key. */
-static int tomb_key(uint8_t out[IDEM__LMDB_TOMB_KEY_LEN], const void *key, size_t len)
-{
-    uint8_t digest[32];
-    if (!idem__sha256((const void *const[]){key}, (const size_t[]){len}, 1, digest)) {
-        return ENOMEM;
-    }
-    memcpy(out, digest, IDEM__LMDB_TOMB_KEY_LEN);
-    return 0;
-}
-
-static void put_be(uint8_t *p, uint64_t v, int n)
-{
-    for (int i = n - 1; i >= 0; i--, v >>= 8) {
-        p[i] = (uint8_t)v;
-    }
-}
-
-static uint64_t get_be(const uint8_t *p, int n)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) {
-        v = v << 8 | p[i];
-    }
-    return v;
-}
-
-static void tomb_encode(uint8_t out[TOMB_LEN], const idem_tombstone *t)
-{
-    uint64_t kept = t->until_ms - t->expired_at_ms, ran = t->expired_at_ms - t->first_at_ms;
-    memcpy(out, t->fingerprint, IDEM_TOMBSTONE_FP_LEN);
-    out[16] = (uint8_t)t->code;
-    put_be(out + 17, t->expired_at_ms, 6);
-    put_be(out + 23, kept < MAX40 ? kept : MAX40, 5);
-    put_be(out + 28, t->first_at_ms <= t->expired_at_ms && ran < MAX40 ? ran : MAX40, 5);
-}
-
-/* Either layout; *indexed: the first (it has an expiry entry at until). */
-static idem_code tomb_decode(const MDB_val *v, idem_tombstone *t, bool *indexed)
-{
-    const uint8_t *p = v->mv_data;
-    *indexed = v->mv_size == TOMB_LEN_INDEXED;
-    if (v->mv_size != TOMB_LEN && !*indexed) {
-        return idem__err(IDEM_DATA_LOSS, "tombstone has %zu bytes, not %d or %d", v->mv_size,
-                         TOMB_LEN, TOMB_LEN_INDEXED);
-    }
-    memcpy(t->fingerprint, p, IDEM_TOMBSTONE_FP_LEN);
-    if (*indexed) {
-        t->first_at_ms = idem__get_be64(p + 16);
-        t->expired_at_ms = idem__get_be64(p + 24);
-        t->until_ms = idem__get_be64(p + 32);
-        t->code = (idem_code)idem__get_be32(p + 40);
-        return IDEM_OK;
-    }
-    t->code = (idem_code)p[16];
-    t->expired_at_ms = get_be(p + 17, 6);
-    t->until_ms = t->expired_at_ms + get_be(p + 23, 5);
-    uint64_t ran = get_be(p + 28, 5);
-    t->first_at_ms = ran <= t->expired_at_ms ? t->expired_at_ms - ran : 0;
-    return IDEM_OK;
-}
-
 /* IDEM_NOT_FOUND when key has none (or the store is older than tombstones). */
-static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const void *key, size_t len,
-                           idem_tombstone *t)
+static idem_code tomb_read(lmdb_store *st, MDB_txn *txn, const rec_key *key, idem_tombstone *t)
 {
-    uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN];
-    bool indexed;
-    if (!st->has_tombs) {
-        return IDEM_NOT_FOUND;
-    }
-    int rc = tomb_key(kb, key, len);
-    MDB_val k = {sizeof(kb), kb}, v;
-    if (rc != 0 || (rc = mdb_get(txn, st->tombs, &k, &v)) != 0) {
-        return rc == MDB_NOTFOUND ? IDEM_NOT_FOUND : idem__lmdb_code(rc, "tombstone get");
-    }
-    return tomb_decode(&v, t, &indexed);
+    uint8_t h[IDEM__LMDB_TOMB_KEY_LEN];
+    int rc = idem__lmdb_tomb_hash(h, key->bytes, key->len);
+    return rc != 0 ? idem__lmdb_code(rc, "tombstone key") : idem__lmdb_tomb_find(st, txn, h, t);
 }
 
 /* The tombstone an expired COMPLETED record (v) stands for, kept for keep_ms. */
@@ -112,6 +30,7 @@ static void tomb_of_record(const MDB_val *v, uint64_t keep_ms, idem_tombstone *t
 {
     rec_hdr h;
     memcpy(&h, v->mv_data, sizeof(h));
+    memset(t, 0, sizeof(*t));
     memcpy(t->fingerprint, h.fingerprint, IDEM_TOMBSTONE_FP_LEN);
     t->first_at_ms = h.first_at_ms;
     t->expired_at_ms = h.expires_ms;
@@ -129,7 +48,7 @@ idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
     if (expired != NULL) {
         tomb_of_record(expired, UINT64_MAX, &t); /* not swept: the claim's horizon bounds it */
     } else {
-        idem_code code = tomb_read(st, txn, key->bytes, key->len, &t);
+        idem_code code = tomb_read(st, txn, key, &t);
         if (code != IDEM_OK) {
             return code == IDEM_NOT_FOUND ? IDEM_OK : code;
         }
@@ -144,15 +63,11 @@ idem_code idem__lmdb_tomb_look(lmdb_store *st, MDB_txn *txn, const rec_key *key,
     return IDEM_OK;
 }
 
-int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key, uint64_t until)
+int idem__lmdb_tomb_delete(lmdb_store *st, MDB_txn *txn, const rec_key *key)
 {
-    uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN];
-    int rc = tomb_key(kb, key->bytes, key->len);
-    MDB_val k = {sizeof(kb), kb};
-    if (rc != 0 || (rc = mdb_del(txn, st->tombs, &k, NULL)) != 0) {
-        return rc;
-    }
-    return idem__lmdb_index_del(st, txn, until, kb, sizeof(kb));
+    uint8_t h[IDEM__LMDB_TOMB_KEY_LEN];
+    int rc = idem__lmdb_tomb_hash(h, key->bytes, key->len);
+    return rc != 0 ? rc : idem__lmdb_tomb_remove(st, txn, h);
 }
 
 /* The keep "meta" holds (0: none). */
@@ -175,9 +90,9 @@ static uint64_t keep_of(lmdb_store *st, MDB_txn *txn)
 int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, const MDB_val *v)
 {
     rec_hdr h;
-    uint8_t kb[IDEM__LMDB_TOMB_KEY_LEN], vb[TOMB_LEN];
+    uint8_t kh[IDEM__LMDB_TOMB_KEY_LEN];
     idem_tombstone t;
-    if (!st->has_tombs || v->mv_size < sizeof(h)) {
+    if (!st->has_tomb_buckets || v->mv_size < sizeof(h)) {
         return 0;
     }
     memcpy(&h, v->mv_data, sizeof(h));
@@ -186,10 +101,8 @@ int idem__lmdb_tomb_leave(lmdb_store *st, MDB_txn *txn, const MDB_val *key, cons
         return 0;
     }
     tomb_of_record(v, keep, &t);
-    tomb_encode(vb, &t);
-    int rc = tomb_key(kb, key->mv_data, key->mv_size);
-    MDB_val k = {sizeof(kb), kb}, tv = {sizeof(vb), vb};
-    return rc != 0 ? rc : mdb_put(txn, st->tombs, &k, &tv, 0);
+    int rc = idem__lmdb_tomb_hash(kh, key->mv_data, key->mv_size);
+    return rc != 0 ? rc : idem__lmdb_tomb_put(st, txn, kh, &t);
 }
 
 static idem_code keep_apply(MDB_txn *txn, void *arg)
@@ -233,7 +146,7 @@ idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_to
     if (rc != 0) {
         return idem__lmdb_code(rc, "tombstone begin");
     }
-    code = tomb_read(st, txn, key.bytes, key.len, out);
+    code = tomb_read(st, txn, &key, out);
     idem__lmdb_read_end(st, txn);
     return code;
 }
@@ -241,13 +154,10 @@ idem_code idem__lmdb_tomb_get(idem_store *base, const idem_key_ref *ref, idem_to
 static idem_code tomb_del_apply(MDB_txn *txn, void *arg)
 {
     const write_args *w = arg;
-    idem_tombstone t;
-    idem_code code = tomb_read(w->st, txn, w->key.bytes, w->key.len, &t);
-    if (code != IDEM_OK) {
-        return code; /* refused before any write */
-    }
-    int rc = idem__lmdb_tomb_delete(w->st, txn, &w->key, t.until_ms);
-    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "tombstone delete");
+    int rc = idem__lmdb_tomb_delete(w->st, txn, &w->key);
+    return rc == 0              ? IDEM_OK
+           : rc == MDB_NOTFOUND ? idem__err(IDEM_NOT_FOUND, "no tombstone") /* no write */
+                                : idem__lmdb_code(rc, "tombstone delete");
 }
 
 idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref)
@@ -264,74 +174,17 @@ idem_code idem__lmdb_tomb_del(idem_store *base, const idem_key_ref *ref)
     return idem__lmdb_write(st, tomb_del_apply, &w);
 }
 
-/* In one read txn, in hash order; a tombstone that does not decode is skipped. */
+/* In one read txn: the earlier layouts' ("tombs"), then the present one's, each in hash
+ * order; a tombstone that does not decode is skipped. */
 idem_code idem__lmdb_tomb_foreach(idem_store *base, idem_tombstone_visit_fn fn, void *arg)
 {
     lmdb_store *st = (lmdb_store *)base;
     MDB_txn *txn;
-    MDB_cursor *cur;
-    MDB_val k, v;
-    idem_tombstone t;
-    bool indexed;
-    if (!st->has_tombs) {
-        return IDEM_OK;
-    }
     int rc = idem__lmdb_read_begin(st, &txn);
     if (rc != 0) {
         return idem__lmdb_code(rc, "tombstone walk begin");
     }
-    if ((rc = mdb_cursor_open(txn, st->tombs, &cur)) == 0) {
-        for (MDB_cursor_op op = MDB_FIRST; (rc = mdb_cursor_get(cur, &k, &v, op)) == 0;
-             op = MDB_NEXT) {
-            if (k.mv_size == IDEM_TOMBSTONE_KEY_HASH_LEN &&
-                tomb_decode(&v, &t, &indexed) == IDEM_OK && !fn(arg, NULL, k.mv_data, &t)) {
-                rc = MDB_NOTFOUND;
-                break;
-            }
-        }
-        mdb_cursor_close(cur);
-    }
+    rc = idem__lmdb_tomb_walk(st, txn, fn, arg);
     idem__lmdb_read_end(st, txn);
-    return rc == MDB_NOTFOUND ? IDEM_OK : idem__lmdb_code(rc, "tombstone walk");
-}
-
-/* Deletes, from the scan's position on, tombstones of this layout whose until <= now_ms:
- * at most max of them, reading at most SCAN_PER_DELETE · max; at the end of "tombs" the
- * next scan starts again from the first. The first layout's are left to their expiry
- * entries. The position is the process's, changed under the write txn (deletions rolled
- * back with it are met again on the next pass). A pass over N tombstones takes about
- * N / (SCAN_PER_DELETE · batch) sweeps: a tombstone outlives its until by at most that,
- * and answers no claim past it (idem__tomb_decides). */
-int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t max, size_t *deleted)
-{
-    MDB_cursor *cur;
-    MDB_val k = {sizeof(st->tomb_scan), st->tomb_scan}, v;
-    idem_tombstone t;
-    bool indexed;
-    size_t read = 0;
-    *deleted = 0;
-    if (!st->has_tombs || max == 0) {
-        return 0;
-    }
-    int rc = mdb_cursor_open(txn, st->tombs, &cur);
-    if (rc != 0) {
-        return rc;
-    }
-    for (rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
-         rc == 0 && *deleted < max && read < SCAN_PER_DELETE * max;
-         rc = mdb_cursor_get(cur, &k, &v, MDB_NEXT), read++) {
-        if (tomb_decode(&v, &t, &indexed) == IDEM_OK && !indexed && t.until_ms <= now_ms) {
-            if ((rc = mdb_cursor_del(cur, 0)) != 0) {
-                break;
-            }
-            ++*deleted; /* MDB_NEXT after a delete reads the entry after it (sweep.c too) */
-        }
-    }
-    if (rc == 0 && k.mv_size == sizeof(st->tomb_scan)) {
-        memcpy(st->tomb_scan, k.mv_data, sizeof(st->tomb_scan)); /* go on from there */
-    } else if (rc == MDB_NOTFOUND) {
-        memset(st->tomb_scan, 0, sizeof(st->tomb_scan)); /* the end: the next from the first */
-    }
-    mdb_cursor_close(cur);
-    return rc == MDB_NOTFOUND ? 0 : rc;
+    return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "tombstone walk");
 }

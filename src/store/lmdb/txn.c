@@ -93,7 +93,7 @@ static idem_code dbi_open_apply(MDB_txn *txn, void *arg)
     int rc = mdb_dbi_open(txn, a->db.name, MDB_CREATE, &a->db.dbi);
     if (rc == MDB_DBS_FULL) { /* refused before any write: the batch goes on */
         return idem__err(IDEM_FAILED_PRECONDITION, "at most %d business databases per store",
-                         IDEM_LMDB_MAX_DBS - 5);
+                         IDEM_LMDB_MAX_DBS - IDEM_LMDB_OWN_DBS);
     }
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "open database");
 }
