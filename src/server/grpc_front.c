@@ -96,11 +96,14 @@ static void answer_now(idem_gstream *s, idem_grpc *g, idem_served *sv)
     idem__dispatch_discard(sv);
 }
 
-/* grpc.health.v1.HealthCheckResponse{status: SERVING}, hand-encoded: field 1, varint 1. */
-static void health_check(idem_gstream *s)
+/* grpc.health.v1.HealthCheckResponse{status}, hand-encoded (field 1, varint): SERVING (1),
+ * or NOT_SERVING (2) once the server stops (every call is then refused UNAVAILABLE while
+ * running handlers finish: an orchestrator must route elsewhere). */
+static void health_check(idem_gstream *s, idem_grpc *g)
 {
-    static const uint8_t serving[] = {0x08, 0x01};
-    idem_gans a = {.status = IDEM_OK, .payload = serving, .len = sizeof(serving)};
+    static const uint8_t serving[] = {0x08, 0x01}, not_serving[] = {0x08, 0x02};
+    bool stopping = idem__dispatch_stopping(g->d);
+    idem_gans a = {.status = IDEM_OK, .payload = stopping ? not_serving : serving, .len = 2};
     idem__gstream_answer(s, &a);
 }
 
@@ -113,7 +116,7 @@ static void grpc_request_cb(idem_gstream *s, const idem_greq *r, void *arg)
     const char *err = NULL;
     size_t len;
     if (strcmp(r->method, HEALTH_CHECK) == 0) {
-        health_check(s);
+        health_check(s, g);
         return;
     }
     if (atomic_fetch_add(&g->pending, 1) >= g->max_pending) {
