@@ -43,9 +43,9 @@ typedef struct grpc_job {
  * after the call's wins; idempotent-replayed on a first run), so it is left out. */
 static bool reserved_name(const char *n)
 {
-    static const char *const names[] = {"content-type", "te", "connection", "keep-alive",
-                                        "proxy-connection", "transfer-encoding", "upgrade",
-                                        "host", "x-request-id", "idempotent-replayed"};
+    static const char *const names[] = {
+        "content-type",      "te",      "connection", "keep-alive",   "proxy-connection",
+        "transfer-encoding", "upgrade", "host",       "x-request-id", "idempotent-replayed"};
     if (n[0] == ':' || strncmp(n, "grpc-", 5) == 0) {
         return true;
     }
