@@ -230,7 +230,9 @@ static void start_recv(idem_gconn *c)
         conn_close_locked(c);
         return;
     }
-    nng_aio_set_timeout(c->rx, next > now ? duration(next - now) : 1);
+    nng_duration wait = next > now ? duration(next - now) : 1;
+    nng_aio_set_timeout(c->rx, wait);
+    c->rx_until = now + (uint64_t)wait;
     c->rx_pending = true;
     c->refs++;
     nng_stream_recv(c->st, c->rx);
@@ -247,7 +249,7 @@ static void rx_cb(void *arg)
         if (!received(c, c->in, nng_aio_count(c->rx))) {
             conn_close_locked(c);
         }
-    } else if (rv != NNG_ETIMEDOUT) {
+    } else if (rv != NNG_ETIMEDOUT && rv != NNG_ECANCELED) { /* canceled: see rearm_locked */
         conn_close_locked(c);
     }
     if (!c->closed) {
@@ -274,6 +276,18 @@ static void tx_cb(void *arg)
     conn_unlock(c);
 }
 
+/* The receive waits until the earliest deadline it knew of when it was armed; an answer
+ * from another thread starts its stream's sending clock (request_timeout_ms), usually
+ * earlier than the answer's bound the receive waits for: the receive is cancelled, and
+ * rx_cb re-arms it (expiring what is due) for the earliest deadline. */
+static void rearm_locked(idem_gconn *c)
+{
+    if (c->rx_pending && !c->closed &&
+        idem__mono_ms() + c->srv->cfg.request_timeout_ms < c->rx_until) {
+        nng_aio_cancel(c->rx);
+    }
+}
+
 void idem__gstream_answer(idem_gstream *s, const idem_gans *a)
 {
     idem_gconn *c = s->conn;
@@ -285,6 +299,7 @@ void idem__gstream_answer(idem_gstream *s, const idem_gans *a)
     } else if (s->phase == GS_WITH_FRONT) {
         idem__gsession_answer(s, a);
         flush_locked(c);
+        rearm_locked(c);
     } /* else answered DEADLINE_EXCEEDED already (answer_timeout_ms) */
     conn_unlock(c);
 }

@@ -123,6 +123,7 @@ struct idem_gconn {
     size_t n_streams;    /* allocated: open ones and those with the front */
     idem_gstream *ready; /* complete requests to hand to the front (next = link) */
     uint64_t idle_end;
+    uint64_t rx_until;      /* the pending receive's timeout (ms) */
     SSL *ssl;               /* TLS: its memory BIOs between the stream and the session */
     uint64_t handshake_end; /* TLS: the handshake is over by then, else the connection */
     uint8_t in[16384];

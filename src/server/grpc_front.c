@@ -10,6 +10,7 @@
  * in the trailers. grpc.health.v1.Health/Check is answered here, SERVING. At most
  * max_pending requests are queued or running; more get RESOURCE_EXHAUSTED. Over TLS
  * (grpc_tls.c) every call is the listener's caller, as on the other fronts. */
+#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,64 @@ typedef struct grpc_job {
     idem_grpc *g;
 } grpc_job;
 
+/* Names the answer's own headers and trailers carry (or HTTP/2 forbids): a call's
+ * metadata under one of them would change what the client reads (a second grpc-status
+ * after the call's wins; idempotent-replayed on a first run), so it is left out. */
+static bool reserved_name(const char *n)
+{
+    static const char *const names[] = {
+        "content-type",      "te",      "connection", "keep-alive",   "proxy-connection",
+        "transfer-encoding", "upgrade", "host",       "x-request-id", "idempotent-replayed"};
+    if (n[0] == ':' || strncmp(n, "grpc-", 5) == 0) {
+        return true;
+    }
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(names); i++) {
+        if (strcmp(n, names[i]) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool is_bin(const char *n, size_t nl)
+{
+    return nl > 4 && strcmp(n + nl - 4, "-bin") == 0;
+}
+
+/* The call's metadata as gRPC metadata into tr (from *n, at most cap): names lowercased
+ * (gRPC's are), reserved ones left out, "-bin" values base64 (gRPC's rule for binary
+ * values). Returns the strings' buffer (the caller frees it after the answer is queued;
+ * NULL: none, or out of memory and no metadata of the handler's). */
+static char *call_metadata(const idem_call *call, idem_gkv *tr, size_t *n, size_t cap)
+{
+    size_t bytes = 0;
+    for (size_t i = 0; i < call->meta_count; i++) {
+        size_t nl = strlen(call->meta[i].name), vl = strlen(call->meta[i].value);
+        bytes += nl + 1 + (is_bin(call->meta[i].name, nl) ? 4 * ((vl + 2) / 3) + 1 : 0);
+    }
+    char *buf = bytes > 0 ? malloc(bytes) : NULL, *p = buf;
+    for (size_t i = 0; buf != NULL && i < call->meta_count && *n < cap; i++) {
+        const char *name = call->meta[i].name, *value = call->meta[i].value;
+        size_t nl = strlen(name);
+        char *lower = p;
+        for (size_t k = 0; k <= nl; k++) {
+            lower[k] = (char)(name[k] >= 'A' && name[k] <= 'Z' ? name[k] - 'A' + 'a' : name[k]);
+        }
+        p += nl + 1;
+        if (strcmp(lower, "request-id") == 0 || reserved_name(lower)) {
+            continue;
+        }
+        if (is_bin(lower, nl)) {
+            int el = EVP_EncodeBlock((unsigned char *)p, (const unsigned char *)value,
+                                     (int)strlen(value));
+            value = p;
+            p += el + 1;
+        }
+        tr[(*n)++] = (idem_gkv){lower, value};
+    }
+    return buf;
+}
+
 /* The call's answer: its code, message, payload (OK), metadata as trailers. */
 static void answer_call(idem_gstream *s, const idem_call *call)
 {
@@ -46,18 +105,15 @@ static void answer_call(idem_gstream *s, const idem_call *call)
     if (call->replayed) {
         tr[n++] = (idem_gkv){"idempotent-replayed", "true"};
     }
-    for (size_t i = 0; i < call->meta_count && n < IDEM_ARRAY_LEN(tr); i++) {
-        if (strcmp(call->meta[i].name, "request-id") != 0) {
-            tr[n++] = (idem_gkv){call->meta[i].name, call->meta[i].value};
-        }
-    }
+    char *strings = call_metadata(call, tr, &n, IDEM_ARRAY_LEN(tr));
     idem_gans a = {.status = (int)call->code,
                    .message = call->code != IDEM_OK ? call->message : NULL,
                    .payload = call->payload,
                    .len = call->payload_len,
                    .trailers = tr,
                    .n_trailers = n};
-    idem__gstream_answer(s, &a);
+    idem__gstream_answer(s, &a); /* the trailers are copied */
+    free(strings);
 }
 
 static void grpc_job_free(grpc_job *j)
@@ -96,11 +152,14 @@ static void answer_now(idem_gstream *s, idem_grpc *g, idem_served *sv)
     idem__dispatch_discard(sv);
 }
 
-/* grpc.health.v1.HealthCheckResponse{status: SERVING}, hand-encoded: field 1, varint 1. */
-static void health_check(idem_gstream *s)
+/* grpc.health.v1.HealthCheckResponse{status}, hand-encoded (field 1, varint): SERVING (1),
+ * or NOT_SERVING (2) once the server stops (every call is then refused UNAVAILABLE while
+ * running handlers finish: an orchestrator must route elsewhere). */
+static void health_check(idem_gstream *s, idem_grpc *g)
 {
-    static const uint8_t serving[] = {0x08, 0x01};
-    idem_gans a = {.status = IDEM_OK, .payload = serving, .len = sizeof(serving)};
+    static const uint8_t serving[] = {0x08, 0x01}, not_serving[] = {0x08, 0x02};
+    bool stopping = idem__dispatch_stopping(g->d);
+    idem_gans a = {.status = IDEM_OK, .payload = stopping ? not_serving : serving, .len = 2};
     idem__gstream_answer(s, &a);
 }
 
@@ -113,7 +172,7 @@ static void grpc_request_cb(idem_gstream *s, const idem_greq *r, void *arg)
     const char *err = NULL;
     size_t len;
     if (strcmp(r->method, HEALTH_CHECK) == 0) {
-        health_check(s);
+        health_check(s, g);
         return;
     }
     if (atomic_fetch_add(&g->pending, 1) >= g->max_pending) {

@@ -6,7 +6,8 @@
  * output goes through SSL_write and the write BIO's bytes to the stream. The context
  * requires a client certificate signed by the listener's CA (every such client is the
  * listener's caller, as on the other fronts), TLS 1.2 or later, and ALPN "h2" (a client
- * that offers no h2 fails the handshake). */
+ * that offers ALPN without h2 fails the handshake; one that offers no ALPN at all is
+ * closed as soon as its handshake is done, before any HTTP/2 byte). */
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <stdio.h>
@@ -104,9 +105,23 @@ bool idem__gtls_feed(SSL *ssl, const void *p, size_t n)
     return n <= INT32_MAX && BIO_write(SSL_get_rbio(ssl), p, (int)n) == (int)n;
 }
 
+/* alpn_select runs only for a client that offers ALPN: one that offers none completes
+ * the handshake without it, and is refused here. */
+static bool alpn_h2(const SSL *ssl)
+{
+    const unsigned char *p;
+    unsigned int n;
+    SSL_get0_alpn_selected(ssl, &p, &n);
+    return n == 2 && p[0] == 'h' && p[1] == '2';
+}
+
 int idem__gtls_read(SSL *ssl, uint8_t *buf, size_t cap)
 {
     int r = SSL_read(ssl, buf, (int)cap);
+    if (SSL_is_init_finished(ssl) && !alpn_h2(ssl)) {
+        ERR_clear_error();
+        return -1; /* no ALPN h2: the connection ends */
+    }
     if (r > 0) {
         return r;
     }
