@@ -332,7 +332,9 @@ static void job_step(idem_dispatch *d, idem_job *job)
     bool answered = false;
     slot_give_back(job); /* a woken job is no longer parked */
     if (!job->parked_before) {
-        idem_run_opts opts = {.wire_reply = job->wire_reply, .frame_writable = job->frame_writable};
+        idem_run_opts opts = {.wire_reply = job->wire_reply,
+                              .frame_writable = job->frame_writable,
+                              .frame_built = job->frame_built};
         answered = run(d, job->frame, job->len, &job->peer, opts, rt->can_park, &job->s);
     } else if (call->fast_only) { /* the fast path began it: deferred, or claimed */
         call->suspend = IDEM__SUSPEND_NONE;

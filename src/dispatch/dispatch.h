@@ -37,6 +37,10 @@ struct idem_job {
     /* frame is the front's own buffer, not read again once decoded: the decoder may
      * write into it (idem__decode_request_arena). */
     bool frame_writable;
+    /* frame was built by a front (HTTP, gRPC) from a message it held to max_frame and
+     * headers it bounded itself: not held to max_frame again (its envelope adds the
+     * method, key and metadata to a message that may be max_frame bytes). */
+    bool frame_built;
     /* Optional: the front's count of its parked jobs and its bound (a parked nng job
      * keeps its context: the nng front parks at most half of them). */
     atomic_size_t *parked;
@@ -84,6 +88,7 @@ void idem__dispatch_discard(idem_served *s);
 typedef struct idem_run_opts {
     bool wire_reply;     /* the answer is sent as a serialized Response (idem_call) */
     bool frame_writable; /* as idem_job.frame_writable */
+    bool frame_built;    /* as idem_job.frame_built */
     bool fast_only;      /* an nng callback: see below */
     /* fast_only on behalf of an idem_job (out is its s): a new key's claim may be queued
      * for the store's writer thread, which hands the job back (the nng front only). */

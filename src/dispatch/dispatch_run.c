@@ -34,7 +34,7 @@ bool idem__dispatch_call_run(const idem_dispatch_cfg *cfg, const void *frame, si
     idem_code code;
 
     out->req = NULL;
-    if (len > cfg->max_frame) {
+    if (len > cfg->max_frame && !opts.frame_built) {
         code = idem__err(IDEM_RESOURCE_EXHAUSTED, "frame of %zu bytes exceeds the %zu byte limit",
                          len, cfg->max_frame);
     } else {

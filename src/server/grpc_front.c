@@ -196,6 +196,7 @@ static void grpc_request_cb(idem_gstream *s, const idem_greq *r, void *arg)
     j->job.frame = j->frame;
     j->job.len = len;
     j->job.frame_writable = true;
+    j->job.frame_built = true; /* the message <= max_frame, the metadata <= its bound */
     snprintf(j->job.peer.tls_caller, sizeof(j->job.peer.tls_caller), "%s", g->tls_caller);
     j->job.answer = grpc_job_answer;
     j->job.drop = grpc_job_drop;

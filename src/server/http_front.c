@@ -295,6 +295,7 @@ static void http_call(idem_hconn *c, idem_http *h, const idem_hreq *r, const voi
     j->h = h;
     j->job.frame = j->frame;
     j->job.len = len;
+    j->job.frame_built = true; /* the body <= max_frame, the head <= its bound */
     snprintf(j->job.peer.tls_caller, sizeof(j->job.peer.tls_caller), "%s", h->tls_caller);
     j->job.answer = http_job_answer;
     j->job.drop = http_job_drop;

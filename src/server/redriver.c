@@ -76,7 +76,8 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
     snprintf(peer.redriven_key, sizeof(peer.redriven_key), "%s", jc->key_ref.key);
     peer.redriven_deadline_ms = idem__add_sat(idem__rt_now_ms(r->cfg.rt), run_ms);
     /* Not sent anywhere: the answer is only logged (message included), so it is loaded. */
-    idem_run_opts opts = {.wire_reply = false, .frame_writable = false, .fast_only = false};
+    /* the stored request was accepted once: a front may have built it past max_frame */
+    idem_run_opts opts = {.wire_reply = false, .frame_writable = false, .frame_built = true};
     if (!idem__dispatch_run(r->cfg.dispatch, jc->request, jc->request_len, &peer, opts, &s)) {
         idem__dispatch_discard(&s); /* cannot happen: this call neither defers nor parks */
         return;
