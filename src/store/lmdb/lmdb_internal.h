@@ -81,9 +81,6 @@ typedef struct lmdb_store {
     bool has_tombs;        /* false only for a read-only open of a store older than "tombs" */
     bool has_tomb_buckets; /* likewise, older than "tomb_buckets" (tomb_db.c) */
     _Atomic uint64_t tomb_keep_ms; /* how long the sweep keeps a tombstone; 0: none */
-    /* Where the sweep's scans of "tombs" and "tomb_buckets" go on (tomb_db.c: key
-     * hashes), under the write txn. */
-    uint8_t tomb_scan[IDEM__LMDB_TOMB_KEY_LEN], bucket_scan[IDEM__LMDB_TOMB_KEY_LEN];
     bool read_only; /* IDEM_STORE_READONLY */
     idem_group_commit gc;
     /* The largest fence a shared claim's redo re-applied or tried to (claim.c): a redo

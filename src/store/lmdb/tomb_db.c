@@ -325,12 +325,42 @@ static int scan_db(lmdb_store *st, MDB_txn *txn, int d, uint8_t pos[HASH_LEN], u
     return rc == MDB_NOTFOUND ? 0 : rc;
 }
 
+/* Where the scan of database d goes on, kept in "meta" by the sweep's write txn (so that
+ * a process that opens the store, after a restart or as idemctl purge, goes on where
+ * the last one stopped; a rolled-back sweep leaves it as it was): a key hash, zero at
+ * first. */
+static const char *const scan_name[2] = {"tomb_scan", "bucket_scan"};
+
+static void scan_pos_get(lmdb_store *st, MDB_txn *txn, int d, uint8_t pos[HASH_LEN])
+{
+    MDB_val k = {strlen(scan_name[d]), (void *)scan_name[d]}, v;
+    memset(pos, 0, HASH_LEN);
+    if (st->has_meta && mdb_get(txn, st->meta, &k, &v) == 0 && v.mv_size == HASH_LEN) {
+        memcpy(pos, v.mv_data, HASH_LEN);
+    }
+}
+
+/* scan_db from the kept position of d, keeping where it stopped when that moved. */
+static int scan_kept(lmdb_store *st, MDB_txn *txn, int d, uint64_t now_ms, size_t max, size_t limit,
+                     size_t *read, size_t *deleted)
+{
+    uint8_t was[HASH_LEN], pos[HASH_LEN];
+    scan_pos_get(st, txn, d, was);
+    memcpy(pos, was, HASH_LEN);
+    int rc = scan_db(st, txn, d, pos, now_ms, max, limit, read, deleted);
+    if (rc == 0 && st->has_meta && memcmp(pos, was, HASH_LEN) != 0) {
+        MDB_val k = {strlen(scan_name[d]), (void *)scan_name[d]}, v = {HASH_LEN, pos};
+        rc = mdb_put(txn, st->meta, &k, &v, 0);
+    }
+    return rc;
+}
+
 /* Deletes, from each database's scan position on, tombstones whose until <= now_ms: at
  * most max of them, reading at most SCAN_PER_DELETE · max, half of that at most in
  * "tombs" (the earlier layouts, drained as they come due) and the rest in
  * "tomb_buckets"; at a database's end its next scan starts from its first. The first
- * layout's are left to their expiry entries. The positions are the process's, changed
- * under the write txn (deletions rolled back with it are met again on the next pass). A
+ * layout's are left to their expiry entries. The positions are kept in "meta" by the
+ * write txn (scan_kept: deletions rolled back with it are met again on the next pass). A
  * pass over N tombstones takes about N / (SCAN_PER_DELETE · batch / 2) sweeps at worst:
  * a tombstone outlives its until by at most that, and answers no claim past it
  * (idem__tomb_decides). */
@@ -340,10 +370,10 @@ int idem__lmdb_tomb_scan(lmdb_store *st, MDB_txn *txn, uint64_t now_ms, size_t m
     int rc = 0;
     *deleted = 0;
     if (max > 0 && st->has_tombs) {
-        rc = scan_db(st, txn, 0, st->tomb_scan, now_ms, max, limit / 2, &read, deleted);
+        rc = scan_kept(st, txn, 0, now_ms, max, limit / 2, &read, deleted);
     }
     if (rc == 0 && max > 0 && st->has_tomb_buckets) {
-        rc = scan_db(st, txn, 1, st->bucket_scan, now_ms, max, limit, &read, deleted);
+        rc = scan_kept(st, txn, 1, now_ms, max, limit, &read, deleted);
     }
     return rc;
 }
