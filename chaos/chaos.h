@@ -44,6 +44,9 @@
  * (http_max_conns: a few slow clients can fill it, as on a busy front). */
 #define CHAOS_HTTP_REQUEST_TIMEOUT_MS 1000
 #define CHAOS_HTTP_MAX_CONNS 4
+/* The servers' gRPC front (the slow_grpc fault, in a build with it): a request's HEADERS
+ * to its last DATA within this (idem_server_opts.grpc_request_timeout_ms). */
+#define CHAOS_GRPC_REQUEST_TIMEOUT_MS 1000
 
 typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG, CHAOS_NATS } chaos_topology;
 
@@ -62,6 +65,8 @@ typedef struct chaos_cfg {
     char pg_conninfo[1024];
     /* --slow-http-pct: P in 100 faults are slow_http (lmdb, pg); 0 = the usual mix */
     uint64_t slow_http_pct;
+    /* --slow-grpc-pct: G in 100 faults are slow_grpc (a build with the gRPC front) */
+    uint64_t slow_grpc_pct;
     const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
     const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */
 } chaos_cfg;

@@ -99,7 +99,7 @@ typedef struct rss_life {
 } rss_life;
 
 /* Fault kinds as the history names them; the last, "other", counts any other. */
-enum { F_N_KINDS = 11 };
+enum { F_N_KINDS = 12 };
 extern const char *const f_names[F_N_KINDS];
 
 typedef struct chaos_ck {

@@ -28,7 +28,7 @@
 typedef struct server {
     pid_t pid; /* 0 = not running */
     bool stopped;
-    char url[600], http[64]; /* its nng and HTTP fronts (a restart keeps them) */
+    char url[600], http[64], grpc[64]; /* its nng, HTTP, gRPC fronts (a restart keeps them) */
 } server;
 
 static server servers[CHAOS_SERVERS];
@@ -51,6 +51,11 @@ pid_t chaos_server_pid(size_t i)
 const char *chaos_server_http(size_t i)
 {
     return servers[i].http;
+}
+
+const char *chaos_server_grpc(size_t i)
+{
+    return servers[i].grpc;
 }
 
 const char *chaos_self_exe(void)
@@ -97,18 +102,25 @@ static bool server_start(size_t i)
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
     snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
     snprintf(redrive, sizeof(redrive), "%" PRIu64, cfg->redrive_ms);
+#ifdef CHAOS_HAVE_GRPC
+    const char *grpc_flag = "--grpc";
+#else
+    const char *grpc_flag = NULL; /* argv ends there: a build without the gRPC front */
+#endif
     const char *lmdb[] = {
-        self_exe,     "--serve",    "--listen",     servers[i].url, "--http", servers[i].http,
-        "--effects",  cfg->effects, "--lease-ms",   lease,          "--db",   store,
-        "--map-size", map,          "--redrive-ms", redrive,        NULL};
+        self_exe,     "--serve",    "--listen",     servers[i].url, "--http",  servers[i].http,
+        "--effects",  cfg->effects, "--lease-ms",   lease,          "--db",    store,
+        "--map-size", map,          "--redrive-ms", redrive,        grpc_flag, servers[i].grpc,
+        NULL};
     const char *via = cfg->pg;
 #ifdef CHAOS_HAVE_PG
     via = cfg->topology == CHAOS_PG ? pg_via[i] : cfg->pg;
 #endif
-    const char *pg[] = {self_exe,        "--serve",   "--listen",   servers[i].url, "--http",
-                        servers[i].http, "--effects", cfg->effects, "--lease-ms",   lease,
-                        "--pg",          via,         "--redis",    cfg->redis,     "--redrive-ms",
-                        redrive,         NULL};
+    const char *pg[] = {
+        self_exe,    "--serve",    "--listen",     servers[i].url, "--http",  servers[i].http,
+        "--effects", cfg->effects, "--lease-ms",   lease,          "--pg",    via,
+        "--redis",   cfg->redis,   "--redrive-ms", redrive,        grpc_flag, servers[i].grpc,
+        NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
         return false;
@@ -153,6 +165,7 @@ bool chaos_servers_start(const chaos_cfg *cfg)
         snprintf(servers[i].url, sizeof(servers[i].url), "ipc://%s/s%zu.ipc", cfg->dir, i);
         snprintf(servers[i].http, sizeof(servers[i].http), "http://127.0.0.1:%d",
                  chaos_free_port());
+        snprintf(servers[i].grpc, sizeof(servers[i].grpc), "tcp://127.0.0.1:%d", chaos_free_port());
 #ifdef CHAOS_HAVE_PG
         if (cfg->topology == CHAOS_PG && !chaos_pg_route(cfg, i, pg_via[i], sizeof(pg_via[i]))) {
             fprintf(stderr, "idemrpc-chaos: no way to the database for server %zu\n", i);
@@ -298,6 +311,9 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
         if (cfg->slow_http_pct > 0 && chaos_between(&rng, 1, 100) <= cfg->slow_http_pct) {
             pick = 6; /* slow_http; without the option no draw: a seed's schedule stays */
         }
+        if (cfg->slow_grpc_pct > 0 && chaos_between(&rng, 1, 100) <= cfg->slow_grpc_pct) {
+            pick = 9; /* slow_grpc, as above */
+        }
         if (cfg->topology == CHAOS_PG && pick >= 85) {
             fault_service(&rng, "redis_stop");
         } else if (cfg->topology == CHAOS_PG && pick >= 77) {
@@ -312,6 +328,10 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
 #endif
         } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
             chaos_fault_fill(&rng, cfg);
+#ifdef CHAOS_HAVE_GRPC
+        } else if (pick >= 9 && pick < 12 && servers[i].pid > 0) {
+            chaos_slow_grpc(&rng, i);
+#endif
         } else if (pick >= 6 && pick < 12 && servers[i].pid > 0) {
             chaos_slow_http(&rng, i);
         } else if (pick < 6) {
