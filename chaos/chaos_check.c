@@ -390,6 +390,8 @@ uint64_t chaos_check(const chaos_cfg *cfg)
         }
         printf("\n");
     }
+    printf("chaos: fronts: %" PRIu64 " of the calls through gRPC, the others through nng\n",
+           ck.grpc_calls);
     printf("chaos: %" PRIu64 " calls, %" PRIu64 " faults, %" PRIu64 " violations\n", ck.calls,
            ck.fault_count, ck.violations);
     return ck.violations;

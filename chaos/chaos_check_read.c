@@ -225,7 +225,10 @@ static void read_line(const char *line)
         chaos_history_field(line, "digest", digest, sizeof(digest));
         chaos_history_field(line, "body", body, sizeof(body));
         chaos_history_field(line, "t", t, sizeof(t));
+        char front[8] = "";
+        chaos_history_field(line, "front", front, sizeof(front));
         ck.calls++;
+        ck.grpc_calls += strcmp(front, "grpc") == 0;
         ck.bk.calls += e->book != NULL;
         if (strcmp(code, "RESOURCE_EXHAUSTED") == 0) {
             check_exhausted(e, strtoull(t, NULL, 10), body);

@@ -39,8 +39,6 @@ pid_t chaos_server_pid(size_t i);
 const char *chaos_server_http(size_t i);
 /* Slow and trickling HTTP clients against server i's HTTP front (chaos_faults_http.c). */
 void chaos_slow_http(uint64_t *rng, size_t i);
-/* Server i's gRPC front, tcp://127.0.0.1:PORT (passed to it as --grpc). */
-const char *chaos_server_grpc(size_t i);
 /* Trickling, silent and resetting HTTP/2 clients against server i's gRPC front
  * (chaos_faults_grpc.c, in a build with the gRPC front). */
 void chaos_slow_grpc(uint64_t *rng, size_t i);

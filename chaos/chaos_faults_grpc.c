@@ -15,10 +15,8 @@
  * check was answered SERVING (grpc-status 0): the checker wants no slow stream still
  * open (at least 5 s after its HEADERS, five request timeouts) and the check answered.
  * The calls carry keys no workload op has, and none is ever complete: no effect. */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
-#include <netinet/in.h>
 #include <nghttp2/nghttp2.h>
 #include <poll.h>
 #include <stdio.h>
@@ -54,18 +52,6 @@ typedef struct h2_conn {
 } h2_conn;
 
 static const uint8_t half_msg[] = {0, 0, 0, 0, 100, 'h', 'a', 'l', 'f'};
-
-static int connect_to(int port)
-{
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
 
 static ssize_t on_send(nghttp2_session *s, const uint8_t *data, size_t len, int flags, void *u)
 {
@@ -148,7 +134,7 @@ static bool conn_open(h2_conn *c, int kind, int port)
     nghttp2_session_callbacks *cb;
     memset(c, 0, sizeof(*c));
     c->kind = kind;
-    if ((c->fd = connect_to(port)) < 0 || nghttp2_session_callbacks_new(&cb) != 0) {
+    if ((c->fd = chaos_connect_local(port)) < 0 || nghttp2_session_callbacks_new(&cb) != 0) {
         return false;
     }
     nghttp2_session_callbacks_set_send_callback(cb, on_send);
