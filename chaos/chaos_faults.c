@@ -10,7 +10,9 @@
  * it as a violation). Only the fault thread touches the table while the run goes on;
  * chaos_faults_heal and chaos_servers_stop come after it.
  *
- * lmdb: the store agent's ballast and the fill fault are chaos_faults_fill.c. */
+ * lmdb: the store agent's ballast and the fill fault are chaos_faults_fill.c; both
+ * topologies: slow HTTP clients (chaos_faults_http.c) and, in a build with the gRPC
+ * front, slow gRPC clients (chaos_faults_grpc.c). */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
