@@ -275,6 +275,7 @@ static void slow_open(h2_conn *c, int port, size_t offs[2][GRPC_STREAMS], pid_t 
 {
     for (int k = 0; k < N_CONNS - 1; k++) {
         if (!conn_open(&c[k], k, port)) {
+            conn_close(&c[k]); /* the server refused it: nothing held */
             continue;
         }
         for (size_t s = 0; k != RESET && s < GRPC_STREAMS; s++) {

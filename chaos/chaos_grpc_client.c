@@ -202,11 +202,11 @@ static idem_code call_result(grpc_call *c, idem_code code, const char *why, idem
 
 idem_code chaos_grpc_call(int port, const idem_request *q, idem_result *r)
 {
-    grpc_call c = {.fd = chaos_connect_local(port)};
-    if (c.fd < 0 || q->payload_len > sizeof(c.req) - 5) {
-        if (c.fd >= 0) {
-            close(c.fd);
-        }
+    grpc_call c = {.fd = -1};
+    if (q->payload_len > sizeof(c.req) - 5) {
+        return call_result(&c, IDEM_INVALID_ARGUMENT, "grpc: a payload over 64 bytes", r);
+    }
+    if ((c.fd = chaos_connect_local(port)) < 0) {
         return call_result(&c, IDEM_UNAVAILABLE, "grpc: no connection", r);
     }
     nghttp2_session *s = session_new(&c);

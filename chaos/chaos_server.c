@@ -306,6 +306,29 @@ static int serve_usage(void)
     return CLI_USAGE_ERROR;
 }
 
+/* Where the value of the text option c goes (NULL: c takes no text). */
+static const char **serve_text(serve_opts *so, int c)
+{
+    switch (c) {
+    case 'l':
+        return &so->listen;
+    case 'h':
+        return &so->http;
+    case 'g':
+        return &so->grpc;
+    case 'd':
+        return &so->db;
+    case 'p':
+        return &so->pg;
+    case 'r':
+        return &so->redis;
+    case 'e':
+        return &so->effects;
+    default:
+        return NULL;
+    }
+}
+
 static bool serve_parse(int argc, char **argv, serve_opts *so)
 {
     static const struct option longs[] = {{"serve", no_argument, NULL, 'S'},
@@ -323,29 +346,13 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+        const char **text = serve_text(so, c);
+        if (text != NULL) {
+            *text = optarg;
+            continue;
+        }
         switch (c) {
         case 'S':
-            break;
-        case 'l':
-            so->listen = optarg;
-            break;
-        case 'h':
-            so->http = optarg;
-            break;
-        case 'g':
-            so->grpc = optarg;
-            break;
-        case 'd':
-            so->db = optarg;
-            break;
-        case 'p':
-            so->pg = optarg;
-            break;
-        case 'r':
-            so->redis = optarg;
-            break;
-        case 'e':
-            so->effects = optarg;
             break;
         case 'L':
             if (!cli_parse_u64("idemrpc-chaos", "--lease-ms", optarg, 1, 600000, &so->lease_ms)) {

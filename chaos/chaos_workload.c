@@ -54,7 +54,7 @@ static struct {
 static const chaos_cfg *cfg;
 
 #define GRPC_SHARE 4
-static _Thread_local uint64_t front_rng;
+static _Thread_local uint64_t front_rng; /* the thread's draws of a front: from its seed */
 
 typedef struct worker {
     pthread_t th;
@@ -168,9 +168,6 @@ static void record_recv(const op *o, const idem_result *r, idem_code code, const
 static int grpc_port(void)
 {
     int port = 0;
-    if (front_rng == 0) {
-        front_rng = cfg->seed * 0x9e3779b97f4a7c15ull ^ (uint64_t)(uintptr_t)&front_rng;
-    }
     uint64_t x = chaos_rand(&front_rng);
 #ifdef CHAOS_HAVE_GRPC
     if (x % GRPC_SHARE == 0) {
@@ -300,6 +297,7 @@ static op *generate(worker *w, bool *impatient)
 static void *worker_main(void *arg)
 {
     worker *w = arg;
+    front_rng = w->rng ^ 0x9e3779b97f4a7c15ull;
     while (!*w->stop) {
         copy c = {0};
         if (!pop(&c) && (c.o = generate(w, &c.impatient)) == NULL) {
@@ -383,6 +381,7 @@ static uint64_t settle_deadline; /* the settle pass is bounded too */
 static void *settle_main(void *arg)
 {
     worker *w = arg;
+    front_rng = w->rng ^ 0x9e3779b97f4a7c15ull;
     for (;;) {
         pthread_mutex_lock(&wl.mu);
         op *o = settle_next < wl.n_ops ? wl.ops[settle_next++] : NULL;
