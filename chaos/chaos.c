@@ -33,14 +33,15 @@
 static const char usage[] =
     "usage: idemrpc-chaos --topology lmdb|pg|nats --seconds N --seed S [--history FILE]\n"
     "                     [--clients K] [--lease-ms L] [--map-mib M] [--dir DIR]\n"
-    "                     [--redrive-ms R] [--slow-http-pct P]\n"
+    "                     [--redrive-ms R] [--slow-http-pct P] [--slow-grpc-pct G]\n"
     "       idemrpc-chaos --check --topology lmdb|pg|nats --dir DIR  (check a finished run again)\n"
     "  lmdb: two server processes on one LMDB directory; pg: two on one PostgreSQL\n"
     "  (IDEMRPC_TEST_PG) with Redis debounce (IDEMRPC_TEST_REDIS), faults through\n"
     "  IDEMRPC_SERVICES (scripts/services.sh). Defaults: 16 clients, 500 ms lease,\n"
     "  lmdb map of 32 MiB + 1 MiB per second of load, the servers' re-driver every\n"
     "  100 ms (--redrive-ms 0: off, to see the checker's liveness check fail);\n"
-    "  --slow-http-pct P: P in 100 faults are slow_http (lmdb, pg; 0: the usual mix).\n"
+    "  --slow-http-pct P: P in 100 faults are slow_http (lmdb, pg; 0: the usual mix);\n"
+    "  --slow-grpc-pct G: G in 100 are slow_grpc (a build with the gRPC front).\n"
     "  nats (a build with libnats): a nats-server -js of its own (nats-server on PATH),\n"
     "  two payment servers with outbox relays, two consumers on one durable; consumer\n"
     "  kill and stop, relay kill, broker restart; 4 clients unless --clients says.\n";
@@ -82,6 +83,7 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
                                           {"map-mib", required_argument, NULL, 'M'},
                                           {"redrive-ms", required_argument, NULL, 'R'},
                                           {"slow-http-pct", required_argument, NULL, 'P'},
+                                          {"slow-grpc-pct", required_argument, NULL, 'G'},
                                           {NULL, 0, NULL, 0}};
     bool topo = false, secs = false, seed = false;
     int c;
@@ -127,6 +129,11 @@ static int parse(int argc, char **argv, chaos_cfg *cfg, bool *done)
             break;
         case 'P':
             if (!cli_parse_u64(p, "--slow-http-pct", optarg, 0, 100, &cfg->slow_http_pct)) {
+                return usage_error(NULL);
+            }
+            break;
+        case 'G':
+            if (!cli_parse_u64(p, "--slow-grpc-pct", optarg, 0, 100, &cfg->slow_grpc_pct)) {
                 return usage_error(NULL);
             }
             break;

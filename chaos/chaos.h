@@ -26,6 +26,8 @@
 #include <stdio.h>
 #include <sys/types.h>
 
+#include <idemrpc/idemrpc.h>
+
 #define CHAOS_SERVERS 2
 #define CHAOS_ACCOUNTS 8
 #define CHAOS_INITIAL_BALANCE 1000
@@ -44,6 +46,9 @@
  * (http_max_conns: a few slow clients can fill it, as on a busy front). */
 #define CHAOS_HTTP_REQUEST_TIMEOUT_MS 1000
 #define CHAOS_HTTP_MAX_CONNS 4
+/* The servers' gRPC front (the slow_grpc fault, in a build with it): a request's HEADERS
+ * to its last DATA within this (idem_server_opts.grpc_request_timeout_ms). */
+#define CHAOS_GRPC_REQUEST_TIMEOUT_MS 1000
 
 typedef enum chaos_topology { CHAOS_LMDB, CHAOS_PG, CHAOS_NATS } chaos_topology;
 
@@ -62,6 +67,8 @@ typedef struct chaos_cfg {
     char pg_conninfo[1024];
     /* --slow-http-pct: P in 100 faults are slow_http (lmdb, pg); 0 = the usual mix */
     uint64_t slow_http_pct;
+    /* --slow-grpc-pct: G in 100 faults are slow_grpc (a build with the gRPC front) */
+    uint64_t slow_grpc_pct;
     const char *redis;    /* IDEMRPC_TEST_REDIS (pg topology) */
     const char *services; /* IDEMRPC_SERVICES: "bash …/services.sh" (pg faults) */
 } chaos_cfg;
@@ -73,6 +80,8 @@ uint64_t chaos_rand(uint64_t *state);
 uint64_t chaos_between(uint64_t *state, uint64_t lo, uint64_t hi); /* [lo, hi] */
 /* A port of 127.0.0.1 that was free a moment ago (-1: none). */
 int chaos_free_port(void);
+/* A blocking TCP connection to 127.0.0.1:port (-1: refused or no socket). */
+int chaos_connect_local(int port);
 /* FNV-1a 64 of bytes, for the payload digests of the history. */
 uint64_t chaos_digest(const void *p, size_t n);
 
@@ -96,6 +105,13 @@ bool chaos_history_field(const char *line, const char *name, char *buf, size_t c
 bool chaos_servers_start(const chaos_cfg *cfg);
 /* The i-th server's URL (ipc under cfg->dir). */
 const char *chaos_server_url(size_t i);
+/* Server i's gRPC front, tcp://127.0.0.1:PORT ("" on the nats topology). */
+const char *chaos_server_grpc(size_t i);
+#ifdef CHAOS_HAVE_GRPC
+/* One unary call of q through the gRPC front on 127.0.0.1:port (chaos_grpc_client.c),
+ * answered as idem_client_call answers (attempts 1); the caller clears r. */
+idem_code chaos_grpc_call(int port, const idem_request *q, idem_result *r);
+#endif
 /* Runs the seeded fault schedule until *stop; returns the number of faults injected. */
 uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop);
 

@@ -29,7 +29,9 @@
  *             life and its end, over a life of at least 20 s
  *   crashes   a server that died without being killed, or did not stop on SIGTERM
  *   http      (slow_http) a slow client's connection still open when the fault ended
- *             (5-8 s), or an ordinary request not answered while slow clients trickled
+ *             (5-8 s), or an ordinary request not answered while slow clients trickled;
+ *             (slow_grpc) a trickling or silent gRPC stream still open when the fault
+ *             ended, or the health check not answered meanwhile
  * The files of the checker: chaos_check.h. */
 #include <inttypes.h>
 #include <stdarg.h>
@@ -48,9 +50,9 @@ static const char *const x_names[X_N_KINDS] = {
     "the store refused the step's record for 10 s",
     "a run stopped before the step lost its claim, then ran it (record refused: ABORTED)",
     "their lease ran out by their owner's own count (it logged the lapse)"};
-const char *const f_names[F_N_KINDS] = {"kill",       "stop",      "fill",    "pg_restart",
-                                        "redis_stop", "partition", "slow_db", "hung_host",
-                                        "undo_crash", "slow_http", "other"};
+const char *const f_names[F_N_KINDS] = {"kill",       "stop",      "fill",      "pg_restart",
+                                        "redis_stop", "partition", "slow_db",   "hung_host",
+                                        "undo_crash", "slow_http", "slow_grpc", "other"};
 static const char *const v_names[] = {"answers", "effects", "callers", "records",
                                       "memory",  "crashes", "http"};
 
@@ -388,6 +390,8 @@ uint64_t chaos_check(const chaos_cfg *cfg)
         }
         printf("\n");
     }
+    printf("chaos: fronts: %" PRIu64 " of the calls through gRPC, the others through nng\n",
+           ck.grpc_calls);
     printf("chaos: %" PRIu64 " calls, %" PRIu64 " faults, %" PRIu64 " violations\n", ck.calls,
            ck.fault_count, ck.violations);
     return ck.violations;

@@ -99,7 +99,7 @@ typedef struct rss_life {
 } rss_life;
 
 /* Fault kinds as the history names them; the last, "other", counts any other. */
-enum { F_N_KINDS = 11 };
+enum { F_N_KINDS = 12 };
 extern const char *const f_names[F_N_KINDS];
 
 typedef struct chaos_ck {
@@ -114,6 +114,7 @@ typedef struct chaos_ck {
     rss_life *lives;
     size_t n_lives;
     uint64_t calls, fault_count, violations;
+    uint64_t grpc_calls;           /* of calls: answered through a gRPC front */
     uint64_t shown[8], excused[6]; /* excused: X_* */
     uint64_t kinds[F_N_KINDS];     /* faults by kind: f_names */
     uint64_t full_from, full_to;   /* the fill in effect (history order), or the last one */

@@ -98,12 +98,12 @@ static void read_rss(const char *line)
     }
 }
 
-/* The end of a slow_http fault (chaos_faults_http.c): no slow connection still open when
- * it ended (5-8 s after their first byte, more than twice the request timeout + 1 s:
- * one that waited for a free slot gets its own timeout), the ordinary request answered. */
-static void check_slow_http(const char *line)
+/* The end of a slow_http fault (chaos_faults_http.c) or a slow_grpc one
+ * (chaos_faults_grpc.c): no slow connection or stream still open when it ended (5-8 s
+ * after their first byte, more than twice the request timeout + 1 s: an HTTP client that
+ * waited for a free slot gets its own timeout), the ordinary request answered. */
+static void check_slow_front(const char *line, const char *const kinds[2], int timeout_ms)
 {
-    static const char *const kinds[2] = {"head", "refused"};
     char server[8] = "", field[24], held[24], open[8], probe[16] = "";
     chaos_history_field(line, "server", server, sizeof(server));
     chaos_history_field(line, "probe", probe, sizeof(probe));
@@ -115,16 +115,17 @@ static void check_slow_http(const char *line)
         chaos_history_field(line, field, open, sizeof(open));
         if (strtoull(open, NULL, 10) > 0) {
             ck_violation(V_HTTP,
-                         "server %s still held %s slow client connection(s) (%s) when the "
-                         "fault ended, %s ms after their first byte (request timeout %d ms)",
-                         server, open, kinds[k], held, CHAOS_HTTP_REQUEST_TIMEOUT_MS);
+                         "server %s still held %s slow client connection(s) or stream(s) (%s) "
+                         "when the fault ended, %s ms after their first byte (request timeout "
+                         "%d ms)",
+                         server, open, kinds[k], held, timeout_ms);
         }
     }
     if (strcmp(probe, "answered") != 0) {
         ck_violation(V_HTTP,
                      "server %s: an ordinary request was not answered while slow "
-                     "clients trickled",
-                     server);
+                     "clients trickled (%s)",
+                     server, kinds[0]);
     }
 }
 
@@ -146,8 +147,12 @@ static void read_fault(const char *line, bool end)
     } else if (strcmp(kind, "pg_restart") == 0 && ck.n_stalls < MAX_STALLS) {
         ck.stalls[ck.n_stalls++] = (stall){ck.restart_from, strtoull(t, NULL, 10)};
     }
+    static const char *const http_kinds[2] = {"head", "refused"};
+    static const char *const grpc_kinds[2] = {"trickle", "nodata"};
     if (end && strcmp(kind, "slow_http") == 0) {
-        check_slow_http(line);
+        check_slow_front(line, http_kinds, CHAOS_HTTP_REQUEST_TIMEOUT_MS);
+    } else if (end && strcmp(kind, "slow_grpc") == 0) {
+        check_slow_front(line, grpc_kinds, CHAOS_GRPC_REQUEST_TIMEOUT_MS);
     }
     if (end) {
         return;
@@ -220,7 +225,10 @@ static void read_line(const char *line)
         chaos_history_field(line, "digest", digest, sizeof(digest));
         chaos_history_field(line, "body", body, sizeof(body));
         chaos_history_field(line, "t", t, sizeof(t));
+        char front[8] = "";
+        chaos_history_field(line, "front", front, sizeof(front));
         ck.calls++;
+        ck.grpc_calls += strcmp(front, "grpc") == 0;
         ck.bk.calls += e->book != NULL;
         if (strcmp(code, "RESOURCE_EXHAUSTED") == 0) {
             check_exhausted(e, strtoull(t, NULL, 10), body);

@@ -10,10 +10,9 @@
  * it as a violation). Only the fault thread touches the table while the run goes on;
  * chaos_faults_heal and chaos_servers_stop come after it.
  *
- * lmdb: the agent (chaos_agent.c) opens the store before the servers and writes its
- * ballast once: everything but CHAOS_HEADROOM_BYTES of the map. A fill then only has to
- * write what is left of the headroom, and its end gives the headroom back, so the store
- * has room to grow between fills without a fill writing the whole map each time. */
+ * lmdb: the store agent's ballast and the fill fault are chaos_faults_fill.c; both
+ * topologies: slow HTTP clients (chaos_faults_http.c) and, in a build with the gRPC
+ * front, slow gRPC clients (chaos_faults_grpc.c). */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -31,7 +30,7 @@
 typedef struct server {
     pid_t pid; /* 0 = not running */
     bool stopped;
-    char url[600], http[64]; /* its nng and HTTP fronts (a restart keeps them) */
+    char url[600], http[64], grpc[64]; /* its nng, HTTP, gRPC fronts (a restart keeps them) */
 } server;
 
 static server servers[CHAOS_SERVERS];
@@ -40,12 +39,6 @@ static char pg_via[CHAOS_SERVERS][1200]; /* pg: each server's conninfo (chaos_pg
 #endif
 static char self_exe[PATH_MAX];
 static const chaos_cfg *run_cfg;
-
-/* The store agent (lmdb): its pid, its stdin and stdout. */
-static struct {
-    pid_t pid;
-    FILE *to, *from;
-} agent;
 
 const char *chaos_server_url(size_t i)
 {
@@ -60,6 +53,16 @@ pid_t chaos_server_pid(size_t i)
 const char *chaos_server_http(size_t i)
 {
     return servers[i].http;
+}
+
+const char *chaos_server_grpc(size_t i)
+{
+    return servers[i].grpc;
+}
+
+const char *chaos_self_exe(void)
+{
+    return self_exe;
 }
 
 size_t chaos_server_of(pid_t pid)
@@ -80,9 +83,7 @@ void chaos_server_event(const char *ev, const char *kind, size_t i, pid_t pid)
     chaos_history_event(ev, 3, f);
 }
 
-/* Runs in the forked child of a threaded process: everything is prepared before the
- * fork, the child only redirects and execs. */
-static void server_exec(const char *const *argv, int out_fd, int err_fd)
+void chaos_exec(const char *const *argv, int out_fd, int err_fd)
 {
     dup2(out_fd, STDOUT_FILENO);
     if (err_fd >= 0) {
@@ -103,18 +104,25 @@ static bool server_start(size_t i)
     snprintf(store, sizeof(store), "%s/store", cfg->dir);
     snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
     snprintf(redrive, sizeof(redrive), "%" PRIu64, cfg->redrive_ms);
+#ifdef CHAOS_HAVE_GRPC
+    const char *grpc_flag = "--grpc";
+#else
+    const char *grpc_flag = NULL; /* argv ends there: a build without the gRPC front */
+#endif
     const char *lmdb[] = {
-        self_exe,     "--serve",    "--listen",     servers[i].url, "--http", servers[i].http,
-        "--effects",  cfg->effects, "--lease-ms",   lease,          "--db",   store,
-        "--map-size", map,          "--redrive-ms", redrive,        NULL};
+        self_exe,     "--serve",    "--listen",     servers[i].url, "--http",  servers[i].http,
+        "--effects",  cfg->effects, "--lease-ms",   lease,          "--db",    store,
+        "--map-size", map,          "--redrive-ms", redrive,        grpc_flag, servers[i].grpc,
+        NULL};
     const char *via = cfg->pg;
 #ifdef CHAOS_HAVE_PG
     via = cfg->topology == CHAOS_PG ? pg_via[i] : cfg->pg;
 #endif
-    const char *pg[] = {self_exe,        "--serve",   "--listen",   servers[i].url, "--http",
-                        servers[i].http, "--effects", cfg->effects, "--lease-ms",   lease,
-                        "--pg",          via,         "--redis",    cfg->redis,     "--redrive-ms",
-                        redrive,         NULL};
+    const char *pg[] = {
+        self_exe,    "--serve",    "--listen",     servers[i].url, "--http",  servers[i].http,
+        "--effects", cfg->effects, "--lease-ms",   lease,          "--pg",    via,
+        "--redis",   cfg->redis,   "--redrive-ms", redrive,        grpc_flag, servers[i].grpc,
+        NULL};
     int err = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (pipe(fds) != 0) {
         return false;
@@ -122,7 +130,7 @@ static bool server_start(size_t i)
     pid_t pid = fork();
     if (pid == 0) {
         close(fds[0]);
-        server_exec(cfg->topology == CHAOS_LMDB ? lmdb : pg, fds[1], err);
+        chaos_exec(cfg->topology == CHAOS_LMDB ? lmdb : pg, fds[1], err);
     }
     if (err >= 0) {
         close(err);
@@ -142,87 +150,6 @@ static bool server_start(size_t i)
     return ready;
 }
 
-/* One command line to the agent (none: only read) and its one answer line. */
-static bool agent_ask(const char *cmd, char *answer, size_t cap)
-{
-    if (agent.pid <= 0) {
-        return false;
-    }
-    if (cmd != NULL && (fprintf(agent.to, "%s\n", cmd) < 0 || fflush(agent.to) != 0)) {
-        return false;
-    }
-    return fgets(answer, (int)cap, agent.from) != NULL;
-}
-
-/* The agent's answer "WORD BYTES FREE" to cmd: BYTES (-1 when it failed) and FREE. */
-static long long agent_bytes(const char *cmd, const char *word, long long *free_now)
-{
-    char answer[96], got[16];
-    long long n;
-    if (!agent_ask(cmd, answer, sizeof(answer)) ||
-        sscanf(answer, "%15s %lld %lld", got, &n, free_now) != 3 || strcmp(got, word) != 0) {
-        fprintf(stderr, "idemrpc-chaos: the store agent did not do '%s'\n", cmd);
-        return -1;
-    }
-    return n;
-}
-
-/* Starts the store agent (lmdb) on the store, before the servers, and writes its ballast:
- * the whole map but CHAOS_HEADROOM_BYTES. */
-static bool agent_start(const chaos_cfg *cfg)
-{
-    char store[600], map[24], err_log[700], answer[16] = "", cmd[48], bytes[24];
-    int in[2], out[2];
-    snprintf(store, sizeof(store), "%s/store", cfg->dir);
-    snprintf(map, sizeof(map), "%" PRIu64, cfg->map_mib << 20);
-    snprintf(err_log, sizeof(err_log), "%s/agent.log", cfg->dir);
-    const char *argv[] = {self_exe, "--agent", "--db",         store, "--map-size",
-                          map,      "--log",   cfg->agent_log, NULL};
-    int err = open(err_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
-        return false;
-    }
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(in[0], STDIN_FILENO);
-        server_exec(argv, out[1], err);
-    }
-    close(in[0]);
-    close(out[1]);
-    if (err >= 0) {
-        close(err);
-    }
-    agent.pid = pid;
-    agent.to = fdopen(in[1], "w");
-    agent.from = fdopen(out[0], "r");
-    if (pid <= 0 || agent.to == NULL || agent.from == NULL ||
-        !agent_ask(NULL, answer, sizeof(answer)) || strcmp(answer, "ready\n") != 0) {
-        return false;
-    }
-    long long free_now = 0;
-    snprintf(cmd, sizeof(cmd), "ballast %llu", CHAOS_HEADROOM_BYTES);
-    long long ballast = agent_bytes(cmd, "ballast", &free_now);
-    snprintf(bytes, sizeof(bytes), "%lld", ballast);
-    const char *f[] = {"bytes", bytes};
-    chaos_history_event("ballast", 1, f);
-    printf("chaos: store map %" PRIu64 " MiB, ballast %lld MiB, %lld MiB free\n", cfg->map_mib,
-           ballast >> 20, free_now >> 20);
-    fflush(stdout);
-    return ballast >= 0;
-}
-
-/* Closes the agent's stdin (it frees nothing more) and reaps it. */
-static void agent_stop(void)
-{
-    if (agent.pid <= 0) {
-        return;
-    }
-    fclose(agent.to);
-    fclose(agent.from);
-    waitpid(agent.pid, NULL, 0);
-    agent.pid = 0;
-}
-
 bool chaos_servers_start(const chaos_cfg *cfg)
 {
     run_cfg = cfg;
@@ -231,7 +158,7 @@ bool chaos_servers_start(const chaos_cfg *cfg)
         return false;
     }
     self_exe[n] = '\0';
-    if (cfg->topology == CHAOS_LMDB && !agent_start(cfg)) {
+    if (cfg->topology == CHAOS_LMDB && !chaos_agent_start(cfg)) {
         fprintf(stderr, "idemrpc-chaos: the store agent did not start (see %s/agent.log)\n",
                 cfg->dir);
         return false;
@@ -240,6 +167,7 @@ bool chaos_servers_start(const chaos_cfg *cfg)
         snprintf(servers[i].url, sizeof(servers[i].url), "ipc://%s/s%zu.ipc", cfg->dir, i);
         snprintf(servers[i].http, sizeof(servers[i].http), "http://127.0.0.1:%d",
                  chaos_free_port());
+        snprintf(servers[i].grpc, sizeof(servers[i].grpc), "tcp://127.0.0.1:%d", chaos_free_port());
 #ifdef CHAOS_HAVE_PG
         if (cfg->topology == CHAOS_PG && !chaos_pg_route(cfg, i, pg_via[i], sizeof(pg_via[i]))) {
             fprintf(stderr, "idemrpc-chaos: no way to the database for server %zu\n", i);
@@ -338,31 +266,6 @@ static void fault_stop(uint64_t *rng, size_t i)
     chaos_server_event("fault_end", "stop", i, servers[i].pid);
 }
 
-/* The store fills up: the agent pins LMDB's pages and writes until MDB_MAP_FULL; the
- * store stays full for 1-4 leases (no write txn can commit meanwhile), then the agent
- * ends the pin and deletes ballast until CHAOS_HEADROOM_BYTES are free again.
- * "fill_full" marks the moment the map was full. */
-static void fault_fill(uint64_t *rng)
-{
-    char cmd[48], bytes[24], freed[24], left[24];
-    long long free_now = 0;
-    const char *f[] = {"kind", "fill", "bytes", bytes, "free", left};
-    chaos_history_event("fault", 1, f);
-    snprintf(bytes, sizeof(bytes), "%lld", agent_bytes("fill", "full", &free_now));
-    snprintf(left, sizeof(left), "%lld", free_now);
-    chaos_history_event("fill_full", 3, f);
-    chaos_sleep_ms(chaos_between(rng, run_cfg->lease_ms, 4 * run_cfg->lease_ms));
-    snprintf(cmd, sizeof(cmd), "free %llu", CHAOS_HEADROOM_BYTES);
-    snprintf(freed, sizeof(freed), "%lld", agent_bytes(cmd, "freed", &free_now));
-    snprintf(left, sizeof(left), "%lld", free_now);
-    f[3] = freed;
-    chaos_history_event("fault_end", 3, f);
-    if (free_now < (long long)CHAOS_HEADROOM_BYTES / 2) {
-        fprintf(stderr, "idemrpc-chaos: the ballast is used up, %lld MiB free: raise --map-mib\n",
-                free_now >> 20);
-    }
-}
-
 void chaos_services(const chaos_cfg *cfg, const char *what)
 {
     char cmd[1024];
@@ -410,6 +313,9 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
         if (cfg->slow_http_pct > 0 && chaos_between(&rng, 1, 100) <= cfg->slow_http_pct) {
             pick = 6; /* slow_http; without the option no draw: a seed's schedule stays */
         }
+        if (cfg->slow_grpc_pct > 0 && chaos_between(&rng, 1, 100) <= cfg->slow_grpc_pct) {
+            pick = 9; /* slow_grpc, as above */
+        }
         if (cfg->topology == CHAOS_PG && pick >= 85) {
             fault_service(&rng, "redis_stop");
         } else if (cfg->topology == CHAOS_PG && pick >= 77) {
@@ -423,7 +329,11 @@ uint64_t chaos_faults_run(const chaos_cfg *cfg, const volatile bool *stop)
             chaos_pg_network(&rng, cfg, i, servers[i].pid, pick >= 60);
 #endif
         } else if (cfg->topology == CHAOS_LMDB && pick >= 75) {
-            fault_fill(&rng);
+            chaos_fault_fill(&rng, cfg);
+#ifdef CHAOS_HAVE_GRPC
+        } else if (pick >= 9 && pick < 12 && servers[i].pid > 0) {
+            chaos_slow_grpc(&rng, i);
+#endif
         } else if (pick >= 6 && pick < 12 && servers[i].pid > 0) {
             chaos_slow_http(&rng, i);
         } else if (pick < 6) {
@@ -458,11 +368,7 @@ void chaos_faults_heal(const chaos_cfg *cfg)
         }
     }
     if (cfg->topology == CHAOS_LMDB) {
-        char freed[24];
-        long long free_now;
-        snprintf(freed, sizeof(freed), "%lld", agent_bytes("free all", "freed", &free_now));
-        const char *f[] = {"bytes", freed};
-        chaos_history_event("ballast_freed", 1, f);
+        chaos_agent_free_all();
     }
 }
 
@@ -492,7 +398,7 @@ void chaos_servers_stop(void)
         }
         servers[i].pid = 0;
     }
-    agent_stop();
+    chaos_agent_stop();
 #ifdef CHAOS_HAVE_PG
     chaos_pg_stop();
 #endif

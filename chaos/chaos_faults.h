@@ -10,6 +10,19 @@
 
 #include "chaos.h"
 
+/* The running program (for the server processes it starts). */
+const char *chaos_self_exe(void);
+/* In the forked child of a threaded process (everything prepared before the fork): makes
+ * out_fd its stdout and err_fd (unless < 0) its stderr, and execs argv. Never returns. */
+void chaos_exec(const char *const *argv, int out_fd, int err_fd);
+/* ---- the lmdb store agent (chaos_faults_fill.c) ---- */
+/* Starts it on the store, before the servers, and writes its ballast. */
+bool chaos_agent_start(const chaos_cfg *cfg);
+/* The store fills up for 1-4 leases, then the headroom is freed again (fault "fill"). */
+void chaos_fault_fill(uint64_t *rng, const chaos_cfg *cfg);
+/* Frees the whole ballast (the heal); then closes its stdin and reaps it. */
+void chaos_agent_free_all(void);
+void chaos_agent_stop(void);
 /* A history event about server i (pid): {"ev":ev,"kind":kind,"server":i,"pid":pid}. */
 void chaos_server_event(const char *ev, const char *kind, size_t i, pid_t pid);
 /* The index of the server whose process is pid (CHAOS_SERVERS: none). */
@@ -26,6 +39,9 @@ pid_t chaos_server_pid(size_t i);
 const char *chaos_server_http(size_t i);
 /* Slow and trickling HTTP clients against server i's HTTP front (chaos_faults_http.c). */
 void chaos_slow_http(uint64_t *rng, size_t i);
+/* Trickling, silent and resetting HTTP/2 clients against server i's gRPC front
+ * (chaos_faults_grpc.c, in a build with the gRPC front). */
+void chaos_slow_grpc(uint64_t *rng, size_t i);
 /* Runs "$IDEMRPC_SERVICES what" (scripts/services.sh), complaining on failure. */
 void chaos_services(const chaos_cfg *cfg, const char *what);
 

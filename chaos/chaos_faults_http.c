@@ -15,10 +15,8 @@
  * request timeout of its own once accepted; a time measured here, on a loaded machine,
  * may lag the server's close, so only a connection never closed counts) and the
  * ordinary request answered. */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
@@ -41,18 +39,6 @@ static int http_port(size_t i)
 {
     int port = 0;
     return sscanf(chaos_server_http(i), "http://127.0.0.1:%d", &port) == 1 ? port : -1;
-}
-
-static int connect_to(int port)
-{
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
 }
 
 /* One round of conn c: drains what the server said, notices its close, sends a byte. */
@@ -81,7 +67,7 @@ static bool probe(int port)
 {
     static const char req[] = "GET /metrics HTTP/1.1\r\nHost: chaos\r\nConnection: close\r\n\r\n";
     char buf[16] = "";
-    int fd = connect_to(port);
+    int fd = chaos_connect_local(port);
     struct pollfd p = {.fd = fd, .events = POLLIN};
     bool answered = fd >= 0 && send(fd, req, sizeof(req) - 1, MSG_NOSIGNAL) > 0 &&
                     poll(&p, 1, PROBE_MS) == 1 && recv(fd, buf, sizeof(buf) - 1, 0) >= 12 &&
@@ -122,7 +108,7 @@ void chaos_slow_http(uint64_t *rng, size_t i)
     chaos_server_event("fault", "slow_http", i, pid);
     uint64_t start = chaos_now_ms(), end = start + chaos_between(rng, 5000, 8000);
     for (int k = 0; k < SLOW_CONNS; k++) {
-        c[k] = (slow_conn){connect_to(port), start, 0, heads[k % 2]};
+        c[k] = (slow_conn){chaos_connect_local(port), start, 0, heads[k % 2]};
     }
     for (uint64_t now = start; now < end; now = chaos_now_ms()) {
         for (int k = 0; k < SLOW_CONNS; k++) {

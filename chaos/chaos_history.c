@@ -48,6 +48,18 @@ int chaos_free_port(void)
     return port;
 }
 
+int chaos_connect_local(int port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
 uint64_t chaos_rand(uint64_t *state)
 {
     uint64_t x = *state ? *state : 0x9e3779b97f4a7c15ull;

@@ -27,7 +27,9 @@
  * whose result it got. Effect log line (one write(2) on an O_APPEND fd, then fdatasync):
  *   METHOD CALLER KEY PID FENCE MONOTONIC_MS [STEP [NOTE]]
  * With --http URL a server serves the same chain on the HTTP front too, with the
- * campaign's bounds (CHAOS_HTTP_*), for the slow_http fault (chaos_faults_http.c).
+ * campaign's bounds (CHAOS_HTTP_*), for the slow_http fault (chaos_faults_http.c), and
+ * with --grpc URL on the gRPC front (CHAOS_GRPC_*, the slow_grpc fault and the
+ * workload's gRPC calls).
  * The servers run the re-driver (--redrive-ms, idem_server_opts.redrive_interval_ms):
  * a Book whose owner died between its steps and whose client gave up is finished by it. */
 #include <fcntl.h>
@@ -291,16 +293,40 @@ static idem_code book(idem_call *call, void *arg)
 }
 
 typedef struct serve_opts {
-    const char *listen, *http, *db, *pg, *redis, *effects;
+    const char *listen, *http, *grpc, *db, *pg, *redis, *effects;
     uint64_t lease_ms, map_size, redrive_ms;
 } serve_opts;
 
 static int serve_usage(void)
 {
-    fprintf(stderr, "usage: idemrpc-chaos --serve --listen URL --effects FILE "
-                    "(--db DIR [--map-size BYTES] | --pg CONNINFO [--redis URL])\n"
-                    "                     [--lease-ms N] [--redrive-ms N] [--http URL]\n");
+    fprintf(stderr,
+            "usage: idemrpc-chaos --serve --listen URL --effects FILE "
+            "(--db DIR [--map-size BYTES] | --pg CONNINFO [--redis URL])\n"
+            "                     [--lease-ms N] [--redrive-ms N] [--http URL] [--grpc URL]\n");
     return CLI_USAGE_ERROR;
+}
+
+/* Where the value of the text option c goes (NULL: c takes no text). */
+static const char **serve_text(serve_opts *so, int c)
+{
+    switch (c) {
+    case 'l':
+        return &so->listen;
+    case 'h':
+        return &so->http;
+    case 'g':
+        return &so->grpc;
+    case 'd':
+        return &so->db;
+    case 'p':
+        return &so->pg;
+    case 'r':
+        return &so->redis;
+    case 'e':
+        return &so->effects;
+    default:
+        return NULL;
+    }
 }
 
 static bool serve_parse(int argc, char **argv, serve_opts *so)
@@ -308,6 +334,7 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
     static const struct option longs[] = {{"serve", no_argument, NULL, 'S'},
                                           {"listen", required_argument, NULL, 'l'},
                                           {"http", required_argument, NULL, 'h'},
+                                          {"grpc", required_argument, NULL, 'g'},
                                           {"db", required_argument, NULL, 'd'},
                                           {"pg", required_argument, NULL, 'p'},
                                           {"redis", required_argument, NULL, 'r'},
@@ -319,26 +346,13 @@ static bool serve_parse(int argc, char **argv, serve_opts *so)
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+        const char **text = serve_text(so, c);
+        if (text != NULL) {
+            *text = optarg;
+            continue;
+        }
         switch (c) {
         case 'S':
-            break;
-        case 'l':
-            so->listen = optarg;
-            break;
-        case 'h':
-            so->http = optarg;
-            break;
-        case 'd':
-            so->db = optarg;
-            break;
-        case 'p':
-            so->pg = optarg;
-            break;
-        case 'r':
-            so->redis = optarg;
-            break;
-        case 'e':
-            so->effects = optarg;
             break;
         case 'L':
             if (!cli_parse_u64("idemrpc-chaos", "--lease-ms", optarg, 1, 600000, &so->lease_ms)) {
@@ -423,9 +437,11 @@ int chaos_serve(int argc, char **argv)
     o.debounce = window;
     o.http_request_timeout_ms = CHAOS_HTTP_REQUEST_TIMEOUT_MS;
     o.http_max_conns = CHAOS_HTTP_MAX_CONNS;
+    o.grpc_request_timeout_ms = CHAOS_GRPC_REQUEST_TIMEOUT_MS;
     if (idem_server_create(&srv, &o) != IDEM_OK || serve_register(srv, pg == NULL) != IDEM_OK ||
         idem_server_listen(srv, so.listen) != IDEM_OK ||
-        (so.http != NULL && idem_server_listen_http(srv, so.http) != IDEM_OK)) {
+        (so.http != NULL && idem_server_listen_http(srv, so.http) != IDEM_OK) ||
+        (so.grpc != NULL && idem_server_listen_grpc(srv, so.grpc) != IDEM_OK)) {
         fprintf(stderr, "chaos server: %s\n", idem_errmsg());
         return 1;
     }

@@ -11,7 +11,10 @@
  * finish it. Idle threads take copies from the queue, so the copies of one operation
  * run concurrently. Every operation stays in `ops` for the settle pass, which retries
  * the undecided ones, except abandoned Books (the checker reads their outcome from the
- * store: the re-driver's work). */
+ * store: the re-driver's work). One patient call in GRPC_SHARE (any copy, any retry) goes
+ * through a server's gRPC front instead of nng, in a build with it: the history names
+ * each call's front, and the checker wants one effect and one answer per key across
+ * both. */
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -49,6 +52,9 @@ static struct {
 } wl = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static const chaos_cfg *cfg;
+
+#define GRPC_SHARE 4
+static _Thread_local uint64_t front_rng; /* the thread's draws of a front: from its seed */
 
 typedef struct worker {
     pthread_t th;
@@ -120,16 +126,17 @@ static op *op_new(op_kind kind, const char *caller)
     return o;
 }
 
-static void record_send(const op *o, const char *mode)
+static void record_send(const op *o, const char *mode, const char *front)
 {
     char id[24];
     snprintf(id, sizeof(id), "%" PRIu64, o->id);
-    const char *f[] = {"op",  id,     "method",  method_of(o->kind), "caller", o->caller,
-                       "key", o->key, "payload", o->payload,         "mode",   mode};
-    chaos_history_event("send", 6, f);
+    const char *f[] = {"op",    id,     "method",  method_of(o->kind), "caller", o->caller,
+                       "key",   o->key, "payload", o->payload,         "mode",   mode,
+                       "front", front};
+    chaos_history_event("send", 7, f);
 }
 
-static void record_recv(const op *o, const idem_result *r, idem_code code)
+static void record_recv(const op *o, const idem_result *r, idem_code code, const char *front)
 {
     char id[24], digest[24], attempts[16], body[512];
     const char *text = code == IDEM_OK ? NULL : r->message;
@@ -151,8 +158,25 @@ static void record_recv(const op *o, const idem_result *r, idem_code code)
                        "replayed", r->replayed ? "true" : "false",
                        "digest",   digest,
                        "body",     body,
-                       "attempts", attempts};
-    chaos_history_event("recv", 9, f);
+                       "attempts", attempts,
+                       "front",    front};
+    chaos_history_event("recv", 10, f);
+}
+
+/* A gRPC front's port one time in GRPC_SHARE (a build with it, a server that has one),
+ * else 0: the call goes through nng. */
+static int grpc_port(void)
+{
+    int port = 0;
+    uint64_t x = chaos_rand(&front_rng);
+#ifdef CHAOS_HAVE_GRPC
+    if (x % GRPC_SHARE == 0) {
+        sscanf(chaos_server_grpc((size_t)(x / GRPC_SHARE) % CHAOS_SERVERS), "tcp://127.0.0.1:%d",
+               &port);
+    }
+#endif
+    (void)x;
+    return port;
 }
 
 /* One idem_client_call of o; true when the answer was definitive. *debounced: the
@@ -171,9 +195,17 @@ static bool call_once_(idem_client *c, op *o, const char *mode, uint32_t deadlin
         q.idempotency_key = o->key;
     }
     idem_result r;
-    record_send(o, mode);
-    idem_code code = idem_client_call(c, &q, &r);
-    record_recv(o, &r, code);
+    bool patient = strcmp(mode, "impatient") != 0 && strcmp(mode, "abandoned") != 0;
+    int port = patient ? grpc_port() : 0;
+    const char *front = port > 0 ? "grpc" : "nng";
+    record_send(o, mode, front);
+    idem_code code;
+#ifdef CHAOS_HAVE_GRPC
+    code = port > 0 ? chaos_grpc_call(port, &q, &r) : idem_client_call(c, &q, &r);
+#else
+    code = idem_client_call(c, &q, &r);
+#endif
+    record_recv(o, &r, code, front);
     if (debounced != NULL) {
         *debounced = code == IDEM_ALREADY_EXISTS;
     }
@@ -265,6 +297,7 @@ static op *generate(worker *w, bool *impatient)
 static void *worker_main(void *arg)
 {
     worker *w = arg;
+    front_rng = w->rng ^ 0x9e3779b97f4a7c15ull;
     while (!*w->stop) {
         copy c = {0};
         if (!pop(&c) && (c.o = generate(w, &c.impatient)) == NULL) {
@@ -348,6 +381,7 @@ static uint64_t settle_deadline; /* the settle pass is bounded too */
 static void *settle_main(void *arg)
 {
     worker *w = arg;
+    front_rng = w->rng ^ 0x9e3779b97f4a7c15ull;
     for (;;) {
         pthread_mutex_lock(&wl.mu);
         op *o = settle_next < wl.n_ops ? wl.ops[settle_next++] : NULL;

@@ -3,7 +3,8 @@
  * tcp://127.0.0.1:<free port> with a counting method (t.Count/Add) and a gated one
  * (t.Gate/Do: its handler waits until the test opens the gate, once the calls the case
  * sends have all arrived); every test asserts how often a handler ran. Skipped when
- * /usr/bin/python3 cannot import grpc. */
+ * /usr/bin/python3 cannot import grpc. The store is the one $IDEMRPC_TEST_BACKEND names
+ * (tu_backend_open): `grpc` runs on LMDB, `grpc_pg` on PostgreSQL. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -20,6 +21,7 @@
 #define BOUND_S 30 /* a bound on every wait, never a synchronisation */
 
 static tu_server S;
+static tu_backend B;
 static int port;
 static struct {
     pthread_mutex_t mu;
@@ -112,6 +114,7 @@ static void serve_with(uint64_t max_run_ms, bool tls)
     idem_server_opts_init(&o);
     o.workers = 8; /* waiting duplicates hold workers (count_arrivals is before the cache) */
     o.max_run_ms = max_run_ms;
+    o.store = tu_backend_open(&B, "grpc");
     H.arrivals = 0;
     H.gate_open = false;
     atomic_store(&H.runs, 0);
@@ -157,7 +160,12 @@ static void teardown(void)
     H.gate_open = true; /* a failed case must not leave a handler waiting */
     pthread_cond_broadcast(&H.cv);
     pthread_mutex_unlock(&H.mu);
-    tu_server_destroy(&S, false);
+    if (S.srv != NULL) {
+        tu_server_destroy(&S, false);
+    }
+    if (B.st != NULL) {
+        tu_backend_close(&B);
+    }
     if (tls_dir != NULL) {
         tu_rmtree(tls_dir);
         tls_dir = NULL;
