@@ -1,6 +1,7 @@
 """Cases of tests/test_grpc.c: Debian's python3-grpcio against the gRPC front.
 
     /usr/bin/python3 tests/test_grpc.py CASE PORT [CA KEY CERT]   (the TLS cases: all three)
+    /usr/bin/python3 tests/test_grpc.py signed PORT [CALLER KEY SIGNATURE TIMESTAMP WANT]...
 
 Each case makes its calls with grpc's own client (raw bytes, no generated code) and
 exits 0 when every answer is what the front promises; otherwise it prints what differed
@@ -12,6 +13,7 @@ import threading
 import grpc
 
 ADD, GATE, HEALTH = "/t.Count/Add", "/t.Gate/Do", "/grpc.health.v1.Health/Check"
+DEBIT = "/t.Pay/Debit"
 LONG = 20  # seconds: a bound, never a synchronisation
 
 
@@ -158,8 +160,42 @@ def tls_no_cert(port, ca, key, cert):
     expect_code(lambda: call(ch, ADD, b"5", "tls-2", timeout=5), grpc.StatusCode.UNAVAILABLE)
 
 
+def signed(port, *calls):
+    """Calls of t.Pay/Debit (message b"5") on one channel, five arguments each: CALLER
+    KEY SIGNATURE TIMESTAMP WANT, sent as metadata x-caller, idempotency-key,
+    idem-signature and idem-timestamp (an empty SIGNATURE: unsigned, neither sent). WANT
+    is "ok ANSWER" (a first run), "replay ANSWER" (the stored result, marked replayed) or
+    "CODE TEXT" (the status code's name, TEXT a part of its details)."""
+    ch = channel(port)
+    expect(len(calls) % 5 == 0, "calls come in fives: %r" % (calls,))
+    for i in range(0, len(calls), 5):
+        caller, key, sig, ts, want = calls[i:i + 5]
+        md = [("x-caller", caller), ("idempotency-key", key)]
+        if sig:
+            md += [("idem-signature", sig), ("idem-timestamp", ts)]
+        kind, _, text = want.partition(" ")
+
+        def send(md=md):
+            return ch.unary_unary(DEBIT).with_call(b"5", metadata=md, timeout=LONG)
+
+        if kind in ("ok", "replay"):
+            try:
+                r, c = send()
+            except grpc.RpcError as e:
+                fail("call %d: %s %s, want %r" % (i // 5 + 1, e.code(), e.details(), want))
+            replayed = trailers(c).get("idempotent-replayed") == "true"
+            expect(r.decode() == text and replayed == (kind == "replay"),
+                   "call %d: %r replayed=%s, want %r" % (i // 5 + 1, r, replayed, want))
+            print("call %d: %s%s" % (i // 5 + 1, r.decode(), " (replayed)" if replayed else ""))
+        else:
+            e = expect_code(send, getattr(grpc.StatusCode, kind))
+            expect(text in e.details(), "call %d: details %r, want %r" % (i // 5 + 1,
+                                                                          e.details(), text))
+            print("call %d: %s %s" % (i // 5 + 1, e.code().name, e.details()))
+
+
 PLAIN = (plain, replay, key_reused, duplicate_waits, hedged, deadline, retry_policy, health)
-CASES = {f.__name__: f for f in PLAIN + (tls, tls_no_cert)}
+CASES = {f.__name__: f for f in PLAIN + (tls, tls_no_cert, signed)}
 
 if __name__ == "__main__":
     name, port = sys.argv[1], int(sys.argv[2])
