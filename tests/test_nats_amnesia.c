@@ -10,6 +10,7 @@
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "nats_util.h"
 
@@ -281,4 +282,92 @@ Test(nats_amnesia, a_broker_down_shorter_than_keep_ms_loses_no_acked_message)
 Test(nats_amnesia, a_broker_down_longer_than_keep_ms_loses_no_acked_message)
 {
     broker_down_for(30);
+}
+
+/* Seed 39490 (nats chaos, committed_never_published): two relays on one store. Relay A
+ * publishes order-3 and, before A's round settles, relay B publishes it too (a duplicate
+ * answer), keeps it, finds that the broker forgot it and restores the kept log into the
+ * outbox, then publishes the older restored messages again (higher stream sequences on the
+ * broker that forgot). A's round then settled order-3 with its ack from before the loss:
+ * the restored row went back into the kept log under a sequence the broker now gives to
+ * another message, behind B's newer kept ones, so no check ever looked at it. */
+typedef struct two_relays {
+    nt *e;
+    idem_nats_relay *b;
+    bool fired;
+} two_relays;
+
+static void b_finds_the_loss_meanwhile(const idem_outbox_msg *m, bool duplicate, void *arg)
+{
+    two_relays *t = arg;
+    idem_nats_relay_counts s;
+    (void)duplicate;
+    if (t->fired || strcmp(m->msg_id, "order-3") != 0) {
+        return;
+    }
+    t->fired = true;
+    cr_assert_eq(idem_nats_relay_run_once(t->b, NULL), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(counts(t->b).duplicates, 1, "B's publish of order-3: a duplicate");
+    nt_forget_stream(t->e);                   /* the broker loses what it acked */
+    nt_publish(t->e, NULL, NULL, "other");    /* the broker's sequence goes on: */
+    nt_publish(t->e, NULL, NULL, "other");    /* others published meanwhile */
+    nt_commit_orders(t->e->st, t->e->in, 4, 5); /* B's next publish finds the loss */
+    cr_assert_eq(idem_nats_relay_run_once(t->b, NULL), IDEM_OK, "%s", idem_errmsg());
+    idem_nats_relay_stats(t->b, &s);
+    cr_assert_eq(s.losses, 1, "B found the loss");
+    for (int i = 0; i < 3; i++) { /* orders 0..2 again, one a round; order-3 still waits */
+        cr_assert_eq(idem_nats_relay_run_once(t->b, NULL), IDEM_OK, "%s", idem_errmsg());
+    }
+}
+
+static bool on_stream(nt *e, const char *msg_id)
+{
+    jsStreamInfo *si = NULL;
+    bool found = false;
+    cr_assert_eq(js_GetStreamInfo(&si, e->js, e->stream, NULL, NULL), NATS_OK);
+    for (uint64_t q = si->State.FirstSeq; !found && q <= si->State.LastSeq; q++) {
+        natsMsg *m = NULL;
+        const char *id = NULL;
+        if (js_GetMsg(&m, e->js, e->stream, q, NULL, NULL) == NATS_OK) {
+            found = natsMsgHeader_Get(m, "Nats-Msg-Id", &id) == NATS_OK && strcmp(id, msg_id) == 0;
+            natsMsg_Destroy(m);
+        }
+    }
+    jsStreamInfo_Destroy(si);
+    return found;
+}
+
+Test(nats_amnesia, a_message_acked_before_another_relay_restored_it_is_published_again)
+{
+    nt e;
+    idem_nats_relay_opts ro;
+    idem_nats_relay *a;
+    two_relays t = {&e, NULL, false};
+    uint64_t pending = 1;
+    nt_setup(&e, "tworel");
+    idem_nats_relay_opts_init(&ro);
+    ro.url = e.url;
+    ro.batch = 1;
+    cr_assert_eq(idem_nats_relay_open(&t.b, e.st, &ro), IDEM_OK, "%s", idem_errmsg());
+    ro.on_published = b_finds_the_loss_meanwhile;
+    ro.event_arg = &t;
+    cr_assert_eq(idem_nats_relay_open(&a, e.st, &ro), IDEM_OK, "%s", idem_errmsg());
+    nt_commit_and_relay(&e, t.b, e.in, 0, 3); /* orders 0..2 kept by B */
+    nt_commit_orders(e.st, e.in, 3, 4);
+    cr_assert_eq(idem_nats_relay_run_once(a, NULL), IDEM_OK, "%s", idem_errmsg());
+    cr_assert(t.fired);
+    for (int i = 0; i < 50 && pending > 0; i++) {
+        (void)idem_nats_relay_run_once(t.b, NULL);
+        (void)idem_nats_relay_run_once(a, NULL);
+        cr_assert_eq(idem_outbox_pending(e.st, &pending), IDEM_OK, "%s", idem_errmsg());
+    }
+    cr_expect_eq(pending, 0);
+    for (int i = 0; i < 5; i++) {
+        char id[16];
+        snprintf(id, sizeof(id), "order-%d", i);
+        cr_expect(on_stream(&e, id), "%s committed, acked, kept, never on the stream", id);
+    }
+    idem_nats_relay_close(a);
+    idem_nats_relay_close(t.b);
+    nt_teardown(&e);
 }

@@ -42,6 +42,7 @@ struct idem_nats_relay {
     bool lost;                /* it lost a kept message: restore them all before going on */
     bool unsure;              /* or some kept message could not be checked: the same */
     uint64_t answering_ms;    /* since when the broker answered every round (0: it did not) */
+    uint64_t restores;        /* the store's restores before this round's peek */
     idem__nats_newest newest; /* per stream, the newest ack known to hold */
     idem__nats_loop loop;     /* its mu guards stats */
     idem_nats_relay_counts stats;
@@ -256,7 +257,8 @@ static idem_code settle(idem_nats_relay *r, size_t acked, bool failed, uint64_t 
     size_t dropped;
     uint64_t bound = 0;
     idem_code code = r->keep_ms == 0 ? idem_outbox_remove(r->st, r->seqs, acked)
-                                     : idem_outbox_keep(r->st, r->acks, acked, now_ms);
+                                     : idem__outbox_keep_since(r->st, r->acks, acked, now_ms,
+                                                               r->restores);
     if (code == IDEM_OK) {
         code = idem_outbox_kept(r->st, &k);
     }
@@ -312,6 +314,9 @@ idem_code idem_nats_relay_run_once(idem_nats_relay *r, unsigned *relayed)
     idem_code code = limit_sync(r);
     if (code == IDEM_OK && (code = check_broker(r)) == IDEM_OK) {
         code = restore(r);
+    }
+    if (code == IDEM_OK) { /* a restore after this one (another relay's): keep none */
+        code = idem__outbox_restores(r->st, &r->restores);
     }
     if (code == IDEM_OK) {
         code = peek_batch(r, &n);

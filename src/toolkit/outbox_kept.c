@@ -4,6 +4,7 @@
  *   'k' be64 i   → be64 seq ‖ be64 stream_seq ‖ be64 acked_ms ‖ be16 |stream| stream ‖
  *                  the message's outbox bytes (outbox.c)
  *   'N'          → the newest kept message per stream (outbox_kept_streams.c)
+ *   'R'          → be64 restores                  how many restores committed
  * keep appends at next, in ack order; expire deletes at head; restore takes from the tail
  * (newest first) back into the outbox at its seq and lowers the outbox's head to it. So
  * [head, next) has no hole: count = next - head, the oldest at head, the newest at
@@ -15,6 +16,7 @@
 #define KEPT_FIXED 26   /* the three be64 and be16 |stream| */
 #define KEPT_BOUNDS 'K' /* the kept log's bounds row */
 #define KEPT_LOOKS 4    /* reads of it that another relay's writes may spoil in a row */
+#define RESTORES_KEY 'R'
 
 static void kept_key(uint8_t k[IDEM__OUTBOX_KEY_LEN], uint64_t i)
 {
@@ -44,8 +46,30 @@ typedef struct keep_args {
     const idem_outbox_ack *acks;
     size_t n;
     uint64_t now_ms;
+    uint64_t restores;   /* read before the acked messages were peeked (UINT64_MAX: any) */
     idem__kept_dir *dir; /* the stream directory, loaded in the txn */
 } keep_args;
+
+static idem_code restores_get(idem_txn *t, uint64_t *n)
+{
+    const uint8_t k = RESTORES_KEY;
+    const void *v;
+    size_t len;
+    idem_code code = idem_txn_get(t, IDEM_OUTBOX_DB, &k, 1, &v, &len);
+    *n = code == IDEM_OK && len == 8 ? idem__get_be64(v) : 0;
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
+
+idem_code idem__outbox_restores(idem_store *st, uint64_t *n)
+{
+    const uint8_t k = RESTORES_KEY;
+    void *v = NULL;
+    size_t len = 0;
+    idem_code code = idem_store_app_get(st, IDEM_OUTBOX_DB, &k, 1, &v, &len);
+    *n = code == IDEM_OK && len == 8 ? idem__get_be64(v) : 0;
+    free(v);
+    return code == IDEM_NOT_FOUND ? IDEM_OK : code;
+}
 
 /* Appends ack's message (its outbox bytes m[0..n)) at *next. */
 static idem_code keep_one(idem_txn *t, const idem_outbox_ack *a, uint64_t now_ms, const void *m,
@@ -78,7 +102,12 @@ static idem_code keep_txn(idem_txn *t, void *arg)
     uint8_t k[IDEM__OUTBOX_KEY_LEN];
     const void *v;
     size_t n;
-    idem_code code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
+    uint64_t restores = 0;
+    idem_code code = a->restores == UINT64_MAX ? IDEM_OK : restores_get(t, &restores);
+    if (code != IDEM_OK || (a->restores != UINT64_MAX && restores != a->restores)) {
+        return code; /* restored since the peek: they stay in the outbox, published again */
+    }
+    code = idem__log_bounds_get(t, IDEM_OUTBOX_DB, &head, &next);
     if (code == IDEM_OK) {
         code = idem__log_bounds_get_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, &khead, &knext);
     }
@@ -114,7 +143,13 @@ static idem_code keep_txn(idem_txn *t, void *arg)
 
 idem_code idem_outbox_keep(idem_store *st, const idem_outbox_ack *acks, size_t n, uint64_t now_ms)
 {
-    keep_args a = {acks, n, now_ms, NULL};
+    return idem__outbox_keep_since(st, acks, n, now_ms, UINT64_MAX);
+}
+
+idem_code idem__outbox_keep_since(idem_store *st, const idem_outbox_ack *acks, size_t n,
+                                  uint64_t now_ms, uint64_t restores)
+{
+    keep_args a = {acks, n, now_ms, restores, NULL};
     if (st == NULL || (acks == NULL && n > 0) || n > IDEM_OUTBOX_MAX_BATCH) {
         return idem__err(IDEM_INVALID_ARGUMENT, "outbox keep: a store, at most %d messages",
                          IDEM_OUTBOX_MAX_BATCH);
@@ -293,6 +328,12 @@ static idem_code restore_txn(idem_txn *t, void *arg)
     code = idem__log_bounds_put_at(t, IDEM_OUTBOX_DB, KEPT_BOUNDS, khead, knext);
     if (code == IDEM_OK) {
         code = idem__log_bounds_put(t, IDEM_OUTBOX_DB, head, next);
+    }
+    if (code == IDEM_OK && (code = restores_get(t, &seq)) == IDEM_OK) {
+        const uint8_t rk = RESTORES_KEY;
+        uint8_t v[8];
+        idem__put_be64(v, seq + 1); /* a keep of acks peeked before this one keeps nothing */
+        code = idem_txn_put(t, IDEM_OUTBOX_DB, &rk, 1, v, sizeof(v));
     }
     return code != IDEM_OK ? code : dir_prune(t, a->dir, khead, knext);
 }

@@ -49,6 +49,14 @@ idem_code idem__outbox_advance(idem_txn *t, uint64_t head, uint64_t next);
  * calls it: a restore (idem_outbox_kept_restore) moves head back across every slot
  * removed since, farther than a peek looks. */
 idem_code idem__outbox_skip_removed(idem_store *st, bool *moved);
+/* How many restores (idem_outbox_kept_restore) the store has seen ('R' in IDEM_OUTBOX_DB,
+ * 0 when absent). A relay reads it before it peeks; _keep_since keeps its acks only when
+ * no restore came since (else a restored row, whose ack came from a broker that may have
+ * forgotten it since, would go back into the kept log under that stale ack: left in the
+ * outbox instead, it is published again). restores UINT64_MAX: no such check. */
+idem_code idem__outbox_restores(idem_store *st, uint64_t *n);
+idem_code idem__outbox_keep_since(idem_store *st, const idem_outbox_ack *acks, size_t n,
+                                  uint64_t now_ms, uint64_t restores);
 /* Splits a stored message v[0..n) into out (data copied: idem_outbox_msgs_free). */
 idem_code idem__outbox_msg_decode(const uint8_t *v, size_t n, uint64_t seq, idem_outbox_msg *out);
 /* The msg_id of a stored message v[0..n) (nothing allocated). */
