@@ -37,8 +37,9 @@ if [ -n "${IDEMRPC_VERSION:-}" ]; then
     grep -qx "Version: $IDEMRPC_VERSION" "$pc" || fail "idemrpc.pc: $(grep '^Version:' "$pc")"
     lib=$(find "$dest/root" -name "libidemrpc.so.$IDEMRPC_SOVERSION" | head -n 1)
     [ -n "$lib" ] || fail "no libidemrpc.so.$IDEMRPC_SOVERSION installed"
-    objdump -p "$lib" | grep -q "SONAME *libidemrpc.so.$IDEMRPC_SOVERSION\$" ||
-        fail "soname: $(objdump -p "$lib" | grep SONAME)"
+    # grep reads it all (no -q): objdump is not cut off by SIGPIPE, which pipefail counts
+    soname=$(objdump -p "$lib" | grep SONAME)
+    grep -q "SONAME *libidemrpc.so.$IDEMRPC_SOVERSION\$" <<<"$soname" || fail "soname: $soname"
     for tool in idemrpc-demo idemrpc-call idemctl; do
         [ "$("$bin/$tool" --version)" = "$tool $IDEMRPC_VERSION" ] ||
             fail "installed $tool --version: $("$bin/$tool" --version)"
