@@ -337,13 +337,37 @@ static bool on_stream(nt *e, const char *msg_id)
     return found;
 }
 
+/* Runs relays a and b in turn (pause_ms between rounds) until the outbox is empty, at
+ * most rounds times; expects orders 0..orders-1 on the stream; closes both and e. */
+static void settle_both(nt *e, idem_nats_relay *a, idem_nats_relay *b, int rounds,
+                        unsigned pause_ms, int orders)
+{
+    uint64_t pending = 1;
+    for (int i = 0; i < rounds && pending > 0; i++) {
+        (void)idem_nats_relay_run_once(b, NULL);
+        (void)idem_nats_relay_run_once(a, NULL);
+        cr_assert_eq(idem_outbox_pending(e->st, &pending), IDEM_OK, "%s", idem_errmsg());
+        if (pause_ms > 0) {
+            nats_Sleep(pause_ms);
+        }
+    }
+    cr_expect_eq(pending, 0);
+    for (int i = 0; i < orders; i++) {
+        char id[16];
+        snprintf(id, sizeof(id), "order-%d", i);
+        cr_expect(on_stream(e, id), "%s committed, acked, kept, never on the stream", id);
+    }
+    idem_nats_relay_close(a);
+    idem_nats_relay_close(b);
+    nt_teardown(e);
+}
+
 Test(nats_amnesia, a_message_acked_before_another_relay_restored_it_is_published_again)
 {
     nt e;
     idem_nats_relay_opts ro;
     idem_nats_relay *a;
     two_relays t = {&e, NULL, false};
-    uint64_t pending = 1;
     nt_setup(&e, "tworel");
     idem_nats_relay_opts_init(&ro);
     ro.url = e.url;
@@ -356,20 +380,7 @@ Test(nats_amnesia, a_message_acked_before_another_relay_restored_it_is_published
     nt_commit_orders(e.st, e.in, 3, 4);
     cr_assert_eq(idem_nats_relay_run_once(a, NULL), IDEM_OK, "%s", idem_errmsg());
     cr_assert(t.fired);
-    for (int i = 0; i < 50 && pending > 0; i++) {
-        (void)idem_nats_relay_run_once(t.b, NULL);
-        (void)idem_nats_relay_run_once(a, NULL);
-        cr_assert_eq(idem_outbox_pending(e.st, &pending), IDEM_OK, "%s", idem_errmsg());
-    }
-    cr_expect_eq(pending, 0);
-    for (int i = 0; i < 5; i++) {
-        char id[16];
-        snprintf(id, sizeof(id), "order-%d", i);
-        cr_expect(on_stream(&e, id), "%s committed, acked, kept, never on the stream", id);
-    }
-    idem_nats_relay_close(a);
-    idem_nats_relay_close(t.b);
-    nt_teardown(&e);
+    settle_both(&e, a, t.b, 50, 0, 5);
 }
 
 /* The same two relays without a restore: A's publish of order-3 is acked, then the
@@ -404,7 +415,6 @@ Test(nats_amnesia, a_message_acked_before_a_broker_restart_another_relay_checked
     idem_nats_relay_opts ro;
     idem_nats_relay *a;
     two_relays t = {&e, NULL, false};
-    uint64_t pending = 1;
     if (getenv("IDEMRPC_SERVICES") == NULL) {
         cr_skip_test("IDEMRPC_SERVICES not set");
     }
@@ -422,19 +432,5 @@ Test(nats_amnesia, a_message_acked_before_a_broker_restart_another_relay_checked
     nt_commit_orders(e.st, e.in, 3, 4);
     (void)idem_nats_relay_run_once(a, NULL);
     cr_assert(t.fired);
-    for (int i = 0; i < WAIT_ROUNDS && pending > 0; i++) {
-        (void)idem_nats_relay_run_once(t.b, NULL);
-        (void)idem_nats_relay_run_once(a, NULL);
-        cr_assert_eq(idem_outbox_pending(e.st, &pending), IDEM_OK, "%s", idem_errmsg());
-        nats_Sleep(20);
-    }
-    cr_expect_eq(pending, 0);
-    for (int i = 0; i < 6; i++) {
-        char id[16];
-        snprintf(id, sizeof(id), "order-%d", i);
-        cr_expect(on_stream(&e, id), "%s committed, acked, kept, never on the stream", id);
-    }
-    idem_nats_relay_close(a);
-    idem_nats_relay_close(t.b);
-    nt_teardown(&e);
+    settle_both(&e, a, t.b, WAIT_ROUNDS, 20, 6);
 }
