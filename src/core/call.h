@@ -168,6 +168,9 @@ struct idem_call {
      * (a step or the handler's start refused, or its completion found another owner):
      * it did not die (the re-driver does not count it as a death). */
     bool claim_lost;
+    /* This run left its compensation unfinished (an undo failed transiently and the key
+     * was released, saga.c): it did not die either. */
+    bool undos_unfinished;
     /* Run on nng's callback thread: only non-blocking steps (decode, key resolution, a
      * replay read, queueing a shared claim when fast_claim); anything else suspends with
      * IDEM__SUSPEND_DEFER. */

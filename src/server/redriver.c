@@ -96,19 +96,22 @@ static void rerun(idem_redriver *r, const idem__journaled_call *jc, const idem_m
              "its owner's lease ran out; %s from its stored request: %s: %s%s%s", run, how,
              idem_code_name(c->code), c->message != NULL ? ": " : "",
              c->message != NULL ? c->message : "");
-    log_call(r, c->executed ? IDEM_LOG_ERROR : IDEM_LOG_INFO, jc, what);
     /* Only a re-run that died counts against redrive_max_runs. Taken back: one turned
      * away before the handler by something passing (a full or unreachable store, a live
-     * owner), and one that lost its claim or its own lease while this process lived,
-     * within its max run time (past it, its lease was no longer renewed: abandoned). */
+     * owner); one that lost its claim or its own lease while this process lived, within
+     * its max run time (past it, its lease was no longer renewed: abandoned); and one
+     * that left its compensation unfinished (an undo's downstream still failing): the
+     * next pass runs it again, for as long as that lasts, one run a pass. */
     bool passing = c->code == IDEM_UNAVAILABLE || c->code == IDEM_RESOURCE_EXHAUSTED ||
                    c->code == IDEM_ABORTED;
-    bool lost = c->claim_lost && idem__mono_ms() - c->claim_asked_ms < run_ms;
+    bool alive = (c->claim_lost && idem__mono_ms() - c->claim_asked_ms < run_ms) ||
+                 c->undos_unfinished;
+    log_call(r, c->executed && !c->undos_unfinished ? IDEM_LOG_ERROR : IDEM_LOG_INFO, jc, what);
     idem__redrive_verdict v;
-    if (counted && lost &&
+    if (counted && alive &&
         idem__steps_uncount_run(r->cfg.store, jc, r->cfg.max_runs, &v) != IDEM_OK) {
-        log_failure(r, "taking back a re-run that lost its claim");
-    } else if (counted && !lost && !c->executed && !c->replayed && passing &&
+        log_failure(r, "taking back a re-run that lived");
+    } else if (counted && !alive && !c->executed && !c->replayed && passing &&
                idem__steps_count_run(r->cfg.store, jc, r->cfg.max_runs, true, &v) != IDEM_OK) {
         log_failure(r, "taking back a re-run that did not run");
     }

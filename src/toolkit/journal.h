@@ -70,9 +70,10 @@ idem_code idem__steps_unlist(idem_store *st, const idem__journaled_call *jc,
  * that never reached the handler: a full store, a live owner). */
 idem_code idem__steps_count_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
                                 bool refund, idem__redrive_verdict *verdict);
-/* Takes back the count of a re-run that claimed and then lost its claim (or its own
- * lease) while its process lived, within its max run time: it did not die, so it is not
- * one of max_runs. Not when another re-driver counted since, nor a compensating run's. */
+/* Takes back the count of a re-run that claimed and then, while its process lived, lost
+ * its claim (or its own lease) within its max run time, or left its compensation
+ * unfinished: it did not die, so it is not one of max_runs. Not when another re-driver
+ * counted since, nor the count of the run that gave up (the give-up is said once). */
 idem_code idem__steps_uncount_run(idem_store *st, const idem__journaled_call *jc, unsigned max_runs,
                                   idem__redrive_verdict *verdict);
 /* Before its owner releases it: unlists the call (steps.c), keeping its journal; while

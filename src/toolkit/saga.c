@@ -347,6 +347,7 @@ static idem__kl_action unfinished(idem_call *call, idem_code *code)
 {
     char why[IDEM_MAX_MESSAGE + 1];
     snprintf(why, sizeof(why), "%s", idem_errmsg());
+    call->undos_unfinished = true;
     *code = idem_call_fail(call, IDEM_UNAVAILABLE,
                            "compensating: %s; retry with the same key to finish it", why);
     return idem__key_life_decide(IDEM__KL_COMPENSATING, IDEM__KL_UNDOS_UNFINISHED)->action;

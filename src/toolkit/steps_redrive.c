@@ -85,7 +85,8 @@ idem_code idem__call_steps_claim(idem_call *call, idem_store *st, const idem_cla
 }
 
 /* What count_run does: count a re-run, or take one back: REFUND one that did not run
- * the handler, UNCOUNT one that lost its claim while its process lived. */
+ * the handler, UNCOUNT one that ran and lived (lost its claim, or left its compensation
+ * unfinished). */
 typedef enum count_how { COUNT, REFUND, UNCOUNT } count_how;
 
 /* The re-driver's writes: each re-reads the call's record in its txn (kept so until
@@ -223,16 +224,16 @@ static idem_code verdict_of(idem_txn *t, const redrive_args *a, unsigned runs,
 
 /* Whether a take-back finds nothing to take back in a listing with runs and flags. A
  * REFUND: only while CALL_COUNTED is still set (no run claimed since the count). An
- * UNCOUNT (the count's own run claimed, which cleared it, then lost its claim alive):
- * only while CALL_COUNTED is clear (nobody counted since), and not a compensating run's
- * count (past max_runs: the give-up is said once). */
+ * UNCOUNT (the count's own run claimed, which cleared it, and lived):
+ * only while CALL_COUNTED is clear (nobody counted since), and not the count of the run
+ * that gave up (back to max_runs, the give-up would be said again). */
 static bool nothing_to_take_back(const redrive_args *a, unsigned runs, uint8_t flags)
 {
     if (runs == 0) {
         return true;
     }
     return a->how == REFUND ? !(flags & CALL_COUNTED)
-                            : (flags & CALL_COUNTED) || runs > a->max_runs;
+                            : (flags & CALL_COUNTED) || runs == a->max_runs + 1;
 }
 
 /* Counts one more re-run in the 'r' entry, or says the call ran out of them: of a call
