@@ -102,30 +102,6 @@ static idem_code count_arrivals(idem_call *call, idem_next next, void *arg)
 
 static char *tls_dir;
 
-/* A CA, a server certificate for localhost signed by it (server.pem), and a client CA
- * with one client's certificate (client.crt, client.key): made with openssl for every
- * run, nothing committed can expire. */
-static void make_certs(void)
-{
-    char cmd[4096];
-#define KEYGEN "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
-    tls_dir = tu_tempdir("grpc-tls");
-    snprintf(cmd, sizeof(cmd),
-             "cd '%s' && (" KEYGEN
-             "-x509 -days 2 -keyout sca.key -out sca.crt -subj /CN=sca && " KEYGEN
-             "-x509 -days 2 -keyout cca.key -out cca.crt -subj /CN=cca && " KEYGEN
-             "-keyout server.key -out server.csr -subj /CN=localhost && "
-             "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext && "
-             "openssl x509 -req -days 2 -in server.csr -CA sca.crt -CAkey sca.key "
-             "-CAcreateserial -extfile san.ext -out server.crt && "
-             "cat server.crt server.key > server.pem && " KEYGEN
-             "-keyout client.key -out client.csr -subj /CN=client-a && "
-             "openssl x509 -req -days 2 -in client.csr -CA cca.crt -CAkey cca.key "
-             "-CAcreateserial -out client.crt) >/dev/null 2>&1",
-             tls_dir);
-    cr_assert_eq(system(cmd), 0, "openssl: %s", cmd);
-}
-
 static const idem_caller_secret secrets[] = {
     {.caller = "A", .secret = SECRET_A},
     {.caller = "B", .secret = SECRET_B},
@@ -133,7 +109,7 @@ static const idem_caller_secret secrets[] = {
 
 typedef enum { UNSIGNED, SIGNED, SIGNED_REQUIRED } identity_kind;
 
-/* tls: the gRPC listener over TLS, for the client certificate of make_certs; kind: the
+/* tls: the gRPC listener over TLS, for the client certificate of tu_make_certs; kind: the
  * callers' secrets (SIGNED), and verified callers only (SIGNED_REQUIRED). */
 static void serve_with(uint64_t max_run_ms, bool tls, identity_kind kind)
 {
@@ -164,7 +140,7 @@ static void serve_with(uint64_t max_run_ms, bool tls, identity_kind kind)
     char cert[512], ca[512];
     idem_tls_listener l = {.cert_key_file = cert, .client_ca_file = ca, .caller = "client-a"};
     if (tls) {
-        make_certs();
+        tls_dir = tu_make_certs("grpc-tls");
         snprintf(cert, sizeof(cert), "%s/server.pem", tls_dir);
         snprintf(ca, sizeof(ca), "%s/cca.crt", tls_dir);
     }

@@ -74,25 +74,7 @@ TestSuite(grpc_hostile, .init = serve, .fini = teardown, .timeout = 60);
 
 static int dial(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {BOUND_S, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    return fd;
-}
-
-static void send_all(int fd, const void *p, size_t len)
-{
-    for (size_t off = 0; off < len;) {
-        ssize_t n = send(fd, (const char *)p + off, len - off, MSG_NOSIGNAL);
-        if (n <= 0) {
-            return; /* the server may close before reading everything */
-        }
-        off += (size_t)n;
-    }
+    return tu_dial(port, BOUND_S);
 }
 
 static void frame(int fd, uint8_t type, uint8_t flags, uint32_t sid, const void *p, size_t len)
@@ -100,8 +82,8 @@ static void frame(int fd, uint8_t type, uint8_t flags, uint32_t sid, const void 
     uint8_t h[9] = {
         (uint8_t)(len >> 16), (uint8_t)(len >> 8),  (uint8_t)len,        type,        flags,
         (uint8_t)(sid >> 24), (uint8_t)(sid >> 16), (uint8_t)(sid >> 8), (uint8_t)sid};
-    send_all(fd, h, 9);
-    send_all(fd, p, len);
+    tu_send_all(fd, h, 9);
+    tu_send_all(fd, p, len);
 }
 
 /* The client preface and an empty SETTINGS. */
@@ -109,7 +91,7 @@ static int dial_h2(void)
 {
     static const char preface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
     int fd = dial();
-    send_all(fd, preface, sizeof(preface) - 1);
+    tu_send_all(fd, preface, sizeof(preface) - 1);
     frame(fd, NGHTTP2_SETTINGS, 0, 0, NULL, 0);
     return fd;
 }
@@ -223,7 +205,7 @@ Test(grpc_hostile, bytes_that_are_not_http2_close_the_connection)
 {
     int fd = dial();
     static const char req[] = "POST /t.Count/Add HTTP/1.1\r\nHost: x\r\n\r\n";
-    send_all(fd, req, sizeof(req) - 1);
+    tu_send_all(fd, req, sizeof(req) - 1);
     cr_expect(closed_by_server(fd));
     close(fd);
     good_call_works("after-garbage");

@@ -74,27 +74,6 @@ static idem_code h_len(idem_call *call, void *arg)
     return idem_call_reply(call, IDEM_OK, out, (size_t)len);
 }
 
-static void make_certs(void)
-{
-    char cmd[4096];
-#define KEYGEN "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
-    tls_dir = tu_tempdir("grpc-review-tls");
-    snprintf(cmd, sizeof(cmd),
-             "cd '%s' && (" KEYGEN
-             "-x509 -days 2 -keyout sca.key -out sca.crt -subj /CN=sca && " KEYGEN
-             "-x509 -days 2 -keyout cca.key -out cca.crt -subj /CN=cca && " KEYGEN
-             "-keyout server.key -out server.csr -subj /CN=localhost && "
-             "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext && "
-             "openssl x509 -req -days 2 -in server.csr -CA sca.crt -CAkey sca.key "
-             "-CAcreateserial -extfile san.ext -out server.crt && "
-             "cat server.crt server.key > server.pem && " KEYGEN
-             "-keyout client.key -out client.csr -subj /CN=client-a && "
-             "openssl x509 -req -days 2 -in client.csr -CA cca.crt -CAkey cca.key "
-             "-CAcreateserial -out client.crt) >/dev/null 2>&1",
-             tls_dir);
-    cr_assert_eq(system(cmd), 0, "openssl: %s", cmd);
-}
-
 static void serve_with(bool tls)
 {
     if (system(PYTHON " -c 'import grpc' 2>/dev/null") != 0) {
@@ -119,7 +98,7 @@ static void serve_with(bool tls)
              getenv("REVIEW_GRPC_PORT") != NULL ? getenv("REVIEW_GRPC_PORT") : "0");
     idem_tls_listener l = {.cert_key_file = cert, .client_ca_file = ca, .caller = "client-a"};
     if (tls) {
-        make_certs();
+        tls_dir = tu_make_certs("grpc-review-tls");
         snprintf(cert, sizeof(cert), "%s/server.pem", tls_dir);
         snprintf(ca, sizeof(ca), "%s/cca.crt", tls_dir);
     }

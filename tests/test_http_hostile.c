@@ -61,25 +61,7 @@ TestSuite(http_hostile, .init = serve, .fini = teardown);
 
 static int dial(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {10, 0}; /* a bound, not synchronisation: a hung server fails */
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    return fd;
-}
-
-static void send_all(int fd, const void *p, size_t len)
-{
-    for (size_t off = 0; off < len;) {
-        ssize_t n = send(fd, (const char *)p + off, len - off, MSG_NOSIGNAL);
-        if (n <= 0) {
-            return; /* the server may refuse and close before reading everything */
-        }
-        off += (size_t)n;
-    }
+    return tu_dial(port, 10);
 }
 
 /* Reads until the server closes (eof = true) or the 10 s bound passes (eof = false). */
@@ -143,7 +125,7 @@ static int parse_responses(const char *buf, size_t len, resp *out, int max)
 static int exchange(const void *raw, size_t len, bool shut, resp *out, bool *eof)
 {
     int fd = dial();
-    send_all(fd, raw, len);
+    tu_send_all(fd, raw, len);
     if (shut) {
         shutdown(fd, SHUT_WR);
     }
@@ -245,11 +227,11 @@ Test(http_hostile, a_large_body_sent_in_pieces_arrives_whole)
                         : snprintf(head, sizeof(head), POST_HEAD "Content-Length: %d\r\n"
                                    "Expect: 100-continue\r\nConnection: close\r\n\r\n", BIG);
         int fd = dial();
-        send_all(fd, head, (size_t)n);
+        tu_send_all(fd, head, (size_t)n);
         for (size_t off = 0; off < BIG; off += 10000) {
-            send_all(fd, body + off, 10000);
+            tu_send_all(fd, body + off, 10000);
         }
-        send_all(fd, "\r\n0\r\n\r\n", chunked ? 7 : 0);
+        tu_send_all(fd, "\r\n0\r\n\r\n", chunked ? 7 : 0);
         size_t got;
         bool eof;
         char *buf = read_to_eof(fd, &got, &eof);

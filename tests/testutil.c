@@ -332,23 +332,34 @@ void *tu_pack_request(const char *method, const char *key, const char *caller, c
 #include <strings.h>
 #include <sys/socket.h>
 
-static void http_exchange(tu_http *out, int port, const char *request, size_t len)
+int tu_dial(int port, int bound_s)
 {
-    memset(out, 0, sizeof(*out));
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     cr_assert_geq(fd, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {10, 0}; /* a bound, not synchronisation: a hung server fails the test */
+    struct timeval tv = {bound_s, 0}; /* a bound, not synchronisation: a hung server fails */
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0, "connect port %d", port);
+    return fd;
+}
+
+void tu_send_all(int fd, const void *p, size_t len)
+{
     for (size_t off = 0; off < len;) {
-        ssize_t n = send(fd, request + off, len - off, MSG_NOSIGNAL);
+        ssize_t n = send(fd, (const char *)p + off, len - off, MSG_NOSIGNAL);
         if (n <= 0) {
-            break; /* the server may answer (413) and close before reading everything */
+            return; /* the server may answer (413) and close before reading everything */
         }
         off += (size_t)n;
     }
+}
+
+static void http_exchange(tu_http *out, int port, const char *request, size_t len)
+{
+    memset(out, 0, sizeof(*out));
+    int fd = tu_dial(port, 10);
+    tu_send_all(fd, request, len);
     size_t cap = 1 << 16, used = 0;
     char *buf = malloc(cap);
     cr_assert_not_null(buf);
@@ -465,4 +476,29 @@ int tu_run_captured(const char *const *argv, char *out, size_t cap)
     int status;
     cr_assert_eq(waitpid(pid, &status, 0), pid);
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* ---- TLS material ---- */
+
+#define KEYGEN "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
+
+char *tu_make_certs(const char *tag)
+{
+    char cmd[4096];
+    char *dir = tu_tempdir(tag);
+    snprintf(cmd, sizeof(cmd),
+             "cd '%s' && (" KEYGEN
+             "-x509 -days 2 -keyout sca.key -out sca.crt -subj /CN=sca && " KEYGEN
+             "-x509 -days 2 -keyout cca.key -out cca.crt -subj /CN=cca && " KEYGEN
+             "-keyout server.key -out server.csr -subj /CN=localhost && "
+             "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext && "
+             "openssl x509 -req -days 2 -in server.csr -CA sca.crt -CAkey sca.key "
+             "-CAcreateserial -extfile san.ext -out server.crt && "
+             "cat server.crt server.key > server.pem && " KEYGEN
+             "-keyout client.key -out client.csr -subj /CN=client-a && "
+             "openssl x509 -req -days 2 -in client.csr -CA cca.crt -CAkey cca.key "
+             "-CAcreateserial -out client.crt) >/dev/null 2>&1",
+             dir);
+    cr_assert_eq(system(cmd), 0, "openssl: %s", cmd);
+    return dir;
 }

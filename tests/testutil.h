@@ -112,3 +112,14 @@ void tu_http_get(tu_http *out, int port, const char *path);
 /* The value of response header name (case-insensitive), copied into buf; NULL if absent. */
 const char *tu_http_header(const tu_http *r, const char *name, char *buf, size_t cap);
 void tu_http_free(tu_http *r);
+
+/* A TCP connection to 127.0.0.1:port whose reads give up after bound_s seconds. */
+int tu_dial(int port, int bound_s);
+/* Sends all of p, or stops where the server closed (it may refuse before reading all). */
+void tu_send_all(int fd, const void *p, size_t len);
+
+/* A temp dir (for tu_rmtree) with TLS material made by openssl for this run (nothing
+ * committed can expire): CAs sca and cca (.crt, .key), server.pem (certificate for
+ * localhost and 127.0.0.1 signed by sca, then its key) and client.crt, client.key
+ * (CN client-a, signed by cca). */
+char *tu_make_certs(const char *tag);
