@@ -5,7 +5,8 @@
 #   bash scripts/services.sh stop
 #   bash scripts/services.sh restart-pg | stop-pg | stop-pgbouncer | stop-redis |
 #                            start-redis | restart-nats | stop-nats | start-nats  (tests)
-#                            freeze-nats | amnesia-nats  (tests: a broker host's power cut)
+#                            freeze-nats | hang-nats | amnesia-nats  (tests: a broker host's
+#                            power cut; hang-nats: the host stops answering first)
 #   bash scripts/services.sh pause-pg-writers | crash-pg   (tests: a crash before a flush)
 # Data lives in $IDEMRPC_SERVICES_DIR (default /tmp/idemrpc-services), removed by stop.
 # As root, PostgreSQL runs as the "postgres" user (initdb refuses root). The default
@@ -227,6 +228,7 @@ restart-nats) stop_nats && start_nats ;;
 stop-nats) stop_nats ;;
 start-nats) start_nats ;;
 freeze-nats) freeze_nats ;;
+hang-nats) kill -STOP "$(cat "$DIR/nats.pid")" ;;
 amnesia-nats) amnesia_nats ;;
-*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|crash-pg|pause-pg-writers|stop-redis|start-redis|restart-nats|stop-nats|start-nats|freeze-nats|amnesia-nats" >&2; exit 2 ;;
+*) echo "usage: bash scripts/services.sh start|stop|restart-pg|stop-pg|stop-pgbouncer|crash-pg|pause-pg-writers|stop-redis|start-redis|restart-nats|stop-nats|start-nats|freeze-nats|hang-nats|amnesia-nats" >&2; exit 2 ;;
 esac

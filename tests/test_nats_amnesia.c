@@ -241,9 +241,8 @@ static void broker_down_for(int rounds)
     idem_nats_relay_opts ro;
     idem_nats_relay *r;
     idem_nats_relay_counts s;
-    char cmd[512];
-    if (getenv("IDEMRPC_SERVICES") == NULL || getenv("IDEMRPC_SERVICES_DIR") == NULL) {
-        cr_skip_test("IDEMRPC_SERVICES(_DIR) not set");
+    if (getenv("IDEMRPC_SERVICES") == NULL) {
+        cr_skip_test("IDEMRPC_SERVICES not set: cannot cut the broker's power");
     }
     nt_setup(&e, "down");
     idem_nats_relay_opts_init(&ro);
@@ -252,11 +251,10 @@ static void broker_down_for(int rounds)
     ro.publish_wait_ms = 500;
     cr_assert_eq(idem_nats_relay_open(&r, e.st, &ro), IDEM_OK, "%s", idem_errmsg());
     commit_and_relay(&e, r, 0, 2);
-    services("freeze-nats");       /* what the broker's disk holds */
-    commit_and_relay(&e, r, 2, 5); /* acked, not synced */
-    snprintf(cmd, sizeof(cmd), "kill -STOP $(cat %s/nats.pid)", getenv("IDEMRPC_SERVICES_DIR"));
-    cr_assert_eq(system(cmd), 0, "%s", cmd); /* its host crashes now */
-    for (int i = 0; i < rounds; i++) {       /* 100 ms each, the broker away */
+    services("freeze-nats");           /* what the broker's disk holds */
+    commit_and_relay(&e, r, 2, 5);     /* acked, not synced */
+    services("hang-nats");             /* its host crashes now */
+    for (int i = 0; i < rounds; i++) { /* 100 ms each, the broker away */
         (void)idem_nats_relay_run_once(r, NULL);
         nats_Sleep(100);
     }
