@@ -260,7 +260,8 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     }
     uint64_t commit_us = idem__mono_us() - t0;
     if (!ok) {
-        idem__gc_pipe_flush(gc, pipe); /* the redo's answers must not overtake these */
+        idem__gc_flusher_drain(gc);    /* the redo's answers must not overtake these */
+        idem__gc_pipe_flush(gc, pipe); /* (a pipe or the flusher holds them) */
         if (gc->on_failed_commit != NULL) {
             gc->on_failed_commit(gc->on_failed_commit_arg);
         }
