@@ -114,9 +114,11 @@ void idem__gc_pipe_take(idem_gc_pipe *pipe, idem_gc_batch *b, uint64_t ticket, u
                         uint64_t commit_us);
 
 /* The batch of ticket has committed (ok) or run again alone: on a pipelined store its
- * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c). */
-void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
-                             uint64_t ticket, bool ok, uint64_t commit_us);
+ * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c).
+ * true: they wait for the flusher's sync instead; the caller hands b (its state at
+ * *txnid) to the flusher. */
+bool idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
+                             uint64_t ticket, bool ok, uint64_t commit_us, uint64_t *txnid);
 /* A thread that now holds LMDB's writer lock syncs what a pipe left unsynced. */
 void idem__gc_sync_pending(idem_group_commit *gc);
 /* Syncs the file and wakes what pipe holds (with the sync's error if it failed). */

@@ -133,23 +133,23 @@ void idem__gc_pipe_flush(idem_group_commit *gc, idem_gc_pipe *pipe)
     }
 }
 
-void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
-                             uint64_t ticket, bool ok, uint64_t commit_us)
+bool idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
+                             uint64_t ticket, bool ok, uint64_t commit_us, uint64_t *txnid_out)
 {
     if (!ok || !gc->pipelined || gc->answer_at_commit) {
         if (ok) { /* a failed batch's redo has posted every op, each txn durable */
             post_all(b, IDEM_OK);
         }
         idem__gc_batch_ended(gc, b, ticket, ok, commit_us);
-        return;
+        return false;
     }
     uint64_t txnid = idem__gc_last_txnid(gc->env);
     pthread_mutex_lock(&gc->mu);
     gc->pending_ticket = ticket;
     pthread_mutex_unlock(&gc->mu);
     if (gc->flusher != NULL) { /* it syncs now (group_commit_flusher.c) */
-        idem__gc_flusher_hand(gc, b, ticket, txnid, commit_us);
-        return;
+        *txnid_out = txnid;
+        return true;
     }
     /* This commit's fdatasync flushed the pipe's meta page, unless a failed sync came
      * between them: then it stays, to be flushed with this one's. */
@@ -159,6 +159,7 @@ void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_
         pipe_release(gc, pipe, IDEM_OK);
     }
     idem__gc_pipe_take(pipe, b, ticket, txnid, commit_us);
+    return false;
 }
 
 idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid)
