@@ -46,10 +46,12 @@
  * Stopping. idem__gc_fini joins the writer thread first (it has handed every batch it
  * committed), then the flusher, which releases what it holds before it returns.
  *
- * Bounds. The flusher holds at most what the writer committed during one of its syncs:
- * a commit waits for sync_mu while the flusher syncs, so at most one batch is handed
- * meanwhile, and the next sync takes every batch handed before it began. Each of its
- * turns is one fdatasync (or none), or, after a failed one, one re-write. */
+ * Bounds. The flusher holds what the writer committed during one of its turns: none
+ * while it syncs (a commit waits for sync_mu), some while it wakes callers, each batch
+ * the ops of callers that wait (as many as the server's contexts at most), and its next
+ * turn takes them all with one sync. Each turn is one fdatasync (or none), or, after a
+ * failed one, one re-write, which waits for LMDB's writer lock at most until the
+ * writer's open batch commits (HOLD_US). */
 #include <stdlib.h>
 #include <string.h>
 
