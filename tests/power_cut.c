@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -44,17 +45,6 @@ void power_cut_record(const char *log, const char *data)
     pthread_mutex_unlock(&mu);
 }
 
-/* fd is the data file, written without O_DSYNC. */
-static bool logged_fd(int fd)
-{
-    struct stat a, b;
-    pthread_once(&once, init);
-    if (log_fd < 0 || fstat(fd, &a) != 0 || !S_ISREG(a.st_mode) || stat(data_path, &b) != 0) {
-        return false;
-    }
-    return a.st_ino == b.st_ino && a.st_dev == b.st_dev && !(fcntl(fd, F_GETFL) & O_DSYNC);
-}
-
 static int write_all(int fd, const void *p, size_t n)
 {
     for (size_t done = 0; done < n;) {
@@ -65,6 +55,48 @@ static int write_all(int fd, const void *p, size_t n)
         done += (size_t)w;
     }
     return 0;
+}
+
+/* Logs that the process wrote to path, a file of the store's directory that is not the
+ * data file (mu held): the recorder cannot undo it, so the cut must refuse to pass. */
+static void log_other(const char *path)
+{
+    undo_rec r = {POWER_CUT_OTHER, 0, strlen(path), 0};
+    if (write_all(log_fd, &r, sizeof(r)) != 0 || write_all(log_fd, path, r.len) != 0) {
+        _exit(97);
+    }
+}
+
+/* path (fd's) is in the data file's directory. */
+static bool in_store_dir(const char *path)
+{
+    const char *slash = strrchr(data_path, '/');
+    size_t n = slash != NULL ? (size_t)(slash - data_path) + 1 : 0;
+    return n > 0 && strncmp(path, data_path, n) == 0 && strchr(path + n, '/') == NULL;
+}
+
+/* fd is the data file, written without O_DSYNC. A write through fd to another file of
+ * the store's directory is logged as one the cut cannot undo (log_other). */
+static bool logged_fd(int fd)
+{
+    struct stat a, b;
+    pthread_once(&once, init);
+    if (log_fd < 0 || fstat(fd, &a) != 0 || !S_ISREG(a.st_mode) || stat(data_path, &b) != 0) {
+        return false;
+    }
+    if (a.st_ino == b.st_ino && a.st_dev == b.st_dev) {
+        return !(fcntl(fd, F_GETFL) & O_DSYNC);
+    }
+    char link[64], path[4096];
+    snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof(path) - 1);
+    path[n > 0 ? n : 0] = '\0';
+    if (n > 0 && in_store_dir(path)) {
+        pthread_mutex_lock(&mu);
+        log_other(path);
+        pthread_mutex_unlock(&mu);
+    }
+    return false;
 }
 
 /* Logs the bytes [off, off + n) of fd's file before they are overwritten (mu held).

@@ -16,7 +16,16 @@
  *
  * The cut (in the test, after the SIGKILL or after closing the store): power_cut_apply
  * restores, newest first, the bytes of every write not on disk (logged after the last
- * mark, or lost to a failed sync), then the file's size. */
+ * mark, or lost to a failed sync), then the file's size.
+ *
+ * Every file the store writes: data.mdb through these calls, and lock.mdb through its
+ * map only (LMDB's reader table and writer mutex: nothing that must survive; the first
+ * process to open the store after a cut holds it alone and rebuilds it, mdb.c
+ * mdb_env_setup_locks and mdb_env_share_locks, whatever it holds: test_power_cut.c
+ * leaves it, truncates it or fills it with noise). A write(), pwrite() or writev() to
+ * any other file of the data file's directory is logged (POWER_CUT_OTHER), and
+ * power_cut_apply refuses such a log (-1, errno ENOTSUP): a store that begins writing a
+ * new file fails the test until the recorder covers it. */
 #ifndef IDEMRPC_TEST_POWER_CUT_H
 #define IDEMRPC_TEST_POWER_CUT_H
 
@@ -25,9 +34,16 @@
 #include <stdatomic.h>
 #include <stddef.h>
 
-enum { POWER_CUT_WRITE = 0x57, POWER_CUT_SYNC = 0x53, POWER_CUT_FAILED = 0x46 };
+enum {
+    POWER_CUT_WRITE = 0x57,
+    POWER_CUT_SYNC = 0x53,
+    POWER_CUT_FAILED = 0x46,
+    POWER_CUT_OTHER = 0x4f
+};
 
-/* One log record; a write's is followed by its pre-image (len bytes). */
+/* One log record; a write's is followed by its pre-image (len bytes), an other's (a
+ * write to another file of the data file's directory, which the cut cannot undo) by
+ * that file's path (len bytes). */
 typedef struct undo_rec {
     uint64_t type;
     uint64_t off;      /* write: where; sync, failed: the log's size when the sync began */
@@ -49,7 +65,8 @@ extern void (*_Atomic power_cut_before_sync)(void);
 
 /* power_cut_apply.c, linked by the test (power_cut.c, the recorder, by the server). */
 /* Undoes the unsynced writes log recorded to data; the number undone, or -1 (errno set)
- * when a file cannot be read or written. */
+ * when a file cannot be read or written, or ENOTSUP when the log holds a write to
+ * another file of the store (POWER_CUT_OTHER). */
 long power_cut_apply(const char *log, const char *data);
 /* How many writes log has recorded since the last sync (a live server's log: a record
  * being written is not counted); -1 when it cannot be read. */

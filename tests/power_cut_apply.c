@@ -1,4 +1,5 @@
 /* The power cut of power_cut.h: the recorded writes not on disk undone, newest first. */
+#include <errno.h>
 #include <fcntl.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -69,9 +70,10 @@ static void mark(const char *p, wrec *w, size_t n, uint64_t before, bool ok)
 }
 
 /* The log's write records, in order (malloc'd; NULL when out of memory), their number
- * into *n, each with its state after the log's syncs. */
-static wrec *parse(const char *p, size_t size, size_t *n)
+ * into *n, each with its state after the log's syncs; *others: the writes to other files. */
+static wrec *parse(const char *p, size_t size, size_t *n, size_t *others)
 {
+    *others = 0;
     size_t at = 0;
     wrec *w = malloc(sizeof(wrec) * (size / sizeof(undo_rec) + 1));
     undo_rec r;
@@ -83,6 +85,8 @@ static wrec *parse(const char *p, size_t size, size_t *n)
         }
         if (r.type == POWER_CUT_WRITE) {
             w[(*n)++] = (wrec){at, PENDING};
+        } else if (r.type == POWER_CUT_OTHER) {
+            (*others)++;
         } else {
             mark(p, w, *n, r.off, r.type == POWER_CUT_SYNC);
         }
@@ -92,9 +96,9 @@ static wrec *parse(const char *p, size_t size, size_t *n)
 
 long power_cut_pending(const char *log)
 {
-    size_t size, n;
+    size_t size, n, others;
     char *p = slurp(log, &size);
-    wrec *w = p != NULL ? parse(p, size, &n) : NULL;
+    wrec *w = p != NULL ? parse(p, size, &n, &others) : NULL;
     long pending = w != NULL ? 0 : -1;
     for (size_t i = 0; w != NULL && i < n; i++) {
         pending += w[i].state == PENDING;
@@ -106,12 +110,18 @@ long power_cut_pending(const char *log)
 
 long power_cut_apply(const char *log, const char *data)
 {
-    size_t size, n;
+    size_t size, n, others;
     char *p = slurp(log, &size);
     if (p == NULL) {
         return -1;
     }
-    wrec *w = parse(p, size, &n);
+    wrec *w = parse(p, size, &n, &others);
+    if (w != NULL && others > 0) {
+        free(w);
+        free(p);
+        errno = ENOTSUP;
+        return -1;
+    }
     undo_rec r;
     int fd = w != NULL ? open(data, O_WRONLY) : -1;
     long undone = 0;

@@ -4,19 +4,34 @@
  * cache (power_cut.h: power_cut_server records its writes, power_cut_apply undoes them).
  *
  * Each round starts the server on the same store, runs CLIENTS threads calling new keys
- * (two threads per key, so that duplicates race),
- * kills it with SIGKILL up to 2 ms (drawn) after a number of calls drawn for the round
- * (fixed seeds) have been answered, and on a power-cut round once a write is pending,
- * cuts the power (or not), restarts the server without the recorder and calls every
- * key answered in any round so far again: each must replay its first result. The
- * clients are mid-call when the kill comes, so it lands between a commit and the next
- * sync at some point of the pipeline (group_commit_pipe.c). */
+ * (two threads per key, so that duplicates race), kills it with SIGKILL up to 2 ms after
+ * a number of calls have been answered, and on a power-cut round once a write is
+ * pending, cuts the power (or not), checks the store whole (expect_store_whole: every
+ * page LMDB reaches from the newest meta page on disk, every value read), restarts the
+ * server without the recorder and calls every key answered in any round so far again:
+ * each must replay its first result. The clients are mid-call when the kill comes, so it
+ * lands between a commit and the next sync at some point of the pipeline
+ * (group_commit_pipe.c), or of the flusher's (group_commit_flusher.c).
+ *
+ * The cut points (the answers before the kill, the delay, what the cut leaves of
+ * lock.mdb) are drawn per round from a seed drawn per run, printed; set
+ * IDEMRPC_POWER_CUT_SEED to replay a run. Every file the store writes is covered
+ * (power_cut.h): data.mdb's unsynced writes are undone, lock.mdb is left, truncated or
+ * filled with noise (it holds nothing that must survive), and a write to any other file
+ * of the store fails the cut.
+ * The negative proof: a debug build run with IDEMRPC_TEST_ANSWER_AT_COMMIT=1 answers a
+ * batch at its commit, its meta page not on disk yet, and this test then fails. */
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <lmdb.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -41,9 +56,18 @@ static size_t failures;       /* calls that failed (timed out) before the kill *
 static bool stopping, killed; /* killed: calls may fail from then on */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t answered = PTHREAD_COND_INITIALIZER;
+static unsigned run_seed; /* the cut points' (IDEMRPC_POWER_CUT_SEED, else drawn) */
 
 static void setup(void)
 {
+    const char *env = getenv("IDEMRPC_POWER_CUT_SEED");
+    if (env != NULL) {
+        run_seed = (unsigned)strtoul(env, NULL, 10);
+    } else if (getrandom(&run_seed, sizeof(run_seed), 0) != (ssize_t)sizeof(run_seed)) {
+        run_seed = (unsigned)getpid();
+    }
+    /* On stderr too: a failing run's seed must be in the log to replay it. */
+    fprintf(stderr, "power_cut: IDEMRPC_POWER_CUT_SEED=%u\n", run_seed);
     dir = tu_tempdir("power_cut");
     snprintf(url, sizeof(url), "ipc://%s/server.sock", dir);
     snprintf(store, sizeof(store), "%s/store", dir);
@@ -121,9 +145,30 @@ static void *client_main(void *arg)
     return NULL;
 }
 
+/* A cut right after a sync would undo nothing: the kill waits (up to 2 s, polling the
+ * recorder's log) until a write is pending and an answer came since the log last showed
+ * none pending. That is the moment a reply that rests on an unsynced meta page (a batch
+ * answered at its commit) is lost: with the flusher such a window lasts one fdatasync. */
+static void await_answer_over_pending_write(const char *undo_log)
+{
+    size_t since = SIZE_MAX; /* n_answers when the log began to show a pending write */
+    for (int i = 0; i < 10000; i++) {
+        long pending = power_cut_pending(undo_log);
+        pthread_mutex_lock(&mu);
+        size_t n = n_answers;
+        pthread_mutex_unlock(&mu);
+        since = pending <= 0 ? SIZE_MAX : since == SIZE_MAX ? n : since;
+        if (since != SIZE_MAX && n > since) {
+            return;
+        }
+        struct timespec poll = {0, 200 * 1000L};
+        nanosleep(&poll, NULL);
+    }
+}
+
 /* Runs the clients until `target` answers in all, then SIGKILLs the server: with a power
  * cut (undo_log), once the store has written something it has not synced yet. */
-static void load_then_kill(tu_child *srv, size_t target, const char *undo_log)
+static void load_then_kill(tu_child *srv, size_t target, unsigned *draw, const char *undo_log)
 {
     pthread_t t[CLIENTS];
     stopping = killed = false;
@@ -139,14 +184,10 @@ static void load_then_kill(tu_child *srv, size_t target, const char *undo_log)
      * answer the store has just synced (the answer waited for that), so the kill would
      * often cut nothing; the clients go on meanwhile, and what they are answered counts.
      * Not a synchronisation: where the fault lands. */
-    unsigned seed = 104729u * (unsigned)round_no + 7u;
-    struct timespec past = {0, (long)(rand_r(&seed) % 2000u) * 1000L};
+    struct timespec past = {0, (long)(rand_r(draw) % 2000u) * 1000L};
     nanosleep(&past, NULL);
-    /* A cut right after a sync would undo nothing: the kill waits (up to 2 s, polling the
-     * recorder's log) until a write is pending, so the round has something to cut. */
-    for (int i = 0; undo_log != NULL && power_cut_pending(undo_log) <= 0 && i < 10000; i++) {
-        struct timespec poll = {0, 200 * 1000L};
-        nanosleep(&poll, NULL);
+    if (undo_log != NULL) {
+        await_answer_over_pending_write(undo_log);
     }
     pthread_mutex_lock(&mu);
     killed = true;
@@ -185,6 +226,96 @@ static void expect_every_answer_kept(int round)
     cr_expect_eq(tu_reap(&srv), 0);
 }
 
+/* What the cut leaves of lock.mdb, LMDB's reader table and writer mutex, written through
+ * its map: as it was (0), nothing (1: never written back), or noise (2). */
+static void cut_lock_file(int round, unsigned fate)
+{
+    char lock[600];
+    snprintf(lock, sizeof(lock), "%s/lock.mdb", store);
+    int fd = open(lock, O_RDWR);
+    cr_assert_geq(fd, 0, "round %d: open %s: %s", round, lock, strerror(errno));
+    off_t size = lseek(fd, 0, SEEK_END);
+    cr_assert_geq(size, 0);
+    if (fate == 1) {
+        cr_assert_eq(ftruncate(fd, 0), 0, "round %d: truncate lock.mdb: %s", round,
+                     strerror(errno));
+    }
+    for (off_t at = 0; fate == 2 && at < size; at += 4096) {
+        char noise[4096];
+        cr_assert_eq(getrandom(noise, sizeof(noise), 0), (ssize_t)sizeof(noise));
+        cr_assert_eq(pwrite(fd, noise, sizeof(noise), at), (ssize_t)sizeof(noise));
+    }
+    cr_assert_eq(close(fd), 0);
+    cr_log_info("round %d: lock.mdb %s", round, (const char *[]){"kept", "emptied", "noise"}[fate]);
+}
+
+/* Reads every key and value of dbi (in full: an overflow page is touched to its end) and
+ * checks their number against mdb_stat's. */
+static size_t walk_db(MDB_txn *txn, MDB_dbi dbi, const char *name, int round)
+{
+    MDB_cursor *cur;
+    MDB_stat st;
+    MDB_val k, v;
+    size_t n = 0;
+    unsigned char sum = 0;
+    cr_assert_eq(mdb_stat(txn, dbi, &st), 0, "round %d: stat of %s", round, name);
+    cr_assert_eq(mdb_cursor_open(txn, dbi, &cur), 0, "round %d: cursor on %s", round, name);
+    int rc;
+    for (MDB_cursor_op op = MDB_FIRST; (rc = mdb_cursor_get(cur, &k, &v, op)) == 0; op = MDB_NEXT) {
+        for (size_t i = 0; i < k.mv_size; i++) {
+            sum ^= ((const unsigned char *)k.mv_data)[i];
+        }
+        for (size_t i = 0; i < v.mv_size; i++) {
+            sum ^= ((const unsigned char *)v.mv_data)[i];
+        }
+        n++;
+    }
+    mdb_cursor_close(cur);
+    cr_assert_eq(rc, MDB_NOTFOUND, "round %d: %s after %zu entries: %s", round, name, n,
+                 mdb_strerror(rc));
+    cr_assert_eq(n, st.ms_entries, "round %d: %s walked %zu of %zu entries (sum %u)", round, name,
+                 n, (size_t)st.ms_entries, sum);
+    return n;
+}
+
+/* The store after the cut, as LMDB finds it: mdb_env_stat, then every named database of
+ * the main one walked in full (walk_db). Opened without the lock file (no other process
+ * runs) and read-only: nothing of what the restart will find is changed. */
+static void expect_store_whole(int round)
+{
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_stat st;
+    MDB_dbi main_db;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    cr_assert_eq(mdb_env_create(&env), 0);
+    cr_assert_eq(mdb_env_set_maxdbs(env, 64), 0);
+    int rc = mdb_env_open(env, store, MDB_RDONLY | MDB_NOLOCK, 0600);
+    cr_assert_eq(rc, 0, "round %d: open %s: %s", round, store, mdb_strerror(rc));
+    cr_assert_eq(mdb_env_stat(env, &st), 0);
+    cr_assert_eq(mdb_txn_begin(env, NULL, MDB_RDONLY, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &main_db), 0);
+    cr_assert_eq(mdb_cursor_open(txn, main_db, &cur), 0);
+    size_t dbs = 0, entries = 0;
+    for (MDB_cursor_op op = MDB_FIRST; (rc = mdb_cursor_get(cur, &k, &v, op)) == 0; op = MDB_NEXT) {
+        char name[128];
+        MDB_dbi dbi;
+        snprintf(name, sizeof(name), "%.*s", (int)k.mv_size, (const char *)k.mv_data);
+        if (mdb_dbi_open(txn, name, 0, &dbi) == 0) { /* else a plain key of the main db */
+            entries += walk_db(txn, dbi, name, round);
+            dbs++;
+        }
+    }
+    cr_assert_eq(rc, MDB_NOTFOUND, "round %d: main db: %s", round, mdb_strerror(rc));
+    mdb_cursor_close(cur);
+    mdb_txn_abort(txn);
+    mdb_env_close(env);
+    cr_assert_geq(dbs, 3, "round %d: records, tokens, expiry at least", round);
+    cr_log_info("round %d: store whole: %zu databases, %zu entries, depth %u", round, dbs, entries,
+                st.ms_depth);
+}
+
 static void crash_rounds(bool power_cut)
 {
     long undone = 0;
@@ -193,15 +324,17 @@ static void crash_rounds(bool power_cut)
         snprintf(log, sizeof(log), "%s/undo-%d.log", dir, round);
         tu_child srv = spawn_server(power_cut ? log : NULL);
         round_no = round;
-        unsigned seed = 7919u * (unsigned)round + (power_cut ? 1u : 2u);
-        load_then_kill(&srv, n_answers + 40 + (size_t)(rand_r(&seed) % 400),
+        unsigned draw = run_seed ^ (2654435761u * (unsigned)(round + 1)) ^ (power_cut ? 1u : 2u);
+        load_then_kill(&srv, n_answers + 40 + (size_t)(rand_r(&draw) % 400), &draw,
                        power_cut ? log : NULL);
         if (power_cut) {
             long n = power_cut_apply(log, data);
-            cr_assert_geq(n, 0, "undo log %s applied", log);
+            cr_assert_geq(n, 0, "undo log %s applied: %s", log, strerror(errno));
+            cut_lock_file(round, rand_r(&draw) % 3);
             cr_log_info("round %d: %ld unsynced writes undone", round, n);
             undone += n;
         }
+        expect_store_whole(round);
         /* Not an assertion: a call that timed out under load was not answered, and no
          * answer is expected of it (no timed assertion). */
         cr_log_info("round %d: %zu calls answered in all, %zu failed before the kill", round,
