@@ -19,8 +19,9 @@
  * (power_cut.h): data.mdb's unsynced writes are undone, lock.mdb is left, truncated or
  * filled with noise (it holds nothing that must survive), and a write to any other file
  * of the store fails the cut.
- * The negative proof: a debug build run with IDEMRPC_TEST_ANSWER_AT_COMMIT=1 answers a
- * batch at its commit, its meta page not on disk yet, and this test then fails. */
+ * The negative proof: a build with -Dc_args=-DIDEM_TEST_HOOKS (no default build has the
+ * hook) run with IDEMRPC_TEST_ANSWER_AT_COMMIT=1 answers a batch at its commit, its meta
+ * page not on disk yet, and this test then fails. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>

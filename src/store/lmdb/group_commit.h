@@ -202,8 +202,9 @@ typedef struct idem_group_commit {
     /* The flusher thread (group_commit_flusher.c; NULL: none, the writer's next commit
      * or its own sync puts a batch's meta page on disk). */
     struct idem_gc_flusher *flusher;
-    /* Unless NDEBUG, $IDEMRPC_TEST_ANSWER_AT_COMMIT=1: a batch's callers are woken at its
-     * commit, its meta page not on disk yet: the bug tests/test_power_cut.c must catch. */
+    /* Built with -DIDEM_TEST_HOOKS (never by default) and $IDEMRPC_TEST_ANSWER_AT_COMMIT=1:
+     * a batch's callers are woken at its commit, its meta page not on disk yet: the bug
+     * tests/test_power_cut.c must catch. */
     bool answer_at_commit;
 } idem_group_commit;
 
