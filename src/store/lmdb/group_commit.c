@@ -11,8 +11,7 @@
  * An inline write syncs its own meta page (idem__gc_commit_durable); it never starts
  * while the writer thread holds committed batches waiting for a sync (writer_busy stays
  * set until group_commit_pipe.c, which says why one fdatasync per commit is durable,
- * has woken them). Batches the flusher holds do not stop it: its sync under sync_mu
- * flushes their meta pages too, and the flusher wakes their callers. */
+ * has woken them). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,14 +55,8 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     const char *bug = getenv("IDEMRPC_TEST_ANSWER_AT_COMMIT");
     gc->answer_at_commit = bug != NULL && strcmp(bug, "1") == 0;
 #endif
-    /* Without it (no thread to be had) the writer's next commit or its own sync flushes
-     * a batch's meta page, as before issue 39: slower, as durable. */
-    if (gc->pipelined) {
-        (void)idem__gc_flusher_start(gc);
-    }
     if (enabled) {
         if (pthread_create(&gc->writer, NULL, idem__gc_writer_main, gc) != 0) {
-            idem__gc_flusher_stop(gc);
             pthread_cond_destroy(&gc->inline_cv);
             pthread_cond_destroy(&gc->done_cv);
             pthread_cond_destroy(&gc->cv);
@@ -89,7 +82,6 @@ void idem__gc_fini(idem_group_commit *gc)
         pthread_join(gc->writer, NULL);
         gc->started = false;
     }
-    idem__gc_flusher_stop(gc); /* after the writer thread: it has handed every batch */
     pthread_cond_destroy(&gc->inline_cv);
     pthread_cond_destroy(&gc->done_cv);
     pthread_cond_destroy(&gc->cv);

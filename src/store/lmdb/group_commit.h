@@ -55,11 +55,9 @@
  * durable (or has failed), or, for a completion written asynchronously, hears of it
  * then (idem__gc_write_end_async: the server's worker does not wait for the disk).
  * Durable means the meta page too: on a pipelined store (MDB_NOMETASYNC, one fdatasync
- * per commit) a batch's callers wait for the flusher thread's sync right after its
- * commit, or the next batch's commit if that comes first (without a flusher: the next
- * batch's commit, or an explicit sync when none follows), and a batch ends
- * (idem__gc_wait) only then (group_commit_pipe.c says why that sync flushes the page;
- * group_commit_flusher.c, why the flusher keeps every promise of the pipe).
+ * per commit) a batch's callers wait for the next batch's commit, or for an explicit
+ * sync when none follows, and a batch ends (idem__gc_wait) only then
+ * (group_commit_pipe.c says why that sync flushes the page).
  * Each operation runs in the batch's txn itself while the map has room for every page
  * the batch's operations may take, so that none can meet a full map there; one that
  * fails with a storage error all the same poisons the txn (LMDB refuses it every further
@@ -199,9 +197,6 @@ typedef struct idem_group_commit {
     pthread_mutex_t sync_mu;
     idem_write_fn rewrite;
     void *rewrite_ctx;
-    /* The flusher thread (group_commit_flusher.c; NULL: none, the writer's next commit
-     * or its own sync puts a batch's meta page on disk). */
-    struct idem_gc_flusher *flusher;
     /* Built with -DIDEM_TEST_HOOKS (never by default) and $IDEMRPC_TEST_ANSWER_AT_COMMIT=1:
      * a batch's callers are woken at its commit, its meta page not on disk yet: the bug
      * tests/test_power_cut.c must catch. */

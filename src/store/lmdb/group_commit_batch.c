@@ -3,9 +3,9 @@
  * One batch per turn while ops are queued: begin a txn, apply what is queued (apply_op:
  * in the txn itself, or near a full map each op in a child txn), hold it open while
  * shared claims in it await their completions, commit, then post every op of the batch
- * not posted yet, and only those, once the commit is on disk meta page included (the
- * flusher's sync, group_commit_flusher.c; without a flusher, group_commit_pipe.c: at
- * the next batch's commit, or at a sync when nothing is queued). Invariants:
+ * not posted yet, and only those, once the commit is on disk meta page included
+ * (group_commit_pipe.c: at the next batch's commit, or at a sync when nothing is
+ * queued). Invariants:
  *   - only this thread uses a batch's txn, and it begins and commits it (LMDB's rule);
  *   - a caller is posted before its batch's commit only for a shared claim that applied
  *     IDEM_OK (its handler runs meanwhile); a shared claim refused from the open txn (a
@@ -231,9 +231,9 @@ static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t tic
     return false;
 }
 
-/* One batch: begin, apply and hold (hold_open), commit, then its callers wait for the
- * flusher's sync, or in pipe for a later one (group_commit_pipe.c); on a storage error
- * or a failed commit, the redo. */
+/* One batch: begin, apply and hold (hold_open), commit, then its callers wait in pipe
+ * for a later sync (group_commit_pipe.c); on a storage error or a failed commit, the
+ * redo. */
 static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
 {
     idem_gc_batch b = {0};
@@ -260,17 +260,13 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     }
     uint64_t commit_us = idem__mono_us() - t0;
     if (!ok) {
-        idem__gc_flusher_drain(gc);    /* the redo's answers must not overtake these */
-        idem__gc_pipe_flush(gc, pipe); /* (a pipe or the flusher holds them) */
+        idem__gc_pipe_flush(gc, pipe); /* the redo's answers must not overtake these */
         if (gc->on_failed_commit != NULL) {
             gc->on_failed_commit(gc->on_failed_commit_arg);
         }
         idem__gc_redo(gc, &b);
     }
-    uint64_t txnid;
-    if (idem__gc_pipe_committed(gc, pipe, &b, ticket, ok, commit_us, &txnid)) {
-        idem__gc_flusher_hand(gc, &b, ticket, txnid, commit_us);
-    }
+    idem__gc_pipe_committed(gc, pipe, &b, ticket, ok, commit_us);
 }
 
 /* Sleeps until ops are queued and no caller commits inline; false: stopping, nothing

@@ -1,11 +1,10 @@
-/* Group commit's private types, shared by its six files (the public contract and the
+/* Group commit's private types, shared by its five files (the public contract and the
  * invariants of the whole are in group_commit.h):
- *   group_commit.c          the callers' side: the queue, its life cycle, waiting
- *   group_commit_batch.c    the writer thread: take, apply, hold open, commit, wake
- *   group_commit_redo.c     a batch whose commit failed, again one op per txn
- *   group_commit_pipe.c     committed batches whose callers wait for a later sync
- *   group_commit_flusher.c  the thread that syncs a batch while the next one is built
- *   group_commit_sync.c     the file's syncs and what each vouches for (after a failed one)
+ *   group_commit.c        the callers' side: the queue, its life cycle, waiting
+ *   group_commit_batch.c  the writer thread: take, apply, hold open, commit, wake
+ *   group_commit_redo.c   a batch whose commit failed, again one op per txn
+ *   group_commit_pipe.c   committed batches whose callers wait for a later sync
+ *   group_commit_sync.c   the file's syncs and what each vouches for (after a failed one)
  *
  * An op lives on its caller's stack (idem__gc_write, _end) or on the heap (a shared
  * claim: two references; an asynchronous end: freed once handed over), there in its
@@ -87,38 +86,10 @@ typedef struct idem_gc_pipe {
     uint64_t commit_us; /* how long the last one's commit took */
 } idem_gc_pipe;
 
-/* The flusher thread (group_commit_flusher.c): it syncs what the writer thread hands
- * it, while the writer builds the next batch. Under mu: pipe, busy, stopping. */
-typedef struct idem_gc_flusher {
-    pthread_t thread;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;      /* the flusher's: a batch handed over, stopping */
-    pthread_cond_t idle_cv; /* idem__gc_flusher_drain's: the flusher released a pipe */
-    idem_gc_pipe pipe;      /* handed over, not taken yet */
-    bool busy;              /* it syncs and releases a pipe it took */
-    bool stopping;
-} idem_gc_flusher;
-
-/* Starts the flusher thread: gc->flusher, or NULL and IDEM_RESOURCE_EXHAUSTED when it
- * cannot. */
-idem_code idem__gc_flusher_start(idem_group_commit *gc);
-/* Releases what it holds, then stops and joins it. */
-void idem__gc_flusher_stop(idem_group_commit *gc);
-/* Hands the committed batch b (its state at txnid) to the flusher. */
-void idem__gc_flusher_hand(idem_group_commit *gc, idem_gc_batch *b, uint64_t ticket, uint64_t txnid,
-                           uint64_t commit_us);
-/* Returns once every batch handed over has been released. */
-void idem__gc_flusher_drain(idem_group_commit *gc);
-/* Appends batch b (committed, its state at txnid) to pipe. */
-void idem__gc_pipe_take(idem_gc_pipe *pipe, idem_gc_batch *b, uint64_t ticket, uint64_t txnid,
-                        uint64_t commit_us);
-
 /* The batch of ticket has committed (ok) or run again alone: on a pipelined store its
- * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c).
- * true: they wait for the flusher's sync instead; the caller hands b (its state at
- * *txnid) to the flusher. */
-bool idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
-                             uint64_t ticket, bool ok, uint64_t commit_us, uint64_t *txnid);
+ * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c). */
+void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
+                             uint64_t ticket, bool ok, uint64_t commit_us);
 /* A thread that now holds LMDB's writer lock syncs what a pipe left unsynced. */
 void idem__gc_sync_pending(idem_group_commit *gc);
 /* Syncs the file and wakes what pipe holds (with the sync's error if it failed). */

@@ -16,9 +16,6 @@
  * pages freed two txns back (mdb_find_oldest: txnid - 1, or an older reader).
  *
  * So a batch's callers are woken only once its state is known on disk:
- *   - by the flusher thread, right after its commit (group_commit_flusher.c, whenever
- *     it could be started): it syncs while the writer builds the next batch; what
- *     follows is the pipe the writer thread keeps without a flusher;
  *   - after a later commit, when mdb_env_info's me_last_txnid (the newer meta page, read
  *     from the map) is past the pipe's txnid: a commit with a larger txnid wrote its meta
  *     page, which LMDB does only once that commit's fdatasync has returned;
@@ -107,8 +104,9 @@ static void pipe_release(idem_group_commit *gc, idem_gc_pipe *pipe, idem_code sy
     memset(pipe, 0, sizeof(*pipe));
 }
 
-void idem__gc_pipe_take(idem_gc_pipe *pipe, idem_gc_batch *b, uint64_t ticket, uint64_t txnid,
-                        uint64_t commit_us)
+/* Appends batch b (committed, its state at txnid) to pipe. */
+static void pipe_take(idem_gc_pipe *pipe, idem_gc_batch *b, uint64_t ticket, uint64_t txnid,
+                      uint64_t commit_us)
 {
     idem_gc_batch *p = &pipe->b;
     if (b->head != NULL) {
@@ -133,24 +131,17 @@ void idem__gc_pipe_flush(idem_group_commit *gc, idem_gc_pipe *pipe)
     }
 }
 
-bool idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
-                             uint64_t ticket, bool ok, uint64_t commit_us, uint64_t *txnid_out)
+void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
+                             uint64_t ticket, bool ok, uint64_t commit_us)
 {
     if (!ok || !gc->pipelined || gc->answer_at_commit) {
         if (ok) { /* a failed batch's redo has posted every op, each txn durable */
             post_all(b, IDEM_OK);
         }
         idem__gc_batch_ended(gc, b, ticket, ok, commit_us);
-        return false;
+        return;
     }
     uint64_t txnid = idem__gc_last_txnid(gc->env);
-    pthread_mutex_lock(&gc->mu);
-    gc->pending_ticket = ticket;
-    pthread_mutex_unlock(&gc->mu);
-    if (gc->flusher != NULL) { /* it syncs now (group_commit_flusher.c) */
-        *txnid_out = txnid;
-        return true;
-    }
     /* This commit's fdatasync flushed the pipe's meta page, unless a failed sync came
      * between them: then it stays, to be flushed with this one's. */
     if (pipe->ticket != 0 &&
@@ -158,8 +149,10 @@ bool idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_
          (txnid > pipe->txnid && pipe->txnid > atomic_load(&gc->unsure_txnid)))) {
         pipe_release(gc, pipe, IDEM_OK);
     }
-    idem__gc_pipe_take(pipe, b, ticket, txnid, commit_us);
-    return false;
+    pipe_take(pipe, b, ticket, txnid, commit_us);
+    pthread_mutex_lock(&gc->mu);
+    gc->pending_ticket = ticket;
+    pthread_mutex_unlock(&gc->mu);
 }
 
 idem_code idem__gc_durable_wait(idem_group_commit *gc, uint64_t txnid)

@@ -90,16 +90,10 @@ idem_code idem__gc_commit_durable(idem_group_commit *gc, MDB_txn *txn)
 
 int idem__gc_commit_batch(idem_group_commit *gc, MDB_txn *txn)
 {
-    MDB_env *env = mdb_txn_env(txn);
-    uint64_t txnid = mdb_txn_id(txn);
     pthread_mutex_lock(&gc->sync_mu);
     int rc = mdb_txn_commit(txn);
     if (rc != 0) {
         sync_failed(gc);
-    } else if (idem__gc_last_txnid(env) >= txnid && txnid - 1 > atomic_load(&gc->unsure_txnid)) {
-        /* It wrote (an empty txn neither syncs nor writes a meta page): its fdatasync put
-         * the meta page before it, txnid - 1's (LMDB's writer lock), on disk. */
-        idem__gc_durable_raise(gc, txnid - 1);
     }
     pthread_mutex_unlock(&gc->sync_mu);
     return rc;
