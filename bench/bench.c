@@ -3,7 +3,7 @@
  *
  *   idemrpc-bench [--clients 1,16,64] [--payload 64] [--transport tcp,ipc]
  *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i,j][,r,s,t,u][,v]]
- *                 [--csv FILE] [--json FILE]
+ *                 [--csv FILE] [--json FILE] [--switches]
  *
  *   a  echo     bare nng rep0 echo: contexts + aio, the reply sent from the aio callback
  *   b  gc-off   default chain, a new key per call, durable store, one commit per write
@@ -128,7 +128,7 @@ static void usage(FILE *f)
             "usage: idemrpc-bench [--clients 1,16,64] [--payload 64[,4096]] "
             "[--transport tcp,ipc[,inproc]]\n"
             "                     [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f] "
-            "[--csv FILE] [--json FILE]\n"
+            "[--csv FILE] [--json FILE] [--switches]\n"
             "  a echo  b chain gc off  c chain gc on  d chain nosync  e replay  f raw lmdb\n"
             "  v pwrite + fdatasync (the disk)\n"
             "  g pg new keys  h pg two instances  i pg replay  j pg duplicate wait "
@@ -307,6 +307,7 @@ static args_result parse_args(int argc, char **argv)
                                           {"scale-csv", required_argument, NULL, 'C'},
                                           {"scale-kinds", required_argument, NULL, 'K'},
                                           {"scale-rounds", required_argument, NULL, 'R'},
+                                          {"switches", no_argument, NULL, 'W'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     bool seconds_given = false;
@@ -322,6 +323,8 @@ static args_result parse_args(int argc, char **argv)
             cfg.csv = optarg;
         } else if (opt == 'j') {
             cfg.json = optarg;
+        } else if (opt == 'W') {
+            cfg.switches = true;
         } else if (opt == 'K') {
             cfg.scale_kinds = strstr(optarg, "new") ? 1 : 0;
             cfg.scale_kinds |= strstr(optarg, "replay") ? 2 : 0;

@@ -27,7 +27,7 @@
 #define MAX_PAYLOAD (1 << 20)
 #define MAX_FRAME (MAX_PAYLOAD + (64 << 10)) /* a payload and its envelope, both ways */
 #define N_LETTERS 26                         /* scenarios are named by a letter a..z */
-#define N_SCENARIOS 23 /* a..i, k..v, x, y */
+#define N_SCENARIOS 23                       /* a..i, k..v, x, y */
 #define WARMUP_CALLS 8                       /* untimed calls per thread before the start */
 #define REPLAY_KEYS 100                      /* e: keys per client, called once before the start */
 #define LATENCY_BUDGET (1u << 21)            /* samples kept per cell over all threads (16 MiB) */
@@ -61,6 +61,7 @@ typedef struct bench_config {
     int scale_rounds;   /* z: every size in turn, this many times */
     int scale_kinds;    /* bits: 1 new keys, 2 replays, 4 the grown store */
     bool clients_given; /* --clients: also z's client counts (default 1 and 16) */
+    bool switches;      /* --switches: a line per cell of switches per call by thread kind */
 } bench_config;
 
 extern bench_config cfg;
@@ -114,12 +115,22 @@ typedef struct proc_usage {
     double peer_cpu_us; /* the CPU of a peer server process (redis-server), if any */
 } proc_usage;
 
+/* Context switches (voluntary + involuntary) of the process's live threads, summed by
+ * kind: the thread's name (comm) without trailing digits (usage.c, --switches). */
+#define MAX_THREAD_KINDS 16
+typedef struct thread_switches {
+    int n;
+    char kind[MAX_THREAD_KINDS][16];
+    double vcsw[MAX_THREAD_KINDS], ivcsw[MAX_THREAD_KINDS];
+} thread_switches;
+
 struct cell_stats {
     uint64_t ok, errors;
     double seconds; /* from the common start to the last thread's last reply */
     double p50_us, p99_us, p999_us;
-    proc_usage cost; /* spent from the common start until every thread's last reply */
-    char error[200]; /* the first error seen; "" when none */
+    proc_usage cost;           /* spent from the common start until every thread's last reply */
+    thread_switches by_thread; /* the same window's switches by thread kind (--switches) */
+    char error[200];           /* the first error seen; "" when none */
 };
 
 /* A scenario's run(): 0 when the cell was measured (out filled), -1 with out->error
@@ -215,8 +226,11 @@ void proc_usage_now(proc_usage *u); /* usage.c; u->peer_cpu_us = NAN */
 /* The number after name in /proc/self/<file> ("status", "io"), NAN when absent; reads
  * without allocating (usage.c). */
 double proc_self_field(const char *file, const char *name);
-double alloc_count(void);           /* allocations so far, every thread; NAN when not counted */
+double alloc_count(void); /* allocations so far, every thread; NAN when not counted */
 void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d); /* d = b - a */
+/* Every live thread's switches from /proc/self/task, by kind (usage.c). */
+void thread_switches_now(thread_switches *t);
+void thread_switches_diff(const thread_switches *a, const thread_switches *b, thread_switches *d);
 size_t server_contexts(int clients);
 void listen_url(const cell *c, int instance, char *buf, size_t cap);
 void set_dial_url(cell *c, const char *listen, int port);

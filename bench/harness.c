@@ -128,12 +128,13 @@ struct client_run {
     const cell *cell;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int ready;            /* threads done with open + warm-up */
-    int finished;         /* threads done with their timed calls */
-    bool go, abort;       /* set once, under mu */
-    bool measured;        /* set once, under mu, after the end counters are read */
-    uint64_t deadline_ns; /* written before go */
-    atomic_ullong issued; /* calls started, for --count */
+    int ready;                /* threads done with open + warm-up */
+    int finished;             /* threads done with their timed calls */
+    bool go, abort;           /* set once, under mu */
+    bool measured;            /* set once, under mu, after the end counters are read */
+    uint64_t deadline_ns;     /* written before go */
+    atomic_ullong issued;     /* calls started, for --count */
+    thread_switches sw0, sw1; /* --switches: at the start and the end */
 };
 
 int thread_fail(bench_thread *t, const char *fmt, ...)
@@ -163,8 +164,11 @@ static bool gate_wait(bench_thread *t)
 }
 
 /* The process counters and the peer's CPU, if the scenario has a peer. */
-static void peer_usage_now(const client_run *r, proc_usage *at)
+static void peer_usage_now(client_run *r, proc_usage *at, thread_switches *sw)
 {
+    if (cfg.switches) {
+        thread_switches_now(sw);
+    }
     proc_usage_now(at);
     if (r->ops->peer_cpu_us != NULL) {
         at->peer_cpu_us = r->ops->peer_cpu_us(r->cell);
@@ -191,7 +195,7 @@ static uint64_t gate_open(client_run *r, int started, bool abort, proc_usage *at
     while (r->ready < started) {
         pthread_cond_wait(&r->cv, &r->mu);
     }
-    peer_usage_now(r, at);
+    peer_usage_now(r, at, &r->sw0);
     uint64_t start = now_ns();
     r->deadline_ns = start + (uint64_t)(cfg.seconds * 1e9);
     r->go = true;
@@ -209,7 +213,7 @@ static void gate_close(client_run *r, int started, proc_usage *at)
     while (r->finished < started) {
         pthread_cond_wait(&r->cv, &r->mu);
     }
-    peer_usage_now(r, at);
+    peer_usage_now(r, at, &r->sw1);
     r->measured = true;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
@@ -242,6 +246,7 @@ static void *client_thread_main(void *arg)
 {
     bench_thread *t = arg;
     client_run *r = t->run;
+    pthread_setname_np(pthread_self(), "bench:client"); /* a kind of its own (--switches) */
     int rv = r->ops->open(t);
     for (int i = 0; rv == 0 && i < r->cell->warmup; i++) {
         rv = r->ops->call(t);
@@ -310,6 +315,7 @@ int run_clients(const client_ops *ops, const cell *c, cell_stats *out)
     uint64_t start = gate_open(&r, started, !setup_ok, &u0);
     gate_close(&r, started, &u1);
     proc_usage_diff(&u0, &u1, &out->cost);
+    thread_switches_diff(&r.sw0, &r.sw1, &out->by_thread);
     for (int i = 0; i < started; i++) {
         pthread_join(ts[i].tid, NULL);
         setup_ok = setup_ok && !ts[i].setup_failed;

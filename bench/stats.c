@@ -145,6 +145,21 @@ static proc_usage per_call(const cell_stats *s)
                         .peer_cpu_us = c->peer_cpu_us / n};
 }
 
+/* --switches: the cell's switches per call by thread kind, voluntary + involuntary. */
+static void print_switches(const thread_switches *t, double calls)
+{
+    double total = 0;
+    printf("  switches/call by thread (vol+invol):");
+    for (int i = 0; calls > 0 && i < t->n; i++) {
+        double per = (t->vcsw[i] + t->ivcsw[i]) / calls;
+        total += per;
+        if (per >= 0.005) {
+            printf(" %s %.2f+%.2f", t->kind[i], t->vcsw[i] / calls, t->ivcsw[i] / calls);
+        }
+    }
+    printf("; total %.2f\n", total);
+}
+
 /* Appends the row of a measured cell, with its ratio to (a) when (a) ran, and prints
  * it; its errors, if any, go to stderr after the row. */
 void report_cell(const scenario *sc, const char *transport, int clients, size_t payload,
@@ -167,6 +182,9 @@ void report_cell(const scenario *sc, const char *transport, int clients, size_t 
         r->ratio = r->calls_s / a->calls_s;
     }
     print_row(r);
+    if (cfg.switches) {
+        print_switches(&s->by_thread, (double)(s->ok + s->errors));
+    }
     if (s->errors > 0) {
         fprintf(stderr, "  %s: %llu errors, first: %s\n", sc->name, (unsigned long long)s->errors,
                 s->error);

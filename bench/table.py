@@ -5,7 +5,8 @@
     bench/table.py --scale z1.csv z2.csv z3.csv   (--scale-csv files of scenario z)
 
 Each cell is "median (min-max)" over the runs: calls/s for a, f and v, the ratio to a
-of the same run for the others. Then the issue-29 targets, each with its verdict. Runs of
+of the same run for the others. Then the issue-29 targets and issue 39's (c/d, c/a, c/r
+and s/e against the Redis peer, switches per new key, c at 1 client), each with its verdict. Runs of
 other scenarios may be added (e.g. `--scenarios a,e,i,q --clients 16` with
 $IDEMRPC_BENCH_PG for the PostgreSQL replay rows): ratios between two scenarios are taken
 within each file, so a file without one of them adds nothing to that target.
@@ -85,12 +86,14 @@ def cost(rows, transport, clients):
     print()
 
 
-def targets(rows, transport):
+def measures(rows, transport):
+    """The medians the targets read, on one transport: med (a field of one cell), vs (x's
+    calls/s over y's within each run, i.e. file) and ctx (switches per call)."""
     def med(l, k, p=64, field="ratio_vs_a"):
         v = values(rows, (l, transport, k, p), field)
         return statistics.median(v) if v else None
 
-    def vs(x, y, k, p=64):  # x's calls/s over y's within each run (file), median
+    def vs(x, y, k, p=64):
         ys = {r["run"]: float(r["calls_per_s"]) for r in rows.get((y, transport, k, p), [])}
         v = [float(r["calls_per_s"]) / ys[r["run"]] for r in rows.get((x, transport, k, p), [])
              if ys.get(r["run"])]
@@ -101,6 +104,26 @@ def targets(rows, transport):
              for r in rows.get((l, transport, k, 64), [])]
         return statistics.median(v) if v else None
 
+    return med, vs, ctx
+
+
+def verdicts(title, checks):
+    """One table: each check (name, measured or None, goal or None, op) with its verdict."""
+    print("| %s | goal | measured | |" % title)
+    print("|---|---|---|---|")
+    for name, got, goal, op in checks:
+        want = "" if goal is None else "%s %s" % (op.replace(">=", "≥").replace("<=", "≤"), goal)
+        if got is None:
+            print("| %s | %s | not run | |" % (name, want))
+            continue
+        ok = goal is None or (got >= goal if op == ">=" else got <= goal)
+        print("| %s | %s | %.2f | %s |" % (name, want, got,
+                                           "" if goal is None else "met" if ok else "missed"))
+    print()
+
+
+def targets(rows, transport):
+    med, vs, ctx = measures(rows, transport)
     checks = [("c/a, 16 clients", med("c", 16), 0.5, ">="),
               ("c/d, 16 clients (the price of durability under load)", vs("c", "d", 16), 0.9, ">="),
               ("d/a, 16 clients", med("d", 16), 0.55, ">="),
@@ -112,16 +135,21 @@ def targets(rows, transport):
               ("allocations per replay (e, 16 clients)", med("e", 16, field="allocs_per_call"), 16, "<="),
               ("PostgreSQL replay ÷ LMDB replay, 16 clients: i (a round trip)", vs("i", "e", 16), 0.6, ">="),
               ("PostgreSQL replay ÷ LMDB replay, 16 clients: q (replay cache)", vs("q", "e", 16), 0.6, ">=")]
-    print("| target (%s, medians) | goal | measured | |" % transport)
-    print("|---|---|---|---|")
-    for name, got, goal, op in checks:
-        if got is None:
-            print("| %s | %s %s | not run | |" % (name, op.replace(">=", "≥").replace("<=", "≤"), goal))
-            continue
-        ok = got >= goal if op == ">=" else got <= goal
-        print("| %s | %s %s | %.2f | %s |" % (name, op.replace(">=", "≥").replace("<=", "≤"), goal,
-                                                got, "met" if ok else "missed"))
-    print()
+    verdicts("target (%s, medians)" % transport, checks)
+
+
+def targets39(rows, transports):
+    """Issue 39's targets, 16 clients, 64 B, each ratio taken within each run."""
+    checks = []
+    for t in transports:
+        med, vs, ctx = measures(rows, t)
+        checks += [("c/d, %s (the price of durability)" % t, vs("c", "d", 16), 0.85, ">="),
+                   ("c/a, %s" % t, med("c", 16), 0.45, ">="),
+                   ("c/r, %s (ahead of the Redis peer, AOF always)" % t, vs("c", "r", 16), 1.5, ">="),
+                   ("s/e, %s (the Redis peer's replay ÷ ours)" % t, vs("s", "e", 16), None, ""),
+                   ("context switches per new key, %s (c, client + server)" % t, ctx("c", 16), 6, "<="),
+                   ("c at 1 client / a, %s" % t, med("c", 1), 0.25, ">=")]
+    verdicts("issue 39 target (medians)", checks)
 
 
 SCALE_TARGETS = [("new", 1, 0.8), ("new", 16, 0.8), ("ordered", 1, 0.8), ("ordered", 16, 0.8),
@@ -214,6 +242,7 @@ def main(paths):
         cost(rows, t, 16)
     for t in transports:
         targets(rows, t)
+    targets39(rows, transports)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
  *
  * A sample allocates nothing (open/read/close on a stack buffer), so it does not show
  * in the allocation count; its one read(2) shows in rwsys (once a cell, not per call). */
+#include <dirent.h>
 #include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
@@ -99,4 +100,79 @@ void proc_usage_diff(const proc_usage *a, const proc_usage *b, proc_usage *d)
     d->rw_syscalls = b->rw_syscalls - a->rw_syscalls;
     d->allocs = b->allocs - a->allocs;
     d->peer_cpu_us = b->peer_cpu_us - a->peer_cpu_us;
+}
+
+/* ---- switches by thread kind (--switches) ---- */
+
+/* The slot of kind in t, added when new; -1 when t is full. */
+static int kind_slot(thread_switches *t, const char *kind)
+{
+    for (int i = 0; i < t->n; i++) {
+        if (strcmp(t->kind[i], kind) == 0) {
+            return i;
+        }
+    }
+    if (t->n == MAX_THREAD_KINDS) {
+        return -1;
+    }
+    snprintf(t->kind[t->n], sizeof(t->kind[0]), "%s", kind);
+    t->vcsw[t->n] = t->ivcsw[t->n] = 0;
+    return t->n++;
+}
+
+/* One thread's name without its trailing digits and newline, and its switches. */
+static bool task_read(const char *tid, char kind[16], double *vcsw, double *ivcsw)
+{
+    char file[64], buf[2048];
+    snprintf(file, sizeof(file), "task/%s/comm", tid);
+    if (!proc_self_read(file, buf, sizeof(buf))) {
+        return false;
+    }
+    size_t n = strcspn(buf, "\n");
+    while (n > 0 && ((buf[n - 1] >= '0' && buf[n - 1] <= '9') || buf[n - 1] == ':')) {
+        n--;
+    }
+    snprintf(kind, 16, "%.*s", (int)(n < 15 ? n : 15), buf);
+    snprintf(file, sizeof(file), "task/%s/status", tid);
+    if (!proc_self_read(file, buf, sizeof(buf))) {
+        return false;
+    }
+    *vcsw = io_field(buf, "\nvoluntary_ctxt_switches:\t");
+    *ivcsw = io_field(buf, "nonvoluntary_ctxt_switches:\t");
+    return !isnan(*vcsw) && !isnan(*ivcsw);
+}
+
+void thread_switches_now(thread_switches *t)
+{
+    DIR *dir = opendir("/proc/self/task");
+    struct dirent *e;
+    t->n = 0;
+    while (dir != NULL && (e = readdir(dir)) != NULL) {
+        char kind[16];
+        double v, iv;
+        int i;
+        if (e->d_name[0] != '.' && task_read(e->d_name, kind, &v, &iv) &&
+            (i = kind_slot(t, kind)) >= 0) {
+            t->vcsw[i] += v;
+            t->ivcsw[i] += iv;
+        }
+    }
+    if (dir != NULL) {
+        closedir(dir);
+    }
+}
+
+/* A kind missing from a (its threads started in the window) counts from 0; one missing
+ * from b (its threads ended) is left out. */
+void thread_switches_diff(const thread_switches *a, const thread_switches *b, thread_switches *d)
+{
+    *d = *b;
+    for (int i = 0; i < d->n; i++) {
+        for (int j = 0; j < a->n; j++) {
+            if (strcmp(a->kind[j], d->kind[i]) == 0) {
+                d->vcsw[i] -= a->vcsw[j];
+                d->ivcsw[i] -= a->ivcsw[j];
+            }
+        }
+    }
 }
