@@ -11,7 +11,7 @@
  * server without the recorder and calls every key answered in any round so far again:
  * each must replay its first result. The clients are mid-call when the kill comes, so it
  * lands between a commit and the next sync at some point of the pipeline
- * (group_commit_pipe.c), or of the flusher's (group_commit_flusher.c).
+ * (group_commit_pipe.c).
  *
  * The cut points (the answers before the kill, the delay, what the cut leaves of
  * lock.mdb) are drawn per round from a seed drawn per run, printed; set
@@ -149,7 +149,8 @@ static void *client_main(void *arg)
 /* A cut right after a sync would undo nothing: the kill waits (up to 2 s, polling the
  * recorder's log) until a write is pending and an answer came since the log last showed
  * none pending. That is the moment a reply that rests on an unsynced meta page (a batch
- * answered at its commit) is lost: with the flusher such a window lasts one fdatasync. */
+ * answered at its commit) is lost, however short the window between a commit and the
+ * sync that follows it. */
 static void await_answer_over_pending_write(const char *undo_log)
 {
     size_t since = SIZE_MAX; /* n_answers when the log began to show a pending write */
