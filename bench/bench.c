@@ -3,7 +3,7 @@
  *
  *   idemrpc-bench [--clients 1,16,64] [--payload 64] [--transport tcp,ipc]
  *                 [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f[,g,h,i,j][,r,s,t,u][,v]]
- *                 [--csv FILE] [--json FILE] [--switches]
+ *                 [--csv FILE] [--json FILE] [--switches] [--no-log]
  *
  *   a  echo     bare nng rep0 echo: contexts + aio, the reply sent from the aio callback
  *   b  gc-off   default chain, a new key per call, durable store, one commit per write
@@ -58,7 +58,9 @@
  * payloads, and the payload sweep, a and e at 1 client with 4 KiB, 64 KiB and 1 MiB;
  * with $IDEMRPC_BENCH_REDIS set, r-u join the first and s the second.
  * --clients, --payload or --scenarios replace both with the one grid they describe
- * (the defaults filling in what they leave out).
+ * (the defaults filling in what they leave out). --no-log opens every LMDB store of the
+ * chain scenarios without its write-ahead log (IDEM_STORE_NO_LOG): the same run against
+ * one without it measures what the log gives.
  *
  * A cell is one (scenario, transport, payload, clients): a server and K client threads
  * in this process on loopback. Every thread connects and warms up untimed, then all
@@ -128,7 +130,7 @@ static void usage(FILE *f)
             "usage: idemrpc-bench [--clients 1,16,64] [--payload 64[,4096]] "
             "[--transport tcp,ipc[,inproc]]\n"
             "                     [--seconds 1.5 | --count N] [--scenarios a,b,c,d,e,f] "
-            "[--csv FILE] [--json FILE] [--switches]\n"
+            "[--csv FILE] [--json FILE] [--switches] [--no-log]\n"
             "  a echo  b chain gc off  c chain gc on  d chain nosync  e replay  f raw lmdb\n"
             "  v pwrite + fdatasync (the disk)\n"
             "  g pg new keys  h pg two instances  i pg replay  j pg duplicate wait "
@@ -308,6 +310,7 @@ static args_result parse_args(int argc, char **argv)
                                           {"scale-kinds", required_argument, NULL, 'K'},
                                           {"scale-rounds", required_argument, NULL, 'R'},
                                           {"switches", no_argument, NULL, 'W'},
+                                          {"no-log", no_argument, NULL, 'L'},
                                           {"help", no_argument, NULL, 'h'},
                                           {NULL, 0, NULL, 0}};
     bool seconds_given = false;
@@ -325,6 +328,8 @@ static args_result parse_args(int argc, char **argv)
             cfg.json = optarg;
         } else if (opt == 'W') {
             cfg.switches = true;
+        } else if (opt == 'L') {
+            cfg.store_flags = IDEM_STORE_NO_LOG;
         } else if (opt == 'K') {
             cfg.scale_kinds = strstr(optarg, "new") ? 1 : 0;
             cfg.scale_kinds |= strstr(optarg, "replay") ? 2 : 0;

@@ -62,6 +62,7 @@ typedef struct bench_config {
     int scale_kinds;    /* bits: 1 new keys, 2 replays, 4 the grown store */
     bool clients_given; /* --clients: also z's client counts (default 1 and 16) */
     bool switches;      /* --switches: a line per cell of switches per call by thread kind */
+    unsigned store_flags; /* --no-log: IDEM_STORE_NO_LOG on every LMDB store of b-e, k-p */
 } bench_config;
 
 extern bench_config cfg;

@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(build-essential meson ninja-build pkg-config cmake
       libnng-dev nng-utils libprotobuf-c-dev protobuf-c-compiler protobuf-compiler libssl-dev
-      liblmdb-dev lmdb-utils libcriterion-dev libjansson-dev
+      liblmdb-dev lmdb-utils zlib1g-dev libcriterion-dev libjansson-dev
       clang libclang-rt-dev curl openssl
       libpq-dev libhiredis-dev postgresql redis-server pgbouncer
       patroni etcd-server etcd-client nats-server libnats-dev

@@ -1,18 +1,39 @@
 /* See failing_disk.h. */
 #include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "failing_disk.h"
 
-atomic_int failing_syncs;
+atomic_int failing_syncs, failing_log_syncs;
+
+/* fd's path ends with name. */
+static bool fd_is(int fd, const char *name)
+{
+    char link[64], path[4096];
+    snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof(path) - 1);
+    size_t len = strlen(name);
+    return n >= (ssize_t)len && memcmp(path + n - len, name, len) == 0;
+}
+
+/* Takes one of *left's failures, if any is left. */
+static bool take(atomic_int *left)
+{
+    int n = atomic_load(left);
+    while (n > 0 && !atomic_compare_exchange_weak(left, &n, n - 1)) {
+    }
+    return n > 0;
+}
 
 int fdatasync(int fd)
 {
-    int left = atomic_load(&failing_syncs);
-    while (left > 0 && !atomic_compare_exchange_weak(&failing_syncs, &left, left - 1)) {
-    }
-    if (left > 0) {
+    if ((atomic_load(&failing_syncs) > 0 && fd_is(fd, "/data.mdb") && take(&failing_syncs)) ||
+        (atomic_load(&failing_log_syncs) > 0 && fd_is(fd, "/wal.log") &&
+         take(&failing_log_syncs))) {
         errno = EIO;
         return -1;
     }

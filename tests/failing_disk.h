@@ -1,6 +1,7 @@
 /* A disk that fails on demand, for the programs that link failing_disk.c: fdatasync(2)
- * as LMDB calls it answers EIO the next failing_syncs times (a disk error at commit),
- * then syncs again. The program's definition wins over libc's for liblmdb. */
+ * of a store's data.mdb, as LMDB calls it, answers EIO the next failing_syncs times (a
+ * disk error at commit), then syncs again; of its write-ahead log (wal.log), the next
+ * failing_log_syncs times. The program's definition wins over libc's for liblmdb. */
 #ifndef IDEMRPC_TEST_FAILING_DISK_H
 #define IDEMRPC_TEST_FAILING_DISK_H
 
@@ -9,7 +10,7 @@
 
 #include "internal.h"
 
-extern atomic_int failing_syncs;
+extern atomic_int failing_syncs, failing_log_syncs;
 
 /* A group-commit write (idem_write_fn) that puts key "x" in the main db: a commit
  * without a write would not sync, nor fail. ctx unused. */

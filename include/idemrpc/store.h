@@ -130,6 +130,12 @@ enum idem_store_flags {
      * program's LMDB environment (no records database). For tools (idemctl) that must
      * not invent an empty store from a mistyped path. */
     IDEM_STORE_EXISTING = 1u << 3,
+    /* A durable store with group commit keeps a write-ahead log beside data.mdb
+     * (wal.log): a batch of writes is answered once its log entry and its LMDB commit are
+     * on disk, both flushed at once, instead of after a second sync of LMDB's meta page
+     * (docs/performance.md). This flag writes without it, as releases before 0.6 did:
+     * the same guarantees, a slower new key. */
+    IDEM_STORE_NO_LOG = 1u << 4,
 };
 
 /* Opens (creating the directory if missing) an LMDB store. map_size 0 = 1 GiB. One

@@ -216,8 +216,25 @@ static idem_code format_ensure(lmdb_store *st, const char *dir)
         mdb_txn_abort(txn);
         return idem__lmdb_code(rc, "format");
     }
-    rc = mdb_txn_commit(txn);
+    /* Synced: the first batch's log entry builds on it (wal.h: a replay's chain). */
+    if ((rc = mdb_txn_commit(txn)) == 0) {
+        rc = mdb_env_sync(st->env, 1);
+    }
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "format");
+}
+
+/* The store's write-ahead log (wal.h), replayed, on a durable store with group commit
+ * opened read-write (the one that pipelines its commits: MDB_NOMETASYNC) unless
+ * IDEM_STORE_NO_LOG; *wal NULL when another process holds it. */
+static idem_code wal_open(lmdb_store *st, const char *dir, unsigned flags, idem_wal **wal)
+{
+    unsigned env_flags = 0;
+    *wal = NULL;
+    if ((flags & IDEM_STORE_NO_LOG) || mdb_env_get_flags(st->env, &env_flags) != 0 ||
+        !(env_flags & MDB_NOMETASYNC) || (env_flags & (MDB_NOSYNC | MDB_RDONLY))) {
+        return IDEM_OK;
+    }
+    return idem__wal_open(wal, dir, st->env);
 }
 
 /* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */
@@ -260,6 +277,11 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
+    idem_wal *wal = NULL;
+    if ((code = wal_open(st, dir, flags, &wal)) != IDEM_OK) { /* replays, before any write */
+        mdb_env_close(st->env);
+        goto out;
+    }
     if ((rc = open_dbis(st, ro, !ro && !existing)) != 0 ||
         (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
         code =
@@ -268,18 +290,21 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
                       IDEM_NOT_FOUND,
                       "%s is not an idemrpc store (an LMDB environment without its databases)", dir)
                 : idem__lmdb_code(rc, "open databases");
-        mdb_env_close(st->env);
-        goto out;
+        goto out_env;
     }
     if ((code = format_ensure(st, dir)) != IDEM_OK) {
-        mdb_env_close(st->env);
-        goto out;
+        goto out_env;
     }
     /* A read-only store writes nothing: no writer thread (a write fails on its own). */
     bool gc_on = !ro && !(flags & IDEM_STORE_NO_GROUP_COMMIT);
     if ((code = idem__gc_init(&st->gc, st->env, gc_on, GROUP_COMMIT_BATCH)) != IDEM_OK) {
-        mdb_env_close(st->env);
-        goto out;
+        goto out_env;
+    }
+    if (wal != NULL) { /* before the first write: the writer thread's */
+        const MDB_dbi dbis[6] = {st->records, st->tokens, st->expiry,
+                                 st->meta,    st->tombs,  st->tomb_buckets};
+        idem__wal_set_dbis(wal, dbis);
+        st->gc.wal = wal;
     }
     if (st->has_meta && !ro) { /* before the first write: read by the writer thread */
         st->gc.rewrite = sync_mark_put;
@@ -290,6 +315,9 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     st->base.ops = &idem__lmdb_ops;
     *out = &st->base;
     return IDEM_OK;
+out_env:
+    idem__wal_close(wal);
+    mdb_env_close(st->env);
 out:
     open_list_leave(st);
     free(st);
@@ -301,6 +329,7 @@ static void lmdb_close(idem_store *base)
     lmdb_store *st = (lmdb_store *)base;
     if (st != NULL) {
         idem__gc_fini(&st->gc); /* runs what is queued, then stops the writer thread */
+        idem__wal_close(st->gc.wal);
         for (size_t i = 0; i < st->rpool_n; i++) {
             mdb_txn_abort(st->rpool[i]);
         }

@@ -175,7 +175,9 @@ static idem_code write_queued(idem_group_commit *gc, idem_write_fn fn, void *ctx
         return idem__err(IDEM_INTERNAL, "sem_init: %s", strerror(errno));
     }
     pthread_mutex_lock(&gc->mu);
-    if (gc->head == NULL && !gc->writer_busy && !gc->inline_busy) {
+    /* With the write-ahead log every write goes to the writer thread: logged, it costs
+     * one flush beside its commit, where an inline write syncs twice (wal.h). */
+    if (gc->head == NULL && !gc->writer_busy && !gc->inline_busy && gc->wal == NULL) {
         sem_destroy(&op.done);
         return write_inline(gc, fn, ctx); /* releases gc->mu */
     }

@@ -97,6 +97,7 @@
 #include <stdint.h>
 
 #include "internal.h"
+#include "wal.h"
 
 /* The idem_code and message (idem_errmsg) of a failed LMDB call: IDEM_RESOURCE_EXHAUSTED
  * when the map or txn is full, IDEM_INTERNAL otherwise. The one mapping of an LMDB rc,
@@ -134,12 +135,56 @@ static inline int idem__gc_counted(int rc)
     idem__gc_writes += rc == 0; /* MDB_KEYEXIST, MDB_NOTFOUND: nothing written */
     return rc;
 }
-#define mdb_put(t, d, k, v, f) idem__gc_counted(mdb_put(t, d, k, v, f))
-#define mdb_del(t, d, k, v) idem__gc_counted(mdb_del(t, d, k, v))
-#define mdb_cursor_put(c, k, v, f) idem__gc_counted(mdb_cursor_put(c, k, v, f))
-#define mdb_cursor_del(c, f) idem__gc_counted(mdb_cursor_del(c, f))
-#define mdb_drop(t, d, del) idem__gc_counted(mdb_drop(t, d, del))
+#else
+static inline int idem__gc_counted(int rc)
+{
+    return rc;
+}
 #endif
+
+/* The LMDB writes of every file that includes this header, counted (above) and, in a
+ * batch of the writer thread with the write-ahead log on (wal.h), noted for its entry. */
+static inline int idem__gc_put(MDB_txn *t, MDB_dbi d, MDB_val *k, MDB_val *v, unsigned f)
+{
+    int rc = mdb_put(t, d, k, v, f);
+    if (rc == 0 && idem__wal_cur != NULL) {
+        idem__wal_note(d, k);
+    }
+    return idem__gc_counted(rc);
+}
+static inline int idem__gc_del(MDB_txn *t, MDB_dbi d, MDB_val *k, MDB_val *v)
+{
+    int rc = mdb_del(t, d, k, v);
+    if (rc == 0 && idem__wal_cur != NULL) {
+        idem__wal_note(d, k);
+    }
+    return idem__gc_counted(rc);
+}
+static inline int idem__gc_cursor_put(MDB_cursor *c, MDB_val *k, MDB_val *v, unsigned f)
+{
+    int rc = mdb_cursor_put(c, k, v, f);
+    if (rc == 0 && idem__wal_cur != NULL) {
+        idem__wal_note_cursor(c);
+    }
+    return idem__gc_counted(rc);
+}
+static inline int idem__gc_cursor_del(MDB_cursor *c, unsigned f)
+{
+    if (idem__wal_cur != NULL) {
+        idem__wal_note_cursor(c); /* its key, before it goes */
+    }
+    return idem__gc_counted(mdb_cursor_del(c, f));
+}
+static inline int idem__gc_db_drop(MDB_txn *t, MDB_dbi d, int del)
+{
+    idem__wal_unloggable();
+    return idem__gc_counted(mdb_drop(t, d, del));
+}
+#define mdb_put(t, d, k, v, f) idem__gc_put(t, d, k, v, f)
+#define mdb_del(t, d, k, v) idem__gc_del(t, d, k, v)
+#define mdb_cursor_put(c, k, v, f) idem__gc_cursor_put(c, k, v, f)
+#define mdb_cursor_del(c, f) idem__gc_cursor_del(c, f)
+#define mdb_drop(t, d, del) idem__gc_db_drop(t, d, del)
 
 typedef struct idem_write_op idem_write_op;
 
@@ -201,6 +246,10 @@ typedef struct idem_group_commit {
      * a batch's callers are woken at its commit, its meta page not on disk yet: the bug
      * tests/test_power_cut.c must catch. */
     bool answer_at_commit;
+    /* The store's write-ahead log (wal.h; NULL: none, another process holds it), set
+     * before the first write: a batch whose entry is flushed and whose chain holds is
+     * answered then (group_commit_pipe.c); only the writer thread uses it. */
+    idem_wal *wal;
 } idem_group_commit;
 
 /* Starts the writer thread when enabled. IDEM_RESOURCE_EXHAUSTED when it cannot. */

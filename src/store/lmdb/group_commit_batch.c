@@ -231,9 +231,15 @@ static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t tic
     return false;
 }
 
-/* One batch: begin, apply and hold (hold_open), commit, then its callers wait in pipe
- * for a later sync (group_commit_pipe.c); on a storage error or a failed commit, the
- * redo. */
+/* The write-ahead log's wrap: every commit so far on disk (0), or an LMDB rc. */
+static int wal_sync(void *arg)
+{
+    return idem__gc_sync_file(arg, 0);
+}
+
+/* One batch: begin, apply and hold (hold_open), commit (its log entry flushed beside
+ * it, wal.h), then its callers are woken, or wait in pipe for a later sync
+ * (group_commit_pipe.c); on a storage error or a failed commit, the redo. */
 static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
 {
     idem_gc_batch b = {0};
@@ -245,6 +251,9 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     uint64_t ticket = ++gc->last_ticket;
     gc->awaiting = 0;
     gc->flush = false;
+    if (idem__wal_on(gc->wal)) {
+        idem__wal_batch_begin(gc->wal); /* notes what the batch writes */
+    }
     bool ok = open_batch(gc, txn, rc, ticket, began, &b);
     gc->open_ticket = 0;
     gc->commits++;
@@ -252,12 +261,19 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     pthread_mutex_unlock(&gc->mu);
 
     uint64_t t0 = idem__mono_us();
+    /* The batch's log entry is written and flushed while LMDB commits (wal.h). */
+    bool logging = ok && idem__wal_batch_start(gc->wal, txn), logged = false;
+    uint64_t txnid = ok ? mdb_txn_id(txn) : 0;
     if (ok && (rc = idem__gc_commit_batch(gc, txn)) != 0) {
         ok = false; /* commit freed the txn */
         txn = NULL;
     } else if (!ok && txn != NULL) {
         mdb_txn_abort(txn);
     }
+    if (logging) {
+        logged = idem__wal_batch_end(gc->wal, ok);
+    }
+    idem__wal_cur = NULL; /* a redo's writes are not logged: each syncs LMDB itself */
     uint64_t commit_us = idem__mono_us() - t0;
     if (!ok) {
         idem__gc_pipe_flush(gc, pipe); /* the redo's answers must not overtake these */
@@ -266,7 +282,8 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
         }
         idem__gc_redo(gc, &b);
     }
-    idem__gc_pipe_committed(gc, pipe, &b, ticket, ok, commit_us);
+    idem__gc_pipe_committed(gc, pipe, &b, ticket, ok, commit_us, logged ? txnid : 0);
+    idem__wal_wrap_due(gc->wal, wal_sync, gc);
 }
 
 /* Sleeps until ops are queued and no caller commits inline; false: stopping, nothing

@@ -87,9 +87,10 @@ typedef struct idem_gc_pipe {
 } idem_gc_pipe;
 
 /* The batch of ticket has committed (ok) or run again alone: on a pipelined store its
- * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c). */
+ * callers wait in pipe for a later sync, else they are woken now (group_commit_pipe.c).
+ * logged: its LMDB txnid when its write-ahead log entry is on disk (wal.h), else 0. */
 void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
-                             uint64_t ticket, bool ok, uint64_t commit_us);
+                             uint64_t ticket, bool ok, uint64_t commit_us, uint64_t logged);
 /* A thread that now holds LMDB's writer lock syncs what a pipe left unsynced. */
 void idem__gc_sync_pending(idem_group_commit *gc);
 /* Syncs the file and wakes what pipe holds (with the sync's error if it failed). */

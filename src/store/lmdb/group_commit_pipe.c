@@ -132,7 +132,7 @@ void idem__gc_pipe_flush(idem_group_commit *gc, idem_gc_pipe *pipe)
 }
 
 void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_batch *b,
-                             uint64_t ticket, bool ok, uint64_t commit_us)
+                             uint64_t ticket, bool ok, uint64_t commit_us, uint64_t logged)
 {
     if (!ok || !gc->pipelined || gc->answer_at_commit) {
         if (ok) { /* a failed batch's redo has posted every op, each txn durable */
@@ -148,6 +148,14 @@ void idem__gc_pipe_committed(idem_group_commit *gc, idem_gc_pipe *pipe, idem_gc_
         (atomic_load(&gc->durable_txnid) >= pipe->txnid ||
          (txnid > pipe->txnid && pipe->txnid > atomic_load(&gc->unsure_txnid)))) {
         pipe_release(gc, pipe, IDEM_OK);
+    }
+    /* Logged, and the state it was built on is on disk or logged (the pipe, released
+     * above when it is, holds nothing older): a replay reaches it (wal.h). */
+    if (logged != 0 && pipe->ticket == 0 && atomic_load(&gc->durable_txnid) + 1 >= logged) {
+        idem__gc_durable_raise(gc, logged);
+        post_all(b, IDEM_OK);
+        idem__gc_batch_ended(gc, b, ticket, true, commit_us);
+        return;
     }
     pipe_take(pipe, b, ticket, txnid, commit_us);
     pthread_mutex_lock(&gc->mu);

@@ -1,0 +1,302 @@
+/* The store's write-ahead log (src/store/lmdb/wal.h): a write answered after its log
+ * entry's flush survives the loss of LMDB's writes since a state the disk had, replayed
+ * at the next read-write open; a damaged entry ends the replay, and nothing after it is
+ * applied; a second process writes without the log; a log that fails to flush turns
+ * itself off and the answers wait for LMDB's own sync. The cut here is data.mdb put
+ * back to bytes it had (a copy taken while no write ran), a harsher loss than a power
+ * cut (test_power_cut.c records every write and undoes the unsynced ones). */
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "failing_disk.h"
+#include "lmdb_internal.h"
+#include "supplemental.h"
+#include "testutil.h"
+
+#define WRITERS 8
+#define PER_WRITER 10
+#define BIG (64 * 1024) /* a value that fills the log fast: 40 of them pass its wrap */
+
+static char *dir;
+static char data[600], kept[600], wal[600];
+static idem_store *st;
+static int report_fd = -1;
+
+static void setup(void)
+{
+    dir = tu_tempdir("wal");
+    snprintf(data, sizeof(data), "%s/data.mdb", dir);
+    snprintf(kept, sizeof(kept), "%s/data.kept", dir);
+    snprintf(wal, sizeof(wal), "%s/wal.log", dir);
+    atomic_store(&failing_log_syncs, 0);
+}
+
+static void teardown(void)
+{
+    atomic_store(&failing_log_syncs, 0);
+    idem_store_close(st);
+    st = NULL;
+    tu_rmtree(dir);
+}
+
+TestSuite(wal, .init = setup, .fini = teardown, .timeout = 60);
+
+/* Claims key and completes it with value (len bytes); 0 when both returned OK. */
+static int put(const char *key, const void *value, size_t len)
+{
+    idem_claim_req r = {.key = {"c", "wal.Test/Write", key},
+                        .owner = idem__random_u64(),
+                        .now_ms = idem__now_ms()};
+    r.lease_until_ms = r.now_ms + 60000;
+    r.expires_ms = r.lease_until_ms + 60000;
+    idem_claim_outcome out;
+    return idem_store_claim(st, &r, &out, NULL) == IDEM_OK && out == IDEM_CLAIM_ACQUIRED &&
+                   idem_store_complete(st, &r.key, r.owner, value, len, r.expires_ms) == IDEM_OK
+               ? 0
+               : 1;
+}
+
+/* PER_WRITER keys, each written with itself as its value and reported once answered. */
+static void *writer(void *arg)
+{
+    for (int i = 0; i < PER_WRITER; i++) {
+        char key[32];
+        int n = snprintf(key, sizeof(key), "w%ld-%d", (long)arg, i);
+        if (put(key, key, (size_t)n) != 0) {
+            return (void *)1;
+        }
+        key[n] = '\n';
+        if (write(report_fd, key, (size_t)n + 1) != n + 1) {
+            return (void *)1;
+        }
+    }
+    return NULL;
+}
+
+static void copy_file(const char *from, const char *to)
+{
+    char cmd[1400];
+    snprintf(cmd, sizeof(cmd), "cp '%s' '%s'", from, to);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+/* In a child: opens the store, writes big values first when asked (the log passes its
+ * wrap), copies data.mdb (a state the disk had: nothing runs), then runs the writers
+ * and dies without closing. */
+static void child_writes(int fd, int big)
+{
+    report_fd = fd;
+    if (idem_store_open_lmdb(&st, dir, 0, 0) != IDEM_OK) {
+        _exit(2);
+    }
+    static char value[BIG];
+    for (int i = 0; i < big; i++) {
+        char key[32];
+        snprintf(key, sizeof(key), "big-%d", i);
+        if (put(key, value, sizeof(value)) != 0) {
+            _exit(3);
+        }
+    }
+    char cmd[1400];
+    snprintf(cmd, sizeof(cmd), "cp '%s' '%s'", data, kept);
+    if (system(cmd) != 0) {
+        _exit(4);
+    }
+    pthread_t t[WRITERS];
+    for (long i = 0; i < WRITERS; i++) {
+        pthread_create(&t[i], NULL, writer, (void *)i);
+    }
+    for (int i = 0; i < WRITERS; i++) {
+        pthread_join(t[i], NULL);
+    }
+    raise(SIGKILL);
+}
+
+/* A child writes (after big values) and is killed, then data.mdb goes back to the copy
+ * it took before its writers ran: the keys it reported answered, one per line. */
+static char *write_then_cut(int big)
+{
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(fds[0]);
+        child_writes(fds[1], big);
+    }
+    close(fds[1]);
+    static char lines[WRITERS * PER_WRITER * 32 + 1];
+    size_t len = 0;
+    ssize_t n;
+    while (len < sizeof(lines) - 1 && (n = read(fds[0], lines + len, sizeof(lines) - 1 - len)) > 0) {
+        len += (size_t)n;
+    }
+    lines[len] = '\0';
+    close(fds[0]);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "the child wrote and died (%d)",
+              WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    copy_file(kept, data); /* the cut: LMDB's writes since the copy are gone */
+    return strdup(lines);
+}
+
+/* How many of the keys (lines, consumed) read COMPLETED with themselves as result;
+ * *wrong: how many read COMPLETED with another (a claim whose completion was not
+ * replayed reads IN_PROGRESS: not wrong). */
+static int completed(char *lines, int *wrong)
+{
+    int found = 0;
+    *wrong = 0;
+    for (char *save, *k = strtok_r(lines, "\n", &save); k != NULL; k = strtok_r(NULL, "\n", &save)) {
+        idem_key_ref ref = {"c", "wal.Test/Write", k};
+        idem_record rec;
+        idem_code c = idem_store_get(st, &ref, &rec);
+        if (c == IDEM_OK && rec.state == IDEM_REC_COMPLETED) {
+            bool same = rec.response_len == strlen(k) &&
+                        memcmp(rec.response, k, rec.response_len) == 0;
+            found += same;
+            *wrong += !same;
+        }
+        if (c == IDEM_OK) {
+            idem_record_clear(&rec);
+        }
+    }
+    return found;
+}
+
+/* What the cut left, read without a replay (a read-only open replays nothing). */
+static int completed_without_replay(const char *lines)
+{
+    char *copy = strdup(lines);
+    int wrong;
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_READONLY), IDEM_OK);
+    int n = completed(copy, &wrong);
+    idem_store_close(st);
+    st = NULL;
+    free(copy);
+    return n;
+}
+
+Test(wal, an_answered_write_whose_store_pages_were_lost_is_replayed_from_the_log)
+{
+    char *lines = write_then_cut(0);
+    int wrong;
+    cr_assert_eq(completed_without_replay(lines), 0, "the cut took every write from data.mdb");
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(completed(lines, &wrong), WRITERS * PER_WRITER,
+                 "every answered write is back, with its result");
+    cr_expect_eq(wrong, 0);
+    free(lines);
+}
+
+Test(wal, writes_after_the_log_started_a_new_epoch_are_replayed_from_it)
+{
+    char *lines = write_then_cut(40); /* 40 x 64 KiB: past the log's 1 MiB wrap */
+    int wrong;
+    cr_assert_eq(completed_without_replay(lines), 0);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(completed(lines, &wrong), WRITERS * PER_WRITER);
+    cr_expect_eq(wrong, 0);
+    free(lines);
+}
+
+/* The offset of the last entry of the log's epoch (its header checked by the replay). */
+static off_t last_entry(const uint8_t *buf, size_t len)
+{
+    off_t last = -1;
+    for (size_t at = 4096; len - at >= 24;) {
+        size_t n = idem__get_be32(buf + at);
+        if (n < 16 || len - at - 8 < n || idem__get_be64(buf + at + 8) != idem__get_be64(buf + 8)) {
+            break;
+        }
+        last = (off_t)at;
+        at += 8 + n;
+    }
+    return last;
+}
+
+Test(wal, a_damaged_entry_ends_the_replay_and_nothing_of_it_is_applied)
+{
+    char *lines = write_then_cut(0);
+    static uint8_t buf[4 << 20];
+    int fd = open(wal, O_RDWR);
+    cr_assert_geq(fd, 0);
+    ssize_t len = pread(fd, buf, sizeof(buf), 0);
+    cr_assert_gt(len, 4096);
+    off_t at = last_entry(buf, (size_t)len);
+    cr_assert_gt(at, 4096, "the log holds entries");
+    uint8_t flip = buf[at + 30] ^ 0x40; /* a byte of its first record: its crc no longer holds */
+    cr_assert_eq(pwrite(fd, &flip, 1, at + 30), 1);
+    close(fd);
+    int wrong;
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    int back = completed(lines, &wrong);
+    cr_expect_lt(back, WRITERS * PER_WRITER, "the damaged entry's writes were not applied");
+    cr_expect_gt(back, 0, "the entries before it were");
+    cr_expect_eq(wrong, 0, "no key read a value it was not written with");
+    free(lines);
+}
+
+Test(wal, a_second_process_on_the_store_writes_without_the_log)
+{
+    int go[2];
+    cr_assert_eq(pipe(go), 0);
+    pid_t pid = fork(); /* before this process opens the store: the child opens it anew */
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        char c;
+        idem_store *second;
+        close(go[1]);
+        if (read(go[0], &c, 1) != 1 || idem_store_open_lmdb(&second, dir, 0, 0) != IDEM_OK) {
+            _exit(2);
+        }
+        int without = ((lmdb_store *)second)->gc.wal == NULL;
+        st = second;
+        int rc = put("second", "2", 1);
+        idem_store_close(second);
+        _exit(!without ? 3 : rc != 0 ? 4 : 0);
+    }
+    close(go[0]);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_not_null(((lmdb_store *)st)->gc.wal, "the first opener holds the log");
+    cr_assert_eq(put("first", "1", 1), 0);
+    cr_assert_eq(write(go[1], "g", 1), 1);
+    close(go[1]);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "the second opener wrote without the log (exit %d)", WEXITSTATUS(status));
+    cr_expect_eq(put("third", "3", 1), 0, "the first goes on writing, through its log");
+    idem_key_ref ref = {"c", "wal.Test/Write", "second"};
+    idem_record rec;
+    cr_assert_eq(idem_store_get(st, &ref, &rec), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(rec.state, IDEM_REC_COMPLETED);
+    idem_record_clear(&rec);
+}
+
+Test(wal, a_log_that_fails_to_flush_turns_off_and_the_write_waits_for_lmdb)
+{
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    lmdb_store *ls = (lmdb_store *)st;
+    cr_assert(idem__wal_on(ls->gc.wal));
+    atomic_store(&failing_log_syncs, 1);
+    cr_assert_eq(put("k1", "1", 1), 0, "answered OK all the same: %s", idem_errmsg());
+    cr_expect_eq(atomic_load(&failing_log_syncs), 0, "the log's flush failed");
+    cr_expect(!idem__wal_on(ls->gc.wal), "the log is off");
+    MDB_envinfo info;
+    cr_assert_eq(mdb_env_info(ls->env, &info), 0);
+    cr_expect_geq(atomic_load(&ls->gc.durable_txnid), (uint64_t)info.me_last_txnid,
+                  "the answer waited for LMDB's sync of its meta page");
+    cr_expect_eq(put("k2", "2", 1), 0, "and writes go on without it");
+    idem_store_close(st);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_expect(idem__wal_on(((lmdb_store *)st)->gc.wal), "a new open has its log again");
+}
