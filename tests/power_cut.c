@@ -28,9 +28,7 @@ void (*_Atomic power_cut_before_sync)(void);
 static void set_data(const char *data)
 {
     data_path = data;
-    const char *slash = data != NULL ? strrchr(data, '/') : NULL;
-    int n = slash != NULL ? (int)(slash - data) + 1 : 0;
-    snprintf(wal_path, sizeof(wal_path), "%.*swal.log", n, data != NULL ? data : "");
+    power_cut_wal_path(data != NULL ? data : "", wal_path, sizeof(wal_path));
 }
 
 static int open_log(const char *log)
@@ -208,18 +206,19 @@ static uint64_t write_pos(int fd)
     return (uint64_t)lseek(fd, 0, SEEK_CUR);
 }
 
-/* A write of the iov to fd at off (-1: at its position), recorded when fd is a recorded
- * file: the record and the write under mu, so that the log's order is the writes'. */
-static ssize_t recorded_write(int fd, const struct iovec *iov, int cnt, off_t off)
+/* The write syscall nr (SYS_write, SYS_writev: at fd's position; SYS_pwrite64: at off, one
+ * buffer) of the iov, recorded when fd is a recorded file: the record and the write under
+ * mu, so that the log's order is the writes'. */
+static ssize_t recorded_write(long nr, int fd, const struct iovec *iov, int cnt, off_t off)
 {
     int f = written_file(fd);
     if (f >= 0) {
         pthread_mutex_lock(&mu);
-        log_change(fd, f, off < 0 ? write_pos(fd) : (uint64_t)off, iov, cnt);
+        log_change(fd, f, nr == SYS_pwrite64 ? (uint64_t)off : write_pos(fd), iov, cnt);
     }
-    /* off >= 0: pwrite's one buffer */
-    ssize_t rc = off < 0 ? syscall(SYS_writev, fd, iov, cnt)
-                         : syscall(SYS_pwrite64, fd, iov[0].iov_base, iov[0].iov_len, off);
+    ssize_t rc = nr == SYS_writev  ? syscall(nr, fd, iov, cnt)
+                 : nr == SYS_write ? syscall(nr, fd, iov[0].iov_base, iov[0].iov_len)
+                                   : syscall(nr, fd, iov[0].iov_base, iov[0].iov_len, off);
     if (f >= 0) {
         pthread_mutex_unlock(&mu);
     }
@@ -235,7 +234,7 @@ ssize_t pwrite_recorded(int fd, const void *buf, size_t n, off_t off)
         return -1;
     }
     struct iovec v = {(void *)buf, n};
-    return recorded_write(fd, &v, 1, off);
+    return recorded_write(SYS_pwrite64, fd, &v, 1, off);
 }
 
 ssize_t pwrite64_recorded(int fd, const void *buf, size_t n, off_t off) __asm__("pwrite64");
@@ -246,13 +245,13 @@ ssize_t pwrite64_recorded(int fd, const void *buf, size_t n, off_t off)
 
 ssize_t writev(int fd, const struct iovec *iov, int cnt)
 {
-    return recorded_write(fd, iov, cnt, -1);
+    return recorded_write(SYS_writev, fd, iov, cnt, 0);
 }
 
 ssize_t write(int fd, const void *buf, size_t n)
 {
     struct iovec v = {(void *)buf, n};
-    return recorded_write(fd, &v, 1, -1);
+    return recorded_write(SYS_write, fd, &v, 1, 0);
 }
 
 /* A size change of a recorded file (ftruncate, a growing fallocate), recorded. */

@@ -43,6 +43,8 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
+#include <string.h>
 
 enum {
     POWER_CUT_WRITE = 0x57,
@@ -68,6 +70,13 @@ typedef struct undo_rec {
     uint64_t new_len;  /* write: bytes written, after the pre-image */
     uint64_t old_size; /* write, size: the file's size before it */
 } undo_rec;
+
+/* wal.log beside data (its directory's) into out. */
+static inline void power_cut_wal_path(const char *data, char *out, size_t size)
+{
+    const char *slash = strrchr(data, '/');
+    snprintf(out, size, "%.*swal.log", slash != NULL ? (int)(slash - data) + 1 : 0, data);
+}
 
 /* power_cut.c, in the recording process: records to log the writes to data and to
  * wal.log beside it (instead of $IDEMRPC_UNDO_LOG and $IDEMRPC_UNDO_DATA; before the store

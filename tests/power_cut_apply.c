@@ -3,7 +3,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdbool.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -213,9 +212,8 @@ int power_cut_apply_keeping(const char *log, const char *data, power_cut_keep_fn
         errno = ENOTSUP;
         rc = -1;
     }
-    const char *slash = strrchr(data, '/');
     char wal[4096];
-    snprintf(wal, sizeof(wal), "%.*swal.log", slash != NULL ? (int)(slash - data) + 1 : 0, data);
+    power_cut_wal_path(data, wal, sizeof(wal));
     const char *paths[POWER_CUT_FILES] = {data, wal};
     for (int f = 0; rc == 0 && f < POWER_CUT_FILES; f++) {
         rc = cut_file(p, w, n, f, paths[f], keep, arg, st);
