@@ -4,10 +4,12 @@
  * left it, a sync of one file saving nothing of the other) and a fixed keep-subset draw
  * (the synced image, then the kept writes in their order). A write to a third file of the
  * store makes the cut refuse; a file created by unsynced writes is empty after the cut;
- * the failing-sync plan takes data.mdb's syncs only. */
+ * the failing-sync plan takes data.mdb's syncs only; an fallocate that grows wal.log is
+ * undone like a write, one that punches a hole makes the cut refuse. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -163,4 +165,29 @@ Test(power_cut_recorder, the_failing_sync_plan_takes_only_the_data_files_syncs)
     cr_assert_eq(power_cut_apply(undo, data), 1, "the failed sync lost AAAA: %s", strerror(errno));
     expect_file(data, "", 0);
     expect_file(wal, "wwww", 4);
+}
+
+Test(power_cut_recorder, an_unsynced_fallocate_that_grew_wal_log_is_undone)
+{
+    int w = open_rw(wal);
+    put(w, "wwww", 0);
+    cr_assert_eq(fdatasync(w), 0);
+    cr_assert_eq(fallocate(w, 0, 0, 8192), 0, "%s", strerror(errno));
+    cr_assert_eq(close(w), 0);
+    power_cut_record(NULL, NULL);
+    cr_assert_eq(power_cut_apply(undo, data), 1, "%s", strerror(errno));
+    expect_file(wal, "wwww", 4);
+}
+
+Test(power_cut_recorder, a_hole_punched_in_wal_log_makes_the_cut_refuse)
+{
+    int w = open_rw(wal);
+    put(w, "wwww", 0);
+    int rc = fallocate(w, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4);
+    cr_assert_eq(close(w), 0);
+    power_cut_record(NULL, NULL);
+    power_cut_stats st;
+    errno = 0;
+    cr_expect_eq(power_cut_apply_keeping(undo, data, NULL, NULL, &st), -1, "punch: %d", rc);
+    cr_expect_eq(errno, ENOTSUP, "%s", strerror(errno));
 }
