@@ -58,10 +58,10 @@ typedef struct bench_config {
     const char *scale_dir, *scale_csv;
     long scale_sizes[MAX_LIST];
     int n_scale_sizes;
-    int scale_rounds;   /* z: every size in turn, this many times */
-    int scale_kinds;    /* bits: 1 new keys, 2 replays, 4 the grown store */
-    bool clients_given; /* --clients: also z's client counts (default 1 and 16) */
-    bool switches;      /* --switches: a line per cell of switches per call by thread kind */
+    int scale_rounds;     /* z: every size in turn, this many times */
+    int scale_kinds;      /* bits: 1 new keys, 2 replays, 4 the grown store */
+    bool clients_given;   /* --clients: also z's client counts (default 1 and 16) */
+    bool switches;        /* --switches: a line per cell of switches per call by thread kind */
     unsigned store_flags; /* --no-log: IDEM_STORE_NO_LOG on every LMDB store of b-e, k-p */
 } bench_config;
 

@@ -172,7 +172,8 @@ int run_chain(const scenario *sc, cell *c, cell_stats *out)
     if (dir == NULL) {
         return cell_fail(out, "mkdtemp under /tmp failed");
     }
-    if (idem_store_open_lmdb(&st, dir, STORE_MAP_SIZE, sc->store_flags | cfg.store_flags) != IDEM_OK) {
+    if (idem_store_open_lmdb(&st, dir, STORE_MAP_SIZE, sc->store_flags | cfg.store_flags) !=
+        IDEM_OK) {
         cell_fail(out, "idem_store_open_lmdb %s: %s", dir, idem_errmsg());
         goto out;
     }

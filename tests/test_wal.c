@@ -51,9 +51,8 @@ TestSuite(wal, .init = setup, .fini = teardown, .timeout = 60);
 /* Claims key and completes it with value (len bytes); 0 when both returned OK. */
 static int put(const char *key, const void *value, size_t len)
 {
-    idem_claim_req r = {.key = {"c", "wal.Test/Write", key},
-                        .owner = idem__random_u64(),
-                        .now_ms = idem__now_ms()};
+    idem_claim_req r = {
+        .key = {"c", "wal.Test/Write", key}, .owner = idem__random_u64(), .now_ms = idem__now_ms()};
     r.lease_until_ms = r.now_ms + 60000;
     r.expires_ms = r.lease_until_ms + 60000;
     idem_claim_outcome out;
@@ -135,7 +134,8 @@ static char *write_then_cut(int big)
     static char lines[WRITERS * PER_WRITER * 32 + 1];
     size_t len = 0;
     ssize_t n;
-    while (len < sizeof(lines) - 1 && (n = read(fds[0], lines + len, sizeof(lines) - 1 - len)) > 0) {
+    while (len < sizeof(lines) - 1 &&
+           (n = read(fds[0], lines + len, sizeof(lines) - 1 - len)) > 0) {
         len += (size_t)n;
     }
     lines[len] = '\0';
@@ -155,13 +155,14 @@ static int completed(char *lines, int *wrong)
 {
     int found = 0;
     *wrong = 0;
-    for (char *save, *k = strtok_r(lines, "\n", &save); k != NULL; k = strtok_r(NULL, "\n", &save)) {
+    for (char *save, *k = strtok_r(lines, "\n", &save); k != NULL;
+         k = strtok_r(NULL, "\n", &save)) {
         idem_key_ref ref = {"c", "wal.Test/Write", k};
         idem_record rec;
         idem_code c = idem_store_get(st, &ref, &rec);
         if (c == IDEM_OK && rec.state == IDEM_REC_COMPLETED) {
-            bool same = rec.response_len == strlen(k) &&
-                        memcmp(rec.response, k, rec.response_len) == 0;
+            bool same =
+                rec.response_len == strlen(k) && memcmp(rec.response, k, rec.response_len) == 0;
             found += same;
             *wrong += !same;
         }

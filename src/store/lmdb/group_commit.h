@@ -54,9 +54,11 @@
  * Every caller but a shared claim's returns only after the commit holding its write is
  * durable (or has failed), or, for a completion written asynchronously, hears of it
  * then (idem__gc_write_end_async: the server's worker does not wait for the disk).
- * Durable means the meta page too: on a pipelined store (MDB_NOMETASYNC, one fdatasync
- * per commit) a batch's callers wait for the next batch's commit, or for an explicit
- * sync when none follows, and a batch ends (idem__gc_wait) only then
+ * Durable means recoverable after a power cut: on a pipelined store (MDB_NOMETASYNC, one
+ * fdatasync per commit) with the store's write-ahead log (wal.h), once the batch's
+ * commit and its log entry's flush (run at once) are done and the commit before it is
+ * durable too; otherwise its callers wait for the next batch's commit, or for an
+ * explicit sync when none follows, and a batch ends (idem__gc_wait) only then
  * (group_commit_pipe.c says why that sync flushes the page).
  * Each operation runs in the batch's txn itself while the map has room for every page
  * the batch's operations may take, so that none can meet a full map there; one that
@@ -226,9 +228,11 @@ typedef struct idem_group_commit {
     void *on_failed_commit_arg;
     /* Pipelined durability (group_commit_pipe.c): the env has MDB_NOMETASYNC, so a
      * batch's commit syncs its data but not its meta page, and its callers are woken
-     * only once a later sync has flushed that page. pending_ticket: the last batch
-     * committed and not yet known durable (0: none); durable_txnid: the newest LMDB
-     * txnid known on disk (read without gc->mu). */
+     * only once a later sync has flushed that page, or once its write-ahead log entry
+     * is flushed (wal.h). pending_ticket: the last batch committed and not yet known
+     * durable (0: none); durable_txnid: the newest LMDB txnid known recoverable, by a
+     * meta page on disk or by the log (every txnid up to it is then recoverable too;
+     * read without gc->mu). */
     bool pipelined;
     uint64_t pending_ticket;
     _Atomic uint64_t durable_txnid;

@@ -15,7 +15,11 @@
  * flush finds the previous meta page, and its tree is whole, since a txn reuses only
  * pages freed two txns back (mdb_find_oldest: txnid - 1, or an older reader).
  *
- * So a batch's callers are woken only once its state is known on disk:
+ * With the store's write-ahead log (wal.h) a batch whose entry is flushed is answered
+ * at once when the state before it is recoverable (durable_txnid is its txnid - 1 or
+ * more: a replay's chain from the txnid LMDB recovers reaches it); durable_txnid then
+ * counts it. Otherwise, and without the log, a batch's callers are woken only once its
+ * state is known on disk:
  *   - after a later commit, when mdb_env_info's me_last_txnid (the newer meta page, read
  *     from the map) is past the pipe's txnid: a commit with a larger txnid wrote its meta
  *     page, which LMDB does only once that commit's fdatasync has returned;

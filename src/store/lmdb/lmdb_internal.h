@@ -31,7 +31,8 @@
  * (group_commit.h): group_commit.c (the callers' queue), group_commit_batch.c (the writer
  * thread's batches), group_commit_redo.c (a batch whose commit failed), group_commit_pipe.c
  * (committed batches waiting for the sync that flushes their meta page: MDB_NOMETASYNC),
- * group_commit_sync.c (the file's syncs, and what a sync vouches for after a failed one);
+ * group_commit_sync.c (the file's syncs, and what a sync vouches for after a failed one),
+ * wal.c and wal_open.c (the write-ahead log beside data.mdb: wal.h);
  * load.c (the benchmark's bulk load, store_lmdb.h). */
 #ifndef IDEMRPC_LMDB_INTERNAL_H
 #define IDEMRPC_LMDB_INTERNAL_H

@@ -68,7 +68,8 @@ static int apply_entry(MDB_txn *txn, MDB_dbi dbis[WAL_DBS], const uint8_t *p, si
         }
         MDB_val k = {klen, (void *)(p + at + 8)}, v = {vlen, (void *)(p + at + 8 + klen)};
         if (rc == 0) {
-            rc = op == REC_PUT ? mdb_put(txn, dbis[db], &k, &v, 0) : mdb_del(txn, dbis[db], &k, NULL);
+            rc = op == REC_PUT ? mdb_put(txn, dbis[db], &k, &v, 0)
+                               : mdb_del(txn, dbis[db], &k, NULL);
         }
         if (rc != 0 && !(op == REC_DEL && rc == MDB_NOTFOUND)) {
             return rc;

@@ -9,9 +9,9 @@
 #include "wal.h"
 
 #define WAL_DBS 6
-#define WAL_HEAD 4096                     /* the header block; entries follow */
-#define WAL_ENTRY_HDR 24                  /* be32 length ‖ be32 crc32 ‖ be64 epoch ‖ be64 txnid */
-#define WAL_WRAP ((off_t)1 << 20)         /* a new epoch once entries pass this */
+#define WAL_HEAD 4096             /* the header block; entries follow */
+#define WAL_ENTRY_HDR 24          /* be32 length ‖ be32 crc32 ‖ be64 epoch ‖ be64 txnid */
+#define WAL_WRAP ((off_t)1 << 20) /* a new epoch once entries pass this */
 #define WAL_SIZE (WAL_WRAP + ((off_t)1 << 20)) /* zeros written at creation */
 #define WAL_MAGIC "idemwal1"
 #define NOTE_SLOTS 4096 /* the dedupe table of a batch's notes (power of two) */
@@ -29,7 +29,7 @@ struct idem_wal {
     MDB_env *env;
     MDB_dbi dbis[WAL_DBS];
     uint64_t epoch;
-    off_t off; /* where the next entry goes */
+    off_t off;         /* where the next entry goes */
     bool off_for_good; /* a failure turned the log off */
     /* Built with -DIDEM_TEST_HOOKS (never by default) and $IDEMRPC_TEST_ANSWER_AT_COMMIT=1:
      * an entry is not flushed, so a batch is answered at its commit, its meta page not on
