@@ -301,3 +301,16 @@ Test(wal, a_log_that_fails_to_flush_turns_off_and_the_write_waits_for_lmdb)
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
     cr_expect(idem__wal_on(((lmdb_store *)st)->gc.wal), "a new open has its log again");
 }
+
+Test(wal, a_store_opened_without_the_log_after_a_cut_still_replays_it)
+{
+    char *lines = write_then_cut(0);
+    int wrong;
+    cr_assert_eq(completed_without_replay(lines), 0);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_NO_LOG), IDEM_OK, "%s",
+                 idem_errmsg());
+    cr_expect_null(((lmdb_store *)st)->gc.wal, "replayed, not kept");
+    cr_expect_eq(completed(lines, &wrong), WRITERS * PER_WRITER);
+    cr_expect_eq(wrong, 0);
+    free(lines);
+}

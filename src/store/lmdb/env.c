@@ -223,18 +223,26 @@ static idem_code format_ensure(lmdb_store *st, const char *dir)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "format");
 }
 
-/* The store's write-ahead log (wal.h), replayed, on a durable store with group commit
- * opened read-write (the one that pipelines its commits: MDB_NOMETASYNC) unless
- * IDEM_STORE_NO_LOG; *wal NULL when another process holds it. */
+/* The store's write-ahead log (wal.h), on a read-write open: replayed whenever dir has
+ * one (a store last written with it, whatever the flags now), and kept (*wal) on a
+ * durable store with group commit (the one that pipelines its commits: MDB_NOMETASYNC)
+ * unless IDEM_STORE_NO_LOG; *wal NULL when another process holds it. */
 static idem_code wal_open(lmdb_store *st, const char *dir, unsigned flags, idem_wal **wal)
 {
     unsigned env_flags = 0;
+    char path[PATH_MAX];
+    struct stat sb;
     *wal = NULL;
-    if ((flags & IDEM_STORE_NO_LOG) || mdb_env_get_flags(st->env, &env_flags) != 0 ||
-        !(env_flags & MDB_NOMETASYNC) || (env_flags & (MDB_NOSYNC | MDB_RDONLY))) {
-        return IDEM_OK;
+    if (mdb_env_get_flags(st->env, &env_flags) != 0 || (env_flags & MDB_RDONLY)) {
+        return IDEM_OK; /* a read-only open replays nothing (wal.h) */
     }
-    return idem__wal_open(wal, dir, st->env);
+    bool keep = !(flags & IDEM_STORE_NO_LOG) && (env_flags & MDB_NOMETASYNC) &&
+                !(env_flags & MDB_NOSYNC);
+    int n = snprintf(path, sizeof(path), "%s/wal.log", dir);
+    if (!keep && n > 0 && (size_t)n < sizeof(path) && stat(path, &sb) != 0) {
+        return IDEM_OK; /* nothing to replay */
+    }
+    return idem__wal_open(wal, dir, st->env, keep);
 }
 
 /* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */

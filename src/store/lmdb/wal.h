@@ -53,13 +53,16 @@ typedef struct idem_wal idem_wal;
  * group_commit.h note in it what the batch writes. */
 extern _Thread_local idem_wal *idem__wal_cur;
 
-/* Opens dir/wal.log for env (read-write, durable, group commit), taking its flock, and
- * replays it (above); *out NULL when another process holds the log. Before any other
- * write to env. */
-idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env);
+/* Opens dir/wal.log for env (read-write), taking its flock, replays it (above) and
+ * starts a new epoch; *out: the log, when keep (a durable env with group commit), else
+ * NULL, the file closed again; NULL too when another process holds the log. Before any
+ * other write to env. */
+idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env, bool keep);
 /* The store's databases, in the log's order (their names: wal_open.c), before the
  * first batch. */
 void idem__wal_set_dbis(idem_wal *wal, const MDB_dbi dbis[6]);
+/* Syncs env, so that the log holds nothing a replay needs (an older release, which
+ * does not replay it, may open the store next), and closes the log. */
 void idem__wal_close(idem_wal *wal);
 
 /* The writer thread: notes a batch's writes from here (idem__wal_cur = wal) ... */

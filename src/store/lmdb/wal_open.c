@@ -150,9 +150,9 @@ static int presize(int fd)
     return sb.st_size < WAL_SIZE && fsync(fd) != 0 ? errno : 0;
 }
 
-/* The file, locked, replayed, in a new epoch, with its thread; an errno or LMDB rc
- * (*taken: another process holds it). */
-static int wal_start(idem_wal *w, const char *path, bool *taken)
+/* The file, locked, replayed, in a new epoch, with its thread when keep; an errno or
+ * LMDB rc (*taken: another process holds it). */
+static int wal_start(idem_wal *w, const char *path, bool keep, bool *taken)
 {
     *taken = false;
     if ((w->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600)) < 0) {
@@ -163,14 +163,15 @@ static int wal_start(idem_wal *w, const char *path, bool *taken)
         return errno;
     }
     int rc;
-    if ((rc = replay(w)) != 0 || (rc = presize(w->fd)) != 0 || (rc = idem__wal_new_epoch(w)) != 0) {
+    if ((rc = replay(w)) != 0 || (keep && (rc = presize(w->fd)) != 0) ||
+        (rc = idem__wal_new_epoch(w)) != 0 || !keep) {
         return rc;
     }
     w->started = (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) == 0;
     return rc;
 }
 
-idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env)
+idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env, bool keep)
 {
     char path[PATH_MAX];
     bool taken;
@@ -190,11 +191,11 @@ idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env)
 #endif
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
-    int rc = wal_start(w, path, &taken);
+    int rc = wal_start(w, path, keep, &taken);
     if (rc == 0 || taken) {
-        *out = rc == 0 ? w : NULL;
-        if (rc != 0) {
-            idem__wal_close(w); /* another process's log: this one writes without */
+        *out = rc == 0 && keep ? w : NULL;
+        if (*out == NULL) {
+            idem__wal_close(w); /* replayed only, or another process's: written without */
         }
         return IDEM_OK;
     }
@@ -214,6 +215,7 @@ void idem__wal_close(idem_wal *w)
         return;
     }
     if (w->started) {
+        (void)mdb_env_sync(w->env, 1); /* failed: the log keeps what a replay needs */
         pthread_mutex_lock(&w->mu);
         w->stopping = true;
         pthread_cond_broadcast(&w->cv);
