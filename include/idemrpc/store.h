@@ -133,7 +133,7 @@ enum idem_store_flags {
     /* A durable store with group commit keeps a write-ahead log beside data.mdb
      * (wal.log): a batch of writes is answered once its log entry and its LMDB commit are
      * on disk, both flushed at once, instead of after a second sync of LMDB's meta page
-     * (docs/performance.md). This flag writes without it, as releases before 0.6 did:
+     * (docs/performance.md). This flag writes without it, as releases before 0.4 did:
      * the same guarantees, a slower new key. */
     IDEM_STORE_NO_LOG = 1u << 4,
 };
