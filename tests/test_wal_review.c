@@ -5,10 +5,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "failing_disk.h"
 #include "lmdb_internal.h"
 #include "supplemental.h"
+#include "wal_priv.h"
 #include "testutil.h"
 
 static char *dir;
@@ -78,4 +80,29 @@ Test(wal_review, a_claim_answered_with_an_error_is_not_applied_at_the_next_open)
     if (got == IDEM_OK) {
         idem_record_clear(&rec);
     }
+}
+
+/* wal.h: "The file is written with zeros to WAL_SIZE when created, so that an entry
+ * overwrites blocks it has (no size change to journal)": an entry larger than what is
+ * left of those blocks grows the file, for good (the brief asks for a bounded entry and
+ * a bounded file). */
+Test(wal_review, one_large_result_leaves_the_log_within_its_presized_file)
+{
+    enum { LARGE = 4 << 20 };
+    char path[600];
+    struct stat sb;
+    snprintf(path, sizeof(path), "%s/wal.log", dir);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    char *value = malloc(LARGE + 1);
+    cr_assert_not_null(value);
+    memset(value, 'v', LARGE);
+    value[LARGE] = '\0';
+    cr_assert_eq(put("large", value), 0, "%s", idem_errmsg());
+    free(value);
+    idem_store_close(st);
+    st = NULL;
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(stat(path, &sb), 0);
+    cr_expect_leq(sb.st_size, (off_t)WAL_SIZE, "wal.log holds %lld bytes after a reopen",
+                  (long long)sb.st_size);
 }
