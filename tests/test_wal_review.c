@@ -106,3 +106,36 @@ Test(wal_review, one_large_result_leaves_the_log_within_its_presized_file)
     cr_expect_leq(sb.st_size, (off_t)WAL_SIZE, "wal.log holds %lld bytes after a reopen",
                   (long long)sb.st_size);
 }
+
+/* store.h: IDEM_STORE_EXISTING opens "only a directory that already holds an idemrpc
+ * store: IDEM_NOT_FOUND, and nothing created, for ... another program's LMDB environment"
+ * (idemctl on a mistyped path). The log is opened (created, presized, its header
+ * written) before the databases are looked for: here over that program's own wal.log. */
+Test(wal_review, opening_another_programs_lmdb_environment_writes_nothing_there)
+{
+    char path[600], got[64] = {0};
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k = {1, "k"}, v = {1, "v"};
+    cr_assert_eq(mdb_env_create(&env), 0);
+    cr_assert_eq(mdb_env_open(env, dir, 0, 0600), 0);
+    cr_assert_eq(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &dbi), 0);
+    cr_assert_eq(mdb_put(txn, dbi, &k, &v, 0), 0);
+    cr_assert_eq(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+    snprintf(path, sizeof(path), "%s/wal.log", dir);
+    FILE *f = fopen(path, "w"); /* that program's own log */
+    cr_assert_not_null(f);
+    cr_assert_eq(fputs("its own log", f) >= 0, true);
+    cr_assert_eq(fclose(f), 0);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, IDEM_STORE_EXISTING), IDEM_NOT_FOUND, "%s",
+                 idem_errmsg());
+    f = fopen(path, "r");
+    cr_assert_not_null(f);
+    size_t n = fread(got, 1, sizeof(got) - 1, f);
+    fclose(f);
+    cr_expect(n == strlen("its own log") && strcmp(got, "its own log") == 0,
+              "its wal.log was written over (%zu bytes read, starting \"%.8s\")", n, got);
+}
