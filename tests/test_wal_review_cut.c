@@ -10,6 +10,7 @@
 
 #include "lmdb_internal.h"
 #include "power_cut.h"
+#include "supplemental.h"
 #include "testutil.h"
 
 static char *dir;
@@ -126,4 +127,52 @@ Test(wal_review_cut, a_server_on_a_store_opened_without_the_log_replays_an_answe
 Test(wal_review_cut, a_server_without_group_commit_replays_an_answer_of_the_log)
 {
     restart_replays_k1(IDEM_STORE_NO_GROUP_COMMIT);
+}
+
+/* Near a full map every op of a batch runs in a child txn (group_commit_batch.c,
+ * apply_nested): one whose first put succeeds (noted for the log) and whose next meets
+ * MDB_MAP_FULL fails alone, its child aborted. Here the op's fn does that itself. */
+static idem_code put_then_full(MDB_txn *txn, void *arg)
+{
+    lmdb_store *ls = arg;
+    MDB_val k = {5, "ghost"}, v = {1, "g"};
+    return mdb_put(txn, ls->records, &k, &v, 0) == 0
+               ? idem__err(IDEM_RESOURCE_EXHAUSTED, "the next put met a full map")
+               : IDEM_INTERNAL;
+}
+
+/* A batch whose only op failed that way commits nothing: LMDB hands its txnid to the next
+ * commit. The log must not hold two entries of one txnid, the replay keeping the first:
+ * a claim answered ACQUIRED in the next batch, then the cut (its meta page not synced,
+ * the last commit), then the replay. */
+Test(wal_review_cut, a_claim_after_a_batch_that_committed_nothing_survives_the_cut)
+{
+    idem_store *st;
+    power_cut_record(undo, data);
+    /* 4 MiB: less room than the commit's reserve (COMMIT_PAGES), every op in a child txn */
+    cr_assert_eq(idem_store_open_lmdb(&st, store_dir, 4u << 20, 0), IDEM_OK, "%s", idem_errmsg());
+    lmdb_store *ls = (lmdb_store *)st;
+    cr_assert_eq(idem__gc_write(&ls->gc, put_then_full, ls), IDEM_RESOURCE_EXHAUSTED, "%s",
+                 idem_errmsg());
+    idem_claim_req r = {
+        .key = {"c", "s.Note/Put", "claimed"}, .owner = 7, .now_ms = idem__now_ms()};
+    r.lease_until_ms = r.now_ms + 600000;
+    r.expires_ms = r.lease_until_ms + 600000;
+    idem_claim_outcome out;
+    cr_assert_eq(idem_store_claim(st, &r, &out, NULL), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(out, IDEM_CLAIM_ACQUIRED);
+    idem_store_close(st);
+    power_cut_record(NULL, NULL);
+    cr_assert_geq(power_cut_apply(undo, data), 1, "the cut undid the unsynced writes");
+    cr_assert_eq(idem_store_open_lmdb(&st, store_dir, 4u << 20, 0), IDEM_OK, "%s", idem_errmsg());
+    idem_record rec;
+    idem_code c = idem_store_get(st, &r.key, &rec);
+    cr_expect_eq(c, IDEM_OK,
+                 "the claim answered ACQUIRED is lost: %s (another caller can "
+                 "claim the key and run it a second time)",
+                 idem_code_name(c));
+    if (c == IDEM_OK) {
+        idem_record_clear(&rec);
+    }
+    idem_store_close(st);
 }
