@@ -1,6 +1,6 @@
-/* A stranger's review of the store's write-ahead log (src/store/lmdb/wal.h), on a disk
- * that fails data.mdb's fdatasync (failing_disk.c): each test here failed on branch
- * r9-wal (d629ed6) when it was written. */
+/* A stranger's review of the store's write-ahead log (src/store/lmdb/wal.h) without a
+ * power cut: a disk that fails data.mdb's fdatasync (failing_disk.c), a large entry, a
+ * mistyped path. Each test here failed on branch r9-wal (d629ed6) when it was written. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,8 +1,9 @@
-/* The write-ahead log's review (src/store/lmdb/wal.h) through the real server and client,
- * with the power-cut recorder (power_cut.c: every write no fdatasync of its file covered
- * is undone): a call answered OK from the log, then a store opened read-write without the
- * log (IDEM_STORE_NO_LOG, IDEM_STORE_NO_GROUP_COMMIT, or a release before the log). Each
- * test failed on branch r9-wal (d629ed6) when it was written. */
+/* The write-ahead log's review (src/store/lmdb/wal.h) with the power-cut recorder
+ * (power_cut.c: every write no fdatasync of its file covered is undone): a call answered
+ * OK from the log, then a store opened read-write without the log (IDEM_STORE_NO_LOG,
+ * IDEM_STORE_NO_GROUP_COMMIT, or a release before the log), through the real server and
+ * client; and two entries of one txnid. Each test failed on branch r9-wal (d629ed6) when
+ * it was written. */
 #include <criterion/criterion.h>
 #include <stdatomic.h>
 #include <stdio.h>
