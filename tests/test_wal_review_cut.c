@@ -1,0 +1,179 @@
+/* The write-ahead log's review (src/store/lmdb/wal.h) with the power-cut recorder
+ * (power_cut.c: every write no fdatasync of its file covered is undone): a call answered
+ * OK from the log, then a store opened read-write without the log (IDEM_STORE_NO_LOG,
+ * IDEM_STORE_NO_GROUP_COMMIT, or a release before the log), through the real server and
+ * client; and two entries of one txnid. Each test failed on branch r9-wal (d629ed6) when
+ * it was written. */
+#include <criterion/criterion.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "lmdb_internal.h"
+#include "power_cut.h"
+#include "supplemental.h"
+#include "testutil.h"
+
+static char *dir;
+static char store_dir[512], data[600], undo[600];
+static atomic_int runs;
+
+#define OTHERS 40
+
+static void setup(void)
+{
+    dir = tu_tempdir("wal_review_cut");
+    snprintf(store_dir, sizeof(store_dir), "%s/store", dir);
+    snprintf(data, sizeof(data), "%s/data.mdb", store_dir);
+    snprintf(undo, sizeof(undo), "%s/undo.log", dir);
+    atomic_store(&runs, 0);
+}
+
+static void teardown(void)
+{
+    tu_rmtree(dir);
+}
+
+TestSuite(wal_review_cut, .init = setup, .fini = teardown, .timeout = 60);
+
+/* Each run answers its number: a second run is a second effect. */
+static idem_code put(idem_call *call, void *arg)
+{
+    (void)arg;
+    char out[64];
+    int n = snprintf(out, sizeof(out), "run %d", atomic_fetch_add(&runs, 1) + 1);
+    return idem_call_reply(call, IDEM_OK, out, (size_t)n);
+}
+
+static void start(idem_store **st, tu_server *srv, unsigned flags)
+{
+    cr_assert_eq(idem_store_open_lmdb(st, store_dir, 0, flags), IDEM_OK, "%s", idem_errmsg());
+    idem_server_opts o;
+    idem_server_opts_init(&o);
+    o.store = *st;
+    tu_server_create(srv, &o);
+    idem_method_opts m = {.flags = IDEM_METHOD_CACHED | IDEM_METHOD_KEY_REQUIRED};
+    cr_assert_eq(idem_server_register(srv->srv, "s.Note/Put", put, NULL, &m), IDEM_OK);
+    tu_server_listen(srv);
+}
+
+static void stop(idem_store *st, tu_server *srv)
+{
+    tu_server_destroy(srv, true);
+    idem_store_close(st);
+}
+
+/* Calls keys (NULL-ended; k1 last) on a server over a store opened with flags: k1's
+ * answer in out. */
+static void call_keys(unsigned flags, const char *const *keys, char *out, size_t size,
+                      bool *replayed)
+{
+    idem_store *st;
+    tu_server srv;
+    idem_result r;
+    start(&st, &srv, flags);
+    idem_client *cl = tu_client(srv.url, 5000);
+    for (const char *const *k = keys; *k != NULL; k++) {
+        idem_request q = {.method = "s.Note/Put", .idempotency_key = *k};
+        cr_assert_eq(idem_client_call(cl, &q, &r), IDEM_OK, "%s", r.message ? r.message : "");
+        snprintf(out, size, "%.*s", (int)r.payload_len, (const char *)r.payload);
+        *replayed = r.replayed;
+        idem_result_clear(&r);
+    }
+    idem_client_close(cl);
+    stop(st, &srv);
+}
+
+static void call_k1(unsigned flags, char *out, size_t size, bool *replayed)
+{
+    static const char *const k1[] = {"k1", NULL};
+    call_keys(flags, k1, out, size, replayed);
+}
+
+/* OTHERS other keys then k1 answered OK by a server with the log (default flags), then
+ * the power cut: the log holds k1's entry after theirs. */
+static void answer_then_cut(char *answer, size_t size)
+{
+    static char names[OTHERS][16];
+    static const char *keys[OTHERS + 2];
+    for (int i = 0; i < OTHERS; i++) {
+        snprintf(names[i], sizeof(names[i]), "other%d", i);
+        keys[i] = names[i];
+    }
+    keys[OTHERS] = "k1";
+    keys[OTHERS + 1] = NULL;
+    bool replayed;
+    power_cut_record(undo, data);
+    call_keys(0, keys, answer, size, &replayed);
+    power_cut_record(NULL, NULL);
+    cr_assert_geq(power_cut_apply(undo, data), 1, "the cut undid the unsynced writes");
+}
+
+static void restart_replays_k1(unsigned flags)
+{
+    char answer[64], again[64];
+    bool replayed;
+    answer_then_cut(answer, sizeof(answer));
+    call_k1(flags, again, sizeof(again), &replayed);
+    cr_expect(replayed && strcmp(again, answer) == 0,
+              "k1 was answered \"%s\"; after the cut the server answered \"%s\" (%s)", answer,
+              again, replayed ? "replayed" : "a second run");
+}
+
+Test(wal_review_cut, a_server_on_a_store_opened_without_the_log_replays_an_answer_of_the_log)
+{
+    restart_replays_k1(IDEM_STORE_NO_LOG);
+}
+
+Test(wal_review_cut, a_server_without_group_commit_replays_an_answer_of_the_log)
+{
+    restart_replays_k1(IDEM_STORE_NO_GROUP_COMMIT);
+}
+
+/* Near a full map every op of a batch runs in a child txn (group_commit_batch.c,
+ * apply_nested): one whose first put succeeds (noted for the log) and whose next meets
+ * MDB_MAP_FULL fails alone, its child aborted. Here the op's fn does that itself. */
+static idem_code put_then_full(MDB_txn *txn, void *arg)
+{
+    lmdb_store *ls = arg;
+    MDB_val k = {5, "ghost"}, v = {1, "g"};
+    return mdb_put(txn, ls->records, &k, &v, 0) == 0
+               ? idem__err(IDEM_RESOURCE_EXHAUSTED, "the next put met a full map")
+               : IDEM_INTERNAL;
+}
+
+/* A batch whose only op failed that way commits nothing: LMDB hands its txnid to the next
+ * commit. The log must not hold two entries of one txnid, the replay keeping the first:
+ * a claim answered ACQUIRED in the next batch, then the cut (its meta page not synced,
+ * the last commit), then the replay. */
+Test(wal_review_cut, a_claim_after_a_batch_that_committed_nothing_survives_the_cut)
+{
+    idem_store *st;
+    power_cut_record(undo, data);
+    /* 4 MiB: less room than the commit's reserve (COMMIT_PAGES), every op in a child txn */
+    cr_assert_eq(idem_store_open_lmdb(&st, store_dir, 4u << 20, 0), IDEM_OK, "%s", idem_errmsg());
+    lmdb_store *ls = (lmdb_store *)st;
+    cr_assert_eq(idem__gc_write(&ls->gc, put_then_full, ls), IDEM_RESOURCE_EXHAUSTED, "%s",
+                 idem_errmsg());
+    idem_claim_req r = {
+        .key = {"c", "s.Note/Put", "claimed"}, .owner = 7, .now_ms = idem__now_ms()};
+    r.lease_until_ms = r.now_ms + 600000;
+    r.expires_ms = r.lease_until_ms + 600000;
+    idem_claim_outcome out;
+    cr_assert_eq(idem_store_claim(st, &r, &out, NULL), IDEM_OK, "%s", idem_errmsg());
+    cr_assert_eq(out, IDEM_CLAIM_ACQUIRED);
+    idem_store_close(st);
+    power_cut_record(NULL, NULL);
+    cr_assert_geq(power_cut_apply(undo, data), 1, "the cut undid the unsynced writes");
+    cr_assert_eq(idem_store_open_lmdb(&st, store_dir, 4u << 20, 0), IDEM_OK, "%s", idem_errmsg());
+    idem_record rec;
+    idem_code c = idem_store_get(st, &r.key, &rec);
+    cr_expect_eq(c, IDEM_OK,
+                 "the claim answered ACQUIRED is lost: %s (another caller can "
+                 "claim the key and run it a second time)",
+                 idem_code_name(c));
+    if (c == IDEM_OK) {
+        idem_record_clear(&rec);
+    }
+    idem_store_close(st);
+}
