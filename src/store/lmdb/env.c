@@ -223,26 +223,13 @@ static idem_code format_ensure(lmdb_store *st, const char *dir)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "format");
 }
 
-/* The store's write-ahead log (wal.h), on a read-write open: replayed whenever dir has
- * one (a store last written with it, whatever the flags now), and kept (*wal) on a
- * durable store with group commit (the one that pipelines its commits: MDB_NOMETASYNC)
- * unless IDEM_STORE_NO_LOG; *wal NULL when another process holds it. */
-static idem_code wal_open(lmdb_store *st, const char *dir, unsigned flags, idem_wal **wal)
+/* The store's write-ahead log (wal.h) kept: a durable env with group commit (the one
+ * that pipelines its commits: MDB_NOMETASYNC), unless IDEM_STORE_NO_LOG. */
+static bool wal_kept(MDB_env *env, unsigned flags)
 {
     unsigned env_flags = 0;
-    char path[PATH_MAX];
-    struct stat sb;
-    *wal = NULL;
-    if (mdb_env_get_flags(st->env, &env_flags) != 0 || (env_flags & MDB_RDONLY)) {
-        return IDEM_OK; /* a read-only open replays nothing (wal.h) */
-    }
-    bool keep = !(flags & IDEM_STORE_NO_LOG) && (env_flags & MDB_NOMETASYNC) &&
-                !(env_flags & MDB_NOSYNC);
-    int n = snprintf(path, sizeof(path), "%s/wal.log", dir);
-    if (!keep && n > 0 && (size_t)n < sizeof(path) && stat(path, &sb) != 0) {
-        return IDEM_OK; /* nothing to replay */
-    }
-    return idem__wal_open(wal, dir, st->env, keep);
+    return !(flags & IDEM_STORE_NO_LOG) && mdb_env_get_flags(env, &env_flags) == 0 &&
+           (env_flags & MDB_NOMETASYNC) && !(env_flags & (MDB_NOSYNC | MDB_RDONLY));
 }
 
 /* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */
@@ -285,8 +272,10 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
+    /* A read-write open replays the log first, whatever its flags (wal.h); a read-only
+     * one does not. */
     idem_wal *wal = NULL;
-    if ((code = wal_open(st, dir, flags, &wal)) != IDEM_OK) { /* replays, before any write */
+    if (!ro && (code = idem__wal_replay(&wal, dir, st->env)) != IDEM_OK) {
         mdb_env_close(st->env);
         goto out;
     }
@@ -308,11 +297,17 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((code = idem__gc_init(&st->gc, st->env, gc_on, GROUP_COMMIT_BATCH)) != IDEM_OK) {
         goto out_env;
     }
-    if (wal != NULL) { /* before the first write: the writer thread's */
+    if (wal_kept(st->env, flags)) { /* before the first write: the writer thread's */
         const MDB_dbi dbis[6] = {st->records, st->tokens, st->expiry,
                                  st->meta,    st->tombs,  st->tomb_buckets};
-        idem__wal_set_dbis(wal, dbis);
+        if ((code = idem__wal_start(&wal, dir, st->env, dbis)) != IDEM_OK) {
+            idem__gc_fini(&st->gc);
+            goto out_env;
+        }
         st->gc.wal = wal;
+    } else {
+        idem__wal_close(wal); /* replayed only */
+        wal = NULL;
     }
     if (st->has_meta && !ro) { /* before the first write: read by the writer thread */
         st->gc.rewrite = sync_mark_put;

@@ -270,8 +270,8 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
     } else if (!ok && txn != NULL) {
         mdb_txn_abort(txn);
     }
-    if (logging) {
-        logged = idem__wal_batch_end(gc->wal, ok);
+    if (logging) { /* a batch whose writes all failed commits nothing: its txnid is free */
+        logged = idem__wal_batch_end(gc->wal, ok, ok && idem__gc_last_txnid(gc->env) == txnid);
     }
     idem__wal_cur = NULL; /* a redo's writes are not logged: each syncs LMDB itself */
     uint64_t commit_us = idem__mono_us() - t0;

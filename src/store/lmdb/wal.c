@@ -7,7 +7,9 @@
  * torn entry is the last of its epoch; a new epoch starts only once LMDB's sync has put
  * every logged batch in data.mdb. */
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <string.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -188,7 +190,7 @@ bool idem__wal_batch_start(idem_wal *w, MDB_txn *txn)
     for (size_t i = 0; rc == 0 && i < w->n_notes; i++) {
         rc = encode_note(w, txn, &w->notes[i]);
     }
-    if (rc != 0 || !grow(&w->buf, &w->cap, w->len, 1)) {
+    if (rc != 0 || w->len - 8 > UINT32_MAX || !grow(&w->buf, &w->cap, w->len, 1)) {
         return false; /* not logged: the batch waits for LMDB's sync */
     }
     idem__put_be32(w->buf, (uint32_t)(w->len - 8));
@@ -202,7 +204,15 @@ bool idem__wal_batch_start(idem_wal *w, MDB_txn *txn)
     return true;
 }
 
-bool idem__wal_batch_end(idem_wal *w, bool committed)
+/* Zeroes the header of the entry at w->off and flushes it: a replay stops there. */
+static int void_entry(idem_wal *w)
+{
+    static const uint8_t zeros[WAL_ENTRY_HDR];
+    int rc = idem__wal_pwrite(w->fd, zeros, sizeof(zeros), w->off);
+    return rc == 0 && fdatasync(w->fd) != 0 ? errno : rc;
+}
+
+bool idem__wal_batch_end(idem_wal *w, bool committed, bool advanced)
 {
     pthread_mutex_lock(&w->mu);
     while (w->busy) {
@@ -210,15 +220,23 @@ bool idem__wal_batch_end(idem_wal *w, bool committed)
     }
     int rc = w->rc;
     pthread_mutex_unlock(&w->mu);
-    if (rc == 0) {
+    bool kept = rc == 0 && committed && advanced;
+    if (kept) {
         w->off += (off_t)w->len;
+    } else if (rc == 0) {
+        /* Its txnid is the next commit's (LMDB did not take it), so its entry must not
+         * stand for that commit in a replay. */
+        rc = void_entry(w);
     }
-    /* A failed flush may have left a torn or lost entry that later ones would follow;
-     * a failed commit leaves an entry whose txnid LMDB hands out again. */
-    if (rc != 0 || !committed) {
-        w->off_for_good = true;
+    /* A failed write or flush may have left a torn or lost entry that later ones would
+     * follow; after a failed commit LMDB hands its txnid out again to a redo. */
+    w->off_for_good |= rc != 0 || !committed;
+    if (w->cap > (size_t)WAL_WRAP) { /* a large batch's buffer is not kept */
+        free(w->buf);
+        w->buf = NULL;
+        w->cap = 0;
     }
-    return rc == 0 && committed;
+    return kept;
 }
 
 void *idem__wal_thread(void *arg)
@@ -279,9 +297,13 @@ void idem__wal_wrap_due(idem_wal *w, int (*sync)(void *arg), void *arg)
     if (!idem__wal_on(w) || w->off < WAL_WRAP) {
         return;
     }
+    struct stat sb;
     int rc = sync(arg);
     if (rc == 0 && idem__wal_new_epoch(w) != 0) {
         w->off_for_good = true; /* a torn header: no entry of any epoch is replayed */
+    } else if (rc == 0 && fstat(w->fd, &sb) == 0 && sb.st_size > WAL_SIZE &&
+               (ftruncate(w->fd, WAL_SIZE) != 0 || fsync(w->fd) != 0)) {
+        w->off_for_good = true; /* what a large batch grew is cut at the wrap */
     }
     /* A failed LMDB sync: the log grows, the wrap is tried after the next batch. */
 }

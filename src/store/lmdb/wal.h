@@ -25,19 +25,23 @@
  * The file is written with zeros to WAL_SIZE when created, so that an entry overwrites
  * blocks it has (no size change to journal). Once past WAL_WRAP bytes, the writer syncs
  * LMDB (every entry so far is then on disk in data.mdb) and starts a new epoch: a new
- * header, flushed, entries from offset 4096 again; an entry left from an older epoch
- * ends a replay. The open replays, syncs LMDB and starts a new epoch.
+ * header, flushed, entries from offset 4096 again, the file cut back to WAL_SIZE if a
+ * batch larger than the wrap grew it; an entry left from an older epoch ends a replay.
+ * The open replays, syncs LMDB and starts a new epoch.
  *
  * One log per store: the process that opens it takes an exclusive flock on wal.log; a
  * second process opening the same store (idemctl beside a server) finds it taken and
- * writes without a log, each of its commits synced as before. The flock's holder
- * replayed the log at its open; after a crash the next read-write open replays it. A
- * read-only open replays nothing: until a read-write open has, it may show a store a
- * few batches behind what was answered.
+ * writes without a log, its batches waiting for LMDB's sync as before. The flock's
+ * holder replayed the log at its open; after a crash the next read-write open replays
+ * it, whatever its flags (IDEM_STORE_NO_LOG, NOSYNC, no group commit: a store last
+ * written with the log). A read-only open replays nothing: until a read-write open has,
+ * it may show a store a few batches behind what was answered.
  *
  * Failures: a log write or flush that fails, or a batch commit that fails, turns the log
  * off for the rest of the process (the batches then wait for LMDB's sync, as without
- * it); an entry whose flush failed was not answered from. */
+ * it); an entry whose flush failed was not answered from. The entry of a batch whose
+ * commit failed, or that committed nothing, is voided (its header zeroed and flushed)
+ * before anything else commits: its txnid is the next commit's. */
 #ifndef IDEMRPC_LMDB_WAL_H
 #define IDEMRPC_LMDB_WAL_H
 
@@ -53,14 +57,16 @@ typedef struct idem_wal idem_wal;
  * group_commit.h note in it what the batch writes. */
 extern _Thread_local idem_wal *idem__wal_cur;
 
-/* Opens dir/wal.log for env (read-write), taking its flock, replays it (above) and
- * starts a new epoch; *out: the log, when keep (a durable env with group commit), else
- * NULL, the file closed again; NULL too when another process holds the log. Before any
- * other write to env. */
-idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env, bool keep);
-/* The store's databases, in the log's order (their names: wal_open.c), before the
- * first batch. */
-void idem__wal_set_dbis(idem_wal *wal, const MDB_dbi dbis[6]);
+/* At a read-write open, before any write to env: when dir/wal.log exists and no other
+ * process holds its flock, takes it, replays the log (above), syncs env and starts a new
+ * epoch; *out: the locked file (NULL: none, or another process's). A file that is not a
+ * log is left as it is. */
+idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env);
+/* Once the store is known (its databases, dbis, in the log's order: wal_open.c), on a
+ * durable env with group commit: the log (*wal, from idem__wal_replay, or created and
+ * locked now) written to WAL_SIZE, in a new epoch, its thread started; *wal NULL when
+ * another process holds it. */
+idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const MDB_dbi dbis[6]);
 /* Syncs env, so that the log holds nothing a replay needs (an older release, which
  * does not replay it, may open the store next), and closes the log. */
 void idem__wal_close(idem_wal *wal);
@@ -71,9 +77,11 @@ void idem__wal_batch_begin(idem_wal *wal);
  * written (call idem__wal_batch_end after the commit), false when the batch cannot be
  * logged (the log is off, a write it cannot name, out of memory). */
 bool idem__wal_batch_start(idem_wal *wal, MDB_txn *txn);
-/* Waits for the entry's flush: true when it is on disk. committed: the batch's commit
- * succeeded; when it did not, the log goes off (its txnid will be reused). */
-bool idem__wal_batch_end(idem_wal *wal, bool committed);
+/* Waits for the entry's flush: true when it is on disk and stands for the commit.
+ * committed: the batch's commit succeeded (else the log goes off: LMDB hands its txnid
+ * out again); advanced: LMDB's last txnid is the entry's (a batch whose writes all failed
+ * commits nothing). An entry that does not stand for its commit is voided on disk. */
+bool idem__wal_batch_end(idem_wal *wal, bool committed, bool advanced);
 /* The log is past WAL_WRAP: the writer thread, between batches, syncs LMDB
  * (sync(arg): 0 when every commit so far is on disk) and starts a new epoch. */
 void idem__wal_wrap_due(idem_wal *wal, int (*sync)(void *arg), void *arg);

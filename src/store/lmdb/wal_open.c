@@ -109,7 +109,9 @@ static int replay_chain(MDB_txn *txn, const uint8_t *buf, size_t len, uint64_t r
     return 0;
 }
 
-/* Replays the log into w->env and syncs it. An LMDB rc or errno. */
+/* Replays the log into w->env and syncs it, then starts a new epoch, so that no entry
+ * of this one is ever applied again over later writes; nothing when the file is not a
+ * log (another program's, or an empty one). An LMDB rc or errno. */
 static int replay(idem_wal *w)
 {
     uint8_t *buf;
@@ -117,9 +119,9 @@ static int replay(idem_wal *w)
     MDB_envinfo info;
     MDB_txn *txn;
     int rc = read_all(w->fd, &buf, &len);
-    if (rc == 0 && len >= WAL_HEAD && memcmp(buf, WAL_MAGIC, 8) == 0 &&
-        idem__get_be32(buf + 16) == idem__wal_crc32(buf, 16) &&
-        (rc = mdb_env_info(w->env, &info)) == 0 &&
+    bool ours = rc == 0 && len >= WAL_HEAD && memcmp(buf, WAL_MAGIC, 8) == 0 &&
+                idem__get_be32(buf + 16) == idem__wal_crc32(buf, 16);
+    if (ours && (rc = mdb_env_info(w->env, &info)) == 0 &&
         (rc = mdb_txn_begin(w->env, NULL, 0, &txn)) == 0) {
         rc = replay_chain(txn, buf, len, (uint64_t)info.me_last_txnid, &applied);
         if (rc != 0) {
@@ -129,7 +131,10 @@ static int replay(idem_wal *w)
         }
     }
     free(buf);
-    return rc != 0 ? rc : mdb_env_sync(w->env, 1);
+    if (rc == 0 && ours && (rc = mdb_env_sync(w->env, 1)) == 0) {
+        rc = idem__wal_new_epoch(w);
+    }
+    return rc;
 }
 
 /* Writes zeros to WAL_SIZE when the file is shorter: entries then overwrite blocks the
@@ -150,38 +155,12 @@ static int presize(int fd)
     return sb.st_size < WAL_SIZE && fsync(fd) != 0 ? errno : 0;
 }
 
-/* The file, locked, replayed, in a new epoch, with its thread when keep; an errno or
- * LMDB rc (*taken: another process holds it). */
-static int wal_start(idem_wal *w, const char *path, bool keep, bool *taken)
+/* A log object for path, its file not opened yet. */
+static idem_wal *wal_new(MDB_env *env)
 {
-    *taken = false;
-    if ((w->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600)) < 0) {
-        return errno;
-    }
-    if (flock(w->fd, LOCK_EX | LOCK_NB) != 0) {
-        *taken = errno == EWOULDBLOCK;
-        return errno;
-    }
-    int rc;
-    if ((rc = replay(w)) != 0 || (keep && (rc = presize(w->fd)) != 0) ||
-        (rc = idem__wal_new_epoch(w)) != 0 || !keep) {
-        return rc;
-    }
-    w->started = (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) == 0;
-    return rc;
-}
-
-idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env, bool keep)
-{
-    char path[PATH_MAX];
-    bool taken;
-    *out = NULL;
-    if (snprintf(path, sizeof(path), "%s/wal.log", dir) >= (int)sizeof(path)) {
-        return idem__err(IDEM_INVALID_ARGUMENT, "store directory too long: %s", dir);
-    }
     idem_wal *w = calloc(1, sizeof(*w));
     if (w == NULL) {
-        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+        return NULL;
     }
     w->env = env;
     w->fd = -1;
@@ -191,22 +170,90 @@ idem_code idem__wal_open(idem_wal **out, const char *dir, MDB_env *env, bool kee
 #endif
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
-    int rc = wal_start(w, path, keep, &taken);
-    if (rc == 0 || taken) {
-        *out = rc == 0 && keep ? w : NULL;
-        if (*out == NULL) {
-            idem__wal_close(w); /* replayed only, or another process's: written without */
-        }
-        return IDEM_OK;
-    }
-    idem_code c = idem__err(IDEM_UNAVAILABLE, "write-ahead log %s: %s", path, mdb_strerror(rc));
-    idem__wal_close(w);
-    return c;
+    return w;
 }
 
-void idem__wal_set_dbis(idem_wal *w, const MDB_dbi dbis[WAL_DBS])
+/* Opens path (flags: O_CREAT or 0) and takes its flock: 0, ENOENT (none, and not
+ * created), EWOULDBLOCK (another process holds it), or another errno. */
+static int wal_lock(idem_wal *w, const char *path, int flags)
 {
+    if ((w->fd = open(path, O_RDWR | O_CLOEXEC | flags, 0600)) < 0) {
+        return errno;
+    }
+    return flock(w->fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+}
+
+static idem_code wal_path(char path[PATH_MAX], const char *dir)
+{
+    if (snprintf(path, PATH_MAX, "%s/wal.log", dir) >= PATH_MAX) {
+        return idem__err(IDEM_INVALID_ARGUMENT, "store directory too long: %s", dir);
+    }
+    return IDEM_OK;
+}
+
+idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env)
+{
+    char path[PATH_MAX];
+    idem_code code = wal_path(path, dir);
+    idem_wal *w = code == IDEM_OK ? wal_new(env) : NULL;
+    *out = NULL;
+    if (code != IDEM_OK || w == NULL) {
+        return code != IDEM_OK ? code : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    int rc = wal_lock(w, path, 0);
+    if (rc == 0 && (rc = replay(w)) == 0) {
+        *out = w; /* locked: this process's log, if it keeps one */
+        return IDEM_OK;
+    }
+    idem__wal_close(w);
+    if (rc == ENOENT || rc == EWOULDBLOCK) {
+        return IDEM_OK; /* none; or another process's, which replayed it at its open */
+    }
+    return idem__err(IDEM_UNAVAILABLE, "replay of %s: %s", path, mdb_strerror(rc));
+}
+
+/* fsync of dir: a log the open created has its name on disk before it holds entries. */
+static int sync_dir(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        return errno;
+    }
+    int rc = fsync(fd) == 0 ? 0 : errno;
+    close(fd);
+    return rc;
+}
+
+idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const MDB_dbi dbis[6])
+{
+    char path[PATH_MAX];
+    idem_code code = wal_path(path, dir);
+    idem_wal *w = *wal;
+    int rc = 0;
+    *wal = NULL;
+    if (code != IDEM_OK) {
+        idem__wal_close(w);
+        return code;
+    }
+    bool created = w == NULL;
+    if (created && (w = wal_new(env)) == NULL) {
+        return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    if (created && (rc = wal_lock(w, path, O_CREAT)) != 0) {
+        idem__wal_close(w);
+        return rc == EWOULDBLOCK ? IDEM_OK /* another process's: this one writes without */
+                                 : idem__err(IDEM_UNAVAILABLE, "open %s: %s", path, strerror(rc));
+    }
     memcpy(w->dbis, dbis, sizeof(w->dbis));
+    if ((rc = presize(w->fd)) != 0 || (created && (rc = sync_dir(dir)) != 0) ||
+        (rc = idem__wal_new_epoch(w)) != 0 ||
+        (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) != 0) {
+        idem__wal_close(w);
+        return idem__err(IDEM_UNAVAILABLE, "write-ahead log %s: %s", path, strerror(rc));
+    }
+    w->started = true;
+    *wal = w;
+    return IDEM_OK;
 }
 
 void idem__wal_close(idem_wal *w)

@@ -1,6 +1,6 @@
-/* A stranger's review of the store's write-ahead log (src/store/lmdb/wal.h) without a
- * power cut: a disk that fails data.mdb's fdatasync (failing_disk.c), a large entry, a
- * mistyped path. Each test here failed on branch r9-wal (d629ed6) when it was written. */
+/* The store's write-ahead log (src/store/lmdb/wal.h) at its edges, without a power cut:
+ * a disk that fails data.mdb's fdatasync (failing_disk.c), a large entry, a mistyped
+ * path. Each test failed on the log's first version (a stranger's review). */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,7 +32,7 @@ static void teardown(void)
     tu_rmtree(dir);
 }
 
-TestSuite(wal_review, .init = setup, .fini = teardown, .timeout = 60);
+TestSuite(wal_edges, .init = setup, .fini = teardown, .timeout = 60);
 
 static idem_claim_req claim_req(const char *key)
 {
@@ -59,7 +59,7 @@ static int put(const char *key, const char *value)
  * was flushed all the same. Nothing commits after it in this process; the next open
  * must not apply it (docs/semantics.md: a claim whose commit and redo fail: "nothing is
  * recorded, the retry runs"). */
-Test(wal_review, a_claim_answered_with_an_error_is_not_applied_at_the_next_open)
+Test(wal_edges, a_claim_answered_with_an_error_is_not_applied_at_the_next_open)
 {
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
     cr_assert_eq(put("before", "b"), 0, "a write before the failures, logged");
@@ -86,7 +86,7 @@ Test(wal_review, a_claim_answered_with_an_error_is_not_applied_at_the_next_open)
  * overwrites blocks it has (no size change to journal)": an entry larger than what is
  * left of those blocks grows the file, for good (the brief asks for a bounded entry and
  * a bounded file). */
-Test(wal_review, one_large_result_leaves_the_log_within_its_presized_file)
+Test(wal_edges, one_large_result_leaves_the_log_within_its_presized_file)
 {
     enum { LARGE = 4 << 20 };
     char path[600];
@@ -111,7 +111,7 @@ Test(wal_review, one_large_result_leaves_the_log_within_its_presized_file)
  * store: IDEM_NOT_FOUND, and nothing created, for ... another program's LMDB environment"
  * (idemctl on a mistyped path). The log is opened (created, presized, its header
  * written) before the databases are looked for: here over that program's own wal.log. */
-Test(wal_review, opening_another_programs_lmdb_environment_writes_nothing_there)
+Test(wal_edges, opening_another_programs_lmdb_environment_writes_nothing_there)
 {
     char path[600], got[64] = {0};
     MDB_env *env;
