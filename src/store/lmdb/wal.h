@@ -41,7 +41,9 @@
  * off for the rest of the process (the batches then wait for LMDB's sync, as without
  * it); an entry whose flush failed was not answered from. The entry of a batch whose
  * commit failed, or that committed nothing, is voided (its header zeroed and flushed)
- * before anything else commits: its txnid is the next commit's. */
+ * before anything else commits: its txnid is the next commit's. When that void fails
+ * too (a disk failing twice), a crash before LMDB's next sync may apply the failed
+ * batch's entry: its callers were answered with an error, whose outcome is unknown. */
 #ifndef IDEMRPC_LMDB_WAL_H
 #define IDEMRPC_LMDB_WAL_H
 
