@@ -223,13 +223,35 @@ static idem_code format_ensure(lmdb_store *st, const char *dir)
     return rc == 0 ? IDEM_OK : idem__lmdb_code(rc, "format");
 }
 
-/* The store's write-ahead log (wal.h) kept: a durable env with group commit (the one
- * that pipelines its commits: MDB_NOMETASYNC), unless IDEM_STORE_NO_LOG. */
-static bool wal_kept(MDB_env *env, unsigned flags)
+/* open_dbis, synced when read-write; IDEM_NOT_FOUND for an existing LMDB environment
+ * without the store's databases. */
+static idem_code open_databases(lmdb_store *st, const char *dir, bool ro, bool existing)
 {
-    unsigned env_flags = 0;
-    return !(flags & IDEM_STORE_NO_LOG) && mdb_env_get_flags(env, &env_flags) == 0 &&
-           (env_flags & MDB_NOMETASYNC) && !(env_flags & (MDB_NOSYNC | MDB_RDONLY));
+    int rc;
+    if ((rc = open_dbis(st, ro, !ro && !existing)) == 0 &&
+        (ro || (rc = mdb_env_sync(st->env, 1)) == 0)) {
+        return IDEM_OK;
+    }
+    return existing && rc == MDB_NOTFOUND
+               ? idem__err(IDEM_NOT_FOUND,
+                           "%s is not an idemrpc store (an LMDB environment without its databases)",
+                           dir)
+               : idem__lmdb_code(rc, "open databases");
+}
+
+/* The log idem__wal_replay left (wal, or NULL), kept on a store that pipelines its
+ * commits (a durable one with group commit) unless IDEM_STORE_NO_LOG: st->gc.wal, set
+ * before the first write (the writer thread's); else closed. wal is closed on failure. */
+static idem_code wal_keep(lmdb_store *st, const char *dir, unsigned flags, idem_wal *wal,
+                          const MDB_dbi dbis[6])
+{
+    if (!st->gc.pipelined || (flags & IDEM_STORE_NO_LOG)) {
+        idem__wal_close(wal); /* replayed only */
+        return IDEM_OK;
+    }
+    idem_code code = idem__wal_start(&wal, dir, st->env, dbis);
+    st->gc.wal = wal;
+    return code;
 }
 
 /* dir/data.mdb is a file (a store, or at least an LMDB environment, lives there). */
@@ -244,7 +266,6 @@ static bool store_file_exists(const char *dir)
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
 {
     lmdb_store *st;
-    int rc;
     bool ro = (flags & IDEM_STORE_READONLY) != 0;
 
     *out = NULL;
@@ -272,24 +293,16 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     }
     int dead;
     mdb_reader_check(st->env, &dead); /* clear reader slots of crashed processes */
-    /* A read-write open replays the log first, whatever its flags (wal.h); a read-only
-     * one does not. */
     idem_wal *wal = NULL;
-    if (!ro && (code = idem__wal_replay(&wal, dir, st->env)) != IDEM_OK) {
-        mdb_env_close(st->env);
-        goto out;
-    }
-    if ((rc = open_dbis(st, ro, !ro && !existing)) != 0 ||
-        (!ro && (rc = mdb_env_sync(st->env, 1)) != 0)) {
-        code =
-            existing && rc == MDB_NOTFOUND
-                ? idem__err(
-                      IDEM_NOT_FOUND,
-                      "%s is not an idemrpc store (an LMDB environment without its databases)", dir)
-                : idem__lmdb_code(rc, "open databases");
+    if ((code = open_databases(st, dir, ro, existing)) != IDEM_OK) {
         goto out_env;
     }
-    if ((code = format_ensure(st, dir)) != IDEM_OK) {
+    /* A read-write open replays the log before any write, whatever its flags (wal.h: the
+     * databases' open wrote nothing on a store that had one); a read-only one does not. */
+    const MDB_dbi dbis[6] = {st->records, st->tokens, st->expiry,
+                             st->meta,    st->tombs,  st->tomb_buckets};
+    if ((!ro && (code = idem__wal_replay(&wal, dir, st->env, dbis)) != IDEM_OK) ||
+        (code = format_ensure(st, dir)) != IDEM_OK) {
         goto out_env;
     }
     /* A read-only store writes nothing: no writer thread (a write fails on its own). */
@@ -297,17 +310,10 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if ((code = idem__gc_init(&st->gc, st->env, gc_on, GROUP_COMMIT_BATCH)) != IDEM_OK) {
         goto out_env;
     }
-    if (wal_kept(st->env, flags)) { /* before the first write: the writer thread's */
-        const MDB_dbi dbis[6] = {st->records, st->tokens, st->expiry,
-                                 st->meta,    st->tombs,  st->tomb_buckets};
-        if ((code = idem__wal_start(&wal, dir, st->env, dbis)) != IDEM_OK) {
-            idem__gc_fini(&st->gc);
-            goto out_env;
-        }
-        st->gc.wal = wal;
-    } else {
-        idem__wal_close(wal); /* replayed only */
-        wal = NULL;
+    if ((code = wal_keep(st, dir, flags, wal, dbis)) != IDEM_OK) {
+        idem__gc_fini(&st->gc);
+        mdb_env_close(st->env);
+        goto out;
     }
     if (st->has_meta && !ro) { /* before the first write: read by the writer thread */
         st->gc.rewrite = sync_mark_put;

@@ -59,15 +59,15 @@ typedef struct idem_wal idem_wal;
  * group_commit.h note in it what the batch writes. */
 extern _Thread_local idem_wal *idem__wal_cur;
 
-/* At a read-write open, before any write to env: when dir/wal.log exists and no other
+/* At a read-write open, once the store's databases are open (dbis, in the log's
+ * order: env.c) and before any other write to env: when dir/wal.log exists and no other
  * process holds its flock, takes it, replays the log (above), syncs env and starts a new
  * epoch; *out: the locked file (NULL: none, or another process's). A file that is not a
  * log is left as it is. */
-idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env);
-/* Once the store is known (its databases, dbis, in the log's order: wal_open.c), on a
- * durable env with group commit: the log (*wal, from idem__wal_replay, or created and
- * locked now) written to WAL_SIZE, in a new epoch, its thread started; *wal NULL when
- * another process holds it. */
+idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env, const MDB_dbi dbis[6]);
+/* On a durable env with group commit: the log (*wal, from idem__wal_replay, or created
+ * and locked now) written to WAL_SIZE, in a new epoch, its thread started; *wal NULL
+ * when another process holds it. */
 idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const MDB_dbi dbis[6]);
 /* Syncs env, so that the log holds nothing a replay needs (an older release, which
  * does not replay it, may open the store next), and closes the log. */

@@ -19,10 +19,6 @@
 #include "supplemental.h"
 #include "wal_priv.h"
 
-/* The store's databases, in the order of an entry's db byte. */
-static const char *const db_names[WAL_DBS] = {"records", "tokens", "expiry",
-                                              "meta",    "tombs",  "tomb_buckets"};
-
 /* The whole file in *buf (*len bytes). An errno. */
 static int read_all(int fd, uint8_t **buf, size_t *len)
 {
@@ -49,7 +45,7 @@ static int read_all(int fd, uint8_t **buf, size_t *len)
 }
 
 /* Applies one entry's records in txn; an LMDB rc, MDB_CORRUPTED when they overrun. */
-static int apply_entry(MDB_txn *txn, MDB_dbi dbis[WAL_DBS], const uint8_t *p, size_t n)
+static int apply_entry(MDB_txn *txn, const MDB_dbi dbis[WAL_DBS], const uint8_t *p, size_t n)
 {
     for (size_t at = 0; at < n;) {
         if (n - at < 8) {
@@ -61,16 +57,9 @@ static int apply_entry(MDB_txn *txn, MDB_dbi dbis[WAL_DBS], const uint8_t *p, si
             n - at - 8 - klen < vlen) {
             return MDB_CORRUPTED;
         }
-        int rc = 0;
-        if (dbis[db] == 0) {
-            unsigned flags = db == WAL_DBS - 1 ? MDB_DUPSORT | MDB_DUPFIXED : 0;
-            rc = mdb_dbi_open(txn, db_names[db], flags, &dbis[db]);
-        }
         MDB_val k = {klen, (void *)(p + at + 8)}, v = {vlen, (void *)(p + at + 8 + klen)};
-        if (rc == 0) {
-            rc = op == REC_PUT ? mdb_put(txn, dbis[db], &k, &v, 0)
-                               : mdb_del(txn, dbis[db], &k, NULL);
-        }
+        int rc =
+            op == REC_PUT ? mdb_put(txn, dbis[db], &k, &v, 0) : mdb_del(txn, dbis[db], &k, NULL);
         if (rc != 0 && !(op == REC_DEL && rc == MDB_NOTFOUND)) {
             return rc;
         }
@@ -79,12 +68,11 @@ static int apply_entry(MDB_txn *txn, MDB_dbi dbis[WAL_DBS], const uint8_t *p, si
     return 0;
 }
 
-/* Applies the chain of entries past txnid r in txn; *applied: how many. */
-static int replay_chain(MDB_txn *txn, const uint8_t *buf, size_t len, uint64_t r, size_t *applied)
+/* Applies the chain of entries past txnid r in txn. */
+static int replay_chain(MDB_txn *txn, const MDB_dbi dbis[WAL_DBS], const uint8_t *buf, size_t len,
+                        uint64_t r)
 {
-    MDB_dbi dbis[WAL_DBS] = {0};
     uint64_t epoch = idem__get_be64(buf + 8);
-    *applied = 0;
     for (size_t at = WAL_HEAD; len - at >= WAL_ENTRY_HDR;) {
         size_t n = idem__get_be32(buf + at); /* epoch ‖ txnid ‖ records */
         if (n < 16 || len - at - 8 < n ||
@@ -102,7 +90,6 @@ static int replay_chain(MDB_txn *txn, const uint8_t *buf, size_t len, uint64_t r
                 return rc;
             }
             r = txnid;
-            ++*applied;
         }
         at += 8 + n;
     }
@@ -115,7 +102,7 @@ static int replay_chain(MDB_txn *txn, const uint8_t *buf, size_t len, uint64_t r
 static int replay(idem_wal *w)
 {
     uint8_t *buf;
-    size_t len, applied = 0;
+    size_t len;
     MDB_envinfo info;
     MDB_txn *txn;
     int rc = read_all(w->fd, &buf, &len);
@@ -123,7 +110,7 @@ static int replay(idem_wal *w)
                 idem__get_be32(buf + 16) == idem__wal_crc32(buf, 16);
     if (ours && (rc = mdb_env_info(w->env, &info)) == 0 &&
         (rc = mdb_txn_begin(w->env, NULL, 0, &txn)) == 0) {
-        rc = replay_chain(txn, buf, len, (uint64_t)info.me_last_txnid, &applied);
+        rc = replay_chain(txn, w->dbis, buf, len, (uint64_t)info.me_last_txnid);
         if (rc != 0) {
             mdb_txn_abort(txn);
         } else {
@@ -155,14 +142,15 @@ static int presize(int fd)
     return sb.st_size < WAL_SIZE && fsync(fd) != 0 ? errno : 0;
 }
 
-/* A log object for path, its file not opened yet. */
-static idem_wal *wal_new(MDB_env *env)
+/* A log object for env's databases, its file not opened yet. */
+static idem_wal *wal_new(MDB_env *env, const MDB_dbi dbis[WAL_DBS])
 {
     idem_wal *w = calloc(1, sizeof(*w));
     if (w == NULL) {
         return NULL;
     }
     w->env = env;
+    memcpy(w->dbis, dbis, sizeof(w->dbis));
     w->fd = -1;
 #ifdef IDEM_TEST_HOOKS /* never in a release: a library built for that test only */
     const char *bug = getenv("IDEMRPC_TEST_ANSWER_AT_COMMIT");
@@ -191,11 +179,11 @@ static idem_code wal_path(char path[PATH_MAX], const char *dir)
     return IDEM_OK;
 }
 
-idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env)
+idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env, const MDB_dbi dbis[6])
 {
     char path[PATH_MAX];
     idem_code code = wal_path(path, dir);
-    idem_wal *w = code == IDEM_OK ? wal_new(env) : NULL;
+    idem_wal *w = code == IDEM_OK ? wal_new(env, dbis) : NULL;
     *out = NULL;
     if (code != IDEM_OK || w == NULL) {
         return code != IDEM_OK ? code : idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
@@ -236,7 +224,7 @@ idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const M
         return code;
     }
     bool created = w == NULL;
-    if (created && (w = wal_new(env)) == NULL) {
+    if (created && (w = wal_new(env, dbis)) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
     if (created && (rc = wal_lock(w, path, O_CREAT)) != 0) {
@@ -244,7 +232,6 @@ idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const M
         return rc == EWOULDBLOCK ? IDEM_OK /* another process's: this one writes without */
                                  : idem__err(IDEM_UNAVAILABLE, "open %s: %s", path, strerror(rc));
     }
-    memcpy(w->dbis, dbis, sizeof(w->dbis));
     if ((rc = presize(w->fd)) != 0 || (created && (rc = sync_dir(dir)) != 0) ||
         (rc = idem__wal_new_epoch(w)) != 0 ||
         (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) != 0) {
