@@ -249,6 +249,30 @@ Test(http_hostile, a_large_body_sent_in_pieces_arrives_whole)
 
 /* ---- smuggling ---- */
 
+/* An absolute-form target (RFC 9112 3.2.2) names the method by its path. The front reads
+ * the target inside the connection's buffer, which holds no NUL after it: a scan for the
+ * end of "://" ran past the buffer (caught by ASan; found by the fuzz target). */
+Test(http_hostile, an_absolute_form_target_names_the_method_by_its_path)
+{
+    static const char *const targets[] = {"http://x/" ADD, "HTTPS://edge.example:8443/" ADD "?q=1"};
+    for (size_t i = 0; i < sizeof(targets) / sizeof(targets[0]); i++) {
+        char raw[256];
+        int len = snprintf(raw, sizeof(raw),
+                           "POST %s HTTP/1.1\r\nHost: x\r\nIdempotency-Key: abs-%zu\r\n"
+                           "Content-Length: 2\r\nConnection: close\r\n\r\n4%zu",
+                           targets[i], i, i);
+        resp r[MAX_RESP];
+        bool eof;
+        int n = exchange(raw, (size_t)len, false, r, &eof);
+        cr_assert_eq(n, 1, "%s: %d responses", targets[i], n);
+        cr_assert_eq(r[0].status, 200, "%s: status %d", targets[i], r[0].status);
+        char want[4];
+        snprintf(want, sizeof(want), "4%zu", i);
+        cr_assert_str_eq(r[0].body, want);
+    }
+    cr_assert_eq(atomic_load(&runs), 2);
+}
+
 Test(http_hostile, content_length_with_transfer_encoding_is_refused)
 {
     refused("CL.TE", POST_HEAD "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"

@@ -108,8 +108,12 @@ enum { H_REQUEST_ID, H_CALLER, H_TOKEN, H_TIMEOUT, H_SIG0, H_COUNT = H_SIG0 + 3 
 static char *target_method(const idem_hreq *r)
 {
     const char *t = r->target, *end = r->target + r->tlen;
-    if (r->tlen > 8 && (strncasecmp(t, "http://", 7) == 0 || strncasecmp(t, "https://", 8) == 0)) {
-        t = strstr(t, "://") + 3;
+    /* t is not NUL-terminated: the scheme's length, never a string search */
+    size_t scheme = r->tlen > 7 && strncasecmp(t, "http://", 7) == 0    ? 7
+                    : r->tlen > 8 && strncasecmp(t, "https://", 8) == 0 ? 8
+                                                                        : 0;
+    if (scheme > 0) {
+        t += scheme;
         while (t < end && *t != '/') {
             t++;
         }

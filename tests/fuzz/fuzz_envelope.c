@@ -32,6 +32,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "call.h"
 #include "idemrpc.pb-c.h"
@@ -375,15 +377,37 @@ static bool http_next(char *buf, size_t len, size_t *used, uint8_t **frame, size
     return true;
 }
 
+/* A copy of data[0..size) that ends where a PROT_NONE page begins, as a connection's
+ * buffer may end where its allocation does: a read past the bytes faults whether or not
+ * the reader is instrumented (a string search on the unterminated target read on to the
+ * next NUL, and failed only when the heap happened to end there). NULL when out of maps. */
+static char *at_page_end(const uint8_t *data, size_t size, void **map, size_t *maplen)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    *maplen = (size + page - 1) / page * page + page;
+    *map = mmap(NULL, *maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (*map == MAP_FAILED) {
+        return NULL;
+    }
+    char *guard = (char *)*map + *maplen - page;
+    if (mprotect(guard, page, PROT_NONE) != 0) {
+        munmap(*map, *maplen);
+        return NULL;
+    }
+    memcpy(guard - size, data, size);
+    return guard - size;
+}
+
 /* An "HTTP\n" input: the rest is the raw bytes of a connection; each request the front
  * would hand over (at most FUZZ_MAX_PIPELINED) goes through the server path. */
 static void http_input(const uint8_t *data, size_t size)
 {
-    char *buf = malloc(size ? size : 1);
+    void *map;
+    size_t maplen;
+    char *buf = at_page_end(data, size, &map, &maplen);
     if (buf == NULL) {
         return;
     }
-    memcpy(buf, data, size);
     size_t off = 0, used, flen;
     uint8_t *frame;
     for (int i = 0; i < FUZZ_MAX_PIPELINED && http_next(buf + off, size - off, &used, &frame, &flen);
@@ -394,7 +418,7 @@ static void http_input(const uint8_t *data, size_t size)
         }
         off += used;
     }
-    free(buf);
+    munmap(map, maplen);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

@@ -88,6 +88,8 @@ raw http-key-params "HTTP\n${H}"'Idempotency-Key: "k";p=1\r\nX-Request-Id: x","c
 raw http-token 'HTTP\nPOST /fuzz.Order/Submit HTTP/1.1\r\nHost: x\r\nIdem-Token: fuzz-token-anon\r\nContent-Length: 2\r\n\r\n{}'
 # found by the fuzzer: a quoted key ending in a backslash read past the header's end
 raw http-trailing-backslash "HTTP\n${H}"'Idempotency-Key: "abc\\\r\nContent-Length: 1\r\n\r\n1'
+# found by the fuzzer: an absolute-form target was searched as a string past its end
+raw http-absolute-form 'HTTP\nPOST http://x/fuzz.Ledger/Charge HTTP/1.1\r\nHost: x\r\nIdempotency-Key: abs\r\nContent-Length: 3\r\n\r\n100'
 raw http-chunked "HTTP\n${H}"'Idempotency-Key: ch\r\nTransfer-Encoding: chunked\r\n\r\n2;e=1\r\n10\r\n1\r\n0\r\n0\r\nT: v\r\n\r\n'
 raw http-pipelined "HTTP\n${H}"'Idempotency-Key: p1\r\nContent-Length: 1\r\n\r\n1'"${H}"'Idempotency-Key: p2\r\nContent-Length: 1\r\n\r\n2'
 raw http-cl-te "HTTP\n${H}"'Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n'"${H}"'Idempotency-Key: hidden\r\nContent-Length: 3\r\n\r\n100'
