@@ -8,6 +8,7 @@
  * back to bytes it had (a copy taken while no write ran), a harsher loss than a power
  * cut (test_power_cut.c records every write and undoes the unsynced ones). */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -115,6 +116,12 @@ static void child_writes(int fd, int big)
             _exit(3);
         }
     }
+    /* The wrap runs on the writer thread after the batch that passed it is answered: one
+     * more write waits for it (a copy taken during it is a state no disk had: the store
+     * naming the old epoch beside a header of the new one). */
+    if (big > 0 && put("after-the-wrap", "", 0) != 0) {
+        _exit(3);
+    }
     char cmd[1400];
     snprintf(cmd, sizeof(cmd), "cp '%s' '%s'", data, kept);
     if (system(cmd) != 0) {
@@ -221,6 +228,27 @@ Test(wal, writes_after_the_log_started_a_new_epoch_are_replayed_from_it)
     free(lines);
 }
 
+/* A log applies only to the store it was written beside: a data.mdb put in its place (a
+ * backup of another store, another shard's file) whose txnids happen to chain with the
+ * log's entries must not take them: they are another store's keys and results. Here
+ * another store, as fresh as the child's was when it took its copy, chains exactly. */
+Test(wal, a_log_beside_another_store_is_not_replayed_into_it)
+{
+    char *lines = write_then_cut(0), other_data[600];
+    char *other = tu_tempdir("wal-other");
+    int wrong;
+    cr_assert_eq(idem_store_open_lmdb(&st, other, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    idem_store_close(st);
+    st = NULL;
+    snprintf(other_data, sizeof(other_data), "%s/data.mdb", other);
+    copy_file(other_data, data);
+    tu_rmtree(other);
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    cr_expect_eq(completed(lines, &wrong), 0, "another store's answered writes were replayed");
+    cr_expect_eq(wrong, 0);
+    free(lines);
+}
+
 /* The offset of the last entry of the log's epoch (its header checked by the replay). */
 static off_t last_entry(const uint8_t *buf, size_t len)
 {
@@ -312,6 +340,30 @@ Test(wal, a_log_that_fails_to_flush_turns_off_and_the_write_waits_for_lmdb)
     idem_store_close(st);
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
     cr_expect(idem__wal_on(((lmdb_store *)st)->gc.wal), "a new open has its log again");
+}
+
+static int sync_fails(void *arg)
+{
+    (void)arg;
+    return EIO;
+}
+
+/* A wrap commits the new epoch to the store before it syncs LMDB: when that sync fails,
+ * the store may come back naming an epoch that no header has, and a replay would refuse
+ * the entries written after it. So the log goes off, and answers wait for LMDB's sync. */
+Test(wal, a_wrap_whose_sync_fails_turns_the_log_off)
+{
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
+    lmdb_store *ls = (lmdb_store *)st;
+    cr_assert_eq(put("k1", "1", 1), 0);
+    ls->gc.wal->off = WAL_WRAP; /* the writer thread is idle: nothing is queued */
+    idem__wal_wrap_due(ls->gc.wal, sync_fails, NULL);
+    cr_expect(!idem__wal_on(ls->gc.wal), "the log is off");
+    cr_expect_eq(put("k2", "2", 1), 0, "writes go on without it: %s", idem_errmsg());
+    MDB_envinfo info;
+    cr_assert_eq(mdb_env_info(ls->env, &info), 0);
+    cr_expect_geq(atomic_load(&ls->gc.durable_txnid), (uint64_t)info.me_last_txnid,
+                  "the answer waited for LMDB's sync of its meta page");
 }
 
 Test(wal, a_store_opened_without_the_log_after_a_cut_still_replays_it)

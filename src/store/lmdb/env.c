@@ -250,7 +250,7 @@ static idem_code wal_keep(lmdb_store *st, const char *dir, unsigned flags, idem_
         return IDEM_OK;
     }
     idem_code code = idem__wal_start(&wal, dir, st->env, dbis);
-    st->gc.wal = wal;
+    idem__gc_log_to(&st->gc, wal);
     return code;
 }
 

@@ -69,6 +69,14 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
     return IDEM_OK;
 }
 
+void idem__gc_log_to(idem_group_commit *gc, idem_wal *wal)
+{
+    gc->wal = wal;
+    if (wal != NULL) { /* its epoch's commit, synced: the first entry chains from it */
+        idem__gc_durable_raise(gc, idem__gc_last_txnid(gc->env));
+    }
+}
+
 void idem__gc_fini(idem_group_commit *gc)
 {
     if (gc->started) {

@@ -262,6 +262,10 @@ idem_code idem__gc_init(idem_group_commit *gc, MDB_env *env, bool enabled, size_
  * start once this has been called. */
 void idem__gc_fini(idem_group_commit *gc);
 
+/* Answers batches from wal's entries from now on (wal.h; NULL: no log), before the first
+ * write; wal's start synced every commit so far (its epoch's among them). */
+void idem__gc_log_to(idem_group_commit *gc, idem_wal *wal);
+
 /* Runs fn in a committed write txn (shared with other writers when enabled). */
 idem_code idem__gc_write(idem_group_commit *gc, idem_write_fn fn, void *ctx);
 

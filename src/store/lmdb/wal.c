@@ -277,17 +277,39 @@ int idem__wal_pwrite(int fd, const void *p, size_t n, off_t off)
     return 0;
 }
 
-int idem__wal_new_epoch(idem_wal *w)
+/* Commits epoch as the store's (meta WAL_EPOCH_KEY). An LMDB rc. */
+static int bind_epoch(idem_wal *w, uint64_t epoch)
+{
+    MDB_txn *txn;
+    uint8_t b[8];
+    MDB_val k = {sizeof(WAL_EPOCH_KEY) - 1, WAL_EPOCH_KEY}, v = {sizeof(b), b};
+    idem__put_be64(b, epoch);
+    int rc = mdb_txn_begin(w->env, NULL, 0, &txn);
+    if (rc == 0 && (rc = mdb_put(txn, w->dbis[WAL_META], &k, &v, 0)) != 0) {
+        mdb_txn_abort(txn);
+    } else if (rc == 0) {
+        rc = mdb_txn_commit(txn);
+    }
+    return rc;
+}
+
+int idem__wal_new_epoch(idem_wal *w, int (*sync)(void *arg), void *arg)
 {
     uint8_t head[WAL_HEAD] = {0};
-    w->epoch = idem__random_u64();
+    uint64_t epoch = idem__random_u64();
+    /* In this order: a header on disk whose epoch the store does not name yet would have
+     * a replay refuse entries that were answered from. */
+    int rc = bind_epoch(w, epoch);
+    if (rc != 0 || (rc = sync(arg)) != 0) {
+        return rc;
+    }
     memcpy(head, WAL_MAGIC, 8);
-    idem__put_be64(head + 8, w->epoch);
+    idem__put_be64(head + 8, epoch);
     idem__put_be32(head + 16, idem__wal_crc32(head, 16));
-    int rc = idem__wal_pwrite(w->fd, head, sizeof(head), 0);
-    if (rc == 0 && fdatasync(w->fd) != 0) {
+    if ((rc = idem__wal_pwrite(w->fd, head, sizeof(head), 0)) == 0 && fdatasync(w->fd) != 0) {
         rc = errno;
     }
+    w->epoch = epoch;
     w->off = WAL_HEAD;
     return rc;
 }
@@ -298,12 +320,12 @@ void idem__wal_wrap_due(idem_wal *w, int (*sync)(void *arg), void *arg)
         return;
     }
     struct stat sb;
-    int rc = sync(arg);
-    if (rc == 0 && idem__wal_new_epoch(w) != 0) {
-        w->off_for_good = true; /* a torn header: no entry of any epoch is replayed */
-    } else if (rc == 0 && fstat(w->fd, &sb) == 0 && sb.st_size > WAL_SIZE &&
+    if (idem__wal_new_epoch(w, sync, arg) != 0) {
+        /* The store may name an epoch no header has, or the header be torn: no entry
+         * written from here on would be replayed. */
+        w->off_for_good = true;
+    } else if (fstat(w->fd, &sb) == 0 && sb.st_size > WAL_SIZE &&
                (ftruncate(w->fd, WAL_SIZE) != 0 || fsync(w->fd) != 0)) {
         w->off_for_good = true; /* what a large batch grew is cut at the wrap */
     }
-    /* A failed LMDB sync: the log grows, the wrap is tried after the next batch. */
 }

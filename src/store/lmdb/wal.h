@@ -19,6 +19,11 @@
  * the log cannot name) breaks the chain until it is on disk: those sync themselves
  * (idem__gc_commit_durable), and the next batch waits for the sync as without the log.
  *
+ * An epoch belongs to one store: its id is committed to the store's meta (WAL_EPOCH_KEY)
+ * and synced before a header names it, and a replay applies nothing when the store names
+ * another, so a data.mdb put in the place of the one the log was written beside (a backup
+ * of an earlier epoch, another store's file) takes no entry, however its txnids chain.
+ *
  * The file: a 4096-byte header (magic, a random epoch, crc32) and entries after it,
  *   be32 length (of what follows the crc) ‖ be32 crc32 ‖ be64 epoch ‖ be64 txnid ‖ records,
  *   record: op ‖ db ‖ be16 key length ‖ be32 value length ‖ key ‖ value.
@@ -37,7 +42,7 @@
  * written with the log). A read-only open replays nothing: until a read-write open has,
  * it may show a store a few batches behind what was answered.
  *
- * Failures: a log write or flush that fails, or a batch commit that fails, turns the log
+ * Failures: a log write or flush that fails, a batch commit or a wrap that fails, turns the log
  * off for the rest of the process (the batches then wait for LMDB's sync, as without
  * it); an entry whose flush failed was not answered from. The entry of a batch whose
  * commit failed, or that committed nothing, is voided (its header zeroed and flushed)

@@ -68,11 +68,18 @@ static int apply_entry(MDB_txn *txn, const MDB_dbi dbis[WAL_DBS], const uint8_t 
     return 0;
 }
 
-/* Applies the chain of entries past txnid r in txn. */
+/* Applies the chain of entries past txnid r in txn, when the store names the log's epoch
+ * (else the log is not this store's: a data.mdb put in place of the one it was written
+ * beside, from a backup or another store, whose txnids may chain with it all the same). */
 static int replay_chain(MDB_txn *txn, const MDB_dbi dbis[WAL_DBS], const uint8_t *buf, size_t len,
                         uint64_t r)
 {
     uint64_t epoch = idem__get_be64(buf + 8);
+    MDB_val k = {sizeof(WAL_EPOCH_KEY) - 1, WAL_EPOCH_KEY}, v;
+    int rc = mdb_get(txn, dbis[WAL_META], &k, &v);
+    if (rc != 0 || v.mv_size != 8 || idem__get_be64(v.mv_data) != epoch) {
+        return rc == MDB_NOTFOUND || rc == 0 ? 0 : rc;
+    }
     for (size_t at = WAL_HEAD; len - at >= WAL_ENTRY_HDR;) {
         size_t n = idem__get_be32(buf + at); /* epoch ‖ txnid ‖ records */
         if (n < 16 || len - at - 8 < n ||
@@ -85,8 +92,7 @@ static int replay_chain(MDB_txn *txn, const MDB_dbi dbis[WAL_DBS], const uint8_t
             break; /* a commit the log does not hold comes between */
         }
         if (txnid == r + 1) {
-            int rc = apply_entry(txn, dbis, buf + at + WAL_ENTRY_HDR, n - 16);
-            if (rc != 0) {
+            if ((rc = apply_entry(txn, dbis, buf + at + WAL_ENTRY_HDR, n - 16)) != 0) {
                 return rc;
             }
             r = txnid;
@@ -96,7 +102,13 @@ static int replay_chain(MDB_txn *txn, const MDB_dbi dbis[WAL_DBS], const uint8_t
     return 0;
 }
 
-/* Replays the log into w->env and syncs it, then starts a new epoch, so that no entry
+/* mdb_env_sync, forced, of env: every commit so far on disk. An LMDB rc. */
+static int env_sync(void *env)
+{
+    return mdb_env_sync(env, 1);
+}
+
+/* Replays the log into w->env, then starts a new epoch (which syncs it), so that no entry
  * of this one is ever applied again over later writes; nothing when the file is not a
  * log (another program's, or an empty one). An LMDB rc or errno. */
 static int replay(idem_wal *w)
@@ -118,8 +130,8 @@ static int replay(idem_wal *w)
         }
     }
     free(buf);
-    if (rc == 0 && ours && (rc = mdb_env_sync(w->env, 1)) == 0) {
-        rc = idem__wal_new_epoch(w);
+    if (rc == 0 && ours) {
+        rc = idem__wal_new_epoch(w, env_sync, w->env);
     }
     return rc;
 }
@@ -233,7 +245,7 @@ idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const M
                                  : idem__err(IDEM_UNAVAILABLE, "open %s: %s", path, strerror(rc));
     }
     if ((rc = presize(w->fd)) != 0 || (created && (rc = sync_dir(dir)) != 0) ||
-        (rc = idem__wal_new_epoch(w)) != 0 ||
+        (rc = idem__wal_new_epoch(w, env_sync, env)) != 0 ||
         (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) != 0) {
         idem__wal_close(w);
         return idem__err(IDEM_UNAVAILABLE, "write-ahead log %s: %s", path, strerror(rc));

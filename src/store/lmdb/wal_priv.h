@@ -9,6 +9,8 @@
 #include "wal.h"
 
 #define WAL_DBS 6
+#define WAL_META 3                /* dbis[WAL_META]: the store's meta database (env.c) */
+#define WAL_EPOCH_KEY "wal-epoch" /* in meta: the epoch of the log beside it, be64 */
 #define WAL_HEAD 4096             /* the header block; entries follow */
 #define WAL_ENTRY_HDR 24          /* be32 length ‖ be32 crc32 ‖ be64 epoch ‖ be64 txnid */
 #define WAL_WRAP ((off_t)1 << 20) /* a new epoch once entries pass this */
@@ -56,8 +58,11 @@ struct idem_wal {
 uint32_t idem__wal_crc32(const uint8_t *p, size_t n);
 /* Writes all of p at off (an errno; EIO when nothing could be written). */
 int idem__wal_pwrite(int fd, const void *p, size_t n, off_t off);
-/* Starts a new epoch: a fresh header, flushed; entries from WAL_HEAD. An errno. */
-int idem__wal_new_epoch(idem_wal *w);
+/* Starts a new epoch: its id committed to the store's meta (a replay applies a log only
+ * to the store that names its epoch), every commit so far put on disk by sync(arg) (0 or
+ * an LMDB rc), then a fresh header, flushed; entries from WAL_HEAD. An LMDB rc or errno;
+ * on failure the store may name the new epoch while the file's header does not. */
+int idem__wal_new_epoch(idem_wal *w, int (*sync)(void *arg), void *arg);
 /* The log's thread: writes and flushes each entry it is handed. */
 void *idem__wal_thread(void *arg);
 
