@@ -263,16 +263,13 @@ static bool store_file_exists(const char *dir)
     return n > 0 && (size_t)n < sizeof(path) && stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
+/* dir names a store to open: set; holding data.mdb when it must exist; else created when
+ * missing (read-write). */
+static idem_code store_dir_ready(const char *dir, bool ro, bool existing)
 {
-    lmdb_store *st;
-    bool ro = (flags & IDEM_STORE_READONLY) != 0;
-
-    *out = NULL;
     if (dir == NULL || *dir == '\0') {
         return idem__err(IDEM_INVALID_ARGUMENT, "store directory not set");
     }
-    bool existing = (flags & IDEM_STORE_EXISTING) != 0;
     if (existing && !store_file_exists(dir)) {
         return idem__err(IDEM_NOT_FOUND, "%s is not an idemrpc store (no data.mdb): nothing opened",
                          dir);
@@ -280,11 +277,24 @@ idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_siz
     if (!ro && !existing && mkdir(dir, 0700) != 0 && errno != EEXIST) {
         return idem__err(IDEM_UNAVAILABLE, "mkdir %s: %s", dir, strerror(errno));
     }
+    return IDEM_OK;
+}
+
+idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
+{
+    lmdb_store *st;
+    bool ro = (flags & IDEM_STORE_READONLY) != 0;
+
+    bool existing = (flags & IDEM_STORE_EXISTING) != 0;
+    idem_code code = store_dir_ready(dir, ro, existing);
+    *out = NULL;
+    if (code != IDEM_OK) {
+        return code;
+    }
     if ((st = calloc(1, sizeof(*st))) == NULL) {
         return idem__err(IDEM_RESOURCE_EXHAUSTED, "out of memory");
     }
-    idem_code code = open_list_claim(st, dir);
-    if (code != IDEM_OK) {
+    if ((code = open_list_claim(st, dir)) != IDEM_OK) {
         free(st);
         return code;
     }
