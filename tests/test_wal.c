@@ -342,22 +342,25 @@ Test(wal, a_log_that_fails_to_flush_turns_off_and_the_write_waits_for_lmdb)
     cr_expect(idem__wal_on(((lmdb_store *)st)->gc.wal), "a new open has its log again");
 }
 
-static int sync_fails(void *arg)
+/* An epoch's commit that fails (its txn freed, as the callback must). */
+static int commit_fails(MDB_txn *txn, void *arg)
 {
     (void)arg;
+    mdb_txn_abort(txn);
     return EIO;
 }
 
-/* A wrap commits the new epoch to the store before it syncs LMDB: when that sync fails,
- * the store may come back naming an epoch that no header has, and a replay would refuse
- * the entries written after it. So the log goes off, and answers wait for LMDB's sync. */
-Test(wal, a_wrap_whose_sync_fails_turns_the_log_off)
+/* A wrap commits the new epoch to the store and syncs it before a header names it: when
+ * that fails, the store may come back naming an epoch that no header has, and a replay
+ * would refuse the entries written after it. So the log goes off, and answers wait for
+ * LMDB's sync. */
+Test(wal, a_wrap_whose_epoch_commit_fails_turns_the_log_off)
 {
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
     lmdb_store *ls = (lmdb_store *)st;
     cr_assert_eq(put("k1", "1", 1), 0);
     ls->gc.wal->off = WAL_WRAP; /* the writer thread is idle: nothing is queued */
-    idem__wal_wrap_due(ls->gc.wal, sync_fails, NULL);
+    idem__wal_wrap_due(ls->gc.wal, commit_fails, NULL);
     cr_expect(!idem__wal_on(ls->gc.wal), "the log is off");
     cr_expect_eq(put("k2", "2", 1), 0, "writes go on without it: %s", idem_errmsg());
     MDB_envinfo info;
@@ -464,4 +467,97 @@ Test(wal, opening_another_programs_lmdb_environment_writes_nothing_there)
     fclose(f);
     cr_expect(n == strlen("its own log") && strcmp(got, "its own log") == 0,
               "its wal.log was written over (%zu bytes read, starting \"%.8s\")", n, got);
+}
+
+/* ---- a full store (the chaos campaign's fill: a reader pins the pages a write frees) ---- */
+
+#define FULL_MAP ((size_t)4 << 20)
+
+/* Ballast in the main db, one txn per value, until not even a small one fits. */
+static void fill(void)
+{
+    static char big[65536];
+    static const size_t sizes[] = {65536, 4096, 256, 16};
+    MDB_env *e;
+    cr_assert_eq(mdb_env_create(&e), 0);
+    cr_assert_eq(mdb_env_set_maxdbs(e, 16), 0);
+    cr_assert_eq(mdb_env_set_mapsize(e, FULL_MAP), 0);
+    cr_assert_eq(mdb_env_open(e, dir, 0, 0600), 0);
+    unsigned n = 0;
+    for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+        for (int rc = 0; rc != MDB_MAP_FULL;) {
+            MDB_txn *txn;
+            MDB_dbi dbi;
+            char key[32];
+            snprintf(key, sizeof(key), "ballast-%u", n++);
+            MDB_val k = {strlen(key), key}, v = {sizes[s], big};
+            cr_assert_eq(mdb_txn_begin(e, NULL, 0, &txn), 0);
+            cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &dbi), 0);
+            if ((rc = mdb_put(txn, dbi, &k, &v, 0)) == 0) {
+                rc = mdb_txn_commit(txn);
+            } else {
+                mdb_txn_abort(txn);
+            }
+            cr_assert(rc == 0 || rc == MDB_MAP_FULL, "%s", mdb_strerror(rc));
+        }
+    }
+    mdb_env_close(e);
+}
+
+/* A store first opened with first_flags, filled while another process holds a read txn
+ * (so no freed page can be reused), opens again with flags: a full store serves its
+ * reads and replays, and answers new keys RESOURCE_EXHAUSTED; the log's epoch, which
+ * needs a commit, is not a reason to refuse the open. */
+static void a_full_store_opens(unsigned first_flags, unsigned flags)
+{
+    int to_child[2], from_child[2];
+    char c = 'r';
+    cr_assert_eq(idem_store_open_lmdb(&st, dir, FULL_MAP, first_flags), IDEM_OK, "%s",
+                 idem_errmsg());
+    cr_assert_eq(put("before", "1", 1), 0);
+    idem_store_close(st);
+    st = NULL;
+    cr_assert_eq(pipe(to_child), 0);
+    cr_assert_eq(pipe(from_child), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) { /* the pin */
+        MDB_env *e;
+        MDB_txn *txn;
+        close(to_child[1]);
+        close(from_child[0]);
+        if (mdb_env_create(&e) || mdb_env_set_maxdbs(e, 16) || mdb_env_set_mapsize(e, FULL_MAP) ||
+            mdb_env_open(e, dir, MDB_RDONLY, 0600) || mdb_txn_begin(e, NULL, MDB_RDONLY, &txn)) {
+            _exit(2);
+        }
+        (void)!write(from_child[1], &c, 1);
+        (void)!read(to_child[0], &c, 1); /* until the parent closes its end */
+        _exit(0);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    cr_assert_eq(read(from_child[0], &c, 1), 1, "the pin is held");
+    fill();
+    idem_code code = idem_store_open_lmdb(&st, dir, FULL_MAP, flags);
+    cr_expect_eq(code, IDEM_OK, "the full store does not open: %s", idem_errmsg());
+    if (code == IDEM_OK) {
+        idem_key_ref ref = {"c", "wal.Test/Write", "before"};
+        idem_record rec;
+        cr_expect_eq(idem_store_get(st, &ref, &rec), IDEM_OK, "%s", idem_errmsg());
+        idem_record_clear(&rec);
+        cr_expect_neq(put("after", "2", 1), 0, "a new key in a full store is refused");
+    }
+    close(to_child[1]);
+    close(from_child[0]);
+    waitpid(pid, NULL, 0);
+}
+
+Test(wal, a_full_store_with_a_log_opens_for_its_reads)
+{
+    a_full_store_opens(0, 0);
+}
+
+Test(wal, a_full_store_without_a_log_opens_for_its_reads)
+{
+    a_full_store_opens(IDEM_STORE_NO_LOG, 0);
 }

@@ -14,6 +14,7 @@
  *   - a batch ends (done_ticket, done_cv) only after its commit is durable, or after the redo of
  *     a failed one (group_commit_redo.c): a waiter for a ticket then finds in the store
  *     whatever of it is durable, and nothing else. */
+#include <errno.h>
 #include <pthread.h>
 #include <time.h>
 
@@ -231,10 +232,11 @@ static bool open_batch(idem_group_commit *gc, MDB_txn *txn, int rc, uint64_t tic
     return false;
 }
 
-/* The write-ahead log's wrap: every commit so far on disk (0), or an LMDB rc. */
-static int wal_sync(void *arg)
+/* The write-ahead log's new epoch: its txn committed and synced (0), every commit before
+ * it on disk, as any commit outside a batch is (a failed sync recorded), or an rc. */
+static int wal_commit(MDB_txn *txn, void *gc)
 {
-    return idem__gc_sync_file(arg, 0);
+    return idem__gc_commit_durable(gc, txn) == IDEM_OK ? 0 : EIO;
 }
 
 /* One batch: begin, apply and hold (hold_open), commit (its log entry flushed beside
@@ -283,7 +285,7 @@ static void run_batch(idem_group_commit *gc, idem_gc_pipe *pipe)
         idem__gc_redo(gc, &b);
     }
     idem__gc_pipe_committed(gc, pipe, &b, ticket, ok, commit_us, logged ? txnid : 0);
-    idem__wal_wrap_due(gc->wal, wal_sync, gc);
+    idem__wal_wrap_due(gc->wal, wal_commit, gc);
 }
 
 /* Sleeps until ops are queued and no caller commits inline; false: stopping, nothing

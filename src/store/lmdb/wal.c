@@ -277,30 +277,22 @@ int idem__wal_pwrite(int fd, const void *p, size_t n, off_t off)
     return 0;
 }
 
-/* Commits epoch as the store's (meta WAL_EPOCH_KEY). An LMDB rc. */
-static int bind_epoch(idem_wal *w, uint64_t epoch)
+int idem__wal_new_epoch(idem_wal *w, int (*commit)(MDB_txn *txn, void *arg), void *arg)
 {
+    uint8_t head[WAL_HEAD] = {0}, b[8];
+    uint64_t epoch = idem__random_u64();
     MDB_txn *txn;
-    uint8_t b[8];
     MDB_val k = {sizeof(WAL_EPOCH_KEY) - 1, WAL_EPOCH_KEY}, v = {sizeof(b), b};
     idem__put_be64(b, epoch);
+    /* The store names the epoch on disk before the header does: a header the store does
+     * not name would have a replay refuse entries that were answered from. */
     int rc = mdb_txn_begin(w->env, NULL, 0, &txn);
     if (rc == 0 && (rc = mdb_put(txn, w->dbis[WAL_META], &k, &v, 0)) != 0) {
         mdb_txn_abort(txn);
     } else if (rc == 0) {
-        rc = mdb_txn_commit(txn);
+        rc = commit(txn, arg);
     }
-    return rc;
-}
-
-int idem__wal_new_epoch(idem_wal *w, int (*sync)(void *arg), void *arg)
-{
-    uint8_t head[WAL_HEAD] = {0};
-    uint64_t epoch = idem__random_u64();
-    /* In this order: a header on disk whose epoch the store does not name yet would have
-     * a replay refuse entries that were answered from. */
-    int rc = bind_epoch(w, epoch);
-    if (rc != 0 || (rc = sync(arg)) != 0) {
+    if (rc != 0) {
         return rc;
     }
     memcpy(head, WAL_MAGIC, 8);
@@ -314,13 +306,13 @@ int idem__wal_new_epoch(idem_wal *w, int (*sync)(void *arg), void *arg)
     return rc;
 }
 
-void idem__wal_wrap_due(idem_wal *w, int (*sync)(void *arg), void *arg)
+void idem__wal_wrap_due(idem_wal *w, int (*commit)(MDB_txn *txn, void *arg), void *arg)
 {
     if (!idem__wal_on(w) || w->off < WAL_WRAP) {
         return;
     }
     struct stat sb;
-    if (idem__wal_new_epoch(w, sync, arg) != 0) {
+    if (idem__wal_new_epoch(w, commit, arg) != 0) {
         /* The store may name an epoch no header has, or the header be torn: no entry
          * written from here on would be replayed. */
         w->off_for_good = true;

@@ -89,9 +89,11 @@ bool idem__wal_batch_start(idem_wal *wal, MDB_txn *txn);
  * out again); advanced: LMDB's last txnid is the entry's (a batch whose writes all failed
  * commits nothing). An entry that does not stand for its commit is voided on disk. */
 bool idem__wal_batch_end(idem_wal *wal, bool committed, bool advanced);
-/* The log is past WAL_WRAP: the writer thread, between batches, syncs LMDB
- * (sync(arg): 0 when every commit so far is on disk) and starts a new epoch. */
-void idem__wal_wrap_due(idem_wal *wal, int (*sync)(void *arg), void *arg);
+/* The log is past WAL_WRAP: the writer thread, between batches, starts a new epoch, whose
+ * commit (commit(txn, arg): committed and synced, every commit before it on disk, under
+ * group commit's rules for a failed sync; 0 or an LMDB rc) puts every entry so far in
+ * data.mdb. */
+void idem__wal_wrap_due(idem_wal *wal, int (*commit)(MDB_txn *txn, void *arg), void *arg);
 /* Whether the log is on (it goes off on a failure, for good). */
 bool idem__wal_on(const idem_wal *wal);
 

@@ -58,11 +58,12 @@ struct idem_wal {
 uint32_t idem__wal_crc32(const uint8_t *p, size_t n);
 /* Writes all of p at off (an errno; EIO when nothing could be written). */
 int idem__wal_pwrite(int fd, const void *p, size_t n, off_t off);
-/* Starts a new epoch: its id committed to the store's meta (a replay applies a log only
- * to the store that names its epoch), every commit so far put on disk by sync(arg) (0 or
- * an LMDB rc), then a fresh header, flushed; entries from WAL_HEAD. An LMDB rc or errno;
- * on failure the store may name the new epoch while the file's header does not. */
-int idem__wal_new_epoch(idem_wal *w, int (*sync)(void *arg), void *arg);
+/* Starts a new epoch: its id put in the store's meta in a txn that commit(txn, arg) commits
+ * and syncs with every commit before it (0 or an LMDB rc; the txn is freed either way), so
+ * that a replay applies the log only to the store that names its epoch; then a fresh
+ * header, flushed; entries from WAL_HEAD. An LMDB rc or errno; on failure the store may
+ * name the new epoch while the file's header does not. */
+int idem__wal_new_epoch(idem_wal *w, int (*commit)(MDB_txn *txn, void *arg), void *arg);
 /* The log's thread: writes and flushes each entry it is handed. */
 void *idem__wal_thread(void *arg);
 
