@@ -273,6 +273,40 @@ Test(http_hostile, an_absolute_form_target_names_the_method_by_its_path)
     cr_assert_eq(atomic_load(&runs), 2);
 }
 
+/* RFC 3986: in http://x?/M the path is empty ("?/M" is the query), and in http://x#/M
+ * too: neither names method M (a proxy that routes by path sees another request than the
+ * one that would run). A stranger's review found both ran M. */
+Test(http_hostile, an_absolute_form_target_with_a_query_before_any_slash_names_no_method)
+{
+    static const char *const targets[] = {"http://x?/" ADD, "http://x#/" ADD};
+    for (size_t i = 0; i < sizeof(targets) / sizeof(targets[0]); i++) {
+        char raw[256];
+        int len = snprintf(raw, sizeof(raw),
+                           "POST %s HTTP/1.1\r\nHost: x\r\nIdempotency-Key: q-%zu\r\n"
+                           "Content-Length: 2\r\nConnection: close\r\n\r\n4%zu",
+                           targets[i], i, i);
+        resp r[MAX_RESP];
+        bool eof;
+        int n = exchange(raw, (size_t)len, false, r, &eof);
+        cr_expect_eq(n, 1, "%s: %d responses", targets[i], n);
+        cr_expect(n == 1 && r[0].status != 200, "%s: status %d, ran " ADD, targets[i],
+                  r[0].status);
+    }
+    cr_expect_eq(atomic_load(&runs), 0, "the handler ran %d times", atomic_load(&runs));
+}
+
+/* A server must accept the absolute-form (RFC 9112 3.2.2): GET http://x/metrics is
+ * GET /metrics. */
+Test(http_hostile, an_absolute_form_get_of_the_metrics_path_is_served)
+{
+    static const char raw[] = "GET http://x/metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    resp r[MAX_RESP];
+    bool eof;
+    int n = exchange(raw, sizeof(raw) - 1, false, r, &eof);
+    cr_assert_eq(n, 1);
+    cr_expect_eq(r[0].status, 200, "GET http://x/metrics: status %d", r[0].status);
+}
+
 Test(http_hostile, content_length_with_transfer_encoding_is_refused)
 {
     refused("CL.TE", POST_HEAD "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"

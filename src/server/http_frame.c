@@ -104,26 +104,12 @@ static const struct {
 /* Singletons of the frame, by field: which header, and where its value goes. */
 enum { H_REQUEST_ID, H_CALLER, H_TOKEN, H_TIMEOUT, H_SIG0, H_COUNT = H_SIG0 + 3 };
 
-/* method from the target's path: origin-form /a/b, or absolute-form http://host/a/b. */
+/* method from the target's path (idem__http_target_path): /a/b names a/b. */
 static char *target_method(const idem_hreq *r)
 {
-    const char *t = r->target, *end = r->target + r->tlen;
-    /* t is not NUL-terminated: the scheme's length, never a string search */
-    size_t scheme = r->tlen > 7 && strncasecmp(t, "http://", 7) == 0    ? 7
-                    : r->tlen > 8 && strncasecmp(t, "https://", 8) == 0 ? 8
-                                                                        : 0;
-    if (scheme > 0) {
-        t += scheme;
-        while (t < end && *t != '/') {
-            t++;
-        }
-    }
-    t += t < end && *t == '/';
-    size_t n = 0;
-    while (t + n < end && t[n] != '?' && t[n] != '#') {
-        n++;
-    }
-    return strndup(t, n);
+    size_t n;
+    const char *p = idem__http_target_path(r, &n);
+    return n > 0 && p[0] == '/' ? strndup(p + 1, n - 1) : strndup(p, n);
 }
 
 static uint8_t *pack(Idem__V1__Request *q, char **v, const void *body, size_t blen, size_t *len)

@@ -344,8 +344,9 @@ static void http_metrics(idem_hconn *c, idem_http *h)
 
 static bool is_path(const idem_hreq *r, const char *path)
 {
-    size_t n = strlen(path);
-    return r->tlen >= n && memcmp(r->target, path, n) == 0 && (r->tlen == n || r->target[n] == '?');
+    size_t n;
+    const char *p = idem__http_target_path(r, &n);
+    return n == strlen(path) && memcmp(p, path, n) == 0;
 }
 
 /* A complete request from a connection: POST anything is a call, GET or HEAD

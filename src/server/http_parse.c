@@ -414,3 +414,22 @@ idem_hp idem__http_dechunk(char *buf, size_t len, idem_hchunk *c, uint64_t max_b
     }
     return IDEM_HP_OK;
 }
+
+const char *idem__http_target_path(const idem_hreq *r, size_t *len)
+{
+    const char *t = r->target, *end = r->target + r->tlen;
+    /* t is not NUL-terminated: the scheme by its length, never a string search */
+    size_t scheme = r->tlen > 7 && strncasecmp(t, "http://", 7) == 0    ? 7
+                    : r->tlen > 8 && strncasecmp(t, "https://", 8) == 0 ? 8
+                                                                        : 0;
+    if (scheme > 0) {
+        for (t += scheme; t < end && *t != '/' && *t != '?' && *t != '#'; t++) {
+        }
+    }
+    size_t n = 0;
+    while (t + n < end && t[n] != '?' && t[n] != '#') {
+        n++;
+    }
+    *len = n;
+    return t;
+}

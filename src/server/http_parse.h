@@ -57,6 +57,10 @@ idem_hp idem__http_parse_head(const char *buf, size_t len, idem_hreq *r, idem_hp
  * off when buf[0..len) is what it saw and more: each byte is scanned once, so a head
  * arriving a byte at a time costs what it costs at once. */
 idem_hp idem__http_parse_head_more(const char *buf, size_t len, idem_hreq *r, idem_hp_err *err);
+/* The target's path, without its query or fragment (*len bytes, into the buffer): of the
+ * origin-form "/a/b?q", "/a/b"; of the absolute-form "http://host/a/b" (RFC 9112 3.2.2),
+ * "/a/b", and "" when the authority ends at '?', '#' or the target's end (RFC 3986 3.3). */
+const char *idem__http_target_path(const idem_hreq *r, size_t *len);
 /* The head's bytes moved from `from` (still readable) to `to`: r points into `to`. */
 void idem__http_head_moved(idem_hreq *r, const char *from, const char *to);
 
