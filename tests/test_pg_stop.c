@@ -68,7 +68,14 @@ Test(pg_stop, the_fault_proxy_serves_more_connections_than_it_has_slots)
 
 /* ---- a server whose database became unreachable, stopped by SIGTERM ---- */
 
-#define DEMO_PORT 25304
+/* The demo's address: a socket of this process's (the ASan suite may run beside this one,
+ * as .ci/run runs them). Its file is removed by demo_term. */
+static const char *demo_url(void)
+{
+    static char url[64];
+    snprintf(url, sizeof(url), "ipc:///tmp/idemrpc-pg-stop-%d.ipc", (int)getpid());
+    return url;
+}
 
 typedef struct demo_proc {
     pid_t pid;
@@ -79,9 +86,7 @@ typedef struct demo_proc {
 static void demo_start(demo_proc *d, const char *ci, const char *delay_ms)
 {
     const char *bin = getenv("IDEMRPC_DEMO");
-    char listen[64];
-    snprintf(listen, sizeof(listen), "tcp://127.0.0.1:%d", DEMO_PORT);
-    const char *argv[] = {bin, "--listen", listen, "--store", ci, "--delay-ms", delay_ms, NULL};
+    const char *argv[] = {bin, "--listen", demo_url(), "--store", ci, "--delay-ms", delay_ms, NULL};
     int fds[2];
     cr_assert_not_null(bin, "IDEMRPC_DEMO unset");
     cr_assert_eq(pipe(fds), 0);
@@ -123,6 +128,7 @@ static long demo_term(demo_proc *d, long bound_ms)
         waitpid(d->pid, &status, 0);
     }
     fclose(d->out);
+    unlink(demo_url() + strlen("ipc://"));
     return took;
 }
 
@@ -134,9 +140,7 @@ typedef struct bg_add {
 static void *bg_add_main(void *arg)
 {
     bg_add *a = arg;
-    char url[64];
-    snprintf(url, sizeof(url), "tcp://127.0.0.1:%d", DEMO_PORT);
-    idem_client *c = tu_client_attempts(url, 30000, 1);
+    idem_client *c = tu_client_attempts(demo_url(), 30000, 1);
     idem_request q = {
         .method = "demo.Counter/Add", .idempotency_key = a->key, .payload = "1", .payload_len = 1};
     idem_result r;
