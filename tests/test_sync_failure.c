@@ -168,12 +168,12 @@ static void queue_b(void)
     cr_assert(queued, "B was queued");
 }
 
-/* True when key is in the main db of the store at store_dir. */
 static void no_unref(void *ctx)
 {
     (void)ctx;
 }
 
+/* True when key is in the main db of the store at store_dir. */
 static bool has_key(const char *key)
 {
     MDB_env *e;

@@ -283,9 +283,7 @@ static idem_code store_dir_ready(const char *dir, bool ro, bool existing)
 idem_code idem_store_open_lmdb(idem_store **out, const char *dir, size_t map_size, unsigned flags)
 {
     lmdb_store *st;
-    bool ro = (flags & IDEM_STORE_READONLY) != 0;
-
-    bool existing = (flags & IDEM_STORE_EXISTING) != 0;
+    bool ro = (flags & IDEM_STORE_READONLY) != 0, existing = (flags & IDEM_STORE_EXISTING) != 0;
     idem_code code = store_dir_ready(dir, ro, existing);
     *out = NULL;
     if (code != IDEM_OK) {
