@@ -71,8 +71,9 @@ extern _Thread_local idem_wal *idem__wal_cur;
  * log is left as it is. */
 idem_code idem__wal_replay(idem_wal **out, const char *dir, MDB_env *env, const MDB_dbi dbis[6]);
 /* On a durable env with group commit: the log (*wal, from idem__wal_replay, or created
- * and locked now) written to WAL_SIZE, in a new epoch, its thread started; *wal NULL
- * when another process holds it. */
+ * and locked now) written to WAL_SIZE, in a new epoch (the replay's, when it started
+ * one), its thread started; *wal NULL when another process holds it, or when the store
+ * is too full for the epoch's commit. */
 idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const MDB_dbi dbis[6]);
 /* Syncs env, so that the log holds nothing a replay needs (an older release, which
  * does not replay it, may open the store next), and closes the log. */

@@ -261,9 +261,9 @@ idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const M
         return rc == EWOULDBLOCK ? IDEM_OK /* another process's: this one writes without */
                                  : idem__err(IDEM_UNAVAILABLE, "open %s: %s", path, strerror(rc));
     }
-    bool on = false;
+    bool on = w->epoch != 0; /* the replay started one: nothing written since */
     if ((rc = presize(w->fd)) != 0 || (created && (rc = sync_dir(dir)) != 0) ||
-        (rc = open_epoch(w, &on)) != 0 ||
+        (!on && (rc = open_epoch(w, &on)) != 0) ||
         (on && (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) != 0)) {
         idem__wal_close(w);
         return idem__err(IDEM_UNAVAILABLE, "write-ahead log %s: %s", path, mdb_strerror(rc));
