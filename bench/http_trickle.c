@@ -196,7 +196,7 @@ int main(int argc, char **argv)
     if (pipe(up) != 0 || pipe(down) != 0) {
         die("pipe");
     }
-    pid_t pid = fork();
+    pid_t pid = fork(); /* no thread yet: the child may run the server */
     if (pid == 0) {
         close(up[0]), close(down[1]);
         serve(up[1], down[0]);

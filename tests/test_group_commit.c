@@ -9,7 +9,6 @@
 #include <string.h>
 #include <errno.h>
 #include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "call.h"
@@ -23,7 +22,7 @@
 
 static char *dir;
 static idem_store *st;
-static int report_fd = -1; /* child → parent: keys whose claim has returned */
+static int report_fd = -1; /* the child's stdout: keys whose claim has returned */
 
 static void setup(void)
 {
@@ -126,31 +125,32 @@ Test(group_commit, switched_off_every_write_is_its_own_commit)
     cr_expect_eq(s.completed, WRITERS * PER_WRITER);
 }
 
+/* A child (DIR): its writers print each key after its calls returned, then it dies. */
+TU_CHILD_MAIN(writes)
+{
+    if (argc != 1 || idem_store_open_lmdb(&st, argv[0], 0, 0) != IDEM_OK) {
+        return 2;
+    }
+    report_fd = STDOUT_FILENO;
+    printf("ready\n");
+    fflush(stdout);
+    run_writers();
+    raise(SIGKILL);
+    return 3;
+}
+
 Test(group_commit, every_returned_write_survives_a_kill)
 {
-    int fds[2];
-    cr_assert_eq(pipe(fds), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) { /* writers report each key after its calls returned, then die */
-        close(fds[0]);
-        report_fd = fds[1];
-        if (idem_store_open_lmdb(&st, dir, 0, 0) != IDEM_OK) {
-            _exit(2);
-        }
-        run_writers();
-        raise(SIGKILL);
-    }
-    close(fds[1]);
-    FILE *in = fdopen(fds[0], "r");
-    char line[64];
-    int reported = 0;
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    tu_child c;
+    tu_spawn_child(&c, "writes", (const char *const[]){dir, NULL});
+    static char out[WRITERS * PER_WRITER * 40 + 1];
+    size_t len = fread(out, 1, sizeof(out) - 1, c.out);
+    out[len] = '\0';
+    cr_assert_eq(tu_reap(&c), SIGKILL, "the writers wrote and were killed");
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK);
-    while (fgets(line, sizeof(line), in) != NULL) {
-        line[strcspn(line, "\n")] = '\0';
+    int reported = 0;
+    for (char *save, *line = strtok_r(out, "\n", &save); line != NULL;
+         line = strtok_r(NULL, "\n", &save)) {
         idem_key_ref k = {"c", "gc.Test/Write", line};
         idem_record rec;
         cr_expect_eq(idem_store_get(st, &k, &rec), IDEM_OK, "%s was reported done", line);
@@ -158,7 +158,6 @@ Test(group_commit, every_returned_write_survives_a_kill)
         idem_record_clear(&rec);
         reported++;
     }
-    fclose(in);
     cr_expect_eq(reported, WRITERS * PER_WRITER);
 }
 

@@ -140,10 +140,10 @@ static pid_t start_case(const char *name)
     snprintf(max_frame, sizeof(max_frame), "%d", MAX_FRAME);
     const char *script = getenv("GRPC_REVIEW_PY");
     cr_assert_not_null(script, "GRPC_REVIEW_PY (tests/meson.build) names test_grpc_review.py");
+    setenv("MAX_FRAME", max_frame, 1); /* before the fork: setenv allocates (testutil.h) */
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
-        setenv("MAX_FRAME", max_frame, 1);
         execl(PYTHON, PYTHON, script, name, port_s, tls_dir != NULL ? tls_dir : "", (char *)NULL);
         _exit(127);
     }

@@ -460,18 +460,21 @@ static idem_code h_slow(idem_call *call, void *arg)
  * stuck); it must end within 60 s. Before the fix it hung (round 48 of a run under ASan). */
 Test(client, closes_even_when_late_replies_race_its_close, .timeout = 120)
 {
-    cr_assert_not_null(getenv("CLOSE_CLIENT"), "CLOSE_CLIENT names tests/close_client");
     plain_server();
     idem_method_opts m = {.flags = IDEM_METHOD_CACHED};
     cr_assert_eq(idem_server_register(S.srv, "t.Slow/Do", h_slow, NULL, &m), IDEM_OK);
     tu_server_listen(&S);
+    /* A close that met the stuck reaper leaves nng's socket (and a message nng 1.5.2
+     * loses on close) to the process's end: not this test's subject. Set before the fork:
+     * the child of a threaded process may call only async-signal-safe functions until it
+     * execs (setenv allocates; see TU_CHILD_MAIN in testutil.h). */
+    setenv("ASAN_OPTIONS", "detect_leaks=0", 1);
+    const char *close_client = getenv("CLOSE_CLIENT");
+    cr_assert_not_null(close_client, "CLOSE_CLIENT names tests/close_client");
     pid_t pid = fork();
     cr_assert_neq(pid, -1);
     if (pid == 0) {
-        /* A close that met the stuck reaper leaves nng's socket (and a message nng 1.5.2
-         * loses on close) to the process's end: not this test's subject. */
-        setenv("ASAN_OPTIONS", "detect_leaks=0", 1);
-        execl(getenv("CLOSE_CLIENT"), "close_client", S.url, "150", (char *)NULL);
+        execl(close_client, "close_client", S.url, "150", (char *)NULL);
         _exit(127);
     }
     uint64_t give_up = idem__mono_ms() + 60000;

@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "store.h"
@@ -209,22 +208,30 @@ Test(pg_schema, a_migration_that_cannot_get_its_lock_in_time_says_why)
     idem_store_close(st);
 }
 
+/* A child (CONNINFO): another instance, starting on the store (migrating). */
+TU_CHILD_MAIN(migrates)
+{
+    if (argc != 1) {
+        return 2;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    conninfo = argv[0];
+    opener o;
+    open_store(&o);
+    return 0;
+}
+
 Test(pg_schema, a_migration_killed_midway_leaves_nothing_half_made)
 {
     tu_pg_exec(conninfo, "ALTER TABLE idem_records DROP COLUMN token_expires_ms;"
                          " DROP INDEX idem_kv_empty; DROP TABLE idem_meta");
     hold_a_read_of_idem_records();
-    fflush(NULL);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) { /* another instance, migrating */
-        opener o;
-        open_store(&o);
-        _exit(0);
-    }
+    tu_child other;
+    tu_spawn_child(&other, "migrates", (const char *const[]){conninfo, NULL});
     cr_assert(a_migration_waited(), "the other instance is migrating");
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    kill(other.pid, SIGKILL);
+    tu_reap(&other);
     end_the_read();
     cr_expect_str_eq(value_of("SELECT to_regclass('idem_meta') IS NULL AND"
                               " to_regclass('idem_kv_empty') IS NULL"),

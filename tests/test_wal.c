@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "failing_disk.h"
@@ -32,7 +31,6 @@
 static char *dir;
 static char data[600], kept[600], wal[600];
 static idem_store *st;
-static int report_fd = -1;
 
 static void setup(void)
 {
@@ -75,7 +73,7 @@ static int put(const char *key, const void *value, size_t len)
                : 1;
 }
 
-/* PER_WRITER keys, each written with itself as its value and reported once answered. */
+/* PER_WRITER keys, each written with itself as its value and printed once answered. */
 static void *writer(void *arg)
 {
     for (int i = 0; i < PER_WRITER; i++) {
@@ -84,49 +82,50 @@ static void *writer(void *arg)
         if (put(key, key, (size_t)n) != 0) {
             return (void *)1;
         }
-        key[n] = '\n';
-        if (write(report_fd, key, (size_t)n + 1) != n + 1) {
+        key[n] = '\n'; /* one write of a line: whole in the pipe */
+        if (write(STDOUT_FILENO, key, (size_t)n + 1) != n + 1) {
             return (void *)1;
         }
     }
     return NULL;
 }
 
-static void copy_file(const char *from, const char *to)
+static int copy_file(const char *from, const char *to)
 {
     char cmd[1400];
     snprintf(cmd, sizeof(cmd), "cp '%s' '%s'", from, to);
-    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    return system(cmd);
 }
 
-/* In a child: opens the store, writes big values first when asked (the log passes its
- * wrap), copies data.mdb (a state the disk had: nothing runs), then runs the writers
- * and dies without closing. */
-static void child_writes(int fd, int big)
+/* A child (DIR BIG COPY_TO): opens the store, writes BIG big values first (the log passes
+ * its wrap), copies data.mdb to COPY_TO (a state the disk had: nothing runs), prints
+ * "ready", then runs the writers and dies without closing. */
+TU_CHILD_MAIN(writes)
 {
-    report_fd = fd;
-    if (idem_store_open_lmdb(&st, dir, 0, 0) != IDEM_OK) {
-        _exit(2);
-    }
+    char data_mdb[600];
     static char value[BIG];
-    for (int i = 0; i < big; i++) {
+    if (argc != 3 || idem_store_open_lmdb(&st, argv[0], 0, 0) != IDEM_OK) {
+        return 2;
+    }
+    for (int i = 0; i < atoi(argv[1]); i++) {
         char key[32];
         snprintf(key, sizeof(key), "big-%d", i);
         if (put(key, value, sizeof(value)) != 0) {
-            _exit(3);
+            return 3;
         }
     }
     /* The wrap runs on the writer thread after the batch that passed it is answered: one
      * more write waits for it (a copy taken during it is a state no disk had: the store
      * naming the old epoch beside a header of the new one). */
-    if (big > 0 && put("after-the-wrap", "", 0) != 0) {
-        _exit(3);
+    if (atoi(argv[1]) > 0 && put("after-the-wrap", "", 0) != 0) {
+        return 3;
     }
-    char cmd[1400];
-    snprintf(cmd, sizeof(cmd), "cp '%s' '%s'", data, kept);
-    if (system(cmd) != 0) {
-        _exit(4);
+    snprintf(data_mdb, sizeof(data_mdb), "%s/data.mdb", argv[0]);
+    if (copy_file(data_mdb, argv[2]) != 0) {
+        return 4;
     }
+    printf("ready\n");
+    fflush(stdout);
     pthread_t t[WRITERS];
     for (long i = 0; i < WRITERS; i++) {
         pthread_create(&t[i], NULL, writer, (void *)i);
@@ -135,35 +134,22 @@ static void child_writes(int fd, int big)
         pthread_join(t[i], NULL);
     }
     raise(SIGKILL);
+    return 5;
 }
 
-/* A child writes (after big values) and is killed, then data.mdb goes back to the copy
- * it took before its writers ran: the keys it reported answered, one per line. */
+/* The child above writes (after big values) and is killed, then data.mdb goes back to
+ * the copy it took before its writers ran: the keys it reported answered, one per line. */
 static char *write_then_cut(int big)
 {
-    int fds[2];
-    cr_assert_eq(pipe(fds), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        close(fds[0]);
-        child_writes(fds[1], big);
-    }
-    close(fds[1]);
+    char big_s[16];
+    snprintf(big_s, sizeof(big_s), "%d", big);
+    tu_child c;
+    tu_spawn_child(&c, "writes", (const char *const[]){dir, big_s, kept, NULL});
     static char lines[WRITERS * PER_WRITER * 32 + 1];
-    size_t len = 0;
-    ssize_t n;
-    while (len < sizeof(lines) - 1 &&
-           (n = read(fds[0], lines + len, sizeof(lines) - 1 - len)) > 0) {
-        len += (size_t)n;
-    }
+    size_t len = fread(lines, 1, sizeof(lines) - 1, c.out);
     lines[len] = '\0';
-    close(fds[0]);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "the child wrote and died (%d)",
-              WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-    copy_file(kept, data); /* the cut: LMDB's writes since the copy are gone */
+    cr_assert_eq(tu_reap(&c), SIGKILL, "the child wrote and was killed");
+    cr_assert_eq(copy_file(kept, data), 0); /* the cut: LMDB's writes since the copy are gone */
     return strdup(lines);
 }
 
@@ -241,7 +227,7 @@ Test(wal, a_log_beside_another_store_is_not_replayed_into_it)
     idem_store_close(st);
     st = NULL;
     snprintf(other_data, sizeof(other_data), "%s/data.mdb", other);
-    copy_file(other_data, data);
+    cr_assert_eq(copy_file(other_data, data), 0);
     tu_rmtree(other);
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
     cr_expect_eq(completed(lines, &wrong), 0, "another store's answered writes were replayed");
@@ -286,35 +272,33 @@ Test(wal, a_damaged_entry_ends_the_replay_and_nothing_of_it_is_applied)
     free(lines);
 }
 
+/* A child (DIR): opens the store another process holds, writes "second" and prints
+ * whether it had the log and wrote. */
+TU_CHILD_MAIN(second)
+{
+    printf("ready\n");
+    fflush(stdout);
+    if (argc != 1 || idem_store_open_lmdb(&st, argv[0], 0, 0) != IDEM_OK) {
+        return 2;
+    }
+    bool without = ((lmdb_store *)st)->gc.wal == NULL;
+    int rc = put("second", "2", 1);
+    idem_store_close(st);
+    printf("%s, %s\n", without ? "without the log" : "with the log", rc == 0 ? "written" : "failed");
+    return 0;
+}
+
 Test(wal, a_second_process_on_the_store_writes_without_the_log)
 {
-    int go[2];
-    cr_assert_eq(pipe(go), 0);
-    pid_t pid = fork(); /* before this process opens the store: the child opens it anew */
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        char c;
-        idem_store *second;
-        close(go[1]);
-        if (read(go[0], &c, 1) != 1 || idem_store_open_lmdb(&second, dir, 0, 0) != IDEM_OK) {
-            _exit(2);
-        }
-        int without = ((lmdb_store *)second)->gc.wal == NULL;
-        st = second;
-        int rc = put("second", "2", 1);
-        idem_store_close(second);
-        _exit(!without ? 3 : rc != 0 ? 4 : 0);
-    }
-    close(go[0]);
     cr_assert_eq(idem_store_open_lmdb(&st, dir, 0, 0), IDEM_OK, "%s", idem_errmsg());
     cr_assert_not_null(((lmdb_store *)st)->gc.wal, "the first opener holds the log");
     cr_assert_eq(put("first", "1", 1), 0);
-    cr_assert_eq(write(go[1], "g", 1), 1);
-    close(go[1]);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-              "the second opener wrote without the log (exit %d)", WEXITSTATUS(status));
+    tu_child c;
+    char line[64] = "";
+    tu_spawn_child(&c, "second", (const char *const[]){dir, NULL});
+    (void)!fgets(line, sizeof(line), c.out);
+    cr_assert_eq(tu_reap(&c), 0);
+    cr_assert_str_eq(line, "without the log, written\n", "the second opener");
     cr_expect_eq(put("third", "3", 1), 0, "the first goes on writing, through its log");
     idem_key_ref ref = {"c", "wal.Test/Write", "second"};
     idem_record rec;
@@ -504,39 +488,36 @@ static void fill(void)
     mdb_env_close(e);
 }
 
+/* A child (DIR): holds a read txn on the store (the pin) until it is killed. */
+TU_CHILD_MAIN(pin)
+{
+    MDB_env *e;
+    MDB_txn *txn;
+    if (argc != 1 || mdb_env_create(&e) || mdb_env_set_maxdbs(e, 16) ||
+        mdb_env_set_mapsize(e, FULL_MAP) || mdb_env_open(e, argv[0], MDB_RDONLY, 0600) ||
+        mdb_txn_begin(e, NULL, MDB_RDONLY, &txn)) {
+        return 2;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    for (;;) {
+        pause();
+    }
+}
+
 /* A store first opened with first_flags, filled while another process holds a read txn
  * (so no freed page can be reused), opens again with flags: a full store serves its
  * reads and replays, and answers new keys RESOURCE_EXHAUSTED; the log's epoch, which
  * needs a commit, is not a reason to refuse the open. */
 static void a_full_store_opens(unsigned first_flags, unsigned flags)
 {
-    int to_child[2], from_child[2];
-    char c = 'r';
     cr_assert_eq(idem_store_open_lmdb(&st, dir, FULL_MAP, first_flags), IDEM_OK, "%s",
                  idem_errmsg());
     cr_assert_eq(put("before", "1", 1), 0);
     idem_store_close(st);
     st = NULL;
-    cr_assert_eq(pipe(to_child), 0);
-    cr_assert_eq(pipe(from_child), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) { /* the pin */
-        MDB_env *e;
-        MDB_txn *txn;
-        close(to_child[1]);
-        close(from_child[0]);
-        if (mdb_env_create(&e) || mdb_env_set_maxdbs(e, 16) || mdb_env_set_mapsize(e, FULL_MAP) ||
-            mdb_env_open(e, dir, MDB_RDONLY, 0600) || mdb_txn_begin(e, NULL, MDB_RDONLY, &txn)) {
-            _exit(2);
-        }
-        (void)!write(from_child[1], &c, 1);
-        (void)!read(to_child[0], &c, 1); /* until the parent closes its end */
-        _exit(0);
-    }
-    close(to_child[0]);
-    close(from_child[1]);
-    cr_assert_eq(read(from_child[0], &c, 1), 1, "the pin is held");
+    tu_child pin;
+    tu_spawn_child(&pin, "pin", (const char *const[]){dir, NULL});
     fill();
     idem_code code = idem_store_open_lmdb(&st, dir, FULL_MAP, flags);
     cr_expect_eq(code, IDEM_OK, "the full store does not open: %s", idem_errmsg());
@@ -547,9 +528,8 @@ static void a_full_store_opens(unsigned first_flags, unsigned flags)
         idem_record_clear(&rec);
         cr_expect_neq(put("after", "2", 1), 0, "a new key in a full store is refused");
     }
-    close(to_child[1]);
-    close(from_child[0]);
-    waitpid(pid, NULL, 0);
+    kill(pin.pid, SIGKILL);
+    tu_reap(&pin);
 }
 
 Test(wal, a_full_store_with_a_log_opens_for_its_reads)

@@ -3,6 +3,8 @@
 #include <criterion/criterion.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -226,6 +228,30 @@ void tu_spawn(tu_child *c, const char *const *argv)
     char line[64] = {0};
     cr_assert_not_null(fgets(line, sizeof(line), c->out), "%s did not start", argv[0]);
     cr_assert_str_eq(line, "ready\n");
+}
+
+bool tu_child_is(int argc, char **argv, const char *name)
+{
+    if (argc < 3 || strcmp(argv[1], "--tu-child") != 0 || strcmp(argv[2], name) != 0) {
+        return false;
+    }
+    /* A test that fails before it reaps this child must not leave it running. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() == 1) {
+        _exit(126);
+    }
+    return true;
+}
+
+void tu_spawn_child(tu_child *c, const char *name, const char *const *args)
+{
+    const char *argv[16] = {"/proc/self/exe", "--tu-child", name};
+    size_t n = 3;
+    for (; args[n - 3] != NULL; n++) {
+        cr_assert_lt(n, sizeof(argv) / sizeof(argv[0]) - 1, "too many arguments for %s", name);
+        argv[n] = args[n - 3];
+    }
+    argv[n] = NULL;
+    tu_spawn(c, argv);
 }
 
 int tu_reap(tu_child *c)
