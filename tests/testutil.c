@@ -218,8 +218,7 @@ void tu_spawn(tu_child *c, const char *const *argv)
     cr_assert_geq(c->pid, 0);
     if (c->pid == 0) {
         dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
+        close_range(3, ~0U, 0); /* nothing of the test's (its stores' files, pipes) */
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }
@@ -232,11 +231,12 @@ void tu_spawn(tu_child *c, const char *const *argv)
 
 bool tu_child_is(int argc, char **argv, const char *name)
 {
-    if (argc < 3 || strcmp(argv[1], "--tu-child") != 0 || strcmp(argv[2], name) != 0) {
+    if (argc < 4 || strcmp(argv[1], "--tu-child") != 0 || strcmp(argv[2], name) != 0) {
         return false;
     }
-    /* A test that fails before it reaps this child must not leave it running. */
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() == 1) {
+    /* A test that fails before it reaps this child must not leave it running: killed when
+     * the thread that started it ends, and not started when that is already gone. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != (pid_t)atol(argv[3])) {
         _exit(126);
     }
     return true;
@@ -244,11 +244,13 @@ bool tu_child_is(int argc, char **argv, const char *name)
 
 void tu_spawn_child(tu_child *c, const char *name, const char *const *args)
 {
-    const char *argv[16] = {"/proc/self/exe", "--tu-child", name};
-    size_t n = 3;
-    for (; args[n - 3] != NULL; n++) {
+    char parent[24];
+    snprintf(parent, sizeof(parent), "%ld", (long)getpid());
+    const char *argv[16] = {"/proc/self/exe", "--tu-child", name, parent};
+    size_t n = 4;
+    for (; args[n - 4] != NULL; n++) {
         cr_assert_lt(n, sizeof(argv) / sizeof(argv[0]) - 1, "too many arguments for %s", name);
-        argv[n] = args[n - 3];
+        argv[n] = args[n - 4];
     }
     argv[n] = NULL;
     tu_spawn(c, argv);
@@ -364,7 +366,7 @@ int tu_run_captured(const char *const *argv, char *out, size_t cap)
         dup2(in, 0);
         dup2(fd[1], 1);
         dup2(fd[1], 2);
-        close(fd[0]);
+        close_range(3, ~0U, 0);
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }

@@ -67,32 +67,34 @@ typedef struct tu_child {
     pid_t pid;
     FILE *out;
 } tu_child;
-/* Starts argv (NULL-terminated) and waits for its "ready" line. */
+/* Starts argv (NULL-terminated; no fd of this process but stdin, its stdout a pipe to
+ * c->out, stderr) and waits for its "ready" line. */
 void tu_spawn(tu_child *c, const char *const *argv);
 /* Waits for the child; the signal that ended it, or 0 for a normal exit. */
 int tu_reap(tu_child *c);
 
 /* A child process running a function of the test program itself, started by exec: its
  * TU_CHILD_MAIN(name) runs from a constructor, before criterion's main, and the process
- * ends with its return value (stdio flushed, no atexit handler run). A child forked without exec would inherit the test
- * process's state: under GCC 12's ASan, which has no fork handler, a fork while
- * criterion's nanomsg thread held the allocator's lock left the child waiting for that
- * lock forever (CI saw test_wal hang so). */
+ * ends with its return value (stdio flushed, no atexit handler run). A child forked
+ * without exec would inherit the test process's state: under GCC 12's ASan, which has no
+ * fork handler, a fork while criterion's nanomsg thread held the allocator's lock left
+ * the child waiting for that lock forever (CI saw test_wal hang so). Two children of one
+ * name in one program fail to link. */
 #define TU_CHILD_MAIN(name)                                                                   \
-    static int tu_child_main_##name(int argc, char **argv);                                  \
+    int tu_child_main_##name(int argc, char **argv);                                         \
     __attribute__((constructor)) static void tu_child_start_##name(int argc, char **argv)     \
     {                                                                                         \
         if (tu_child_is(argc, argv, #name)) {                                                 \
-            int rc_ = tu_child_main_##name(argc - 3, argv + 3);                               \
+            int rc_ = tu_child_main_##name(argc - 4, argv + 4);                               \
             fflush(NULL);                                                                     \
             _exit(rc_);                                                                       \
         }                                                                                     \
     }                                                                                         \
-    static int tu_child_main_##name(int argc, char **argv)
+    int tu_child_main_##name(int argc, char **argv)
 /* True when this process was started by tu_spawn_child(.., name, ..). */
 bool tu_child_is(int argc, char **argv, const char *name);
 /* tu_spawn of this program's TU_CHILD_MAIN(name) with args (NULL-terminated): the child
- * prints "ready" first. It is killed when this process ends. */
+ * prints "ready" first. It is killed when the thread that started it ends. */
 void tu_spawn_child(tu_child *c, const char *name, const char *const *args);
 
 /* A client to url with fast retries for tests. */
