@@ -243,6 +243,30 @@ Test(registration, a_second_server_on_the_same_db_path_fails_clearly_and_sharing
     tu_rmtree(S.dir);
 }
 
+/* A program the server's process starts (a handler's converter, a shell command) inherits
+ * no file of the store: LMDB opens data.mdb without O_CLOEXEC, and that descriptor reads
+ * every caller's stored results. popen starts `ls` without closing anything. */
+Test(files, a_program_the_server_process_starts_inherits_no_file_of_its_store)
+{
+    plain_server();
+    tu_server_listen(&S);
+    FILE *ls = popen("ls -l /proc/self/fd/", "r");
+    cr_assert_not_null(ls);
+    char line[1024];
+    int inherited = 0, seen = 0;
+    while (fgets(line, sizeof(line), ls) != NULL) {
+        seen++;
+        if (strstr(line, S.dir) != NULL) {
+            inherited++;
+            cr_log_error("inherited: %s", line);
+        }
+    }
+    cr_assert_eq(pclose(ls), 0);
+    cr_expect_gt(seen, 3, "ls listed its descriptors");
+    cr_expect_eq(inherited, 0, "the store's files are closed on exec");
+    tu_server_destroy(&S, false);
+}
+
 Test(errmsg, a_server_call_that_succeeds_after_a_failure_reports_no_stale_error)
 {
     plain_server();

@@ -1,6 +1,7 @@
 /* LMDB env lifecycle: open (databases created), close, the read-txn pool, and the ops
  * table, this backend's only link to store.c. The layout is in lmdb_internal.h. */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
@@ -116,6 +117,19 @@ void idem__lmdb_read_end(lmdb_store *st, MDB_txn *txn)
     }
 }
 
+/* LMDB opens its data file without O_CLOEXEC (its lock file and its meta-page writer
+ * with): a program the process starts would inherit a descriptor that reads every
+ * caller's results. 0 or an errno. */
+static int close_on_exec(MDB_env *env)
+{
+    mdb_filehandle_t fd;
+    int rc = mdb_env_get_fd(env, &fd), flags;
+    if (rc == 0 && ((flags = fcntl(fd, F_GETFD)) < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)) {
+        rc = errno;
+    }
+    return rc;
+}
+
 /* The LMDB environment of dir (st->env; closed again on failure). */
 static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsigned flags)
 {
@@ -131,7 +145,8 @@ static idem_code open_env(lmdb_store *st, const char *dir, size_t map_size, unsi
         (rc = mdb_env_set_maxdbs(st->env, IDEM_LMDB_MAX_DBS)) != 0 ||
         (rc = mdb_env_set_maxreaders(st->env, 512)) != 0 ||
         (rc = mdb_env_set_mapsize(st->env, map_size ? map_size : DEFAULT_MAP_SIZE)) != 0 ||
-        (rc = mdb_env_open(st->env, dir, env_flags, 0600)) != 0) {
+        (rc = mdb_env_open(st->env, dir, env_flags, 0600)) != 0 ||
+        (rc = close_on_exec(st->env)) != 0) {
         idem_code c = idem__err(IDEM_UNAVAILABLE, "open LMDB store %s: %s", dir, mdb_strerror(rc));
         if (st->env != NULL) {
             mdb_env_close(st->env);
