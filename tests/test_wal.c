@@ -107,7 +107,8 @@ TU_CHILD_MAIN(writes)
     if (argc != 3 || idem_store_open_lmdb(&st, argv[0], 0, 0) != IDEM_OK) {
         return 2;
     }
-    for (int i = 0; i < atoi(argv[1]); i++) {
+    int big = atoi(argv[1]);
+    for (int i = 0; i < big; i++) {
         char key[32];
         snprintf(key, sizeof(key), "big-%d", i);
         if (put(key, value, sizeof(value)) != 0) {
@@ -117,7 +118,7 @@ TU_CHILD_MAIN(writes)
     /* The wrap runs on the writer thread after the batch that passed it is answered: one
      * more write waits for it (a copy taken during it is a state no disk had: the store
      * naming the old epoch beside a header of the new one). */
-    if (atoi(argv[1]) > 0 && put("after-the-wrap", "", 0) != 0) {
+    if (big > 0 && put("after-the-wrap", "", 0) != 0) {
         return 3;
     }
     snprintf(data_mdb, sizeof(data_mdb), "%s/data.mdb", argv[0]);
