@@ -173,24 +173,6 @@ static void no_unref(void *ctx)
     (void)ctx;
 }
 
-/* True when key is in the main db of the store at store_dir. */
-static bool has_key(const char *key)
-{
-    MDB_env *e;
-    MDB_txn *txn;
-    MDB_dbi dbi;
-    MDB_val k = {strlen(key), (void *)key}, v;
-    cr_assert_eq(mdb_env_create(&e), 0);
-    cr_assert_eq(mdb_env_set_mapsize(e, 64u << 20), 0);
-    cr_assert_eq(mdb_env_open(e, store_dir, MDB_RDONLY, 0600), 0);
-    cr_assert_eq(mdb_txn_begin(e, NULL, MDB_RDONLY, &txn), 0);
-    cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &dbi), 0);
-    int rc = mdb_get(txn, dbi, &k, &v);
-    mdb_txn_abort(txn);
-    mdb_env_close(e);
-    return rc == 0;
-}
-
 /* Batch A (a claim and its end) commits and waits for the next sync; batch B's commit
  * fails (its fdatasync, which should have flushed A's meta page); the sync after it
  * succeeds; the next commit fails again. Whatever was answered OK survives the cut: A's
@@ -218,6 +200,8 @@ Test(sync_failure, a_batch_waiting_for_a_failed_commits_sync_is_not_answered_ok_
     mdb_env_close(env);
     power_cut_record(NULL, NULL);
     cr_assert_geq(power_cut_apply(undo, data), 1);
-    cr_expect(a_code != IDEM_OK || has_key("a-end"), "A's end was answered OK, and is lost");
-    cr_expect(b_code != IDEM_OK || has_key("b"), "B was answered OK, and is lost");
+    cr_expect(a_code != IDEM_OK || tu_lmdb_has_key(store_dir, "a-end"),
+              "A's end was answered OK, and is lost");
+    cr_expect(b_code != IDEM_OK || tu_lmdb_has_key(store_dir, "b"),
+              "B was answered OK, and is lost");
 }

@@ -2,6 +2,7 @@
 
 #include <criterion/criterion.h>
 #include <fcntl.h>
+#include <lmdb.h>
 #include <ftw.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -77,6 +78,24 @@ idem_store *tu_store_open(const char *tag, char **dir)
     cr_assert_eq(idem_store_open_lmdb(&st, *dir, 0, IDEM_STORE_NOSYNC), IDEM_OK, "%s",
                  idem_errmsg());
     return st;
+}
+
+bool tu_lmdb_has_key(const char *dir, const char *key)
+{
+    MDB_env *e;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_val k = {strlen(key), (void *)key}, v;
+    cr_assert_eq(mdb_env_create(&e), 0);
+    cr_assert_eq(mdb_env_set_maxdbs(e, 16), 0);
+    cr_assert_eq(mdb_env_set_mapsize(e, 64u << 20), 0);
+    cr_assert_eq(mdb_env_open(e, dir, MDB_RDONLY, 0600), 0);
+    cr_assert_eq(mdb_txn_begin(e, NULL, MDB_RDONLY, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, NULL, 0, &dbi), 0);
+    int rc = mdb_get(txn, dbi, &k, &v);
+    mdb_txn_abort(txn);
+    mdb_env_close(e);
+    return rc == 0;
 }
 
 bool tu_pg_pooler(void)

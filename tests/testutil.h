@@ -32,6 +32,9 @@ void tu_server_destroy(tu_server *ts, bool keep_dir);
 
 /* A fresh NOSYNC LMDB store in a temp dir (*dir, for tu_rmtree). */
 idem_store *tu_store_open(const char *tag, char **dir);
+/* True when key is in the main (unnamed) db of the LMDB store at dir, read by a read-only
+ * environment of its own: what a cut left on disk, past the store's own code. */
+bool tu_lmdb_has_key(const char *dir, const char *key);
 
 /* A fresh store of the backend $IDEMRPC_TEST_BACKEND names: "lmdb" (the default, as
  * tu_store_open) or "postgres" (a schema of its own in $IDEMRPC_TEST_PG, dropped by
@@ -80,16 +83,16 @@ int tu_reap(tu_child *c);
  * fork handler, a fork while criterion's nanomsg thread held the allocator's lock left
  * the child waiting for that lock forever (CI saw test_wal hang so). Two children of one
  * name in one program fail to link. */
-#define TU_CHILD_MAIN(name)                                                                   \
-    int tu_child_main_##name(int argc, char **argv);                                         \
-    __attribute__((constructor)) static void tu_child_start_##name(int argc, char **argv)     \
-    {                                                                                         \
-        if (tu_child_is(argc, argv, #name)) {                                                 \
-            int rc_ = tu_child_main_##name(argc - 4, argv + 4);                               \
-            fflush(NULL);                                                                     \
-            _exit(rc_);                                                                       \
-        }                                                                                     \
-    }                                                                                         \
+#define TU_CHILD_MAIN(name)                                                                        \
+    int tu_child_main_##name(int argc, char **argv);                                               \
+    __attribute__((constructor)) static void tu_child_start_##name(int argc, char **argv)          \
+    {                                                                                              \
+        if (tu_child_is(argc, argv, #name)) {                                                      \
+            int rc_ = tu_child_main_##name(argc - 4, argv + 4);                                    \
+            fflush(NULL);                                                                          \
+            _exit(rc_);                                                                            \
+        }                                                                                          \
+    }                                                                                              \
     int tu_child_main_##name(int argc, char **argv)
 /* True when this process was started by tu_spawn_child(.., name, ..). */
 bool tu_child_is(int argc, char **argv, const char *name);
