@@ -124,7 +124,8 @@ static int close_on_exec(MDB_env *env)
 {
     mdb_filehandle_t fd;
     int rc = mdb_env_get_fd(env, &fd), flags;
-    if (rc == 0 && ((flags = fcntl(fd, F_GETFD)) < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)) {
+    if (rc == 0 &&
+        ((flags = fcntl(fd, F_GETFD)) < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)) {
         rc = errno;
     }
     return rc;

@@ -280,7 +280,9 @@ int idem__wal_pwrite(int fd, const void *p, size_t n, off_t off)
 int idem__wal_new_epoch(idem_wal *w, int (*commit)(MDB_txn *txn, void *arg), void *arg)
 {
     uint8_t head[WAL_HEAD] = {0}, b[8];
-    uint64_t epoch = idem__random_u64();
+    uint64_t epoch;
+    while ((epoch = idem__random_u64()) == 0) { /* 0: no epoch started (wal_open.c) */
+    }
     MDB_txn *txn;
     MDB_val k = {sizeof(WAL_EPOCH_KEY) - 1, WAL_EPOCH_KEY}, v = {sizeof(b), b};
     idem__put_be64(b, epoch);

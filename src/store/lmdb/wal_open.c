@@ -111,15 +111,14 @@ static int commit_synced(MDB_txn *txn, void *env)
 }
 
 /* A new epoch at an open. A store too full for the epoch's commit (MDB_MAP_FULL) opens
- * without a log (*on false): every commit so far synced, the header zeroed and flushed so
- * that no entry of the old epoch is applied again over later writes. A full store still
- * serves its reads and replays, and refuses new keys RESOURCE_EXHAUSTED, as before it
- * had a log. An LMDB rc or errno. */
-static int open_epoch(idem_wal *w, bool *on)
+ * without a log (w->epoch stays 0): every commit so far synced, the header zeroed and
+ * flushed so that no entry of the old epoch is applied again over later writes. A full
+ * store still serves its reads and replays, and refuses new keys RESOURCE_EXHAUSTED, as
+ * before it had a log. An LMDB rc or errno. */
+static int open_epoch(idem_wal *w)
 {
     static const uint8_t zeros[WAL_HEAD];
     int rc = idem__wal_new_epoch(w, commit_synced, w->env);
-    *on = rc == 0;
     if (rc == MDB_MAP_FULL && (rc = mdb_env_sync(w->env, 1)) == 0 &&
         (rc = idem__wal_pwrite(w->fd, zeros, sizeof(zeros), 0)) == 0 && fdatasync(w->fd) != 0) {
         rc = errno;
@@ -149,8 +148,7 @@ static int replay(idem_wal *w)
         }
     }
     free(buf);
-    bool on;
-    return rc == 0 && ours ? open_epoch(w, &on) : rc;
+    return rc == 0 && ours ? open_epoch(w) : rc;
 }
 
 /* Writes zeros to WAL_SIZE when the file is shorter: entries then overwrite blocks the
@@ -261,14 +259,14 @@ idem_code idem__wal_start(idem_wal **wal, const char *dir, MDB_env *env, const M
         return rc == EWOULDBLOCK ? IDEM_OK /* another process's: this one writes without */
                                  : idem__err(IDEM_UNAVAILABLE, "open %s: %s", path, strerror(rc));
     }
-    bool on = w->epoch != 0; /* the replay started one: nothing written since */
+    /* w->epoch: the replay's new epoch (nothing written since), else one started now */
     if ((rc = presize(w->fd)) != 0 || (created && (rc = sync_dir(dir)) != 0) ||
-        (!on && (rc = open_epoch(w, &on)) != 0) ||
-        (on && (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) != 0)) {
+        (w->epoch == 0 && (rc = open_epoch(w)) != 0) ||
+        (w->epoch != 0 && (rc = pthread_create(&w->thread, NULL, idem__wal_thread, w)) != 0)) {
         idem__wal_close(w);
         return idem__err(IDEM_UNAVAILABLE, "write-ahead log %s: %s", path, mdb_strerror(rc));
     }
-    if (!on) {
+    if (w->epoch == 0) {
         idem__wal_close(w); /* a full store: it writes without its log */
         return IDEM_OK;
     }

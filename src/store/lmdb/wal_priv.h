@@ -30,7 +30,7 @@ struct idem_wal {
     int fd;
     MDB_env *env;
     MDB_dbi dbis[WAL_DBS];
-    uint64_t epoch;
+    uint64_t epoch;    /* 0 until this process started one (never drawn as 0) */
     off_t off;         /* where the next entry goes */
     bool off_for_good; /* a failure turned the log off */
     /* Built with -DIDEM_TEST_HOOKS (never by default) and $IDEMRPC_TEST_ANSWER_AT_COMMIT=1:
