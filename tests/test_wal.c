@@ -285,7 +285,8 @@ TU_CHILD_MAIN(second)
     bool without = ((lmdb_store *)st)->gc.wal == NULL;
     int rc = put("second", "2", 1);
     idem_store_close(st);
-    printf("%s, %s\n", without ? "without the log" : "with the log", rc == 0 ? "written" : "failed");
+    printf("%s, %s\n", without ? "without the log" : "with the log",
+           rc == 0 ? "written" : "failed");
     return 0;
 }
 
